@@ -1,0 +1,17 @@
+"""fxpar: automatic parallelization of PyTorch / HuggingFace training on heterogeneous GPUs.
+
+    model = fxpar.auto(model, cluster, example_inputs, global_batch=...)
+
+Pipeline: tracing (torch.export) -> profiling (cost model) -> solvers (cvxpy) -> codegen.
+"""
+
+from fxpar.api import ParallelModule, auto, make_plan
+from fxpar.cluster import Cluster
+from fxpar.errors import ConfigError, FxparError, InfeasibleError, PlanError, TraceError
+from fxpar.plan import Plan
+from fxpar.workload import Workload
+
+__version__ = "0.1.0"
+
+__all__ = ["Cluster", "ConfigError", "FxparError", "InfeasibleError", "ParallelModule", "Plan",
+           "PlanError", "TraceError", "Workload", "auto", "make_plan", "__version__"]

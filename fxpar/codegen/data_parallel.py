@@ -1,0 +1,187 @@
+"""Uneven data parallelism: every rank holds a replica and trains on its plan share.
+
+Correctness (the definition in DESIGN): the update equals one process training on the whole
+global batch.  With a mean-reduced loss ``L = (1/N) Σ_j ℓ_j`` over the ``N`` items of the global
+batch (samples, or label tokens for HF language models), rank ``r`` with items ``N_r`` computes
+``L_r`` (mean over its own items) on each micro-batch and back-propagates ``(N_mb / N) · L_mb``;
+the sum over ranks of those gradients is ``∇L`` exactly, so gradients are all-reduced with SUM
+(never divided by the world size).  The loss itself rides in the same buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+
+from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.plan import Plan
+from fxpar.runtime.emulation import SpeedEmulator, timed
+
+LossWeighting = Literal["auto", "samples", "tokens"]
+BUCKET_BYTES = 25 * 2**20
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Wall-clock parts of the last step on this rank (seconds)."""
+
+    compute_s: float      # forward + backward, real
+    emulation_s: float    # sleep added to emulate a slower device
+    comm_s: float         # gradient all-reduce
+    total_s: float
+
+
+def count_items(batch: Any, weighting: str, causal: bool) -> int:
+    """Items a mean-reduced loss averages over: samples, or label tokens (HF's ``-100`` ignored)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if weighting == "tokens" and isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        used = labels[..., 1:] if causal else labels
+        return int((used != IGNORE_INDEX).sum())
+    return _batch_len(batch)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, Mapping):
+        batch = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
+    elif isinstance(batch, (tuple, list)):
+        batch = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim()), None)
+    return 0 if batch is None else int(batch.shape[0])
+
+
+def _split(batch: Any, size: int, n: int) -> list[Any]:
+    def cut(x: Any, i: int) -> Any:
+        if isinstance(x, Mapping):
+            return {k: cut(v, i) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(v, i) for v in x)
+        if isinstance(x, torch.Tensor) and x.dim():
+            return x[i * size:(i + 1) * size]
+        return x
+    return [cut(batch, i) for i in range(n)]
+
+
+def _default_loss(output: Any, batch: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if loss is None:
+        raise PlanError(
+            "ParallelModule.step: the model's output has no `loss`; pass labels in the batch "
+            "(HF models) or give fxpar.auto(..., loss_fn=lambda output, batch: ...)")
+    return loss
+
+
+class DataParallelModule(torch.nn.Module):
+    """The per-rank module of a data-parallel plan; ``step(global_batch)`` trains one step."""
+
+    def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *,
+                 group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 loss_weighting: LossWeighting = "auto", emulate: bool = True,
+                 broadcast_parameters: bool = True) -> None:
+        super().__init__()
+        if plan.strategy != "data_parallel":
+            raise PlanError(f"DataParallelModule needs a data_parallel plan, got {plan.strategy!r}")
+        if not 0 <= rank < plan.world_size:
+            raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+        self.module = module
+        self.plan = plan
+        self.rank = rank
+        self.group = group
+        self.loss_fn = loss_fn or _default_loss
+        name = type(module).__name__
+        self.causal = name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+        is_hf = hasattr(module, "config")
+        self.loss_weighting = ("tokens" if is_hf else "samples") if loss_weighting == "auto" else loss_weighting
+        rp = plan.ranks[rank]
+        self.emulator = SpeedEmulator(rp.speed if (emulate and plan.emulated) else 1.0)
+        self.last_timing: StepTiming | None = None
+        if broadcast_parameters and self._distributed:
+            self._broadcast_from_rank0()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.plan.world_size > 1
+
+    def _broadcast_from_rank0(self) -> None:
+        """Start every replica from rank 0's weights and buffers (as torch DDP does)."""
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=0, group=self.group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's slice of a global batch."""
+        return self.plan.shard_batch(batch, self.rank)
+
+    # ---- one training step -------------------------------------------------------------------
+    def step(self, batch: Any) -> torch.Tensor:
+        """Forward + backward of this rank's share of ``batch`` (the global batch), then the
+        share-weighted gradient all-reduce.  Returns the global loss (same on every rank).
+        The caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+        rp = self.plan.ranks[self.rank]
+        total_items = count_items(batch, self.loss_weighting, self.causal)
+        if total_items <= 0:
+            raise PlanError("ParallelModule.step: the batch has no items to train on "
+                            "(all labels are -100?)")
+        local = self.shard_batch(batch)
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        compute = emulated = 0.0
+        with timed() as total:
+            if rp.batch_share:
+                for mb in _split(local, rp.micro_batch_size, rp.num_microbatches):
+                    items = count_items(mb, self.loss_weighting, self.causal)
+                    if _batch_len(mb) == 0:
+                        continue
+                    with timed() as t_fwd:
+                        loss = self.loss_fn(self.module(**mb) if isinstance(mb, Mapping) else self.module(mb), mb)
+                    emulated += self.emulator.stretch(t_fwd.seconds)
+                    weight = items / total_items
+                    with timed() as t_bwd:
+                        (loss * weight).backward()
+                    emulated += self.emulator.stretch(t_bwd.seconds)
+                    compute += t_fwd.seconds + t_bwd.seconds
+                    loss_sum += loss.detach().float() * weight
+            with timed() as t_comm:
+                global_loss = self._allreduce_gradients(loss_sum)
+        self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated,
+                                      comm_s=t_comm.seconds, total_s=total.seconds)
+        return global_loss
+
+    def _allreduce_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if not self._distributed:
+            return loss_sum
+        buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = p.grad.numel() * p.grad.element_size()
+            if buckets[-1] and size + nbytes > BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p.grad)
+            size += nbytes
+        buckets[-1].append(loss_sum.to(params[0].grad.dtype).reshape(1) if params else loss_sum.reshape(1))
+        flats = [torch.cat([g.reshape(-1) for g in b]) for b in buckets]
+        works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for f in flats]
+        for w in works:
+            w.wait()
+        for grads, flat in zip(buckets, flats):
+            offset = 0
+            for g in grads[:-1] if grads is buckets[-1] else grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+        return flats[-1][-1].detach().to(torch.float32).clone()

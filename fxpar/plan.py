@@ -1,0 +1,247 @@
+"""``Plan``: the one object between the solver and codegen.
+
+A hand-written plan and a solved plan are the same type.  It is frozen, round-trips through
+JSON (``to_json`` / ``from_json``) and prints as a table.  Sizes are integers per rank
+(samples of the global batch), never only ratios.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping, Sequence
+
+from fxpar.errors import PlanError
+
+PLAN_FORMAT_VERSION = 1
+STRATEGIES: tuple[str, ...] = ("data_parallel",)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankPlan:
+    """What one rank does and what the cost model predicts for it."""
+
+    rank: int
+    device: str                      # device type name (catalog or custom)
+    node: int
+    speed: float                     # relative speed (emulated CPU devices; 1.0 for GPUs)
+    batch_share: int                 # samples of the global batch this rank trains on
+    micro_batch_size: int            # samples per forward/backward (gradient accumulation)
+    num_microbatches: int
+    predicted_busy_s: float          # compute time of its share per step
+    predicted_memory_bytes: int      # model state + activations of one micro-batch
+    memory_capacity_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """A pipeline stage: the modules it owns, its ranks and the splits inside it."""
+
+    index: int
+    modules: tuple[str, ...]          # module FQN prefixes; ("",) is the whole model
+    ranks: tuple[int, ...]
+    data_split: tuple[int, ...]       # samples per rank, in the order of ``ranks``
+    tensor_split: tuple[int, ...] | None = None
+    expert_split: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverReport:
+    """How the plan was found: the solver's objective, bound and gap."""
+
+    name: str                         # which formulation, e.g. "dp-share-lp"
+    backend: str                      # e.g. "HIGHS"
+    status: str                       # the backend's status ("optimal", ...)
+    objective_s: float                # optimum of the continuous relaxation
+    integer_s: float                  # objective of the integer plan
+    gap: float                        # (integer − relaxation) / relaxation
+    solve_time_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A complete parallel plan with its predictions; see the module docstring."""
+
+    strategy: str
+    model: str
+    cluster: str
+    global_batch: int
+    seq_len: int | None
+    dtype: str
+    optimizer: str
+    stages: tuple[StagePlan, ...]
+    ranks: tuple[RankPlan, ...]
+    predicted_step_s: float
+    predicted_compute_s: float
+    predicted_comm_s: float
+    lower_bound_s: float
+    baselines: tuple[tuple[str, float | None], ...] = ()
+    solve_time_s: float = 0.0
+    solver: SolverReport | None = None
+    emulated: bool = False
+    version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"plan.strategy = {self.strategy!r}: accepted values are {STRATEGIES}")
+        if not self.ranks:
+            raise PlanError("plan.ranks is empty: a plan needs at least one rank")
+        for i, r in enumerate(self.ranks):
+            if r.rank != i:
+                raise PlanError(f"plan.ranks[{i}].rank = {r.rank}: ranks must be listed 0..n-1 in order")
+            if r.batch_share < 0 or r.micro_batch_size < 0 or r.num_microbatches < 0:
+                raise PlanError(f"plan.ranks[{i}]: batch_share, micro_batch_size and "
+                                "num_microbatches must be >= 0")
+            if r.batch_share and r.micro_batch_size * r.num_microbatches < r.batch_share:
+                raise PlanError(
+                    f"plan.ranks[{i}]: micro_batch_size {r.micro_batch_size} x num_microbatches "
+                    f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
+        total = sum(r.batch_share for r in self.ranks)
+        if total != self.global_batch:
+            raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
+                            f"{self.global_batch}; they must be equal")
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def batch_shares(self) -> tuple[int, ...]:
+        return tuple(r.batch_share for r in self.ranks)
+
+    def batch_offsets(self) -> tuple[int, ...]:
+        """Start of each rank's slice in the global batch (rank order)."""
+        out, acc = [], 0
+        for r in self.ranks:
+            out.append(acc)
+            acc += r.batch_share
+        return tuple(out)
+
+    def baseline(self, name: str) -> float | None:
+        return dict(self.baselines).get(name)
+
+    def speedup_over(self, name: str) -> float | None:
+        base = self.baseline(name)
+        return None if base is None else base / self.predicted_step_s
+
+    def shard_batch(self, batch: Any, rank: int) -> Any:
+        """The slice of ``batch`` (dict / tuple / tensor, leading dim = samples) for ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"shard_batch: rank {rank} is outside the plan's 0..{self.world_size - 1}")
+        start = self.batch_offsets()[rank]
+        stop = start + self.ranks[rank].batch_share
+        return _slice_batch(batch, start, stop, self.global_batch)
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["baselines"] = {k: v for k, v in self.baselines}
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "<plan>") -> "Plan":
+        if not isinstance(d, Mapping):
+            raise PlanError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
+        version = d.get("version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanError(f"{source}: plan format version {version!r} is not supported "
+                            f"(this fxpar reads version {PLAN_FORMAT_VERSION}); re-run `fxpar plan`")
+        try:
+            kw = _known(cls, d, source)
+            kw["ranks"] = tuple(RankPlan(**_known(RankPlan, r, f"{source}: ranks[{i}]"))
+                                for i, r in enumerate(d["ranks"]))
+            kw["stages"] = tuple(_stage_from_dict(s, f"{source}: stages[{i}]")
+                                 for i, s in enumerate(d.get("stages", ())))
+            base = d.get("baselines") or {}
+            kw["baselines"] = tuple((str(k), None if v is None else float(v)) for k, v in base.items())
+            if d.get("solver") is not None:
+                kw["solver"] = SolverReport(**_known(SolverReport, d["solver"], f"{source}: solver"))
+            return cls(**kw)
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"{source}: not a valid fxpar plan ({type(exc).__name__}: {exc}); "
+                            "write it with Plan.to_json or `fxpar plan --json`") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<plan json>") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{source}: malformed JSON at line {exc.lineno} column {exc.colno}: "
+                            f"{exc.msg}") from None
+        return cls.from_dict(data, source=source)
+
+    # ---- display ---------------------------------------------------------------------------
+    def table(self) -> str:
+        """The plan as a plain-text table (rank, device, share, busy time, memory)."""
+        head = ("rank", "device", "node", "speed", "share", "micro x n", "busy s", "memory GiB", "of GiB")
+        rows = [(str(r.rank), r.device, str(r.node), f"{r.speed:g}", str(r.batch_share),
+                 f"{r.micro_batch_size} x {r.num_microbatches}", f"{r.predicted_busy_s:.4g}",
+                 f"{r.predicted_memory_bytes / 2**30:.2f}", f"{r.memory_capacity_bytes / 2**30:.0f}")
+                for r in _summarised(self.ranks)]
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        out = [f"fxpar plan: {self.strategy} for {self.model} on {self.cluster} "
+               f"({self.world_size} ranks{', emulated' if self.emulated else ''}), "
+               f"global batch {self.global_batch}, {self.dtype}, {self.optimizer}",
+               line(head), line(tuple("-" * w for w in widths))]
+        out += [line(row) for row in rows]
+        out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
+                   f" + all-reduce {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
+                   f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
+        for name, value in self.baselines:
+            out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else
+                       f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"))
+        if self.solver is not None:
+            s = self.solver
+            out.append(f"solver {s.name} ({s.backend}, {s.status}): relaxation {s.objective_s:.4g} s, "
+                       f"integer {s.integer_s:.4g} s, gap {100 * s.gap:.2f}%, {s.solve_time_s:.3f} s")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _summarised(ranks: Sequence[RankPlan], limit: int = 24) -> list[RankPlan]:
+    if len(ranks) <= limit:
+        return list(ranks)
+    return list(ranks[: limit // 2]) + list(ranks[-limit // 2:])
+
+
+def _known(cls: type, d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    if not isinstance(d, Mapping):
+        raise PlanError(f"{source}: expected an object, got {type(d).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise PlanError(f"{source}: unknown keys {unknown}; accepted keys are {sorted(names)}")
+    return {k: v for k, v in d.items() if k in names}
+
+
+def _stage_from_dict(d: Mapping[str, Any], source: str) -> StagePlan:
+    kw = _known(StagePlan, d, source)
+    for key in ("modules", "ranks", "data_split", "tensor_split", "expert_split"):
+        if kw.get(key) is not None:
+            kw[key] = tuple(kw[key])
+    return StagePlan(**kw)
+
+
+def _slice_batch(batch: Any, start: int, stop: int, expected: int) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: _slice_batch(v, start, stop, expected) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice_batch(v, start, stop, expected) for v in batch)
+    shape = getattr(batch, "shape", None)
+    if shape is None or len(shape) == 0:
+        return batch  # scalars and non-tensors are shared by every rank
+    if int(shape[0]) != expected:
+        raise PlanError(
+            f"shard_batch: a batch entry has {int(shape[0])} samples but the plan's global_batch "
+            f"is {expected}; feed the global batch the plan was made for, or re-plan with "
+            f"global_batch={int(shape[0])}")
+    return batch[start:stop]

@@ -1,0 +1,152 @@
+"""Spawned gloo ranks on this machine, reused across calls.
+
+``WorkerPool(n)`` starts ``n`` processes once (``file://`` rendezvous, no ports, one thread
+each) that keep their process group; ``pool.run(fn, *args)`` runs the module-level function
+``fn(*args)`` on every rank and returns the per-rank results.  A rank that raises makes ``run``
+raise :class:`WorkerError` with that rank's traceback; a rank that hangs past ``timeout``
+kills the pool (the next ``run`` starts a fresh one).  Tests and ``fxpar demo`` use it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+from fxpar.errors import FxparError
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class WorkerError(FxparError, RuntimeError):
+    """A rank failed (its traceback is in the message) or did not answer in time."""
+
+
+def _worker_main(rank: int, world: int, init_file: str, tasks, results, threads: int,
+                 env: dict[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        while True:
+            item = tasks.get()
+            if item is None:
+                break
+            task_id, fn, args, kwargs = item
+            try:
+                out = ("ok", fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                out = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            results.put((task_id, rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``n`` gloo ranks kept alive between calls; use as a context manager or call ``close``."""
+
+    def __init__(self, world_size: int, *, threads: int = 1, env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise WorkerError(f"WorkerPool: world_size = {world_size}; needs at least 1 rank")
+        self.world_size = world_size
+        self.threads = threads
+        self.env = dict(env or {})
+        self._ids = itertools.count()
+        self._procs: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="fxpar-pool-")
+        init_file = os.path.join(self._dir.name, "rendezvous")
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker_main, daemon=True,
+                                   args=(r, self.world_size, init_file, self._tasks[r],
+                                         self._results, self.threads, self.env))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; results in rank order."""
+        if not self.alive:
+            self.close()
+            self._start()
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                tid, rank, (kind, value) = self._results.get(timeout=max(0.1, min(remaining, 1.0)))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if remaining <= 0 or dead:
+                    self.close()
+                    why = (f"rank(s) {dead} died" if dead else f"no answer within {timeout:.0f} s")
+                    raise WorkerError(f"{getattr(fn, '__name__', fn)}: {why}; "
+                                      f"answered: {sorted(results)}, failed: {sorted(errors)}"
+                                      + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())) from None
+                continue
+            if tid != task_id:
+                continue
+            if kind == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+                if len(errors) == 1:
+                    deadline = min(deadline, time.monotonic() + 30.0)  # peers may be stuck in a collective
+        if errors:
+            self.close()
+            first = min(errors)
+            raise WorkerError(f"{getattr(fn, '__name__', fn)} failed on rank(s) {sorted(errors)}; "
+                              f"rank {first}:\n{errors[first]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in getattr(self, "_tasks", []):
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        if getattr(self, "_dir", None) is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Start ``world_size`` ranks, run ``fn`` once on each, stop them; results in rank order."""
+    with WorkerPool(world_size) as pool:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -1,0 +1,8 @@
+"""Solvers: from a traced graph, a cluster and a workload to a :class:`~fxpar.plan.Plan`.
+
+The solvers see plain numbers and dataclasses (built by the cost model), never torch objects.
+"""
+
+from fxpar.solvers.planner import build_dp_problem, plan
+
+__all__ = ["build_dp_problem", "plan"]

@@ -1,0 +1,236 @@
+"""Uneven data parallelism: batch shares by device speed under memory limits.
+
+Devices of one kind (same type, speed and memory) are interchangeable, so the program has one
+share variable per *device group*, not per device (1024 GPUs of two kinds: two variables).
+
+Data (per group ``g``; from the cost model):
+    n_g    devices in the group
+    t_g    seconds per sample, forward + backward                      (roofline)
+    M_g    memory per device, bytes
+    S      model state per replica: weights + gradients + optimizer     (memory.py)
+    a      activation bytes per sample
+    c_g    = ⌊(M_g − S) / a⌋, the largest micro-batch that fits
+    K      max gradient-accumulation steps per rank (∞ by default)
+    C      time of the gradient all-reduce over all ranks               (collectives.py)
+    B      global batch
+
+Variables: x_g ≥ 0 (samples per device of group g), T (compute makespan).
+
+    minimise    T
+    subject to  t_g · x_g ≤ T                 for every g      (add_makespan_rows)
+                Σ_g n_g · x_g = B                               (add_batch_row)
+                x_g ≤ K · c_g                 for every g, K<∞  (add_memory_rows)
+
+Predicted step = T + C (all-reduce after the backward, no overlap).  The relaxation is an LP
+(HiGHS); integer shares come from :func:`integer_shares`, which gives each remaining sample to
+the device whose finishing time grows least — exact for this min-max with linear costs, so the
+integer plan is optimal and the reported gap is the rounding loss against the LP.
+
+Memory feasibility: each rank holds a full replica, so ``S + a ≤ M_g`` is required of every
+device (one sample per micro-batch); a device that fails it makes data parallelism alone
+infeasible and the error names it with its shortfall ``S + a − M_g``.
+
+Lower bound (reference §3): ``B / Σ_i (1/t_i)`` (work over the summed device rates, perfect
+division) plus the physical all-reduce bound at full link speed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpar.errors import InfeasibleError
+
+
+@dataclass(frozen=True, slots=True)
+class DPGroup:
+    key: str
+    ranks: tuple[int, ...]
+    sample_s: float
+    memory_bytes: int
+
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class DPProblem:
+    """Everything the share LP needs, as plain numbers."""
+
+    groups: tuple[DPGroup, ...]
+    global_batch: int
+    state_bytes: int
+    activation_bytes_per_sample: float
+    allreduce_s: float
+    allreduce_lower_bound_s: float
+    max_microbatches: int | None = None
+
+    def micro_batch_cap(self, g: DPGroup) -> int:
+        """c_g: the largest micro-batch that fits on a device of group g (may be ≤ 0)."""
+        a = max(self.activation_bytes_per_sample, 1.0)
+        return int(math.floor((g.memory_bytes - self.state_bytes) / a))
+
+    def share_cap(self, g: DPGroup) -> float:
+        cap = self.micro_batch_cap(g)
+        return math.inf if self.max_microbatches is None else float(self.max_microbatches * cap)
+
+
+@dataclass(frozen=True, slots=True)
+class DPSolution:
+    shares: tuple[int, ...]            # per rank
+    micro_batch: tuple[int, ...]       # per rank
+    num_microbatches: tuple[int, ...]  # per rank
+    busy_s: tuple[float, ...]          # per rank
+    memory_bytes: tuple[int, ...]      # per rank
+    compute_s: float                   # makespan of the integer shares
+    relaxation_s: float                # LP optimum (compute part)
+    status: str
+    backend: str
+    solve_time_s: float
+
+
+def check_memory(problem: DPProblem, describe=lambda g: g.key) -> None:
+    """Raise :class:`InfeasibleError` if some device cannot hold a replica and one sample."""
+    need = problem.state_bytes + problem.activation_bytes_per_sample
+    short = {describe(g): int(math.ceil(need - g.memory_bytes))
+             for g in problem.groups if need > g.memory_bytes}
+    if short:
+        gib = 2 ** 30
+        lines = [f"  {name}: short by {b / gib:.2f} GiB" for name, b in short.items()]
+        raise InfeasibleError(
+            "data parallelism does not fit: every rank holds the full model state "
+            f"({problem.state_bytes / gib:.2f} GiB of weights, gradients and optimizer state) plus "
+            f"at least one sample's activations ({problem.activation_bytes_per_sample / gib:.2f} GiB), "
+            f"{need / gib:.2f} GiB in all, more than these devices have:\n" + "\n".join(lines) +
+            "\nWhat would help: a shorter sequence or smaller model, an optimizer with less state "
+            "(sgd), removing the small-memory devices from the cluster, or pipeline / tensor "
+            "parallelism to split the model (not yet available in this fxpar version).",
+            shortfalls=short)
+
+
+def solve_shares_lp(problem: DPProblem) -> tuple[np.ndarray, float, str, str]:
+    """The continuous optimum: per-group shares x_g, makespan T, status, backend."""
+    import cvxpy as cp
+
+    groups = problem.groups
+    t = np.array([g.sample_s for g in groups])
+    n = np.array([g.count for g in groups], dtype=float)
+    scale = float(t.max())  # work in units of the slowest per-sample time
+    x = cp.Variable(len(groups), nonneg=True)
+    T = cp.Variable(nonneg=True)
+    cons = add_makespan_rows(x, T, t / scale) + add_batch_row(x, n, problem.global_batch)
+    cons += add_memory_rows(x, problem)
+    prob = cp.Problem(cp.Minimize(T), cons)
+    backend = "HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0]
+    prob.solve(solver=backend)
+    if prob.status not in ("optimal", "optimal_inaccurate"):
+        total_cap = sum(g.count * problem.share_cap(g) for g in groups)
+        raise InfeasibleError(
+            f"the batch does not fit: global_batch {problem.global_batch} needs more than the "
+            f"{total_cap:.0f} samples the cluster can hold with at most "
+            f"{problem.max_microbatches} micro-batches per rank (solver status: {prob.status}); "
+            "raise max_microbatches or lower the global batch")
+    return np.maximum(np.asarray(x.value, dtype=float), 0.0), float(T.value) * scale, prob.status, backend
+
+
+def add_makespan_rows(x, T, t):
+    return [cp_mul(t, x) <= T]
+
+
+def add_batch_row(x, n, batch):
+    return [n @ x == batch]
+
+
+def add_memory_rows(x, problem: DPProblem):
+    if problem.max_microbatches is None:
+        return []
+    caps = np.array([problem.share_cap(g) for g in problem.groups])
+    return [x <= caps]
+
+
+def cp_mul(a, x):
+    import cvxpy as cp
+    return cp.multiply(a, x)
+
+
+def integer_shares(sample_s: list[float], caps: list[float], batch: int,
+                   start: list[int] | None = None) -> list[int]:
+    """Integer shares minimising max_i s_i·t_i with Σ s_i = batch, s_i ≤ cap_i.
+
+    Starts from ``start`` (floors of the LP optimum, each ≤ the optimum) and hands out the rest
+    one sample at a time to the device whose finish time grows least (ties: lowest rank).
+    """
+    shares = list(start) if start is not None else [0] * len(sample_s)
+    left = batch - sum(shares)
+    heap = [((s + 1) * t, i) for i, (s, t) in enumerate(zip(shares, sample_s)) if s + 1 <= caps[i]]
+    heapq.heapify(heap)
+    while left > 0:
+        if not heap:
+            raise InfeasibleError(f"cannot place {left} more samples within the memory caps; "
+                                  "raise max_microbatches or lower the global batch")
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        left -= 1
+        if shares[i] + 1 <= caps[i]:
+            heapq.heappush(heap, ((shares[i] + 1) * sample_s[i], i))
+    return shares
+
+
+def micro_batches(share: int, cap: int, max_micro: int | None) -> tuple[int, int]:
+    """(micro-batch size, count) for a share: as few micro-batches as memory allows, even sizes."""
+    if share == 0:
+        return 0, 0
+    count = math.ceil(share / max(cap, 1))
+    return math.ceil(share / count), count
+
+
+def solve(problem: DPProblem) -> DPSolution:
+    """Solve the share LP, round to integers, choose micro-batches (see module docstring)."""
+    start = time.perf_counter()
+    x, lp_T, status, backend = solve_shares_lp(problem)
+    world = sum(g.count for g in problem.groups)
+    t_rank, cap_rank, micro_cap, floors = [0.0] * world, [0.0] * world, [0] * world, [0] * world
+    for gi, g in enumerate(problem.groups):
+        for r in g.ranks:
+            t_rank[r] = g.sample_s
+            cap_rank[r] = problem.share_cap(g)
+            micro_cap[r] = problem.micro_batch_cap(g)
+            floors[r] = int(math.floor(x[gi] + 1e-9))
+    while sum(floors) > problem.global_batch:  # guard against LP round-off
+        floors[int(np.argmax(floors))] -= 1
+    shares = integer_shares(t_rank, cap_rank, problem.global_batch, floors)
+    mb = [micro_batches(s, micro_cap[r], problem.max_microbatches) for r, s in enumerate(shares)]
+    busy = [s * t for s, t in zip(shares, t_rank)]
+    mem = [int(problem.state_bytes + problem.activation_bytes_per_sample * m[0]) for m in mb]
+    return DPSolution(
+        shares=tuple(shares), micro_batch=tuple(m[0] for m in mb),
+        num_microbatches=tuple(m[1] for m in mb), busy_s=tuple(busy), memory_bytes=tuple(mem),
+        compute_s=max(busy), relaxation_s=lp_T, status=status, backend=backend,
+        solve_time_s=time.perf_counter() - start)
+
+
+def even_split_step_s(problem: DPProblem) -> float | None:
+    """Predicted step of an even split (torch DDP), or None if it does not fit in memory."""
+    world = sum(g.count for g in problem.groups)
+    base, extra = divmod(problem.global_batch, world)
+    worst = 0.0
+    rank_share = {}
+    for g in problem.groups:
+        for r in g.ranks:
+            rank_share[r] = (base + (1 if r < extra else 0), g)
+    for share, g in rank_share.values():
+        if problem.micro_batch_cap(g) < 1 or share > problem.share_cap(g):
+            return None
+        worst = max(worst, share * g.sample_s)
+    return worst + problem.allreduce_s
+
+
+def lower_bound_s(problem: DPProblem) -> float:
+    """B / Σ_i (1/t_i) + the physical all-reduce bound."""
+    rate = sum(g.count / g.sample_s for g in problem.groups)
+    return problem.global_batch / rate + problem.allreduce_lower_bound_s

@@ -1,0 +1,151 @@
+"""The traced model as plain data: :class:`ModelGraph` and its nodes.
+
+A ModelGraph is what every later stage reads.  The numbers (FLOPs, bytes, parameter sizes,
+activation bytes) are plain Python values so that the cost model and the solvers never touch
+torch objects; the :class:`torch.export.ExportedProgram` rides along (``exported``, excluded
+from equality and repr) for codegen only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class OpClass(str, enum.Enum):
+    """What kind of work a node does; the roofline picks its efficiency by class."""
+
+    MATMUL = "matmul"          # linear / mm / bmm / conv: compute-bound on large shapes
+    ATTENTION = "attention"    # scaled dot-product attention
+    EMBEDDING = "embedding"    # table lookup: memory-bound, no FLOPs
+    NORM = "norm"              # reductions used by layer/RMS norms and softmax
+    ELEMENTWISE = "elementwise"  # pointwise math: memory-bound
+    LOSS = "loss"              # cross entropy and friends
+    VIEW = "view"              # metadata only: no bytes moved, no FLOPs
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class OpNode:
+    """One operation of the exported graph, with its cost inputs."""
+
+    name: str
+    target: str                       # e.g. "aten.linear.default"
+    op_class: OpClass
+    module_path: str                  # innermost nn.Module path, "" for the root
+    layer: int | None                 # index of the repeated block it belongs to, None outside blocks
+    out_shapes: tuple[tuple[int, ...], ...]
+    dtype: str                        # dtype of the first tensor output ("" if none)
+    fwd_flops: int
+    bwd_flops: int
+    bytes_read: int
+    bytes_written: int
+    saved_bytes: int                  # activation bytes this node keeps alive for backward
+    param_fqns: tuple[str, ...]       # parameters the node reads directly
+    requires_grad: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """One (deduplicated) parameter: its canonical FQN and the names it is tied to."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    nbytes: int
+    module_path: str
+    layer: int | None
+    aliases: tuple[str, ...] = ()     # other FQNs of the same tensor (tied embeddings)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    """A repeated block (``model.layers.3``): the unit stage cuts count in."""
+
+    index: int
+    path: str
+    module_type: str
+    param_count: int
+    fwd_flops: int
+    bwd_flops: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSummary:
+    """Per-sample totals of a ModelGraph: the only model facts the DP solver needs."""
+
+    fwd_flops_per_sample: float
+    bwd_flops_per_sample: float
+    param_count: int
+    param_bytes: int
+    activation_bytes_per_sample: float
+    memory_bound_bytes_per_sample: float
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """A traced model: nodes with costs, deduplicated parameters, repeated layers.
+
+    ``batch_size`` is the batch the graph was traced with; per-sample figures divide by it.
+    """
+
+    model_name: str
+    batch_size: int
+    seq_len: int | None
+    nodes: tuple[OpNode, ...]
+    params: tuple[ParamInfo, ...]
+    layers: tuple[LayerInfo, ...]
+    input_names: tuple[str, ...]
+    trace_time_s: float
+    exported: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def param_count(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(n.fwd_flops for n in self.nodes)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(n.bwd_flops for n in self.nodes)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(n.saved_bytes for n in self.nodes)
+
+    def summary(self) -> WorkloadSummary:
+        """Per-sample totals (FLOPs and activation bytes scale linearly with the batch)."""
+        b = float(self.batch_size)
+        memory_bound = sum(
+            n.bytes_read + n.bytes_written
+            for n in self.nodes
+            if n.op_class not in (OpClass.MATMUL, OpClass.ATTENTION, OpClass.VIEW)
+        )
+        return WorkloadSummary(
+            fwd_flops_per_sample=self.fwd_flops / b,
+            bwd_flops_per_sample=self.bwd_flops / b,
+            param_count=self.param_count,
+            param_bytes=self.param_bytes,
+            activation_bytes_per_sample=self.activation_bytes / b,
+            memory_bound_bytes_per_sample=memory_bound / b,
+        )
+
+    def nodes_of_layer(self, layer: int) -> tuple[OpNode, ...]:
+        return tuple(n for n in self.nodes if n.layer == layer)
+
+    def __str__(self) -> str:
+        s = self.summary()
+        return (
+            f"ModelGraph({self.model_name}: {len(self.nodes)} ops, {len(self.layers)} blocks, "
+            f"{s.param_count / 1e6:.2f}M params, traced at batch {self.batch_size}"
+            f"{'' if self.seq_len is None else f' x seq {self.seq_len}'}, "
+            f"{(s.fwd_flops_per_sample + s.bwd_flops_per_sample) / 1e9:.2f} GFLOP/sample fwd+bwd)"
+        )

@@ -1,0 +1,124 @@
+"""Building HuggingFace models from a config (no downloads) and their example inputs.
+
+``build_model(ModelSpec)`` creates the model with random weights or on the ``meta`` device
+(planning a 175B configuration allocates nothing).  ``example_inputs`` makes a batch of the
+right names and shapes for the task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+
+from fxpar.errors import ConfigError
+
+Task = Literal["causal-lm", "masked-lm", "image-classification"]
+TASKS: tuple[str, ...] = ("causal-lm", "masked-lm", "image-classification")
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A HF model described by its config: ``hf_config`` holds ``model_type`` and its kwargs."""
+
+    hf_config: Mapping[str, Any] = field(default_factory=dict)
+    task: Task = "causal-lm"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hf_config, Mapping) or "model_type" not in self.hf_config:
+            raise ConfigError(
+                f"model.hf_config = {self.hf_config!r}: must be a mapping with 'model_type' "
+                "(e.g. {model_type: llama, hidden_size: 256, num_hidden_layers: 4})")
+        if self.task not in TASKS:
+            raise ConfigError(f"model.task = {self.task!r}: accepted tasks are {', '.join(TASKS)}")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or str(self.hf_config["model_type"])
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """``"bf16"`` -> ``torch.bfloat16`` (ConfigError for anything else than fp32/fp16/bf16)."""
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ConfigError(f"dtype = {dtype!r}: accepted values are fp32, fp16, bf16") from None
+
+
+def hf_config(spec: ModelSpec):
+    """The ``transformers`` config object for ``spec`` (ConfigError on unknown keys/types)."""
+    from transformers import AutoConfig
+
+    kwargs = dict(spec.hf_config)
+    model_type = kwargs.pop("model_type")
+    try:
+        config = AutoConfig.for_model(str(model_type), **kwargs)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"model.hf_config.model_type = {model_type!r}: transformers cannot build this config "
+            f"({exc}); use a model_type that transformers.AutoConfig.for_model knows") from None
+    config.use_cache = False
+    return config
+
+
+def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: str = "fp32",
+                seed: int | None = 0, attn_implementation: str | None = "sdpa") -> torch.nn.Module:
+    """Instantiate ``spec`` with random weights on ``device`` (``meta``: no memory at all)."""
+    from transformers import (AutoModelForCausalLM, AutoModelForImageClassification,
+                              AutoModelForMaskedLM)
+
+    auto = {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM,
+            "image-classification": AutoModelForImageClassification}[spec.task]
+    config = hf_config(spec)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation  # public setter in transformers 5
+    if seed is not None and str(device) != "meta":
+        torch.manual_seed(seed)
+    ctx = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
+    try:
+        with ctx:
+            model = auto.from_config(config, dtype=torch_dtype(dtype))
+    except ValueError as exc:
+        raise ConfigError(
+            f"model.task = {spec.task!r} does not fit model_type "
+            f"{spec.hf_config['model_type']!r}: {exc}") from None
+    if str(device) != "meta":
+        model = model.to(device)
+    return model
+
+
+def example_inputs(model_or_config: Any, batch: int, seq_len: int | None = None, *,
+                   task: Task = "causal-lm", device: str | torch.device = "cpu",
+                   seed: int | None = 0) -> dict[str, torch.Tensor]:
+    """A batch for ``task``: token ids + labels for LMs, pixels + class labels for vision."""
+    config = getattr(model_or_config, "config", model_or_config)
+    gen = torch.Generator().manual_seed(seed or 0)
+    if batch < 1:
+        raise ConfigError(f"batch = {batch}: must be at least 1")
+    if task == "image-classification":
+        size = int(getattr(config, "image_size", 224))
+        chans = int(getattr(config, "num_channels", 3))
+        labels = int(getattr(config, "num_labels", 2))
+        if str(device) == "meta":
+            return {"pixel_values": torch.empty(batch, chans, size, size, device="meta"),
+                    "labels": torch.empty(batch, dtype=torch.long, device="meta")}
+        return {"pixel_values": torch.randn(batch, chans, size, size, generator=gen).to(device),
+                "labels": torch.randint(0, labels, (batch,), generator=gen).to(device)}
+    if seq_len is None or seq_len < 1:
+        raise ConfigError(f"seq_len = {seq_len}: a language-model batch needs seq_len >= 1")
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    rotary = hasattr(config, "rope_parameters") or hasattr(config, "rope_theta")
+    if max_pos is not None and not rotary and seq_len > int(max_pos):
+        raise ConfigError(
+            f"seq_len = {seq_len} exceeds the model's max positions ({max_pos}); "
+            "use a shorter sequence or raise max_position_embeddings / n_positions in hf_config")
+    vocab = int(config.vocab_size)
+    if str(device) == "meta":
+        ids = torch.empty(batch, seq_len, dtype=torch.long, device="meta")
+    else:
+        ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+    return {"input_ids": ids, "labels": ids.clone() if str(device) != "meta" else ids}

@@ -1,0 +1,133 @@
+"""FLOPs, bytes and saved-activation rules per aten operation.
+
+Conventions (the same as ``torch.utils.flop_counter``): one fused multiply-add is 2 FLOPs;
+only matrix products and attention count FLOPs, pointwise work is charged as memory traffic.
+
+Forward FLOPs, for an output with ``M`` rows (all leading dims), inner size ``K``, ``N`` columns:
+
+    linear / mm / addmm / matmul / bmm:   F = 2 · M · K · N
+    conv (via torch.utils.flop_counter.conv_flop_count)
+    scaled_dot_product_attention:         F = 2 · b·h·s_q·s_k·d_qk + 2 · b·h·s_q·s_k·d_v
+
+Backward FLOPs: a product ``C = A·B`` costs ``2·M·K·N`` for ``dA`` if ``A`` needs a gradient and
+the same for ``dB`` if ``B`` does (so 2x forward when both do, 1x for a first layer whose input
+is data).  Attention backward recomputes the scores and runs four more products: 2.5x forward
+(the same count as ``torch.utils.flop_counter.sdpa_backward_flop_count``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from fxpar.tracing.graph import OpClass
+
+# aten op names (overload packet, without the "aten." prefix) grouped by class.
+_MATMUL = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "_convolution",
+           "conv1d", "conv2d", "conv3d", "einsum"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+_EMBEDDING = {"embedding"}
+_NORM = {"mean", "sum", "var", "var_mean", "layer_norm", "native_layer_norm", "rms_norm",
+         "softmax", "_softmax", "log_softmax", "_log_softmax", "group_norm", "batch_norm",
+         "native_batch_norm", "_native_batch_norm_legit_no_training", "amax", "logsumexp"}
+_LOSS = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss",
+         "binary_cross_entropy_with_logits"}
+_VIEW = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "expand_as",
+         "slice", "select", "unsqueeze", "squeeze", "alias", "t", "flatten", "unflatten",
+         "split", "split_with_sizes", "chunk", "unbind", "narrow", "detach", "view_as",
+         "as_strided", "getitem", "_assert_tensor_metadata", "_assert_scalar", "sym_size",
+         "sym_numel", "sym_stride", "lift_fresh_copy", "lift_fresh"}
+# Ops whose backward needs none of their inputs (gradient passes straight through or is a
+# constant scale): their inputs are not kept alive for backward on their account.
+_NO_SAVE = {"add", "sub", "neg", "cat", "stack", "pad", "constant_pad_nd", "index", "gather",
+            "repeat", "repeat_interleave", "embedding"} | _VIEW
+
+
+def op_name(target: Any) -> str:
+    """``aten.linear.default`` -> ``linear``; ``operator.getitem`` -> ``getitem``."""
+    name = getattr(target, "__name__", None) or str(target)
+    packet = getattr(target, "_overloadpacket", None)
+    if packet is not None:
+        name = packet.__name__
+    return name.split(".")[-1] if "." in name else name
+
+
+def classify(name: str) -> OpClass:
+    """The :class:`OpClass` of an aten op name."""
+    if name in _MATMUL:
+        return OpClass.MATMUL
+    if name in _ATTENTION:
+        return OpClass.ATTENTION
+    if name in _EMBEDDING:
+        return OpClass.EMBEDDING
+    if name in _NORM or name in ("pow", "rsqrt", "sqrt"):
+        return OpClass.NORM if name in _NORM else OpClass.ELEMENTWISE
+    if name in _LOSS:
+        return OpClass.LOSS
+    if name in _VIEW:
+        return OpClass.VIEW
+    return OpClass.ELEMENTWISE
+
+
+def saves_inputs(name: str) -> bool:
+    """Whether an op keeps its (non-parameter) inputs alive for the backward pass."""
+    return name not in _NO_SAVE
+
+
+def _prod(xs: Sequence[int]) -> int:
+    return int(math.prod(int(x) for x in xs))
+
+
+def matmul_flops(name: str, shapes: list[tuple[int, ...] | None],
+                 out_shape: tuple[int, ...] | None) -> tuple[int, tuple[int, int]]:
+    """Forward FLOPs of a product and the backward FLOPs for (first operand, second operand).
+
+    ``shapes`` are the shapes of the tensor arguments in call order (None for non-tensors).
+    """
+    if out_shape is None:
+        return 0, (0, 0)
+    if name == "linear":
+        x, w = shapes[0], shapes[1]
+        if x is None or w is None:
+            return 0, (0, 0)
+        k = int(w[-1])
+    elif name in ("addmm", "baddbmm"):
+        a = shapes[1]
+        if a is None:
+            return 0, (0, 0)
+        k = int(a[-1])
+    elif name in ("mm", "bmm", "matmul"):
+        a = shapes[0]
+        if a is None:
+            return 0, (0, 0)
+        k = int(a[-1]) if len(a) > 1 else int(a[0])
+    else:
+        return 0, (0, 0)
+    flops = 2 * _prod(out_shape) * k
+    return flops, (flops, flops)
+
+
+def conv_flops(shapes: list[tuple[int, ...] | None], out_shape: tuple[int, ...] | None,
+               transposed: bool) -> int:
+    """Forward FLOPs of a convolution, by torch's public formula."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    x, w = shapes[0], shapes[1]
+    if x is None or w is None or out_shape is None:
+        return 0
+    return int(conv_flop_count(list(x), list(w), list(out_shape), transposed=transposed))
+
+
+def attention_flops(shapes: list[tuple[int, ...] | None]) -> int:
+    """Forward FLOPs of scaled dot-product attention: ``QKᵀ`` and ``P·V``."""
+    q, k, v = shapes[0], shapes[1], shapes[2]
+    if q is None or k is None or v is None or len(q) < 3:
+        return 0
+    b_h = _prod(q[:-2])
+    s_q, d_qk = int(q[-2]), int(q[-1])
+    s_k, d_v = int(k[-2]), int(v[-1])
+    return 2 * b_h * s_q * s_k * d_qk + 2 * b_h * s_q * s_k * d_v
+
+
+ATTENTION_BACKWARD_FACTOR = 2.5

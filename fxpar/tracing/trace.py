@@ -1,0 +1,270 @@
+"""``trace(model, example_inputs) -> ModelGraph`` via ``torch.export`` (non-strict).
+
+Works on real and on ``meta`` tensors, so a 7B or 175B configuration is planned without
+allocating weights.  For every ``call_function`` node of the exported graph it records the
+module path (``nn_module_stack``), the repeated block it sits in, forward and backward FLOPs
+(:mod:`fxpar.tracing.op_costs`), bytes read and written, parameters read, and the activation
+bytes it keeps alive for backward.
+
+Saved-activation estimate: a node that needs a gradient and whose backward needs its inputs
+(everything but add/sub/cat/views/…) keeps each non-parameter tensor input alive; each tensor
+is counted once, by its first saver.  Attention also keeps its output and log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import traceback
+from typing import Any, Mapping
+
+import torch
+
+from fxpar.errors import TraceError
+from fxpar.tracing import op_costs
+from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
+
+ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
+
+
+def block_path(module_path: str) -> str | None:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``: the outermost indexed module."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _tensor_meta(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if example_inputs is None:
+        raise TraceError(
+            f"trace({type(model).__name__}): example_inputs is required: pass a dict of keyword "
+            "inputs (e.g. {'input_ids': ids, 'labels': ids}) or a tuple of positional inputs; "
+            "fxpar.tracing.hf.example_inputs(model, batch, seq_len) builds one for HF models")
+    if isinstance(example_inputs, Mapping):
+        args: tuple[Any, ...] = ()
+        kwargs = dict(example_inputs)
+    elif isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        raise TraceError(
+            f"trace({type(model).__name__}): example_inputs has type "
+            f"{type(example_inputs).__name__}; expected a dict of keyword inputs, a tuple of "
+            "positional inputs or a tensor")
+    try:
+        accepts_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        accepts_cache = False
+    if accepts_cache and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False  # HF models do not export with a DynamicCache
+    return args, kwargs
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear error
+        where = _model_frame(exc)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}{where}: "
+            f"{type(exc).__name__}: {first[:400]}\n"
+            "What may help: pass example_inputs that match the model's forward (names and "
+            "shapes); for HF models keep use_cache=False and set attn_implementation='sdpa' or "
+            "'eager'; data-dependent Python control flow on tensor values does not export "
+            "(see https://pytorch.org/docs/stable/export.html#limitations-of-torch-export)"
+        ) from None
+
+
+def _model_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: usually the model line that failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    mine = [f for f in frames if not f.filename.startswith(torch_dir) and "fxpar" not in f.filename]
+    if not mine:
+        return ""
+    f = mine[-1]
+    return f" (failing at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}: {f.line})"
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return str(list(stack.values())[-1][0])
+
+
+def _module_types(graph: torch.fx.Graph) -> dict[str, str]:
+    types: dict[str, str] = {}
+    for node in graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            types.setdefault(str(path), str(cls).rsplit(".", 1)[-1])
+    return types
+
+
+def _param_infos(model: torch.nn.Module, layer_of: dict[str, int]) -> tuple[ParamInfo, ...]:
+    by_tensor: dict[int, list[str]] = {}
+    tensors: dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    infos = []
+    for key, names in by_tensor.items():
+        p = tensors[key]
+        fqn = names[0]
+        module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        blk = block_path(module)
+        infos.append(ParamInfo(
+            fqn=fqn, shape=tuple(int(s) for s in p.shape), dtype=str(p.dtype).replace("torch.", ""),
+            numel=int(p.numel()), nbytes=_nbytes(p), module_path=module,
+            layer=layer_of.get(blk) if blk else None, aliases=tuple(names[1:])))
+    return tuple(infos)
+
+
+def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
+          model_name: str | None = None) -> ModelGraph:
+    """Export ``model`` on ``example_inputs`` and annotate every node with its costs.
+
+    ``example_inputs`` is a dict of keyword inputs (HF style), a tuple of positional inputs or
+    one tensor.  The batch size is the leading dimension of the first tensor input.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"trace: model has type {type(model).__name__}; expected a torch.nn.Module")
+    args, kwargs = _split_inputs(model, example_inputs)
+    start = time.perf_counter()
+    ep = _export(model, args, kwargs)
+    elapsed = time.perf_counter() - start
+
+    first_tensor = next((v for v in list(args) + list(kwargs.values())
+                         if isinstance(v, torch.Tensor)), None)
+    batch = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() else 1
+    seq = int(first_tensor.shape[1]) if (first_tensor is not None and first_tensor.dim() >= 2
+                                         and not first_tensor.is_floating_point()) else None
+
+    graph = ep.graph
+    param_of_placeholder: dict[str, str] = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == torch.export.graph_signature.InputKind.PARAMETER:
+            param_of_placeholder[spec.arg.name] = str(spec.target)
+    requires_grad_params = {n for n, p in model.named_parameters(remove_duplicate=False)
+                            if p.requires_grad}
+
+    module_types = _module_types(graph)
+    layer_of: dict[str, int] = {}
+    nodes: list[OpNode] = []
+    needs_grad: dict[str, bool] = {}
+    param_alias: dict[str, str] = {}      # node name -> parameter FQN it is a view of
+    saved: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            fqn = param_of_placeholder.get(node.name)
+            if fqn is not None:
+                param_alias[node.name] = fqn
+                needs_grad[node.name] = fqn in requires_grad_params
+            else:
+                needs_grad[node.name] = False
+            continue
+        if node.op != "call_function":
+            continue
+        nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
+
+    params = _param_infos(model, layer_of)
+    layers = _layer_infos(nodes, params, layer_of, module_types)
+    return ModelGraph(
+        model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
+        nodes=tuple(nodes), params=params, layers=layers,
+        input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
+        trace_time_s=elapsed, exported=ep)
+
+
+def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
+              param_alias: dict[str, str], saved: set[str]) -> OpNode:
+    name = op_costs.op_name(node.target)
+    cls = op_costs.classify(name)
+    module = _module_path(node)
+    blk = block_path(module)
+    if blk is not None and blk not in layer_of:
+        layer_of[blk] = len(layer_of)
+
+    inputs = [a for a in node.all_input_nodes]
+    tensor_args: list[torch.Tensor | None] = []
+    for a in node.args:
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        tensor_args.append(val if isinstance(val, torch.Tensor) else None)
+    shapes = [tuple(int(s) for s in t.shape) if t is not None else None for t in tensor_args]
+    outs = _tensor_meta(node.meta.get("val"))
+    out_shape = tuple(int(s) for s in outs[0].shape) if outs else None
+
+    rg_inputs = [needs_grad.get(a.name, False) for a in inputs]
+    floating_out = bool(outs) and outs[0].is_floating_point()
+    rg = any(rg_inputs) and floating_out
+    needs_grad[node.name] = rg
+    params_read = tuple(dict.fromkeys(param_alias[a.name] for a in inputs if a.name in param_alias))
+    if cls is OpClass.VIEW and len(params_read) == 1 and inputs and inputs[0].name in param_alias:
+        param_alias[node.name] = params_read[0]
+
+    fwd = bwd = 0
+    if cls is OpClass.MATMUL:
+        if name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d"):
+            transposed = bool(node.args[6]) if name in ("convolution", "_convolution") and len(node.args) > 6 else False
+            fwd = op_costs.conv_flops(shapes, out_shape, transposed)
+            bwd = fwd * sum(1 for a in node.args[:2] if isinstance(a, torch.fx.Node) and needs_grad.get(a.name))
+        else:
+            fwd, (b_first, b_second) = op_costs.matmul_flops(name, shapes, out_shape)
+            operands = node.args[1:3] if name in ("addmm", "baddbmm") else node.args[:2]
+            grads = [isinstance(a, torch.fx.Node) and needs_grad.get(a.name, False) for a in operands]
+            bwd = (b_first if grads and grads[0] else 0) + (b_second if len(grads) > 1 and grads[1] else 0)
+    elif cls is OpClass.ATTENTION:
+        fwd = op_costs.attention_flops(shapes)
+        bwd = int(op_costs.ATTENTION_BACKWARD_FACTOR * fwd) if rg else 0
+
+    is_view = cls is OpClass.VIEW
+    read = 0 if is_view else sum(_nbytes(t) for t in tensor_args if t is not None)
+    written = 0 if is_view else sum(_nbytes(t) for t in outs)
+    saved_bytes = 0
+    if rg and not is_view and op_costs.saves_inputs(name):
+        for a in node.args:
+            if (isinstance(a, torch.fx.Node) and a.name not in param_alias and a.name not in saved
+                    and isinstance(a.meta.get("val"), torch.Tensor)):
+                saved.add(a.name)
+                saved_bytes += _nbytes(a.meta["val"])
+        if cls is OpClass.ATTENTION and outs:
+            saved.add(node.name)
+            o = outs[0]
+            saved_bytes += _nbytes(o) + int(o.numel() // max(1, o.shape[-1])) * 4  # out + lse
+
+    return OpNode(
+        name=node.name, target=str(node.target), op_class=cls, module_path=module,
+        layer=layer_of.get(blk) if blk else None,
+        out_shapes=tuple(tuple(int(s) for s in t.shape) for t in outs),
+        dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
+        fwd_flops=int(fwd), bwd_flops=int(bwd), bytes_read=int(read), bytes_written=int(written),
+        saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg)
+
+
+def _layer_infos(nodes: list[OpNode], params: tuple[ParamInfo, ...], layer_of: dict[str, int],
+                 module_types: dict[str, str]) -> tuple[LayerInfo, ...]:
+    infos = []
+    for path, idx in sorted(layer_of.items(), key=lambda kv: kv[1]):
+        mine = [n for n in nodes if n.layer == idx]
+        infos.append(LayerInfo(
+            index=idx, path=path, module_type=module_types.get(path, ""),
+            param_count=sum(p.numel for p in params if p.layer == idx),
+            fwd_flops=sum(n.fwd_flops for n in mine), bwd_flops=sum(n.bwd_flops for n in mine)))
+    return tuple(infos)

@@ -1,0 +1,77 @@
+"""Functions that run inside spawned gloo ranks (module level, so they pickle by reference)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=128),
+    "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS[family]), device="cpu", seed=seed,
+                        attn_implementation="eager")
+    return model.train()
+
+
+def global_batch(model: torch.nn.Module, batch: int, seq: int, seed: int = 1,
+                 ignore_some: bool = True) -> dict[str, torch.Tensor]:
+    data = example_inputs(model, batch, seq, seed=seed)
+    if ignore_some:  # uneven label counts per sample: exercises token-weighted combining
+        data["labels"][0, : seq // 2] = -100
+        data["labels"][-1, -3:] = -100
+    return data
+
+
+def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int = 2,
+              micro_batch_size: int | None = None) -> dict:
+    """Train ``steps`` steps with fxpar (uneven DP) and single-process; report the differences."""
+    rank = dist.get_rank()
+    model = tiny_model(family)
+    reference = copy.deepcopy(model)
+    cluster = fxpar.Cluster.emulated(speeds)
+    data = [global_batch(model, batch, seq, seed=1 + s) for s in range(steps)]
+    pm = fxpar.auto(model, cluster, data[0], global_batch=batch, emulate=False)
+    if micro_batch_size is not None:  # force gradient accumulation on every rank
+        ranks = tuple(dataclasses.replace(
+            r, micro_batch_size=min(micro_batch_size, r.batch_share) if r.batch_share else 0,
+            num_microbatches=-(-r.batch_share // micro_batch_size) if r.batch_share else 0)
+            for r in pm.plan.ranks)
+        pm.plan = dataclasses.replace(pm.plan, ranks=ranks)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    out = {"rank": rank, "shares": list(pm.plan.batch_shares), "steps": []}
+    for b in data:
+        loss = pm.step(b)
+        ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.backward()
+        names = dict(reference.named_parameters())
+        worst_abs, worst_rel, worst_name = 0.0, 0.0, ""
+        n_grads = 0
+        for name, p in pm.module.named_parameters():
+            g, rg = p.grad, names[name].grad
+            diff = (g - rg).abs().max().item()
+            rel = diff / max(rg.abs().max().item(), 1e-12)
+            n_grads += 1
+            if diff > worst_abs:
+                worst_abs, worst_rel, worst_name = diff, rel, name
+        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss.detach()),
+                             "loss_diff": abs(float(loss) - float(ref_loss.detach())),
+                             "max_grad_abs_diff": worst_abs, "max_grad_rel_diff": worst_rel,
+                             "worst_param": worst_name, "n_grads": n_grads})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    return out
