@@ -102,10 +102,14 @@ class WorkerPool:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if remaining <= 0 or dead:
                     self.close()
-                    why = (f"rank(s) {dead} died" if dead else f"no answer within {timeout:.0f} s")
-                    raise WorkerError(f"{getattr(fn, '__name__', fn)}: {why}; "
-                                      f"answered: {sorted(results)}, failed: {sorted(errors)}"
-                                      + "".join(f"\n--- rank {r} ---\n{e}" for r, e in errors.items())) from None
+                    name = getattr(fn, "__name__", fn)
+                    silent = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                    if errors:
+                        first = min(errors)
+                        raise WorkerError(f"{name} failed on rank(s) {sorted(errors)} (rank(s) {silent} "
+                                          f"then hung waiting for them); rank {first}:\n{errors[first]}")
+                    why = f"rank(s) {dead} died" if dead else f"rank(s) {silent} gave no answer within {timeout:.0f} s"
+                    raise WorkerError(f"{name}: {why}") from None
                 continue
             if tid != task_id:
                 continue

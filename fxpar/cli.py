@@ -1,0 +1,130 @@
+"""The ``fxpar`` command line: ``fxpar plan`` and ``fxpar demo``.
+
+Errors that the user can fix (bad files, flags, memory) print one clear message and exit 2;
+a plan that does not fit exits 3.  Nothing is written when a command fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from fxpar.errors import FxparError, InfeasibleError
+
+EXIT_USAGE = 2
+EXIT_INFEASIBLE = 3
+
+
+def _progress(message: str) -> None:
+    print(f"[fxpar] {message}", file=sys.stderr, flush=True)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxpar", description=(
+        "Automatic parallelization for heterogeneous GPU clusters."))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a model on a cluster (no weights are allocated)",
+                       description="Plan a model on a cluster. Either --scenario FILE, or "
+                                   "--cluster FILE with --model MODEL.")
+    p.add_argument("--scenario", type=Path, help="scenario YAML/JSON (cluster + model + workload)")
+    p.add_argument("--cluster", type=Path, help="cluster YAML/JSON (a scenario's cluster part)")
+    p.add_argument("--model", help="preset name, path to a HF config.json, or module:function")
+    p.add_argument("--task", choices=("causal-lm", "masked-lm", "image-classification"))
+    p.add_argument("--batch", type=_positive, help="global batch (default: the scenario's, else 8)")
+    p.add_argument("--seq", type=_positive, help="sequence length (default: the scenario's, else 512)")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="training precision")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), help="optimizer (state bytes)")
+    p.add_argument("--max-microbatches", type=_positive, help="cap on gradient-accumulation steps")
+    p.add_argument("--json", type=Path, dest="json_out", help="write the plan as JSON here")
+
+    d = sub.add_parser("demo", help="2-rank gloo training: fxpar vs torch DDP, emulated speeds")
+    d.add_argument("--steps", type=_positive, default=5, help="measured steps per method (default 5)")
+    d.add_argument("--speeds", type=float, nargs="+", default=[1.0, 0.5],
+                   help="emulated relative speed per rank (default 1.0 0.5)")
+    d.add_argument("--json", type=Path, dest="json_out", help="write the figures as JSON here")
+    return parser
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from fxpar.cluster import Cluster
+    from fxpar.errors import ConfigError
+    from fxpar.models import resolve_model
+    from fxpar.planning import plan_model
+    from fxpar.scenario import load_scenario
+    from fxpar.workload import Workload
+
+    start = time.perf_counter()
+    if args.scenario is not None:
+        if args.cluster is not None or args.model is not None:
+            raise ConfigError("fxpar plan: give either --scenario, or --cluster with --model, not both")
+        scenario = load_scenario(args.scenario)
+        cluster, model, w = scenario.cluster, scenario.model, scenario.workload
+        workload = Workload(global_batch=args.batch or w.global_batch, seq_len=args.seq or w.seq_len,
+                            dtype=args.dtype or w.dtype, optimizer=args.optimizer or w.optimizer,
+                            max_microbatches=args.max_microbatches or w.max_microbatches)
+    else:
+        if args.cluster is None or args.model is None:
+            raise ConfigError("fxpar plan: needs --scenario FILE, or both --cluster FILE and --model MODEL")
+        cluster = Cluster.from_file(args.cluster)
+        model = resolve_model(args.model, args.task)
+        workload = Workload(global_batch=args.batch or 8, seq_len=args.seq or 512,
+                            dtype=args.dtype or "fp32", optimizer=args.optimizer or "adam",
+                            max_microbatches=args.max_microbatches)
+    _progress(f"cluster {cluster.name}: {cluster.world_size} devices; workload: batch "
+              f"{workload.global_batch}, seq {workload.seq_len}, {workload.dtype}, {workload.optimizer}")
+    plan = plan_model(model, cluster, workload, progress=_progress)
+    print(plan.table())
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json_out.with_suffix(args.json_out.suffix + ".tmp")
+        tmp.write_text(plan.to_json())
+        tmp.replace(args.json_out)
+        _progress(f"wrote {args.json_out}")
+    _progress(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fxpar.demo import run_demo
+
+    figures = run_demo(steps=args.steps, speeds=tuple(args.speeds), progress=_progress)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(figures, indent=2))
+        _progress(f"wrote {args.json_out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"plan": _cmd_plan, "demo": _cmd_demo}[args.command](args)
+    except InfeasibleError as exc:
+        print(f"fxpar: no plan fits: {exc}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except FxparError as exc:
+        print(f"fxpar: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fxpar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
