@@ -35,10 +35,10 @@ def _build(seed: int = 0) -> torch.nn.Module:
     return build_model(PRESETS[DEMO_MODEL], device="cpu", seed=seed).train()
 
 
-def _batches(model: torch.nn.Module, n: int) -> list[dict[str, torch.Tensor]]:
+def _batches(model: torch.nn.Module, n: int, batch: int = DEMO_BATCH) -> list[dict[str, torch.Tensor]]:
     from fxpar.tracing.hf import example_inputs
 
-    return [example_inputs(model, DEMO_BATCH, DEMO_SEQ, seed=100 + i) for i in range(n)]
+    return [example_inputs(model, batch, DEMO_SEQ, seed=100 + i) for i in range(n)]
 
 
 def _step_times(marks: list[float]) -> list[float]:
@@ -74,8 +74,11 @@ def _ddp_steps(model, batches, speed: float) -> tuple[list[float], list[float]]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     emu = SpeedEmulator(speed)
-    share = DEMO_BATCH // world
-    local = lambda b: {k: v[rank * share:(rank + 1) * share] for k, v in b.items()}  # noqa: E731
+    total = int(batches[0]["input_ids"].shape[0])
+    base, extra = divmod(total, world)  # torch's even split: the first ranks take the remainder
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    local = lambda b: {k: v[start:stop] for k, v in b.items()}  # noqa: E731
     # calibrate this rank's pure backward compute (no communication) on its share
     probe = copy.deepcopy(model)
     with timed() as t_cal:
@@ -114,7 +117,7 @@ def _parity_check(model_init, batch, pm) -> dict[str, float]:
     loss.backward()
     ref_grads = dict(ref.named_parameters())
     worst = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pm.module.named_parameters())
-    return {"reference_loss": float(loss), "max_grad_abs_diff": worst}
+    return {"reference_loss": float(loss.detach()), "max_grad_abs_diff": worst}
 
 
 def demo_worker(plan_json: str, steps: int, rounds: int) -> dict[str, Any]:
@@ -125,7 +128,7 @@ def demo_worker(plan_json: str, steps: int, rounds: int) -> dict[str, Any]:
     rank = dist.get_rank()
     speed = plan.ranks[rank].speed
     base = _build()
-    batches = _batches(base, 1 + steps)
+    batches = _batches(base, 1 + steps, plan.global_batch)
     # parity: one fxpar step vs single process on the same global batch (no emulation cost here)
     check_model = copy.deepcopy(base)
     _, first_losses, pm = _fxpar_steps(copy.deepcopy(base), batches[:1], plan_json, optimize=False)
@@ -144,7 +147,7 @@ def demo_worker(plan_json: str, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: int = 2,
-             progress: Callable[[str], None] = print) -> dict[str, Any]:
+             global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Plan, train with fxpar and with DDP on spawned gloo ranks, print and return the figures."""
     import fxpar
     from fxpar.runtime import WorkerPool
@@ -152,9 +155,9 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     torch.set_num_threads(1)
     cluster = fxpar.Cluster.emulated(list(speeds))
     model = _build()
-    example = _batches(model, 1)[0]
-    workload = Workload(global_batch=DEMO_BATCH, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
-    progress(f"planning {DEMO_MODEL} (batch {DEMO_BATCH}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
+    example = _batches(model, 1, global_batch)[0]
+    workload = Workload(global_batch=global_batch, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
+    progress(f"planning {DEMO_MODEL} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
              f"CPU ranks with speeds {list(speeds)}")
     plan = fxpar.make_plan(model, cluster, example, workload)
     print(plan.table())
@@ -177,7 +180,7 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     print(f"  parity, step 0: fxpar loss {p['fxpar_loss']:.6f} vs single process "
           f"{p['reference_loss']:.6f}; max |grad diff| {p['max_grad_abs_diff']:.2e}")
     return {
-        "emulated": True, "speeds": list(speeds), "model": DEMO_MODEL, "global_batch": DEMO_BATCH,
+        "emulated": True, "speeds": list(speeds), "model": DEMO_MODEL, "global_batch": global_batch,
         "seq_len": DEMO_SEQ, "plan": plan.to_dict(), "batch_shares": list(plan.batch_shares),
         "fxpar_step_s": fx, "ddp_step_s": dd, "speedup": dd / fx, "ideal_speedup": ideal,
         "predicted_step_s": plan.predicted_step_s,

@@ -12,7 +12,7 @@ import torch
 
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
-from fxpar.solvers import plan as solve_plan
+from fxpar.solvers import check_inputs, plan as solve_plan
 from fxpar.tracing import ModelGraph, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
@@ -53,6 +53,7 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
 def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
                progress: Progress = _quiet) -> Plan:
     """Trace (on meta) and solve: the CLI's ``fxpar plan``."""
+    check_inputs(cluster, workload)
     graph = trace_spec(model, workload, progress=progress)
     progress(f"solving for {cluster.world_size} devices in {len(cluster.groups())} groups")
     result = solve_plan(graph, cluster, workload)

@@ -75,3 +75,37 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     return out
+
+
+def emulation_timing(speeds: list[float]) -> dict:
+    """One emulated step: the slow rank's added sleep is (1/s − 1) x its compute."""
+    rank = dist.get_rank()
+    model = tiny_model("llama")
+    cluster = fxpar.Cluster.emulated(speeds)
+    data = global_batch(model, 8, 16)
+    pm = fxpar.auto(model, cluster, data, global_batch=8)
+    pm.step(data)
+    t = pm.last_timing
+    return {"rank": rank, "speed": speeds[rank], "compute_s": t.compute_s,
+            "emulation_s": t.emulation_s, "total_s": t.total_s}
+
+
+def auto_world_mismatch() -> str:
+    """fxpar.auto on 2 ranks with a 3-device cluster must refuse with a clear error."""
+    try:
+        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0, 1.0, 1.0]),
+                   global_batch(tiny_model("llama"), 6, 8))
+    except fxpar.FxparError as exc:
+        return str(exc)
+    return "no error"
+
+
+def infeasible_on_every_rank() -> str:
+    """A plan that does not fit raises the same InfeasibleError on every rank (no hang)."""
+    model = tiny_model("llama")
+    cluster = fxpar.Cluster.emulated([1.0, 1.0], memory_gib=0.0001)
+    try:
+        fxpar.auto(model, cluster, global_batch(model, 4, 8))
+    except fxpar.InfeasibleError as exc:
+        return str(exc)
+    return "no error"

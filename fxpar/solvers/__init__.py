@@ -3,6 +3,6 @@
 The solvers see plain numbers and dataclasses (built by the cost model), never torch objects.
 """
 
-from fxpar.solvers.planner import build_dp_problem, plan
+from fxpar.solvers.planner import build_dp_problem, check_inputs, plan
 
-__all__ = ["build_dp_problem", "plan"]
+__all__ = ["build_dp_problem", "check_inputs", "plan"]

@@ -37,14 +37,22 @@ def _describe(group: dp.DPGroup) -> str:
     return f"{group.key} ({where}, {group.memory_bytes / 2**30:.1f} GiB each)"
 
 
-def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False) -> Plan:
-    """Find the fastest plan for ``graph`` on ``cluster`` under the cost model."""
-    start = time.perf_counter()
+def check_inputs(cluster, workload: Workload, *, allow_tf32: bool = False) -> None:
+    """Checks that need no model: run before tracing so bad input fails fast."""
     if workload.global_batch < cluster.world_size:
         raise ConfigError(
             f"global_batch = {workload.global_batch} is smaller than the number of ranks "
             f"({cluster.world_size}): data parallelism gives every rank at least one sample; "
             f"use a global batch of at least {cluster.world_size} or fewer devices")
+    compute = "tf32" if (workload.dtype == "fp32" and allow_tf32) else workload.dtype
+    for group in cluster.groups():
+        group.type.peak_tflops(compute)  # ConfigError naming the device and its precisions
+
+
+def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False) -> Plan:
+    """Find the fastest plan for ``graph`` on ``cluster`` under the cost model."""
+    start = time.perf_counter()
+    check_inputs(cluster, workload, allow_tf32=allow_tf32)
     cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer,
                      allow_tf32=allow_tf32)
     problem = build_dp_problem(cost, cluster, workload)

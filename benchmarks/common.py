@@ -1,0 +1,38 @@
+"""Shared helpers for benchmark scripts: machine description, result files, tables."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"host_cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": datetime.date.today().isoformat()}
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    tag = "gpu" if info["gpu"] else f"cpu{info['cores']}"
+    path = RESULTS / f"{name}-{tag}-{info['date']}.json"
+    path.write_text(json.dumps({"machine": info, **payload}, indent=2))
+    return path
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in head]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "-|-".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Shared fixtures: reusable gloo worker pools and the shared scenarios folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ROOT.parent / "shared" / "scenarios"
+
+
+@pytest.fixture(scope="session")
+def scenarios_dir() -> Path:
+    if not SCENARIOS.is_dir():
+        pytest.skip(f"shared scenarios not found at {SCENARIOS} (the repo's ../shared is missing)")
+    return SCENARIOS
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    from fxpar.runtime import WorkerPool
+
+    with WorkerPool(2, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pool3():
+    from fxpar.runtime import WorkerPool
+
+    with WorkerPool(3, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+        yield pool

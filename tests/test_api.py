@@ -1,0 +1,57 @@
+"""fxpar.auto without a process group (a 1-device cluster) and its argument checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import ConfigError, RuntimeSetupError
+from fxpar.runtime.emulation import SpeedEmulator
+from tests.workers import global_batch, tiny_model
+
+
+def test_single_process_auto_equals_plain_training():
+    model = tiny_model("gpt2")
+    reference = copy.deepcopy(model)
+    data = global_batch(model, 4, 16)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data)
+    assert pm.plan.batch_shares == (4,)
+    loss = pm.step(data)
+    ref = reference(**data, use_cache=False).loss
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref.detach()), abs=1e-6)
+    for (name, p), q in zip(pm.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-7), name
+
+
+def test_auto_needs_a_process_group_for_several_devices():
+    with pytest.raises(RuntimeSetupError, match="init_process_group"):
+        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0, 0.5]), {"input_ids": torch.zeros(2, 4)})
+
+
+def test_auto_argument_errors(tmp_path):
+    with pytest.raises(ConfigError, match="torch.nn.Module"):
+        fxpar.auto("not a model", fxpar.Cluster.emulated([1.0]))
+    with pytest.raises(ConfigError, match="cluster has type int"):
+        fxpar.auto(tiny_model("llama"), 3)
+    with pytest.raises(ConfigError, match="example_inputs is required"):
+        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]))
+
+
+def test_auto_reads_a_cluster_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes:\n  - {gpu: cpu, count: 1}\n")
+    model = tiny_model("llama")
+    pm = fxpar.auto(model, path, global_batch(model, 2, 8))
+    assert pm.plan.world_size == 1 and pm.plan.emulated
+
+
+def test_speed_emulator_sleeps_in_proportion():
+    emu = SpeedEmulator(0.25)
+    assert emu.stretch(0.01) == pytest.approx(0.03)
+    assert SpeedEmulator(1.0).stretch(0.5) == 0.0
+    with pytest.raises(ConfigError):
+        SpeedEmulator(0.0)

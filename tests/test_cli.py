@@ -1,0 +1,58 @@
+"""``fxpar plan`` on every shared scenario, and the CLI's handling of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxpar.cli import EXIT_INFEASIBLE, EXIT_USAGE, main
+
+# Where data parallelism alone fits (the rest need pipeline/tensor parallelism: memory error).
+FITS_DP = {"amp-gpt2-medium", "cpu-emulated-2", "hap-bert-base"}
+ALL = ["amp-gpt2-medium", "cpu-emulated-2", "h100-a100-llama7b", "hap-bert-base", "hap-moe",
+       "homogeneous-a100", "lab-4090-a6000", "scale-1024-gpt175b"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_plan_every_scenario(name, scenarios_dir, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--scenario", str(scenarios_dir / f"{name}.yaml"), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    if name in FITS_DP:
+        assert code == 0, captured.err
+        data = json.loads(out.read_text())
+        assert data["lower_bound_s"] <= data["predicted_step_s"]
+        even = data["baselines"]["even_dp"]
+        assert even is None or data["predicted_step_s"] <= even * (1 + 1e-9)
+        assert sum(r["batch_share"] for r in data["ranks"]) == data["global_batch"]
+    else:
+        assert code == EXIT_INFEASIBLE
+        assert "short by" in captured.err and "GiB" in captured.err
+        assert not out.exists()  # nothing half-written
+
+
+def test_plan_cluster_and_model_flags(scenarios_dir, tmp_path, capsys):
+    cluster = scenarios_dir / "cpu-emulated-2.yaml"
+    code = main(["plan", "--cluster", str(cluster), "--model", "gpt2-tiny", "--batch", "8",
+                 "--seq", "64", "--json", str(tmp_path / "p.json")])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "p.json").read_text())["global_batch"] == 8
+
+
+def test_plan_hf_config_json_and_module_function(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "vocab_size": 256,
+                               "architectures": ["LlamaForCausalLM"]}))
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes:\n  - {gpu: A100-SXM-80GB, count: 2}\n  - {gpu: V100-SXM2-32GB, count: 2}\n"
+                       "inter_node_gbps: 100\n")
+    assert main(["plan", "--cluster", str(cluster), "--model", str(cfg), "--batch", "16", "--seq", "32"]) == 0
+    table = capsys.readouterr().out
+    assert "A100-SXM-80GB" in table and "V100-SXM2-32GB" in table
+    code = main(["plan", "--cluster", str(cluster), "--model", "tests.models:tiny_mlp_with_inputs",
+                 "--batch", "8"])
+    assert code == 0, capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""Multi-rank parity: uneven data parallelism equals one process on the same global batch.
+
+Tolerance (fp32): the global loss within 1e-5 absolute and every parameter gradient within
+1e-6 absolute (gradients here are O(1e-2..1)) on the first step; after one AdamW step
+(lr 1e-2, which magnifies summation-order differences on near-zero gradients) within 1e-5.
+Labels include ignored (-100) tokens, so ranks hold different numbers of label tokens and the
+token-weighted combination is exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers import auto_world_mismatch, dp_parity, emulation_timing, infeasible_on_every_rank
+
+pytestmark = pytest.mark.multirank
+
+STEP_TOL = [(1e-5, 1e-6), (1e-5, 1e-5)]  # (loss, grad) absolute tolerance per step
+
+
+def _check(results, n_ranks):
+    assert len(results) == n_ranks
+    shares = results[0]["shares"]
+    assert all(r["shares"] == shares for r in results)
+    for r in results:
+        for step, tol in zip(r["steps"], STEP_TOL):
+            assert step["n_grads"] > 10
+            assert step["loss_diff"] <= tol[0], step
+            assert step["max_grad_abs_diff"] <= tol[1], step
+    return shares
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_two_ranks_uneven(pool2, family):
+    shares = _check(pool2.run(dp_parity, family, [1.0, 0.5], 6, 16), 2)
+    assert shares == [4, 2]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_three_ranks_uneven(pool3, family):
+    shares = _check(pool3.run(dp_parity, family, [1.0, 0.5, 0.25], 7, 16), 3)
+    assert shares[0] > shares[1] > shares[2] >= 1 and sum(shares) == 7
+
+
+def test_gradient_accumulation_micro_batches(pool2):
+    _check(pool2.run(dp_parity, "llama", [1.0, 0.5], 6, 16, micro_batch_size=2), 2)
+
+
+def test_emulated_speed_slows_the_rank_for_real(pool2):
+    fast, slow = pool2.run(emulation_timing, [1.0, 0.5])
+    assert fast["emulation_s"] == 0.0
+    assert slow["emulation_s"] == pytest.approx(slow["compute_s"], rel=0.05)
+
+
+def test_world_size_mismatch_is_clear(pool2):
+    for msg in pool2.run(auto_world_mismatch):
+        assert "3 devices" in msg and "2 processes" in msg
+
+
+def test_infeasible_plan_raises_on_every_rank(pool2):
+    for msg in pool2.run(infeasible_on_every_rank):
+        assert "short by" in msg

@@ -1,0 +1,79 @@
+"""Plan: JSON round trip, required keys, table, errors, batch sharding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import PlanError
+from fxpar.plan import Plan
+from fxpar.solvers import plan as solve
+from fxpar.tracing import trace
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.workload import Workload
+from tests.workers import TINY_CONFIGS
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="meta")
+    graph = trace(model, example_inputs(model, 1, 32, device="meta"))
+    return solve(graph, fxpar.Cluster.emulated([1.0, 0.5, 0.25]), Workload(global_batch=14, seq_len=32))
+
+
+def test_json_round_trip_and_required_keys(plan):
+    text = plan.to_json()
+    data = json.loads(text)
+    for key in ("predicted_step_s", "lower_bound_s", "baselines", "solve_time_s", "ranks"):
+        assert key in data
+    assert "even_dp" in data["baselines"]
+    for r in data["ranks"]:
+        for key in ("rank", "device", "batch_share", "predicted_busy_s", "predicted_memory_bytes"):
+            assert key in r
+    again = Plan.from_json(text)
+    assert again == plan and again.to_json() == text
+
+
+def test_shares_follow_speed(plan):
+    assert sum(plan.batch_shares) == 14
+    assert plan.batch_shares[0] > plan.batch_shares[1] > plan.batch_shares[2] >= 1
+    assert plan.lower_bound_s <= plan.predicted_step_s <= plan.baseline("even_dp")
+
+
+def test_table_lists_every_rank(plan):
+    table = plan.table()
+    assert "rank" in table and "even_dp" in table and table.count(" cpu ") == 3
+
+
+def test_shard_batch_slices_in_rank_order(plan):
+    batch = {"input_ids": torch.arange(14).unsqueeze(1), "flag": 3}
+    parts = [plan.shard_batch(batch, r) for r in range(3)]
+    assert torch.cat([p["input_ids"] for p in parts]).flatten().tolist() == list(range(14))
+    assert all(p["flag"] == 3 for p in parts)
+    with pytest.raises(PlanError, match="global_batch is 14"):
+        plan.shard_batch({"input_ids": torch.zeros(10, 1)}, 0)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "malformed JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"strategy": "data_parallel"}', "not a valid fxpar plan"),
+    ('{"version": 99}', "version 99"),
+])
+def test_bad_plan_json_is_a_clear_error(text, match):
+    with pytest.raises(PlanError, match=match):
+        Plan.from_json(text)
+
+
+def test_inconsistent_plan_rejected(plan):
+    data = json.loads(plan.to_json())
+    data["global_batch"] = 99
+    with pytest.raises(PlanError, match="sum to 14"):
+        Plan.from_dict(data)
+    data = json.loads(plan.to_json())
+    data["ranks"][0]["bogus"] = 1
+    with pytest.raises(PlanError, match="unknown keys"):
+        Plan.from_dict(data)

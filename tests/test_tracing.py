@@ -1,0 +1,96 @@
+"""Tracing: FLOPs against torch's FlopCounterMode, exact parameter bytes, blocks, meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpar.errors import TraceError
+from fxpar.tracing import OpClass, trace
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from tests.workers import TINY_CONFIGS
+
+
+def _flop_counter_total(model, inputs) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(**inputs, use_cache=False).loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_fwd_bwd_flops_match_flop_counter(family):
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS[family]), device="cpu", attn_implementation="eager")
+    inputs = example_inputs(model, 2, 32)
+    graph = trace(model, inputs)
+    ours = graph.fwd_flops + graph.bwd_flops
+    theirs = _flop_counter_total(model, inputs)
+    assert abs(ours - theirs) / theirs < 0.05, (ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_param_bytes_exact_and_tied_weights_deduplicated(family):
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS[family]), device="cpu")
+    graph = trace(model, example_inputs(model, 1, 16))
+    assert graph.param_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    if family == "gpt2":  # lm_head is tied to the token embedding
+        tied = [p for p in graph.params if p.aliases]
+        assert tied and "lm_head.weight" in tied[0].aliases
+
+
+def test_blocks_module_paths_and_classes():
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="cpu")
+    graph = trace(model, example_inputs(model, 2, 16))
+    assert [layer.path for layer in graph.layers] == ["model.layers.0", "model.layers.1"]
+    assert all(layer.module_type == "LlamaDecoderLayer" for layer in graph.layers)
+    assert graph.layers[0].param_count == graph.layers[1].param_count > 0
+    q_proj = [n for n in graph.nodes if n.module_path == "model.layers.1.self_attn.q_proj"]
+    assert q_proj and q_proj[0].op_class is OpClass.MATMUL and q_proj[0].layer == 1
+    assert q_proj[0].param_fqns == ("model.layers.1.self_attn.q_proj.weight",)
+    assert any(n.op_class is OpClass.ATTENTION for n in graph.nodes)  # sdpa by default
+    assert graph.batch_size == 2 and graph.seq_len == 16
+    assert graph.activation_bytes > 0
+    s = graph.summary()
+    assert s.fwd_flops_per_sample * 2 == pytest.approx(graph.fwd_flops)
+
+
+def test_first_layer_backward_skips_data_gradient():
+    """A product whose input is data needs only the weight gradient: bwd = 1x fwd there."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    graph = trace(model, (torch.randn(5, 8),))
+    first, second = [n for n in graph.nodes if n.op_class is OpClass.MATMUL]
+    assert first.fwd_flops == 2 * 5 * 8 * 16 and first.bwd_flops == first.fwd_flops
+    assert second.bwd_flops == 2 * second.fwd_flops
+
+
+def test_meta_device_traces_without_allocating():
+    spec = ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], hidden_size=512, intermediate_size=1024))
+    model = build_model(spec, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    graph = trace(model, example_inputs(model, 1, 64, device="meta"))
+    assert graph.param_count == sum(p.numel() for p in model.parameters())
+    assert graph.fwd_flops > 0
+
+
+class _DataDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # Python branch on a tensor value: not exportable
+            return self.lin(x)
+        return x
+
+
+def test_unexportable_model_gives_trace_error_naming_the_line():
+    with pytest.raises(TraceError) as info:
+        trace(_DataDependent(), (torch.randn(2, 4),))
+    msg = str(info.value)
+    assert "_DataDependent" in msg and "x.sum() > 0" in msg and "example_inputs" in msg
+
+
+def test_missing_example_inputs_is_a_clear_error():
+    with pytest.raises(TraceError, match="example_inputs is required"):
+        trace(torch.nn.Linear(2, 2), None)
