@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", type=Path, help="scenario YAML/JSON (cluster + model + workload)")
     p.add_argument("--cluster", type=Path, help="cluster YAML/JSON (a scenario's cluster part)")
     p.add_argument("--model", help="preset name, path to a HF config.json, or module:function")
-    p.add_argument("--task", choices=("causal-lm", "masked-lm", "image-classification"))
+    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq-lm", "image-classification"))
     p.add_argument("--batch", type=_positive, help="global batch (default: the scenario's, else 8)")
     p.add_argument("--seq", type=_positive, help="sequence length (default: the scenario's, else 512)")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="training precision")

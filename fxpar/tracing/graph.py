@@ -22,6 +22,9 @@ class OpClass(str, enum.Enum):
     NORM = "norm"              # reductions used by layer/RMS norms and softmax
     ELEMENTWISE = "elementwise"  # pointwise math: memory-bound
     LOSS = "loss"              # cross entropy and friends
+    MOE_ROUTING = "moe_routing"  # router logits, top-k, token sort/dispatch/combine of MoE layers
+    MOE_EXPERTS = "moe_experts"  # the experts' (grouped) matrix products
+    COLLECTIVE = "collective"  # communication already present in the traced graph
     VIEW = "view"              # metadata only: no bytes moved, no FLOPs
     OTHER = "other"
 
@@ -127,7 +130,7 @@ class ModelGraph:
         memory_bound = sum(
             n.bytes_read + n.bytes_written
             for n in self.nodes
-            if n.op_class not in (OpClass.MATMUL, OpClass.ATTENTION, OpClass.VIEW)
+            if n.op_class not in (OpClass.MATMUL, OpClass.ATTENTION, OpClass.MOE_EXPERTS, OpClass.VIEW)
         )
         return WorkloadSummary(
             fwd_flops_per_sample=self.fwd_flops / b,

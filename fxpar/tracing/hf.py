@@ -15,8 +15,8 @@ import torch
 
 from fxpar.errors import ConfigError
 
-Task = Literal["causal-lm", "masked-lm", "image-classification"]
-TASKS: tuple[str, ...] = ("causal-lm", "masked-lm", "image-classification")
+Task = Literal["causal-lm", "masked-lm", "seq2seq-lm", "image-classification"]
+TASKS: tuple[str, ...] = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -69,9 +69,10 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: 
                 seed: int | None = 0, attn_implementation: str | None = "sdpa") -> torch.nn.Module:
     """Instantiate ``spec`` with random weights on ``device`` (``meta``: no memory at all)."""
     from transformers import (AutoModelForCausalLM, AutoModelForImageClassification,
-                              AutoModelForMaskedLM)
+                              AutoModelForMaskedLM, AutoModelForSeq2SeqLM)
 
     auto = {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM,
+            "seq2seq-lm": AutoModelForSeq2SeqLM,
             "image-classification": AutoModelForImageClassification}[spec.task]
     config = hf_config(spec)
     if attn_implementation is not None:
@@ -121,4 +122,9 @@ def example_inputs(model_or_config: Any, batch: int, seq_len: int | None = None,
         ids = torch.empty(batch, seq_len, dtype=torch.long, device="meta")
     else:
         ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+    if task == "seq2seq-lm":  # decoder targets: half as long as the source
+        tgt = max(1, seq_len // 2)
+        labels = (torch.empty(batch, tgt, dtype=torch.long, device="meta") if str(device) == "meta"
+                  else torch.randint(0, vocab, (batch, tgt), generator=gen).to(device))
+        return {"input_ids": ids, "labels": labels}
     return {"input_ids": ids, "labels": ids.clone() if str(device) != "meta" else ids}

@@ -7,6 +7,7 @@ Forward FLOPs, for an output with ``M`` rows (all leading dims), inner size ``K`
 
     linear / mm / addmm / matmul / bmm:   F = 2 · M · K · N
     conv (via torch.utils.flop_counter.conv_flop_count)
+    grouped_mm (MoE experts, R routed rows): F = 2 · R · K · N   (only routed tokens count)
     scaled_dot_product_attention:         F = 2 · b·h·s_q·s_k·d_qk + 2 · b·h·s_q·s_k·d_v
 
 Backward FLOPs: a product ``C = A·B`` costs ``2·M·K·N`` for ``dA`` if ``A`` needs a gradient and
@@ -24,7 +25,13 @@ from fxpar.tracing.graph import OpClass
 
 # aten op names (overload packet, without the "aten." prefix) grouped by class.
 _MATMUL = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "_convolution",
-           "conv1d", "conv2d", "conv3d", "einsum"}
+           "conv1d", "conv2d", "conv3d", "einsum", "grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
+_GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+# Class-name endings of a mixture-of-experts block and its parts (Qwen3MoeSparseMoeBlock,
+# MixtralExperts, MixtralTopKRouter, ...); the model / decoder-layer classes of MoE families
+# (Qwen3MoeDecoderLayer) do not end so.
+_MOE_SUFFIXES = ("SparseMoeBlock", "MoeBlock", "MoELayer", "MoeLayer", "Experts", "Router")
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 _EMBEDDING = {"embedding"}
@@ -44,13 +51,46 @@ _NO_SAVE = {"add", "sub", "neg", "cat", "stack", "pad", "constant_pad_nd", "inde
             "repeat", "repeat_interleave", "embedding"} | _VIEW
 
 
+def op_namespace(target: Any) -> str:
+    """``aten.linear.default`` -> ``aten``; ``transformers.grouped_mm_fallback`` -> ``transformers``."""
+    return str(getattr(target, "namespace", "") or "")
+
+
 def op_name(target: Any) -> str:
     """``aten.linear.default`` -> ``linear``; ``operator.getitem`` -> ``getitem``."""
     name = getattr(target, "__name__", None) or str(target)
     packet = getattr(target, "_overloadpacket", None)
     if packet is not None:
         name = packet.__name__
+    name = name.split("::")[-1]
     return name.split(".")[-1] if "." in name else name
+
+
+# Token dispatch / combine ops of an MoE layer (sorting tokens by expert, counting, gathering).
+_ROUTING_OPS = {"topk", "sort", "argsort", "histc", "bincount", "cumsum", "index", "index_put",
+                "index_put_", "index_add", "index_add_", "scatter", "scatter_add", "scatter_add_",
+                "gather", "one_hot", "nonzero", "where", "floor_divide", "softmax", "_softmax",
+                "div", "div_", "sum", "empty_like", "arange"}
+
+
+def refine_class(cls: OpClass, namespace: str, module_types: list[str], module_path: str,
+                 name: str) -> OpClass:
+    """MoE and collective classes from the op's namespace and enclosing module classes.
+
+    Inside an MoE layer: the experts' products are MOE_EXPERTS; the router's product and the
+    dispatch/combine ops (top-k, sort, histc, index, ...) are MOE_ROUTING; the experts'
+    pointwise math (activation, gating multiply) keeps its class.
+    """
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return OpClass.COLLECTIVE
+    if cls is OpClass.VIEW or not any(t.endswith(_MOE_SUFFIXES) for t in module_types):
+        return cls
+    in_experts = any("Experts" in t for t in module_types) or ".experts" in module_path
+    if cls is OpClass.MATMUL:
+        return OpClass.MOE_EXPERTS if in_experts else OpClass.MOE_ROUTING
+    if name in _ROUTING_OPS:
+        return OpClass.MOE_ROUTING
+    return cls
 
 
 def classify(name: str) -> OpClass:
@@ -94,6 +134,11 @@ def matmul_flops(name: str, shapes: list[tuple[int, ...] | None],
         k = int(w[-1])
     elif name in ("addmm", "baddbmm"):
         a = shapes[1]
+        if a is None:
+            return 0, (0, 0)
+        k = int(a[-1])
+    elif name in _GROUPED:
+        a = shapes[0]
         if a is None:
             return 0, (0, 0)
         k = int(a[-1])

@@ -196,8 +196,10 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
               param_alias: dict[str, str], saved: set[str]) -> OpNode:
     name = op_costs.op_name(node.target)
-    cls = op_costs.classify(name)
     module = _module_path(node)
+    stack_types = [str(c).rsplit(".", 1)[-1] for _, c in (node.meta.get("nn_module_stack") or {}).values()]
+    base_cls = op_costs.classify(name)
+    cls = op_costs.refine_class(base_cls, op_costs.op_namespace(node.target), stack_types, module, name)
     blk = block_path(module)
     if blk is not None and blk not in layer_of:
         layer_of[blk] = len(layer_of)
@@ -216,11 +218,11 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
     rg = any(rg_inputs) and floating_out
     needs_grad[node.name] = rg
     params_read = tuple(dict.fromkeys(param_alias[a.name] for a in inputs if a.name in param_alias))
-    if cls is OpClass.VIEW and len(params_read) == 1 and inputs and inputs[0].name in param_alias:
+    if base_cls is OpClass.VIEW and len(params_read) == 1 and inputs and inputs[0].name in param_alias:
         param_alias[node.name] = params_read[0]
 
     fwd = bwd = 0
-    if cls is OpClass.MATMUL:
+    if base_cls is OpClass.MATMUL:
         if name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d"):
             transposed = bool(node.args[6]) if name in ("convolution", "_convolution") and len(node.args) > 6 else False
             fwd = op_costs.conv_flops(shapes, out_shape, transposed)
@@ -234,7 +236,7 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         fwd = op_costs.attention_flops(shapes)
         bwd = int(op_costs.ATTENTION_BACKWARD_FACTOR * fwd) if rg else 0
 
-    is_view = cls is OpClass.VIEW
+    is_view = base_cls is OpClass.VIEW
     read = 0 if is_view else sum(_nbytes(t) for t in tensor_args if t is not None)
     written = 0 if is_view else sum(_nbytes(t) for t in outs)
     saved_bytes = 0
