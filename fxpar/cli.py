@@ -51,6 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), help="optimizer (state bytes)")
     p.add_argument("--max-microbatches", type=_positive, help="cap on gradient-accumulation steps")
     p.add_argument("--json", type=Path, dest="json_out", help="write the plan as JSON here")
+    p.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile "
+                   "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
+    p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
+
+    f = sub.add_parser("profile", help="measure per-op costs (or collectives) on this device")
+    f.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    f.add_argument("--model", default="llama-tiny", help="preset or HF config.json to profile")
+    f.add_argument("--batch", type=_positive, default=2,
+                   help="profile at this batch (>= 2) and 4x it")
+    f.add_argument("--seq", type=_positive, default=128)
+    f.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    f.add_argument("--repeats", type=_positive, default=5)
+    f.add_argument("--collectives", action="store_true",
+                   help="measure collectives on the running process group (under torchrun)")
+    f.add_argument("--out", type=Path, default=Path("profiles"), help="database directory")
 
     d = sub.add_parser("demo", help="2-rank gloo training: fxpar vs torch DDP, emulated speeds")
     d.add_argument("--steps", type=_positive, default=5, help="measured steps per method (default 5)")
@@ -87,8 +102,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                             max_microbatches=args.max_microbatches)
     _progress(f"cluster {cluster.name}: {cluster.world_size} devices; workload: batch "
               f"{workload.global_batch}, seq {workload.seq_len}, {workload.dtype}, {workload.optimizer}")
-    plan = plan_model(model, cluster, workload, progress=_progress)
+    from fxpar.profiling.database import load_profiles
+
+    profiles = load_profiles(args.profiles)
+    plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles)
     print(plan.table())
+    if args.timeline is not None:
+        _draw_timeline(plan, cluster, model, workload, profiles, args.timeline)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json_out.with_suffix(args.json_out.suffix + ".tmp")
@@ -96,6 +116,39 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tmp.replace(args.json_out)
         _progress(f"wrote {args.json_out}")
     _progress(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None:
+    from fxpar.planning import trace_spec
+    from fxpar.profiling import CostModel
+    from fxpar.sim import simulate
+    from fxpar.sim.plot import plot_timeline
+
+    graph = trace_spec(model, workload, op_keys=bool(profiles))
+    cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer, profiles=profiles)
+    result = simulate(plan, cost)
+    labels = [f"{r.rank} {r.device}" + (f"@{r.speed:g}" if r.speed != 1 else "") for r in plan.ranks]
+    plot_timeline(result, path, labels=labels, title=f"{plan.model} on {plan.cluster}: predicted "
+                  f"step {result.step_s:.4g} s")
+    _progress(f"wrote {path}")
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
+
+    if args.collectives:
+        profile_collectives(out=args.out, progress=_progress)
+        return 0
+    created = maybe_init_process_group()
+    try:
+        profile_ops(model=args.model, batch=args.batch, seq=args.seq, device=args.device,
+                    out=args.out, repeats=args.repeats, dtype=args.dtype, progress=_progress)
+    finally:
+        if created:
+            dist.destroy_process_group()
     return 0
 
 
@@ -114,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"plan": _cmd_plan, "demo": _cmd_demo}[args.command](args)
+        return {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile}[args.command](args)
     except InfeasibleError as exc:
         print(f"fxpar: no plan fits: {exc}", file=sys.stderr)
         return EXIT_INFEASIBLE

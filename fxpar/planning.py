@@ -6,12 +6,13 @@ Shared by ``fxpar plan``, the benchmarks and the demo; prints progress through `
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
+from fxpar.profiling.database import ProfileDB
 from fxpar.solvers import check_inputs, plan as solve_plan
 from fxpar.tracing import ModelGraph, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
@@ -24,14 +25,27 @@ def _quiet(_: str) -> None:
     pass
 
 
-def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress = _quiet) -> ModelGraph:
-    """Trace a ModelSpec on the meta device (no weights allocated), or a user module as is."""
+def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress = _quiet,
+               op_keys: bool = False) -> ModelGraph:
+    """Trace a ModelSpec on the meta device (no weights allocated), or a user module as is.
+
+    ``op_keys=True`` traces twice (batch 2 and 4) to key the nodes for measured profiles."""
     start = time.perf_counter()
     if isinstance(model, ModelSpec):
         progress(f"building {model.display_name} on the meta device ({workload.dtype})")
         module = build_model(model, device="meta", dtype=workload.dtype)
         inputs = example_inputs(module, 1, workload.seq_len, task=model.task, device="meta")
         name = model.display_name
+        if op_keys:
+            from fxpar.tracing.trace import trace_at_two_batches
+
+            progress(f"tracing {name} with torch.export at batch 2 and 4 (profile keys)")
+            graph = trace_at_two_batches(
+                module, example_inputs(module, 2, workload.seq_len, task=model.task, device="meta"),
+                example_inputs(module, 4, workload.seq_len, task=model.task, device="meta"),
+                model_name=name)
+            progress(f"traced {len(graph.nodes)} ops in {time.perf_counter() - start:.1f} s")
+            return graph
     else:
         module, inputs = (model if isinstance(model, tuple) else (model, None))
         if not isinstance(module, torch.nn.Module):
@@ -51,11 +65,15 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
 
 
 def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
-               progress: Progress = _quiet) -> Plan:
+               progress: Progress = _quiet, profiles: Mapping[str, ProfileDB] | None = None) -> Plan:
     """Trace (on meta) and solve: the CLI's ``fxpar plan``."""
     check_inputs(cluster, workload)
-    graph = trace_spec(model, workload, progress=progress)
+    used = {g.type.name for g in cluster.groups()} & set(profiles or {})
+    graph = trace_spec(model, workload, progress=progress,
+                       op_keys=bool(used) and isinstance(model, ModelSpec))
+    if used:
+        progress(f"measured profiles for {', '.join(sorted(used))}; roofline elsewhere")
     progress(f"solving for {cluster.world_size} devices in {len(cluster.groups())} groups")
-    result = solve_plan(graph, cluster, workload)
+    result = solve_plan(graph, cluster, workload, profiles=profiles)
     progress(f"solved in {result.solve_time_s:.2f} s")
     return result

@@ -109,3 +109,11 @@ def infeasible_on_every_rank() -> str:
     except fxpar.InfeasibleError as exc:
         return str(exc)
     return "no error"
+
+
+def measure_links() -> dict:
+    """Measure gloo collectives on the pool's ranks (small sizes, for speed)."""
+    from fxpar.profiling.measure_comm import measure_collectives
+
+    links = measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=3)
+    return {k: (v.alpha_s, v.bus_bytes_per_s, v.world) for k, v in links.items()}

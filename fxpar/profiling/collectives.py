@@ -12,11 +12,24 @@ All-reduce of ``S`` bytes over ``k`` nodes with ``g_j`` devices in node ``j``, h
     predicted  t = t_intra + t_inter          (phases in sequence)
     lower bound  max(2(g−1)/g · S/B_in, 2(k−1)/k · S/B_node)   (η = 1, α = 0, full overlap)
 
+Other collectives of ``S`` bytes (the full tensor) over ``n`` devices, bottleneck bandwidth
+``B`` (intra-node link inside one node, the node NIC across nodes):
+
+    all-gather, reduce-scatter   (n − 1)/n · S / (η B) + (n − 1) α          (ring)
+    all-to-all                   (n − 1)/n · S / (η B) + (n − 1) α          (pairwise)
+    tree all-reduce              2 · S / (η B) + 2 ⌈log₂ n⌉ α                (double binary tree)
+    point-to-point               S / (η B) + α
+
+``allreduce_time`` takes the cheaper of ring and tree.  A measured link (``fxpar profile
+--collectives``, :class:`~fxpar.profiling.database.LinkCost`) replaces the formula:
+``t = α + S_bus / β`` with ``S_bus`` = 2(n−1)/n·S for all-reduce, (n−1)/n·S for the others.
+
 ``α`` values are estimates (U): 5 µs per hop inside a node, 15 µs across nodes.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,8 +66,15 @@ def ring_shape(cluster, ranks: Sequence[int] | None = None) -> RingShape:
                      intra_bytes_per_s=intra, node_bytes_per_s=cluster.inter_node_bytes_per_s())
 
 
-def allreduce_time(shape: RingShape, nbytes: float) -> float:
-    """Predicted time of a hierarchical all-reduce of ``nbytes`` bytes (seconds)."""
+def _bottleneck(shape: RingShape) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the slowest hop of a flat ring over ``shape``."""
+    if shape.num_nodes > 1:
+        return shape.node_bytes_per_s, ALPHA_INTER_S
+    return min(shape.intra_bytes_per_s), ALPHA_INTRA_S
+
+
+def ring_allreduce_time(shape: RingShape, nbytes: float) -> float:
+    """Predicted time of a hierarchical ring all-reduce of ``nbytes`` bytes (seconds)."""
     if shape.world <= 1 or nbytes <= 0:
         return 0.0
     intra = max(
@@ -67,6 +87,63 @@ def allreduce_time(shape: RingShape, nbytes: float) -> float:
         inter = (2 * (k - 1) / k * nbytes / (LINK_EFFICIENCY * shape.node_bytes_per_s)
                  + 2 * (k - 1) * ALPHA_INTER_S)
     return intra + inter
+
+
+def tree_allreduce_time(shape: RingShape, nbytes: float) -> float:
+    n = shape.world
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = _bottleneck(shape)
+    return 2 * nbytes / (LINK_EFFICIENCY * bw) + 2 * math.ceil(math.log2(n)) * alpha
+
+
+def allreduce_time(shape: RingShape, nbytes: float) -> float:
+    """The cheaper of ring (hierarchical) and tree all-reduce."""
+    if shape.world <= 1 or nbytes <= 0:
+        return 0.0
+    return min(ring_allreduce_time(shape, nbytes), tree_allreduce_time(shape, nbytes))
+
+
+def _one_pass(shape: RingShape, nbytes: float) -> float:
+    n = shape.world
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, alpha = _bottleneck(shape)
+    return (n - 1) / n * nbytes / (LINK_EFFICIENCY * bw) + (n - 1) * alpha
+
+
+def allgather_time(shape: RingShape, nbytes: float) -> float:
+    """All-gather producing ``nbytes`` on every device."""
+    return _one_pass(shape, nbytes)
+
+
+def reduce_scatter_time(shape: RingShape, nbytes: float) -> float:
+    """Reduce-scatter of an ``nbytes`` input."""
+    return _one_pass(shape, nbytes)
+
+
+def alltoall_time(shape: RingShape, nbytes: float) -> float:
+    """All-to-all where every device sends ``nbytes`` in total."""
+    return _one_pass(shape, nbytes)
+
+
+def p2p_time(nbytes: float, *, same_node: bool, intra_bytes_per_s: float, node_bytes_per_s: float) -> float:
+    if nbytes <= 0:
+        return 0.0
+    bw, alpha = (intra_bytes_per_s, ALPHA_INTRA_S) if same_node else (node_bytes_per_s, ALPHA_INTER_S)
+    return nbytes / (LINK_EFFICIENCY * bw) + alpha
+
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "p2p": lambda n: 1.0}
+
+
+def measured_time(link, kind: str, world: int, nbytes: float) -> float:
+    """Time from a measured :class:`LinkCost` for ``kind`` over ``world`` devices."""
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    return link.alpha_s + BUS_FACTOR[kind](world) * nbytes / link.bus_bytes_per_s
 
 
 def allreduce_lower_bound(shape: RingShape, nbytes: float) -> float:

@@ -45,6 +45,20 @@ def model_state_bytes(param_count: int, optimizer: str, dtype: str) -> int:
     return int(param_count) * sum(state_bytes_per_param(optimizer, dtype))
 
 
+def optimizer_traffic_bytes_per_param(optimizer: str, dtype: str) -> int:
+    """Bytes an optimizer step reads and writes per parameter (memory-bound update).
+
+    Adam: read weight, gradient, m, v and write weight, m, v (fp32: 16 + 12 = 28 bytes; mixed
+    precision reads/writes the fp32 master instead and writes the low-precision copy: ~30).
+    SGD with momentum: read weight, gradient, momentum, write weight, momentum (20 / ~22).
+    """
+    family = _family(optimizer)
+    mixed = dtype in ("fp16", "bf16")
+    if family == "adam":
+        return 30 if mixed else 28
+    return 22 if mixed else 20
+
+
 def gradient_bytes(param_count: int, optimizer: str, dtype: str) -> int:
     """Bytes of the gradients that data parallelism all-reduces each step."""
     return int(param_count) * state_bytes_per_param(optimizer, dtype)[1]

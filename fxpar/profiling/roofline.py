@@ -11,6 +11,14 @@ For node ``n`` on device type ``d`` at precision ``p`` with relative speed ``s``
 fraction of peak than GEMMs — reference, "one speed ratio per op class"); pointwise nodes have
 no FLOPs and are bound by memory.  The backward of a pointwise node reads the forward's inputs
 and the incoming gradient and writes the input gradient, about twice the forward's traffic.
+
+Every non-view node also pays ``OP_OVERHEAD_S`` per launch (eager dispatch + kernel launch, an
+estimate (U)), so the cost of a micro-batch of ``B`` samples is affine:
+
+    t(B) = A + C · B,   A = Σ_n overhead (+ measured a_n),   C = Σ_n t_n per sample
+
+Measured profiles (:mod:`fxpar.profiling.database`) replace the roofline node by node wherever
+the graph's batch-normalised key is in the device type's database.
 """
 
 from __future__ import annotations
@@ -19,22 +27,48 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from typing import Mapping
+
 from fxpar.profiling import collectives, memory
+from fxpar.profiling.database import ProfileDB
 from fxpar.tracing.graph import ModelGraph, OpClass
 
 ATTENTION_EFFICIENCY_FACTOR = 0.75
+OP_OVERHEAD_S = 5e-6
 
 
 @dataclass(frozen=True, slots=True)
 class SampleCost:
-    """Per-sample forward and backward seconds of the whole model on one device kind."""
+    """Affine cost of the whole model on one device kind: ``t(B) = fixed + per_sample · B``."""
 
-    fwd_s: float
-    bwd_s: float
+    fwd_s: float                 # per sample
+    bwd_s: float                 # per sample
+    fwd_fixed_s: float = 0.0     # per micro-batch
+    bwd_fixed_s: float = 0.0
+    measured_fraction: float = 0.0   # share of nodes whose cost came from a measured profile
 
     @property
     def total_s(self) -> float:
+        """Marginal seconds per sample (forward + backward)."""
         return self.fwd_s + self.bwd_s
+
+    @property
+    def fixed_s(self) -> float:
+        """Seconds per micro-batch independent of its size (forward + backward)."""
+        return self.fwd_fixed_s + self.bwd_fixed_s
+
+    def microbatch_s(self, batch: float) -> float:
+        return self.fixed_s + self.total_s * batch
+
+
+def optimizer_key(optimizer: str, dtype: str) -> str:
+    """Profile-database key of an optimizer step (cost affine in the parameter count)."""
+    family = "adam" if optimizer in ("adam", "adamw") else "sgd"
+    return f"optimizer|{family}|{dtype}"
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}.get(dtype, 4)
 
 
 class CostModel:
@@ -44,14 +78,19 @@ class CostModel:
     """
 
     def __init__(self, graph: ModelGraph, cluster, *, dtype: str = "fp32",
-                 optimizer: str = "adam", allow_tf32: bool = False) -> None:
+                 optimizer: str = "adam", allow_tf32: bool = False,
+                 profiles: Mapping[str, ProfileDB] | None = None) -> None:
         self.graph = graph
         self.cluster = cluster
         self.dtype = dtype
         self.optimizer = optimizer
         self.compute_dtype = "tf32" if (dtype == "fp32" and allow_tf32) else dtype
         memory.state_bytes_per_param(optimizer, dtype)  # validates the optimizer name early
-        nodes = [n for n in graph.nodes if n.op_class is not OpClass.VIEW]
+        self.profiles = dict(profiles or {})
+        keep = [i for i, n in enumerate(graph.nodes) if n.op_class is not OpClass.VIEW]
+        nodes = [graph.nodes[i] for i in keep]
+        self._keys = [graph.op_keys[i] for i in keep] if graph.op_keys else []
+        self._all_keys = list(graph.op_keys)
         b = float(graph.batch_size)
         self._fwd = np.array([n.fwd_flops for n in nodes], dtype=np.float64) / b
         self._bwd = np.array([n.bwd_flops for n in nodes], dtype=np.float64) / b
@@ -71,9 +110,28 @@ class CostModel:
                            dtype_obj.matmul_efficiency)
             rate = eta * peak
             bw = dtype_obj.memory_efficiency * dtype_obj.memory_gbps * 1e9
-            fwd = np.maximum(self._fwd / rate, self._bytes / bw).sum()
-            bwd = np.where(self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._bytes / bw), 0.0).sum()
-            self._cache[key] = SampleCost(fwd_s=float(fwd) / device.speed, bwd_s=float(bwd) / device.speed)
+            fwd = np.maximum(self._fwd / rate, self._bytes / bw)
+            bwd = np.where(self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._bytes / bw), 0.0)
+            fwd_a = np.full(len(fwd), OP_OVERHEAD_S)
+            bwd_a = np.where(self._needs_bwd, OP_OVERHEAD_S, 0.0)
+            measured, extra = 0, np.zeros(4)  # measured (fwd a, fwd c, bwd a, bwd c)
+            db = self.profiles.get(dtype_obj.name)
+            if db is not None and self._all_keys:
+                # measured nodes replace their roofline estimate; views count too (they cost
+                # dispatch time on a real device), nodes missing from the database keep roofline
+                hit = np.array([k in db.ops for k in self._keys], dtype=bool)
+                fwd[hit] = bwd[hit] = fwd_a[hit] = bwd_a[hit] = 0.0
+                for k in self._all_keys:
+                    cost = db.ops.get(k)
+                    if cost is not None:
+                        measured += 1
+                        extra += (cost.fwd[0], cost.fwd[1], cost.bwd[0], cost.bwd[1])
+            s = device.speed
+            self._cache[key] = SampleCost(
+                fwd_s=(float(fwd.sum()) + extra[1]) / s, bwd_s=(float(bwd.sum()) + extra[3]) / s,
+                fwd_fixed_s=(float(fwd_a.sum()) + extra[0]) / s,
+                bwd_fixed_s=(float(bwd_a.sum()) + extra[2]) / s,
+                measured_fraction=measured / max(1, len(self._all_keys)))
         return self._cache[key]
 
     def flops_per_sample(self) -> float:
@@ -91,11 +149,41 @@ class CostModel:
     def activation_bytes_per_sample(self) -> float:
         return self.graph.activation_bytes / float(self.graph.batch_size)
 
+    def optimizer_s(self, device) -> float:
+        """One optimizer step on ``device``: measured per parameter where profiled, else the
+        update's memory traffic at the device's bandwidth.  Not divided by an emulated speed:
+        the emulator stretches forward and backward only."""
+        db = self.profiles.get(device.type.name)
+        cost = None if db is None else db.ops.get(optimizer_key(self.optimizer, self.dtype))
+        if cost is not None:
+            return cost.fwd_s(self.param_count)
+        traffic = memory.optimizer_traffic_bytes_per_param(self.optimizer, self.dtype) * self.param_count
+        return traffic / (device.type.memory_efficiency * device.type.memory_gbps * 1e9)
+
+    def transient_bytes_per_sample(self) -> float:
+        """Backward workspace: the gradient and a temporary of the largest single output."""
+        largest = max((sum(int(np.prod(sh)) for sh in n.out_shapes) * _itemsize(n.dtype)
+                       for n in self.graph.nodes if n.requires_grad), default=0)
+        return 2.0 * largest / float(self.graph.batch_size)
+
     def gradient_bytes(self) -> int:
         return memory.gradient_bytes(self.param_count, self.optimizer, self.dtype)
 
     # ---- communication -------------------------------------------------------------------
+    def measured_link(self, kind: str, ranks=None):
+        """A measured link of ``kind`` when every device involved has one type with a profile."""
+        devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
+        types = {d.type.name for d in devices}
+        if len(types) != 1:
+            return None
+        db = self.profiles.get(types.pop())
+        return None if db is None else db.links.get(kind)
+
     def allreduce_s(self, nbytes: float, ranks=None) -> float:
+        link = self.measured_link("all_reduce", ranks)
+        world = self.cluster.world_size if ranks is None else len(ranks)
+        if link is not None:
+            return collectives.measured_time(link, "all_reduce", world, nbytes)
         return collectives.allreduce_time(collectives.ring_shape(self.cluster, ranks), nbytes)
 
     def allreduce_lower_bound_s(self, nbytes: float, ranks=None) -> float:

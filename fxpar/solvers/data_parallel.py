@@ -5,10 +5,12 @@ share variable per *device group*, not per device (1024 GPUs of two kinds: two v
 
 Data (per group ``g``; from the cost model):
     n_g    devices in the group
-    t_g    seconds per sample, forward + backward                      (roofline)
+    t_g    seconds per sample, forward + backward                      (cost model)
+    f_g    seconds per micro-batch independent of its size (launch / dispatch overhead)
     M_g    memory per device, bytes
-    S      model state per replica: weights + gradients + optimizer     (memory.py)
-    a      activation bytes per sample
+    S      per replica: weights + gradients + optimizer state (memory.py), plus the flat
+           gradient buffer of the all-reduce when there is more than one rank
+    a      bytes per sample: saved activations + backward workspace
     c_g    = ⌊(M_g − S) / a⌋, the largest micro-batch that fits
     K      max gradient-accumulation steps per rank (∞ by default)
     C      time of the gradient all-reduce over all ranks               (collectives.py)
@@ -17,7 +19,7 @@ Data (per group ``g``; from the cost model):
 Variables: x_g ≥ 0 (samples per device of group g), T (compute makespan).
 
     minimise    T
-    subject to  t_g · x_g ≤ T                 for every g      (add_makespan_rows)
+    subject to  t_g · x_g + f_g ≤ T           for every g      (add_makespan_rows)
                 Σ_g n_g · x_g = B                               (add_batch_row)
                 x_g ≤ K · c_g                 for every g, K<∞  (add_memory_rows)
 
@@ -52,6 +54,7 @@ class DPGroup:
     ranks: tuple[int, ...]
     sample_s: float
     memory_bytes: int
+    fixed_s: float = 0.0
 
     @property
     def count(self) -> int:
@@ -104,7 +107,8 @@ def check_memory(problem: DPProblem, describe=lambda g: g.key) -> None:
         lines = [f"  {name}: short by {b / gib:.2f} GiB" for name, b in short.items()]
         raise InfeasibleError(
             "data parallelism does not fit: every rank holds the full model state "
-            f"({problem.state_bytes / gib:.2f} GiB of weights, gradients and optimizer state) plus "
+            f"({problem.state_bytes / gib:.2f} GiB of weights, gradients, optimizer state and "
+            "all-reduce buffer) plus "
             f"at least one sample's activations ({problem.activation_bytes_per_sample / gib:.2f} GiB), "
             f"{need / gib:.2f} GiB in all, more than these devices have:\n" + "\n".join(lines) +
             "\nWhat would help: a shorter sequence or smaller model, an optimizer with less state "
@@ -119,11 +123,12 @@ def solve_shares_lp(problem: DPProblem) -> tuple[np.ndarray, float, str, str]:
 
     groups = problem.groups
     t = np.array([g.sample_s for g in groups])
+    f = np.array([g.fixed_s for g in groups])
     n = np.array([g.count for g in groups], dtype=float)
     scale = float(t.max())  # work in units of the slowest per-sample time
     x = cp.Variable(len(groups), nonneg=True)
     T = cp.Variable(nonneg=True)
-    cons = add_makespan_rows(x, T, t / scale) + add_batch_row(x, n, problem.global_batch)
+    cons = add_makespan_rows(x, T, t / scale, f / scale) + add_batch_row(x, n, problem.global_batch)
     cons += add_memory_rows(x, problem)
     prob = cp.Problem(cp.Minimize(T), cons)
     backend = "HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0]
@@ -138,8 +143,8 @@ def solve_shares_lp(problem: DPProblem) -> tuple[np.ndarray, float, str, str]:
     return np.maximum(np.asarray(x.value, dtype=float), 0.0), float(T.value) * scale, prob.status, backend
 
 
-def add_makespan_rows(x, T, t):
-    return [cp_mul(t, x) <= T]
+def add_makespan_rows(x, T, t, f):
+    return [cp_mul(t, x) + f <= T]
 
 
 def add_batch_row(x, n, batch):
@@ -159,15 +164,17 @@ def cp_mul(a, x):
 
 
 def integer_shares(sample_s: list[float], caps: list[float], batch: int,
-                   start: list[int] | None = None) -> list[int]:
-    """Integer shares minimising max_i s_i·t_i with Σ s_i = batch, s_i ≤ cap_i.
+                   start: list[int] | None = None, fixed_s: list[float] | None = None) -> list[int]:
+    """Integer shares minimising max_i (s_i·t_i + f_i) with Σ s_i = batch, s_i ≤ cap_i.
 
     Starts from ``start`` (floors of the LP optimum, each ≤ the optimum) and hands out the rest
     one sample at a time to the device whose finish time grows least (ties: lowest rank).
     """
     shares = list(start) if start is not None else [0] * len(sample_s)
+    fixed = fixed_s if fixed_s is not None else [0.0] * len(sample_s)
     left = batch - sum(shares)
-    heap = [((s + 1) * t, i) for i, (s, t) in enumerate(zip(shares, sample_s)) if s + 1 <= caps[i]]
+    heap = [((s + 1) * t + fixed[i], i) for i, (s, t) in enumerate(zip(shares, sample_s))
+            if s + 1 <= caps[i]]
     heapq.heapify(heap)
     while left > 0:
         if not heap:
@@ -177,7 +184,7 @@ def integer_shares(sample_s: list[float], caps: list[float], batch: int,
         shares[i] += 1
         left -= 1
         if shares[i] + 1 <= caps[i]:
-            heapq.heappush(heap, ((shares[i] + 1) * sample_s[i], i))
+            heapq.heappush(heap, ((shares[i] + 1) * sample_s[i] + fixed[i], i))
     return shares
 
 
@@ -195,17 +202,19 @@ def solve(problem: DPProblem) -> DPSolution:
     x, lp_T, status, backend = solve_shares_lp(problem)
     world = sum(g.count for g in problem.groups)
     t_rank, cap_rank, micro_cap, floors = [0.0] * world, [0.0] * world, [0] * world, [0] * world
+    f_rank = [0.0] * world
     for gi, g in enumerate(problem.groups):
         for r in g.ranks:
             t_rank[r] = g.sample_s
+            f_rank[r] = g.fixed_s
             cap_rank[r] = problem.share_cap(g)
             micro_cap[r] = problem.micro_batch_cap(g)
             floors[r] = int(math.floor(x[gi] + 1e-9))
     while sum(floors) > problem.global_batch:  # guard against LP round-off
         floors[int(np.argmax(floors))] -= 1
-    shares = integer_shares(t_rank, cap_rank, problem.global_batch, floors)
+    shares = integer_shares(t_rank, cap_rank, problem.global_batch, floors, f_rank)
     mb = [micro_batches(s, micro_cap[r], problem.max_microbatches) for r, s in enumerate(shares)]
-    busy = [s * t for s, t in zip(shares, t_rank)]
+    busy = [s * t + m[1] * f for s, t, m, f in zip(shares, t_rank, mb, f_rank)]
     mem = [int(problem.state_bytes + problem.activation_bytes_per_sample * m[0]) for m in mb]
     return DPSolution(
         shares=tuple(shares), micro_batch=tuple(m[0] for m in mb),
@@ -226,7 +235,8 @@ def even_split_step_s(problem: DPProblem) -> float | None:
     for share, g in rank_share.values():
         if problem.micro_batch_cap(g) < 1 or share > problem.share_cap(g):
             return None
-        worst = max(worst, share * g.sample_s)
+        count = micro_batches(share, problem.micro_batch_cap(g), problem.max_microbatches)[1]
+        worst = max(worst, share * g.sample_s + count * g.fixed_s)
     return worst + problem.allreduce_s
 
 

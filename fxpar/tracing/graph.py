@@ -47,6 +47,9 @@ class OpNode:
     saved_bytes: int                  # activation bytes this node keeps alive for backward
     param_fqns: tuple[str, ...]       # parameters the node reads directly
     requires_grad: bool
+    in_shapes: tuple[tuple[int, ...], ...] = ()   # tensor inputs (lists flattened), in order
+    in_dtypes: tuple[str, ...] = ()
+    args_repr: str = ""               # the non-tensor arguments, for profile keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,8 @@ class ModelGraph:
     input_names: tuple[str, ...]
     trace_time_s: float
     exported: Any = field(default=None, compare=False, repr=False)
+    #: batch-normalised key per node (profiling.keys), empty unless traced at two batch sizes
+    op_keys: tuple[str, ...] = ()
 
     @property
     def param_count(self) -> int:

@@ -48,7 +48,9 @@ _VIEW = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "e
 # Ops whose backward needs none of their inputs (gradient passes straight through or is a
 # constant scale): their inputs are not kept alive for backward on their account.
 _NO_SAVE = {"add", "sub", "neg", "cat", "stack", "pad", "constant_pad_nd", "index", "gather",
-            "repeat", "repeat_interleave", "embedding"} | _VIEW
+            "repeat", "repeat_interleave", "embedding", "mean", "sum", "to", "_to_copy",
+            "clone", "contiguous", "expand", "type_as", "dropout", "arange", "full", "ones",
+            "zeros", "new_ones", "new_zeros", "empty", "empty_like"} | _VIEW
 
 
 def op_namespace(target: Any) -> str:

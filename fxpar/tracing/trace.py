@@ -251,13 +251,51 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
             o = outs[0]
             saved_bytes += _nbytes(o) + int(o.numel() // max(1, o.shape[-1])) * 4  # out + lse
 
+    flat_in = _flat_tensors(node.args) + _flat_tensors(tuple(node.kwargs.values()))
     return OpNode(
+        in_shapes=tuple(tuple(int(d) for d in t.shape) for t in flat_in),
+        in_dtypes=tuple(str(t.dtype).replace("torch.", "") for t in flat_in),
+        args_repr=_args_repr(node),
         name=node.name, target=str(node.target), op_class=cls, module_path=module,
         layer=layer_of.get(blk) if blk else None,
         out_shapes=tuple(tuple(int(s) for s in t.shape) for t in outs),
         dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
         fwd_flops=int(fwd), bwd_flops=int(bwd), bytes_read=int(read), bytes_written=int(written),
         saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg)
+
+
+def _flat_tensors(args: tuple) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out += _flat_tensors(tuple(a))
+        elif isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            out.append(a.meta["val"])
+    return out
+
+
+def _args_repr(node: torch.fx.Node) -> str:
+    def plain(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return "T"
+        if isinstance(a, (list, tuple)):
+            return [plain(x) for x in a]
+        return a if isinstance(a, (int, float, bool, str, type(None))) else str(a)
+    # the device is where the graph was traced (meta when planning): not part of the work
+    kwargs = {k: ("D" if k == "device" else plain(v)) for k, v in sorted(node.kwargs.items())}
+    return repr([plain(a) for a in node.args]) + (repr(kwargs) if kwargs else "")
+
+
+def trace_at_two_batches(model: torch.nn.Module, small: ExampleInputs, large: ExampleInputs, *,
+                         model_name: str | None = None) -> ModelGraph:
+    """Trace at two batch sizes; the graph at the small batch, with batch-normalised op keys."""
+    from dataclasses import replace
+
+    from fxpar.profiling.keys import op_keys
+
+    g_small = trace(model, small, model_name=model_name)
+    g_large = trace(model, large, model_name=model_name)
+    return replace(g_small, op_keys=op_keys(g_small, g_large))
 
 
 def _layer_infos(nodes: list[OpNode], params: tuple[ParamInfo, ...], layer_of: dict[str, int],

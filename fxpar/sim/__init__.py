@@ -1,0 +1,5 @@
+"""Simulator: predicted step time, per-device timeline, utilization and peak memory of a Plan."""
+
+from fxpar.sim.simulate import SimResult, TimelineEvent, micro_batch_sizes, simulate
+
+__all__ = ["SimResult", "TimelineEvent", "micro_batch_sizes", "simulate"]

@@ -1,0 +1,116 @@
+"""Cost model: measured profiles (fixture database), batch-normalised keys, collectives,
+optimizer and memory terms; the profiler itself on this CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import fxpar
+from fxpar.cluster import Cluster
+from fxpar.errors import ConfigError
+from fxpar.planning import trace_spec
+from fxpar.profiling import CostModel, collectives
+from fxpar.profiling.database import ProfileDB, load_profiles
+from fxpar.profiling.roofline import OP_OVERHEAD_S
+from fxpar.tracing.hf import ModelSpec
+from fxpar.workload import Workload
+from tests.workers import TINY_CONFIGS
+
+FIXTURES = Path(__file__).parent / "fixtures" / "profiles"
+SPEC = ModelSpec(hf_config=TINY_CONFIGS["llama"])
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace_spec(SPEC, Workload(global_batch=8, seq_len=16), op_keys=True)
+
+
+def _cluster() -> Cluster:
+    return Cluster.from_dict({"inter_node_gbps": 100, "nodes": [
+        {"gpu": "A100-SXM-80GB", "count": 2}, {"gpu": "V100-SXM2-32GB", "count": 2}]})
+
+
+def test_keys_are_batch_normalised(graph):
+    assert len(graph.op_keys) == len(graph.nodes)
+    linear = [k for k, n in zip(graph.op_keys, graph.nodes) if n.target == "aten.linear.default"]
+    assert any("(16B,64)" in k for k in linear) or any("(1B,16,64)" in k for k in linear)
+    assert not any("?" in k for k in graph.op_keys)
+    assert not any("'meta'" in k for k in graph.op_keys)  # the tracing device is not in a key
+
+
+def test_fixture_profile_is_used_where_present(graph):
+    profiles = load_profiles(FIXTURES)
+    cost = CostModel(graph, _cluster(), profiles=profiles)
+    a100, v100 = _cluster().device(0), _cluster().device(2)
+    measured, roofline = cost.sample_cost(a100), cost.sample_cost(v100)
+    assert measured.measured_fraction == 1.0 and roofline.measured_fraction == 0.0
+    n = len(graph.nodes)
+    assert measured.fwd_s == pytest.approx(2e-6 * n) and measured.bwd_s == pytest.approx(4e-6 * n)
+    assert measured.fwd_fixed_s == pytest.approx(1e-5 * n)
+    assert roofline.fwd_fixed_s == pytest.approx(OP_OVERHEAD_S * sum(
+        1 for nd in graph.nodes if nd.op_class.value != "view"))
+    # the measured all-reduce link is used only when every device is of the profiled type
+    only_a100 = Cluster.from_dict({"nodes": [{"gpu": "A100-SXM-80GB", "count": 4}]})
+    c2 = CostModel(graph, only_a100, profiles=profiles)
+    nbytes = 1e8
+    assert c2.allreduce_s(nbytes) == pytest.approx(1e-4 + 2 * 3 / 4 * nbytes / 1e11)
+    assert cost.allreduce_s(nbytes) == pytest.approx(
+        collectives.allreduce_time(collectives.ring_shape(_cluster()), nbytes))
+    assert c2.optimizer_s(only_a100.device(0)) == pytest.approx(1e-9 * graph.param_count)
+
+
+def test_profile_db_round_trip_and_errors(tmp_path):
+    db = load_profiles(FIXTURES)["A100-SXM-80GB"]
+    path = db.save(tmp_path)
+    again = load_profiles(tmp_path)["A100-SXM-80GB"]
+    assert again.ops == db.ops and again.links == db.links
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="malformed JSON"):
+        load_profiles(tmp_path)
+    (tmp_path / "bad.json").write_text(json.dumps({"format": 7}))
+    with pytest.raises(ConfigError, match="format 7"):
+        load_profiles(tmp_path)
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_profiles(tmp_path / "nope")
+    assert path.name == "A100-SXM-80GB.json"
+
+
+def test_collective_formulas():
+    shape = collectives.RingShape(devices_per_node=(8, 8), intra_bytes_per_s=(300e9, 300e9),
+                                  node_bytes_per_s=50e9)
+    s = 1e9
+    ring = collectives.ring_allreduce_time(shape, s)
+    assert ring == pytest.approx(2 * 7 / 8 * s / (0.8 * 300e9) + 14 * collectives.ALPHA_INTRA_S
+                                 + 2 * 1 / 2 * s / (0.8 * 50e9) + 2 * collectives.ALPHA_INTER_S)
+    assert collectives.allreduce_time(shape, s) <= ring
+    assert collectives.allreduce_lower_bound(shape, s) == pytest.approx(s / 50e9)
+    assert collectives.allgather_time(shape, s) == pytest.approx(
+        15 / 16 * s / (0.8 * 50e9) + 15 * collectives.ALPHA_INTER_S)
+    assert collectives.reduce_scatter_time(shape, s) == collectives.allgather_time(shape, s)
+    assert collectives.alltoall_time(shape, s) > 0
+    assert collectives.p2p_time(s, same_node=True, intra_bytes_per_s=300e9, node_bytes_per_s=50e9) < \
+        collectives.p2p_time(s, same_node=False, intra_bytes_per_s=300e9, node_bytes_per_s=50e9)
+
+
+def test_memory_terms(graph):
+    cost = CostModel(graph, _cluster(), optimizer="adam", dtype="fp32")
+    assert cost.state_bytes() == 16 * graph.param_count
+    assert CostModel(graph, _cluster(), optimizer="sgd").state_bytes() == 12 * graph.param_count
+    assert cost.gradient_bytes() == 4 * graph.param_count
+    assert cost.activation_bytes_per_sample() > 0 and cost.transient_bytes_per_sample() > 0
+
+
+def test_fxpar_profile_cli_on_this_cpu(tmp_path):
+    from fxpar.cli import main
+
+    code = main(["profile", "--model", "tests/fixtures/tiny_llama_config.json", "--batch", "2",
+                 "--seq", "16", "--repeats", "2", "--out", str(tmp_path)])
+    assert code == 0
+    db = load_profiles(tmp_path)["cpu"]
+    assert len(db.ops) > 20 and "optimizer|adam|fp32" in db.ops
+    assert all(c.fwd[0] >= 0 and c.fwd[1] >= 0 for c in db.ops.values())
+    linear = [c for k, c in db.ops.items() if k.startswith("aten.linear")]
+    assert linear and all(c.fwd_s(4) > 0 for c in linear)

@@ -1,0 +1,78 @@
+"""Simulator: step time, busy/idle, peak memory, timeline; the plan's predictions come from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpar.cli import main
+from fxpar.cluster import Cluster
+from fxpar.planning import trace_spec
+from fxpar.profiling import CostModel
+from fxpar.sim import micro_batch_sizes, simulate
+from fxpar.sim.plot import plot_timeline
+from fxpar.solvers import plan as solve
+from fxpar.tracing.hf import ModelSpec
+from fxpar.workload import Workload
+from tests.workers import TINY_CONFIGS, measure_links
+
+SPEC = ModelSpec(hf_config=TINY_CONFIGS["llama"])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cluster = Cluster.from_dict({"inter_node_gbps": 100, "nodes": [
+        {"gpu": "A100-SXM-80GB", "count": 2}, {"gpu": "T4", "count": 2}]})
+    workload = Workload(global_batch=64, seq_len=16)
+    graph = trace_spec(SPEC, workload)
+    return cluster, graph, solve(graph, cluster, workload), CostModel(graph, cluster)
+
+
+def test_step_is_slowest_compute_plus_comm_plus_optimizer(setup):
+    cluster, graph, plan, cost = setup
+    sim = simulate(plan, cost)
+    compute = []
+    for r in plan.ranks:
+        sc = cost.sample_cost(cluster.device(r.rank))
+        sizes = micro_batch_sizes(r.batch_share, r.micro_batch_size, r.num_microbatches)
+        compute.append(sum(sc.microbatch_s(m) for m in sizes))
+    opt = max(cost.optimizer_s(d) for d in cluster.devices)
+    assert sim.compute_s == pytest.approx(max(compute))
+    assert sim.step_s == pytest.approx(max(compute) + cost.allreduce_s(cost.gradient_bytes()) + opt)
+    assert plan.predicted_step_s == pytest.approx(sim.step_s)  # the plan's numbers are the sim's
+    assert all(i >= -1e-12 for i in sim.idle_s) and max(sim.utilization) <= 1 + 1e-9
+    for r, peak in zip(plan.ranks, sim.peak_memory_bytes):
+        assert r.predicted_memory_bytes == peak > cost.state_bytes()
+
+
+def test_timeline_events_are_ordered_per_rank(setup):
+    _, _, plan, cost = setup
+    sim = simulate(plan, cost)
+    for rank in range(plan.world_size):
+        events = [e for e in sim.events if e.rank == rank]
+        assert [e.kind for e in events][:2] == ["fwd", "bwd"] and events[-1].kind == "optimizer"
+        for a, b in zip(events, events[1:]):
+            assert a.end_s <= b.start_s + 1e-12
+
+
+def test_micro_batches_split_like_codegen():
+    assert micro_batch_sizes(10, 4, 3) == [4, 4, 2]
+    assert micro_batch_sizes(0, 0, 0) == []
+
+
+def test_timeline_png(setup, tmp_path):
+    _, _, plan, cost = setup
+    path = plot_timeline(simulate(plan, cost), tmp_path / "t.png", title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plan_timeline(tmp_path, scenarios_dir):
+    out = tmp_path / "timeline.png"
+    assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--timeline", str(out)]) == 0
+    assert out.stat().st_size > 1000
+
+
+def test_measured_collectives_on_gloo(pool2):
+    links = pool2.run(measure_links)[0]
+    assert set(links) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
+    for alpha, bw, world in links.values():
+        assert alpha >= 0 and bw > 1e6 and world == 2
