@@ -50,7 +50,7 @@ def profile_worker(name: str, out_dir: str) -> None:
 
 
     spec, _, seq = MODELS[name]
-    profile_ops(model=spec, batch=2, seq=seq, device="cpu", out=out_dir, repeats=5, dtype="fp32",
+    profile_ops(model=spec, batch=4, seq=seq, device="cpu", out=out_dir, repeats=5, dtype="fp32",
                 progress=lambda m: None)
 
 
@@ -72,15 +72,22 @@ def train_worker(name: str, plan_json: str, steps: int) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     dist.barrier()
     marks = [time.perf_counter()]
+    parts = []
     for b in data:
         pm.step(b)
+        t0 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=False)
         marks.append(time.perf_counter())
+        t = pm.last_timing
+        parts.append((t.compute_s, t.emulation_s, t.comm_s, marks[-1] - t0, t.total_s))
     dist.barrier()
     times = [b - a for a, b in zip(marks, marks[1:])][1:]
+    med = [statistics.median(p[i] for p in parts[1:]) for i in range(5)]
     return {"step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "peak_bytes": peak_rss_bytes() - base - data_bytes}
+            "peak_bytes": peak_rss_bytes() - base - data_bytes,
+            "compute_s": med[0], "emulation_s": med[1], "comm_s": med[2], "optimizer_s": med[3],
+            "fxpar_step_s": med[4]}
 
 
 def main() -> None:
@@ -131,7 +138,20 @@ def main() -> None:
                          "/".join(f"{r.predicted_memory_bytes / 2**20:.0f}" for r in plan.ranks),
                          "/".join(f"{m['peak_bytes'] / 2**20:.0f}" for m in res),
                          f"{100 * max(mem_err):.0f}%"))
-            say(f"{name} {speeds}: predicted {pred:.3f} s, measured {measured:.3f} s")
+            from fxpar.planning import trace_spec
+            from fxpar.profiling import CostModel
+            from fxpar.sim import simulate
+
+            graph = trace_spec(spec, Workload(global_batch=batch, seq_len=seq), op_keys=True)
+            sim = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=profiles))
+            run["predicted_parts"] = {"busy_s": list(sim.busy_s), "comm_s": sim.comm_s}
+            run["measured_parts"] = [{k: r[k] for k in ("compute_s", "emulation_s", "comm_s",
+                                                        "optimizer_s", "fxpar_step_s")} for r in res]
+            say(f"{name} {speeds}: predicted {pred:.3f} s (busy {['%.3f' % b for b in sim.busy_s]}, "
+                f"all-reduce {sim.comm_s:.3f}), measured {measured:.3f} s (" + "; ".join(
+                    f"rank {i}: compute {r['compute_s']:.3f} + wait {r['emulation_s']:.3f}, "
+                    f"all-reduce {r['comm_s']:.3f}, optimizer {r['optimizer_s']:.3f}"
+                    for i, r in enumerate(res)) + ")")
     head = ("model", "speeds (emulated)", "shares", "predicted s", "measured s", "step error",
             "pred. peak MiB", "meas. peak MiB", "max mem error")
     print("\nFidelity on gloo CPU ranks, emulated speeds, measured CPU op profiles")

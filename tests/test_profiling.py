@@ -101,6 +101,16 @@ def test_memory_terms(graph):
     assert CostModel(graph, _cluster(), optimizer="sgd").state_bytes() == 12 * graph.param_count
     assert cost.gradient_bytes() == 4 * graph.param_count
     assert cost.activation_bytes_per_sample() > 0 and cost.transient_bytes_per_sample() > 0
+    ckpt = cost.activation_bytes_per_sample(checkpointing=True)
+    assert 0 < ckpt < cost.activation_bytes_per_sample()
+
+
+def test_checkpointing_saves_more_with_more_layers():
+    deep = trace_spec(ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_hidden_layers=8)),
+                      Workload(global_batch=8, seq_len=16))
+    cost = CostModel(deep, _cluster())
+    full, ckpt = cost.activation_bytes_per_sample(), cost.activation_bytes_per_sample(checkpointing=True)
+    assert ckpt < 0.5 * full  # 8 blocks: keep ~1 block + 8 boundaries instead of 8 blocks
 
 
 def test_fxpar_profile_cli_on_this_cpu(tmp_path):

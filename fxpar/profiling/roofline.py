@@ -146,8 +146,26 @@ class CostModel:
         """Weights + gradients + optimizer state of one replica."""
         return memory.model_state_bytes(self.param_count, self.optimizer, self.dtype)
 
-    def activation_bytes_per_sample(self) -> float:
-        return self.graph.activation_bytes / float(self.graph.batch_size)
+    def activation_bytes_per_sample(self, checkpointing: bool = False) -> float:
+        """Saved activations per sample.  With activation checkpointing of every repeated block:
+        each block keeps only its input (the previous block's last output), the block being
+        recomputed holds its full activations, and nodes outside blocks keep theirs:
+
+            A_ckpt = Σ_outside saved + Σ_blocks boundary + max_block saved
+        """
+        b = float(self.graph.batch_size)
+        if not checkpointing or not self.graph.layers:
+            return self.graph.activation_bytes / b
+        outside = sum(n.saved_bytes for n in self.graph.nodes if n.layer is None)
+        per_block: dict[int, int] = {}
+        boundary: dict[int, int] = {}
+        for n in self.graph.nodes:
+            if n.layer is None:
+                continue
+            per_block[n.layer] = per_block.get(n.layer, 0) + n.saved_bytes
+            if n.out_shapes and n.op_class is not OpClass.VIEW:
+                boundary[n.layer] = int(np.prod(n.out_shapes[0])) * _itemsize(n.dtype)
+        return (outside + sum(boundary.values()) + max(per_block.values(), default=0)) / b
 
     def optimizer_s(self, device) -> float:
         """One optimizer step on ``device``: measured per parameter where profiled, else the
