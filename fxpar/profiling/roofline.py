@@ -61,6 +61,17 @@ class SampleCost:
         return self.fixed_s + self.total_s * batch
 
 
+@dataclass(frozen=True)
+class NodeCosts:
+    """Per-node affine costs (seconds; ``a`` per micro-batch, ``c`` per sample), graph order."""
+
+    fwd_a: np.ndarray
+    fwd_c: np.ndarray
+    bwd_a: np.ndarray
+    bwd_c: np.ndarray
+    measured: np.ndarray      # bool: cost came from a measured profile
+
+
 def optimizer_key(optimizer: str, dtype: str) -> str:
     """Profile-database key of an optimizer step (cost affine in the parameter count)."""
     family = "adam" if optimizer in ("adam", "adamw") else "sgd"
@@ -87,51 +98,61 @@ class CostModel:
         self.compute_dtype = "tf32" if (dtype == "fp32" and allow_tf32) else dtype
         memory.state_bytes_per_param(optimizer, dtype)  # validates the optimizer name early
         self.profiles = dict(profiles or {})
-        keep = [i for i, n in enumerate(graph.nodes) if n.op_class is not OpClass.VIEW]
-        nodes = [graph.nodes[i] for i in keep]
-        self._keys = [graph.op_keys[i] for i in keep] if graph.op_keys else []
-        self._all_keys = list(graph.op_keys)
+        nodes = graph.nodes
+        self._keys = list(graph.op_keys)
         b = float(graph.batch_size)
         self._fwd = np.array([n.fwd_flops for n in nodes], dtype=np.float64) / b
         self._bwd = np.array([n.bwd_flops for n in nodes], dtype=np.float64) / b
         self._bytes = np.array([n.bytes_read + n.bytes_written for n in nodes], np.float64) / b
-        self._is_attn = np.array([n.op_class is OpClass.ATTENTION for n in nodes])
-        self._needs_bwd = np.array([n.requires_grad for n in nodes])
+        self._is_attn = np.array([n.op_class is OpClass.ATTENTION for n in nodes], dtype=bool)
+        self._is_view = np.array([n.op_class is OpClass.VIEW for n in nodes], dtype=bool)
+        self._needs_bwd = np.array([n.requires_grad for n in nodes], dtype=bool)
         self._cache: dict[tuple[str, float], SampleCost] = {}
+        self._node_cache: dict[tuple[str, float], NodeCosts] = {}
 
     # ---- compute -------------------------------------------------------------------------
-    def sample_cost(self, device) -> SampleCost:
-        """Seconds per sample (forward, backward) on ``device`` (a Device or DeviceGroup)."""
+    def node_costs(self, device) -> NodeCosts:
+        """Per-node affine costs on ``device`` (a Device or DeviceGroup): measured where the
+        device type's profile has the node's key, roofline elsewhere; divided by its speed."""
         dtype_obj = device.type
         key = (dtype_obj.name, float(device.speed))
+        if key in self._node_cache:
+            return self._node_cache[key]
+        peak = dtype_obj.peak_tflops(self.compute_dtype) * 1e12
+        eta = np.where(self._is_attn, dtype_obj.matmul_efficiency * ATTENTION_EFFICIENCY_FACTOR,
+                       dtype_obj.matmul_efficiency)
+        rate = eta * peak
+        bw = dtype_obj.memory_efficiency * dtype_obj.memory_gbps * 1e9
+        real = ~self._is_view
+        fwd_c = np.where(real, np.maximum(self._fwd / rate, self._bytes / bw), 0.0)
+        bwd_c = np.where(real & self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._bytes / bw), 0.0)
+        fwd_a = np.where(real, OP_OVERHEAD_S, 0.0)
+        bwd_a = np.where(real & self._needs_bwd, OP_OVERHEAD_S, 0.0)
+        measured = np.zeros(len(fwd_c), dtype=bool)
+        db = self.profiles.get(dtype_obj.name)
+        if db is not None and self._keys:
+            # measured nodes replace their roofline estimate; views count too (they cost
+            # dispatch time on a real device); nodes missing from the database keep roofline
+            for i, k in enumerate(self._keys):
+                cost = db.ops.get(k)
+                if cost is not None:
+                    measured[i] = True
+                    fwd_a[i], fwd_c[i], bwd_a[i], bwd_c[i] = cost.fwd[0], cost.fwd[1], cost.bwd[0], cost.bwd[1]
+        sp = device.speed
+        result = NodeCosts(fwd_a=fwd_a / sp, fwd_c=fwd_c / sp, bwd_a=bwd_a / sp, bwd_c=bwd_c / sp,
+                           measured=measured)
+        self._node_cache[key] = result
+        return result
+
+    def sample_cost(self, device) -> SampleCost:
+        """The whole model's affine cost on ``device`` (sums of :meth:`node_costs`)."""
+        key = (device.type.name, float(device.speed))
         if key not in self._cache:
-            peak = dtype_obj.peak_tflops(self.compute_dtype) * 1e12
-            eta = np.where(self._is_attn, dtype_obj.matmul_efficiency * ATTENTION_EFFICIENCY_FACTOR,
-                           dtype_obj.matmul_efficiency)
-            rate = eta * peak
-            bw = dtype_obj.memory_efficiency * dtype_obj.memory_gbps * 1e9
-            fwd = np.maximum(self._fwd / rate, self._bytes / bw)
-            bwd = np.where(self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._bytes / bw), 0.0)
-            fwd_a = np.full(len(fwd), OP_OVERHEAD_S)
-            bwd_a = np.where(self._needs_bwd, OP_OVERHEAD_S, 0.0)
-            measured, extra = 0, np.zeros(4)  # measured (fwd a, fwd c, bwd a, bwd c)
-            db = self.profiles.get(dtype_obj.name)
-            if db is not None and self._all_keys:
-                # measured nodes replace their roofline estimate; views count too (they cost
-                # dispatch time on a real device), nodes missing from the database keep roofline
-                hit = np.array([k in db.ops for k in self._keys], dtype=bool)
-                fwd[hit] = bwd[hit] = fwd_a[hit] = bwd_a[hit] = 0.0
-                for k in self._all_keys:
-                    cost = db.ops.get(k)
-                    if cost is not None:
-                        measured += 1
-                        extra += (cost.fwd[0], cost.fwd[1], cost.bwd[0], cost.bwd[1])
-            s = device.speed
+            nc = self.node_costs(device)
             self._cache[key] = SampleCost(
-                fwd_s=(float(fwd.sum()) + extra[1]) / s, bwd_s=(float(bwd.sum()) + extra[3]) / s,
-                fwd_fixed_s=(float(fwd_a.sum()) + extra[0]) / s,
-                bwd_fixed_s=(float(bwd_a.sum()) + extra[2]) / s,
-                measured_fraction=measured / max(1, len(self._all_keys)))
+                fwd_s=float(nc.fwd_c.sum()), bwd_s=float(nc.bwd_c.sum()),
+                fwd_fixed_s=float(nc.fwd_a.sum()), bwd_fixed_s=float(nc.bwd_a.sum()),
+                measured_fraction=float(nc.measured.mean()) if len(nc.measured) else 0.0)
         return self._cache[key]
 
     def flops_per_sample(self) -> float:

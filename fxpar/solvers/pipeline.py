@@ -1,0 +1,283 @@
+"""Heterogeneous pipelines: stage cuts, tensor-parallel stage width, micro-batches (Whale's
+inter-stage balancing and Alpa's stage slicing, solved exactly for a chain).
+
+Shape of a plan (``PipelineConfig``): ``P`` identical pipelines (data parallel across them);
+each pipeline is a sequence of stages; stage ``j`` runs on ``u_j`` devices of one kind
+``k_j`` as one tensor-parallel group (``u_j`` ≤ devices per node, so TP stays on the node's
+links).  Stage ``j`` owns the contiguous segments ``[c_j, c_{j+1})``.
+
+Data (per segment ``i``, kind ``k``; :mod:`fxpar.solvers.segments`): ``a_ik`` seconds per
+micro-batch, ``c_ik`` per sample, shardable fraction ``f_i``, parameters ``n_i``, saved
+activations ``α_i`` and boundary bytes ``β_i`` per sample.  ``b`` samples per micro-batch,
+``m`` micro-batches, ``B = P·m·b``.
+
+Stage time per micro-batch (compute + tensor-parallel all-reduces, 2 forward + 2 backward per
+block, of ``β_i·b`` bytes over the stage's ``u`` devices):
+
+    t_j = Σ_{i∈j} (a_ik + c_ik·b)·(f_i/u + 1 − f_i) + 4·AR_u(β_i·b)  + hop_j(β_{c_{j+1}−1}·b)
+          (+ each block's forward again under activation checkpointing)
+
+1F1B pipeline, then the data-parallel gradient all-reduce of every stage's shard across the
+``P`` pipelines and the optimizer step:
+
+    T = (m − 1)·max_j t_j + Σ_j t_j + max_j AR_P(grad bytes_j / u_j) + max_j opt_j
+
+Memory per device of stage ``j`` (of ``S``), ZeRO-1 across the ``P`` replicas, ``r = min(S − j, m)``
+micro-batches in flight under 1F1B, activation checkpointing optional:
+
+    M_j = (n_j/u)·(w + g + o/P) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
+    A_j(u) = Σ α_i·(0.3 + 0.7/u)            (no checkpointing; Megatron: ~30% replicated)
+           = Σ β_i + max_i α_i              (checkpointing every block)
+
+Cuts: for a fixed stage sequence the min-max partition of a chain with monotone stage costs
+is found exactly by bisection on the bottleneck ``τ`` with a greedy feasibility pass (each stage
+takes the longest prefix whose time ≤ τ and memory fits) — :func:`best_cuts`.  The outer
+search (:func:`search`) enumerates ``P`` (common divisors of the per-kind device counts), the
+stage width per kind, the stage order (larger memory first / faster first), ``m`` and
+checkpointing; everything is per device *kind*, never per device, so 1024 GPUs cost the same
+as 32.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpar.profiling import collectives
+from fxpar.profiling.memory import state_bytes_per_param
+from fxpar.solvers.segments import SegmentTable
+
+ACT_REPLICATED = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class KindInfo:
+    key: str
+    count: int                  # devices of this kind in the cluster
+    per_node: int               # devices of this kind per node
+    memory_bytes: int
+    intra_bytes_per_s: float
+    speed_rank: float           # larger = faster (used for the stage order)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    kind: str
+    width: int                  # tensor-parallel devices of this stage (per pipeline)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    pipelines: int
+    stages: tuple[StageSpec, ...]
+    num_microbatches: int
+    micro_batch: int
+    checkpointing: bool
+    cuts: tuple[int, ...]       # segment index where each stage starts, plus the end
+    step_s: float
+    stage_s: tuple[float, ...]
+    memory_bytes: tuple[int, ...]   # per device of each stage
+    allreduce_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineContext:
+    table: SegmentTable
+    kinds: dict
+    global_batch: int
+    optimizer: str
+    dtype: str
+    node_bytes_per_s: float
+    num_nodes: int
+    optimizer_s_per_param: dict     # kind -> seconds per parameter of an optimizer step
+
+
+def _tp_allreduce(kind: KindInfo, width: int, nbytes: np.ndarray) -> np.ndarray:
+    if width <= 1:
+        return np.zeros_like(nbytes)
+    shape = collectives.RingShape((width,), (kind.intra_bytes_per_s,), 1.0)
+    return np.array([collectives.allreduce_time(shape, float(x)) for x in nbytes])
+
+
+def _dp_allreduce(ctx: PipelineContext, pipelines: int, nbytes: float) -> float:
+    if pipelines <= 1:
+        return 0.0
+    nodes = min(pipelines, max(ctx.num_nodes, 1))
+    shape = collectives.RingShape((pipelines // nodes,) * nodes,
+                                  (min(k.intra_bytes_per_s for k in ctx.kinds.values()),) * nodes,
+                                  ctx.node_bytes_per_s)
+    return collectives.allreduce_time(shape, nbytes)
+
+
+class _StageCost:
+    """Prefix sums that give a stage's time and memory for any segment range in O(1)."""
+
+    def __init__(self, ctx: PipelineContext, spec: StageSpec, b: int, in_flight: int,
+                 pipelines: int, ckpt: bool) -> None:
+        t = ctx.table
+        kind = ctx.kinds[spec.kind]
+        u = spec.width
+        scale = t.sharded_fraction / u + (1 - t.sharded_fraction)
+        seg_time = (t.cost_a[spec.kind] + t.cost_c[spec.kind] * b) * scale
+        if ckpt:  # recompute every block's forward during the backward
+            blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
+            seg_time = seg_time + np.where(blocks, (t.fwd_a[spec.kind] + t.fwd_c[spec.kind] * b) * scale, 0.0)
+        seg_time = seg_time + 4 * _tp_allreduce(kind, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
+        self.time = np.concatenate([[0.0], np.cumsum(seg_time)])
+        w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
+        per_param = (w + g + o / pipelines + (g if pipelines > 1 else 0)) / u
+        self.state = np.concatenate([[0.0], np.cumsum(t.params * per_param)])
+        if ckpt:
+            self.act_sum = np.concatenate([[0.0], np.cumsum(t.boundary_bytes)])
+            self.act_max = t.act_bytes * (ACT_REPLICATED + (1 - ACT_REPLICATED) / u)
+        else:
+            self.act_sum = np.concatenate([[0.0], np.cumsum(t.act_bytes * (ACT_REPLICATED + (1 - ACT_REPLICATED) / u))])
+            self.act_max = None
+        self.factor = in_flight * b
+        self.capacity = kind.memory_bytes
+        self.hop = t.boundary_bytes * b / (collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s))
+        self.ckpt = ckpt
+
+    def stage_time(self, i: int, j: int) -> float:
+        return self.time[j] - self.time[i] + (self.hop[j - 1] if j < len(self.hop) else 0.0)
+
+    def memory(self, i: int, j: int) -> float:
+        act = self.act_sum[j] - self.act_sum[i]
+        if self.ckpt:
+            act += float(self.act_max[i:j].max()) / max(self.factor, 1) if j > i else 0.0
+        return self.state[j] - self.state[i] + self.factor * act
+
+    def longest(self, i: int, tau: float, n: int) -> int:
+        """Largest j > i with stage_time(i, j) ≤ tau and memory fitting (i if none)."""
+        j_time = int(np.searchsorted(self.time, self.time[i] + tau, side="right")) - 1
+        j = min(j_time, n)
+        while j > i and (self.stage_time(i, j) > tau or self.memory(i, j) > self.capacity):
+            j -= 1
+        return j
+
+
+def best_cuts(costs: list[_StageCost], n: int) -> tuple[int, ...] | None:
+    """Min-max contiguous partition of ``n`` segments over the stages (module docstring)."""
+    def feasible(tau: float) -> tuple[int, ...] | None:
+        cuts, i = [0], 0
+        for s, c in enumerate(costs):
+            if i >= n:
+                return None  # every stage must own at least one segment
+            left = len(costs) - s - 1  # later stages need a segment each
+            j = min(c.longest(i, tau, n - left), n - left) if left else n
+            if j <= i or (s == len(costs) - 1 and (c.stage_time(i, n) > tau or c.memory(i, n) > c.capacity)):
+                return None
+            cuts.append(j)
+            i = j
+        return tuple(cuts) if i == n else None
+
+    hi = max(c.time[-1] + c.hop.max() for c in costs)
+    if feasible(hi) is None:
+        return None
+    lo = 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if feasible(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return feasible(hi)
+
+
+def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...], m: int,
+             ckpt: bool, cuts: tuple[int, ...] | None = None) -> PipelineConfig | None:
+    """Best (or given) cuts for one configuration and its predicted step, or None if it does
+    not fit."""
+    b_total = ctx.global_batch / pipelines
+    b = int(b_total // m)
+    if b < 1 or b * m * pipelines != ctx.global_batch:
+        return None
+    S = len(stages)
+    costs = [_StageCost(ctx, spec, b, min(S - j, m), pipelines, ckpt) for j, spec in enumerate(stages)]
+    n = ctx.table.size
+    if cuts is None:
+        cuts = best_cuts(costs, n)
+        if cuts is None:
+            return None
+    elif any(c.memory(i, j) > c.capacity for c, i, j in zip(costs, cuts, cuts[1:])):
+        return None
+    t = [c.stage_time(i, j) for c, i, j in zip(costs, cuts, cuts[1:])]
+    t_pipe = (m - 1) * max(t) + sum(t)
+    grads = [ctx.table.params[i:j].sum() * state_bytes_per_param(ctx.optimizer, ctx.dtype)[1] / spec.width
+             for spec, i, j in zip(stages, cuts, cuts[1:])]
+    ar = max(_dp_allreduce(ctx, pipelines, g) for g in grads)
+    opt = max(ctx.optimizer_s_per_param[spec.kind] * ctx.table.params[i:j].sum() / spec.width
+              for spec, i, j in zip(stages, cuts, cuts[1:]))
+    mem = tuple(int(c.memory(i, j)) for c, i, j in zip(costs, cuts, cuts[1:]))
+    return PipelineConfig(pipelines=pipelines, stages=stages, num_microbatches=m, micro_batch=b,
+                          checkpointing=ckpt, cuts=cuts, step_s=t_pipe + ar + opt, stage_s=tuple(t),
+                          memory_bytes=mem, allreduce_s=ar, optimizer_s=opt)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def stage_sequences(kinds: dict, pipelines: int, order: list[str]) -> list[tuple[StageSpec, ...]]:
+    """Stage sequences of one pipeline: per kind, its devices split into equal TP stages."""
+    per_kind = []
+    for key in order:
+        k = kinds[key]
+        own = k.count // pipelines
+        widths = [w for w in (1, 2, 4, 8) if w <= k.per_node and own % w == 0]
+        per_kind.append([(StageSpec(key, w),) * (own // w) for w in widths])
+    return [tuple(itertools.chain.from_iterable(combo)) for combo in itertools.product(*per_kind)]
+
+
+def search(ctx: PipelineContext, *, max_stages: int = 64) -> PipelineConfig | None:
+    """The fastest feasible pipeline configuration (module docstring), or None."""
+    counts = [k.count for k in ctx.kinds.values()]
+    common = math.gcd(*counts)
+    orders = {tuple(sorted(ctx.kinds, key=lambda k: (-ctx.kinds[k].memory_bytes, -ctx.kinds[k].speed_rank))),
+              tuple(sorted(ctx.kinds, key=lambda k: -ctx.kinds[k].speed_rank))}
+    best: PipelineConfig | None = None
+    for pipelines in _divisors(common):
+        if ctx.global_batch % pipelines:
+            continue
+        for order in orders:
+            for stages in stage_sequences(ctx.kinds, pipelines, list(order)):
+                S = len(stages)
+                if S > min(max_stages, ctx.table.size) or S == 0:
+                    continue
+                per_pipe = ctx.global_batch // pipelines
+                ms = sorted({m for m in (S, 2 * S, 4 * S, 8 * S, per_pipe) if m <= per_pipe and per_pipe % m == 0}
+                            | {d for d in _divisors(per_pipe) if S <= d <= 8 * S})
+                for m in ms[:6]:
+                    for ckpt in (False, True):
+                        cfg = evaluate(ctx, pipelines, stages, m, ckpt)
+                        if cfg is not None and (best is None or cfg.step_s < best.step_s - 1e-12):
+                            best = cfg
+                        if cfg is not None:
+                            break  # checkpointing only when the plain configuration does not fit
+    return best
+
+
+def build_context(graph, cost, cluster, workload) -> PipelineContext:
+    """The pipeline search's plain-number inputs, one entry per device kind of ``cluster``."""
+    from fxpar.solvers.segments import build_segments
+
+    groups = cluster.groups()
+    table = build_segments(graph, cost, {g.key: g for g in groups})
+    kinds = {}
+    opt = {}
+    for g in groups:
+        first = cluster.device(g.ranks[0])
+        per_node = sum(1 for r in g.ranks if cluster.device(r).node == first.node)
+        kinds[g.key] = KindInfo(key=g.key, count=len(g.ranks), per_node=per_node,
+                                memory_bytes=int(g.memory_bytes),
+                                intra_bytes_per_s=float(first.intra_node_gbps) * 1e9,
+                                speed_rank=1.0 / max(float(table.cost_c[g.key].sum()), 1e-30))
+        opt[g.key] = cost.optimizer_s(first) / max(cost.param_count, 1)
+    return PipelineContext(table=table, kinds=kinds, global_batch=workload.global_batch,
+                           optimizer=workload.optimizer, dtype=workload.dtype,
+                           node_bytes_per_s=cluster.inter_node_bytes_per_s(),
+                           num_nodes=cluster.num_nodes, optimizer_s_per_param=opt)

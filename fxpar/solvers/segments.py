@@ -1,0 +1,112 @@
+"""The model as a chain of segments, in plain numbers: ``pre`` (embeddings, everything before
+the first repeated block), one segment per block, ``post`` (final norm, head, loss).
+
+Stage cuts are made between segments.  Per segment and device kind the table holds the
+affine compute cost (``a`` per micro-batch, ``c`` per sample, forward + backward), and per
+segment the parameters, saved activations per sample, the hidden-state bytes per sample that
+leave it (what a pipeline hop sends), and the fraction of its time that tensor parallelism
+divides (everything inside attention / MLP / experts submodules, embeddings, products).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from fxpar.profiling import CostModel
+from fxpar.tracing.graph import ModelGraph, OpClass
+
+_SHARDED = (OpClass.MATMUL, OpClass.ATTENTION, OpClass.MOE_EXPERTS)
+
+
+@dataclass(frozen=True)
+class SegmentTable:
+    names: tuple[str, ...]
+    modules: tuple[tuple[str, ...], ...]     # module FQN prefixes each segment owns
+    params: np.ndarray                       # parameters per segment
+    act_bytes: np.ndarray                    # saved activation bytes per sample
+    boundary_bytes: np.ndarray               # bytes per sample sent to the next segment
+    sharded_fraction: np.ndarray             # of the segment's time, what TP divides
+    cost_a: Mapping[str, np.ndarray]         # kind -> per-micro-batch seconds per segment
+    cost_c: Mapping[str, np.ndarray]         # kind -> per-sample seconds per segment
+    fwd_a: Mapping[str, np.ndarray]          # forward part of cost_a (recomputed under checkpointing)
+    fwd_c: Mapping[str, np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
+
+
+def _tensor_parallel(node, graph: ModelGraph) -> bool:
+    """Megatron TP divides everything inside a block's attention / MLP / experts submodules
+    (column-parallel in, row-parallel out) and the vocab-parallel embedding and head; the
+    block-level norms and residual adds stay replicated."""
+    if node.op_class is OpClass.VIEW:
+        return False
+    if node.op_class in _SHARDED or node.op_class is OpClass.EMBEDDING:
+        return True
+    if node.layer is None:
+        return False
+    block = graph.layers[node.layer].path
+    inner = node.module_path[len(block) + 1:] if node.module_path.startswith(block + ".") else ""
+    return bool(inner) and "norm" not in inner.lower()
+
+
+def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, object]) -> SegmentTable:
+    """Segment table of ``graph``; ``kinds`` maps a device-kind key to a Device/DeviceGroup."""
+    n_layers = len(graph.layers)
+    seg_of = np.zeros(len(graph.nodes), dtype=int)
+    seen_layer = False
+    for i, node in enumerate(graph.nodes):
+        if node.layer is not None:
+            seg_of[i] = node.layer + 1
+            seen_layer = True
+        else:
+            seg_of[i] = 0 if not seen_layer else n_layers + 1
+    n_seg = n_layers + 2
+    b = float(graph.batch_size)
+    act = np.zeros(n_seg)
+    boundary = np.zeros(n_seg)
+    for i, node in enumerate(graph.nodes):
+        act[seg_of[i]] += node.saved_bytes / b
+        if node.out_shapes and node.op_class is not OpClass.VIEW and node.dtype.startswith(("float", "bfloat")):
+            boundary[seg_of[i]] = float(np.prod(node.out_shapes[0])) * _itemsize(node.dtype) / b
+    if n_layers:  # what leaves the embeddings is the hidden state the first block reads
+        boundary[0] = max(boundary[0], boundary[1])
+    params = np.zeros(n_seg)
+    pre_modules: set[str] = set()
+    post_modules: set[str] = set()
+    for p in graph.params:
+        seg = p.layer + 1 if p.layer is not None else None
+        if seg is None:
+            users = [seg_of[i] for i, n in enumerate(graph.nodes) if p.fqn in n.param_fqns]
+            seg = min(users) if users else 0
+            (pre_modules if seg == 0 else post_modules).add(p.module_path)
+        params[seg] += p.numel
+    sharded = np.array([_tensor_parallel(n, graph) for n in graph.nodes])
+    cost_a, cost_c, fwd_a, fwd_c = {}, {}, {}, {}
+    frac = np.zeros(n_seg)
+    for key, dev in kinds.items():
+        nc = cost.node_costs(dev)
+        a = nc.fwd_a + nc.bwd_a
+        c = nc.fwd_c + nc.bwd_c
+        cost_a[key] = np.bincount(seg_of, weights=a, minlength=n_seg)
+        cost_c[key] = np.bincount(seg_of, weights=c, minlength=n_seg)
+        fwd_a[key] = np.bincount(seg_of, weights=nc.fwd_a, minlength=n_seg)
+        fwd_c[key] = np.bincount(seg_of, weights=nc.fwd_c, minlength=n_seg)
+        if not frac.any():
+            tot = np.bincount(seg_of, weights=c, minlength=n_seg)
+            part = np.bincount(seg_of, weights=np.where(sharded, c, 0.0), minlength=n_seg)
+            frac = np.divide(part, tot, out=np.zeros(n_seg), where=tot > 0)
+    names = ("pre",) + tuple(layer.path for layer in graph.layers) + ("post",)
+    modules = ((tuple(sorted(pre_modules)),) + tuple((layer.path,) for layer in graph.layers)
+               + (tuple(sorted(post_modules)),))
+    return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
+                        boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
+                        fwd_a=fwd_a, fwd_c=fwd_c)
