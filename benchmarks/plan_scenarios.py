@@ -18,37 +18,51 @@ from fxpar.scenario import load_scenario
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "scenarios"
 
 
+def plan_shape(plan) -> str:
+    """``DP`` or ``P x [kind x TP / ...] S st, m=M`` for a pipeline plan."""
+    if plan.strategy == "data_parallel":
+        return "uneven DP"
+    kinds = "/".join(f"{st.device.split('-')[0]}x{st.tensor_parallel}" for st in plan.stages[:3])
+    more = ".." if len(plan.stages) > 3 else ""
+    return f"{plan.pipelines}x[{kinds}{more}] {len(plan.stages)} st, m={plan.num_microbatches}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=Path, default=DEFAULT_DIR)
     args = ap.parse_args()
     rows, results = [], []
+    names = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
     for path in sorted(args.scenarios.glob("*.yaml")):
         sc = load_scenario(path)
         start = time.perf_counter()
         try:
             plan = plan_model(sc.model, sc.cluster, sc.workload)
             took = time.perf_counter() - start
-            even = plan.baseline("even_dp")
+            base = {n: plan.baseline(n) for n in names}
+            evens = [v for k, v in base.items() if k in ("even_dp", "megatron_even") and v is not None]
+            shape = plan_shape(plan)
             results.append({"scenario": sc.name, "status": "planned", "plan_time_s": took,
+                            "strategy": plan.strategy, "shape": shape,
                             **{k: plan.to_dict()[k] for k in ("predicted_step_s", "lower_bound_s",
-                                                              "baselines", "solve_time_s")}})
-            rows.append((sc.name, sc.cluster.world_size, f"{plan.predicted_step_s:.3f}",
-                         f"{plan.lower_bound_s:.3f}", f"{plan.predicted_step_s / plan.lower_bound_s:.3f}",
-                         "-" if even is None else f"{even:.3f}",
-                         "-" if even is None else f"{even / plan.predicted_step_s:.2f}x",
-                         f"{plan.solve_time_s:.2f}", f"{took:.1f}"))
+                                                              "baselines", "solve_time_s", "explain")}})
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            rows.append((sc.name, sc.cluster.world_size, shape, f"{plan.predicted_step_s:.3f}",
+                         f"{plan.predicted_step_s / plan.lower_bound_s:.2f}",
+                         *(fmt(base[n]) for n in names),
+                         "-" if not evens else f"{min(evens) / plan.predicted_step_s:.2f}x",
+                         f"{took:.1f}"))
         except InfeasibleError as exc:
             took = time.perf_counter() - start
-            worst = max(exc.shortfalls.values()) / 2**30
-            results.append({"scenario": sc.name, "status": "infeasible-dp", "plan_time_s": took,
+            worst = max(exc.shortfalls.values()) / 2**30 if exc.shortfalls else 0.0
+            results.append({"scenario": sc.name, "status": "infeasible", "plan_time_s": took,
                             "shortfall_gib": {k: v / 2**30 for k, v in exc.shortfalls.items()}})
-            rows.append((sc.name, sc.cluster.world_size, f"DP does not fit (short {worst:.1f} GiB)",
-                         "", "", "", "", "", f"{took:.1f}"))
+            rows.append((sc.name, sc.cluster.world_size, f"no plan fits (short {worst:.1f} GiB)",
+                         "", "", "", "", "", "", "", f"{took:.1f}"))
         print(f"[bench] {sc.name}: {took:.1f} s", flush=True)
-    head = ("scenario", "GPUs", "predicted s", "lower bound s", "pred/LB", "even DP s",
-            "vs even DP", "solve s", "plan s")
-    print("\nPredicted step times under the roofline cost model (data parallelism only)")
+    head = ("scenario", "GPUs", "fxpar plan", "predicted s", "x LB", "even DP s", "prop. DP s",
+            "Megatron even s", "Whale rules s", "vs best even", "plan s")
+    print("\nPredicted step times under fxpar's cost model (same model for every baseline)")
     print(table(head, rows))
     print(f"\nwrote {write_result('plan_scenarios', {'scenarios': results, 'table': {'head': head, 'rows': rows}})}")
 

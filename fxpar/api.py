@@ -45,7 +45,8 @@ def _one_sample(example_inputs: Any) -> Any:
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``."""
     graph = trace(model, _one_sample(example_inputs))
-    return solve_plan(graph, cluster, workload)
+    # codegen executes data-parallel plans today; pipeline plans come with pipeline codegen
+    return solve_plan(graph, cluster, workload, strategies=("data_parallel",))
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
@@ -84,6 +85,11 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
         plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group)
+    elif plan.strategy != "data_parallel":
+        raise RuntimeSetupError(
+            f"fxpar.auto: plan strategy {plan.strategy!r} cannot run yet: this fxpar version "
+            "generates code for data-parallel plans only (pipeline / tensor-parallel codegen is "
+            "in progress); plan with `fxpar plan` to see the predicted gains")
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")

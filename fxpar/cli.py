@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile "
                    "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
     p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
+    p.add_argument("--explain", action="store_true",
+                   help="print the candidates considered, the baselines and the solver's bound")
 
     f = sub.add_parser("profile", help="measure per-op costs (or collectives) on this device")
     f.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -107,6 +109,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profiles = load_profiles(args.profiles)
     plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles)
     print(plan.table())
+    if args.explain:
+        print("\nwhy this plan:")
+        for line in plan.explain:
+            print(f"  {line}")
+        print(f"  predicted / lower bound = {plan.predicted_step_s / plan.lower_bound_s:.3f}")
+        if plan.solver is not None:
+            sv = plan.solver
+            print(f"  share LP: {sv.backend} {sv.status}, objective {sv.objective_s:.4g} s, "
+                  f"integer {sv.integer_s:.4g} s, gap {100 * sv.gap:.2f}%")
     if args.timeline is not None:
         _draw_timeline(plan, cluster, model, workload, profiles, args.timeline)
     if args.json_out is not None:

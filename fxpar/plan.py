@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from fxpar.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
-STRATEGIES: tuple[str, ...] = ("data_parallel",)
+STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline")
+SCHEDULES: tuple[str, ...] = ("none", "1F1B")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,9 +41,14 @@ class StagePlan:
     index: int
     modules: tuple[str, ...]          # module FQN prefixes; ("",) is the whole model
     ranks: tuple[int, ...]
-    data_split: tuple[int, ...]       # samples per rank, in the order of ``ranks``
+    data_split: tuple[int, ...]       # data parallel: samples per rank (order of ``ranks``);
+                                      # pipeline: samples per pipeline replica
     tensor_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None
+    device: str = ""                  # device kind of a pipeline stage
+    tensor_parallel: int = 1          # devices per replica of this stage (one TP group)
+    predicted_fwd_s: float = 0.0      # per micro-batch
+    predicted_bwd_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +85,12 @@ class Plan:
     solve_time_s: float = 0.0
     solver: SolverReport | None = None
     emulated: bool = False
+    pipelines: int = 1                # identical pipeline replicas (data parallel across them)
+    num_microbatches: int = 1         # per pipeline and step
+    schedule: str = "none"
+    activation_checkpointing: bool = False
+    zero_sharded_optimizer: bool = False
+    explain: tuple[str, ...] = ()     # why this plan: candidates and baselines considered
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -96,10 +108,21 @@ class Plan:
                 raise PlanError(
                     f"plan.ranks[{i}]: micro_batch_size {r.micro_batch_size} x num_microbatches "
                     f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
-        total = sum(r.batch_share for r in self.ranks)
-        if total != self.global_batch:
-            raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
-                            f"{self.global_batch}; they must be equal")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan.schedule = {self.schedule!r}: accepted values are {SCHEDULES}")
+        if self.strategy == "data_parallel":
+            total = sum(r.batch_share for r in self.ranks)
+            if total != self.global_batch:
+                raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
+                                f"{self.global_batch}; they must be equal")
+            return
+        owned = sorted(r for st in self.stages for r in st.ranks)
+        if owned != list(range(self.world_size)):
+            raise PlanError("plan: every rank must belong to exactly one pipeline stage")
+        for st in self.stages:
+            if sum(st.data_split) != self.global_batch:
+                raise PlanError(f"plan.stages[{st.index}]: data_split sums to {sum(st.data_split)}, "
+                                f"not global_batch {self.global_batch}")
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -156,6 +179,7 @@ class Plan:
                                 for i, r in enumerate(d["ranks"]))
             kw["stages"] = tuple(_stage_from_dict(s, f"{source}: stages[{i}]")
                                  for i, s in enumerate(d.get("stages", ())))
+            kw["explain"] = tuple(d.get("explain", ()))
             base = d.get("baselines") or {}
             kw["baselines"] = tuple((str(k), None if v is None else float(v)) for k, v in base.items())
             if d.get("solver") is not None:
@@ -188,8 +212,16 @@ class Plan:
         line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
         out = [f"fxpar plan: {self.strategy} for {self.model} on {self.cluster} "
                f"({self.world_size} ranks{', emulated' if self.emulated else ''}), "
-               f"global batch {self.global_batch}, {self.dtype}, {self.optimizer}",
-               line(head), line(tuple("-" * w for w in widths))]
+               f"global batch {self.global_batch}, {self.dtype}, {self.optimizer}"]
+        if self.strategy == "pipeline":
+            out.append(f"{self.pipelines} pipeline(s) x {len(self.stages)} stages, {self.num_microbatches} "
+                       f"micro-batches of {self.global_batch // (self.pipelines * self.num_microbatches)}, "
+                       f"{self.schedule}, ZeRO-1 {'on' if self.zero_sharded_optimizer else 'off'}, "
+                       f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}")
+            out += [f"  stage {st.index}: {st.device}, TP {st.tensor_parallel} per pipeline, "
+                    f"{_span(st.modules)}, fwd+bwd {1e3 * (st.predicted_fwd_s + st.predicted_bwd_s):.2f} ms"
+                    f"/micro-batch" for st in self.stages]
+        out += [line(head), line(tuple("-" * w for w in widths))]
         out += [line(row) for row in rows]
         out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
                    f" + all-reduce {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
@@ -205,6 +237,12 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _span(modules: Sequence[str]) -> str:
+    if len(modules) <= 3:
+        return ", ".join(m or "<root>" for m in modules)
+    return f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)"
 
 
 def _summarised(ranks: Sequence[RankPlan], limit: int = 24) -> list[RankPlan]:

@@ -55,3 +55,21 @@ def test_speed_emulator_sleeps_in_proportion():
     assert SpeedEmulator(1.0).stretch(0.5) == 0.0
     with pytest.raises(ConfigError):
         SpeedEmulator(0.0)
+
+
+def test_auto_refuses_a_plan_codegen_cannot_run_yet(tmp_path):
+    from fxpar.planning import plan_model
+    from fxpar.tracing.hf import ModelSpec
+    from fxpar.workload import Workload
+    from tests.workers import TINY_CONFIGS
+
+    # a device too small for data parallelism forces a pipeline plan
+    cluster = fxpar.Cluster.from_dict({"device_types": {"TINY": {
+        "fp32_tflops": 1, "fp16_tflops": 2, "memory_gib": 0.025, "memory_gbps": 100}},
+        "inter_node_gbps": 100, "nodes": [{"gpu": "TINY", "count": 2}]})
+    plan = plan_model(ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_hidden_layers=4)), cluster,
+                      Workload(global_batch=4, seq_len=16))
+    assert plan.strategy == "pipeline"
+    assert fxpar.Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(RuntimeSetupError, match="data-parallel plans only"):
+        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), plan=plan)

@@ -58,6 +58,8 @@ def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
     """Predict ``plan`` under ``cost`` (see the module docstring)."""
+    if plan.strategy == "pipeline":
+        return _simulate_pipeline(plan)
     cluster = cost.cluster
     events: list[TimelineEvent] = []
     busy, peaks = [], []
@@ -88,4 +90,25 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     busy = [b + o for b, o in zip(busy, opt)]
     return SimResult(step_s=step, compute_s=compute, comm_s=comm, busy_s=tuple(busy),
                      idle_s=tuple(step - b - comm for b in busy), peak_memory_bytes=tuple(peaks),
+                     events=tuple(events))
+
+
+def _simulate_pipeline(plan: Plan) -> SimResult:
+    """1F1B events from the plan's per-stage forward/backward times (solver's cost model)."""
+    from fxpar.sim.pipeline_sim import pipeline_events, simulate_1f1b
+
+    fwd = [st.predicted_fwd_s for st in plan.stages]
+    bwd = [st.predicted_bwd_s for st in plan.stages]
+    makespan, busy, raw = simulate_1f1b(fwd, bwd, [0.0] * len(fwd), plan.num_microbatches)
+    events = pipeline_events([st.ranks for st in plan.stages], raw)
+    comm = plan.predicted_comm_s
+    opt = max(plan.predicted_step_s - plan.predicted_compute_s - comm, 0.0)
+    for r in range(plan.world_size):
+        events.append(TimelineEvent(r, "all_reduce", plan.predicted_compute_s, plan.predicted_compute_s + comm))
+        events.append(TimelineEvent(r, "optimizer", plan.predicted_compute_s + comm, plan.predicted_step_s))
+    stage_of = {r: j for j, st in enumerate(plan.stages) for r in st.ranks}
+    rank_busy = tuple(busy[stage_of[r]] for r in range(plan.world_size))
+    return SimResult(step_s=plan.predicted_step_s, compute_s=plan.predicted_compute_s, comm_s=comm,
+                     busy_s=rank_busy, idle_s=tuple(plan.predicted_step_s - b - comm for b in rank_busy),
+                     peak_memory_bytes=tuple(r.predicted_memory_bytes for r in plan.ranks),
                      events=tuple(events))

@@ -251,7 +251,7 @@ def search(ctx: PipelineContext, *, max_stages: int = 64) -> PipelineConfig | No
                 per_pipe = ctx.global_batch // pipelines
                 ms = sorted({m for m in (S, 2 * S, 4 * S, 8 * S, per_pipe) if m <= per_pipe and per_pipe % m == 0}
                             | {d for d in _divisors(per_pipe) if S <= d <= 8 * S})
-                for m in ms[:6]:
+                for m in ms[:8]:
                     for ckpt in (False, True):
                         cfg = evaluate(ctx, pipelines, stages, m, ckpt)
                         if cfg is not None and (best is None or cfg.step_s < best.step_s - 1e-12):

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from typing import Mapping
 
-from fxpar.errors import ConfigError
+from fxpar.errors import ConfigError, InfeasibleError
 from fxpar.plan import Plan, RankPlan, SolverReport, StagePlan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
@@ -74,11 +74,37 @@ def _with_predictions(draft: Plan, cost: CostModel) -> Plan:
 
 def _even_plan_step(draft: Plan, cluster, problem: dp.DPProblem, cost: CostModel) -> float | None:
     """The even split (torch DDP) under the same cost model and simulator; None if it does not fit."""
-    world = cluster.world_size
-    base, extra = divmod(problem.global_batch, world)
-    shares = [base + (1 if r < extra else 0) for r in range(world)]
-    micro, counts = [], []
+    base, extra = divmod(problem.global_batch, cluster.world_size)
+    shares = [base + (1 if r < extra else 0) for r in range(cluster.world_size)]
+    return _shares_step(draft, cluster, problem, cost, shares)
+
+
+def _dp_plan(graph: ModelGraph, cluster, workload: Workload, problem: dp.DPProblem,
+             cost: CostModel, lower_bound_s: float) -> Plan:
+    sol = dp.solve(problem)
+    draft = Plan(
+        strategy="data_parallel", model=graph.model_name, cluster=cluster.name,
+        global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
+        optimizer=workload.optimizer,
+        stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)),
+                          data_split=sol.shares),),
+        ranks=_rank_plans(cluster, sol.shares, sol.micro_batch, sol.num_microbatches, problem),
+        predicted_step_s=0.0, predicted_compute_s=0.0, predicted_comm_s=0.0,
+        lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()))
+    result = _with_predictions(draft, cost)
+    relaxation = sol.relaxation_s + problem.allreduce_s
+    step = result.predicted_step_s
+    return replace(result, solver=SolverReport(
+        name="dp-share-lp", backend=sol.backend, status=sol.status, objective_s=relaxation,
+        integer_s=step, gap=(step - relaxation) / relaxation if relaxation > 0 else 0.0,
+        solve_time_s=sol.solve_time_s))
+
+
+def _shares_step(draft: Plan, cluster, problem: dp.DPProblem, cost: CostModel,
+                 shares: list[int]) -> float | None:
+    """Predicted step of a data-parallel plan with the given shares (None if it does not fit)."""
     cap_of = {r: g for g in problem.groups for r in g.ranks}
+    micro, counts = [], []
     for r, share in enumerate(shares):
         g = cap_of[r]
         if problem.micro_batch_cap(g) < 1 or share > problem.share_cap(g):
@@ -86,37 +112,100 @@ def _even_plan_step(draft: Plan, cluster, problem: dp.DPProblem, cost: CostModel
         m, n = dp.micro_batches(share, problem.micro_batch_cap(g), problem.max_microbatches)
         micro.append(m)
         counts.append(n)
-    even = replace(draft, ranks=_rank_plans(cluster, shares, micro, counts, problem),
-                   stages=(replace(draft.stages[0], data_split=tuple(shares)),))
-    return simulate(even, cost).step_s
+    other = replace(draft, strategy="data_parallel", pipelines=1, num_microbatches=1, schedule="none",
+                    ranks=_rank_plans(cluster, shares, micro, counts, problem),
+                    stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)),
+                                      data_split=tuple(shares)),))
+    return simulate(other, cost).step_s
 
 
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
-         profiles: Mapping[str, ProfileDB] | None = None) -> Plan:
-    """Find the fastest plan for ``graph`` on ``cluster`` under the cost model."""
+         profiles: Mapping[str, ProfileDB] | None = None,
+         strategies: tuple[str, ...] = ("data_parallel", "pipeline")) -> Plan:
+    """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
+    uneven data parallelism (share LP) and identical heterogeneous pipelines with TP stages
+    (:mod:`fxpar.solvers.pipeline`).  Baselines and the reasoning go into the plan."""
+    from fxpar.solvers import baselines as bl
+    from fxpar.solvers.pipeline import build_context, search
+    from fxpar.solvers.pipeline_plan import compute_lower_bound, to_plan
+
     start = time.perf_counter()
-    check_inputs(cluster, workload, allow_tf32=allow_tf32)
+    dp_only = tuple(strategies) == ("data_parallel",)
+    if dp_only:
+        check_inputs(cluster, workload, allow_tf32=allow_tf32)
+    else:
+        check_inputs(cluster, replace(workload, global_batch=max(workload.global_batch, cluster.world_size)),
+                     allow_tf32=allow_tf32)
     cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer,
                      allow_tf32=allow_tf32, profiles=profiles)
     problem = build_dp_problem(cost, cluster, workload)
-    dp.check_memory(problem, describe=_describe)
-    sol = dp.solve(problem)
-    all_ranks = tuple(range(cluster.world_size))
-    draft = Plan(
-        strategy="data_parallel", model=graph.model_name, cluster=cluster.name,
-        global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
-        optimizer=workload.optimizer,
-        stages=(StagePlan(index=0, modules=("",), ranks=all_ranks, data_split=sol.shares),),
-        ranks=_rank_plans(cluster, sol.shares, sol.micro_batch, sol.num_microbatches, problem),
-        predicted_step_s=0.0, predicted_compute_s=0.0, predicted_comm_s=0.0,
-        lower_bound_s=dp.lower_bound_s(problem), emulated=bool(cluster.is_emulated()))
-    result = _with_predictions(draft, cost)
-    relaxation = sol.relaxation_s + problem.allreduce_s
-    step = result.predicted_step_s
-    return replace(
-        result, baselines=(("even_dp", _even_plan_step(draft, cluster, problem, cost)),),
-        solve_time_s=time.perf_counter() - start,
-        solver=SolverReport(name="dp-share-lp", backend=sol.backend, status=sol.status,
-                            objective_s=relaxation, integer_s=step,
-                            gap=(step - relaxation) / relaxation if relaxation > 0 else 0.0,
-                            solve_time_s=sol.solve_time_s))
+    use_pipeline = "pipeline" in strategies and len(graph.layers) >= 1
+    ctx = build_context(graph, cost, cluster, workload) if use_pipeline else None
+    lb = dp.lower_bound_s(problem) if dp_only or ctx is None else compute_lower_bound(ctx)
+
+    candidates: list[Plan] = []
+    explain: list[str] = []
+    dp_error: InfeasibleError | None = None
+    dp_ok = bl.dp_fits(problem) and workload.global_batch >= cluster.world_size
+    if dp_ok:
+        candidates.append(_dp_plan(graph, cluster, workload, problem, cost, lb))
+        explain.append(f"data parallel, uneven shares (LP): {candidates[-1].predicted_step_s:.4g} s")
+    else:
+        try:
+            dp.check_memory(problem, describe=_describe)
+            if workload.global_batch < cluster.world_size:
+                check_inputs(cluster, workload)
+        except (InfeasibleError, ConfigError) as exc:
+            dp_error = exc if isinstance(exc, InfeasibleError) else InfeasibleError(str(exc))
+            explain.append("data parallel: does not fit (" + str(exc).splitlines()[0][:120] + ")")
+    cfg = None
+    if ctx is not None:
+        t0 = time.perf_counter()
+        cfg = search(ctx)
+        if cfg is not None:
+            candidates.append(to_plan(cfg, ctx, cluster, graph.model_name, workload, lb))
+            explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
+                           f"{cfg.num_microbatches} micro-batches: {candidates[-1].predicted_step_s:.4g} s "
+                           f"(searched in {time.perf_counter() - t0:.2f} s)")
+        else:
+            explain.append("pipelines: no configuration fits in memory")
+    mega_pipe = whale_pipe = None
+    if ctx is not None:
+        order = list(dict.fromkeys(g.key for g in cluster.groups()))
+        mega_cfg, whale_cfg = bl.pipeline_baselines(ctx, order)
+        searched = candidates[-1].predicted_step_s if cfg is not None else None
+        for rule, other in (("even-cut", mega_cfg), ("capacity-cut", whale_cfg)):
+            if other is None:
+                continue
+            as_plan = to_plan(other, ctx, cluster, graph.model_name, workload, lb)
+            if rule == "even-cut":
+                mega_pipe = as_plan.predicted_step_s
+            else:
+                whale_pipe = as_plan.predicted_step_s
+            if searched is None or as_plan.predicted_step_s < searched:
+                candidates.append(as_plan)  # fxpar is never slower than a rule it can express
+                explain.append(f"pipelines with {rule} stages: {as_plan.predicted_step_s:.4g} s "
+                               "(beats the min-max cuts under the simulated 1F1B schedule)")
+    if not candidates:
+        assert dp_error is not None
+        raise InfeasibleError(str(dp_error) + ("\nNo pipeline / tensor-parallel configuration "
+                                               "fits either." if ctx is not None else ""),
+                              shortfalls=dp_error.shortfalls)
+    best = min(candidates, key=lambda p: p.predicted_step_s)
+
+    even = _even_plan_step(best, cluster, problem, cost) if dp_ok else None
+    rates = [d.type.peak_tflops(cost.compute_dtype) * d.speed for d in cluster.devices]
+    prop = (_shares_step(best, cluster, problem, cost, bl.proportional_shares(rates, workload.global_batch))
+            if dp_ok else None)
+    baselines = (("even_dp", even), ("proportional_dp", prop),
+                 ("megatron_even", bl.min_or_none(even, mega_pipe)),
+                 ("whale_rules", prop if dp_ok else whale_pipe))
+    for name, value in baselines:
+        explain.append(f"baseline {name}: " + ("does not fit" if value is None else
+                       f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
+    explain.append(f"lower bound {lb:.4g} s: " + (
+        "work over the summed device rates + the all-reduce bound (data parallelism only)"
+        if dp_only or ctx is None else
+        "work over the summed device rates (valid for every strategy; no communication term)"))
+    return replace(best, baselines=baselines, solve_time_s=time.perf_counter() - start,
+                   explain=tuple(explain))

@@ -1,0 +1,85 @@
+"""From a solved :class:`~fxpar.solvers.pipeline.PipelineConfig` to a :class:`~fxpar.plan.Plan`.
+
+Ranks: for each device kind, its ranks in cluster order are dealt to (pipeline, stage) slots
+of that kind, ``width`` consecutive ranks per slot, so a stage's tensor-parallel group sits on
+one node.  Predictions come from the 1F1B event simulation (:mod:`fxpar.sim.pipeline_sim`) of
+the stages' forward and backward times, plus the gradient all-reduce and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.sim.pipeline_sim import simulate_1f1b
+from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, _StageCost, _tp_allreduce
+
+
+def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
+    """``slots[j][p]``: the ranks of stage ``j`` in pipeline ``p``."""
+    pools = {g.key: list(g.ranks) for g in cluster.groups()}
+    slots: list[list[tuple[int, ...]]] = [[] for _ in cfg.stages]
+    for p in range(cfg.pipelines):
+        for j, spec in enumerate(cfg.stages):
+            take, pools[spec.kind] = pools[spec.kind][: spec.width], pools[spec.kind][spec.width:]
+            slots[j].append(tuple(take))
+    return slots
+
+
+def stage_fwd_bwd(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[list[float], list[float], list[float]]:
+    """Per stage: forward and backward seconds of one micro-batch, and the hop after it."""
+    t = ctx.table
+    fwd, bwd, hops = [], [], []
+    S = len(cfg.stages)
+    for j, (spec, i, k) in enumerate(zip(cfg.stages, cfg.cuts, cfg.cuts[1:])):
+        kind = ctx.kinds[spec.kind]
+        u, b = spec.width, cfg.micro_batch
+        scale = (t.sharded_fraction / u + (1 - t.sharded_fraction))[i:k]
+        tp = _tp_allreduce(kind, u, t.boundary_bytes[i:k] * b) * (np.arange(i, k) > 0)
+        f = float(((t.fwd_a[spec.kind][i:k] + t.fwd_c[spec.kind][i:k] * b) * scale).sum() + 2 * tp.sum())
+        cost = _StageCost(ctx, spec, b, min(S - j, cfg.num_microbatches), cfg.pipelines, cfg.checkpointing)
+        total = cost.stage_time(i, k)
+        hop = float(cost.hop[k - 1]) if k < t.size else 0.0
+        fwd.append(f)
+        bwd.append(max(total - hop - f, 0.0))
+        hops.append(hop)
+    return fwd, bwd, hops
+
+
+def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str, workload,
+            lower_bound_s: float) -> Plan:
+    slots = assign_ranks(cfg, cluster)
+    fwd, bwd, hops = stage_fwd_bwd(ctx, cfg)
+    makespan, busy, _ = simulate_1f1b(fwd, bwd, hops, cfg.num_microbatches)
+    step = makespan + cfg.allreduce_s + cfg.optimizer_s
+    per_pipe = workload.global_batch // cfg.pipelines
+    stages, ranks = [], {}
+    for j, (spec, i, k) in enumerate(zip(cfg.stages, cfg.cuts, cfg.cuts[1:])):
+        modules = tuple(m for seg in ctx.table.modules[i:k] for m in seg)
+        flat = tuple(r for group in slots[j] for r in group)
+        stages.append(StagePlan(index=j, modules=modules, ranks=flat,
+                                data_split=(per_pipe,) * cfg.pipelines, device=spec.kind,
+                                tensor_parallel=spec.width, predicted_fwd_s=fwd[j],
+                                predicted_bwd_s=bwd[j]))
+        for r in flat:
+            d = cluster.device(r)
+            ranks[r] = RankPlan(rank=r, device=d.type.name, node=d.node, speed=float(d.speed),
+                                batch_share=per_pipe, micro_batch_size=cfg.micro_batch,
+                                num_microbatches=cfg.num_microbatches, predicted_busy_s=busy[j],
+                                predicted_memory_bytes=cfg.memory_bytes[j],
+                                memory_capacity_bytes=int(d.memory_bytes))
+    return Plan(strategy="pipeline", model=model_name, cluster=cluster.name,
+                global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
+                optimizer=workload.optimizer, stages=tuple(stages),
+                ranks=tuple(ranks[r] for r in range(cluster.world_size)),
+                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=cfg.allreduce_s,
+                lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
+                pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches, schedule="1F1B",
+                activation_checkpointing=cfg.checkpointing, zero_sharded_optimizer=cfg.pipelines > 1)
+
+
+def compute_lower_bound(ctx: PipelineContext) -> float:
+    """B / Σ_i (1/t_i): the work over the summed device rates, perfectly divided.  A bound on
+    every strategy (a pipeline need not all-reduce whole gradients, so no communication term)."""
+    rate = sum(ctx.kinds[k].count / float(ctx.table.cost_c[k].sum()) for k in ctx.kinds)
+    return ctx.global_batch / rate

@@ -1,0 +1,68 @@
+"""Pipeline planner on synthetic segment tables with hand-computable optima."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fxpar.sim.pipeline_sim import one_f_one_b_order, simulate_1f1b
+from fxpar.solvers.pipeline import (KindInfo, PipelineContext, StageSpec, best_cuts, evaluate,
+                                    search, _StageCost)
+from fxpar.solvers.segments import SegmentTable
+
+GIB = 2**30
+
+
+def _table(n: int, fast_c: float = 1.0, slow_c: float = 2.0, params: float = 1e6) -> SegmentTable:
+    z = np.zeros(n)
+    return SegmentTable(
+        names=tuple(f"s{i}" for i in range(n)), modules=tuple((f"m{i}",) for i in range(n)),
+        params=np.full(n, params), act_bytes=np.full(n, 1e3), boundary_bytes=np.zeros(n),
+        sharded_fraction=np.ones(n), cost_a={"fast": z, "slow": z},
+        cost_c={"fast": np.full(n, fast_c), "slow": np.full(n, slow_c)},
+        fwd_a={"fast": z, "slow": z}, fwd_c={"fast": np.full(n, fast_c / 3), "slow": np.full(n, slow_c / 3)})
+
+
+def _ctx(table: SegmentTable, *, fast_mem: float = 80 * GIB, counts=(1, 1), batch: int = 8) -> PipelineContext:
+    kinds = {"fast": KindInfo("fast", counts[0], counts[0], int(fast_mem), 1e11, 2.0),
+             "slow": KindInfo("slow", counts[1], counts[1], 80 * GIB, 1e11, 1.0)}
+    return PipelineContext(table=table, kinds=kinds, global_batch=batch, optimizer="adam", dtype="fp32",
+                           node_bytes_per_s=1e10, num_nodes=2, optimizer_s_per_param={"fast": 0.0, "slow": 0.0})
+
+
+def test_cuts_proportional_to_speed():
+    # 9 equal segments; the fast stage is twice as fast: optimum is 6 + 3 (stage time 6 each)
+    ctx = _ctx(_table(9))
+    stages = (StageSpec("fast", 1), StageSpec("slow", 1))
+    costs = [_StageCost(ctx, s, 1, 1, 1, False) for s in stages]
+    assert best_cuts(costs, 9) == (0, 6, 9)
+    cfg = evaluate(ctx, 1, stages, 8, False)
+    assert cfg.cuts == (0, 6, 9) and cfg.stage_s == pytest.approx((6.0, 6.0))
+
+
+def test_memory_caps_the_fast_stage():
+    # each segment's state is 16 bytes/param x 1e6 = 16 MB; the fast device fits 3 segments only
+    ctx = _ctx(_table(9), fast_mem=3.5 * 16e6)
+    cfg = evaluate(ctx, 1, (StageSpec("fast", 1), StageSpec("slow", 1)), 8, False)
+    assert cfg.cuts[1] == 3 and max(cfg.memory_bytes[0], 0) <= 3.5 * 16e6
+
+
+def test_1f1b_order_and_makespan():
+    assert one_f_one_b_order(0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    S, m, f, b = 4, 8, 1.0, 2.0
+    makespan, busy, events = simulate_1f1b([f] * S, [b] * S, [0.0] * S, m)
+    assert makespan == pytest.approx((m + S - 1) * (f + b))
+    assert busy == [m * (f + b)] * S and len(events) == 2 * S * m
+
+
+def test_search_prefers_pipeline_when_memory_forces_it_and_is_deterministic():
+    ctx = _ctx(_table(8), fast_mem=6 * 16e6, counts=(2, 2), batch=16)
+    a, b = search(ctx), search(ctx)
+    assert a is not None and a == b
+    assert all(m <= 80 * GIB for m in a.memory_bytes)
+    assert {s.kind for s in a.stages} == {"fast", "slow"}
+
+
+def test_infeasible_returns_none():
+    ctx = _ctx(_table(4, params=1e12))
+    assert search(ctx) is None
