@@ -45,15 +45,15 @@ def _one_sample(example_inputs: Any) -> Any:
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``."""
     graph = trace(model, _one_sample(example_inputs))
-    # codegen executes data-parallel plans today; pipeline plans come with pipeline codegen
-    return solve_plan(graph, cluster, workload, strategies=("data_parallel",))
+    # what codegen executes: uneven data parallelism, and pipelines of TP width 1
+    return solve_plan(graph, cluster, workload, max_tensor_parallel=1)
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
          global_batch: int | None = None, seq_len: int | None = None, dtype: str = "fp32",
          optimizer: str = "adam", max_microbatches: int | None = None, plan: Plan | None = None,
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         loss_weighting: LossWeighting = "auto", emulate: bool = True) -> DataParallelModule:
+         loss_weighting: LossWeighting = "auto", emulate: bool = True):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -62,6 +62,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     its size.  Pass ``plan=`` to skip solving (a hand-written or saved plan).
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
+    Returns a :class:`DataParallelModule` or, for a pipeline plan, a
+    :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule` (same ``step`` API).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
@@ -85,14 +87,21 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
         plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group)
-    elif plan.strategy != "data_parallel":
+    elif plan.strategy == "pipeline" and any(st.tensor_parallel != 1 for st in plan.stages):
         raise RuntimeSetupError(
-            f"fxpar.auto: plan strategy {plan.strategy!r} cannot run yet: this fxpar version "
-            "generates code for data-parallel plans only (pipeline / tensor-parallel codegen is "
-            "in progress); plan with `fxpar plan` to see the predicted gains")
+            "fxpar.auto: this plan has tensor-parallel stages, which this fxpar version cannot run "
+            "yet (data-parallel plans and pipelines of TP width 1 run); re-plan with "
+            "max_tensor_parallel=1")
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
+    if plan.strategy == "pipeline":
+        if example_inputs is None:
+            raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs (one batch with "
+                              "labels) to split the model into stages")
+        from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+
+        return PipelineParallelModule(model, plan, rank, example_inputs, emulate=emulate)
     return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
                               loss_weighting=loss_weighting, emulate=emulate)
 

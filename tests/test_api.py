@@ -57,7 +57,7 @@ def test_speed_emulator_sleeps_in_proportion():
         SpeedEmulator(0.0)
 
 
-def test_auto_refuses_a_plan_codegen_cannot_run_yet(tmp_path):
+def test_memory_bound_model_gets_a_pipeline_plan(tmp_path):
     from fxpar.planning import plan_model
     from fxpar.tracing.hf import ModelSpec
     from fxpar.workload import Workload
@@ -71,5 +71,6 @@ def test_auto_refuses_a_plan_codegen_cannot_run_yet(tmp_path):
                       Workload(global_batch=4, seq_len=16))
     assert plan.strategy == "pipeline"
     assert fxpar.Plan.from_json(plan.to_json()) == plan
-    with pytest.raises(RuntimeSetupError, match="data-parallel plans only"):
-        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), plan=plan)
+    if any(st.tensor_parallel > 1 for st in plan.stages):
+        with pytest.raises(RuntimeSetupError, match="max_tensor_parallel=1"):
+            fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), plan=plan)

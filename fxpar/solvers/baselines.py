@@ -51,7 +51,7 @@ def _capacity_cuts(ctx: PipelineContext, stages, reference: str) -> tuple[int, .
     return tuple(cuts) if all(a < b for a, b in zip(cuts, cuts[1:])) else None
 
 
-def pipeline_baselines(ctx: PipelineContext, cluster_order: list[str]):
+def pipeline_baselines(ctx: PipelineContext, cluster_order: list[str], max_width: int = 8):
     """(megatron_even, whale_rules) best pipeline configurations — None where nothing fits.
     fxpar's planner also takes them as candidates, so it is never slower than either."""
     counts = [k.count for k in ctx.kinds.values()]
@@ -64,7 +64,7 @@ def pipeline_baselines(ctx: PipelineContext, cluster_order: list[str]):
             continue
         per_pipe = ctx.global_batch // pipelines
         for order, rule in ((cluster_order, "even"), (by_memory, "whale")):
-            for stages in stage_sequences(ctx.kinds, pipelines, list(order)):
+            for stages in stage_sequences(ctx.kinds, pipelines, list(order), max_width):
                 S = len(stages)
                 if S == 0 or S > ctx.table.size:
                     continue

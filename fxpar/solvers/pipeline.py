@@ -222,18 +222,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def stage_sequences(kinds: dict, pipelines: int, order: list[str]) -> list[tuple[StageSpec, ...]]:
+def stage_sequences(kinds: dict, pipelines: int, order: list[str],
+                    max_width: int = 8) -> list[tuple[StageSpec, ...]]:
     """Stage sequences of one pipeline: per kind, its devices split into equal TP stages."""
     per_kind = []
     for key in order:
         k = kinds[key]
         own = k.count // pipelines
-        widths = [w for w in (1, 2, 4, 8) if w <= k.per_node and own % w == 0]
+        widths = [w for w in (1, 2, 4, 8) if w <= min(k.per_node, max_width) and own % w == 0]
         per_kind.append([(StageSpec(key, w),) * (own // w) for w in widths])
     return [tuple(itertools.chain.from_iterable(combo)) for combo in itertools.product(*per_kind)]
 
 
-def search(ctx: PipelineContext, *, max_stages: int = 64) -> PipelineConfig | None:
+def search(ctx: PipelineContext, *, max_stages: int = 64, max_width: int = 8) -> PipelineConfig | None:
     """The fastest feasible pipeline configuration (module docstring), or None."""
     counts = [k.count for k in ctx.kinds.values()]
     common = math.gcd(*counts)
@@ -244,7 +245,7 @@ def search(ctx: PipelineContext, *, max_stages: int = 64) -> PipelineConfig | No
         if ctx.global_batch % pipelines:
             continue
         for order in orders:
-            for stages in stage_sequences(ctx.kinds, pipelines, list(order)):
+            for stages in stage_sequences(ctx.kinds, pipelines, list(order), max_width):
                 S = len(stages)
                 if S > min(max_stages, ctx.table.size) or S == 0:
                     continue

@@ -121,7 +121,8 @@ def _shares_step(draft: Plan, cluster, problem: dp.DPProblem, cost: CostModel,
 
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
          profiles: Mapping[str, ProfileDB] | None = None,
-         strategies: tuple[str, ...] = ("data_parallel", "pipeline")) -> Plan:
+         strategies: tuple[str, ...] = ("data_parallel", "pipeline"),
+         max_tensor_parallel: int = 8) -> Plan:
     """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
     uneven data parallelism (share LP) and identical heterogeneous pipelines with TP stages
     (:mod:`fxpar.solvers.pipeline`).  Baselines and the reasoning go into the plan."""
@@ -161,7 +162,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     cfg = None
     if ctx is not None:
         t0 = time.perf_counter()
-        cfg = search(ctx)
+        cfg = search(ctx, max_width=max_tensor_parallel)
         if cfg is not None:
             candidates.append(to_plan(cfg, ctx, cluster, graph.model_name, workload, lb))
             explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
@@ -172,7 +173,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     mega_pipe = whale_pipe = None
     if ctx is not None:
         order = list(dict.fromkeys(g.key for g in cluster.groups()))
-        mega_cfg, whale_cfg = bl.pipeline_baselines(ctx, order)
+        mega_cfg, whale_cfg = bl.pipeline_baselines(ctx, order, max_tensor_parallel)
         searched = candidates[-1].predicted_step_s if cfg is not None else None
         for rule, other in (("even-cut", mega_cfg), ("capacity-cut", whale_cfg)):
             if other is None:

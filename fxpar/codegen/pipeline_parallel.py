@@ -1,0 +1,204 @@
+"""Pipeline-parallel execution of a ``pipeline`` plan (``Schedule1F1B`` on ``PipelineStage``).
+
+Rank layout comes from the plan: stage ``j`` of pipeline ``p`` is ``plan.stages[j].ranks[p]``
+(tensor-parallel width 1 here).  Groups: one per pipeline (the stages' point-to-point chain),
+one per stage position (data parallelism across the ``P`` pipelines), one per parameter tied
+across stages (GPT-2's embedding and head).
+
+Correctness: each pipeline trains ``B/P`` samples as ``m`` micro-batches; the schedule scales
+each micro-batch loss by ``1/m``, so a pipeline's gradients are those of the mean loss over its
+samples; tied parameters sum their stages' gradients; the stage groups average across the
+``P`` pipelines.  The update equals one process on the global batch when every sample
+carries the same number of label tokens (unpadded language-model batches).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.codegen.pipeline_split import split_stages
+from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.plan import Plan
+from fxpar.runtime.emulation import SpeedEmulator
+
+
+class _Exit(torch.autograd.Function):
+    """Identity that records when the stage's backward starts."""
+
+    @staticmethod
+    def forward(ctx, clock: list, x: torch.Tensor) -> torch.Tensor:
+        ctx.clock = clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.clock[0] = time.perf_counter()
+        return None, grad
+
+
+def layer_to_stage(plan: Plan, block_paths: list[str]) -> list[int]:
+    """Stage index of each repeated block, from the stages' module lists."""
+    owner = {m: st.index for st in plan.stages for m in st.modules}
+    missing = [b for b in block_paths if b not in owner]
+    if missing:
+        raise PlanError(f"pipeline plan does not place blocks {missing[:3]}; every block must "
+                        "belong to one stage (re-plan for this model)")
+    return [owner[b] for b in block_paths]
+
+
+class PipelineParallelModule(torch.nn.Module):
+    """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
+                 *, emulate: bool = True) -> None:
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        if plan.strategy != "pipeline":
+            raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
+        if any(st.tensor_parallel != 1 for st in plan.stages):
+            raise RuntimeSetupError("this fxpar version runs pipeline stages of tensor-parallel width 1; "
+                                    "re-plan with max_tensor_parallel=1")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
+        S, P = len(plan.stages), plan.pipelines
+        self.plan, self.rank = plan, rank
+        self.stage_index = next(j for j, st in enumerate(plan.stages) if rank in st.ranks)
+        self.pipeline_index = plan.stages[self.stage_index].ranks.index(rank)
+        chains = [[plan.stages[j].ranks[p] for j in range(S)] for p in range(P)]
+        # every rank creates every group, in the same order
+        self.pp_groups = [dist.new_group(c) for c in chains]
+        self.dp_groups = [dist.new_group(list(st.ranks)) for st in plan.stages]
+        self.pp_group = self.pp_groups[self.pipeline_index]
+        self.dp_group = self.dp_groups[self.stage_index]
+        self.chain = chains[self.pipeline_index]
+
+        from fxpar.tracing.trace import block_path
+
+        blocks = list(dict.fromkeys(
+            b for b in (block_path(n) for n, _ in model.named_modules()) if b is not None))
+        one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
+               for k, v in example_inputs.items()}
+        modules, self.input_names = split_stages(model, one, layer_to_stage(plan, blocks), S)
+        self.module = modules[self.stage_index]
+        self._tied = self._tied_groups(modules, chains)
+        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        self._clock = [0.0]
+        self._wrap_emulation()
+        # exact example inputs/outputs of every stage from one local pass over the chain (every
+        # rank holds all stage modules), so PipelineStage skips its runtime shape inference
+        # (which runs the stage on uninitialised buffers — fatal for an in-graph loss)
+        values = tuple(one[n] for n in self.input_names)
+        for j, mod in enumerate(modules):  # with autograd on: requires_grad flags must be real
+            outs = mod.forward_plain(*values)
+            outs = tuple(o.detach().requires_grad_(o.requires_grad)
+                         for o in (outs if isinstance(outs, tuple) else (outs,)))
+            if j == self.stage_index:
+                stage_in, stage_out = values, outs
+            values = outs
+        self.pipe_stage = PipelineStage(self.module, self.stage_index, S, torch.device("cpu"),
+                                        input_args=stage_in, output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
+                                        group=self.pp_group)
+        self.schedule = Schedule1F1B(self.pipe_stage, n_microbatches=plan.num_microbatches,
+                                     loss_fn=lambda output, target: output)
+        if P > 1:  # every pipeline starts from the first pipeline's weights
+            with torch.no_grad():
+                for _, p in self.module.named_original_parameters():
+                    dist.broadcast(p.data, src=plan.stages[self.stage_index].ranks[0], group=self.dp_group)
+
+    # ---- set-up helpers -----------------------------------------------------------------
+    def _tied_groups(self, modules, chains):
+        """Parameters held by several stages: (fqn, group of this pipeline's owners) per tie."""
+        owners: dict[str, list[int]] = {}
+        for j, m in enumerate(modules):
+            for fqn, p in m.named_original_parameters():
+                owners.setdefault(str(id(p)), []).append(j)
+        ties = []
+        by_id = {}
+        for j, m in enumerate(modules):
+            for fqn, p in m.named_original_parameters():
+                by_id.setdefault(str(id(p)), fqn)
+        for key, stages in owners.items():
+            stages = sorted(set(stages))
+            if len(stages) < 2:
+                continue
+            groups = [dist.new_group([chain[j] for j in stages]) for chain in chains]
+            if self.stage_index in stages:
+                mine = [p for fqn, p in self.module.named_original_parameters() if str(id(p)) == key]
+                ties.append((mine[0], groups[self.pipeline_index]))
+        return ties
+
+    def _wrap_emulation(self) -> None:
+        inner = self.module.forward
+        emu, clock = self.emulator, self._clock
+
+        def forward(*args):
+            start = time.perf_counter()
+            out = inner(*args)
+            emu.stretch(time.perf_counter() - start)
+            if not emu.active:
+                return out
+            outs = out if isinstance(out, tuple) else (out,)
+            outs = tuple(_Exit.apply(clock, o) if isinstance(o, torch.Tensor) and o.requires_grad else o
+                         for o in outs)
+            return outs if isinstance(out, tuple) else outs[0]
+
+        self.module.forward = forward
+        if self.emulator.active:
+            params = [p for _, p in self.module.named_original_parameters()]
+
+            def after_backward(_grads) -> None:
+                if clock[0]:
+                    emu.stretch(time.perf_counter() - clock[0])
+                    clock[0] = 0.0
+
+            torch.autograd.graph.register_multi_grad_hook(params, after_backward, mode="all")
+
+    # ---- training -------------------------------------------------------------------------
+    def named_original_parameters(self):
+        return self.module.named_original_parameters()
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """1F1B over this pipeline's share of ``batch`` (the global batch); returns the global
+        loss on every rank.  The caller runs the optimizer step."""
+        per = self.plan.global_batch // self.plan.pipelines
+        first = batch[self.input_names[0]]
+        if int(first.shape[0]) != self.plan.global_batch:
+            raise PlanError(f"step: the batch has {int(first.shape[0])} samples, the plan expects "
+                            f"{self.plan.global_batch}")
+        lo = self.pipeline_index * per
+        local = tuple(batch[n][lo:lo + per] for n in self.input_names)
+        S = len(self.plan.stages)
+        target = torch.zeros(per)
+        losses: list[torch.Tensor] = []
+        if self.stage_index == 0:
+            self.schedule.step(*local, target=target if S == 1 else None, losses=losses if S == 1 else None)
+        elif self.stage_index == S - 1:
+            self.schedule.step(target=target, losses=losses)
+        else:
+            self.schedule.step()
+        self._sync_gradients()
+        loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, src=self.chain[-1], group=self.pp_group)
+        if self.plan.pipelines > 1:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= self.plan.pipelines
+        return loss
+
+    def _sync_gradients(self) -> None:
+        for p, group in self._tied:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+        if self.plan.pipelines > 1:
+            for _, p in self.module.named_original_parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad /= self.plan.pipelines
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)

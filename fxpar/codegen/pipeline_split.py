@@ -1,0 +1,202 @@
+"""Split an exported model into a chain of pipeline stage modules at the plan's cuts.
+
+``torch.fx.passes.split_module`` cuts ``ExportedProgram.module()`` by the layer each node
+belongs to (from ``nn_module_stack``); its parent graph then says which values each piece
+reads.  Pipelining needs a *chain* (stage ``i`` receives exactly what stage ``i−1`` sends), so
+every stage also forwards the values later stages read: the RoPE tables and the mask made
+next to the embeddings, the labels that the loss reads.  Each stage module owns its
+parameters and buffers — the original model's tensors, under their original FQNs — so the
+optimizer, gradient synchronisation and state dicts stay in the model's own names.
+(``pipelining.pipeline()`` is not used: it fails on RoPE models, pytorch/pytorch#184361.)
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from fxpar.errors import PlanError, TraceError
+from fxpar.tracing.trace import block_path
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What stage ``index`` receives and sends (value names of the parent graph)."""
+
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]          # for the last stage: the loss only
+    params: tuple[str, ...]           # FQNs of parameters / buffers it reads
+
+
+class StageModule(torch.nn.Module):
+    """One pipeline stage: runs its piece of the graph on the values it receives and returns
+    the values the next stage needs (the last stage returns the loss)."""
+
+    def __init__(self, piece: torch.fx.GraphModule, spec: StageSpec, piece_args: Sequence[str],
+                 tensors: Mapping[str, torch.Tensor], constants: Mapping[str, Any],
+                 produced: Sequence[str]) -> None:
+        super().__init__()
+        self.piece = piece
+        self.spec = spec
+        self.piece_args = tuple(piece_args)
+        self.produced = tuple(produced)
+        self.constants = dict(constants)
+        self.is_last = False
+        #: input position -> integer dtype to restore (set by split_stages for stages > 0)
+        self.input_dtypes: dict[int, torch.dtype] = {}
+        self._names: dict[str, str] = {}
+        for fqn in spec.params:
+            t = tensors[fqn]
+            safe = fqn.replace(".", "__")
+            self._names[fqn] = safe
+            if isinstance(t, torch.nn.Parameter):
+                self.register_parameter(safe, t)
+            else:
+                self.register_buffer(safe, t, persistent=False)
+
+    def forward_plain(self, *received: torch.Tensor):
+        """The stage's computation without any wrapper (emulation hooks replace ``forward``)."""
+        return StageModule.forward(self, *received)
+
+    def named_original_parameters(self):
+        """(original FQN, parameter) pairs this stage owns."""
+        for fqn, safe in self._names.items():
+            t = getattr(self, safe)
+            if isinstance(t, torch.nn.Parameter):
+                yield fqn, t
+
+    def forward(self, *received: torch.Tensor):
+        # integer values (labels, positions) travel between stages as float32 — exact below
+        # 2**24 — because pipeline p2p buffers for integer tensors arrive uninitialised on gloo
+        received = tuple(r.to(self.input_dtypes[i]) if self.input_dtypes.get(i) is not None else r
+                         for i, r in enumerate(received))
+        env = dict(zip(self.spec.inputs, received))
+        env.update(self.constants)
+        for fqn, safe in self._names.items():
+            env[fqn] = getattr(self, safe)
+        out = self.piece(*[env[a] for a in self.piece_args])
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        env.update(zip(self.produced, outs))
+        result = tuple(env[name] for name in self.spec.outputs)
+        if self.is_last:  # the schedule concatenates micro-batch outputs: a (1,) loss
+            result = tuple(r.reshape(1) if isinstance(r, torch.Tensor) and r.dim() == 0 else r for r in result)
+        else:  # fresh contiguous tensors: p2p sends plain buffers
+            result = tuple((r.to(torch.float32) if not r.is_floating_point() else r).contiguous().clone()
+                           if isinstance(r, torch.Tensor) else r for r in result)
+        return result[0] if len(result) == 1 else result
+
+
+def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer_ids: dict[str, int]) -> int | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    blk = block_path(str(list(stack.values())[-1][0]))
+    if blk is None:
+        return None
+    if blk not in layer_ids:
+        layer_ids[blk] = len(layer_ids)
+    return cuts_by_layer[layer_ids[blk]]
+
+
+def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
+                 layer_to_stage: Sequence[int], num_stages: int) -> tuple[list[StageModule], tuple[str, ...]]:
+    """Stage modules (all of them; each rank keeps its own) and the names of stage 0's inputs.
+
+    ``layer_to_stage[l]`` is the stage of repeated block ``l``; what precedes the first block
+    runs on stage 0, what follows the last block on the last stage.
+    """
+    kwargs = dict(example_inputs)
+    kwargs.setdefault("use_cache", False)
+    try:
+        ep = torch.export.export(model, (), kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
+    gm = ep.module()
+    layer_ids: dict[str, int] = {}
+    current = [0]
+    cuts = dict(enumerate(layer_to_stage))
+
+    def callback(node: torch.fx.Node) -> int:
+        s = _stage_of_layer(cuts, node, layer_ids)
+        if s is None:
+            # before the first block: stage 0; after the last block: the last stage
+            s = current[0] if layer_ids else 0
+            if layer_ids and len(layer_ids) == len(layer_to_stage):
+                s = num_stages - 1
+        current[0] = max(current[0], s)
+        return current[0]
+
+    parent = split_module(gm, model, callback)
+    calls = [n for n in parent.graph.nodes if n.op == "call_module"]
+    if len(calls) != num_stages:
+        raise PlanError(f"pipeline split produced {len(calls)} pieces for {num_stages} stages; every "
+                        "stage must own at least one block")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    user_inputs = [n.name for n in parent.graph.nodes if n.op == "placeholder"]
+    tensor_inputs = tuple(n for n in user_inputs if isinstance(kwargs.get(n), torch.Tensor))
+    constants = {n: kwargs[n] for n in user_inputs if n not in tensor_inputs and n in kwargs}
+    getattr_target = {n.name: str(n.target) for n in parent.graph.nodes if n.op == "get_attr"}
+
+    def name_of(a: torch.fx.Node) -> str:
+        return getattr_target.get(a.name, a.name)
+
+    # values each piece reads / produces, in parent-graph names
+    reads, produced = [], []
+    for call in calls:
+        reads.append([name_of(a) for a in call.args])
+        outs = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
+        produced.append([u.name for u in sorted(outs, key=lambda u: u.args[1])] or [call.name])
+    out_node = next(n for n in parent.graph.nodes if n.op == "output")
+    final = out_node.args[0]
+    first_out = final[0] if isinstance(final, (tuple, list)) else final
+    loss_name = first_out.name if isinstance(first_out, torch.fx.Node) else None
+    if loss_name is None:
+        raise TraceError("pipeline split: the model returns no loss; pass labels in the example inputs")
+
+    available = list(tensor_inputs)
+    stage_inputs = [tuple(tensor_inputs)]
+    specs = []
+    for i in range(num_stages):
+        avail_after = available + [p for p in produced[i] if p not in available]
+        later = set()
+        for j in range(i + 1, num_stages):
+            later.update(r for r in reads[j] if r not in params and r not in constants)
+        outputs = (loss_name,) if i == num_stages - 1 else tuple(v for v in avail_after if v in later)
+        stage_params = tuple(dict.fromkeys(r for r in reads[i] if r in params))
+        specs.append(StageSpec(index=i, inputs=stage_inputs[i], outputs=outputs, params=stage_params))
+        stage_inputs.append(outputs)
+        available = list(outputs)
+    dtypes = _value_dtypes(parent, kwargs)
+    modules = []
+    for i, call in enumerate(calls):
+        piece = getattr(parent, str(call.target))
+        mod = StageModule(piece, specs[i], reads[i], params, constants, produced[i])
+        mod.is_last = i == num_stages - 1
+        if i > 0:
+            mod.input_dtypes = {k: dtypes[v] for k, v in enumerate(specs[i].inputs)
+                                if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
+        modules.append(mod)
+    return modules, tensor_inputs
+
+
+def _value_dtypes(parent: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """dtype of every value of the parent graph (placeholders from the inputs, pieces' outputs
+    from their own graphs' output metadata)."""
+    out: dict[str, torch.dtype] = {k: v.dtype for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    for call in (n for n in parent.graph.nodes if n.op == "call_module"):
+        piece = getattr(parent, str(call.target))
+        ret = next(n for n in piece.graph.nodes if n.op == "output").args[0]
+        rets = ret if isinstance(ret, (tuple, list)) else (ret,)
+        vals = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None for r in rets]
+        users = {u.args[1]: u.name for u in call.users if u.target is operator.getitem}
+        for k, v in enumerate(vals):
+            name = users.get(k, call.name if len(vals) == 1 else None)
+            if name is not None and isinstance(v, torch.Tensor):
+                out[name] = v.dtype
+    return out
