@@ -148,7 +148,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     explain: list[str] = []
     dp_error: InfeasibleError | None = None
     dp_ok = bl.dp_fits(problem) and workload.global_batch >= cluster.world_size
-    if dp_ok:
+    if dp_ok and "data_parallel" in strategies:
         candidates.append(_dp_plan(graph, cluster, workload, problem, cost, lb))
         explain.append(f"data parallel, uneven shares (LP): {candidates[-1].predicted_step_s:.4g} s")
     else:
