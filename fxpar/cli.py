@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile "
                    "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
     p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
+    p.add_argument("--emit", type=Path, help="write what each rank runs (stage code, parameters) here")
     p.add_argument("--explain", action="store_true",
                    help="print the candidates considered, the baselines and the solver's bound")
 
@@ -120,6 +121,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   f"integer {sv.integer_s:.4g} s, gap {100 * sv.gap:.2f}%")
     if args.timeline is not None:
         _draw_timeline(plan, cluster, model, workload, profiles, args.timeline)
+    if args.emit is not None:
+        _emit(plan, model, workload, args.emit)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json_out.with_suffix(args.json_out.suffix + ".tmp")
@@ -143,6 +146,22 @@ def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None
     plot_timeline(result, path, labels=labels, title=f"{plan.model} on {plan.cluster}: predicted "
                   f"step {result.step_s:.4g} s")
     _progress(f"wrote {path}")
+
+
+def _emit(plan, model, workload, directory: Path) -> None:
+    from fxpar.codegen.emit import emit
+    from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+    module = inputs = None
+    if plan.strategy == "pipeline":
+        if not isinstance(model, ModelSpec):
+            from fxpar.errors import ConfigError
+            raise ConfigError("--emit of a pipeline plan needs a preset, config.json or scenario model")
+        module = build_model(model, device="meta", dtype=workload.dtype)
+        inputs = example_inputs(module, max(2, plan.ranks[0].micro_batch_size), workload.seq_len,
+                                task=model.task, device="meta")
+    written = emit(plan, module, inputs, directory)
+    _progress(f"wrote {len(written)} files to {directory}")
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

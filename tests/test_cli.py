@@ -65,3 +65,19 @@ def test_plan_hf_config_json_and_module_function(tmp_path, capsys):
     code = main(["plan", "--cluster", str(cluster), "--model", "tests.models:tiny_mlp_with_inputs",
                  "--batch", "8"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_emit_data_parallel_and_pipeline(tmp_path, scenarios_dir, capsys):
+    assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--emit", str(tmp_path / "dp")]) == 0
+    assert json.loads((tmp_path / "dp" / "rank_1.json").read_text())["runs"] == "the unchanged model"
+    cluster = tmp_path / "small.yaml"
+    cluster.write_text("device_types:\n  TINY: {fp32_tflops: 1, fp16_tflops: 2, memory_gib: 0.002, memory_gbps: 100}\n"
+                       "inter_node_gbps: 100\nnodes:\n  - {gpu: TINY, count: 1}\n  - {gpu: TINY, count: 1}\n")
+    code = main(["plan", "--cluster", str(cluster), "--model", "tests/fixtures/tiny_llama_config.json",
+                 "--batch", "8", "--seq", "16", "--emit", str(tmp_path / "pp")])
+    assert code == 0, capsys.readouterr().err
+    plan = json.loads((tmp_path / "pp" / "plan.json").read_text())
+    assert plan["strategy"] == "pipeline"
+    stage0 = json.loads((tmp_path / "pp" / "stage_0.json").read_text())
+    assert "model.embed_tokens.weight" in stage0["parameters"]
+    assert "def forward" in (tmp_path / "pp" / "stage_0.py").read_text()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from fxpar.runtime import WorkerPool
-from tests.workers import auto_pipeline_parity, pp_parity
+from tests.workers import auto_pipeline_parity, pp_gather_and_save, pp_parity
 
 pytestmark = pytest.mark.multirank
 TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
@@ -40,6 +40,10 @@ def test_three_stages(pool3, family):
     _check(pool3.run(pp_parity, family, [1, 1, 1], 4, 1, 8, 16, 2, 3), 3)
 
 
+def test_activation_checkpointing_is_exact(pool2):
+    _check(pool2.run(pp_parity, "llama", [1, 1], 2, 1, 8, 16, 2, None, True), 2)
+
+
 def test_pipeline_times_data_parallel_on_four_ranks(pool4):
     results = pool4.run(pp_parity, "gpt2", [1, 1], 2, 2)  # 2 stages x 2 pipelines, tied weights
     _check(results, 2)
@@ -52,3 +56,9 @@ def test_auto_plans_and_runs_a_pipeline_when_dp_does_not_fit(pool2):
         for step, (tl, tg) in zip(r["steps"], TOL):
             assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
     assert fast["slept_s"] == 0.0 and slow["slept_s"] > 0.0  # the emulated slow stage waits
+
+
+def test_gathered_state_dict_saves_and_reloads_equal_weights(pool2, tmp_path):
+    result = pool2.run(pp_gather_and_save, str(tmp_path / "saved"))[0]
+    assert result["missing"] == [] and result["unexpected"] == []
+    assert result["max_param_diff"] <= 1e-5 and result["n"] > 10

@@ -120,7 +120,8 @@ def measure_links() -> dict:
 
 
 def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
-              batch: int = 8, seq: int = 16, steps: int = 2, layers: int | None = None) -> dict:
+              batch: int = 8, seq: int = 16, steps: int = 2, layers: int | None = None,
+              checkpointing: bool = False) -> dict:
     """Pipeline plan vs single process: loss and the gradients of this rank's stage."""
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
@@ -134,7 +135,7 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     reference = copy.deepcopy(model)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
                          blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
-                         pipelines=pipelines)
+                         pipelines=pipelines, activation_checkpointing=checkpointing)
     data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = PipelineParallelModule(model, plan, rank, data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -180,3 +181,34 @@ def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     out["slept_s"] = pm.emulator.slept_s
     return out
+
+
+def pp_gather_and_save(save_dir: str) -> dict:
+    """Train 2 pipeline steps, gather the state dict on rank 0, save_pretrained, reload, compare
+    with the single-process model trained the same way."""
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("gpt2")
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8,
+                         blocks_per_stage=[1, 1], num_microbatches=2)
+    data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(2)]
+    pm = PipelineParallelModule(model, plan, rank, data[0])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for b in data:
+        pm.step(b); opt.step(); opt.zero_grad()
+        reference(**b, use_cache=False).loss.backward(); ref_opt.step(); ref_opt.zero_grad()
+    state = pm.gather_state_dict()
+    if rank != 0:
+        return {}
+    fresh = tiny_model("gpt2", seed=123)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    fresh.save_pretrained(save_dir)
+    loaded = type(fresh).from_pretrained(save_dir)
+    ref = dict(reference.named_parameters())
+    worst = max((p - ref[n]).abs().max().item() for n, p in loaded.named_parameters())
+    return {"missing": [m for m in missing if not m.endswith("lm_head.weight")], "unexpected": list(unexpected),
+            "max_param_diff": worst, "n": len(state)}

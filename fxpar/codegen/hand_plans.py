@@ -15,7 +15,8 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 
 
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
-                  num_microbatches: int, pipelines: int = 1, seq_len: int | None = None) -> Plan:
+                  num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
+                  activation_checkpointing: bool = False) -> Plan:
     """Stage ``j`` of pipeline ``p`` on rank ``p·S + j``; stage ``j`` owns the next
     ``blocks_per_stage[j]`` blocks (embeddings go with the first stage, the head with the last)."""
     blocks = block_paths(model)
@@ -46,4 +47,5 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
-                pipelines=pipelines, num_microbatches=num_microbatches, schedule="1F1B")
+                pipelines=pipelines, num_microbatches=num_microbatches, schedule="1F1B",
+                activation_checkpointing=activation_checkpointing)

@@ -84,7 +84,12 @@ class PipelineParallelModule(torch.nn.Module):
         one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
                for k, v in example_inputs.items()}
         modules, self.input_names = split_stages(model, one, layer_to_stage(plan, blocks), S)
+        names: dict[int, list[str]] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(fqn)
+        self._aliases = {n: group for group in names.values() for n in group}
         self.module = modules[self.stage_index]
+        self.module.checkpointing = plan.activation_checkpointing
         self._tied = self._tied_groups(modules, chains)
         self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
         self._clock = [0.0]
@@ -199,6 +204,24 @@ class PipelineParallelModule(torch.nn.Module):
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad /= self.plan.pipelines
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The full model's parameters under their original FQNs, on rank ``dst`` (None
+        elsewhere), from the first pipeline's stages: load it into the original model class and
+        call ``save_pretrained``.  Tied names are all present."""
+        mine = {}
+        if self.pipeline_index == 0:
+            mine = {fqn: p.detach().cpu().clone() for fqn, p in self.module.named_original_parameters()}
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(mine, gathered, dst=dst)
+        if dist.get_rank() != dst:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            for fqn, t in part.items():
+                for alias in self._aliases.get(fqn, [fqn]):  # tied weights under every name
+                    full[alias] = t
+        return full
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)

@@ -47,6 +47,8 @@ class StageModule(torch.nn.Module):
         self.produced = tuple(produced)
         self.constants = dict(constants)
         self.is_last = False
+        #: recompute this stage's forward during backward (the plan's activation checkpointing)
+        self.checkpointing = False
         #: input position -> integer dtype to restore (set by split_stages for stages > 0)
         self.input_dtypes: dict[int, torch.dtype] = {}
         self._names: dict[str, str] = {}
@@ -79,7 +81,13 @@ class StageModule(torch.nn.Module):
         env.update(self.constants)
         for fqn, safe in self._names.items():
             env[fqn] = getattr(self, safe)
-        out = self.piece(*[env[a] for a in self.piece_args])
+        args = [env[a] for a in self.piece_args]
+        if self.checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(self.piece, *args, use_reentrant=False)
+        else:
+            out = self.piece(*args)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         env.update(zip(self.produced, outs))
         result = tuple(env[name] for name in self.spec.outputs)
