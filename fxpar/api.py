@@ -95,6 +95,10 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
+    if plan.strategy == "tensor_parallel":
+        from fxpar.codegen.tensor_parallel import TensorParallelModule
+
+        return TensorParallelModule(model, plan, rank, emulate=emulate)
     if plan.strategy == "pipeline":
         if example_inputs is None:
             raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs (one batch with "

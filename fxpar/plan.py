@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from fxpar.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
-STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline")
+STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel")
 SCHEDULES: tuple[str, ...] = ("none", "1F1B")
 
 
@@ -110,6 +110,10 @@ class Plan:
                     f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan.schedule = {self.schedule!r}: accepted values are {SCHEDULES}")
+        if self.strategy == "tensor_parallel":
+            if len(self.stages) != 1 or self.stages[0].tensor_split is None:
+                raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
+            return
         if self.strategy == "data_parallel":
             total = sum(r.batch_share for r in self.ranks)
             if total != self.global_batch:

@@ -212,3 +212,47 @@ def pp_gather_and_save(save_dir: str) -> dict:
     worst = max((p - ref[n]).abs().max().item() for n, p in loaded.named_parameters())
     return {"missing": [m for m in missing if not m.endswith("lm_head.weight")], "unexpected": list(unexpected),
             "max_param_diff": worst, "n": len(state)}
+
+
+def tp_parity(kv_shares: list[int], steps: int = 2) -> dict:
+    """Uneven tensor parallelism (e.g. 3:1 of the heads) vs one process."""
+    from fxpar.codegen.hand_plans import tensor_parallel_plan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)  # 4 heads, 4 KV groups: 3:1 splits
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, kv_shares=kv_shares)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * world), plan=plan)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    out = {"rank": rank, "local_q_rows": pm.module.model.layers[0].self_attn.q_proj.weight.shape[0], "steps": []}
+    for s in range(steps):
+        b = global_batch(model, 8, 16, seed=1 + s)
+        loss = pm.step(b)
+        ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.backward()
+        worst = 0.0
+        for name, p in pm.module.named_parameters():
+            ref_grad = ref_params[name].grad
+            local = _local_slice(name, p.shape, full[name].shape, ref_grad, kv_shares, rank)
+            worst = max(worst, (p.grad - local).abs().max().item())
+        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _local_slice(name, local_shape, full_shape, ref, shares, rank):
+    """The reference gradient cut the way this rank's parameter was cut."""
+    if tuple(local_shape) == tuple(full_shape):
+        return ref
+    dim = 0 if local_shape[0] != full_shape[0] else 1
+    total = full_shape[dim]
+    sizes = [total * s // sum(shares) for s in shares]
+    sizes[-1] = total - sum(sizes[:-1])
+    start = sum(sizes[:rank])
+    return ref.narrow(dim, start, sizes[rank])

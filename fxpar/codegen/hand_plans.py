@@ -49,3 +49,22 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
                 pipelines=pipelines, num_microbatches=num_microbatches, schedule="1F1B",
                 activation_checkpointing=activation_checkpointing)
+
+
+def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, kv_shares: list[int],
+                         seq_len: int | None = None) -> Plan:
+    """All ranks in one tensor-parallel group; rank ``r`` owns ``kv_shares[r]`` key/value head
+    groups of every attention block and the same proportion of every MLP's columns."""
+    if len(kv_shares) != cluster.world_size:
+        raise PlanError(f"kv_shares {kv_shares} needs one entry per device ({cluster.world_size})")
+    ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
+                           batch_share=global_batch, micro_batch_size=global_batch, num_microbatches=1,
+                           predicted_busy_s=0.0, predicted_memory_bytes=0,
+                           memory_capacity_bytes=int(d.memory_bytes)) for d in cluster.devices)
+    stage = StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)),
+                      data_split=(global_batch,), tensor_split=tuple(kv_shares),
+                      tensor_parallel=cluster.world_size, device=cluster.device(0).type.name)
+    return Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
+                global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
+                stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
+                predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))
