@@ -21,12 +21,17 @@ def machine() -> dict[str, Any]:
             "date": datetime.date.today().isoformat()}
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def result_path(name: str, suffix: str, quick: bool = False) -> Path:
+    """``results/<name>[-quick]-<cpuN|gpu>-<date>.<suffix>``: quick runs never overwrite full ones."""
     info = machine()
     tag = "gpu" if info["gpu"] else f"cpu{info['cores']}"
-    path = RESULTS / f"{name}-{tag}-{info['date']}.json"
-    path.write_text(json.dumps({"machine": info, **payload}, indent=2))
+    return RESULTS / f"{name}{'-quick' if quick else ''}-{tag}-{info['date']}.{suffix}"
+
+
+def write_result(name: str, payload: dict[str, Any], quick: bool = False) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = result_path(name, "json", quick)
+    path.write_text(json.dumps({"machine": machine(), "quick": quick, **payload}, indent=2))
     return path
 
 

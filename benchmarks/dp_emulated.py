@@ -17,15 +17,18 @@ from fxpar.demo import run_demo
 MIXES = [((1.0, 0.5), 16), ((1.0, 0.25), 16), ((1.0, 1.0), 16), ((1.0, 0.5, 0.5), 18)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="fewer cases and steps")
+    args = ap.parse_args(argv)
     rows, runs = [], []
     start = time.perf_counter()
-    for speeds, batch in MIXES:
-        fig = run_demo(steps=args.steps, speeds=speeds, rounds=args.rounds, global_batch=batch,
+    mixes = MIXES[:2] if args.quick else MIXES
+    for speeds, batch in mixes:
+        fig = run_demo(steps=3 if args.quick else args.steps, speeds=speeds,
+                       rounds=1 if args.quick else args.rounds, global_batch=batch,
                        progress=lambda m: print(f"[bench] {m}", flush=True))
         runs.append({k: v for k, v in fig.items() if k != "plan"})
         rows.append((" ".join(f"{s:g}" for s in speeds), batch, "/".join(map(str, fig["batch_shares"])),
@@ -37,8 +40,10 @@ def main() -> None:
     print("\nllama-tiny (4 layers, hidden 256), seq 128, fp32, gloo on CPU, emulated speeds")
     print(table(head, rows))
     path = write_result("dp_emulated", {"runs": runs, "table": {"head": head, "rows": rows},
-                                        "wall_s": time.perf_counter() - start})
+                                        "wall_s": time.perf_counter() - start}, quick=args.quick)
     print(f"\nwrote {path}")
+    return {"title": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
+            "head": head, "rows": rows, "json": str(path), "runs": runs}
 
 
 if __name__ == "__main__":

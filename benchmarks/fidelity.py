@@ -90,10 +90,11 @@ def train_worker(name: str, plan_json: str, steps: int) -> dict:
             "fxpar_step_s": med[4]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="fewer cases and steps")
+    args = ap.parse_args(argv)
     from fxpar.cluster import Cluster
     from fxpar.planning import plan_model
     from fxpar.profiling.database import load_profiles
@@ -104,18 +105,18 @@ def main() -> None:
     say = lambda m: print(f"[bench] {m}", flush=True)  # noqa: E731
     from benchmarks.common import RESULTS, machine
 
-    prof_dir = str(RESULTS / f"profiles-cpu{machine()['cores']}-{machine()['date']}")
+    prof_dir = str(RESULTS / f"profiles{'-quick' if args.quick else ''}-cpu{machine()['cores']}-{machine()['date']}")
     if Path(prof_dir).exists():
         shutil.rmtree(prof_dir)
     start = time.perf_counter()
     with WorkerPool(2) as pool:
         pool.run(collectives_worker, prof_dir)
-        for name in MODELS:
+        for name in (list(MODELS)[:1] if args.quick else MODELS):
             say(f"profiling {name} on 2 concurrent ranks")
             pool.run(profile_worker, name, prof_dir, timeout=900)
     profiles = load_profiles(prof_dir)
     rows, runs = [], []
-    for name, (spec, batch, seq) in MODELS.items():
+    for name, (spec, batch, seq) in (list(MODELS.items())[:1] if args.quick else MODELS.items()):
         for speeds in MIXES:
             cluster = Cluster.emulated(list(speeds))
             plan = plan_model(spec, cluster, Workload(global_batch=batch, seq_len=seq, optimizer="adamw"),
@@ -157,8 +158,10 @@ def main() -> None:
     print("\nFidelity on gloo CPU ranks, emulated speeds, measured CPU op profiles")
     print(table(head, rows))
     path = write_result("fidelity", {"profiles": prof_dir, "runs": runs, "table": {"head": head, "rows": rows},
-                                     "wall_s": time.perf_counter() - start})
+                                     "wall_s": time.perf_counter() - start}, quick=args.quick)
     print(f"\nwrote {path}")
+    return {"title": "Cost-model fidelity: predicted vs measured step time and peak memory (gloo CPU, emulated speeds)",
+            "head": head, "rows": rows, "json": str(path), "runs": runs}
 
 
 if __name__ == "__main__":

@@ -27,10 +27,11 @@ def plan_shape(plan) -> str:
     return f"{plan.pipelines}x[{kinds}{more}] {len(plan.stages)} st, m={plan.num_microbatches}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=Path, default=DEFAULT_DIR)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="fewer cases and steps")
+    args = ap.parse_args(argv)
     rows, results = [], []
     names = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
     for path in sorted(args.scenarios.glob("*.yaml")):
@@ -64,7 +65,10 @@ def main() -> None:
             "Megatron even s", "Whale rules s", "vs best even", "plan s")
     print("\nPredicted step times under fxpar's cost model (same model for every baseline)")
     print(table(head, rows))
-    print(f"\nwrote {write_result('plan_scenarios', {'scenarios': results, 'table': {'head': head, 'rows': rows}})}")
+    path = write_result('plan_scenarios', {'scenarios': results, 'table': {'head': head, 'rows': rows}}, quick=args.quick)
+    print(f"\nwrote {path}")
+    return {"title": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
+            "head": head, "rows": rows, "json": str(path), "scenarios": results}
 
 
 if __name__ == "__main__":

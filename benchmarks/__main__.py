@@ -1,0 +1,94 @@
+"""Benchmark runner: ``python -m benchmarks [--suite NAME ...] [--quick]``.
+
+Suites (each also runs alone as ``python -m benchmarks.<module>``):
+
+    plan      every shared scenario, fxpar vs baselines and the lower bound (predicted)
+    scaling   planner solve time vs GPU count and layer count (+ plot)
+    dp        uneven data parallelism vs torch DDP, measured (emulated speeds)
+    pp        heterogeneous vs even pipeline, measured (emulated speeds)
+    fidelity  cost model: predicted vs measured step time and memory
+
+Writes one JSON per suite and ``benchmarks/results/report-<machine>-<date>.md`` (tables +
+plots).  ``--quick`` runs every suite with fewer cases and steps (under 10 minutes here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import time
+
+from benchmarks.common import RESULTS, machine, result_path
+
+SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
+          "pp": "pp_emulated", "fidelity": "fidelity"}
+
+
+def _markdown(head, rows) -> str:
+    out = ["| " + " | ".join(map(str, head)) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def _speedup_plot(results: dict, quick: bool) -> str | None:
+    runs = [(name, r) for name in ("dp", "pp") if name in results for r in results[name].get("runs", [])]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{n.upper()} {'/'.join(f'{s:g}' for s in r['speeds'])}" for n, r in runs]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    x = range(len(runs))
+    ax.bar([i - 0.2 for i in x], [r["speedup"] for _, r in runs], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r["ideal_speedup"] for _, r in runs], 0.4, label="ideal", color="#BBBBBB")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("speedup over even split")
+    ax.set_title("fxpar vs even baselines, emulated speeds (gloo CPU)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = result_path("speedups", "png", quick)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return str(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="fxpar benchmarks")
+    ap.add_argument("--suite", action="append", choices=sorted(SUITES), help="run only these suites")
+    ap.add_argument("--quick", action="store_true", help="fewer cases and steps (< 10 minutes)")
+    args = ap.parse_args()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    chosen = args.suite or list(SUITES)
+    results, timings = {}, {}
+    for name in chosen:
+        print(f"=== suite {name}", flush=True)
+        start = time.perf_counter()
+        module = importlib.import_module(f"benchmarks.{SUITES[name]}")
+        results[name] = module.main(["--quick"] if args.quick else [])
+        timings[name] = time.perf_counter() - start
+    info = machine()
+    lines = [f"# fxpar benchmark report ({'quick' if args.quick else 'full'})", "",
+             f"Measured {info['date']} on {info['host_cpu']}, {info['cores']} cores, torch {info['torch']}, "
+             f"GPU: {info['gpu'] or 'none'}.  Heterogeneity on CPU ranks is **emulated** (a rank of "
+             "speed s sleeps (1/s - 1) x its compute).", ""]
+    plot = _speedup_plot(results, args.quick)
+    for name in chosen:
+        r = results[name]
+        lines += [f"## {r['title']}", "", f"Suite `{name}`, {timings[name]:.0f} s, data: `{os.path.relpath(r['json'])}`", "",
+                  _markdown(r["head"], r["rows"]), ""]
+        for png in r.get("plots", []):
+            lines += [f"![{name}]({os.path.basename(png)})", ""]
+    if plot:
+        lines += ["## Measured speedups", "", f"![speedups]({os.path.basename(plot)})", ""]
+    lines += [f"Total: {sum(timings.values()):.0f} s."]
+    report = result_path("report", "md", args.quick)
+    report.write_text("\n".join(lines) + "\n")
+    print(f"\nwrote {report}")
+
+
+if __name__ == "__main__":
+    main()
