@@ -14,7 +14,9 @@ import time
 from benchmarks.common import table, write_result
 from fxpar.demo import run_demo
 
-MIXES = [((1.0, 0.5), 16), ((1.0, 0.25), 16), ((1.0, 1.0), 16), ((1.0, 0.5, 0.5), 18)]
+MIXES = [("llama-tiny", (1.0, 0.5), 16), ("llama-tiny", (1.0, 0.25), 16), ("llama-tiny", (1.0, 1.0), 16),
+         ("llama-tiny", (1.0, 0.5, 0.5), 18), ("mixtral-tiny", (1.0, 0.5), 16),
+         ("mixtral-tiny", (1.0, 0.25), 16), ("mixtral-tiny", (1.0, 1.0), 16)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -25,19 +27,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     rows, runs = [], []
     start = time.perf_counter()
-    mixes = MIXES[:2] if args.quick else MIXES
-    for speeds, batch in mixes:
-        fig = run_demo(steps=3 if args.quick else args.steps, speeds=speeds,
+    mixes = [MIXES[0], MIXES[4]] if args.quick else MIXES
+    for model, speeds, batch in mixes:
+        fig = run_demo(model_name=model, steps=3 if args.quick else args.steps, speeds=speeds,
                        rounds=1 if args.quick else args.rounds, global_batch=batch,
                        progress=lambda m: print(f"[bench] {m}", flush=True))
         runs.append({k: v for k, v in fig.items() if k != "plan"})
-        rows.append((" ".join(f"{s:g}" for s in speeds), batch, "/".join(map(str, fig["batch_shares"])),
+        rows.append((model, " ".join(f"{s:g}" for s in speeds), batch, "/".join(map(str, fig["batch_shares"])),
                      f"{fig['ddp_step_s']:.3f}", f"{fig['fxpar_step_s']:.3f}", f"{fig['speedup']:.2f}x",
                      f"{fig['ideal_speedup']:.2f}x", f"{fig['speedup'] / fig['ideal_speedup']:.2f}",
                      f"{fig['parity']['max_grad_abs_diff']:.1e}"))
-    head = ("speeds (emulated)", "batch", "fxpar shares", "DDP s", "fxpar s", "speedup", "ideal",
+    head = ("model", "speeds (emulated)", "batch", "fxpar shares", "DDP s", "fxpar s", "speedup", "ideal",
             "of ideal", "max abs grad diff")
-    print("\nllama-tiny (4 layers, hidden 256), seq 128, fp32, gloo on CPU, emulated speeds")
+    print("\nllama-tiny / mixtral-tiny (4 layers, hidden 256; 4 experts top-2), seq 128, fp32, gloo on CPU, emulated speeds")
     print(table(head, rows))
     path = write_result("dp_emulated", {"runs": runs, "table": {"head": head, "rows": rows},
                                         "wall_s": time.perf_counter() - start}, quick=args.quick)

@@ -29,10 +29,10 @@ DEMO_BATCH = 16
 DEMO_SEQ = 128
 
 
-def _build(seed: int = 0) -> torch.nn.Module:
+def _build(seed: int = 0, model: str = DEMO_MODEL) -> torch.nn.Module:
     from fxpar.tracing.hf import build_model
 
-    return build_model(PRESETS[DEMO_MODEL], device="cpu", seed=seed).train()
+    return build_model(PRESETS[model], device="cpu", seed=seed).train()
 
 
 def _batches(model: torch.nn.Module, n: int, batch: int = DEMO_BATCH) -> list[dict[str, torch.Tensor]]:
@@ -120,14 +120,14 @@ def _parity_check(model_init, batch, pm) -> dict[str, float]:
     return {"reference_loss": float(loss.detach()), "max_grad_abs_diff": worst}
 
 
-def demo_worker(plan_json: str, steps: int, rounds: int) -> dict[str, Any]:
+def demo_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL) -> dict[str, Any]:
     """Runs on every rank: parity check, then alternating timed rounds of fxpar and DDP."""
     from fxpar.plan import Plan
 
     plan = Plan.from_json(plan_json)
     rank = dist.get_rank()
     speed = plan.ranks[rank].speed
-    base = _build()
+    base = _build(model=model)
     batches = _batches(base, 1 + steps, plan.global_batch)
     # parity: one fxpar step vs single process on the same global batch (no emulation cost here)
     check_model = copy.deepcopy(base)
@@ -147,24 +147,25 @@ def demo_worker(plan_json: str, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: int = 2,
-             global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print) -> dict[str, Any]:
+             global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print,
+             model_name: str = DEMO_MODEL) -> dict[str, Any]:
     """Plan, train with fxpar and with DDP on spawned gloo ranks, print and return the figures."""
     import fxpar
     from fxpar.runtime import WorkerPool
 
     torch.set_num_threads(1)
     cluster = fxpar.Cluster.emulated(list(speeds))
-    model = _build()
+    model = _build(model=model_name)
     example = _batches(model, 1, global_batch)[0]
     workload = Workload(global_batch=global_batch, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
-    progress(f"planning {DEMO_MODEL} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
+    progress(f"planning {model_name} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
              f"CPU ranks with speeds {list(speeds)}")
     plan = fxpar.make_plan(model, cluster, example, workload)
     print(plan.table())
     progress(f"training {rounds} rounds x {steps} steps of fxpar and of torch DDP (even split) "
              f"on {len(speeds)} gloo ranks")
     with WorkerPool(len(speeds)) as pool:
-        results = pool.run(demo_worker, plan.to_json(indent=None), steps, rounds, timeout=900)
+        results = pool.run(demo_worker, plan.to_json(indent=None), steps, rounds, model_name, timeout=900)
     r0 = results[0]
     fx, dd = statistics.median(r0["fxpar"]["times"]), statistics.median(r0["ddp"]["times"])
     ideal = sum(speeds) / (len(speeds) * min(speeds))
@@ -180,7 +181,7 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     print(f"  parity, step 0: fxpar loss {p['fxpar_loss']:.6f} vs single process "
           f"{p['reference_loss']:.6f}; max |grad diff| {p['max_grad_abs_diff']:.2e}")
     return {
-        "emulated": True, "speeds": list(speeds), "model": DEMO_MODEL, "global_batch": global_batch,
+        "emulated": True, "speeds": list(speeds), "model": model_name, "global_batch": global_batch,
         "seq_len": DEMO_SEQ, "plan": plan.to_dict(), "batch_shares": list(plan.batch_shares),
         "fxpar_step_s": fx, "ddp_step_s": dd, "speedup": dd / fx, "ideal_speedup": ideal,
         "predicted_step_s": plan.predicted_step_s,

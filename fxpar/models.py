@@ -18,6 +18,10 @@ PRESETS = MappingProxyType({
         num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)),
     "gpt2-tiny": ModelSpec(name="gpt2-tiny", hf_config=dict(
         model_type="gpt2", n_layer=4, n_embd=256, n_head=8, vocab_size=4096, n_positions=512)),
+    "mixtral-tiny": ModelSpec(name="mixtral-tiny", hf_config=dict(
+        model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, num_local_experts=4,
+        num_experts_per_tok=2)),
     "gpt2": ModelSpec(name="gpt2", hf_config=dict(model_type="gpt2")),
     "gpt2-medium": ModelSpec(name="gpt2-medium", hf_config=dict(
         model_type="gpt2", n_layer=24, n_embd=1024, n_head=16, n_positions=1024, vocab_size=50257)),

@@ -30,7 +30,7 @@ def _check(results, n_ranks):
     return shares
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
 def test_two_ranks_uneven(pool2, family):
     shares = _check(pool2.run(dp_parity, family, [1.0, 0.5], 6, 16), 2)
     assert shares[0] > shares[1] >= 1 and sum(shares) == 6

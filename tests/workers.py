@@ -17,6 +17,9 @@ TINY_CONFIGS = {
                   max_position_embeddings=128),
     "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                    max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
