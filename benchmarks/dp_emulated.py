@@ -29,15 +29,17 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     mixes = [MIXES[0], MIXES[4]] if args.quick else MIXES
     for model, speeds, batch in mixes:
-        fig = run_demo(model_name=model, steps=3 if args.quick else args.steps, speeds=speeds,
+        fig = run_demo(model_name=model, fsdp2=True, steps=3 if args.quick else args.steps, speeds=speeds,
                        rounds=1 if args.quick else args.rounds, global_batch=batch,
                        progress=lambda m: print(f"[bench] {m}", flush=True))
         runs.append({k: v for k, v in fig.items() if k != "plan"})
         rows.append((model, " ".join(f"{s:g}" for s in speeds), batch, "/".join(map(str, fig["batch_shares"])),
-                     f"{fig['ddp_step_s']:.3f}", f"{fig['fxpar_step_s']:.3f}", f"{fig['speedup']:.2f}x",
+                     f"{fig['ddp_step_s']:.3f}", f"{fig['fsdp2_step_s']:.3f}", f"{fig['fxpar_step_s']:.3f}",
+                     f"{fig['speedup']:.2f}x", f"{fig['fsdp2_step_s'] / fig['fxpar_step_s']:.2f}x",
                      f"{fig['ideal_speedup']:.2f}x", f"{fig['speedup'] / fig['ideal_speedup']:.2f}",
                      f"{fig['parity']['max_grad_abs_diff']:.1e}"))
-    head = ("model", "speeds (emulated)", "batch", "fxpar shares", "DDP s", "fxpar s", "speedup", "ideal",
+    head = ("model", "speeds (emulated)", "batch", "fxpar shares", "DDP s", "FSDP2 s", "fxpar s",
+            "vs DDP", "vs FSDP2", "ideal",
             "of ideal", "max abs grad diff")
     print("\nllama-tiny / mixtral-tiny (4 layers, hidden 256; 4 experts top-2), seq 128, fp32, gloo on CPU, emulated speeds")
     print(table(head, rows))

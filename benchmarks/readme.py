@@ -37,9 +37,12 @@ def section() -> str:
              "The full run is `python -m benchmarks`; the quick report is in `benchmarks/results/report-quick-*.md`. "
              "**Heterogeneity is emulated**: a rank of speed s sleeps (1/s − 1) × its compute."]
     if dp:
-        parts += ["", "Measured training step on llama-tiny (4 layers, hidden 256, seq 128, fp32), fxpar "
-                  "against torch DDP with an even split, in the same run (`python -m benchmarks.dp_emulated`; "
-                  "median of warmed-up steps, min and max in the JSON):", "", _table(dp), "",
+        parts += ["", "Measured training step on llama-tiny (4 layers, hidden 256) and mixtral-tiny (4 experts, "
+                  "top-2), seq 128, fp32, fxpar against torch DDP and torch FSDP2 (`fully_shard` per block), "
+                  "both with an even split (`python -m benchmarks.dp_emulated`). Each figure is the median of "
+                  "warmed-up steps, with min and max in the JSON. fxpar and DDP alternate in the same worker "
+                  "processes; FSDP2 runs in fresh ones, because its device mesh slows whatever runs after it in "
+                  "a process:", "", _table(dp), "",
                   "Ratios above the ideal come from this 2-core machine. A rank that sleeps (emulating a slow "
                   "card) frees a core for the busy one, which an even split, with both ranks always computing, "
                   "never gets; the 3-rank row runs 3 processes on 2 cores. Read such rows as 'reaches the "

@@ -67,9 +67,29 @@ def _fxpar_steps(model, batches, plan_json: str, optimize: bool = True) -> tuple
     return _step_times(marks), losses, pm
 
 
-def _ddp_steps(model, batches, speed: float) -> tuple[list[float], list[float]]:
+def _wrap_ddp(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    return DDP(model)
+
+
+def _wrap_fsdp2(model):
+    """torch FSDP2: ``fully_shard`` on every repeated block, then on the root (even shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fxpar.tracing.trace import block_path
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = {b for b in (block_path(n) for n, _ in model.named_modules()) if b}
+    for name, module in model.named_modules():
+        if name in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _ddp_steps(model, batches, speed: float, wrap=_wrap_ddp) -> tuple[list[float], list[float]]:
     from fxpar.runtime.emulation import SpeedEmulator, timed
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -88,7 +108,7 @@ def _ddp_steps(model, batches, speed: float) -> tuple[list[float], list[float]]:
             probe(**local(batches[0]))
     bwd_compute = max(t_cal.seconds - t_fwd_only.seconds, 0.0)
     del probe
-    ddp = DDP(model)
+    ddp = wrap(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     marks, losses = [], []
     dist.barrier()
@@ -120,6 +140,21 @@ def _parity_check(model_init, batch, pm) -> dict[str, float]:
     return {"reference_loss": float(loss.detach()), "max_grad_abs_diff": worst}
 
 
+def fsdp2_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL) -> list[float]:
+    """FSDP2 (even split) timed rounds, in processes of their own: FSDP2's device mesh and
+    groups stay behind in a process and would slow whatever ran after them there."""
+    from fxpar.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    base = _build(model=model)
+    batches = _batches(base, 1 + steps, plan.global_batch)
+    times: list[float] = []
+    for _ in range(rounds):
+        t, _ = _ddp_steps(copy.deepcopy(base), batches, plan.ranks[dist.get_rank()].speed, wrap=_wrap_fsdp2)
+        times += t[1:]
+    return times
+
+
 def demo_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL) -> dict[str, Any]:
     """Runs on every rank: parity check, then alternating timed rounds of fxpar and DDP."""
     from fxpar.plan import Plan
@@ -148,7 +183,7 @@ def demo_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL
 
 def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: int = 2,
              global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print,
-             model_name: str = DEMO_MODEL) -> dict[str, Any]:
+             model_name: str = DEMO_MODEL, fsdp2: bool = False) -> dict[str, Any]:
     """Plan, train with fxpar and with DDP on spawned gloo ranks, print and return the figures."""
     import fxpar
     from fxpar.runtime import WorkerPool
@@ -166,6 +201,12 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
              f"on {len(speeds)} gloo ranks")
     with WorkerPool(len(speeds)) as pool:
         results = pool.run(demo_worker, plan.to_json(indent=None), steps, rounds, model_name, timeout=900)
+    fsdp2_times = None
+    if fsdp2:
+        progress("timing torch FSDP2 (even split) in fresh processes")
+        with WorkerPool(len(speeds)) as pool:
+            fsdp2_times = pool.run(fsdp2_worker, plan.to_json(indent=None), steps, rounds, model_name,
+                                   timeout=900)[0]
     r0 = results[0]
     fx, dd = statistics.median(r0["fxpar"]["times"]), statistics.median(r0["ddp"]["times"])
     ideal = sum(speeds) / (len(speeds) * min(speeds))
@@ -184,6 +225,8 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
         "emulated": True, "speeds": list(speeds), "model": model_name, "global_batch": global_batch,
         "seq_len": DEMO_SEQ, "plan": plan.to_dict(), "batch_shares": list(plan.batch_shares),
         "fxpar_step_s": fx, "ddp_step_s": dd, "speedup": dd / fx, "ideal_speedup": ideal,
+        "fsdp2_step_s": statistics.median(fsdp2_times) if fsdp2_times else None,
+        "fsdp2_step_times_s": fsdp2_times,
         "predicted_step_s": plan.predicted_step_s,
         "fxpar_step_times_s": r0["fxpar"]["times"], "ddp_step_times_s": r0["ddp"]["times"],
         "fxpar_losses": r0["fxpar"]["losses"], "ddp_losses": r0["ddp"]["losses"],
