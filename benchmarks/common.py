@@ -41,3 +41,15 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "-|-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def finish(name: str, *, title: str, caption: str, head: Sequence[str], rows: Sequence[Sequence[Any]],
+           quick: bool, **payload: Any) -> dict[str, Any]:
+    """Print the table, write the suite's JSON, return the summary the runner's report needs."""
+    print(f"\n{caption}")
+    print(table(head, rows))
+    path = write_result(name, {**payload, "table": {"head": list(head), "rows": [list(r) for r in rows]}},
+                        quick=quick)
+    print(f"\nwrote {path}")
+    return {"title": title, "head": head, "rows": rows, "json": str(path),
+            **{k: payload[k] for k in ("runs", "plots") if k in payload}}

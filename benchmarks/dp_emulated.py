@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import table, write_result
+from benchmarks.common import finish
 from fxpar.demo import run_demo
 
 MIXES = [("llama-tiny", (1.0, 0.5), 16), ("llama-tiny", (1.0, 0.25), 16), ("llama-tiny", (1.0, 1.0), 16),
@@ -41,14 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     head = ("model", "speeds (emulated)", "batch", "fxpar shares", "DDP s", "FSDP2 s", "fxpar s",
             "vs DDP", "vs FSDP2", "ideal",
             "of ideal", "max abs grad diff")
-    print("\nllama-tiny / mixtral-tiny (4 layers, hidden 256; 4 experts top-2), seq 128, fp32, gloo on CPU, emulated speeds")
-    print(table(head, rows))
-    path = write_result("dp_emulated", {"runs": runs, "table": {"head": head, "rows": rows},
-                                        "wall_s": time.perf_counter() - start}, quick=args.quick)
-    print(f"\nwrote {path}")
-    return {"title": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
-            "head": head, "rows": rows, "json": str(path), "runs": runs}
-
+    return finish("dp_emulated", quick=args.quick, head=head, rows=rows, runs=runs,
+                  wall_s=time.perf_counter() - start,
+                  title="Uneven data parallelism vs torch DDP and FSDP2 (measured on gloo CPU ranks, emulated speeds)",
+                  caption="llama-tiny / mixtral-tiny (4 layers, hidden 256; 4 experts top-2), seq 128, fp32, "
+                          "gloo on CPU, emulated speeds")
 
 if __name__ == "__main__":
     main()

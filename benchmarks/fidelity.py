@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import table, write_result
+from benchmarks.common import finish
 from fxpar.models import PRESETS
 from fxpar.tracing.hf import ModelSpec
 
@@ -155,14 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
                     for i, r in enumerate(res)) + ")")
     head = ("model", "speeds (emulated)", "shares", "predicted s", "measured s", "step error",
             "pred. peak MiB", "meas. peak MiB", "max mem error")
-    print("\nFidelity on gloo CPU ranks, emulated speeds, measured CPU op profiles")
-    print(table(head, rows))
-    path = write_result("fidelity", {"profiles": prof_dir, "runs": runs, "table": {"head": head, "rows": rows},
-                                     "wall_s": time.perf_counter() - start}, quick=args.quick)
-    print(f"\nwrote {path}")
-    return {"title": "Cost-model fidelity: predicted vs measured step time and peak memory (gloo CPU, emulated speeds)",
-            "head": head, "rows": rows, "json": str(path), "runs": runs}
-
+    return finish("fidelity", quick=args.quick, head=head, rows=rows, runs=runs, profiles=prof_dir,
+                  wall_s=time.perf_counter() - start,
+                  title="Cost-model fidelity: predicted vs measured step time and peak memory (gloo CPU, emulated speeds)",
+                  caption="Fidelity on gloo CPU ranks, emulated speeds, measured CPU op profiles")
 
 if __name__ == "__main__":
     main()

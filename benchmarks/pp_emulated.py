@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import table, write_result
+from benchmarks.common import finish
 from fxpar.tracing.hf import ModelSpec
 
 SPEC = ModelSpec(name="llama-8x256", hf_config=dict(
@@ -91,14 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[bench] {speeds}: even {re['step_s']:.3f} s, fxpar {rf['step_s']:.3f} s", flush=True)
     head = ("speeds (emulated)", "fxpar blocks", "even blocks", "micro-batches", "even PP s",
             "fxpar PP s", "speedup", "ideal", "of ideal")
-    print("\nllama 8 layers (hidden 256), batch 16, seq 128, 2 stages, 1F1B, gloo CPU, emulated speeds")
-    print(table(head, rows))
-    path = write_result('pp_emulated', {'runs': runs, 'table': {'head': head, 'rows': rows},
-                                        'wall_s': time.perf_counter() - start}, quick=args.quick)
-    print(f"\nwrote {path}")
-    return {"title": "Heterogeneous pipeline vs even pipeline (measured on gloo CPU ranks, emulated speeds)",
-            "head": head, "rows": rows, "json": str(path), "runs": runs}
-
+    return finish("pp_emulated", quick=args.quick, head=head, rows=rows, runs=runs,
+                  wall_s=time.perf_counter() - start,
+                  title="Heterogeneous pipeline vs even pipeline (measured on gloo CPU ranks, emulated speeds)",
+                  caption="llama 8 layers (hidden 256), batch 16, seq 128, 2 stages, 1F1B, gloo CPU, emulated speeds")
 
 if __name__ == "__main__":
     main()
