@@ -8,7 +8,7 @@ JSON (``to_json`` / ``from_json``) and prints as a table.  Sizes are integers pe
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
 from fxpar.errors import PlanError

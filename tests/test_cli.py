@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fxpar.cli import EXIT_INFEASIBLE, EXIT_USAGE, main
+from fxpar.cli import main
 
 # Where data parallelism alone fits; the others need pipelines / tensor parallelism.
 FITS_DP = {"amp-gpt2-medium", "cpu-emulated-2", "hap-bert-base"}

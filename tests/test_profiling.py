@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import fxpar
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel, collectives
-from fxpar.profiling.database import ProfileDB, load_profiles
+from fxpar.profiling.database import load_profiles
 from fxpar.profiling.roofline import OP_OVERHEAD_S
 from fxpar.tracing.hf import ModelSpec
 from fxpar.workload import Workload

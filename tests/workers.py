@@ -162,7 +162,6 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
 
 def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2) -> dict:
     """fxpar.auto on a cluster too small for data parallelism: it plans and runs a pipeline."""
-    rank = dist.get_rank()
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_hidden_layers=4)),
                         device="cpu", seed=0, attn_implementation="eager").train()

@@ -10,7 +10,6 @@ the sum over ranks of those gradients is ``∇L`` exactly, so gradients are all-
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 

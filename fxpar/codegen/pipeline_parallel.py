@@ -117,24 +117,22 @@ class PipelineParallelModule(torch.nn.Module):
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _tied_groups(self, modules, chains):
-        """Parameters held by several stages: (fqn, group of this pipeline's owners) per tie."""
-        owners: dict[str, list[int]] = {}
+        """Parameters held by several stages (tied weights): (this stage's tensor, the group of
+        this pipeline's owning ranks).  Every rank creates every group, in the same order."""
+        owners: dict[int, list[int]] = {}
+        tensors: dict[int, torch.Tensor] = {}
         for j, m in enumerate(modules):
-            for fqn, p in m.named_original_parameters():
-                owners.setdefault(str(id(p)), []).append(j)
+            for _, p in m.named_original_parameters():
+                owners.setdefault(id(p), []).append(j)
+                tensors[id(p)] = p
         ties = []
-        by_id = {}
-        for j, m in enumerate(modules):
-            for fqn, p in m.named_original_parameters():
-                by_id.setdefault(str(id(p)), fqn)
         for key, stages in owners.items():
             stages = sorted(set(stages))
             if len(stages) < 2:
                 continue
             groups = [dist.new_group([chain[j] for j in stages]) for chain in chains]
             if self.stage_index in stages:
-                mine = [p for fqn, p in self.module.named_original_parameters() if str(id(p)) == key]
-                ties.append((mine[0], groups[self.pipeline_index]))
+                ties.append((tensors[key], groups[self.pipeline_index]))
         return ties
 
     def _wrap_emulation(self) -> None:

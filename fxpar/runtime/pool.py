@@ -107,7 +107,7 @@ class WorkerPool:
                     if errors:
                         first = min(errors)
                         raise WorkerError(f"{name} failed on rank(s) {sorted(errors)} (rank(s) {silent} "
-                                          f"then hung waiting for them); rank {first}:\n{errors[first]}")
+                                          f"then hung waiting for them); rank {first}:\n{errors[first]}") from None
                     why = f"rank(s) {dead} died" if dead else f"rank(s) {silent} gave no answer within {timeout:.0f} s"
                     raise WorkerError(f"{name}: {why}") from None
                 continue

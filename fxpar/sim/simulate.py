@@ -102,7 +102,6 @@ def _simulate_pipeline(plan: Plan) -> SimResult:
     makespan, busy, raw = simulate_1f1b(fwd, bwd, [0.0] * len(fwd), plan.num_microbatches)
     events = pipeline_events([st.ranks for st in plan.stages], raw)
     comm = plan.predicted_comm_s
-    opt = max(plan.predicted_step_s - plan.predicted_compute_s - comm, 0.0)
     for r in range(plan.world_size):
         events.append(TimelineEvent(r, "all_reduce", plan.predicted_compute_s, plan.predicted_compute_s + comm))
         events.append(TimelineEvent(r, "optimizer", plan.predicted_compute_s + comm, plan.predicted_step_s))

@@ -19,7 +19,7 @@ def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
     """``slots[j][p]``: the ranks of stage ``j`` in pipeline ``p``."""
     pools = {g.key: list(g.ranks) for g in cluster.groups()}
     slots: list[list[tuple[int, ...]]] = [[] for _ in cfg.stages]
-    for p in range(cfg.pipelines):
+    for _ in range(cfg.pipelines):
         for j, spec in enumerate(cfg.stages):
             take, pools[spec.kind] = pools[spec.kind][: spec.width], pools[spec.kind][spec.width:]
             slots[j].append(tuple(take))
