@@ -7,6 +7,7 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     dp        uneven data parallelism vs torch DDP, measured (emulated speeds)
     pp        heterogeneous vs even pipeline, measured (emulated speeds)
     fidelity  cost model: predicted vs measured step time and memory
+    rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
 
 Writes one JSON per suite and ``benchmarks/results/report-<machine>-<date>.md`` (tables +
 plots).  ``--quick`` runs every suite with fewer cases and steps (under 10 minutes here).
@@ -22,12 +23,13 @@ import time
 from benchmarks.common import RESULTS, machine, result_path
 
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
-          "pp": "pp_emulated", "fidelity": "fidelity"}
+          "pp": "pp_emulated", "fidelity": "fidelity", "rebalance": "rebalance"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
           "pp": "Heterogeneous pipeline vs even pipeline (measured on gloo CPU ranks, emulated speeds)",
-          "fidelity": "Cost-model fidelity: predicted vs measured step time and peak memory"}
+          "fidelity": "Cost-model fidelity: predicted vs measured step time and peak memory",
+          "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)"}
 
 
 def _latest(name: str, quick: bool) -> dict | None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,18 +43,21 @@ def _one_sample(example_inputs: Any) -> Any:
     return example_inputs
 
 
-def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload) -> Plan:
-    """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``."""
+def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
+              *, max_tensor_parallel: int = 1) -> Plan:
+    """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``.
+
+    Codegen runs uneven data parallelism and pipelines of TP width 1, so
+    ``max_tensor_parallel`` stays 1 unless the caller will run the plan elsewhere."""
     graph = trace(model, _one_sample(example_inputs))
-    # what codegen executes: uneven data parallelism, and pipelines of TP width 1
-    return solve_plan(graph, cluster, workload, max_tensor_parallel=1)
+    return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel)
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
          global_batch: int | None = None, seq_len: int | None = None, dtype: str = "fp32",
          optimizer: str = "adam", max_microbatches: int | None = None, plan: Plan | None = None,
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         loss_weighting: LossWeighting = "auto", emulate: bool = True):
+         loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 1):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -86,7 +90,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
             global_batch = _leading_dim(example_inputs)
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
-        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group)
+        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
+                              max_tensor_parallel)
     elif plan.strategy == "pipeline" and any(st.tensor_parallel != 1 for st in plan.stages):
         raise RuntimeSetupError(
             "fxpar.auto: this plan has tensor-parallel stages, which this fxpar version cannot run "
@@ -119,11 +124,13 @@ def _leading_dim(example_inputs: Any) -> int:
     raise ConfigError("fxpar.auto: cannot tell the global batch from example_inputs; pass global_batch=")
 
 
-def _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group) -> Plan:
+def _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
+                   max_tensor_parallel: int = 1) -> Plan:
     payload: list[Any] = [None]
     if rank == 0:
         try:
-            payload[0] = ("ok", make_plan(model, cluster, example_inputs, workload).to_json(indent=None))
+            payload[0] = ("ok", make_plan(model, cluster, example_inputs, workload,
+                                             max_tensor_parallel=max_tensor_parallel).to_json(indent=None))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payload[0] = ("error", exc)
     if distributed:

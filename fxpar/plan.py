@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from fxpar.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
-STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel")
+STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel")
 SCHEDULES: tuple[str, ...] = ("none", "1F1B")
 
 
@@ -114,7 +114,11 @@ class Plan:
             if len(self.stages) != 1 or self.stages[0].tensor_split is None:
                 raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
             return
-        if self.strategy == "data_parallel":
+        if self.strategy == "expert_parallel":
+            st = self.stages[0] if len(self.stages) == 1 else None
+            if st is None or st.expert_split is None or len(st.expert_split) != self.world_size:
+                raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
+        if self.strategy in ("data_parallel", "expert_parallel"):
             total = sum(r.batch_share for r in self.ranks)
             if total != self.global_batch:
                 raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
@@ -227,12 +231,16 @@ class Plan:
                     f"/micro-batch" for st in self.stages]
         out += [line(head), line(tuple("-" * w for w in widths))]
         out += [line(row) for row in rows]
-        out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
-                   f" + all-reduce {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
-                   f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
+        if self.predicted_step_s > 0 and self.lower_bound_s > 0:
+            out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
+                       f" + all-reduce {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
+                       f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
+        else:
+            out.append("no prediction (a hand-written plan)")
         for name, value in self.baselines:
             out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else
-                       f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"))
+                       f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"
+                       if self.predicted_step_s > 0 else f"{value:.4g} s"))
         if self.solver is not None:
             s = self.solver
             out.append(f"solver {s.name} ({s.backend}, {s.status}): relaxation {s.objective_s:.4g} s, "

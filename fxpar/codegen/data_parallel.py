@@ -122,22 +122,67 @@ class DataParallelModule(torch.nn.Module):
         """This rank's slice of a global batch."""
         return self.plan.shard_batch(batch, self.rank)
 
+    def batch_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the rows of the global batch this rank trains on (per-rank samplers
+        load only these and call ``step(rows, local=True)``)."""
+        start = self.plan.batch_offsets()[self.rank]
+        return start, start + self.plan.ranks[self.rank].batch_share
+
+    def set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan`` at a step boundary (re-balanced shares); weights, gradients and the
+        optimizer are untouched.  The new plan must be data parallel over the same ranks."""
+        if plan.strategy != "data_parallel" or plan.world_size != self.plan.world_size:
+            raise PlanError(f"set_plan: a data-parallel module can switch only to a data_parallel plan "
+                            f"of {self.plan.world_size} ranks, got {plan.strategy!r} with "
+                            f"{plan.world_size}")
+        self.plan = plan
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """Rank 0 writes its replica with HF ``save_pretrained`` (collective: call everywhere)."""
+        if not self._distributed or dist.get_rank(self.group) == 0:
+            self.module.save_pretrained(output_dir, **kwargs)
+        if self._distributed:
+            dist.barrier(group=self.group)
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The replica's parameters (original FQNs) on rank ``dst``; None elsewhere."""
+        if self._distributed and dist.get_rank(self.group) != dst:
+            return None
+        return {n: p.detach().clone() for n, p in self.module.named_parameters(remove_duplicate=False)}
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the (already all-reduced, identical) gradients to ``max_norm``; returns the norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     # ---- one training step -------------------------------------------------------------------
-    def step(self, batch: Any) -> torch.Tensor:
+    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """Forward + backward of this rank's share of ``batch`` (the global batch), then the
         share-weighted gradient all-reduce.  Returns the global loss (same on every rank).
+        With ``local=True`` the batch is already this rank's rows (``batch_rows()``) and the
+        global item count is summed over the ranks.
         The caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``."""
         rp = self.plan.ranks[self.rank]
-        total_items = count_items(batch, self.loss_weighting, self.causal)
+        if local:
+            if _batch_len(batch) != rp.batch_share:
+                raise PlanError(f"ParallelModule.step(local=True): rank {self.rank} got "
+                                f"{_batch_len(batch)} samples, its plan share is {rp.batch_share}; "
+                                "load the rows batch_rows() names")
+            total = torch.tensor([count_items(batch, self.loss_weighting, self.causal)], dtype=torch.float64)
+            if self._distributed:
+                dist.all_reduce(total, group=self.group)
+            total_items = int(total.item())
+        else:
+            total_items = count_items(batch, self.loss_weighting, self.causal)
         if total_items <= 0:
             raise PlanError("ParallelModule.step: the batch has no items to train on "
                             "(all labels are -100?)")
-        local = self.shard_batch(batch)
+        local_batch = batch if local else self.shard_batch(batch)
         loss_sum = torch.zeros((), dtype=torch.float32)
         compute = emulated = 0.0
         with timed() as total:
             if rp.batch_share:
-                for mb in _split(local, rp.micro_batch_size, rp.num_microbatches):
+                for mb in _split(local_batch, rp.micro_batch_size, rp.num_microbatches):
                     items = count_items(mb, self.loss_weighting, self.causal)
                     if _batch_len(mb) == 0:
                         continue

@@ -67,6 +67,7 @@ class PipelineParallelModule(torch.nn.Module):
             raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank = plan, rank
+        self._original = [model]  # a list: not registered as a submodule (saving only)
         self.stage_index = next(j for j, st in enumerate(plan.stages) if rank in st.ranks)
         self.pipeline_index = plan.stages[self.stage_index].ranks.index(rank)
         chains = [[plan.stages[j].ranks[p] for j in range(S)] for p in range(P)]
@@ -126,10 +127,12 @@ class PipelineParallelModule(torch.nn.Module):
                 owners.setdefault(id(p), []).append(j)
                 tensors[id(p)] = p
         ties = []
+        self._first_tie_stage: dict[int, int] = {}
         for key, stages in owners.items():
             stages = sorted(set(stages))
             if len(stages) < 2:
                 continue
+            self._first_tie_stage[key] = stages[0]
             groups = [dist.new_group([chain[j] for j in stages]) for chain in chains]
             if self.stage_index in stages:
                 ties.append((tensors[key], groups[self.pipeline_index]))
@@ -165,21 +168,32 @@ class PipelineParallelModule(torch.nn.Module):
     def named_original_parameters(self):
         return self.module.named_original_parameters()
 
-    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """1F1B over this pipeline's share of ``batch`` (the global batch); returns the global
-        loss on every rank.  The caller runs the optimizer step."""
+    def batch_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the rows of the global batch this rank's pipeline trains on."""
         per = self.plan.global_batch // self.plan.pipelines
+        return self.pipeline_index * per, (self.pipeline_index + 1) * per
+
+    def step(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
+        """1F1B over this pipeline's share of ``batch`` (the global batch; with ``local=True``
+        only this pipeline's rows, ``batch_rows()``); returns the global loss on every rank.
+        The caller runs the optimizer step."""
+        missing = [n for n in self.input_names if n not in batch]
+        if missing:
+            raise PlanError(f"step: the batch lacks {missing}; the traced model takes {list(self.input_names)}")
+        lo, hi = self.batch_rows()
+        expected = hi - lo if local else self.plan.global_batch
         first = batch[self.input_names[0]]
-        if int(first.shape[0]) != self.plan.global_batch:
+        if int(first.shape[0]) != expected:
             raise PlanError(f"step: the batch has {int(first.shape[0])} samples, the plan expects "
-                            f"{self.plan.global_batch}")
-        lo = self.pipeline_index * per
-        local = tuple(batch[n][lo:lo + per] for n in self.input_names)
+                            f"{expected}{' (this pipeline' + chr(39) + 's rows)' if local else ''}")
+        if local:
+            lo, hi = 0, expected
+        local_inputs = tuple(batch[n][lo:hi] for n in self.input_names)
         S = len(self.plan.stages)
-        target = torch.zeros(per)
+        target = torch.zeros(hi - lo)
         losses: list[torch.Tensor] = []
         if self.stage_index == 0:
-            self.schedule.step(*local, target=target if S == 1 else None, losses=losses if S == 1 else None)
+            self.schedule.step(*local_inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
         elif self.stage_index == S - 1:
             self.schedule.step(target=target, losses=losses)
         else:
@@ -191,6 +205,23 @@ class PipelineParallelModule(torch.nn.Module):
             dist.all_reduce(loss, group=self.dp_group)
             loss /= self.plan.pipelines
         return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the *whole* model's gradient: squares summed over this pipeline's
+        stages (a tied parameter counted once, on its first stage); returns that norm."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for _, p in self.module.named_original_parameters():
+            if p.grad is None or self._first_tie_stage.get(id(p), self.stage_index) != self.stage_index:
+                continue
+            sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt().to(torch.float32)
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1.0:
+            for _, p in self.module.named_original_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
 
     def _sync_gradients(self) -> None:
         for p, group in self._tied:
@@ -221,5 +252,27 @@ class PipelineParallelModule(torch.nn.Module):
                     full[alias] = t
         return full
 
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """Gather the full model on rank 0 and write it with HF ``save_pretrained`` (collective:
+        call on every rank)."""
+        full = self.gather_state_dict(dst=0)
+        if full is not None:
+            original = self._original[0]
+            load_full_state(original, full)
+            original.save_pretrained(output_dir, **kwargs)
+        dist.barrier()
+
     def forward(self, *args: Any) -> Any:
         return self.module(*args)
+
+
+def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy a gathered original-FQN state dict into ``model``; every parameter must be there."""
+    missing = [n for n, _ in model.named_parameters() if n not in full]
+    if missing:
+        raise PlanError(f"the gathered state lacks {len(missing)} parameters of "
+                        f"{type(model).__name__} (first: {missing[:3]}); the plan and model differ")
+    with torch.no_grad():
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if n in full:
+                p.copy_(full[n])

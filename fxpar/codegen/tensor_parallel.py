@@ -68,17 +68,28 @@ def _offset(sizes: Sequence[int], rank: int) -> tuple[int, int]:
     return start, start + sizes[rank]
 
 
+def _sharded(t: torch.Tensor, dim: int) -> torch.nn.Parameter:
+    """A new parameter holding this rank's piece along ``dim``; ``fxpar_sharded`` marks it for
+    norms and gathering."""
+    p = torch.nn.Parameter(t.clone())
+    p.fxpar_sharded = True
+    p.fxpar_shard_dim = dim
+    return p
+
+
 def _keep_rows(linear: torch.nn.Linear, lo: int, hi: int) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.detach()[lo:hi].clone())
+    linear.weight = _sharded(linear.weight.detach()[lo:hi], 0)
     if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.detach()[lo:hi].clone())
+        linear.bias = _sharded(linear.bias.detach()[lo:hi], 0)
     linear.out_features = hi - lo
 
 
 def _keep_cols(linear: torch.nn.Linear, lo: int, hi: int, first: bool) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.detach()[:, lo:hi].clone())
+    linear.weight = _sharded(linear.weight.detach()[:, lo:hi], 1)
     if linear.bias is not None and not first:  # the bias is added once, by the group's first rank
         linear.bias = None
+    elif linear.bias is not None:
+        linear.bias.fxpar_sharded = True  # held by one rank only: counted once in norms
     linear.in_features = hi - lo
 
 
@@ -148,7 +159,55 @@ class TensorParallelModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The unsharded parameters under their original FQNs on rank ``dst`` (None elsewhere):
+        shards concatenated in rank order along their split dimension."""
+        mine = {n: (p.detach().clone(), getattr(p, "fxpar_shard_dim", None))
+                for n, p in self.module.named_parameters(remove_duplicate=False)}
+        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(mine, parts, dst=dst)
+        if parts is None:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for name, (tensor, dim) in parts[0].items():
+            pieces = [part[name][0] for part in parts if name in part]
+            full[name] = tensor if dim is None or len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        return full
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """Gather the unsharded model on rank 0 and write it with HF ``save_pretrained`` into a
+        fresh copy of the model class (collective: call on every rank)."""
+        full = self.gather_state_dict(dst=0)
+        if full is not None:
+            model = type(self.module)(self.module.config)
+            model.load_state_dict(full, strict=False)
+            model.save_pretrained(output_dir, **kwargs)
+        dist.barrier()
+
+    def batch_rows(self) -> tuple[int, int]:
+        """Every rank of a tensor-parallel group trains on the whole global batch."""
+        return 0, self.plan.global_batch
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm: shards' squares summed over the group,
+        replicated parameters counted once."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.module.parameters():
+            if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.rank == 0):
+                sq += p.grad.detach().double().pow(2).sum()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sq)
+        norm = sq.sqrt().to(torch.float32)
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def step(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
+        """Forward + backward of the whole batch on every rank of the group (``local`` is
+        accepted for the common API: a tensor-parallel rank's rows are the whole batch)."""
         import time
 
         start = time.perf_counter()

@@ -1,0 +1,86 @@
+"""Train a small HF Llama with Accelerate and fxpar (the Accelerate config stays unchanged).
+
+    FXPAR_CONFIG=examples/fxpar.yaml ACCELERATE_USE_CPU=true \\
+        torchrun --nproc-per-node 2 examples/train_accelerate.py --steps 6
+
+fxpar's settings come from ``fxpar.yaml`` (``FXPAR_CONFIG``) and ``FXPAR_*`` variables
+(``FXPAR_SPEEDS=1,0.5``, ``FXPAR_GLOBAL_BATCH=12``, ``FXPAR_PLAN=plan.json``).  On CPU the ranks
+use gloo and emulate the configured relative speeds (labelled emulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+
+from fxpar.integrations.accelerate import FxparPlugin, prepare
+from fxpar.models import PRESETS
+from fxpar.tracing.hf import build_model
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--checkpoint", help="save_state here after training, then load it back")
+    ap.add_argument("--out", help="write the loss curve as JSON here (rank 0)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    plugin = FxparPlugin()
+    batch = plugin.to_config().workload.get("global_batch", 8)
+    model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
+    data = TokenDataset(batch * args.steps, args.seq, model.config.vocab_size)
+    loader = DataLoader(data, batch_size=batch, shuffle=False, collate_fn=default_data_collator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    pmodel, optimizer, loader = prepare(accelerator, model, optimizer, loader, plugin=plugin)
+    if accelerator.is_main_process:
+        print(pmodel.plan, flush=True)
+    monitor = pmodel.fxpar_monitor
+    losses = []
+    for step, rows in enumerate(loader):
+        monitor.begin()
+        loss = pmodel.step(rows, local=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        monitor.end(step)
+        monitor.maybe_rebalance(step)
+        losses.append(float(loss))
+        if accelerator.is_main_process:
+            print(f"step {step}: loss {float(loss):.5f}  {monitor.metrics()}", flush=True)
+    if args.checkpoint:
+        accelerator.save_state(args.checkpoint)
+        accelerator.wait_for_everyone()
+        accelerator.load_state(args.checkpoint)
+    if accelerator.is_main_process and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "strategy": pmodel.plan.strategy}, f)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()

@@ -1,0 +1,208 @@
+"""Accelerate integration: :class:`FxparPlugin` and :func:`prepare`.
+
+Accelerate 1.15 has no third-party plugin hook and its launch YAML rejects unknown sections
+(torch-hf-facts.md), so fxpar's settings live in ``fxpar.yaml`` (``FXPAR_CONFIG``) beside an
+unchanged Accelerate config, and :class:`FxparPlugin` follows Accelerate's plugin style: a
+dataclass whose unset fields are filled from ``FXPAR_*`` environment variables::
+
+    accelerator = Accelerator(cpu=True)
+    plugin = FxparPlugin()                         # FXPAR_CONFIG=fxpar.yaml, FXPAR_SPEEDS=1,0.5, ...
+    pmodel, optimizer, loader = prepare(accelerator, model, optimizer, loader, plugin=plugin)
+    for batch in loader:                           # this rank's rows of each global batch
+        loss = pmodel.step(batch, local=True)      # forward, backward, fxpar's gradient exchange
+        optimizer.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt")                 # fxpar's hooks write the full model + plan
+
+``prepare`` parallelizes (``fxpar.auto``), registers the module through the public no-DDP path
+``accelerator.prepare_model(pmodel, evaluation_mode=True)``, rebuilds the optimizer over this
+rank's parameters when they changed (pipeline stages, tensor shards) and prepares it, replaces the
+dataloader's sampler by a per-rank share sampler (the loader you pass yields *global* batches),
+and registers save/load-state pre-hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+
+from fxpar.errors import ConfigError
+from fxpar.integrations.common import parallelize, rank_rows
+from fxpar.integrations.config import (
+    FxparConfig,
+    RebalanceConfig,
+    config_from_mapping,
+    load_config,
+)
+from fxpar.integrations.monitor import StepMonitor
+from fxpar.integrations.sampler import ShareBatchSampler, collate_or_empty
+
+STATE_DIR = "fxpar"
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+@dataclass
+class FxparPlugin:
+    """fxpar's settings for an Accelerate script; ``None`` fields come from ``FXPAR_*``
+    environment variables (``FXPAR_CONFIG``, ``FXPAR_CLUSTER``, ``FXPAR_SPEEDS``,
+    ``FXPAR_GLOBAL_BATCH``, ``FXPAR_PLAN``, ``FXPAR_REBALANCE``), then from the config file."""
+
+    config_file: str | None = field(default=None, metadata={"help": "fxpar.yaml (FXPAR_CONFIG)"})
+    cluster: str | None = field(default=None, metadata={"help": "cluster/scenario file or 'detect' (FXPAR_CLUSTER)"})
+    speeds: tuple[float, ...] | None = field(default=None, metadata={"help": "emulated speeds (FXPAR_SPEEDS=1,0.5)"})
+    global_batch: int | None = field(default=None, metadata={"help": "samples per step (FXPAR_GLOBAL_BATCH)"})
+    plan_file: str | None = field(default=None, metadata={"help": "saved plan JSON (FXPAR_PLAN)"})
+    rebalance: bool | None = field(default=None, metadata={"help": "online re-balancing (FXPAR_REBALANCE)"})
+
+    def __post_init__(self) -> None:
+        self.config_file = self.config_file or _env("FXPAR_CONFIG")
+        self.cluster = self.cluster or _env("FXPAR_CLUSTER")
+        self.plan_file = self.plan_file or _env("FXPAR_PLAN")
+        if self.speeds is None and _env("FXPAR_SPEEDS"):
+            try:
+                self.speeds = tuple(float(s) for s in _env("FXPAR_SPEEDS").split(","))
+            except ValueError:
+                raise ConfigError(f"FXPAR_SPEEDS = {_env('FXPAR_SPEEDS')!r}: expected comma-separated "
+                                  "numbers such as 1.0,0.5") from None
+        if self.global_batch is None and _env("FXPAR_GLOBAL_BATCH"):
+            text = _env("FXPAR_GLOBAL_BATCH")
+            if not text.isdigit() or int(text) < 1:
+                raise ConfigError(f"FXPAR_GLOBAL_BATCH = {text!r}: expected a positive integer")
+            self.global_batch = int(text)
+        if self.rebalance is None and _env("FXPAR_REBALANCE"):
+            text = _env("FXPAR_REBALANCE").lower()
+            if text not in ("1", "0", "true", "false", "yes", "no"):
+                raise ConfigError(f"FXPAR_REBALANCE = {text!r}: expected true or false")
+            self.rebalance = text in ("1", "true", "yes")
+
+    def to_config(self) -> FxparConfig:
+        """The merged configuration: the plugin's fields override the config file's."""
+        base = load_config(self.config_file) if self.config_file else config_from_mapping({}, source="FxparPlugin")
+        d: dict[str, Any] = {"cluster": base.cluster, "speeds": base.speeds, "workload": dict(base.workload),
+                             "plan": base.plan, "max_tensor_parallel": base.max_tensor_parallel,
+                             "emulate": base.emulate}
+        rebalance = base.rebalance
+        if self.cluster is not None:
+            d["cluster"], d["speeds"] = self.cluster, None
+        if self.speeds is not None:
+            d["cluster"], d["speeds"] = None, tuple(self.speeds)
+        if self.global_batch is not None:
+            d["workload"]["global_batch"] = self.global_batch
+        if self.plan_file is not None:
+            d["plan"] = self.plan_file
+        if self.rebalance is not None:
+            rebalance = RebalanceConfig(enabled=self.rebalance, threshold=rebalance.threshold,
+                                        warmup_steps=rebalance.warmup_steps, window=rebalance.window)
+        return FxparConfig(**d, rebalance=rebalance, source=base.source)
+
+
+def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+            dataloader: DataLoader, *, plugin: FxparPlugin | None = None,
+            example_inputs: Any = None) -> tuple[Any, Any, DataLoader]:
+    """Parallelize ``model`` with fxpar and prepare the optimizer and dataloader for this rank.
+
+    ``dataloader`` yields global batches (its ``batch_size`` is the global batch unless the
+    config sets ``workload.global_batch``).  Returns ``(pmodel, optimizer, dataloader)``."""
+    plugin = plugin or FxparPlugin()
+    config = plugin.to_config()
+    if not isinstance(dataloader, DataLoader):
+        raise ConfigError(f"fxpar prepare: dataloader has type {type(dataloader).__name__}; pass a "
+                          "torch.utils.data.DataLoader over a map-style dataset")
+    batch = config.workload.get("global_batch") or dataloader.batch_size
+    if not batch:
+        raise ConfigError("fxpar prepare: cannot tell the global batch: give the DataLoader a "
+                          "batch_size or set workload.global_batch / FXPAR_GLOBAL_BATCH")
+    if example_inputs is None:
+        example_inputs = next(iter(DataLoader(dataloader.dataset, batch_size=batch,
+                                              collate_fn=dataloader.collate_fn)))
+    pmodel = parallelize(model, config, example_inputs, global_batch=batch)
+    pmodel = accelerator.prepare_model(pmodel, device_placement=False, evaluation_mode=True)
+    pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=config.rebalance,
+                                       max_microbatches=config.workload.get("max_microbatches"))
+    if optimizer is not None:
+        optimizer = accelerator.prepare_optimizer(_rebuild_optimizer(optimizer, pmodel))
+    sampler = ShareBatchSampler(len(dataloader.dataset), pmodel.plan.global_batch,
+                                lambda: rank_rows(pmodel),
+                                shuffle=isinstance(dataloader.sampler, RandomSampler))
+    loader = DataLoader(dataloader.dataset, batch_sampler=sampler,
+                        collate_fn=collate_or_empty(dataloader.collate_fn),
+                        num_workers=dataloader.num_workers)
+    _register_hooks(accelerator, pmodel)
+    return pmodel, optimizer, loader
+
+
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, pmodel: Any) -> torch.optim.Optimizer:
+    """The same optimizer class and settings over the parameters this rank now holds."""
+    mine = list(pmodel.parameters())
+    given = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(given) == len(mine) and all(a is b for a, b in zip(given, mine)):
+        return optimizer
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError("fxpar prepare: the optimizer has several parameter groups and this plan "
+                          "re-creates parameters (pipeline stages / tensor shards); build the "
+                          "optimizer after prepare over pmodel.parameters()")
+    if optimizer.state:
+        raise ConfigError("fxpar prepare: the optimizer already has state; pass a fresh optimizer")
+    settings = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return type(optimizer)([{"params": mine, **settings}])
+
+
+def _register_hooks(accelerator: Any, pmodel: Any) -> None:
+    """``save_state`` writes the gathered full model (original FQNs) and the plan under
+    ``<dir>/fxpar``; ``load_state`` reads them back into this rank's module, under any plan."""
+    def save_hook(models: list, weights: list, output_dir: str) -> None:
+        _drop(pmodel, models, weights)
+        full = pmodel.gather_state_dict(dst=0)
+        if full is not None:
+            out = Path(output_dir) / STATE_DIR
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(full, out / "model.pt.tmp")
+            (out / "plan.json").write_text(pmodel.plan.to_json())
+            (out / "format.json").write_text(json.dumps({"format": "fxpar-full-state", "version": 1}))
+            os.replace(out / "model.pt.tmp", out / "model.pt")  # complete only once renamed
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # nobody reads before rank 0 has written
+
+    def load_hook(models: list, input_dir: str) -> None:
+        _drop(pmodel, models, None)
+        path = Path(input_dir) / STATE_DIR / "model.pt"
+        if not path.is_file():
+            raise ConfigError(f"accelerator.load_state({input_dir!r}): no {STATE_DIR}/model.pt; the "
+                              "checkpoint was not written by an fxpar-prepared accelerator")
+        load_into(pmodel, torch.load(path, weights_only=True))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def _drop(pmodel: Any, models: list, weights: list | None) -> None:
+    """fxpar saves its module itself: take it out of Accelerate's lists."""
+    for i in reversed(range(len(models))):
+        if models[i] is pmodel:
+            models.pop(i)
+            if weights is not None and i < len(weights):
+                weights.pop(i)
+
+
+def load_into(pmodel: Any, full: dict[str, torch.Tensor]) -> None:
+    """Copy a full original-FQN state dict into this rank's module (its own parameters only)."""
+    named = (pmodel.named_original_parameters() if hasattr(pmodel, "named_original_parameters")
+             else pmodel.module.named_parameters())
+    with torch.no_grad():
+        for name, p in named:
+            if name not in full:
+                raise ConfigError(f"load_state: the checkpoint has no parameter {name!r}; it was saved "
+                                  "for a different model")
+            if getattr(p, "fxpar_sharded", False):
+                raise ConfigError("load_state into a tensor-parallel module: use fxpar.checkpoint "
+                                  "(sharded, re-slices across plans)")
+            p.copy_(full[name])

@@ -1,0 +1,160 @@
+"""HF ``Trainer`` integration: parallelize first, then train with :class:`FxparTrainer`.
+
+    pmodel = fxpar.integrations.parallelize(model, fxpar_config, example_batch)
+    trainer = FxparTrainer(model=pmodel, args=TrainingArguments(..., use_cpu=True),
+                           train_dataset=ds, data_collator=collate, callbacks=[FxparCallback()])
+    trainer.train(); trainer.save_model("out")      # out/ loads with from_pretrained
+
+What the subclass changes, and why (reference: torch-hf-facts.md — a callback cannot replace the
+model, and Accelerate would wrap it in DDP):
+
+* the model is prepared with ``accelerator.prepare_model(pmodel, evaluation_mode=True)`` — the
+  public no-DDP path — so the Trainer's own ``prepare`` later sees an already-prepared module;
+* ``get_train_dataloader``: a :class:`~fxpar.integrations.sampler.ShareBatchSampler` gives each
+  rank only its rows of every global batch (``plan.global_batch`` samples per optimizer step),
+  re-read each step so re-balanced shares take effect at once;
+* ``training_step`` runs ``pmodel.step(rows, local=True)`` (forward, backward and fxpar's
+  gradient exchange for DP, PP or TP plans) and returns the global loss, equal on every rank;
+* gradient clipping uses the parallel module's whole-model norm (the Trainer's own clip would see
+  one stage's or one shard's gradients), so ``max_grad_norm`` is applied by fxpar;
+* ``save_model`` gathers the full model and writes ``save_pretrained`` on rank 0; intermediate
+  checkpoints write the same (model only: optimizer state of uneven shards is saved with
+  :mod:`fxpar.checkpoint`).
+
+:class:`FxparCallback` times every step on every rank, adds per-device busy/idle and the
+imbalance to the Trainer's logs, and re-balances batch shares online (see
+:mod:`fxpar.integrations.monitor`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+
+from fxpar.errors import ConfigError
+from fxpar.integrations.common import rank_rows
+from fxpar.integrations.config import RebalanceConfig
+from fxpar.integrations.monitor import StepMonitor
+from fxpar.integrations.sampler import ShareBatchSampler, collate_or_empty
+
+
+class FxparCallback(TrainerCallback):
+    """Times every step on every rank, logs busy/idle per device and re-balances shares."""
+
+    def __init__(self, rebalance: RebalanceConfig | None = None, *, log_every: int | None = None) -> None:
+        self.rebalance = rebalance or RebalanceConfig()
+        self.log_every = log_every
+        self.monitor: StepMonitor | None = None
+        self.pending: dict[str, float] = {}
+
+    def attach(self, pmodel: Any, max_microbatches: int | None = None) -> None:
+        self.monitor = StepMonitor(pmodel, rebalance=self.rebalance, max_microbatches=max_microbatches)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.begin()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            return
+        rec = self.monitor.end(state.global_step)
+        self.pending = self.monitor.metrics(rec)
+        plan = self.monitor.maybe_rebalance(state.global_step)
+        if plan is not None:
+            self.pending["fxpar/rebalanced"] = 1.0
+            if state.is_world_process_zero:
+                print(f"[fxpar] step {state.global_step}: {plan.explain[-1]}", flush=True)
+        if self.log_every and state.global_step % self.log_every == 0:
+            control.should_log = True
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.monitor.events if self.monitor else []
+
+
+class FxparTrainer(Trainer):
+    """A ``Trainer`` for a module built by ``fxpar.auto`` / ``fxpar.integrations.parallelize``."""
+
+    def __init__(self, model: Any = None, args: Any = None, *pos: Any, shuffle: bool = True, **kw: Any) -> None:
+        if model is None or not hasattr(model, "batch_rows") or not hasattr(model, "plan"):
+            raise ConfigError("FxparTrainer: model must be the module fxpar.auto(...) or "
+                              "fxpar.integrations.parallelize(...) returned (parallelize before "
+                              "creating the Trainer)")
+        if args is not None and args.gradient_accumulation_steps != 1:
+            raise ConfigError(f"FxparTrainer: gradient_accumulation_steps = "
+                              f"{args.gradient_accumulation_steps}; fxpar's plan does the micro-"
+                              "batching (workload.max_microbatches); set it to 1 and put the whole "
+                              "optimizer-step batch in workload.global_batch")
+        self.fxpar_max_grad_norm = float(args.max_grad_norm) if args is not None else 1.0
+        if args is not None:  # fxpar clips by the whole model's norm (training_step)
+            args = copy.copy(args)
+            args.max_grad_norm = 0.0
+        self.fxpar_shuffle = shuffle
+        super().__init__(model, args, *pos, **kw)
+        # the public no-DDP path: Accelerate marks the module prepared and will not wrap it again
+        self.model = self.model_wrapped = self.accelerator.prepare_model(
+            self.model, device_placement=False, evaluation_mode=True)
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, FxparCallback):
+                cb.attach(self.model)
+
+    # ---- data ------------------------------------------------------------------------------
+    @property
+    def fxpar_global_batch(self) -> int:
+        return self.model.plan.global_batch
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ConfigError("FxparTrainer: train_dataset is None; pass train_dataset=")
+        n = len(self.train_dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = ShareBatchSampler(n, self.fxpar_global_batch, lambda: rank_rows(self.model),
+                                    shuffle=self.fxpar_shuffle, seed=seed)
+        return DataLoader(self.train_dataset, batch_sampler=sampler,
+                          collate_fn=collate_or_empty(self.data_collator),
+                          num_workers=self.args.dataloader_num_workers)
+
+    # ---- the step --------------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        model.train()
+        inputs = {k: v for k, v in inputs.items() if k != "num_items_in_batch"}
+        loss = model.step(inputs, local=True)
+        if self.fxpar_max_grad_norm > 0:
+            self.fxpar_last_grad_norm = float(model.clip_grad_norm_(self.fxpar_max_grad_norm))
+        return loss.detach().to(self.args.device)
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None):
+        plan = getattr(model, "plan", None)
+        if plan is not None and plan.strategy != "data_parallel":
+            raise ConfigError("FxparTrainer.evaluate: evaluation of pipeline / tensor-parallel plans "
+                              "runs through step-level APIs only; evaluate a data_parallel plan, or "
+                              "the gathered model (save_model then from_pretrained)")
+        inner = getattr(model, "module", model)
+        outputs = inner(**inputs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        return (loss, outputs) if return_outputs else loss
+
+    # ---- saving ----------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir or self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        self.model.save_pretrained(output_dir)
+        if self.args.should_save:
+            with open(os.path.join(output_dir, "fxpar_plan.json"), "w") as f:
+                f.write(self.model.plan.to_json())
+
+    def log(self, logs: dict[str, float], *args: Any, **kw: Any) -> None:
+        if "grad_norm" in logs and getattr(self, "fxpar_last_grad_norm", None) is not None:
+            logs = {**logs, "grad_norm": self.fxpar_last_grad_norm}  # the whole model's, not a shard's
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, FxparCallback) and cb.pending:
+                logs = {**logs, **cb.pending}
+        super().log(logs, *args, **kw)
+
+

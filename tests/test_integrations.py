@@ -1,0 +1,233 @@
+"""HF Trainer and Accelerate integrations, end to end under torchrun (2 gloo ranks).
+
+Each parallel run's loss curve is compared with a single-process run on the same data and
+order (fp32; tolerance 2e-5 absolute on the loss: the only difference is the order of the
+gradient sums), and the saved model with the single-process model's final weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpar.cluster import Cluster
+from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.errors import ConfigError
+from fxpar.integrations import config_from_mapping, load_config
+from fxpar.integrations.sampler import GlobalOrder, ShareBatchSampler
+from fxpar.models import PRESETS
+from fxpar.tracing.hf import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, SEQ, STEPS, LR = 12, 32, 8, 1e-3
+LOSS_TOL = 2e-5
+WEIGHT_TOL = 2e-4   # after 8 AdamW steps: Adam's update amplifies 1e-7 gradient differences
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _dataset():
+    return _example("train_trainer").TokenDataset(BATCH * STEPS, SEQ, 4096)
+
+
+def _torchrun(script: str, args: list[str], env: dict[str, str], tmp: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / script), *args]
+    full_env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.run(cmd, check=False, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _write_config(tmp: Path, **extra) -> Path:
+    import yaml
+
+    cfg = {"workload": {"global_batch": BATCH, "seq_len": SEQ, "optimizer": "adamw"}, **extra}
+    path = tmp / "fxpar.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model(PRESETS["llama-tiny"], device="cpu", seed=0).train()
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    """A single-process HF Trainer run: same data, same global order, clipping at 1.0."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    order = GlobalOrder(BATCH * STEPS, shuffle=True, seed=0).indices(0)
+
+    class Reference(Trainer):
+        def _get_train_sampler(self, train_dataset=None):  # documented override point
+            return order
+
+    model = _model()
+    out = tmp_path_factory.mktemp("ref")
+    args = TrainingArguments(output_dir=str(out), max_steps=STEPS, learning_rate=LR,
+                             lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             per_device_train_batch_size=BATCH)
+    trainer = Reference(model=model, args=args, train_dataset=_dataset(),
+                        data_collator=default_data_collator)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def loop_reference():
+    """A single-process AdamW loop over the dataset in order (what the Accelerate example runs)."""
+    from transformers import default_data_collator
+
+    model = _model()
+    data = _dataset()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for s in range(STEPS):
+        batch = default_data_collator([data[i] for i in range(s * BATCH, (s + 1) * BATCH)])
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_weights(saved_dir: Path, reference: dict[str, torch.Tensor]) -> float:
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(saved_dir)
+    worst = 0.0
+    for name, p in loaded.named_parameters():
+        worst = max(worst, float((p - reference[name]).abs().max()))
+    assert worst < WEIGHT_TOL, f"saved weights differ from the single-process run by {worst}"
+    return worst
+
+
+def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_reference):
+    """Uneven DP through FxparTrainer; rank 1 slows to 0.25 at step 2 and the callback
+    re-balances mid-run: the loss curve still equals the single-process Trainer's."""
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0],
+                        rebalance={"enabled": True, "threshold": 0.1, "warmup_steps": 1, "window": 2})
+    _torchrun("train_trainer.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
+                                   "--slow-down", "1:0.25:2", "--out", "run.json", "--output-dir", "saved"],
+              {}, tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    ref_losses, ref_weights = trainer_reference
+    assert len(run["losses"]) == STEPS
+    diffs = [abs(a - b) for a, b in zip(run["losses"], ref_losses)]
+    assert max(diffs) < LOSS_TOL, (run["losses"], ref_losses)
+    applied = [e for e in run["events"] if e["applied"]]
+    assert applied, f"no re-balance happened: {run['events']}"
+    first = applied[0]
+    assert first["shares"] == [6, 6] and first["proposed"][0] >= 8, first  # 4x slower rank 1
+    _assert_weights(tmp_path / "saved", ref_weights)
+    assert (tmp_path / "saved" / "fxpar_plan.json").is_file()
+
+
+def test_trainer_pipeline_matches_single_process(tmp_path, trainer_reference):
+    model = _model()
+    cluster = Cluster.emulated([1.0, 0.5])
+    plan = pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=[3, 1], num_microbatches=4,
+                         seq_len=SEQ)
+    (tmp_path / "pp.json").write_text(plan.to_json())
+    cfg = _write_config(tmp_path, speeds=[1.0, 0.5], plan=str(tmp_path / "pp.json"))
+    _torchrun("train_trainer.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
+                                   "--out", "run.json", "--output-dir", "saved"], {}, tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["plan"]["strategy"] == "pipeline"
+    ref_losses, ref_weights = trainer_reference
+    diffs = [abs(a - b) for a, b in zip(run["losses"], ref_losses)]
+    assert len(run["losses"]) == STEPS and max(diffs) < LOSS_TOL, (run["losses"], ref_losses)
+    _assert_weights(tmp_path / "saved", ref_weights)
+
+
+def test_accelerate_dp_matches_and_state_round_trips(tmp_path, loop_reference):
+    cfg = _write_config(tmp_path)
+    _torchrun("train_accelerate.py", ["--steps", str(STEPS), "--seq", str(SEQ), "--out", "run.json",
+                                      "--checkpoint", "ckpt"],
+              {"FXPAR_CONFIG": str(cfg), "FXPAR_SPEEDS": "1.0,0.5", "ACCELERATE_USE_CPU": "true"}, tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    ref_losses, ref_weights = loop_reference
+    assert run["strategy"] == "data_parallel"
+    diffs = [abs(a - b) for a, b in zip(run["losses"], ref_losses)]
+    assert len(run["losses"]) == STEPS and max(diffs) < LOSS_TOL, (run["losses"], ref_losses)
+    state = torch.load(tmp_path / "ckpt" / "fxpar" / "model.pt", weights_only=True)
+    worst = max(float((state[n] - ref_weights[n]).abs().max()) for n in ref_weights)
+    assert worst < WEIGHT_TOL
+
+
+def test_accelerate_tensor_parallel_matches(tmp_path, loop_reference):
+    model = _model()
+    plan = tensor_parallel_plan(model, Cluster.emulated([1.0, 0.5]), global_batch=BATCH, kv_shares=[3, 1],
+                                seq_len=SEQ)
+    (tmp_path / "tp.json").write_text(plan.to_json())
+    cfg = _write_config(tmp_path)
+    _torchrun("train_accelerate.py", ["--steps", str(STEPS), "--seq", str(SEQ), "--out", "run.json"],
+              {"FXPAR_CONFIG": str(cfg), "FXPAR_SPEEDS": "1.0,0.5", "FXPAR_PLAN": str(tmp_path / "tp.json"),
+               "ACCELERATE_USE_CPU": "true"}, tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["strategy"] == "tensor_parallel"
+    diffs = [abs(a - b) for a, b in zip(run["losses"], loop_reference[0])]
+    assert len(run["losses"]) == STEPS and max(diffs) < LOSS_TOL, (run["losses"], loop_reference[0])
+
+
+# ---- pure pieces ---------------------------------------------------------------------------
+
+def test_share_sampler_gives_each_rank_its_rows_and_follows_new_shares():
+    rows = {"r": (0, 3)}
+    sampler = ShareBatchSampler(12, 4, lambda: rows["r"], shuffle=False)
+    it = iter(sampler)
+    assert next(it) == [0, 1, 2]
+    rows["r"] = (1, 4)  # a re-balance between steps
+    assert next(it) == [5, 6, 7]
+    assert len(sampler) == 3
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        ShareBatchSampler(3, 4, lambda: (0, 4))
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown keys"):
+        config_from_mapping({"clusterr": "x"})
+    with pytest.raises(ConfigError, match="rebalance.threshold"):
+        config_from_mapping({"rebalance": {"threshold": 2}})
+    with pytest.raises(ConfigError, match="either cluster or speeds"):
+        config_from_mapping({"cluster": "a.yaml", "speeds": [1, 1]})
+    with pytest.raises(ConfigError, match="workload has unknown keys"):
+        config_from_mapping({"workload": {"batch": 3}})
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("speeds: [1, 0")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_plugin_reads_environment(monkeypatch, tmp_path):
+    from fxpar.integrations.accelerate import FxparPlugin
+
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0])
+    monkeypatch.setenv("FXPAR_CONFIG", str(cfg))
+    monkeypatch.setenv("FXPAR_SPEEDS", "1,0.25")
+    monkeypatch.setenv("FXPAR_REBALANCE", "false")
+    config = FxparPlugin().to_config()
+    assert config.speeds == (1.0, 0.25) and config.rebalance.enabled is False
+    assert config.workload["global_batch"] == BATCH
+    monkeypatch.setenv("FXPAR_GLOBAL_BATCH", "x")
+    with pytest.raises(ConfigError, match="FXPAR_GLOBAL_BATCH"):
+        FxparPlugin()
