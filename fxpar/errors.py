@@ -36,3 +36,7 @@ class PlanError(FxparError, ValueError):
 
 class RuntimeSetupError(FxparError, RuntimeError):
     """The distributed runtime does not match the plan (world size, backend, rank)."""
+
+
+class CheckpointError(FxparError, RuntimeError):
+    """A checkpoint directory is missing, incomplete, or does not fit the model or optimizer."""

@@ -8,14 +8,15 @@ JSON (``to_json`` / ``from_json``) and prints as a table.  Sizes are integers pe
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from fxpar.errors import PlanError
+from fxpar.plan_checks import check_plan, check_rank, check_solver, check_stage
 
 PLAN_FORMAT_VERSION = 1
 STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel")
-SCHEDULES: tuple[str, ...] = ("none", "1F1B")
+SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +33,9 @@ class RankPlan:
     predicted_busy_s: float          # compute time of its share per step
     predicted_memory_bytes: int      # model state + activations of one micro-batch
     memory_capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        check_rank(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +54,9 @@ class StagePlan:
     predicted_fwd_s: float = 0.0      # per micro-batch
     predicted_bwd_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_stage(self)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolverReport:
@@ -61,7 +68,10 @@ class SolverReport:
     objective_s: float                # optimum of the continuous relaxation
     integer_s: float                  # objective of the integer plan
     gap: float                        # (integer − relaxation) / relaxation
-    solve_time_s: float
+    solve_time_s: float = field(default=0.0, compare=False)  # wall clock: not in to_json
+
+    def __post_init__(self) -> None:
+        check_solver(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,7 +92,7 @@ class Plan:
     predicted_comm_s: float
     lower_bound_s: float
     baselines: tuple[tuple[str, float | None], ...] = ()
-    solve_time_s: float = 0.0
+    solve_time_s: float = field(default=0.0, compare=False)  # wall clock: not in to_json
     solver: SolverReport | None = None
     emulated: bool = False
     pipelines: int = 1                # identical pipeline replicas (data parallel across them)
@@ -94,6 +104,7 @@ class Plan:
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport)
         if self.strategy not in STRATEGIES:
             raise PlanError(f"plan.strategy = {self.strategy!r}: accepted values are {STRATEGIES}")
         if not self.ranks:
@@ -165,37 +176,52 @@ class Plan:
         return _slice_batch(batch, start, stop, self.global_batch)
 
     # ---- serialisation ---------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, timings: bool = True) -> dict[str, Any]:
+        """The plan as plain data; ``timings=False`` leaves out the wall-clock solve times."""
         d = asdict(self)
         d["baselines"] = {k: v for k, v in self.baselines}
+        if not timings:
+            d.pop("solve_time_s")
+            if d["solver"] is not None:
+                d["solver"].pop("solve_time_s")
         return d
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+    def to_json(self, indent: int | None = 2, *, timings: bool = False) -> str:
+        """The plan as JSON, a pure function of the planner's inputs: the same scenario gives
+        byte-identical text on every run, because the measured solve times (``solve_time_s``
+        here and in ``solver``) are left out unless ``timings=True``.  ``from_json`` reads
+        both forms; the solve times do not take part in plan equality."""
+        return json.dumps(self.to_dict(timings=timings), indent=indent, sort_keys=False, allow_nan=False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "<plan>") -> "Plan":
+        """Build a plan from ``to_dict`` / JSON data; every problem is a PlanError that starts
+        with ``source`` and names the field and the value."""
         if not isinstance(d, Mapping):
             raise PlanError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
         version = d.get("version", PLAN_FORMAT_VERSION)
-        if version != PLAN_FORMAT_VERSION:
+        if isinstance(version, bool) or version != PLAN_FORMAT_VERSION:
             raise PlanError(f"{source}: plan format version {version!r} is not supported "
                             f"(this fxpar reads version {PLAN_FORMAT_VERSION}); re-run `fxpar plan`")
         try:
             kw = _known(cls, d, source)
-            kw["ranks"] = tuple(RankPlan(**_known(RankPlan, r, f"{source}: ranks[{i}]"))
-                                for i, r in enumerate(d["ranks"]))
-            kw["stages"] = tuple(_stage_from_dict(s, f"{source}: stages[{i}]")
-                                 for i, s in enumerate(d.get("stages", ())))
-            kw["explain"] = tuple(d.get("explain", ()))
+            kw["ranks"] = tuple(_build(RankPlan, r, f"{source}: ranks[{i}]")
+                                for i, r in enumerate(_listed(d, "ranks", source)))
+            kw["stages"] = tuple(_build(StagePlan, s, f"{source}: stages[{i}]")
+                                 for i, s in enumerate(_listed(d, "stages", source, required=False)))
             base = d.get("baselines") or {}
-            kw["baselines"] = tuple((str(k), None if v is None else float(v)) for k, v in base.items())
+            if not isinstance(base, Mapping):
+                raise PlanError(f"{source}: baselines = {base!r:.60}: expected an object "
+                                "{name: seconds or null}")
+            kw["baselines"] = tuple(base.items())
             if d.get("solver") is not None:
-                kw["solver"] = SolverReport(**_known(SolverReport, d["solver"], f"{source}: solver"))
+                kw["solver"] = _build(SolverReport, d["solver"], f"{source}: solver")
+            _require(cls, kw, source)
             return cls(**kw)
-        except PlanError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except PlanError as exc:
+            message = str(exc)
+            raise PlanError(message if message.startswith(source) else f"{source}: {message}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a gap in the checks
             raise PlanError(f"{source}: not a valid fxpar plan ({type(exc).__name__}: {exc}); "
                             "write it with Plan.to_json or `fxpar plan --json`") from None
 
@@ -273,12 +299,36 @@ def _known(cls: type, d: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k in names}
 
 
-def _stage_from_dict(d: Mapping[str, Any], source: str) -> StagePlan:
-    kw = _known(StagePlan, d, source)
-    for key in ("modules", "ranks", "data_split", "tensor_split", "expert_split"):
-        if kw.get(key) is not None:
-            kw[key] = tuple(kw[key])
-    return StagePlan(**kw)
+def _require(cls: type, kw: Mapping[str, Any], source: str) -> None:
+    """PlanError naming the keys ``cls`` needs that ``kw`` lacks."""
+    needed = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in needed if n not in kw]
+    if missing:
+        raise PlanError(f"{source}: not a valid fxpar plan: missing keys {missing}; a {cls.__name__} "
+                        f"needs {needed} (write plans with Plan.to_json or `fxpar plan --json`)")
+
+
+def _build(cls: type, d: Any, source: str) -> Any:
+    """``cls`` from a mapping, errors prefixed with ``source``."""
+    kw = _known(cls, d, source)
+    _require(cls, kw, source)
+    try:
+        return cls(**kw)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+
+
+def _listed(d: Mapping[str, Any], key: str, source: str, *, required: bool = True) -> Sequence[Any]:
+    """``d[key]`` as a list (PlanError when missing or not a list)."""
+    if key not in d:
+        if required:
+            raise PlanError(f"{source}: not a valid fxpar plan: missing key {key!r} (a plan lists "
+                            f"its {key}; write plans with Plan.to_json or `fxpar plan --json`)")
+        return ()
+    value = d[key]
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise PlanError(f"{source}: {key} = {value!r:.60}: expected a list of {key[:-1]} objects")
+    return value
 
 
 def _slice_batch(batch: Any, start: int, stop: int, expected: int) -> Any:

@@ -52,8 +52,11 @@ def _model(raw: Any, src: str, name: str) -> ModelSpec:
     if not isinstance(raw, Mapping) or "hf_config" not in raw:
         raise ConfigError(f"{src}: model must be a mapping with `hf_config:` (and `task:`, one of "
                           f"{', '.join(TASKS)})")
+    if not isinstance(raw["hf_config"], Mapping):
+        raise ConfigError(f"{src}: model.hf_config = {raw['hf_config']!r:.60}: expected a mapping with "
+                          "`model_type:` and the config's fields, e.g. {model_type: llama, hidden_size: 256}")
     task = raw.get("task", "causal-lm")
-    if task not in TASKS:
+    if not isinstance(task, str) or task not in TASKS:
         raise ConfigError(f"{src}: model.task = {task!r}; accepted: {', '.join(TASKS)}")
     return ModelSpec(hf_config=dict(raw["hf_config"]), task=task, name=str(raw.get("name", name)))
 

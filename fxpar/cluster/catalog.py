@@ -67,12 +67,20 @@ def _number_hint(value: object) -> str:
     return ""
 
 
+#: Largest figure any field takes (TFLOP/s, GiB, GB/s, Gb/s): far above every real device, small
+#: enough that derived quantities (bytes = GiB x 2**30) stay finite integers.
+LARGEST_FIGURE = 1e12
+
+
 def positive_number(value: object, where: str, *, maximum: float | None = None) -> float:
     """Return ``value`` as a float if it is a finite number in (0, maximum]; else ConfigError.
 
-    ``where`` names the input and field (e.g. ``"a.yaml: cluster.inter_node_gbps"``).
+    ``where`` names the input and field (e.g. ``"a.yaml: cluster.inter_node_gbps"``); without
+    ``maximum`` the bound is :data:`LARGEST_FIGURE` (a larger figure is a unit mistake).
     """
-    accepted = f"a number in (0, {maximum:g}]" if maximum is not None else "a positive number"
+    accepted = (f"a number in (0, {maximum:g}]" if maximum is not None else
+                f"a positive number (at most {LARGEST_FIGURE:g}; check the unit)")
+    maximum = LARGEST_FIGURE if maximum is None else maximum
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(
             f"{where}: got {value!r} ({type(value).__name__}); expected {accepted}"

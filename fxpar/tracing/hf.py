@@ -49,6 +49,17 @@ def torch_dtype(dtype: str) -> torch.dtype:
         raise ConfigError(f"dtype = {dtype!r}: accepted values are fp32, fp16, bf16") from None
 
 
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What ``AutoConfig.for_model`` raises for bad fields: transformers 5 validates config
+    dataclasses with huggingface_hub's strict checks, whose errors are not ValueErrors."""
+    errors: list[type[Exception]] = [ValueError, KeyError, TypeError]
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict dataclasses
+        return tuple(errors)
+    return (*errors, StrictDataclassError)
+
+
 def hf_config(spec: ModelSpec):
     """The ``transformers`` config object for ``spec`` (ConfigError on unknown keys/types)."""
     from transformers import AutoConfig
@@ -57,10 +68,13 @@ def hf_config(spec: ModelSpec):
     model_type = kwargs.pop("model_type")
     try:
         config = AutoConfig.for_model(str(model_type), **kwargs)
-    except (ValueError, KeyError, TypeError) as exc:
+    except _config_errors() as exc:
+        first = " ".join(line.strip() for line in str(exc).splitlines()[:2]) or type(exc).__name__
+        first = first if len(first) <= 200 else first[:197] + "..."
         raise ConfigError(
-            f"model.hf_config.model_type = {model_type!r}: transformers cannot build this config "
-            f"({exc}); use a model_type that transformers.AutoConfig.for_model knows") from None
+            f"model.hf_config (model_type {model_type!r}): transformers cannot build this config "
+            f"({first}); fix the field named there, and use a model_type that "
+            "transformers.AutoConfig.for_model knows") from None
     config.use_cache = False
     return config
 

@@ -1,0 +1,154 @@
+"""Which piece of which original parameter this rank holds, for every fxpar parallel module.
+
+A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever the plan:
+
+- a plain ``nn.Module`` and :class:`~fxpar.codegen.data_parallel.DataParallelModule` hold full
+  replicas (``named_parameters()``; a tied weight appears once, under its first name);
+- :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule` holds the full tensors of
+  its stage (``named_original_parameters()``), a subset of the FQNs;
+- :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule` holds *ragged* slices (rows of
+  ``q/k/v/gate/up_proj``, columns of ``o/down_proj``, any split sizes) and says so itself;
+- :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` holds the rows ``[lo, hi)`` of
+  every ``(E, ...)`` expert tensor (its experts) and replicas of the rest.
+
+A module describes itself with a ``checkpoint_layout()`` method returning :class:`LocalParam`
+entries (the box of the full tensor it holds); that takes precedence over the rules above and
+is the hook for every sharded form.  A parameter marked ``fxpar_sharded`` that no layout
+describes is refused (saved as a whole tensor it would be silently wrong).  Boxes held by
+several ranks (replicas) are written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.errors import CheckpointError
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """This rank's piece of a parameter: a box at ``offsets`` inside ``global_shape``."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalParam:
+    """One parameter as this rank holds it, under its original FQN."""
+
+    fqn: str
+    param: torch.Tensor
+    shard: ShardSpec | None = None     # None: the full tensor (a replica)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """Shape of the whole (unsharded) parameter."""
+        return self.shard.global_shape if self.shard is not None else tuple(self.param.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Everything the checkpoint code needs to know about a parallel module on this rank."""
+
+    kind: str                          # "module", "data_parallel", "pipeline", "tensor_parallel", ...
+    params: tuple[LocalParam, ...]
+    group: Any                         # process group of the ranks that hold the model (None: default)
+    distributed: bool                  # collectives needed (an initialised group of > 1 rank)
+
+    def by_id(self) -> dict[int, LocalParam]:
+        """Parameter identity -> entry (to find the FQN of an optimizer's parameter)."""
+        return {id(lp.param): lp for lp in self.params}
+
+
+def process_group(pmodel: Any, distributed: bool | None = None) -> tuple[Any, bool]:
+    """``(group, distributed)`` for ``pmodel``: the data-parallel module's own group (None: the
+    default one) and whether collectives are needed (an initialised group of > 1 rank)."""
+    group = getattr(pmodel, "group", None) if hasattr(pmodel, "plan") else None  # fxpar modules
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return group, bool(distributed)
+
+
+def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Layout:
+    """The :class:`Layout` of ``pmodel`` on this rank (no collectives; CheckpointError for an
+    object that is not a module or a ``checkpoint_layout()`` that returns something else)."""
+    if not isinstance(pmodel, torch.nn.Module):
+        raise CheckpointError(f"checkpoint: the model has type {type(pmodel).__name__}; pass the "
+                              "torch.nn.Module fxpar.auto returned (or a plain model)")
+    from fxpar.codegen.data_parallel import DataParallelModule
+
+    group, distributed = process_group(pmodel, distributed)
+    custom = getattr(pmodel, "checkpoint_layout", None)
+    if callable(custom):
+        kind = getattr(getattr(pmodel, "plan", None), "strategy", None) or type(pmodel).__name__
+        return Layout(kind=str(kind), params=_unique(custom()), group=group, distributed=distributed)
+    if callable(getattr(pmodel, "named_original_parameters", None)):
+        aliases: dict[str, list[str]] = getattr(pmodel, "_aliases", None) or {}  # tied weights
+        params = _unique(LocalParam(fqn=aliases.get(fqn, [fqn])[0], param=p)
+                         for fqn, p in pmodel.named_original_parameters())
+        return Layout(kind="pipeline", params=params, group=group, distributed=distributed)
+    experts = _expert_parallel(pmodel)
+    if experts is not None:
+        return Layout(kind="expert_parallel", params=experts, group=group, distributed=distributed)
+    if isinstance(pmodel, DataParallelModule):
+        params = _unique(LocalParam(fqn=n, param=p) for n, p in pmodel.module.named_parameters())
+        return Layout(kind="data_parallel", params=_whole(params), group=group, distributed=distributed)
+    params = _unique(LocalParam(fqn=n, param=p) for n, p in pmodel.named_parameters())
+    return Layout(kind="module", params=_whole(params), group=group, distributed=distributed)
+
+
+def _whole(params: tuple[LocalParam, ...]) -> tuple[LocalParam, ...]:
+    """``params`` if they are all full tensors; a CheckpointError for a parameter fxpar marked as
+    a shard (``fxpar_sharded``) that no layout describes: saved as whole, it would be wrong."""
+    sharded = [lp.fqn for lp in params if getattr(lp.param, "fxpar_sharded", False)]
+    if sharded:
+        raise CheckpointError(
+            f"checkpoint: parameters {sharded[:3]} are shards of larger tensors, but the module does "
+            "not say where they sit; give it a checkpoint_layout() method returning "
+            "fxpar.checkpoint.LocalParam entries with ShardSpec boxes")
+    return params
+
+
+def _expert_parallel(pmodel: torch.nn.Module) -> tuple[LocalParam, ...] | None:
+    """Expert parallelism: every expert tensor ``(E, ...)`` holds the rows ``[lo, hi)`` of this
+    rank's experts (``ExpertParallelExperts``); everything else is a replica.  None for any
+    other module."""
+    try:
+        from fxpar.codegen.expert_parallel import (
+            ExpertParallelExperts,
+            ExpertParallelModule,
+        )
+    except ImportError:  # pragma: no cover - expert parallelism not installed
+        return None
+    if not isinstance(pmodel, ExpertParallelModule):
+        return None
+    boxes: dict[int, tuple[int, int]] = {}
+    for module in pmodel.module.modules():
+        if isinstance(module, ExpertParallelExperts):
+            for p in module.parameters(recurse=False):
+                boxes[id(p)] = (int(module.lo), int(module.num_experts))
+    out = []
+    for name, p in pmodel.module.named_parameters():
+        if id(p) not in boxes:
+            out.append(LocalParam(fqn=name, param=p))
+            continue
+        lo, experts = boxes[id(p)]
+        out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
+            global_shape=(experts, *p.shape[1:]), offsets=(lo,) + (0,) * (p.dim() - 1))))
+    return _unique(out)
+
+
+def _unique(entries: Iterable[LocalParam]) -> tuple[LocalParam, ...]:
+    """Entries in order, each FQN once (a tied weight held twice by one stage)."""
+    seen: dict[str, LocalParam] = {}
+    for lp in entries:
+        if not isinstance(lp, LocalParam):
+            raise CheckpointError(f"checkpoint_layout() returned {lp!r}; expected LocalParam entries")
+        seen.setdefault(lp.fqn, lp)
+    return tuple(seen.values())

@@ -1,0 +1,183 @@
+"""Field checks for :mod:`fxpar.plan`: every value of a plan has the right type and range.
+
+A plan comes from the solver, from a hand-written constructor, or from a JSON file someone
+edited; whichever, a wrong value must stop at construction with a :class:`PlanError` that names
+the field, the value and what is expected, not later as a ``TypeError`` in codegen or in
+``Plan.table()``.  Numbers are normalised on the way (NumPy integers become ``int``, lists
+become tuples), NaN and infinities are refused (a plan must survive its JSON round trip), and
+``bool`` is never taken for a number.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fxpar.errors import PlanError
+
+REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
+
+
+def _fail(where: str, name: str, value: Any, expected: str) -> PlanError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return PlanError(f"{where}: {name} = {shown} ({type(value).__name__}); expected {expected}; {REMEDY}")
+
+
+def _int(value: Any, where: str, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise _fail(where, name, value, f"a whole number >= {minimum}")
+    return int(value)
+
+
+def _real(value: Any, where: str, name: str, *, minimum: float | None = 0.0, strict: bool = False) -> float:
+    expected = ("a finite number" if minimum is None else
+                f"a finite number {'>' if strict else '>='} {minimum:g}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(where, name, value, expected)
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        raise _fail(where, name, value, expected) from None
+    if not math.isfinite(number) or (minimum is not None and (number < minimum or (strict and number <= minimum))):
+        raise _fail(where, name, value, expected)
+    return number
+
+
+def _text(value: Any, where: str, name: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, name, value, "text")
+    return value
+
+
+def _flag(value: Any, where: str, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, name, value, "true or false")
+    return value
+
+
+def _sequence(value: Any, where: str, name: str, what: str) -> Sequence[Any]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise _fail(where, name, value, f"a list of {what}")
+    return value
+
+
+def _ints(value: Any, where: str, name: str, minimum: int) -> tuple[int, ...]:
+    items = _sequence(value, where, name, f"whole numbers >= {minimum}")
+    return tuple(_int(v, where, f"{name}[{i}]", minimum) for i, v in enumerate(items))
+
+
+def _texts(value: Any, where: str, name: str) -> tuple[str, ...]:
+    items = _sequence(value, where, name, "text")
+    return tuple(_text(v, where, f"{name}[{i}]") for i, v in enumerate(items))
+
+
+def _set(obj: Any, **values: Any) -> None:
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+def check_rank(r: Any) -> None:
+    """Types and ranges of a ``RankPlan`` (normalised in place)."""
+    where = f"rank {r.rank!r}"
+    _set(r, rank=_int(r.rank, where, "rank", 0), device=_text(r.device, where, "device"),
+         node=_int(r.node, where, "node", 0), speed=_real(r.speed, where, "speed", strict=True),
+         predicted_busy_s=_real(r.predicted_busy_s, where, "predicted_busy_s"))
+    for name in ("batch_share", "micro_batch_size", "num_microbatches", "predicted_memory_bytes",
+                 "memory_capacity_bytes"):
+        _set(r, **{name: _int(getattr(r, name), where, name, 0)})
+
+
+def check_stage(s: Any) -> None:
+    """Types and ranges of a ``StagePlan`` (normalised in place)."""
+    where = f"stage {s.index!r}"
+    _set(s, index=_int(s.index, where, "index", 0), modules=_texts(s.modules, where, "modules"),
+         ranks=_ints(s.ranks, where, "ranks", 0), data_split=_ints(s.data_split, where, "data_split", 0),
+         device=_text(s.device, where, "device"),
+         tensor_parallel=_int(s.tensor_parallel, where, "tensor_parallel", 1),
+         predicted_fwd_s=_real(s.predicted_fwd_s, where, "predicted_fwd_s"),
+         predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"))
+    for name in ("tensor_split", "expert_split"):
+        if getattr(s, name) is not None:
+            _set(s, **{name: _ints(getattr(s, name), where, name, 0)})
+
+
+def check_solver(s: Any) -> None:
+    """Types of a ``SolverReport`` (normalised in place)."""
+    where = "solver"
+    _set(s, name=_text(s.name, where, "name"), backend=_text(s.backend, where, "backend"),
+         status=_text(s.status, where, "status"),
+         objective_s=_real(s.objective_s, where, "objective_s", minimum=None),
+         integer_s=_real(s.integer_s, where, "integer_s", minimum=None),
+         gap=_real(s.gap, where, "gap", minimum=None),
+         solve_time_s=_real(s.solve_time_s, where, "solve_time_s"))
+
+
+def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type) -> None:
+    """Types and ranges of every ``Plan`` field, then the cross-field rules that do not depend
+    on the strategy (stage numbering, ranks in range, per-strategy split lengths)."""
+    where = "plan"
+    for name in ("strategy", "model", "cluster", "dtype", "optimizer", "schedule"):
+        _set(p, **{name: _text(getattr(p, name), where, name)})
+    _set(p, global_batch=_int(p.global_batch, where, "global_batch", 1),
+         pipelines=_int(p.pipelines, where, "pipelines", 1),
+         num_microbatches=_int(p.num_microbatches, where, "num_microbatches", 1),
+         version=_int(p.version, where, "version", 1),
+         solve_time_s=_real(p.solve_time_s, where, "solve_time_s"),
+         explain=_texts(p.explain, where, "explain"))
+    if p.seq_len is not None:
+        _set(p, seq_len=_int(p.seq_len, where, "seq_len", 1))
+    for name in ("predicted_step_s", "predicted_compute_s", "predicted_comm_s", "lower_bound_s"):
+        _set(p, **{name: _real(getattr(p, name), where, name)})
+    for name in ("emulated", "activation_checkpointing", "zero_sharded_optimizer"):
+        _set(p, **{name: _flag(getattr(p, name), where, name)})
+    for name, kind in (("ranks", rank_type), ("stages", stage_type)):
+        items = tuple(_sequence(getattr(p, name), where, name, kind.__name__))
+        for i, item in enumerate(items):
+            if not isinstance(item, kind):
+                raise _fail(where, f"{name}[{i}]", item, f"a {kind.__name__}")
+        _set(p, **{name: items})
+    if p.solver is not None and not isinstance(p.solver, solver_type):
+        raise _fail(where, "solver", p.solver, f"a {solver_type.__name__} or null")
+    _set(p, baselines=_baselines(p.baselines))
+    _check_stages(p)
+
+
+def _baselines(value: Any) -> tuple[tuple[str, float | None], ...]:
+    pairs = []
+    for i, pair in enumerate(_sequence(value, "plan", "baselines", "(name, seconds or null) pairs")):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise _fail("plan", f"baselines[{i}]", pair, "a (name, seconds or null) pair")
+        name = _text(pair[0], "plan", f"baselines[{i}] name")
+        pairs.append((name, None if pair[1] is None else _real(pair[1], "plan", f"baselines[{name!r}]")))
+    return tuple(pairs)
+
+
+def _check_stages(p: Any) -> None:
+    world = len(p.ranks)
+    for i, st in enumerate(p.stages):
+        if st.index != i:
+            raise PlanError(f"plan.stages[{i}].index = {st.index}: stages must be numbered 0..n-1 in "
+                            f"order; renumber them or {REMEDY}")
+        outside = [r for r in st.ranks if r >= world]
+        if outside:
+            raise PlanError(f"plan.stages[{i}].ranks = {list(st.ranks)}: rank(s) {outside} are not in the "
+                            f"plan's {world} ranks (0..{world - 1}); fix the stage or add the ranks")
+        if p.strategy == "pipeline":
+            if len(st.data_split) != p.pipelines:
+                raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: a pipeline plan "
+                                f"with pipelines = {p.pipelines} needs one entry per pipeline")
+            if len(st.ranks) != p.pipelines * st.tensor_parallel:
+                raise PlanError(f"plan.stages[{i}].ranks = {list(st.ranks)}: pipelines {p.pipelines} x "
+                                f"tensor_parallel {st.tensor_parallel} needs "
+                                f"{p.pipelines * st.tensor_parallel} ranks")
+        elif p.strategy == "data_parallel" and sum(st.data_split) != p.global_batch:
+            raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: the shares sum to "
+                            f"{sum(st.data_split)}, not global_batch {p.global_batch}; they must add up "
+                            "to the global batch")
+        elif p.strategy == "tensor_parallel" and st.tensor_split is not None and (
+                len(st.tensor_split) != len(st.ranks) or min(st.tensor_split, default=0) < 1):
+            raise PlanError(f"plan.stages[{i}].tensor_split = {list(st.tensor_split)}: needs one entry "
+                            f">= 1 per rank of the stage ({len(st.ranks)} ranks)")
