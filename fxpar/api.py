@@ -66,8 +66,11 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     its size.  Pass ``plan=`` to skip solving (a hand-written or saved plan).
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
-    Returns a :class:`DataParallelModule` or, for a pipeline plan, a
-    :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule` (same ``step`` API).
+    Returns a :class:`DataParallelModule` or, for a pipeline, tensor-parallel or expert-parallel
+    plan, a :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule`,
+    :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule` or
+    :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` — all with the same API:
+    ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
@@ -100,6 +103,10 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
+    if plan.strategy == "expert_parallel":
+        from fxpar.codegen.expert_parallel import ExpertParallelModule
+
+        return ExpertParallelModule(model, plan, rank, group=group, emulate=emulate)
     if plan.strategy == "tensor_parallel":
         from fxpar.codegen.tensor_parallel import TensorParallelModule
 

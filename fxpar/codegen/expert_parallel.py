@@ -1,0 +1,487 @@
+"""Uneven expert parallelism (EP) for HF mixture-of-experts models (Mixtral, Qwen3-MoE, ...).
+
+Every rank holds a replica of everything but the experts (attention, norms, router, embeddings,
+head) and trains on its own share ``B_r`` of the global batch, as in data parallelism.  The
+``E`` experts of every sparse MoE block are split into contiguous ranges: rank ``r`` owns
+``n_r`` experts ``[o_r, o_r + n_r)`` with ``o_r = Σ_{s<r} n_s`` and ``Σ_r n_r = E`` (uneven:
+3 + 1 of 4 experts on a fast and a slow device; a rank may own none).
+
+Per MoE block and forward, on rank ``r`` with ``T_r`` tokens, top-``k`` routing gives ``T_r·k``
+(token, slot) assignments ``a = (t, j)`` with expert ``e(a)`` and weight ``w(a)``:
+
+    c[r, e]   = |{a on r : e(a) = e}|                  (all-gathered: every rank knows c[·, ·])
+    kept[s,e] = c[s, e]                                 (default: nothing is dropped, exact)
+              = clamp(C − Σ_{q<s} c[q, e], 0, c[s, e])  (capacity factor f: C = ⌈f·Σ_{s,e} c[s,e] / E⌉;
+                                                         the first C assignments of expert e in
+                                                         global token order are kept, as in Switch)
+    send      x_t of every kept assignment, sorted by expert; to rank d go Σ_{e∈d} kept[r, e] rows
+    receive   from rank s: Σ_{e∈r} kept[s, e] rows  →  y = down_e(act(gate_e x) · up_e x)
+    return    y by the reverse all-to-all; out_t = Σ_j w(t, j) · y(t, j)   (dropped: y = 0)
+
+Dispatch and combine are ``all_to_all_single`` with per-rank split sizes (gloo supports uneven
+splits there, not in list ``all_to_all`` or ``all_gather``), wrapped in :class:`_AllToAll`
+whose backward is the all-to-all with the split sizes swapped, so the autograd graph spans ranks.
+
+Gradients.  With a mean loss over the ``N`` items of the global batch (label tokens for HF
+language models), rank ``r`` back-propagates ``(N_r / N) · L_r``.  A replicated parameter's
+gradients are SUM-all-reduced (as in :mod:`fxpar.codegen.data_parallel`).  An expert's rows
+arrive from every rank, and the backward all-to-all returns the weighted gradient of each rank's
+loss to the owner, so the owner's local gradient already is ``∂L/∂W_e`` of the global batch:
+expert parameters need no all-reduce.  Parameter names stay those of the model; an expert
+tensor holds the rows ``[o_r, o_r + n_r)`` of the original ``(E, ·, ·)`` tensor, and
+:meth:`ExpertParallelModule.gather_state_dict` reassembles the full state dict on one rank
+(``gather_gradients`` the full gradients).  Expert tensors carry ``fxpar_sharded`` /
+``fxpar_shard_dim = 0`` like tensor-parallel shards.
+
+Every rank takes part in every all-to-all (also one that owns no expert or receives no token),
+so every rank needs >= 1 sample in each of its micro-batches and all ranks the same number of
+micro-batches.  Speed emulation stretches each compute segment before the next collective.
+
+A Switch/Mixtral auxiliary balancing loss (``config.output_router_logits``) is a non-linear
+function of the whole batch's routing, so averaging it over ranks is not exact; it is refused
+unless ``allow_local_aux_loss=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fxpar.codegen.data_parallel import StepTiming, count_items
+from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.plan import Plan
+from fxpar.runtime.emulation import SpeedEmulator
+
+EXPERT_PARAMS: tuple[str, ...] = ("gate_up_proj", "down_proj")
+
+
+class _Clock:
+    """Splits a step's wall time into compute segments and collectives; stretches each compute
+    segment *before* the next collective so an emulated slow rank is late where a slow device is."""
+
+    def __init__(self, emulator: SpeedEmulator) -> None:
+        self.emulator = emulator
+        self.active = False
+        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.active = True
+        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self._last = time.perf_counter()
+
+    def _close_segment(self) -> None:
+        if self.active:
+            seg = time.perf_counter() - self._last
+            self.compute_s += seg
+            self.emulation_s += self.emulator.stretch(seg)
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        self._close_segment()
+        t0 = time.perf_counter()
+        out = fn()
+        self._last = time.perf_counter()
+        self.comm_s += self._last - t0
+        return out
+
+    def stop(self) -> None:
+        self._close_segment()
+        self.active = False
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: Any, clock: _Clock | None):
+        ctx.send, ctx.recv, ctx.group, ctx.clock = send, recv, group, clock
+        return _a2a(x, send, recv, group, clock)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _a2a(grad, ctx.recv, ctx.send, ctx.group, ctx.clock), None, None, None, None
+
+
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group: Any, clock: _Clock | None) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    if _world(group) == 1:
+        out.copy_(x)
+        return out
+    run = lambda: dist.all_to_all_single(out, x, recv, send, group=group)
+    clock.collective(run) if clock is not None else run()
+    return out
+
+
+def expert_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` expert ranges, one per rank, from per-rank counts."""
+    out, lo = [], 0
+    for n in split:
+        out.append((lo, lo + int(n)))
+        lo += int(n)
+    return out
+
+
+def find_moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Sparse MoE blocks: modules with a router ``gate`` and fused 3-D ``experts`` weights."""
+    found = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, torch.nn.Module) and hasattr(module, "gate") and all(
+                isinstance(getattr(experts, p, None), torch.Tensor) and getattr(experts, p).dim() == 3
+                for p in EXPERT_PARAMS):
+            found.append((name, module))
+    return found
+
+
+def _check_experts(name: str, experts: torch.nn.Module) -> int:
+    """The number of experts of a fused HF experts module whose layout this codegen supports."""
+    where = f"{name}.experts ({type(experts).__name__})"
+    params = {n for n, _ in experts.named_parameters(recurse=True)}
+    if params != set(EXPERT_PARAMS):
+        raise PlanError(f"{where}: parameters {sorted(params)}; expert parallelism supports fused "
+                        f"experts with exactly {list(EXPERT_PARAMS)} (Mixtral, Qwen3-MoE layout)")
+    flags = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
+             "has_post_expert_norm": False}
+    odd = {k: getattr(experts, k) for k, v in flags.items() if getattr(experts, k, v) != v}
+    gate_fn = getattr(type(experts), "_apply_gate", None)
+    if odd or (gate_fn is not None and gate_fn.__name__ != "_default_apply_gate"):
+        raise PlanError(f"{where}: layout {odd or 'custom _apply_gate'} is not supported; expert "
+                        "parallelism expects [gate; up] rows, act(gate)·up, no bias (Mixtral layout)")
+    gu, down = experts.gate_up_proj, experts.down_proj
+    if gu.shape[0] != down.shape[0]:
+        raise PlanError(f"{where}: gate_up_proj has {gu.shape[0]} experts, down_proj {down.shape[0]}")
+    return int(gu.shape[0])
+
+
+class ExpertParallelExperts(torch.nn.Module):
+    """Stands in for a block's ``experts``: holds experts ``[lo, hi)`` and moves tokens to the
+    rank owning their expert and back (module docstring).  Called as HF calls ``experts``:
+    ``(hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)``."""
+
+    def __init__(self, experts: torch.nn.Module, split: Sequence[int], rank: int, *, group: Any = None,
+                 capacity_factor: float | None = None, clock: _Clock | None = None) -> None:
+        super().__init__()
+        self.num_experts = int(experts.gate_up_proj.shape[0])
+        self.split = tuple(int(n) for n in split)
+        self.ranges = expert_ranges(self.split)
+        self.lo, self.hi = self.ranges[rank]
+        self.rank, self.group, self.clock = rank, group, clock
+        self.capacity_factor = capacity_factor
+        self.act_fn = experts.act_fn
+        with torch.no_grad():
+            for p in EXPERT_PARAMS:
+                full = getattr(experts, p)
+                local = torch.nn.Parameter(full.detach()[self.lo:self.hi].clone(),
+                                           requires_grad=full.requires_grad)
+                self.register_parameter(p, local)
+        self.last_routed = 0    # assignments routed by all ranks in the last forward
+        self.last_dropped = 0   # of which dropped by the capacity limit
+
+    def extra_repr(self) -> str:
+        return (f"experts [{self.lo}, {self.hi}) of {self.num_experts}, split {list(self.split)}, "
+                f"capacity_factor {self.capacity_factor}")
+
+    def _counts(self, local: torch.Tensor) -> torch.Tensor:
+        """c[s, e] for every rank ``s`` (all-gathered, int64)."""
+        world = len(self.split)
+        if world == 1:
+            return local.unsqueeze(0)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        run = lambda: dist.all_gather(parts, local, group=self.group)
+        self.clock.collective(run) if self.clock is not None and self.clock.active else run()
+        return torch.stack(parts)
+
+    def kept_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """kept[s, e]: all of ``counts`` without a capacity factor, else the first ``C`` per expert."""
+        if self.capacity_factor is None:
+            return counts
+        cap = math.ceil(self.capacity_factor * int(counts.sum()) / self.num_experts)
+        before = torch.cumsum(counts, 0) - counts
+        return torch.clamp(cap - before, min=0).minimum(counts)
+
+    def _mlp(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[j]).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj[j])
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        T, H = hidden.shape
+        k = top_k_index.shape[-1]
+        clock = self.clock if self.clock is not None and self.clock.active else None
+        with torch.no_grad():
+            e_flat = top_k_index.reshape(-1)
+            counts = self._counts(torch.bincount(e_flat, minlength=self.num_experts).to(torch.int64))
+            kept = self.kept_counts(counts)
+            self.last_routed, self.last_dropped = int(counts.sum()), int((counts - kept).sum())
+            order = torch.sort(e_flat, stable=True).indices       # by expert, then token order
+            e_sorted = e_flat[order]
+            first = torch.cumsum(counts[self.rank], 0) - counts[self.rank]
+            pos = torch.arange(e_flat.numel()) - first[e_sorted]
+            slots = order[pos < kept[self.rank][e_sorted]]         # kept assignments, by expert
+            send = [int(kept[self.rank, lo:hi].sum()) for lo, hi in self.ranges]
+            recv = [int(kept[s, self.lo:self.hi].sum()) for s in range(len(self.split))]
+            mine = kept[:, self.lo:self.hi]                        # rows from rank s per local expert
+            row_expert = torch.repeat_interleave(
+                torch.arange(self.hi - self.lo).repeat(len(self.split)), mine.reshape(-1))
+            perm = torch.sort(row_expert, stable=True).indices    # group rows by local expert
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(perm.numel())
+            per_expert = mine.sum(0).tolist()
+        rows = _AllToAll.apply(hidden[slots // k], send, recv, self.group, clock)
+        grouped = rows[perm]
+        outs, start = [], 0
+        for j, n in enumerate(per_expert):
+            if n:
+                outs.append(self._mlp(grouped[start:start + n], j))
+            start += n
+        y = torch.cat(outs) if outs else grouped   # (0, H), still on the graph: every rank must
+        #                                           run both backward all-to-alls
+        back = _AllToAll.apply(y[inv], recv, send, self.group, clock)
+        slot_out = back.new_zeros((T * k, H)).index_copy(0, slots, back)
+        weighted = slot_out * top_k_weights.reshape(-1, 1)
+        return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)
+
+
+def shard_experts(model: torch.nn.Module, split: Sequence[int], rank: int, *, group: Any = None,
+                  capacity_factor: float | None = None, clock: _Clock | None = None) -> list[str]:
+    """Replace every sparse MoE block's ``experts`` of ``model`` (in place) by this rank's
+    :class:`ExpertParallelExperts`; returns the FQNs of the replaced experts modules."""
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise PlanError(f"{type(model).__name__}: no sparse MoE block (a module with `gate` and fused "
+                        "`experts.gate_up_proj` / `experts.down_proj`) found; expert parallelism "
+                        "supports Mixtral, Qwen3-MoE and models with the same layout")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise PlanError(f"capacity_factor = {capacity_factor!r}: must be > 0, or None for no dropping")
+    out = []
+    for name, block in blocks:
+        E = _check_experts(name, block.experts)
+        if len(split) < 1 or sum(split) != E or min(split) < 0:
+            raise PlanError(f"expert_split {list(split)} must give every rank >= 0 experts and sum to "
+                            f"the {E} experts of {name or '<root>'}")
+        block.experts = ExpertParallelExperts(block.experts, split, rank, group=group,
+                                              capacity_factor=capacity_factor, clock=clock)
+        out.append(f"{name}.experts" if name else "experts")
+    return out
+
+
+def _default_loss(output: Any, batch: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None:
+        raise PlanError("ExpertParallelModule.step: the model's output has no `loss`; pass labels "
+                        "in the batch or give loss_fn=lambda output, batch: ...")
+    return loss
+
+
+def _micro_batches(batch: Any, size: int, n: int) -> list[Any]:
+    def cut(x: Any, i: int) -> Any:
+        if isinstance(x, Mapping):
+            return {key: cut(v, i) for key, v in x.items()}
+        if isinstance(x, torch.Tensor) and x.dim():
+            return x[i * size:(i + 1) * size]
+        return x
+    return [cut(batch, i) for i in range(n)]
+
+
+class ExpertParallelModule(torch.nn.Module):
+    """This rank's module of an ``expert_parallel`` plan (or of a bare expert split with
+    ``batch_shares``); ``step(global_batch)`` trains one step and returns the global loss."""
+
+    def __init__(self, model: torch.nn.Module, plan_or_split: Plan | Sequence[int], rank: int, *,
+                 batch_shares: Sequence[int] | None = None, group: Any = None,
+                 capacity_factor: float | None = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, emulate: bool = True,
+                 broadcast_parameters: bool = True, allow_local_aux_loss: bool = False) -> None:
+        super().__init__()
+        plan = plan_or_split if isinstance(plan_or_split, Plan) else _plan_from_split(
+            model, plan_or_split, batch_shares)
+        _check_plan(plan, rank)
+        if getattr(getattr(model, "config", None), "output_router_logits", False) and not allow_local_aux_loss:
+            raise PlanError("config.output_router_logits is on: the auxiliary balancing loss depends on "
+                            "the whole batch's routing, so per-rank averaging is not exact; set it "
+                            "False, or pass allow_local_aux_loss=True to accept the approximation")
+        self.plan, self.rank, self.group, self.module = plan, rank, group, model
+        self.world = plan.world_size
+        if self.world > 1 and _world(group) != self.world:
+            raise RuntimeSetupError(f"the plan has {self.world} ranks but the process group has "
+                                    f"{_world(group)}; start one process per plan rank")
+        self.loss_fn = loss_fn or _default_loss
+        self.causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self.weighting = "tokens" if hasattr(model, "config") else "samples"
+        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        self.clock = _Clock(self.emulator)
+        if broadcast_parameters and self.world > 1:
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(t.data, src=0, group=group)
+        self.expert_modules = shard_experts(model, plan.stages[0].expert_split, rank, group=group,
+                                            capacity_factor=capacity_factor, clock=self.clock)
+        prefixes = tuple(f"{m}." for m in self.expert_modules)
+        self._expert_names = {n for n, _ in model.named_parameters() if n.startswith(prefixes)}
+        for n, p in model.named_parameters():
+            if n in self._expert_names:  # this rank's rows of an (E, ...) tensor, like a TP shard
+                p.fxpar_sharded, p.fxpar_shard_dim = True, 0
+        self.last_timing: StepTiming | None = None
+        self.last_dropped: list[int] = []   # assignments dropped per MoE block, last micro-batch
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_expert_parameter(self, name: str) -> bool:
+        return name in self._expert_names
+
+    def batch_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the rows of the global batch this rank trains on."""
+        start = self.plan.batch_offsets()[self.rank]
+        return start, start + self.plan.ranks[self.rank].batch_share
+
+    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
+        """Forward + backward of this rank's share of the global ``batch`` (with ``local=True``:
+        ``batch`` is already this rank's ``batch_rows()``), tokens sent to their experts' ranks,
+        then the SUM all-reduce of replicated gradients (item-weighted).  Returns the global
+        loss on every rank; the caller runs the optimizer."""
+        rp = self.plan.ranks[self.rank]
+        mine = batch if local else self.plan.shard_batch(batch, self.rank)
+        if local:
+            total = torch.tensor([float(count_items(mine, self.weighting, self.causal))], dtype=torch.float64)
+            if self.world > 1:
+                dist.all_reduce(total, group=self.group)
+            total_items = int(total.item())
+        else:
+            total_items = count_items(batch, self.weighting, self.causal)
+        if total_items <= 0:
+            raise PlanError("ExpertParallelModule.step: the batch has no items to train on (all labels -100?)")
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        t0 = time.perf_counter()
+        self.clock.start()
+        for mb in _micro_batches(mine, rp.micro_batch_size, rp.num_microbatches):
+            weight = count_items(mb, self.weighting, self.causal) / total_items
+            kwargs = {"use_cache": False, **mb} if hasattr(self.module, "config") else mb
+            loss = self.loss_fn(self.module(**kwargs), mb)
+            (loss * weight).backward()
+            loss_sum += loss.detach().float() * weight
+        self.clock.stop()
+        self.last_dropped = [m.last_dropped for m in self._ep_modules()]
+        t1 = time.perf_counter()
+        global_loss = self._allreduce_replicated(loss_sum)
+        comm = self.clock.comm_s + time.perf_counter() - t1
+        self.last_timing = StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
+                                      comm_s=comm, total_s=time.perf_counter() - t0)
+        return global_loss
+
+    def _ep_modules(self) -> list[ExpertParallelExperts]:
+        return [m for m in self.module.modules() if isinstance(m, ExpertParallelExperts)]
+
+    def _allreduce_replicated(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world == 1:
+            return loss_sum
+        grads = [p.grad for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self._expert_names]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1)])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return flat[-1].clone()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm: expert rows' squares summed over the ranks,
+        replicated (identical) gradients counted once; returns that norm."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for n, p in self.module.named_parameters():
+            if p.grad is not None and (n in self._expert_names or self.rank == 0):
+                sq += p.grad.detach().double().pow(2).sum()
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt().to(torch.float32)
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    # ---- the full model on one rank --------------------------------------------------------
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The original model's full state dict (expert tensors reassembled in expert order) on
+        rank ``dst``; None elsewhere.  Collective: every rank calls it."""
+        return self._gather(self.module.state_dict(), dst)
+
+    def gather_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """Every parameter's gradient under its original FQN and full shape, on rank ``dst``."""
+        return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+                             for n, p in self.module.named_parameters()}, dst)
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """Gather the full model on rank 0 and write it with HF ``save_pretrained`` into a fresh
+        instance of the model class (collective: call on every rank)."""
+        full = self.gather_state_dict(dst=0)
+        if full is not None:
+            model = type(self.module)(self.module.config)
+            model.load_state_dict(full, strict=False)
+            model.save_pretrained(output_dir, **kwargs)
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+    def _gather(self, local: Mapping[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor] | None:
+        split = self.plan.stages[0].expert_split
+        out: dict[str, torch.Tensor] = {}
+        for name, t in local.items():
+            t = t.detach()
+            if name not in self._expert_names or self.world == 1:
+                out[name] = t.clone()
+            elif self.rank != dst:
+                if t.numel():
+                    dist.send(t.contiguous(), dst=dst, group=self.group)
+            else:
+                parts = [t if src == dst else t.new_empty((split[src], *t.shape[1:]))
+                         for src in range(self.world)]
+                for src, buf in enumerate(parts):
+                    if src != dst and buf.numel():
+                        dist.recv(buf, src=src, group=self.group)
+                out[name] = torch.cat(parts).clone()
+        return out if self.rank == dst else None
+
+
+def _check_plan(plan: Plan, rank: int) -> None:
+    if plan.strategy != "expert_parallel":
+        raise PlanError(f"ExpertParallelModule needs an expert_parallel plan, got {plan.strategy!r}")
+    if not 0 <= rank < plan.world_size:
+        raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+    counts = {r.num_microbatches for r in plan.ranks}
+    for r in plan.ranks:
+        if r.batch_share < 1 or r.micro_batch_size * (r.num_microbatches - 1) >= r.batch_share:
+            raise PlanError(
+                f"plan.ranks[{r.rank}]: batch_share {r.batch_share} in {r.num_microbatches} micro-batches "
+                f"of {r.micro_batch_size}; under expert parallelism every rank takes part in every "
+                "all-to-all, so each needs >= 1 sample in each of its micro-batches")
+    if len(counts) != 1:
+        raise PlanError(f"expert parallelism needs the same number of micro-batches on every rank "
+                        f"(got {sorted(counts)}): each one runs the same collectives")
+
+
+def _plan_from_split(model: torch.nn.Module, split: Sequence[int], shares: Sequence[int] | None) -> Plan:
+    from fxpar.cluster import Cluster
+    from fxpar.codegen.hand_plans import expert_parallel_plan
+
+    if shares is None or len(shares) != len(split):
+        raise PlanError(f"ExpertParallelModule(model, {list(split)}, ...) needs batch_shares with one "
+                        "entry per rank (samples of the global batch), or a Plan")
+    return expert_parallel_plan(model, Cluster.emulated([1.0] * len(split)), global_batch=int(sum(shares)),
+                                expert_split=list(split), batch_shares=list(shares))
