@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--output-dir", default="trainer-out")
     ap.add_argument("--slow-down", help="RANK:SPEED:STEP")
     ap.add_argument("--no-shuffle", action="store_true")
+    ap.add_argument("--eval", action="store_true", help="evaluate on held-out data after training (DP plans)")
     ap.add_argument("--out", help="write losses / step times / events JSON here (rank 0)")
     args = ap.parse_args()
 
@@ -81,17 +82,19 @@ def main() -> None:
     targs = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr,
                               lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                               report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                              per_device_train_batch_size=batch)
+                              per_device_train_batch_size=batch, per_device_eval_batch_size=4)
     trainer = FxparTrainer(model=pmodel, args=targs, train_dataset=data,
                            data_collator=default_data_collator, callbacks=callbacks,
                            shuffle=not args.no_shuffle)
     trainer.train()
+    metrics = trainer.evaluate(TokenDataset(24, args.seq, model.config.vocab_size, seed=1)) if args.eval else {}
     trainer.save_model(args.output_dir)
     if dist.get_rank() == 0 and args.out:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         steps = [h["fxpar/step_s"] for h in trainer.state.log_history if "fxpar/step_s" in h]
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "step_s": steps, "events": callback.events,
+                       "eval_loss": metrics.get("eval_loss"),
                        "plan": json.loads(pmodel.plan.to_json())}, f, indent=1)
     dist.destroy_process_group()
 

@@ -81,12 +81,14 @@ def trainer_reference(tmp_path_factory):
     args = TrainingArguments(output_dir=str(out), max_steps=STEPS, learning_rate=LR,
                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                             per_device_train_batch_size=BATCH)
+                             per_device_train_batch_size=BATCH, per_device_eval_batch_size=4)
     trainer = Reference(model=model, args=args, train_dataset=_dataset(),
                         data_collator=default_data_collator)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    eval_data = _example("train_trainer").TokenDataset(24, SEQ, 4096, seed=1)
+    eval_loss = trainer.evaluate(eval_data)["eval_loss"]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, eval_loss
 
 
 @pytest.fixture(scope="module")
@@ -114,21 +116,24 @@ def _assert_weights(saved_dir: Path, reference: dict[str, torch.Tensor]) -> floa
     loaded = AutoModelForCausalLM.from_pretrained(saved_dir)
     worst = 0.0
     for name, p in loaded.named_parameters():
-        worst = max(worst, float((p - reference[name]).abs().max()))
+        worst = max(worst, float((p.detach() - reference[name]).abs().max()))
     assert worst < WEIGHT_TOL, f"saved weights differ from the single-process run by {worst}"
     return worst
 
 
 def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_reference):
     """Uneven DP through FxparTrainer; rank 1 slows to 0.25 at step 2 and the callback
-    re-balances mid-run: the loss curve still equals the single-process Trainer's."""
+    re-balances mid-run: the loss curve, the evaluation loss afterwards and the saved weights
+    still equal the single-process Trainer's."""
     cfg = _write_config(tmp_path, speeds=[1.0, 1.0],
                         rebalance={"enabled": True, "threshold": 0.1, "warmup_steps": 1, "window": 2})
     _torchrun("train_trainer.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
-                                   "--slow-down", "1:0.25:2", "--out", "run.json", "--output-dir", "saved"],
+                                   "--slow-down", "1:0.25:2", "--out", "run.json", "--output-dir", "saved",
+                                   "--eval"],
               {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    ref_losses, ref_weights = trainer_reference
+    ref_losses, ref_weights, ref_eval = trainer_reference
+    assert abs(run["eval_loss"] - ref_eval) < LOSS_TOL, (run["eval_loss"], ref_eval)
     assert len(run["losses"]) == STEPS
     diffs = [abs(a - b) for a, b in zip(run["losses"], ref_losses)]
     assert max(diffs) < LOSS_TOL, (run["losses"], ref_losses)
@@ -151,7 +156,7 @@ def test_trainer_pipeline_matches_single_process(tmp_path, trainer_reference):
                                    "--out", "run.json", "--output-dir", "saved"], {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["plan"]["strategy"] == "pipeline"
-    ref_losses, ref_weights = trainer_reference
+    ref_losses, ref_weights, _ = trainer_reference
     diffs = [abs(a - b) for a, b in zip(run["losses"], ref_losses)]
     assert len(run["losses"]) == STEPS and max(diffs) < LOSS_TOL, (run["losses"], ref_losses)
     _assert_weights(tmp_path / "saved", ref_weights)

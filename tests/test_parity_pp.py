@@ -40,6 +40,11 @@ def test_three_stages(pool3, family):
     _check(pool3.run(pp_parity, family, [1, 1, 1], 4, 1, 8, 16, 2, 3), 3)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gpipe_schedule(pool2, family):
+    _check(pool2.run(pp_parity, family, [1, 1], 4, 1, 8, 16, 2, None, False, "GPipe"), 2)
+
+
 def test_activation_checkpointing_is_exact(pool2):
     _check(pool2.run(pp_parity, "llama", [1, 1], 2, 1, 8, 16, 2, None, True), 2)
 

@@ -1,16 +1,33 @@
-"""Uneven tensor parallelism: loss and every gradient (each rank's slice) equal one process on
-the same global batch.  fp32; loss within 1e-5; gradients within 1e-6 on the first step and
-5e-5 after one AdamW step (lr 1e-2).  Labels include ignored tokens: every rank sees the whole
-batch, so no weighting is involved."""
+"""Uneven tensor parallelism: loss and every gradient (each rank's slice) equal one process on the
+same global batch.  fp32; loss within 1e-5; gradients within 1e-6 on the first step and 5e-5
+after one AdamW step (lr 1e-2), whose normalised update magnifies last-bit differences of
+near-zero gradients (with SGD every step stays within 1e-6).  Labels include ignored tokens.
+
+TP × DP (4 ranks = 2 replicas × TP 2, KV heads 3:1 inside each replica, 10 / 6 samples across
+them): each replica's mean loss is weighted by its share of the global label tokens and
+gradients are SUM-reduced across replicas, so the loss, every gathered full gradient (from each
+replica) and the gradient norm match one process on the global batch."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.workers import tp_parity
+import fxpar
+from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.codegen.tp_layout import tp_layout
+from fxpar.errors import PlanError
+from fxpar.runtime import WorkerPool
+from tests.workers import tiny_model, tp_parity
+from tests.workers_tp import tp_dp_parity, tp_dp_save
 
 pytestmark = pytest.mark.multirank
 TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with WorkerPool(4, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+        yield pool
 
 
 def _check(results):
@@ -29,3 +46,61 @@ def test_two_one_one_on_three_ranks(pool3):
     results = pool3.run(tp_parity, [2, 1, 1])
     assert [r["local_q_rows"] for r in results] == [32, 16, 16]
     _check(results)
+
+
+def _check_tp_dp(results, replicas, tol, param_tol):
+    losses = {round(s["loss"], 7) for r in results for s in r["steps"][:1]}
+    assert len(losses) == 1  # the global loss on every rank
+    lead = results[0]
+    for step, (tl, tg) in zip(lead["steps"], tol):
+        assert step["n_grads"] == 21
+        assert step["norm_diff"] <= 1e-5, step
+        for rep in range(replicas):
+            assert step[f"grad_diff_replica{rep}"] <= tg, step
+    for r in results:
+        for step, (tl, _) in zip(r["steps"], tol):
+            assert step["loss_diff"] <= tl, step
+    assert lead["n_params"] == 21 and lead["param_diff"] <= param_tol
+
+
+def test_tp_times_dp_adamw_on_four_ranks(pool4):
+    # step 2 runs local=True on each replica's rows; AdamW (lr 1e-2) makes step 2 looser (5e-5)
+    # and the weights after 2 steps differ by up to ~1e-3 (measured 5.7e-4): near-zero
+    # gradients get ±lr updates whose sign follows last-bit noise
+    results = pool4.run(tp_dp_parity, [3, 1], 2, [10, 6])
+    assert [tuple(r["rows"]) for r in results] == [(0, 10), (0, 10), (10, 16), (10, 16)]
+    assert [r["local_q_rows"] for r in results] == [48, 16, 48, 16]
+    _check_tp_dp(results, 2, TOL, 2e-3)
+
+
+@pytest.mark.parametrize(("kv", "replicas", "shares"),
+                         [([3, 1, 3, 1], 2, [6, 10]), ([4], 4, [5, 4, 4, 3])])
+def test_tp_times_dp_sgd_stays_exact(pool4, kv, replicas, shares):
+    # SGD's update is linear in the gradient: all 3 steps (the 2nd on local rows) within 1e-6
+    results = pool4.run(tp_dp_parity, kv, replicas, shares, 3, "sgd")
+    _check_tp_dp(results, replicas, [(1e-5, 1e-6)] * 3, 1e-6)
+
+
+def test_tp_times_dp_saves_and_checkpoints(pool4, tmp_path):
+    result = pool4.run(tp_dp_save, str(tmp_path / "hf"), str(tmp_path / "ckpt"))[0]
+    assert result["n"] == 21
+    assert max(result["save_pretrained_diff"], result["checkpoint_diff"], result["reload_diff"]) <= 1e-6, result
+
+
+def test_tp_dp_plan_fields_and_errors():
+    model = tiny_model("llama")
+    cluster = fxpar.Cluster.emulated([1.0, 1.0, 1.0, 0.5])
+    plan = tensor_parallel_plan(model, cluster, global_batch=14, kv_shares=[1, 1], replicas=2)
+    assert fxpar.Plan.from_json(plan.to_json()) == plan
+    layout = tp_layout(plan)
+    assert (layout.replicas, layout.width, layout.kv_shares, layout.rows) == (2, 2, (1, 1), (8, 6))
+    assert plan.batch_shares == (8, 8, 6, 6) and plan.stages[0].tensor_split == (1, 1, 1, 1)
+    assert layout.dp_ranks(1) == [1, 3] and layout.tp_ranks(1) == [2, 3]
+    old = tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[1, 1, 1, 1])  # the old call
+    assert tp_layout(old).replicas == 1 and tp_layout(old).width == 4
+    with pytest.raises(PlanError, match="same split"):
+        tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[2, 1, 1, 2], replicas=2)
+    with pytest.raises(PlanError, match="sum to global_batch"):
+        tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[1, 1], replicas=2, batch_shares=[5, 4])
+    with pytest.raises(PlanError, match="equal tensor-parallel groups"):
+        tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[1, 1], replicas=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpar.codegen.tp_layout import tp_layout
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
 from fxpar.tracing.trace import block_path
@@ -16,7 +17,7 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
                   num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
-                  activation_checkpointing: bool = False) -> Plan:
+                  activation_checkpointing: bool = False, schedule: str = "1F1B") -> Plan:
     """Stage ``j`` of pipeline ``p`` on rank ``p·S + j``; stage ``j`` owns the next
     ``blocks_per_stage[j]`` blocks (embeddings go with the first stage, the head with the last)."""
     blocks = block_paths(model)
@@ -47,24 +48,85 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
-                pipelines=pipelines, num_microbatches=num_microbatches, schedule="1F1B",
+                pipelines=pipelines, num_microbatches=num_microbatches, schedule=schedule,
                 activation_checkpointing=activation_checkpointing)
 
 
 def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, kv_shares: list[int],
-                         seq_len: int | None = None) -> Plan:
-    """All ranks in one tensor-parallel group; rank ``r`` owns ``kv_shares[r]`` key/value head
-    groups of every attention block and the same proportion of every MLP's columns."""
-    if len(kv_shares) != cluster.world_size:
-        raise PlanError(f"kv_shares {kv_shares} needs one entry per device ({cluster.world_size})")
+                         seq_len: int | None = None, replicas: int = 1,
+                         batch_shares: list[int] | None = None) -> Plan:
+    """``replicas`` data-parallel replicas, each a tensor-parallel group of ``W = world /
+    replicas`` consecutive ranks (replica ``r`` = ranks ``r·W .. r·W + W − 1``).  Position ``t``
+    of every group owns ``kv_shares[t]`` key/value head groups of every attention block and the
+    same proportion of every MLP's columns; ``kv_shares`` has ``W`` entries, or one per rank
+    (the same ``W`` repeated for every replica).  Replica ``r`` trains on ``batch_shares[r]``
+    samples; by default ``B_r ∝ Σ_{k in r} speed_k`` (largest remainder).  With the defaults
+    (``replicas=1``) all ranks form one group on the whole batch."""
+    from fxpar.codegen.tensor_parallel import split_sizes
+
+    world = cluster.world_size
+    if replicas < 1 or world % replicas:
+        raise PlanError(f"replicas = {replicas}: the cluster's {world} devices must split into "
+                        "equal tensor-parallel groups, one per replica")
+    width = world // replicas
+    if len(kv_shares) == width and replicas > 1:
+        kv_shares = list(kv_shares) * replicas
+    if len(kv_shares) != world:
+        raise PlanError(f"kv_shares {kv_shares} needs one entry per position of a tensor-parallel "
+                        f"group ({width}) or one per device ({world})")
+    if batch_shares is None:
+        speeds = [sum(float(d.speed) for d in cluster.devices[r * width:(r + 1) * width])
+                  for r in range(replicas)]
+        batch_shares = split_sizes(global_batch, speeds)
+    if len(batch_shares) != replicas or sum(batch_shares) != global_batch or min(batch_shares) < 0:
+        raise PlanError(f"batch_shares {batch_shares} must have one entry >= 0 per replica "
+                        f"({replicas}) and sum to global_batch {global_batch}")
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
-                           batch_share=global_batch, micro_batch_size=global_batch, num_microbatches=1,
+                           batch_share=batch_shares[d.rank // width],
+                           micro_batch_size=batch_shares[d.rank // width], num_microbatches=1,
                            predicted_busy_s=0.0, predicted_memory_bytes=0,
                            memory_capacity_bytes=int(d.memory_bytes)) for d in cluster.devices)
-    stage = StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)),
-                      data_split=(global_batch,), tensor_split=tuple(kv_shares),
-                      tensor_parallel=cluster.world_size, device=cluster.device(0).type.name)
-    return Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
+    stage = StagePlan(index=0, modules=("",), ranks=tuple(range(world)),
+                      data_split=tuple(batch_shares), tensor_split=tuple(kv_shares),
+                      tensor_parallel=width, device=cluster.device(0).type.name)
+    plan = Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
+                global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
+                stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
+                predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))
+    tp_layout(plan)  # the replicas' splits agree
+    return plan
+
+
+def expert_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, expert_split: list[int],
+                         batch_shares: list[int] | None = None, num_microbatches: int = 1,
+                         seq_len: int | None = None) -> Plan:
+    """Expert parallelism over all ranks: rank ``r`` owns the next ``expert_split[r]`` experts of
+    every MoE block (contiguous ranges, any counts >= 0) and trains on ``batch_shares[r]``
+    samples (default: in proportion to device speed, at least one each); everything but the
+    experts is replicated, data parallel.  Every rank runs ``num_microbatches`` micro-batches."""
+    from fxpar.codegen.tensor_parallel import split_sizes
+
+    world = cluster.world_size
+    if len(expert_split) != world or min(expert_split) < 0:
+        raise PlanError(f"expert_split {expert_split} needs one count >= 0 per device ({world})")
+    if batch_shares is None:
+        if global_batch < world:
+            raise PlanError(f"global_batch {global_batch} < {world} devices: every rank of an "
+                            "expert-parallel plan needs at least one sample")
+        speeds = [float(d.speed) for d in cluster.devices]
+        batch_shares = [1 + s for s in split_sizes(global_batch - world, speeds)]
+    if len(batch_shares) != world or sum(batch_shares) != global_batch or min(batch_shares) < num_microbatches:
+        raise PlanError(f"batch_shares {batch_shares} must have one entry per device ({world}), sum "
+                        f"to global_batch {global_batch} and give every rank >= {num_microbatches} "
+                        "samples (one per micro-batch)")
+    ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
+                           batch_share=b, micro_batch_size=-(-b // num_microbatches),
+                           num_microbatches=num_microbatches, predicted_busy_s=0.0,
+                           predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
+                  for d, b in zip(cluster.devices, batch_shares))
+    stage = StagePlan(index=0, modules=("",), ranks=tuple(range(world)), data_split=tuple(batch_shares),
+                      expert_split=tuple(expert_split), device=cluster.device(0).type.name)
+    return Plan(strategy="expert_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))

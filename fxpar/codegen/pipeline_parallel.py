@@ -1,4 +1,5 @@
-"""Pipeline-parallel execution of a ``pipeline`` plan (``Schedule1F1B`` on ``PipelineStage``).
+"""Pipeline-parallel execution of a ``pipeline`` plan (``Schedule1F1B`` or ``ScheduleGPipe``, as
+the plan says, on ``PipelineStage``).
 
 Rank layout comes from the plan: stage ``j`` of pipeline ``p`` is ``plan.stages[j].ranks[p]``
 (tensor-parallel width 1 here).  Groups: one per pipeline (the stages' point-to-point chain),
@@ -56,7 +57,7 @@ class PipelineParallelModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                  *, emulate: bool = True) -> None:
         super().__init__()
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
@@ -109,7 +110,8 @@ class PipelineParallelModule(torch.nn.Module):
         self.pipe_stage = PipelineStage(self.module, self.stage_index, S, torch.device("cpu"),
                                         input_args=stage_in, output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
                                         group=self.pp_group)
-        self.schedule = Schedule1F1B(self.pipe_stage, n_microbatches=plan.num_microbatches,
+        schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
+        self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
                                      loss_fn=lambda output, target: output)
         if P > 1:  # every pipeline starts from the first pipeline's weights
             with torch.no_grad():

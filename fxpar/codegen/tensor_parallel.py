@@ -1,12 +1,13 @@
-"""Uneven tensor parallelism (Megatron column/row pattern with per-rank shard sizes).
+"""Uneven tensor parallelism (Megatron column/row pattern with per-rank shard sizes), with
+uneven data parallelism across tensor-parallel replicas.
 
-Ranks of a tensor-parallel group run the same samples.  In every attention block, rank ``r``
-owns ``k_r`` whole key/value groups (``k_r·g`` query heads with ``g`` = heads per KV group), so
-its local heads keep the model's query/KV ratio; in every MLP it owns ``c_r`` intermediate
-columns.  Column-parallel layers (``q/k/v``, ``gate/up``) keep their rows of the weight,
-row-parallel layers (``o``, ``down``) their columns:
+Ranks of a tensor-parallel group run the same samples.  In every attention block, position
+``t`` of the group owns ``k_t`` whole key/value groups (``k_t·g`` query heads with ``g`` = heads
+per KV group), so its local heads keep the model's query/KV ratio; in every MLP it owns ``c_t``
+intermediate columns.  Column-parallel layers (``q/k/v``, ``gate/up``) keep their rows of the
+weight, row-parallel layers (``o``, ``down``) their columns:
 
-    y = Σ_r  W_row[:, cols_r] · f(W_col[rows_r, :] · x)            (exact for any split)
+    y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
 
 Two differentiable collectives make it exact, whatever the split sizes (DTensor's ``Shard``
 cannot express ragged shards, so none is used here):
@@ -15,17 +16,40 @@ cannot express ragged shards, so none is used here):
     reduce_from_group  forward all-reduce,   backward identity          (after row layers)
 
 Everything else (embeddings, norms, head) is replicated and receives identical gradients on
-every rank.  Parameter names are unchanged; shapes are the local slices.
+every rank of the group.  Parameter names are unchanged; shapes are the local slices.
+
+TP × DP (layout and process groups: ``tp_layout.py``): ``R`` replicas, each a group of ``W``
+ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples.  With ``N_r`` items in
+replica ``r``'s rows (label tokens ``labels[..., 1:] != -100`` for HF causal LMs, else samples),
+``N = Σ_r N_r`` and ``L_r`` the model's mean loss over replica ``r``'s items, the global loss is
+
+    L = (1/N) Σ_items ℓ = Σ_r (N_r / N) · L_r
+
+so every rank back-propagates ``(N_mb / N) · L_mb`` for each of its micro-batches, and the
+gradients are SUM-all-reduced over each position's data-parallel group (the ranks holding the
+same slice, one per replica): ``Σ_r ∇[(N_r/N) L_r] = ∇L`` for shards and replicated parameters
+alike.  The loss rides along, so every rank returns ``L``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.data_parallel import (
+    BUCKET_BYTES,
+    StepTiming,
+    _batch_len,
+    _split,
+    count_items,
+)
+from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.errors import PlanError
+from fxpar.runtime.emulation import SpeedEmulator
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -68,24 +92,26 @@ def _offset(sizes: Sequence[int], rank: int) -> tuple[int, int]:
     return start, start + sizes[rank]
 
 
-def _sharded(t: torch.Tensor, dim: int) -> torch.nn.Parameter:
-    """A new parameter holding this rank's piece along ``dim``; ``fxpar_sharded`` marks it for
-    norms and gathering."""
-    p = torch.nn.Parameter(t.clone())
+def _sharded(full: torch.Tensor, dim: int, lo: int, hi: int) -> torch.nn.Parameter:
+    """A new parameter holding ``full[lo:hi]`` along ``dim``; ``fxpar_sharded`` marks it for
+    norms and gathering, ``fxpar_shard_offset`` / ``fxpar_full_shape`` say where it sits."""
+    p = torch.nn.Parameter(full.detach().narrow(dim, lo, hi - lo).clone())
     p.fxpar_sharded = True
     p.fxpar_shard_dim = dim
+    p.fxpar_shard_offset = lo
+    p.fxpar_full_shape = tuple(full.shape)
     return p
 
 
 def _keep_rows(linear: torch.nn.Linear, lo: int, hi: int) -> None:
-    linear.weight = _sharded(linear.weight.detach()[lo:hi], 0)
+    linear.weight = _sharded(linear.weight, 0, lo, hi)
     if linear.bias is not None:
-        linear.bias = _sharded(linear.bias.detach()[lo:hi], 0)
+        linear.bias = _sharded(linear.bias, 0, lo, hi)
     linear.out_features = hi - lo
 
 
 def _keep_cols(linear: torch.nn.Linear, lo: int, hi: int, first: bool) -> None:
-    linear.weight = _sharded(linear.weight.detach()[:, lo:hi], 1)
+    linear.weight = _sharded(linear.weight, 1, lo, hi)
     if linear.bias is not None and not first:  # the bias is added once, by the group's first rank
         linear.bias = None
     elif linear.bias is not None:
@@ -103,7 +129,8 @@ def _row(module: torch.nn.Module, group: Any) -> None:
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None) -> int:
     """Shard every Llama-style attention (q/k/v/o_proj) and gated MLP (gate/up/down_proj) of
-    ``model`` in place for ``rank``; returns how many blocks were sharded."""
+    ``model`` in place for position ``rank`` of the tensor-parallel ``group`` (None: the default
+    group), which holds ``kv_shares[rank]`` KV head groups; returns how many blocks were sharded."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -143,60 +170,119 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
 
 
 class TensorParallelModule(torch.nn.Module):
-    """This rank's shard of a ``tensor_parallel`` plan; ``step(global_batch)`` trains one step."""
+    """This rank's shard of a ``tensor_parallel`` plan (``R`` replicas × TP width ``W``, see
+    ``tp_layout.py``); ``step(global_batch)`` trains one step and returns the global loss."""
 
-    def __init__(self, model: torch.nn.Module, plan, rank: int, *, emulate: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, plan: Any, rank: int, *, emulate: bool = True,
+                 broadcast_parameters: bool = True) -> None:
         super().__init__()
-        from fxpar.runtime.emulation import SpeedEmulator
-
-        stage = plan.stages[0]
-        if stage.tensor_split is None or len(stage.tensor_split) != plan.world_size:
-            raise PlanError("a tensor_parallel plan needs stages[0].tensor_split with one entry per rank")
+        self.layout = tp_layout(plan)
+        if not 0 <= rank < plan.world_size:
+            raise PlanError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         self.plan, self.rank, self.module = plan, rank, model
-        self.blocks = shard_model(model, stage.tensor_split, rank)
+        self.replica, self.position = self.layout.replica(rank), self.layout.position(rank)
+        self.tp_group, self.dp_group = make_groups(self.layout, rank)
+        self.world = plan.world_size
+        if broadcast_parameters and self.world > 1:  # every rank starts from rank 0's weights
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(t.data, src=0)
+        self.blocks = shard_model(model, self.layout.kv_shares, self.position, self.tp_group)
+        name = type(model).__name__
+        self.causal = name.endswith(("ForCausalLM", "LMHeadModel"))
+        self.weighting = "tokens" if hasattr(model, "config") else "samples"
         self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        self.last_timing: StepTiming | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The unsharded parameters under their original FQNs on rank ``dst`` (None elsewhere):
-        shards concatenated in rank order along their split dimension."""
-        mine = {n: (p.detach().clone(), getattr(p, "fxpar_shard_dim", None))
-                for n, p in self.module.named_parameters(remove_duplicate=False)}
-        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-        dist.gather_object(mine, parts, dst=dst)
-        if parts is None:
-            return None
-        full: dict[str, torch.Tensor] = {}
-        for name, (tensor, dim) in parts[0].items():
-            pieces = [part[name][0] for part in parts if name in part]
-            full[name] = tensor if dim is None or len(pieces) == 1 else torch.cat(pieces, dim=dim)
-        return full
-
-    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """Gather the unsharded model on rank 0 and write it with HF ``save_pretrained`` into a
-        fresh copy of the model class (collective: call on every rank)."""
-        full = self.gather_state_dict(dst=0)
-        if full is not None:
-            model = type(self.module)(self.module.config)
-            model.load_state_dict(full, strict=False)
-            model.save_pretrained(output_dir, **kwargs)
-        dist.barrier()
-
+    # ---- rows --------------------------------------------------------------------------------
     def batch_rows(self) -> tuple[int, int]:
-        """Every rank of a tensor-parallel group trains on the whole global batch."""
-        return 0, self.plan.global_batch
+        """``(start, stop)``: the rows of the global batch this rank's replica trains on (every
+        rank of a tensor-parallel group loads the same rows)."""
+        return self.layout.row_range(self.replica)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This replica's rows of a global batch."""
+        start, stop = self.batch_rows()
+        return _rows(batch, start, stop)
+
+    # ---- one training step -------------------------------------------------------------------
+    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
+        """Forward + backward of this replica's rows of the global ``batch`` (``local=True``:
+        ``batch`` is already those rows, ``batch_rows()``), each micro-batch's mean loss weighted
+        by ``N_mb / N``, then the SUM all-reduce of every gradient over this position's
+        data-parallel group.  Returns the global loss ``L`` on every rank; the caller runs
+        ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+        if not isinstance(batch, Mapping):
+            raise PlanError(f"TensorParallelModule.step: the batch is a {type(batch).__name__}; pass "
+                            "a dict of tensors the HF model accepts (input_ids, labels, ...)")
+        start, stop = self.batch_rows()
+        expected = stop - start if local else self.plan.global_batch
+        if _batch_len(batch) != expected:
+            raise PlanError(f"TensorParallelModule.step(local={local}): rank {self.rank} got "
+                            f"{_batch_len(batch)} samples, expected {expected} ("
+                            + ("its replica's rows batch_rows()" if local else "the global batch") + ")")
+        mine = batch if local else _rows(batch, start, stop)
+        if local:
+            total = torch.tensor([float(count_items(mine, self.weighting, self.causal))], dtype=torch.float64)
+            if self.layout.replicas > 1:
+                dist.all_reduce(total, group=self.dp_group)
+            total_items = int(total.item())
+        else:
+            total_items = count_items(batch, self.weighting, self.causal)
+        if total_items <= 0:
+            raise PlanError("TensorParallelModule.step: the batch has no items to train on "
+                            "(all labels are -100?)")
+        rp = self.plan.ranks[self.rank]
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        compute = emulated = 0.0
+        t0 = time.perf_counter()
+        for mb in _split(mine, rp.micro_batch_size, rp.num_microbatches):
+            items = count_items(mb, self.weighting, self.causal)
+            if items == 0 or _batch_len(mb) == 0:  # the whole group skips it: same rows
+                continue
+            t1 = time.perf_counter()
+            loss = _loss(self.module(**{"use_cache": False, **mb}))
+            weight = items / total_items
+            (loss * weight).backward()
+            took = time.perf_counter() - t1
+            emulated += self.emulator.stretch(took)
+            compute += took
+            loss_sum += loss.detach().float() * weight
+        t2 = time.perf_counter()
+        global_loss = self._sync_gradients(loss_sum)
+        t3 = time.perf_counter()
+        self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated, comm_s=t3 - t2,
+                                      total_s=t3 - t0)
+        return global_loss
+
+    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """``g ← Σ_replicas g`` over this position's DP group for every parameter (shards at one
+        position hold the same slice), and the weighted losses summed the same way."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.layout.replicas == 1:
+            return loss_sum
+        loss = loss_sum.to(torch.float64).reshape(1)
+        work = dist.all_reduce(loss, group=self.dp_group, async_op=True)
+        _allreduce_sum([p.grad for p in params], self.dp_group)
+        work.wait()
+        return loss[0].to(torch.float32)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the whole model's gradient norm: shards' squares summed over the group,
-        replicated parameters counted once."""
+        """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
+        shards' squares summed over this rank's TP group, replicated parameters counted once
+        (position 0); gradients are already identical across replicas.  Returns the norm."""
         sq = torch.zeros((), dtype=torch.float64)
         for p in self.module.parameters():
-            if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.rank == 0):
+            if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0):
                 sq += p.grad.detach().double().pow(2).sum()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sq)
+        if self.world > 1 and self.layout.width > 1:
+            dist.all_reduce(sq, group=self.tp_group)
         norm = sq.sqrt().to(torch.float32)
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1.0:
@@ -205,13 +291,104 @@ class TensorParallelModule(torch.nn.Module):
                     p.grad.mul_(scale)
         return norm
 
-    def step(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
-        """Forward + backward of the whole batch on every rank of the group (``local`` is
-        accepted for the common API: a tensor-parallel rank's rows are the whole batch)."""
-        import time
+    # ---- the full model ----------------------------------------------------------------------
+    def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """The unsharded parameters under their original FQNs on rank ``dst`` (None elsewhere),
+        from ``replica``'s ranks: shards concatenated in position order along their split
+        dimension.  Collective: every rank calls it."""
+        return self._gather({n: p.detach() for n, p in self.module.named_parameters(remove_duplicate=False)},
+                            dst, replica)
 
-        start = time.perf_counter()
-        loss = self.module(**batch, use_cache=False).loss
-        loss.backward()
-        self.emulator.stretch(time.perf_counter() - start)
-        return loss.detach()
+    def gather_gradients(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """Every parameter's full gradient (original FQNs) from ``replica``'s ranks, on ``dst``."""
+        return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+                             for n, p in self.module.named_parameters(remove_duplicate=False)}, dst, replica)
+
+    def _gather(self, local: Mapping[str, torch.Tensor], dst: int, replica: int) -> dict[str, torch.Tensor] | None:
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        mine = {n: (t.clone(), getattr(params[n], "fxpar_shard_dim", None)) for n, t in local.items()}
+        if self.world == 1:
+            return {n: t for n, (t, _) in mine.items()}
+        send = mine if self.replica == replica else {}
+        parts: list[Any] | None = [None] * self.world if self.rank == dst else None
+        dist.gather_object(send, parts, dst=dst)
+        if parts is None:
+            return None
+        group = [parts[k] for k in self.layout.tp_ranks(replica)]
+        full: dict[str, torch.Tensor] = {}
+        for name, (tensor, dim) in group[0].items():
+            pieces = [part[name][0] for part in group if name in part]
+            full[name] = tensor if dim is None or len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        return full
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """Gather the unsharded model (replica 0) on rank 0 and write it with HF
+        ``save_pretrained`` into a fresh copy of the model class (collective: call on every rank)."""
+        full = self.gather_state_dict(dst=0)
+        if full is not None:
+            model = type(self.module)(self.module.config)
+            model.load_state_dict(full, strict=False)
+            model.save_pretrained(output_dir, **kwargs)
+        if self.world > 1:
+            dist.barrier()
+
+    def checkpoint_layout(self) -> list[Any]:
+        """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook):
+        shards at their offset inside their replica's TP group; replicas of a box are written
+        once (DCP deduplicates equal chunks)."""
+        from fxpar.checkpoint.layout import LocalParam, ShardSpec
+
+        out = []
+        for name, p in self.module.named_parameters():
+            dim = getattr(p, "fxpar_shard_dim", None)
+            if dim is None:
+                out.append(LocalParam(fqn=name, param=p))
+                continue
+            offsets = [0] * p.dim()
+            offsets[dim] = p.fxpar_shard_offset
+            out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
+                global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets))))
+        return out
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None:
+        raise PlanError("TensorParallelModule.step: the model's output has no `loss`; pass labels "
+                        "in the batch")
+    return loss
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every tensor in ``batch`` (dict / tuple / tensor); scalars shared."""
+    if isinstance(batch, Mapping):
+        return {k: _rows(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_rows(v, start, stop) for v in batch)
+    if isinstance(batch, torch.Tensor) and batch.dim():
+        return batch[start:stop]
+    return batch
+
+
+def _allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
+    """In-place SUM all-reduce of ``tensors`` over ``group``, flattened into buckets of at most
+    ``BUCKET_BYTES`` of one dtype each (one collective per bucket, all in flight together)."""
+    buckets: list[list[torch.Tensor]] = []
+    size, dtype = 0, None
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or t.dtype != dtype or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size, dtype = 0, t.dtype
+        buckets[-1].append(t)
+        size += nbytes
+    flats = [torch.cat([t.reshape(-1) for t in b]) for b in buckets]
+    works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
+    for bucket, flat, work in zip(buckets, flats, works):
+        work.wait()
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
+from transformers.utils import can_return_loss, find_labels
 
 from fxpar.errors import ConfigError
 from fxpar.integrations.common import rank_rows
@@ -94,6 +95,8 @@ class FxparTrainer(Trainer):
         if args is not None:  # fxpar clips by the whole model's norm (training_step)
             args = copy.copy(args)
             args.max_grad_norm = 0.0
+            # the parallel module's forward hides the model's signature: keep every column
+            args.remove_unused_columns = False
         self.fxpar_shuffle = shuffle
         super().__init__(model, args, *pos, **kw)
         # the public no-DDP path: Accelerate marks the module prepared and will not wrap it again
@@ -102,6 +105,11 @@ class FxparTrainer(Trainer):
         for cb in self.callback_handler.callbacks:
             if isinstance(cb, FxparCallback):
                 cb.attach(self.model)
+        # label names and loss support come from the user's model class, not the wrapper's
+        inner = _inner_model(self.model)
+        if args is not None and args.label_names is None:
+            self.label_names = find_labels(type(inner))
+        self.can_return_loss = can_return_loss(type(inner))
 
     # ---- data ------------------------------------------------------------------------------
     @property
@@ -158,3 +166,9 @@ class FxparTrainer(Trainer):
         super().log(logs, *args, **kw)
 
 
+
+
+def _inner_model(pmodel: Any) -> torch.nn.Module:
+    """The user's model inside a parallel module (a pipeline keeps it for saving only)."""
+    original = getattr(pmodel, "_original", None)
+    return original[0] if original else getattr(pmodel, "module", pmodel)
