@@ -21,19 +21,8 @@ from transformers import default_data_collator
 
 from fxpar.integrations.accelerate import FxparPlugin, prepare
 from fxpar.models import PRESETS
+from fxpar.synthetic import TokenDataset
 from fxpar.tracing.hf import build_model
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def main() -> None:

@@ -21,21 +21,8 @@ from transformers import TrainerCallback, TrainingArguments, default_data_collat
 from fxpar.integrations import load_config, parallelize
 from fxpar.integrations.trainer import FxparCallback, FxparTrainer
 from fxpar.models import PRESETS
+from fxpar.synthetic import TokenDataset
 from fxpar.tracing.hf import build_model
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Random token sequences (``labels`` = ``input_ids``), the same on every rank."""
-
-    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class SlowDown(TrainerCallback):
@@ -60,6 +47,8 @@ def main() -> None:
     ap.add_argument("--slow-down", help="RANK:SPEED:STEP")
     ap.add_argument("--no-shuffle", action="store_true")
     ap.add_argument("--eval", action="store_true", help="evaluate on held-out data after training (DP plans)")
+    ap.add_argument("--save-steps", type=int, default=0, help="write checkpoint-N every N steps")
+    ap.add_argument("--resume", help="resume from this checkpoint-N folder (or 'last')")
     ap.add_argument("--out", help="write losses / step times / events JSON here (rank 0)")
     args = ap.parse_args()
 
@@ -80,20 +69,22 @@ def main() -> None:
         r, s, k = args.slow_down.split(":")
         callbacks.append(SlowDown(pmodel, int(r), float(s), int(k)))
     targs = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr,
-                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                              lr_scheduler_type="constant", logging_steps=1,
+                              save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
                               report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                               per_device_train_batch_size=batch, per_device_eval_batch_size=4)
     trainer = FxparTrainer(model=pmodel, args=targs, train_dataset=data,
                            data_collator=default_data_collator, callbacks=callbacks,
                            shuffle=not args.no_shuffle)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=(True if args.resume == "last" else args.resume))
     metrics = trainer.evaluate(TokenDataset(24, args.seq, model.config.vocab_size, seed=1)) if args.eval else {}
     trainer.save_model(args.output_dir)
     if dist.get_rank() == 0 and args.out:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        logged_steps = [h["step"] for h in trainer.state.log_history if "loss" in h]
         steps = [h["fxpar/step_s"] for h in trainer.state.log_history if "fxpar/step_s" in h]
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "step_s": steps, "events": callback.events,
+            json.dump({"losses": losses, "logged_steps": logged_steps, "step_s": steps, "events": callback.events,
                        "eval_loss": metrics.get("eval_loss"),
                        "plan": json.loads(pmodel.plan.to_json())}, f, indent=1)
     dist.destroy_process_group()

@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxpar.codegen.data_parallel import StepTiming, count_items
+from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.emulation import SpeedEmulator
@@ -403,19 +404,10 @@ class ExpertParallelModule(torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm: expert rows' squares summed over the ranks,
         replicated (identical) gradients counted once; returns that norm."""
-        sq = torch.zeros((), dtype=torch.float64)
-        for n, p in self.module.named_parameters():
-            if p.grad is not None and (n in self._expert_names or self.rank == 0):
-                sq += p.grad.detach().double().pow(2).sum()
-        if self.world > 1:
-            dist.all_reduce(sq, group=self.group)
-        norm = sq.sqrt().to(torch.float32)
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1.0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        counted = (p.grad for n, p in self.module.named_parameters()
+                   if p.grad is not None and (n in self._expert_names or self.rank == 0))
+        return clip_by_global_norm(counted, self.module.parameters(), max_norm, self.group,
+                                   reduce=self.world > 1)
 
     # ---- the full model on one rank --------------------------------------------------------
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:

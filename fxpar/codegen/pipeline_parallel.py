@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_split import split_stages
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
@@ -57,7 +58,11 @@ class PipelineParallelModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                  *, emulate: bool = True) -> None:
         super().__init__()
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+        )
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
@@ -211,19 +216,10 @@ class PipelineParallelModule(torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the *whole* model's gradient: squares summed over this pipeline's
         stages (a tied parameter counted once, on its first stage); returns that norm."""
-        sq = torch.zeros((), dtype=torch.float64)
-        for _, p in self.module.named_original_parameters():
-            if p.grad is None or self._first_tie_stage.get(id(p), self.stage_index) != self.stage_index:
-                continue
-            sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.pp_group)
-        norm = sq.sqrt().to(torch.float32)
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1.0:
-            for _, p in self.module.named_original_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        params = [p for _, p in self.module.named_original_parameters()]
+        counted = (p.grad for p in params if p.grad is not None
+                   and self._first_tie_stage.get(id(p), self.stage_index) == self.stage_index)
+        return clip_by_global_norm(counted, params, max_norm, self.pp_group)
 
     def _sync_gradients(self) -> None:
         for p, group in self._tied:

@@ -47,6 +47,7 @@ from fxpar.codegen.data_parallel import (
     _split,
     count_items,
 )
+from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.errors import PlanError
 from fxpar.runtime.emulation import SpeedEmulator
@@ -277,19 +278,10 @@ class TensorParallelModule(torch.nn.Module):
         """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
         shards' squares summed over this rank's TP group, replicated parameters counted once
         (position 0); gradients are already identical across replicas.  Returns the norm."""
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self.module.parameters():
-            if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0):
-                sq += p.grad.detach().double().pow(2).sum()
-        if self.world > 1 and self.layout.width > 1:
-            dist.all_reduce(sq, group=self.tp_group)
-        norm = sq.sqrt().to(torch.float32)
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1.0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        counted = (p.grad for p in self.module.parameters()
+                   if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0))
+        return clip_by_global_norm(counted, self.module.parameters(), max_norm, self.tp_group,
+                                   reduce=self.world > 1 and self.layout.width > 1)
 
     # ---- the full model ----------------------------------------------------------------------
     def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:

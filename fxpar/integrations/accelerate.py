@@ -11,13 +11,20 @@ dataclass whose unset fields are filled from ``FXPAR_*`` environment variables::
     for batch in loader:                           # this rank's rows of each global batch
         loss = pmodel.step(batch, local=True)      # forward, backward, fxpar's gradient exchange
         optimizer.step(); optimizer.zero_grad()
-    accelerator.save_state("ckpt")                 # fxpar's hooks write the full model + plan
+    accelerator.save_state("ckpt")                 # + fxpar's sharded model and optimizer state
+    accelerator.load_state("ckpt")                 # under this or any other plan
 
 ``prepare`` parallelizes (``fxpar.auto``), registers the module through the public no-DDP path
 ``accelerator.prepare_model(pmodel, evaluation_mode=True)``, rebuilds the optimizer over this
-rank's parameters when they changed (pipeline stages, tensor shards) and prepares it, replaces the
-dataloader's sampler by a per-rank share sampler (the loader you pass yields *global* batches),
-and registers save/load-state pre-hooks.
+rank's parameters when they changed (pipeline stages, tensor shards), replaces the dataloader's
+sampler by a per-rank share sampler (the loader you pass yields *global* batches), and registers
+save/load-state pre-hooks that write and read ``<dir>/fxpar`` with :mod:`fxpar.checkpoint` (each
+rank its own piece of the model and optimizer state, loadable under any plan).
+
+The optimizer is deliberately *not* registered with Accelerate: ``save_state`` writes registered
+optimizers from the main process only, which for a pipeline, tensor- or expert-parallel plan is
+one stage's or one shard's state; fxpar's checkpoint holds every rank's.  fxpar's step does its
+own gradient exchange, so Accelerate's optimizer wrapper has nothing to add (fp32 training).
 """
 
 from __future__ import annotations
@@ -129,14 +136,14 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=config.rebalance,
                                        max_microbatches=config.workload.get("max_microbatches"))
     if optimizer is not None:
-        optimizer = accelerator.prepare_optimizer(_rebuild_optimizer(optimizer, pmodel))
+        optimizer = _rebuild_optimizer(optimizer, pmodel)
     sampler = ShareBatchSampler(len(dataloader.dataset), pmodel.plan.global_batch,
                                 lambda: rank_rows(pmodel),
                                 shuffle=isinstance(dataloader.sampler, RandomSampler))
     loader = DataLoader(dataloader.dataset, batch_sampler=sampler,
                         collate_fn=collate_or_empty(dataloader.collate_fn),
                         num_workers=dataloader.num_workers)
-    _register_hooks(accelerator, pmodel)
+    _register_hooks(accelerator, pmodel, optimizer)
     return pmodel, optimizer, loader
 
 
@@ -156,29 +163,26 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, pmodel: Any) -> torch.o
     return type(optimizer)([{"params": mine, **settings}])
 
 
-def _register_hooks(accelerator: Any, pmodel: Any) -> None:
-    """``save_state`` writes the gathered full model (original FQNs) and the plan under
-    ``<dir>/fxpar``; ``load_state`` reads them back into this rank's module, under any plan."""
+def _register_hooks(accelerator: Any, pmodel: Any, optimizer: torch.optim.Optimizer | None) -> None:
+    """``save_state`` writes fxpar's checkpoint (model + optimizer, every rank its piece) and the
+    plan under ``<dir>/fxpar``; ``load_state`` reads it back into this rank's module, under any
+    plan (:mod:`fxpar.checkpoint`)."""
+    from fxpar.checkpoint import load_checkpoint, save_checkpoint
+
     def save_hook(models: list, weights: list, output_dir: str) -> None:
         _drop(pmodel, models, weights)
-        full = pmodel.gather_state_dict(dst=0)
-        if full is not None:
-            out = Path(output_dir) / STATE_DIR
-            out.mkdir(parents=True, exist_ok=True)
-            torch.save(full, out / "model.pt.tmp")
-            (out / "plan.json").write_text(pmodel.plan.to_json())
-            (out / "format.json").write_text(json.dumps({"format": "fxpar-full-state", "version": 1}))
-            os.replace(out / "model.pt.tmp", out / "model.pt")  # complete only once renamed
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # nobody reads before rank 0 has written
+        path = save_checkpoint(pmodel, optimizer, Path(output_dir) / STATE_DIR,
+                               extra={"plan": json.loads(pmodel.plan.to_json())})
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            (path.parent / "fxpar_plan.json").write_text(pmodel.plan.to_json())
 
     def load_hook(models: list, input_dir: str) -> None:
         _drop(pmodel, models, None)
-        path = Path(input_dir) / STATE_DIR / "model.pt"
-        if not path.is_file():
-            raise ConfigError(f"accelerator.load_state({input_dir!r}): no {STATE_DIR}/model.pt; the "
+        path = Path(input_dir) / STATE_DIR
+        if not path.is_dir():
+            raise ConfigError(f"accelerator.load_state({input_dir!r}): no {STATE_DIR}/ folder; the "
                               "checkpoint was not written by an fxpar-prepared accelerator")
-        load_into(pmodel, torch.load(path, weights_only=True))
+        load_checkpoint(pmodel, optimizer, path)
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
@@ -191,18 +195,3 @@ def _drop(pmodel: Any, models: list, weights: list | None) -> None:
             models.pop(i)
             if weights is not None and i < len(weights):
                 weights.pop(i)
-
-
-def load_into(pmodel: Any, full: dict[str, torch.Tensor]) -> None:
-    """Copy a full original-FQN state dict into this rank's module (its own parameters only)."""
-    named = (pmodel.named_original_parameters() if hasattr(pmodel, "named_original_parameters")
-             else pmodel.module.named_parameters())
-    with torch.no_grad():
-        for name, p in named:
-            if name not in full:
-                raise ConfigError(f"load_state: the checkpoint has no parameter {name!r}; it was saved "
-                                  "for a different model")
-            if getattr(p, "fxpar_sharded", False):
-                raise ConfigError("load_state into a tensor-parallel module: use fxpar.checkpoint "
-                                  "(sharded, re-slices across plans)")
-            p.copy_(full[name])

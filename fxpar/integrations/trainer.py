@@ -17,9 +17,13 @@ model, and Accelerate would wrap it in DDP):
   gradient exchange for DP, PP or TP plans) and returns the global loss, equal on every rank;
 * gradient clipping uses the parallel module's whole-model norm (the Trainer's own clip would see
   one stage's or one shard's gradients), so ``max_grad_norm`` is applied by fxpar;
-* ``save_model`` gathers the full model and writes ``save_pretrained`` on rank 0; intermediate
-  checkpoints write the same (model only: optimizer state of uneven shards is saved with
-  :mod:`fxpar.checkpoint`).
+* ``save_model`` gathers the full model and writes ``save_pretrained`` on rank 0; every
+  intermediate checkpoint (``checkpoint-N/``) also gets ``fxpar/``, the sharded model *and
+  optimizer* state written by :func:`fxpar.checkpoint.save_checkpoint` (each rank its own
+  piece; loadable under any plan), instead of the Trainer's rank-0 optimizer file, which would
+  hold one stage's or one shard's state only;
+* ``train(resume_from_checkpoint=...)`` restores that state when training begins (after the
+  Trainer has built the optimizer), and the Trainer skips the batches already trained.
 
 :class:`FxparCallback` times every step on every rank, adds per-device busy/idle and the
 imbalance to the Trainer's logs, and re-balances batch shares online (see
@@ -97,8 +101,16 @@ class FxparTrainer(Trainer):
             args.max_grad_norm = 0.0
             # the parallel module's forward hides the model's signature: keep every column
             args.remove_unused_columns = False
+            # optimizer state is saved sharded by fxpar (save_model), not by rank 0 alone
+            args.save_only_model = True
         self.fxpar_shuffle = shuffle
+        self.fxpar_resume: str | None = None
+        # on resume the Trainer first loads the checkpoint's HF weights into this module (no key
+        # matches the wrapper's names, so nothing is loaded: fxpar's own state is loaded at
+        # train begin) and then reads this HF attribute for its warning
+        model._keys_to_ignore_on_save = None
         super().__init__(model, args, *pos, **kw)
+        self.add_callback(_ResumeFxparState(self))
         # the public no-DDP path: Accelerate marks the module prepared and will not wrap it again
         self.model = self.model_wrapped = self.accelerator.prepare_model(
             self.model, device_placement=False, evaluation_mode=True)
@@ -150,12 +162,34 @@ class FxparTrainer(Trainer):
 
     # ---- saving ----------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Gathered ``save_pretrained`` (+ the plan); a training checkpoint (``_internal_call``)
+        also gets the sharded model and optimizer state under ``fxpar/``.  Collective."""
+        from fxpar.checkpoint import save_checkpoint
+
         output_dir = output_dir or self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         self.model.save_pretrained(output_dir)
         if self.args.should_save:
             with open(os.path.join(output_dir, "fxpar_plan.json"), "w") as f:
                 f.write(self.model.plan.to_json())
+        if _internal_call and self.optimizer is not None:
+            save_checkpoint(self.model, _torch_optimizer(self.optimizer), os.path.join(output_dir, "fxpar"),
+                            step=self.state.global_step)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kw: Any):
+        """``Trainer.train``; resuming restores fxpar's sharded model and optimizer state."""
+        if resume_from_checkpoint:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
+                    else str(resume_from_checkpoint))
+            if path is None or not os.path.isdir(os.path.join(path, "fxpar")):
+                raise ConfigError(f"FxparTrainer.train(resume_from_checkpoint={resume_from_checkpoint!r}): "
+                                  f"no fxpar checkpoint at {path!r}/fxpar; resume from a checkpoint-N "
+                                  "folder that FxparTrainer wrote")
+            self.fxpar_resume = os.path.join(path, "fxpar")
+            resume_from_checkpoint = path
+        return super().train(resume_from_checkpoint, *args, **kw)
 
     def log(self, logs: dict[str, float], *args: Any, **kw: Any) -> None:
         if "grad_norm" in logs and getattr(self, "fxpar_last_grad_norm", None) is not None:
@@ -166,6 +200,27 @@ class FxparTrainer(Trainer):
         super().log(logs, *args, **kw)
 
 
+
+
+class _ResumeFxparState(TrainerCallback):
+    """Loads fxpar's checkpoint once the Trainer has built the optimizer (train begin)."""
+
+    def __init__(self, trainer: FxparTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        path = self.trainer.fxpar_resume
+        if path is None:
+            return
+        from fxpar.checkpoint import load_checkpoint
+
+        load_checkpoint(self.trainer.model, _torch_optimizer(self.trainer.optimizer), path)
+        self.trainer.fxpar_resume = None
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _inner_model(pmodel: Any) -> torch.nn.Module:
