@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.checkpoint import load_checkpoint, save_checkpoint
-from fxpar.checkpoint.latest import latest_checkpoint
+from fxpar.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fxpar.models import PRESETS
 from fxpar.tracing.hf import build_model, example_inputs
 
