@@ -6,6 +6,7 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     scaling   planner solve time vs GPU count and layer count (+ plot)
     dp        uneven data parallelism vs torch DDP, measured (emulated speeds)
     pp        heterogeneous vs even pipeline, measured (emulated speeds)
+    ep_tp     uneven expert / tensor parallelism vs even EP / TP and DDP, measured (emulated speeds)
     fidelity  cost model: predicted vs measured step time and memory
     rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
 
@@ -23,11 +24,13 @@ import time
 from benchmarks.common import RESULTS, machine, result_path
 
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
-          "pp": "pp_emulated", "fidelity": "fidelity", "rebalance": "rebalance"}
+          "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "fidelity": "fidelity", "rebalance": "rebalance"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
           "pp": "Heterogeneous pipeline vs even pipeline (measured on gloo CPU ranks, emulated speeds)",
+          "ep_tp": "Uneven expert / tensor parallelism vs even EP / TP and torch DDP "
+                   "(measured on gloo CPU ranks, emulated speeds)",
           "fidelity": "Cost-model fidelity: predicted vs measured step time and peak memory",
           "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)"}
 
@@ -51,7 +54,8 @@ def _markdown(head, rows) -> str:
 
 
 def _speedup_plot(results: dict, quick: bool) -> str | None:
-    runs = [(name, r) for name in ("dp", "pp") if name in results for r in results[name].get("runs", [])]
+    runs = [(name, r) for name in ("dp", "pp", "ep_tp") if name in results
+            for r in results[name].get("runs", []) if min(r["speeds"]) < 1]  # equal-speed controls: 1x
     if not runs:
         return None
     import matplotlib
@@ -59,9 +63,9 @@ def _speedup_plot(results: dict, quick: bool) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{n.upper()} {r.get('model', '').split('-')[0]} {'/'.join(f'{s:g}' for s in r['speeds'])}"
-              for n, r in runs]
-    fig, ax = plt.subplots(figsize=(7, 3))
+    labels = [r.get("label") or f"{n.upper()} {r.get('model', '').split('-')[0]} "
+              f"{'/'.join(f'{s:g}' for s in r['speeds'])}" for n, r in runs]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.25 * len(runs)), 3))
     x = range(len(runs))
     ax.bar([i - 0.2 for i in x], [r["speedup"] for _, r in runs], 0.4, label="measured")
     ax.bar([i + 0.2 for i in x], [r["ideal_speedup"] for _, r in runs], 0.4, label="ideal", color="#BBBBBB")

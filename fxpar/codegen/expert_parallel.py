@@ -57,43 +57,10 @@ from fxpar.codegen.data_parallel import StepTiming, count_items
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime.emulation import SegmentClock as _Clock
 from fxpar.runtime.emulation import SpeedEmulator
 
 EXPERT_PARAMS: tuple[str, ...] = ("gate_up_proj", "down_proj")
-
-
-class _Clock:
-    """Splits a step's wall time into compute segments and collectives; stretches each compute
-    segment *before* the next collective so an emulated slow rank is late where a slow device is."""
-
-    def __init__(self, emulator: SpeedEmulator) -> None:
-        self.emulator = emulator
-        self.active = False
-        self.compute_s = self.emulation_s = self.comm_s = 0.0
-        self._last = 0.0
-
-    def start(self) -> None:
-        self.active = True
-        self.compute_s = self.emulation_s = self.comm_s = 0.0
-        self._last = time.perf_counter()
-
-    def _close_segment(self) -> None:
-        if self.active:
-            seg = time.perf_counter() - self._last
-            self.compute_s += seg
-            self.emulation_s += self.emulator.stretch(seg)
-
-    def collective(self, fn: Callable[[], Any]) -> Any:
-        self._close_segment()
-        t0 = time.perf_counter()
-        out = fn()
-        self._last = time.perf_counter()
-        self.comm_s += self._last - t0
-        return out
-
-    def stop(self) -> None:
-        self._close_segment()
-        self.active = False
 
 
 def _world(group: Any) -> int:

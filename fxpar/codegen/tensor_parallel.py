@@ -50,32 +50,37 @@ from fxpar.codegen.data_parallel import (
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.errors import PlanError
-from fxpar.runtime.emulation import SpeedEmulator
+from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+
+
+def _all_reduce(t: torch.Tensor, group: Any, clock: SegmentClock | None) -> None:
+    run = lambda: dist.all_reduce(t, group=group)
+    clock.collective(run) if clock is not None else run()
 
 
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: Any, clock: SegmentClock | None) -> torch.Tensor:
+        ctx.group, ctx.clock = group, clock
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        _all_reduce(grad, ctx.group, ctx.clock)
+        return grad, None, None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: Any, clock: SegmentClock | None) -> torch.Tensor:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        _all_reduce(out, group, clock)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -120,15 +125,16 @@ def _keep_cols(linear: torch.nn.Linear, lo: int, hi: int, first: bool) -> None:
     linear.in_features = hi - lo
 
 
-def _column(module: torch.nn.Module, group: Any) -> None:
-    module.register_forward_pre_hook(lambda m, args: (_CopyToGroup.apply(args[0], group), *args[1:]))
+def _column(module: torch.nn.Module, group: Any, clock: SegmentClock | None) -> None:
+    module.register_forward_pre_hook(lambda m, args: (_CopyToGroup.apply(args[0], group, clock), *args[1:]))
 
 
-def _row(module: torch.nn.Module, group: Any) -> None:
-    module.register_forward_hook(lambda m, args, out: _ReduceFromGroup.apply(out, group))
+def _row(module: torch.nn.Module, group: Any, clock: SegmentClock | None) -> None:
+    module.register_forward_hook(lambda m, args, out: _ReduceFromGroup.apply(out, group, clock))
 
 
-def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None) -> int:
+def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
+                clock: SegmentClock | None = None) -> int:
     """Shard every Llama-style attention (q/k/v/o_proj) and gated MLP (gate/up/down_proj) of
     ``model`` in place for position ``rank`` of the tensor-parallel ``group`` (None: the default
     group), which holds ``kv_shares[rank]`` KV head groups; returns how many blocks were sharded."""
@@ -153,17 +159,17 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
             _keep_rows(module.v_proj, *_offset(kv_sizes, rank))
             _keep_cols(module.o_proj, *_offset(q_sizes, rank), first)
             for lin in (module.q_proj, module.k_proj, module.v_proj):
-                _column(lin, group)
-            _row(module.o_proj, group)
+                _column(lin, group, clock)
+            _row(module.o_proj, group, clock)
             count += 1
         if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
             cols = split_sizes(module.gate_proj.out_features, kv_shares)
             _keep_rows(module.gate_proj, *_offset(cols, rank))
             _keep_rows(module.up_proj, *_offset(cols, rank))
             _keep_cols(module.down_proj, *_offset(cols, rank), first)
-            _column(module.gate_proj, group)
-            _column(module.up_proj, group)
-            _row(module.down_proj, group)
+            _column(module.gate_proj, group, clock)
+            _column(module.up_proj, group, clock)
+            _row(module.down_proj, group, clock)
     if count == 0:
         raise PlanError(f"{type(model).__name__}: no Llama-style attention (q/k/v/o_proj) found to "
                         "shard; tensor parallelism supports Llama, Mistral, Qwen2 and similar")
@@ -188,11 +194,13 @@ class TensorParallelModule(torch.nn.Module):
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t.data, src=0)
-        self.blocks = shard_model(model, self.layout.kv_shares, self.position, self.tp_group)
+        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        # emulation stretches each compute segment before the next TP collective (see SegmentClock)
+        self.clock = SegmentClock(self.emulator)
+        self.blocks = shard_model(model, self.layout.kv_shares, self.position, self.tp_group, self.clock)
         name = type(model).__name__
         self.causal = name.endswith(("ForCausalLM", "LMHeadModel"))
         self.weighting = "tokens" if hasattr(model, "config") else "samples"
-        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
         self.last_timing: StepTiming | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -238,20 +246,20 @@ class TensorParallelModule(torch.nn.Module):
                             "(all labels are -100?)")
         rp = self.plan.ranks[self.rank]
         loss_sum = torch.zeros((), dtype=torch.float32)
-        compute = emulated = 0.0
         t0 = time.perf_counter()
-        for mb in _split(mine, rp.micro_batch_size, rp.num_microbatches):
-            items = count_items(mb, self.weighting, self.causal)
-            if items == 0 or _batch_len(mb) == 0:  # the whole group skips it: same rows
-                continue
-            t1 = time.perf_counter()
-            loss = _loss(self.module(**{"use_cache": False, **mb}))
-            weight = items / total_items
-            (loss * weight).backward()
-            took = time.perf_counter() - t1
-            emulated += self.emulator.stretch(took)
-            compute += took
-            loss_sum += loss.detach().float() * weight
+        self.clock.start()
+        try:
+            for mb in _split(mine, rp.micro_batch_size, rp.num_microbatches):
+                items = count_items(mb, self.weighting, self.causal)
+                if items == 0 or _batch_len(mb) == 0:  # the whole group skips it: same rows
+                    continue
+                loss = _loss(self.module(**{"use_cache": False, **mb}))
+                weight = items / total_items
+                (loss * weight).backward()
+                loss_sum += loss.detach().float() * weight
+        finally:
+            self.clock.stop()
+        compute, emulated = self.clock.compute_s, self.clock.emulation_s
         t2 = time.perf_counter()
         global_loss = self._sync_gradients(loss_sum)
         t3 = time.perf_counter()

@@ -6,7 +6,9 @@ GPUs").  Every figure measured this way is labelled *emulated* where it is repor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fxpar.errors import ConfigError
 
@@ -46,3 +48,40 @@ class timed:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self._start
+
+
+class SegmentClock:
+    """Splits a step's wall time into compute segments and collectives; stretches each compute
+    segment *before* the next collective, so an emulated slow rank arrives late at exactly the
+    collective a slow device would (sleeping once per step instead would charge the slow rank
+    for time it spent waiting on the fast one inside collectives).  Used by the tensor- and
+    expert-parallel modules, whose collectives sit inside the forward and backward."""
+
+    def __init__(self, emulator: SpeedEmulator) -> None:
+        self.emulator = emulator
+        self.active = False
+        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.active = True
+        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self._last = time.perf_counter()
+
+    def _close_segment(self) -> None:
+        if self.active:
+            seg = time.perf_counter() - self._last
+            self.compute_s += seg
+            self.emulation_s += self.emulator.stretch(seg)
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        self._close_segment()
+        t0 = time.perf_counter()
+        out = fn()
+        self._last = time.perf_counter()
+        self.comm_s += self._last - t0
+        return out
+
+    def stop(self) -> None:
+        self._close_segment()
+        self.active = False
