@@ -24,9 +24,13 @@ PAPER = {"amp-gpt2-medium": "AMP 1.54x vs Megatron heuristic",
 
 
 def plan_shape(plan) -> str:
-    """``DP`` or ``P x [kind x TP / ...] S st, m=M`` for a pipeline plan."""
+    """``uneven DP``, ``EP, experts a-b/rank, m=M``, or ``P x [kind x TP / ...] S st, m=M`` for a
+    pipeline plan."""
     if plan.strategy == "data_parallel":
         return "uneven DP"
+    if plan.strategy == "expert_parallel":
+        experts = plan.stages[0].expert_split
+        return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.num_microbatches}"
     kinds = "/".join(f"{st.device.split('-')[0]}x{st.tensor_parallel}" for st in plan.stages[:3])
     more = ".." if len(plan.stages) > 3 else ""
     return f"{plan.pipelines}x[{kinds}{more}] {len(plan.stages)} st, m={plan.num_microbatches}"
@@ -47,12 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
             took = time.perf_counter() - start
             base = {n: plan.baseline(n) for n in names}
             evens = [v for k, v in base.items() if k in ("even_dp", "megatron_even") and v is not None]
+            if plan.baseline("even_ep") is not None:  # MoE models: even expert parallelism too
+                evens.append(plan.baseline("even_ep"))
             shape = plan_shape(plan)
             results.append({"scenario": sc.name, "status": "planned", "plan_time_s": took,
                             "strategy": plan.strategy, "shape": shape,
                             **{k: plan.to_dict()[k] for k in ("predicted_step_s", "lower_bound_s",
                                                               "baselines", "solve_time_s", "explain")}})
-            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"
             rows.append((sc.name, sc.cluster.world_size, shape, f"{plan.predicted_step_s:.3f}",
                          f"{plan.predicted_step_s / plan.lower_bound_s:.2f}",
                          *(fmt(base[n]) for n in names),

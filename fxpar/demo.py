@@ -187,6 +187,8 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     """Plan, train with fxpar and with DDP on spawned gloo ranks, print and return the figures."""
     import fxpar
     from fxpar.runtime import WorkerPool
+    from fxpar.solvers import plan as solve_plan
+    from fxpar.tracing import trace
 
     torch.set_num_threads(1)
     cluster = fxpar.Cluster.emulated(list(speeds))
@@ -195,7 +197,10 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     workload = Workload(global_batch=global_batch, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
     progress(f"planning {model_name} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
              f"CPU ranks with speeds {list(speeds)}")
-    plan = fxpar.make_plan(model, cluster, example, workload)
+    # the demo (and benchmarks.dp_emulated) compares data-parallel plans with DDP: an MoE model
+    # would otherwise be offered expert parallelism, whose expert tensors are per-rank shards
+    graph = trace(model, {k: v[:1] for k, v in example.items()})
+    plan = solve_plan(graph, cluster, workload, strategies=("data_parallel", "pipeline"), max_tensor_parallel=1)
     print(plan.table())
     progress(f"training {rounds} rounds x {steps} steps of fxpar and of torch DDP (even split) "
              f"on {len(speeds)} gloo ranks")

@@ -255,11 +255,16 @@ class Plan:
             out += [f"  stage {st.index}: {st.device}, TP {st.tensor_parallel} per pipeline, "
                     f"{_span(st.modules)}, fwd+bwd {1e3 * (st.predicted_fwd_s + st.predicted_bwd_s):.2f} ms"
                     f"/micro-batch" for st in self.stages]
+        if self.strategy == "expert_parallel" and self.stages and self.stages[0].expert_split is not None:
+            split = self.stages[0].expert_split
+            shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
+            out.append(f"experts per rank (every MoE layer): {shown}; {self.num_microbatches} micro-batch(es)")
         out += [line(head), line(tuple("-" * w for w in widths))]
         out += [line(row) for row in rows]
         if self.predicted_step_s > 0 and self.lower_bound_s > 0:
+            comm = "all-to-all + all-reduce" if self.strategy == "expert_parallel" else "all-reduce"
             out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
-                       f" + all-reduce {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
+                       f" + {comm} {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
                        f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
         else:
             out.append("no prediction (a hand-written plan)")

@@ -39,6 +39,17 @@ def global_batch(model: torch.nn.Module, batch: int, seq: int, seed: int = 1,
     return data
 
 
+def dp_only_plan(model: torch.nn.Module, cluster, data: dict, batch: int) -> fxpar.Plan:
+    """fxpar.auto's plan restricted to data parallelism (the same share LP), for tests whose
+    subject is DP: for an MoE model auto may prefer expert parallelism."""
+    from fxpar.solvers import plan as solve_plan
+    from fxpar.tracing import trace
+    from fxpar.workload import Workload
+
+    graph = trace(model, {k: v[:1] for k, v in data.items()})
+    return solve_plan(graph, cluster, Workload(global_batch=batch), strategies=("data_parallel",))
+
+
 def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int = 2,
               micro_batch_size: int | None = None) -> dict:
     """Train ``steps`` steps with fxpar (uneven DP) and single-process; report the differences."""
@@ -47,7 +58,8 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
     reference = copy.deepcopy(model)
     cluster = fxpar.Cluster.emulated(speeds)
     data = [global_batch(model, batch, seq, seed=1 + s) for s in range(steps)]
-    pm = fxpar.auto(model, cluster, data[0], global_batch=batch, emulate=False)
+    plan = dp_only_plan(model, cluster, data[0], batch) if "num_local_experts" in TINY_CONFIGS[family] else None
+    pm = fxpar.auto(model, cluster, data[0], global_batch=batch, emulate=False, plan=plan)
     if micro_batch_size is not None:  # force gradient accumulation on every rank
         ranks = tuple(dataclasses.replace(
             r, micro_batch_size=min(micro_batch_size, r.batch_share) if r.batch_share else 0,

@@ -11,7 +11,7 @@ import fxpar
 from fxpar.checkpoint import describe, load_checkpoint, save_checkpoint
 from fxpar.errors import CheckpointError
 from fxpar.tracing.hf import ModelSpec, build_model
-from tests.workers import TINY_CONFIGS, global_batch
+from tests.workers import TINY_CONFIGS, dp_only_plan, global_batch
 
 #: every plan must fit the same model: 4 KV groups so tensor parallelism can split 3:1
 CONFIG = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)
@@ -39,7 +39,9 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = global_batch(model, BATCH, SEQ, ignore_some=False)
     if kind == "dp":
-        pm = fxpar.auto(model, fxpar.Cluster.emulated(arg), data, global_batch=BATCH, emulate=False)
+        cluster = fxpar.Cluster.emulated(arg)  # an MoE model: DP, not the expert parallelism auto may prefer
+        plan = dp_only_plan(model, cluster, data, BATCH) if "num_local_experts" in (config or {}) else None
+        pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, plan=plan)
         assert pm.plan.strategy == "data_parallel", pm.plan.strategy
     elif kind == "pp":
         plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,

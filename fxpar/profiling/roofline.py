@@ -23,11 +23,10 @@ the graph's batch-normalised key is in the device type's database.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-
-from typing import Mapping
 
 from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
@@ -200,9 +199,12 @@ class CostModel:
         return traffic / (device.type.memory_efficiency * device.type.memory_gbps * 1e9)
 
     def transient_bytes_per_sample(self) -> float:
-        """Backward workspace: the gradient and a temporary of the largest single output."""
+        """Backward workspace: the gradient and a temporary of the largest single output.  Views
+        allocate nothing (and a view of a parameter, such as the transposed expert weights of an
+        MoE layer, does not grow with the batch), so they are left out."""
         largest = max((sum(int(np.prod(sh)) for sh in n.out_shapes) * _itemsize(n.dtype)
-                       for n in self.graph.nodes if n.requires_grad), default=0)
+                       for n in self.graph.nodes if n.requires_grad and n.op_class is not OpClass.VIEW),
+                      default=0)
         return 2.0 * largest / float(self.graph.batch_size)
 
     def gradient_bytes(self) -> int:

@@ -8,7 +8,7 @@ from fxpar.errors import ConfigError
 from fxpar.sim.simulate import SimResult
 
 COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "all_reduce": "#55A868", "optimizer": "#8172B3",
-          "idle": "#DDDDDD"}
+          "idle": "#DDDDDD", "replicated": "#4C72B0", "experts": "#C44E52", "all_to_all": "#937860"}
 MAX_ROWS = 32
 
 
@@ -36,7 +36,8 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str = "", label
     ax.invert_yaxis()
     ax.set_xlabel("seconds (predicted)")
     ax.set_title(title or f"predicted step {result.step_s:.4g} s", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], fontsize=7,
+    kinds = {e.kind for e in result.events}
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items() if k in kinds], fontsize=7,
               loc="lower right", ncol=5)
     fig.tight_layout()
     out = Path(path)

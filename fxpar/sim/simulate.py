@@ -1,5 +1,7 @@
 """``simulate(plan, cost) -> SimResult``: predicted step time, per-device busy/idle time, peak
-memory and a timeline, for any plan the codegen can run (today: data parallelism).
+memory and a timeline, for any plan the codegen can run: data parallelism (below), pipelines
+(1F1B from the plan's stage times) and expert parallelism (phases of
+:func:`fxpar.solvers.expert_plan.evaluate`, shown per rank as one block each).
 
 Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
 
@@ -24,7 +26,8 @@ from fxpar.profiling import CostModel
 @dataclass(frozen=True, slots=True)
 class TimelineEvent:
     rank: int
-    kind: str            # "fwd", "bwd", "all_reduce", "idle"
+    kind: str            # "fwd", "bwd", "all_reduce", "idle", "optimizer"; expert parallelism:
+    #                      "replicated", "experts", "all_to_all"
     start_s: float
     end_s: float
     micro_batch: int = -1
@@ -60,6 +63,8 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     """Predict ``plan`` under ``cost`` (see the module docstring)."""
     if plan.strategy == "pipeline":
         return _simulate_pipeline(plan)
+    if plan.strategy == "expert_parallel":
+        return _simulate_expert(plan, cost)
     cluster = cost.cluster
     events: list[TimelineEvent] = []
     busy, peaks = [], []
@@ -99,7 +104,7 @@ def _simulate_pipeline(plan: Plan) -> SimResult:
 
     fwd = [st.predicted_fwd_s for st in plan.stages]
     bwd = [st.predicted_bwd_s for st in plan.stages]
-    makespan, busy, raw = simulate_1f1b(fwd, bwd, [0.0] * len(fwd), plan.num_microbatches)
+    _makespan, busy, raw = simulate_1f1b(fwd, bwd, [0.0] * len(fwd), plan.num_microbatches)
     events = pipeline_events([st.ranks for st in plan.stages], raw)
     comm = plan.predicted_comm_s
     for r in range(plan.world_size):
@@ -111,3 +116,27 @@ def _simulate_pipeline(plan: Plan) -> SimResult:
                      busy_s=rank_busy, idle_s=tuple(plan.predicted_step_s - b - comm for b in rank_busy),
                      peak_memory_bytes=tuple(r.predicted_memory_bytes for r in plan.ranks),
                      events=tuple(events))
+
+
+def _simulate_expert(plan: Plan, cost: CostModel) -> SimResult:
+    """Expert parallelism: replicated part, experts, all-to-all, all-reduce, optimizer (each
+    phase ends when its slowest rank does; the layers' phases are summed into one block)."""
+    from fxpar.errors import PlanError
+    from fxpar.solvers.expert_costs import build_problem
+    from fxpar.solvers.expert_plan import EPProblem, evaluate
+
+    problem = build_problem(cost, plan.global_batch)
+    if not isinstance(problem, EPProblem):
+        raise PlanError(f"an expert_parallel plan for {plan.model}: {problem or 'the model has no MoE experts'}")
+    ev = evaluate(problem, plan.batch_shares, plan.stages[0].expert_split, max(plan.ranks[0].num_microbatches, 1))
+    events: list[TimelineEvent] = []
+    a, b, c = ev.replicated_s, ev.replicated_s + ev.expert_s, ev.replicated_s + ev.expert_s + ev.alltoall_s
+    for r, (rep, exp, opt) in enumerate(ev.phases):
+        events += [TimelineEvent(r, "replicated", 0.0, rep), TimelineEvent(r, "experts", a, a + exp),
+                   TimelineEvent(r, "all_to_all", b, c), TimelineEvent(r, "all_reduce", c, c + ev.allreduce_s),
+                   TimelineEvent(r, "optimizer", c + ev.allreduce_s, c + ev.allreduce_s + opt)]
+        events += [TimelineEvent(r, "idle", lo, hi) for lo, hi in ((rep, a), (a + exp, b)) if hi > lo]
+    comm = ev.alltoall_s + ev.allreduce_s
+    return SimResult(step_s=ev.step_s, compute_s=ev.replicated_s + ev.expert_s, comm_s=comm, busy_s=ev.busy_s,
+                     idle_s=tuple(ev.step_s - b - comm for b in ev.busy_s),
+                     peak_memory_bytes=ev.memory_bytes, events=tuple(events))

@@ -2,14 +2,16 @@
 
 Builds the solver's plain-number problem from the cost model, solves it and assembles the
 :class:`~fxpar.plan.Plan` with its predictions, lower bound and baselines.  Today the search
-space is uneven data parallelism (:mod:`fxpar.solvers.data_parallel`).
+space is uneven data parallelism (:mod:`fxpar.solvers.data_parallel`), identical
+heterogeneous pipelines (:mod:`fxpar.solvers.pipeline`) and, for MoE models, expert parallelism
+with uneven batch shares and experts per device (:mod:`fxpar.solvers.expert_plan`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping
 
 from fxpar.errors import ConfigError, InfeasibleError
 from fxpar.plan import Plan, RankPlan, SolverReport, StagePlan
@@ -121,11 +123,13 @@ def _shares_step(draft: Plan, cluster, problem: dp.DPProblem, cost: CostModel,
 
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
          profiles: Mapping[str, ProfileDB] | None = None,
-         strategies: tuple[str, ...] = ("data_parallel", "pipeline"),
+         strategies: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel"),
          max_tensor_parallel: int = 8) -> Plan:
     """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
-    uneven data parallelism (share LP) and identical heterogeneous pipelines with TP stages
-    (:mod:`fxpar.solvers.pipeline`).  Baselines and the reasoning go into the plan."""
+    uneven data parallelism (share LP), identical heterogeneous pipelines with TP stages
+    (:mod:`fxpar.solvers.pipeline`) and, for MoE models, expert parallelism with uneven batch
+    shares and experts per device (:mod:`fxpar.solvers.expert_plan`).  Baselines and the
+    reasoning go into the plan; MoE models get one more baseline, ``even_ep``."""
     from fxpar.solvers import baselines as bl
     from fxpar.solvers.pipeline import build_context, search
     from fxpar.solvers.pipeline_plan import compute_lower_bound, to_plan
@@ -142,7 +146,15 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     problem = build_dp_problem(cost, cluster, workload)
     use_pipeline = "pipeline" in strategies and len(graph.layers) >= 1
     ctx = build_context(graph, cost, cluster, workload) if use_pipeline else None
-    lb = dp.lower_bound_s(problem) if dp_only or ctx is None else compute_lower_bound(ctx)
+    ep_problem = None
+    if "expert_parallel" in strategies and cluster.world_size > 1:
+        from fxpar.solvers.expert_costs import build_problem
+
+        ep_problem = build_problem(cost, workload.global_batch, workload.max_microbatches)
+    # the all-reduce bound holds for data parallelism alone (expert parallelism all-reduces less)
+    with_allreduce = dp_only or (ctx is None and (ep_problem is None or isinstance(ep_problem, str)))
+    lb = (dp.lower_bound_s(problem) if with_allreduce else compute_lower_bound(ctx) if ctx is not None
+          else dp.lower_bound_s(problem) - problem.allreduce_lower_bound_s)
 
     candidates: list[Plan] = []
     explain: list[str] = []
@@ -185,8 +197,13 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
                 candidates.append(as_plan)  # fxpar is never slower than a rule it can express
                 explain.append(f"pipelines with {rule} stages: {as_plan.predicted_step_s:.4g} s "
                                "(beats the min-max cuts under the simulated 1F1B schedule)")
+    even_ep = None
+    if ep_problem is not None:
+        even_ep = _ep_candidate(ep_problem, graph, cluster, workload, lb, candidates, explain)
     if not candidates:
-        assert dp_error is not None
+        if dp_error is None:
+            raise InfeasibleError(f"no plan among the strategies {tuple(strategies)} applies to "
+                                  f"{graph.model_name} or fits: " + ("; ".join(explain) or "nothing to try"))
         raise InfeasibleError(str(dp_error) + ("\nNo pipeline / tensor-parallel configuration "
                                                "fits either." if ctx is not None else ""),
                               shortfalls=dp_error.shortfalls)
@@ -199,12 +216,63 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     baselines = (("even_dp", even), ("proportional_dp", prop),
                  ("megatron_even", bl.min_or_none(even, mega_pipe)),
                  ("whale_rules", prop if dp_ok else whale_pipe))
+    if ep_problem is not None and not isinstance(ep_problem, str):
+        baselines += (("even_ep", even_ep),)
     for name, value in baselines:
         explain.append(f"baseline {name}: " + ("does not fit" if value is None else
                        f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
     explain.append(f"lower bound {lb:.4g} s: " + (
         "work over the summed device rates + the all-reduce bound (data parallelism only)"
-        if dp_only or ctx is None else
+        if with_allreduce else
         "work over the summed device rates (valid for every strategy; no communication term)"))
     return replace(best, baselines=baselines, solve_time_s=time.perf_counter() - start,
                    explain=tuple(explain))
+
+
+def _ep_candidate(problem, graph, cluster, workload: Workload, lb: float, candidates: list[Plan],
+                  explain: list[str]) -> float | None:
+    """Solve expert parallelism (a MoE model); append its plan and explain line; return the
+    even split's step (the ``even_ep`` baseline), None where it does not fit."""
+    from fxpar.solvers import expert_plan
+
+    if isinstance(problem, str):
+        explain.append(f"expert parallel: not available ({problem})")
+        return None
+    if workload.global_batch < cluster.world_size:
+        explain.append(f"expert parallel: every rank needs at least one sample, and global_batch "
+                       f"{workload.global_batch} < {cluster.world_size} ranks")
+        return None
+    sol = expert_plan.solve(problem)
+    if sol is None:
+        explain.append(f"expert parallel: does not fit (each rank holds the replicated part, "
+                       f"{problem.state_bytes / 2**30:.2f} GiB with its all-reduce buffer, plus "
+                       f"{problem.expert_state_bytes / 2**30:.3f} GiB per expert)")
+        return None
+    ev = sol.best
+    ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
+                           batch_share=ev.shares[d.rank], micro_batch_size=-(-ev.shares[d.rank] // ev.k),
+                           num_microbatches=ev.k, predicted_busy_s=ev.busy_s[d.rank],
+                           predicted_memory_bytes=ev.memory_bytes[d.rank],
+                           memory_capacity_bytes=int(d.memory_bytes)) for d in cluster.devices)
+    gap = (ev.step_s - sol.relaxation_s) / sol.relaxation_s if sol.relaxation_s > 0 else 0.0
+    candidates.append(Plan(
+        strategy="expert_parallel", model=graph.model_name, cluster=cluster.name,
+        global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
+        optimizer=workload.optimizer, ranks=ranks, num_microbatches=ev.k,
+        stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=ev.shares,
+                          expert_split=ev.counts, device=cluster.device(0).type.name),),
+        predicted_step_s=ev.step_s, predicted_compute_s=ev.replicated_s + ev.expert_s,
+        predicted_comm_s=ev.alltoall_s + ev.allreduce_s, lower_bound_s=lb, emulated=bool(cluster.is_emulated()),
+        solver=SolverReport(name="ep-shares-placement", backend=sol.backend, status=sol.status,
+                            objective_s=sol.relaxation_s, integer_s=ev.step_s, gap=gap,
+                            solve_time_s=sol.solve_time_s)))
+    groups = []
+    for g in problem.groups:
+        xs, ss = sorted({ev.counts[r] for r in g.ranks}), sorted({ev.shares[r] for r in g.ranks})
+        span = [str(v[0]) if len(v) == 1 else f"{v[0]}-{v[-1]}" for v in (xs, ss)]
+        groups.append(f"{g.key} x{len(g.ranks)}: {span[0]} experts, {span[1]} samples")
+    explain.append(f"expert parallel ({'; '.join(groups)}; {ev.k} micro-batch{'es' if ev.k > 1 else ''}): "
+                   f"{ev.step_s:.4g} s = replicated part {ev.replicated_s:.4g} + experts {ev.expert_s:.4g} + "
+                   f"all-to-all {ev.alltoall_s:.4g} + all-reduce of the replicated gradients "
+                   f"{ev.allreduce_s:.4g} + optimizer {ev.optimizer_s:.4g}")
+    return None if sol.even is None else sol.even.step_s

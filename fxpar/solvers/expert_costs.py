@@ -1,0 +1,101 @@
+"""The data of :class:`~fxpar.solvers.expert_plan.EPProblem` from a CostModel.
+
+A MoE layer's experts are found by their parameters: a module holding exactly the fused
+``gate_up_proj`` (E, 2i, h) and ``down_proj`` (E, h, i) tensors, the layout
+:mod:`fxpar.codegen.expert_parallel` shards (Mixtral, Qwen3-MoE).  The *expert part* of the graph
+is every node inside such a module except the dispatch ops (MOE_ROUTING: sort, index, ...) and
+views: its work follows the tokens routed to the experts a rank owns; everything else (attention,
+router, embeddings, head, dispatch) is the replicated part and follows the rank's own samples.
+The routed rows (tokens × top-k) are read from the input of each layer's first expert product.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fxpar.profiling import collectives, memory
+from fxpar.solvers.expert_plan import EPGroup, EPProblem
+from fxpar.solvers.experts import PASSES
+from fxpar.tracing.graph import OpClass
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # as fxpar.codegen.expert_parallel (no torch here)
+
+
+def _moe_layout(graph):
+    """(E, expert-part node mask, expert parameters in all layers, D, MoE layers); None for a
+    dense model; a reason (text) when the MoE layout is not the fused one codegen runs."""
+    if not any(n.op_class is OpClass.MOE_EXPERTS for n in graph.nodes):
+        return None
+    by_module: dict[str, dict] = {}
+    for prm in graph.params:
+        by_module.setdefault(prm.module_path, {})[prm.fqn.rsplit(".", 1)[-1]] = prm
+    paths = sorted(m for m, ps in by_module.items() if set(ps) & set(EXPERT_PARAMS))
+    sizes = {q.shape[0] for m in paths for q in by_module[m].values() if q.shape}
+    if not paths or len(sizes) != 1 or any(
+            set(by_module[m]) != set(EXPERT_PARAMS) or any(len(q.shape) != 3 for q in by_module[m].values())
+            for m in paths):
+        return (f"the experts are not the fused {' + '.join(EXPERT_PARAMS)} (E, ., .) layout expert "
+                "parallelism runs (Mixtral, Qwen3-MoE)")
+    pset, inside = set(paths), {}
+
+    def owner(path: str) -> str | None:
+        if path not in inside:
+            head = path
+            while head and head not in pset:
+                head = head.rpartition(".")[0]
+            inside[path] = head or None
+        return inside[path]
+
+    mask = np.array([n.op_class not in (OpClass.MOE_ROUTING, OpClass.VIEW) and owner(n.module_path) is not None
+                     for n in graph.nodes], dtype=bool)
+    rows: dict[str, float] = {}
+    for n in graph.nodes:  # routed rows x hidden x itemsize entering each layer's first product
+        m = owner(n.module_path)
+        h = by_module[m]["gate_up_proj"].shape[-1] if m else 0
+        if m and m not in rows and n.op_class is OpClass.MOE_EXPERTS:
+            shape = next((s for s in n.in_shapes if len(s) == 2 and s[-1] == h), None)
+            if shape is not None:
+                rows[m] = shape[0] * h * {"float16": 2, "bfloat16": 2, "float64": 8}.get(n.dtype, 4)
+    if len(rows) != len(paths):
+        return "the traced graph does not show how many tokens reach the experts"
+    expert_params = sum(q.numel for m in paths for q in by_module[m].values())
+    return sizes.pop(), mask, expert_params, PASSES * sum(rows.values()) / graph.batch_size, len(paths)
+
+
+def build_problem(cost, global_batch: int, max_microbatches: int | None = None) -> EPProblem | str | None:
+    """The search's data from a CostModel (symbols: :mod:`fxpar.solvers.expert_plan`); None for a
+    dense model, a reason (text) when this MoE cannot run expert-parallel."""
+    graph, cluster = cost.graph, cost.cluster
+    layout = _moe_layout(graph)
+    if not isinstance(layout, tuple):
+        return layout
+    E, mask, expert_total, D, layers = layout
+    N, P, b = cluster.world_size, graph.param_count - expert_total, float(graph.batch_size)
+    groups = []
+    for g in cluster.groups():
+        nc = cost.node_costs(g)
+        c, a = nc.fwd_c + nc.bwd_c, nc.fwd_a + nc.bwd_a
+        groups.append(EPGroup(key=g.key, ranks=tuple(g.ranks), sample_s=float(c[~mask].sum()),
+                              fixed_s=float(a[~mask].sum()), expert_sample_s=float(c[mask].sum()),
+                              expert_fixed_s=float(a[mask].sum()), memory_bytes=int(g.memory_bytes),
+                              optimizer_s_per_param=cost.optimizer_s(g) / max(graph.param_count, 1)))
+    nodes: dict[int, list[int]] = {}
+    for d in cluster.devices:
+        nodes.setdefault(d.node, []).append(d.rank)
+    eta, order = collectives.LINK_EFFICIENCY, sorted(nodes)
+    shape = collectives.ring_shape(cluster)
+    t1, t2 = collectives.alltoall_time(shape, 2.0 ** 30), collectives.alltoall_time(shape, 2.0 ** 31)
+    saved_x = sum(n.saved_bytes for n, m in zip(graph.nodes, mask) if m) / b
+    state = lambda n: memory.model_state_bytes(n, cost.optimizer, cost.dtype)
+    grads = memory.gradient_bytes(P, cost.optimizer, cost.dtype)
+    return EPProblem(
+        groups=tuple(groups), nodes=tuple(tuple(nodes[j]) for j in order),
+        intra_s_per_byte=tuple(1 / (eta * min(cluster.device(r).intra_node_gbps for r in nodes[j]) * 1e9)
+                               for j in order),
+        nic_s_per_byte=1 / (eta * cluster.inter_node_bytes_per_s()) if len(order) > 1 else 0.0,
+        global_batch=global_batch, num_experts=E, routed_bytes_per_sample=D,
+        a2a_fixed_s=layers * (PASSES * max(2 * t1 - t2, 0.0) + collectives.allgather_time(shape, 8.0 * N * E)),
+        state_bytes=state(P) + (grads if N > 1 else 0), expert_state_bytes=state(expert_total // E),
+        activation_bytes_per_sample=cost.activation_bytes_per_sample() - saved_x + cost.transient_bytes_per_sample(),
+        expert_activation_bytes_per_sample=saved_x, replicated_params=P, expert_params=expert_total // E,
+        allreduce_s=cost.allreduce_s(grads) if N > 1 else 0.0, max_microbatches=max_microbatches)
