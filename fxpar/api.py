@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar import api_checks
 from fxpar.cluster import Cluster
 from fxpar.codegen.data_parallel import DataParallelModule, LossWeighting
 from fxpar.errors import ConfigError, RuntimeSetupError
@@ -71,9 +72,19 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule` or
     :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` — all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
+
+    Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`, or
+    ``timeout=`` of ``init_process_group``): a rank that dies then makes the others' ``step``
+    raise :class:`~fxpar.errors.RuntimeSetupError` within that time instead of waiting for
+    torch's default of 30 minutes.  Bad options raise :class:`~fxpar.errors.ConfigError`
+    naming the keyword and the value (see :mod:`fxpar.api_checks`).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
+    api_checks.check_options(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                             max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn,
+                             loss_weighting=loss_weighting, emulate=emulate,
+                             max_tensor_parallel=max_tensor_parallel, group=group)
     cluster = _as_cluster(cluster)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
@@ -84,13 +95,15 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
         raise RuntimeSetupError(
             f"fxpar.auto: the cluster {cluster.name!r} has {cluster.world_size} devices but this job "
             f"has {world} process{'es' if world != 1 else ''}; {hint}")
+    if example_inputs is not None:
+        rows = api_checks.check_example_inputs(model, example_inputs, loss_fn=loss_fn)
+        if global_batch is None and plan is None:
+            global_batch = rows
     if plan is None:
         if example_inputs is None:
             raise ConfigError("fxpar.auto: example_inputs is required to trace the model (one "
                               "batch its forward accepts, e.g. {'input_ids': ids, 'labels': ids}); "
                               "fxpar.tracing.hf.example_inputs builds one for HF models")
-        if global_batch is None:
-            global_batch = _leading_dim(example_inputs)
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
         plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
@@ -103,6 +116,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
+    else:
+        api_checks.check_plan_fits_model(plan, model)
     if plan.strategy == "expert_parallel":
         from fxpar.codegen.expert_parallel import ExpertParallelModule
 
@@ -112,23 +127,16 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
 
         return TensorParallelModule(model, plan, rank, emulate=emulate)
     if plan.strategy == "pipeline":
-        if example_inputs is None:
-            raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs (one batch with "
-                              "labels) to split the model into stages")
+        if not isinstance(example_inputs, dict):
+            raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs as a dict of "
+                              "keyword inputs with labels (one batch) to split the model into stages; "
+                              f"got {type(example_inputs).__name__}")
         from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
         return PipelineParallelModule(model, plan, rank, example_inputs, emulate=emulate)
     return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
-                              loss_weighting=loss_weighting, emulate=emulate)
-
-
-def _leading_dim(example_inputs: Any) -> int:
-    values = example_inputs.values() if isinstance(example_inputs, dict) else (
-        example_inputs if isinstance(example_inputs, (tuple, list)) else [example_inputs])
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.dim():
-            return int(v.shape[0])
-    raise ConfigError("fxpar.auto: cannot tell the global batch from example_inputs; pass global_batch=")
+                              loss_weighting=loss_weighting, emulate=emulate,
+                              example_inputs=example_inputs)
 
 
 def _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,

@@ -8,15 +8,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn
 
-from fxpar.errors import FxparError, InfeasibleError
+from fxpar.errors import ConfigError, FxparError, InfeasibleError
 
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
+#: --timeline formats (matplotlib's raster and vector writers)
+TIMELINE_SUFFIXES: tuple[str, ...] = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif",
+                                      ".tiff", ".webp")
+MAX_SPEED = 1e3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag prints one line (what was wrong and where to look), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
 def _progress(message: str) -> None:
@@ -33,8 +50,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _speed(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a relative speed such as 0.5, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SPEED):
+        raise argparse.ArgumentTypeError(f"expected a relative speed in (0, {MAX_SPEED:g}], got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxpar", description=(
+    parser = _Parser(prog="fxpar", description=(
         "Automatic parallelization for heterogeneous GPU clusters."))
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -72,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="2-rank gloo training: fxpar vs torch DDP, emulated speeds")
     d.add_argument("--steps", type=_positive, default=5, help="measured steps per method (default 5)")
-    d.add_argument("--speeds", type=float, nargs="+", default=[1.0, 0.5],
+    d.add_argument("--speeds", type=_speed, nargs="+", default=[1.0, 0.5],
                    help="emulated relative speed per rank (default 1.0 0.5)")
     d.add_argument("--json", type=Path, dest="json_out", help="write the figures as JSON here")
     return parser
@@ -87,6 +114,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from fxpar.workload import Workload
 
     start = time.perf_counter()
+    _check_outputs(args)
     if args.scenario is not None:
         if args.cluster is not None or args.model is not None:
             raise ConfigError("fxpar plan: give either --scenario, or --cluster with --model, not both")
@@ -133,6 +161,38 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable_file(flag: str, path: Path) -> None:
+    """``path`` can be written as a file: not a directory, parent creatable."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file path, e.g. {path / 'plan.json'}")
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {parent} is a file, so the folder cannot be created; "
+                          "choose another path")
+
+
+def _writable_dir(flag: str, path: Path) -> None:
+    """``path`` can be (or already is) a directory."""
+    for p in [path, *path.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"{flag} {path}: {p} is a file, not a directory; choose a folder path")
+            return
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Reject output paths that cannot be written before the (slow) planning starts."""
+    if args.json_out is not None:
+        _writable_file("--json", args.json_out)
+    if args.timeline is not None:
+        _writable_file("--timeline", args.timeline)
+        if args.timeline.suffix.lower() not in TIMELINE_SUFFIXES:
+            raise ConfigError(f"--timeline {args.timeline}: unsupported image type "
+                              f"{args.timeline.suffix or '(none)'!r}; use one of {', '.join(TIMELINE_SUFFIXES)}")
+    if args.emit is not None:
+        _writable_dir("--emit", args.emit)
+
+
 def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None:
     from fxpar.planning import trace_spec
     from fxpar.profiling import CostModel
@@ -169,6 +229,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
 
+    _writable_dir("--out", args.out)
     if args.collectives:
         profile_collectives(out=args.out, progress=_progress)
         return 0
@@ -185,6 +246,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from fxpar.demo import run_demo
 
+    if args.json_out is not None:
+        _writable_file("--json", args.json_out)
     figures = run_demo(steps=args.steps, speeds=tuple(args.speeds), progress=_progress)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fxpar: no plan fits: {exc}", file=sys.stderr)
         return EXIT_INFEASIBLE
     except FxparError as exc:
-        print(f"fxpar: error: {exc}", file=sys.stderr)
+        print(f"fxpar: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # a file that cannot be read or written: the user's to fix
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"fxpar: error:{where}: {exc.strerror or exc}; check the path and its permissions",
+              file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("fxpar: interrupted", file=sys.stderr)

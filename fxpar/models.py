@@ -77,6 +77,13 @@ def resolve_model(model: str, task: str | None = None) -> ModelSpec | Any:
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"--model {model}: cannot import {fn_name!r} from {mod_name!r} ({exc})") from None
-        return fn()
+        if not callable(fn):
+            raise ConfigError(f"--model {model}: {mod_name}.{fn_name} is a {type(fn).__name__}, not a "
+                              "function; name a function that returns (module, example_inputs)")
+        try:
+            return fn()
+        except Exception as exc:  # the user's builder failed: say so, in one line
+            raise ConfigError(f"--model {model}: {fn_name}() raised {type(exc).__name__}: {exc}; "
+                              "fix the function so it returns (module, example_inputs)") from exc
     raise ConfigError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}), not a config.json "
                       "file, not module:function")

@@ -269,6 +269,9 @@ def _node_to_dict(node: NodeSpec, repeat: int) -> dict[str, Any]:
 
 def _load_file(file: Path) -> Any:
     """Read and parse a YAML or JSON file, turning every failure into a ConfigError."""
+    if file.is_dir():
+        raise ConfigError(f"{file}: is a directory; pass the path of a cluster or scenario file "
+                          f"inside it (ending in {', '.join(FILE_SUFFIXES)})")
     if file.suffix.lower() not in FILE_SUFFIXES:
         raise ConfigError(f"{file}: unsupported file type {file.suffix!r}; expected a cluster or "
                           f"scenario file ending in {', '.join(FILE_SUFFIXES)}")

@@ -16,11 +16,16 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 import torch.distributed as dist
 
-from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.distributed import is_comm_failure, peer_failures
 from fxpar.runtime.emulation import SpeedEmulator, timed
 
 LossWeighting = Literal["auto", "samples", "tokens"]
+LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "tokens")
+#: Errors a model's forward raises on a batch it cannot take (wrapped with the batch's layout).
+_FORWARD_ERRORS = (TypeError, ValueError, IndexError, KeyError, RuntimeError)
 BUCKET_BYTES = 25 * 2**20
 IGNORE_INDEX = -100
 
@@ -83,8 +88,15 @@ class DataParallelModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *,
                  group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  loss_weighting: LossWeighting = "auto", emulate: bool = True,
-                 broadcast_parameters: bool = True) -> None:
+                 broadcast_parameters: bool = True, example_inputs: Any = None) -> None:
         super().__init__()
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ConfigError(f"DataParallelModule: loss_weighting = {loss_weighting!r}: accepted values "
+                              f"are {', '.join(LOSS_WEIGHTINGS)} ('tokens' weights ranks by label "
+                              "tokens, 'samples' by rows, 'auto' picks tokens for HF models)")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(f"DataParallelModule: loss_fn = {loss_fn!r:.60} is not callable; pass "
+                              "a function (output, batch) -> scalar loss tensor, or None")
         if plan.strategy != "data_parallel":
             raise PlanError(f"DataParallelModule needs a data_parallel plan, got {plan.strategy!r}")
         if not 0 <= rank < plan.world_size:
@@ -101,8 +113,13 @@ class DataParallelModule(torch.nn.Module):
         rp = plan.ranks[rank]
         self.emulator = SpeedEmulator(rp.speed if (emulate and plan.emulated) else 1.0)
         self.last_timing: StepTiming | None = None
+        #: dtypes of the traced inputs, for step()'s batch checks
+        self._input_specs = checks.input_specs(example_inputs)
+        vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         if broadcast_parameters and self._distributed:
-            self._broadcast_from_rank0()
+            with peer_failures("DataParallelModule: broadcast of rank 0's weights", rank):
+                self._broadcast_from_rank0()
 
     # ---- plumbing ---------------------------------------------------------------------------
     @property
@@ -163,20 +180,18 @@ class DataParallelModule(torch.nn.Module):
         global item count is summed over the ranks.
         The caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``."""
         rp = self.plan.ranks[self.rank]
+        self._check_batch(batch, local)
         if local:
-            if _batch_len(batch) != rp.batch_share:
-                raise PlanError(f"ParallelModule.step(local=True): rank {self.rank} got "
-                                f"{_batch_len(batch)} samples, its plan share is {rp.batch_share}; "
-                                "load the rows batch_rows() names")
             total = torch.tensor([count_items(batch, self.loss_weighting, self.causal)], dtype=torch.float64)
             if self._distributed:
-                dist.all_reduce(total, group=self.group)
+                with peer_failures(f"{type(self).__name__}.step: item count all-reduce", self.rank):
+                    dist.all_reduce(total, group=self.group)
             total_items = int(total.item())
         else:
             total_items = count_items(batch, self.loss_weighting, self.causal)
         if total_items <= 0:
-            raise PlanError("ParallelModule.step: the batch has no items to train on "
-                            "(all labels are -100?)")
+            raise PlanError(f"{type(self).__name__}.step: the batch has no items to train on: every "
+                            "label is -100 (ignored) on every rank; give at least one real label")
         local_batch = batch if local else self.shard_batch(batch)
         loss_sum = torch.zeros((), dtype=torch.float32)
         compute = emulated = 0.0
@@ -184,10 +199,10 @@ class DataParallelModule(torch.nn.Module):
             if rp.batch_share:
                 for mb in _split(local_batch, rp.micro_batch_size, rp.num_microbatches):
                     items = count_items(mb, self.loss_weighting, self.causal)
-                    if _batch_len(mb) == 0:
-                        continue
+                    if _batch_len(mb) == 0 or (items == 0 and self.loss_weighting == "tokens"):
+                        continue  # no label tokens: contributes nothing (its own mean would be NaN)
                     with timed() as t_fwd:
-                        loss = self.loss_fn(self.module(**mb) if isinstance(mb, Mapping) else self.module(mb), mb)
+                        loss = self._forward_loss(mb)
                     emulated += self.emulator.stretch(t_fwd.seconds)
                     weight = items / total_items
                     with timed() as t_bwd:
@@ -195,11 +210,55 @@ class DataParallelModule(torch.nn.Module):
                     emulated += self.emulator.stretch(t_bwd.seconds)
                     compute += t_fwd.seconds + t_bwd.seconds
                     loss_sum += loss.detach().float() * weight
-            with timed() as t_comm:
+            with timed() as t_comm, peer_failures(
+                    f"{type(self).__name__}.step: gradient all-reduce", self.rank):
                 global_loss = self._allreduce_gradients(loss_sum)
         self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated,
                                       comm_s=t_comm.seconds, total_s=total.seconds)
         return global_loss
+
+    def _check_batch(self, batch: Any, local: bool) -> None:
+        """Clear errors for a batch that does not fit the plan or the traced model (before any
+        compute or collective; every rank sees the same global batch and raises alike)."""
+        name = f"{type(self).__name__}.step"
+        where = f"{name}(local=True)" if local else name
+        rows = checks.batch_rows(batch, where)
+        if local:
+            share = self.plan.ranks[self.rank].batch_share
+            if rows != share:
+                start, stop = self.batch_rows()
+                raise PlanError(f"{where}: rank {self.rank} got {rows} samples ({checks.describe(batch)}) "
+                                f"but its plan share is {share}; load the rows batch_rows() names "
+                                f"({start}..{stop - 1} of each global batch)")
+        elif rows != self.plan.global_batch:
+            raise PlanError(f"{where}: the batch has {rows} samples ({checks.describe(batch)}) but the "
+                            f"plan's global_batch is {self.plan.global_batch}; feed the global batch the "
+                            f"plan was made for{f', or re-plan with global_batch={rows}' if rows else ''}")
+        checks.check_like_example(batch, self._input_specs, where, exact_shapes=False, require_keys=False)
+        if (self.loss_fn is _default_loss and isinstance(batch, Mapping) and "labels" in self._input_specs
+                and "labels" not in batch):
+            raise PlanError(f"{where}: the batch has no 'labels' ({checks.describe(batch)}); the model "
+                            "computes its loss from them, as in example_inputs: add labels, or give "
+                            "fxpar.auto(..., loss_fn=lambda output, batch: ...)")
+        checks.check_token_ids(batch, self._vocab_size, where)
+        if not local:
+            checks.check_labels_present(batch, where, causal=self.causal)
+
+    def _forward_loss(self, mb: Any) -> torch.Tensor:
+        """The loss of one micro-batch; a forward that rejects the batch becomes a ConfigError."""
+        try:
+            output = self.module(**mb) if isinstance(mb, Mapping) else self.module(mb)
+        except _FORWARD_ERRORS as exc:
+            if isinstance(exc, torch.OutOfMemoryError) or is_comm_failure(exc):
+                raise
+            missing = [k for k in self._input_specs if isinstance(mb, Mapping) and k not in mb]
+            lacks = f"; the batch lacks {missing}, which example_inputs had" if missing else ""
+            raise ConfigError(
+                f"{type(self).__name__}.step: {type(self.module).__name__}'s forward rejected rank "
+                f"{self.rank}'s micro-batch {checks.describe(mb)}{lacks}: {type(exc).__name__}: "
+                f"{str(exc).strip()[:300].rstrip('.')}. Pass batches like example_inputs (same keys, dtypes, "
+                "and per-sample shapes the model accepts)") from exc
+        return self.loss_fn(output, mb)
 
     def _allreduce_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.requires_grad]

@@ -16,6 +16,7 @@ carries the same number of label tokens (unpadded language-model batches).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_split import split_stages
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.emulation import SpeedEmulator
 
 
@@ -91,6 +94,12 @@ class PipelineParallelModule(torch.nn.Module):
         one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
                for k, v in example_inputs.items()}
         modules, self.input_names = split_stages(model, one, layer_to_stage(plan, blocks), S)
+        #: dtype and per-sample shape of each traced input: the stages' buffers are built for them
+        self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+        name = type(model).__name__
+        self._causal = name.endswith(("ForCausalLM", "LMHeadModel"))
         names: dict[int, list[str]] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(fqn)
@@ -184,34 +193,56 @@ class PipelineParallelModule(torch.nn.Module):
         """1F1B over this pipeline's share of ``batch`` (the global batch; with ``local=True``
         only this pipeline's rows, ``batch_rows()``); returns the global loss on every rank.
         The caller runs the optimizer step."""
-        missing = [n for n in self.input_names if n not in batch]
-        if missing:
-            raise PlanError(f"step: the batch lacks {missing}; the traced model takes {list(self.input_names)}")
         lo, hi = self.batch_rows()
         expected = hi - lo if local else self.plan.global_batch
-        first = batch[self.input_names[0]]
-        if int(first.shape[0]) != expected:
-            raise PlanError(f"step: the batch has {int(first.shape[0])} samples, the plan expects "
-                            f"{expected}{' (this pipeline' + chr(39) + 's rows)' if local else ''}")
+        self._check_batch(batch, local, expected)
         if local:
             lo, hi = 0, expected
         local_inputs = tuple(batch[n][lo:hi] for n in self.input_names)
         S = len(self.plan.stages)
         target = torch.zeros(hi - lo)
         losses: list[torch.Tensor] = []
-        if self.stage_index == 0:
-            self.schedule.step(*local_inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
-        elif self.stage_index == S - 1:
-            self.schedule.step(target=target, losses=losses)
-        else:
-            self.schedule.step()
-        self._sync_gradients()
-        loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
-        dist.broadcast(loss, src=self.chain[-1], group=self.pp_group)
-        if self.plan.pipelines > 1:
-            dist.all_reduce(loss, group=self.dp_group)
-            loss /= self.plan.pipelines
+        with peer_failures(f"PipelineParallelModule.step (stage {self.stage_index})", self.rank):
+            if self.stage_index == 0:
+                self.schedule.step(*local_inputs, target=target if S == 1 else None,
+                                   losses=losses if S == 1 else None)
+            elif self.stage_index == S - 1:
+                self.schedule.step(target=target, losses=losses)
+            else:
+                self.schedule.step()
+            self._sync_gradients()
+            loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
+            dist.broadcast(loss, src=self.chain[-1], group=self.pp_group)
+            if self.plan.pipelines > 1:
+                dist.all_reduce(loss, group=self.dp_group)
+                loss /= self.plan.pipelines
         return loss
+
+    def _check_batch(self, batch: Any, local: bool, expected: int) -> None:
+        """Clear errors, before any send or receive, for a batch the stages cannot take (every
+        rank of the pipeline checks the same batch, so all raise alike; none waits forever)."""
+        where = "PipelineParallelModule.step" + ("(local=True)" if local else "")
+        if not isinstance(batch, Mapping):
+            raise PlanError(f"{where}: the batch has type {type(batch).__name__}; a pipeline takes a "
+                            f"dict with the traced inputs {list(self.input_names)}")
+        missing = [n for n in self.input_names if n not in batch]
+        if missing:
+            raise PlanError(f"{where}: the batch lacks {missing}; the traced model takes "
+                            f"{list(self.input_names)} (the keys of example_inputs)")
+        rows = checks.batch_rows({n: batch[n] for n in self.input_names}, where)
+        if rows != expected:
+            whose = "this pipeline's share (the rows batch_rows() names)" if local else "the plan's global_batch"
+            raise PlanError(f"{where}: the batch has {rows} samples ({checks.describe(batch)}) but "
+                            f"{whose} is {expected}; feed batches of {expected} samples"
+                            + (f", or re-plan with global_batch={rows * (self.plan.pipelines if local else 1)}"
+                               if rows else ""))
+        checks.check_like_example(batch, self._input_specs, where, exact_shapes=True, require_keys=True)
+        checks.check_token_ids(batch, self._vocab_size, where)
+        per = self.plan.global_batch // self.plan.pipelines
+        size = per // max(1, self.plan.num_microbatches)
+        starts = range(0, expected, size) if size else ()
+        checks.check_labels_present(batch, where, causal=self._causal,
+                                    chunks=[(s, min(s + size, expected)) for s in starts])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the *whole* model's gradient: squares summed over this pipeline's

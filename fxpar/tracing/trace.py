@@ -13,7 +13,11 @@ is counted once, by its first saver.  Attention also keeps its output and log-su
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+import sys
 import time
 import traceback
 from typing import Any, Mapping
@@ -76,31 +80,70 @@ def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
     return args, kwargs
 
 
+_NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # a failed export logs whole graphs; the TraceError below says what matters
+        log.setLevel(logging.ERROR)
+    captured = io.StringIO()  # a failed export prints its partial graph to stderr: keep it out
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with contextlib.redirect_stderr(captured):
+            program = torch.export.export(model, args, kwargs, strict=False)
+        sys.stderr.write(captured.getvalue())  # a successful export's warnings still show
+        return program
     except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear error
-        where = _model_frame(exc)
+        where = _model_frame(model, exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        data_dependent = "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__
+        general = ("pass example_inputs that match the model's forward (names and shapes); for HF "
+                   "models keep use_cache=False and set attn_implementation='sdpa' or 'eager'")
+        hint = ("branching or indexing on a tensor's *value* (if x.sum() > 0, int(x.item()), ...) "
+                "does not export: use torch.where / torch.cond, or move the decision out of "
+                f"forward; else {general}" if data_dependent else
+                f"{general}; data-dependent Python control flow on tensor values does not export")
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{where}: "
             f"{type(exc).__name__}: {first[:400]}\n"
-            "What may help: pass example_inputs that match the model's forward (names and "
-            "shapes); for HF models keep use_cache=False and set attn_implementation='sdpa' or "
-            "'eager'; data-dependent Python control flow on tensor values does not export "
+            f"What may help: {hint} "
             "(see https://pytorch.org/docs/stable/export.html#limitations-of-torch-export)"
         ) from None
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
 
 
-def _model_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch: usually the model line that failed."""
+def _model_frame(model: torch.nn.Module, exc: BaseException) -> str:
+    """Where the export failed: the innermost submodule whose forward was running (its path and
+    class) and the innermost line of model code outside torch (usually the line at fault)."""
     frames = traceback.extract_tb(exc.__traceback__)
+    fxpar_frames = [i for i, f in enumerate(frames) if "fxpar" in f.filename]
+    inside = frames[fxpar_frames[-1] + 1:] if fxpar_frames else frames  # below torch.export
     torch_dir = torch.__file__.rsplit("/", 1)[0]
-    mine = [f for f in frames if not f.filename.startswith(torch_dir) and "fxpar" not in f.filename]
-    if not mine:
-        return ""
-    f = mine[-1]
-    return f" (failing at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}: {f.line})"
+    mine = [f for f in inside if not f.filename.startswith(torch_dir) and not f.filename.startswith("<")]
+    owner = next((o for o in (_owning_module(model, f) for f in reversed(inside)) if o), "")
+    parts = []
+    if mine:
+        f = mine[-1]
+        parts.append(f"at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else ""))
+    if owner:
+        parts.append(f"in {owner}")
+    return f" (failing {', '.join(parts)})" if parts else ""
+
+
+def _owning_module(model: torch.nn.Module, frame: traceback.FrameSummary) -> str:
+    """``"module 'encoder.layer.3' (BertLayer)"`` when ``frame`` lies in a submodule's
+    forward, else ``""``."""
+    for path, module in model.named_modules():
+        code = getattr(getattr(type(module), "forward", None), "__code__", None)
+        if code is None or code.co_filename != frame.filename or code.co_name != frame.name:
+            continue
+        lines = [line for _, _, line in code.co_lines() if line is not None]
+        if lines and frame.lineno is not None and min(lines) <= frame.lineno <= max(lines):
+            return f"module {path!r} ({type(module).__name__})" if path else ""
+    return ""
 
 
 def _module_path(node: torch.fx.Node) -> str:

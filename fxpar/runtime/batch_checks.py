@@ -1,0 +1,166 @@
+"""Checks of the batch given to ``pmodel.step``, run before any compute or collective.
+
+Every rank receives the same global batch, so every rank raises the same clear error and no
+rank is left waiting in a collective.  The messages name the key, the value found, what the
+plan or the traced model expects, and what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxpar.errors import ConfigError, PlanError
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """What one traced input looked like: dtype and the shape after the batch dimension."""
+
+    dtype: torch.dtype
+    trailing: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}[B, {', '.join(map(str, self.trailing))}]" \
+            if self.trailing else f"{str(self.dtype).removeprefix('torch.')}[B]"
+
+
+def input_specs(example_inputs: Any) -> dict[str, InputSpec]:
+    """``{key: InputSpec}`` for the batched tensors of a dict of example inputs ({} otherwise)."""
+    if not isinstance(example_inputs, Mapping):
+        return {}
+    return {str(k): InputSpec(v.dtype, tuple(int(s) for s in v.shape[1:]))
+            for k, v in example_inputs.items() if isinstance(v, torch.Tensor) and v.dim()}
+
+
+def _entries(batch: Any) -> list[tuple[str, Any]]:
+    if isinstance(batch, Mapping):
+        return [(repr(k) if not isinstance(k, str) else k, v) for k, v in batch.items()]
+    return [(f"[{i}]", v) for i, v in enumerate(batch)]
+
+
+def describe(batch: Any) -> str:
+    """``{input_ids: int64[8, 16], labels: int64[8, 16]}``, for error messages."""
+    if isinstance(batch, torch.Tensor):
+        return f"tensor {str(batch.dtype).removeprefix('torch.')}{list(batch.shape)}"
+    if not isinstance(batch, (Mapping, tuple, list)):
+        return type(batch).__name__
+    parts = []
+    for key, v in _entries(batch)[:8]:
+        shown = (f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" if isinstance(v, torch.Tensor)
+                 else type(v).__name__)
+        parts.append(f"{key}: {shown}")
+    return "{" + ", ".join(parts) + (", ..." if len(batch) > 8 else "") + "}"
+
+
+def batch_rows(batch: Any, where: str) -> int:
+    """The number of samples in ``batch``: the leading dimension that all its batched tensors
+    share.  Raises a clear error for a batch of the wrong type or with disagreeing rows."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise PlanError(f"{where}: the batch is a 0-dimensional tensor; pass a batch whose "
+                            "first dimension is the samples")
+        return int(batch.shape[0])
+    if isinstance(batch, (tuple, list)) and batch and all(isinstance(b, Mapping) for b in batch):
+        raise PlanError(f"{where}: the batch is a {type(batch).__name__} of {len(batch)} dicts; "
+                        "collate the samples into one dict of tensors (a DataLoader's default "
+                        "collate does) and pass that")
+    if not isinstance(batch, (Mapping, tuple, list)) or isinstance(batch, (str, bytes)):
+        raise PlanError(f"{where}: the batch has type {type(batch).__name__} ({batch!r:.60}); pass "
+                        "the global batch as a dict of tensors (HF models: input_ids, labels, ...), "
+                        "a tuple of tensors or one tensor, first dimension = samples")
+    rows: dict[str, int] = {}
+    for key, v in _entries(batch):
+        if isinstance(v, torch.Tensor) and v.dim():
+            rows[key] = int(v.shape[0])
+    if not rows:
+        raise PlanError(f"{where}: the batch {describe(batch)} holds no tensor with a batch "
+                        "dimension; pass tensors whose first dimension is the samples")
+    if len(set(rows.values())) > 1:
+        first = next(iter(rows))
+        odd = next(k for k, n in rows.items() if n != rows[first])
+        raise PlanError(f"{where}: the batch's tensors disagree on the number of samples: {first} "
+                        f"has {rows[first]} rows but {odd} has {rows[odd]} ({describe(batch)}); every "
+                        "tensor's first dimension must be the same sample count")
+    return next(iter(rows.values()))
+
+
+def check_rows(batch: Any, expected: int, where: str, *, what: str, remedy: str) -> int:
+    """:func:`batch_rows`, and that it equals ``expected`` (``what`` says whose count that is)."""
+    rows = batch_rows(batch, where)
+    if rows != expected:
+        raise PlanError(f"{where}: the batch has {rows} samples ({describe(batch)}) but {what} is "
+                        f"{expected}; {remedy}")
+    return rows
+
+
+def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *,
+                       exact_shapes: bool, require_keys: bool) -> None:
+    """Keys, dtypes (and with ``exact_shapes`` the per-sample shapes) as traced."""
+    if not specs or not isinstance(batch, Mapping):
+        return
+    if require_keys:
+        missing = [k for k in specs if k not in batch]
+        if missing:
+            raise PlanError(f"{where}: the batch lacks {missing}; the model was traced with "
+                            f"{list(specs)} (the keys of example_inputs); pass every one of them")
+    for key, spec in specs.items():
+        v = batch.get(key)
+        if not isinstance(v, torch.Tensor) or not v.dim():
+            continue
+        if v.dtype.is_floating_point != spec.dtype.is_floating_point or (exact_shapes and v.dtype != spec.dtype):
+            raise ConfigError(f"{where}: batch[{key!r}] has dtype {str(v.dtype).removeprefix('torch.')} "
+                              f"but example_inputs[{key!r}] had {str(spec.dtype).removeprefix('torch.')}; "
+                              f"convert it (e.g. batch[{key!r}].to({spec.dtype}))")
+        if exact_shapes and tuple(v.shape[1:]) != spec.trailing:
+            raise PlanError(f"{where}: batch[{key!r}] has shape {list(v.shape)} but the pipeline's "
+                            f"stages were built for {spec.describe()} (from example_inputs); pad or "
+                            f"cut every batch to that shape, or rebuild with example_inputs of the "
+                            "new shape")
+
+
+def check_token_ids(batch: Any, vocab_size: int | None, where: str) -> None:
+    """For HF language models: ``input_ids`` in ``[0, vocab)``, ``labels`` there or -100."""
+    if not isinstance(batch, Mapping) or not vocab_size:
+        return
+    for key, allowed in (("input_ids", ()), ("labels", (IGNORE_INDEX,))):
+        v = batch.get(key)
+        if not isinstance(v, torch.Tensor) or v.numel() == 0 or v.is_floating_point():
+            continue
+        bad = (v < 0) | (v >= vocab_size)
+        for value in allowed:
+            bad &= v != value
+        if bool(bad.any()):
+            example = int(v[bad][0])
+            extra = " or -100 (ignored)" if allowed else ""
+            raise ConfigError(f"{where}: batch[{key!r}] holds {example}, outside the model's "
+                              f"vocabulary 0..{vocab_size - 1}{extra}; check the tokenizer matches "
+                              "the model (config.vocab_size)")
+
+
+def label_tokens(labels: torch.Tensor, causal: bool) -> int:
+    """Label tokens a loss averages over (causal LMs shift labels by one)."""
+    used = labels[..., 1:] if causal and labels.dim() >= 2 else labels
+    return int((used != IGNORE_INDEX).sum())
+
+
+def check_labels_present(batch: Any, where: str, *, causal: bool,
+                         chunks: Sequence[tuple[int, int]] = ()) -> None:
+    """The batch (and each ``(start, stop)`` row range in ``chunks``: micro-batches whose loss is
+    a mean of their own) has at least one label that is not -100."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() == 0 or labels.is_floating_point():
+        return
+    if label_tokens(labels, causal) == 0:
+        raise PlanError(f"{where}: every one of the {labels.numel()} labels is -100 (ignored), so the "
+                        "loss has nothing to average; give at least one real label per batch")
+    for start, stop in chunks:
+        if label_tokens(labels[start:stop], causal) == 0:
+            raise PlanError(f"{where}: the micro-batch of rows {start}..{stop - 1} has labels all -100 "
+                            "(ignored): its mean loss would be NaN; spread real labels over the "
+                            "batch or use fewer micro-batches")

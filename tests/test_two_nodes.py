@@ -1,0 +1,161 @@
+"""Two "nodes" on one machine: network namespaces joined by a veth pair (10.77.0.1/24 and
+10.77.0.2/24), each with its own host name (a UTS namespace), each running
+``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.77.0.1:29400``
+on tests/netns_node.py.  ``fxpar.Cluster.detect()`` must see 2 nodes; after a few fxpar
+data-parallel steps node B's torchrun (and its worker) is killed, and node A must exit with a
+clear error (not hang) within a bound.  A second case freezes node B (SIGSTOP: alive, silent,
+its sockets open), which only the collective timeout of ``init_distributed`` can end.
+
+Needs root, iproute2's ``ip netns`` and util-linux's ``unshare``; without them the test skips
+and says which command failed.  Namespaces and links are removed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ADDR_A, ADDR_B, PORT = "10.77.0.1", "10.77.0.2", 29400
+READY_S = 150.0        # both nodes started, rendezvous, detect, 3 steps (2 shared cores)
+SURVIVOR_EXIT_S = 45.0  # node A's error and torchrun's exit after node B is lost
+COLLECTIVE_TIMEOUT_S = 10.0
+pytestmark = pytest.mark.multirank
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+
+
+def _names() -> dict[str, str]:
+    tag = f"{os.getpid() % 100000}"
+    return {"ns_a": f"fxpa{tag}", "ns_b": f"fxpb{tag}", "if_a": f"fxva{tag}", "if_b": f"fxvb{tag}"}
+
+
+def _setup(n: dict[str, str]) -> None:
+    """Two namespaces and a veth pair between them; skip (saying what failed) if not possible."""
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"network namespaces unavailable: `{tool}` is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces unavailable: `ip netns add` needs root")
+    steps = [
+        ["ip", "netns", "add", n["ns_a"]], ["ip", "netns", "add", n["ns_b"]],
+        ["ip", "link", "add", n["if_a"], "type", "veth", "peer", "name", n["if_b"]],
+        ["ip", "link", "set", n["if_a"], "netns", n["ns_a"]],
+        ["ip", "link", "set", n["if_b"], "netns", n["ns_b"]],
+        ["ip", "-n", n["ns_a"], "addr", "add", f"{ADDR_A}/24", "dev", n["if_a"]],
+        ["ip", "-n", n["ns_b"], "addr", "add", f"{ADDR_B}/24", "dev", n["if_b"]],
+        ["ip", "-n", n["ns_a"], "link", "set", n["if_a"], "up"],
+        ["ip", "-n", n["ns_b"], "link", "set", n["if_b"], "up"],
+        ["ip", "-n", n["ns_a"], "link", "set", "lo", "up"],
+        ["ip", "-n", n["ns_b"], "link", "set", "lo", "up"],
+    ]
+    for cmd in steps:
+        done = _run(cmd)
+        if done.returncode != 0:
+            _teardown(n)
+            pytest.skip(f"network namespaces unavailable: `{' '.join(cmd)}` failed: "
+                        f"{(done.stderr or done.stdout).strip()}")
+    probe = _run(["ip", "netns", "exec", n["ns_a"], "unshare", "--uts", "true"])
+    if probe.returncode != 0:
+        _teardown(n)
+        pytest.skip(f"UTS namespaces unavailable: `unshare --uts` failed: {probe.stderr.strip()}")
+
+
+def _teardown(n: dict[str, str]) -> None:
+    for ns in (n["ns_a"], n["ns_b"]):  # deleting a namespace deletes its end of the veth pair
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
+    subprocess.run(["ip", "link", "del", n["if_a"]], capture_output=True, timeout=30, check=False)
+
+
+def _node(n: dict[str, str], which: str, out: Path) -> subprocess.Popen:
+    """torchrun for node ``which`` ("a" hosts the rendezvous) in its namespace, own session."""
+    ns, iface = n[f"ns_{which}"], n[f"if_{which}"]
+    addr = ADDR_A if which == "a" else ADDR_B
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDR_A}:{PORT}", "--rdzv-id", "fxpar-two-nodes",
+                "--rdzv-conf", f"is_host={'true' if which == 'a' else 'false'},join_timeout=120",
+                "--local-addr", addr, "--max-restarts", "0",
+                str(ROOT / "tests" / "netns_node.py"), "--out", str(out), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
+    script = f"hostname fxpar-node-{which} && exec " + " ".join(f"'{a}'" for a in torchrun)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "TRANSFORMERS_VERBOSITY": "error",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with open(out / f"node-{which}.log", "w") as log:  # the child keeps its own copy of the fd
+        return subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", script],
+                                cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _signal_node(ns: str, sig: signal.Signals) -> None:
+    """Send ``sig`` to every process in namespace ``ns`` (torchrun's workers run in sessions of
+    their own, so signalling the launcher's process group would miss them)."""
+    listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30, check=False)
+    for pid in listed.stdout.split():
+        try:
+            os.kill(int(pid), sig)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_node(ns: str, proc: subprocess.Popen) -> None:
+    """SIGKILL the whole node (as a crash or power loss would) and reap its launcher."""
+    _signal_node(ns, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("loss", ["killed", "frozen"])
+def test_two_namespaced_nodes_detect_train_and_survive_a_lost_node(tmp_path: Path, loss: str) -> None:
+    n = _names()
+    _setup(n)
+    nodes: dict[str, subprocess.Popen] = {}
+    try:
+        nodes["a"] = _node(n, "a", tmp_path)
+        nodes["b"] = _node(n, "b", tmp_path)
+        deadline = time.monotonic() + READY_S
+        while not all((tmp_path / f"ready-rank{r}").is_file() for r in (0, 1)):
+            for which, proc in nodes.items():
+                if proc.poll() is not None:
+                    pytest.fail(f"node {which} exited early ({proc.returncode}):\n"
+                                + (tmp_path / f"node-{which}.log").read_text()[-4000:])
+            if time.monotonic() > deadline:
+                pytest.fail("the nodes did not reach step 3 in time:\n" + "\n".join(
+                    (tmp_path / f"node-{w}.log").read_text()[-2000:] for w in nodes))
+            time.sleep(0.2)
+        for r in (0, 1):
+            seen = json.loads((tmp_path / f"detect-rank{r}.json").read_text())
+            assert seen["num_nodes"] == 2 and seen["world_size"] == 2, seen
+            assert sorted(seen["hosts"]) == ["fxpar-node-a", "fxpar-node-b"], seen
+
+        killed_at = time.monotonic()
+        if loss == "killed":
+            _kill_node(n["ns_b"], nodes["b"])  # node B's torchrun agent and its worker, at once
+        else:
+            _signal_node(n["ns_b"], signal.SIGSTOP)  # alive but silent: only the timeout helps
+        try:
+            code = nodes["a"].wait(timeout=SURVIVOR_EXIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node A still running {SURVIVOR_EXIT_S:.0f} s after node B was killed:\n"
+                        + (tmp_path / "node-a.log").read_text()[-4000:])
+        took = time.monotonic() - killed_at
+        log = (tmp_path / "node-a.log").read_text()
+        assert code != 0, log[-4000:]
+        errors = [line for line in log.splitlines() if line.startswith("NODE-ERROR")]
+        assert errors, log[-4000:]
+        assert "RuntimeSetupError" in errors[0] and "check the other ranks' logs" in errors[0], errors[0]
+        print(f"node A exited ({code}) {took:.1f} s after node B was {loss}")
+        if loss == "frozen":  # the collective timeout, not a closed connection, ended the wait
+            assert took >= COLLECTIVE_TIMEOUT_S - 1, took
+    finally:
+        for which, proc in nodes.items():
+            _kill_node(n[f"ns_{which}"], proc)
+        _teardown(n)
