@@ -263,7 +263,8 @@ class TensorParallelModule(torch.nn.Module):
         t2 = time.perf_counter()
         global_loss = self._sync_gradients(loss_sum)
         t3 = time.perf_counter()
-        self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated, comm_s=t3 - t2,
+        self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated,
+                                      comm_s=self.clock.comm_s + (t3 - t2),  # TP + DP collectives
                                       total_s=t3 - t0)
         return global_loss
 
