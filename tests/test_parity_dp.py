@@ -67,3 +67,17 @@ def test_world_size_mismatch_is_clear(pool2):
 def test_infeasible_plan_raises_on_every_rank(pool2):
     for msg in pool2.run(infeasible_on_every_rank):
         assert "short by" in msg
+
+
+def test_bf16_plan_runs_mixed_precision_like_one_process(pool2):
+    """dtype bf16: the forward runs under autocast with fp32 master weights and gradients.  bf16
+    rounding depends on how the batch is cut into matmuls, so the tolerance is bf16's: loss within
+    1e-2 relative, each gradient within 5% in norm of the single-process autocast gradient."""
+    from tests.workers import dp_autocast_parity
+
+    for r in pool2.run(dp_autocast_parity, "bf16", [1.0, 0.5]):
+        print(f"[bf16] loss {r['loss']:.5f} vs {r['ref_loss']:.5f}, grad rel-norm diff {r['max_grad_rel_norm_diff']:.2e}")
+        assert r["grad_dtypes"] == ["torch.float32"]
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-2 * abs(r["ref_loss"]), r
+        assert r["max_grad_rel_norm_diff"] <= 0.05, r
+        assert r["shares"][0] > r["shares"][1]

@@ -270,3 +270,27 @@ def _local_slice(name, local_shape, full_shape, ref, shares, rank):
     sizes[-1] = total - sum(sizes[:-1])
     start = sum(sizes[:rank])
     return ref.narrow(dim, start, sizes[rank])
+
+
+def dp_autocast_parity(dtype: str, speeds: list[float], batch: int = 6, seq: int = 16) -> dict:
+    """A data-parallel plan with ``dtype`` bf16 (mixed precision, fp32 master weights) against one
+    process running the same forward under ``torch.autocast``."""
+    from fxpar.runtime.precision import AUTOCAST_DTYPES
+
+    rank = dist.get_rank()
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    cluster = fxpar.Cluster.emulated(speeds)
+    data = global_batch(model, batch, seq, seed=1)
+    plan = dataclasses.replace(dp_only_plan(model, cluster, data, batch), dtype=dtype)
+    pm = fxpar.auto(model, cluster, data, global_batch=batch, emulate=False, plan=plan)
+    loss = pm.step(data)
+    with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[dtype]):
+        ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.float().backward()
+    names = dict(reference.named_parameters())
+    rel = max(((p.grad - names[n].grad).norm() / names[n].grad.norm().clamp_min(1e-12)).item()
+              for n, p in pm.module.named_parameters())
+    dtypes = {str(p.grad.dtype) for p in pm.module.parameters()}
+    return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel,
+            "grad_dtypes": sorted(dtypes), "shares": list(pm.plan.batch_shares)}

@@ -21,6 +21,7 @@ from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.distributed import is_comm_failure, peer_failures
 from fxpar.runtime.emulation import SpeedEmulator, timed
+from fxpar.runtime.precision import autocast_for
 
 LossWeighting = Literal["auto", "samples", "tokens"]
 LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "tokens")
@@ -247,7 +248,8 @@ class DataParallelModule(torch.nn.Module):
     def _forward_loss(self, mb: Any) -> torch.Tensor:
         """The loss of one micro-batch; a forward that rejects the batch becomes a ConfigError."""
         try:
-            output = self.module(**mb) if isinstance(mb, Mapping) else self.module(mb)
+            with autocast_for(self.plan.dtype, self.module):  # fp16/bf16 plans: mixed precision
+                output = self.module(**mb) if isinstance(mb, Mapping) else self.module(mb)
         except _FORWARD_ERRORS as exc:
             if isinstance(exc, torch.OutOfMemoryError) or is_comm_failure(exc):
                 raise
@@ -258,7 +260,7 @@ class DataParallelModule(torch.nn.Module):
                 f"{self.rank}'s micro-batch {checks.describe(mb)}{lacks}: {type(exc).__name__}: "
                 f"{str(exc).strip()[:300].rstrip('.')}. Pass batches like example_inputs (same keys, dtypes, "
                 "and per-sample shapes the model accepts)") from exc
-        return self.loss_fn(output, mb)
+        return self.loss_fn(output, mb).float()
 
     def _allreduce_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.requires_grad]

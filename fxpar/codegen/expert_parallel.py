@@ -59,6 +59,7 @@ from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.emulation import SegmentClock as _Clock
 from fxpar.runtime.emulation import SpeedEmulator
+from fxpar.runtime.precision import autocast_for
 
 EXPERT_PARAMS: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
@@ -337,7 +338,8 @@ class ExpertParallelModule(torch.nn.Module):
         for mb in _micro_batches(mine, rp.micro_batch_size, rp.num_microbatches):
             weight = count_items(mb, self.weighting, self.causal) / total_items
             kwargs = {"use_cache": False, **mb} if hasattr(self.module, "config") else mb
-            loss = self.loss_fn(self.module(**kwargs), mb)
+            with autocast_for(self.plan.dtype, self.module):
+                loss = self.loss_fn(self.module(**kwargs), mb).float()
             (loss * weight).backward()
             loss_sum += loss.detach().float() * weight
         self.clock.stop()

@@ -74,6 +74,11 @@ class PipelineParallelModule(torch.nn.Module):
                                     "re-plan with max_tensor_parallel=1")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
+        if plan.dtype != "fp32":
+            raise RuntimeSetupError(
+                f"this pipeline plan says dtype {plan.dtype!r}, but pipeline stages run fp32 in this "
+                "fxpar version (their p2p buffers are fixed at set-up); plan with dtype='fp32', or use "
+                "a data-, tensor- or expert-parallel plan, which run fp16/bf16 under autocast")
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank = plan, rank
         self._original = [model]  # a list: not registered as a submodule (saving only)

@@ -51,6 +51,7 @@ from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.errors import PlanError
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.precision import autocast_for
 
 
 def _all_reduce(t: torch.Tensor, group: Any, clock: SegmentClock | None) -> None:
@@ -253,7 +254,8 @@ class TensorParallelModule(torch.nn.Module):
                 items = count_items(mb, self.weighting, self.causal)
                 if items == 0 or _batch_len(mb) == 0:  # the whole group skips it: same rows
                     continue
-                loss = _loss(self.module(**{"use_cache": False, **mb}))
+                with autocast_for(self.plan.dtype, self.module):
+                    loss = _loss(self.module(**{"use_cache": False, **mb})).float()
                 weight = items / total_items
                 (loss * weight).backward()
                 loss_sum += loss.detach().float() * weight
