@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--output-dir", default="trainer-out")
     ap.add_argument("--slow-down", help="RANK:SPEED:STEP")
     ap.add_argument("--no-shuffle", action="store_true")
-    ap.add_argument("--eval", action="store_true", help="evaluate on held-out data after training (DP plans)")
+    ap.add_argument("--eval", action="store_true", help="evaluate on held-out data after training")
     ap.add_argument("--save-steps", type=int, default=0, help="write checkpoint-N every N steps")
     ap.add_argument("--resume", help="resume from this checkpoint-N folder (or 'last')")
     ap.add_argument("--out", help="write losses / step times / events JSON here (rank 0)")

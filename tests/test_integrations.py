@@ -148,11 +148,14 @@ def test_trainer_pipeline_matches_single_process_and_resumes(tmp_path, trainer_r
     (tmp_path / "pp.json").write_text(plan.to_json())
     cfg = _write_config(tmp_path, speeds=[1.0, 0.5], plan=str(tmp_path / "pp.json"))
     _torchrun("train_trainer.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
-                                   "--out", "run.json", "--output-dir", "saved", "--save-steps", "4"],
+                                   "--out", "run.json", "--output-dir", "saved", "--save-steps", "4", "--eval"],
               {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["plan"]["strategy"] == "pipeline"
-    ref_losses, ref_weights, _ = trainer_reference
+    ref_losses, ref_weights, ref_eval = trainer_reference
+    # evaluation through the pipeline's forward-only schedule (weights differ by <= 1e-4 here)
+    print(f"[parity] pipeline eval loss {run['eval_loss']:.6f} vs {ref_eval:.6f}")
+    assert abs(run["eval_loss"] - ref_eval) < 1e-4, (run["eval_loss"], ref_eval)
     diffs = [abs(a - b) for a, b in zip(run["losses"], ref_losses)]
     print(f"[parity] max |loss diff| over {len(diffs)} steps: {max(diffs):.2e}")
     assert len(run["losses"]) == STEPS and max(diffs) < LOSS_TOL, (run["losses"], ref_losses)

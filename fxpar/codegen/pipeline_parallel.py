@@ -198,6 +198,15 @@ class PipelineParallelModule(torch.nn.Module):
         """1F1B over this pipeline's share of ``batch`` (the global batch; with ``local=True``
         only this pipeline's rows, ``batch_rows()``); returns the global loss on every rank.
         The caller runs the optimizer step."""
+        return self._run(batch, local, train=True)
+
+    def eval_loss(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
+        """The loss of ``batch`` (same rows as :meth:`step`) by a forward-only pass of the
+        schedule, without gradients; the same value on every rank."""
+        with torch.no_grad():
+            return self._run(batch, local, train=False)
+
+    def _run(self, batch: dict[str, torch.Tensor], local: bool, *, train: bool) -> torch.Tensor:
         lo, hi = self.batch_rows()
         expected = hi - lo if local else self.plan.global_batch
         self._check_batch(batch, local, expected)
@@ -207,15 +216,17 @@ class PipelineParallelModule(torch.nn.Module):
         S = len(self.plan.stages)
         target = torch.zeros(hi - lo)
         losses: list[torch.Tensor] = []
-        with peer_failures(f"PipelineParallelModule.step (stage {self.stage_index})", self.rank):
+        run = self.schedule.step if train else self.schedule.eval
+        what = "step" if train else "eval_loss"
+        with peer_failures(f"PipelineParallelModule.{what} (stage {self.stage_index})", self.rank):
             if self.stage_index == 0:
-                self.schedule.step(*local_inputs, target=target if S == 1 else None,
-                                   losses=losses if S == 1 else None)
+                run(*local_inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
             elif self.stage_index == S - 1:
-                self.schedule.step(target=target, losses=losses)
+                run(target=target, losses=losses)
             else:
-                self.schedule.step()
-            self._sync_gradients()
+                run()
+            if train:
+                self._sync_gradients()
             loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
             dist.broadcast(loss, src=self.chain[-1], group=self.pp_group)
             if self.plan.pipelines > 1:

@@ -23,7 +23,9 @@ model, and Accelerate would wrap it in DDP):
   piece; loadable under any plan), instead of the Trainer's rank-0 optimizer file, which would
   hold one stage's or one shard's state only;
 * ``train(resume_from_checkpoint=...)`` restores that state when training begins (after the
-  Trainer has built the optimizer), and the Trainer skips the batches already trained.
+  Trainer has built the optimizer), and the Trainer skips the batches already trained;
+* evaluation: data-parallel plans use the Trainer's sharded loader; other plans load their
+  group's rows like training, and pipelines run a forward-only pass of their schedule.
 
 :class:`FxparCallback` times every step on every rank, adds per-device busy/idle and the
 imbalance to the Trainer's logs, and re-balances batch shares online (see
@@ -148,13 +150,31 @@ class FxparTrainer(Trainer):
             self.fxpar_last_grad_norm = float(model.clip_grad_norm_(self.fxpar_max_grad_norm))
         return loss.detach().to(self.args.device)
 
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """Data-parallel plans: the Trainer's own (sharded) loader.  Other plans: each rank loads
+        its group's rows of every global batch, as in training (a tensor-parallel group or a
+        pipeline needs the same rows on all its ranks); a last partial batch is dropped."""
+        if self.model.plan.strategy == "data_parallel":
+            return super().get_eval_dataloader(eval_dataset)
+        data = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if data is None:
+            raise ConfigError("FxparTrainer.evaluate: no eval_dataset; pass one to evaluate() or the Trainer")
+        sampler = ShareBatchSampler(len(data), self.fxpar_global_batch, lambda: rank_rows(self.model),
+                                    shuffle=False)
+        return DataLoader(data, batch_sampler=sampler, collate_fn=collate_or_empty(self.data_collator))
+
+    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """The loss only (``prediction_loss_only`` is implied for pipelines: no rank holds the
+        whole model's logits)."""
+        if hasattr(model, "eval_loss"):
+            return model.eval_loss(inputs, local=True).detach(), None, None
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
-        plan = getattr(model, "plan", None)
-        if plan is not None and plan.strategy != "data_parallel":
-            raise ConfigError("FxparTrainer.evaluate: evaluation of pipeline / tensor-parallel plans "
-                              "runs through step-level APIs only; evaluate a data_parallel plan, or "
-                              "the gathered model (save_model then from_pretrained)")
+        """Evaluation forward of the user's model (DP replica; TP/EP forwards run their
+        collectives, so every rank of the group evaluates the same rows)."""
         inner = getattr(model, "module", model)
         outputs = inner(**inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
