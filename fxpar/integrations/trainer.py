@@ -151,16 +151,20 @@ class FxparTrainer(Trainer):
         return loss.detach().to(self.args.device)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """Data-parallel plans: the Trainer's own (sharded) loader.  Other plans: each rank loads
-        its group's rows of every global batch, as in training (a tensor-parallel group or a
-        pipeline needs the same rows on all its ranks); a last partial batch is dropped."""
-        if self.model.plan.strategy == "data_parallel":
+        """Data-parallel plans: the Trainer's own (sharded) loader.  Pipelines: each pipeline's
+        rows of every global batch, as in training (equal for all pipelines).  Tensor- and
+        expert-parallel plans: every rank evaluates the whole global batch (their collectives
+        run inside the forward, and uneven per-rank rows would make the Trainer gather losses
+        of unequal length).  A last partial global batch is dropped."""
+        strategy = self.model.plan.strategy
+        if strategy == "data_parallel":
             return super().get_eval_dataloader(eval_dataset)
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
         if data is None:
             raise ConfigError("FxparTrainer.evaluate: no eval_dataset; pass one to evaluate() or the Trainer")
-        sampler = ShareBatchSampler(len(data), self.fxpar_global_batch, lambda: rank_rows(self.model),
-                                    shuffle=False)
+        batch = self.fxpar_global_batch
+        rows = (lambda: rank_rows(self.model)) if strategy == "pipeline" else (lambda: (0, batch))
+        sampler = ShareBatchSampler(len(data), batch, rows, shuffle=False)
         return DataLoader(data, batch_sampler=sampler, collate_fn=collate_or_empty(self.data_collator))
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
