@@ -99,7 +99,7 @@ def loop_reference():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
