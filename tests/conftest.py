@@ -33,3 +33,11 @@ def pool3():
 
     with WorkerPool(3, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    from fxpar.runtime import WorkerPool
+
+    with WorkerPool(4, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+        yield pool

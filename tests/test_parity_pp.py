@@ -8,17 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from fxpar.runtime import WorkerPool
 from tests.workers import auto_pipeline_parity, pp_gather_and_save, pp_parity
 
 pytestmark = pytest.mark.multirank
 TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-        yield pool
 
 
 def _check(results, n_stages):

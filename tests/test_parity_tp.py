@@ -16,18 +16,11 @@ import fxpar
 from fxpar.codegen.hand_plans import tensor_parallel_plan
 from fxpar.codegen.tp_layout import tp_layout
 from fxpar.errors import PlanError
-from fxpar.runtime import WorkerPool
 from tests.workers import tiny_model, tp_parity
 from tests.workers_tp import tp_dp_parity, tp_dp_save
 
 pytestmark = pytest.mark.multirank
 TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with WorkerPool(4, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-        yield pool
 
 
 def _check(results):

@@ -205,9 +205,8 @@ def save_checkpoint(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     return final
 
 
-def _save_state(layout: Layout, optimizer: torch.optim.Optimizer | None
-                ) -> tuple[dict[str, Any], dict[str, ShardSpec], dict[str, Any]]:
-    """This rank's DCP state dict, its ragged entries, and what goes into the JSON file."""
+def _param_entries(layout: Layout) -> tuple[dict[str, Any], dict[str, ShardSpec]]:
+    """This rank's parameters as DCP entries (in place) and the ragged ones' shard specs."""
     state: dict[str, Any] = {}
     shards: dict[str, ShardSpec] = {}
     for lp in layout.params:
@@ -215,6 +214,13 @@ def _save_state(layout: Layout, optimizer: torch.optim.Optimizer | None
         state[key] = lp.param.detach()
         if lp.shard is not None:
             shards[key] = lp.shard
+    return state, shards
+
+
+def _save_state(layout: Layout, optimizer: torch.optim.Optimizer | None
+                ) -> tuple[dict[str, Any], dict[str, ShardSpec], dict[str, Any]]:
+    """This rank's DCP state dict, its ragged entries, and what goes into the JSON file."""
+    state, shards = _param_entries(layout)
     info: dict[str, Any] = {"parameters": {lp.fqn: list(lp.global_shape) for lp in layout.params},
                             "optimizer": None, "hyper": {}}
     if optimizer is not None:
@@ -326,13 +332,7 @@ def _check_names(path: Path, meta: dict[str, Any], saved: dict[str, tuple[int, .
 def _load_state(layout: Layout, optimizer: torch.optim.Optimizer | None, md: Metadata
                 ) -> tuple[dict[str, Any], dict[str, ShardSpec]]:
     """Destination tensors for DCP: parameters in place, fresh optimizer-state tensors."""
-    state: dict[str, Any] = {}
-    shards: dict[str, ShardSpec] = {}
-    for lp in layout.params:
-        key = MODEL_PREFIX + lp.fqn
-        state[key] = lp.param.detach()
-        if lp.shard is not None:
-            shards[key] = lp.shard
+    state, shards = _param_entries(layout)
     if optimizer is None:
         return state, shards
     saved = saved_optimizer(md)

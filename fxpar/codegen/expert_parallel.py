@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fxpar.codegen.data_parallel import StepTiming, count_items
+from fxpar.codegen.data_parallel import StepTiming, _default_loss, _split, count_items
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
@@ -244,26 +244,6 @@ def shard_experts(model: torch.nn.Module, split: Sequence[int], rank: int, *, gr
     return out
 
 
-def _default_loss(output: Any, batch: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if loss is None:
-        raise PlanError("ExpertParallelModule.step: the model's output has no `loss`; pass labels "
-                        "in the batch or give loss_fn=lambda output, batch: ...")
-    return loss
-
-
-def _micro_batches(batch: Any, size: int, n: int) -> list[Any]:
-    def cut(x: Any, i: int) -> Any:
-        if isinstance(x, Mapping):
-            return {key: cut(v, i) for key, v in x.items()}
-        if isinstance(x, torch.Tensor) and x.dim():
-            return x[i * size:(i + 1) * size]
-        return x
-    return [cut(batch, i) for i in range(n)]
-
-
 class ExpertParallelModule(torch.nn.Module):
     """This rank's module of an ``expert_parallel`` plan (or of a bare expert split with
     ``batch_shares``); ``step(global_batch)`` trains one step and returns the global loss."""
@@ -335,7 +315,7 @@ class ExpertParallelModule(torch.nn.Module):
         loss_sum = torch.zeros((), dtype=torch.float32)
         t0 = time.perf_counter()
         self.clock.start()
-        for mb in _micro_batches(mine, rp.micro_batch_size, rp.num_microbatches):
+        for mb in _split(mine, rp.micro_batch_size, rp.num_microbatches):
             weight = count_items(mb, self.weighting, self.causal) / total_items
             kwargs = {"use_cache": False, **mb} if hasattr(self.module, "config") else mb
             with autocast_for(self.plan.dtype, self.module):

@@ -44,6 +44,7 @@ from fxpar.codegen.data_parallel import (
     BUCKET_BYTES,
     StepTiming,
     _batch_len,
+    _default_loss,
     _split,
     count_items,
 )
@@ -255,7 +256,7 @@ class TensorParallelModule(torch.nn.Module):
                 if items == 0 or _batch_len(mb) == 0:  # the whole group skips it: same rows
                     continue
                 with autocast_for(self.plan.dtype, self.module):
-                    loss = _loss(self.module(**{"use_cache": False, **mb})).float()
+                    loss = _default_loss(self.module(**{"use_cache": False, **mb}), mb).float()
                 weight = items / total_items
                 (loss * weight).backward()
                 loss_sum += loss.detach().float() * weight
@@ -352,16 +353,6 @@ class TensorParallelModule(torch.nn.Module):
             out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
                 global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets))))
         return out
-
-
-def _loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if loss is None:
-        raise PlanError("TensorParallelModule.step: the model's output has no `loss`; pass labels "
-                        "in the batch")
-    return loss
 
 
 def _rows(batch: Any, start: int, stop: int) -> Any:

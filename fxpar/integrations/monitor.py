@@ -89,7 +89,8 @@ class StepMonitor:
         cfg = self.rebalance
         if not cfg.enabled or self.plan.strategy != "data_parallel" or not hasattr(self.pmodel, "set_plan"):
             return None
-        if self._since_change < cfg.warmup_steps + cfg.window:
+        waited = self._since_change - cfg.warmup_steps
+        if waited < cfg.window or waited % cfg.window:  # a fresh window of measurements each time
             return None
         window = self.history[-cfg.window:]
         busy = [statistics.median(rec.busy_s[r] for rec in window) for r in range(self.plan.world_size)]
