@@ -48,8 +48,9 @@ def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, wor
               *, max_tensor_parallel: int = 1) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``.
 
-    Codegen runs uneven data parallelism and pipelines of TP width 1, so
-    ``max_tensor_parallel`` stays 1 unless the caller will run the plan elsewhere."""
+    ``max_tensor_parallel`` > 1 lets pipeline stages be tensor-parallel groups; codegen shards
+    Llama-style blocks (``q/k/v/o_proj``, ``gate/up/down_proj``: Llama, Mistral, Qwen2, ...)
+    and refuses other families' tensor-parallel stages with a clear error."""
     graph = trace(model, _one_sample(example_inputs))
     return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel)
 
@@ -108,11 +109,6 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                             optimizer=optimizer, max_microbatches=max_microbatches)
         plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
                               max_tensor_parallel)
-    elif plan.strategy == "pipeline" and any(st.tensor_parallel != 1 for st in plan.stages):
-        raise RuntimeSetupError(
-            "fxpar.auto: this plan has tensor-parallel stages, which this fxpar version cannot run "
-            "yet (data-parallel plans and pipelines of TP width 1 run); re-plan with "
-            "max_tensor_parallel=1")
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")

@@ -17,27 +17,35 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
                   num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
-                  activation_checkpointing: bool = False, schedule: str = "1F1B") -> Plan:
-    """Stage ``j`` of pipeline ``p`` on rank ``p·S + j``; stage ``j`` owns the next
-    ``blocks_per_stage[j]`` blocks (embeddings go with the first stage, the head with the last)."""
+                  activation_checkpointing: bool = False, schedule: str = "1F1B",
+                  tensor_parallel: list[int] | None = None) -> Plan:
+    """Stage ``j`` owns the next ``blocks_per_stage[j]`` blocks (embeddings go with the first
+    stage, the head with the last) and runs on ``tensor_parallel[j]`` ranks (default 1) of
+    every pipeline, as one tensor-parallel group with even head shares.  Ranks are dealt
+    pipeline by pipeline, stage by stage: with width 1, stage ``j`` of pipeline ``p`` is rank
+    ``p·S + j``."""
     blocks = block_paths(model)
     S = len(blocks_per_stage)
+    widths = list(tensor_parallel) if tensor_parallel is not None else [1] * S
     if sum(blocks_per_stage) != len(blocks) or min(blocks_per_stage) < 1:
         raise PlanError(f"blocks_per_stage {blocks_per_stage} must be positive and sum to the "
                         f"model's {len(blocks)} blocks")
-    if cluster.world_size != S * pipelines:
-        raise PlanError(f"{S} stages x {pipelines} pipelines need {S * pipelines} devices; the "
-                        f"cluster has {cluster.world_size}")
+    if len(widths) != S or min(widths) < 1:
+        raise PlanError(f"tensor_parallel {widths} must give each of the {S} stages a width >= 1")
+    if cluster.world_size != sum(widths) * pipelines:
+        raise PlanError(f"{S} stages of widths {widths} x {pipelines} pipelines need "
+                        f"{sum(widths) * pipelines} devices; the cluster has {cluster.world_size}")
     per = global_batch // pipelines
     if per * pipelines != global_batch or per % num_microbatches:
         raise PlanError(f"global_batch {global_batch} must split into {pipelines} pipelines x "
                         f"{num_microbatches} equal micro-batches")
+    first = [p * sum(widths) + sum(widths[:j]) for p in range(pipelines) for j in range(S)]
     stages, start = [], 0
     for j, n in enumerate(blocks_per_stage):
-        stages.append(StagePlan(index=j, modules=tuple(blocks[start:start + n]),
-                                ranks=tuple(p * S + j for p in range(pipelines)),
-                                data_split=(per,) * pipelines,
-                                device=cluster.device(j).type.name))
+        ranks = tuple(first[p * S + j] + t for p in range(pipelines) for t in range(widths[j]))
+        stages.append(StagePlan(index=j, modules=tuple(blocks[start:start + n]), ranks=ranks,
+                                data_split=(per,) * pipelines, tensor_parallel=widths[j],
+                                device=cluster.device(ranks[0]).type.name))
         start += n
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
                            batch_share=per, micro_batch_size=per // num_microbatches,

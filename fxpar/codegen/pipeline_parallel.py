@@ -15,7 +15,6 @@ carries the same number of label tokens (unpadded language-model batches).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,25 +23,21 @@ import torch.distributed as dist
 
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_split import split_stages
+from fxpar.codegen.pipeline_tp import (
+    DONE,
+    FWD,
+    FWD_NOGRAD,
+    LeadExit,
+    PipelineLayout,
+    StageLink,
+    follow,
+    make_groups,
+)
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.distributed import peer_failures
-from fxpar.runtime.emulation import SpeedEmulator
-
-
-class _Exit(torch.autograd.Function):
-    """Identity that records when the stage's backward starts."""
-
-    @staticmethod
-    def forward(ctx, clock: list, x: torch.Tensor) -> torch.Tensor:
-        ctx.clock = clock
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.clock[0] = time.perf_counter()
-        return None, grad
+from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 
 
 def layer_to_stage(plan: Plan, block_paths: list[str]) -> list[int]:
@@ -69,9 +64,6 @@ class PipelineParallelModule(torch.nn.Module):
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
-        if any(st.tensor_parallel != 1 for st in plan.stages):
-            raise RuntimeSetupError("this fxpar version runs pipeline stages of tensor-parallel width 1; "
-                                    "re-plan with max_tensor_parallel=1")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
         if plan.dtype != "fp32":
@@ -82,15 +74,18 @@ class PipelineParallelModule(torch.nn.Module):
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank = plan, rank
         self._original = [model]  # a list: not registered as a submodule (saving only)
-        self.stage_index = next(j for j, st in enumerate(plan.stages) if rank in st.ranks)
-        self.pipeline_index = plan.stages[self.stage_index].ranks.index(rank)
-        chains = [[plan.stages[j].ranks[p] for j in range(S)] for p in range(P)]
-        # every rank creates every group, in the same order
-        self.pp_groups = [dist.new_group(c) for c in chains]
-        self.dp_groups = [dist.new_group(list(st.ranks)) for st in plan.stages]
-        self.pp_group = self.pp_groups[self.pipeline_index]
-        self.dp_group = self.dp_groups[self.stage_index]
-        self.chain = chains[self.pipeline_index]
+        self.layout = PipelineLayout.of(plan)
+        self.stage_index, self.pipeline_index, self.tp_position = self.layout.where(rank)
+        self.tp_width = self.layout.widths[self.stage_index]
+        self.is_lead = self.tp_position == 0
+        groups = make_groups(self.layout, rank)  # every rank creates every group, in order
+        self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
+        self.pipe_group = groups.pipeline
+        self.chain = self.layout.chain(self.pipeline_index)
+        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        self.clock = SegmentClock(self.emulator)
+        self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index))
+                      if self.tp_width > 1 else None)
 
         from fxpar.tracing.trace import block_path
 
@@ -98,7 +93,12 @@ class PipelineParallelModule(torch.nn.Module):
             b for b in (block_path(n) for n, _ in model.named_modules()) if b is not None))
         one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
                for k, v in example_inputs.items()}
-        modules, self.input_names = split_stages(model, one, layer_to_stage(plan, blocks), S)
+        stage_of = layer_to_stage(plan, blocks)
+        self._blocks, self._stage_of = blocks, stage_of
+        self._sharded = self.layout.tensor_parallel
+        if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
+            self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index])
+        modules, self.input_names = split_stages(model, one, stage_of, S)
         #: dtype and per-sample shape of each traced input: the stages' buffers are built for them
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -111,10 +111,8 @@ class PipelineParallelModule(torch.nn.Module):
         self._aliases = {n: group for group in names.values() for n in group}
         self.module = modules[self.stage_index]
         self.module.checkpointing = plan.activation_checkpointing
-        self._tied = self._tied_groups(modules, chains)
-        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-        self._clock = [0.0]
-        self._wrap_emulation()
+        self._tied = self._tied_groups(modules)
+        self._wrap_stage()
         # exact example inputs/outputs of every stage from one local pass over the chain (every
         # rank holds all stage modules), so PipelineStage skips its runtime shape inference
         # (which runs the stage on uninitialised buffers — fatal for an in-graph loss)
@@ -126,21 +124,61 @@ class PipelineParallelModule(torch.nn.Module):
             if j == self.stage_index:
                 stage_in, stage_out = values, outs
             values = outs
-        self.pipe_stage = PipelineStage(self.module, self.stage_index, S, torch.device("cpu"),
-                                        input_args=stage_in, output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
-                                        group=self.pp_group)
-        schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
-        self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
-                                     loss_fn=lambda output, target: output)
+        self._stage_inputs = stage_in
+        self.pipe_stage = self.schedule = None
+        if self.is_lead:  # followers replay the lead's schedule (pipeline_tp.py)
+            self.pipe_stage = PipelineStage(self.module, self.stage_index, S, torch.device("cpu"),
+                                            input_args=stage_in,
+                                            output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
+                                            group=self.pp_group)
+            schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
+            self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
+                                           loss_fn=lambda output, target: output)
         if P > 1:  # every pipeline starts from the first pipeline's weights
             with torch.no_grad():
                 for _, p in self.module.named_original_parameters():
-                    dist.broadcast(p.data, src=plan.stages[self.stage_index].ranks[0], group=self.dp_group)
+                    dist.broadcast(p.data, src=self.layout.dp_ranks(self.stage_index, self.tp_position)[0],
+                                   group=self.dp_group)
 
     # ---- set-up helpers -----------------------------------------------------------------
-    def _tied_groups(self, modules, chains):
+    def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str]) -> None:
+        """Every rank starts from rank 0's weights; then this rank keeps its position's slice
+        of its own stage's blocks (other stages stay whole: only their boundary shapes are used)."""
+        from fxpar.codegen.tensor_parallel import (
+            shard_model,
+            shardable_blocks,
+            split_sizes,
+        )
+
+        wide = [b for b, j in zip(self._blocks, self._stage_of) if self.layout.widths[j] > 1]
+        unsupported = sorted(set(wide) - shardable_blocks(model))
+        if unsupported:  # checked alike on every rank, before any collective
+            raise PlanError(
+                f"pipeline plan: tensor-parallel stages hold blocks {unsupported[:3]} of "
+                f"{type(model).__name__}, which have no Llama-style attention (q/k/v/o_proj); fxpar's "
+                "tensor-parallel codegen covers Llama, Mistral, Qwen2 and similar blocks — re-plan "
+                "with max_tensor_parallel=1 for this model")
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        if self.tp_width == 1:
+            return
+        config = getattr(model, "config", None)
+        kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+        if not isinstance(kv, int) or kv < self.tp_width:
+            raise PlanError(f"pipeline stage {self.stage_index} has tensor_parallel {self.tp_width}, but "
+                            f"{type(model).__name__} has {kv} key/value head groups to split; "
+                            "re-plan with a smaller max_tensor_parallel")
+        stage = plan.stages[self.stage_index]
+        if stage.tensor_split is not None:
+            shares = list(stage.tensor_split[self.pipeline_index * self.tp_width:][: self.tp_width])
+        else:
+            shares = split_sizes(kv, [1] * self.tp_width)
+        shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks))
+
+    def _tied_groups(self, modules):
         """Parameters held by several stages (tied weights): (this stage's tensor, the group of
-        this pipeline's owning ranks).  Every rank creates every group, in the same order."""
+        this pipeline's owning leads, None on a follower).  Every rank creates every group."""
         owners: dict[int, list[int]] = {}
         tensors: dict[int, torch.Tensor] = {}
         for j, m in enumerate(modules):
@@ -154,36 +192,36 @@ class PipelineParallelModule(torch.nn.Module):
             if len(stages) < 2:
                 continue
             self._first_tie_stage[key] = stages[0]
-            groups = [dist.new_group([chain[j] for j in stages]) for chain in chains]
+            groups = [dist.new_group([self.layout.chain(p)[j] for j in stages])
+                      for p in range(self.plan.pipelines)]
             if self.stage_index in stages:
-                ties.append((tensors[key], groups[self.pipeline_index]))
+                ties.append((tensors[key], groups[self.pipeline_index] if self.is_lead else None))
         return ties
 
-    def _wrap_emulation(self) -> None:
-        inner = self.module.forward
-        emu, clock = self.emulator, self._clock
+    def _wrap_stage(self) -> None:
+        """The lead's stage forward: tell the followers (tensor-parallel stage), time the compute
+        with the emulation clock, and mark the outputs so the backward does both too."""
+        inner, clock, link = self.module.forward, self.clock, self._link
 
         def forward(*args):
-            start = time.perf_counter()
+            grad = torch.is_grad_enabled()
+            if link is not None:
+                link.send(FWD if grad else FWD_NOGRAD, [a for a in args if isinstance(a, torch.Tensor)])
+            clock.start()
             out = inner(*args)
-            emu.stretch(time.perf_counter() - start)
-            if not emu.active:
-                return out
+            clock.stop()
             outs = out if isinstance(out, tuple) else (out,)
-            outs = tuple(_Exit.apply(clock, o) if isinstance(o, torch.Tensor) and o.requires_grad else o
-                         for o in outs)
+            keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not grad or not keep or (link is None and not self.emulator.active):
+                return out
+            marked = iter(LeadExit.apply(link, clock, *(outs[i] for i in keep)))
+            outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
             return outs if isinstance(out, tuple) else outs[0]
 
         self.module.forward = forward
-        if self.emulator.active:
-            params = [p for _, p in self.module.named_original_parameters()]
-
-            def after_backward(_grads) -> None:
-                if clock[0]:
-                    emu.stretch(time.perf_counter() - clock[0])
-                    clock[0] = 0.0
-
-            torch.autograd.graph.register_multi_grad_hook(params, after_backward, mode="all")
+        params = [p for _, p in self.module.named_original_parameters()]
+        if params:
+            torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all")
 
     # ---- training -------------------------------------------------------------------------
     def named_original_parameters(self):
@@ -216,19 +254,28 @@ class PipelineParallelModule(torch.nn.Module):
         S = len(self.plan.stages)
         target = torch.zeros(hi - lo)
         losses: list[torch.Tensor] = []
-        run = self.schedule.step if train else self.schedule.eval
         what = "step" if train else "eval_loss"
         with peer_failures(f"PipelineParallelModule.{what} (stage {self.stage_index})", self.rank):
-            if self.stage_index == 0:
-                run(*local_inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
-            elif self.stage_index == S - 1:
-                run(target=target, losses=losses)
+            if not self.is_lead:
+                follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock)
+                if train:  # the schedule's 1/m on the lead's gradients
+                    for _, p in self.module.named_original_parameters():
+                        if p.grad is not None:
+                            p.grad.div_(self.plan.num_microbatches)
             else:
-                run()
+                run = self.schedule.step if train else self.schedule.eval
+                if self.stage_index == 0:
+                    run(*local_inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
+                elif self.stage_index == S - 1:
+                    run(target=target, losses=losses)
+                else:
+                    run()
+                if self._link is not None:
+                    self._link.send(DONE)
             if train:
                 self._sync_gradients()
             loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
-            dist.broadcast(loss, src=self.chain[-1], group=self.pp_group)
+            dist.broadcast(loss, src=self.chain[-1], group=self.pipe_group)
             if self.plan.pipelines > 1:
                 dist.all_reduce(loss, group=self.dp_group)
                 loss /= self.plan.pipelines
@@ -261,17 +308,23 @@ class PipelineParallelModule(torch.nn.Module):
                                     chunks=[(s, min(s + size, expected)) for s in starts])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the *whole* model's gradient: squares summed over this pipeline's
-        stages (a tied parameter counted once, on its first stage); returns that norm."""
+        """Clip by the norm of the *whole* model's gradient: squares summed over every rank of
+        this pipeline (a tied parameter counted once, on its first stage; a replicated parameter
+        of a tensor-parallel stage once, on its lead; shards on every rank); returns that norm."""
         params = [p for _, p in self.module.named_original_parameters()]
         counted = (p.grad for p in params if p.grad is not None
+                   and (self.is_lead or getattr(p, "fxpar_sharded", False))
                    and self._first_tie_stage.get(id(p), self.stage_index) == self.stage_index)
-        return clip_by_global_norm(counted, params, max_norm, self.pp_group)
+        return clip_by_global_norm(counted, params, max_norm, self.pipe_group)
 
     def _sync_gradients(self) -> None:
-        for p, group in self._tied:
-            if p.grad is not None:
+        for p, group in self._tied:  # leads sum the tied copies; followers get the sum
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if group is not None:
                 dist.all_reduce(p.grad, group=group)
+            if self.tp_group is not None:
+                dist.broadcast(p.grad, src=self.chain[self.stage_index], group=self.tp_group)
         if self.plan.pipelines > 1:
             for _, p in self.module.named_original_parameters():
                 if p.grad is None:
@@ -282,20 +335,46 @@ class PipelineParallelModule(torch.nn.Module):
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The full model's parameters under their original FQNs, on rank ``dst`` (None
         elsewhere), from the first pipeline's stages: load it into the original model class and
-        call ``save_pretrained``.  Tied names are all present."""
+        call ``save_pretrained``.  Tied names are all present; the shards of a tensor-parallel
+        stage are concatenated in offset order along their split dimension."""
         mine = {}
         if self.pipeline_index == 0:
-            mine = {fqn: p.detach().cpu().clone() for fqn, p in self.module.named_original_parameters()}
+            mine = {fqn: (p.detach().cpu().clone(), getattr(p, "fxpar_shard_dim", None),
+                          getattr(p, "fxpar_shard_offset", 0))
+                    for fqn, p in self.module.named_original_parameters()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, gathered, dst=dst)
         if dist.get_rank() != dst:
             return None
-        full: dict[str, torch.Tensor] = {}
+        pieces: dict[str, list[tuple[torch.Tensor, int | None, int]]] = {}
         for part in gathered:
-            for fqn, t in part.items():
-                for alias in self._aliases.get(fqn, [fqn]):  # tied weights under every name
-                    full[alias] = t
+            for fqn, piece in part.items():
+                pieces.setdefault(fqn, []).append(piece)
+        full: dict[str, torch.Tensor] = {}
+        for fqn, parts in pieces.items():
+            dim = parts[0][1]
+            t = parts[0][0] if dim is None else torch.cat(
+                [x for x, _, _ in sorted(parts, key=lambda q: q[2])], dim=dim)
+            for alias in self._aliases.get(fqn, [fqn]):  # tied weights under every name
+                full[alias] = t
         return full
+
+    def checkpoint_layout(self) -> list[Any]:
+        """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook): a
+        whole tensor of its stage, or a tensor-parallel shard at its offset."""
+        from fxpar.checkpoint.layout import LocalParam, ShardSpec
+
+        out = []
+        for fqn, p in self.module.named_original_parameters():
+            name = self._aliases.get(fqn, [fqn])[0]
+            dim = getattr(p, "fxpar_shard_dim", None)
+            shard = None
+            if dim is not None:
+                offsets = [0] * p.dim()
+                offsets[dim] = p.fxpar_shard_offset
+                shard = ShardSpec(global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets))
+            out.append(LocalParam(fqn=name, param=p, shard=shard))
+        return out
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """Gather the full model on rank 0 and write it with HF ``save_pretrained`` (collective:
@@ -303,6 +382,8 @@ class PipelineParallelModule(torch.nn.Module):
         full = self.gather_state_dict(dst=0)
         if full is not None:
             original = self._original[0]
+            if self._sharded:  # the original's own stage blocks were sharded in place
+                original = type(original)(original.config)
             load_full_state(original, full)
             original.save_pretrained(output_dir, **kwargs)
         dist.barrier()

@@ -10,10 +10,10 @@ weight, row-parallel layers (``o``, ``down``) their columns:
     y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
 
 Two differentiable collectives make it exact, whatever the split sizes (DTensor's ``Shard``
-cannot express ragged shards, so none is used here):
+cannot express ragged shards, so none is used here; ``tp_collectives.py``):
 
-    copy_to_group      forward identity,     backward all-reduce(SUM)   (before column layers)
-    reduce_from_group  forward all-reduce,   backward identity          (after row layers)
+    tp_copy      forward identity,     backward all-reduce(SUM)   (attention / MLP input)
+    tp_reduce    forward all-reduce,   backward identity          (after o_proj / down_proj)
 
 Everything else (embeddings, norms, head) is replicated and receives identical gradients on
 every rank of the group.  Parameter names are unchanged; shapes are the local slices.
@@ -34,7 +34,7 @@ alike.  The loss rides along, so every rank returns ``L``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,40 +49,12 @@ from fxpar.codegen.data_parallel import (
     count_items,
 )
 from fxpar.codegen.grad_norm import clip_by_global_norm
+from fxpar.codegen.tp_collectives import register_group, tp_copy, tp_reduce
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.errors import PlanError
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.precision import autocast_for
-
-
-def _all_reduce(t: torch.Tensor, group: Any, clock: SegmentClock | None) -> None:
-    run = lambda: dist.all_reduce(t, group=group)
-    clock.collective(run) if clock is not None else run()
-
-
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, clock: SegmentClock | None) -> torch.Tensor:
-        ctx.group, ctx.clock = group, clock
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        _all_reduce(grad, ctx.group, ctx.clock)
-        return grad, None, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, clock: SegmentClock | None) -> torch.Tensor:
-        out = x.contiguous().clone()
-        _all_reduce(out, group, clock)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
+from fxpar.tracing.trace import block_path
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -127,19 +99,35 @@ def _keep_cols(linear: torch.nn.Linear, lo: int, hi: int, first: bool) -> None:
     linear.in_features = hi - lo
 
 
-def _column(module: torch.nn.Module, group: Any, clock: SegmentClock | None) -> None:
-    module.register_forward_pre_hook(lambda m, args: (_CopyToGroup.apply(args[0], group, clock), *args[1:]))
+def _column(module: torch.nn.Module, key: int) -> None:
+    """``tp_copy`` on the module's input (positional or ``hidden_states=``): one backward
+    all-reduce for all the column-parallel layers that read it."""
+    def pre_hook(m, args, kwargs):
+        if args:
+            return (tp_copy(args[0], key), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], key)}
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
-def _row(module: torch.nn.Module, group: Any, clock: SegmentClock | None) -> None:
-    module.register_forward_hook(lambda m, args, out: _ReduceFromGroup.apply(out, group, clock))
+def _row(module: torch.nn.Module, key: int) -> None:
+    module.register_forward_hook(lambda m, args, out: tp_reduce(out, key))
+
+
+def shardable_blocks(model: torch.nn.Module) -> set[str]:
+    """Repeated blocks (``model.layers.3``) holding a Llama-style attention that
+    :func:`shard_model` can split."""
+    return {b for name, m in model.named_modules()
+            if all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and (b := block_path(name)) is not None}
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
-                clock: SegmentClock | None = None) -> int:
+                clock: SegmentClock | None = None, *, blocks: Collection[str] | None = None) -> int:
     """Shard every Llama-style attention (q/k/v/o_proj) and gated MLP (gate/up/down_proj) of
     ``model`` in place for position ``rank`` of the tensor-parallel ``group`` (None: the default
-    group), which holds ``kv_shares[rank]`` KV head groups; returns how many blocks were sharded."""
+    group), which holds ``kv_shares[rank]`` KV head groups; only the repeated blocks named in
+    ``blocks`` (e.g. ``model.layers.3``; None: all).  Returns how many blocks were sharded."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -154,24 +142,25 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     q_sizes = [s * per_group * head_dim for s in kv_shares]
     first = rank == 0
     count = 0
-    for module in model.modules():
+    key = register_group(group, clock)
+    for name, module in model.named_modules():
+        if blocks is not None and block_path(name) not in blocks:
+            continue
         if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             _keep_rows(module.q_proj, *_offset(q_sizes, rank))
             _keep_rows(module.k_proj, *_offset(kv_sizes, rank))
             _keep_rows(module.v_proj, *_offset(kv_sizes, rank))
             _keep_cols(module.o_proj, *_offset(q_sizes, rank), first)
-            for lin in (module.q_proj, module.k_proj, module.v_proj):
-                _column(lin, group, clock)
-            _row(module.o_proj, group, clock)
+            _column(module, key)
+            _row(module.o_proj, key)
             count += 1
         if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
             cols = split_sizes(module.gate_proj.out_features, kv_shares)
             _keep_rows(module.gate_proj, *_offset(cols, rank))
             _keep_rows(module.up_proj, *_offset(cols, rank))
             _keep_cols(module.down_proj, *_offset(cols, rank), first)
-            _column(module.gate_proj, group, clock)
-            _column(module.up_proj, group, clock)
-            _row(module.down_proj, group, clock)
+            _column(module, key)
+            _row(module.down_proj, key)
     if count == 0:
         raise PlanError(f"{type(model).__name__}: no Llama-style attention (q/k/v/o_proj) found to "
                         "shard; tensor parallelism supports Llama, Mistral, Qwen2 and similar")

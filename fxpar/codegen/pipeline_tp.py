@@ -1,0 +1,192 @@
+"""Where every rank sits in a pipeline plan whose stages may be tensor-parallel, and how the
+ranks of one tensor-parallel stage run its schedule together.
+
+Layout.  ``P`` pipelines, stage ``j`` of width ``u_j`` (``stages[j].tensor_parallel``): the
+stage's ranks are listed pipeline-major, ``stages[j].ranks[p·u_j + t]`` = position ``t`` of
+stage ``j`` in pipeline ``p``.  Widths may differ between stages (the planner gives each device
+kind its own tensor-parallel width).
+
+Lead and followers.  Position 0 of a stage (its *lead*) is the stage's member of the pipeline's
+point-to-point chain and runs ``torch.distributed.pipelining``'s schedule; positions ``t > 0``
+(*followers*) hold other shards of the same blocks and must run every forward and backward of
+the stage in the same order, because the blocks' all-reduces pair them.  Before each forward
+the lead broadcasts, over the stage's tensor-parallel group, a header (``FWD`` / ``FWD_NOGRAD``)
+and the stage's inputs; a joint autograd node on the stage's outputs broadcasts ``BWD`` and the
+output gradients when the schedule runs that micro-batch's backward; ``DONE`` ends the step.
+Followers replay: forward on the received inputs (kept, in order: 1F1B and GPipe run the
+backwards of a stage in forward order), backward on the received gradients, then scale their
+gradients by ``1/m`` as the schedule does on the lead.  Every rank of the group thus computes
+on identical inputs; outputs and input gradients agree across the group (replicated values
+after ``tp_reduce`` / ``tp_copy``), so the lead's sends are everyone's.
+
+Groups, created by every rank in this order: the ``P`` lead chains (point-to-point), one
+data-parallel group per (stage, position) across pipelines, one tensor-parallel group per
+(stage, pipeline) of width > 1, one group per pipeline holding all its ranks (loss broadcast,
+gradient norm; the chain itself when every width is 1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpar.errors import PlanError
+from fxpar.runtime.emulation import SegmentClock
+
+FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """Rank placement of a pipeline plan (module docstring)."""
+
+    pipelines: int
+    widths: tuple[int, ...]                     # tensor-parallel width of each stage
+    stage_ranks: tuple[tuple[int, ...], ...]    # stages[j].ranks
+
+    @classmethod
+    def of(cls, plan: Any) -> "PipelineLayout":
+        P = plan.pipelines
+        widths = tuple(int(st.tensor_parallel) for st in plan.stages)
+        for st, u in zip(plan.stages, widths):
+            if len(st.ranks) != P * u:
+                raise PlanError(f"pipeline plan: stage {st.index} lists {len(st.ranks)} ranks, but "
+                                f"{P} pipelines x tensor_parallel {u} need {P * u}")
+        return cls(pipelines=P, widths=widths, stage_ranks=tuple(tuple(st.ranks) for st in plan.stages))
+
+    def where(self, rank: int) -> tuple[int, int, int]:
+        """``(stage, pipeline, position)`` of ``rank``."""
+        for j, ranks in enumerate(self.stage_ranks):
+            if rank in ranks:
+                i = ranks.index(rank)
+                return j, i // self.widths[j], i % self.widths[j]
+        raise PlanError(f"rank {rank} belongs to no pipeline stage of the plan")
+
+    def tp_ranks(self, stage: int, pipeline: int) -> list[int]:
+        u = self.widths[stage]
+        return list(self.stage_ranks[stage][pipeline * u:(pipeline + 1) * u])
+
+    def lead(self, stage: int, pipeline: int) -> int:
+        return self.tp_ranks(stage, pipeline)[0]
+
+    def chain(self, pipeline: int) -> list[int]:
+        """The leads of ``pipeline``'s stages, in stage order (its point-to-point chain)."""
+        return [self.lead(j, pipeline) for j in range(len(self.widths))]
+
+    def dp_ranks(self, stage: int, position: int) -> list[int]:
+        u = self.widths[stage]
+        return [self.stage_ranks[stage][p * u + position] for p in range(self.pipelines)]
+
+    def pipeline_ranks(self, pipeline: int) -> list[int]:
+        return sorted(r for j in range(len(self.widths)) for r in self.tp_ranks(j, pipeline))
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return max(self.widths) > 1
+
+
+@dataclass(slots=True)
+class PipelineGroups:
+    """This rank's process groups (module docstring); every rank creates all of them."""
+
+    chain: Any            # the lead chain of this rank's pipeline (None for a follower)
+    dp: Any               # this (stage, position) across pipelines
+    tp: Any               # this (stage, pipeline); None at width 1
+    pipeline: Any         # every rank of this pipeline
+
+
+def make_groups(layout: PipelineLayout, rank: int) -> PipelineGroups:
+    stage, pipe, pos = layout.where(rank)
+    chains = [dist.new_group(layout.chain(p)) for p in range(layout.pipelines)]
+    dps = {(j, t): dist.new_group(layout.dp_ranks(j, t))
+           for j, u in enumerate(layout.widths) for t in range(u)}
+    tps = {(j, p): dist.new_group(layout.tp_ranks(j, p))
+           for j, u in enumerate(layout.widths) if u > 1 for p in range(layout.pipelines)}
+    pipes = ([dist.new_group(layout.pipeline_ranks(p)) for p in range(layout.pipelines)]
+             if layout.tensor_parallel else chains)
+    return PipelineGroups(chain=chains[pipe] if pos == 0 else None, dp=dps[(stage, pos)],
+                          tp=tps.get((stage, pipe)), pipeline=pipes[pipe])
+
+
+class StageLink:
+    """The lead's messages to its followers over the stage's tensor-parallel group."""
+
+    def __init__(self, group: Any, lead: int) -> None:
+        self.group, self.lead = group, lead
+
+    def _header(self, op: int | None = None) -> int:
+        h = torch.tensor([op or 0], dtype=torch.int64)
+        dist.broadcast(h, src=self.lead, group=self.group)
+        return int(h.item())
+
+    def send(self, op: int, tensors: Sequence[torch.Tensor] = ()) -> None:
+        self._header(op)
+        for t in tensors:
+            dist.broadcast(t.detach().contiguous(), src=self.lead, group=self.group)
+
+    def receive_header(self) -> int:
+        return self._header()
+
+    def receive(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for t in like:
+            buf = torch.empty(t.shape, dtype=t.dtype)
+            dist.broadcast(buf, src=self.lead, group=self.group)
+            out.append(buf)
+        return out
+
+
+class LeadExit(torch.autograd.Function):
+    """Identity on the lead's stage outputs that need gradients; its backward (the start of the
+    micro-batch's stage backward) sends ``BWD`` and the output gradients to the followers and
+    starts the emulation clock of the backward."""
+
+    @staticmethod
+    def forward(ctx, link: StageLink | None, clock: SegmentClock, *outs: torch.Tensor):
+        ctx.link, ctx.clock = link, clock
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.link is not None:
+            ctx.link.send(BWD, grads)
+        ctx.clock.start()
+        return (None, None, *grads)
+
+
+def follow(link: StageLink, forward: Any, inputs_like: Sequence[torch.Tensor], clock: SegmentClock) -> None:
+    """A follower's side of one schedule run (module docstring): replay the lead's forwards and
+    backwards until ``DONE``."""
+    pending: deque[list[torch.Tensor]] = deque()
+    while True:
+        op = link.receive_header()
+        if op == DONE:
+            break
+        if op in (FWD, FWD_NOGRAD):
+            grad = op == FWD
+            received = link.receive(inputs_like)
+            args = [r.requires_grad_(ex.requires_grad and grad and r.is_floating_point())
+                    for r, ex in zip(received, inputs_like)]
+            with torch.set_grad_enabled(grad):
+                clock.start()
+                out = forward(*args)
+                clock.stop()
+            if grad:
+                outs = out if isinstance(out, tuple) else (out,)
+                pending.append([o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+        elif op == BWD:
+            if not pending:
+                raise PlanError("pipeline stage follower: a backward arrived before its forward")
+            outs = pending.popleft()
+            grads = link.receive(outs)
+            clock.start()
+            torch.autograd.backward(outs, grads)
+            clock.stop()
+        else:
+            raise PlanError(f"pipeline stage follower: unknown message {op} from the lead")
+    if pending:
+        raise PlanError(f"pipeline stage follower: {len(pending)} forwards had no backward")

@@ -1,0 +1,83 @@
+"""Pipelines whose stages are tensor-parallel groups (PP × TP, and × DP): the loss, every rank's
+gradient of the slice it holds, the whole-model gradient norm and the weights after two AdamW
+steps equal one process on the same global batch.  fp32; loss within 1e-5, gradients within
+1e-6 on the first step and 5e-5 after one AdamW step (lr 1e-2, whose normalised update turns
+last-bit differences of near-zero gradients into whole steps), weights within 2e-3 after two.
+
+A tensor-parallel stage's lead runs the schedule and its followers replay it
+(``fxpar/codegen/pipeline_tp.py``); widths may differ between stages."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers_pptp import (
+    auto_pp_tp_parity,
+    gpt2_tp_stage_refused,
+    pp_tp_checkpoint,
+    pp_tp_parity,
+)
+
+pytestmark = pytest.mark.multirank
+TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
+
+
+def _check(results, n_params: int = 39, tol=TOL, param_tol: float = 2e-3):
+    for r in results:
+        for step, (tl, tg) in zip(r["steps"], tol):
+            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, (r["rank"], step)
+            assert step["norm_diff"] <= 1e-4, (r["rank"], step)
+    lead = results[0]
+    assert lead["n_params"] == n_params and lead["param_diff"] <= param_tol, lead
+
+
+def test_two_stages_of_two_ranks_1f1b(pool4):
+    results = pool4.run(pp_tp_parity, [2, 2], [2, 2], 4)
+    assert [(r["stage"], r["position"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["local_q_rows"] for r in results] == [[32, 32], [32, 32], [32, 32], [32, 32]]
+    _check(results)
+
+
+def test_mixed_widths_gpipe_with_tied_embeddings(pool3):
+    # stage 0 on two ranks (TP 2), stage 1 on one; the tied embedding / head is summed across
+    # the stages' leads and handed to the follower.  SGD: its update is linear in the gradient,
+    # so both steps stay within 1e-6 (AdamW's step 2 reaches 7e-5 on the tied weight)
+    results = pool3.run(pp_tp_parity, [2, 1], [2, 2], 2, 1, "GPipe", True, False, 2, 8, 16, "sgd")
+    assert [(r["stage"], r["position"]) for r in results] == [(0, 0), (0, 1), (1, 0)]
+    assert [r["local_q_rows"] for r in results] == [[32, 32], [32, 32], [64, 64]]
+    _check(results, n_params=39, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+
+
+def test_one_wide_stage_then_narrow_with_checkpointing(pool3):
+    results = pool3.run(pp_tp_parity, [1, 2], [1, 3], 4, 1, "1F1B", False, True)
+    assert [r["local_q_rows"] for r in results] == [[64], [32, 32, 32], [32, 32, 32]]
+    _check(results)
+
+
+def test_tp_stages_times_two_pipelines(pool4):
+    # one stage of TP 2 in each of 2 pipelines: data parallel across the pipelines per position
+    results = pool4.run(pp_tp_parity, [2], [4], 2, 2)
+    assert [(r["stage"], r["position"]) for r in results] == [(0, 0), (0, 1), (0, 0), (0, 1)]
+    _check(results)
+
+
+def test_pp_tp_saves_and_checkpoints(pool4, tmp_path):
+    result = pool4.run(pp_tp_checkpoint, str(tmp_path / "hf"), str(tmp_path / "ckpt"))[0]
+    assert result["n"] == 39
+    assert max(result["save_pretrained_diff"], result["checkpoint_diff"]) <= 1e-6, result
+
+
+def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
+    # one emulated node of 4 CPUs (two at half speed), 0.01 GiB each: data parallelism does
+    # not fit, the solver picks 2 stages of TP 2; gradients are compared before any update
+    results = pool4.run(auto_pp_tp_parity, [1.0, 1.0, 0.5, 0.5], 0.01)
+    assert all(r["strategy"] == "pipeline" and r["widths"] == [2, 2] for r in results), results[0]
+    for r in results:
+        for step in r["steps"]:
+            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, step
+    assert results[0]["slept_s"] == 0.0 and results[2]["slept_s"] > 0.0  # the slow ranks were stretched
+
+
+def test_tp_stage_of_an_unsupported_family_is_refused_on_every_rank(pool3):
+    messages = pool3.run(gpt2_tp_stage_refused)
+    assert all("no Llama-style attention" in m and "max_tensor_parallel=1" in m for m in messages), messages

@@ -1,0 +1,151 @@
+"""Pipeline × tensor parallel (× data parallel) workers (module level, so the pool pickles them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.tracing.hf import ModelSpec, build_model
+from tests.workers import TINY_CONFIGS, global_batch
+
+
+def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """The part of the unsharded ``full`` tensor that this rank's ``p`` holds."""
+    dim = getattr(p, "fxpar_shard_dim", None)
+    return full if dim is None else full.narrow(dim, p.fxpar_shard_offset, p.shape[dim])
+
+
+def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
+                 schedule: str = "1F1B", tied: bool = False, checkpointing: bool = False,
+                 steps: int = 2, batch: int = 8, seq: int = 16, optimizer: str = "adamw") -> dict:
+    """A pipeline whose stages are tensor-parallel groups (``widths[j]`` ranks each, even head
+    shares) vs one process on the same global batch: the loss, this rank's gradient of every
+    parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
+    after ``steps`` optimizer steps (AdamW or SGD, lr 1e-2) the gathered model against the
+    reference weights."""
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=sum(blocks_per_stage), tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
+                         blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
+                         pipelines=pipelines, schedule=schedule, tensor_parallel=widths,
+                         activation_checkpointing=checkpointing)
+    data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
+    pm = PipelineParallelModule(model, plan, rank, data[0])
+    make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position, "steps": [],
+           "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")]}
+    for b in data:
+        loss = pm.step(b)
+        norm = pm.clip_grad_norm_(1e9)
+        ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        worst, n = 0.0, 0
+        for fqn, p in pm.named_original_parameters():
+            want = _reference_slice(p, ref_params[fqn].grad)
+            assert p.grad.shape == want.shape, (fqn, p.grad.shape, want.shape)
+            worst = max(worst, (p.grad - want).abs().max().item())
+            n += 1
+        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())),
+                             "max_grad_abs_diff": worst, "n_grads": n,
+                             "norm_diff": abs(float(norm) - float(ref_norm))})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    full = pm.gather_state_dict(dst=0)
+    if rank == 0:
+        ref = dict(reference.named_parameters(remove_duplicate=False))
+        assert set(full) >= set(ref), sorted(set(ref) - set(full))
+        out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref.items())
+        out["n_params"] = len(ref)
+    return out
+
+
+def pp_tp_checkpoint(save_dir: str, ckpt_dir: str) -> dict:
+    """A 2-stage × TP-2 pipeline trains one step, writes ``save_pretrained`` and a sharded
+    checkpoint; the checkpoint loads into a single-process model and both equal the reference."""
+    from fxpar.checkpoint import load_checkpoint, save_checkpoint
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[2, 2],
+                         num_microbatches=2, tensor_parallel=[2, 2])
+    b = global_batch(model, 8, 16, ignore_some=False)
+    pm = PipelineParallelModule(model, plan, rank, b)
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-1)
+    pm.step(b); opt.step()
+    reference(**b, use_cache=False).loss.backward(); ref_opt.step()
+    pm.save_pretrained(save_dir)
+    save_checkpoint(pm, opt, ckpt_dir, step=1)
+    dist.barrier()
+    if rank != 0:
+        return {}
+    ref = dict(reference.named_parameters())
+    loaded = type(reference).from_pretrained(save_dir)
+    single = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=7, attn_implementation="eager")
+    load_checkpoint(single, None, ckpt_dir, distributed=False)
+    return {"n": len(ref),
+            "save_pretrained_diff": max((p - ref[n]).abs().max().item() for n, p in loaded.named_parameters()),
+            "checkpoint_diff": max((p - ref[n]).abs().max().item() for n, p in single.named_parameters())}
+
+
+def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) -> dict:
+    """``fxpar.auto(max_tensor_parallel=2)`` on one emulated node too small for data
+    parallelism: the solver's pipeline of tensor-parallel stages runs (emulated speeds on) and
+    matches one process."""
+    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4, hidden_size=128, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    data = [global_batch(model, 8, 64, seed=1 + s, ignore_some=False) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated(speeds, memory_gib=memory_gib, one_node=True)
+    pm = fxpar.auto(model, cluster, data[0], seq_len=64, max_tensor_parallel=2)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    out = {"strategy": pm.plan.strategy, "widths": [st.tensor_parallel for st in pm.plan.stages], "steps": []}
+    for b in data:
+        loss = pm.step(b)
+        ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.backward()
+        worst = max((p.grad - _reference_slice(p, ref_params[f].grad)).abs().max().item()
+                    for f, p in pm.named_original_parameters())
+        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        for p in pm.parameters():
+            p.grad = None
+        reference.zero_grad(set_to_none=True)
+    out["slept_s"] = pm.emulator.slept_s
+    return out
+
+
+def gpt2_tp_stage_refused() -> str:
+    """A pipeline plan with a tensor-parallel stage for GPT-2 (fused ``c_attn``): every rank
+    raises the same clear error before any collective."""
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.errors import PlanError
+    from tests.workers import tiny_model
+
+    model = tiny_model("gpt2")
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), global_batch=4,
+                         blocks_per_stage=[1, 1], num_microbatches=2, tensor_parallel=[2, 1])
+    try:
+        PipelineParallelModule(model, plan, dist.get_rank(), global_batch(model, 4, 16, ignore_some=False))
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
