@@ -213,10 +213,10 @@ def _emit(plan, model, workload, directory: Path) -> None:
     from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
     module = inputs = None
-    if plan.strategy == "pipeline":
+    if plan.strategy in ("pipeline", "tensor_parallel"):
         if not isinstance(model, ModelSpec):
             from fxpar.errors import ConfigError
-            raise ConfigError("--emit of a pipeline plan needs a preset, config.json or scenario model")
+            raise ConfigError(f"--emit of a {plan.strategy} plan needs a preset, config.json or scenario model")
         module = build_model(model, device="meta", dtype=workload.dtype)
         inputs = example_inputs(module, max(2, plan.ranks[0].micro_batch_size), workload.seq_len,
                                 task=model.task, device="meta")

@@ -3,15 +3,23 @@
 - ``plan.json``: the plan.
 - data parallel: ``rank_<r>.json``, the rank's share and micro-batches; every rank runs the
   unchanged model, so there is no generated code.
+- expert parallel: ``rank_<r>.json``, the rank's rows, its experts ``[lo, hi)`` of every MoE
+  layer (the rest of the model is replicated; tokens reach their experts by all-to-all).
+- tensor parallel: ``position_<t>.py``, the exported graph of the model as position ``t`` of
+  every tensor-parallel group holds it (local weight shapes, ``fxpar.tp_copy`` /
+  ``fxpar.tp_reduce`` where the group communicates); ``rank_<r>.json`` says which replica,
+  position, key/value heads and rows rank ``r`` has.
 - pipeline: ``stage_<j>.py``, the stage's generated FX code (its piece of the exported graph);
   ``stage_<j>.json``, the values it receives and sends, the parameters it owns (original FQNs)
-  and the ranks that run it.
+  and the ranks that run it.  A tensor-parallel stage also gets ``stage_<j>_position_<t>.py``,
+  the code of each position's shard, and its JSON lists the positions.
 
 The model is split on the meta device, so emitting a plan allocates no weights.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -21,36 +29,110 @@ import torch
 from fxpar.plan import Plan
 
 
+def _write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
 def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
          directory: str | Path) -> list[Path]:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "plan.json"]
     written[0].write_text(plan.to_json())
+    offsets = plan.batch_offsets()
     if plan.strategy == "data_parallel":
         for r in plan.ranks:
-            path = out / f"rank_{r.rank}.json"
-            path.write_text(json.dumps({"rank": r.rank, "device": r.device, "runs": "the unchanged model",
-                                        "batch_share": r.batch_share, "micro_batch_size": r.micro_batch_size,
-                                        "num_microbatches": r.num_microbatches,
-                                        "batch_offset": plan.batch_offsets()[r.rank]}, indent=2))
-            written.append(path)
+            written.append(_write_json(out / f"rank_{r.rank}.json", {
+                "rank": r.rank, "device": r.device, "runs": "the unchanged model",
+                "batch_share": r.batch_share, "micro_batch_size": r.micro_batch_size,
+                "num_microbatches": r.num_microbatches, "batch_offset": offsets[r.rank]}))
+        return written
+    if plan.strategy == "expert_parallel":
+        split = plan.stages[0].expert_split
+        for r in plan.ranks:
+            lo = sum(split[: r.rank])
+            written.append(_write_json(out / f"rank_{r.rank}.json", {
+                "rank": r.rank, "device": r.device, "batch_share": r.batch_share,
+                "batch_offset": offsets[r.rank], "micro_batch_size": r.micro_batch_size,
+                "num_microbatches": r.num_microbatches, "experts": [lo, lo + split[r.rank]],
+                "runs": "the model with every MoE layer's experts cut to [lo, hi); routed tokens "
+                        "travel to their experts' ranks and back by all_to_all_single"}))
         return written
     from fxpar.codegen.hand_plans import block_paths
     from fxpar.codegen.pipeline_parallel import layer_to_stage
     from fxpar.codegen.pipeline_split import split_stages
 
-    assert model is not None and example_inputs is not None
-    modules, _ = split_stages(model, example_inputs, layer_to_stage(plan, block_paths(model)), len(plan.stages))
+    if model is None or example_inputs is None:
+        raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
+    blocks = block_paths(model)
+    if plan.strategy == "tensor_parallel":
+        return written + _emit_tensor_parallel(plan, model, example_inputs, blocks, out)
+    stage_of = layer_to_stage(plan, blocks)
+    modules, _ = split_stages(model, example_inputs, stage_of, len(plan.stages))
     for st, mod in zip(plan.stages, modules):
         code = out / f"stage_{st.index}.py"
         code.write_text(f"# fxpar stage {st.index} of {len(plan.stages)}: {st.device}, ranks {list(st.ranks)}\n"
                         f"# receives {list(mod.spec.inputs)}\n# sends {list(mod.spec.outputs)}\n"
                         + mod.piece.code)
-        meta = out / f"stage_{st.index}.json"
-        meta.write_text(json.dumps({"stage": st.index, "ranks": list(st.ranks), "device": st.device,
-                                    "tensor_parallel": st.tensor_parallel, "receives": list(mod.spec.inputs),
-                                    "sends": list(mod.spec.outputs), "parameters": list(mod.spec.params),
-                                    "activation_checkpointing": plan.activation_checkpointing}, indent=2))
-        written += [code, meta]
+        meta = {"stage": st.index, "ranks": list(st.ranks), "device": st.device,
+                "tensor_parallel": st.tensor_parallel, "receives": list(mod.spec.inputs),
+                "sends": list(mod.spec.outputs), "parameters": list(mod.spec.params),
+                "activation_checkpointing": plan.activation_checkpointing}
+        written.append(code)
+        if st.tensor_parallel > 1:
+            own = {b for b, j in zip(blocks, stage_of) if j == st.index}
+            meta["positions"] = []
+            for t, shares in enumerate(_positions(model, st.tensor_parallel, st.tensor_split)):
+                sharded = _shard_copy(model, shares, t, own)
+                piece = split_stages(sharded, example_inputs, stage_of, len(plan.stages))[0][st.index]
+                path = out / f"stage_{st.index}_position_{t}.py"
+                path.write_text(f"# fxpar stage {st.index}, tensor-parallel position {t} of "
+                                f"{st.tensor_parallel} ({shares[t]} key/value head groups)\n" + piece.piece.code)
+                meta["positions"].append({"position": t, "kv_heads": shares[t], "code": path.name,
+                                          "ranks": list(st.ranks[t::st.tensor_parallel])})
+                written.append(path)
+        written.append(_write_json(out / f"stage_{st.index}.json", meta))
+    return written
+
+
+def _positions(model: torch.nn.Module, width: int, tensor_split: Any) -> list[list[int]]:
+    """Key/value head groups per position, one list per position (each the full split)."""
+    from fxpar.codegen.tensor_parallel import split_sizes
+
+    config = model.config
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shares = list(tensor_split[:width]) if tensor_split is not None else split_sizes(kv, [1] * width)
+    return [shares] * width
+
+
+def _shard_copy(model: torch.nn.Module, shares: list[int], position: int, blocks: set[str] | None):
+    from fxpar.codegen.tensor_parallel import shard_model
+
+    sharded = copy.deepcopy(model)
+    shard_model(sharded, shares, position, None, None, blocks=blocks)
+    return sharded
+
+
+def _emit_tensor_parallel(plan: Plan, model: torch.nn.Module, example_inputs: dict[str, Any],
+                          blocks: list[str], out: Path) -> list[Path]:
+    from fxpar.codegen.pipeline_split import split_stages
+    from fxpar.codegen.tp_layout import tp_layout
+
+    layout = tp_layout(plan)
+    written = []
+    for t in range(layout.width):
+        sharded = _shard_copy(model, list(layout.kv_shares), t, None)
+        whole = split_stages(sharded, example_inputs, [0] * len(blocks), 1)[0][0]
+        path = out / f"position_{t}.py"
+        path.write_text(f"# fxpar tensor-parallel position {t} of {layout.width} "
+                        f"({layout.kv_shares[t]} key/value head groups)\n" + whole.piece.code)
+        written.append(path)
+    for r in plan.ranks:
+        replica, t = layout.replica(r.rank), layout.position(r.rank)
+        lo, hi = layout.row_range(replica)
+        written.append(_write_json(out / f"rank_{r.rank}.json", {
+            "rank": r.rank, "device": r.device, "replica": replica, "position": t,
+            "kv_heads": layout.kv_shares[t], "rows": [lo, hi], "code": f"position_{t}.py",
+            "tensor_parallel_group": layout.tp_ranks(replica), "data_parallel_group": layout.dp_ranks(t)}))
     return written
