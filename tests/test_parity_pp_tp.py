@@ -13,9 +13,9 @@ import pytest
 
 from tests.workers_pptp import (
     auto_pp_tp_parity,
-    gpt2_tp_stage_refused,
     pp_tp_checkpoint,
     pp_tp_parity,
+    unsupported_tp_stage_refused,
 )
 
 pytestmark = pytest.mark.multirank
@@ -79,5 +79,5 @@ def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
 
 
 def test_tp_stage_of_an_unsupported_family_is_refused_on_every_rank(pool3):
-    messages = pool3.run(gpt2_tp_stage_refused)
-    assert all("no Llama-style attention" in m and "max_tensor_parallel=1" in m for m in messages), messages
+    messages = pool3.run(unsupported_tp_stage_refused)
+    assert all("no attention fxpar can shard" in m and "max_tensor_parallel=1" in m for m in messages), messages

@@ -13,14 +13,75 @@ from tests.workers import TINY_CONFIGS, global_batch
 
 
 def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """The part of the unsharded ``full`` tensor that this rank's ``p`` holds."""
-    dim = getattr(p, "fxpar_shard_dim", None)
-    return full if dim is None else full.narrow(dim, p.fxpar_shard_offset, p.shape[dim])
+    """The part of the unsharded ``full`` tensor that this rank's ``p`` holds (each piece of a
+    fused ``[q | k | v]`` / ``[gate | up]`` shard, concatenated like the shard)."""
+    from fxpar.codegen.shards import shard_spec
+
+    spec = shard_spec(p)
+    if spec is None:
+        return full
+    pieces = []
+    for box, sizes, _ in spec.boxes(tuple(p.shape)):
+        t = full
+        for d, (o, n) in enumerate(zip(box, sizes)):
+            t = t.narrow(d, o, n)
+        pieces.append(t)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.fused_dim)
+
+
+def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, overrides: dict | None = None,
+                     ckpt_dir: str | None = None) -> dict:
+    """Uneven tensor parallelism of one HF family (``tests/families.py``) on ``len(kv_shares)``
+    ranks vs one process: loss, every local gradient against its slice of the reference
+    gradient, and the gathered model after ``steps`` SGD steps (and, with ``ckpt_dir``, a sharded
+    checkpoint loaded into one process)."""
+    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from tests.families import FAMILIES
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config, task = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=dict(config, **(overrides or {})), task=task), device="cpu",
+                        seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    plan = tensor_parallel_plan(model, cluster, global_batch=4, kv_shares=kv_shares)
+    pm = fxpar.auto(model, cluster, plan=plan)
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters())
+    out = {"rank": rank, "steps": [], "sharded": sum(1 for p in pm.module.parameters()
+                                                      if getattr(p, "fxpar_shard_dim", None) is not None)}
+    for s in range(steps):
+        b = global_batch(model, 4, 16, seed=1 + s)
+        loss = pm.step(b)
+        ref_loss = reference(**b).loss
+        ref_loss.backward()
+        worst = max((p.grad - _reference_slice(p, ref_params[n].grad)).abs().max().item()
+                    for n, p in pm.module.named_parameters())
+        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    full = pm.gather_state_dict(dst=0)
+    if rank == 0:
+        out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+    if ckpt_dir is not None:
+        from fxpar.checkpoint import load_checkpoint, save_checkpoint
+
+        save_checkpoint(pm, opt, ckpt_dir, step=steps)
+        dist.barrier()
+        if rank == 0:
+            single = build_model(ModelSpec(hf_config=dict(config, **(overrides or {})), task=task), device="cpu",
+                                 seed=7, attn_implementation="eager")
+            load_checkpoint(single, None, ckpt_dir, distributed=False)
+            out["checkpoint_diff"] = max((p - ref_params[n]).abs().max().item() for n, p in single.named_parameters())
+    return out
 
 
 def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
                  schedule: str = "1F1B", tied: bool = False, checkpointing: bool = False,
-                 steps: int = 2, batch: int = 8, seq: int = 16, optimizer: str = "adamw") -> dict:
+                 steps: int = 2, batch: int = 8, seq: int = 16, optimizer: str = "adamw",
+                 family: str = "llama") -> dict:
     """A pipeline whose stages are tensor-parallel groups (``widths[j]`` ranks each, even head
     shares) vs one process on the same global batch: the loss, this rank's gradient of every
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
@@ -30,7 +91,8 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=sum(blocks_per_stage), tie_word_embeddings=tied)
+    layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    cfg = dict(TINY_CONFIGS[family], tie_word_embeddings=tied, **{layers: sum(blocks_per_stage)})
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
@@ -44,7 +106,8 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position, "steps": [],
-           "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")]}
+           "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],
+           "sharded": sum(1 for _, p in pm.named_original_parameters() if getattr(p, "fxpar_shard_dim", None) is not None)}
     for b in data:
         loss = pm.step(b)
         norm = pm.clip_grad_norm_(1e9)
@@ -133,15 +196,17 @@ def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) ->
     return out
 
 
-def gpt2_tp_stage_refused() -> str:
-    """A pipeline plan with a tensor-parallel stage for GPT-2 (fused ``c_attn``): every rank
-    raises the same clear error before any collective."""
+def unsupported_tp_stage_refused() -> str:
+    """A pipeline plan with a tensor-parallel stage for Phi-3 (fused ``qkv_proj``, which fxpar
+    does not split): every rank raises the same clear error before any collective."""
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
     from fxpar.errors import PlanError
-    from tests.workers import tiny_model
+    from tests.families import FAMILIES
 
-    model = tiny_model("gpt2")
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=FAMILIES["phi3"][0]), device="cpu", seed=0,
+                        attn_implementation="eager").train()
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), global_batch=4,
                          blocks_per_stage=[1, 1], num_microbatches=2, tensor_parallel=[2, 1])
     try:

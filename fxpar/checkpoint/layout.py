@@ -32,10 +32,37 @@ from fxpar.errors import CheckpointError
 
 @dataclass(frozen=True, slots=True)
 class ShardSpec:
-    """This rank's piece of a parameter: a box at ``offsets`` inside ``global_shape``."""
+    """This rank's piece of a parameter: a box at ``offsets`` inside ``global_shape``.
+
+    A *fused* parameter (GPT-2's ``c_attn`` = ``[q | k | v]``, an MoE ``gate_up_proj`` =
+    ``[gate | up]``) is split inside each of its ``k`` blocks: the local tensor is then ``k``
+    equal pieces along ``fused_dim``, piece ``i`` at ``fused_offsets[i]`` of that dimension
+    (the other dimensions at ``offsets``)."""
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    fused_dim: int | None = None
+    fused_offsets: tuple[int, ...] = ()
+
+    def boxes(self, local_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """``(global offsets, sizes, start in the local tensor along fused_dim)`` of each piece."""
+        if self.fused_dim is None or len(self.fused_offsets) <= 1:
+            return [(tuple(self.offsets), tuple(local_shape), 0)]
+        d, k = self.fused_dim, len(self.fused_offsets)
+        size = local_shape[d] // k
+        out = []
+        for i, off in enumerate(self.fused_offsets):
+            offsets, sizes = list(self.offsets), list(local_shape)
+            offsets[d], sizes[d] = off, size
+            out.append((tuple(offsets), tuple(sizes), i * size))
+        return out
+
+    def piece(self, local: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
+        """The view of ``local`` that sits at global ``offsets`` (one of :meth:`boxes`)."""
+        for box, sizes, start in self.boxes(tuple(local.shape)):
+            if tuple(box) == tuple(offsets):
+                return local if len(self.fused_offsets) <= 1 else local.narrow(self.fused_dim, start, sizes[self.fused_dim])
+        raise CheckpointError(f"no piece of this shard sits at offsets {list(offsets)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,19 +52,20 @@ class RaggedSavePlanner(DefaultSavePlanner):
         items = [item for item in plan.items if item.index.fqn not in self._shards]
         for key, spec in self._shards.items():
             local = self.state_dict[key]
-            offsets = torch.Size(spec.offsets)
-            items.append(WriteItem(
-                index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=local.size()),
-                    properties=TensorProperties.create_from_tensor(local),
-                    size=torch.Size(spec.global_shape))))
+            for box, sizes, _ in spec.boxes(tuple(local.shape)):  # one chunk per fused piece
+                items.append(WriteItem(
+                    index=MetadataIndex(key, torch.Size(box)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(box), sizes=torch.Size(sizes)),
+                        properties=TensorProperties.create_from_tensor(local),
+                        size=torch.Size(spec.global_shape))))
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         if index.fqn in self._shards:
-            return self.state_dict[index.fqn]
+            spec = self._shards[index.fqn]
+            return spec.piece(self.state_dict[index.fqn], tuple(index.offset)).contiguous()
         return super().lookup_object(index)
 
 
@@ -88,11 +89,12 @@ class RaggedLoadPlanner(DefaultLoadPlanner):
                                       f"of a tensor of shape {list(spec.global_shape)}; load into the "
                                       "model architecture that was saved")
             local = self.state_dict[key]
-            chunk = ChunkStorageMetadata(offsets=torch.Size(spec.offsets), sizes=local.size())
-            items += create_read_items_for_chunk_list(key, md, [chunk])
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(box), sizes=torch.Size(sizes))
+                      for box, sizes, _ in spec.boxes(tuple(local.shape))]
+            items += create_read_items_for_chunk_list(key, md, chunks)
         return dataclasses.replace(plan, items=items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        if index.fqn in self._shards:
-            return self.state_dict[index.fqn]
+        if index.fqn in self._shards:  # a view: the read fills the parameter in place
+            return self._shards[index.fqn].piece(self.state_dict[index.fqn], tuple(index.offset))
         return super().lookup_tensor(index)

@@ -33,6 +33,7 @@ from fxpar.codegen.pipeline_tp import (
     follow,
     make_groups,
 )
+from fxpar.codegen.shards import assemble, shard_spec
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
@@ -145,6 +146,7 @@ class PipelineParallelModule(torch.nn.Module):
         """Every rank starts from rank 0's weights; then this rank keeps its position's slice
         of its own stage's blocks (other stages stay whole: only their boundary shapes are used)."""
         from fxpar.codegen.tensor_parallel import (
+            head_layout,
             shard_model,
             shardable_blocks,
             split_sizes,
@@ -152,23 +154,24 @@ class PipelineParallelModule(torch.nn.Module):
 
         wide = [b for b, j in zip(self._blocks, self._stage_of) if self.layout.widths[j] > 1]
         unsupported = sorted(set(wide) - shardable_blocks(model))
-        if unsupported:  # checked alike on every rank, before any collective
+        # checked alike on every rank, before any collective: a refusal on some ranks only
+        # would leave the others waiting
+        if unsupported:
             raise PlanError(
                 f"pipeline plan: tensor-parallel stages hold blocks {unsupported[:3]} of "
-                f"{type(model).__name__}, which have no Llama-style attention (q/k/v/o_proj); fxpar's "
-                "tensor-parallel codegen covers Llama, Mistral, Qwen2 and similar blocks — re-plan "
-                "with max_tensor_parallel=1 for this model")
+                f"{type(model).__name__}, which have no attention fxpar can shard (Llama-style "
+                "q/k/v/o_proj, GPT-2 c_attn/c_proj, BERT query/key/value); re-plan with "
+                "max_tensor_parallel=1 for this model")
+        kv, _, _ = head_layout(model)
+        if kv < max(self.layout.widths):
+            raise PlanError(f"pipeline plan: a stage has tensor_parallel {max(self.layout.widths)}, but "
+                            f"{type(model).__name__} has {kv} key/value head groups to split; re-plan "
+                            "with max_tensor_parallel <= " + str(kv))
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
         if self.tp_width == 1:
             return
-        config = getattr(model, "config", None)
-        kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-        if not isinstance(kv, int) or kv < self.tp_width:
-            raise PlanError(f"pipeline stage {self.stage_index} has tensor_parallel {self.tp_width}, but "
-                            f"{type(model).__name__} has {kv} key/value head groups to split; "
-                            "re-plan with a smaller max_tensor_parallel")
         stage = plan.stages[self.stage_index]
         if stage.tensor_split is not None:
             shares = list(stage.tensor_split[self.pipeline_index * self.tp_width:][: self.tp_width])
@@ -339,22 +342,18 @@ class PipelineParallelModule(torch.nn.Module):
         stage are concatenated in offset order along their split dimension."""
         mine = {}
         if self.pipeline_index == 0:
-            mine = {fqn: (p.detach().cpu().clone(), getattr(p, "fxpar_shard_dim", None),
-                          getattr(p, "fxpar_shard_offset", 0))
-                    for fqn, p in self.module.named_original_parameters()}
+            mine = {fqn: (p.detach().cpu().clone(), shard_spec(p)) for fqn, p in self.module.named_original_parameters()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, gathered, dst=dst)
         if dist.get_rank() != dst:
             return None
-        pieces: dict[str, list[tuple[torch.Tensor, int | None, int]]] = {}
+        pieces: dict[str, list[Any]] = {}
         for part in gathered:
             for fqn, piece in part.items():
                 pieces.setdefault(fqn, []).append(piece)
         full: dict[str, torch.Tensor] = {}
         for fqn, parts in pieces.items():
-            dim = parts[0][1]
-            t = parts[0][0] if dim is None else torch.cat(
-                [x for x, _, _ in sorted(parts, key=lambda q: q[2])], dim=dim)
+            t = assemble(parts)
             for alias in self._aliases.get(fqn, [fqn]):  # tied weights under every name
                 full[alias] = t
         return full
@@ -362,19 +361,10 @@ class PipelineParallelModule(torch.nn.Module):
     def checkpoint_layout(self) -> list[Any]:
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook): a
         whole tensor of its stage, or a tensor-parallel shard at its offset."""
-        from fxpar.checkpoint.layout import LocalParam, ShardSpec
+        from fxpar.checkpoint.layout import LocalParam
 
-        out = []
-        for fqn, p in self.module.named_original_parameters():
-            name = self._aliases.get(fqn, [fqn])[0]
-            dim = getattr(p, "fxpar_shard_dim", None)
-            shard = None
-            if dim is not None:
-                offsets = [0] * p.dim()
-                offsets[dim] = p.fxpar_shard_offset
-                shard = ShardSpec(global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets))
-            out.append(LocalParam(fqn=name, param=p, shard=shard))
-        return out
+        return [LocalParam(fqn=self._aliases.get(fqn, [fqn])[0], param=p, shard=shard_spec(p))
+                for fqn, p in self.module.named_original_parameters()]
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """Gather the full model on rank 0 and write it with HF ``save_pretrained`` (collective:

@@ -34,6 +34,7 @@ alike.  The loss rides along, so every rank returns ``L``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -49,121 +50,41 @@ from fxpar.codegen.data_parallel import (
     count_items,
 )
 from fxpar.codegen.grad_norm import clip_by_global_norm
-from fxpar.codegen.tp_collectives import register_group, tp_copy, tp_reduce
+from fxpar.codegen.shards import assemble, shard_spec
+from fxpar.codegen.tp_collectives import register_group
+from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_blocks re-exported
+    check_shares,
+    describe_unsupported,
+    head_layout,
+    shard_module_tree,
+    shardable_blocks,
+    split_sizes,
+)
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.errors import PlanError
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.precision import autocast_for
-from fxpar.tracing.trace import block_path
-
-
-def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
-    """``total`` split in proportion to ``shares`` in multiples of ``unit`` (largest remainder)."""
-    units = total // unit
-    raw = [units * s / sum(shares) for s in shares]
-    out = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: (out[i] - raw[i], i))[: units - sum(out)]:
-        out[i] += 1
-    return [u * unit for u in out]
-
-
-def _offset(sizes: Sequence[int], rank: int) -> tuple[int, int]:
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
-
-
-def _sharded(full: torch.Tensor, dim: int, lo: int, hi: int) -> torch.nn.Parameter:
-    """A new parameter holding ``full[lo:hi]`` along ``dim``; ``fxpar_sharded`` marks it for
-    norms and gathering, ``fxpar_shard_offset`` / ``fxpar_full_shape`` say where it sits."""
-    p = torch.nn.Parameter(full.detach().narrow(dim, lo, hi - lo).clone())
-    p.fxpar_sharded = True
-    p.fxpar_shard_dim = dim
-    p.fxpar_shard_offset = lo
-    p.fxpar_full_shape = tuple(full.shape)
-    return p
-
-
-def _keep_rows(linear: torch.nn.Linear, lo: int, hi: int) -> None:
-    linear.weight = _sharded(linear.weight, 0, lo, hi)
-    if linear.bias is not None:
-        linear.bias = _sharded(linear.bias, 0, lo, hi)
-    linear.out_features = hi - lo
-
-
-def _keep_cols(linear: torch.nn.Linear, lo: int, hi: int, first: bool) -> None:
-    linear.weight = _sharded(linear.weight, 1, lo, hi)
-    if linear.bias is not None and not first:  # the bias is added once, by the group's first rank
-        linear.bias = None
-    elif linear.bias is not None:
-        linear.bias.fxpar_sharded = True  # held by one rank only: counted once in norms
-    linear.in_features = hi - lo
-
-
-def _column(module: torch.nn.Module, key: int) -> None:
-    """``tp_copy`` on the module's input (positional or ``hidden_states=``): one backward
-    all-reduce for all the column-parallel layers that read it."""
-    def pre_hook(m, args, kwargs):
-        if args:
-            return (tp_copy(args[0], key), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], key)}
-
-    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-
-def _row(module: torch.nn.Module, key: int) -> None:
-    module.register_forward_hook(lambda m, args, out: tp_reduce(out, key))
-
-
-def shardable_blocks(model: torch.nn.Module) -> set[str]:
-    """Repeated blocks (``model.layers.3``) holding a Llama-style attention that
-    :func:`shard_model` can split."""
-    return {b for name, m in model.named_modules()
-            if all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            and (b := block_path(name)) is not None}
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
                 clock: SegmentClock | None = None, *, blocks: Collection[str] | None = None) -> int:
-    """Shard every Llama-style attention (q/k/v/o_proj) and gated MLP (gate/up/down_proj) of
-    ``model`` in place for position ``rank`` of the tensor-parallel ``group`` (None: the default
-    group), which holds ``kv_shares[rank]`` KV head groups; only the repeated blocks named in
-    ``blocks`` (e.g. ``model.layers.3``; None: all).  Returns how many blocks were sharded."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads is None:
-        raise PlanError("tensor parallelism needs a HF model with config.num_attention_heads")
-    if sum(kv_shares) != kv or min(kv_shares) < 1:
-        raise PlanError(f"tensor_split {list(kv_shares)} must give every rank at least one of the "
-                        f"model's {kv} key/value head groups and sum to {kv}")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_group = heads // kv
-    kv_sizes = [s * head_dim for s in kv_shares]
-    q_sizes = [s * per_group * head_dim for s in kv_shares]
-    first = rank == 0
-    count = 0
-    key = register_group(group, clock)
-    for name, module in model.named_modules():
-        if blocks is not None and block_path(name) not in blocks:
-            continue
-        if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            _keep_rows(module.q_proj, *_offset(q_sizes, rank))
-            _keep_rows(module.k_proj, *_offset(kv_sizes, rank))
-            _keep_rows(module.v_proj, *_offset(kv_sizes, rank))
-            _keep_cols(module.o_proj, *_offset(q_sizes, rank), first)
-            _column(module, key)
-            _row(module.o_proj, key)
-            count += 1
-        if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            cols = split_sizes(module.gate_proj.out_features, kv_shares)
-            _keep_rows(module.gate_proj, *_offset(cols, rank))
-            _keep_rows(module.up_proj, *_offset(cols, rank))
-            _keep_cols(module.down_proj, *_offset(cols, rank), first)
-            _column(module, key)
-            _row(module.down_proj, key)
+    """Shard the attention and MLP (and expert) modules of ``model`` in place for position
+    ``rank`` of the tensor-parallel ``group`` (None: the default group), which holds
+    ``kv_shares[rank]`` key/value head groups (``tp_families.py`` lists the families); only
+    inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).
+    Returns how many attention modules were sharded."""
+    kv, per_group, head_dim = head_layout(model)
+    check_shares(kv_shares, kv)
+    count = shard_module_tree(model, kv_shares, rank, register_group(group, clock), head_dim, per_group, blocks)
     if count == 0:
-        raise PlanError(f"{type(model).__name__}: no Llama-style attention (q/k/v/o_proj) found to "
-                        "shard; tensor parallelism supports Llama, Mistral, Qwen2 and similar")
+        raise PlanError(describe_unsupported(model) + "; tensor parallelism supports Llama, Mistral, "
+                        "Qwen2, Mixtral, GPT-2, BERT and similar")
+    dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    if dropout and model.training:
+        warnings.warn(f"tensor parallelism on {type(model).__name__} with dropout p={dropout}: each rank "
+                      "draws its own dropout masks, so the replicated activations of a tensor-parallel "
+                      "group differ and training is not equal to one process; set the dropout "
+                      "probabilities to 0 (as LLM pre-training does) for exact results", stacklevel=2)
     return count
 
 
@@ -299,7 +220,7 @@ class TensorParallelModule(torch.nn.Module):
 
     def _gather(self, local: Mapping[str, torch.Tensor], dst: int, replica: int) -> dict[str, torch.Tensor] | None:
         params = dict(self.module.named_parameters(remove_duplicate=False))
-        mine = {n: (t.clone(), getattr(params[n], "fxpar_shard_dim", None)) for n, t in local.items()}
+        mine = {n: (t.clone(), shard_spec(params[n])) for n, t in local.items()}
         if self.world == 1:
             return {n: t for n, (t, _) in mine.items()}
         send = mine if self.replica == replica else {}
@@ -308,11 +229,7 @@ class TensorParallelModule(torch.nn.Module):
         if parts is None:
             return None
         group = [parts[k] for k in self.layout.tp_ranks(replica)]
-        full: dict[str, torch.Tensor] = {}
-        for name, (tensor, dim) in group[0].items():
-            pieces = [part[name][0] for part in group if name in part]
-            full[name] = tensor if dim is None or len(pieces) == 1 else torch.cat(pieces, dim=dim)
-        return full
+        return {name: assemble([part[name] for part in group if name in part]) for name in group[0]}
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """Gather the unsharded model (replica 0) on rank 0 and write it with HF
@@ -329,19 +246,9 @@ class TensorParallelModule(torch.nn.Module):
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook):
         shards at their offset inside their replica's TP group; replicas of a box are written
         once (DCP deduplicates equal chunks)."""
-        from fxpar.checkpoint.layout import LocalParam, ShardSpec
+        from fxpar.checkpoint.layout import LocalParam
 
-        out = []
-        for name, p in self.module.named_parameters():
-            dim = getattr(p, "fxpar_shard_dim", None)
-            if dim is None:
-                out.append(LocalParam(fqn=name, param=p))
-                continue
-            offsets = [0] * p.dim()
-            offsets[dim] = p.fxpar_shard_offset
-            out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
-                global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets))))
-        return out
+        return [LocalParam(fqn=name, param=p, shard=shard_spec(p)) for name, p in self.module.named_parameters()]
 
 
 def _rows(batch: Any, start: int, stop: int) -> Any:

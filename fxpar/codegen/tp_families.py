@@ -1,0 +1,206 @@
+"""Megatron column/row sharding of the traced HF families' attention and MLP blocks, in place,
+with per-rank sizes (whole heads / KV groups, MLP columns in proportion).
+
+Position ``t`` of a tensor-parallel group owns ``k_t`` key/value head groups (``k_t·g`` query
+heads, ``g`` = heads per KV group; ``g = 1`` without grouped-query attention) and ``c_t`` MLP
+columns.  Column-parallel layers keep their output rows, row-parallel layers their input
+columns (a row-parallel bias is added once, by position 0):
+
+    y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
+
+``tp_copy`` goes on the input of each attention / MLP / expert module (its backward sums the
+input gradient over the group), ``tp_reduce`` on the output of each row-parallel layer.
+
+Families (by module structure, not by name):
+
+- Llama-style attention ``q/k/v/o_proj`` (Llama, Mistral, Qwen2/3, Phi-3 without fused qkv,
+  Gemma, Mixtral, Qwen3-MoE), gated MLP ``gate/up/down_proj``;
+- GPT-2: ``attn.c_attn`` (``Conv1D``, fused ``[q | k | v]``: the rank keeps its heads of each
+  third; ``split_size`` set to the local width), ``attn.c_proj``, ``mlp.c_fc`` / ``mlp.c_proj``;
+- BERT / RoBERTa: ``attention.self.query/key/value``, ``attention.output.dense``,
+  ``intermediate.dense`` / ``output.dense``;
+- MoE experts holding ``gate_up_proj (E, 2I, H)`` (fused ``[gate | up]``) and
+  ``down_proj (E, H, I)``: every expert's columns are split; the routing weights get a
+  ``tp_copy`` too, because each rank's partial output depends on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from fxpar.codegen.shards import slice_parameter
+from fxpar.codegen.tp_collectives import tp_copy, tp_reduce
+from fxpar.errors import PlanError
+from fxpar.tracing.trace import block_path
+
+
+def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
+    """``total`` split in proportion to ``shares`` in multiples of ``unit`` (largest remainder)."""
+    units = total // unit
+    raw = [units * s / sum(shares) for s in shares]
+    out = [int(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: (out[i] - raw[i], i))[: units - sum(out)]:
+        out[i] += 1
+    return [u * unit for u in out]
+
+
+def _range(sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+# ---- layers -------------------------------------------------------------------------------
+def _column_linear(linear: torch.nn.Linear, lo: int, hi: int) -> None:
+    linear.weight = slice_parameter(linear.weight, 0, lo, hi)
+    if linear.bias is not None:
+        linear.bias = slice_parameter(linear.bias, 0, lo, hi)
+    linear.out_features = hi - lo
+
+
+def _row_linear(linear: torch.nn.Linear, lo: int, hi: int, first: bool, key: int) -> None:
+    linear.weight = slice_parameter(linear.weight, 1, lo, hi)
+    if linear.bias is not None and not first:  # the bias is added once, by position 0
+        linear.bias = None
+    elif linear.bias is not None:
+        linear.bias.fxpar_sharded = True  # held by one rank only: counted once in norms
+    linear.in_features = hi - lo
+    _reduce_output(linear, key)
+
+
+def _column_conv1d(conv: torch.nn.Module, lo: int, hi: int, parts: int = 1) -> None:
+    """GPT-2's ``Conv1D`` (``y = x·W + b``, ``W`` of shape (in, out)): keep output columns."""
+    conv.weight = slice_parameter(conv.weight, 1, lo, hi, parts=parts)
+    conv.bias = slice_parameter(conv.bias, 0, lo, hi, parts=parts)
+    conv.nf = (hi - lo) * parts
+
+
+def _row_conv1d(conv: torch.nn.Module, lo: int, hi: int, first: bool, key: int) -> None:
+    conv.weight = slice_parameter(conv.weight, 0, lo, hi)
+    if first:
+        conv.bias.fxpar_sharded = True
+    else:  # Conv1D's addmm needs a bias: a zero buffer on the other positions
+        zeros = torch.zeros_like(conv.bias.detach())
+        del conv.bias
+        conv.register_buffer("bias", zeros, persistent=False)
+    _reduce_output(conv, key)
+
+
+def _copy_inputs(module: torch.nn.Module, key: int, positions: tuple[int, ...] = (0,)) -> None:
+    """``tp_copy`` on the module's inputs at ``positions`` (or ``hidden_states=``)."""
+    def pre_hook(m, args, kwargs):
+        if args:
+            args = tuple(tp_copy(a, key) if i in positions else a for i, a in enumerate(args))
+            return args, kwargs
+        return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], key)}
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def _reduce_output(module: torch.nn.Module, key: int) -> None:
+    module.register_forward_hook(lambda m, args, out: tp_reduce(out, key))
+
+
+# ---- blocks -------------------------------------------------------------------------------
+def _has(module: torch.nn.Module, *names: str) -> bool:
+    return all(hasattr(module, n) for n in names)
+
+
+def is_attention(module: torch.nn.Module) -> bool:
+    return (_has(module, "q_proj", "k_proj", "v_proj", "o_proj")
+            or (_has(module, "c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", False))
+            or (_has(module, "self", "output") and _has(module.self, "query", "key", "value")
+                and hasattr(module.output, "dense")))
+
+
+def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
+                      head_dim: int, per_group: int, blocks: Collection[str] | None) -> int:
+    """Shard every recognised attention, MLP and expert module (module docstring) inside
+    ``blocks`` (None: all) for position ``rank``; returns the number of attention modules."""
+    kv_sizes = [s * head_dim for s in kv_shares]
+    q_sizes = [s * per_group * head_dim for s in kv_shares]
+    first, count = rank == 0, 0
+    for name, m in list(model.named_modules()):
+        if blocks is not None and block_path(name) not in blocks:
+            continue
+        if _has(m, "q_proj", "k_proj", "v_proj", "o_proj"):
+            _column_linear(m.q_proj, *_range(q_sizes, rank))
+            _column_linear(m.k_proj, *_range(kv_sizes, rank))
+            _column_linear(m.v_proj, *_range(kv_sizes, rank))
+            _row_linear(m.o_proj, *_range(q_sizes, rank), first, key)
+            _copy_inputs(m, key)
+            count += 1
+        elif is_attention(m) and hasattr(m, "c_attn"):  # GPT-2
+            lo, hi = _range(q_sizes, rank)
+            _column_conv1d(m.c_attn, lo, hi, parts=3)
+            m.split_size = hi - lo
+            _row_conv1d(m.c_proj, lo, hi, first, key)
+            _copy_inputs(m, key)
+            count += 1
+        elif is_attention(m):  # BERT / RoBERTa: attention.self + attention.output.dense
+            for lin in (m.self.query, m.self.key, m.self.value):
+                _column_linear(lin, *_range(q_sizes, rank))
+            _row_linear(m.output.dense, *_range(q_sizes, rank), first, key)
+            _copy_inputs(m.self, key)
+            count += 1
+        if _has(m, "gate_proj", "up_proj", "down_proj"):
+            cols = split_sizes(m.gate_proj.out_features, kv_shares)
+            _column_linear(m.gate_proj, *_range(cols, rank))
+            _column_linear(m.up_proj, *_range(cols, rank))
+            _row_linear(m.down_proj, *_range(cols, rank), first, key)
+            _copy_inputs(m, key)
+        elif _has(m, "c_fc", "c_proj"):  # GPT-2 MLP
+            cols = split_sizes(m.c_fc.nf, kv_shares)
+            _column_conv1d(m.c_fc, *_range(cols, rank))
+            _row_conv1d(m.c_proj, *_range(cols, rank), first, key)
+            _copy_inputs(m, key)
+        elif _has(m, "intermediate", "output") and hasattr(m.intermediate, "dense") \
+                and hasattr(m.output, "dense"):  # BERT layer's MLP
+            cols = split_sizes(m.intermediate.dense.out_features, kv_shares)
+            _column_linear(m.intermediate.dense, *_range(cols, rank))
+            _row_linear(m.output.dense, *_range(cols, rank), first, key)
+            _copy_inputs(m.intermediate, key)
+        elif isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) \
+                and isinstance(getattr(m, "down_proj", None), torch.nn.Parameter) and m.gate_up_proj.dim() == 3:
+            inter = m.down_proj.shape[2]
+            lo, hi = _range(split_sizes(inter, kv_shares), rank)
+            m.gate_up_proj = slice_parameter(m.gate_up_proj, 1, lo, hi, parts=2)
+            m.down_proj = slice_parameter(m.down_proj, 2, lo, hi)
+            if hasattr(m, "intermediate_dim"):
+                m.intermediate_dim = hi - lo
+            _copy_inputs(m, key, positions=(0, 2))  # hidden states and routing weights
+            _reduce_output(m, key)
+    return count
+
+
+def shardable_blocks(model: torch.nn.Module) -> set[str]:
+    """Repeated blocks (``model.layers.3``) holding an attention this module can split."""
+    return {b for name, m in model.named_modules() if is_attention(m) and (b := block_path(name)) is not None}
+
+
+def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:
+    """``(key/value head groups, query heads per group, head dim)`` of an HF model's attention."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        raise PlanError(f"tensor parallelism needs a HF model with config.num_attention_heads; "
+                        f"{type(model).__name__} has none")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv, heads // kv, head_dim
+
+
+def check_shares(kv_shares: Sequence[int], kv: int) -> None:
+    if sum(kv_shares) != kv or min(kv_shares) < 1:
+        raise PlanError(f"tensor_split {list(kv_shares)} must give every rank at least one of the "
+                        f"model's {kv} key/value head groups and sum to {kv}")
+
+
+def describe_unsupported(model: torch.nn.Module) -> str:
+    return (f"{type(model).__name__}: no attention fxpar can shard (Llama-style q/k/v/o_proj, GPT-2 "
+            "c_attn/c_proj, BERT query/key/value) found")
+
+
+__all__ = ["split_sizes", "shard_module_tree", "shardable_blocks", "head_layout", "check_shares",
+           "describe_unsupported", "is_attention"]
