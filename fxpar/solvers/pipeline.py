@@ -25,7 +25,10 @@ block, of ``β_i·b`` bytes over the stage's ``u`` devices):
 Memory per device of stage ``j`` (of ``S``), ZeRO-1 across the ``P`` replicas, ``r = min(S − j, m)``
 micro-batches in flight under 1F1B, activation checkpointing optional:
 
-    M_j = (n_j/u)·(w + g + o/P) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
+    M_j = (n_j^split/u + n_j^repl)·(w + g + o/P) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
+
+(``n^split``: parameters inside the blocks' attention / MLP / experts, which codegen shards;
+``n^repl``: embeddings, head and norms, replicated on every rank of the stage)
     A_j(u) = Σ α_i·(0.3 + 0.7/u)            (no checkpointing; Megatron: ~30% replicated)
            = Σ β_i + max_i α_i              (checkpointing every block)
 
@@ -129,8 +132,8 @@ class _StageCost:
         seg_time = seg_time + 4 * _tp_allreduce(kind, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
         self.time = np.concatenate([[0.0], np.cumsum(seg_time)])
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
-        per_param = (w + g + o / pipelines + (g if pipelines > 1 else 0)) / u
-        self.state = np.concatenate([[0.0], np.cumsum(t.params * per_param)])
+        per_param = w + g + o / pipelines + (g if pipelines > 1 else 0)
+        self.state = np.concatenate([[0.0], np.cumsum(t.local_params(u) * per_param)])
         if ckpt:
             self.act_sum = np.concatenate([[0.0], np.cumsum(t.boundary_bytes)])
             self.act_max = t.act_bytes * (ACT_REPLICATED + (1 - ACT_REPLICATED) / u)
@@ -207,10 +210,10 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
         return None
     t = [c.stage_time(i, j) for c, i, j in zip(costs, cuts, cuts[1:])]
     t_pipe = (m - 1) * max(t) + sum(t)
-    grads = [ctx.table.params[i:j].sum() * state_bytes_per_param(ctx.optimizer, ctx.dtype)[1] / spec.width
+    grads = [ctx.table.local_params(spec.width)[i:j].sum() * state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
              for spec, i, j in zip(stages, cuts, cuts[1:])]
     ar = max(_dp_allreduce(ctx, pipelines, g) for g in grads)
-    opt = max(ctx.optimizer_s_per_param[spec.kind] * ctx.table.params[i:j].sum() / spec.width
+    opt = max(ctx.optimizer_s_per_param[spec.kind] * ctx.table.local_params(spec.width)[i:j].sum()
               for spec, i, j in zip(stages, cuts, cuts[1:]))
     mem = tuple(int(c.memory(i, j)) for c, i, j in zip(costs, cuts, cuts[1:]))
     return PipelineConfig(pipelines=pipelines, stages=stages, num_microbatches=m, micro_batch=b,

@@ -33,10 +33,18 @@ class SegmentTable:
     cost_c: Mapping[str, np.ndarray]         # kind -> per-sample seconds per segment
     fwd_a: Mapping[str, np.ndarray]          # forward part of cost_a (recomputed under checkpointing)
     fwd_c: Mapping[str, np.ndarray]
+    #: parameters per segment that tensor parallelism splits (None: all of them)
+    sharded_params: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         return len(self.names)
+
+    def local_params(self, width: int) -> np.ndarray:
+        """Parameters per segment that one rank of a width-``width`` tensor-parallel stage holds:
+        its share of the split ones, all of the replicated ones."""
+        split = self.params if self.sharded_params is None else self.sharded_params
+        return split / width + (self.params - split)
 
 
 def _itemsize(dtype: str) -> int:
@@ -44,17 +52,22 @@ def _itemsize(dtype: str) -> int:
 
 
 def _tensor_parallel(node, graph: ModelGraph) -> bool:
-    """Megatron TP divides everything inside a block's attention / MLP / experts submodules
-    (column-parallel in, row-parallel out) and the vocab-parallel embedding and head; the
-    block-level norms and residual adds stay replicated."""
-    if node.op_class is OpClass.VIEW:
+    """Tensor parallelism as fxpar's codegen runs it divides everything inside a block's
+    attention / MLP / experts submodules (column-parallel in, row-parallel out); the block-level
+    norms and residual adds, the embeddings and the head stay replicated (no vocab-parallel
+    embedding), and so do blocks whose attention codegen does not recognise."""
+    if node.op_class is OpClass.VIEW or node.layer is None:
         return False
-    if node.op_class in _SHARDED or node.op_class is OpClass.EMBEDDING:
+    if not graph.layers[node.layer].tensor_parallel:
+        return False
+    if node.op_class in _SHARDED:
         return True
-    if node.layer is None:
-        return False
-    block = graph.layers[node.layer].path
-    inner = node.module_path[len(block) + 1:] if node.module_path.startswith(block + ".") else ""
+    return _inside_block_part(node.module_path, graph.layers[node.layer].path)
+
+
+def _inside_block_part(module_path: str, block: str) -> bool:
+    """A module inside a block's attention / MLP / experts (not the block's own norms)."""
+    inner = module_path[len(block) + 1:] if module_path.startswith(block + ".") else ""
     return bool(inner) and "norm" not in inner.lower()
 
 
@@ -80,6 +93,7 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
     if n_layers:  # what leaves the embeddings is the hidden state the first block reads
         boundary[0] = max(boundary[0], boundary[1])
     params = np.zeros(n_seg)
+    split_params = np.zeros(n_seg)
     pre_modules: set[str] = set()
     post_modules: set[str] = set()
     for p in graph.params:
@@ -89,6 +103,8 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             seg = min(users) if users else 0
             (pre_modules if seg == 0 else post_modules).add(p.module_path)
         params[seg] += p.numel
+        if p.layer is not None and graph.layers[p.layer].tensor_parallel and _inside_block_part(p.module_path, graph.layers[p.layer].path):
+            split_params[seg] += p.numel
     sharded = np.array([_tensor_parallel(n, graph) for n in graph.nodes])
     cost_a, cost_c, fwd_a, fwd_c = {}, {}, {}, {}
     frac = np.zeros(n_seg)
@@ -109,4 +125,4 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
                + (tuple(sorted(post_modules)),))
     return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
                         boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
-                        fwd_a=fwd_a, fwd_c=fwd_c)
+                        fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params)

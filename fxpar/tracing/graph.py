@@ -76,6 +76,8 @@ class LayerInfo:
     param_count: int
     fwd_flops: int
     bwd_flops: int
+    #: fxpar's tensor-parallel codegen can split this block's attention / MLP / experts
+    tensor_parallel: bool = True
 
 
 @dataclass(frozen=True, slots=True)

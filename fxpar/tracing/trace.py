@@ -228,7 +228,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
 
     params = _param_infos(model, layer_of)
-    layers = _layer_infos(nodes, params, layer_of, module_types)
+    layers = _layer_infos(nodes, params, layer_of, module_types, _tensor_parallel_blocks(model))
     return ModelGraph(
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
         nodes=tuple(nodes), params=params, layers=layers,
@@ -341,13 +341,22 @@ def trace_at_two_batches(model: torch.nn.Module, small: ExampleInputs, large: Ex
     return replace(g_small, op_keys=op_keys(g_small, g_large))
 
 
+def _tensor_parallel_blocks(model: torch.nn.Module) -> set[str]:
+    """Blocks whose attention fxpar's tensor-parallel codegen recognises (a structural fact the
+    planner needs: it offers tensor-parallel stages only where codegen can run them)."""
+    from fxpar.codegen.tp_families import shardable_blocks
+
+    return shardable_blocks(model)
+
+
 def _layer_infos(nodes: list[OpNode], params: tuple[ParamInfo, ...], layer_of: dict[str, int],
-                 module_types: dict[str, str]) -> tuple[LayerInfo, ...]:
+                 module_types: dict[str, str], tp_blocks: set[str]) -> tuple[LayerInfo, ...]:
     infos = []
     for path, idx in sorted(layer_of.items(), key=lambda kv: kv[1]):
         mine = [n for n in nodes if n.layer == idx]
         infos.append(LayerInfo(
             index=idx, path=path, module_type=module_types.get(path, ""),
             param_count=sum(p.numel for p in params if p.layer == idx),
-            fwd_flops=sum(n.fwd_flops for n in mine), bwd_flops=sum(n.bwd_flops for n in mine)))
+            fwd_flops=sum(n.fwd_flops for n in mine), bwd_flops=sum(n.bwd_flops for n in mine),
+            tensor_parallel=path in tp_blocks))
     return tuple(infos)
