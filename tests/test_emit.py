@@ -38,7 +38,8 @@ def test_tensor_parallel_plan(tmp_path):
     rank1 = json.loads((tmp_path / "rank_1.json").read_text())
     assert rank1["position"] == 1 and rank1["kv_heads"] == 1 and rank1["code"] == "position_1.py"
     code = (tmp_path / "position_1.py").read_text()
-    assert code.count("fxpar.tp_reduce") == 4  # o_proj and down_proj of 2 blocks
+    # o_proj and down_proj of 2 blocks, the vocab-parallel embedding, and the loss's two sums
+    assert code.count("fxpar.tp_reduce") == 7 and "fxpar.tp_max" in code
 
 
 def test_expert_parallel_plan(tmp_path):

@@ -48,10 +48,12 @@ def test_mixed_widths_gpipe_with_tied_embeddings(pool3):
     _check(results, n_params=39, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
 
 
-def test_one_wide_stage_then_narrow_with_checkpointing(pool3):
-    results = pool3.run(pp_tp_parity, [1, 2], [1, 3], 4, 1, "1F1B", False, True)
+def test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head(pool3):
+    # the last stage's vocab-parallel head shares its weight with stage 0's whole embedding:
+    # the tied gradient is summed on full-size tensors and cut back into each side's rows
+    results = pool3.run(pp_tp_parity, [1, 2], [1, 3], 4, 1, "1F1B", True, True, 2, 8, 16, "sgd")
     assert [r["local_q_rows"] for r in results] == [[64], [32, 32, 32], [32, 32, 32]]
-    _check(results)
+    _check(results, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
 
 
 def test_tp_stages_times_two_pipelines(pool4):
@@ -61,9 +63,11 @@ def test_tp_stages_times_two_pipelines(pool4):
     _check(results)
 
 
-def test_pp_tp_saves_and_checkpoints(pool4, tmp_path):
-    result = pool4.run(pp_tp_checkpoint, str(tmp_path / "hf"), str(tmp_path / "ckpt"))[0]
-    assert result["n"] == 39
+@pytest.mark.parametrize("tied", [False, True])
+def test_pp_tp_saves_and_checkpoints(pool4, tmp_path, tied):
+    # both ends vocab-parallel; tied: the head's copy is not written twice
+    result = pool4.run(pp_tp_checkpoint, str(tmp_path / "hf"), str(tmp_path / "ckpt"), tied)[0]
+    assert result["n"] == (38 if tied else 39)
     assert max(result["save_pretrained_diff"], result["checkpoint_diff"]) <= 1e-6, result
 
 

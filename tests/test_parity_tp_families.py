@@ -1,7 +1,7 @@
 """Uneven tensor parallelism beyond Llama: GPT-2 (fused ``c_attn`` = ``[q | k | v]``, Conv1D
 layers), BERT (``query/key/value``, row-parallel ``dense`` before a LayerNorm), Mixtral (MoE
 experts split by columns, fused ``[gate | up]``, routing weights copied into the group) and
-Qwen2 (biased q/k/v).  2 gloo ranks, 3:1 of the heads (1:1 for Mixtral's 2 KV groups is
+Qwen2 (biased q/k/v); the causal LMs also with a vocab-parallel embedding, head and loss.  2 gloo ranks, 3:1 of the heads (1:1 for Mixtral's 2 KV groups is
 replaced by 4 KV groups so the split is uneven).  fp32, SGD: the loss within 1e-5, every
 local gradient within 1e-6 of its slice of the single-process gradient on both steps, the
 gathered weights within 1e-6."""
@@ -20,6 +20,9 @@ pytestmark = pytest.mark.multirank
 ])
 def test_three_to_one(pool2, family, overrides):
     results = pool2.run(tp_family_parity, family, [3, 1], 2, overrides)
+    # causal LMs get a vocab-parallel embedding / head / loss (256 rows 3:1); BERT's MLM head
+    # (bias, transform, fixed loss) keeps them replicated
+    assert [r["vocab_rows"] for r in results] == ([256, 256] if family == "bert" else [192, 64])
     for r in results:
         assert r["sharded"] > 0
         for step in r["steps"]:

@@ -51,7 +51,8 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
     out = {"rank": rank, "steps": [], "sharded": sum(1 for p in pm.module.parameters()
-                                                      if getattr(p, "fxpar_shard_dim", None) is not None)}
+                                                      if getattr(p, "fxpar_shard_dim", None) is not None),
+           "vocab_rows": pm.module.get_input_embeddings().weight.shape[0]}
     for s in range(steps):
         b = global_batch(model, 4, 16, seed=1 + s)
         loss = pm.step(b)
@@ -134,7 +135,7 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     return out
 
 
-def pp_tp_checkpoint(save_dir: str, ckpt_dir: str) -> dict:
+def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     """A 2-stage × TP-2 pipeline trains one step, writes ``save_pretrained`` and a sharded
     checkpoint; the checkpoint loads into a single-process model and both equal the reference."""
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
@@ -142,7 +143,7 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str) -> dict:
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
+    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +220,16 @@ def _param_entries(layout: Layout) -> tuple[dict[str, Any], dict[str, ShardSpec]
 def _save_state(layout: Layout, optimizer: torch.optim.Optimizer | None
                 ) -> tuple[dict[str, Any], dict[str, ShardSpec], dict[str, Any]]:
     """This rank's DCP state dict, its ragged entries, and what goes into the JSON file."""
-    state, shards = _param_entries(layout)
-    info: dict[str, Any] = {"parameters": {lp.fqn: list(lp.global_shape) for lp in layout.params},
+    written = [lp for lp in layout.params if lp.write]
+    state, shards = _param_entries(replace(layout, params=tuple(written)))
+    info: dict[str, Any] = {"parameters": {lp.fqn: list(lp.global_shape) for lp in written},
                             "optimizer": None, "hyper": {}}
     if optimizer is not None:
         pairs, info["hyper"] = _optimizer_entries(layout, optimizer)
         info["optimizer"] = type(optimizer).__name__
         for lp, p in pairs:
+            if not lp.write:
+                continue
             for name, value in optimizer.state.get(p, {}).items():
                 key = f"{OPTIM_PREFIX}{lp.fqn}.{name}"
                 if not isinstance(value, torch.Tensor):

@@ -72,6 +72,7 @@ class LocalParam:
     fqn: str
     param: torch.Tensor
     shard: ShardSpec | None = None     # None: the full tensor (a replica)
+    write: bool = True                 # False: another rank writes these values (a tied copy)
 
     @property
     def global_shape(self) -> tuple[int, ...]:

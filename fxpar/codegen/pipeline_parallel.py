@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_split import split_stages
+from fxpar.codegen.pipeline_ties import canonical_names, sync_tied, tied_params
 from fxpar.codegen.pipeline_tp import (
     DONE,
     FWD,
@@ -96,6 +97,11 @@ class PipelineParallelModule(torch.nn.Module):
                for k, v in example_inputs.items()}
         stage_of = layer_to_stage(plan, blocks)
         self._blocks, self._stage_of = blocks, stage_of
+        self._canonical = canonical_names(model)  # before sharding can untie anything
+        self._aliases: dict[str, list[str]] = {}
+        for fqn, first in self._canonical.items():
+            self._aliases.setdefault(first, []).append(fqn)
+        self._aliases.update({fqn: self._aliases[first] for fqn, first in self._canonical.items()})
         self._sharded = self.layout.tensor_parallel
         if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
             self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index])
@@ -106,13 +112,10 @@ class PipelineParallelModule(torch.nn.Module):
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         name = type(model).__name__
         self._causal = name.endswith(("ForCausalLM", "LMHeadModel"))
-        names: dict[int, list[str]] = {}
-        for fqn, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(fqn)
-        self._aliases = {n: group for group in names.values() for n in group}
         self.module = modules[self.stage_index]
         self.module.checkpointing = plan.activation_checkpointing
-        self._tied = self._tied_groups(modules)
+        self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
+                                                        self.pipeline_index, self.is_lead)
         self._wrap_stage()
         # exact example inputs/outputs of every stage from one local pass over the chain (every
         # rank holds all stage modules), so PipelineStage skips its runtime shape inference
@@ -177,29 +180,9 @@ class PipelineParallelModule(torch.nn.Module):
             shares = list(stage.tensor_split[self.pipeline_index * self.tp_width:][: self.tp_width])
         else:
             shares = split_sizes(kv, [1] * self.tp_width)
-        shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks))
-
-    def _tied_groups(self, modules):
-        """Parameters held by several stages (tied weights): (this stage's tensor, the group of
-        this pipeline's owning leads, None on a follower).  Every rank creates every group."""
-        owners: dict[int, list[int]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        for j, m in enumerate(modules):
-            for _, p in m.named_original_parameters():
-                owners.setdefault(id(p), []).append(j)
-                tensors[id(p)] = p
-        ties = []
-        self._first_tie_stage: dict[int, int] = {}
-        for key, stages in owners.items():
-            stages = sorted(set(stages))
-            if len(stages) < 2:
-                continue
-            self._first_tie_stage[key] = stages[0]
-            groups = [dist.new_group([self.layout.chain(p)[j] for j in stages])
-                      for p in range(self.plan.pipelines)]
-            if self.stage_index in stages:
-                ties.append((tensors[key], groups[self.pipeline_index] if self.is_lead else None))
-        return ties
+        last = self.stage_index == len(plan.stages) - 1
+        shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks),
+                    embedding=self.stage_index == 0, head=last)
 
     def _wrap_stage(self) -> None:
         """The lead's stage forward: tell the followers (tensor-parallel stage), time the compute
@@ -314,20 +297,15 @@ class PipelineParallelModule(torch.nn.Module):
         """Clip by the norm of the *whole* model's gradient: squares summed over every rank of
         this pipeline (a tied parameter counted once, on its first stage; a replicated parameter
         of a tensor-parallel stage once, on its lead; shards on every rank); returns that norm."""
-        params = [p for _, p in self.module.named_original_parameters()]
-        counted = (p.grad for p in params if p.grad is not None
+        named = list(self.module.named_original_parameters())
+        params = [p for _, p in named]
+        counted = (p.grad for fqn, p in named if p.grad is not None
                    and (self.is_lead or getattr(p, "fxpar_sharded", False))
-                   and self._first_tie_stage.get(id(p), self.stage_index) == self.stage_index)
+                   and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self.stage_index) == self.stage_index)
         return clip_by_global_norm(counted, params, max_norm, self.pipe_group)
 
     def _sync_gradients(self) -> None:
-        for p, group in self._tied:  # leads sum the tied copies; followers get the sum
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if group is not None:
-                dist.all_reduce(p.grad, group=group)
-            if self.tp_group is not None:
-                dist.broadcast(p.grad, src=self.chain[self.stage_index], group=self.tp_group)
+        sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
         if self.plan.pipelines > 1:
             for _, p in self.module.named_original_parameters():
                 if p.grad is None:
@@ -342,7 +320,8 @@ class PipelineParallelModule(torch.nn.Module):
         stage are concatenated in offset order along their split dimension."""
         mine = {}
         if self.pipeline_index == 0:
-            mine = {fqn: (p.detach().cpu().clone(), shard_spec(p)) for fqn, p in self.module.named_original_parameters()}
+            mine = {self._canonical.get(fqn, fqn): (p.detach().cpu().clone(), shard_spec(p))
+                    for fqn, p in self.module.named_original_parameters()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, gathered, dst=dst)
         if dist.get_rank() != dst:
@@ -363,8 +342,12 @@ class PipelineParallelModule(torch.nn.Module):
         whole tensor of its stage, or a tensor-parallel shard at its offset."""
         from fxpar.checkpoint.layout import LocalParam
 
-        return [LocalParam(fqn=self._aliases.get(fqn, [fqn])[0], param=p, shard=shard_spec(p))
-                for fqn, p in self.module.named_original_parameters()]
+        out = []
+        for fqn, p in self.module.named_original_parameters():
+            name = self._canonical.get(fqn, fqn)
+            write = self._first_tie_stage.get(name, self.stage_index) == self.stage_index
+            out.append(LocalParam(fqn=name, param=p, shard=shard_spec(p), write=write))
+        return out
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """Gather the full model on rank 0 and write it with HF ``save_pretrained`` (collective:

@@ -42,16 +42,36 @@ def shard_spec(p: torch.Tensor) -> ShardSpec | None:
                      fused_dim=dim if len(fused) > 1 else None, fused_offsets=fused if len(fused) > 1 else ())
 
 
+def box_view(full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """The view of ``full`` at ``offsets`` of extent ``sizes``."""
+    for d, (o, n) in enumerate(zip(offsets, sizes)):
+        full = full.narrow(d, o, n)
+    return full
+
+
+def place(full: torch.Tensor, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Copy the shard ``local`` into its box(es) of the full tensor ``full``."""
+    for box, sizes, _ in spec.boxes(tuple(local.shape)):
+        box_view(full, box, sizes).copy_(spec.piece(local, box))
+
+
+def take(full: torch.Tensor, like: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The shard (shaped like ``like``) that ``spec`` cuts out of the full tensor ``full``."""
+    out = torch.empty_like(like)
+    for box, sizes, _ in spec.boxes(tuple(like.shape)):
+        spec.piece(out, box).copy_(box_view(full, box, sizes))
+    return out
+
+
 def assemble(pieces: Iterable[tuple[torch.Tensor, ShardSpec | None]]) -> torch.Tensor:
-    """The full tensor from ``(local tensor, its ShardSpec)`` pairs (a whole tensor: any one)."""
+    """The full tensor from ``(local tensor, its ShardSpec)`` pairs: a whole tensor among them
+    is the answer; shards (possibly overlapping, from differently split copies of one tied
+    weight, which hold equal values) are placed into their boxes."""
     pieces = list(pieces)
-    if pieces[0][1] is None:
-        return pieces[0][0]
+    for local, spec in pieces:
+        if spec is None:
+            return local
     full = torch.empty(pieces[0][1].global_shape, dtype=pieces[0][0].dtype)
     for local, spec in pieces:
-        for box, sizes, _ in spec.boxes(tuple(local.shape)):
-            target = full
-            for d, (o, n) in enumerate(zip(box, sizes)):
-                target = target.narrow(d, o, n)
-            target.copy_(spec.piece(local, box))
+        place(full, local, spec)
     return full

@@ -61,21 +61,31 @@ from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_b
     split_sizes,
 )
 from fxpar.codegen.tp_layout import make_groups, tp_layout
+from fxpar.codegen.tp_vocab import shard_vocab, supports_vocab_parallel
 from fxpar.errors import PlanError
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.precision import autocast_for
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
-                clock: SegmentClock | None = None, *, blocks: Collection[str] | None = None) -> int:
+                clock: SegmentClock | None = None, *, blocks: Collection[str] | None = None,
+                embedding: bool | None = None, head: bool | None = None) -> int:
     """Shard the attention and MLP (and expert) modules of ``model`` in place for position
     ``rank`` of the tensor-parallel ``group`` (None: the default group), which holds
     ``kv_shares[rank]`` key/value head groups (``tp_families.py`` lists the families); only
-    inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).
-    Returns how many attention modules were sharded."""
+    inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).  The
+    input ``embedding`` and LM ``head`` (with its loss) become vocab-parallel (``tp_vocab.py``)
+    where the model supports it (None: when ``blocks`` is None).  Returns how many attention
+    modules were sharded."""
     kv, per_group, head_dim = head_layout(model)
     check_shares(kv_shares, kv)
-    count = shard_module_tree(model, kv_shares, rank, register_group(group, clock), head_dim, per_group, blocks)
+    key = register_group(group, clock)
+    vocab = supports_vocab_parallel(model)
+    count = shard_module_tree(model, kv_shares, rank, key, head_dim, per_group, blocks)
+    embedding = blocks is None if embedding is None else embedding
+    head = blocks is None if head is None else head
+    if vocab and (embedding or head):
+        shard_vocab(model, kv_shares, rank, key, embedding=embedding, head=head)
     if count == 0:
         raise PlanError(describe_unsupported(model) + "; tensor parallelism supports Llama, Mistral, "
                         "Qwen2, Mixtral, GPT-2, BERT and similar")

@@ -2,6 +2,7 @@
 
     fxpar::tp_copy(x, g)     forward identity (a copy),   backward all-reduce(SUM) over group g
     fxpar::tp_reduce(x, g)   forward all-reduce(SUM),     backward identity
+    fxpar::tp_max(x, g)      forward all-reduce(MAX),     no gradient (vocab-parallel loss)
 
 ``tp_copy`` sits where a block's replicated input enters its column-parallel layers (the input
 of the attention and of the MLP), ``tp_reduce`` after each row-parallel layer (``o_proj``,
@@ -33,9 +34,9 @@ def register_group(group: Any, clock: SegmentClock | None = None) -> int:
     return key
 
 
-def _all_reduce(t: torch.Tensor, key: int) -> None:
+def _all_reduce(t: torch.Tensor, key: int, op: Any = None) -> None:
     group, clock = _GROUPS[key]
-    run = lambda: dist.all_reduce(t, group=group)
+    run = lambda: dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=group)
     clock.collective(run) if clock is not None else run()
 
 
@@ -79,3 +80,17 @@ def _tp_reduce_backward(ctx: Any, grad: torch.Tensor):
 
 
 tp_reduce.register_autograd(_tp_reduce_backward, setup_context=_keep_key)
+
+
+@torch.library.custom_op("fxpar::tp_max", mutates_args=())
+def tp_max(x: torch.Tensor, group_key: int) -> torch.Tensor:
+    """Element-wise maximum over the group (no gradient: used on detached values, e.g. the
+    shift that keeps a vocab-parallel log-sum-exp finite)."""
+    out = x.contiguous().clone()
+    _all_reduce(out, group_key, dist.ReduceOp.MAX)
+    return out
+
+
+@tp_max.register_fake
+def _tp_max_fake(x: torch.Tensor, group_key: int) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -54,10 +54,14 @@ def _itemsize(dtype: str) -> int:
 def _tensor_parallel(node, graph: ModelGraph) -> bool:
     """Tensor parallelism as fxpar's codegen runs it divides everything inside a block's
     attention / MLP / experts submodules (column-parallel in, row-parallel out); the block-level
-    norms and residual adds, the embeddings and the head stay replicated (no vocab-parallel
-    embedding), and so do blocks whose attention codegen does not recognise."""
-    if node.op_class is OpClass.VIEW or node.layer is None:
+    norms and residual adds stay replicated, and so do blocks whose attention codegen does not
+    recognise; the embedding and head are split by vocabulary where codegen does that
+    (``graph.vocab_parallel_modules``), else replicated."""
+    if node.op_class is OpClass.VIEW:
         return False
+    if node.layer is None:
+        return node.module_path in graph.vocab_parallel_modules and \
+            node.op_class in (OpClass.MATMUL, OpClass.EMBEDDING)
     if not graph.layers[node.layer].tensor_parallel:
         return False
     if node.op_class in _SHARDED:
@@ -103,7 +107,11 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             seg = min(users) if users else 0
             (pre_modules if seg == 0 else post_modules).add(p.module_path)
         params[seg] += p.numel
-        if p.layer is not None and graph.layers[p.layer].tensor_parallel and _inside_block_part(p.module_path, graph.layers[p.layer].path):
+        if p.layer is None:
+            split = p.module_path in graph.vocab_parallel_modules
+        else:
+            split = graph.layers[p.layer].tensor_parallel and _inside_block_part(p.module_path, graph.layers[p.layer].path)
+        if split:
             split_params[seg] += p.numel
     sharded = np.array([_tensor_parallel(n, graph) for n in graph.nodes])
     cost_a, cost_c, fwd_a, fwd_c = {}, {}, {}, {}

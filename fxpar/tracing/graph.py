@@ -110,6 +110,9 @@ class ModelGraph:
     exported: Any = field(default=None, compare=False, repr=False)
     #: batch-normalised key per node (profiling.keys), empty unless traced at two batch sizes
     op_keys: tuple[str, ...] = ()
+    #: module paths of the input embedding and LM head when tensor parallelism splits them by
+    #: vocabulary (codegen/tp_vocab.py); empty when they stay replicated
+    vocab_parallel_modules: tuple[str, ...] = ()
 
     @property
     def param_count(self) -> int:

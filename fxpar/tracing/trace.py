@@ -233,7 +233,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
         nodes=tuple(nodes), params=params, layers=layers,
         input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
-        trace_time_s=elapsed, exported=ep)
+        trace_time_s=elapsed, exported=ep, vocab_parallel_modules=_vocab_parallel_modules(model))
 
 
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
@@ -347,6 +347,16 @@ def _tensor_parallel_blocks(model: torch.nn.Module) -> set[str]:
     from fxpar.codegen.tp_families import shardable_blocks
 
     return shardable_blocks(model)
+
+
+def _vocab_parallel_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """Paths of the embedding and head that tensor parallelism splits by vocabulary."""
+    from fxpar.codegen.tp_vocab import supports_vocab_parallel
+
+    if not supports_vocab_parallel(model):
+        return ()
+    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    return tuple(name for name, m in model.named_modules() if id(m) in wanted)
 
 
 def _layer_infos(nodes: list[OpNode], params: tuple[ParamInfo, ...], layer_of: dict[str, int],
