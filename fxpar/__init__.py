@@ -9,9 +9,10 @@ from fxpar.api import ParallelModule, auto, make_plan
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, FxparError, InfeasibleError, PlanError, TraceError
 from fxpar.plan import Plan
+from fxpar.runtime.optim import make_optimizer
 from fxpar.workload import Workload
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "ConfigError", "FxparError", "InfeasibleError", "ParallelModule", "Plan",
+__all__ = ["make_optimizer", "Cluster", "ConfigError", "FxparError", "InfeasibleError", "ParallelModule", "Plan",
            "PlanError", "TraceError", "Workload", "auto", "make_plan", "__version__"]

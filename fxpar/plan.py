@@ -12,7 +12,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_plan, check_rank, check_solver, check_stage
+from fxpar.plan_checks import (
+    check_collective,
+    check_plan,
+    check_rank,
+    check_solver,
+    check_stage,
+)
 
 PLAN_FORMAT_VERSION = 1
 STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel")
@@ -75,6 +81,27 @@ class SolverReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveChoice:
+    """One exchange of the training step, the method the solver chose for it and the predicted
+    seconds of every method it compared (None: that method does not fit in memory).
+
+    Methods: ``all-reduce`` (gradients summed on every rank, optimizer state replicated),
+    ``all-reduce + ZeRO-1`` (the same sum, then each replica updates its partition of the
+    parameters — optimizer state 1/P — and broadcasts it: one more parameter-sized exchange, less
+    memory; run by ``torch.distributed.optim.ZeroRedundancyOptimizer`` through
+    ``pmodel.make_optimizer``), ``all-to-all`` (MoE token routing), ``tensor-parallel all-reduce``
+    (activations inside a tensor-parallel group)."""
+
+    exchange: str
+    method: str
+    predicted_s: float
+    alternatives: tuple[tuple[str, float | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_collective(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A complete parallel plan with its predictions; see the module docstring."""
 
@@ -101,10 +128,12 @@ class Plan:
     activation_checkpointing: bool = False
     zero_sharded_optimizer: bool = False
     explain: tuple[str, ...] = ()     # why this plan: candidates and baselines considered
+    collectives: tuple[CollectiveChoice, ...] = ()   # how each exchange is done, and why
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport)
+        check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport,
+                   collective_type=CollectiveChoice)
         if self.strategy not in STRATEGIES:
             raise PlanError(f"plan.strategy = {self.strategy!r}: accepted values are {STRATEGIES}")
         if not self.ranks:
@@ -216,6 +245,8 @@ class Plan:
             kw["baselines"] = tuple(base.items())
             if d.get("solver") is not None:
                 kw["solver"] = _build(SolverReport, d["solver"], f"{source}: solver")
+            kw["collectives"] = tuple(_build(CollectiveChoice, c, f"{source}: collectives[{i}]")
+                                      for i, c in enumerate(_listed(d, "collectives", source, required=False)))
             _require(cls, kw, source)
             return cls(**kw)
         except PlanError as exc:
@@ -272,6 +303,9 @@ class Plan:
             out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else
                        f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"
                        if self.predicted_step_s > 0 else f"{value:.4g} s"))
+        for c in self.collectives:
+            others = ", ".join(f"{m} {'does not fit' if t is None else f'{t:.4g} s'}" for m, t in c.alternatives)
+            out.append(f"exchange {c.exchange}: {c.method} {c.predicted_s:.4g} s" + (f" (vs {others})" if others else ""))
         if self.solver is not None:
             s = self.solver
             out.append(f"solver {s.name} ({s.backend}, {s.status}): relaxation {s.objective_s:.4g} s, "

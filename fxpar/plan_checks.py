@@ -115,7 +115,27 @@ def check_solver(s: Any) -> None:
          solve_time_s=_real(s.solve_time_s, where, "solve_time_s"))
 
 
-def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type) -> None:
+COLLECTIVE_METHODS = ("all-reduce", "all-reduce + ZeRO-1", "all-to-all", "tensor-parallel all-reduce")
+
+
+def check_collective(c: Any) -> None:
+    """Types of a ``CollectiveChoice`` (normalised in place)."""
+    where = "collectives"
+    method = _text(c.method, where, "method")
+    if method not in COLLECTIVE_METHODS:
+        raise _fail(where, "method", method, f"one of {COLLECTIVE_METHODS}")
+    alternatives = []
+    for i, pair in enumerate(_sequence(c.alternatives, where, "alternatives", "(method, seconds or null) pairs")):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise _fail(where, f"alternatives[{i}]", pair, "a (method, seconds or null) pair")
+        name = _text(pair[0], where, f"alternatives[{i}] method")
+        alternatives.append((name, None if pair[1] is None else _real(pair[1], where, f"alternatives[{name!r}]")))
+    _set(c, exchange=_text(c.exchange, where, "exchange"), method=method,
+         predicted_s=_real(c.predicted_s, where, "predicted_s"), alternatives=tuple(alternatives))
+
+
+def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
+               collective_type: type | None = None) -> None:
     """Types and ranges of every ``Plan`` field, then the cross-field rules that do not depend
     on the strategy (stage numbering, ranks in range, per-strategy split lengths)."""
     where = "plan"
@@ -141,6 +161,12 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type) 
         _set(p, **{name: items})
     if p.solver is not None and not isinstance(p.solver, solver_type):
         raise _fail(where, "solver", p.solver, f"a {solver_type.__name__} or null")
+    if collective_type is not None:
+        items = tuple(_sequence(p.collectives, where, "collectives", collective_type.__name__))
+        for i, item in enumerate(items):
+            if not isinstance(item, collective_type):
+                raise _fail(where, f"collectives[{i}]", item, f"a {collective_type.__name__}")
+        _set(p, collectives=items)
     _set(p, baselines=_baselines(p.baselines))
     _check_stages(p)
 

@@ -66,3 +66,34 @@ def test_search_prefers_pipeline_when_memory_forces_it_and_is_deterministic():
 def test_infeasible_returns_none():
     ctx = _ctx(_table(4, params=1e12))
     assert search(ctx) is None
+
+
+def test_zero_only_when_memory_needs_it():
+    # 2 pipelines of (fast, slow); Adam fp32: 4 + 4 + 8 bytes/param (+ a 4-byte grad bucket
+    # across pipelines).  A stage of 4 segments (4e6 params) needs 80 MB plain, 64 MB with its
+    # optimizer state halved (ZeRO-1), which also adds an all-gather of the weights.
+    stages = (StageSpec("fast", 1), StageSpec("slow", 1))
+    roomy = _ctx(_table(8), counts=(2, 2), batch=16)
+    tight = _ctx(_table(8), counts=(2, 2), batch=16, fast_mem=70e6)
+    plain = evaluate(roomy, 2, stages, 8, False, cuts=(0, 4, 8), zero=False)
+    zero = evaluate(roomy, 2, stages, 8, False, cuts=(0, 4, 8), zero=True)
+    assert plain.memory_bytes[0] - zero.memory_bytes[0] == pytest.approx(4e6 * 8 / 2, rel=1e-6)
+    assert zero.gather_s > 0 and zero.step_s > plain.step_s
+    assert evaluate(roomy, 2, stages, 8, False, cuts=(0, 4, 8)).zero is False   # faster wins
+    assert evaluate(tight, 2, stages, 8, False, cuts=(0, 4, 8), zero=False) is None
+    assert evaluate(tight, 2, stages, 8, False, cuts=(0, 4, 8)).zero is True    # only ZeRO fits
+
+
+def test_plan_records_the_gradient_exchange_choice():
+    from fxpar.solvers.pipeline_plan import gradient_exchange
+
+    ctx = _ctx(_table(8), counts=(2, 2), batch=16, fast_mem=70e6)
+    cfg = evaluate(ctx, 2, (StageSpec("fast", 1), StageSpec("slow", 1)), 8, False, cuts=(0, 4, 8))
+    (choice,) = gradient_exchange(cfg, ctx, cfg.step_s)
+    assert choice.method == "all-reduce + ZeRO-1" and choice.alternatives[0][0] == "all-reduce"
+    assert choice.predicted_s == pytest.approx(cfg.allreduce_s + cfg.gather_s)
+    from fxpar.errors import PlanError
+    from fxpar.plan import CollectiveChoice
+
+    with pytest.raises(PlanError, match="method"):
+        CollectiveChoice(exchange="x", method="bogus", predicted_s=1.0)

@@ -49,6 +49,7 @@ from fxpar.checkpoint.layout import (
 )
 from fxpar.checkpoint.planners import RaggedLoadPlanner, RaggedSavePlanner
 from fxpar.errors import CheckpointError, FxparError
+from fxpar.runtime.optim import local_optimizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,7 @@ def save_checkpoint(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     by :func:`load_checkpoint`.  An existing ``directory`` is replaced once the new checkpoint is
     complete.  ``distributed=None`` uses collectives when a process group of > 1 rank is
     initialised.  Returns the checkpoint's path."""
+    optimizer = local_optimizer(optimizer) if optimizer is not None else None  # ZeRO: its partition
     final = Path(directory).absolute()
     layout, error = _describe(pmodel, distributed)
     rank = dist.get_rank(layout.group) if layout.distributed else 0
@@ -269,6 +271,7 @@ def load_checkpoint(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     but the checkpoint lacks, or a different full shape, is always an error (raised on every
     rank).  The optimizer must be of the class that was saved; its state and hyper-parameters
     (learning rate, betas, ...) are restored for the parameters the checkpoint knows."""
+    optimizer = local_optimizer(optimizer) if optimizer is not None else None  # ZeRO: its partition
     path = Path(directory).absolute()
     layout, error = _describe(pmodel, distributed)
     meta, md = {}, None

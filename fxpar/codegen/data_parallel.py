@@ -168,6 +168,13 @@ class DataParallelModule(torch.nn.Module):
             return None
         return {n: p.detach().clone() for n, p in self.module.named_parameters(remove_duplicate=False)}
 
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
+        :func:`fxpar.runtime.optim.make_optimizer`)."""
+        from fxpar.runtime.optim import make_optimizer
+
+        return make_optimizer(self, optimizer_class, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the (already all-reduced, identical) gradients to ``max_norm``; returns the norm."""
         params = [p for p in self.module.parameters() if p.grad is not None]

@@ -350,6 +350,13 @@ class ExpertParallelModule(torch.nn.Module):
             offset += g.numel()
         return flat[-1].clone()
 
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
+        :func:`fxpar.runtime.optim.make_optimizer`)."""
+        from fxpar.runtime.optim import make_optimizer
+
+        return make_optimizer(self, optimizer_class, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm: expert rows' squares summed over the ranks,
         replicated (identical) gradients counted once; returns that norm."""

@@ -18,7 +18,7 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
                   num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
                   activation_checkpointing: bool = False, schedule: str = "1F1B",
-                  tensor_parallel: list[int] | None = None) -> Plan:
+                  tensor_parallel: list[int] | None = None, zero_sharded_optimizer: bool = False) -> Plan:
     """Stage ``j`` owns the next ``blocks_per_stage[j]`` blocks (embeddings go with the first
     stage, the head with the last) and runs on ``tensor_parallel[j]`` ranks (default 1) of
     every pipeline, as one tensor-parallel group with even head shares.  Ranks are dealt
@@ -57,7 +57,8 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                 stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
                 pipelines=pipelines, num_microbatches=num_microbatches, schedule=schedule,
-                activation_checkpointing=activation_checkpointing)
+                activation_checkpointing=activation_checkpointing,
+                zero_sharded_optimizer=zero_sharded_optimizer and pipelines > 1)
 
 
 def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, kv_shares: list[int],

@@ -293,6 +293,13 @@ class PipelineParallelModule(torch.nn.Module):
         checks.check_labels_present(batch, where, causal=self._causal,
                                     chunks=[(s, min(s + size, expected)) for s in starts])
 
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
+        :func:`fxpar.runtime.optim.make_optimizer`)."""
+        from fxpar.runtime.optim import make_optimizer
+
+        return make_optimizer(self, optimizer_class, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the *whole* model's gradient: squares summed over every rank of
         this pipeline (a tied parameter counted once, on its first stage; a replicated parameter

@@ -206,6 +206,13 @@ class TensorParallelModule(torch.nn.Module):
         work.wait()
         return loss[0].to(torch.float32)
 
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
+        :func:`fxpar.runtime.optim.make_optimizer`)."""
+        from fxpar.runtime.optim import make_optimizer
+
+        return make_optimizer(self, optimizer_class, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
         shards' squares summed over this rank's TP group, replicated parameters counted once

@@ -136,7 +136,9 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=config.rebalance,
                                        max_microbatches=config.workload.get("max_microbatches"))
     if optimizer is not None:
-        optimizer = _rebuild_optimizer(optimizer, pmodel)
+        from fxpar.runtime.optim import zero_wrap
+
+        optimizer = zero_wrap(_rebuild_optimizer(optimizer, pmodel), pmodel)
     sampler = ShareBatchSampler(len(dataloader.dataset), pmodel.plan.global_batch,
                                 lambda: rank_rows(pmodel),
                                 shuffle=isinstance(dataloader.sampler, RandomSampler))

@@ -130,6 +130,14 @@ class FxparTrainer(Trainer):
     def fxpar_global_batch(self) -> int:
         return self.model.plan.global_batch
 
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, as ZeRO-1 across pipelines where the plan chose it."""
+        from fxpar.runtime.optim import zero_wrap
+
+        optimizer = super().create_optimizer(model)
+        self.optimizer = zero_wrap(optimizer, self.model)
+        return self.optimizer
+
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ConfigError("FxparTrainer: train_dataset is None; pass train_dataset=")

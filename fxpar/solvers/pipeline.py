@@ -18,14 +18,17 @@ block, of ``β_i·b`` bytes over the stage's ``u`` devices):
           (+ each block's forward again under activation checkpointing)
 
 1F1B pipeline, then the data-parallel gradient all-reduce of every stage's shard across the
-``P`` pipelines and the optimizer step:
+``P`` pipelines and the optimizer step; with ZeRO-1 (``z = 1``, a per-configuration choice
+recorded in the plan's ``collectives``) each pipeline updates ``1/P`` of the parameters and
+broadcasts them (an all-gather of the weights):
 
-    T = (m − 1)·max_j t_j + Σ_j t_j + max_j AR_P(grad bytes_j / u_j) + max_j opt_j
+    T = (m − 1)·max_j t_j + Σ_j t_j + max_j AR_P(grad bytes_j) + max_j opt_j·(1/P)^z
+        + z·max_j AG_P(weight bytes_j)
 
-Memory per device of stage ``j`` (of ``S``), ZeRO-1 across the ``P`` replicas, ``r = min(S − j, m)``
-micro-batches in flight under 1F1B, activation checkpointing optional:
+Memory per device of stage ``j`` (of ``S``), optimizer state ``o`` (``o/P`` under ZeRO-1),
+``r = min(S − j, m)`` micro-batches in flight under 1F1B, activation checkpointing optional:
 
-    M_j = (n_j^split/u + n_j^repl)·(w + g + o/P) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
+    M_j = (n_j^split/u + n_j^repl)·(w + g + o/P^z) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
 
 (``n^split``: parameters inside the blocks' attention / MLP / experts, which codegen shards;
 ``n^repl``: embeddings, head and norms, replicated on every rank of the stage)
@@ -85,6 +88,8 @@ class PipelineConfig:
     memory_bytes: tuple[int, ...]   # per device of each stage
     allreduce_s: float
     optimizer_s: float
+    zero: bool = False          # optimizer state sharded across the pipelines (ZeRO-1)
+    gather_s: float = 0.0       # ZeRO-1: broadcasting the updated parameter partitions
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,21 +111,26 @@ def _tp_allreduce(kind: KindInfo, width: int, nbytes: np.ndarray) -> np.ndarray:
     return np.array([collectives.allreduce_time(shape, float(x)) for x in nbytes])
 
 
-def _dp_allreduce(ctx: PipelineContext, pipelines: int, nbytes: float) -> float:
-    if pipelines <= 1:
-        return 0.0
+def _dp_shape(ctx: PipelineContext, pipelines: int) -> collectives.RingShape:
     nodes = min(pipelines, max(ctx.num_nodes, 1))
-    shape = collectives.RingShape((pipelines // nodes,) * nodes,
-                                  (min(k.intra_bytes_per_s for k in ctx.kinds.values()),) * nodes,
-                                  ctx.node_bytes_per_s)
-    return collectives.allreduce_time(shape, nbytes)
+    return collectives.RingShape((pipelines // nodes,) * nodes,
+                                 (min(k.intra_bytes_per_s for k in ctx.kinds.values()),) * nodes,
+                                 ctx.node_bytes_per_s)
+
+
+def _dp_allreduce(ctx: PipelineContext, pipelines: int, nbytes: float) -> float:
+    return 0.0 if pipelines <= 1 else collectives.allreduce_time(_dp_shape(ctx, pipelines), nbytes)
+
+
+def _dp_allgather(ctx: PipelineContext, pipelines: int, nbytes: float) -> float:
+    return 0.0 if pipelines <= 1 else collectives.allgather_time(_dp_shape(ctx, pipelines), nbytes)
 
 
 class _StageCost:
     """Prefix sums that give a stage's time and memory for any segment range in O(1)."""
 
     def __init__(self, ctx: PipelineContext, spec: StageSpec, b: int, in_flight: int,
-                 pipelines: int, ckpt: bool) -> None:
+                 pipelines: int, ckpt: bool, zero: bool = True) -> None:
         t = ctx.table
         kind = ctx.kinds[spec.kind]
         u = spec.width
@@ -132,7 +142,7 @@ class _StageCost:
         seg_time = seg_time + 4 * _tp_allreduce(kind, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
         self.time = np.concatenate([[0.0], np.cumsum(seg_time)])
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
-        per_param = w + g + o / pipelines + (g if pipelines > 1 else 0)
+        per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
         self.state = np.concatenate([[0.0], np.cumsum(t.local_params(u) * per_param)])
         if ckpt:
             self.act_sum = np.concatenate([[0.0], np.cumsum(t.boundary_bytes)])
@@ -192,15 +202,20 @@ def best_cuts(costs: list[_StageCost], n: int) -> tuple[int, ...] | None:
 
 
 def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...], m: int,
-             ckpt: bool, cuts: tuple[int, ...] | None = None) -> PipelineConfig | None:
+             ckpt: bool, cuts: tuple[int, ...] | None = None, zero: bool | None = None) -> PipelineConfig | None:
     """Best (or given) cuts for one configuration and its predicted step, or None if it does
-    not fit."""
+    not fit.  ``zero``: shard the optimizer state across the pipelines (ZeRO-1) or not; None
+    tries both (with more than one pipeline) and keeps the faster that fits."""
+    if zero is None:
+        options = [evaluate(ctx, pipelines, stages, m, ckpt, cuts, z) for z in ((False, True) if pipelines > 1 else (False,))]
+        found = [o for o in options if o is not None]
+        return min(found, key=lambda c: c.step_s) if found else None
     b_total = ctx.global_batch / pipelines
     b = int(b_total // m)
     if b < 1 or b * m * pipelines != ctx.global_batch:
         return None
     S = len(stages)
-    costs = [_StageCost(ctx, spec, b, min(S - j, m), pipelines, ckpt) for j, spec in enumerate(stages)]
+    costs = [_StageCost(ctx, spec, b, min(S - j, m), pipelines, ckpt, zero) for j, spec in enumerate(stages)]
     n = ctx.table.size
     if cuts is None:
         cuts = best_cuts(costs, n)
@@ -213,12 +228,16 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     grads = [ctx.table.local_params(spec.width)[i:j].sum() * state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
              for spec, i, j in zip(stages, cuts, cuts[1:])]
     ar = max(_dp_allreduce(ctx, pipelines, g) for g in grads)
-    opt = max(ctx.optimizer_s_per_param[spec.kind] * ctx.table.local_params(spec.width)[i:j].sum()
+    share = 1.0 / pipelines if zero else 1.0  # ZeRO-1: each pipeline updates 1/P of the parameters
+    opt = max(ctx.optimizer_s_per_param[spec.kind] * ctx.table.local_params(spec.width)[i:j].sum() * share
               for spec, i, j in zip(stages, cuts, cuts[1:]))
+    weight_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[0]
+    gather = max(_dp_allgather(ctx, pipelines, ctx.table.local_params(spec.width)[i:j].sum() * weight_bytes)
+                 for spec, i, j in zip(stages, cuts, cuts[1:])) if zero else 0.0
     mem = tuple(int(c.memory(i, j)) for c, i, j in zip(costs, cuts, cuts[1:]))
     return PipelineConfig(pipelines=pipelines, stages=stages, num_microbatches=m, micro_batch=b,
-                          checkpointing=ckpt, cuts=cuts, step_s=t_pipe + ar + opt, stage_s=tuple(t),
-                          memory_bytes=mem, allreduce_s=ar, optimizer_s=opt)
+                          checkpointing=ckpt, cuts=cuts, step_s=t_pipe + ar + opt + gather, stage_s=tuple(t),
+                          memory_bytes=mem, allreduce_s=ar, optimizer_s=opt, zero=zero, gather_s=gather)
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
 from fxpar.sim.pipeline_sim import simulate_1f1b
-from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, _StageCost, _tp_allreduce
+from fxpar.solvers.pipeline import (
+    PipelineConfig,
+    PipelineContext,
+    _StageCost,
+    _tp_allreduce,
+    evaluate,
+)
 
 
 def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
@@ -37,7 +43,7 @@ def stage_fwd_bwd(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[list[float
         scale = (t.sharded_fraction / u + (1 - t.sharded_fraction))[i:k]
         tp = _tp_allreduce(kind, u, t.boundary_bytes[i:k] * b) * (np.arange(i, k) > 0)
         f = float(((t.fwd_a[spec.kind][i:k] + t.fwd_c[spec.kind][i:k] * b) * scale).sum() + 2 * tp.sum())
-        cost = _StageCost(ctx, spec, b, min(S - j, cfg.num_microbatches), cfg.pipelines, cfg.checkpointing)
+        cost = _StageCost(ctx, spec, b, min(S - j, cfg.num_microbatches), cfg.pipelines, cfg.checkpointing, cfg.zero)
         total = cost.stage_time(i, k)
         hop = float(cost.hop[k - 1]) if k < t.size else 0.0
         fwd.append(f)
@@ -51,7 +57,7 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
     slots = assign_ranks(cfg, cluster)
     fwd, bwd, hops = stage_fwd_bwd(ctx, cfg)
     makespan, busy, _ = simulate_1f1b(fwd, bwd, hops, cfg.num_microbatches)
-    step = makespan + cfg.allreduce_s + cfg.optimizer_s
+    step = makespan + cfg.allreduce_s + cfg.optimizer_s + cfg.gather_s
     per_pipe = workload.global_batch // cfg.pipelines
     stages, ranks = [], {}
     for j, (spec, i, k) in enumerate(zip(cfg.stages, cfg.cuts, cfg.cuts[1:])):
@@ -72,10 +78,24 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
                 global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
                 optimizer=workload.optimizer, stages=tuple(stages),
                 ranks=tuple(ranks[r] for r in range(cluster.world_size)),
-                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=cfg.allreduce_s,
+                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=cfg.allreduce_s + cfg.gather_s,
                 lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
                 pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches, schedule="1F1B",
-                activation_checkpointing=cfg.checkpointing, zero_sharded_optimizer=cfg.pipelines > 1)
+                activation_checkpointing=cfg.checkpointing, zero_sharded_optimizer=cfg.zero,
+                collectives=gradient_exchange(cfg, ctx, step))
+
+
+def gradient_exchange(cfg: PipelineConfig, ctx: PipelineContext, step: float) -> tuple[CollectiveChoice, ...]:
+    """The stages' gradient exchange across the pipelines: the method chosen and the predicted
+    step of the other (same stages, micro-batches and checkpointing; its own best cuts)."""
+    if cfg.pipelines <= 1:
+        return ()
+    name = {False: "all-reduce", True: "all-reduce + ZeRO-1"}
+    other = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, zero=not cfg.zero)
+    other_s = None if other is None else step - (cfg.step_s - other.step_s)  # same schedule-model offset
+    return (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines",
+                             method=name[cfg.zero], predicted_s=cfg.allreduce_s + cfg.gather_s,
+                             alternatives=((name[not cfg.zero], other_s),)),)
 
 
 def compute_lower_bound(ctx: PipelineContext) -> float:

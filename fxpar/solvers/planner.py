@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from fxpar.errors import ConfigError, InfeasibleError
-from fxpar.plan import Plan, RankPlan, SolverReport, StagePlan
+from fxpar.plan import CollectiveChoice, Plan, RankPlan, SolverReport, StagePlan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
 from fxpar.sim import simulate
@@ -70,8 +70,10 @@ def _with_predictions(draft: Plan, cost: CostModel) -> Plan:
     sim = simulate(draft, cost)
     ranks = tuple(replace(r, predicted_busy_s=sim.busy_s[r.rank],
                           predicted_memory_bytes=sim.peak_memory_bytes[r.rank]) for r in draft.ranks)
+    collectives = (CollectiveChoice(exchange=f"gradients across {draft.world_size} ranks", method="all-reduce",
+                                    predicted_s=sim.comm_s),) if draft.world_size > 1 else ()
     return replace(draft, ranks=ranks, predicted_step_s=sim.step_s,
-                   predicted_compute_s=sim.compute_s, predicted_comm_s=sim.comm_s)
+                   predicted_compute_s=sim.compute_s, predicted_comm_s=sim.comm_s, collectives=collectives)
 
 
 def _even_plan_step(draft: Plan, cluster, problem: dp.DPProblem, cost: CostModel) -> float | None:
@@ -263,6 +265,10 @@ def _ep_candidate(problem, graph, cluster, workload: Workload, lb: float, candid
                           expert_split=ev.counts, device=cluster.device(0).type.name),),
         predicted_step_s=ev.step_s, predicted_compute_s=ev.replicated_s + ev.expert_s,
         predicted_comm_s=ev.alltoall_s + ev.allreduce_s, lower_bound_s=lb, emulated=bool(cluster.is_emulated()),
+        collectives=(CollectiveChoice(exchange="routed tokens of every MoE layer (dispatch + combine)",
+                                      method="all-to-all", predicted_s=ev.alltoall_s),
+                     CollectiveChoice(exchange="gradients of the replicated parameters", method="all-reduce",
+                                      predicted_s=ev.allreduce_s)),
         solver=SolverReport(name="ep-shares-placement", backend=sol.backend, status=sol.status,
                             objective_s=sol.relaxation_s, integer_s=ev.step_s, gap=gap,
                             solve_time_s=sol.solve_time_s)))
