@@ -59,6 +59,7 @@ class StagePlan:
     tensor_parallel: int = 1          # devices per replica of this stage (one TP group)
     predicted_fwd_s: float = 0.0      # per micro-batch
     predicted_bwd_s: float = 0.0
+    activation_checkpointing: bool = False   # this stage recomputes its forward in the backward
 
     def __post_init__(self) -> None:
         check_stage(self)
@@ -125,7 +126,7 @@ class Plan:
     pipelines: int = 1                # identical pipeline replicas (data parallel across them)
     num_microbatches: int = 1         # per pipeline and step
     schedule: str = "none"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False   # every stage (a stage can also say so itself)
     zero_sharded_optimizer: bool = False
     explain: tuple[str, ...] = ()     # why this plan: candidates and baselines considered
     collectives: tuple[CollectiveChoice, ...] = ()   # how each exchange is done, and why
@@ -285,7 +286,8 @@ class Plan:
                        f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}")
             out += [f"  stage {st.index}: {st.device}, TP {st.tensor_parallel} per pipeline, "
                     f"{_span(st.modules)}, fwd+bwd {1e3 * (st.predicted_fwd_s + st.predicted_bwd_s):.2f} ms"
-                    f"/micro-batch" for st in self.stages]
+                    f"/micro-batch" + (", checkpointed" if st.activation_checkpointing else "")
+                    for st in self.stages]
         if self.strategy == "expert_parallel" and self.stages and self.stages[0].expert_split is not None:
             split = self.stages[0].expert_split
             shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"

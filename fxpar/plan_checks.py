@@ -98,7 +98,8 @@ def check_stage(s: Any) -> None:
          device=_text(s.device, where, "device"),
          tensor_parallel=_int(s.tensor_parallel, where, "tensor_parallel", 1),
          predicted_fwd_s=_real(s.predicted_fwd_s, where, "predicted_fwd_s"),
-         predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"))
+         predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"),
+         activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"))
     for name in ("tensor_split", "expert_split"):
         if getattr(s, name) is not None:
             _set(s, **{name: _ints(getattr(s, name), where, name, 0)})

@@ -42,6 +42,13 @@ def test_activation_checkpointing_is_exact(pool2):
     _check(pool2.run(pp_parity, "llama", [1, 1], 2, 1, 8, 16, 2, None, True), 2)
 
 
+def test_activation_checkpointing_on_one_stage_only(pool2):
+    # the plan checkpoints the first stage (more micro-batches in flight), not the last
+    results = pool2.run(pp_parity, "llama", [1, 1], 2, 1, 8, 16, 2, None, [True, False])
+    assert [r["checkpointing"] for r in results] == [True, False]
+    _check(results, 2)
+
+
 def test_pipeline_times_data_parallel_on_four_ranks(pool4):
     results = pool4.run(pp_parity, "gpt2", [1, 1], 2, 2)  # 2 stages x 2 pipelines, tied weights
     _check(results, 2)

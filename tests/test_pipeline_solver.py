@@ -97,3 +97,19 @@ def test_plan_records_the_gradient_exchange_choice():
 
     with pytest.raises(PlanError, match="method"):
         CollectiveChoice(exchange="x", method="bogus", predicted_s=1.0)
+
+
+def test_checkpointing_only_on_the_stage_that_needs_it():
+    # 1 MB of saved activations per sample and segment; micro-batches of 2 samples; the fast
+    # first stage holds 2 in flight under 1F1B (4 MB per segment) in 6 MB: plain it fits one
+    # segment, checkpointed (boundary 0 + one segment's activations) any number.  The slow last
+    # stage has 80 GiB.  Checkpointed fast segments cost 4/3 (forward again): 5 + 3 balances.
+    from dataclasses import replace
+
+    stages = (StageSpec("fast", 1), StageSpec("slow", 1))
+    ctx = _ctx(replace(_table(8, params=1e3), act_bytes=np.full(8, 1e6)), fast_mem=6e6, batch=16)
+    cfg = evaluate(ctx, 1, stages, 8, True)
+    assert cfg.stage_checkpointing == (True, False) and cfg.cuts == (0, 5, 8)
+    plain = evaluate(ctx, 1, stages, 8, False)
+    assert plain.cuts == (0, 1, 8) and plain.step_s > cfg.step_s
+    assert evaluate(ctx, 1, stages, 8, True, cuts=(0, 1, 8)).stage_checkpointing == (False, False)

@@ -156,7 +156,7 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    out = {"rank": rank, "stage": pm.stage_index, "steps": []}
+    out = {"rank": rank, "stage": pm.stage_index, "steps": [], "checkpointing": pm.module.checkpointing}
     for b in data:
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss

@@ -78,7 +78,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
         meta = {"stage": st.index, "ranks": list(st.ranks), "device": st.device,
                 "tensor_parallel": st.tensor_parallel, "receives": list(mod.spec.inputs),
                 "sends": list(mod.spec.outputs), "parameters": list(mod.spec.params),
-                "activation_checkpointing": plan.activation_checkpointing}
+                "activation_checkpointing": plan.activation_checkpointing or st.activation_checkpointing}
         written.append(code)
         if st.tensor_parallel > 1:
             own = {b for b, j in zip(blocks, stage_of) if j == st.index}

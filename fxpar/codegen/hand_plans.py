@@ -17,7 +17,7 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
                   num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
-                  activation_checkpointing: bool = False, schedule: str = "1F1B",
+                  activation_checkpointing: bool | list[bool] = False, schedule: str = "1F1B",
                   tensor_parallel: list[int] | None = None, zero_sharded_optimizer: bool = False) -> Plan:
     """Stage ``j`` owns the next ``blocks_per_stage[j]`` blocks (embeddings go with the first
     stage, the head with the last) and runs on ``tensor_parallel[j]`` ranks (default 1) of
@@ -39,12 +39,17 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
     if per * pipelines != global_batch or per % num_microbatches:
         raise PlanError(f"global_batch {global_batch} must split into {pipelines} pipelines x "
                         f"{num_microbatches} equal micro-batches")
+    per_stage = list(activation_checkpointing) if isinstance(activation_checkpointing, (list, tuple)) else [False] * S
+    if len(per_stage) != S:
+        raise PlanError(f"activation_checkpointing {per_stage} must give each of the {S} stages a flag")
+    everywhere = activation_checkpointing is True
     first = [p * sum(widths) + sum(widths[:j]) for p in range(pipelines) for j in range(S)]
     stages, start = [], 0
     for j, n in enumerate(blocks_per_stage):
         ranks = tuple(first[p * S + j] + t for p in range(pipelines) for t in range(widths[j]))
         stages.append(StagePlan(index=j, modules=tuple(blocks[start:start + n]), ranks=ranks,
                                 data_split=(per,) * pipelines, tensor_parallel=widths[j],
+                                activation_checkpointing=bool(per_stage[j]),
                                 device=cluster.device(ranks[0]).type.name))
         start += n
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
@@ -57,7 +62,7 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                 stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
                 pipelines=pipelines, num_microbatches=num_microbatches, schedule=schedule,
-                activation_checkpointing=activation_checkpointing,
+                activation_checkpointing=everywhere,
                 zero_sharded_optimizer=zero_sharded_optimizer and pipelines > 1)
 
 

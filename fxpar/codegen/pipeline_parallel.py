@@ -113,7 +113,7 @@ class PipelineParallelModule(torch.nn.Module):
         name = type(model).__name__
         self._causal = name.endswith(("ForCausalLM", "LMHeadModel"))
         self.module = modules[self.stage_index]
-        self.module.checkpointing = plan.activation_checkpointing
+        self.module.checkpointing = plan.activation_checkpointing or plan.stages[self.stage_index].activation_checkpointing
         self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
         self._wrap_stage()

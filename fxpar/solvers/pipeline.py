@@ -30,6 +30,11 @@ Memory per device of stage ``j`` (of ``S``), optimizer state ``o`` (``o/P`` unde
 
     M_j = (n_j^split/u + n_j^repl)·(w + g + o/P^z) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
 
+Checkpointing is chosen per stage: with it allowed, each stage of the bisection's greedy pass
+takes whichever of its two cost tables (plain, checkpointed) reaches farther under ``τ`` — so
+only the stages that need the memory (the early ones, with more micro-batches in flight) pay
+the recomputation.
+
 (``n^split``: parameters inside the blocks' attention / MLP / experts, which codegen shards;
 ``n^repl``: embeddings, head and norms, replicated on every rank of the stage)
     A_j(u) = Σ α_i·(0.3 + 0.7/u)            (no checkpointing; Megatron: ~30% replicated)
@@ -89,6 +94,7 @@ class PipelineConfig:
     allreduce_s: float
     optimizer_s: float
     zero: bool = False          # optimizer state sharded across the pipelines (ZeRO-1)
+    stage_checkpointing: tuple[bool, ...] = ()   # activation checkpointing, per stage
     gather_s: float = 0.0       # ZeRO-1: broadcasting the updated parameter partitions
 
 
@@ -108,7 +114,8 @@ def _tp_allreduce(kind: KindInfo, width: int, nbytes: np.ndarray) -> np.ndarray:
     if width <= 1:
         return np.zeros_like(nbytes)
     shape = collectives.RingShape((width,), (kind.intra_bytes_per_s,), 1.0)
-    return np.array([collectives.allreduce_time(shape, float(x)) for x in nbytes])
+    values, index = np.unique(nbytes, return_inverse=True)  # blocks share one boundary size
+    return np.array([collectives.allreduce_time(shape, float(x)) for x in values])[index.reshape(-1)]
 
 
 def _dp_shape(ctx: PipelineContext, pipelines: int) -> collectives.RingShape:
@@ -166,29 +173,57 @@ class _StageCost:
 
     def longest(self, i: int, tau: float, n: int) -> int:
         """Largest j > i with stage_time(i, j) ≤ tau and memory fitting (i if none)."""
-        j_time = int(np.searchsorted(self.time, self.time[i] + tau, side="right")) - 1
-        j = min(j_time, n)
-        while j > i and (self.stage_time(i, j) > tau or self.memory(i, j) > self.capacity):
+        j = min(int(np.searchsorted(self.time, self.time[i] + tau, side="right")) - 1, n)
+        lo, hi = i, j  # memory(i, ·) never decreases: the largest fitting end, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.memory(i, mid) <= self.capacity:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = lo
+        while j > i and self.stage_time(i, j) > tau:  # the hop after the stage is not monotone
             j -= 1
         return j
 
 
-def best_cuts(costs: list[_StageCost], n: int) -> tuple[int, ...] | None:
+def best_cuts(costs: list, n: int) -> tuple[int, ...] | None:
     """Min-max contiguous partition of ``n`` segments over the stages (module docstring)."""
-    def feasible(tau: float) -> tuple[int, ...] | None:
-        cuts, i = [0], 0
-        for s, c in enumerate(costs):
+    found = best_cuts_with_choice(costs, n)
+    return None if found is None else found[0]
+
+
+def best_cuts_with_choice(costs: list, n: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """:func:`best_cuts` where each stage may offer alternatives (a tuple of :class:`_StageCost`,
+    e.g. without and with activation checkpointing): at a given bottleneck ``τ`` each stage takes
+    the alternative that reaches farthest (the first on ties), so a stage checkpoints only where
+    that lets the partition fit or balance.  Returns the cuts and each stage's alternative."""
+    alts = [tuple(c) if isinstance(c, (list, tuple)) else (c,) for c in costs]
+
+    def feasible(tau: float):
+        cuts, chosen, i = [0], [], 0
+        for s, options in enumerate(alts):
             if i >= n:
                 return None  # every stage must own at least one segment
-            left = len(costs) - s - 1  # later stages need a segment each
-            j = min(c.longest(i, tau, n - left), n - left) if left else n
-            if j <= i or (s == len(costs) - 1 and (c.stage_time(i, n) > tau or c.memory(i, n) > c.capacity)):
+            left = len(alts) - s - 1  # later stages need a segment each
+            if left:
+                reach = [min(c.longest(i, tau, n - left), n - left) for c in options]
+                k = max(range(len(options)), key=lambda a: (reach[a], -a))
+                j = reach[k]
+            else:
+                fits = [a for a, c in enumerate(options)
+                        if c.stage_time(i, n) <= tau and c.memory(i, n) <= c.capacity]
+                if not fits:
+                    return None
+                k, j = fits[0], n
+            if j <= i:
                 return None
             cuts.append(j)
+            chosen.append(k)
             i = j
-        return tuple(cuts) if i == n else None
+        return (tuple(cuts), tuple(chosen)) if i == n else None
 
-    hi = max(c.time[-1] + c.hop.max() for c in costs)
+    hi = max(c.time[-1] + c.hop.max() for options in alts for c in options)
     if feasible(hi) is None:
         return None
     lo = 0.0
@@ -215,14 +250,23 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     if b < 1 or b * m * pipelines != ctx.global_batch:
         return None
     S = len(stages)
-    costs = [_StageCost(ctx, spec, b, min(S - j, m), pipelines, ckpt, zero) for j, spec in enumerate(stages)]
+    alts = [tuple(_StageCost(ctx, spec, b, min(S - j, m), pipelines, c, zero) for c in ((False, True) if ckpt else (False,)))
+            for j, spec in enumerate(stages)]
     n = ctx.table.size
     if cuts is None:
-        cuts = best_cuts(costs, n)
-        if cuts is None:
+        found = best_cuts_with_choice(alts, n)
+        if found is None:
             return None
-    elif any(c.memory(i, j) > c.capacity for c, i, j in zip(costs, cuts, cuts[1:])):
-        return None
+        cuts, chosen = found
+    else:  # given cuts: each stage checkpoints only if it does not fit without
+        chosen = []
+        for options, i, j in zip(alts, cuts, cuts[1:]):
+            fits = [a for a, c in enumerate(options) if c.memory(i, j) <= c.capacity]
+            if not fits:
+                return None
+            chosen.append(fits[0])
+        chosen = tuple(chosen)
+    costs = [options[k] for options, k in zip(alts, chosen)]
     t = [c.stage_time(i, j) for c, i, j in zip(costs, cuts, cuts[1:])]
     t_pipe = (m - 1) * max(t) + sum(t)
     grads = [ctx.table.local_params(spec.width)[i:j].sum() * state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
@@ -236,7 +280,8 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
                  for spec, i, j in zip(stages, cuts, cuts[1:])) if zero else 0.0
     mem = tuple(int(c.memory(i, j)) for c, i, j in zip(costs, cuts, cuts[1:]))
     return PipelineConfig(pipelines=pipelines, stages=stages, num_microbatches=m, micro_batch=b,
-                          checkpointing=ckpt, cuts=cuts, step_s=t_pipe + ar + opt + gather, stage_s=tuple(t),
+                          checkpointing=any(c.ckpt for c in costs),
+                          stage_checkpointing=tuple(c.ckpt for c in costs), cuts=cuts, step_s=t_pipe + ar + opt + gather, stage_s=tuple(t),
                           memory_bytes=mem, allreduce_s=ar, optimizer_s=opt, zero=zero, gather_s=gather)
 
 

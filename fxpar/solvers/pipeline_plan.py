@@ -43,7 +43,8 @@ def stage_fwd_bwd(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[list[float
         scale = (t.sharded_fraction / u + (1 - t.sharded_fraction))[i:k]
         tp = _tp_allreduce(kind, u, t.boundary_bytes[i:k] * b) * (np.arange(i, k) > 0)
         f = float(((t.fwd_a[spec.kind][i:k] + t.fwd_c[spec.kind][i:k] * b) * scale).sum() + 2 * tp.sum())
-        cost = _StageCost(ctx, spec, b, min(S - j, cfg.num_microbatches), cfg.pipelines, cfg.checkpointing, cfg.zero)
+        ckpt = cfg.stage_checkpointing[j] if cfg.stage_checkpointing else cfg.checkpointing
+        cost = _StageCost(ctx, spec, b, min(S - j, cfg.num_microbatches), cfg.pipelines, ckpt, cfg.zero)
         total = cost.stage_time(i, k)
         hop = float(cost.hop[k - 1]) if k < t.size else 0.0
         fwd.append(f)
@@ -66,7 +67,8 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
         stages.append(StagePlan(index=j, modules=modules, ranks=flat,
                                 data_split=(per_pipe,) * cfg.pipelines, device=spec.kind,
                                 tensor_parallel=spec.width, predicted_fwd_s=fwd[j],
-                                predicted_bwd_s=bwd[j]))
+                                predicted_bwd_s=bwd[j],
+                                activation_checkpointing=bool(cfg.stage_checkpointing and cfg.stage_checkpointing[j])))
         for r in flat:
             d = cluster.device(r)
             ranks[r] = RankPlan(rank=r, device=d.type.name, node=d.node, speed=float(d.speed),
@@ -81,7 +83,8 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
                 predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=cfg.allreduce_s + cfg.gather_s,
                 lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
                 pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches, schedule="1F1B",
-                activation_checkpointing=cfg.checkpointing, zero_sharded_optimizer=cfg.zero,
+                activation_checkpointing=bool(cfg.stage_checkpointing) and all(cfg.stage_checkpointing),
+                zero_sharded_optimizer=cfg.zero,
                 collectives=gradient_exchange(cfg, ctx, step))
 
 
