@@ -23,7 +23,17 @@ pytestmark = pytest.mark.multirank
 TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
 
 
+def _report(results, label: str = "") -> None:
+    steps = [st for r in results for st in r["steps"]]
+    print(f"[parity] {label} loss {max(st['loss_diff'] for st in steps):.1e}, grads by step "
+          + "/".join(f"{max(r['steps'][k]['max_grad_abs_diff'] for r in results):.1e}"
+                     for k in range(len(results[0]['steps']))))
+
+
 def _check(results, n_params: int = 39, tol=TOL, param_tol: float = 2e-3):
+    _report(results, f"{len(results)} ranks")
+    if "param_diff" in results[0]:
+        print(f"[parity]   weights after the steps {results[0]['param_diff']:.1e}")
     for r in results:
         for step, (tl, tg) in zip(r["steps"], tol):
             assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, (r["rank"], step)
@@ -76,6 +86,7 @@ def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
     # one emulated node of 4 CPUs (two at half speed), 0.01 GiB each: data parallelism does
     # not fit, the solver picks 2 stages of TP 2; gradients are compared before any update
     results = pool4.run(auto_pp_tp_parity, [1.0, 1.0, 0.5, 0.5], 0.01)
+    _report(results, "auto PP x TP")
     assert all(r["strategy"] == "pipeline" and r["widths"] == [2, 2] for r in results), results[0]
     for r in results:
         for step in r["steps"]:

@@ -23,6 +23,9 @@ def test_three_to_one(pool2, family, overrides):
     # causal LMs get a vocab-parallel embedding / head / loss (256 rows 3:1); BERT's MLM head
     # (bias, transform, fixed loss) keeps them replicated
     assert [r["vocab_rows"] for r in results] == ([256, 256] if family == "bert" else [192, 64])
+    steps = [st for r in results for st in r["steps"]]
+    print(f"[parity] TP 3:1 {family}: loss {max(s['loss_diff'] for s in steps):.1e}, grads "
+          f"{max(s['max_grad_abs_diff'] for s in steps):.1e}, gathered weights {results[0]['param_diff']:.1e}")
     for r in results:
         assert r["sharded"] > 0
         for step in r["steps"]:
