@@ -13,6 +13,7 @@ import pytest
 
 from tests.workers_pptp import (
     auto_pp_tp_parity,
+    pp_autocast_parity,
     pp_tp_checkpoint,
     pp_tp_parity,
     pp_zero_parity,
@@ -108,3 +109,18 @@ def test_zero_sharded_optimizer_on_two_pipelines(pool4, tmp_path):
         # normalised update turns last-bit gradient differences into up to lr per step
         assert r["param_diff"] <= 1e-4, r
     assert results[0]["ckpt_states"] == 39 and results[0]["ckpt_state_diff"] <= 1e-6, results[0]
+
+
+@pytest.mark.parametrize(("widths", "pool"), [([1, 1], "pool2"), ([2, 1], "pool3")])
+def test_bf16_pipeline_runs_mixed_precision_like_one_process(widths, pool, request):
+    """dtype bf16: every stage is exported and run under autocast (fp32 master weights and
+    gradients).  bf16 rounding depends on how the batch is cut into micro-batches, so the
+    tolerance is bf16's, as for data parallelism: loss within 1e-2 relative, each gradient
+    within 5% in norm of the single-process autocast gradient."""
+    results = request.getfixturevalue(pool).run(pp_autocast_parity, "bf16", widths, [2, 2], 2)
+    for r in results:
+        print(f"[bf16] PP widths {widths} rank {r['rank']}: loss {r['loss']:.5f} vs {r['ref_loss']:.5f}, "
+              f"grad rel-norm diff {r['max_grad_rel_norm_diff']:.2e}")
+        assert r["grad_dtypes"] == ["torch.float32"] and "bfloat16" in r["autocast"]
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-2 * abs(r["ref_loss"]), r
+        assert r["max_grad_rel_norm_diff"] <= 0.05, r

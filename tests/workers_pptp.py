@@ -265,3 +265,35 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
                                      for n, s in ref_state.items())
         out["ckpt_states"] = len(single_opt.state)
     return out
+
+
+def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int], microbatches: int) -> dict:
+    """A pipeline plan with ``dtype`` bf16/fp16 (stages exported and run under autocast, fp32
+    master weights) against one process running the model under ``torch.autocast``."""
+    import dataclasses
+
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.runtime.precision import AUTOCAST_DTYPES
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=sum(blocks_per_stage))
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8,
+                         blocks_per_stage=blocks_per_stage, num_microbatches=microbatches, tensor_parallel=widths)
+    plan = dataclasses.replace(plan, dtype=dtype)
+    data = global_batch(model, 8, 16, ignore_some=False)
+    pm = PipelineParallelModule(model, plan, rank, data)
+    loss = pm.step(data)
+    with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[dtype]):
+        ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.float().backward()
+    names = dict(reference.named_parameters(remove_duplicate=False))
+    rel = max(((p.grad - _reference_slice(p, names[f].grad)).norm()
+               / _reference_slice(p, names[f].grad).norm().clamp_min(1e-12)).item()
+              for f, p in pm.named_original_parameters())
+    return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel,
+            "grad_dtypes": sorted({str(p.grad.dtype) for _, p in pm.named_original_parameters()}),
+            "autocast": str(pm.module.autocast)}

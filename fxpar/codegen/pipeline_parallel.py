@@ -40,6 +40,7 @@ from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.precision import AUTOCAST_DTYPES
 
 
 def layer_to_stage(plan: Plan, block_paths: list[str]) -> list[int]:
@@ -68,11 +69,6 @@ class PipelineParallelModule(torch.nn.Module):
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
-        if plan.dtype != "fp32":
-            raise RuntimeSetupError(
-                f"this pipeline plan says dtype {plan.dtype!r}, but pipeline stages run fp32 in this "
-                "fxpar version (their p2p buffers are fixed at set-up); plan with dtype='fp32', or use "
-                "a data-, tensor- or expert-parallel plan, which run fp16/bf16 under autocast")
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank = plan, rank
         self._original = [model]  # a list: not registered as a submodule (saving only)
@@ -105,7 +101,10 @@ class PipelineParallelModule(torch.nn.Module):
         self._sharded = self.layout.tensor_parallel
         if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
             self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index])
-        modules, self.input_names = split_stages(model, one, stage_of, S)
+        low = AUTOCAST_DTYPES.get(plan.dtype)  # bf16 / fp16: mixed precision, fp32 master weights
+        first = next(model.parameters(), None)
+        autocast = (first.device.type if first is not None else "cpu", low) if low is not None else None
+        modules, self.input_names = split_stages(model, one, stage_of, S, autocast=autocast)
         #: dtype and per-sample shape of each traced input: the stages' buffers are built for them
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -12,6 +12,7 @@ optimizer, gradient synchronisation and state dicts stay in the model's own name
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -49,6 +50,8 @@ class StageModule(torch.nn.Module):
         self.is_last = False
         #: recompute this stage's forward during backward (the plan's activation checkpointing)
         self.checkpointing = False
+        #: ``(device type, low dtype)``: run the piece under ``torch.autocast`` (it was exported so)
+        self.autocast: tuple[str, torch.dtype] | None = None
         #: input position -> integer dtype to restore (set by split_stages for stages > 0)
         self.input_dtypes: dict[int, torch.dtype] = {}
         self._names: dict[str, str] = {}
@@ -82,12 +85,15 @@ class StageModule(torch.nn.Module):
         for fqn, safe in self._names.items():
             env[fqn] = getattr(self, safe)
         args = [env[a] for a in self.piece_args]
-        if self.checkpointing and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
+        precision = (torch.autocast(device_type=self.autocast[0], dtype=self.autocast[1])
+                     if self.autocast is not None else contextlib.nullcontext())
+        with precision:
+            if self.checkpointing and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
 
-            out = checkpoint(self.piece, *args, use_reentrant=False)
-        else:
-            out = self.piece(*args)
+                out = checkpoint(self.piece, *args, use_reentrant=False)
+            else:
+                out = self.piece(*args)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         env.update(zip(self.produced, outs))
         result = tuple(env[name] for name in self.spec.outputs)
@@ -112,16 +118,23 @@ def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer
 
 
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
-                 layer_to_stage: Sequence[int], num_stages: int) -> tuple[list[StageModule], tuple[str, ...]]:
+                 layer_to_stage: Sequence[int], num_stages: int,
+                 autocast: tuple[str, torch.dtype] | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
     """Stage modules (all of them; each rank keeps its own) and the names of stage 0's inputs.
 
     ``layer_to_stage[l]`` is the stage of repeated block ``l``; what precedes the first block
-    runs on stage 0, what follows the last block on the last stage.
+    runs on stage 0, what follows the last block on the last stage.  ``autocast``
+    (``(device type, dtype)``) exports the model under ``torch.autocast`` and runs every stage
+    under it (mixed precision): the exported graph's dtype checks then hold, and each op sees
+    the casts eager autocast would make, so the stages compute what the autocast model does.
     """
     kwargs = dict(example_inputs)
     kwargs.setdefault("use_cache", False)
+    precision = (torch.autocast(device_type=autocast[0], dtype=autocast[1])
+                 if autocast is not None else contextlib.nullcontext())
     try:
-        ep = torch.export.export(model, (), kwargs, strict=False)
+        with precision:
+            ep = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
     gm = ep.module()
@@ -186,6 +199,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
         piece = getattr(parent, str(call.target))
         mod = StageModule(piece, specs[i], reads[i], params, constants, produced[i])
         mod.is_last = i == num_stages - 1
+        mod.autocast = autocast
         if i > 0:
             mod.input_dtypes = {k: dtypes[v] for k, v in enumerate(specs[i].inputs)
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
