@@ -68,6 +68,15 @@ def test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head(pool3):
     _check(results, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
 
 
+def test_uneven_heads_inside_a_pipeline_stage(pool3):
+    # stage 0 splits 4 KV groups 3:1 (a fast and a slow card in one group), stage 1 is whole;
+    # the vocab-parallel embedding follows the same 3:1 (192/64 rows)
+    results = pool3.run(pp_tp_parity, [2, 1], [2, 2], 2, 1, "1F1B", False, False, 2, 8, 16, "sgd", "llama",
+                        [[3, 1], None], {"num_key_value_heads": 4})
+    assert [r["local_q_rows"] for r in results] == [[48, 48], [16, 16], [64, 64]]
+    _check(results, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+
+
 def test_tp_stages_times_two_pipelines(pool4):
     # one stage of TP 2 in each of 2 pipelines: data parallel across the pipelines per position
     results = pool4.run(pp_tp_parity, [2], [4], 2, 2)

@@ -82,7 +82,7 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
 def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
                  schedule: str = "1F1B", tied: bool = False, checkpointing: bool = False,
                  steps: int = 2, batch: int = 8, seq: int = 16, optimizer: str = "adamw",
-                 family: str = "llama") -> dict:
+                 family: str = "llama", tensor_splits: list | None = None, overrides: dict | None = None) -> dict:
     """A pipeline whose stages are tensor-parallel groups (``widths[j]`` ranks each, even head
     shares) vs one process on the same global batch: the loss, this rank's gradient of every
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
@@ -93,14 +93,14 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
 
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
-    cfg = dict(TINY_CONFIGS[family], tie_word_embeddings=tied, **{layers: sum(blocks_per_stage)})
+    cfg = dict(TINY_CONFIGS[family], tie_word_embeddings=tied, **{layers: sum(blocks_per_stage)}, **(overrides or {}))
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
                          blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
                          pipelines=pipelines, schedule=schedule, tensor_parallel=widths,
-                         activation_checkpointing=checkpointing)
+                         activation_checkpointing=checkpointing, tensor_splits=tensor_splits)
     data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = PipelineParallelModule(model, plan, rank, data[0])
     make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD

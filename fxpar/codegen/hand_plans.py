@@ -18,7 +18,8 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
                   num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
                   activation_checkpointing: bool | list[bool] = False, schedule: str = "1F1B",
-                  tensor_parallel: list[int] | None = None, zero_sharded_optimizer: bool = False) -> Plan:
+                  tensor_parallel: list[int] | None = None, zero_sharded_optimizer: bool = False,
+                  tensor_splits: list[list[int] | None] | None = None) -> Plan:
     """Stage ``j`` owns the next ``blocks_per_stage[j]`` blocks (embeddings go with the first
     stage, the head with the last) and runs on ``tensor_parallel[j]`` ranks (default 1) of
     every pipeline, as one tensor-parallel group with even head shares.  Ranks are dealt
@@ -47,9 +48,13 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
     stages, start = [], 0
     for j, n in enumerate(blocks_per_stage):
         ranks = tuple(first[p * S + j] + t for p in range(pipelines) for t in range(widths[j]))
+        split = (tensor_splits or [None] * S)[j]
+        if split is not None and len(split) != widths[j]:
+            raise PlanError(f"tensor_splits[{j}] = {split} must give each of the stage's {widths[j]} positions a share")
         stages.append(StagePlan(index=j, modules=tuple(blocks[start:start + n]), ranks=ranks,
                                 data_split=(per,) * pipelines, tensor_parallel=widths[j],
                                 activation_checkpointing=bool(per_stage[j]),
+                                tensor_split=tuple(split) * pipelines if split is not None else None,
                                 device=cluster.device(ranks[0]).type.name))
         start += n
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
