@@ -1,10 +1,12 @@
 """Pipeline-parallel execution of a ``pipeline`` plan (``Schedule1F1B`` or ``ScheduleGPipe``, as
 the plan says, on ``PipelineStage``).
 
-Rank layout comes from the plan: stage ``j`` of pipeline ``p`` is ``plan.stages[j].ranks[p]``
-(tensor-parallel width 1 here).  Groups: one per pipeline (the stages' point-to-point chain),
-one per stage position (data parallelism across the ``P`` pipelines), one per parameter tied
-across stages (GPT-2's embedding and head).
+Rank layout comes from the plan (``pipeline_tp.py``): stage ``j`` of pipeline ``p`` runs on
+``plan.stages[j].ranks[p·u_j : (p+1)·u_j]``, a tensor-parallel group of width ``u_j`` whose
+first rank runs the schedule and whose others replay it.  Groups: the point-to-point chain of
+each pipeline, one per (stage, position) across the ``P`` pipelines (data parallelism), one per
+tensor-parallel stage, one per pipeline, one per weight tied across stages
+(``pipeline_ties.py``).  Mixed precision: the stages are exported and run under autocast.
 
 Correctness: each pipeline trains ``B/P`` samples as ``m`` micro-batches; the schedule scales
 each micro-batch loss by ``1/m``, so a pipeline's gradients are those of the mean loss over its
