@@ -51,3 +51,13 @@ def test_expert_parallel_plan(tmp_path):
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [r["experts"] for r in ranks] == [[0, 3], [3, 4]]
     assert sum(r["batch_share"] for r in ranks) == 6
+
+
+def test_tensor_parallel_shard_of_a_stage_without_blocks():
+    # a stage holding only the final norm and the head (no blocks): nothing to split in blocks,
+    # the head becomes vocab-parallel, and no "no attention" error
+    from fxpar.codegen.tensor_parallel import shard_model
+
+    model, _ = _meta_llama(2)
+    assert shard_model(model, [1, 1], 0, blocks=set(), embedding=False, head=True) == 0
+    assert model.lm_head.weight.shape[0] == 128 and model.model.embed_tokens.weight.shape[0] == 256

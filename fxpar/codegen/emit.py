@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,9 @@ def _shard_copy(model: torch.nn.Module, shares: list[int], position: int, blocks
     from fxpar.codegen.tensor_parallel import shard_model
 
     sharded = copy.deepcopy(model)
-    shard_model(sharded, shares, position, None, None, blocks=blocks)
+    with warnings.catch_warnings():  # the dropout warning is for training, not for inspection
+        warnings.simplefilter("ignore", UserWarning)
+        shard_model(sharded, shares, position, None, None, blocks=blocks)
     return sharded
 
 

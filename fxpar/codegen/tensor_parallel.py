@@ -76,7 +76,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).  The
     input ``embedding`` and LM ``head`` (with its loss) become vocab-parallel (``tp_vocab.py``)
     where the model supports it (None: when ``blocks`` is None).  Returns how many attention
-    modules were sharded."""
+    modules were sharded (0 for an empty ``blocks``: a stage of only the embeddings or head)."""
     kv, per_group, head_dim = head_layout(model)
     check_shares(kv_shares, kv)
     key = register_group(group, clock)
@@ -86,7 +86,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     head = blocks is None if head is None else head
     if vocab and (embedding or head):
         shard_vocab(model, kv_shares, rank, key, embedding=embedding, head=head)
-    if count == 0:
+    if count == 0 and (blocks is None or blocks):  # a stage of only embeddings / head has none
         raise PlanError(describe_unsupported(model) + "; tensor parallelism supports Llama, Mistral, "
                         "Qwen2, Mixtral, GPT-2, BERT and similar")
     dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
