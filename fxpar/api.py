@@ -45,12 +45,12 @@ def _one_sample(example_inputs: Any) -> Any:
 
 
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
-              *, max_tensor_parallel: int = 1) -> Plan:
+              *, max_tensor_parallel: int = 8) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``.
 
-    ``max_tensor_parallel`` > 1 lets pipeline stages be tensor-parallel groups; codegen shards
-    Llama-style blocks (``q/k/v/o_proj``, ``gate/up/down_proj``: Llama, Mistral, Qwen2, ...)
-    and refuses other families' tensor-parallel stages with a clear error."""
+    ``max_tensor_parallel`` caps the width of tensor-parallel pipeline stages (inside a node;
+    1: none).  The solver offers them only for blocks codegen can split (Llama-style, GPT-2,
+    BERT, MoE experts; ``LayerInfo.tensor_parallel``)."""
     graph = trace(model, _one_sample(example_inputs))
     return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel)
 
@@ -59,7 +59,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
          global_batch: int | None = None, seq_len: int | None = None, dtype: str = "fp32",
          optimizer: str = "adam", max_microbatches: int | None = None, plan: Plan | None = None,
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 1):
+         loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -136,7 +136,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
 
 
 def _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
-                   max_tensor_parallel: int = 1) -> Plan:
+                   max_tensor_parallel: int = 8) -> Plan:
     payload: list[Any] = [None]
     if rank == 0:
         try:

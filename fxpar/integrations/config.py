@@ -12,7 +12,7 @@ found through ``--fxpar-config`` / ``FXPAR_CONFIG`` (or passed as a mapping)::
       optimizer: adamw
       max_microbatches: null
     plan: plan.json              # optional: a saved plan instead of solving
-    max_tensor_parallel: 1
+    max_tensor_parallel: 8        # widest tensor-parallel stage the solver may use (within a node)
     rebalance:
       enabled: true
       threshold: 0.1             # re-balance when the predicted step is 10% faster
@@ -65,7 +65,7 @@ class FxparConfig:
     speeds: tuple[float, ...] | None = None
     workload: Mapping[str, Any] = field(default_factory=dict)
     plan: str | None = None
-    max_tensor_parallel: int = 1
+    max_tensor_parallel: int = 8
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     emulate: bool = True
     source: str = "<fxpar config>"

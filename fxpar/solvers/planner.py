@@ -175,7 +175,10 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
             explain.append("data parallel: does not fit (" + str(exc).splitlines()[0][:120] + ")")
     cfg = None
     if ctx is not None:
-        cfg = search(ctx, max_width=max_tensor_parallel)
+        # tensor-parallel stages only where codegen can split the blocks (a guarantee, and a
+        # smaller search: for other models they would only add all-reduces)
+        width = max_tensor_parallel if any(layer.tensor_parallel for layer in graph.layers) else 1
+        cfg = search(ctx, max_width=width)
         if cfg is not None:  # (no wall-clock time in `explain`: the plan's JSON is deterministic)
             candidates.append(to_plan(cfg, ctx, cluster, graph.model_name, workload, lb))
             explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
