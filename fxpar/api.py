@@ -127,6 +127,10 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
             raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs as a dict of "
                               "keyword inputs with labels (one batch) to split the model into stages; "
                               f"got {type(example_inputs).__name__}")
+        if plan.schedule == "interleaved":
+            from fxpar.codegen.pipeline_interleaved import InterleavedPipelineModule
+
+            return InterleavedPipelineModule(model, plan, rank, example_inputs, emulate=emulate)
         from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
         return PipelineParallelModule(model, plan, rank, example_inputs, emulate=emulate)

@@ -22,7 +22,7 @@ from fxpar.plan_checks import (
 
 PLAN_FORMAT_VERSION = 1
 STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel")
-SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe")
+SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe", "interleaved")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,7 +166,10 @@ class Plan:
                                 f"{self.global_batch}; they must be equal")
             return
         owned = sorted(r for st in self.stages for r in st.ranks)
-        if owned != list(range(self.world_size)):
+        if self.schedule == "interleaved":  # a rank may hold several stages
+            if sorted(set(owned)) != list(range(self.world_size)):
+                raise PlanError("plan: every rank must hold at least one stage of the interleaved pipeline")
+        elif owned != list(range(self.world_size)):
             raise PlanError("plan: every rank must belong to exactly one pipeline stage")
         for st in self.stages:
             if sum(st.data_split) != self.global_batch:

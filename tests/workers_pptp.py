@@ -297,3 +297,44 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
     return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel,
             "grad_dtypes": sorted({str(p.grad.dtype) for _, p in pm.named_original_parameters()}),
             "autocast": str(pm.module.autocast)}
+
+
+def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: list[int], microbatches: int,
+                       pipelines: int = 1, steps: int = 2, optimizer: str = "sgd", speeds: list[float] | None = None) -> dict:
+    """An interleaved pipeline (a rank may hold several stages) vs one process: loss, every
+    gradient, the gradient norm, the weights after ``steps`` steps, and the eval loss."""
+    from fxpar.codegen.hand_plans import interleaved_plan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    cfg = dict(TINY_CONFIGS[family], **{layers: sum(blocks_per_stage)})
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    cluster = fxpar.Cluster.emulated(speeds or [1.0] * world)
+    plan = interleaved_plan(model, cluster, global_batch=8, blocks_per_stage=blocks_per_stage,
+                            stage_ranks=stage_ranks, num_microbatches=microbatches, pipelines=pipelines)
+    data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(steps)]
+    pm = fxpar.auto(model, cluster, data[0], plan=plan)
+    make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    out = {"rank": rank, "stages": pm.stage_indices, "module": type(pm).__name__, "steps": []}
+    for b in data:
+        loss = pm.step(b)
+        norm = pm.clip_grad_norm_(1e9)
+        ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        worst = max((p.grad - ref_params[f].grad).abs().max().item() for f, p in pm.named_original_parameters())
+        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst,
+                             "norm_diff": abs(float(norm) - float(ref_norm))})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        out["eval_diff"] = abs(float(pm.eval_loss(data[0])) - float(reference(**data[0], use_cache=False).loss))
+    full = pm.gather_state_dict(dst=0)
+    if rank == 0:
+        out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+    out["slept_s"] = pm.emulator.slept_s
+    return out

@@ -149,3 +149,43 @@ def expert_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))
+
+
+def interleaved_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],
+                     stage_ranks: list[int], num_microbatches: int, pipelines: int = 1,
+                     seq_len: int | None = None) -> Plan:
+    """An interleaved pipeline: stage ``j`` owns the next ``blocks_per_stage[j]`` blocks and runs
+    on position ``stage_ranks[j]`` of every pipeline (pipeline ``p`` = ranks ``p·W .. p·W+W−1``,
+    ``W = max(stage_ranks) + 1``); a position may hold several non-adjacent stages, e.g.
+    ``[0, 1, 0]``: the first rank runs stages 0 and 2."""
+    blocks = block_paths(model)
+    S, W = len(blocks_per_stage), max(stage_ranks) + 1
+    if len(stage_ranks) != S or sorted(set(stage_ranks)) != list(range(W)):
+        raise PlanError(f"stage_ranks {stage_ranks} must give each of the {S} stages a position 0..W-1, "
+                        "using every position")
+    if sum(blocks_per_stage) != len(blocks) or min(blocks_per_stage) < 1:
+        raise PlanError(f"blocks_per_stage {blocks_per_stage} must be positive and sum to the "
+                        f"model's {len(blocks)} blocks")
+    if cluster.world_size != W * pipelines:
+        raise PlanError(f"{W} positions x {pipelines} pipelines need {W * pipelines} devices; the "
+                        f"cluster has {cluster.world_size}")
+    per = global_batch // pipelines
+    if per * pipelines != global_batch or per % num_microbatches:
+        raise PlanError(f"global_batch {global_batch} must split into {pipelines} pipelines x "
+                        f"{num_microbatches} equal micro-batches")
+    stages, start = [], 0
+    for j, n in enumerate(blocks_per_stage):
+        stages.append(StagePlan(index=j, modules=tuple(blocks[start:start + n]),
+                                ranks=tuple(p * W + stage_ranks[j] for p in range(pipelines)),
+                                data_split=(per,) * pipelines, device=cluster.device(stage_ranks[j]).type.name))
+        start += n
+    ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
+                           batch_share=per, micro_batch_size=per // num_microbatches,
+                           num_microbatches=num_microbatches, predicted_busy_s=0.0,
+                           predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
+                  for d in cluster.devices)
+    return Plan(strategy="pipeline", model=type(model).__name__, cluster=cluster.name,
+                global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
+                stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
+                predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
+                pipelines=pipelines, num_microbatches=num_microbatches, schedule="interleaved")

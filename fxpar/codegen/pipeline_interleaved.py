@@ -1,0 +1,247 @@
+"""Interleaved pipelines with uneven stage counts: a rank may hold several non-adjacent stages
+(a fast card taking stages 0 and 2 of 3, the slow one stage 1), each a piece of the exported
+graph, run by ``torch.distributed.pipelining``'s multi-stage runtime on the lock-step action
+table of :mod:`fxpar.sim.interleaved` (plan ``schedule = "interleaved"``).
+
+Layout: ``P`` identical pipelines; stage ``j`` of pipeline ``p`` runs on ``stages[j].ranks[p]``
+(width 1).  Within a pipeline the stage -> rank pattern (by position in the pipeline's sorted
+ranks) is the same for every pipeline.  Gradients: the schedule scales micro-batch gradients
+by ``1/m``; a weight read by stages on two ranks (tied embeddings) is summed over those ranks
+(on one rank the stages share the tensor, so its gradient is already the sum); the ranks at
+the same position of every pipeline average.  As for 1F1B, the update equals one process on
+the global batch when every sample carries the same number of label tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.codegen.grad_norm import clip_by_global_norm
+from fxpar.codegen.pipeline_parallel import PipelineParallelModule, layer_to_stage
+from fxpar.codegen.pipeline_split import split_stages
+from fxpar.codegen.pipeline_ties import canonical_names
+from fxpar.codegen.pipeline_tp import LeadExit
+from fxpar.compat import pipeline_action, set_stage_mapping
+from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.plan import Plan
+from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.distributed import peer_failures
+from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.precision import AUTOCAST_DTYPES
+from fxpar.sim.interleaved import check_placement, lockstep_order
+
+
+def placement(plan: Plan) -> tuple[list[list[int]], list[int]]:
+    """``(pipeline ranks (sorted) per pipeline, stage -> position in its pipeline)``; a
+    PlanError when the pipelines do not share one pattern."""
+    P = plan.pipelines
+    if any(st.tensor_parallel != 1 or len(st.ranks) != P for st in plan.stages):
+        raise PlanError("an interleaved plan runs stages of tensor-parallel width 1, one rank per pipeline")
+    pipes = [sorted({st.ranks[p] for st in plan.stages}) for p in range(P)]
+    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in plan.stages) for p in range(P)}
+    if len(patterns) != 1 or any(set(pipes[p]) & set(pipes[q]) for p in range(P) for q in range(p)):
+        raise PlanError("interleaved plan: every pipeline must own its own ranks and place its stages alike")
+    stage_rank = list(next(iter(patterns)))
+    try:
+        check_placement(stage_rank, len(pipes[0]))
+    except ValueError as exc:
+        raise PlanError(f"interleaved plan: {exc}") from None
+    return pipes, stage_rank
+
+
+class InterleavedPipelineModule(PipelineParallelModule):
+    """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
+                 *, emulate: bool = True) -> None:
+        torch.nn.Module.__init__(self)
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
+        pipes, stage_rank = placement(plan)
+        S, P = len(plan.stages), plan.pipelines
+        self.plan, self.rank, self._original = plan, rank, [model]
+        self.pipeline_index = next(p for p in range(P) if rank in pipes[p])
+        self.position = pipes[self.pipeline_index].index(rank)
+        self.stage_indices = [j for j in range(S) if stage_rank[j] == self.position]
+        self.stage_index = self.stage_indices[0]
+        self.tp_group = self.tp_position = None
+        self.is_lead, self._sharded, self._link = True, False, None
+        groups = [dist.new_group(r) for r in pipes]  # every rank creates every group, in order
+        dp = [dist.new_group([pipes[p][k] for p in range(P)]) for k in range(len(pipes[0]))]
+        self.pp_group = self.pipe_group = groups[self.pipeline_index]
+        self.dp_group = dp[self.position]
+        self.chain = [pipes[self.pipeline_index][stage_rank[j]] for j in range(S)]
+        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        self.clock = SegmentClock(self.emulator)
+
+        from fxpar.tracing.trace import block_path
+
+        blocks = list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
+        one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
+               for k, v in example_inputs.items()}
+        self._canonical = canonical_names(model)
+        self._aliases: dict[str, list[str]] = {}
+        for fqn, first in self._canonical.items():
+            self._aliases.setdefault(first, []).append(fqn)
+        self._aliases.update({fqn: self._aliases[first] for fqn, first in self._canonical.items()})
+        low = AUTOCAST_DTYPES.get(plan.dtype)
+        modules, self.input_names = split_stages(model, one, layer_to_stage(plan, blocks), S,
+                                                 autocast=("cpu", low) if low is not None else None)
+        self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+        self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self.stage_modules = torch.nn.ModuleList(modules[j] for j in self.stage_indices)
+        self.module = self.stage_modules[0]
+        for j, mod in zip(self.stage_indices, self.stage_modules):
+            mod.checkpointing = plan.activation_checkpointing or plan.stages[j].activation_checkpointing
+            self._wrap(mod)
+        self._ties, self._first_tie_position = self._tie_groups(modules, stage_rank, pipes)
+        values, examples = tuple(one[n] for n in self.input_names), {}
+        for j, mod in enumerate(modules):  # exact per-stage example inputs/outputs, as for 1F1B
+            outs = mod.forward_plain(*values)
+            outs = tuple(o.detach().requires_grad_(o.requires_grad)
+                         for o in (outs if isinstance(outs, tuple) else (outs,)))
+            examples[j] = (values, outs)
+            values = outs
+        stages = [PipelineStage(mod, j, S, torch.device("cpu"), input_args=examples[j][0],
+                                output_args=examples[j][1][0] if len(examples[j][1]) == 1 else examples[j][1],
+                                group=self.pp_group)
+                  for j, mod in zip(self.stage_indices, self.stage_modules)]
+        order = lockstep_order(stage_rank, len(pipes[0]), plan.num_microbatches)
+        schedule = PipelineScheduleMulti(stages, n_microbatches=plan.num_microbatches,
+                                         loss_fn=lambda output, target: output)
+        schedule.pipeline_order = {r: [None if a is None else pipeline_action(a[1], a[0], a[2]) for a in acts]
+                                   for r, acts in order.items()}
+        set_stage_mapping(schedule, schedule.pipeline_order)
+        self.schedule = schedule
+        if P > 1:  # every pipeline starts from the first pipeline's weights
+            with torch.no_grad():
+                for _, p in self.named_original_parameters():
+                    dist.broadcast(p.data, src=pipes[0][self.position], group=self.dp_group)
+
+    # ---- set-up helpers -----------------------------------------------------------------
+    def _wrap(self, mod: torch.nn.Module) -> None:
+        inner, clock = mod.forward, self.clock
+
+        def forward(*args):
+            clock.start()
+            out = inner(*args)
+            clock.stop()
+            outs = out if isinstance(out, tuple) else (out,)
+            keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not torch.is_grad_enabled() or not keep or not self.emulator.active:
+                return out
+            marked = iter(LeadExit.apply(None, clock, *(outs[i] for i in keep)))
+            outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
+            return outs if isinstance(out, tuple) else outs[0]
+
+        mod.forward = forward
+        params = [p for _, p in mod.named_original_parameters()]
+        if params:
+            torch.autograd.graph.register_multi_grad_hook(params, lambda _g: clock.stop(), mode="all")
+
+    def _tie_groups(self, modules, stage_rank: list[int], pipes: list[list[int]]):
+        """Weights read on several positions of a pipeline: (this rank's tensor, the group of
+        those ranks in this pipeline); and the first position of every such weight."""
+        readers: dict[str, set[int]] = {}
+        for j, mod in enumerate(modules):
+            for fqn, _ in mod.named_original_parameters():
+                readers.setdefault(self._canonical.get(fqn, fqn), set()).add(stage_rank[j])
+        mine = {self._canonical.get(f, f): p for f, p in self.named_original_parameters()}
+        ties, first = [], {}
+        for name in sorted(readers):
+            positions = sorted(readers[name])
+            if len(positions) < 2:
+                continue
+            first[name] = positions[0]
+            groups = [dist.new_group([pipes[p][k] for k in positions]) for p in range(len(pipes))]
+            if self.position in positions:
+                ties.append((mine[name], groups[self.pipeline_index]))
+        return ties, first
+
+    # ---- training -------------------------------------------------------------------------
+    def named_original_parameters(self):
+        """(FQN, parameter) of this rank's stages, each tensor once."""
+        seen: set[int] = set()
+        for mod in self.stage_modules:
+            for fqn, p in mod.named_original_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield fqn, p
+
+    def _run(self, batch: dict[str, torch.Tensor], local: bool, *, train: bool) -> torch.Tensor:
+        lo, hi = self.batch_rows()
+        expected = hi - lo if local else self.plan.global_batch
+        self._check_batch(batch, local, expected)
+        if local:
+            lo, hi = 0, expected
+        S = len(self.plan.stages)
+        first, last = 0 in self.stage_indices, S - 1 in self.stage_indices
+        args = tuple(batch[n][lo:hi] for n in self.input_names) if first else ()
+        losses: list[torch.Tensor] = []
+        kw = {"target": torch.zeros(hi - lo), "losses": losses} if last else {}
+        what = "step" if train else "eval_loss"
+        with peer_failures(f"InterleavedPipelineModule.{what} (stages {self.stage_indices})", self.rank):
+            (self.schedule.step if train else self.schedule.eval)(*args, **kw)
+            if train:
+                self._sync_gradients()
+            loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+            dist.broadcast(loss, src=self.chain[-1], group=self.pipe_group)
+            if self.plan.pipelines > 1:
+                dist.all_reduce(loss, group=self.dp_group)
+                loss /= self.plan.pipelines
+        return loss
+
+    def _sync_gradients(self) -> None:
+        for p, group in self._ties:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        if self.plan.pipelines > 1:
+            for _, p in self.named_original_parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad /= self.plan.pipelines
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm (a tied weight counted on its first position)."""
+        named = list(self.named_original_parameters())
+        counted = (p.grad for f, p in named if p.grad is not None
+                   and self._first_tie_position.get(self._canonical.get(f, f), self.position) == self.position)
+        return clip_by_global_norm(counted, [p for _, p in named], max_norm, self.pipe_group)
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        mine = {}
+        if self.pipeline_index == 0:
+            mine = {self._canonical.get(f, f): p.detach().cpu().clone() for f, p in self.named_original_parameters()}
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(mine, gathered, dst=dst)
+        if gathered is None:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            for name, t in part.items():
+                for alias in self._aliases.get(name, [name]):
+                    full[alias] = t
+        return full
+
+    def checkpoint_layout(self) -> list[Any]:
+        from fxpar.checkpoint.layout import LocalParam
+
+        out = []
+        for fqn, p in self.named_original_parameters():
+            name = self._canonical.get(fqn, fqn)
+            write = self._first_tie_position.get(name, self.position) == self.position
+            out.append(LocalParam(fqn=name, param=p, write=write))
+        return out
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)
