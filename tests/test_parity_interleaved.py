@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers_pptp import interleaved_parity
+from tests.workers_pptp import interleaved_parity, solver_interleaved_parity
 
 pytestmark = pytest.mark.multirank
 
@@ -38,3 +38,12 @@ def test_tied_embedding_across_ranks_and_two_pipelines(pool4):
     results = pool4.run(interleaved_parity, "gpt2", [1, 1, 1, 1], [0, 1, 0, 1], 2, 2)
     assert [r["stages"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     _check(results)
+
+
+def test_solver_interleaved_plan_runs(pool2):
+    results = pool2.run(solver_interleaved_parity)
+    print(f"[parity] solver's interleaved plan, stages {[r['stages'] for r in results]}: loss "
+          f"{max(r['loss_diff'] for r in results):.1e}, grads {max(r['grad_diff'] for r in results):.1e}")
+    assert [r["stages"] for r in results] == [[0, 2], [1]]
+    for r in results:
+        assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-6, r

@@ -338,3 +338,35 @@ def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: li
         out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref_params.items())
     out["slept_s"] = pm.emulator.slept_s
     return out
+
+
+def solver_interleaved_parity() -> dict:
+    """The planner's interleaved candidate (3 stages on 2 emulated ranks, the fast one holding
+    stages 0 and 2) for a real model, run by fxpar.auto: loss and gradients vs one process."""
+    from fxpar.profiling import CostModel
+    from fxpar.solvers.interleaved_plan import candidates
+    from fxpar.solvers.pipeline import StageSpec, build_context, evaluate
+    from fxpar.tracing import trace
+
+    rank = dist.get_rank()
+    cfg_model = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg_model), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    data = global_batch(model, 8, 16, ignore_some=False)
+    cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    workload = fxpar.Workload(global_batch=8, seq_len=16)
+    graph = trace(model, {k: v[:1] for k, v in data.items()})
+    cost = CostModel(graph, cluster, dtype="fp32", optimizer="adam")
+    ctx = build_context(graph, cost, cluster, workload)
+    kinds = [g.key for g in cluster.groups()]
+    base = evaluate(ctx, 1, tuple(StageSpec(k, 1) for k in kinds), 4, False)
+    plan = next(p for p in candidates(ctx, base, cluster, graph.model_name, workload, 1.0) if len(p.stages) == 3)
+    pm = fxpar.auto(model, cluster, data, plan=plan)
+    loss = pm.step(data)
+    ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.backward()
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    return {"stages": pm.stage_indices, "blocks": [len(st.modules) for st in plan.stages],
+            "loss_diff": abs(float(loss) - float(ref_loss.detach())),
+            "grad_diff": max((p.grad - ref[f].grad).abs().max().item() for f, p in pm.named_original_parameters())}

@@ -114,7 +114,11 @@ class InterleavedPipelineModule(PipelineParallelModule):
                                 output_args=examples[j][1][0] if len(examples[j][1]) == 1 else examples[j][1],
                                 group=self.pp_group)
                   for j, mod in zip(self.stage_indices, self.stage_modules)]
-        order = lockstep_order(stage_rank, len(pipes[0]), plan.num_microbatches)
+        fwd = [st.predicted_fwd_s for st in plan.stages]
+        bwd = [st.predicted_bwd_s for st in plan.stages]
+        timed = all(f > 0 for f in fwd) and all(b > 0 for b in bwd)  # the planner's order, when it made one
+        order = lockstep_order(stage_rank, len(pipes[0]), plan.num_microbatches,
+                               fwd if timed else None, bwd if timed else None)
         schedule = PipelineScheduleMulti(stages, n_microbatches=plan.num_microbatches,
                                          loss_fn=lambda output, target: output)
         schedule.pipeline_order = {r: [None if a is None else pipeline_action(a[1], a[0], a[2]) for a in acts]

@@ -133,6 +133,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     shares and experts per device (:mod:`fxpar.solvers.expert_plan`).  Baselines and the
     reasoning go into the plan; MoE models get one more baseline, ``even_ep``."""
     from fxpar.solvers import baselines as bl
+    from fxpar.solvers import interleaved_plan as interleaved
     from fxpar.solvers.pipeline import build_context, search
     from fxpar.solvers.pipeline_plan import compute_lower_bound, to_plan
 
@@ -183,6 +184,13 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
             candidates.append(to_plan(cfg, ctx, cluster, graph.model_name, workload, lb))
             explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
                            f"{cfg.num_microbatches} micro-batches: {candidates[-1].predicted_step_s:.4g} s")
+            one_f_one_b = candidates[-1].predicted_step_s
+            for inter in interleaved.candidates(ctx, cfg, cluster, graph.model_name, workload, lb):
+                better = inter.predicted_step_s < one_f_one_b
+                explain.append(f"interleaved, {len(inter.stages)} stages on {len(cfg.stages)} positions: "
+                               f"{inter.predicted_step_s:.4g} s" + ("" if better else " (1F1B is faster)"))
+                if better:
+                    candidates.append(inter)
         else:
             explain.append("pipelines: no configuration fits in memory")
     mega_pipe = whale_pipe = None

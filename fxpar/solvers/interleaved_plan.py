@@ -1,0 +1,127 @@
+"""Interleaved pipeline candidates: the positions of the best 1F1B pipeline (devices of width
+1, ``W`` of them per pipeline) hold ``S' ∈ {W+1, …, 2W}`` virtual stages placed in a loop,
+``σ(s) = s mod W``; with ``S' < 2W`` the first ``S' − W`` positions (the search's order puts
+large-memory / fast kinds first) hold two stages and the rest one.
+
+Cuts (a heuristic, then an exact evaluation): bisection on the per-device budget ``τ`` per
+micro-batch; walking the chain, stage ``s`` on device ``d`` (holding ``n_d`` stages) takes the
+longest prefix whose time on ``d``'s kind is ≤ ``τ / n_d``.  The smallest feasible ``τ``
+gives the cuts.  Memory per device: ``Σ_{s on d} (state_s + (S' − s)·b·A_s) ≤ capacity`` (1F1B's
+in-flight bound, which the lock-step schedule keeps).  The step is the makespan of the
+lock-step action table (:mod:`fxpar.sim.interleaved`) replayed with each stage's forward and
+backward seconds and the hops, plus the gradient all-reduce across pipelines and the optimizer
+step of each device's stages.  The candidate joins the others and wins only when it predicts
+a shorter step (a smaller bubble at the plan's micro-batch count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
+from fxpar.profiling.memory import state_bytes_per_param
+from fxpar.sim.interleaved import lockstep_order, simulate
+from fxpar.solvers.pipeline import (
+    PipelineConfig,
+    PipelineContext,
+    StageSpec,
+    _dp_allreduce,
+    _StageCost,
+)
+from fxpar.solvers.pipeline_plan import assign_ranks
+
+
+def _cuts(costs: list[_StageCost], positions: list[int], n: int) -> tuple[int, ...] | None:
+    count = {d: positions.count(d) for d in set(positions)}
+
+    def feasible(tau: float) -> tuple[int, ...] | None:
+        cuts, i = [0], 0
+        for s, c in enumerate(costs):
+            left = len(costs) - s - 1
+            budget = tau / count[positions[s]]
+            j = n if not left else min(int(np.searchsorted(c.time, c.time[i] + budget, side="right")) - 1, n - left)
+            if j <= i or (not left and c.time[n] - c.time[i] > budget):
+                return None
+            cuts.append(j)
+            i = j
+        return tuple(cuts)
+
+    hi = max(c.time[-1] for c in costs) * len(costs)
+    if feasible(hi) is None:
+        return None
+    lo = 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) is not None else (mid, hi)
+    return feasible(hi)
+
+
+def candidates(ctx: PipelineContext, cfg: PipelineConfig, cluster, model_name: str, workload,
+               lower_bound_s: float) -> list[Plan]:
+    """Interleaved plans built on ``cfg`` (module docstring); [] where none applies or fits."""
+    W = len(cfg.stages)
+    if W < 2 or any(spec.width != 1 for spec in cfg.stages) or cfg.checkpointing:
+        return []
+    out = []
+    for S in range(W + 1, 2 * W + 1):
+        plan = _evaluate(ctx, cfg, [s % W for s in range(S)], cluster, model_name, workload, lower_bound_s)
+        if plan is not None:
+            out.append(plan)
+    return out
+
+
+def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s) -> Plan | None:
+    t, S, m, b = ctx.table, len(positions), cfg.num_microbatches, cfg.micro_batch
+    specs = [StageSpec(cfg.stages[d].kind, 1) for d in positions]
+    costs = [_StageCost(ctx, spec, b, S - s, cfg.pipelines, False, cfg.zero) for s, spec in enumerate(specs)]
+    cuts = _cuts(costs, positions, t.size)
+    if cuts is None:
+        return None
+    memory = {d: 0.0 for d in set(positions)}
+    params = {d: 0.0 for d in set(positions)}
+    for s, (c, i, j) in enumerate(zip(costs, cuts, cuts[1:])):
+        memory[positions[s]] += c.memory(i, j)
+        params[positions[s]] += float(t.params[i:j].sum())
+    if any(memory[d] > ctx.kinds[cfg.stages[d].kind].memory_bytes for d in memory):
+        return None
+    fwd, bwd, hop = [], [], []
+    for s, (c, i, j) in enumerate(zip(costs, cuts, cuts[1:])):
+        k = specs[s].kind
+        f = float((t.fwd_a[k][i:j] + t.fwd_c[k][i:j] * b).sum())
+        h = float(c.hop[j - 1]) if j < t.size else 0.0
+        fwd.append(f)
+        bwd.append(max(c.stage_time(i, j) - h - f, 0.0))
+        hop.append(h)
+    order = lockstep_order(positions, len(cfg.stages), m, fwd, bwd)  # the order codegen runs
+    makespan, busy = simulate(order, positions, fwd, bwd, hop)
+    grad_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
+    ar = max(_dp_allreduce(ctx, cfg.pipelines, params[d] * grad_bytes) for d in params)
+    opt = max(ctx.optimizer_s_per_param[cfg.stages[d].kind] * params[d] * (1 / cfg.pipelines if cfg.zero else 1)
+              for d in params)
+    step = makespan + ar + opt + cfg.gather_s
+    slots = assign_ranks(cfg, cluster)  # slots[position][pipeline] = (rank,)
+    per_pipe = workload.global_batch // cfg.pipelines
+    stages = [StagePlan(index=s, modules=tuple(mod for seg in t.modules[i:j] for mod in seg),
+                        ranks=tuple(slots[positions[s]][p][0] for p in range(cfg.pipelines)),
+                        data_split=(per_pipe,) * cfg.pipelines, device=specs[s].kind,
+                        predicted_fwd_s=fwd[s], predicted_bwd_s=bwd[s])
+              for s, (i, j) in enumerate(zip(cuts, cuts[1:]))]
+    ranks = {}
+    for d in range(len(cfg.stages)):
+        for p in range(cfg.pipelines):
+            r = slots[d][p][0]
+            dev = cluster.device(r)
+            ranks[r] = RankPlan(rank=r, device=dev.type.name, node=dev.node, speed=float(dev.speed),
+                                batch_share=per_pipe, micro_batch_size=b, num_microbatches=m,
+                                predicted_busy_s=busy[d], predicted_memory_bytes=int(memory[d]),
+                                memory_capacity_bytes=int(dev.memory_bytes))
+    name = "all-reduce + ZeRO-1" if cfg.zero else "all-reduce"
+    exchange = (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines", method=name,
+                                 predicted_s=ar + cfg.gather_s),) if cfg.pipelines > 1 else ()
+    return Plan(strategy="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
+                seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
+                stages=tuple(stages), ranks=tuple(ranks[r] for r in range(cluster.world_size)),
+                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=ar + cfg.gather_s,
+                lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()), pipelines=cfg.pipelines,
+                num_microbatches=m, schedule="interleaved", zero_sharded_optimizer=cfg.zero,
+                collectives=exchange)
