@@ -25,7 +25,7 @@ PAPER = {"amp-gpt2-medium": "AMP 1.54x vs Megatron heuristic",
 
 def plan_shape(plan) -> str:
     """``uneven DP``, ``EP, experts a-b/rank, m=M``, or ``P x [kind x TP / ...] S st, m=M`` for a
-    pipeline plan."""
+    pipeline plan (``, interleaved on W ranks`` when ranks hold several stages)."""
     if plan.strategy == "data_parallel":
         return "uneven DP"
     if plan.strategy == "expert_parallel":
@@ -33,7 +33,11 @@ def plan_shape(plan) -> str:
         return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.num_microbatches}"
     kinds = "/".join(f"{st.device.split('-')[0]}x{st.tensor_parallel}" for st in plan.stages[:3])
     more = ".." if len(plan.stages) > 3 else ""
-    return f"{plan.pipelines}x[{kinds}{more}] {len(plan.stages)} st, m={plan.num_microbatches}"
+    shape = f"{plan.pipelines}x[{kinds}{more}] {len(plan.stages)} st, m={plan.num_microbatches}"
+    if plan.schedule == "interleaved":
+        positions = len({r for st in plan.stages for r in st.ranks}) // plan.pipelines
+        shape += f", interleaved on {positions} ranks"
+    return shape
 
 
 def main(argv: list[str] | None = None) -> dict:
