@@ -77,6 +77,21 @@ def test_uneven_heads_inside_a_pipeline_stage(pool3):
     _check(results, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
 
 
+def test_uneven_experts_inside_a_pipeline_stage(pool3):
+    # Mixtral, stage 0 on two ranks: attention heads 1:1, the 4 experts placed 3 + 1 (expert
+    # parallelism inside the stage); stage 1 whole.  Losses include the routed experts' work.
+    results = pool3.run(pp_tp_parity, [2, 1], [1, 1], 2, 1, "1F1B", False, False, 2, 8, 16, "sgd", "mixtral",
+                        None, None, [[3, 1], None])
+    assert [r["local_experts"] for r in results] == [[3], [1], [4]]
+    _check(results, n_params=len_params_mixtral(), tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+
+
+def len_params_mixtral() -> int:
+    from tests.workers import tiny_model
+
+    return len(dict(tiny_model("mixtral").named_parameters(remove_duplicate=False)))
+
+
 def test_tp_stages_times_two_pipelines(pool4):
     # one stage of TP 2 in each of 2 pipelines: data parallel across the pipelines per position
     results = pool4.run(pp_tp_parity, [2], [4], 2, 2)

@@ -82,7 +82,8 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
 def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
                  schedule: str = "1F1B", tied: bool = False, checkpointing: bool = False,
                  steps: int = 2, batch: int = 8, seq: int = 16, optimizer: str = "adamw",
-                 family: str = "llama", tensor_splits: list | None = None, overrides: dict | None = None) -> dict:
+                 family: str = "llama", tensor_splits: list | None = None, overrides: dict | None = None,
+                 expert_splits: list | None = None) -> dict:
     """A pipeline whose stages are tensor-parallel groups (``widths[j]`` ranks each, even head
     shares) vs one process on the same global batch: the loss, this rank's gradient of every
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
@@ -100,7 +101,8 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
                          blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
                          pipelines=pipelines, schedule=schedule, tensor_parallel=widths,
-                         activation_checkpointing=checkpointing, tensor_splits=tensor_splits)
+                         activation_checkpointing=checkpointing, tensor_splits=tensor_splits,
+                         expert_splits=expert_splits)
     data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = PipelineParallelModule(model, plan, rank, data[0])
     make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
@@ -108,7 +110,8 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position, "steps": [],
            "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],
-           "sharded": sum(1 for _, p in pm.named_original_parameters() if getattr(p, "fxpar_shard_dim", None) is not None)}
+           "sharded": sum(1 for _, p in pm.named_original_parameters() if getattr(p, "fxpar_shard_dim", None) is not None),
+           "local_experts": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("gate_up_proj")]}
     for b in data:
         loss = pm.step(b)
         norm = pm.clip_grad_norm_(1e9)

@@ -19,7 +19,8 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                   num_microbatches: int, pipelines: int = 1, seq_len: int | None = None,
                   activation_checkpointing: bool | list[bool] = False, schedule: str = "1F1B",
                   tensor_parallel: list[int] | None = None, zero_sharded_optimizer: bool = False,
-                  tensor_splits: list[list[int] | None] | None = None) -> Plan:
+                  tensor_splits: list[list[int] | None] | None = None,
+                  expert_splits: list[list[int] | None] | None = None) -> Plan:
     """Stage ``j`` owns the next ``blocks_per_stage[j]`` blocks (embeddings go with the first
     stage, the head with the last) and runs on ``tensor_parallel[j]`` ranks (default 1) of
     every pipeline, as one tensor-parallel group with even head shares.  Ranks are dealt
@@ -55,6 +56,8 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                                 data_split=(per,) * pipelines, tensor_parallel=widths[j],
                                 activation_checkpointing=bool(per_stage[j]),
                                 tensor_split=tuple(split) * pipelines if split is not None else None,
+                                expert_split=(tuple((expert_splits or [None] * S)[j]) * pipelines
+                                              if (expert_splits or [None] * S)[j] is not None else None),
                                 device=cluster.device(ranks[0]).type.name))
         start += n
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),

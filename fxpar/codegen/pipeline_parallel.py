@@ -182,8 +182,10 @@ class PipelineParallelModule(torch.nn.Module):
         else:
             shares = split_sizes(kv, [1] * self.tp_width)
         last = self.stage_index == len(plan.stages) - 1
+        experts = (list(stage.expert_split[self.pipeline_index * self.tp_width:][: self.tp_width])
+                   if stage.expert_split is not None else None)
         shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks),
-                    embedding=self.stage_index == 0, head=last)
+                    embedding=self.stage_index == 0, head=last, expert_shares=experts)
 
     def _wrap_stage(self) -> None:
         """The lead's stage forward: tell the followers (tensor-parallel stage), time the compute

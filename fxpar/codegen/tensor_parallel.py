@@ -69,19 +69,21 @@ from fxpar.runtime.precision import autocast_for
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
                 clock: SegmentClock | None = None, *, blocks: Collection[str] | None = None,
-                embedding: bool | None = None, head: bool | None = None) -> int:
+                embedding: bool | None = None, head: bool | None = None,
+                expert_shares: Sequence[int] | None = None) -> int:
     """Shard the attention and MLP (and expert) modules of ``model`` in place for position
     ``rank`` of the tensor-parallel ``group`` (None: the default group), which holds
     ``kv_shares[rank]`` key/value head groups (``tp_families.py`` lists the families); only
     inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).  The
     input ``embedding`` and LM ``head`` (with its loss) become vocab-parallel (``tp_vocab.py``)
-    where the model supports it (None: when ``blocks`` is None).  Returns how many attention
+    where the model supports it (None: when ``blocks`` is None).  ``expert_shares`` (experts
+    per position) places whole MoE experts instead of splitting their columns.  Returns how many attention
     modules were sharded (0 for an empty ``blocks``: a stage of only the embeddings or head)."""
     kv, per_group, head_dim = head_layout(model)
     check_shares(kv_shares, kv)
     key = register_group(group, clock)
     vocab = supports_vocab_parallel(model)
-    count = shard_module_tree(model, kv_shares, rank, key, head_dim, per_group, blocks)
+    count = shard_module_tree(model, kv_shares, rank, key, head_dim, per_group, blocks, expert_shares)
     embedding = blocks is None if embedding is None else embedding
     head = blocks is None if head is None else head
     if vocab and (embedding or head):

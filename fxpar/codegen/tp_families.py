@@ -21,7 +21,9 @@ Families (by module structure, not by name):
   ``intermediate.dense`` / ``output.dense``;
 - MoE experts holding ``gate_up_proj (E, 2I, H)`` (fused ``[gate | up]``) and
   ``down_proj (E, H, I)``: every expert's columns are split; the routing weights get a
-  ``tp_copy`` too, because each rank's partial output depends on them.
+  ``tp_copy`` too, because each rank's partial output depends on them.  Or, with expert
+  shares, whole experts are placed unevenly on the positions (expert parallelism inside the
+  group: every position routes the same tokens and computes only its experts' part).
 """
 
 from __future__ import annotations
@@ -114,10 +116,40 @@ def is_attention(module: torch.nn.Module) -> bool:
                 and hasattr(module.output, "dense")))
 
 
+def _is_experts(m: torch.nn.Module) -> bool:
+    return (isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
+            and isinstance(getattr(m, "down_proj", None), torch.nn.Parameter) and m.gate_up_proj.dim() == 3)
+
+
+def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
+    """Expert placement inside the group: this position keeps experts ``[lo, hi)`` whole and
+    computes their share of every token it routes (all positions see the same tokens); the
+    partial outputs are summed by ``tp_reduce``.  Routed slots of other positions' experts
+    become HF's expert-parallel sentinels (index ``hi − lo``, weight 0)."""
+    m.gate_up_proj = slice_parameter(m.gate_up_proj, 0, lo, hi)
+    m.down_proj = slice_parameter(m.down_proj, 0, lo, hi)
+    m.num_experts = hi - lo
+    m._is_expert_parallel = True  # HF's experts implementations then skip the sentinel slots
+
+    def pre_hook(mod, args):
+        hidden, index, weights = args[0], args[1], args[2]
+        local = index - lo
+        mine = (local >= 0) & (local < hi - lo)
+        local = torch.where(mine, local, torch.full_like(local, hi - lo))
+        weights = tp_copy(weights, key) * mine.to(weights.dtype)
+        return (tp_copy(hidden, key), local, weights, *args[3:])
+
+    m.register_forward_pre_hook(pre_hook)
+    _reduce_output(m, key)
+
+
 def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
-                      head_dim: int, per_group: int, blocks: Collection[str] | None) -> int:
+                      head_dim: int, per_group: int, blocks: Collection[str] | None,
+                      expert_shares: Sequence[int] | None = None) -> int:
     """Shard every recognised attention, MLP and expert module (module docstring) inside
-    ``blocks`` (None: all) for position ``rank``; returns the number of attention modules."""
+    ``blocks`` (None: all) for position ``rank``; MoE experts by columns, or, with
+    ``expert_shares`` (experts per position), by placing whole experts.  Returns the number of
+    attention modules."""
     kv_sizes = [s * head_dim for s in kv_shares]
     q_sizes = [s * per_group * head_dim for s in kv_shares]
     first, count = rank == 0, 0
@@ -161,8 +193,9 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             _column_linear(m.intermediate.dense, *_range(cols, rank))
             _row_linear(m.output.dense, *_range(cols, rank), first, key)
             _copy_inputs(m.intermediate, key)
-        elif isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) \
-                and isinstance(getattr(m, "down_proj", None), torch.nn.Parameter) and m.gate_up_proj.dim() == 3:
+        elif _is_experts(m) and expert_shares is not None:
+            _place_experts(m, *_range(expert_shares, rank), key)
+        elif _is_experts(m):
             inter = m.down_proj.shape[2]
             lo, hi = _range(split_sizes(inter, kv_shares), rank)
             m.gate_up_proj = slice_parameter(m.gate_up_proj, 1, lo, hi, parts=2)
