@@ -22,14 +22,15 @@ step is not stretched (in any method).
     (a) mixtral-tiny (4 experts, top-2): experts split by speed (largest remainder, 3:1 for
         both slow mixes), batch shares by speed (1 + the rest by speed)  vs  even EP 2:2, 8/8.
     (b) llama-tiny (4 KV head groups): the whole-head split minimising max_r k_r / (4 s_r)
-        (3:1 for both slow mixes), every rank on the whole batch  vs  even TP 2:2.
+        (3:1 for both slow mixes), MLP columns and vocabulary rows in proportion to speed
+        (``mlp_shares``; 4:1 at 1/0.25), every rank on the whole batch  vs  even TP 2:2.
 
-Ideal speedups (compute-bound, communication free).  EP / DP-like splits: Σ s / (n · min s).
-TP with whole KV groups: even time max_r(0.5 / s_r) over fxpar's max_r(k_r / 4 / s_r)
-(1/0.5: 1.0 / 0.75 = 1.33x; 1/0.25: 2.0 / 1.0 = 2x).  "FLOP model" refines both with this
-model's replicated work (per-token matmul FLOPs): TP t = f · max_r 1/s_r + (1-f) · max_r
-k_r/(K s_r) with f the replicated lm_head share; EP t = max_r (b_r/B · R + e_r/E · X) / s_r with
-R the data-parallel part (attention, router, head) and X the experts (uniform routing).
+Ideal speedup (compute-bound, communication free, any granularity): Σ s / (n · min s) for
+both.  "FLOP model" is what the splits' granularity allows under this model's per-token
+matmul FLOPs: TP t = f · max_r k_r/(K s_r) + (1-f) · max_r m_r/(M s_r) with f the attention
+share (heads) and the rest MLP + vocab-parallel head (columns); EP t = max_r (b_r/B · R + e_r/E
+· X) / s_r with R the data-parallel part (attention, router, head) and X the experts (uniform
+routing).
 Sanity: every method's step-0 loss (same weights, same batch) must agree.  "In collectives":
 median wall time per step inside the EP / TP module's collectives on the rank that waited least
 (communication and synchronisation the compute-bound ideal leaves out; it also holds waits where
@@ -71,13 +72,18 @@ def _tp_time(kv, speeds) -> float:
 
 
 def tp_splits(speeds) -> dict[str, Any]:
+    """fxpar: the whole-head split minimising the slowest rank's attention, and MLP columns /
+    vocabulary rows in proportion to speed (integer weights); even: 2:2 everywhere."""
+    from fxpar.codegen.tensor_parallel import split_sizes
+
     best = min(([k, 4 - k] for k in range(1, 4)), key=lambda kv: (_tp_time(kv, speeds), abs(kv[0] - 2)))
-    return {"fxpar": {"kv": best}, "even": {"kv": [2, 2]}}
+    return {"fxpar": {"kv": best, "mlp": split_sizes(20, list(speeds))}, "even": {"kv": [2, 2], "mlp": [1, 1]}}
 
 
 def flop_split(model_name: str) -> tuple[float, float]:
-    """(replicated, sharded) forward matmul FLOPs per token / 2: TP shards attention + MLP, EP
-    shards the experts; the rest (head; for MoE also attention and router) is per-sample work."""
+    """Forward matmul FLOPs per token / 2.  MoE: (data-parallel part: attention, router, head;
+    experts).  Dense (TP): (attention, split by heads; MLP + vocab-parallel head, split by
+    columns / vocabulary rows)."""
     from fxpar.models import PRESETS
 
     c = PRESETS[model_name].hf_config
@@ -87,7 +93,7 @@ def flop_split(model_name: str) -> tuple[float, float]:
     if "num_local_experts" in c:
         E, k = c["num_local_experts"], c["num_experts_per_tok"]
         return L * (attn + H * E) + H * V, L * k * 3 * H * c["intermediate_size"]
-    return H * V, L * (attn + 3 * H * c["intermediate_size"])
+    return L * attn, L * 3 * H * c["intermediate_size"] + H * V
 
 
 def model_ideal(kind: str, speeds, split: dict[str, Any]) -> float:
@@ -96,8 +102,8 @@ def model_ideal(kind: str, speeds, split: dict[str, Any]) -> float:
     f = repl / (repl + shard)
 
     def t(s: dict[str, Any]) -> float:
-        if kind == "tp":
-            return f * max(1 / x for x in speeds) + (1 - f) * _tp_time(s["kv"], speeds)
+        if kind == "tp":  # f: the attention share, split by heads; the rest by columns / rows
+            return f * _tp_time(s["kv"], speeds) + (1 - f) * _tp_time(s["mlp"], speeds)
         return max((b / BATCH * f + e / 4 * (1 - f)) / x for b, e, x in zip(s["shares"], s["experts"], speeds))
     return t(split["even"]) / t(split["fxpar"])
 
@@ -132,7 +138,8 @@ def _run_fxpar(kind: str, model, speeds, split: dict[str, Any], batches):
         plan = expert_parallel_plan(model, cluster, global_batch=BATCH, expert_split=split["experts"],
                                     batch_shares=split["shares"], seq_len=SEQ)
         return _timed(ep.ExpertParallelModule(model, plan, rank), batches)
-    plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=split["kv"], seq_len=SEQ)
+    plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=split["kv"], seq_len=SEQ,
+                                mlp_shares=split["mlp"])
     return _timed(tp.TensorParallelModule(model, plan, rank), batches)
 
 
@@ -193,17 +200,14 @@ def main(argv: list[str] | None = None) -> dict:
 def _split_label(kind: str, s: dict[str, Any]) -> str:
     if kind == "ep":
         return f"experts {'/'.join(map(str, s['experts']))}, batch {'/'.join(map(str, s['shares']))}"
-    return f"kv {'/'.join(map(str, s['kv']))}"
+    return f"kv {'/'.join(map(str, s['kv']))}, mlp {'/'.join(map(str, s['mlp']))}"
 
 
 def _summarise(kind: str, speeds, splits: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     r = per_rank[0]  # step times: rank 0's wall clock; collectives: the rank that waited least
     med = {m: statistics.median(r[m]["times"]) for m in ("fxpar", "even", "ddp")}
     coll = {m: min(statistics.median(x[m]["comm"]) for x in per_rank) for m in ("fxpar", "even")}
-    if kind == "ep":
-        ideal = sum(speeds) / (len(speeds) * min(speeds))
-    else:
-        ideal = _tp_time(splits["even"]["kv"], speeds) / _tp_time(splits["fxpar"]["kv"], speeds)
+    ideal = sum(speeds) / (len(speeds) * min(speeds))  # compute-bound, any split granularity
     losses = [r[m]["loss0"] for m in ("fxpar", "even", "ddp")]
     return {"strategy": "expert_parallel" if kind == "ep" else "tensor_parallel", "model": MODELS[kind],
             "label": f"{kind.upper()} {MODELS[kind].split('-')[0]} {'/'.join(f'{s:g}' for s in speeds)}",

@@ -227,7 +227,11 @@ def _emit(plan, model, workload, directory: Path) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
+    from fxpar.profile_cmd import (
+        maybe_init_process_group,
+        profile_collectives,
+        profile_ops,
+    )
 
     _writable_dir("--out", args.out)
     if args.collectives:

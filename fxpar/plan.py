@@ -55,6 +55,8 @@ class StagePlan:
                                       # pipeline: samples per pipeline replica
     tensor_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None
+    mlp_split: tuple[int, ...] | None = None    # MLP columns / vocabulary rows in proportion
+                                                # (per rank; None: as tensor_split)
     device: str = ""                  # device kind of a pipeline stage
     tensor_parallel: int = 1          # devices per replica of this stage (one TP group)
     predicted_fwd_s: float = 0.0      # per micro-batch

@@ -100,7 +100,7 @@ def check_stage(s: Any) -> None:
          predicted_fwd_s=_real(s.predicted_fwd_s, where, "predicted_fwd_s"),
          predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"),
          activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"))
-    for name in ("tensor_split", "expert_split"):
+    for name in ("tensor_split", "expert_split", "mlp_split"):
         if getattr(s, name) is not None:
             _set(s, **{name: _ints(getattr(s, name), where, name, 0)})
 

@@ -13,7 +13,8 @@ import torch
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
-from fxpar.solvers import check_inputs, plan as solve_plan
+from fxpar.solvers import check_inputs
+from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import ModelGraph, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload

@@ -48,3 +48,15 @@ def test_gpt2_pipeline_with_a_tensor_parallel_stage(pool3):
             assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, (r["rank"], step)
             assert step["norm_diff"] <= 1e-4
     assert results[0]["param_diff"] <= 1e-6, results[0]
+
+
+def test_mlp_columns_and_vocabulary_split_finer_than_the_heads(pool2):
+    # a 4:1 speed ratio: heads can only go 3:1 (4 KV groups), the MLP columns go 4:1 in
+    # multiples of 8 (104 / 24 of 128) and the vocabulary 4:1 (205 / 51 of 256)
+    results = pool2.run(tp_family_parity, "llama", [3, 1], 2, {"num_key_value_heads": 4}, None, [4, 1])
+    assert [r["mlp_rows"] for r in results] == [[104], [24]]
+    assert [r["vocab_rows"] for r in results] == [205, 51]
+    for r in results:
+        for step in r["steps"]:
+            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, step
+    assert results[0]["param_diff"] <= 1e-6

@@ -30,7 +30,7 @@ def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
 
 
 def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, overrides: dict | None = None,
-                     ckpt_dir: str | None = None) -> dict:
+                     ckpt_dir: str | None = None, mlp_shares: list[int] | None = None) -> dict:
     """Uneven tensor parallelism of one HF family (``tests/families.py``) on ``len(kv_shares)``
     ranks vs one process: loss, every local gradient against its slice of the reference
     gradient, and the gathered model after ``steps`` SGD steps (and, with ``ckpt_dir``, a sharded
@@ -45,14 +45,15 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
                         seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
     cluster = fxpar.Cluster.emulated([1.0] * world)
-    plan = tensor_parallel_plan(model, cluster, global_batch=4, kv_shares=kv_shares)
+    plan = tensor_parallel_plan(model, cluster, global_batch=4, kv_shares=kv_shares, mlp_shares=mlp_shares)
     pm = fxpar.auto(model, cluster, plan=plan)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
     out = {"rank": rank, "steps": [], "sharded": sum(1 for p in pm.module.parameters()
                                                       if getattr(p, "fxpar_shard_dim", None) is not None),
-           "vocab_rows": pm.module.get_input_embeddings().weight.shape[0]}
+           "vocab_rows": pm.module.get_input_embeddings().weight.shape[0],
+           "mlp_rows": [p.shape[0] for n, p in pm.module.named_parameters() if n.endswith("mlp.gate_proj.weight")][:1]}
     for s in range(steps):
         b = global_batch(model, 4, 16, seed=1 + s)
         loss = pm.step(b)

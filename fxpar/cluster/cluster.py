@@ -18,7 +18,13 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from fxpar.cluster.catalog import (
-    GIB, DeviceType, Dtype, check_keys, lookup_device_type, positive_int, positive_number,
+    GIB,
+    DeviceType,
+    Dtype,
+    check_keys,
+    lookup_device_type,
+    positive_int,
+    positive_number,
 )
 from fxpar.errors import ConfigError
 
@@ -227,7 +233,9 @@ class Cluster:
     @classmethod
     def detect(cls, group: Any = None, *, name: str = "detected") -> "Cluster":
         """Describe the devices of an initialised torch.distributed group (see ``detect.py``)."""
-        from fxpar.cluster.detect import detect_cluster  # torch stays out of plain imports
+        from fxpar.cluster.detect import (
+            detect_cluster,  # torch stays out of plain imports
+        )
 
         return detect_cluster(group, name=name)
 

@@ -76,11 +76,12 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
 
 def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, kv_shares: list[int],
                          seq_len: int | None = None, replicas: int = 1,
-                         batch_shares: list[int] | None = None) -> Plan:
+                         batch_shares: list[int] | None = None, mlp_shares: list[int] | None = None) -> Plan:
     """``replicas`` data-parallel replicas, each a tensor-parallel group of ``W = world /
     replicas`` consecutive ranks (replica ``r`` = ranks ``r·W .. r·W + W − 1``).  Position ``t``
     of every group owns ``kv_shares[t]`` key/value head groups of every attention block and the
-    same proportion of every MLP's columns; ``kv_shares`` has ``W`` entries, or one per rank
+    same proportion of every MLP's columns (or ``mlp_shares``' proportion, e.g. ``[4, 1]`` for a
+    4:1 speed ratio the heads cannot express); ``kv_shares`` has ``W`` entries, or one per rank
     (the same ``W`` repeated for every replica).  Replica ``r`` trains on ``batch_shares[r]``
     samples; by default ``B_r ∝ Σ_{k in r} speed_k`` (largest remainder).  With the defaults
     (``replicas=1``) all ranks form one group on the whole batch."""
@@ -108,8 +109,13 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                            micro_batch_size=batch_shares[d.rank // width], num_microbatches=1,
                            predicted_busy_s=0.0, predicted_memory_bytes=0,
                            memory_capacity_bytes=int(d.memory_bytes)) for d in cluster.devices)
+    if mlp_shares is not None and len(mlp_shares) == width and replicas > 1:
+        mlp_shares = list(mlp_shares) * replicas
+    if mlp_shares is not None and len(mlp_shares) != world:
+        raise PlanError(f"mlp_shares {mlp_shares} needs one entry per position ({width}) or per device ({world})")
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(world)),
                       data_split=tuple(batch_shares), tensor_split=tuple(kv_shares),
+                      mlp_split=tuple(mlp_shares) if mlp_shares is not None else None,
                       tensor_parallel=width, device=cluster.device(0).type.name)
     plan = Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",

@@ -48,6 +48,16 @@ def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
     return [u * unit for u in out]
 
 
+def _columns(total: int, shares: Sequence[int]) -> list[int]:
+    """``total`` columns in proportion to ``shares``: multiples of 8 when ``total`` allows it."""
+    unit = 8 if total % 8 == 0 and total // 8 >= len(shares) else 1
+    sizes = split_sizes(total, shares, unit)
+    if min(sizes) < 1:
+        raise PlanError(f"a split of {total} MLP columns as {list(shares)} leaves a rank without columns; "
+                        "give every rank a larger share")
+    return sizes
+
+
 def _range(sizes: Sequence[int], rank: int) -> tuple[int, int]:
     start = sum(sizes[:rank])
     return start, start + sizes[rank]
@@ -145,11 +155,13 @@ def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
 
 def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
                       head_dim: int, per_group: int, blocks: Collection[str] | None,
-                      expert_shares: Sequence[int] | None = None) -> int:
+                      expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
     """Shard every recognised attention, MLP and expert module (module docstring) inside
     ``blocks`` (None: all) for position ``rank``; MoE experts by columns, or, with
     ``expert_shares`` (experts per position), by placing whole experts.  Returns the number of
-    attention modules."""
+    attention modules.  MLP and expert columns split in proportion to ``mlp_shares`` (None:
+    ``kv_shares``), in multiples of 8 where the width allows."""
+    mlp = list(mlp_shares) if mlp_shares is not None else list(kv_shares)
     kv_sizes = [s * head_dim for s in kv_shares]
     q_sizes = [s * per_group * head_dim for s in kv_shares]
     first, count = rank == 0, 0
@@ -177,19 +189,19 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             _copy_inputs(m.self, key)
             count += 1
         if _has(m, "gate_proj", "up_proj", "down_proj"):
-            cols = split_sizes(m.gate_proj.out_features, kv_shares)
+            cols = _columns(m.gate_proj.out_features, mlp)
             _column_linear(m.gate_proj, *_range(cols, rank))
             _column_linear(m.up_proj, *_range(cols, rank))
             _row_linear(m.down_proj, *_range(cols, rank), first, key)
             _copy_inputs(m, key)
         elif _has(m, "c_fc", "c_proj"):  # GPT-2 MLP
-            cols = split_sizes(m.c_fc.nf, kv_shares)
+            cols = _columns(m.c_fc.nf, mlp)
             _column_conv1d(m.c_fc, *_range(cols, rank))
             _row_conv1d(m.c_proj, *_range(cols, rank), first, key)
             _copy_inputs(m, key)
         elif _has(m, "intermediate", "output") and hasattr(m.intermediate, "dense") \
                 and hasattr(m.output, "dense"):  # BERT layer's MLP
-            cols = split_sizes(m.intermediate.dense.out_features, kv_shares)
+            cols = _columns(m.intermediate.dense.out_features, mlp)
             _column_linear(m.intermediate.dense, *_range(cols, rank))
             _row_linear(m.output.dense, *_range(cols, rank), first, key)
             _copy_inputs(m.intermediate, key)
@@ -197,7 +209,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             _place_experts(m, *_range(expert_shares, rank), key)
         elif _is_experts(m):
             inter = m.down_proj.shape[2]
-            lo, hi = _range(split_sizes(inter, kv_shares), rank)
+            lo, hi = _range(_columns(inter, mlp), rank)
             m.gate_up_proj = slice_parameter(m.gate_up_proj, 1, lo, hi, parts=2)
             m.down_proj = slice_parameter(m.down_proj, 2, lo, hi)
             if hasattr(m, "intermediate_dim"):

@@ -40,6 +40,7 @@ class TPLayout:
     width: int                      # W: ranks per tensor-parallel group
     kv_shares: tuple[int, ...]      # key/value head groups per position (W entries)
     rows: tuple[int, ...]           # samples of the global batch per replica (R entries)
+    mlp_shares: tuple[int, ...] | None = None   # MLP column / vocabulary proportions (W entries)
 
     @property
     def world_size(self) -> int:
@@ -103,7 +104,12 @@ def tp_layout(plan: Any) -> TPLayout:
                             f"{rp.micro_batch_size}; every rank of replica {rep} must train on its "
                             f"{stage.data_split[rep]} samples (data_split[{rep}]) with the micro-batching "
                             f"of rank {first.rank} ({first.num_microbatches} x {first.micro_batch_size})")
-    return TPLayout(replicas=replicas, width=width, kv_shares=kv, rows=tuple(stage.data_split))
+    mlp = stage.mlp_split
+    if mlp is not None and (len(mlp) != world or any(tuple(mlp[r * width:(r + 1) * width]) != tuple(mlp[:width])
+                                                    for r in range(replicas)) or min(mlp) < 1):
+        raise PlanError(f"stages[0].mlp_split = {list(mlp)}: one share >= 1 per rank, the same in every replica")
+    return TPLayout(replicas=replicas, width=width, kv_shares=kv, rows=tuple(stage.data_split),
+                    mlp_shares=None if mlp is None else tuple(mlp[:width]))
 
 
 def make_groups(layout: TPLayout, rank: int) -> tuple[Any, Any]:

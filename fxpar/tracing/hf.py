@@ -82,8 +82,12 @@ def hf_config(spec: ModelSpec):
 def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: str = "fp32",
                 seed: int | None = 0, attn_implementation: str | None = "sdpa") -> torch.nn.Module:
     """Instantiate ``spec`` with random weights on ``device`` (``meta``: no memory at all)."""
-    from transformers import (AutoModelForCausalLM, AutoModelForImageClassification,
-                              AutoModelForMaskedLM, AutoModelForSeq2SeqLM)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageClassification,
+        AutoModelForMaskedLM,
+        AutoModelForSeq2SeqLM,
+    )
 
     auto = {"causal-lm": AutoModelForCausalLM, "masked-lm": AutoModelForMaskedLM,
             "seq2seq-lm": AutoModelForSeq2SeqLM,
