@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -80,3 +81,34 @@ def test_inconsistent_plan_rejected(plan):
     data["ranks"][0]["bogus"] = 1
     with pytest.raises(PlanError, match="unknown keys"):
         Plan.from_dict(data)
+
+
+def test_new_plan_fields_round_trip(tmp_path):
+    # per-stage checkpointing / TP width / splits, the interleaved schedule and the
+    # communication choice survive JSON; a wrong method or a placement with adjacent stages on
+    # one rank is a clear error
+    from fxpar.codegen.hand_plans import interleaved_plan, pipeline_plan
+    from fxpar.plan import CollectiveChoice
+
+    model = build_model(ModelSpec(hf_config=dict(TINY_CONFIGS["mixtral"])), device="meta")
+    cluster = fxpar.Cluster.emulated([1.0, 1.0, 0.5])
+    plan = pipeline_plan(model, cluster, global_batch=4, blocks_per_stage=[1, 1], num_microbatches=2,
+                         tensor_parallel=[2, 1], activation_checkpointing=[True, False],
+                         tensor_splits=[[1, 1], None], expert_splits=[[3, 1], None])
+    plan = dataclasses.replace(plan, collectives=(CollectiveChoice(
+        exchange="x", method="all-reduce + ZeRO-1", predicted_s=0.5, alternatives=(("all-reduce", None),)),))
+    assert fxpar.Plan.from_json(plan.to_json()) == plan
+    assert plan.stages[0].expert_split == (3, 1) and plan.stages[0].activation_checkpointing
+    inter = interleaved_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), global_batch=4,
+                             blocks_per_stage=[1, 1], stage_ranks=[0, 1], num_microbatches=2)
+    assert fxpar.Plan.from_json(inter.to_json()) == inter and inter.schedule == "interleaved"
+    with pytest.raises(PlanError, match="method"):
+        CollectiveChoice(exchange="x", method="carrier pigeon", predicted_s=1.0)
+    from fxpar.codegen.pipeline_interleaved import placement
+
+    bad = interleaved_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), global_batch=4, blocks_per_stage=[1, 1],
+                           stage_ranks=[0, 1], num_microbatches=2)
+    bad = dataclasses.replace(bad, stages=tuple(dataclasses.replace(st, ranks=(0,)) for st in bad.stages),
+                              ranks=bad.ranks[:1], cluster="one")
+    with pytest.raises(PlanError, match="adjacent stages"):
+        placement(bad)
