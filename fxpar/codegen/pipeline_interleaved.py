@@ -19,18 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_parallel import PipelineParallelModule, layer_to_stage
-from fxpar.codegen.pipeline_split import split_stages
-from fxpar.codegen.pipeline_ties import canonical_names
-from fxpar.codegen.pipeline_tp import LeadExit
+from fxpar.codegen.pipeline_ties import TiedParam, alias_groups, canonical_names
+from fxpar.codegen.pipeline_tp import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
-from fxpar.runtime import batch_checks as checks
-from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
-from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.sim.interleaved import check_placement, lockstep_order
 
 
@@ -86,30 +81,16 @@ class InterleavedPipelineModule(PipelineParallelModule):
         one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
                for k, v in example_inputs.items()}
         self._canonical = canonical_names(model)
-        self._aliases: dict[str, list[str]] = {}
-        for fqn, first in self._canonical.items():
-            self._aliases.setdefault(first, []).append(fqn)
-        self._aliases.update({fqn: self._aliases[first] for fqn, first in self._canonical.items()})
-        low = AUTOCAST_DTYPES.get(plan.dtype)
-        modules, self.input_names = split_stages(model, one, layer_to_stage(plan, blocks), S,
-                                                 autocast=("cpu", low) if low is not None else None)
-        self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
-        self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self._aliases = alias_groups(self._canonical)
+        modules = self._split(model, one, layer_to_stage(plan, blocks))
         self.stage_modules = torch.nn.ModuleList(modules[j] for j in self.stage_indices)
         self.module = self.stage_modules[0]
         for j, mod in zip(self.stage_indices, self.stage_modules):
             mod.checkpointing = plan.activation_checkpointing or plan.stages[j].activation_checkpointing
-            self._wrap(mod)
-        self._ties, self._first_tie_position = self._tie_groups(modules, stage_rank, pipes)
-        values, examples = tuple(one[n] for n in self.input_names), {}
-        for j, mod in enumerate(modules):  # exact per-stage example inputs/outputs, as for 1F1B
-            outs = mod.forward_plain(*values)
-            outs = tuple(o.detach().requires_grad_(o.requires_grad)
-                         for o in (outs if isinstance(outs, tuple) else (outs,)))
-            examples[j] = (values, outs)
-            values = outs
+            wrap_stage(mod, self.clock, self.emulator, None)
+        self._tied, self._first_tie_stage = self._tie_groups(modules, stage_rank, pipes)
+        self._tie_owner = self.position  # _first_tie_stage holds positions here
+        examples = example_values(modules, tuple(one[n] for n in self.input_names))
         stages = [PipelineStage(mod, j, S, torch.device("cpu"), input_args=examples[j][0],
                                 output_args=examples[j][1][0] if len(examples[j][1]) == 1 else examples[j][1],
                                 group=self.pp_group)
@@ -131,29 +112,10 @@ class InterleavedPipelineModule(PipelineParallelModule):
                     dist.broadcast(p.data, src=pipes[0][self.position], group=self.dp_group)
 
     # ---- set-up helpers -----------------------------------------------------------------
-    def _wrap(self, mod: torch.nn.Module) -> None:
-        inner, clock = mod.forward, self.clock
-
-        def forward(*args):
-            clock.start()
-            out = inner(*args)
-            clock.stop()
-            outs = out if isinstance(out, tuple) else (out,)
-            keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if not torch.is_grad_enabled() or not keep or not self.emulator.active:
-                return out
-            marked = iter(LeadExit.apply(None, clock, *(outs[i] for i in keep)))
-            outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
-            return outs if isinstance(out, tuple) else outs[0]
-
-        mod.forward = forward
-        params = [p for _, p in mod.named_original_parameters()]
-        if params:
-            torch.autograd.graph.register_multi_grad_hook(params, lambda _g: clock.stop(), mode="all")
-
     def _tie_groups(self, modules, stage_rank: list[int], pipes: list[list[int]]):
-        """Weights read on several positions of a pipeline: (this rank's tensor, the group of
-        those ranks in this pipeline); and the first position of every such weight."""
+        """Weights read on several positions of a pipeline (this rank's entries, summed over
+        those ranks of this pipeline by ``sync_tied``) and the first position of every such
+        weight."""
         readers: dict[str, set[int]] = {}
         for j, mod in enumerate(modules):
             for fqn, _ in mod.named_original_parameters():
@@ -167,7 +129,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
             first[name] = positions[0]
             groups = [dist.new_group([pipes[p][k] for k in positions]) for p in range(len(pipes))]
             if self.position in positions:
-                ties.append((mine[name], groups[self.pipeline_index]))
+                ties.append(TiedParam(name, mine[name], positions[0], groups[self.pipeline_index]))
         return ties, first
 
     # ---- training -------------------------------------------------------------------------
@@ -180,72 +142,14 @@ class InterleavedPipelineModule(PipelineParallelModule):
                     seen.add(id(p))
                     yield fqn, p
 
-    def _run(self, batch: dict[str, torch.Tensor], local: bool, *, train: bool) -> torch.Tensor:
-        lo, hi = self.batch_rows()
-        expected = hi - lo if local else self.plan.global_batch
-        self._check_batch(batch, local, expected)
-        if local:
-            lo, hi = 0, expected
+    def _where(self) -> str:
+        return f"stages {self.stage_indices}"
+
+    def _run_schedule(self, inputs: tuple, losses: list, train: bool) -> None:
         S = len(self.plan.stages)
-        first, last = 0 in self.stage_indices, S - 1 in self.stage_indices
-        args = tuple(batch[n][lo:hi] for n in self.input_names) if first else ()
-        losses: list[torch.Tensor] = []
-        kw = {"target": torch.zeros(hi - lo), "losses": losses} if last else {}
-        what = "step" if train else "eval_loss"
-        with peer_failures(f"InterleavedPipelineModule.{what} (stages {self.stage_indices})", self.rank):
-            (self.schedule.step if train else self.schedule.eval)(*args, **kw)
-            if train:
-                self._sync_gradients()
-            loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
-            dist.broadcast(loss, src=self.chain[-1], group=self.pipe_group)
-            if self.plan.pipelines > 1:
-                dist.all_reduce(loss, group=self.dp_group)
-                loss /= self.plan.pipelines
-        return loss
-
-    def _sync_gradients(self) -> None:
-        for p, group in self._ties:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-        if self.plan.pipelines > 1:
-            for _, p in self.named_original_parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad /= self.plan.pipelines
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the whole model's gradient norm (a tied weight counted on its first position)."""
-        named = list(self.named_original_parameters())
-        counted = (p.grad for f, p in named if p.grad is not None
-                   and self._first_tie_position.get(self._canonical.get(f, f), self.position) == self.position)
-        return clip_by_global_norm(counted, [p for _, p in named], max_norm, self.pipe_group)
-
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        mine = {}
-        if self.pipeline_index == 0:
-            mine = {self._canonical.get(f, f): p.detach().cpu().clone() for f, p in self.named_original_parameters()}
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-        dist.gather_object(mine, gathered, dst=dst)
-        if gathered is None:
-            return None
-        full: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            for name, t in part.items():
-                for alias in self._aliases.get(name, [name]):
-                    full[alias] = t
-        return full
-
-    def checkpoint_layout(self) -> list[Any]:
-        from fxpar.checkpoint.layout import LocalParam
-
-        out = []
-        for fqn, p in self.named_original_parameters():
-            name = self._canonical.get(fqn, fqn)
-            write = self._first_tie_position.get(name, self.position) == self.position
-            out.append(LocalParam(fqn=name, param=p, write=write))
-        return out
+        args = inputs if 0 in self.stage_indices else ()
+        kw = {"target": torch.zeros(len(inputs[0])), "losses": losses} if S - 1 in self.stage_indices else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kw)
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)

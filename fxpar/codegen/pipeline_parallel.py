@@ -25,16 +25,20 @@ import torch.distributed as dist
 
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_split import split_stages
-from fxpar.codegen.pipeline_ties import canonical_names, sync_tied, tied_params
+from fxpar.codegen.pipeline_ties import (
+    alias_groups,
+    canonical_names,
+    sync_tied,
+    tied_params,
+)
 from fxpar.codegen.pipeline_tp import (
     DONE,
-    FWD,
-    FWD_NOGRAD,
-    LeadExit,
     PipelineLayout,
     StageLink,
+    example_values,
     follow,
     make_groups,
+    wrap_stage,
 )
 from fxpar.codegen.shards import assemble, shard_spec
 from fxpar.errors import PlanError, RuntimeSetupError
@@ -96,39 +100,18 @@ class PipelineParallelModule(torch.nn.Module):
         stage_of = layer_to_stage(plan, blocks)
         self._blocks, self._stage_of = blocks, stage_of
         self._canonical = canonical_names(model)  # before sharding can untie anything
-        self._aliases: dict[str, list[str]] = {}
-        for fqn, first in self._canonical.items():
-            self._aliases.setdefault(first, []).append(fqn)
-        self._aliases.update({fqn: self._aliases[first] for fqn, first in self._canonical.items()})
+        self._aliases = alias_groups(self._canonical)
         self._sharded = self.layout.tensor_parallel
         if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
             self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index])
-        low = AUTOCAST_DTYPES.get(plan.dtype)  # bf16 / fp16: mixed precision, fp32 master weights
-        first = next(model.parameters(), None)
-        autocast = (first.device.type if first is not None else "cpu", low) if low is not None else None
-        modules, self.input_names = split_stages(model, one, stage_of, S, autocast=autocast)
-        #: dtype and per-sample shape of each traced input: the stages' buffers are built for them
-        self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
-        name = type(model).__name__
-        self._causal = name.endswith(("ForCausalLM", "LMHeadModel"))
+        modules = self._split(model, one, stage_of)
         self.module = modules[self.stage_index]
         self.module.checkpointing = plan.activation_checkpointing or plan.stages[self.stage_index].activation_checkpointing
         self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
-        self._wrap_stage()
-        # exact example inputs/outputs of every stage from one local pass over the chain (every
-        # rank holds all stage modules), so PipelineStage skips its runtime shape inference
-        # (which runs the stage on uninitialised buffers — fatal for an in-graph loss)
-        values = tuple(one[n] for n in self.input_names)
-        for j, mod in enumerate(modules):  # with autograd on: requires_grad flags must be real
-            outs = mod.forward_plain(*values)
-            outs = tuple(o.detach().requires_grad_(o.requires_grad)
-                         for o in (outs if isinstance(outs, tuple) else (outs,)))
-            if j == self.stage_index:
-                stage_in, stage_out = values, outs
-            values = outs
+        self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
+        wrap_stage(self.module, self.clock, self.emulator, self._link)
+        stage_in, stage_out = example_values(modules, tuple(one[n] for n in self.input_names))[self.stage_index]
         self._stage_inputs = stage_in
         self.pipe_stage = self.schedule = None
         if self.is_lead:  # followers replay the lead's schedule (pipeline_tp.py)
@@ -187,31 +170,6 @@ class PipelineParallelModule(torch.nn.Module):
         shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks),
                     embedding=self.stage_index == 0, head=last, expert_shares=experts)
 
-    def _wrap_stage(self) -> None:
-        """The lead's stage forward: tell the followers (tensor-parallel stage), time the compute
-        with the emulation clock, and mark the outputs so the backward does both too."""
-        inner, clock, link = self.module.forward, self.clock, self._link
-
-        def forward(*args):
-            grad = torch.is_grad_enabled()
-            if link is not None:
-                link.send(FWD if grad else FWD_NOGRAD, [a for a in args if isinstance(a, torch.Tensor)])
-            clock.start()
-            out = inner(*args)
-            clock.stop()
-            outs = out if isinstance(out, tuple) else (out,)
-            keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if not grad or not keep or (link is None and not self.emulator.active):
-                return out
-            marked = iter(LeadExit.apply(link, clock, *(outs[i] for i in keep)))
-            outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
-            return outs if isinstance(out, tuple) else outs[0]
-
-        self.module.forward = forward
-        params = [p for _, p in self.module.named_original_parameters()]
-        if params:
-            torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all")
-
     # ---- training -------------------------------------------------------------------------
     def named_original_parameters(self):
         return self.module.named_original_parameters()
@@ -239,28 +197,10 @@ class PipelineParallelModule(torch.nn.Module):
         self._check_batch(batch, local, expected)
         if local:
             lo, hi = 0, expected
-        local_inputs = tuple(batch[n][lo:hi] for n in self.input_names)
-        S = len(self.plan.stages)
-        target = torch.zeros(hi - lo)
         losses: list[torch.Tensor] = []
         what = "step" if train else "eval_loss"
-        with peer_failures(f"PipelineParallelModule.{what} (stage {self.stage_index})", self.rank):
-            if not self.is_lead:
-                follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock)
-                if train:  # the schedule's 1/m on the lead's gradients
-                    for _, p in self.module.named_original_parameters():
-                        if p.grad is not None:
-                            p.grad.div_(self.plan.num_microbatches)
-            else:
-                run = self.schedule.step if train else self.schedule.eval
-                if self.stage_index == 0:
-                    run(*local_inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
-                elif self.stage_index == S - 1:
-                    run(target=target, losses=losses)
-                else:
-                    run()
-                if self._link is not None:
-                    self._link.send(DONE)
+        with peer_failures(f"{type(self).__name__}.{what} ({self._where()})", self.rank):
+            self._run_schedule(tuple(batch[n][lo:hi] for n in self.input_names), losses, train)
             if train:
                 self._sync_gradients()
             loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
@@ -269,6 +209,45 @@ class PipelineParallelModule(torch.nn.Module):
                 dist.all_reduce(loss, group=self.dp_group)
                 loss /= self.plan.pipelines
         return loss
+
+    def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
+        """The stage modules (mixed precision: exported and run under autocast, fp32 master
+        weights), and what the batch checks need: the traced inputs' dtypes and per-sample
+        shapes (the stages' buffers are built for them), the vocabulary, causal or not."""
+        low = AUTOCAST_DTYPES.get(self.plan.dtype)
+        first = next(model.parameters(), None)
+        autocast = (first.device.type if first is not None else "cpu", low) if low is not None else None
+        modules, self.input_names = split_stages(model, one, stage_of, len(self.plan.stages), autocast=autocast)
+        self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+        self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        return modules
+
+    def _where(self) -> str:
+        return f"stage {self.stage_index}"
+
+    def _run_schedule(self, inputs: tuple, losses: list, train: bool) -> None:
+        """One schedule run over this pipeline's rows (``inputs``: the traced inputs); the last
+        stage appends the micro-batch losses to ``losses``."""
+        S = len(self.plan.stages)
+        if not self.is_lead:
+            follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock)
+            if train:  # the schedule's 1/m on the lead's gradients
+                for _, p in self.module.named_original_parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.plan.num_microbatches)
+            return
+        target = torch.zeros(len(inputs[0])) if inputs else None
+        run = self.schedule.step if train else self.schedule.eval
+        if self.stage_index == 0:
+            run(*inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
+        elif self.stage_index == S - 1:
+            run(target=target, losses=losses)
+        else:
+            run()
+        if self._link is not None:
+            self._link.send(DONE)
 
     def _check_batch(self, batch: Any, local: bool, expected: int) -> None:
         """Clear errors, before any send or receive, for a batch the stages cannot take (every
@@ -307,17 +286,17 @@ class PipelineParallelModule(torch.nn.Module):
         """Clip by the norm of the *whole* model's gradient: squares summed over every rank of
         this pipeline (a tied parameter counted once, on its first stage; a replicated parameter
         of a tensor-parallel stage once, on its lead; shards on every rank); returns that norm."""
-        named = list(self.module.named_original_parameters())
+        named = list(self.named_original_parameters())
         params = [p for _, p in named]
         counted = (p.grad for fqn, p in named if p.grad is not None
                    and (self.is_lead or getattr(p, "fxpar_sharded", False))
-                   and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self.stage_index) == self.stage_index)
+                   and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner)
         return clip_by_global_norm(counted, params, max_norm, self.pipe_group)
 
     def _sync_gradients(self) -> None:
         sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
         if self.plan.pipelines > 1:
-            for _, p in self.module.named_original_parameters():
+            for _, p in self.named_original_parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.dp_group)
@@ -331,7 +310,7 @@ class PipelineParallelModule(torch.nn.Module):
         mine = {}
         if self.pipeline_index == 0:
             mine = {self._canonical.get(fqn, fqn): (p.detach().cpu().clone(), shard_spec(p))
-                    for fqn, p in self.module.named_original_parameters()}
+                    for fqn, p in self.named_original_parameters()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, gathered, dst=dst)
         if dist.get_rank() != dst:
@@ -353,9 +332,9 @@ class PipelineParallelModule(torch.nn.Module):
         from fxpar.checkpoint.layout import LocalParam
 
         out = []
-        for fqn, p in self.module.named_original_parameters():
+        for fqn, p in self.named_original_parameters():
             name = self._canonical.get(fqn, fqn)
-            write = self._first_tie_stage.get(name, self.stage_index) == self.stage_index
+            write = self._first_tie_stage.get(name, self._tie_owner) == self._tie_owner
             out.append(LocalParam(fqn=name, param=p, shard=shard_spec(p), write=write))
         return out
 

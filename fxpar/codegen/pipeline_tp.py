@@ -158,6 +158,48 @@ class LeadExit(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link: StageLink | None) -> None:
+    """Replace ``module.forward`` so that it tells the followers (``link``: a tensor-parallel
+    stage's lead), times the compute with the emulation ``clock``, and marks the outputs so the
+    backward does both too (its end, when every parameter has its gradient, stops the clock)."""
+    inner = module.forward
+
+    def forward(*args):
+        grad = torch.is_grad_enabled()
+        if link is not None:
+            link.send(FWD if grad else FWD_NOGRAD, [a for a in args if isinstance(a, torch.Tensor)])
+        clock.start()
+        out = inner(*args)
+        clock.stop()
+        outs = out if isinstance(out, tuple) else (out,)
+        keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not grad or not keep or (link is None and not emulator.active):
+            return out
+        marked = iter(LeadExit.apply(link, clock, *(outs[i] for i in keep)))
+        outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
+        return outs if isinstance(out, tuple) else outs[0]
+
+    module.forward = forward
+    params = [p for _, p in module.named_original_parameters()]
+    if params:
+        torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all")
+
+
+def example_values(modules: Any, inputs: tuple) -> list[tuple[tuple, tuple]]:
+    """``(inputs, outputs)`` of every stage for one micro-batch, from one local pass over the
+    chain (every rank holds all stage modules), so ``PipelineStage`` skips its runtime shape
+    inference (which runs the stage on uninitialised buffers — fatal for an in-graph loss).
+    Run with autograd on: the values' ``requires_grad`` flags must be real."""
+    out, values = [], inputs
+    for mod in modules:
+        outs = mod.forward_plain(*values)
+        outs = tuple(o.detach().requires_grad_(o.requires_grad)
+                     for o in (outs if isinstance(outs, tuple) else (outs,)))
+        out.append((values, outs))
+        values = outs
+    return out
+
+
 def follow(link: StageLink, forward: Any, inputs_like: Sequence[torch.Tensor], clock: SegmentClock) -> None:
     """A follower's side of one schedule run (module docstring): replay the lead's forwards and
     backwards until ``DONE``."""
