@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.checkpoint.hf import save_gathered
 from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.pipeline_split import split_stages
 from fxpar.codegen.pipeline_ties import (
@@ -341,26 +342,9 @@ class PipelineParallelModule(torch.nn.Module):
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """Gather the full model on rank 0 and write it with HF ``save_pretrained`` (collective:
         call on every rank)."""
-        full = self.gather_state_dict(dst=0)
-        if full is not None:
-            original = self._original[0]
-            if self._sharded:  # the original's own stage blocks were sharded in place
-                original = type(original)(original.config)
-            load_full_state(original, full)
-            original.save_pretrained(output_dir, **kwargs)
+        # fresh: the original's own stage blocks were sharded in place under tensor parallelism
+        save_gathered(self.gather_state_dict(dst=0), self._original[0], output_dir, fresh=self._sharded, **kwargs)
         dist.barrier()
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)
-
-
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy a gathered original-FQN state dict into ``model``; every parameter must be there."""
-    missing = [n for n, _ in model.named_parameters() if n not in full]
-    if missing:
-        raise PlanError(f"the gathered state lacks {len(missing)} parameters of "
-                        f"{type(model).__name__} (first: {missing[:3]}); the plan and model differ")
-    with torch.no_grad():
-        for n, p in model.named_parameters(remove_duplicate=False):
-            if n in full:
-                p.copy_(full[n])

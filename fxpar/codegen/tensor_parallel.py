@@ -257,11 +257,9 @@ class TensorParallelModule(torch.nn.Module):
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """Gather the unsharded model (replica 0) on rank 0 and write it with HF
         ``save_pretrained`` into a fresh copy of the model class (collective: call on every rank)."""
-        full = self.gather_state_dict(dst=0)
-        if full is not None:
-            model = type(self.module)(self.module.config)
-            model.load_state_dict(full, strict=False)
-            model.save_pretrained(output_dir, **kwargs)
+        from fxpar.checkpoint.hf import save_gathered
+
+        save_gathered(self.gather_state_dict(dst=0), self.module, output_dir, **kwargs)
         if self.world > 1:
             dist.barrier()
 
