@@ -29,6 +29,37 @@ def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.fused_dim)
 
 
+def _train_and_compare(pm, reference: torch.nn.Module, data: list, optimizer: str) -> tuple[list[dict], float | None]:
+    """Train ``pm`` and ``reference`` on the same batches (AdamW or SGD, lr 1e-2); per step the
+    loss difference, this rank's worst gradient difference (its slice of the reference) and the
+    whole-model gradient-norm difference; then the gathered weights' worst difference (rank 0)."""
+    make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    steps = []
+    for b in data:
+        loss = pm.step(b)
+        norm = pm.clip_grad_norm_(1e9)
+        ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        worst, n = 0.0, 0
+        for fqn, p in pm.named_original_parameters():
+            want = _reference_slice(p, ref_params[fqn].grad)
+            assert p.grad.shape == want.shape, (fqn, p.grad.shape, want.shape)
+            worst = max(worst, (p.grad - want).abs().max().item())
+            n += 1
+        steps.append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst,
+                      "n_grads": n, "norm_diff": abs(float(norm) - float(ref_norm))})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    full = pm.gather_state_dict(dst=0)
+    if dist.get_rank() != 0:
+        return steps, None
+    assert set(full) >= set(ref_params), sorted(set(ref_params) - set(full))
+    return steps, max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+
+
 def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, overrides: dict | None = None,
                      ckpt_dir: str | None = None, mlp_shares: list[int] | None = None) -> dict:
     """Uneven tensor parallelism of one HF family (``tests/families.py``) on ``len(kv_shares)``
@@ -106,36 +137,14 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
                          expert_splits=expert_splits)
     data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = PipelineParallelModule(model, plan, rank, data[0])
-    make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-    opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position, "steps": [],
+    out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position,
            "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],
            "sharded": sum(1 for _, p in pm.named_original_parameters() if getattr(p, "fxpar_shard_dim", None) is not None),
            "local_experts": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("gate_up_proj")]}
-    for b in data:
-        loss = pm.step(b)
-        norm = pm.clip_grad_norm_(1e9)
-        ref_loss = reference(**b, use_cache=False).loss
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-        worst, n = 0.0, 0
-        for fqn, p in pm.named_original_parameters():
-            want = _reference_slice(p, ref_params[fqn].grad)
-            assert p.grad.shape == want.shape, (fqn, p.grad.shape, want.shape)
-            worst = max(worst, (p.grad - want).abs().max().item())
-            n += 1
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())),
-                             "max_grad_abs_diff": worst, "n_grads": n,
-                             "norm_diff": abs(float(norm) - float(ref_norm))})
-        opt.step(); opt.zero_grad(set_to_none=True)
-        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
-    full = pm.gather_state_dict(dst=0)
+    out["steps"], param_diff = _train_and_compare(pm, reference, data, optimizer)
     if rank == 0:
-        ref = dict(reference.named_parameters(remove_duplicate=False))
-        assert set(full) >= set(ref), sorted(set(ref) - set(full))
-        out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref.items())
-        out["n_params"] = len(ref)
+        out["param_diff"] = param_diff
+        out["n_params"] = len(dict(reference.named_parameters(remove_duplicate=False)))
     return out
 
 
@@ -320,26 +329,12 @@ def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: li
                             stage_ranks=stage_ranks, num_microbatches=microbatches, pipelines=pipelines)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = fxpar.auto(model, cluster, data[0], plan=plan)
-    make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-    opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    out = {"rank": rank, "stages": pm.stage_indices, "module": type(pm).__name__, "steps": []}
-    for b in data:
-        loss = pm.step(b)
-        norm = pm.clip_grad_norm_(1e9)
-        ref_loss = reference(**b, use_cache=False).loss
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-        worst = max((p.grad - ref_params[f].grad).abs().max().item() for f, p in pm.named_original_parameters())
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst,
-                             "norm_diff": abs(float(norm) - float(ref_norm))})
-        opt.step(); opt.zero_grad(set_to_none=True)
-        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    out = {"rank": rank, "stages": pm.stage_indices, "module": type(pm).__name__}
+    out["steps"], param_diff = _train_and_compare(pm, reference, data, optimizer)
     with torch.no_grad():
         out["eval_diff"] = abs(float(pm.eval_loss(data[0])) - float(reference(**data[0], use_cache=False).loss))
-    full = pm.gather_state_dict(dst=0)
     if rank == 0:
-        out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+        out["param_diff"] = param_diff
     out["slept_s"] = pm.emulator.slept_s
     return out
 
@@ -352,7 +347,6 @@ def solver_interleaved_parity() -> dict:
     from fxpar.solvers.pipeline import StageSpec, build_context, evaluate
     from fxpar.tracing import trace
 
-    rank = dist.get_rank()
     cfg_model = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg_model), device="cpu", seed=0, attn_implementation="eager").train()
