@@ -54,6 +54,14 @@ def test_pipeline_times_data_parallel_on_four_ranks(pool4):
     _check(results, 2)
 
 
+def test_stage_major_layout_is_exact(pool4):
+    # a stage's replicas on adjacent ranks (stage 0 = ranks 0, 1; stage 1 = ranks 2, 3), as the
+    # planner lays pipelines out when the all-reduce, not the hops, should stay inside a node
+    results = pool4.run(pp_parity, "gpt2", [1, 1], 2, 2, 8, 16, 2, None, False, "1F1B", "stage-major")
+    assert [r["stage"] for r in sorted(results, key=lambda r: r["rank"])] == [0, 0, 1, 1]
+    _check(results, 2)
+
+
 def test_auto_plans_and_runs_a_pipeline_when_dp_does_not_fit(pool2):
     fast, slow = pool2.run(auto_pipeline_parity, [1.0, 0.5], 0.003)
     for r in (fast, slow):

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from fxpar.sim.pipeline_sim import one_f_one_b_order, simulate_1f1b
-from fxpar.solvers.pipeline import (KindInfo, PipelineContext, StageSpec, best_cuts, evaluate,
-                                    search, _StageCost)
+from fxpar.solvers.pipeline import (
+    KindInfo,
+    PipelineContext,
+    StageSpec,
+    _StageCost,
+    best_cuts,
+    evaluate,
+    search,
+)
 from fxpar.solvers.segments import SegmentTable
 
 GIB = 2**30
@@ -113,3 +122,65 @@ def test_checkpointing_only_on_the_stage_that_needs_it():
     plain = evaluate(ctx, 1, stages, 8, False)
     assert plain.cuts == (0, 1, 8) and plain.step_s > cfg.step_s
     assert evaluate(ctx, 1, stages, 8, True, cuts=(0, 1, 8)).stage_checkpointing == (False, False)
+
+
+def _two_node_ctx(params: float, boundary: float, nic: float = 1e9) -> PipelineContext:
+    """4 devices of one kind, 2 per node, an intra-node link of 1e11 B/s and a slow NIC."""
+    table = dataclasses.replace(_table(4, params=params), boundary_bytes=np.full(4, boundary),
+                                sharded_fraction=np.zeros(4))  # tensor parallelism would not help
+    kinds = {"fast": KindInfo("fast", 4, 2, 80 * GIB, 1e11, 1.0, nodes=(0, 0, 1, 1))}
+    return PipelineContext(table=table, kinds=kinds, global_batch=8, optimizer="sgd", dtype="fp32",
+                           node_bytes_per_s=nic, num_nodes=2, optimizer_s_per_param={"fast": 0.0})
+
+
+def test_layouts_deal_slots_pipeline_or_stage_first():
+    from fxpar.solvers.placement import slot_indices
+
+    stages = (StageSpec("a", 1), StageSpec("b", 2))
+    pm = slot_indices(stages, 2, "pipeline-major")
+    sm = slot_indices(stages, 2, "stage-major")
+    # kinds are dealt separately; with one stage per kind both orders coincide per kind
+    assert [list(r) for r in pm[1]] == [[0, 1], [2, 3]] == [list(r) for r in sm[1]]
+    two = (StageSpec("a", 1), StageSpec("a", 1))
+    assert [[r.start for r in row] for row in slot_indices(two, 2, "pipeline-major")] == [[0, 2], [1, 3]]
+    assert [[r.start for r in row] for row in slot_indices(two, 2, "stage-major")] == [[0, 1], [2, 3]]
+
+
+def test_slow_nic_puts_a_stages_replicas_on_one_node():
+    # big gradients, tiny activations: stage-major keeps each stage's all-reduce inside a node
+    from fxpar.profiling.collectives import ALPHA_INTER_S, ALPHA_INTRA_S, LINK_EFFICIENCY
+    from fxpar.solvers.placement import LinkCosts
+
+    ctx = _two_node_ctx(params=1e8, boundary=8.0)
+    stages = (StageSpec("fast", 1), StageSpec("fast", 1))
+    pm = evaluate(ctx, 2, stages, 2, False, cuts=(0, 2, 4), zero=False, layout="pipeline-major")
+    sm = evaluate(ctx, 2, stages, 2, False, cuts=(0, 2, 4), zero=False, layout="stage-major")
+    grad = 2e8 * 4  # two segments of 1e8 fp32 parameters
+    # stage-major: a ring of 2 inside one node; pipeline-major: both stages' rings cross the NIC
+    sm_links = LinkCosts.build(ctx, 2, stages, "stage-major")
+    pm_links = LinkCosts.build(ctx, 2, stages, "pipeline-major")
+    assert sm_links.allreduce_s([grad, grad]) == pytest.approx(grad / (LINK_EFFICIENCY * 1e11) + 2 * ALPHA_INTRA_S)
+    assert pm_links.allreduce_s([grad, grad]) == pytest.approx(
+        2 * grad / (LINK_EFFICIENCY * 1e9) + 2 * ALPHA_INTER_S)   # two rings share each NIC
+    # stage 1 finishes its backward first and starts its all-reduce then: only the rest shows
+    assert sm.allreduce_s == pytest.approx(sm_links.allreduce_done_s(
+        [sm.stage_s[0] * 3, sm.stage_s[0] * 3 - 2 / 3 * sm.stage_s[0]], [grad, grad]) - sm.stage_s[0] * 3)
+    assert pm.step_s > sm.step_s
+    best = search(ctx)
+    assert best.pipelines == 2 and best.layout == "stage-major"
+
+
+def test_big_activations_keep_a_pipeline_inside_a_node():
+    # tiny gradients, big activations: pipeline-major keeps the hops on the intra-node link
+    ctx = _two_node_ctx(params=10.0, boundary=1e8)
+    stages = (StageSpec("fast", 1), StageSpec("fast", 1))
+    pm = evaluate(ctx, 2, stages, 2, False, cuts=(0, 2, 4), zero=False, layout="pipeline-major")
+    sm = evaluate(ctx, 2, stages, 2, False, cuts=(0, 2, 4), zero=False, layout="stage-major")
+    assert pm.step_s < sm.step_s
+    # stage-major: both pipelines' hops leave node 0 at once and share its NIC
+    from fxpar.profiling.collectives import LINK_EFFICIENCY
+    from fxpar.solvers.placement import LinkCosts
+
+    assert LinkCosts.build(ctx, 2, stages, "stage-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e9 / 2)
+    assert LinkCosts.build(ctx, 2, stages, "pipeline-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e11)
+    assert search(ctx).layout == "pipeline-major"

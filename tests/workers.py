@@ -136,7 +136,7 @@ def measure_links() -> dict:
 
 def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
               batch: int = 8, seq: int = 16, steps: int = 2, layers: int | None = None,
-              checkpointing: bool = False, schedule: str = "1F1B") -> dict:
+              checkpointing: bool = False, schedule: str = "1F1B", layout: str = "pipeline-major") -> dict:
     """Pipeline plan vs single process: loss and the gradients of this rank's stage."""
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
@@ -150,7 +150,8 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     reference = copy.deepcopy(model)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
                          blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
-                         pipelines=pipelines, activation_checkpointing=checkpointing, schedule=schedule)
+                         pipelines=pipelines, activation_checkpointing=checkpointing, schedule=schedule,
+                         layout=layout)
     data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = PipelineParallelModule(model, plan, rank, data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)

@@ -59,11 +59,14 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                   activation_checkpointing: bool | list[bool] = False, schedule: str = "1F1B",
                   tensor_parallel: list[int] | None = None, zero_sharded_optimizer: bool = False,
                   tensor_splits: list[list[int] | None] | None = None,
-                  expert_splits: list[list[int] | None] | None = None) -> Plan:
+                  expert_splits: list[list[int] | None] | None = None,
+                  layout: str = "pipeline-major") -> Plan:
     """Stage ``j`` owns the next ``blocks_per_stage[j]`` blocks (embeddings go with the first
     stage, the head with the last) and runs on ``tensor_parallel[j]`` ranks (default 1) of
     every pipeline, as one tensor-parallel group.  Ranks are dealt pipeline by pipeline, stage
-    by stage: with width 1, stage ``j`` of pipeline ``p`` is rank ``p·S + j``.
+    by stage (``layout="pipeline-major"``: with width 1, stage ``j`` of pipeline ``p`` is rank
+    ``p·S + j``), or stage by stage, pipeline by pipeline (``"stage-major"``: rank ``j·P + p``,
+    a stage's replicas side by side, as :mod:`fxpar.solvers.placement` may choose).
 
     ``activation_checkpointing``: every stage (a bool) or per stage (a list).
     ``tensor_splits[j]``: key/value head groups per position of stage ``j`` (uneven TP inside a
@@ -87,7 +90,12 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
     for j, split in enumerate(tensor):
         if split is not None and len(split) != widths[j]:
             raise PlanError(f"tensor_splits[{j}] = {split} must give each of the stage's {widths[j]} positions a share")
-    first = [p * sum(widths) + sum(widths[:j]) for p in range(pipelines) for j in range(S)]
+    if layout == "pipeline-major":
+        first = [p * sum(widths) + sum(widths[:j]) for p in range(pipelines) for j in range(S)]
+    elif layout == "stage-major":
+        first = [pipelines * sum(widths[:j]) + p * widths[j] for p in range(pipelines) for j in range(S)]
+    else:
+        raise PlanError(f"layout {layout!r}: expected 'pipeline-major' or 'stage-major'")
     stages, start = [], 0
     for j, n in enumerate(blocks_per_stage):
         ranks = tuple(first[p * S + j] + t for p in range(pipelines) for t in range(widths[j]))

@@ -136,6 +136,13 @@ def simulate(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: 
              bwd: list[float], hop: list[float]) -> tuple[float, list[float]]:
     """Makespan and per-rank busy seconds of ``order`` with stage ``s`` taking ``fwd[s]`` /
     ``bwd[s]`` per micro-batch and ``hop[s]`` to send its output on (and its gradient back)."""
+    ends, busy = simulate_ends(order, stage_rank, fwd, bwd, hop)
+    return max(ends), busy
+
+
+def simulate_ends(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: list[float],
+                  bwd: list[float], hop: list[float]) -> tuple[list[float], list[float]]:
+    """:func:`simulate`'s per-rank end of the last action and busy seconds (rank order)."""
     finish: dict[Action, float] = {}
     free = {r: 0.0 for r in order}
     busy = {r: 0.0 for r in order}
@@ -160,4 +167,4 @@ def simulate(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: 
                 progress = True
     if any(pending.values()):
         raise RuntimeError("interleaved schedule has a dependency cycle")
-    return max(free.values()), [busy[r] for r in sorted(busy)]
+    return [free[r] for r in sorted(free)], [busy[r] for r in sorted(busy)]

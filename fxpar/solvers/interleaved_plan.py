@@ -20,15 +20,15 @@ import numpy as np
 
 from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
 from fxpar.profiling.memory import state_bytes_per_param
-from fxpar.sim.interleaved import lockstep_order, simulate
+from fxpar.sim.interleaved import lockstep_order, simulate_ends
 from fxpar.solvers.pipeline import (
     PipelineConfig,
     PipelineContext,
     StageSpec,
-    _dp_allreduce,
     _StageCost,
 )
 from fxpar.solvers.pipeline_plan import assign_ranks
+from fxpar.solvers.placement import LinkCosts
 
 
 def _cuts(costs: list[_StageCost], positions: list[int], n: int) -> tuple[int, ...] | None:
@@ -73,7 +73,10 @@ def candidates(ctx: PipelineContext, cfg: PipelineConfig, cluster, model_name: s
 def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s) -> Plan | None:
     t, S, m, b = ctx.table, len(positions), cfg.num_microbatches, cfg.micro_batch
     specs = [StageSpec(cfg.stages[d].kind, 1) for d in positions]
-    costs = [_StageCost(ctx, spec, b, S - s, cfg.pipelines, False, cfg.zero) for s, spec in enumerate(specs)]
+    links = LinkCosts.build(ctx, cfg.pipelines, cfg.stages, cfg.layout)  # positions sit as cfg's stages
+    costs = [_StageCost(ctx, spec, b, S - s, cfg.pipelines, False, cfg.zero,
+                        links.hop_bytes_per_s(positions[s], positions[s + 1]) if s + 1 < S else float("inf"))
+             for s, spec in enumerate(specs)]
     cuts = _cuts(costs, positions, t.size)
     if cuts is None:
         return None
@@ -93,12 +96,16 @@ def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s)
         bwd.append(max(c.stage_time(i, j) - h - f, 0.0))
         hop.append(h)
     order = lockstep_order(positions, len(cfg.stages), m, fwd, bwd)  # the order codegen runs
-    makespan, busy = simulate(order, positions, fwd, bwd, hop)
+    ends, busy = simulate_ends(order, positions, fwd, bwd, hop)
+    makespan = max(ends)
     grad_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
-    ar = max(_dp_allreduce(ctx, cfg.pipelines, params[d] * grad_bytes) for d in params)
+    # each position all-reduces its stages' gradients once its last action ends (the part not hidden)
+    ar = links.allreduce_done_s(ends, [params.get(d, 0.0) * grad_bytes for d in range(len(cfg.stages))]) - makespan
     opt = max(ctx.optimizer_s_per_param[cfg.stages[d].kind] * params[d] * (1 / cfg.pipelines if cfg.zero else 1)
               for d in params)
-    step = makespan + ar + opt + cfg.gather_s
+    gather = (links.allgather_s([params.get(d, 0.0) * state_bytes_per_param(ctx.optimizer, ctx.dtype)[0]
+                                 for d in range(len(cfg.stages))]) if cfg.zero else 0.0)
+    step = makespan + ar + opt + gather
     slots = assign_ranks(cfg, cluster)  # slots[position][pipeline] = (rank,)
     per_pipe = workload.global_batch // cfg.pipelines
     stages = [StagePlan(index=s, modules=tuple(mod for seg in t.modules[i:j] for mod in seg),
@@ -117,11 +124,11 @@ def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s)
                                 memory_capacity_bytes=int(dev.memory_bytes))
     name = "all-reduce + ZeRO-1" if cfg.zero else "all-reduce"
     exchange = (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines", method=name,
-                                 predicted_s=ar + cfg.gather_s),) if cfg.pipelines > 1 else ()
+                                 predicted_s=ar + gather),) if cfg.pipelines > 1 else ()
     return Plan(strategy="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
                 seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
                 stages=tuple(stages), ranks=tuple(ranks[r] for r in range(cluster.world_size)),
-                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=ar + cfg.gather_s,
+                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=ar + gather,
                 lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()), pipelines=cfg.pipelines,
                 num_microbatches=m, schedule="interleaved", zero_sharded_optimizer=cfg.zero,
                 collectives=exchange)

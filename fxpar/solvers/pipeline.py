@@ -20,10 +20,18 @@ block, of ``β_i·b`` bytes over the stage's ``u`` devices):
 1F1B pipeline, then the data-parallel gradient all-reduce of every stage's shard across the
 ``P`` pipelines and the optimizer step; with ZeRO-1 (``z = 1``, a per-configuration choice
 recorded in the plan's ``collectives``) each pipeline updates ``1/P`` of the parameters and
-broadcasts them (an all-gather of the weights):
+broadcasts them (an all-gather of the weights).  Stage ``j`` starts its all-reduce when its
+own last backward ends, ``e_j = T_pipe − Σ_{i<j} (t_i − f_i)`` (``f_i`` the forward part: the
+drain still has to pass the stages before it), as codegen runs it:
 
-    T = (m − 1)·max_j t_j + Σ_j t_j + max_j AR_P(grad bytes_j) + max_j opt_j·(1/P)^z
-        + z·max_j AG_P(weight bytes_j)
+    T_pipe = (m − 1)·max_j t_j + Σ_j t_j
+    T      = max( max_j (e_j + AR_P,j),  e_{S−1} + AR_P(all stages) ) + max_j opt_j·(1/P)^z
+             + z·AG_P(weight bytes_1..S)
+
+``hop_j``, each stage's all-reduce ``AR_P,j``, that of all stages at once (rings that share a
+NIC) and the all-gather ``AG_P`` are priced on the placement of the slots on the nodes, one of
+two layouts (pipeline-major or stage-major, :mod:`fxpar.solvers.placement`: shared NICs,
+hierarchical rings), which the search also chooses.
 
 Memory per device of stage ``j`` (of ``S``), optimizer state ``o`` (``o/P`` under ZeRO-1),
 ``r = min(S − j, m)`` micro-batches in flight under 1F1B, activation checkpointing optional:
@@ -59,6 +67,7 @@ import numpy as np
 
 from fxpar.profiling import collectives
 from fxpar.profiling.memory import state_bytes_per_param
+from fxpar.solvers.placement import LAYOUTS, PIPELINE_MAJOR, LinkCosts, same_nodes
 from fxpar.solvers.segments import SegmentTable
 
 ACT_REPLICATED = 0.3
@@ -72,6 +81,7 @@ class KindInfo:
     memory_bytes: int
     intra_bytes_per_s: float
     speed_rank: float           # larger = faster (used for the stage order)
+    nodes: tuple[int, ...] = () # node of each device, in cluster order (() : per_node per node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,7 @@ class PipelineConfig:
     zero: bool = False          # optimizer state sharded across the pipelines (ZeRO-1)
     stage_checkpointing: tuple[bool, ...] = ()   # activation checkpointing, per stage
     gather_s: float = 0.0       # ZeRO-1: broadcasting the updated parameter partitions
+    layout: str = PIPELINE_MAJOR    # how the slots take the devices (:mod:`.placement`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,26 +129,11 @@ def _tp_allreduce(kind: KindInfo, width: int, nbytes: np.ndarray) -> np.ndarray:
     return np.array([collectives.allreduce_time(shape, float(x)) for x in values])[index.reshape(-1)]
 
 
-def _dp_shape(ctx: PipelineContext, pipelines: int) -> collectives.RingShape:
-    nodes = min(pipelines, max(ctx.num_nodes, 1))
-    return collectives.RingShape((pipelines // nodes,) * nodes,
-                                 (min(k.intra_bytes_per_s for k in ctx.kinds.values()),) * nodes,
-                                 ctx.node_bytes_per_s)
-
-
-def _dp_allreduce(ctx: PipelineContext, pipelines: int, nbytes: float) -> float:
-    return 0.0 if pipelines <= 1 else collectives.allreduce_time(_dp_shape(ctx, pipelines), nbytes)
-
-
-def _dp_allgather(ctx: PipelineContext, pipelines: int, nbytes: float) -> float:
-    return 0.0 if pipelines <= 1 else collectives.allgather_time(_dp_shape(ctx, pipelines), nbytes)
-
-
 class _StageCost:
     """Prefix sums that give a stage's time and memory for any segment range in O(1)."""
 
     def __init__(self, ctx: PipelineContext, spec: StageSpec, b: int, in_flight: int,
-                 pipelines: int, ckpt: bool, zero: bool = True) -> None:
+                 pipelines: int, ckpt: bool, zero: bool = True, hop_bytes_per_s: float | None = None) -> None:
         t = ctx.table
         kind = ctx.kinds[spec.kind]
         u = spec.width
@@ -146,8 +142,10 @@ class _StageCost:
         if ckpt:  # recompute every block's forward during the backward
             blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
             seg_time = seg_time + np.where(blocks, (t.fwd_a[spec.kind] + t.fwd_c[spec.kind] * b) * scale, 0.0)
-        seg_time = seg_time + 4 * _tp_allreduce(kind, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
+        tp = _tp_allreduce(kind, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
+        seg_time = seg_time + 4 * tp
         self.time = np.concatenate([[0.0], np.cumsum(seg_time)])
+        self.fwd = np.concatenate([[0.0], np.cumsum((t.fwd_a[spec.kind] + t.fwd_c[spec.kind] * b) * scale + 2 * tp)])
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
         per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
         self.state = np.concatenate([[0.0], np.cumsum(t.local_params(u) * per_param)])
@@ -159,11 +157,17 @@ class _StageCost:
             self.act_max = None
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
-        self.hop = t.boundary_bytes * b / (collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s))
+        if hop_bytes_per_s is None:  # placement unknown: the hop crosses nodes
+            hop_bytes_per_s = collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s)
+        self.hop = t.boundary_bytes * b / hop_bytes_per_s
         self.ckpt = ckpt
 
     def stage_time(self, i: int, j: int) -> float:
         return self.time[j] - self.time[i] + (self.hop[j - 1] if j < len(self.hop) else 0.0)
+
+    def forward_time(self, i: int, j: int) -> float:
+        """The forward part of :meth:`stage_time` (the first forward under checkpointing)."""
+        return self.fwd[j] - self.fwd[i]
 
     def memory(self, i: int, j: int) -> float:
         act = self.act_sum[j] - self.act_sum[i]
@@ -236,23 +240,43 @@ def best_cuts_with_choice(costs: list, n: int) -> tuple[tuple[int, ...], tuple[i
     return feasible(hi)
 
 
+def layouts_for(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]) -> tuple[str, ...]:
+    """The layouts worth evaluating: both, unless they put every slot on the same node."""
+    if pipelines <= 1 or same_nodes(ctx, pipelines, stages):
+        return (PIPELINE_MAJOR,)
+    return LAYOUTS
+
+
+def stage_costs(ctx: PipelineContext, cfg_like: tuple, links: LinkCosts, ckpt_options) -> list[tuple[_StageCost, ...]]:
+    """Each stage's cost tables (one per checkpointing option), hops priced by the placement."""
+    pipelines, stages, m, b, zero = cfg_like
+    S = len(stages)
+    return [tuple(_StageCost(ctx, spec, b, min(S - j, m), pipelines, c, zero,
+                             links.hop_bytes_per_s(j, j + 1) if j + 1 < S else float("inf"))
+                  for c in ckpt_options)
+            for j, spec in enumerate(stages)]
+
+
 def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...], m: int,
-             ckpt: bool, cuts: tuple[int, ...] | None = None, zero: bool | None = None) -> PipelineConfig | None:
+             ckpt: bool, cuts: tuple[int, ...] | None = None, zero: bool | None = None,
+             layout: str | None = None) -> PipelineConfig | None:
     """Best (or given) cuts for one configuration and its predicted step, or None if it does
-    not fit.  ``zero``: shard the optimizer state across the pipelines (ZeRO-1) or not; None
-    tries both (with more than one pipeline) and keeps the faster that fits."""
-    if zero is None:
-        options = [evaluate(ctx, pipelines, stages, m, ckpt, cuts, z) for z in ((False, True) if pipelines > 1 else (False,))]
-        found = [o for o in options if o is not None]
+    not fit.  ``zero``: shard the optimizer state across the pipelines (ZeRO-1) or not;
+    ``layout``: how the slots take the devices (:mod:`fxpar.solvers.placement`).  None tries
+    each option and keeps the fastest that fits."""
+    if zero is None or layout is None:
+        zeros = (False, True) if zero is None and pipelines > 1 else (bool(zero),)
+        lays = layouts_for(ctx, pipelines, stages) if layout is None else (layout,)
+        found = [c for z in zeros for lay in lays
+                 if (c := evaluate(ctx, pipelines, stages, m, ckpt, cuts, z, lay)) is not None]
         return min(found, key=lambda c: c.step_s) if found else None
     b_total = ctx.global_batch / pipelines
     b = int(b_total // m)
     if b < 1 or b * m * pipelines != ctx.global_batch:
         return None
-    S = len(stages)
-    alts = [tuple(_StageCost(ctx, spec, b, min(S - j, m), pipelines, c, zero) for c in ((False, True) if ckpt else (False,)))
-            for j, spec in enumerate(stages)]
-    n = ctx.table.size
+    links = LinkCosts.build(ctx, pipelines, stages, layout)
+    alts = stage_costs(ctx, (pipelines, stages, m, b, zero), links, (False, True) if ckpt else (False,))
+    n, S = ctx.table.size, len(stages)
     if cuts is None:
         found = best_cuts_with_choice(alts, n)
         if found is None:
@@ -269,20 +293,21 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     costs = [options[k] for options, k in zip(alts, chosen)]
     t = [c.stage_time(i, j) for c, i, j in zip(costs, cuts, cuts[1:])]
     t_pipe = (m - 1) * max(t) + sum(t)
-    grads = [ctx.table.local_params(spec.width)[i:j].sum() * state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
-             for spec, i, j in zip(stages, cuts, cuts[1:])]
-    ar = max(_dp_allreduce(ctx, pipelines, g) for g in grads)
+    w_bytes, g_bytes, _ = state_bytes_per_param(ctx.optimizer, ctx.dtype)
+    local = [float(ctx.table.local_params(spec.width)[i:j].sum()) for spec, i, j in zip(stages, cuts, cuts[1:])]
+    # stage j's last backward ends when the drain has passed the stages after it
+    back = [t_j - c.forward_time(i, j) for t_j, c, i, j in zip(t, costs, cuts, cuts[1:])]
+    ends = [t_pipe - sum(back[:j]) for j in range(S)]
+    ar = links.allreduce_done_s(ends, [n_j * g_bytes for n_j in local]) - t_pipe  # the part not hidden
     share = 1.0 / pipelines if zero else 1.0  # ZeRO-1: each pipeline updates 1/P of the parameters
-    opt = max(ctx.optimizer_s_per_param[spec.kind] * ctx.table.local_params(spec.width)[i:j].sum() * share
-              for spec, i, j in zip(stages, cuts, cuts[1:]))
-    weight_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[0]
-    gather = max(_dp_allgather(ctx, pipelines, ctx.table.local_params(spec.width)[i:j].sum() * weight_bytes)
-                 for spec, i, j in zip(stages, cuts, cuts[1:])) if zero else 0.0
+    opt = max(ctx.optimizer_s_per_param[spec.kind] * n_j * share for spec, n_j in zip(stages, local))
+    gather = links.allgather_s([n_j * w_bytes for n_j in local]) if zero else 0.0
     mem = tuple(int(c.memory(i, j)) for c, i, j in zip(costs, cuts, cuts[1:]))
     return PipelineConfig(pipelines=pipelines, stages=stages, num_microbatches=m, micro_batch=b,
                           checkpointing=any(c.ckpt for c in costs),
-                          stage_checkpointing=tuple(c.ckpt for c in costs), cuts=cuts, step_s=t_pipe + ar + opt + gather, stage_s=tuple(t),
-                          memory_bytes=mem, allreduce_s=ar, optimizer_s=opt, zero=zero, gather_s=gather)
+                          stage_checkpointing=tuple(c.ckpt for c in costs), cuts=cuts, step_s=t_pipe + ar + opt + gather,
+                          stage_s=tuple(t), memory_bytes=mem, allreduce_s=ar, optimizer_s=opt, zero=zero,
+                          gather_s=gather, layout=layout)
 
 
 def _divisors(n: int) -> list[int]:
@@ -342,6 +367,7 @@ def build_context(graph, cost, cluster, workload) -> PipelineContext:
         per_node = sum(1 for r in g.ranks if cluster.device(r).node == first.node)
         kinds[g.key] = KindInfo(key=g.key, count=len(g.ranks), per_node=per_node,
                                 memory_bytes=int(g.memory_bytes),
+                                nodes=tuple(cluster.device(r).node for r in g.ranks),
                                 intra_bytes_per_s=float(first.intra_node_gbps) * 1e9,
                                 speed_rank=1.0 / max(float(table.cost_c[g.key].sum()), 1e-30))
         opt[g.key] = cost.optimizer_s(first) / max(cost.param_count, 1)

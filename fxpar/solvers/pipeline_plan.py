@@ -2,41 +2,44 @@
 
 Ranks: for each device kind, its ranks in cluster order are dealt to (pipeline, stage) slots
 of that kind, ``width`` consecutive ranks per slot, so a stage's tensor-parallel group sits on
-one node.  Predictions come from the 1F1B event simulation (:mod:`fxpar.sim.pipeline_sim`) of
+one node; pipeline by pipeline or stage by stage, as the configuration's layout says
+(:mod:`fxpar.solvers.placement`).  Predictions come from the 1F1B event simulation (:mod:`fxpar.sim.pipeline_sim`) of
 the stages' forward and backward times, plus the gradient all-reduce and the optimizer step.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
+from fxpar.profiling.memory import state_bytes_per_param
 from fxpar.sim.pipeline_sim import simulate_1f1b
 from fxpar.solvers.pipeline import (
     PipelineConfig,
     PipelineContext,
-    _StageCost,
     _tp_allreduce,
     evaluate,
+    stage_costs,
 )
+from fxpar.solvers.placement import LinkCosts, slot_indices
 
 
 def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
     """``slots[j][p]``: the ranks of stage ``j`` in pipeline ``p``."""
     pools = {g.key: list(g.ranks) for g in cluster.groups()}
-    slots: list[list[tuple[int, ...]]] = [[] for _ in cfg.stages]
-    for _ in range(cfg.pipelines):
-        for j, spec in enumerate(cfg.stages):
-            take, pools[spec.kind] = pools[spec.kind][: spec.width], pools[spec.kind][spec.width:]
-            slots[j].append(tuple(take))
-    return slots
+    return [[tuple(pools[spec.kind][i] for i in where) for where in row]
+            for spec, row in zip(cfg.stages, slot_indices(cfg.stages, cfg.pipelines, cfg.layout))]
 
 
 def stage_fwd_bwd(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[list[float], list[float], list[float]]:
     """Per stage: forward and backward seconds of one micro-batch, and the hop after it."""
     t = ctx.table
     fwd, bwd, hops = [], [], []
-    S = len(cfg.stages)
+    links = LinkCosts.build(ctx, cfg.pipelines, cfg.stages, cfg.layout)
+    tables = stage_costs(ctx, (cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.micro_batch, cfg.zero),
+                         links, (False, True))
     for j, (spec, i, k) in enumerate(zip(cfg.stages, cfg.cuts, cfg.cuts[1:])):
         kind = ctx.kinds[spec.kind]
         u, b = spec.width, cfg.micro_batch
@@ -44,7 +47,7 @@ def stage_fwd_bwd(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[list[float
         tp = _tp_allreduce(kind, u, t.boundary_bytes[i:k] * b) * (np.arange(i, k) > 0)
         f = float(((t.fwd_a[spec.kind][i:k] + t.fwd_c[spec.kind][i:k] * b) * scale).sum() + 2 * tp.sum())
         ckpt = cfg.stage_checkpointing[j] if cfg.stage_checkpointing else cfg.checkpointing
-        cost = _StageCost(ctx, spec, b, min(S - j, cfg.num_microbatches), cfg.pipelines, ckpt, cfg.zero)
+        cost = tables[j][int(bool(ckpt))]
         total = cost.stage_time(i, k)
         hop = float(cost.hop[k - 1]) if k < t.size else 0.0
         fwd.append(f)
@@ -57,8 +60,14 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
             lower_bound_s: float) -> Plan:
     slots = assign_ranks(cfg, cluster)
     fwd, bwd, hops = stage_fwd_bwd(ctx, cfg)
-    makespan, busy, _ = simulate_1f1b(fwd, bwd, hops, cfg.num_microbatches)
-    step = makespan + cfg.allreduce_s + cfg.optimizer_s + cfg.gather_s
+    makespan, busy, events = simulate_1f1b(fwd, bwd, hops, cfg.num_microbatches)
+    ends = [max(e[3] for e in events if e[0] == j) for j in range(len(cfg.stages))]
+    links = LinkCosts.build(ctx, cfg.pipelines, cfg.stages, cfg.layout)
+    grad_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
+    local = [float(ctx.table.local_params(spec.width)[i:k].sum()) * grad_bytes
+             for spec, i, k in zip(cfg.stages, cfg.cuts, cfg.cuts[1:])]
+    exposed = links.allreduce_done_s(ends, local) - makespan  # each stage starts as its backward ends
+    step = makespan + exposed + cfg.optimizer_s + cfg.gather_s
     per_pipe = workload.global_batch // cfg.pipelines
     stages, ranks = [], {}
     for j, (spec, i, k) in enumerate(zip(cfg.stages, cfg.cuts, cfg.cuts[1:])):
@@ -80,12 +89,12 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
                 global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
                 optimizer=workload.optimizer, stages=tuple(stages),
                 ranks=tuple(ranks[r] for r in range(cluster.world_size)),
-                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=cfg.allreduce_s + cfg.gather_s,
+                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=exposed + cfg.gather_s,
                 lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
                 pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches, schedule="1F1B",
                 activation_checkpointing=bool(cfg.stage_checkpointing) and all(cfg.stage_checkpointing),
                 zero_sharded_optimizer=cfg.zero,
-                collectives=gradient_exchange(cfg, ctx, step))
+                collectives=gradient_exchange(replace(cfg, allreduce_s=exposed), ctx, step))
 
 
 def gradient_exchange(cfg: PipelineConfig, ctx: PipelineContext, step: float) -> tuple[CollectiveChoice, ...]:
@@ -94,7 +103,8 @@ def gradient_exchange(cfg: PipelineConfig, ctx: PipelineContext, step: float) ->
     if cfg.pipelines <= 1:
         return ()
     name = {False: "all-reduce", True: "all-reduce + ZeRO-1"}
-    other = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, zero=not cfg.zero)
+    other = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, zero=not cfg.zero,
+                     layout=cfg.layout)
     other_s = None if other is None else step - (cfg.step_s - other.step_s)  # same schedule-model offset
     return (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines",
                              method=name[cfg.zero], predicted_s=cfg.allreduce_s + cfg.gather_s,

@@ -182,8 +182,10 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
         cfg = search(ctx, max_width=width)
         if cfg is not None:  # (no wall-clock time in `explain`: the plan's JSON is deterministic)
             candidates.append(to_plan(cfg, ctx, cluster, graph.model_name, workload, lb))
+            where = ("" if cfg.pipelines == 1 else ", each stage's replicas side by side (stage-major)"
+                     if cfg.layout == "stage-major" else ", each pipeline's stages side by side (pipeline-major)")
             explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
-                           f"{cfg.num_microbatches} micro-batches: {candidates[-1].predicted_step_s:.4g} s")
+                           f"{cfg.num_microbatches} micro-batches{where}: {candidates[-1].predicted_step_s:.4g} s")
             one_f_one_b = candidates[-1].predicted_step_s
             for inter in interleaved.candidates(ctx, cfg, cluster, graph.model_name, workload, lb):
                 better = inter.predicted_step_s < one_f_one_b
