@@ -1,5 +1,7 @@
 """``fxpar plan`` on every shared scenario: predicted step, lower bound, even-DP baseline,
-solve and total plan time (no weights allocated).  Prints a table and writes JSON.
+solve and total plan time (no weights allocated), and the heterogeneity ceiling Σ P_i /
+(n · min P_i) — the largest speed-up over an even plan that the devices' peak rates allow.
+Prints a table and writes JSON.
 
     python -m benchmarks.plan_scenarios [--scenarios DIR]
 """
@@ -40,6 +42,13 @@ def plan_shape(plan) -> str:
     return shape
 
 
+def heterogeneity_ceiling(cluster, dtype: str) -> float:
+    """Σ_i P_i / (n · min_i P_i) over the devices' peak FLOP/s: the most any plan can gain over
+    a compute-bound *even* plan (which runs at the slowest device's pace), communication aside."""
+    peaks = [d.peak_tflops(dtype) for d in cluster.devices]
+    return sum(peaks) / (len(peaks) * min(peaks))
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=Path, default=DEFAULT_DIR)
@@ -62,22 +71,23 @@ def main(argv: list[str] | None = None) -> dict:
                             "strategy": plan.strategy, "shape": shape,
                             **{k: plan.to_dict()[k] for k in ("predicted_step_s", "lower_bound_s",
                                                               "baselines", "solve_time_s", "explain")}})
+            results[-1]["heterogeneity_ceiling"] = ceiling = heterogeneity_ceiling(sc.cluster, sc.workload.dtype)
             fmt = lambda v: "-" if v is None else f"{v:.3f}"
             rows.append((sc.name, sc.cluster.world_size, shape, f"{plan.predicted_step_s:.3f}",
                          f"{plan.predicted_step_s / plan.lower_bound_s:.2f}",
                          *(fmt(base[n]) for n in names),
                          "-" if not evens else f"{min(evens) / plan.predicted_step_s:.2f}x",
-                         PAPER.get(sc.name, "-"), f"{took:.1f}"))
+                         f"{ceiling:.2f}x", PAPER.get(sc.name, "-"), f"{took:.1f}"))
         except InfeasibleError as exc:
             took = time.perf_counter() - start
             worst = max(exc.shortfalls.values()) / 2**30 if exc.shortfalls else 0.0
             results.append({"scenario": sc.name, "status": "infeasible", "plan_time_s": took,
                             "shortfall_gib": {k: v / 2**30 for k, v in exc.shortfalls.items()}})
             rows.append((sc.name, sc.cluster.world_size, f"no plan fits (short {worst:.1f} GiB)",
-                         "", "", "", "", "", "", "", PAPER.get(sc.name, "-"), f"{took:.1f}"))
+                         "", "", "", "", "", "", "", "", PAPER.get(sc.name, "-"), f"{took:.1f}"))
         print(f"[bench] {sc.name}: {took:.1f} s", flush=True)
     head = ("scenario", "GPUs", "fxpar plan", "predicted s", "x LB", "even DP s", "prop. DP s",
-            "Megatron even s", "Whale rules s", "vs best even", "paper reports", "plan s")
+            "Megatron even s", "Whale rules s", "vs best even", "ceiling", "paper reports", "plan s")
     print("\nPredicted step times under fxpar's cost model (same model for every baseline)")
     print(table(head, rows))
     path = write_result('plan_scenarios', {'scenarios': results, 'table': {'head': head, 'rows': rows}}, quick=args.quick)

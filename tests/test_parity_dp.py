@@ -53,6 +53,17 @@ def test_gradient_accumulation_micro_batches(pool2):
     _check(pool2.run(dp_parity, "llama", [1.0, 0.5], 6, 16, micro_batch_size=2), 2)
 
 
+def test_overlapped_gradient_buckets_are_exact(pool3):
+    # 16 KiB buckets (dozens), tied GPT-2 embeddings, gradient accumulation, and a rank that
+    # may hold no sample: buckets launch during the last backward, in the same order everywhere
+    results = pool3.run(dp_parity, "gpt2", [1.0, 0.5, 0.25], 7, 16, 2, 2, 16 * 1024)
+    _check(results, 3)
+    for r in results:
+        assert r["buckets"] > 10
+        busy = r["shares"][r["rank"]] > 0
+        assert all((n > 1) if busy else (n == 0) for n in r["launched_in_backward"]), r
+
+
 def test_emulated_speed_slows_the_rank_for_real(pool2):
     fast, slow = pool2.run(emulation_timing, [1.0, 0.5])
     assert fast["emulation_s"] == 0.0

@@ -51,7 +51,7 @@ def dp_only_plan(model: torch.nn.Module, cluster, data: dict, batch: int) -> fxp
 
 
 def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int = 2,
-              micro_batch_size: int | None = None) -> dict:
+              micro_batch_size: int | None = None, bucket_bytes: int | None = None) -> dict:
     """Train ``steps`` steps with fxpar (uneven DP) and single-process; report the differences."""
     rank = dist.get_rank()
     model = tiny_model(family)
@@ -66,11 +66,16 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
             num_microbatches=-(-r.batch_share // micro_batch_size) if r.batch_share else 0)
             for r in pm.plan.ranks)
         pm.plan = dataclasses.replace(pm.plan, ranks=ranks)
+    if bucket_bytes is not None:  # many small buckets: the overlapped all-reduce's ordering
+        pm.bucket_bytes = bucket_bytes
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     out = {"rank": rank, "shares": list(pm.plan.batch_shares), "steps": []}
     for b in data:
         loss = pm.step(b)
+        out.setdefault("launched_in_backward", []).append(
+            pm._grad_buckets.last_launched_in_backward if getattr(pm, "_grad_buckets", None) else 0)
+        out["buckets"] = len(pm._grad_buckets.buckets) if getattr(pm, "_grad_buckets", None) else 0
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
         names = dict(reference.named_parameters())

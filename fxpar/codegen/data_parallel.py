@@ -5,7 +5,8 @@ global batch.  With a mean-reduced loss ``L = (1/N) Σ_j ℓ_j`` over the ``N`` 
 batch (samples, or label tokens for HF language models), rank ``r`` with items ``N_r`` computes
 ``L_r`` (mean over its own items) on each micro-batch and back-propagates ``(N_mb / N) · L_mb``;
 the sum over ranks of those gradients is ``∇L`` exactly, so gradients are all-reduced with SUM
-(never divided by the world size).  The loss itself rides in the same buffer.
+(never divided by the world size).  The all-reduce runs in buckets that start during the last
+micro-batch's backward (:mod:`fxpar.codegen.grad_buckets`); the loss rides along.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.grad_buckets import GradientBuckets
 from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.distributed import is_comm_failure, peer_failures
 from fxpar.runtime.emulation import SpeedEmulator, timed
@@ -27,7 +30,6 @@ LossWeighting = Literal["auto", "samples", "tokens"]
 LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "tokens")
 #: Errors a model's forward raises on a batch it cannot take (wrapped with the batch's layout).
 _FORWARD_ERRORS = (TypeError, ValueError, IndexError, KeyError, RuntimeError)
-BUCKET_BYTES = 25 * 2**20
 IGNORE_INDEX = -100
 
 
@@ -86,6 +88,9 @@ def _default_loss(output: Any, batch: Any) -> torch.Tensor:
 class DataParallelModule(torch.nn.Module):
     """The per-rank module of a data-parallel plan; ``step(global_batch)`` trains one step."""
 
+    #: gradient bucket size of the overlapped all-reduce (set before the first step to change)
+    bucket_bytes: int = GRADIENT_BUCKET_BYTES
+
     def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *,
                  group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  loss_weighting: LossWeighting = "auto", emulate: bool = True,
@@ -114,6 +119,7 @@ class DataParallelModule(torch.nn.Module):
         rp = plan.ranks[rank]
         self.emulator = SpeedEmulator(rp.speed if (emulate and plan.emulated) else 1.0)
         self.last_timing: StepTiming | None = None
+        self._grad_buckets: GradientBuckets | None = None
         #: dtypes of the traced inputs, for step()'s batch checks
         self._input_specs = checks.input_specs(example_inputs)
         vocab = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -182,8 +188,9 @@ class DataParallelModule(torch.nn.Module):
 
     # ---- one training step -------------------------------------------------------------------
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
-        """Forward + backward of this rank's share of ``batch`` (the global batch), then the
-        share-weighted gradient all-reduce.  Returns the global loss (same on every rank).
+        """Forward + backward of this rank's share of ``batch`` (the global batch) and the
+        share-weighted gradient all-reduce, in buckets launched during the last micro-batch's
+        backward (:mod:`fxpar.codegen.grad_buckets`).  Returns the global loss (same on every rank).
         With ``local=True`` the batch is already this rank's rows (``batch_rows()``) and the
         global item count is summed over the ranks.
         The caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``."""
@@ -202,25 +209,38 @@ class DataParallelModule(torch.nn.Module):
                             "label is -100 (ignored) on every rank; give at least one real label")
         local_batch = batch if local else self.shard_batch(batch)
         loss_sum = torch.zeros((), dtype=torch.float32)
-        compute = emulated = 0.0
+        compute = 0.0
+        slept_before = self.emulator.slept_s
+        runs = []
+        if rp.batch_share:
+            for mb in _split(local_batch, rp.micro_batch_size, rp.num_microbatches):
+                items = count_items(mb, self.loss_weighting, self.causal)
+                if _batch_len(mb) == 0 or (items == 0 and self.loss_weighting == "tokens"):
+                    continue  # no label tokens: contributes nothing (its own mean would be NaN)
+                runs.append((mb, items))
+        buckets = self._buckets() if self._distributed else None
         with timed() as total:
-            if rp.batch_share:
-                for mb in _split(local_batch, rp.micro_batch_size, rp.num_microbatches):
-                    items = count_items(mb, self.loss_weighting, self.causal)
-                    if _batch_len(mb) == 0 or (items == 0 and self.loss_weighting == "tokens"):
-                        continue  # no label tokens: contributes nothing (its own mean would be NaN)
-                    with timed() as t_fwd:
-                        loss = self._forward_loss(mb)
-                    emulated += self.emulator.stretch(t_fwd.seconds)
-                    weight = items / total_items
-                    with timed() as t_bwd:
-                        (loss * weight).backward()
-                    emulated += self.emulator.stretch(t_bwd.seconds)
+            for j, (mb, items) in enumerate(runs):
+                with timed() as t_fwd:
+                    loss = self._forward_loss(mb)
+                self.emulator.stretch(t_fwd.seconds)
+                overlap = buckets is not None and j == len(runs) - 1  # all-reduce during this backward
+                if overlap:
+                    buckets.arm()
+                with timed() as t_bwd:
+                    (loss * (items / total_items)).backward()
+                    if overlap:
+                        buckets.backward_done()
+                if overlap:
+                    compute += t_fwd.seconds + t_bwd.seconds - buckets.slept_s
+                else:
+                    self.emulator.stretch(t_bwd.seconds)
                     compute += t_fwd.seconds + t_bwd.seconds
-                    loss_sum += loss.detach().float() * weight
+                loss_sum += loss.detach().float() * (items / total_items)
             with timed() as t_comm, peer_failures(
                     f"{type(self).__name__}.step: gradient all-reduce", self.rank):
-                global_loss = self._allreduce_gradients(loss_sum)
+                global_loss = self._allreduce_gradients(loss_sum, buckets)
+        emulated = self.emulator.slept_s - slept_before
         self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated,
                                       comm_s=t_comm.seconds, total_s=total.seconds)
         return global_loss
@@ -269,31 +289,18 @@ class DataParallelModule(torch.nn.Module):
                 "and per-sample shapes the model accepts)") from exc
         return self.loss_fn(output, mb).float()
 
-    def _allreduce_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
+    def _buckets(self) -> GradientBuckets:
+        if self._grad_buckets is None:  # built once: the parameters do not change between steps
+            self._grad_buckets = GradientBuckets(list(self.module.parameters()), self.group, self.emulator,
+                                                 self.bucket_bytes)
+        return self._grad_buckets
+
+    def _allreduce_gradients(self, loss_sum: torch.Tensor, buckets: GradientBuckets | None) -> torch.Tensor:
+        """SUM all-reduce of the gradients, overlapped with the last backward where ``buckets``
+        were armed (:mod:`fxpar.codegen.grad_buckets`); the loss rides along."""
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if not self._distributed:
+        if buckets is None:
             return loss_sum
-        buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for p in params:
-            nbytes = p.grad.numel() * p.grad.element_size()
-            if buckets[-1] and size + nbytes > BUCKET_BYTES:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p.grad)
-            size += nbytes
-        buckets[-1].append(loss_sum.to(params[0].grad.dtype).reshape(1) if params else loss_sum.reshape(1))
-        flats = [torch.cat([g.reshape(-1) for g in b]) for b in buckets]
-        works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for f in flats]
-        for w in works:
-            w.wait()
-        for grads, flat in zip(buckets, flats):
-            offset = 0
-            for g in grads[:-1] if grads is buckets[-1] else grads:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
-        return flats[-1][-1].detach().to(torch.float32).clone()
+        return buckets.finish(loss_sum)

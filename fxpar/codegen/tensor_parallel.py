@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from fxpar.codegen.data_parallel import (
-    BUCKET_BYTES,
     StepTiming,
     _batch_len,
     _default_loss,
@@ -63,6 +62,7 @@ from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_b
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.codegen.tp_vocab import shard_vocab, supports_vocab_parallel
 from fxpar.errors import PlanError
+from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.precision import autocast_for
 
@@ -285,12 +285,12 @@ def _rows(batch: Any, start: int, stop: int) -> Any:
 
 def _allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
     """In-place SUM all-reduce of ``tensors`` over ``group``, flattened into buckets of at most
-    ``BUCKET_BYTES`` of one dtype each (one collective per bucket, all in flight together)."""
+    ``GRADIENT_BUCKET_BYTES`` of one dtype each (one collective per bucket, all in flight together)."""
     buckets: list[list[torch.Tensor]] = []
     size, dtype = 0, None
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if not buckets or t.dtype != dtype or size + nbytes > BUCKET_BYTES:
+        if not buckets or t.dtype != dtype or size + nbytes > GRADIENT_BUCKET_BYTES:
             buckets.append([])
             size, dtype = 0, t.dtype
         buckets[-1].append(t)

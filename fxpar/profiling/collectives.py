@@ -37,6 +37,8 @@ from typing import Sequence
 LINK_EFFICIENCY = 0.8
 ALPHA_INTRA_S = 5e-6
 ALPHA_INTER_S = 15e-6
+#: gradient bucket of the overlapped data-parallel all-reduce (torch DDP's default, 25 MiB)
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,9 @@ Variables: x_g ≥ 0 (samples per device of group g), T (compute makespan).
                 Σ_g n_g · x_g = B                               (add_batch_row)
                 x_g ≤ K · c_g                 for every g, K<∞  (add_memory_rows)
 
-Predicted step = T + C (all-reduce after the backward, no overlap).  The relaxation is an LP
+The LP balances compute; the predicted step (:func:`fxpar.sim.simulate`) adds the part of the
+all-reduce that the last backward does not hide (codegen launches 25 MiB buckets as their
+gradients are final, as torch DDP does), so ``T + C`` is an upper bound of it.  The relaxation is an LP
 (HiGHS); integer shares come from :func:`integer_shares`, which gives each remaining sample to
 the device whose finishing time grows least — exact for this min-max with linear costs, so the
 integer plan is optimal and the reported gap is the rounding loss against the LP.
@@ -224,7 +226,8 @@ def solve(problem: DPProblem) -> DPSolution:
 
 
 def even_split_step_s(problem: DPProblem) -> float | None:
-    """Predicted step of an even split (torch DDP), or None if it does not fit in memory."""
+    """``T + C`` of an even split (torch DDP) — compute then the whole all-reduce, the LP's
+    terms — or None if it does not fit in memory."""
     world = sum(g.count for g in problem.groups)
     base, extra = divmod(problem.global_batch, world)
     worst = 0.0

@@ -231,7 +231,7 @@ def best_cuts_with_choice(costs: list, n: int) -> tuple[tuple[int, ...], tuple[i
     if feasible(hi) is None:
         return None
     lo = 0.0
-    for _ in range(40):
+    while hi - lo > 1e-5 * hi:  # the bottleneck to 10 ppm (about 17 halvings)
         mid = (lo + hi) / 2
         if feasible(mid) is None:
             lo = mid

@@ -96,8 +96,8 @@ def _dp_plan(graph: ModelGraph, cluster, workload: Workload, problem: dp.DPProbl
         predicted_step_s=0.0, predicted_compute_s=0.0, predicted_comm_s=0.0,
         lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()))
     result = _with_predictions(draft, cost)
-    relaxation = sol.relaxation_s + problem.allreduce_s
     step = result.predicted_step_s
+    relaxation = sol.relaxation_s + (step - result.predicted_compute_s)  # the LP's compute + the same comm
     return replace(result, solver=SolverReport(
         name="dp-share-lp", backend=sol.backend, status=sol.status, objective_s=relaxation,
         integer_s=step, gap=(step - relaxation) / relaxation if relaxation > 0 else 0.0,
