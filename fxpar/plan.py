@@ -85,15 +85,21 @@ class SolverReport:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveChoice:
-    """One exchange of the training step, the method the solver chose for it and the predicted
-    seconds of every method it compared (None: that method does not fit in memory).
+    """One exchange of the training step, the method the solver chose for it, its predicted
+    seconds, and the predicted *step* under every other method it compared (a method changes
+    more than the exchange: memory, cuts, micro-batches; None: that method does not fit).
 
-    Methods: ``all-reduce`` (gradients summed on every rank, optimizer state replicated),
+    Methods: ``all-reduce`` (gradients summed on every rank, optimizer state replicated; data
+    parallelism launches it in 25 MiB buckets during the last backward, as torch DDP does),
     ``all-reduce + ZeRO-1`` (the same sum, then each replica updates its partition of the
     parameters — optimizer state 1/P — and broadcasts it: one more parameter-sized exchange, less
     memory; run by ``torch.distributed.optim.ZeroRedundancyOptimizer`` through
     ``pmodel.make_optimizer``), ``all-to-all`` (MoE token routing), ``tensor-parallel all-reduce``
-    (activations inside a tensor-parallel group)."""
+    (activations inside a tensor-parallel group); for the exchange "placement" of a pipeline plan
+    with several pipelines, which exchange stays inside the nodes: ``stage-major`` (a stage's
+    replicas side by side: its gradient all-reduce inside a node, the hops across nodes) or
+    ``pipeline-major`` (a pipeline's stages side by side: the hops inside a node); its
+    predicted_s is the plan's step."""
 
     exchange: str
     method: str
@@ -311,8 +317,9 @@ class Plan:
                        f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"
                        if self.predicted_step_s > 0 else f"{value:.4g} s"))
         for c in self.collectives:
-            others = ", ".join(f"{m} {'does not fit' if t is None else f'{t:.4g} s'}" for m, t in c.alternatives)
-            out.append(f"exchange {c.exchange}: {c.method} {c.predicted_s:.4g} s" + (f" (vs {others})" if others else ""))
+            others = ", ".join(f"with {m} {'it does not fit' if t is None else f'{t:.4g} s'}" for m, t in c.alternatives)
+            out.append(f"exchange {c.exchange}: {c.method} {c.predicted_s:.4g} s"
+                       + (f" (predicted step {self.predicted_step_s:.4g} s; {others})" if others else ""))
         if self.solver is not None:
             s = self.solver
             out.append(f"solver {s.name} ({s.backend}, {s.status}): relaxation {s.objective_s:.4g} s, "

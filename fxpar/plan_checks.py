@@ -116,7 +116,8 @@ def check_solver(s: Any) -> None:
          solve_time_s=_real(s.solve_time_s, where, "solve_time_s"))
 
 
-COLLECTIVE_METHODS = ("all-reduce", "all-reduce + ZeRO-1", "all-to-all", "tensor-parallel all-reduce")
+COLLECTIVE_METHODS = ("all-reduce", "all-reduce + ZeRO-1", "all-to-all", "tensor-parallel all-reduce",
+                      "stage-major", "pipeline-major")
 
 
 def check_collective(c: Any) -> None:

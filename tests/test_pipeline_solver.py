@@ -98,8 +98,9 @@ def test_plan_records_the_gradient_exchange_choice():
 
     ctx = _ctx(_table(8), counts=(2, 2), batch=16, fast_mem=70e6)
     cfg = evaluate(ctx, 2, (StageSpec("fast", 1), StageSpec("slow", 1)), 8, False, cuts=(0, 4, 8))
-    (choice,) = gradient_exchange(cfg, ctx, cfg.step_s)
+    choice, placement = gradient_exchange(cfg, ctx, cfg.step_s)
     assert choice.method == "all-reduce + ZeRO-1" and choice.alternatives[0][0] == "all-reduce"
+    assert placement.method == cfg.layout and placement.alternatives[0][0] != cfg.layout
     assert choice.predicted_s == pytest.approx(cfg.allreduce_s + cfg.gather_s)
     from fxpar.errors import PlanError
     from fxpar.plan import CollectiveChoice
@@ -184,3 +185,15 @@ def test_big_activations_keep_a_pipeline_inside_a_node():
     assert LinkCosts.build(ctx, 2, stages, "stage-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e9 / 2)
     assert LinkCosts.build(ctx, 2, stages, "pipeline-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e11)
     assert search(ctx).layout == "pipeline-major"
+
+
+def test_search_ranked_keeps_the_formulas_best_distinct_configurations():
+    from fxpar.solvers.pipeline import search_ranked
+
+    ctx = _ctx(_table(8), fast_mem=6 * 16e6, counts=(2, 2), batch=16)
+    ranked = search_ranked(ctx, keep=5)
+    assert 1 < len(ranked) <= 5
+    assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
+    keys = {(c.pipelines, c.stages, c.num_microbatches, c.cuts, c.layout) for c in ranked}
+    assert len(keys) == len(ranked)
+    assert ranked[0] == search(ctx)

@@ -328,11 +328,23 @@ def stage_sequences(kinds: dict, pipelines: int, order: list[str],
 
 def search(ctx: PipelineContext, *, max_stages: int = 64, max_width: int = 8) -> PipelineConfig | None:
     """The fastest feasible pipeline configuration (module docstring), or None."""
+    found = search_ranked(ctx, max_stages=max_stages, max_width=max_width, keep=1)
+    return found[0] if found else None
+
+
+def search_ranked(ctx: PipelineContext, *, max_stages: int = 64, max_width: int = 8,
+                  keep: int = 8) -> list[PipelineConfig]:
+    """The ``keep`` fastest feasible configurations by the formula ``T`` (module docstring),
+    fastest first; ties keep the first found (the enumeration order is fixed: deterministic).
+    The planner re-ranks them with the event simulation of 1F1B, which also sees each hop's
+    latency inside the schedule's dependency chain."""
     counts = [k.count for k in ctx.kinds.values()]
     common = math.gcd(*counts)
-    orders = {tuple(sorted(ctx.kinds, key=lambda k: (-ctx.kinds[k].memory_bytes, -ctx.kinds[k].speed_rank))),
-              tuple(sorted(ctx.kinds, key=lambda k: -ctx.kinds[k].speed_rank))}
-    best: PipelineConfig | None = None
+    orders = list(dict.fromkeys((
+        tuple(sorted(ctx.kinds, key=lambda k: (-ctx.kinds[k].memory_bytes, -ctx.kinds[k].speed_rank))),
+        tuple(sorted(ctx.kinds, key=lambda k: -ctx.kinds[k].speed_rank)))))
+    ranked: list[tuple[float, int, PipelineConfig]] = []
+    seen: set = set()
     for pipelines in _divisors(common):
         if ctx.global_batch % pipelines:
             continue
@@ -347,11 +359,16 @@ def search(ctx: PipelineContext, *, max_stages: int = 64, max_width: int = 8) ->
                 for m in ms[:8]:
                     for ckpt in (False, True):
                         cfg = evaluate(ctx, pipelines, stages, m, ckpt)
-                        if cfg is not None and (best is None or cfg.step_s < best.step_s - 1e-12):
-                            best = cfg
-                        if cfg is not None:
-                            break  # checkpointing only when the plain configuration does not fit
-    return best
+                        if cfg is None:
+                            continue
+                        key = (pipelines, stages, m, cfg.cuts, cfg.layout)
+                        if key not in seen:
+                            seen.add(key)
+                            ranked.append((cfg.step_s, len(ranked), cfg))
+                            ranked.sort(key=lambda x: (x[0], x[1]))
+                            del ranked[keep:]
+                        break  # checkpointing only when the plain configuration does not fit
+    return [cfg for _, _, cfg in ranked]
 
 
 def build_context(graph, cost, cluster, workload) -> PipelineContext:

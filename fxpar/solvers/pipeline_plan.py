@@ -23,7 +23,7 @@ from fxpar.solvers.pipeline import (
     evaluate,
     stage_costs,
 )
-from fxpar.solvers.placement import LinkCosts, slot_indices
+from fxpar.solvers.placement import PIPELINE_MAJOR, STAGE_MAJOR, LinkCosts, slot_indices
 
 
 def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
@@ -106,9 +106,15 @@ def gradient_exchange(cfg: PipelineConfig, ctx: PipelineContext, step: float) ->
     other = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, zero=not cfg.zero,
                      layout=cfg.layout)
     other_s = None if other is None else step - (cfg.step_s - other.step_s)  # same schedule-model offset
-    return (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines",
-                             method=name[cfg.zero], predicted_s=cfg.allreduce_s + cfg.gather_s,
-                             alternatives=((name[not cfg.zero], other_s),)),)
+    gradients = CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines",
+                                 method=name[cfg.zero], predicted_s=cfg.allreduce_s + cfg.gather_s,
+                                 alternatives=((name[not cfg.zero], other_s),))
+    flip = STAGE_MAJOR if cfg.layout == PIPELINE_MAJOR else PIPELINE_MAJOR
+    placed = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, layout=flip)
+    placement = CollectiveChoice(
+        exchange="placement: hops or stage all-reduce inside the nodes", method=cfg.layout, predicted_s=step,
+        alternatives=((flip, None if placed is None else step - (cfg.step_s - placed.step_s)),))
+    return (gradients, placement)
 
 
 def compute_lower_bound(ctx: PipelineContext) -> float:

@@ -22,6 +22,9 @@ from fxpar.solvers import data_parallel as dp
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
+#: pipeline configurations the formula ranks best that the 1F1B event simulation re-ranks
+RERANKED = 8
+
 
 def build_dp_problem(cost: CostModel, cluster, workload: Workload) -> dp.DPProblem:
     """The share LP's data: one group per interchangeable device kind."""
@@ -134,7 +137,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     reasoning go into the plan; MoE models get one more baseline, ``even_ep``."""
     from fxpar.solvers import baselines as bl
     from fxpar.solvers import interleaved_plan as interleaved
-    from fxpar.solvers.pipeline import build_context, search
+    from fxpar.solvers.pipeline import build_context, search_ranked
     from fxpar.solvers.pipeline_plan import compute_lower_bound, to_plan
 
     start = time.perf_counter()
@@ -179,9 +182,17 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
         # tensor-parallel stages only where codegen can split the blocks (a guarantee, and a
         # smaller search: for other models they would only add all-reduces)
         width = max_tensor_parallel if any(layer.tensor_parallel for layer in graph.layers) else 1
-        cfg = search(ctx, max_width=width)
+        ranked = search_ranked(ctx, max_width=width, keep=RERANKED)
+        simulated = [to_plan(c, ctx, cluster, graph.model_name, workload, lb) for c in ranked]
+        pick = min(range(len(ranked)), key=lambda i: (simulated[i].predicted_step_s, i)) if ranked else None
+        cfg = ranked[pick] if ranked else None
         if cfg is not None:  # (no wall-clock time in `explain`: the plan's JSON is deterministic)
-            candidates.append(to_plan(cfg, ctx, cluster, graph.model_name, workload, lb))
+            candidates.append(simulated[pick])
+            if pick:
+                explain.append(f"pipelines: the formula's {pick + 1}th best configuration is the fastest of its "
+                               f"{len(ranked)} best under the simulated 1F1B schedule ({ranked[0].pipelines} x "
+                               f"{len(ranked[0].stages)} stages, its first, simulates to "
+                               f"{simulated[0].predicted_step_s:.4g} s)")
             where = ("" if cfg.pipelines == 1 else ", each stage's replicas side by side (stage-major)"
                      if cfg.layout == "stage-major" else ", each pipeline's stages side by side (pipeline-major)")
             explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
