@@ -32,6 +32,10 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
 
     ``op_keys=True`` traces twice (batch 2 and 4) to key the nodes for measured profiles."""
     start = time.perf_counter()
+    if isinstance(model, ModelSpec) and not op_keys:
+        graph = _trace_shallow(model, workload, progress, start)
+        if graph is not None:
+            return graph
     if isinstance(model, ModelSpec):
         progress(f"building {model.display_name} on the meta device ({workload.dtype})")
         module = build_model(model, device="meta", dtype=workload.dtype)
@@ -62,6 +66,31 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
     graph = trace(module, inputs, model_name=name)
     progress(f"traced {len(graph.nodes)} ops, {len(graph.layers)} blocks, "
              f"{graph.param_count / 1e6:,.1f}M parameters in {time.perf_counter() - start:.1f} s")
+    return graph
+
+
+def _trace_shallow(spec: ModelSpec, workload: Workload, progress: Progress, start: float) -> ModelGraph | None:
+    """A model of many identical layers: trace a few, copy the rest (:mod:`fxpar.tracing.repeat`);
+    None when that does not apply (then the caller traces the whole model)."""
+    from fxpar.tracing.hf import hf_config
+    from fxpar.tracing.repeat import SHALLOW_LAYERS, can_shorten, depth, extend
+
+    config = hf_config(spec)
+    if not can_shorten(config):
+        return None
+    layers = depth(config)
+    progress(f"building {spec.display_name} on the meta device ({workload.dtype}), "
+             f"{SHALLOW_LAYERS} of its {layers} layers")
+    module = build_model(spec, device="meta", dtype=workload.dtype, shallow=True)
+    inputs = example_inputs(module, 1, workload.seq_len, task=spec.task, device="meta")
+    progress(f"tracing {spec.display_name} with torch.export ({SHALLOW_LAYERS} layers)")
+    graph = extend(trace(module, inputs, model_name=spec.display_name), layers)
+    if graph is None:
+        progress("its layers differ: tracing every layer")
+        return None
+    progress(f"traced {len(graph.nodes)} ops, {len(graph.layers)} blocks ({SHALLOW_LAYERS} traced, "
+             f"{layers - SHALLOW_LAYERS} copies of an identical one), {graph.param_count / 1e6:,.1f}M "
+             f"parameters in {time.perf_counter() - start:.1f} s")
     return graph
 
 

@@ -94,3 +94,42 @@ def test_unexportable_model_gives_trace_error_naming_the_line():
 def test_missing_example_inputs_is_a_clear_error():
     with pytest.raises(TraceError, match="example_inputs is required"):
         trace(torch.nn.Linear(2, 2), None)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "phi3",
+                                    "gemma", "bert", "roberta", "vit"])
+def test_shallow_trace_extended_equals_the_full_trace(family):
+    # planning traces 3 of a deep model's identical layers and copies the last: the graph must
+    # equal the full trace's (node names of the copies and the exported program aside)
+    import dataclasses
+
+    from fxpar.planning import trace_spec
+    from fxpar.workload import Workload
+    from tests.families import FAMILIES
+
+    cfg, task = FAMILIES[family]
+    cfg = dict(cfg)
+    cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = 7
+    spec = ModelSpec(hf_config=cfg, task=task)
+    seen: list[str] = []
+    fast = trace_spec(spec, Workload(global_batch=4, seq_len=16), progress=seen.append)
+    assert any("copies of an identical one" in line for line in seen), seen
+    module = build_model(spec, device="meta")
+    full = trace(module, example_inputs(module, 1, 16, task=task, device="meta"), model_name=spec.display_name)
+    assert len(fast.layers) == len(full.layers) == 7
+    assert fast.layers == full.layers and fast.params == full.params
+    unnamed = lambda g: [dataclasses.replace(n, name="") for n in g.nodes]  # noqa: E731
+    assert unnamed(fast) == unnamed(full)
+    assert fast.vocab_parallel_modules == full.vocab_parallel_modules
+    assert fast.summary() == full.summary()
+
+
+def test_layers_that_differ_are_traced_in_full():
+    from fxpar.tracing.hf import hf_config
+    from fxpar.tracing.repeat import can_shorten
+
+    cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=6)
+    assert can_shorten(hf_config(ModelSpec(hf_config=cfg)))
+    mixed = dict(TINY_CONFIGS["llama"], model_type="qwen2", num_hidden_layers=6,
+                 layer_types=["full_attention"] * 3 + ["sliding_attention"] * 3)
+    assert not can_shorten(hf_config(ModelSpec(hf_config=mixed)))

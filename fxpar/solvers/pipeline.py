@@ -129,37 +129,68 @@ def _tp_allreduce(kind: KindInfo, width: int, nbytes: np.ndarray) -> np.ndarray:
     return np.array([collectives.allreduce_time(shape, float(x)) for x in values])[index.reshape(-1)]
 
 
+_TABLES: dict = {}   # (id(table), ...) -> (table, arrays): the search builds the same tables often
+
+
+def _memo(ctx: PipelineContext, key: tuple, make):
+    """``make()`` computed once per ``ctx.table`` and ``key`` (the table is kept alive with the
+    entry, so its id cannot be reused while the entry exists)."""
+    full = (id(ctx.table),) + key
+    hit = _TABLES.get(full)
+    if hit is not None and hit[0] is ctx.table:
+        return hit[1]
+    if len(_TABLES) > 20000:
+        _TABLES.clear()
+    value = make()
+    _TABLES[full] = (ctx.table, value)
+    return value
+
+
+def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix sums of a stage's per-micro-batch time (forward + backward + its TP all-reduces,
+    plus the recomputed forward under checkpointing) and of its forward part."""
+    def make():
+        t = ctx.table
+        scale = t.sharded_fraction / u + (1 - t.sharded_fraction)
+        seg_time = (t.cost_a[kind_key] + t.cost_c[kind_key] * b) * scale
+        if ckpt:  # recompute every block's forward during the backward
+            blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
+            seg_time = seg_time + np.where(blocks, (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale, 0.0)
+        tp = _tp_allreduce(ctx.kinds[kind_key], u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
+        seg_time = seg_time + 4 * tp
+        fwd = (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale + 2 * tp
+        return np.concatenate([[0.0], np.cumsum(seg_time)]), np.concatenate([[0.0], np.cumsum(fwd)])
+    return _memo(ctx, ("time", kind_key, u, b, ckpt), make)
+
+
+def _memory_tables(ctx: PipelineContext, u: int, per_param: float, ckpt: bool):
+    """Prefix sums of a stage's model state and saved activations per sample (and the largest
+    block's activations under checkpointing)."""
+    def make():
+        t = ctx.table
+        state = np.concatenate([[0.0], np.cumsum(t.local_params(u) * per_param)])
+        share = ACT_REPLICATED + (1 - ACT_REPLICATED) / u
+        if ckpt:
+            return state, np.concatenate([[0.0], np.cumsum(t.boundary_bytes)]), t.act_bytes * share
+        return state, np.concatenate([[0.0], np.cumsum(t.act_bytes * share)]), None
+    return _memo(ctx, ("memory", u, per_param, ckpt), make)
+
+
 class _StageCost:
     """Prefix sums that give a stage's time and memory for any segment range in O(1)."""
 
     def __init__(self, ctx: PipelineContext, spec: StageSpec, b: int, in_flight: int,
                  pipelines: int, ckpt: bool, zero: bool = True, hop_bytes_per_s: float | None = None) -> None:
-        t = ctx.table
         kind = ctx.kinds[spec.kind]
-        u = spec.width
-        scale = t.sharded_fraction / u + (1 - t.sharded_fraction)
-        seg_time = (t.cost_a[spec.kind] + t.cost_c[spec.kind] * b) * scale
-        if ckpt:  # recompute every block's forward during the backward
-            blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
-            seg_time = seg_time + np.where(blocks, (t.fwd_a[spec.kind] + t.fwd_c[spec.kind] * b) * scale, 0.0)
-        tp = _tp_allreduce(kind, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
-        seg_time = seg_time + 4 * tp
-        self.time = np.concatenate([[0.0], np.cumsum(seg_time)])
-        self.fwd = np.concatenate([[0.0], np.cumsum((t.fwd_a[spec.kind] + t.fwd_c[spec.kind] * b) * scale + 2 * tp)])
+        self.time, self.fwd = _time_tables(ctx, spec.kind, spec.width, b, ckpt)
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
         per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
-        self.state = np.concatenate([[0.0], np.cumsum(t.local_params(u) * per_param)])
-        if ckpt:
-            self.act_sum = np.concatenate([[0.0], np.cumsum(t.boundary_bytes)])
-            self.act_max = t.act_bytes * (ACT_REPLICATED + (1 - ACT_REPLICATED) / u)
-        else:
-            self.act_sum = np.concatenate([[0.0], np.cumsum(t.act_bytes * (ACT_REPLICATED + (1 - ACT_REPLICATED) / u))])
-            self.act_max = None
+        self.state, self.act_sum, self.act_max = _memory_tables(ctx, spec.width, per_param, ckpt)
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
         if hop_bytes_per_s is None:  # placement unknown: the hop crosses nodes
             hop_bytes_per_s = collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s)
-        self.hop = t.boundary_bytes * b / hop_bytes_per_s
+        self.hop = _memo(ctx, ("hop", b, hop_bytes_per_s), lambda: ctx.table.boundary_bytes * b / hop_bytes_per_s)
         self.ckpt = ckpt
 
     def stage_time(self, i: int, j: int) -> float:
@@ -242,7 +273,7 @@ def best_cuts_with_choice(costs: list, n: int) -> tuple[tuple[int, ...], tuple[i
 
 def layouts_for(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]) -> tuple[str, ...]:
     """The layouts worth evaluating: both, unless they put every slot on the same node."""
-    if pipelines <= 1 or same_nodes(ctx, pipelines, stages):
+    if pipelines <= 1 or _memo(ctx, ("same", pipelines, stages), lambda: same_nodes(ctx, pipelines, stages)):
         return (PIPELINE_MAJOR,)
     return LAYOUTS
 
@@ -274,7 +305,7 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     b = int(b_total // m)
     if b < 1 or b * m * pipelines != ctx.global_batch:
         return None
-    links = LinkCosts.build(ctx, pipelines, stages, layout)
+    links = _memo(ctx, ("links", pipelines, stages, layout), lambda: LinkCosts.build(ctx, pipelines, stages, layout))
     alts = stage_costs(ctx, (pipelines, stages, m, b, zero), links, (False, True) if ckpt else (False,))
     n, S = ctx.table.size, len(stages)
     if cuts is None:

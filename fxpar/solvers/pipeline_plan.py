@@ -9,7 +9,7 @@ the stages' forward and backward times, plus the gradient all-reduce and the opt
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,18 +56,54 @@ def stage_fwd_bwd(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[list[float
     return fwd, bwd, hops
 
 
-def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str, workload,
-            lower_bound_s: float) -> Plan:
-    slots = assign_ranks(cfg, cluster)
+@dataclass(frozen=True, slots=True)
+class Simulated:
+    """A configuration's 1F1B event simulation and the step it predicts."""
+
+    step_s: float
+    makespan_s: float
+    exposed_allreduce_s: float      # the gradient all-reduce's part after the last backward
+    busy_s: tuple[float, ...]       # per stage
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+
+
+def simulate_config(ctx: PipelineContext, cfg: PipelineConfig) -> Simulated:
+    """Step of ``cfg`` by the 1F1B event simulation: makespan, then each stage's gradient
+    all-reduce from the end of its own last backward, the optimizer and the ZeRO-1 gather."""
     fwd, bwd, hops = stage_fwd_bwd(ctx, cfg)
     makespan, busy, events = simulate_1f1b(fwd, bwd, hops, cfg.num_microbatches)
-    ends = [max(e[3] for e in events if e[0] == j) for j in range(len(cfg.stages))]
+    ends = [0.0] * len(cfg.stages)
+    for e in events:
+        ends[e[0]] = max(ends[e[0]], e[3])
     links = LinkCosts.build(ctx, cfg.pipelines, cfg.stages, cfg.layout)
     grad_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
     local = [float(ctx.table.local_params(spec.width)[i:k].sum()) * grad_bytes
              for spec, i, k in zip(cfg.stages, cfg.cuts, cfg.cuts[1:])]
     exposed = links.allreduce_done_s(ends, local) - makespan  # each stage starts as its backward ends
-    step = makespan + exposed + cfg.optimizer_s + cfg.gather_s
+    return Simulated(step_s=makespan + exposed + cfg.optimizer_s + cfg.gather_s, makespan_s=makespan,
+                     exposed_allreduce_s=exposed, busy_s=tuple(busy), fwd_s=tuple(fwd), bwd_s=tuple(bwd))
+
+
+def variants(ctx: PipelineContext, cfg: PipelineConfig) -> list[PipelineConfig]:
+    """``cfg`` with the gradient exchange (ZeRO-1 or not) and the layout flipped, each with its
+    own best cuts (the formula chose between them; the simulation may disagree)."""
+    if cfg.pipelines <= 1:
+        return []
+    flip = STAGE_MAJOR if cfg.layout == PIPELINE_MAJOR else PIPELINE_MAJOR
+    out = [evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing,
+                    zero=not cfg.zero, layout=cfg.layout),
+           evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing,
+                    zero=cfg.zero, layout=flip)]
+    return [c for c in out if c is not None]
+
+
+def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str, workload,
+            lower_bound_s: float) -> Plan:
+    slots = assign_ranks(cfg, cluster)
+    sim = simulate_config(ctx, cfg)
+    fwd, bwd, busy, makespan, exposed, step = (sim.fwd_s, sim.bwd_s, sim.busy_s, sim.makespan_s,
+                                               sim.exposed_allreduce_s, sim.step_s)
     per_pipe = workload.global_batch // cfg.pipelines
     stages, ranks = [], {}
     for j, (spec, i, k) in enumerate(zip(cfg.stages, cfg.cuts, cfg.cuts[1:])):
@@ -98,22 +134,23 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
 
 
 def gradient_exchange(cfg: PipelineConfig, ctx: PipelineContext, step: float) -> tuple[CollectiveChoice, ...]:
-    """The stages' gradient exchange across the pipelines: the method chosen and the predicted
-    step of the other (same stages, micro-batches and checkpointing; its own best cuts)."""
+    """The stages' gradient exchange across the pipelines and the placement on the nodes: the
+    method chosen and the simulated step of the other (same stages, micro-batches and
+    checkpointing; its own best cuts)."""
     if cfg.pipelines <= 1:
         return ()
     name = {False: "all-reduce", True: "all-reduce + ZeRO-1"}
     other = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, zero=not cfg.zero,
                      layout=cfg.layout)
-    other_s = None if other is None else step - (cfg.step_s - other.step_s)  # same schedule-model offset
     gradients = CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines",
                                  method=name[cfg.zero], predicted_s=cfg.allreduce_s + cfg.gather_s,
-                                 alternatives=((name[not cfg.zero], other_s),))
+                                 alternatives=((name[not cfg.zero],
+                                                None if other is None else simulate_config(ctx, other).step_s),))
     flip = STAGE_MAJOR if cfg.layout == PIPELINE_MAJOR else PIPELINE_MAJOR
     placed = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, layout=flip)
     placement = CollectiveChoice(
         exchange="placement: hops or stage all-reduce inside the nodes", method=cfg.layout, predicted_s=step,
-        alternatives=((flip, None if placed is None else step - (cfg.step_s - placed.step_s)),))
+        alternatives=((flip, None if placed is None else simulate_config(ctx, placed).step_s),))
     return (gradients, placement)
 
 

@@ -80,8 +80,10 @@ def hf_config(spec: ModelSpec):
 
 
 def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: str = "fp32",
-                seed: int | None = 0, attn_implementation: str | None = "sdpa") -> torch.nn.Module:
-    """Instantiate ``spec`` with random weights on ``device`` (``meta``: no memory at all)."""
+                seed: int | None = 0, attn_implementation: str | None = "sdpa",
+                shallow: bool = False) -> torch.nn.Module:
+    """Instantiate ``spec`` with random weights on ``device`` (``meta``: no memory at all).
+    ``shallow``: only the first few of its identical layers (:mod:`fxpar.tracing.repeat`)."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForImageClassification,
@@ -93,6 +95,10 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: 
             "seq2seq-lm": AutoModelForSeq2SeqLM,
             "image-classification": AutoModelForImageClassification}[spec.task]
     config = hf_config(spec)
+    if shallow:
+        from fxpar.tracing.repeat import shorten
+
+        shorten(config)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation  # public setter in transformers 5
     if seed is not None and str(device) != "meta":
