@@ -47,7 +47,8 @@ def section() -> str:
                   "Ratios above the ideal come from this 2-core machine. A rank that sleeps (emulating a slow "
                   "card) frees a core for the busy one, which an even split, with both ranks always computing, "
                   "never gets; the 3-rank row runs 3 processes on 2 cores. Read such rows as 'reaches the "
-                  "ideal', not as beating it."]
+                  "ideal', not as beating it. The equal-speed rows (1 1), where both do the same work, show the "
+                  "run-to-run noise: llama-tiny's has measured from 0.83x to 1.11x across runs."]
     if pp:
         parts += ["", "Measured heterogeneous pipeline against an even pipeline (the same 1F1B, equal "
                   "blocks per stage), on a Llama with 8 layers (hidden 256), batch 16, seq 128, over 2 gloo "
@@ -60,13 +61,16 @@ def section() -> str:
                   "`x LB` is the step over the compute lower bound (work over the summed device rates, with no "
                   "communication term). 'vs best even' compares against the better of even DP and the best even "
                   "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", _table(plan), "",
+                  "`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can "
+                  "gain over an even plan that is compute-bound at the slowest device's pace (lab-4090-a6000 "
+                  "beats it because its even plans are bound by the 24 GB cards' memory, not by compute).",
+                  "",
                   "Goals not met yet:",
-                  "- HAP-MoE stays under 1.2x over the best even plan: its expert-parallel candidate "
-                  "loses to the pipeline on the 10 Gb/s links, and uneven tensor shards inside "
-                  "mixed-kind groups are not in the search (HAP-BERT reaches 1.22x with an interleaved "
-                  "pipeline: 5 stages on 4 ranks per pipeline).",
+                  "- HAP-BERT and HAP-MoE stay under 1.2x over the best even plan. Their ceiling is 1.17x "
+                  "(1 V100 : 3 P100), and both are bound by 10 Gb/s links: BERT's 440 MB of gradients, "
+                  "the MoE's expert weights or tokens.",
                   "- The communication-bound scenarios (10 Gb/s between machines) sit far above the "
-                  "compute-only lower bound."]
+                  "compute-only lower bound, which has no communication term."]
     if scal:
         parts += ["", "Planner solve time, tracing excluded (`python -m benchmarks.planner_scaling`):", "",
                   _table(scal), "", f"![planner scaling](benchmarks/results/{Path(scal['plot']).name})"]
