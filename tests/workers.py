@@ -139,25 +139,33 @@ def measure_links() -> dict:
     return {k: (v.alpha_s, v.bus_bytes_per_s, v.world) for k, v in links.items()}
 
 
+def pipeline_case(cfg: dict, world: int, batch: int, seq: int, steps: int, **plan_kwargs):
+    """A tiny HF model built from ``cfg`` (seed 0), its single-process copy, a hand pipeline plan
+    (``pipeline_plan(**plan_kwargs)``) over ``world`` emulated ranks of speed 1, and ``steps``
+    global batches: the shared set-up of the pipeline parity workers."""
+    from fxpar.codegen.hand_plans import pipeline_plan
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch, **plan_kwargs)
+    data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
+    return model, reference, plan, data
+
+
 def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
               batch: int = 8, seq: int = 16, steps: int = 2, layers: int | None = None,
               checkpointing: bool = False, schedule: str = "1F1B", layout: str = "pipeline-major") -> dict:
     """Pipeline plan vs single process: loss and the gradients of this rank's stage."""
-    from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS[family])
     if layers:
         cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = layers
-    torch.manual_seed(0)
-    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
-    reference = copy.deepcopy(model)
-    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
-                         blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
-                         pipelines=pipelines, activation_checkpointing=checkpointing, schedule=schedule,
-                         layout=layout)
-    data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
+    model, reference, plan, data = pipeline_case(
+        cfg, world, batch, seq, steps, blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
+        pipelines=pipelines, activation_checkpointing=checkpointing, schedule=schedule, layout=layout)
     pm = PipelineParallelModule(model, plan, rank, data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)

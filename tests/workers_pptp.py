@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
-from tests.workers import TINY_CONFIGS, global_batch
+from tests.workers import TINY_CONFIGS, global_batch, pipeline_case
 
 
 def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
@@ -121,21 +121,15 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
     after ``steps`` optimizer steps (AdamW or SGD, lr 1e-2) the gathered model against the
     reference weights."""
-    from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
     cfg = dict(TINY_CONFIGS[family], tie_word_embeddings=tied, **{layers: sum(blocks_per_stage)}, **(overrides or {}))
-    torch.manual_seed(0)
-    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
-    reference = copy.deepcopy(model)
-    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch,
-                         blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
-                         pipelines=pipelines, schedule=schedule, tensor_parallel=widths,
-                         activation_checkpointing=checkpointing, tensor_splits=tensor_splits,
-                         expert_splits=expert_splits)
-    data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
+    model, reference, plan, data = pipeline_case(
+        cfg, world, batch, seq, steps, blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
+        pipelines=pipelines, schedule=schedule, tensor_parallel=widths, activation_checkpointing=checkpointing,
+        tensor_splits=tensor_splits, expert_splits=expert_splits)
     pm = PipelineParallelModule(model, plan, rank, data[0])
     out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position,
            "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],

@@ -85,17 +85,16 @@ def simulate_config(ctx: PipelineContext, cfg: PipelineConfig) -> Simulated:
                      exposed_allreduce_s=exposed, busy_s=tuple(busy), fwd_s=tuple(fwd), bwd_s=tuple(bwd))
 
 
-def variants(ctx: PipelineContext, cfg: PipelineConfig) -> list[PipelineConfig]:
-    """``cfg`` with the gradient exchange (ZeRO-1 or not) and the layout flipped, each with its
-    own best cuts (the formula chose between them; the simulation may disagree)."""
+def variants(ctx: PipelineContext, cfg: PipelineConfig) -> tuple[PipelineConfig | None, PipelineConfig | None]:
+    """``cfg`` with the other gradient exchange (ZeRO-1 or not, same layout) and with the other
+    layout (its faster exchange), each with its own best cuts; None where one does not fit.
+    The formula chose between them; the simulation may disagree."""
     if cfg.pipelines <= 1:
-        return []
+        return None, None
     flip = STAGE_MAJOR if cfg.layout == PIPELINE_MAJOR else PIPELINE_MAJOR
-    out = [evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing,
-                    zero=not cfg.zero, layout=cfg.layout),
-           evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing,
-                    zero=cfg.zero, layout=flip)]
-    return [c for c in out if c is not None]
+    return (evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing,
+                     zero=not cfg.zero, layout=cfg.layout),
+            evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, layout=flip))
 
 
 def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str, workload,
@@ -140,14 +139,12 @@ def gradient_exchange(cfg: PipelineConfig, ctx: PipelineContext, step: float) ->
     if cfg.pipelines <= 1:
         return ()
     name = {False: "all-reduce", True: "all-reduce + ZeRO-1"}
-    other = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, zero=not cfg.zero,
-                     layout=cfg.layout)
+    other, placed = variants(ctx, cfg)
     gradients = CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines",
                                  method=name[cfg.zero], predicted_s=cfg.allreduce_s + cfg.gather_s,
                                  alternatives=((name[not cfg.zero],
                                                 None if other is None else simulate_config(ctx, other).step_s),))
     flip = STAGE_MAJOR if cfg.layout == PIPELINE_MAJOR else PIPELINE_MAJOR
-    placed = evaluate(ctx, cfg.pipelines, cfg.stages, cfg.num_microbatches, cfg.checkpointing, layout=flip)
     placement = CollectiveChoice(
         exchange="placement: hops or stage all-reduce inside the nodes", method=cfg.layout, predicted_s=step,
         alternatives=((flip, None if placed is None else simulate_config(ctx, placed).step_s),))

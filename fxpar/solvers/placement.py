@@ -130,15 +130,19 @@ class LinkCosts:
             parts.append((intra, nic, alpha))
         return parts
 
-    def _exchange(self, per_stage_bytes: Sequence[float], passes: int) -> float:
-        if len(self.nodes[0]) <= 1:
-            return 0.0
-        parts = self._parts(per_stage_bytes, passes)
+    def _together(self, parts) -> float:
+        """Every stage's exchange at once: the slowest node-internal phase, the busiest NIC's
+        summed load, the largest network latency."""
         load: Counter = Counter()
         for _, nic, _ in parts:
             load.update(nic)
         return (max(p[0] for p in parts) + max(load.values(), default=0.0) / (collectives.LINK_EFFICIENCY * self.nic)
                 + max(p[2] for p in parts))
+
+    def _exchange(self, per_stage_bytes: Sequence[float], passes: int) -> float:
+        if len(self.nodes[0]) <= 1:
+            return 0.0
+        return self._together(self._parts(per_stage_bytes, passes))
 
     def allreduce_s(self, per_stage_bytes: Sequence[float]) -> float:
         """All stages' gradient all-reduce across the pipelines at once (``S_j`` per device)."""
@@ -162,4 +166,4 @@ class LinkCosts:
         eta_nic = collectives.LINK_EFFICIENCY * self.nic
         alone = max(end + intra + max(nic.values(), default=0.0) / eta_nic + alpha
                     for end, (intra, nic, alpha) in zip(ends, parts))
-        return max(alone, min(ends) + self._exchange(per_stage_bytes, 2))
+        return max(alone, min(ends) + self._together(parts))

@@ -47,7 +47,7 @@ def _best_variant(ctx, cfg, step: float, explain: list[str]):
     from fxpar.solvers.pipeline_plan import simulate_config, variants
 
     best, best_step = cfg, step
-    for other in variants(ctx, cfg):
+    for other in (c for c in variants(ctx, cfg) if c is not None):
         other_step = simulate_config(ctx, other).step_s
         if other_step < best_step - 1e-12:
             best, best_step = other, other_step
