@@ -11,7 +11,10 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
 
 Writes one JSON per suite and ``benchmarks/results/report-<machine>-<date>.md`` (tables +
-plots).  ``--quick`` runs every suite with fewer cases and steps (under 10 minutes here).
+plots).  ``--quick`` runs every suite with fewer cases and steps (under 10 minutes here);
+``--out DIR`` writes everything to DIR instead (smoke runs that leave the committed results
+alone).  The dp, pp and ep_tp suites also print and store fairness checks of the emulated
+baselines (:func:`benchmarks.common.fairness`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import importlib
 import os
 import time
+from pathlib import Path
 
 from benchmarks.common import RESULTS, machine, result_path
 
@@ -35,17 +39,17 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)"}
 
 
-def _latest(name: str, quick: bool) -> dict | None:
+def _latest(name: str, quick: bool, folder=RESULTS) -> dict | None:
     """The newest result of a suite (quick or full) as the report needs it."""
     import json
 
-    files = sorted(p for p in RESULTS.glob(f"{SUITES[name]}-*.json") if ("-quick-" in p.name) == quick)
+    files = sorted(p for p in Path(folder).glob(f"{SUITES[name]}-*.json") if ("-quick-" in p.name) == quick)
     if not files:
         return None
     data = json.loads(files[-1].read_text())
     return {"title": TITLES[name], "head": data["table"]["head"], "rows": data["table"]["rows"],
             "json": str(files[-1]), "runs": data.get("runs", []),
-            "plots": [data["plot"]] if data.get("plot") else []}
+            "plots": [data["plot"]] if data.get("plot") else [], "fairness": data.get("fairness", [])}
 
 
 def _markdown(head, rows) -> str:
@@ -53,7 +57,7 @@ def _markdown(head, rows) -> str:
     return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-def _speedup_plot(results: dict, quick: bool) -> str | None:
+def _speedup_plot(results: dict, quick: bool, out=None) -> str | None:
     runs = [(name, r) for name in ("dp", "pp", "ep_tp") if name in results
             for r in results[name].get("runs", []) if min(r["speeds"]) < 1]  # equal-speed controls: 1x
     if not runs:
@@ -75,16 +79,34 @@ def _speedup_plot(results: dict, quick: bool) -> str | None:
     ax.set_title("fxpar vs even baselines, emulated speeds (gloo CPU)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = result_path("speedups", "png", quick)
-    fig.savefig(out, dpi=110)
+    path = result_path("speedups", "png", quick, out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return str(out)
+    return str(path)
+
+
+def _fairness_lines(checks: list[dict]) -> list[str]:
+    """The suite's fairness checks as a list (nothing for suites or old results without them)."""
+    if not checks:
+        return []
+    out = ["Fairness of the emulated baselines (step at slow speeds / step at equal speeds, bound "
+           "1/s_min plus the slack):", ""]
+    for c in checks:
+        what = f"{c['arm']}, {', '.join(map(str, c['key']))}, speeds {'/'.join(f'{s:g}' for s in c['speeds'])}"
+        if c["ok"] is None:
+            out.append(f"- {what}: no equal-speed control")
+        else:
+            out.append(f"- {what}: {c['ratio']:.2f}x (bound {c['bound']:.2f}x) "
+                       + ("ok" if c["ok"] else "**over the bound: ratios against it are inflated**"))
+    return out + [""]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="fxpar benchmarks")
     ap.add_argument("--suite", action="append", choices=sorted(SUITES), help="run only these suites")
     ap.add_argument("--quick", action="store_true", help="fewer cases and steps (< 10 minutes)")
+    ap.add_argument("--out", type=Path, help="write results and the report here instead of benchmarks/results")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild the report from the newest JSON of every suite")
     args = ap.parse_args()
@@ -95,7 +117,7 @@ def main() -> None:
         print(f"=== suite {name}", flush=True)
         start = time.perf_counter()
         module = importlib.import_module(f"benchmarks.{SUITES[name]}")
-        results[name] = module.main(["--quick"] if args.quick else [])
+        results[name] = module.main((["--quick"] if args.quick else []) + (["--out", str(args.out)] if args.out else []))
         timings[name] = time.perf_counter() - start
     info = machine()
     lines = [f"# fxpar benchmark report ({'quick' if args.quick else 'full'})", "",
@@ -104,22 +126,24 @@ def main() -> None:
              "speed s sleeps (1/s - 1) x its compute).", ""]
     for name in SUITES:  # suites not run now come from their newest JSON
         if name not in results:
-            latest = _latest(name, args.quick)
+            latest = _latest(name, args.quick, args.out or RESULTS)
             if latest is not None:
                 results[name] = latest
-    plot = _speedup_plot(results, args.quick)
+    plot = _speedup_plot(results, args.quick, args.out)
     for name in (n for n in SUITES if n in results):
         r = results[name]
         took = f"{timings[name]:.0f} s this run" if name in timings else "from an earlier run"
         lines += [f"## {r['title']}", "", f"Suite `{name}`, {took}, data: `{os.path.relpath(r['json'])}`", "",
                   _markdown(r["head"], r["rows"]), ""]
+        lines += _fairness_lines(r.get("fairness", []))
         for png in r.get("plots", []):
             lines += [f"![{name}]({os.path.basename(png)})", ""]
     if plot:
         lines += ["## Measured speedups", "", f"![speedups]({os.path.basename(plot)})", ""]
     if timings:
         lines += [f"Suites run now: {sum(timings.values()):.0f} s."]
-    report = result_path("report", "md", args.quick)
+    report = result_path("report", "md", args.quick, args.out)
+    report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines) + "\n")
     print(f"\nwrote {report}")
 

@@ -1,10 +1,12 @@
 """Uneven expert / tensor parallelism vs even EP / TP and torch DDP, measured (emulated speeds).
 
 MoE experts (EP) and Llama KV head groups (TP) split by speed, against the even split of the
-same module and against DDP, on 2 gloo CPU ranks with *emulated* speeds, same run, same worker
-processes, same data.  Prints a table and writes JSON.
+same module ("fxpar even": the gain of the split, apart from the runtime) and against DDP, on
+2 gloo CPU ranks with *emulated* speeds, same run, same worker processes, same data.  Prints a
+table and the fairness checks (each baseline's step at slow speeds over its step at equal
+speeds within 1/s_min + 5%; the 1/1 rows are the controls), writes JSON.
 
-    python -m benchmarks.ep_tp_emulated [--quick] [--steps 5] [--rounds 2]
+    python -m benchmarks.ep_tp_emulated [--quick] [--steps 5] [--rounds 2] [--out DIR]
 
 ``--quick``: 2 rounds of 1 timed step each (1-2 minutes on 2 idle cores; noisy on a busy machine).
 
@@ -15,9 +17,9 @@ split, then with the even split of the same module, then with torch DDP (even ba
 replicas); the first step of each round is warm-up.  Step time = median over rounds x steps of
 rank 0's back-to-back step durations (the last step ends at a barrier), min-max recorded.
 Emulation: a rank of speed s sleeps (1/s - 1) x its compute, per compute segment *before* the
-next collective (the modules' own ``SegmentClock``; DDP: fxpar.demo's calibrated emulation),
-in wall time as the dp / pp suites do, so run it on an otherwise idle machine.  The optimizer
-step is not stretched (in any method).
+next collective (the modules' own ``SegmentClock``; DDP: the same rule through a communication
+hook, :mod:`fxpar.demo`), in wall time as the dp / pp suites do, so run it on an otherwise idle
+machine.  The optimizer step is not stretched (in any method).
 
     (a) mixtral-tiny (4 experts, top-2): experts split by speed (largest remainder, 3:1 for
         both slow mixes), batch shares by speed (1 + the rest by speed)  vs  even EP 2:2, 8/8.
@@ -45,12 +47,14 @@ import copy
 import itertools
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import finish
+from benchmarks.common import fairness, finish, print_fairness
+from fxpar.demo import model_summary
 
 BATCH, SEQ = 16, 128
 MODELS = {"ep": "mixtral-tiny", "tp": "llama-tiny"}
@@ -144,7 +148,7 @@ def _run_fxpar(kind: str, model, speeds, split: dict[str, Any], batches):
 
 
 def case_worker(kind: str, speeds: list[float], splits: dict[str, Any], steps: int, rounds: int) -> dict:
-    from fxpar.demo import _ddp_steps
+    from fxpar.demo import baseline_steps
     from fxpar.models import PRESETS
     from fxpar.tracing.hf import build_model, example_inputs
 
@@ -157,9 +161,10 @@ def case_worker(kind: str, speeds: list[float], splits: dict[str, Any], steps: i
             out[m]["times"] += t[1:]
             out[m]["comm"] += comm[1:]
             out[m]["loss0"] = losses[0]
-        t, losses = _ddp_steps(copy.deepcopy(base), batches, speeds[dist.get_rank()])
-        out["ddp"]["times"] += t[1:]
-        out["ddp"]["loss0"] = losses[0]
+        r = baseline_steps(copy.deepcopy(base), batches, speeds[dist.get_rank()])
+        out["ddp"]["times"] += r["times"][1:]
+        out["ddp"]["comm"] += [t["comm_s"] for t in r["timing"][1:]]
+        out["ddp"]["loss0"] = r["losses"][0]
     return out
 
 
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round (+1 warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (2 rounds of 1 step)")
+    ap.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results")
     args = ap.parse_args(argv)
     from fxpar.runtime import WorkerPool
 
@@ -184,12 +190,16 @@ def main(argv: list[str] | None = None) -> dict:
                 r = pool.run(case_worker, kind, list(speeds), splits, steps, rounds, timeout=900)
                 runs.append(_summarise(kind, speeds, splits, r))
                 rows.append(_row(runs[-1]))
-                print(f"[bench]   even {runs[-1]['even_step_s']:.3f} s, DDP {runs[-1]['ddp_step_s']:.3f} s, "
+                print(f"[bench]   fxpar even {runs[-1]['even_step_s']:.3f} s, DDP {runs[-1]['ddp_step_s']:.3f} s, "
                       f"fxpar {runs[-1]['fxpar_step_s']:.3f} s", flush=True)
-    head = ("model", "strategy", "speeds (emulated)", "fxpar split", "even split", "DDP s", "even s",
-            "fxpar s", "in collectives s (fxpar / even)", "vs even", "vs DDP", "ideal", "FLOP model", "of ideal", "step-0 loss diff")
-    return finish("ep_tp_emulated", quick=args.quick, head=head, rows=rows, runs=runs,
-                  wall_s=time.perf_counter() - start, steps=steps, rounds=rounds,
+    checks = fairness(runs, {"ddp_step_s": "DDP", "even_step_s": "fxpar even"},
+                      lambda r: (r["model"], r["strategy"]))
+    print_fairness(checks)
+    head = ("model", "strategy", "speeds (emulated)", "fxpar split", "fxpar even split", "DDP s", "fxpar even s",
+            "fxpar s", "in collectives s (fxpar / even)", "vs fxpar even", "vs DDP", "ideal", "FLOP model",
+            "of ideal", "step-0 loss diff")
+    return finish("ep_tp_emulated", quick=args.quick, head=head, rows=rows, runs=runs, fairness=checks,
+                  wall_s=time.perf_counter() - start, steps=steps, rounds=rounds, out=args.out,
                   title="Uneven expert / tensor parallelism vs even EP / TP and torch DDP "
                         "(measured on gloo CPU ranks, emulated speeds)",
                   caption=f"mixtral-tiny (4 experts top-2) and llama-tiny (4 KV groups), batch {BATCH}, "
@@ -206,12 +216,13 @@ def _split_label(kind: str, s: dict[str, Any]) -> str:
 def _summarise(kind: str, speeds, splits: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     r = per_rank[0]  # step times: rank 0's wall clock; collectives: the rank that waited least
     med = {m: statistics.median(r[m]["times"]) for m in ("fxpar", "even", "ddp")}
-    coll = {m: min(statistics.median(x[m]["comm"]) for x in per_rank) for m in ("fxpar", "even")}
+    coll = {m: min(statistics.median(x[m]["comm"]) for x in per_rank) for m in ("fxpar", "even", "ddp")}
     ideal = sum(speeds) / (len(speeds) * min(speeds))  # compute-bound, any split granularity
     losses = [r[m]["loss0"] for m in ("fxpar", "even", "ddp")]
     return {"strategy": "expert_parallel" if kind == "ep" else "tensor_parallel", "model": MODELS[kind],
             "label": f"{kind.upper()} {MODELS[kind].split('-')[0]} {'/'.join(f'{s:g}' for s in speeds)}",
-            "speeds": list(speeds), "global_batch": BATCH, "seq_len": SEQ, "emulated": True,
+            "speeds": list(speeds), "global_batch": BATCH, "seq_len": SEQ, "dtype": "fp32", "emulated": True,
+            "model_config": model_summary(MODELS[kind]),
             "fxpar_split": splits["fxpar"], "even_split": splits["even"],
             **{f"{m}_step_s": med[m] for m in med},
             **{f"{m}_min_max_s": [min(r[m]["times"]), max(r[m]["times"])] for m in med},

@@ -7,14 +7,18 @@ warm-up.  Memory: each rank's peak resident set during training (Linux VmHWM, re
 built) minus its resident set then, plus the weights, minus the batches it holds, against the
 plan's predicted peak.
 
-    python -m benchmarks.fidelity [--steps 6]
+    python -m benchmarks.fidelity [--steps 6] [--quick] [--out DIR]
+
+Activation check (one process, per model): the cost model's saved-activation estimate per
+sample against the bytes autograd itself saves for backward in a forward pass
+(``torch.autograd.graph.saved_tensors_hooks``; distinct storages, parameters excluded).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -33,6 +37,7 @@ MODELS = {
         intermediate_size=1024, vocab_size=8192)), 16, 128),
 }
 MIXES = [(1.0, 0.5), (1.0, 0.25)]
+PROFILE_RANKS = 2  # ranks profiling at once: the load the training runs put on this machine
 
 
 def collectives_worker(out_dir: str) -> None:
@@ -90,10 +95,40 @@ def train_worker(name: str, plan_json: str, steps: int) -> dict:
             "fxpar_step_s": med[4]}
 
 
+def activation_check(name: str, batch: int = 4) -> dict:
+    """Estimated vs autograd-saved activation bytes per sample for ``name`` (module docstring)."""
+    from fxpar.cluster import Cluster
+    from fxpar.planning import trace_spec
+    from fxpar.profiling import CostModel
+    from fxpar.tracing.hf import build_model, example_inputs
+    from fxpar.workload import Workload
+
+    spec, _, seq = MODELS[name]
+    graph = trace_spec(spec, Workload(global_batch=batch, seq_len=seq))
+    estimate = CostModel(graph, Cluster.emulated([1.0]), optimizer="adamw").activation_bytes_per_sample()
+    model = build_model(spec, device="cpu", seed=0).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    data = example_inputs(model, batch, seq, task=spec.task, seed=0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**data)
+    measured = sum(saved.values()) / batch
+    return {"model": name, "batch": batch, "estimated_bytes_per_sample": estimate,
+            "autograd_saved_bytes_per_sample": measured, "error": estimate / measured - 1.0}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="fewer cases and steps")
+    ap.add_argument("--out", type=Path, help="write the JSON and profiles here instead of benchmarks/results")
     args = ap.parse_args(argv)
     from fxpar.cluster import Cluster
     from fxpar.planning import plan_model
@@ -102,14 +137,14 @@ def main(argv: list[str] | None = None) -> dict:
     from fxpar.workload import Workload
 
     torch.set_num_threads(1)
-    say = lambda m: print(f"[bench] {m}", flush=True)  # noqa: E731
+    say = lambda m: print(f"[bench] {m}", flush=True)
     from benchmarks.common import RESULTS, machine
 
-    prof_dir = str(RESULTS / f"profiles{'-quick' if args.quick else ''}-cpu{machine()['cores']}-{machine()['date']}")
+    prof_dir = str((args.out or RESULTS) / f"profiles{'-quick' if args.quick else ''}-cpu{machine()['cores']}-{machine()['date']}")
     if Path(prof_dir).exists():
         shutil.rmtree(prof_dir)
     start = time.perf_counter()
-    with WorkerPool(2) as pool:
+    with WorkerPool(PROFILE_RANKS) as pool:
         pool.run(collectives_worker, prof_dir)
         for name in (list(MODELS)[:1] if args.quick else MODELS):
             say(f"profiling {name} on 2 concurrent ranks")
@@ -155,7 +190,14 @@ def main(argv: list[str] | None = None) -> dict:
                     for i, r in enumerate(res)) + ")")
     head = ("model", "speeds (emulated)", "shares", "predicted s", "measured s", "step error",
             "pred. peak MiB", "meas. peak MiB", "max mem error")
+    activations = []
+    for name in (list(MODELS)[:1] if args.quick else MODELS):
+        activations.append(activation_check(name))
+        a = activations[-1]
+        say(f"{name}: saved activations estimated {a['estimated_bytes_per_sample'] / 2**20:.1f} MiB/sample, "
+            f"autograd saves {a['autograd_saved_bytes_per_sample'] / 2**20:.1f} ({100 * a['error']:+.0f}%)")
     return finish("fidelity", quick=args.quick, head=head, rows=rows, runs=runs, profiles=prof_dir,
+                  activations=activations, profile_ranks=PROFILE_RANKS, out=args.out,
                   wall_s=time.perf_counter() - start,
                   title="Cost-model fidelity: predicted vs measured step time and peak memory (gloo CPU, emulated speeds)",
                   caption="Fidelity on gloo CPU ranks, emulated speeds, measured CPU op profiles")

@@ -2,15 +2,16 @@
 layer count.  Tracing is excluded (it is one meta-device export per model); the time is
 ``fxpar.solvers.plan`` alone.  Prints a table, writes JSON and a PNG plot.
 
-    python -m benchmarks.planner_scaling [--quick]
+    python -m benchmarks.planner_scaling [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from benchmarks.common import RESULTS, machine, result_path, table, write_result
+from benchmarks.common import machine, result_path, table, write_result
 from fxpar.cluster import Cluster
 from fxpar.planning import trace_spec
 from fxpar.solvers import plan as solve
@@ -32,6 +33,7 @@ def _gpt(layers: int, hidden: int) -> ModelSpec:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points")
+    ap.add_argument("--out", type=Path, help="write the JSON and plot here instead of benchmarks/results")
     args = ap.parse_args(argv)
     rows, points = [], []
     workload = Workload(global_batch=1536, seq_len=2048, dtype="bf16")
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             p = solve(graph, cluster, workload)
             outcome = f"{p.strategy}, {len(p.stages)} stages"
-        except Exception as exc:  # noqa: BLE001 - an infeasible point is a result too
+        except Exception as exc:
             outcome = f"{type(exc).__name__}"
         took = time.perf_counter() - start
         points.append({"gpus": cluster.world_size, "layers": 96, "solve_s": took, "outcome": outcome})
@@ -61,15 +63,16 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append((f"gpt-{layers}x4096", cluster.world_size, f"{p.strategy}, {len(p.stages)} stages", f"{took:.2f}"))
         print(f"[bench] {layers} layers: {took:.2f} s", flush=True)
     head = ("model", "GPUs", "plan", "solve s")
-    png = _plot(points, args.quick)
-    path = write_result("planner_scaling", {"points": points, "table": {"head": head, "rows": rows}, "plot": str(png)}, quick=args.quick)
+    png = _plot(points, args.quick, args.out)
+    path = write_result("planner_scaling", {"points": points, "table": {"head": head, "rows": rows},
+                                            "plot": str(png)}, quick=args.quick, out=args.out)
     print(table(head, rows))
     print(f"\nwrote {path} and {png}")
     return {"title": "Planner scaling: solve time (2-core CPU, tracing excluded)", "head": head, "rows": rows,
             "json": str(path), "plots": [str(png)]}
 
 
-def _plot(points: list[dict], quick: bool):
+def _plot(points: list[dict], quick: bool, out_dir: Path | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,8 +92,8 @@ def _plot(points: list[dict], quick: bool):
     b.set_title("128 GPUs", fontsize=9)
     fig.suptitle(f"fxpar planner solve time on {info['cores']} CPU cores ({info['date']})", fontsize=10)
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = result_path("planner_scaling", "png", quick)
+    out = result_path("planner_scaling", "png", quick, out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -1,14 +1,21 @@
 """Regenerate the README's results section from the latest full-run JSON files.
 
-    python -m benchmarks.readme
+    python -m benchmarks.readme [--print]
 
-Replaces everything between ``<!-- results:begin -->`` and ``<!-- results:end -->``.
+Replaces everything between ``<!-- results:begin -->`` and ``<!-- results:end -->``.  Every
+figure in that section, in the tables and in the sentences around them, is computed here from
+the stored results (``benchmarks/results/*.json``); none is typed.  A sentence whose figure
+needs a field that an older result file lacks is written without that figure.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
+from functools import reduce
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import RESULTS
 
@@ -16,8 +23,14 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
-def _latest(name: str) -> dict | None:
-    files = sorted(p for p in RESULTS.glob(f"{name}-*.json") if "-quick-" not in p.name)
+def _files(name: str, *, quick: bool | None = False, folder: Path = RESULTS) -> list[Path]:
+    """A suite's result files, oldest first (quick=None: full and quick runs)."""
+    return sorted(p for p in Path(folder).glob(f"{name}-*.json")
+                  if quick is None or ("-quick-" in p.name) == quick)
+
+
+def _latest(name: str, folder: Path = RESULTS) -> dict | None:
+    files = _files(name, folder=folder)
     return json.loads(files[-1].read_text()) if files else None
 
 
@@ -25,6 +38,270 @@ def _table(data: dict) -> str:
     head, rows = data["table"]["head"], data["table"]["rows"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+# ---- wording helpers --------------------------------------------------------------------------
+def _x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def _speeds(speeds: list[float]) -> str:
+    return "/".join(f"{s:g}" for s in speeds)
+
+
+def _join(items: list[str]) -> str:
+    items = [i for i in items if i]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1] if items else ""
+
+
+def _model_words(name: str, config: dict | None) -> str:
+    """``llama-tiny (4 layers, hidden 256)``; ``mixtral-tiny (4 experts, top-2)``.  The shape
+    comes from the result (new files) or from the preset the result names."""
+    if config is None:
+        from fxpar.demo import model_summary
+        from fxpar.models import PRESETS
+
+        config = model_summary(name) if name in PRESETS else None
+    if not config:
+        return name
+    parts = [f"{config['layers']} layers" if config.get("layers") else "",
+             f"hidden {config['hidden']}" if config.get("hidden") else ""]
+    if config.get("experts"):
+        parts.append(f"{config['experts']} experts, top-{config['top_k']}")
+    return f"{name} ({', '.join(p for p in parts if p)})"
+
+
+def _models(runs: list[dict]) -> str:
+    seen: dict[str, dict | None] = {}
+    for r in runs:
+        seen.setdefault(r["model"], r.get("model_config"))
+    return _join([_model_words(m, c) for m, c in seen.items()])
+
+
+def _one(values: list[Any]) -> Any:
+    """The value every run shares, else None."""
+    distinct = {json.dumps(v, sort_keys=True) for v in values}
+    return values[0] if values and len(distinct) == 1 else None
+
+
+def _fairness(data: dict) -> list[str]:
+    """The stored fairness checks as a sentence (nothing for results without them)."""
+    checks = data.get("fairness") or []
+    done = [c for c in checks if c["ok"] is not None]
+    if not done:
+        return []
+    slack = _one([c["slack"] for c in done])
+    items = [f"{c['arm']} at {_speeds(c['speeds'])} ({', '.join(map(str, c['key']))}): {_x(c['ratio'])} "
+             f"(bound {_x(c['bound'])}{'' if c['ok'] else ', over it'})" for c in done]
+    bad = [c for c in done if not c["ok"]]
+    verdict = (f"Over the bound: {_join(sorted({c['arm'] for c in bad}))}; ratios against {'it' if len(bad) == 1 else 'them'} "
+               "in the rows concerned overstate fxpar's gain." if bad else "Every baseline is within its bound.")
+    bound = f"1/s_min + {slack:.0%}" if slack is not None else "1/s_min plus a noise slack"
+    return ["", "Fairness of the emulation (how much slowing the ranks slowed each baseline: its step at "
+            f"the slow speeds over its step at equal speeds, which emulation bounds by {bound}): "
+            + "; ".join(items) + ". " + verdict]
+
+
+# ---- sections ---------------------------------------------------------------------------------
+def _dp(dp: dict, cores: Any) -> list[str]:
+    runs = dp["runs"]
+    seq, dtype = _one([r.get("seq_len") for r in runs]), _one([r.get("dtype") for r in runs])
+    setting = ", ".join(p for p in (f"seq {seq}" if seq else "", dtype or "") if p)
+    has_even = any(r.get("fxpar_even_step_s") is not None for r in runs)
+    methods = ("torch DDP, torch FSDP2 (`fully_shard` per block) and fxpar's own module at the same even "
+               "split ('fxpar even', which separates the gain of planning from the runtime's)"
+               if has_even else "torch DDP and torch FSDP2 (`fully_shard` per block), both with an even split")
+    out = ["", f"Measured training step on {_models(runs)}{', ' + setting if setting else ''}, fxpar against "
+           f"{methods} (`python -m benchmarks.dp_emulated`). Each figure is the median of warmed-up steps, "
+           "with min and max in the JSON. fxpar and DDP alternate in the same worker processes; FSDP2 runs in "
+           "fresh ones, because its device mesh slows whatever runs after it in a process:", "", _table(dp)]
+    above = [r for r in runs if r["speedup"] > r["ideal_speedup"] and min(r["speeds"]) < 1]
+    prose = []
+    if above:
+        crowded = sorted({len(r["speeds"]) for r in runs if isinstance(cores, int) and len(r["speeds"]) > cores})
+        rows = _join([r["model"] + " " + _speeds(r["speeds"]) for r in above])
+        prose.append(f"Ratios above the ideal ({rows}) "
+                     f"come from this {cores}-core machine. A rank that sleeps (emulating a slow card) frees a "
+                     "core for the busy one, which an even split, with every rank always computing, never gets"
+                     + (f"; the {_join([str(n) for n in crowded])}-rank rows run "
+                        f"{_join([str(n) for n in crowded])} processes on {cores} cores" if crowded else "")
+                     + ". Read such rows as 'reaches the ideal', not as beating it.")
+    noise = _equal_speed_noise()
+    if noise:
+        prose.append("The equal-speed rows, where every method does the same work, show the run-to-run noise: "
+                     + "; ".join(noise) + ".")
+    return out + (["", " ".join(prose)] if prose else []) + _fairness(dp)
+
+
+def _equal_speed_noise() -> list[str]:
+    """Per model, the range of fxpar's ratios to each baseline at equal speeds over every stored
+    dp_emulated result (full and quick runs)."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    count = 0
+    for path in _files("dp_emulated", quick=None):
+        runs = [r for r in json.loads(path.read_text()).get("runs", []) if len(set(r["speeds"])) == 1]
+        count += bool(runs)
+        for r in runs:
+            for field, label in (("ddp_step_s", "DDP"), ("fxpar_even_step_s", "fxpar even")):
+                if r.get(field) is not None:
+                    ratios.setdefault((r["model"], label), []).append(r[field] / r["fxpar_step_s"])
+    out = []
+    for (model, label), vs in ratios.items():
+        span = _x(vs[0]) if len(vs) == 1 else f"from {_x(min(vs))} to {_x(max(vs))}"
+        out.append(f"{model}'s ratio to {label} measured {span}")
+    if out and count > 1:
+        out[0] = f"across the {count} stored runs with such rows, " + out[0]
+    return out
+
+
+def _pp(pp: dict) -> list[str]:
+    runs = pp["runs"]
+    first = runs[0]
+    shape = _model_words("a Llama", first.get("model_config")) if first.get("model_config") else "a small Llama"
+    setting = ", ".join(p for p in (f"batch {first['global_batch']}" if first.get("global_batch") else "",
+                                    f"seq {first['seq_len']}" if first.get("seq_len") else "") if p)
+    arm = "fxpar's own pipeline module" if first.get("even_blocks") else "an even pipeline"
+    out = ["", f"Measured heterogeneous pipeline against {arm} with equal blocks per stage ('fxpar even': "
+           f"the same 1F1B schedule), on {shape}{', ' + setting if setting else ''}, over "
+           f"{len(first['speeds'])} gloo ranks (`python -m benchmarks.pp_emulated`):", "", _table(pp)]
+    empty = [r for r in runs if 0 in r["fxpar_blocks"]]
+    if empty:
+        last = all(r["fxpar_blocks"][-1] == 0 for r in empty)
+        what = "only the final norm and head" if last else "no blocks"
+        out += ["", f"Where the planner gives the slow stage {what} "
+                f"({_join(['/'.join(map(str, r['fxpar_blocks'])) for r in empty])} blocks), the two-stage "
+                "'ideal' does not bound the speedup."]
+    return out + _fairness(pp)
+
+
+def _mix(s: dict) -> str:
+    """``1 V100-SXM2-16GB : 3 P100-PCIE-16GB`` from a device count per type."""
+    counts = s.get("devices")
+    if not counts or len(counts) < 2:
+        return ""
+    g = reduce(math.gcd, counts.values())
+    return " : ".join(f"{n // g} {t.split('-')[0]}" for t, n in counts.items())
+
+
+def _plan(plan: dict) -> list[str]:
+    from benchmarks.plan_scenarios import GOAL_VS_BEST_EVEN
+
+    planned = [s for s in plan["scenarios"] if s["status"] == "planned"]
+    goal = (plan.get("goals") or {}).get("vs_best_even", GOAL_VS_BEST_EVEN)
+    for s in planned:
+        if s.get("vs_best_even") is None:  # older results: from the stored baselines
+            evens = [v for k, v in s["baselines"].items() if k in ("even_dp", "megatron_even", "even_ep") and v]
+            s["vs_best_even"] = min(evens) / s["predicted_step_s"] if evens else None
+    out = ["", "Predicted step time for every scenario in `../shared/scenarios` under fxpar's cost model. Every "
+           "baseline is predicted by the same model and simulator (`python -m benchmarks.plan_scenarios`). "
+           "`x LB` is the step over the compute lower bound (work over the summed device rates, with no "
+           "communication term). 'vs best even' compares against the better of even DP and the best even "
+           "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", _table(plan)]
+    ceiling_note = ("`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can gain "
+                    "over an even plan that is compute-bound at the slowest device's pace")
+    beyond = [s for s in planned if s.get("heterogeneity_ceiling") and s["vs_best_even"]
+              and s["vs_best_even"] > s["heterogeneity_ceiling"]]
+    if beyond:
+        why = []
+        for s in beyond:
+            mem = s.get("device_memory_gib")
+            cards = f" on its {min(mem.values()):g} GiB cards" if mem else ""
+            fits = s["baselines"].get("even_dp") is None
+            why.append(f"{s['scenario']} beats it{': even data parallelism does not fit' + cards if fits else ''}"
+                       f"{', so its even plans are bound by memory, not by compute' if fits else ''}")
+        ceiling_note += " (" + "; ".join(why) + ")"
+    out += ["", ceiling_note + "."]
+    missed = [s for s in planned if s["vs_best_even"] is not None and (s.get("heterogeneity_ceiling") or 1) > 1
+              and s["vs_best_even"] < goal]
+    if missed:
+        out += ["", "Goals not met yet:"]
+        for s in missed:
+            line = (f"- {s['scenario']}: {_x(s['vs_best_even'])} over the best even plan, under the "
+                    f"{goal:g}x goal; its ceiling is {_x(s['heterogeneity_ceiling'])}")
+            line += f" ({_mix(s)})" if _mix(s) else ""
+            if s.get("predicted_comm_s") is not None and s["predicted_step_s"] > 0:
+                line += f"; {s['predicted_comm_s'] / s['predicted_step_s']:.0%} of its predicted step is communication"
+                if s.get("inter_node_gbps") and s.get("nodes", 2) > 1:
+                    line += f" over {s['inter_node_gbps']:g} Gb/s between machines"
+                if s.get("strategy") == "data_parallel" and s.get("gradient_bytes"):
+                    line += f" ({s['gradient_bytes'] / 1e6:.0f} MB of gradients all-reduced per step)"
+            out.append(line + ".")
+    far = sorted((s for s in planned if s.get("lower_bound_s")), key=lambda s: -s["predicted_step_s"] / s["lower_bound_s"])
+    if far:
+        items = []
+        for s in far[:2]:
+            link = f", {s['inter_node_gbps']:g} Gb/s between machines" if s.get("inter_node_gbps") and s.get("nodes", 2) > 1 else ""
+            items.append(f"{s['scenario']} ({_x(s['predicted_step_s'] / s['lower_bound_s'])} LB{link})")
+        out += ([""] if not missed else []) + [
+            f"{'- ' if missed else ''}Furthest above the compute-only lower bound, which has no communication term: "
+            f"{_join(items)}."]
+    return out
+
+
+def _fidelity(fid: dict) -> list[str]:
+    runs = fid["runs"]
+    errs = [r["step_error"] for r in runs]
+    ranks = fid.get("profile_ranks")
+    out = ["", "Cost-model fidelity on real runs here (`python -m benchmarks.fidelity`). Each model's ops and the "
+           f"gloo collectives were profiled on {f'{ranks} ' if ranks else ''}concurrent ranks, and the profiles are "
+           "kept beside the JSON. The "
+           "plan used those profiles, then fxpar trained with emulated speeds. The table gives predicted against "
+           "measured step time (median of rank 0) and peak memory (resident set, measured after the model is "
+           "built):", "", _table(fid), ""]
+    text = [f"Mean |step error| is {100 * sum(errs) / len(errs):.1f}% (range {100 * min(errs):.1f}–"
+            f"{100 * max(errs):.1f}%)."]
+    over = sum(r["predicted_step_s"] > r["measured_step_s"] for r in runs)
+    if 0 < over < len(runs):
+        text.append(f"The errors go both ways ({over} of {len(runs)} runs predicted slower than measured).")
+    spread = [(hi - lo) / 2 / r["measured_step_s"] for r in runs for lo, hi in [r["measured_min_max_s"]]]
+    text.append(f"Within a configuration the timed steps spread by up to ±{100 * max(spread):.0f}% around "
+                "their median (min and max in the JSON).")
+    across = _across_runs_fidelity()
+    if across is not None:
+        text.append(f"The same configuration measured up to {100 * across:.0f}% apart across the stored runs.")
+    under = [r for r in runs if all(p < m for p, m in zip(r["predicted_memory_bytes"], r["measured_memory_bytes"]))]
+    if under:
+        worst = max(max(r["memory_error"]) for r in under)
+        mem = (f"Peak memory is under-predicted in {len(under)} of {len(runs)} runs (by up to "
+               f"{100 * worst:.0f}%)")
+        acts = fid.get("activations") or []
+        if acts:
+            signed = [f"{100 * a['error']:+.0f}%".replace("-", "−") + f" for {a['model']}" for a in acts]
+            mem += (": the saved-activation estimate is " + _join(signed)
+                    + " against autograd's own saved tensors, and the allocator's retention is not modelled.")
+        else:
+            mem += "; the allocator's retention is not modelled."
+        text.append(mem)
+    return out + [" ".join(text)]
+
+
+def _across_runs_fidelity() -> float | None:
+    """The widest relative gap between stored runs of one configuration (model, speeds)."""
+    seen: dict[tuple, list[float]] = {}
+    for path in _files("fidelity", quick=None):
+        for r in json.loads(path.read_text()).get("runs", []):
+            seen.setdefault((r["model"], tuple(r["speeds"])), []).append(r["measured_step_s"])
+    gaps = [(max(v) - min(v)) / statistics.mean(v) for v in seen.values() if len(v) > 1]
+    return max(gaps) if gaps else None
+
+
+def _rebalance(reb: dict) -> list[str]:
+    events = reb.get("events") or []
+    ranks = len(events[0]["shares"]) if events else None
+    if reb.get("planned_speeds"):
+        what = (f"a {len(reb['planned_speeds'])}-rank job planned for speeds ({', '.join(map(str, reb['planned_speeds']))}); "
+                f"rank {reb['slow_rank']}'s emulated speed drops to {reb['slow_speed']:g} at step {reb['slow_at']}")
+    else:
+        what = f"a {ranks}-rank job; one rank's emulated speed drops mid-run" if ranks else "one rank's emulated speed drops mid-run"
+    after = ""
+    if reb.get("rebalance_step") is not None:
+        after = f" It re-balanced at step {reb['rebalance_step']}"
+        if reb.get("recovery") is not None:
+            after += f", recovering {reb['recovery']:.0%} of the way to the step planned for the slowed speeds"
+        after += "."
+    return ["", f"Online re-balancing under the HF Trainer (`python -m benchmarks.rebalance`): {what}, and "
+            "`FxparCallback` re-solves the shares from the measured step times:", "", _table(reb)] + (
+        ["", after.strip()] if after else [])
 
 
 def section() -> str:
@@ -36,67 +313,36 @@ def section() -> str:
              f"They were measured on {info.get('date', '?')} on a {info.get('cores', '?')}-core CPU machine "
              f"(GPU: {info.get('gpu') or 'none'}) with torch {info.get('torch', '?')} and gloo over 127.0.0.1. "
              "The full run is `python -m benchmarks`; the quick report is in `benchmarks/results/report-quick-*.md`. "
-             "**Heterogeneity is emulated**: a rank of speed s sleeps (1/s − 1) × its compute."]
+             "**Heterogeneity is emulated**: a rank of speed s sleeps (1/s − 1) × each compute segment before its "
+             "next collective, in fxpar and in the baselines alike."]
     if dp:
-        parts += ["", "Measured training step on llama-tiny (4 layers, hidden 256) and mixtral-tiny (4 experts, "
-                  "top-2), seq 128, fp32, fxpar against torch DDP and torch FSDP2 (`fully_shard` per block), "
-                  "both with an even split (`python -m benchmarks.dp_emulated`). Each figure is the median of "
-                  "warmed-up steps, with min and max in the JSON. fxpar and DDP alternate in the same worker "
-                  "processes; FSDP2 runs in fresh ones, because its device mesh slows whatever runs after it in "
-                  "a process:", "", _table(dp), "",
-                  "Ratios above the ideal come from this 2-core machine. A rank that sleeps (emulating a slow "
-                  "card) frees a core for the busy one, which an even split, with both ranks always computing, "
-                  "never gets; the 3-rank row runs 3 processes on 2 cores. Read such rows as 'reaches the "
-                  "ideal', not as beating it. The equal-speed rows (1 1), where both do the same work, show the "
-                  "run-to-run noise: llama-tiny's has measured from 0.83x to 1.11x across runs."]
+        parts += _dp(dp, info.get("cores"))
     if pp:
-        parts += ["", "Measured heterogeneous pipeline against an even pipeline (the same 1F1B, equal "
-                  "blocks per stage), on a Llama with 8 layers (hidden 256), batch 16, seq 128, over 2 gloo "
-                  "ranks (`python -m benchmarks.pp_emulated`):", "", _table(pp), "",
-                  "Where the planner gives the slow stage only the final norm and head (8/0 blocks), the "
-                  "two-stage 'ideal' does not bound the speedup."]
+        parts += _pp(pp)
     if plan:
-        parts += ["", "Predicted step time for every scenario in `../shared/scenarios` under fxpar's cost model. "
-                  "Every baseline is predicted by the same model and simulator (`python -m benchmarks.plan_scenarios`). "
-                  "`x LB` is the step over the compute lower bound (work over the summed device rates, with no "
-                  "communication term). 'vs best even' compares against the better of even DP and the best even "
-                  "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", _table(plan), "",
-                  "`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can "
-                  "gain over an even plan that is compute-bound at the slowest device's pace (lab-4090-a6000 "
-                  "beats it because its even plans are bound by the 24 GB cards' memory, not by compute).",
-                  "",
-                  "Goals not met yet:",
-                  "- HAP-BERT and HAP-MoE stay under 1.2x over the best even plan. Their ceiling is 1.17x "
-                  "(1 V100 : 3 P100), and both are bound by 10 Gb/s links: BERT's 440 MB of gradients, "
-                  "the MoE's expert weights or tokens.",
-                  "- The communication-bound scenarios (10 Gb/s between machines) sit far above the "
-                  "compute-only lower bound, which has no communication term."]
+        parts += _plan(plan)
     if scal:
         parts += ["", "Planner solve time, tracing excluded (`python -m benchmarks.planner_scaling`):", "",
                   _table(scal), "", f"![planner scaling](benchmarks/results/{Path(scal['plot']).name})"]
     if fid:
-        errs = [r["step_error"] for r in fid["runs"]]
-        parts += ["", "Cost-model fidelity on real runs here (`python -m benchmarks.fidelity`). Each model's "
-                  "ops and the gloo collectives were profiled on 2 concurrent ranks, and the profiles are kept "
-                  "beside the JSON. The plan used those profiles, then fxpar trained with emulated speeds. The "
-                  "table gives predicted against measured step time (median of rank 0) and peak memory "
-                  "(resident set, measured after the model is built):", "", _table(fid), "",
-                  f"Mean |step error| is {100 * sum(errs) / len(errs):.1f}% (range {100 * min(errs):.1f}–"
-                  f"{100 * max(errs):.1f}%). The same configuration measures about ±10% from run to run on this "
-                  "VM, and the per-rank breakdown in the JSON shows errors in both directions. Peak memory is "
-                  "under-predicted: the saved-activation estimate is +21% for Llama and −11% for GPT-2 against "
-                  "autograd's own saved tensors, and the allocator's retention is not modelled."]
+        parts += _fidelity(fid)
     if ep_tp:
-        parts += ["", "Uneven expert and tensor parallelism against their even forms and DDP, measured the same "
-                  "way (`python -m benchmarks.ep_tp_emulated`):", "", _table(ep_tp)]
+        parts += ["", "Uneven expert and tensor parallelism against their even forms ('fxpar even') and DDP, "
+                  "measured the same way (`python -m benchmarks.ep_tp_emulated`):", "", _table(ep_tp)] + _fairness(ep_tp)
     if reb:
-        parts += ["", "Online re-balancing under the HF Trainer (`python -m benchmarks.rebalance`): a 2-rank "
-                  "job planned for speeds (1.0, 1.0); rank 1's emulated speed drops to 0.25 at step 5 and "
-                  "`FxparCallback` re-solves the shares from the measured step times:", "", _table(reb)]
+        parts += _rebalance(reb)
     return "\n".join(parts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--print", action="store_true", help="print the section instead of writing README.md")
+    args = ap.parse_args(argv)
+    if args.print:
+        print(section())
+        return
     text = README.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{README}: no {BEGIN} ... {END} markers")

@@ -1,6 +1,6 @@
 """Online re-balancing under the HF Trainer, measured on 2 gloo CPU ranks (*emulated* speeds).
 
-    python -m benchmarks.rebalance [--quick]
+    python -m benchmarks.rebalance [--quick] [--out DIR]
 
 Run A: planned for speeds (1.0, 1.0); at step ``SLOW_AT`` rank 1 slows to 0.25 (its emulated
 speed changes under the running job); ``FxparCallback`` notices from the measured step times and
@@ -26,6 +26,7 @@ from benchmarks.common import finish
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, SLOW_AT = 16, 128, 5
+PLANNED, SLOW_RANK, SLOW_SPEED = (1.0, 1.0), 1, 0.25
 
 
 def _run(tmp: Path, name: str, cfg: dict, steps: int, extra: list[str]) -> dict:
@@ -45,16 +46,18 @@ def _run(tmp: Path, name: str, cfg: dict, steps: int, extra: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results")
     args = ap.parse_args(argv)
     steps = 14 if args.quick else 24
     workload = {"global_batch": BATCH, "seq_len": SEQ, "optimizer": "adamw"}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        a = _run(tmp, "slowdown", {"speeds": [1.0, 1.0], "workload": workload,
+        a = _run(tmp, "slowdown", {"speeds": list(PLANNED), "workload": workload,
                                    "rebalance": {"enabled": True, "threshold": 0.1, "warmup_steps": 1,
                                                  "window": 3}},
-                 steps, ["--slow-down", f"1:0.25:{SLOW_AT}"])
-        b = _run(tmp, "optimum", {"speeds": [1.0, 0.25], "workload": workload,
+                 steps, ["--slow-down", f"{SLOW_RANK}:{SLOW_SPEED}:{SLOW_AT}"])
+        slowed_speeds = [SLOW_SPEED if r == SLOW_RANK else s for r, s in enumerate(PLANNED)]
+        b = _run(tmp, "optimum", {"speeds": slowed_speeds, "workload": workload,
                                   "rebalance": {"enabled": False}}, max(6, steps // 3), [])
     times = a["step_s"]  # times[i] is step i+1
     applied = [e for e in a["events"] if e["applied"]]
@@ -64,11 +67,13 @@ def main(argv: list[str] | None = None) -> dict:
     after = statistics.median(times[at + 1:]) if at and at + 1 < len(times) else None
     optimum = statistics.median(b["step_s"][1:])
     planned = "/".join(map(str, a["events"][0]["shares"])) if a["events"] else "-"
-    rows = [["before the change (1.0, 1.0), planned shares", planned, f"{before:.3f}", "1.00x"],
-            ["after rank 1 slows to 0.25, old shares", planned, f"{slowed:.3f}", f"{before / slowed:.2f}x"],
+    speeds_txt = ", ".join(map(str, PLANNED))
+    rows = [[f"before the change ({speeds_txt}), planned shares", planned, f"{before:.3f}", "1.00x"],
+            [f"after rank {SLOW_RANK} slows to {SLOW_SPEED}, old shares", planned, f"{slowed:.3f}",
+             f"{before / slowed:.2f}x"],
             [f"after the re-balance at step {at}", "/".join(map(str, applied[0]["proposed"])) if applied else "-",
              f"{after:.3f}" if after else "-", f"{before / after:.2f}x" if after else "-"],
-            ["planned for (1.0, 0.25) from the start", "/".join(str(r["batch_share"]) for r in b["plan"]["ranks"]),
+            [f"planned for ({', '.join(map(str, slowed_speeds))}) from the start", "/".join(str(r["batch_share"]) for r in b["plan"]["ranks"]),
              f"{optimum:.3f}", f"{before / optimum:.2f}x"]]
     recovery = (slowed - after) / (slowed - optimum) if after and slowed > optimum else None
     caption = (f"Online re-balancing (HF Trainer + FxparCallback, llama-tiny, batch {BATCH}, seq {SEQ}, "
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     return finish("rebalance", title="Online re-balancing under the HF Trainer (measured, emulated speeds)",
                   caption=caption, head=["phase", "shares", "median step s", "speed vs before"], rows=rows,
                   quick=args.quick, runs=[], step_times=times, events=a["events"], optimum_step_s=optimum,
-                  rebalance_step=at, recovery=recovery)
+                  rebalance_step=at, recovery=recovery, planned_speeds=list(PLANNED), slow_rank=SLOW_RANK,
+                  slow_speed=SLOW_SPEED, slow_at=SLOW_AT, model="llama-tiny", global_batch=BATCH, seq_len=SEQ,
+                  out=args.out)
 
 
 if __name__ == "__main__":

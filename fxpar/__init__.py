@@ -5,7 +5,7 @@
 Pipeline: tracing (torch.export) -> profiling (cost model) -> solvers (cvxpy) -> codegen.
 """
 
-from fxpar.api import ParallelModule, auto, make_plan
+from fxpar.api import ParallelModule, auto, from_pretrained, make_plan
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, FxparError, InfeasibleError, PlanError, TraceError
 from fxpar.plan import Plan
@@ -15,4 +15,4 @@ from fxpar.workload import Workload
 __version__ = "0.1.0"
 
 __all__ = ["make_optimizer", "Cluster", "ConfigError", "FxparError", "InfeasibleError", "ParallelModule", "Plan",
-           "PlanError", "TraceError", "Workload", "auto", "make_plan", "__version__"]
+           "PlanError", "TraceError", "Workload", "auto", "from_pretrained", "make_plan", "__version__"]

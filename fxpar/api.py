@@ -11,14 +11,25 @@ import torch.distributed as dist
 
 from fxpar import api_checks
 from fxpar.cluster import Cluster
-from fxpar.codegen.data_parallel import DataParallelModule, LossWeighting
+from fxpar.codegen.data_parallel import DataParallelModule
+from fxpar.codegen.expert_parallel import ExpertParallelModule
+from fxpar.codegen.pipeline_interleaved import InterleavedPipelineModule
+from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+from fxpar.codegen.tensor_parallel import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime.device import check_device_kind, rank_device
+from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
+from fxpar.tracing.hf import build_meta_model, hf_task
+from fxpar.tracing.hf import example_inputs as hf_example_inputs
 from fxpar.workload import Workload
 
 ParallelModule = DataParallelModule
+#: fxpar.auto's example batch for a HF model given without one: samples per device, tokens
+DEFAULT_SAMPLES_PER_DEVICE = 4
+DEFAULT_SEQ_LEN = 512
 
 
 def _as_cluster(cluster: Cluster | str | Path) -> Cluster:
@@ -32,16 +43,19 @@ def _as_cluster(cluster: Cluster | str | Path) -> Cluster:
                       "fxpar.Cluster, a path to a cluster/scenario YAML or JSON file, or 'detect'")
 
 
-def _one_sample(example_inputs: Any) -> Any:
+def _one_sample(example_inputs: Any, meta: bool = False) -> Any:
+    """The first sample of every tensor in ``example_inputs`` (on ``meta`` for a meta model)."""
+    def first(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v[:1] if v.dim() else v
+        return v.to("meta") if meta else v
+
     if isinstance(example_inputs, dict):
-        return {k: (v[:1] if isinstance(v, torch.Tensor) and v.dim() else v)
-                for k, v in example_inputs.items()}
+        return {k: first(v) for k, v in example_inputs.items()}
     if isinstance(example_inputs, (tuple, list)):
-        return type(example_inputs)(v[:1] if isinstance(v, torch.Tensor) and v.dim() else v
-                                    for v in example_inputs)
-    if isinstance(example_inputs, torch.Tensor):
-        return example_inputs[:1]
-    return example_inputs
+        return type(example_inputs)(first(v) for v in example_inputs)
+    return first(example_inputs)
 
 
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
@@ -51,7 +65,8 @@ def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, wor
     ``max_tensor_parallel`` caps the width of tensor-parallel pipeline stages (inside a node;
     1: none).  The solver offers them only for blocks codegen can split (Llama-style, GPT-2,
     BERT, MoE experts; ``LayerInfo.tensor_parallel``)."""
-    graph = trace(model, _one_sample(example_inputs))
+    first = next(model.parameters(), None)
+    graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
     return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel)
 
 
@@ -59,13 +74,22 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
          global_batch: int | None = None, seq_len: int | None = None, dtype: str = "fp32",
          optimizer: str = "adam", max_microbatches: int | None = None, plan: Plan | None = None,
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8):
+         loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8,
+         device: torch.device | str | None = None, checkpoint: str | Path | None = None):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
     and solves, the plan is broadcast, so every rank runs the same plan.  ``example_inputs`` is
     one batch the model's forward accepts (a dict for HF models); ``global_batch`` defaults to
-    its size.  Pass ``plan=`` to skip solving (a hand-written or saved plan).
+    its size.  A HF model (``PreTrainedModel``) needs none: fxpar builds the example batch from
+    its config (:func:`default_example_inputs`: ``global_batch`` defaults to
+    ``DEFAULT_SAMPLES_PER_DEVICE`` × devices, ``seq_len`` to ``DEFAULT_SEQ_LEN`` capped by the
+    model's positions).  Pass ``plan=`` to skip solving (a hand-written or saved plan).
+
+    ``device``: this rank's device (default :func:`fxpar.runtime.device.rank_device`:
+    ``cuda:LOCAL_RANK`` under NCCL, else the CPU).  ``checkpoint``: a HF ``save_pretrained``
+    folder (or ``.safetensors`` file) whose weights this rank loads, only the tensors (or
+    slices) its plan gives it; meant for a model built on the ``meta`` device.
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
     Returns a :class:`DataParallelModule` or, for a pipeline, tensor-parallel or expert-parallel
@@ -86,71 +110,113 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                              max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn,
                              loss_weighting=loss_weighting, emulate=emulate,
                              max_tensor_parallel=max_tensor_parallel, group=group)
+    device = rank_device(device, group=group)
     cluster = _as_cluster(cluster)
+    rank = _check_world(cluster, group)
+    if example_inputs is None and plan is None:
+        example_inputs = default_example_inputs(model, cluster, global_batch, seq_len)
+    if example_inputs is not None:
+        rows = api_checks.check_example_inputs(model, example_inputs, loss_fn=loss_fn)
+        if global_batch is None and plan is None:
+            global_batch = rows
+    if plan is None:
+        workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                            optimizer=optimizer, max_microbatches=max_microbatches)
+        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel)
+    elif plan.world_size != cluster.world_size:
+        raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
+                                f"has {cluster.world_size} devices; re-plan for this cluster")
+    else:
+        api_checks.check_plan_fits_model(plan, model)
+    check_device_kind(plan.ranks[rank].device, device, rank)
+    api_checks.check_options_for_plan(plan, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
+                                      example_inputs=example_inputs)
+    return _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
+                  loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+
+
+def _check_world(cluster: Cluster, group: Any) -> int:
+    """This process's rank; a RuntimeSetupError when the job's size is not the cluster's."""
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
-    rank = dist.get_rank(group) if distributed else 0
     if world != cluster.world_size:
         hint = ("call torch.distributed.init_process_group (e.g. under torchrun) first"
                 if not distributed else "launch one process per device of the cluster")
         raise RuntimeSetupError(
             f"fxpar.auto: the cluster {cluster.name!r} has {cluster.world_size} devices but this job "
             f"has {world} process{'es' if world != 1 else ''}; {hint}")
-    if example_inputs is not None:
-        rows = api_checks.check_example_inputs(model, example_inputs, loss_fn=loss_fn)
-        if global_batch is None and plan is None:
-            global_batch = rows
-    if plan is None:
-        if example_inputs is None:
-            raise ConfigError("fxpar.auto: example_inputs is required to trace the model (one "
-                              "batch its forward accepts, e.g. {'input_ids': ids, 'labels': ids}); "
-                              "fxpar.tracing.hf.example_inputs builds one for HF models")
-        workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                            optimizer=optimizer, max_microbatches=max_microbatches)
-        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
-                              max_tensor_parallel)
-    elif plan.world_size != cluster.world_size:
-        raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
-                                f"has {cluster.world_size} devices; re-plan for this cluster")
-    else:
-        api_checks.check_plan_fits_model(plan, model)
+    return dist.get_rank(group) if distributed else 0
+
+
+def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
+           checkpoint: str | Path | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
+           emulate: bool) -> torch.nn.Module:
+    """This rank's module for ``plan`` (the plan kind picks the class)."""
+    common = {"emulate": emulate, "device": device, "checkpoint": checkpoint}
     if plan.strategy == "expert_parallel":
-        from fxpar.codegen.expert_parallel import ExpertParallelModule
-
-        return ExpertParallelModule(model, plan, rank, group=group, emulate=emulate)
+        return ExpertParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
+                                    loss_weighting=loss_weighting, **common)
     if plan.strategy == "tensor_parallel":
-        from fxpar.codegen.tensor_parallel import TensorParallelModule
-
-        return TensorParallelModule(model, plan, rank, emulate=emulate)
+        return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, **common)
     if plan.strategy == "pipeline":
-        if not isinstance(example_inputs, dict):
-            raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs as a dict of "
-                              "keyword inputs with labels (one batch) to split the model into stages; "
-                              f"got {type(example_inputs).__name__}")
-        if plan.schedule == "interleaved":
-            from fxpar.codegen.pipeline_interleaved import InterleavedPipelineModule
-
-            return InterleavedPipelineModule(model, plan, rank, example_inputs, emulate=emulate)
-        from fxpar.codegen.pipeline_parallel import PipelineParallelModule
-
-        return PipelineParallelModule(model, plan, rank, example_inputs, emulate=emulate)
-    return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
-                              loss_weighting=loss_weighting, emulate=emulate,
-                              example_inputs=example_inputs)
+        kind = InterleavedPipelineModule if plan.schedule == "interleaved" else PipelineParallelModule
+        return kind(model, plan, rank, example_inputs, **common)
+    return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
+                              example_inputs=example_inputs, **common)
 
 
-def _plan_on_rank0(model, cluster, example_inputs, workload, rank, distributed, group,
-                   max_tensor_parallel: int = 8) -> Plan:
+def default_example_inputs(model: torch.nn.Module, cluster: Cluster, global_batch: int | None,
+                           seq_len: int | None) -> dict[str, torch.Tensor]:
+    """The example batch of a HF model passed without one: ``global_batch`` (default
+    ``DEFAULT_SAMPLES_PER_DEVICE`` × the cluster's devices) samples of ``seq_len`` tokens
+    (default ``DEFAULT_SEQ_LEN``, capped by ``max_position_embeddings``), labels = inputs, for
+    the task the model class names (causal / masked LM, seq2seq, image classification).  On
+    the ``meta`` device for a meta model.  Pipelines are cut for this shape: later batches must
+    have the same sequence length (their ``step`` says so otherwise); data, tensor and expert
+    parallel plans take any length."""
+    task = hf_task(model)
+    if task is None:
+        raise ConfigError("fxpar.auto: example_inputs is required to trace a model that is not a "
+                          f"HuggingFace PreTrainedModel ({type(model).__name__}); pass one batch its "
+                          "forward accepts, e.g. {'input_ids': ids, 'labels': ids}")
+    batch = global_batch or DEFAULT_SAMPLES_PER_DEVICE * cluster.world_size
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    length = seq_len or (min(DEFAULT_SEQ_LEN, int(positions)) if positions else DEFAULT_SEQ_LEN)
+    first = next(model.parameters(), None)
+    where = "meta" if first is not None and first.is_meta else "cpu"
+    return hf_example_inputs(model, batch, None if task == "image-classification" else length,
+                             task=task, device=where)
+
+
+def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8) -> Plan:
+    """Rank 0 traces and solves; every rank gets the plan (or rank 0's error, raised alike)."""
     payload: list[Any] = [None]
     if rank == 0:
         try:
             payload[0] = ("ok", make_plan(model, cluster, example_inputs, workload,
-                                             max_tensor_parallel=max_tensor_parallel).to_json(indent=None))
+                                          max_tensor_parallel=max_tensor_parallel).to_json(indent=None))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payload[0] = ("error", exc)
-    if distributed:
+    if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     kind, value = payload[0]
     if kind == "error":
         raise value
     return Plan.from_json(value)
+
+
+def from_pretrained(name_or_path: str | Path, cluster: Cluster | str | Path, **auto_options: Any) -> torch.nn.Module:
+    """A HF model from a local ``save_pretrained`` folder, parallelized for ``cluster`` without
+    any rank holding the whole model: the model is built on the ``meta`` device from the
+    folder's ``config.json``, planned, and each rank loads only the tensors (or slices) its
+    plan gives it from the folder's safetensors files (``model.safetensors`` or a sharded
+    ``model.safetensors.index.json``), cast to fp32 master weights.  ``auto_options`` are
+    :func:`auto`'s keywords (``global_batch``, ``seq_len``, ``dtype``, ``plan``, ``device``...)."""
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"fxpar.from_pretrained: {str(folder)!r} has no config.json; pass a local folder "
+                          "written by save_pretrained (downloading from a hub is not supported: fetch it "
+                          "first, e.g. with huggingface_hub.snapshot_download)")
+    model = build_meta_model(folder)
+    return auto(model, cluster, checkpoint=folder, **auto_options)

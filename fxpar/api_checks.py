@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.data_parallel import LOSS_WEIGHTINGS
 from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan
-from fxpar.profiling.memory import OPTIMIZERS
 from fxpar.runtime import batch_checks
-from fxpar.workload import DTYPES
+from fxpar.runtime.step_loop import LOSS_WEIGHTINGS
+from fxpar.workload import DTYPES, OPTIMIZERS
 
 _LABEL_KEYS: tuple[str, ...] = ("labels", "label", "start_positions", "end_positions")
 
@@ -72,6 +71,33 @@ def check_options(*, global_batch: Any, seq_len: Any, dtype: Any, optimizer: Any
         raise ConfigError(f"fxpar.auto: plan has type {type(plan).__name__} ({plan!r:.60}); pass a "
                           f"fxpar.Plan or None (solve one){load}")
     _check_group(group)
+
+
+def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighting: Any,
+                           example_inputs: Any) -> None:
+    """Options every plan kind honours, or a ConfigError naming the option and the plan kind:
+    pipelines train on the model's own loss (token-weighted for HF models) and need a dict
+    example batch to cut the model; tensor-parallel and pipeline plans build their process
+    groups over the whole job, so ``group`` is for data and expert parallel plans only."""
+    kind = "interleaved pipeline" if plan.schedule == "interleaved" else plan.strategy.replace("_", " ")
+    if group is not None and plan.strategy in ("tensor_parallel", "pipeline"):
+        raise ConfigError(f"fxpar.auto: group = {group!r:.60} with a {kind} plan: its process groups span "
+                          "the whole job; pass group=None (group= is honoured by data and expert "
+                          "parallel plans)")
+    if plan.strategy != "pipeline":
+        return
+    if loss_fn is not None:
+        raise ConfigError(f"fxpar.auto: loss_fn with a {kind} plan: the last stage computes the model's "
+                          "own loss inside the exported graph; pass labels in the batch and loss_fn=None, "
+                          "or plan without pipelines (strategies without 'pipeline')")
+    if loss_weighting == "samples":
+        raise ConfigError(f"fxpar.auto: loss_weighting='samples' with a {kind} plan: pipelines weight "
+                          "micro-batches by their label tokens, as the model's mean loss does; pass "
+                          "'auto' or 'tokens'")
+    if not isinstance(example_inputs, Mapping):
+        raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs as a dict of keyword inputs "
+                          "with labels (one batch) to split the model into stages; got "
+                          f"{type(example_inputs).__name__}")
 
 
 def _check_group(group: Any) -> None:

@@ -15,7 +15,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from fxpar.cluster import Cluster
+from fxpar.codegen.emit import emit
+from fxpar.demo import run_demo
 from fxpar.errors import ConfigError, FxparError, InfeasibleError
+from fxpar.models import resolve_model
+from fxpar.planning import plan_model, trace_spec
+from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
+from fxpar.profiling import CostModel
+from fxpar.profiling.database import load_profiles
+from fxpar.scenario import load_scenario
+from fxpar.sim import simulate
+from fxpar.sim.plot import plot_timeline
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.workload import Workload
 
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
@@ -106,13 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from fxpar.cluster import Cluster
-    from fxpar.errors import ConfigError
-    from fxpar.models import resolve_model
-    from fxpar.planning import plan_model
-    from fxpar.scenario import load_scenario
-    from fxpar.workload import Workload
-
     start = time.perf_counter()
     _check_outputs(args)
     if args.scenario is not None:
@@ -133,7 +139,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                             max_microbatches=args.max_microbatches)
     _progress(f"cluster {cluster.name}: {cluster.world_size} devices; workload: batch "
               f"{workload.global_batch}, seq {workload.seq_len}, {workload.dtype}, {workload.optimizer}")
-    from fxpar.profiling.database import load_profiles
 
     profiles = load_profiles(args.profiles)
     plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles)
@@ -194,11 +199,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None:
-    from fxpar.planning import trace_spec
-    from fxpar.profiling import CostModel
-    from fxpar.sim import simulate
-    from fxpar.sim.plot import plot_timeline
-
     graph = trace_spec(model, workload, op_keys=bool(profiles))
     cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer, profiles=profiles)
     result = simulate(plan, cost)
@@ -209,13 +209,9 @@ def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None
 
 
 def _emit(plan, model, workload, directory: Path) -> None:
-    from fxpar.codegen.emit import emit
-    from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
-
     module = inputs = None
     if plan.strategy in ("pipeline", "tensor_parallel"):
         if not isinstance(model, ModelSpec):
-            from fxpar.errors import ConfigError
             raise ConfigError(f"--emit of a {plan.strategy} plan needs a preset, config.json or scenario model")
         module = build_model(model, device="meta", dtype=workload.dtype)
         inputs = example_inputs(module, max(2, plan.ranks[0].micro_batch_size), workload.seq_len,
@@ -227,11 +223,6 @@ def _emit(plan, model, workload, directory: Path) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from fxpar.profile_cmd import (
-        maybe_init_process_group,
-        profile_collectives,
-        profile_ops,
-    )
 
     _writable_dir("--out", args.out)
     if args.collectives:
@@ -248,8 +239,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from fxpar.demo import run_demo
-
     if args.json_out is not None:
         _writable_file("--json", args.json_out)
     figures = run_demo(steps=args.steps, speeds=tuple(args.speeds), progress=_progress)

@@ -10,6 +10,22 @@
 
 Checked against torch 2.13; a torch without them raises a clear error when an interleaved plan
 is run, and nothing else in fxpar depends on them.
+
+transformers (checked against 5.23):
+
+- ``PreTrainedModel._keys_to_ignore_on_save``: ``Trainer`` reads it from the model it trains
+  when it resumes from a checkpoint (the warning after loading weights).  fxpar's parallel
+  module is a plain ``nn.Module`` standing in for the user's model, so it must carry the
+  attribute; transformers has no public way to declare it (:func:`set_keys_to_ignore_on_save`).
+- ``experts._is_expert_parallel``: HF's fused experts implementations skip the routed slots of
+  experts held elsewhere (the sentinel index) only when this flag is set, as transformers' own
+  expert-parallel sharding sets it; there is no public setter (:func:`mark_expert_parallel`).
+- ``type(experts)._apply_gate``: how an experts class combines its gate and up projections;
+  fxpar's expert parallelism supports only the default ``act(gate) * up``, and the method's
+  name is the only way to tell a custom gate (:func:`expert_gate_is_default`).
+
+The private names are reached through these functions only (``tests/test_private_names.py``
+scans the rest of the package).
 """
 
 from __future__ import annotations
@@ -38,3 +54,23 @@ def set_stage_mapping(schedule: Any, actions: dict[int, list[Any]]) -> None:
         raise RuntimeSetupError("this torch's PipelineScheduleMulti cannot take a custom stage placement; "
                                 "use a 1F1B or GPipe plan")
     setter(actions)
+
+
+# ---- transformers ------------------------------------------------------------------------------
+def set_keys_to_ignore_on_save(module: Any, keys: list[str] | None = None) -> None:
+    """Give a module that stands in for a ``PreTrainedModel`` under ``Trainer`` the
+    ``_keys_to_ignore_on_save`` attribute the Trainer reads on resume (None: none ignored)."""
+    module._keys_to_ignore_on_save = keys
+
+
+def mark_expert_parallel(experts: Any) -> None:
+    """Tell an HF fused experts module that it holds only some experts: routed slots of the
+    others (the sentinel index ``num_experts``) are skipped, as in transformers' own EP."""
+    experts._is_expert_parallel = True
+
+
+def expert_gate_is_default(experts_type: type) -> bool:
+    """True when an HF experts class combines gate and up projections the default way
+    (``act(gate) * up``; no ``_apply_gate`` of its own, or transformers' default one)."""
+    gate_fn = getattr(experts_type, "_apply_gate", None)
+    return gate_fn is None or getattr(gate_fn, "__name__", "") == "_default_apply_gate"

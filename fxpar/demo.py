@@ -2,26 +2,60 @@
 
 Set-up (``shared/scenarios/cpu-emulated-2.yaml``): Llama hidden 256, 4 layers, vocab 4096,
 global batch 16, sequence 128, fp32, AdamW; two CPU ranks with *emulated* speeds 1.0 and 0.5
-(the slow rank sleeps as long again as it computed).  Both methods train the same data in the
-same run, alternating rounds, each after a warm-up step; step times are medians of rank 0's
-wall time per step.  Rank 0 also checks fxpar's first step against a single-process run.
+(the slow rank sleeps as long again as it computed).  Three methods train the same data in the
+same run, alternating rounds, each after a warm-up step: fxpar's plan, **fxpar even** (fxpar's
+own module with torch's even split, so the gain of planning is told apart from the runtime's)
+and torch DDP; step times are medians of rank 0's wall time per step.  Rank 0 also checks
+fxpar's first step against a single-process run.
 
-DDP baseline fairness: DDP overlaps its all-reduce with the backward, so the slow rank's
-emulated sleep is computed from its *calibrated* pure compute (forward + backward without
-communication, measured before the timed steps), never from time spent waiting on a peer.
+Baselines are emulated exactly like fxpar (DESIGN, "Running without GPUs";
+:class:`~fxpar.runtime.emulation.SegmentClock`): a rank of speed ``s`` sleeps ``(1/s − 1)``
+times each compute segment -- the wall time since its previous collective ended -- right
+before its next collective, and time spent inside collectives is never stretched.  torch issues
+the baselines' collectives itself, so :class:`HookClock` marks them from public hooks:
+
+* DDP: a communication hook (``DistributedDataParallel.register_comm_hook``) stretches the
+  compute since the last mark, then runs torch's default ``allreduce_hook`` (divide by the world
+  size, all-reduce: the math DDP does without a hook), then marks.  The segment starts when the
+  wrapped module's forward starts (after DDP's own buffer broadcast), so the forward and the
+  backward up to the first full bucket are the first segment, as in fxpar's data parallelism.
+* FSDP2: on each ``fully_shard``-ed module, hooks around FSDP's own: forward pre-hooks before
+  and after its all-gather (``prepend=True`` puts ours first); tensor hooks on the module's
+  outputs before and after FSDP's pre-backward all-gather (a tensor's hooks run in the order
+  they were registered: forward hooks with ``prepend=True`` run before FSDP's, the others
+  after); autograd-node pre- and post-hooks on the inputs FSDP routes through its post-backward
+  function (its reduce-scatter); and a node hook after the input embedding's backward (the last
+  compute before FSDP's final reduce-scatter of the root's parameters).
+* The optimizer step is not stretched, in any method (as in fxpar's modules).  No collective
+  runs inside a timed step beyond the method's own: the losses are all-reduced after the timed
+  steps.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxpar.api import auto
+from fxpar.cluster import Cluster
+from fxpar.errors import PlanError
 from fxpar.models import PRESETS
+from fxpar.plan import Plan
+from fxpar.runtime import WorkerPool
+from fxpar.runtime.emulation import SpeedEmulator
+from fxpar.solvers import plan as solve_plan
+from fxpar.solvers.data_parallel import micro_batches
+from fxpar.solvers.rebalance import micro_cap
+from fxpar.tracing import trace
+from fxpar.tracing.hf import build_model, example_inputs
+from fxpar.tracing.structure import block_path
 from fxpar.workload import Workload
 
 DEMO_MODEL = "llama-tiny"
@@ -30,14 +64,10 @@ DEMO_SEQ = 128
 
 
 def _build(seed: int = 0, model: str = DEMO_MODEL) -> torch.nn.Module:
-    from fxpar.tracing.hf import build_model
-
     return build_model(PRESETS[model], device="cpu", seed=seed).train()
 
 
 def _batches(model: torch.nn.Module, n: int, batch: int = DEMO_BATCH) -> list[dict[str, torch.Tensor]]:
-    from fxpar.tracing.hf import example_inputs
-
     return [example_inputs(model, batch, DEMO_SEQ, seed=100 + i) for i in range(n)]
 
 
@@ -46,88 +76,221 @@ def _step_times(marks: list[float]) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def _fxpar_steps(model, batches, plan_json: str, optimize: bool = True) -> tuple[list[float], list[float], Any]:
-    import fxpar
-    from fxpar.plan import Plan
+def even_shares(batch: int, world: int) -> list[int]:
+    """torch's even split of ``batch`` rows (DDP / DistributedSampler): the first ranks take
+    the remainder."""
+    base, extra = divmod(batch, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
 
+
+def even_dp_plan(plan: Plan) -> Plan:
+    """``plan`` (data parallel) with torch's even shares instead of the solved ones: fxpar's own
+    runtime at DDP's split.  Micro-batches: as few as the plan's largest micro-batch on a device
+    of the same memory allows (the rule of :func:`fxpar.solvers.rebalance.rebalanced_plan`)."""
+    if plan.strategy != "data_parallel":
+        raise PlanError(f"even_dp_plan: needs a data_parallel plan, got {plan.strategy!r}")
+    shares = even_shares(plan.global_batch, plan.world_size)
+    ranks = []
+    for r, (rp, share) in enumerate(zip(plan.ranks, shares)):
+        size, count = micro_batches(share, micro_cap(plan, r), None)
+        ranks.append(dataclasses.replace(rp, batch_share=share, micro_batch_size=size, num_microbatches=count,
+                                         predicted_busy_s=0.0))
+    stages = tuple(dataclasses.replace(st, data_split=tuple(shares)) if st.modules == ("",) else st
+                   for st in plan.stages)
+    return dataclasses.replace(plan, ranks=tuple(ranks), stages=stages,
+                               explain=plan.explain + ("fxpar even: torch's even shares "
+                                                       f"{shares} instead of the solved ones",))
+
+
+# ---- emulation of the baselines ----------------------------------------------------------------
+class HookClock:
+    """:class:`~fxpar.runtime.emulation.SegmentClock`'s rule for collectives that torch issues
+    itself: :meth:`before_collective` stretches the compute since the last mark (``(1/s − 1)``
+    times it) and marks; :meth:`after_collective` marks, so the collective's own time is never
+    stretched.  Outside :meth:`start` ... :meth:`stop` (set-up, the optimizer) nothing is."""
+
+    def __init__(self, emulator: SpeedEmulator) -> None:
+        self.emulator = emulator
+        self.active = False
+        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self.collectives = 0
+        self._mark = 0.0
+        self._comm_from: float | None = None
+
+    def start(self) -> None:
+        self.active = True
+        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self.collectives = 0
+        self._comm_from = None
+        self._mark = time.perf_counter()
+
+    def before_collective(self) -> None:
+        if not self.active:
+            return
+        seg = time.perf_counter() - self._mark
+        self.compute_s += seg
+        self.emulation_s += self.emulator.stretch(seg)
+        self.collectives += 1
+        self._comm_from = self._mark = time.perf_counter()
+
+    def after_collective(self) -> None:
+        if not self.active:
+            return
+        now = time.perf_counter()
+        if self._comm_from is not None:
+            self.comm_s += now - self._comm_from
+            self._comm_from = None
+        self._mark = now
+
+    def stop(self) -> None:
+        """End of the step's backward: what ran since the last collective began is waiting on
+        it (DDP's and FSDP2's final waits run inside ``backward()``), so nothing more is
+        stretched."""
+        self.after_collective()
+        self.active = False
+
+    def timing(self) -> dict[str, float]:
+        return {"compute_s": self.compute_s, "emulation_s": self.emulation_s, "comm_s": self.comm_s,
+                "collectives": float(self.collectives)}
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or outputs (tensor, tuple / list, dict / ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def wrap_ddp(model: torch.nn.Module, clock: HookClock) -> torch.nn.Module:
+    """torch DDP (even split), emulated per compute segment (module docstring)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    # compute starts with the wrapped module's forward (DDP's buffer broadcast is before it)
+    model.register_forward_pre_hook(lambda module, args: clock.after_collective())
+
+    def stretched_allreduce(process_group, bucket):  # unannotated: DDP checks the annotations
+        clock.before_collective()
+        fut = allreduce_hook(process_group, bucket)  # DDP's own math: divide by world, all-reduce
+        clock.after_collective()
+        return fut
+
+    ddp.register_comm_hook(None, stretched_allreduce)
+    return ddp
+
+
+def wrap_fsdp2(model: torch.nn.Module, clock: HookClock) -> torch.nn.Module:
+    """torch FSDP2: ``fully_shard`` on every repeated block, then on the root (even shards),
+    emulated per compute segment (module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = {b for b in (block_path(n) for n, _ in model.named_modules()) if b}
+    sharded = [m for n, m in model.named_modules() if n in blocks]
+    for module in sharded:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in [*sharded, model]:  # registered after FSDP's own hooks (see _bracket_fsdp)
+        _bracket_fsdp(module, clock)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        def after_embedding_backward(module: Any, args: Any, out: Any) -> None:
+            for t in _tensors(out):
+                if t.grad_fn is not None:  # the last compute before FSDP's final reduce-scatter
+                    t.grad_fn.register_hook(lambda grad_inputs, grad_outputs: clock.before_collective())
+        embeddings.register_forward_hook(after_embedding_backward)
+    return model
+
+
+def _bracket_fsdp(module: torch.nn.Module, clock: HookClock) -> None:
+    """Hooks before and after each of FSDP2's collectives on ``module``: its pre-forward
+    all-gather, its pre-backward all-gather (hooks on the outputs) and its post-backward
+    reduce-scatter (hooks on the autograd node FSDP puts on the inputs)."""
+    def before_forward(mod: Any, args: Any, kwargs: Any) -> None:
+        clock.before_collective()
+
+    def after_forward_gather(mod: Any, args: Any, kwargs: Any) -> None:
+        clock.after_collective()
+        if not torch.is_grad_enabled():
+            return
+        nodes = {id(t.grad_fn): t.grad_fn for t in (*_tensors(args), *_tensors(kwargs))
+                 if t.requires_grad and t.grad_fn is not None}
+        for node in nodes.values():  # FSDP's post-backward function: the reduce-scatter
+            node.register_prehook(lambda grad_outputs: clock.before_collective())
+            node.register_hook(lambda grad_inputs, grad_outputs: clock.after_collective())
+
+    def before_backward_gather(mod: Any, args: Any, out: Any) -> None:
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(lambda grad: clock.before_collective())
+
+    def after_backward_gather(mod: Any, args: Any, out: Any) -> None:
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(lambda grad: clock.after_collective())
+
+    module.register_forward_pre_hook(before_forward, prepend=True, with_kwargs=True)
+    module.register_forward_pre_hook(after_forward_gather, with_kwargs=True)
+    module.register_forward_hook(before_backward_gather, prepend=True)
+    module.register_forward_hook(after_backward_gather)
+
+
+def baseline_steps(model, batches, speed: float, wrap=wrap_ddp) -> dict[str, Any]:
+    """Timed steps of a torch baseline (DDP or FSDP2) on torch's even split of each batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = HookClock(SpeedEmulator(speed))
+    shares = even_shares(int(batches[0]["input_ids"].shape[0]), world)
+    start = sum(shares[:rank])
+    local = lambda b: {k: v[start:start + shares[rank]] for k, v in b.items()}
+    wrapped = wrap(model, clock)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    marks, losses, timings = [], [], []
+    dist.barrier()
+    marks.append(time.perf_counter())
+    for i, b in enumerate(batches):
+        clock.start()
+        loss = wrapped(**local(b)).loss
+        loss.backward()
+        clock.stop()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        timings.append(clock.timing())
+        if i == len(batches) - 1:
+            dist.barrier()  # the last step ends when the slow rank's emulated compute does
+        marks.append(time.perf_counter())
+    # the printed loss curve: the mean of the ranks' equal-share means, all-reduced once, untimed
+    curve = torch.stack(losses).to(torch.float64)
+    dist.all_reduce(curve)
+    return {"times": _step_times(marks), "losses": [float(x) / world for x in curve],
+            "timing": timings}
+
+
+def _fxpar_steps(model, batches, plan_json: str, optimize: bool = True) -> tuple[list[float], list[float], Any]:
     plan = Plan.from_json(plan_json)
-    cluster = fxpar.Cluster.emulated([r.speed for r in plan.ranks])
-    pm = fxpar.auto(model, cluster, plan=plan)
+    cluster = Cluster.emulated([r.speed for r in plan.ranks])
+    pm = auto(model, cluster, plan=plan)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     marks, losses = [], []
     dist.barrier()
     marks.append(time.perf_counter())
-    for b in batches:
+    for i, b in enumerate(batches):
         loss = pm.step(b)
         if optimize:
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
+        if i == len(batches) - 1:
+            dist.barrier()  # the last step ends when the slow rank's does (as for the baselines)
         marks.append(time.perf_counter())
     return _step_times(marks), losses, pm
-
-
-def _wrap_ddp(model):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(model)
-
-
-def _wrap_fsdp2(model):
-    """torch FSDP2: ``fully_shard`` on every repeated block, then on the root (even shards)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from fxpar.tracing.trace import block_path
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    blocks = {b for b in (block_path(n) for n, _ in model.named_modules()) if b}
-    for name, module in model.named_modules():
-        if name in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _ddp_steps(model, batches, speed: float, wrap=_wrap_ddp) -> tuple[list[float], list[float]]:
-    from fxpar.runtime.emulation import SpeedEmulator, timed
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    emu = SpeedEmulator(speed)
-    total = int(batches[0]["input_ids"].shape[0])
-    base, extra = divmod(total, world)  # torch's even split: the first ranks take the remainder
-    start = rank * base + min(rank, extra)
-    stop = start + base + (1 if rank < extra else 0)
-    local = lambda b: {k: v[start:stop] for k, v in b.items()}  # noqa: E731
-    # calibrate this rank's pure backward compute (no communication) on its share
-    probe = copy.deepcopy(model)
-    with timed() as t_cal:
-        probe(**local(batches[0])).loss.backward()
-    with timed() as t_fwd_only:
-        with torch.no_grad():
-            probe(**local(batches[0]))
-    bwd_compute = max(t_cal.seconds - t_fwd_only.seconds, 0.0)
-    del probe
-    ddp = wrap(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    marks, losses = [], []
-    dist.barrier()
-    marks.append(time.perf_counter())
-    for i, b in enumerate(batches):
-        with timed() as t_fwd:
-            loss = ddp(**local(b)).loss
-        emu.stretch(t_fwd.seconds)
-        loss.backward()
-        emu.stretch(bwd_compute)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)  # for the printed loss curve only
-        losses.append(float(global_loss) / world)
-        if i == len(batches) - 1:
-            dist.barrier()  # the last step ends when the slow rank's emulated compute does
-        marks.append(time.perf_counter())
-    return _step_times(marks), losses
 
 
 def _parity_check(model_init, batch, pm) -> dict[str, float]:
@@ -140,58 +303,62 @@ def _parity_check(model_init, batch, pm) -> dict[str, float]:
     return {"reference_loss": float(loss.detach()), "max_grad_abs_diff": worst}
 
 
-def fsdp2_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL) -> list[float]:
+def fsdp2_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL) -> dict[str, Any]:
     """FSDP2 (even split) timed rounds, in processes of their own: FSDP2's device mesh and
     groups stay behind in a process and would slow whatever ran after them there."""
-    from fxpar.plan import Plan
-
     plan = Plan.from_json(plan_json)
     base = _build(model=model)
     batches = _batches(base, 1 + steps, plan.global_batch)
-    times: list[float] = []
+    out: dict[str, Any] = {"times": [], "losses": [], "timing": []}
     for _ in range(rounds):
-        t, _ = _ddp_steps(copy.deepcopy(base), batches, plan.ranks[dist.get_rank()].speed, wrap=_wrap_fsdp2)
-        times += t[1:]
-    return times
+        r = baseline_steps(copy.deepcopy(base), batches, plan.ranks[dist.get_rank()].speed, wrap=wrap_fsdp2)
+        out["times"] += r["times"][1:]
+        out["timing"] += r["timing"][1:]
+        out["losses"] = r["losses"]
+    return out
 
 
 def demo_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL) -> dict[str, Any]:
-    """Runs on every rank: parity check, then alternating timed rounds of fxpar and DDP."""
-    from fxpar.plan import Plan
-
+    """Runs on every rank: parity check, then alternating timed rounds of fxpar, fxpar even (a
+    data-parallel plan only) and DDP."""
     plan = Plan.from_json(plan_json)
     rank = dist.get_rank()
     speed = plan.ranks[rank].speed
     base = _build(model=model)
     batches = _batches(base, 1 + steps, plan.global_batch)
+    even_json = even_dp_plan(plan).to_json(indent=None) if plan.strategy == "data_parallel" else None
     # parity: one fxpar step vs single process on the same global batch (no emulation cost here)
     check_model = copy.deepcopy(base)
     _, first_losses, pm = _fxpar_steps(copy.deepcopy(base), batches[:1], plan_json, optimize=False)
     parity = _parity_check(check_model, batches[0], pm) if rank == 0 else {}
     parity["fxpar_loss"] = first_losses[0]
     out: dict[str, Any] = {"rank": rank, "speed": speed, "parity": parity,
-                           "fxpar": {"times": [], "losses": []}, "ddp": {"times": [], "losses": []}}
+                           **{m: {"times": [], "losses": [], "timing": []} for m in ("fxpar", "fxpar_even", "ddp")}}
     for _ in range(rounds):
-        t, losses, _ = _fxpar_steps(copy.deepcopy(base), batches, plan_json)
-        out["fxpar"]["times"] += t[1:]      # first step of each round is warm-up
-        out["fxpar"]["losses"] = losses
-        t, losses = _ddp_steps(copy.deepcopy(base), batches, speed)
-        out["ddp"]["times"] += t[1:]
-        out["ddp"]["losses"] = losses
+        for m, arm_json in (("fxpar", plan_json), ("fxpar_even", even_json)):
+            if arm_json is None:
+                continue
+            t, losses, _ = _fxpar_steps(copy.deepcopy(base), batches, arm_json)
+            out[m]["times"] += t[1:]      # first step of each round is warm-up
+            out[m]["losses"] = losses
+        r = baseline_steps(copy.deepcopy(base), batches, speed)
+        out["ddp"]["times"] += r["times"][1:]
+        out["ddp"]["timing"] += r["timing"][1:]
+        out["ddp"]["losses"] = r["losses"]
     return out
+
+
+def _median_timing(timings: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(t[k] for t in timings) for k in timings[0]} if timings else {}
 
 
 def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: int = 2,
              global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print,
              model_name: str = DEMO_MODEL, fsdp2: bool = False) -> dict[str, Any]:
-    """Plan, train with fxpar and with DDP on spawned gloo ranks, print and return the figures."""
-    import fxpar
-    from fxpar.runtime import WorkerPool
-    from fxpar.solvers import plan as solve_plan
-    from fxpar.tracing import trace
-
+    """Plan, train with fxpar, fxpar even and DDP (and FSDP2) on spawned gloo ranks, print and
+    return the figures."""
     torch.set_num_threads(1)
-    cluster = fxpar.Cluster.emulated(list(speeds))
+    cluster = Cluster.emulated(list(speeds))
     model = _build(model=model_name)
     example = _batches(model, 1, global_batch)[0]
     workload = Workload(global_batch=global_batch, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
@@ -202,40 +369,66 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     graph = trace(model, {k: v[:1] for k, v in example.items()})
     plan = solve_plan(graph, cluster, workload, strategies=("data_parallel", "pipeline"), max_tensor_parallel=1)
     print(plan.table())
-    progress(f"training {rounds} rounds x {steps} steps of fxpar and of torch DDP (even split) "
-             f"on {len(speeds)} gloo ranks")
+    progress(f"training {rounds} rounds x {steps} steps of fxpar, fxpar even and torch DDP (even "
+             f"split) on {len(speeds)} gloo ranks")
     with WorkerPool(len(speeds)) as pool:
         results = pool.run(demo_worker, plan.to_json(indent=None), steps, rounds, model_name, timeout=900)
-    fsdp2_times = None
+    fsdp2_out = None
     if fsdp2:
         progress("timing torch FSDP2 (even split) in fresh processes")
         with WorkerPool(len(speeds)) as pool:
-            fsdp2_times = pool.run(fsdp2_worker, plan.to_json(indent=None), steps, rounds, model_name,
-                                   timeout=900)[0]
+            fsdp2_out = pool.run(fsdp2_worker, plan.to_json(indent=None), steps, rounds, model_name, timeout=900)
     r0 = results[0]
-    fx, dd = statistics.median(r0["fxpar"]["times"]), statistics.median(r0["ddp"]["times"])
+    med = {m: statistics.median(r0[m]["times"]) if r0[m]["times"] else None for m in ("fxpar", "fxpar_even", "ddp")}
+    fx, ev, dd = med["fxpar"], med["fxpar_even"], med["ddp"]
+    fs = statistics.median(fsdp2_out[0]["times"]) if fsdp2_out else None
     ideal = sum(speeds) / (len(speeds) * min(speeds))
     print("\nstep  fxpar loss   ddp loss")
     for i, (a, b) in enumerate(zip(r0["fxpar"]["losses"], r0["ddp"]["losses"])):
         print(f"{i:4d}  {a:10.5f}  {b:10.5f}")
     print(f"\nmeasured step time (emulated speeds {list(speeds)}, median of {len(r0['fxpar']['times'])}):")
-    print(f"  fxpar {fx:.3f} s (min {min(r0['fxpar']['times']):.3f}, max {max(r0['fxpar']['times']):.3f})")
-    print(f"  DDP   {dd:.3f} s (min {min(r0['ddp']['times']):.3f}, max {max(r0['ddp']['times']):.3f})")
-    print(f"  fxpar is {dd / fx:.2f}x faster than DDP (compute-bound ideal {ideal:.2f}x); "
-          f"predicted step {plan.predicted_step_s:.3f} s (roofline on a nominal CPU rate)")
+    for name, key, value in (("fxpar", "fxpar", fx), ("fxpar even", "fxpar_even", ev), ("DDP", "ddp", dd)):
+        if value is not None:
+            ts = r0[key]["times"]
+            print(f"  {name:10s} {value:.3f} s (min {min(ts):.3f}, max {max(ts):.3f})")
+    if fs is not None:
+        print(f"  {'FSDP2':10s} {fs:.3f} s (min {min(fsdp2_out[0]['times']):.3f}, "
+              f"max {max(fsdp2_out[0]['times']):.3f})")
+    print(f"  fxpar is {dd / fx:.2f}x faster than DDP (compute-bound ideal {ideal:.2f}x)"
+          + (f", {ev / fx:.2f}x faster than its own even split" if ev else "")
+          + f"; predicted step {plan.predicted_step_s:.3f} s (roofline on a nominal CPU rate)")
     p = r0["parity"]
     print(f"  parity, step 0: fxpar loss {p['fxpar_loss']:.6f} vs single process "
           f"{p['reference_loss']:.6f}; max |grad diff| {p['max_grad_abs_diff']:.2e}")
     return {
         "emulated": True, "speeds": list(speeds), "model": model_name, "global_batch": global_batch,
-        "seq_len": DEMO_SEQ, "plan": plan.to_dict(), "batch_shares": list(plan.batch_shares),
-        "fxpar_step_s": fx, "ddp_step_s": dd, "speedup": dd / fx, "ideal_speedup": ideal,
-        "fsdp2_step_s": statistics.median(fsdp2_times) if fsdp2_times else None,
-        "fsdp2_step_times_s": fsdp2_times,
+        "seq_len": DEMO_SEQ, "dtype": workload.dtype, "model_config": model_summary(model_name),
+        "plan": plan.to_dict(), "batch_shares": list(plan.batch_shares),
+        "even_shares": even_shares(global_batch, len(speeds)),
+        "fxpar_step_s": fx, "fxpar_even_step_s": ev, "ddp_step_s": dd, "speedup": dd / fx,
+        "speedup_vs_even": ev / fx if ev else None, "ideal_speedup": ideal,
+        "fsdp2_step_s": fs, "fsdp2_step_times_s": fsdp2_out[0]["times"] if fsdp2_out else None,
         "predicted_step_s": plan.predicted_step_s,
-        "fxpar_step_times_s": r0["fxpar"]["times"], "ddp_step_times_s": r0["ddp"]["times"],
-        "fxpar_losses": r0["fxpar"]["losses"], "ddp_losses": r0["ddp"]["losses"],
+        "fxpar_step_times_s": r0["fxpar"]["times"], "fxpar_even_step_times_s": r0["fxpar_even"]["times"],
+        "ddp_step_times_s": r0["ddp"]["times"],
+        "fxpar_losses": r0["fxpar"]["losses"], "fxpar_even_losses": r0["fxpar_even"]["losses"],
+        "ddp_losses": r0["ddp"]["losses"], "fsdp2_losses": fsdp2_out[0]["losses"] if fsdp2_out else None,
+        # the baselines' emulation per rank (medians over the timed steps): compute segments,
+        # sleep added, time inside collectives, collectives bracketed per step
+        "baseline_emulation": {"ddp": [_median_timing(r["ddp"]["timing"]) for r in results],
+                               **({"fsdp2": [_median_timing(r["timing"]) for r in fsdp2_out]} if fsdp2_out else {})},
         "per_rank": [{"rank": r["rank"], "speed": r["speed"], "fxpar_losses": r["fxpar"]["losses"],
                       "ddp_losses": r["ddp"]["losses"]} for r in results],
         "parity": {**p, "loss_abs_diff": abs(p["fxpar_loss"] - p["reference_loss"])},
     }
+
+
+def model_summary(model_name: str) -> dict[str, Any]:
+    """The preset's shape as results tables describe it (layers, hidden size, experts)."""
+    cfg = PRESETS[model_name].hf_config
+    out = {"model_type": cfg.get("model_type"), "layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
+           "hidden": cfg.get("hidden_size", cfg.get("n_embd")), "vocab": cfg.get("vocab_size")}
+    if "num_local_experts" in cfg:
+        out.update(experts=cfg["num_local_experts"], top_k=cfg.get("num_experts_per_tok"))
+    return out
+

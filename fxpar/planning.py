@@ -13,10 +13,12 @@ import torch
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
+from fxpar.profiling.keys import trace_at_two_batches
 from fxpar.solvers import check_inputs
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import ModelGraph, trace
-from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config
+from fxpar.tracing.repeat import SHALLOW_LAYERS, can_shorten, depth, extend
 from fxpar.workload import Workload
 
 Progress = Callable[[str], None]
@@ -42,8 +44,6 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
         inputs = example_inputs(module, 1, workload.seq_len, task=model.task, device="meta")
         name = model.display_name
         if op_keys:
-            from fxpar.tracing.trace import trace_at_two_batches
-
             progress(f"tracing {name} with torch.export at batch 2 and 4 (profile keys)")
             graph = trace_at_two_batches(
                 module, example_inputs(module, 2, workload.seq_len, task=model.task, device="meta"),
@@ -72,9 +72,6 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
 def _trace_shallow(spec: ModelSpec, workload: Workload, progress: Progress, start: float) -> ModelGraph | None:
     """A model of many identical layers: trace a few, copy the rest (:mod:`fxpar.tracing.repeat`);
     None when that does not apply (then the caller traces the whole model)."""
-    from fxpar.tracing.hf import hf_config
-    from fxpar.tracing.repeat import SHALLOW_LAYERS, can_shorten, depth, extend
-
     config = hf_config(spec)
     if not can_shorten(config):
         return None

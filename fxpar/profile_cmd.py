@@ -19,9 +19,13 @@ from typing import Callable
 
 import torch
 
+from fxpar.cluster.detect import match_device_name
 from fxpar.errors import ConfigError
+from fxpar.models import resolve_model
 from fxpar.profiling.database import ProfileDB
-from fxpar.tracing.hf import ModelSpec
+from fxpar.profiling.measure import profile_model
+from fxpar.profiling.measure_comm import measure_collectives
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
 
 def local_device_type(device: str) -> tuple[str, str]:
@@ -33,7 +37,6 @@ def local_device_type(device: str) -> tuple[str, str]:
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is visible here; use --device cpu")
-        from fxpar.cluster.detect import match_device_name
 
         name = torch.cuda.get_device_name()
         mem = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -47,10 +50,6 @@ def local_device_type(device: str) -> tuple[str, str]:
 
 def profile_ops(*, model: str | ModelSpec, batch: int, seq: int, device: str, out: Path,
                 repeats: int, dtype: str, progress: Callable[[str], None]) -> Path | None:
-    from fxpar.models import resolve_model
-    from fxpar.profiling.measure import profile_model
-    from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
-
     spec = resolve_model(model) if isinstance(model, str) else model
     if not isinstance(spec, ModelSpec):
         raise ConfigError("fxpar profile --model: give a preset or a HF config.json")
@@ -93,7 +92,6 @@ def maybe_init_process_group() -> bool:
 def profile_collectives(*, out: Path, progress: Callable[[str], None]) -> Path | None:
     import torch.distributed as dist
 
-    from fxpar.profiling.measure_comm import measure_collectives
 
     created = maybe_init_process_group()
     if not dist.is_initialized():

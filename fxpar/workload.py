@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from fxpar.errors import ConfigError
-from fxpar.profiling.memory import OPTIMIZERS
+
+Optimizer = Literal["adam", "adamw", "sgd"]
+OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 
 DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 

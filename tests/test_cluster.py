@@ -302,7 +302,7 @@ def test_detect_grouping_of_gathered_reports() -> None:
     runs = _host_runs(infos)
     assert runs == [[0, 1, 2], [3]]
     nodes = [n for ranks in runs for n in _nodes_of_host(ranks, infos)]
-    assert [(n.device_type, n.count, n.memory_gib) for n in nodes] == [
+    assert [(n["gpu"], n["count"], n.get("memory_gib")) for n in nodes] == [
         ("RTX-4090", 2, None), ("RTX-A6000", 1, None), ("A100-SXM-40GB", 1, 20.0)]
     with pytest.raises(ConfigError, match="not contiguous"):
         _host_runs([infos[0], infos[3], infos[1]])

@@ -14,9 +14,10 @@ from fxpar.models import PRESETS
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.sim import simulate
+from fxpar.sim.expert_costs import build_problem
+from fxpar.sim.expert_sim import EPGroup, EPProblem, evaluate, valid_share
 from fxpar.solvers import plan as solve_plan
-from fxpar.solvers.expert_costs import build_problem
-from fxpar.solvers.expert_plan import EPGroup, EPProblem, evaluate, solve, valid_share
+from fxpar.solvers.expert_plan import solve
 from fxpar.workload import Workload
 
 BIG = 10 ** 12

@@ -29,6 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, STEPS, LR = 12, 32, 8, 1e-3
 LOSS_TOL = 2e-5
 WEIGHT_TOL = 2e-4   # after 8 AdamW steps: Adam's update amplifies 1e-7 gradient differences
+#: ‖w − w_ref‖ / ‖w_ref − w_0‖ over all weights after the run (measured 5e-5 .. 2.5e-4): the
+#: trajectories agree to 0.1%.  A
+#: max-abs bound alone is fragile under Adam (a weight whose gradient hovers near 0 moves by up
+#: to one learning rate per step on a 1e-7 difference), so the Accelerate tests bound both
+TRAJECTORY_TOL = 1e-3
 
 
 def _dataset():
@@ -36,8 +41,9 @@ def _dataset():
 
 
 def _torchrun(script: str, args: list[str], env: dict[str, str], tmp: Path, nproc: int = 2) -> None:
+    path = ROOT / "examples" / script if "/" not in script else ROOT / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "examples" / script), *args]
+           str(path), *args]
     full_env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1", **env}
     proc = subprocess.run(cmd, check=False, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -103,6 +109,17 @@ def loop_reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _assert_trajectory(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    """Saved weights vs the single-process run: max-abs within ``8·LR`` (Adam moves a weight by
+    at most about LR per step) and the relative gap within :data:`TRAJECTORY_TOL`."""
+    initial = dict(_model().named_parameters())
+    gap = sum(float((state[n] - reference[n]).double().pow(2).sum()) for n in reference) ** 0.5
+    moved = sum(float((reference[n] - initial[n].detach()).double().pow(2).sum()) for n in reference) ** 0.5
+    worst = max(float((state[n] - reference[n]).abs().max()) for n in reference)
+    print(f"[parity] worst difference: {worst:.2e}; relative gap {gap / moved:.2e} of the distance moved")
+    assert worst < STEPS * LR and gap / moved < TRAJECTORY_TOL, (worst, gap / moved)
+
+
 def _assert_weights(saved_dir: Path, reference: dict[str, torch.Tensor]) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -118,10 +135,12 @@ def _assert_weights(saved_dir: Path, reference: dict[str, torch.Tensor]) -> floa
 def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_reference):
     """Uneven DP through FxparTrainer; rank 1 slows to 0.25 at step 2 and the callback
     re-balances mid-run: the loss curve, the evaluation loss afterwards and the saved weights
-    still equal the single-process Trainer's."""
+    still equal the single-process Trainer's.  The busy times the callback re-balances from are
+    injected (share / speed, tests/trainer_injected_busy.py), not this machine's timing, so the
+    proposal is the one those measurements call for."""
     cfg = _write_config(tmp_path, speeds=[1.0, 1.0],
                         rebalance={"enabled": True, "threshold": 0.1, "warmup_steps": 1, "window": 2})
-    _torchrun("train_trainer.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
+    _torchrun("tests/trainer_injected_busy.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
                                    "--slow-down", "1:0.25:2", "--out", "run.json", "--output-dir", "saved",
                                    "--eval"],
               {}, tmp_path)
@@ -135,7 +154,10 @@ def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_refe
     applied = [e for e in run["events"] if e["applied"]]
     assert applied, f"no re-balance happened: {run['events']}"
     first = applied[0]
-    assert first["shares"] == [6, 6] and first["proposed"][0] >= 8, first  # 4x slower rank 1
+    # window = steps 2 (both at speed 1: 0.06 s each) and 3 (rank 1 at 0.25: 0.24 s): medians
+    # 0.06 / 0.15 s, so 12 samples split 1 : 0.4 -> 9 / 3 (the greedy min-max of the solver)
+    assert first["step"] == 3 and first["busy_s"] == pytest.approx([0.06, 0.15]), first
+    assert first["shares"] == [6, 6] and first["proposed"] == [9, 3], first
     _assert_weights(tmp_path / "saved", ref_weights)
     assert (tmp_path / "saved" / "fxpar_plan.json").is_file()
 
@@ -188,9 +210,7 @@ def test_accelerate_dp_matches_and_state_round_trips(tmp_path, loop_reference):
     from fxpar.checkpoint import read_model_state
 
     state = read_model_state(tmp_path / "ckpt" / "fxpar")  # saved by save_state, then reloaded
-    worst = max(float((state[n] - ref_weights[n]).abs().max()) for n in ref_weights)
-    print(f"[parity] worst difference: {worst:.2e}")
-    assert worst < WEIGHT_TOL
+    _assert_trajectory(state, ref_weights)
 
 
 def test_accelerate_tensor_parallel_matches_and_checkpoints(tmp_path, loop_reference):
@@ -211,11 +231,8 @@ def test_accelerate_tensor_parallel_matches_and_checkpoints(tmp_path, loop_refer
     from fxpar.checkpoint import read_model_state
 
     state = read_model_state(tmp_path / "ckpt" / "fxpar")  # 3:1 shards reassembled at true offsets
-    worst = max(float((state[n] - loop_reference[1][n]).abs().max()) for n in loop_reference[1])
-    # row-parallel layers sum partial products in another order; after 8 AdamW steps a weight
-    # whose gradient hovers near zero can differ by up to one step of the learning rate
-    print(f"[parity] worst difference: {worst:.2e}")
-    assert worst < LR, worst
+    # row-parallel layers sum partial products in another order (see _assert_trajectory)
+    _assert_trajectory(state, loop_reference[1])
 
 
 def test_accelerate_pipeline_of_tensor_parallel_stages(tmp_path, loop_reference):
@@ -238,9 +255,7 @@ def test_accelerate_pipeline_of_tensor_parallel_stages(tmp_path, loop_reference)
     from fxpar.checkpoint import read_model_state
 
     state = read_model_state(tmp_path / "ckpt" / "fxpar")  # shards and vocab rows reassembled
-    worst = max(float((state[n] - loop_reference[1][n]).abs().max()) for n in loop_reference[1])
-    print(f"[parity] worst difference: {worst:.2e}")
-    assert worst < LR, worst
+    _assert_trajectory(state, loop_reference[1])
 
 
 # ---- pure pieces ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fxpar.sim.pipeline_sim import one_f_one_b_order, simulate_1f1b
+from fxpar.sim.segments import SegmentTable
 from fxpar.solvers.pipeline import (
     KindInfo,
     PipelineContext,
@@ -17,7 +18,6 @@ from fxpar.solvers.pipeline import (
     evaluate,
     search,
 )
-from fxpar.solvers.segments import SegmentTable
 
 GIB = 2**30
 
@@ -150,7 +150,7 @@ def test_layouts_deal_slots_pipeline_or_stage_first():
 def test_slow_nic_puts_a_stages_replicas_on_one_node():
     # big gradients, tiny activations: stage-major keeps each stage's all-reduce inside a node
     from fxpar.profiling.collectives import ALPHA_INTER_S, ALPHA_INTRA_S, LINK_EFFICIENCY
-    from fxpar.solvers.placement import LinkCosts
+    from fxpar.solvers.placement import build_links
 
     ctx = _two_node_ctx(params=1e8, boundary=8.0)
     stages = (StageSpec("fast", 1), StageSpec("fast", 1))
@@ -158,8 +158,8 @@ def test_slow_nic_puts_a_stages_replicas_on_one_node():
     sm = evaluate(ctx, 2, stages, 2, False, cuts=(0, 2, 4), zero=False, layout="stage-major")
     grad = 2e8 * 4  # two segments of 1e8 fp32 parameters
     # stage-major: a ring of 2 inside one node; pipeline-major: both stages' rings cross the NIC
-    sm_links = LinkCosts.build(ctx, 2, stages, "stage-major")
-    pm_links = LinkCosts.build(ctx, 2, stages, "pipeline-major")
+    sm_links = build_links(ctx, 2, stages, "stage-major")
+    pm_links = build_links(ctx, 2, stages, "pipeline-major")
     assert sm_links.allreduce_s([grad, grad]) == pytest.approx(grad / (LINK_EFFICIENCY * 1e11) + 2 * ALPHA_INTRA_S)
     assert pm_links.allreduce_s([grad, grad]) == pytest.approx(
         2 * grad / (LINK_EFFICIENCY * 1e9) + 2 * ALPHA_INTER_S)   # two rings share each NIC
@@ -180,10 +180,10 @@ def test_big_activations_keep_a_pipeline_inside_a_node():
     assert pm.step_s < sm.step_s
     # stage-major: both pipelines' hops leave node 0 at once and share its NIC
     from fxpar.profiling.collectives import LINK_EFFICIENCY
-    from fxpar.solvers.placement import LinkCosts
+    from fxpar.solvers.placement import build_links
 
-    assert LinkCosts.build(ctx, 2, stages, "stage-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e9 / 2)
-    assert LinkCosts.build(ctx, 2, stages, "pipeline-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e11)
+    assert build_links(ctx, 2, stages, "stage-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e9 / 2)
+    assert build_links(ctx, 2, stages, "pipeline-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e11)
     assert search(ctx).layout == "pipeline-major"
 
 

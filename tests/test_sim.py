@@ -60,12 +60,14 @@ def test_micro_batches_split_like_codegen():
 
 
 def test_timeline_png(setup, tmp_path):
+    pytest.importorskip("matplotlib", reason="the timeline is an optional feature: pip install 'fxpar[plot]'")
     _, _, plan, cost = setup
     path = plot_timeline(simulate(plan, cost), tmp_path / "t.png", title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_plan_timeline(tmp_path, scenarios_dir):
+    pytest.importorskip("matplotlib", reason="the timeline is an optional feature: pip install 'fxpar[plot]'")
     out = tmp_path / "timeline.png"
     assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--timeline", str(out)]) == 0
     assert out.stat().st_size > 1000

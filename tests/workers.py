@@ -149,7 +149,7 @@ def pipeline_case(cfg: dict, world: int, batch: int, seq: int, steps: int, **pla
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=batch, **plan_kwargs)
-    data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=False) for s in range(steps)]
+    data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=True) for s in range(steps)]
     return model, reference, plan, data
 
 

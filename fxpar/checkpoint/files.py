@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fxpar.errors import CheckpointError
+from fxpar.runtime.device import CPU
 
 FORMAT = "fxpar-checkpoint"
 FORMAT_VERSION = 1
@@ -100,7 +101,7 @@ def read_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
     path = Path(directory).absolute()
     _, md = read_metadata(path)
     state = {MODEL_PREFIX + fqn: torch.empty(shape, dtype=md.state_dict_metadata[MODEL_PREFIX + fqn]
-                                             .properties.dtype)
+                                             .properties.dtype, device=CPU)
              for fqn, shape in saved_shapes(md).items()}
     with quiet_dcp():
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)

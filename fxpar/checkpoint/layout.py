@@ -9,7 +9,12 @@ A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever
 - :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule` holds *ragged* slices (rows of
   ``q/k/v/gate/up_proj``, columns of ``o/down_proj``, any split sizes) and says so itself;
 - :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` holds the rows ``[lo, hi)`` of
-  every ``(E, ...)`` expert tensor (its experts) and replicas of the rest.
+  every ``(E, ...)`` expert tensor (its experts, from the plan's ``expert_split``) and replicas
+  of the rest.
+
+Modules are recognised by what they are (``plan.strategy``, ``checkpoint_layout()``,
+``named_original_parameters()``), never by importing codegen: checkpoint sits below codegen in
+the layer order.
 
 A module describes itself with a ``checkpoint_layout()`` method returning :class:`LocalParam`
 entries (the box of the full tensor it holds); that takes precedence over the rules above and
@@ -109,8 +114,6 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
     if not isinstance(pmodel, torch.nn.Module):
         raise CheckpointError(f"checkpoint: the model has type {type(pmodel).__name__}; pass the "
                               "torch.nn.Module fxpar.auto returned (or a plain model)")
-    from fxpar.codegen.data_parallel import DataParallelModule
-
     group, distributed = process_group(pmodel, distributed)
     custom = getattr(pmodel, "checkpoint_layout", None)
     if callable(custom):
@@ -124,7 +127,7 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
     experts = _expert_parallel(pmodel)
     if experts is not None:
         return Layout(kind="expert_parallel", params=experts, group=group, distributed=distributed)
-    if isinstance(pmodel, DataParallelModule):
+    if _strategy(pmodel) == "data_parallel":  # a replica: the wrapped model's parameters
         params = _unique(LocalParam(fqn=n, param=p) for n, p in pmodel.module.named_parameters())
         return Layout(kind="data_parallel", params=_whole(params), group=group, distributed=distributed)
     params = _unique(LocalParam(fqn=n, param=p) for n, p in pmodel.named_parameters())
@@ -143,30 +146,28 @@ def _whole(params: tuple[LocalParam, ...]) -> tuple[LocalParam, ...]:
     return params
 
 
+def _strategy(pmodel: torch.nn.Module) -> str | None:
+    """The plan kind of an fxpar parallel module (``pmodel.plan.strategy``); None otherwise."""
+    return getattr(getattr(pmodel, "plan", None), "strategy", None) if hasattr(pmodel, "module") else None
+
+
 def _expert_parallel(pmodel: torch.nn.Module) -> tuple[LocalParam, ...] | None:
-    """Expert parallelism: every expert tensor ``(E, ...)`` holds the rows ``[lo, hi)`` of this
-    rank's experts (``ExpertParallelExperts``); everything else is a replica.  None for any
-    other module."""
-    try:
-        from fxpar.codegen.expert_parallel import (
-            ExpertParallelExperts,
-            ExpertParallelModule,
-        )
-    except ImportError:  # pragma: no cover - expert parallelism not installed
+    """Expert parallelism: every expert tensor ``(E, ...)`` (marked ``fxpar_sharded`` along
+    dimension 0) holds the rows ``[o_r, o_r + n_r)`` of rank ``r``'s experts, with ``n`` the
+    plan's ``expert_split`` and ``o_r = Σ_{s<r} n_s``; everything else is a replica.  None for
+    any other module."""
+    if _strategy(pmodel) != "expert_parallel":
         return None
-    if not isinstance(pmodel, ExpertParallelModule):
-        return None
-    boxes: dict[int, tuple[int, int]] = {}
-    for module in pmodel.module.modules():
-        if isinstance(module, ExpertParallelExperts):
-            for p in module.parameters(recurse=False):
-                boxes[id(p)] = (int(module.lo), int(module.num_experts))
+    split = [int(n) for n in pmodel.plan.stages[0].expert_split]
+    lo, experts = sum(split[: pmodel.rank]), sum(split)
     out = []
     for name, p in pmodel.module.named_parameters():
-        if id(p) not in boxes:
+        if not getattr(p, "fxpar_sharded", False):
             out.append(LocalParam(fqn=name, param=p))
             continue
-        lo, experts = boxes[id(p)]
+        if getattr(p, "fxpar_shard_dim", None) != 0 or p.shape[0] != split[pmodel.rank]:
+            raise CheckpointError(f"checkpoint: expert tensor {name} of shape {list(p.shape)} is not "
+                                  f"rank {pmodel.rank}'s {split[pmodel.rank]} experts of {split}")
         out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
             global_shape=(experts, *p.shape[1:]), offsets=(lo,) + (0,) * (p.dim() - 1))))
     return _unique(out)

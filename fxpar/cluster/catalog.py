@@ -50,6 +50,8 @@ Vendor = Literal["nvidia", "amd", "cpu", "custom"]
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16")
 VENDORS: tuple[str, ...] = ("nvidia", "amd", "cpu", "custom")
 GIB: int = 1 << 30
+#: largest relative speed an emulated device may be given
+MAX_SPEED = 1e3
 #: Order in which supported precisions are suggested when the requested one is missing.
 _SUGGESTION_ORDER: tuple[str, ...] = ("fp16", "bf16", "tf32", "fp32")
 

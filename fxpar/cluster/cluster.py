@@ -19,6 +19,7 @@ import yaml
 
 from fxpar.cluster.catalog import (
     GIB,
+    MAX_SPEED,
     DeviceType,
     Dtype,
     check_keys,
@@ -26,9 +27,9 @@ from fxpar.cluster.catalog import (
     positive_int,
     positive_number,
 )
+from fxpar.cluster.detect import detected_cluster_mapping
 from fxpar.errors import ConfigError
 
-MAX_SPEED = 1e3
 MAX_WORLD_SIZE = 1 << 20
 DEFAULT_SINGLE_NODE_GBPS = 100.0
 NODE_KEYS: tuple[str, ...] = ("gpu", "count", "repeat", "intra_node_gbps", "speed", "speeds", "memory_gib")
@@ -232,12 +233,9 @@ class Cluster:
 
     @classmethod
     def detect(cls, group: Any = None, *, name: str = "detected") -> "Cluster":
-        """Describe the devices of an initialised torch.distributed group (see ``detect.py``)."""
-        from fxpar.cluster.detect import (
-            detect_cluster,  # torch stays out of plain imports
-        )
-
-        return detect_cluster(group, name=name)
+        """Describe the devices of an initialised torch.distributed group (see ``detect.py``):
+        every rank reports its device, and the reports read as a cluster file."""
+        return cls.from_dict(detected_cluster_mapping(group), name=name, source="Cluster.detect")
 
     def __str__(self) -> str:
         parts, start = [], 0

@@ -18,8 +18,7 @@ import re
 import socket
 from typing import Any, Callable
 
-from fxpar.cluster.catalog import CATALOG, GIB, positive_number
-from fxpar.cluster.cluster import MAX_SPEED, Cluster, NodeSpec
+from fxpar.cluster.catalog import CATALOG, GIB, MAX_SPEED, positive_number
 from fxpar.errors import ConfigError
 
 DEFAULT_INTER_NODE_GBPS = 100.0
@@ -142,29 +141,34 @@ def _host_runs(infos: list[dict[str, Any]]) -> list[list[int]]:
     return runs
 
 
-def _nodes_of_host(ranks: list[int], infos: list[dict[str, Any]]) -> list[NodeSpec]:
-    """One NodeSpec per consecutive run of same-type, same-memory devices on a host (a host
-    with mixed GPU models becomes several node entries, as in lab-4090-a6000.yaml)."""
+def _nodes_of_host(ranks: list[int], infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cluster-file node entry per consecutive run of same-type, same-memory devices on a
+    host (a host with mixed GPU models becomes several entries, as in lab-4090-a6000.yaml)."""
     entries = [_device_entry(rank, infos[rank]) for rank in ranks]
-    nodes: list[NodeSpec] = []
+    nodes: list[dict[str, Any]] = []
     start = 0
     for end in range(1, len(entries) + 1):
         if end < len(entries) and entries[end][:2] == entries[start][:2]:
             continue
         name, memory_gib, _ = entries[start]
         run = entries[start:end]
-        speeds = tuple(e[2] for e in run) if name == "cpu" else None
-        nodes.append(NodeSpec(device_type=name, count=len(run), speeds=speeds, memory_gib=memory_gib))
+        node: dict[str, Any] = {"gpu": name, "count": len(run)}
+        if name == "cpu":
+            node["speeds"] = [e[2] for e in run]
+        if memory_gib is not None:
+            node["memory_gib"] = memory_gib
+        nodes.append(node)
         start = end
     return nodes
 
 
-def detect_cluster(group: Any = None, *, name: str = "detected") -> Cluster:
-    """Gather every rank's device over ``group`` (default: the world) and build the Cluster.
+def detected_cluster_mapping(group: Any = None) -> dict[str, Any]:
+    """Gather every rank's device over ``group`` (default: the world) and describe them as a
+    cluster file would (``{inter_node_gbps, nodes: [...]}``; :meth:`Cluster.detect` parses it).
 
     Collective: every rank of the group must call it.  Requires an initialised process group.
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch stays out of plain `import fxpar.cluster`
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
@@ -175,4 +179,4 @@ def detect_cluster(group: Any = None, *, name: str = "detected") -> Cluster:
     infos: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(infos, local_device_info(), group=group)
     nodes = [node for ranks in _host_runs(infos) for node in _nodes_of_host(ranks, infos)]
-    return Cluster(name=name, nodes=tuple(nodes), inter_node_gbps=infos[0]["inter_node_gbps"])
+    return {"inter_node_gbps": infos[0]["inter_node_gbps"], "nodes": nodes}

@@ -27,6 +27,11 @@ from typing import Any
 
 import torch
 
+from fxpar.codegen.hand_plans import block_paths
+from fxpar.codegen.pipeline_parallel import layer_to_stage
+from fxpar.codegen.pipeline_split import split_stages
+from fxpar.codegen.tensor_parallel import shard_model, split_sizes
+from fxpar.codegen.tp_layout import tp_layout
 from fxpar.plan import Plan
 
 
@@ -60,9 +65,6 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
                 "runs": "the model with every MoE layer's experts cut to [lo, hi); routed tokens "
                         "travel to their experts' ranks and back by all_to_all_single"}))
         return written
-    from fxpar.codegen.hand_plans import block_paths
-    from fxpar.codegen.pipeline_parallel import layer_to_stage
-    from fxpar.codegen.pipeline_split import split_stages
 
     if model is None or example_inputs is None:
         raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
@@ -99,8 +101,6 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
 
 def _positions(model: torch.nn.Module, width: int, tensor_split: Any) -> list[list[int]]:
     """Key/value head groups per position, one list per position (each the full split)."""
-    from fxpar.codegen.tensor_parallel import split_sizes
-
     config = model.config
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     shares = list(tensor_split[:width]) if tensor_split is not None else split_sizes(kv, [1] * width)
@@ -108,8 +108,6 @@ def _positions(model: torch.nn.Module, width: int, tensor_split: Any) -> list[li
 
 
 def _shard_copy(model: torch.nn.Module, shares: list[int], position: int, blocks: set[str] | None):
-    from fxpar.codegen.tensor_parallel import shard_model
-
     sharded = copy.deepcopy(model)
     with warnings.catch_warnings():  # the dropout warning is for training, not for inspection
         warnings.simplefilter("ignore", UserWarning)
@@ -119,9 +117,6 @@ def _shard_copy(model: torch.nn.Module, shares: list[int], position: int, blocks
 
 def _emit_tensor_parallel(plan: Plan, model: torch.nn.Module, example_inputs: dict[str, Any],
                           blocks: list[str], out: Path) -> list[Path]:
-    from fxpar.codegen.pipeline_split import split_stages
-    from fxpar.codegen.tp_layout import tp_layout
-
     layout = tp_layout(plan)
     written = []
     for t in range(layout.width):

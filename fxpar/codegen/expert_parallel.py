@@ -22,9 +22,9 @@ Dispatch and combine are ``all_to_all_single`` with per-rank split sizes (gloo s
 splits there, not in list ``all_to_all`` or ``all_gather``), wrapped in :class:`_AllToAll`
 whose backward is the all-to-all with the split sizes swapped, so the autograd graph spans ranks.
 
-Gradients.  With a mean loss over the ``N`` items of the global batch (label tokens for HF
-language models), rank ``r`` back-propagates ``(N_r / N) · L_r``.  A replicated parameter's
-gradients are SUM-all-reduced (as in :mod:`fxpar.codegen.data_parallel`).  An expert's rows
+Gradients.  The shared step loop (:mod:`fxpar.runtime.step_loop`, which gives the weighting
+math) has rank ``r`` back-propagate ``(N_m / N) · L_m`` for each micro-batch.  A replicated
+parameter's gradients are SUM-all-reduced (as in :mod:`fxpar.codegen.data_parallel`).  An expert's rows
 arrive from every rank, and the backward all-to-all returns the weighted gradient of each rank's
 loss to the owner, so the owner's local gradient already is ``∂L/∂W_e`` of the global batch:
 expert parameters need no all-reduce.  Parameter names stay those of the model; an expert
@@ -35,31 +35,48 @@ tensor holds the rows ``[o_r, o_r + n_r)`` of the original ``(E, ·, ·)`` tenso
 
 Every rank takes part in every all-to-all (also one that owns no expert or receives no token),
 so every rank needs >= 1 sample in each of its micro-batches and all ranks the same number of
-micro-batches.  Speed emulation stretches each compute segment before the next collective.
+micro-batches, and a micro-batch without label tokens is not skipped but run with a zero loss
+(zero gradients, every collective).  Speed emulation stretches each compute segment before the
+next collective.
 
 A Switch/Mixtral auxiliary balancing loss (``config.output_router_logits``) is a non-linear
 function of the whole batch's routing, so averaging it over ranks is not exact; it is refused
 unless ``allow_local_aux_loss=True``.
+
+Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; the
+experts are cut (on ``meta`` for a meta model: the rank's rows ``[o_r, o_r + n_r)`` of every
+``(E, ...)`` tensor, marked with their box); the rank's experts and the replicated rest are
+materialised on its device from the checkpoint or the seeded initialisation.  A real model
+without a checkpoint takes rank 0's weights (broadcast tensor by tensor) before the cut.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fxpar.codegen.data_parallel import StepTiming, _default_loss, _split, count_items
+from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.cluster import Cluster
 from fxpar.codegen.grad_norm import clip_by_global_norm
+from fxpar.codegen.hand_plans import expert_parallel_plan
+from fxpar.codegen.materialize import materialize, module_slots, weights_source
+from fxpar.codegen.shards import slice_parameter
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock as _Clock
-from fxpar.runtime.emulation import SpeedEmulator
-from fxpar.runtime.precision import autocast_for
+from fxpar.runtime.step_loop import (
+    LossFn,
+    LossWeighting,
+    StepModule,
+    allreduce_gradients,
+)
 
 EXPERT_PARAMS: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
@@ -151,8 +168,8 @@ class ExpertParallelExperts(torch.nn.Module):
         with torch.no_grad():
             for p in EXPERT_PARAMS:
                 full = getattr(experts, p)
-                local = torch.nn.Parameter(full.detach()[self.lo:self.hi].clone(),
-                                           requires_grad=full.requires_grad)
+                local = slice_parameter(full, 0, self.lo, self.hi)  # marked with its box (shard_spec)
+                local.requires_grad_(full.requires_grad)
                 self.register_parameter(p, local)
         self.last_routed = 0    # assignments routed by all ranks in the last forward
         self.last_dropped = 0   # of which dropped by the capacity limit
@@ -195,16 +212,16 @@ class ExpertParallelExperts(torch.nn.Module):
             order = torch.sort(e_flat, stable=True).indices       # by expert, then token order
             e_sorted = e_flat[order]
             first = torch.cumsum(counts[self.rank], 0) - counts[self.rank]
-            pos = torch.arange(e_flat.numel()) - first[e_sorted]
+            pos = torch.arange(e_flat.numel(), device=e_flat.device) - first[e_sorted]
             slots = order[pos < kept[self.rank][e_sorted]]         # kept assignments, by expert
             send = [int(kept[self.rank, lo:hi].sum()) for lo, hi in self.ranges]
             recv = [int(kept[s, self.lo:self.hi].sum()) for s in range(len(self.split))]
             mine = kept[:, self.lo:self.hi]                        # rows from rank s per local expert
             row_expert = torch.repeat_interleave(
-                torch.arange(self.hi - self.lo).repeat(len(self.split)), mine.reshape(-1))
+                torch.arange(self.hi - self.lo, device=mine.device).repeat(len(self.split)), mine.reshape(-1))
             perm = torch.sort(row_expert, stable=True).indices    # group rows by local expert
             inv = torch.empty_like(perm)
-            inv[perm] = torch.arange(perm.numel())
+            inv[perm] = torch.arange(perm.numel(), device=perm.device)
             per_expert = mine.sum(0).tolist()
         rows = _AllToAll.apply(hidden[slots // k], send, recv, self.group, clock)
         grouped = rows[perm]
@@ -244,15 +261,19 @@ def shard_experts(model: torch.nn.Module, split: Sequence[int], rank: int, *, gr
     return out
 
 
-class ExpertParallelModule(torch.nn.Module):
+class ExpertParallelModule(StepModule):
     """This rank's module of an ``expert_parallel`` plan (or of a bare expert split with
     ``batch_shares``); ``step(global_batch)`` trains one step and returns the global loss."""
 
+    empty_microbatches = "zero_loss"   # every rank joins every micro-batch's all-to-alls
+    hf_use_cache = False
+
     def __init__(self, model: torch.nn.Module, plan_or_split: Plan | Sequence[int], rank: int, *,
                  batch_shares: Sequence[int] | None = None, group: Any = None,
-                 capacity_factor: float | None = None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, emulate: bool = True,
-                 broadcast_parameters: bool = True, allow_local_aux_loss: bool = False) -> None:
+                 capacity_factor: float | None = None, loss_fn: LossFn | None = None,
+                 loss_weighting: LossWeighting = "auto", emulate: bool = True,
+                 broadcast_parameters: bool = True, allow_local_aux_loss: bool = False,
+                 device: torch.device | str | None = None, checkpoint: str | Path | None = None) -> None:
         super().__init__()
         plan = plan_or_split if isinstance(plan_or_split, Plan) else _plan_from_split(
             model, plan_or_split, batch_shares)
@@ -261,101 +282,54 @@ class ExpertParallelModule(torch.nn.Module):
             raise PlanError("config.output_router_logits is on: the auxiliary balancing loss depends on "
                             "the whole batch's routing, so per-rank averaging is not exact; set it "
                             "False, or pass allow_local_aux_loss=True to accept the approximation")
-        self.plan, self.rank, self.group, self.module = plan, rank, group, model
-        self.world = plan.world_size
+        self.group, self.world = group, plan.world_size
         if self.world > 1 and _world(group) != self.world:
             raise RuntimeSetupError(f"the plan has {self.world} ranks but the process group has "
                                     f"{_world(group)}; start one process per plan rank")
-        self.loss_fn = loss_fn or _default_loss
-        self.causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-        self.weighting = "tokens" if hasattr(model, "config") else "samples"
-        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-        self.clock = _Clock(self.emulator)
-        if broadcast_parameters and self.world > 1:
-            with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    dist.broadcast(t.data, src=0, group=group)
+        self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
+                         device=device)
+        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
+        if source is None and broadcast_parameters and self.world > 1:  # a real model: rank 0's weights
+            broadcast_state(model, dist.get_global_rank(group, 0) if group is not None else 0, group, self.device)
         self.expert_modules = shard_experts(model, plan.stages[0].expert_split, rank, group=group,
                                             capacity_factor=capacity_factor, clock=self.clock)
+        if source is not None:  # this rank's experts and the replicated rest, from the source
+            materialize(module_slots(model), self.device, source, model)
+        else:
+            model.to(self.device)
         prefixes = tuple(f"{m}." for m in self.expert_modules)
         self._expert_names = {n for n, _ in model.named_parameters() if n.startswith(prefixes)}
         for n, p in model.named_parameters():
             if n in self._expert_names:  # this rank's rows of an (E, ...) tensor, like a TP shard
                 p.fxpar_sharded, p.fxpar_shard_dim = True, 0
-        self.last_timing: StepTiming | None = None
         self.last_dropped: list[int] = []   # assignments dropped per MoE block, last micro-batch
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
 
     def is_expert_parameter(self, name: str) -> bool:
         return name in self._expert_names
 
-    def batch_rows(self) -> tuple[int, int]:
-        """``(start, stop)``: the rows of the global batch this rank trains on."""
-        start = self.plan.batch_offsets()[self.rank]
-        return start, start + self.plan.ranks[self.rank].batch_share
-
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
-        """Forward + backward of this rank's share of the global ``batch`` (with ``local=True``:
-        ``batch`` is already this rank's ``batch_rows()``), tokens sent to their experts' ranks,
-        then the SUM all-reduce of replicated gradients (item-weighted).  Returns the global
-        loss on every rank; the caller runs the optimizer."""
-        rp = self.plan.ranks[self.rank]
-        mine = batch if local else self.plan.shard_batch(batch, self.rank)
-        if local:
-            total = torch.tensor([float(count_items(mine, self.weighting, self.causal))], dtype=torch.float64)
-            if self.world > 1:
-                dist.all_reduce(total, group=self.group)
-            total_items = int(total.item())
-        else:
-            total_items = count_items(batch, self.weighting, self.causal)
-        if total_items <= 0:
-            raise PlanError("ExpertParallelModule.step: the batch has no items to train on (all labels -100?)")
-        loss_sum = torch.zeros((), dtype=torch.float32)
-        t0 = time.perf_counter()
-        self.clock.start()
-        for mb in _split(mine, rp.micro_batch_size, rp.num_microbatches):
-            weight = count_items(mb, self.weighting, self.causal) / total_items
-            kwargs = {"use_cache": False, **mb} if hasattr(self.module, "config") else mb
-            with autocast_for(self.plan.dtype, self.module):
-                loss = self.loss_fn(self.module(**kwargs), mb).float()
-            (loss * weight).backward()
-            loss_sum += loss.detach().float() * weight
-        self.clock.stop()
+        """The shared step (:meth:`StepModule.step`): tokens go to their experts' ranks inside the
+        forward and backward, then the replicated gradients are SUM-all-reduced."""
+        loss = super().step(batch, local=local)
         self.last_dropped = [m.last_dropped for m in self._ep_modules()]
-        t1 = time.perf_counter()
-        global_loss = self._allreduce_replicated(loss_sum)
-        comm = self.clock.comm_s + time.perf_counter() - t1
-        self.last_timing = StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
-                                      comm_s=comm, total_s=time.perf_counter() - t0)
-        return global_loss
+        return loss
 
     def _ep_modules(self) -> list[ExpertParallelExperts]:
         return [m for m in self.module.modules() if isinstance(m, ExpertParallelExperts)]
 
-    def _allreduce_replicated(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        for p in self.module.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+    # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
+    def _sum_items(self, count: torch.Tensor) -> None:
+        if self.world > 1:
+            dist.all_reduce(count, group=self.group)
+
+    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """SUM of the replicated parameters' gradients; an expert's local gradient already is
+        the global one (module docstring)."""
         if self.world == 1:
             return loss_sum
         grads = [p.grad for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self._expert_names]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1)])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return flat[-1].clone()
-
-    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
-        :func:`fxpar.runtime.optim.make_optimizer`)."""
-        from fxpar.runtime.optim import make_optimizer
-
-        return make_optimizer(self, optimizer_class, **kwargs)
+        return allreduce_gradients(grads, loss_sum, self.group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm: expert rows' squares summed over the ranks,
@@ -377,13 +351,10 @@ class ExpertParallelModule(torch.nn.Module):
                              for n, p in self.module.named_parameters()}, dst)
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """Gather the full model on rank 0 and write it with HF ``save_pretrained`` into a fresh
-        instance of the model class (collective: call on every rank)."""
-        from fxpar.checkpoint.hf import save_gathered
-
-        save_gathered(self.gather_state_dict(dst=0), self.module, output_dir, **kwargs)
-        if self.world > 1:
-            dist.barrier(group=self.group)
+        """A HF ``save_pretrained`` folder written from the ranks' pieces: replicated tensors
+        spread over the ranks' files, each expert tensor assembled by one rank from the others'
+        rows (:mod:`fxpar.checkpoint.hf_save`; no rank builds the model).  Collective."""
+        save_sharded(self, self.module, output_dir, **kwargs)
 
     def _gather(self, local: Mapping[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor] | None:
         split = self.plan.stages[0].expert_split
@@ -423,9 +394,6 @@ def _check_plan(plan: Plan, rank: int) -> None:
 
 
 def _plan_from_split(model: torch.nn.Module, split: Sequence[int], shares: Sequence[int] | None) -> Plan:
-    from fxpar.cluster import Cluster
-    from fxpar.codegen.hand_plans import expert_parallel_plan
-
     if shares is None or len(shares) != len(split):
         raise PlanError(f"ExpertParallelModule(model, {list(split)}, ...) needs batch_shares with one "
                         "entry per rank (samples of the global batch), or a Plan")

@@ -10,30 +10,33 @@ the same order whatever order its own backward finished them in.  Buckets still 
 the backward ends (unused parameters, ranks without samples) are launched then, in order; a
 gradient that never arrived counts as zero.
 
-Emulated speed (DESIGN): before each launch the compute since the previous mark is stretched,
-so a slow rank reaches each bucket's collective as late as a slow device would.
+Emulated speed (DESIGN): each launch is a collective of the step's
+:class:`~fxpar.runtime.emulation.SegmentClock`, which stretches the compute since the previous
+collective first, so a slow rank reaches each bucket's collective as late as a slow device would
+(the launch itself counts as communication).
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
-from fxpar.runtime.emulation import SpeedEmulator
+from fxpar.runtime.emulation import SegmentClock
 
 
 class GradientBuckets:
     """One step's overlapped all-reduce over ``group`` (module docstring)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group: Any, emulator: SpeedEmulator,
+    def __init__(self, params: list[torch.nn.Parameter], group: Any, clock: SegmentClock,
                  bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
-        self.emulator = emulator
+        self.clock = clock
         self.buckets: list[list[torch.nn.Parameter]] = [[]]
         size = 0
         for p in reversed(self.params):
@@ -54,27 +57,30 @@ class GradientBuckets:
         self._flats: list[torch.Tensor] = []
         self._works: list[Any] = []
         self._handles: list[Any] = []
-        self._mark = time.perf_counter()
-        self.slept_s = 0.0
         self.launched_in_backward = 0   # buckets whose all-reduce started before the backward ended
 
-    def arm(self) -> None:
-        """Call right before the last micro-batch's backward (ranks without samples never do)."""
-        self._mark = time.perf_counter()
-        self.slept_s = 0.0
-        for p in self.params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """Around the last micro-batch's backward (ranks without samples never arm): buckets
+        launch as their gradients become final."""
+        self._remove_hooks()
+        self._reset()  # a step that failed half-way leaves nothing behind
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        try:
+            yield
+        finally:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def _on_grad(self, p: torch.Tensor) -> None:
         k = self._bucket_of[id(p)]
         self._pending[k] -= 1
         if self._pending[k] == 0:
             self._launch_ready()
-
-    def _stretch(self) -> None:
-        now = time.perf_counter()
-        self.slept_s += self.emulator.stretch(now - self._mark)
-        self._mark = time.perf_counter()
 
     def _launch(self, k: int) -> None:
         grads = []
@@ -88,25 +94,18 @@ class GradientBuckets:
 
     def _launch_ready(self) -> None:
         if self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._stretch()  # the compute up to here, before this rank's next collective
+            self.clock.collective(self._launch_while_ready)  # compute stretched first
+
+    def _launch_while_ready(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
             self._launch(self._next)
             self._next += 1
             self.launched_in_backward += 1
 
-    def backward_done(self) -> None:
-        """Call right after the last micro-batch's backward: the tail of its compute."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._stretch()
-
     def finish(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Launch what is left, wait for every bucket, write the sums back into ``.grad``;
         returns the summed ``loss_sum`` (one more small all-reduce)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._remove_hooks()
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1

@@ -13,14 +13,18 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from fxpar.runtime.device import rank_device
+
 
 def clip_by_global_norm(counted: Iterable[torch.Tensor], all_params: Iterable[torch.Tensor],
                         max_norm: float, group=None, *, reduce: bool = True) -> torch.Tensor:
     """Clip ``all_params``' gradients by the global norm of the ``counted`` gradients summed over
     ``group`` (``reduce=False``: this rank's sum is already global).  Returns the norm."""
-    sq = torch.zeros((), dtype=torch.float64)
+    all_params = list(all_params)
+    device = all_params[0].device if all_params else rank_device()
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in counted:
-        sq += g.detach().double().pow(2).sum()
+        sq += g.detach().to(device=device, dtype=torch.float64).pow(2).sum()
     if reduce and dist.is_available() and dist.is_initialized():
         dist.all_reduce(sq, group=group)
     norm = sq.sqrt().to(torch.float32)

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from fxpar.codegen.tp_families import split_sizes
 from fxpar.codegen.tp_layout import tp_layout
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
-from fxpar.tracing.trace import block_path
+from fxpar.tracing.structure import block_path
 
 
 def block_paths(model: torch.nn.Module) -> list[str]:
@@ -122,8 +123,6 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
     (the same ``W`` repeated for every replica).  Replica ``r`` trains on ``batch_shares[r]``
     samples; by default ``B_r ∝ Σ_{k in r} speed_k`` (largest remainder).  With the defaults
     (``replicas=1``) all ranks form one group on the whole batch."""
-    from fxpar.codegen.tensor_parallel import split_sizes
-
     world = cluster.world_size
     if replicas < 1 or world % replicas:
         raise PlanError(f"replicas = {replicas}: the cluster's {world} devices must split into "
@@ -169,8 +168,6 @@ def expert_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
     every MoE block (contiguous ranges, any counts >= 0) and trains on ``batch_shares[r]``
     samples (default: in proportion to device speed, at least one each); everything but the
     experts is replicated, data parallel.  Every rank runs ``num_microbatches`` micro-batches."""
-    from fxpar.codegen.tensor_parallel import split_sizes
-
     world = cluster.world_size
     if len(expert_split) != world or min(expert_split) < 0:
         raise PlanError(f"expert_split {expert_split} needs one count >= 0 per device ({world})")

@@ -14,19 +14,24 @@ the global batch when every sample carries the same number of label tokens.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.pipeline_parallel import PipelineParallelModule, layer_to_stage
+from fxpar.codegen.materialize import is_meta_model, materialize, stage_slots, to_meta, weights_source
+from fxpar.codegen.pipeline_parallel import PipelineParallelModule, layer_to_stage, on_device
 from fxpar.codegen.pipeline_ties import TiedParam, alias_groups, canonical_names
 from fxpar.codegen.pipeline_tp import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime.device import rank_device
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.loss_scale import scaler_for
 from fxpar.sim.interleaved import check_placement, lockstep_order
+from fxpar.tracing.structure import block_path
 
 
 def placement(plan: Plan) -> tuple[list[list[int]], list[int]]:
@@ -51,7 +56,8 @@ class InterleavedPipelineModule(PipelineParallelModule):
     """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
-                 *, emulate: bool = True) -> None:
+                 *, emulate: bool = True, device: torch.device | str | None = None,
+                 checkpoint: str | Path | None = None) -> None:
         torch.nn.Module.__init__(self)
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -61,6 +67,9 @@ class InterleavedPipelineModule(PipelineParallelModule):
         pipes, stage_rank = placement(plan)
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank, self._original = plan, rank, [model]
+        self.device = rank_device(device)
+        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
+        self.loss_scaler = scaler_for(plan.dtype)
         self.pipeline_index = next(p for p in range(P) if rank in pipes[p])
         self.position = pipes[self.pipeline_index].index(rank)
         self.stage_indices = [j for j in range(S) if stage_rank[j] == self.position]
@@ -75,23 +84,31 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
         self.clock = SegmentClock(self.emulator)
 
-        from fxpar.tracing.trace import block_path
-
         blocks = list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
         one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
                for k, v in example_inputs.items()}
+        if is_meta_model(model):  # exported and run on shapes only
+            one = to_meta(one)
         self._canonical = canonical_names(model)
         self._aliases = alias_groups(self._canonical)
         modules = self._split(model, one, layer_to_stage(plan, blocks))
         self.stage_modules = torch.nn.ModuleList(modules[j] for j in self.stage_indices)
         self.module = self.stage_modules[0]
+        # boundary shapes from one pass over the chain (meta: shapes only), before materialising
+        examples = [(on_device(i, self.device), on_device(o, self.device))
+                    for i, o in example_values(modules, tuple(one[n] for n in self.input_names))]
+        for mod in self.stage_modules:
+            mod.retarget(self.device)
+        if source is not None:  # this rank's stages only (a weight two of them read: one tensor)
+            materialize(stage_slots(list(self.stage_modules), model, self._canonical), self.device, source, model)
+        else:
+            self.stage_modules.to(self.device)
         for j, mod in zip(self.stage_indices, self.stage_modules):
             mod.checkpointing = plan.activation_checkpointing or plan.stages[j].activation_checkpointing
             wrap_stage(mod, self.clock, self.emulator, None)
         self._tied, self._first_tie_stage = self._tie_groups(modules, stage_rank, pipes)
         self._tie_owner = self.position  # _first_tie_stage holds positions here
-        examples = example_values(modules, tuple(one[n] for n in self.input_names))
-        stages = [PipelineStage(mod, j, S, torch.device("cpu"), input_args=examples[j][0],
+        stages = [PipelineStage(mod, j, S, self.device, input_args=examples[j][0],
                                 output_args=examples[j][1][0] if len(examples[j][1]) == 1 else examples[j][1],
                                 group=self.pp_group)
                   for j, mod in zip(self.stage_indices, self.stage_modules)]
@@ -101,12 +118,12 @@ class InterleavedPipelineModule(PipelineParallelModule):
         order = lockstep_order(stage_rank, len(pipes[0]), plan.num_microbatches,
                                fwd if timed else None, bwd if timed else None)
         schedule = PipelineScheduleMulti(stages, n_microbatches=plan.num_microbatches,
-                                         loss_fn=lambda output, target: output)
+                                         loss_fn=self._scaled_loss, scale_grads=False)
         schedule.pipeline_order = {r: [None if a is None else pipeline_action(a[1], a[0], a[2]) for a in acts]
                                    for r, acts in order.items()}
         set_stage_mapping(schedule, schedule.pipeline_order)
         self.schedule = schedule
-        if P > 1:  # every pipeline starts from the first pipeline's weights
+        if P > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
             with torch.no_grad():
                 for _, p in self.named_original_parameters():
                     dist.broadcast(p.data, src=pipes[0][self.position], group=self.dp_group)
@@ -145,10 +162,10 @@ class InterleavedPipelineModule(PipelineParallelModule):
     def _where(self) -> str:
         return f"stages {self.stage_indices}"
 
-    def _run_schedule(self, inputs: tuple, losses: list, train: bool) -> None:
+    def _run_schedule(self, inputs: tuple, losses: list, train: bool, weights: torch.Tensor) -> None:
         S = len(self.plan.stages)
         args = inputs if 0 in self.stage_indices else ()
-        kw = {"target": torch.zeros(len(inputs[0])), "losses": losses} if S - 1 in self.stage_indices else {}
+        kw = {"target": weights, "losses": losses} if S - 1 in self.stage_indices else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kw)
 
     def forward(self, *args: Any) -> Any:

@@ -8,23 +8,41 @@ each pipeline, one per (stage, position) across the ``P`` pipelines (data parall
 tensor-parallel stage, one per pipeline, one per weight tied across stages
 (``pipeline_ties.py``).  Mixed precision: the stages are exported and run under autocast.
 
-Correctness: each pipeline trains ``B/P`` samples as ``m`` micro-batches; the schedule scales
-each micro-batch loss by ``1/m``, so a pipeline's gradients are those of the mean loss over its
-samples; tied parameters sum their stages' gradients; the stage groups average across the
-``P`` pipelines.  The update equals one process on the global batch when every sample
-carries the same number of label tokens (unpadded language-model batches).
+Correctness: with ``N`` items in the global batch (label tokens ``labels[..., 1:] != -100``
+for HF causal LMs, labels ``!= -100`` for other HF models, else samples) and ``L_mb`` the
+model's own mean loss over a micro-batch's ``N_mb`` items, the last stage back-propagates
+
+    (N_mb / N) · L_mb      (the schedule's loss_fn, with ``scale_grads=False``)
+
+for every micro-batch of every pipeline, so that ``Σ_pipelines Σ_mb (N_mb / N) · L_mb = L``,
+the mean over the global batch, whatever number of ``-100`` labels each micro-batch holds.
+The per-sample items divided by ``N`` travel as the schedule's ``target`` (split into
+micro-batches with the inputs).  Tied parameters sum their stages' gradients; the stage
+groups SUM across the ``P`` pipelines; the returned loss is the same sum.
+
+Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; a
+tensor-parallel stage is sharded in place (on ``meta`` for a meta model); the model is exported
+and split (on meta example inputs for a meta model) and the stage boundary shapes come from
+one pass over the chain; then only this rank's stage is materialised on its device (from the
+checkpoint or the seeded initialisation: every pipeline reads the same values, no broadcast),
+its ties and wrappers are set up, and the schedule is built.  A real model without a
+checkpoint keeps the old path: rank 0's weights (broadcast tensor by tensor) for a
+tensor-parallel stage, the first pipeline's for the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.hf import save_gathered
+from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.grad_norm import clip_by_global_norm
+from fxpar.codegen.materialize import is_meta_model, like_on, materialize, stage_slots, to_meta, weights_source
 from fxpar.codegen.pipeline_split import split_stages
 from fxpar.codegen.pipeline_ties import (
     alias_groups,
@@ -42,12 +60,19 @@ from fxpar.codegen.pipeline_tp import (
     wrap_stage,
 )
 from fxpar.codegen.shards import assemble, shard_spec
+from fxpar.codegen.tensor_parallel import shard_model
+from fxpar.codegen.tp_families import head_layout, split_sizes
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.batch_checks import IGNORE_INDEX
 from fxpar.runtime.distributed import peer_failures
+from fxpar.runtime.device import broadcast_state, rank_device, to_host
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.loss_scale import scaler_for
+from fxpar.runtime.optim import make_optimizer
 from fxpar.runtime.precision import AUTOCAST_DTYPES
+from fxpar.tracing.structure import block_path, shardable_blocks
 
 
 def layer_to_stage(plan: Plan, block_paths: list[str]) -> list[int]:
@@ -60,11 +85,24 @@ def layer_to_stage(plan: Plan, block_paths: list[str]) -> list[int]:
     return [owner[b] for b in block_paths]
 
 
+def weighted_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss_fn: the micro-batch's mean loss times ``N_mb / N`` (the sum of its
+    samples' weights, carried as the schedule's ``target``)."""
+    return output.float() * target.sum()
+
+
+def on_device(values: Any, device: torch.device) -> Any:
+    """Tensors in ``values`` (a tuple of example values) on ``device``: real ones moved, meta
+    ones (a meta model's stage boundaries) as uninitialised tensors of their shape and flags."""
+    return like_on(values, device)
+
+
 class PipelineParallelModule(torch.nn.Module):
     """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
-                 *, emulate: bool = True) -> None:
+                 *, emulate: bool = True, device: torch.device | str | None = None,
+                 checkpoint: str | Path | None = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import (
             PipelineStage,
@@ -78,7 +116,10 @@ class PipelineParallelModule(torch.nn.Module):
             raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank = plan, rank
-        self._original = [model]  # a list: not registered as a submodule (saving only)
+        self.device = rank_device(device)
+        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
+        self.loss_scaler = scaler_for(plan.dtype)
+        self._original = [model]  # a list: not registered as a submodule (config, names)
         self.layout = PipelineLayout.of(plan)
         self.stage_index, self.pipeline_index, self.tp_position = self.layout.where(rank)
         self.tp_width = self.layout.widths[self.stage_index]
@@ -89,57 +130,60 @@ class PipelineParallelModule(torch.nn.Module):
         self.chain = self.layout.chain(self.pipeline_index)
         self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
         self.clock = SegmentClock(self.emulator)
-        self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index))
+        self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index), self.device)
                       if self.tp_width > 1 else None)
-
-        from fxpar.tracing.trace import block_path
 
         blocks = list(dict.fromkeys(
             b for b in (block_path(n) for n, _ in model.named_modules()) if b is not None))
         one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
                for k, v in example_inputs.items()}
+        if is_meta_model(model):  # exported and run on shapes only
+            one = to_meta(one)
         stage_of = layer_to_stage(plan, blocks)
         self._blocks, self._stage_of = blocks, stage_of
         self._canonical = canonical_names(model)  # before sharding can untie anything
         self._aliases = alias_groups(self._canonical)
         self._sharded = self.layout.tensor_parallel
         if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
-            self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index])
+            self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index],
+                                  broadcast=source is None)
         modules = self._split(model, one, stage_of)
         self.module = modules[self.stage_index]
         self.module.checkpointing = plan.activation_checkpointing or plan.stages[self.stage_index].activation_checkpointing
+        # boundary shapes from one pass over the chain (meta: shapes only), before materialising
+        stage_in, stage_out = example_values(modules, tuple(one[n] for n in self.input_names))[self.stage_index]
+        self.module.retarget(self.device)
+        if source is not None:  # this rank's stage only, on its device
+            materialize(stage_slots([self.module], model, self._canonical), self.device, source, model)
+        else:
+            self.module.to(self.device)
         self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
         wrap_stage(self.module, self.clock, self.emulator, self._link)
-        stage_in, stage_out = example_values(modules, tuple(one[n] for n in self.input_names))[self.stage_index]
+        stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
         self.pipe_stage = self.schedule = None
         if self.is_lead:  # followers replay the lead's schedule (pipeline_tp.py)
-            self.pipe_stage = PipelineStage(self.module, self.stage_index, S, torch.device("cpu"),
+            self.pipe_stage = PipelineStage(self.module, self.stage_index, S, self.device,
                                             input_args=stage_in,
                                             output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
                                             group=self.pp_group)
             schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
             self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
-                                           loss_fn=lambda output, target: output)
-        if P > 1:  # every pipeline starts from the first pipeline's weights
+                                           loss_fn=self._scaled_loss, scale_grads=False)
+        if P > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
             with torch.no_grad():
                 for _, p in self.module.named_original_parameters():
                     dist.broadcast(p.data, src=self.layout.dp_ranks(self.stage_index, self.tp_position)[0],
                                    group=self.dp_group)
 
     # ---- set-up helpers -----------------------------------------------------------------
-    def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str]) -> None:
-        """Every rank starts from rank 0's weights; then this rank keeps its position's slice
-        of its own stage's blocks (other stages stay whole: only their boundary shapes are used)."""
-        from fxpar.codegen.tensor_parallel import (
-            head_layout,
-            shard_model,
-            shardable_blocks,
-            split_sizes,
-        )
-
+    def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str], *,
+                         broadcast: bool = True) -> None:
+        """Every rank starts from rank 0's weights (``broadcast``: a real model without a
+        checkpoint); then this rank keeps its position's slice of its own stage's blocks (other
+        stages stay whole: only their boundary shapes are used)."""
         wide = [b for b, j in zip(self._blocks, self._stage_of) if self.layout.widths[j] > 1]
         unsupported = sorted(set(wide) - shardable_blocks(model))
         # checked alike on every rank, before any collective: a refusal on some ranks only
@@ -155,9 +199,8 @@ class PipelineParallelModule(torch.nn.Module):
             raise PlanError(f"pipeline plan: a stage has tensor_parallel {max(self.layout.widths)}, but "
                             f"{type(model).__name__} has {kv} key/value head groups to split; re-plan "
                             "with max_tensor_parallel <= " + str(kv))
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src=0)
+        if broadcast:
+            broadcast_state(model, 0, None, self.device)
         if self.tp_width == 1:
             return
         stage = plan.stages[self.stage_index]
@@ -201,45 +244,72 @@ class PipelineParallelModule(torch.nn.Module):
         losses: list[torch.Tensor] = []
         what = "step" if train else "eval_loss"
         with peer_failures(f"{type(self).__name__}.{what} ({self._where()})", self.rank):
-            self._run_schedule(tuple(batch[n][lo:hi] for n in self.input_names), losses, train)
+            weights = self._item_weights(batch, lo, hi, local)
+            self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True) for n in self.input_names),
+                               losses, train, weights)
             if train:
                 self._sync_gradients()
-            loss = torch.stack([l.detach() for l in losses]).mean() if losses else torch.zeros(())
+                if self.loss_scaler is not None:  # fp16: unscale, one inf/NaN verdict for every rank
+                    self.loss_scaler.unscale_and_check((p for _, p in self.named_original_parameters()),
+                                                       self.device)
+            scale = self._scale if train else 1.0
+            loss = (torch.stack([l.detach().float() for l in losses]).sum() / scale if losses
+                    else torch.zeros((), device=self.device))
             dist.broadcast(loss, src=self.chain[-1], group=self.pipe_group)
             if self.plan.pipelines > 1:
                 dist.all_reduce(loss, group=self.dp_group)
-                loss /= self.plan.pipelines
         return loss
+
+    @property
+    def _scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn: :func:`weighted_loss`, times the fp16 loss scale in training."""
+        loss = weighted_loss(output, target)
+        return loss * self._scale if torch.is_grad_enabled() else loss
+
+    def _item_weights(self, batch: dict[str, torch.Tensor], lo: int, hi: int, local: bool) -> torch.Tensor:
+        """``n_i / N`` per sample of this pipeline's rows (module docstring): ``n_i`` its label
+        tokens (HF models) or 1, ``N`` summed over the global batch (over the pipelines'
+        stage group when ``local``: each rank then holds its pipeline's rows only)."""
+        labels = batch.get("labels")
+        if self._hf and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
+            used = labels[..., 1:] if self._causal else labels
+            items = (used != IGNORE_INDEX).flatten(1).sum(1).to(self.device, torch.float64)
+        else:
+            items = torch.ones(len(next(iter(batch.values()))), dtype=torch.float64, device=self.device)
+        total = items.sum()
+        if local and self.plan.pipelines > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return (items[lo:hi] / total).to(torch.float32)
 
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
         """The stage modules (mixed precision: exported and run under autocast, fp32 master
         weights), and what the batch checks need: the traced inputs' dtypes and per-sample
         shapes (the stages' buffers are built for them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
-        first = next(model.parameters(), None)
-        autocast = (first.device.type if first is not None else "cpu", low) if low is not None else None
+        autocast = (self.device.type, low) if low is not None else None
         modules, self.input_names = split_stages(model, one, stage_of, len(self.plan.stages), autocast=autocast)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self._hf = hasattr(model, "config")
         return modules
 
     def _where(self) -> str:
         return f"stage {self.stage_index}"
 
-    def _run_schedule(self, inputs: tuple, losses: list, train: bool) -> None:
-        """One schedule run over this pipeline's rows (``inputs``: the traced inputs); the last
-        stage appends the micro-batch losses to ``losses``."""
+    def _run_schedule(self, inputs: tuple, losses: list, train: bool, weights: torch.Tensor) -> None:
+        """One schedule run over this pipeline's rows (``inputs``: the traced inputs, ``weights``
+        each sample's ``n_i / N``); the last stage appends the weighted micro-batch losses to
+        ``losses``."""
         S = len(self.plan.stages)
         if not self.is_lead:
             follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock)
-            if train:  # the schedule's 1/m on the lead's gradients
-                for _, p in self.module.named_original_parameters():
-                    if p.grad is not None:
-                        p.grad.div_(self.plan.num_microbatches)
             return
-        target = torch.zeros(len(inputs[0])) if inputs else None
+        target = weights
         run = self.schedule.step if train else self.schedule.eval
         if self.stage_index == 0:
             run(*inputs, target=target if S == 1 else None, losses=losses if S == 1 else None)
@@ -279,8 +349,6 @@ class PipelineParallelModule(torch.nn.Module):
     def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
         :func:`fxpar.runtime.optim.make_optimizer`)."""
-        from fxpar.runtime.optim import make_optimizer
-
         return make_optimizer(self, optimizer_class, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -300,8 +368,7 @@ class PipelineParallelModule(torch.nn.Module):
             for _, p in self.named_original_parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad /= self.plan.pipelines
+                dist.all_reduce(p.grad, group=self.dp_group)  # SUM: the weights hold 1/N
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The full model's parameters under their original FQNs, on rank ``dst`` (None
@@ -310,7 +377,7 @@ class PipelineParallelModule(torch.nn.Module):
         stage are concatenated in offset order along their split dimension."""
         mine = {}
         if self.pipeline_index == 0:
-            mine = {self._canonical.get(fqn, fqn): (p.detach().cpu().clone(), shard_spec(p))
+            mine = {self._canonical.get(fqn, fqn): (to_host(p.detach()).clone(), shard_spec(p))
                     for fqn, p in self.named_original_parameters()}
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, gathered, dst=dst)
@@ -330,8 +397,6 @@ class PipelineParallelModule(torch.nn.Module):
     def checkpoint_layout(self) -> list[Any]:
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook): a
         whole tensor of its stage, or a tensor-parallel shard at its offset."""
-        from fxpar.checkpoint.layout import LocalParam
-
         out = []
         for fqn, p in self.named_original_parameters():
             name = self._canonical.get(fqn, fqn)
@@ -340,11 +405,11 @@ class PipelineParallelModule(torch.nn.Module):
         return out
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """Gather the full model on rank 0 and write it with HF ``save_pretrained`` (collective:
-        call on every rank)."""
-        # fresh: the original's own stage blocks were sharded in place under tensor parallelism
-        save_gathered(self.gather_state_dict(dst=0), self._original[0], output_dir, fresh=self._sharded, **kwargs)
-        dist.barrier()
+        """A HF ``save_pretrained`` folder written from the stages: each rank streams the tensors
+        of its stage (the first pipeline's copy, tied weights once; a tensor-parallel stage's
+        tensors assembled by one of its ranks) into a file of its own, rank 0 adds the index and
+        ``config.json`` (:mod:`fxpar.checkpoint.hf_save`; no rank builds the model).  Collective."""
+        save_sharded(self, self._original[0], output_dir, **kwargs)
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)

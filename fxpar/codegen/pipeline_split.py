@@ -21,7 +21,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from fxpar.errors import PlanError, TraceError
-from fxpar.tracing.trace import block_path
+from fxpar.tracing.structure import block_path
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,19 @@ class StageModule(torch.nn.Module):
     def forward_plain(self, *received: torch.Tensor):
         """The stage's computation without any wrapper (emulation hooks replace ``forward``)."""
         return StageModule.forward(self, *received)
+
+    def retarget(self, device: torch.device) -> None:
+        """Run on ``device``: every device the export recorded in the piece's graph (the example
+        inputs' — ``meta`` for a meta model — and the buffers', in device checks, tensor
+        factories, ``.to(x.device)``) becomes ``device``, nested graphs (autocast regions)
+        included.  The tensors themselves are moved (or materialised) separately."""
+        _retarget(self.piece, torch.device(device))
+
+    def named_tensors(self):
+        """(original FQN, attribute name, tensor) of every parameter and buffer this stage holds
+        (what :func:`fxpar.codegen.materialize.stage_slots` allocates)."""
+        for fqn, safe in self._names.items():
+            yield fqn, safe, getattr(self, safe)
 
     def named_original_parameters(self):
         """(original FQN, parameter) pairs this stage owns."""
@@ -127,6 +140,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     (``(device type, dtype)``) exports the model under ``torch.autocast`` and runs every stage
     under it (mixed precision): the exported graph's dtype checks then hold, and each op sees
     the casts eager autocast would make, so the stages compute what the autocast model does.
+    The stages run where the export ran until :meth:`StageModule.retarget` moves them.
     """
     kwargs = dict(example_inputs)
     kwargs.setdefault("use_cache", False)
@@ -205,6 +219,20 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
         modules.append(mod)
     return modules, tensor_inputs
+
+
+def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Every device constant in the node arguments of ``gm`` and its nested graphs becomes ``device``."""
+    def swap(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a != device else a
+
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, swap)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+        sub.recompile()
 
 
 def _value_dtypes(parent: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[str, torch.dtype]:

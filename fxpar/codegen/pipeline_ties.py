@@ -87,7 +87,7 @@ def sync_tied(ties: list[TiedParam], tp_group: Any, lead: int) -> None:
         if spec is None:
             full = p.grad
         else:
-            full = torch.zeros(spec.global_shape, dtype=p.grad.dtype)
+            full = torch.zeros(spec.global_shape, dtype=p.grad.dtype, device=p.grad.device)
             place(full, p.grad, spec)
             if tp_group is not None:
                 dist.all_reduce(full, group=tp_group)

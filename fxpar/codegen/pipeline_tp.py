@@ -115,11 +115,11 @@ def make_groups(layout: PipelineLayout, rank: int) -> PipelineGroups:
 class StageLink:
     """The lead's messages to its followers over the stage's tensor-parallel group."""
 
-    def __init__(self, group: Any, lead: int) -> None:
-        self.group, self.lead = group, lead
+    def __init__(self, group: Any, lead: int, device: torch.device) -> None:
+        self.group, self.lead, self.device = group, lead, device
 
     def _header(self, op: int | None = None) -> int:
-        h = torch.tensor([op or 0], dtype=torch.int64)
+        h = torch.tensor([op or 0], dtype=torch.int64, device=self.device)
         dist.broadcast(h, src=self.lead, group=self.group)
         return int(h.item())
 
@@ -134,7 +134,7 @@ class StageLink:
     def receive(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for t in like:
-            buf = torch.empty(t.shape, dtype=t.dtype)
+            buf = torch.empty(t.shape, dtype=t.dtype, device=self.device)
             dist.broadcast(buf, src=self.lead, group=self.group)
             out.append(buf)
         return out

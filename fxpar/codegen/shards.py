@@ -63,6 +63,17 @@ def take(full: torch.Tensor, like: torch.Tensor, spec: ShardSpec) -> torch.Tenso
     return out
 
 
+def cut(full: torch.Tensor, local_shape: tuple[int, ...], spec: ShardSpec | None) -> torch.Tensor:
+    """The shard of shape ``local_shape`` that ``spec`` cuts out of the whole tensor ``full``
+    (``full`` itself for None), a new tensor on ``full``'s device."""
+    if spec is None:
+        return full
+    out = torch.empty(tuple(local_shape), dtype=full.dtype, device=full.device)
+    for box, sizes, _ in spec.boxes(tuple(local_shape)):
+        spec.piece(out, box).copy_(box_view(full, box, sizes))
+    return out
+
+
 def assemble(pieces: Iterable[tuple[torch.Tensor, ShardSpec | None]]) -> torch.Tensor:
     """The full tensor from ``(local tensor, its ShardSpec)`` pairs: a whole tensor among them
     is the answer; shards (possibly overlapping, from differently split copies of one tied
@@ -71,7 +82,7 @@ def assemble(pieces: Iterable[tuple[torch.Tensor, ShardSpec | None]]) -> torch.T
     for local, spec in pieces:
         if spec is None:
             return local
-    full = torch.empty(pieces[0][1].global_shape, dtype=pieces[0][0].dtype)
+    full = torch.empty(pieces[0][1].global_shape, dtype=pieces[0][0].dtype, device=pieces[0][0].device)
     for local, spec in pieces:
         place(full, local, spec)
     return full

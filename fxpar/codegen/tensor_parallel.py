@@ -19,36 +19,37 @@ Everything else (embeddings, norms, head) is replicated and receives identical g
 every rank of the group.  Parameter names are unchanged; shapes are the local slices.
 
 TP × DP (layout and process groups: ``tp_layout.py``): ``R`` replicas, each a group of ``W``
-ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples.  With ``N_r`` items in
-replica ``r``'s rows (label tokens ``labels[..., 1:] != -100`` for HF causal LMs, else samples),
-``N = Σ_r N_r`` and ``L_r`` the model's mean loss over replica ``r``'s items, the global loss is
+ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples in the shared step loop
+(:mod:`fxpar.runtime.step_loop`, which gives the weighting math: each micro-batch
+back-propagates ``(N_m / N) · L_m``).  What differs from data parallelism: every rank of a
+tensor-parallel group runs the same rows (so ``N`` sums over one rank per replica, the
+position's data-parallel group, and a micro-batch without items is skipped by the whole group
+alike), and the gradients are SUM-all-reduced over that data-parallel group (the ranks holding
+the same slice): ``Σ_r ∇[(N_r/N) L_r] = ∇L`` for shards and replicated parameters alike.  The
+loss rides along, so every rank returns ``L``.  With a custom ``loss_fn`` the embeddings and
+head stay replicated, so that the loss sees the full logits.
 
-    L = (1/N) Σ_items ℓ = Σ_r (N_r / N) · L_r
-
-so every rank back-propagates ``(N_mb / N) · L_mb`` for each of its micro-batches, and the
-gradients are SUM-all-reduced over each position's data-parallel group (the ranks holding the
-same slice, one per replica): ``Σ_r ∇[(N_r/N) L_r] = ∇L`` for shards and replicated parameters
-alike.  The loss rides along, so every rank returns ``L``.
+Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; the
+model is sharded in place (on ``meta`` for a meta model: nothing allocated); the rank's slices
+(each parameter's ``shard_spec`` box) and the replicated rest are materialised on its device
+from the checkpoint or the seeded initialisation.  A real model without a checkpoint takes
+rank 0's weights (broadcast tensor by tensor) before sharding, and its shard moves to the device.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.data_parallel import (
-    StepTiming,
-    _batch_len,
-    _default_loss,
-    _split,
-    count_items,
-)
+from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.grad_norm import clip_by_global_norm
+from fxpar.codegen.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.shards import assemble, shard_spec
 from fxpar.codegen.tp_collectives import register_group
 from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_blocks re-exported
@@ -62,9 +63,14 @@ from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_b
 from fxpar.codegen.tp_layout import make_groups, tp_layout
 from fxpar.codegen.tp_vocab import shard_vocab, supports_vocab_parallel
 from fxpar.errors import PlanError
-from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
-from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
-from fxpar.runtime.precision import autocast_for
+from fxpar.runtime.device import broadcast_state
+from fxpar.runtime.emulation import SegmentClock
+from fxpar.runtime.step_loop import (
+    LossFn,
+    LossWeighting,
+    StepModule,
+    allreduce_gradients,
+)
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
@@ -103,121 +109,60 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     return count
 
 
-class TensorParallelModule(torch.nn.Module):
+class TensorParallelModule(StepModule):
     """This rank's shard of a ``tensor_parallel`` plan (``R`` replicas × TP width ``W``, see
     ``tp_layout.py``); ``step(global_batch)`` trains one step and returns the global loss."""
 
-    def __init__(self, model: torch.nn.Module, plan: Any, rank: int, *, emulate: bool = True,
-                 broadcast_parameters: bool = True) -> None:
+    hf_use_cache = False
+
+    def __init__(self, model: torch.nn.Module, plan: Any, rank: int, *, loss_fn: LossFn | None = None,
+                 loss_weighting: LossWeighting = "auto", emulate: bool = True,
+                 broadcast_parameters: bool = True, device: torch.device | str | None = None,
+                 checkpoint: str | Path | None = None) -> None:
         super().__init__()
         self.layout = tp_layout(plan)
         if not 0 <= rank < plan.world_size:
             raise PlanError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
-        self.plan, self.rank, self.module = plan, rank, model
+        # emulation stretches each compute segment before the next TP collective (self.clock)
+        self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
+                         device=device)
+        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         self.replica, self.position = self.layout.replica(rank), self.layout.position(rank)
         self.tp_group, self.dp_group = make_groups(self.layout, rank)
         self.world = plan.world_size
-        if broadcast_parameters and self.world > 1:  # every rank starts from rank 0's weights
-            with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    dist.broadcast(t.data, src=0)
-        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-        # emulation stretches each compute segment before the next TP collective (see SegmentClock)
-        self.clock = SegmentClock(self.emulator)
+        if source is None and broadcast_parameters and self.world > 1:  # a real model: rank 0's weights
+            broadcast_state(model, 0, None, self.device)
+        own_loss = loss_fn is None  # a custom loss needs the full logits: no vocab-parallel head
         self.blocks = shard_model(model, self.layout.kv_shares, self.position, self.tp_group, self.clock,
-                                  mlp_shares=self.layout.mlp_shares)
-        name = type(model).__name__
-        self.causal = name.endswith(("ForCausalLM", "LMHeadModel"))
-        self.weighting = "tokens" if hasattr(model, "config") else "samples"
-        self.last_timing: StepTiming | None = None
+                                  embedding=own_loss, head=own_loss, mlp_shares=self.layout.mlp_shares)
+        if source is not None:  # this position's slices and the replicated rest, from the source
+            materialize(module_slots(model), self.device, source, model)
+        else:
+            model.to(self.device)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    # ---- rows --------------------------------------------------------------------------------
     def batch_rows(self) -> tuple[int, int]:
         """``(start, stop)``: the rows of the global batch this rank's replica trains on (every
         rank of a tensor-parallel group loads the same rows)."""
         return self.layout.row_range(self.replica)
 
-    def shard_batch(self, batch: Any) -> Any:
-        """This replica's rows of a global batch."""
-        start, stop = self.batch_rows()
-        return _rows(batch, start, stop)
-
-    # ---- one training step -------------------------------------------------------------------
-    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
-        """Forward + backward of this replica's rows of the global ``batch`` (``local=True``:
-        ``batch`` is already those rows, ``batch_rows()``), each micro-batch's mean loss weighted
-        by ``N_mb / N``, then the SUM all-reduce of every gradient over this position's
-        data-parallel group.  Returns the global loss ``L`` on every rank; the caller runs
-        ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+    # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
+    def _check_batch(self, batch: Any, local: bool) -> None:
         if not isinstance(batch, Mapping):
-            raise PlanError(f"TensorParallelModule.step: the batch is a {type(batch).__name__}; pass "
+            raise PlanError(f"{self._where(local)}: the batch is a {type(batch).__name__}; pass "
                             "a dict of tensors the HF model accepts (input_ids, labels, ...)")
-        start, stop = self.batch_rows()
-        expected = stop - start if local else self.plan.global_batch
-        if _batch_len(batch) != expected:
-            raise PlanError(f"TensorParallelModule.step(local={local}): rank {self.rank} got "
-                            f"{_batch_len(batch)} samples, expected {expected} ("
-                            + ("its replica's rows batch_rows()" if local else "the global batch") + ")")
-        mine = batch if local else _rows(batch, start, stop)
-        if local:
-            total = torch.tensor([float(count_items(mine, self.weighting, self.causal))], dtype=torch.float64)
-            if self.layout.replicas > 1:
-                dist.all_reduce(total, group=self.dp_group)
-            total_items = int(total.item())
-        else:
-            total_items = count_items(batch, self.weighting, self.causal)
-        if total_items <= 0:
-            raise PlanError("TensorParallelModule.step: the batch has no items to train on "
-                            "(all labels are -100?)")
-        rp = self.plan.ranks[self.rank]
-        loss_sum = torch.zeros((), dtype=torch.float32)
-        t0 = time.perf_counter()
-        self.clock.start()
-        try:
-            for mb in _split(mine, rp.micro_batch_size, rp.num_microbatches):
-                items = count_items(mb, self.weighting, self.causal)
-                if items == 0 or _batch_len(mb) == 0:  # the whole group skips it: same rows
-                    continue
-                with autocast_for(self.plan.dtype, self.module):
-                    loss = _default_loss(self.module(**{"use_cache": False, **mb}), mb).float()
-                weight = items / total_items
-                (loss * weight).backward()
-                loss_sum += loss.detach().float() * weight
-        finally:
-            self.clock.stop()
-        compute, emulated = self.clock.compute_s, self.clock.emulation_s
-        t2 = time.perf_counter()
-        global_loss = self._sync_gradients(loss_sum)
-        t3 = time.perf_counter()
-        self.last_timing = StepTiming(compute_s=compute, emulation_s=emulated,
-                                      comm_s=self.clock.comm_s + (t3 - t2),  # TP + DP collectives
-                                      total_s=t3 - t0)
-        return global_loss
+        super()._check_batch(batch, local)
+
+    def _sum_items(self, count: torch.Tensor) -> None:
+        if self.layout.replicas > 1:  # one rank per replica: the rows differ across replicas only
+            dist.all_reduce(count, group=self.dp_group)
 
     def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """``g ← Σ_replicas g`` over this position's DP group for every parameter (shards at one
         position hold the same slice), and the weighted losses summed the same way."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if self.layout.replicas == 1:
             return loss_sum
-        loss = loss_sum.to(torch.float64).reshape(1)
-        work = dist.all_reduce(loss, group=self.dp_group, async_op=True)
-        _allreduce_sum([p.grad for p in params], self.dp_group)
-        work.wait()
-        return loss[0].to(torch.float32)
-
-    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
-        :func:`fxpar.runtime.optim.make_optimizer`)."""
-        from fxpar.runtime.optim import make_optimizer
-
-        return make_optimizer(self, optimizer_class, **kwargs)
+        grads = [p.grad for p in self.module.parameters() if p.requires_grad]
+        return allreduce_gradients(grads, loss_sum, self.dp_group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
@@ -255,51 +200,14 @@ class TensorParallelModule(torch.nn.Module):
         return {name: assemble([part[name] for part in group if name in part]) for name in group[0]}
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """Gather the unsharded model (replica 0) on rank 0 and write it with HF
-        ``save_pretrained`` into a fresh copy of the model class (collective: call on every rank)."""
-        from fxpar.checkpoint.hf import save_gathered
-
-        save_gathered(self.gather_state_dict(dst=0), self.module, output_dir, **kwargs)
-        if self.world > 1:
-            dist.barrier()
+        """A HF ``save_pretrained`` folder written from the ranks' slices: each tensor assembled
+        by one rank from the boxes of one replica and streamed into that rank's file
+        (:mod:`fxpar.checkpoint.hf_save`; no rank builds the model).  Collective."""
+        save_sharded(self, self.module, output_dir, **kwargs)
 
     def checkpoint_layout(self) -> list[Any]:
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook):
         shards at their offset inside their replica's TP group; replicas of a box are written
         once (DCP deduplicates equal chunks)."""
-        from fxpar.checkpoint.layout import LocalParam
-
         return [LocalParam(fqn=name, param=p, shard=shard_spec(p)) for name, p in self.module.named_parameters()]
 
-
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every tensor in ``batch`` (dict / tuple / tensor); scalars shared."""
-    if isinstance(batch, Mapping):
-        return {k: _rows(v, start, stop) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_rows(v, start, stop) for v in batch)
-    if isinstance(batch, torch.Tensor) and batch.dim():
-        return batch[start:stop]
-    return batch
-
-
-def _allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
-    """In-place SUM all-reduce of ``tensors`` over ``group``, flattened into buckets of at most
-    ``GRADIENT_BUCKET_BYTES`` of one dtype each (one collective per bucket, all in flight together)."""
-    buckets: list[list[torch.Tensor]] = []
-    size, dtype = 0, None
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not buckets or t.dtype != dtype or size + nbytes > GRADIENT_BUCKET_BYTES:
-            buckets.append([])
-            size, dtype = 0, t.dtype
-        buckets[-1].append(t)
-        size += nbytes
-    flats = [torch.cat([t.reshape(-1) for t in b]) for b in buckets]
-    works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
-    for bucket, flat, work in zip(buckets, flats, works):
-        work.wait()
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()

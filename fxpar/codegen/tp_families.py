@@ -35,7 +35,12 @@ import torch
 from fxpar.codegen.shards import slice_parameter
 from fxpar.codegen.tp_collectives import tp_copy, tp_reduce
 from fxpar.errors import PlanError
-from fxpar.tracing.trace import block_path
+from fxpar.tracing.structure import (
+    block_path,
+    has_attrs,
+    is_attention,
+    shardable_blocks,
+)
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -94,6 +99,7 @@ def _row_conv1d(conv: torch.nn.Module, lo: int, hi: int, first: bool, key: int) 
         conv.bias.fxpar_sharded = True
     else:  # Conv1D's addmm needs a bias: a zero buffer on the other positions
         zeros = torch.zeros_like(conv.bias.detach())
+        zeros.fxpar_fill = 0.0  # on meta, fxpar.codegen.materialize allocates it as zeros
         del conv.bias
         conv.register_buffer("bias", zeros, persistent=False)
     _reduce_output(conv, key)
@@ -115,17 +121,6 @@ def _reduce_output(module: torch.nn.Module, key: int) -> None:
 
 
 # ---- blocks -------------------------------------------------------------------------------
-def _has(module: torch.nn.Module, *names: str) -> bool:
-    return all(hasattr(module, n) for n in names)
-
-
-def is_attention(module: torch.nn.Module) -> bool:
-    return (_has(module, "q_proj", "k_proj", "v_proj", "o_proj")
-            or (_has(module, "c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", False))
-            or (_has(module, "self", "output") and _has(module.self, "query", "key", "value")
-                and hasattr(module.output, "dense")))
-
-
 def _is_experts(m: torch.nn.Module) -> bool:
     return (isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
             and isinstance(getattr(m, "down_proj", None), torch.nn.Parameter) and m.gate_up_proj.dim() == 3)
@@ -168,7 +163,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     for name, m in list(model.named_modules()):
         if blocks is not None and block_path(name) not in blocks:
             continue
-        if _has(m, "q_proj", "k_proj", "v_proj", "o_proj"):
+        if has_attrs(m, "q_proj", "k_proj", "v_proj", "o_proj"):
             _column_linear(m.q_proj, *_range(q_sizes, rank))
             _column_linear(m.k_proj, *_range(kv_sizes, rank))
             _column_linear(m.v_proj, *_range(kv_sizes, rank))
@@ -188,18 +183,18 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             _row_linear(m.output.dense, *_range(q_sizes, rank), first, key)
             _copy_inputs(m.self, key)
             count += 1
-        if _has(m, "gate_proj", "up_proj", "down_proj"):
+        if has_attrs(m, "gate_proj", "up_proj", "down_proj"):
             cols = _columns(m.gate_proj.out_features, mlp)
             _column_linear(m.gate_proj, *_range(cols, rank))
             _column_linear(m.up_proj, *_range(cols, rank))
             _row_linear(m.down_proj, *_range(cols, rank), first, key)
             _copy_inputs(m, key)
-        elif _has(m, "c_fc", "c_proj"):  # GPT-2 MLP
+        elif has_attrs(m, "c_fc", "c_proj"):  # GPT-2 MLP
             cols = _columns(m.c_fc.nf, mlp)
             _column_conv1d(m.c_fc, *_range(cols, rank))
             _row_conv1d(m.c_proj, *_range(cols, rank), first, key)
             _copy_inputs(m, key)
-        elif _has(m, "intermediate", "output") and hasattr(m.intermediate, "dense") \
+        elif has_attrs(m, "intermediate", "output") and hasattr(m.intermediate, "dense") \
                 and hasattr(m.output, "dense"):  # BERT layer's MLP
             cols = _columns(m.intermediate.dense.out_features, mlp)
             _column_linear(m.intermediate.dense, *_range(cols, rank))
@@ -217,11 +212,6 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             _copy_inputs(m, key, positions=(0, 2))  # hidden states and routing weights
             _reduce_output(m, key)
     return count
-
-
-def shardable_blocks(model: torch.nn.Module) -> set[str]:
-    """Repeated blocks (``model.layers.3``) holding an attention this module can split."""
-    return {b for name, m in model.named_modules() if is_attention(m) and (b := block_path(name)) is not None}
 
 
 def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from fxpar.codegen.shards import slice_parameter
 from fxpar.codegen.tp_collectives import tp_copy, tp_max, tp_reduce
+from fxpar.codegen.tp_families import split_sizes
+from fxpar.tracing.structure import supports_vocab_parallel  # noqa: F401 - re-exported for the sharders
 
 
 class VocabParallelEmbedding(torch.nn.Embedding):
@@ -48,20 +50,7 @@ class VocabParallelEmbedding(torch.nn.Embedding):
         return tp_reduce(out * inside.unsqueeze(-1).to(out.dtype), self.fxpar_group_key)
 
 
-def supports_vocab_parallel(model: torch.nn.Module) -> bool:
-    """A HF causal LM with an ``nn.Embedding`` input, a bias-free ``nn.Linear`` head of the same
-    vocabulary and a loss computed through ``loss_function``."""
-    name = type(model).__name__
-    if not name.endswith(("ForCausalLM", "LMHeadModel")) or not hasattr(model, "get_output_embeddings"):
-        return False
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    return (type(emb) is torch.nn.Embedding and isinstance(head, torch.nn.Linear) and head.bias is None
-            and head.out_features == emb.num_embeddings and hasattr(type(model), "loss_function"))
-
-
 def vocab_ranges(vocab: int, shares: Sequence[int]) -> list[tuple[int, int]]:
-    from fxpar.codegen.tp_families import split_sizes
-
     sizes = split_sizes(vocab, shares)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(s, s + n) for s, n in zip(starts, sizes)]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from fxpar.checkpoint import load_checkpoint, save_checkpoint
 from fxpar.errors import ConfigError
 from fxpar.integrations.common import parallelize, rank_rows
 from fxpar.integrations.config import (
@@ -48,6 +49,7 @@ from fxpar.integrations.config import (
 )
 from fxpar.integrations.monitor import StepMonitor
 from fxpar.integrations.sampler import ShareBatchSampler, collate_or_empty
+from fxpar.runtime.optim import zero_wrap
 
 STATE_DIR = "fxpar"
 
@@ -136,8 +138,6 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=config.rebalance,
                                        max_microbatches=config.workload.get("max_microbatches"))
     if optimizer is not None:
-        from fxpar.runtime.optim import zero_wrap
-
         optimizer = zero_wrap(_rebuild_optimizer(optimizer, pmodel), pmodel)
     sampler = ShareBatchSampler(len(dataloader.dataset), pmodel.plan.global_batch,
                                 lambda: rank_rows(pmodel),
@@ -169,8 +169,6 @@ def _register_hooks(accelerator: Any, pmodel: Any, optimizer: torch.optim.Optimi
     """``save_state`` writes fxpar's checkpoint (model + optimizer, every rank its piece) and the
     plan under ``<dir>/fxpar``; ``load_state`` reads it back into this rank's module, under any
     plan (:mod:`fxpar.checkpoint`)."""
-    from fxpar.checkpoint import load_checkpoint, save_checkpoint
-
     def save_hook(models: list, weights: list, output_dir: str) -> None:
         _drop(pmodel, models, weights)
         path = save_checkpoint(pmodel, optimizer, Path(output_dir) / STATE_DIR,

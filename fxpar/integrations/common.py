@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from fxpar.api import auto
 from fxpar.errors import ConfigError
 from fxpar.integrations.config import FxparConfig
 
@@ -16,8 +17,6 @@ def parallelize(model: torch.nn.Module, config: FxparConfig, example_inputs: Any
 
     ``global_batch`` (samples per optimizer step over all ranks) comes from
     ``config.workload.global_batch``, else the argument, else ``example_inputs``' size."""
-    from fxpar.api import auto
-
     workload = dict(config.workload)
     batch = workload.pop("global_batch", None) or global_batch
     if not isinstance(model, torch.nn.Module):

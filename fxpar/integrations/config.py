@@ -29,7 +29,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
+from fxpar.plan import Plan
 from fxpar.workload import Workload
 
 CONFIG_ENV = "FXPAR_CONFIG"
@@ -95,8 +97,6 @@ class FxparConfig:
 
     def resolve_cluster(self):
         """The :class:`~fxpar.cluster.Cluster` this config names."""
-        from fxpar.cluster import Cluster
-
         if self.speeds is not None:
             return Cluster.emulated(list(self.speeds))
         if self.cluster is None:
@@ -115,7 +115,6 @@ class FxparConfig:
         """The saved plan this config names, or None to solve one."""
         if self.plan is None:
             return None
-        from fxpar.plan import Plan
 
         path = Path(self.plan)
         if not path.is_file():

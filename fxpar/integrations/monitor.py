@@ -11,12 +11,16 @@ the whole step.  One ``all_gather`` per step brings them to every rank, so the l
 and, for data-parallel plans, rank 0 re-solves the shares from the medians over a window
 (:mod:`fxpar.solvers.rebalance`) and broadcasts the new plan; every rank switches at the same
 step boundary, so no state is lost (weights, optimizer and the data order are untouched).
+
+``busy_s`` can be injected instead of measured (:attr:`StepMonitor.measure_busy`): tests and
+simulations give the re-balancing measurements they control rather than this machine's timing.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,8 @@ import torch.distributed as dist
 
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.plan import Plan
+from fxpar.runtime.device import module_device, synchronize
+from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
 
 
 @dataclass(slots=True)
@@ -41,22 +47,35 @@ class StepMonitor:
     pmodel: Any
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     max_microbatches: int | None = None
+    #: this rank's busy seconds for a step (``step -> seconds``), called in :meth:`end` in place
+    #: of the measurement; None (default): measured, from the module's ``last_timing``
+    measure_busy: Callable[[int], float] | None = None
     history: list[StepRecord] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     _since_change: int = 0
     _start: float = 0.0
 
+    @property
+    def device(self) -> torch.device:
+        """The rank's device (the module's own ``device``, else where its parameters are)."""
+        return getattr(self.pmodel, "device", None) or module_device(self.pmodel)
+
     def begin(self) -> None:
+        synchronize(self.device)  # CUDA: time the work, not its launch
         self._start = time.perf_counter()
 
     def end(self, step: int) -> StepRecord:
         """Record the step just finished (call on every rank, after the optimizer step)."""
+        synchronize(self.device)
         wall = time.perf_counter() - self._start
         timing = getattr(self.pmodel, "last_timing", None)
-        busy = (timing.compute_s + timing.emulation_s) if timing is not None else wall
-        mine = torch.tensor([busy, wall], dtype=torch.float64)
+        if self.measure_busy is not None:  # injected measurement
+            busy = float(self.measure_busy(step))
+        else:
+            busy = (timing.compute_s + timing.emulation_s) if timing is not None else wall
+        mine = torch.tensor([busy, wall], dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+            parts = [torch.zeros(2, dtype=torch.float64, device=self.device) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, mine)
         else:
             parts = [mine]
@@ -96,8 +115,6 @@ class StepMonitor:
         busy = [statistics.median(rec.busy_s[r] for rec in window) for r in range(self.plan.world_size)]
         payload: list[Any] = [None]
         if not dist.is_initialized() or dist.get_rank() == 0:
-            from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
-
             decision = propose_shares(self.plan, busy, threshold=cfg.threshold,
                                       max_microbatches=self.max_microbatches)
             event = {"step": step, "busy_s": busy, "shares": list(decision.shares),

@@ -43,11 +43,14 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 from transformers.utils import can_return_loss, find_labels
 
+from fxpar.checkpoint import load_checkpoint, save_checkpoint
+from fxpar.compat import set_keys_to_ignore_on_save
 from fxpar.errors import ConfigError
 from fxpar.integrations.common import rank_rows
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.integrations.monitor import StepMonitor
 from fxpar.integrations.sampler import ShareBatchSampler, collate_or_empty
+from fxpar.runtime.optim import zero_wrap
 
 
 class FxparCallback(TrainerCallback):
@@ -109,8 +112,8 @@ class FxparTrainer(Trainer):
         self.fxpar_resume: str | None = None
         # on resume the Trainer first loads the checkpoint's HF weights into this module (no key
         # matches the wrapper's names, so nothing is loaded: fxpar's own state is loaded at
-        # train begin) and then reads this HF attribute for its warning
-        model._keys_to_ignore_on_save = None
+        # train begin) and then reads an HF-private attribute for its warning (fxpar.compat)
+        set_keys_to_ignore_on_save(model, None)
         super().__init__(model, args, *pos, **kw)
         self.add_callback(_ResumeFxparState(self))
         # the public no-DDP path: Accelerate marks the module prepared and will not wrap it again
@@ -132,8 +135,6 @@ class FxparTrainer(Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, as ZeRO-1 across pipelines where the plan chose it."""
-        from fxpar.runtime.optim import zero_wrap
-
         optimizer = super().create_optimizer(model)
         self.optimizer = zero_wrap(optimizer, self.model)
         return self.optimizer
@@ -196,8 +197,6 @@ class FxparTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Gathered ``save_pretrained`` (+ the plan); a training checkpoint (``_internal_call``)
         also gets the sharded model and optimizer state under ``fxpar/``.  Collective."""
-        from fxpar.checkpoint import save_checkpoint
-
         output_dir = output_dir or self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         self.model.save_pretrained(output_dir)
@@ -244,7 +243,6 @@ class _ResumeFxparState(TrainerCallback):
         path = self.trainer.fxpar_resume
         if path is None:
             return
-        from fxpar.checkpoint import load_checkpoint
 
         load_checkpoint(self.trainer.model, _torch_optimizer(self.trainer.optimizer), path)
         self.trainer.fxpar_resume = None

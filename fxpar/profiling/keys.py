@@ -8,9 +8,14 @@ is.  The key is ``target|shapes|dtypes|args``: equal keys are equal work per sam
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from typing import Any
+
+import torch
 
 from fxpar.errors import TraceError
 from fxpar.tracing.graph import ModelGraph
+from fxpar.tracing.trace import trace
 
 
 def _dims(small: tuple[int, ...], large: tuple[int, ...], b_small: int, b_large: int) -> str:
@@ -58,3 +63,12 @@ def op_keys(small: ModelGraph, large: ModelGraph) -> tuple[str, ...]:
         args = _args(a.args_repr, b.args_repr, small.batch_size, large.batch_size)
         keys.append(f"{a.target}|{shapes}|{','.join(a.in_dtypes)}|{args}")
     return tuple(keys)
+
+
+def trace_at_two_batches(model: torch.nn.Module, small: Any, large: Any, *,
+                         model_name: str | None = None) -> ModelGraph:
+    """Trace at two batch sizes; the graph at the small batch, with batch-normalised op keys
+    (what a measured profile database is keyed by)."""
+    g_small = trace(model, small, model_name=model_name)
+    g_large = trace(model, large, model_name=model_name)
+    return replace(g_small, op_keys=op_keys(g_small, g_large))

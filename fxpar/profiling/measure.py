@@ -21,9 +21,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.export.graph_signature import ConstantArgument, InputKind
 
+from fxpar.errors import ConfigError
 from fxpar.profiling.database import OpCost, ProfileDB
+from fxpar.profiling.keys import trace_at_two_batches
+from fxpar.profiling.roofline import optimizer_key
+from fxpar.tracing import trace
 from fxpar.tracing.graph import ModelGraph
-from fxpar.tracing.trace import trace_at_two_batches
 
 Timing = tuple[float, float]  # (forward s, backward s)
 
@@ -137,14 +140,11 @@ def profile_model(model: torch.nn.Module, make_inputs: Callable[[int], Any], *,
     """Profile ``model`` at two batch sizes and fit each op's affine cost (module docstring)."""
     b1, b2 = batches
     if b1 < 2 or b2 <= b1:
-        from fxpar.errors import ConfigError
-
         raise ConfigError(f"profile batches {batches}: need 2 <= small < large (torch.export "
                           "specialises a batch of 1, so its graph cannot be matched)")
     small, large = make_inputs(b1), make_inputs(b2)
     progress(f"tracing {type(model).__name__} at batch {b1} and {b2}")
     g_small = trace_at_two_batches(model, small, large)
-    from fxpar.tracing import trace
 
     g_large = trace(model, large)
     progress(f"timing {len(g_small.nodes)} ops x 2 batch sizes ({repeats} repeats each)")
@@ -167,8 +167,6 @@ def profile_model(model: torch.nn.Module, make_inputs: Callable[[int], Any], *,
 def profile_optimizers(model: torch.nn.Module, *, repeats: int = 5,
                        device: torch.device | str = "cpu") -> dict[str, OpCost]:
     """Seconds per parameter of an AdamW and an SGD(momentum) step on the model's parameters."""
-    from fxpar.profiling.roofline import optimizer_key
-
     device = torch.device(device)
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)

@@ -14,12 +14,8 @@ Activations: the traced graph's saved-for-backward bytes per sample (see
 
 from __future__ import annotations
 
-from typing import Literal
-
 from fxpar.errors import ConfigError
-
-Optimizer = Literal["adam", "adamw", "sgd"]
-OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
+from fxpar.workload import OPTIMIZERS
 
 _STATE_BYTES = {  # (optimizer family, mixed precision?) -> (weights, grads, optimizer) bytes/param
     ("adam", False): (4, 4, 8),

@@ -1,5 +1,6 @@
-"""Runtime helpers: speed emulation, spawned gloo ranks for CPU runs, process-group set-up with
-a timeout, and the batch checks of ``pmodel.step``."""
+"""Runtime helpers: the step loop every parallel module kind trains with (``step_loop``), speed
+emulation, spawned gloo ranks for CPU runs, process-group set-up with a timeout, and the batch
+checks of ``pmodel.step``."""
 
 from fxpar.runtime.distributed import init_distributed, peer_failures
 from fxpar.runtime.emulation import SpeedEmulator

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fxpar.errors import ConfigError, RuntimeSetupError
+from fxpar.runtime.device import rank_device
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "cpu:gloo,cuda:nccl")
@@ -39,26 +40,43 @@ def _check_timeout(timeout_s: Any) -> float:
     return float(timeout_s)
 
 
+def resolve_backend(backend: str | None) -> str:
+    """``backend`` as given, else plain ``nccl`` where CUDA is available (never torch's mixed
+    ``cpu:gloo,cuda:nccl`` default, which sends CPU tensors silently through gloo), else
+    ``gloo``."""
+    import torch
+
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"init_distributed: backend = {backend!r}: accepted values are "
+                          f"{', '.join(BACKENDS)} or None (nccl with CUDA, else gloo)")
+    if backend is not None:
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, *,
                      init_method: str | None = None, rank: int | None = None,
                      world_size: int | None = None) -> bool:
     """Initialise ``torch.distributed`` with a collective timeout of ``timeout_s`` seconds.
 
-    ``backend`` None lets torch choose (gloo on CPU, NCCL for CUDA tensors); ``init_method``
-    None means ``env://`` (torchrun sets ``MASTER_ADDR``, ``RANK``, ...).  Returns True when
-    it created the process group, False when one already existed (then left as it is).
-    Raises :class:`RuntimeSetupError` with the rendezvous settings when set-up fails."""
+    ``backend`` None means ``nccl`` on a machine with CUDA, ``gloo`` otherwise
+    (:func:`resolve_backend`).  A CUDA rank is bound to ``cuda:LOCAL_RANK`` before the group
+    exists (``torch.cuda.set_device`` and ``device_id=``), so no collective guesses its GPU.
+    ``init_method`` None means ``env://`` (torchrun sets ``MASTER_ADDR``, ``RANK``, ...).
+    Returns True when it created the process group, False when one already existed (then
+    left as it is).  Raises :class:`RuntimeSetupError` with the rendezvous settings when
+    set-up fails."""
     import torch.distributed as dist
 
     timeout = _check_timeout(timeout_s)
-    if backend is not None and backend not in BACKENDS:
-        raise ConfigError(f"init_distributed: backend = {backend!r}: accepted values are "
-                          f"{', '.join(BACKENDS)} or None (torch's choice)")
+    backend = resolve_backend(backend)
     if not dist.is_available():
         raise RuntimeSetupError("init_distributed: this torch build has no torch.distributed")
     if dist.is_initialized():
         return False
     kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout)}
+    if "nccl" in backend:
+        kwargs["device_id"] = bind_cuda_device()
     if init_method is not None:
         kwargs["init_method"] = init_method
     if rank is not None:
@@ -70,12 +88,25 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
     except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
         how = init_method or "env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"
         raise RuntimeSetupError(
-            f"init_distributed: could not join the process group (backend {backend or 'default'}, "
+            f"init_distributed: could not join the process group (backend {backend}, "
             f"rendezvous {how}, rank {rank}, world_size {world_size}): {type(exc).__name__}: "
             f"{_first_line(exc)}; launch with torchrun (which sets the environment), or pass "
             "init_method, rank and world_size, and check that every rank can reach the "
             "rendezvous address") from exc
     return True
+
+
+def bind_cuda_device() -> Any:
+    """``torch.cuda.set_device(cuda:LOCAL_RANK)``; returns that device (a RuntimeSetupError
+    when the machine has no CUDA or fewer GPUs than LOCAL_RANK needs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeSetupError("init_distributed: backend nccl needs CUDA, and this machine or torch "
+                                "build has none; use backend='gloo' (CPU ranks)")
+    device = rank_device("cuda")
+    torch.cuda.set_device(device)
+    return device
 
 
 def _first_line(exc: BaseException) -> str:

@@ -54,8 +54,10 @@ class SegmentClock:
     """Splits a step's wall time into compute segments and collectives; stretches each compute
     segment *before* the next collective, so an emulated slow rank arrives late at exactly the
     collective a slow device would (sleeping once per step instead would charge the slow rank
-    for time it spent waiting on the fast one inside collectives).  Used by the tensor- and
-    expert-parallel modules, whose collectives sit inside the forward and backward."""
+    for time it spent waiting on the fast one inside collectives).  One per module: the step loop
+    (:mod:`fxpar.runtime.step_loop`) runs it around the micro-batches of every kind, whose
+    collectives sit inside the forward and backward (tensor, expert parallel) or at each
+    gradient bucket launch (data parallel); the pipeline stages use it the same way."""
 
     def __init__(self, emulator: SpeedEmulator) -> None:
         self.emulator = emulator

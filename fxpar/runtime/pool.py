@@ -1,4 +1,4 @@
-"""Spawned gloo ranks on this machine, reused across calls.
+"""Spawned ranks on this machine (gloo, or NCCL with one GPU each), reused across calls.
 
 ``WorkerPool(n)`` starts ``n`` processes once (``file://`` rendezvous, no ports, one thread
 each) that keep their process group; ``pool.run(fn, *args)`` runs the module-level function
@@ -9,7 +9,6 @@ kills the pool (the next ``run`` starts a fresh one).  Tests and ``fxpar demo`` 
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import multiprocessing as mp
 import os
@@ -20,8 +19,11 @@ import traceback
 from typing import Any, Callable
 
 from fxpar.errors import FxparError
+from fxpar.runtime.distributed import init_distributed
 
 DEFAULT_TIMEOUT_S = 300.0
+#: collective timeout of a pool's process group (a lost peer ends a call within it)
+WORKER_TIMEOUT_S = 120.0
 
 
 class WorkerError(FxparError, RuntimeError):
@@ -29,14 +31,14 @@ class WorkerError(FxparError, RuntimeError):
 
 
 def _worker_main(rank: int, world: int, init_file: str, tasks, results, threads: int,
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], backend: str) -> None:
     os.environ.update(env)
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: the rank is its index on the node
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_distributed(WORKER_TIMEOUT_S, backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         while True:
             item = tasks.get()
@@ -53,14 +55,17 @@ def _worker_main(rank: int, world: int, init_file: str, tasks, results, threads:
 
 
 class WorkerPool:
-    """``n`` gloo ranks kept alive between calls; use as a context manager or call ``close``."""
+    """``n`` ranks on this machine kept alive between calls (gloo; ``backend="nccl"`` gives rank
+    ``r`` the GPU ``cuda:r``); use as a context manager or call ``close``."""
 
-    def __init__(self, world_size: int, *, threads: int = 1, env: dict[str, str] | None = None) -> None:
+    def __init__(self, world_size: int, *, threads: int = 1, env: dict[str, str] | None = None,
+                 backend: str = "gloo") -> None:
         if world_size < 1:
             raise WorkerError(f"WorkerPool: world_size = {world_size}; needs at least 1 rank")
         self.world_size = world_size
         self.threads = threads
         self.env = dict(env or {})
+        self.backend = backend
         self._ids = itertools.count()
         self._procs: list[Any] = []
         self._start()
@@ -73,7 +78,7 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker_main, daemon=True,
                                    args=(r, self.world_size, init_file, self._tasks[r],
-                                         self._results, self.threads, self.env))
+                                         self._results, self.threads, self.env, self.backend))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()

@@ -1,5 +1,6 @@
 """Simulator: predicted step time, per-device timeline, utilization and peak memory of a Plan."""
 
-from fxpar.sim.simulate import SimResult, TimelineEvent, micro_batch_sizes, simulate
+from fxpar.sim.simulate import micro_batch_sizes, simulate
+from fxpar.sim.timeline import SimResult, TimelineEvent
 
 __all__ = ["SimResult", "TimelineEvent", "micro_batch_sizes", "simulate"]

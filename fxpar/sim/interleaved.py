@@ -143,28 +143,38 @@ def simulate(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: 
 def simulate_ends(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: list[float],
                   bwd: list[float], hop: list[float]) -> tuple[list[float], list[float]]:
     """:func:`simulate`'s per-rank end of the last action and busy seconds (rank order)."""
+    ends, busy, _ = replay(order, stage_rank, fwd, bwd, hop)
+    return ends, busy
+
+
+def replay(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: list[float],
+           bwd: list[float], hop: list[float]):
+    """Per rank (rank order) the end of its last action and its busy seconds, and the events
+    ``(stage, "fwd" | "bwd", start, end, micro-batch, arrival of its inputs)`` of ``order``
+    replayed with real durations."""
     finish: dict[Action, float] = {}
     free = {r: 0.0 for r in order}
     busy = {r: 0.0 for r in order}
     S = len(stage_rank)
     pending = {r: [a for a in acts if a is not None] for r, acts in order.items()}
+    events = []
     progress = True
     while progress:
         progress = False
         for r, acts in pending.items():
             while acts:
                 kind, s, i = acts[0]
-                deps = [("F", s - 1, i)] if kind == "F" and s > 0 else []
-                if kind == "B":
-                    deps = [("F", s, i)] + ([("B", s + 1, i)] if s < S - 1 else [])
+                deps = _deps(acts[0], S)
                 if any(d not in finish for d in deps):
                     break
-                ready = max([free[r]] + [finish[d] + (hop[d[1] if d[0] == "F" else s] if stage_rank[d[1]] != r else 0.0)
-                                         for d in deps])
+                arrival = max([0.0] + [finish[d] + (hop[d[1] if d[0] == "F" else s] if stage_rank[d[1]] != r else 0.0)
+                                       for d in deps])
+                start = max(free[r], arrival)
                 took = fwd[s] if kind == "F" else bwd[s]
-                finish[acts.pop(0)] = free[r] = ready + took
+                finish[acts.pop(0)] = free[r] = start + took
                 busy[r] += took
+                events.append((s, "fwd" if kind == "F" else "bwd", start, start + took, i, arrival))
                 progress = True
     if any(pending.values()):
         raise RuntimeError("interleaved schedule has a dependency cycle")
-    return [free[r] for r in sorted(free)], [busy[r] for r in sorted(busy)]
+    return [free[r] for r in sorted(free)], [busy[r] for r in sorted(busy)], events

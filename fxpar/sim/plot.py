@@ -1,14 +1,15 @@
-"""Draw a :class:`~fxpar.sim.simulate.SimResult` timeline as a PNG (matplotlib)."""
+"""Draw a :class:`~fxpar.sim.timeline.SimResult` timeline as a PNG (matplotlib)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from fxpar.errors import ConfigError
-from fxpar.sim.simulate import SimResult
+from fxpar.sim.timeline import SimResult
 
 COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "all_reduce": "#55A868", "optimizer": "#8172B3",
-          "idle": "#DDDDDD", "replicated": "#4C72B0", "experts": "#C44E52", "all_to_all": "#937860"}
+          "idle": "#DDDDDD", "replicated": "#4C72B0", "experts": "#C44E52", "all_to_all": "#937860",
+          "hop": "#DA8BC3", "all_gather": "#8C8C8C"}
 MAX_ROWS = 32
 
 

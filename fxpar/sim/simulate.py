@@ -1,7 +1,10 @@
 """``simulate(plan, cost) -> SimResult``: predicted step time, per-device busy/idle time, peak
-memory and a timeline, for any plan the codegen can run: data parallelism (below), pipelines
-(1F1B from the plan's stage times) and expert parallelism (phases of
-:func:`fxpar.solvers.expert_plan.evaluate`, shown per rank as one block each).
+memory and a timeline, for any plan the codegen can run, recomputed from the plan and the cost
+model (never from the plan's stored predictions): data parallelism (below), pipelines (1F1B,
+GPipe and interleaved schedules with their hops, stage all-reduces and ZeRO-1 exchange:
+:func:`fxpar.sim.pipeline_plan.simulate_pipeline`, the math in :mod:`fxpar.sim.pipeline_cost`)
+and expert parallelism (phases of :func:`fxpar.sim.expert_sim.evaluate`, shown per rank as one
+block each).
 
 Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
 
@@ -16,42 +19,22 @@ Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
     peak_r    = model state + gradient all-reduce buffer (world > 1)
                 + (saved activations + backward workspace) per sample × max_j m_j
 
-The solver's ``predicted_step_s`` is this simulator's answer.
+The solver's ``predicted_step_s`` is this simulator's answer, for every strategy.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class TimelineEvent:
-    rank: int
-    kind: str            # "fwd", "bwd", "all_reduce", "idle", "optimizer"; expert parallelism:
-    #                      "replicated", "experts", "all_to_all"
-    start_s: float
-    end_s: float
-    micro_batch: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class SimResult:
-    step_s: float
-    compute_s: float                       # the slowest rank's compute
-    comm_s: float
-    busy_s: tuple[float, ...]              # per rank: compute
-    idle_s: tuple[float, ...]              # per rank: waiting for the slowest rank
-    peak_memory_bytes: tuple[int, ...]     # per rank
-    events: tuple[TimelineEvent, ...]
-
-    @property
-    def utilization(self) -> tuple[float, ...]:
-        return tuple(b / self.step_s if self.step_s > 0 else 0.0 for b in self.busy_s)
+from fxpar.sim.expert_costs import build_problem
+from fxpar.sim.expert_sim import EPProblem, evaluate
+from fxpar.sim.pipeline_cost import pipeline_prices
+from fxpar.sim.pipeline_plan import simulate_pipeline
+from fxpar.sim.timeline import SimResult, TimelineEvent
 
 
 def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
@@ -68,7 +51,7 @@ def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
     """Predict ``plan`` under ``cost`` (see the module docstring)."""
     if plan.strategy == "pipeline":
-        return _simulate_pipeline(plan)
+        return simulate_pipeline(plan, pipeline_prices(cost), cost.cluster)
     if plan.strategy == "expert_parallel":
         return _simulate_expert(plan, cost)
     cluster = cost.cluster
@@ -118,33 +101,9 @@ def overlapped_allreduce_s(cost: CostModel, busy: list[float], last_bwd: list[fl
     return max(end - max(busy), 0.0)
 
 
-def _simulate_pipeline(plan: Plan) -> SimResult:
-    """1F1B events from the plan's per-stage forward/backward times (solver's cost model)."""
-    from fxpar.sim.pipeline_sim import pipeline_events, simulate_1f1b
-
-    fwd = [st.predicted_fwd_s for st in plan.stages]
-    bwd = [st.predicted_bwd_s for st in plan.stages]
-    _makespan, busy, raw = simulate_1f1b(fwd, bwd, [0.0] * len(fwd), plan.num_microbatches)
-    events = pipeline_events([st.ranks for st in plan.stages], raw)
-    comm = plan.predicted_comm_s
-    for r in range(plan.world_size):
-        events.append(TimelineEvent(r, "all_reduce", plan.predicted_compute_s, plan.predicted_compute_s + comm))
-        events.append(TimelineEvent(r, "optimizer", plan.predicted_compute_s + comm, plan.predicted_step_s))
-    stage_of = {r: j for j, st in enumerate(plan.stages) for r in st.ranks}
-    rank_busy = tuple(busy[stage_of[r]] for r in range(plan.world_size))
-    return SimResult(step_s=plan.predicted_step_s, compute_s=plan.predicted_compute_s, comm_s=comm,
-                     busy_s=rank_busy, idle_s=tuple(plan.predicted_step_s - b - comm for b in rank_busy),
-                     peak_memory_bytes=tuple(r.predicted_memory_bytes for r in plan.ranks),
-                     events=tuple(events))
-
-
 def _simulate_expert(plan: Plan, cost: CostModel) -> SimResult:
     """Expert parallelism: replicated part, experts, all-to-all, all-reduce, optimizer (each
     phase ends when its slowest rank does; the layers' phases are summed into one block)."""
-    from fxpar.errors import PlanError
-    from fxpar.solvers.expert_costs import build_problem
-    from fxpar.solvers.expert_plan import EPProblem, evaluate
-
     problem = build_problem(cost, plan.global_batch)
     if not isinstance(problem, EPProblem):
         raise PlanError(f"an expert_parallel plan for {plan.model}: {problem or 'the model has no MoE experts'}")

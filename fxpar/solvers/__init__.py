@@ -3,6 +3,7 @@
 The solvers see plain numbers and dataclasses (built by the cost model), never torch objects.
 """
 
-from fxpar.solvers.planner import build_dp_problem, check_inputs, plan
+from fxpar.solvers.planner import plan
+from fxpar.solvers.problems import build_dp_problem, check_inputs
 
 __all__ = ["build_dp_problem", "check_inputs", "plan"]

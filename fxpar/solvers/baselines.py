@@ -1,14 +1,20 @@
 """What a user would otherwise run, predicted under the same cost model and simulator.
 
-- ``even_dp``: torch DDP, the batch split evenly (:mod:`fxpar.solvers.planner`).
+- ``even_dp``: torch DDP, the batch split evenly (:mod:`fxpar.solvers.family_dp`).
 - ``proportional_dp``: HAP's DP-CP, batch shares proportional to each device's peak FLOP/s.
 - ``megatron_even``: the best *even* plan a homogeneous planner would choose: even DP, or
   identical pipelines with the same TP width on every stage, equal segments per stage, the
   stages in cluster order.
-- ``whale_rules``: Whale's hand rules: data parallel with batch ∝ capacity (capped by memory),
-  else pipelines with layers ∝ stage capacity and the large-memory devices first.
+- ``whale_rules``: Whale's hand rule *for the family of the chosen plan*: data parallel with
+  batch ∝ capacity, capped by memory (:func:`fxpar.solvers.family_dp.whale_shares`); pipelines
+  with layers ∝ stage capacity and the large-memory devices first (:func:`pipeline_baselines`);
+  expert parallelism with batch and experts ∝ capacity (:func:`fxpar.solvers.family_ep.whale_point`).
 
-Each is ``None`` when it does not fit in memory.
+Each is ``None`` when it does not fit in memory or its family is not among the strategies
+asked for.  Every rule is a candidate too, with the search effort fxpar's own plans get (the
+formula's best re-ranked by the simulator, the faster gradient exchange and layout), so the plan
+is never slower than a baseline; how the plan's baselines are composed:
+:func:`fxpar.solvers.choose.combine_baselines`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import math
 import numpy as np
 
 from fxpar.solvers import data_parallel as dp
-from fxpar.solvers.pipeline import PipelineContext, _divisors, evaluate, stage_sequences
+from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, _divisors, evaluate, stage_sequences
 
 
 def proportional_shares(rates: list[float], batch: int) -> list[int]:
@@ -51,24 +57,23 @@ def _capacity_cuts(ctx: PipelineContext, stages, reference: str) -> tuple[int, .
     return tuple(cuts) if all(a < b for a, b in zip(cuts, cuts[1:])) else None
 
 
-def pipeline_baselines(ctx: PipelineContext, cluster_order: list[str], max_width: int = 8):
-    """(megatron_even, whale_rules) best pipeline configurations — None where nothing fits.
-    fxpar's planner also takes them as candidates, so it is never slower than either."""
+def pipeline_baselines(ctx: PipelineContext, cluster_order: list[str], max_width: int = 8,
+                       keep: int = 8) -> tuple[list[PipelineConfig], list[PipelineConfig]]:
+    """The ``keep`` best configurations by the formula of Megatron's rule (even cuts, one TP width,
+    cluster order) and of Whale's (cuts ∝ stage capacity, large-memory kinds first), fastest
+    first; [] where nothing fits.  The planner re-ranks them by the simulator, as its own."""
     counts = [k.count for k in ctx.kinds.values()]
-    common = math.gcd(*counts)
     reference = max(ctx.kinds, key=lambda k: ctx.kinds[k].speed_rank)
     by_memory = sorted(ctx.kinds, key=lambda k: (-ctx.kinds[k].memory_bytes, -ctx.kinds[k].speed_rank))
-    mega = whale = None
-    for pipelines in _divisors(common):
+    found: dict[str, list] = {"even": [], "whale": []}
+    for pipelines in _divisors(math.gcd(*counts)):
         if ctx.global_batch % pipelines:
             continue
         per_pipe = ctx.global_batch // pipelines
         for order, rule in ((cluster_order, "even"), (by_memory, "whale")):
             for stages in stage_sequences(ctx.kinds, pipelines, list(order), max_width):
                 S = len(stages)
-                if S == 0 or S > ctx.table.size:
-                    continue
-                if rule == "even" and len({s.width for s in stages}) != 1:
+                if S == 0 or S > ctx.table.size or (rule == "even" and len({s.width for s in stages}) != 1):
                     continue
                 cuts = _even_cuts(ctx.table.size, S) if rule == "even" else _capacity_cuts(ctx, stages, reference)
                 if cuts is None:
@@ -76,14 +81,10 @@ def pipeline_baselines(ctx: PipelineContext, cluster_order: list[str], max_width
                 for m in sorted({d for d in _divisors(per_pipe) if S <= d <= 8 * S} | {per_pipe})[:6]:
                     for ckpt in (False, True):
                         cfg = evaluate(ctx, pipelines, stages, m, ckpt, cuts=cuts)
-                        if cfg is None:
-                            continue
-                        if rule == "even" and (mega is None or cfg.step_s < mega.step_s):
-                            mega = cfg
-                        if rule == "whale" and (whale is None or cfg.step_s < whale.step_s):
-                            whale = cfg
-                        break
-    return mega, whale
+                        if cfg is not None:
+                            found[rule].append(cfg)
+                            break
+    return tuple(sorted(found[r], key=lambda c: c.step_s)[:keep] for r in ("even", "whale"))
 
 
 def min_or_none(*values: float | None) -> float | None:

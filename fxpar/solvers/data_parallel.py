@@ -26,16 +26,26 @@ Variables: x_g ≥ 0 (samples per device of group g), T (compute makespan).
 The LP balances compute; the predicted step (:func:`fxpar.sim.simulate`) adds the part of the
 all-reduce that the last backward does not hide (codegen launches 25 MiB buckets as their
 gradients are final, as torch DDP does), so ``T + C`` is an upper bound of it.  The relaxation is an LP
-(HiGHS); integer shares come from :func:`integer_shares`, which gives each remaining sample to
-the device whose finishing time grows least — exact for this min-max with linear costs, so the
-integer plan is optimal and the reported gap is the rounding loss against the LP.
+(HiGHS).  It counts a device's per-micro-batch cost ``f_g`` once, but a share larger than the
+micro-batch cap runs ``⌈x/c_g⌉`` micro-batches, each paying it, as the simulator and codegen do.
+So the integer shares come from :func:`integer_shares` on the simulator's compute time
+
+    busy_g(x) = t_g·x + ⌈x / c_g⌉·f_g          (x ≤ K·c_g; 0 for x = 0)
+
+giving each sample, one at a time from zero, to the device whose finishing time grows least
+(ties: lowest rank).  Each ``busy_g`` is non-decreasing, so the ``B`` values handed out are the
+``B`` smallest of all ``busy_g(1), busy_g(2), …`` and the greedy's makespan is the integer
+optimum: the micro-batch count of every group is chosen with its shares, not after them
+(e.g. speeds 1 and 0.8, ``f = 3 s``, ``c = 8``, ``B = 16``: the LP's 9/7 needs two micro-batches on
+the fast device, 15 s; the greedy gives 8/8, 13 s).  The LP's own shares, rounded as before
+(``rounded_shares``), stay a candidate: :mod:`fxpar.solvers.family_dp` simulates every
+candidate share vector and keeps the fastest.
 
 Memory feasibility: each rank holds a full replica, so ``S + a ≤ M_g`` is required of every
 device (one sample per micro-batch); a device that fails it makes data parallelism alone
 infeasible and the error names it with its shortfall ``S + a − M_g``.
 
-Lower bound (reference §3): ``B / Σ_i (1/t_i)`` (work over the summed device rates, perfect
-division) plus the physical all-reduce bound at full link speed.
+The lower bound every plan reports: :func:`fxpar.solvers.bounds.lower_bound_s`.
 """
 
 from __future__ import annotations
@@ -72,7 +82,6 @@ class DPProblem:
     state_bytes: int
     activation_bytes_per_sample: float
     allreduce_s: float
-    allreduce_lower_bound_s: float
     max_microbatches: int | None = None
 
     def micro_batch_cap(self, g: DPGroup) -> int:
@@ -97,6 +106,7 @@ class DPSolution:
     status: str
     backend: str
     solve_time_s: float
+    rounded_shares: tuple[int, ...] = ()   # the LP's shares rounded counting f_g once (a candidate)
 
 
 def check_memory(problem: DPProblem, describe=lambda g: g.key) -> None:
@@ -166,17 +176,25 @@ def cp_mul(a, x):
 
 
 def integer_shares(sample_s: list[float], caps: list[float], batch: int,
-                   start: list[int] | None = None, fixed_s: list[float] | None = None) -> list[int]:
-    """Integer shares minimising max_i (s_i·t_i + f_i) with Σ s_i = batch, s_i ≤ cap_i.
+                   start: list[int] | None = None, fixed_s: list[float] | None = None,
+                   micro_cap: list[int] | None = None) -> list[int]:
+    """Integer shares minimising max_i busy_i(s_i) with Σ s_i = batch, s_i ≤ cap_i, where
+    ``busy_i(s) = s·t_i + ⌈s / micro_cap_i⌉·f_i`` (one micro-batch when ``micro_cap`` is None).
 
-    Starts from ``start`` (floors of the LP optimum, each ≤ the optimum) and hands out the rest
-    one sample at a time to the device whose finish time grows least (ties: lowest rank).
+    Starts from ``start`` (zeros by default; the greedy is exact from any start at or below an
+    optimum) and hands out the rest one sample at a time to the device whose finish time grows
+    least (ties: lowest rank); exact because every ``busy_i`` is non-decreasing (module docstring).
     """
     shares = list(start) if start is not None else [0] * len(sample_s)
     fixed = fixed_s if fixed_s is not None else [0.0] * len(sample_s)
+    mcap = micro_cap if micro_cap is not None else [0] * len(sample_s)
+
+    def busy(i: int, s: int) -> float:
+        count = 1 if mcap[i] <= 0 else -(-s // mcap[i])
+        return s * sample_s[i] + count * fixed[i]
+
     left = batch - sum(shares)
-    heap = [((s + 1) * t + fixed[i], i) for i, (s, t) in enumerate(zip(shares, sample_s))
-            if s + 1 <= caps[i]]
+    heap = [(busy(i, s + 1), i) for i, s in enumerate(shares) if s + 1 <= caps[i]]
     heapq.heapify(heap)
     while left > 0:
         if not heap:
@@ -186,7 +204,7 @@ def integer_shares(sample_s: list[float], caps: list[float], batch: int,
         shares[i] += 1
         left -= 1
         if shares[i] + 1 <= caps[i]:
-            heapq.heappush(heap, ((shares[i] + 1) * sample_s[i] + fixed[i], i))
+            heapq.heappush(heap, (busy(i, shares[i] + 1), i))
     return shares
 
 
@@ -198,31 +216,35 @@ def micro_batches(share: int, cap: int, max_micro: int | None) -> tuple[int, int
     return math.ceil(share / count), count
 
 
-def solve(problem: DPProblem) -> DPSolution:
-    """Solve the share LP, round to integers, choose micro-batches (see module docstring)."""
-    start = time.perf_counter()
-    x, lp_T, status, backend = solve_shares_lp(problem)
+def _per_rank(problem: DPProblem):
+    """Per rank: seconds per sample, per micro-batch, share cap, micro-batch cap, LP group."""
     world = sum(g.count for g in problem.groups)
-    t_rank, cap_rank, micro_cap, floors = [0.0] * world, [0.0] * world, [0] * world, [0] * world
-    f_rank = [0.0] * world
+    t, f, cap, micro, group = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world, [0] * world
     for gi, g in enumerate(problem.groups):
         for r in g.ranks:
-            t_rank[r] = g.sample_s
-            f_rank[r] = g.fixed_s
-            cap_rank[r] = problem.share_cap(g)
-            micro_cap[r] = problem.micro_batch_cap(g)
-            floors[r] = int(math.floor(x[gi] + 1e-9))
+            t[r], f[r], cap[r], micro[r], group[r] = (g.sample_s, g.fixed_s, problem.share_cap(g),
+                                                      max(problem.micro_batch_cap(g), 1), gi)
+    return t, f, cap, micro, group
+
+
+def solve(problem: DPProblem) -> DPSolution:
+    """Solve the share LP, then the integer shares and micro-batches (module docstring)."""
+    start = time.perf_counter()
+    x, lp_T, status, backend = solve_shares_lp(problem)
+    t, f, cap, micro_cap, group = _per_rank(problem)
+    floors = [int(math.floor(x[group[r]] + 1e-9)) for r in range(len(t))]
     while sum(floors) > problem.global_batch:  # guard against LP round-off
         floors[int(np.argmax(floors))] -= 1
-    shares = integer_shares(t_rank, cap_rank, problem.global_batch, floors, f_rank)
+    rounded = integer_shares(t, cap, problem.global_batch, floors, f)
+    shares = integer_shares(t, cap, problem.global_batch, None, f, micro_cap)
     mb = [micro_batches(s, micro_cap[r], problem.max_microbatches) for r, s in enumerate(shares)]
-    busy = [s * t + m[1] * f for s, t, m, f in zip(shares, t_rank, mb, f_rank)]
+    busy = [s * tr + m[1] * fr for s, tr, m, fr in zip(shares, t, mb, f)]
     mem = [int(problem.state_bytes + problem.activation_bytes_per_sample * m[0]) for m in mb]
     return DPSolution(
         shares=tuple(shares), micro_batch=tuple(m[0] for m in mb),
         num_microbatches=tuple(m[1] for m in mb), busy_s=tuple(busy), memory_bytes=tuple(mem),
         compute_s=max(busy), relaxation_s=lp_T, status=status, backend=backend,
-        solve_time_s=time.perf_counter() - start)
+        solve_time_s=time.perf_counter() - start, rounded_shares=tuple(rounded))
 
 
 def even_split_step_s(problem: DPProblem) -> float | None:
@@ -241,9 +263,3 @@ def even_split_step_s(problem: DPProblem) -> float | None:
         count = micro_batches(share, problem.micro_batch_cap(g), problem.max_microbatches)[1]
         worst = max(worst, share * g.sample_s + count * g.fixed_s)
     return worst + problem.allreduce_s
-
-
-def lower_bound_s(problem: DPProblem) -> float:
-    """B / Σ_i (1/t_i) + the physical all-reduce bound."""
-    rate = sum(g.count / g.sample_s for g in problem.groups)
-    return problem.global_batch / rate + problem.allreduce_lower_bound_s

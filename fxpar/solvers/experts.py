@@ -53,8 +53,7 @@ import numpy as np
 from fxpar.errors import ConfigError, InfeasibleError
 from fxpar.plan import SolverReport
 from fxpar.profiling import collectives, memory
-
-PASSES = 4  # dispatch + combine, forward and backward
+from fxpar.sim.expert_sim import PASSES
 
 
 @dataclass(frozen=True, slots=True)

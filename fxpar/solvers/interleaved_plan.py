@@ -7,28 +7,31 @@ Cuts (a heuristic, then an exact evaluation): bisection on the per-device budget
 micro-batch; walking the chain, stage ``s`` on device ``d`` (holding ``n_d`` stages) takes the
 longest prefix whose time on ``d``'s kind is ≤ ``τ / n_d``.  The smallest feasible ``τ``
 gives the cuts.  Memory per device: ``Σ_{s on d} (state_s + (S' − s)·b·A_s) ≤ capacity`` (1F1B's
-in-flight bound, which the lock-step schedule keeps).  The step is the makespan of the
-lock-step action table (:mod:`fxpar.sim.interleaved`) replayed with each stage's forward and
-backward seconds and the hops, plus the gradient all-reduce across pipelines and the optimizer
-step of each device's stages.  The candidate joins the others and wins only when it predicts
+in-flight bound, which the lock-step schedule keeps).  The step is the simulator's
+(:func:`fxpar.solvers.pipeline_plan.with_predictions`, :mod:`fxpar.sim.pipeline_cost`): the
+makespan of the lock-step action table (:mod:`fxpar.sim.interleaved`) replayed with each
+stage's forward and backward seconds and the hops, plus the gradient all-reduce across
+pipelines and the optimizer step of each device's stages.  The candidate joins the others and wins only when it predicts
 a shorter step (a smaller bubble at the plan's micro-batch count).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from fxpar.errors import PlanError
 from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
-from fxpar.profiling.memory import state_bytes_per_param
-from fxpar.sim.interleaved import lockstep_order, simulate_ends
+from fxpar.sim.pipeline_plan import slots_of
 from fxpar.solvers.pipeline import (
     PipelineConfig,
     PipelineContext,
     StageSpec,
     _StageCost,
 )
-from fxpar.solvers.pipeline_plan import assign_ranks
-from fxpar.solvers.placement import LinkCosts
+from fxpar.solvers.pipeline_plan import assign_ranks, with_predictions
+from fxpar.solvers.placement import build_links
 
 
 def _cuts(costs: list[_StageCost], positions: list[int], n: int) -> tuple[int, ...] | None:
@@ -70,10 +73,12 @@ def candidates(ctx: PipelineContext, cfg: PipelineConfig, cluster, model_name: s
     return out
 
 
-def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s) -> Plan | None:
-    t, S, m, b = ctx.table, len(positions), cfg.num_microbatches, cfg.micro_batch
+def _placed(ctx, cfg, positions):
+    """The stages on ``positions``: (specs, links, cost tables, cuts, memory and parameters per
+    position), or None where no cuts exist or a position's memory overflows."""
+    t, S, b = ctx.table, len(positions), cfg.micro_batch
     specs = [StageSpec(cfg.stages[d].kind, 1) for d in positions]
-    links = LinkCosts.build(ctx, cfg.pipelines, cfg.stages, cfg.layout)  # positions sit as cfg's stages
+    links = build_links(ctx, cfg.pipelines, cfg.stages, cfg.layout)  # positions sit as cfg's stages
     costs = [_StageCost(ctx, spec, b, S - s, cfg.pipelines, False, cfg.zero,
                         links.hop_bytes_per_s(positions[s], positions[s + 1]) if s + 1 < S else float("inf"))
              for s, spec in enumerate(specs)]
@@ -87,48 +92,40 @@ def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s)
         params[positions[s]] += float(t.params[i:j].sum())
     if any(memory[d] > ctx.kinds[cfg.stages[d].kind].memory_bytes for d in memory):
         return None
-    fwd, bwd, hop = [], [], []
-    for s, (c, i, j) in enumerate(zip(costs, cuts, cuts[1:])):
-        k = specs[s].kind
-        f = float((t.fwd_a[k][i:j] + t.fwd_c[k][i:j] * b).sum())
-        h = float(c.hop[j - 1]) if j < t.size else 0.0
-        fwd.append(f)
-        bwd.append(max(c.stage_time(i, j) - h - f, 0.0))
-        hop.append(h)
-    order = lockstep_order(positions, len(cfg.stages), m, fwd, bwd)  # the order codegen runs
-    ends, busy = simulate_ends(order, positions, fwd, bwd, hop)
-    makespan = max(ends)
-    grad_bytes = state_bytes_per_param(ctx.optimizer, ctx.dtype)[1]
-    # each position all-reduces its stages' gradients once its last action ends (the part not hidden)
-    ar = links.allreduce_done_s(ends, [params.get(d, 0.0) * grad_bytes for d in range(len(cfg.stages))]) - makespan
-    opt = max(ctx.optimizer_s_per_param[cfg.stages[d].kind] * params[d] * (1 / cfg.pipelines if cfg.zero else 1)
-              for d in params)
-    gather = (links.allgather_s([params.get(d, 0.0) * state_bytes_per_param(ctx.optimizer, ctx.dtype)[0]
-                                 for d in range(len(cfg.stages))]) if cfg.zero else 0.0)
-    step = makespan + ar + opt + gather
+    return specs, links, costs, cuts, memory, params
+
+
+def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s) -> Plan | None:
+    """The interleaved plan on ``positions`` (None where it does not fit), priced by the simulator."""
+    placed = _placed(ctx, cfg, positions)
+    if placed is None:
+        return None
+    specs, _, _, cuts, _, _ = placed
+    t, m, b = ctx.table, cfg.num_microbatches, cfg.micro_batch
     slots = assign_ranks(cfg, cluster)  # slots[position][pipeline] = (rank,)
     per_pipe = workload.global_batch // cfg.pipelines
     stages = [StagePlan(index=s, modules=tuple(mod for seg in t.modules[i:j] for mod in seg),
                         ranks=tuple(slots[positions[s]][p][0] for p in range(cfg.pipelines)),
-                        data_split=(per_pipe,) * cfg.pipelines, device=specs[s].kind,
-                        predicted_fwd_s=fwd[s], predicted_bwd_s=bwd[s])
+                        data_split=(per_pipe,) * cfg.pipelines, device=specs[s].kind)
               for s, (i, j) in enumerate(zip(cuts, cuts[1:]))]
-    ranks = {}
-    for d in range(len(cfg.stages)):
-        for p in range(cfg.pipelines):
-            r = slots[d][p][0]
-            dev = cluster.device(r)
-            ranks[r] = RankPlan(rank=r, device=dev.type.name, node=dev.node, speed=float(dev.speed),
-                                batch_share=per_pipe, micro_batch_size=b, num_microbatches=m,
-                                predicted_busy_s=busy[d], predicted_memory_bytes=int(memory[d]),
-                                memory_capacity_bytes=int(dev.memory_bytes))
+    ranks = []
+    for r in range(cluster.world_size):
+        dev = cluster.device(r)
+        ranks.append(RankPlan(rank=r, device=dev.type.name, node=dev.node, speed=float(dev.speed),
+                              batch_share=per_pipe, micro_batch_size=b, num_microbatches=m,
+                              predicted_busy_s=0.0, predicted_memory_bytes=0,
+                              memory_capacity_bytes=int(dev.memory_bytes)))
+    draft = Plan(strategy="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
+                 seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
+                 stages=tuple(stages), ranks=tuple(ranks), predicted_step_s=0.0, predicted_compute_s=0.0,
+                 predicted_comm_s=0.0, lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
+                 pipelines=cfg.pipelines, num_microbatches=m, schedule="interleaved", zero_sharded_optimizer=cfg.zero)
+    try:
+        slots_of(draft)
+    except PlanError:  # the pipelines' ranks do not sort into one stage pattern: codegen cannot run it
+        return None
+    plan, _ = with_predictions(draft, ctx, cluster)
     name = "all-reduce + ZeRO-1" if cfg.zero else "all-reduce"
     exchange = (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines", method=name,
-                                 predicted_s=ar + gather),) if cfg.pipelines > 1 else ()
-    return Plan(strategy="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
-                seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
-                stages=tuple(stages), ranks=tuple(ranks[r] for r in range(cluster.world_size)),
-                predicted_step_s=step, predicted_compute_s=makespan, predicted_comm_s=ar + gather,
-                lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()), pipelines=cfg.pipelines,
-                num_microbatches=m, schedule="interleaved", zero_sharded_optimizer=cfg.zero,
-                collectives=exchange)
+                                 predicted_s=plan.predicted_comm_s),) if cfg.pipelines > 1 else ()
+    return replace(plan, collectives=exchange)

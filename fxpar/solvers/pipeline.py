@@ -4,49 +4,27 @@ inter-stage balancing and Alpa's stage slicing, solved exactly for a chain).
 Shape of a plan (``PipelineConfig``): ``P`` identical pipelines (data parallel across them);
 each pipeline is a sequence of stages; stage ``j`` runs on ``u_j`` devices of one kind
 ``k_j`` as one tensor-parallel group (``u_j`` ≤ devices per node, so TP stays on the node's
-links).  Stage ``j`` owns the contiguous segments ``[c_j, c_{j+1})``.
+links).  Stage ``j`` owns the contiguous segments ``[c_j, c_{j+1})``; ``b`` samples per
+micro-batch, ``m`` micro-batches, ``B = P·m·b``.
 
-Data (per segment ``i``, kind ``k``; :mod:`fxpar.solvers.segments`): ``a_ik`` seconds per
-micro-batch, ``c_ik`` per sample, shardable fraction ``f_i``, parameters ``n_i``, saved
-activations ``α_i`` and boundary bytes ``β_i`` per sample.  ``b`` samples per micro-batch,
-``m`` micro-batches, ``B = P·m·b``.
+The search ranks configurations by a closed formula ``T``; its best are then priced by the
+simulator (:func:`fxpar.sim.pipeline_cost.price`, which holds the stage time ``t_j = f_j + b_j
++ h_j``, the memory ``M_j`` and the link costs this formula shares, and runs the schedule's
+events).  The formula (``e_j`` the end of stage ``j``'s last backward, ``f_i`` the forward part:
+the drain still has to pass the stages before it):
 
-Stage time per micro-batch (compute + tensor-parallel all-reduces, 2 forward + 2 backward per
-block, of ``β_i·b`` bytes over the stage's ``u`` devices):
+    T_pipe = (m − 1)·max_j t_j + Σ_j t_j,    e_j = T_pipe − Σ_{i<j} (t_i − f_i)
+    T      = AR_done(e, grads) + max_j opt_j·(1/P)^z + z·AG_P(weight bytes_1..S)
 
-    t_j = Σ_{i∈j} (a_ik + c_ik·b)·(f_i/u + 1 − f_i) + 4·AR_u(β_i·b)  + hop_j(β_{c_{j+1}−1}·b)
-          (+ each block's forward again under activation checkpointing)
-
-1F1B pipeline, then the data-parallel gradient all-reduce of every stage's shard across the
-``P`` pipelines and the optimizer step; with ZeRO-1 (``z = 1``, a per-configuration choice
-recorded in the plan's ``collectives``) each pipeline updates ``1/P`` of the parameters and
-broadcasts them (an all-gather of the weights).  Stage ``j`` starts its all-reduce when its
-own last backward ends, ``e_j = T_pipe − Σ_{i<j} (t_i − f_i)`` (``f_i`` the forward part: the
-drain still has to pass the stages before it), as codegen runs it:
-
-    T_pipe = (m − 1)·max_j t_j + Σ_j t_j
-    T      = max( max_j (e_j + AR_P,j),  e_{S−1} + AR_P(all stages) ) + max_j opt_j·(1/P)^z
-             + z·AG_P(weight bytes_1..S)
-
-``hop_j``, each stage's all-reduce ``AR_P,j``, that of all stages at once (rings that share a
-NIC) and the all-gather ``AG_P`` are priced on the placement of the slots on the nodes, one of
-two layouts (pipeline-major or stage-major, :mod:`fxpar.solvers.placement`: shared NICs,
-hierarchical rings), which the search also chooses.
-
-Memory per device of stage ``j`` (of ``S``), optimizer state ``o`` (``o/P`` under ZeRO-1),
-``r = min(S − j, m)`` micro-batches in flight under 1F1B, activation checkpointing optional:
-
-    M_j = (n_j^split/u + n_j^repl)·(w + g + o/P^z) + grad buffer + r·b·A_j(u) ≤ memory of kind k_j
-
-Checkpointing is chosen per stage: with it allowed, each stage of the bisection's greedy pass
-takes whichever of its two cost tables (plain, checkpointed) reaches farther under ``τ`` — so
-only the stages that need the memory (the early ones, with more micro-batches in flight) pay
-the recomputation.
-
-(``n^split``: parameters inside the blocks' attention / MLP / experts, which codegen shards;
-``n^repl``: embeddings, head and norms, replicated on every rank of the stage)
-    A_j(u) = Σ α_i·(0.3 + 0.7/u)            (no checkpointing; Megatron: ~30% replicated)
-           = Σ β_i + max_i α_i              (checkpointing every block)
+with ZeRO-1 (``z = 1``, a per-configuration choice recorded in the plan's ``collectives``) each
+pipeline updating ``1/P`` of the parameters and all-gathering them.  Hops, the stage all-reduces
+and the all-gather are priced on the placement of the slots on the nodes, one of two layouts
+(pipeline-major or stage-major, :mod:`fxpar.solvers.placement`), which the search also
+chooses.  Memory ``M_j ≤`` the memory of kind ``k_j`` is a constraint (``r = min(S − j, m)``
+micro-batches in flight under 1F1B).  Checkpointing is chosen per stage: with it allowed, each
+stage of the bisection's greedy pass takes whichever of its two cost tables (plain,
+checkpointed) reaches farther under ``τ`` — so only the stages that need the memory (the early
+ones, with more micro-batches in flight) pay the recomputation.
 
 Cuts: for a fixed stage sequence the min-max partition of a chain with monotone stage costs
 is found exactly by bisection on the bottleneck ``τ`` with a greedy feasibility pass (each stage
@@ -67,10 +45,10 @@ import numpy as np
 
 from fxpar.profiling import collectives
 from fxpar.profiling.memory import state_bytes_per_param
-from fxpar.solvers.placement import LAYOUTS, PIPELINE_MAJOR, LinkCosts, same_nodes
-from fxpar.solvers.segments import SegmentTable
-
-ACT_REPLICATED = 0.3
+from fxpar.sim.links import LinkCosts, tp_allreduce_s
+from fxpar.sim.pipeline_cost import ACT_REPLICATED, pipeline_prices
+from fxpar.sim.segments import SegmentTable
+from fxpar.solvers.placement import LAYOUTS, PIPELINE_MAJOR, build_links, same_nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +99,6 @@ class PipelineContext:
     optimizer_s_per_param: dict     # kind -> seconds per parameter of an optimizer step
 
 
-def _tp_allreduce(kind: KindInfo, width: int, nbytes: np.ndarray) -> np.ndarray:
-    if width <= 1:
-        return np.zeros_like(nbytes)
-    shape = collectives.RingShape((width,), (kind.intra_bytes_per_s,), 1.0)
-    values, index = np.unique(nbytes, return_inverse=True)  # blocks share one boundary size
-    return np.array([collectives.allreduce_time(shape, float(x)) for x in values])[index.reshape(-1)]
-
-
 _TABLES: dict = {}   # (id(table), ...) -> (table, arrays): the search builds the same tables often
 
 
@@ -156,7 +126,7 @@ def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool
         if ckpt:  # recompute every block's forward during the backward
             blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
             seg_time = seg_time + np.where(blocks, (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale, 0.0)
-        tp = _tp_allreduce(ctx.kinds[kind_key], u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
+        tp = tp_allreduce_s(ctx.kinds[kind_key].intra_bytes_per_s, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
         seg_time = seg_time + 4 * tp
         fwd = (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale + 2 * tp
         return np.concatenate([[0.0], np.cumsum(seg_time)]), np.concatenate([[0.0], np.cumsum(fwd)])
@@ -305,7 +275,7 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     b = int(b_total // m)
     if b < 1 or b * m * pipelines != ctx.global_batch:
         return None
-    links = _memo(ctx, ("links", pipelines, stages, layout), lambda: LinkCosts.build(ctx, pipelines, stages, layout))
+    links = _memo(ctx, ("links", pipelines, stages, layout), lambda: build_links(ctx, pipelines, stages, layout))
     alts = stage_costs(ctx, (pipelines, stages, m, b, zero), links, (False, True) if ckpt else (False,))
     n, S = ctx.table.size, len(stages)
     if cuts is None:
@@ -403,23 +373,20 @@ def search_ranked(ctx: PipelineContext, *, max_stages: int = 64, max_width: int 
 
 
 def build_context(graph, cost, cluster, workload) -> PipelineContext:
-    """The pipeline search's plain-number inputs, one entry per device kind of ``cluster``."""
-    from fxpar.solvers.segments import build_segments
-
-    groups = cluster.groups()
-    table = build_segments(graph, cost, {g.key: g for g in groups})
-    kinds = {}
-    opt = {}
-    for g in groups:
+    """The pipeline search's plain-number inputs, one entry per device kind of ``cluster``; the
+    table, links and optimizer prices are the simulator's (:func:`fxpar.sim.pipeline_cost.pipeline_prices`),
+    so the search and the simulation read the same numbers."""
+    prices = pipeline_prices(cost)
+    table, kinds = prices.table, {}
+    for g in cluster.groups():
         first = cluster.device(g.ranks[0])
         per_node = sum(1 for r in g.ranks if cluster.device(r).node == first.node)
         kinds[g.key] = KindInfo(key=g.key, count=len(g.ranks), per_node=per_node,
                                 memory_bytes=int(g.memory_bytes),
                                 nodes=tuple(cluster.device(r).node for r in g.ranks),
-                                intra_bytes_per_s=float(first.intra_node_gbps) * 1e9,
+                                intra_bytes_per_s=prices.intra_bytes_per_s[g.key],
                                 speed_rank=1.0 / max(float(table.cost_c[g.key].sum()), 1e-30))
-        opt[g.key] = cost.optimizer_s(first) / max(cost.param_count, 1)
     return PipelineContext(table=table, kinds=kinds, global_batch=workload.global_batch,
                            optimizer=workload.optimizer, dtype=workload.dtype,
-                           node_bytes_per_s=cluster.inter_node_bytes_per_s(),
-                           num_nodes=cluster.num_nodes, optimizer_s_per_param=opt)
+                           node_bytes_per_s=prices.node_bytes_per_s,
+                           num_nodes=cluster.num_nodes, optimizer_s_per_param=dict(prices.optimizer_s_per_param))

@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 from fxpar.errors import ConfigError
+from fxpar.tracing.repeat import shorten
 
 Task = Literal["causal-lm", "masked-lm", "seq2seq-lm", "image-classification"]
 TASKS: tuple[str, ...] = ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification")
@@ -96,17 +97,15 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: 
             "image-classification": AutoModelForImageClassification}[spec.task]
     config = hf_config(spec)
     if shallow:
-        from fxpar.tracing.repeat import shorten
-
         shorten(config)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation  # public setter in transformers 5
     if seed is not None and str(device) != "meta":
         torch.manual_seed(seed)
     ctx = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
+    # attn_implementation: from_config's public keyword (it sets the config's own field)
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         with ctx:
-            model = auto.from_config(config, dtype=torch_dtype(dtype))
+            model = auto.from_config(config, dtype=torch_dtype(dtype), **extra)
     except ValueError as exc:
         raise ConfigError(
             f"model.task = {spec.task!r} does not fit model_type "
@@ -152,3 +151,46 @@ def example_inputs(model_or_config: Any, batch: int, seq_len: int | None = None,
                   else torch.randint(0, vocab, (batch, tgt), generator=gen).to(device))
         return {"input_ids": ids, "labels": labels}
     return {"input_ids": ids, "labels": ids.clone() if str(device) != "meta" else ids}
+
+
+#: HF class-name endings -> the task whose example batch the model takes
+_TASK_OF_CLASS: tuple[tuple[str, Task], ...] = (
+    ("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+    ("ForConditionalGeneration", "seq2seq-lm"), ("ForImageClassification", "image-classification"))
+
+
+def hf_task(model: torch.nn.Module) -> Task | None:
+    """The task a HuggingFace model's class trains on (by its class name), None for a model
+    that is not a ``PreTrainedModel`` fxpar can build an example batch for."""
+    if not hasattr(model, "config") or not callable(getattr(model, "save_pretrained", None)):
+        return None
+    name = type(model).__name__
+    for ending, task in _TASK_OF_CLASS:
+        if name.endswith(ending):
+            if task == "seq2seq-lm" and not getattr(model.config, "is_encoder_decoder", False):
+                return None
+            return task
+    return None
+
+
+def build_meta_model(folder: Any) -> torch.nn.Module:
+    """The model of a local ``save_pretrained`` folder, built from its ``config.json`` with
+    parameters on the ``meta`` device (no weights allocated) and buffers real (rotary tables,
+    position ids: small, and not in the checkpoint), in training mode."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"fxpar.from_pretrained: cannot read {folder}/config.json: {exc}") from None
+    arch = " ".join(getattr(config, "architectures", None) or [])
+    auto = AutoModelForMaskedLM if "MaskedLM" in arch else AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        try:
+            model = auto.from_config(config)
+        except ValueError as exc:
+            raise ConfigError(f"fxpar.from_pretrained: {folder}: {str(exc).splitlines()[0]}; fxpar builds "
+                              "causal and masked language models from a folder") from None
+    model.tie_weights()  # init_empty_weights leaves a tied head untied (its own meta tensor)
+    return model.train()

@@ -61,7 +61,7 @@ def op_namespace(target: Any) -> str:
 def op_name(target: Any) -> str:
     """``aten.linear.default`` -> ``linear``; ``operator.getitem`` -> ``getitem``."""
     name = getattr(target, "__name__", None) or str(target)
-    packet = getattr(target, "_overloadpacket", None)
+    packet = getattr(target, "overloadpacket", None)  # OpOverload's public packet (aten.linear)
     if packet is not None:
         name = packet.__name__
     name = name.split("::")[-1]

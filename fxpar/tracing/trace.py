@@ -27,17 +27,9 @@ import torch
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
+from fxpar.tracing.structure import block_path, shardable_blocks, vocab_parallel_modules
 
 ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
-
-
-def block_path(module_path: str) -> str | None:
-    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``: the outermost indexed module."""
-    parts = module_path.split(".") if module_path else []
-    for i, part in enumerate(parts):
-        if part.isdigit() and i > 0:
-            return ".".join(parts[: i + 1])
-    return None
 
 
 def _tensor_meta(val: Any) -> list[torch.Tensor]:
@@ -228,12 +220,12 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
 
     params = _param_infos(model, layer_of)
-    layers = _layer_infos(nodes, params, layer_of, module_types, _tensor_parallel_blocks(model))
+    layers = _layer_infos(nodes, params, layer_of, module_types, shardable_blocks(model))
     return ModelGraph(
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
         nodes=tuple(nodes), params=params, layers=layers,
         input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
-        trace_time_s=elapsed, exported=ep, vocab_parallel_modules=_vocab_parallel_modules(model))
+        trace_time_s=elapsed, exported=ep, vocab_parallel_modules=vocab_parallel_modules(model))
 
 
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
@@ -327,36 +319,6 @@ def _args_repr(node: torch.fx.Node) -> str:
     # the device is where the graph was traced (meta when planning): not part of the work
     kwargs = {k: ("D" if k == "device" else plain(v)) for k, v in sorted(node.kwargs.items())}
     return repr([plain(a) for a in node.args]) + (repr(kwargs) if kwargs else "")
-
-
-def trace_at_two_batches(model: torch.nn.Module, small: ExampleInputs, large: ExampleInputs, *,
-                         model_name: str | None = None) -> ModelGraph:
-    """Trace at two batch sizes; the graph at the small batch, with batch-normalised op keys."""
-    from dataclasses import replace
-
-    from fxpar.profiling.keys import op_keys
-
-    g_small = trace(model, small, model_name=model_name)
-    g_large = trace(model, large, model_name=model_name)
-    return replace(g_small, op_keys=op_keys(g_small, g_large))
-
-
-def _tensor_parallel_blocks(model: torch.nn.Module) -> set[str]:
-    """Blocks whose attention fxpar's tensor-parallel codegen recognises (a structural fact the
-    planner needs: it offers tensor-parallel stages only where codegen can run them)."""
-    from fxpar.codegen.tp_families import shardable_blocks
-
-    return shardable_blocks(model)
-
-
-def _vocab_parallel_modules(model: torch.nn.Module) -> tuple[str, ...]:
-    """Paths of the embedding and head that tensor parallelism splits by vocabulary."""
-    from fxpar.codegen.tp_vocab import supports_vocab_parallel
-
-    if not supports_vocab_parallel(model):
-        return ()
-    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    return tuple(name for name, m in model.named_modules() if id(m) in wanted)
 
 
 def _layer_infos(nodes: list[OpNode], params: tuple[ParamInfo, ...], layer_of: dict[str, int],

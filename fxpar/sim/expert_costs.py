@@ -1,4 +1,5 @@
-"""The data of :class:`~fxpar.solvers.expert_plan.EPProblem` from a CostModel.
+"""The data of :class:`~fxpar.sim.expert_sim.EPProblem` from a CostModel (profiling prices,
+the simulator and :mod:`fxpar.solvers.expert_plan` read them).
 
 A MoE layer's experts are found by their parameters: a module holding exactly the fused
 ``gate_up_proj`` (E, 2i, h) and ``down_proj`` (E, h, i) tensors, the layout
@@ -14,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from fxpar.profiling import collectives, memory
-from fxpar.solvers.expert_plan import EPGroup, EPProblem
-from fxpar.solvers.experts import PASSES
+from fxpar.sim.expert_sim import PASSES, EPGroup, EPProblem
 from fxpar.tracing.graph import OpClass
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # as fxpar.codegen.expert_parallel (no torch here)
@@ -62,8 +62,15 @@ def _moe_layout(graph):
     return sizes.pop(), mask, expert_params, PASSES * sum(rows.values()) / graph.batch_size, len(paths)
 
 
+def expert_node_mask(graph) -> np.ndarray | None:
+    """Which graph nodes are the expert part expert parallelism divides by experts (None for a
+    dense model or a MoE layout it cannot run)."""
+    layout = _moe_layout(graph)
+    return layout[1] if isinstance(layout, tuple) else None
+
+
 def build_problem(cost, global_batch: int, max_microbatches: int | None = None) -> EPProblem | str | None:
-    """The search's data from a CostModel (symbols: :mod:`fxpar.solvers.expert_plan`); None for a
+    """The search's data from a CostModel (symbols: :mod:`fxpar.sim.expert_sim`); None for a
     dense model, a reason (text) when this MoE cannot run expert-parallel."""
     graph, cluster = cost.graph, cost.cluster
     layout = _moe_layout(graph)

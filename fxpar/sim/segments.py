@@ -75,9 +75,9 @@ def _inside_block_part(module_path: str, block: str) -> bool:
     return bool(inner) and "norm" not in inner.lower()
 
 
-def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, object]) -> SegmentTable:
-    """Segment table of ``graph``; ``kinds`` maps a device-kind key to a Device/DeviceGroup."""
-    n_layers = len(graph.layers)
+def segment_of_nodes(graph: ModelGraph) -> np.ndarray:
+    """The segment of every graph node: 0 (``pre``) before the first block, ``l + 1`` inside block
+    ``l``, ``L + 1`` (``post``) after the blocks."""
     seg_of = np.zeros(len(graph.nodes), dtype=int)
     seen_layer = False
     for i, node in enumerate(graph.nodes):
@@ -85,7 +85,14 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             seg_of[i] = node.layer + 1
             seen_layer = True
         else:
-            seg_of[i] = 0 if not seen_layer else n_layers + 1
+            seg_of[i] = 0 if not seen_layer else len(graph.layers) + 1
+    return seg_of
+
+
+def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, object]) -> SegmentTable:
+    """Segment table of ``graph``; ``kinds`` maps a device-kind key to a Device/DeviceGroup."""
+    n_layers = len(graph.layers)
+    seg_of = segment_of_nodes(graph)
     n_seg = n_layers + 2
     b = float(graph.batch_size)
     act = np.zeros(n_seg)

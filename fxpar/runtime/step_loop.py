@@ -1,0 +1,405 @@
+"""One training step for every per-rank module kind (data, tensor and expert parallel).
+
+The micro-batch loop, the loss weighting, mixed precision, speed emulation and the step's
+timing live here once; each kind is a :class:`StepModule` and supplies only what differs
+(its rows, the group its item counts sum over, its gradient sync; the hooks are listed on
+the class).
+
+Weighting (the definition of correct in DESIGN: the loss and every gradient equal one process
+on the whole global batch).  With ``N`` items in the global batch -- samples, or for HF models
+label tokens (``labels != -100``, after the causal shift ``labels[..., 1:]`` for causal LMs) --
+the loss is the mean ``L = (1/N) Σ_j ℓ_j``.  A rank cuts its rows into micro-batches ``m`` with
+``N_m`` items and mean loss ``L_m`` (the model's own mean over them) and back-propagates
+
+    (N_m / N) · L_m        so that        Σ_ranks Σ_m (N_m / N) · L_m = L
+
+and, the gradient being linear, the SUM (never the mean) of the local gradients over the ranks
+that hold different rows is ``∇L``.  ``N`` is counted on the global batch, or with
+``step(rows, local=True)`` summed over those ranks (:meth:`StepModule._sum_items`).  A
+micro-batch with ``N_m = 0`` (every label -100) contributes nothing, and its own mean would be
+0/0 = NaN: it is skipped, or -- where every rank must join every collective of the forward and
+backward (expert parallelism) -- run with the zero loss ``0 · Σ outputs`` instead.
+
+One step:  ``N``  →  this rank's micro-batches  →  for each: forward under the plan dtype's
+autocast, ``loss_fn``, backward of the weighted loss (:meth:`StepModule._backward`, where loss
+scaling goes)  →  the kind's gradient sync, which also sums the weighted losses so that every
+rank returns ``L``.
+
+Emulated speed (DESIGN, "Running without GPUs"): one :class:`SegmentClock` per module stretches
+each compute segment before the next collective the rank issues -- inside the forward and
+backward (tensor, expert parallel) or at each gradient bucket launch (data parallel) -- so a
+slow rank reaches every collective as late as a slow device would.  :class:`StepTiming` splits
+the step into compute, emulation and communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+
+from fxpar.errors import ConfigError, FxparError, PlanError
+from fxpar.plan import Plan
+from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.device import module_device, rank_device
+from fxpar.runtime.distributed import is_comm_failure, peer_failures
+from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
+from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
+from fxpar.runtime.optim import make_optimizer
+from fxpar.runtime.precision import autocast_for
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+LossWeighting = Literal["auto", "samples", "tokens"]
+LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "tokens")
+#: what a kind does with a micro-batch of no items: "skip" it, or run it with a zero loss
+#: ("zero_loss": every rank must take part in every collective of every micro-batch)
+EmptyMicrobatches = Literal["skip", "zero_loss"]
+#: Errors a model's forward raises on a batch it cannot take (wrapped with the batch's layout).
+_FORWARD_ERRORS = (TypeError, ValueError, IndexError, KeyError, RuntimeError)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Wall-clock parts of the last step on this rank (seconds)."""
+
+    compute_s: float      # forward + backward, real
+    emulation_s: float    # sleep added to emulate a slower device
+    comm_s: float         # collectives: inside forward/backward and the gradient sync
+    total_s: float
+
+
+# ---- batches ---------------------------------------------------------------------------------
+def batch_len(batch: Any) -> int:
+    """Rows of the first batched tensor of ``batch`` (dict / tuple / tensor); 0 if none."""
+    if isinstance(batch, Mapping):
+        batch = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
+    elif isinstance(batch, (tuple, list)):
+        batch = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim()), None)
+    return 0 if batch is None else int(batch.shape[0])
+
+
+def count_items(batch: Any, weighting: str, causal: bool) -> int:
+    """Items a mean-reduced loss averages over: samples, or label tokens (HF's ``-100`` ignored,
+    labels shifted by one for causal LMs)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if weighting == "tokens" and isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        return checks.label_tokens(labels, causal)
+    return batch_len(batch)
+
+
+def slice_rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every batched tensor in ``batch`` (dict / tuple / tensor); scalars
+    and non-tensors are shared."""
+    if isinstance(batch, Mapping):
+        return {k: slice_rows(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_rows(v, start, stop) for v in batch)
+    if isinstance(batch, torch.Tensor) and batch.dim():
+        return batch[start:stop]
+    return batch
+
+
+def split_microbatches(batch: Any, size: int, n: int) -> list[Any]:
+    """``n`` micro-batches of ``size`` rows (the last may be shorter or empty)."""
+    return [slice_rows(batch, i * size, (i + 1) * size) for i in range(n)]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (asynchronous copies where possible)."""
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
+
+
+# ---- losses ----------------------------------------------------------------------------------
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    """The model's own loss: ``output.loss``, ``output["loss"]`` or a scalar output."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if loss is None:
+        raise PlanError(
+            "ParallelModule.step: the model's output has no `loss`; pass labels in the batch "
+            "(HF models) or give fxpar.auto(..., loss_fn=lambda output, batch: ...)")
+    return loss
+
+
+def zero_loss(output: Any) -> torch.Tensor | None:
+    """``0 · Σ t.sum()`` over the non-scalar floating tensors of ``output`` that need gradients
+    (None if there are none): its backward runs every collective of the backward with zero
+    gradients, whatever a loss function would make of a micro-batch with no items (0/0)."""
+    def tensors(x: Any) -> list[torch.Tensor]:
+        if isinstance(x, Mapping):
+            return [t for v in x.values() for t in tensors(v)]
+        if isinstance(x, (tuple, list)):
+            return [t for v in x for t in tensors(v)]
+        return [x] if isinstance(x, torch.Tensor) and x.dim() and x.requires_grad \
+            and x.is_floating_point() else []
+    parts = [t.float().sum() * 0.0 for t in tensors(output)]
+    return torch.stack(parts).sum() if parts else None
+
+
+def check_loss_options(where: str, loss_fn: Any, loss_weighting: Any) -> None:
+    """``loss_fn`` is None or callable, ``loss_weighting`` one of :data:`LOSS_WEIGHTINGS`."""
+    if not isinstance(loss_weighting, str) or loss_weighting not in LOSS_WEIGHTINGS:
+        raise ConfigError(f"{where}: loss_weighting = {loss_weighting!r}: accepted values are "
+                          f"{', '.join(LOSS_WEIGHTINGS)} ('tokens' weights ranks by label tokens, "
+                          "'samples' by rows, 'auto' picks tokens for HF models)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"{where}: loss_fn = {loss_fn!r:.60} is not callable; pass a function "
+                          "(output, batch) -> scalar loss tensor, or None")
+
+
+# ---- collectives -----------------------------------------------------------------------------
+def allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
+    """In-place SUM all-reduce of ``tensors`` over ``group``, flattened into buckets of at most
+    ``GRADIENT_BUCKET_BYTES`` of one dtype each (one collective per bucket, all in flight together)."""
+    buckets: list[list[torch.Tensor]] = []
+    size, dtype = 0, None
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or t.dtype != dtype or size + nbytes > GRADIENT_BUCKET_BYTES:
+            buckets.append([])
+            size, dtype = 0, t.dtype
+        buckets[-1].append(t)
+        size += nbytes
+    flats = [torch.cat([t.reshape(-1) for t in b]) for b in buckets]
+    works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
+    for bucket, flat, work in zip(buckets, flats, works):
+        work.wait()
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def allreduce_gradients(grads: Sequence[torch.Tensor], loss_sum: torch.Tensor, group: Any) -> torch.Tensor:
+    """SUM ``grads`` in place over ``group`` and the weighted loss with them (fp64); returns the
+    summed loss."""
+    loss = loss_sum.to(torch.float64).reshape(1)  # a new tensor: loss_sum is left as it is
+    allreduce_sum([*grads, loss], group)
+    return loss[0].to(torch.float32)
+
+
+# ---- the loop --------------------------------------------------------------------------------
+class StepModule(torch.nn.Module):
+    """Base of the per-rank modules trained by one step loop (module docstring).  A kind calls
+    :meth:`_setup_step` in its ``__init__`` (before sharding: its collectives report to
+    ``self.clock``) and supplies:
+
+    - ``_sync_gradients(loss_sum)``: the gradient sync after the last backward (required);
+    - ``_sum_items(count)``: sum ``N`` over the ranks with other rows (``local=True``; default: alone);
+    - ``batch_rows()``: this rank's rows of the global batch (default: its plan share);
+    - ``_last_backward()``: a context around the last micro-batch's backward (default none);
+    - ``_check_batch(batch, local)``: extra batch checks (call ``super()``);
+    - ``empty_microbatches`` and ``hf_use_cache`` (class attributes below).
+    """
+
+    #: "skip" micro-batches without items, or run them with a zero loss (module docstring)
+    empty_microbatches: ClassVar[EmptyMicrobatches] = "skip"
+    #: False: HF models are called with ``use_cache=False`` (no KV cache of sharded heads)
+    hf_use_cache: ClassVar[bool] = True
+
+    module: torch.nn.Module
+    plan: Plan
+    rank: int
+
+    def _setup_step(self, module: torch.nn.Module, plan: Plan, rank: int, *, loss_fn: LossFn | None,
+                    loss_weighting: LossWeighting, emulate: bool, device: torch.device | str | None = None) -> None:
+        """What the step loop reads: model, plan, rank, loss, weighting, the emulation clock and
+        the rank's device (:func:`fxpar.runtime.device.rank_device` of ``device``), where the kind
+        places its shard."""
+        check_loss_options(type(self).__name__, loss_fn, loss_weighting)
+        self.module, self.plan, self.rank = module, plan, rank
+        self.device = rank_device(device)
+        self.loss_fn: LossFn = loss_fn or default_loss
+        self.causal = type(module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        is_hf = hasattr(module, "config")
+        self.loss_weighting = ("tokens" if is_hf else "samples") if loss_weighting == "auto" else loss_weighting
+        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
+        self.clock = SegmentClock(self.emulator)
+        self.last_timing: StepTiming | None = None
+        #: fp16 plans: the dynamic loss scale every rank agrees on (None: no scaling)
+        self.loss_scaler: DynamicLossScaler | None = scaler_for(plan.dtype)
+        #: dtypes of the traced inputs, for the batch checks ({}: unknown)
+        self._input_specs: dict[str, checks.InputSpec] = {}
+        vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: the rank's device the kind placed its shard on (set by
+        :meth:`_setup_step`; else the device of the model's first parameter or buffer)."""
+        chosen = self.__dict__.get("_device")
+        return chosen if chosen is not None else module_device(self.module)
+
+    @device.setter
+    def device(self, value: torch.device) -> None:
+        self.__dict__["_device"] = torch.device(value)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def batch_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the rows of the global batch this rank trains on (per-rank samplers
+        load only these and call ``step(rows, local=True)``)."""
+        start = self.plan.batch_offsets()[self.rank]
+        return start, start + self.plan.ranks[self.rank].batch_share
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's rows of a global batch."""
+        return slice_rows(batch, *self.batch_rows())
+
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
+        :func:`fxpar.runtime.optim.make_optimizer`)."""
+        return make_optimizer(self, optimizer_class, **kwargs)
+
+    # ---- one training step -------------------------------------------------------------------
+    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
+        """Forward + backward of this rank's rows of the global ``batch`` (``local=True``:
+        ``batch`` is already those rows, :meth:`batch_rows`), each micro-batch's mean loss
+        weighted by ``N_m / N``, then the kind's gradient sync.  Returns the global loss ``L``
+        on every rank; the caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+        where = self._where(local)
+        self._check_batch(batch, local)
+        device = self.device
+        with timed() as wall:
+            total = self._total_items(batch, local, device)
+            runs = self._microbatches(batch if local else self.shard_batch(batch))
+            self.clock.start()
+            try:
+                loss_sum = self._run(runs, total, device)
+            finally:
+                self.clock.stop()
+            for p in self.module.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            with timed() as sync, peer_failures(f"{where}: gradient all-reduce", self.rank):
+                loss = self._sync_gradients(loss_sum)
+                if self.loss_scaler is not None:  # the verdict is agreed over every rank
+                    self.loss_scaler.unscale_and_check(self.module.parameters(), device, self._scaler_group())
+        self.last_timing = StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
+                                      comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds)
+        return loss
+
+    def _total_items(self, batch: Any, local: bool, device: torch.device) -> int:
+        """``N``: counted on the global batch, or summed by :meth:`_sum_items` (``local``)."""
+        if not local:
+            total = count_items(batch, self.loss_weighting, self.causal)
+        elif self.loss_weighting == "samples":
+            total = self.plan.global_batch   # the rows were checked against each rank's share
+        else:
+            count = torch.tensor([count_items(batch, self.loss_weighting, self.causal)],
+                                 dtype=torch.int64, device=device)
+            with peer_failures(f"{self._where(local)}: item count all-reduce", self.rank):
+                self._sum_items(count)
+            total = int(count.item())
+        if total <= 0:
+            raise PlanError(f"{self._where(local)}: the batch has no items to train on: every label "
+                            "is -100 (ignored) on every rank; give at least one real label")
+        return total
+
+    def _microbatches(self, rows: Any) -> list[tuple[Any, int]]:
+        """``(micro-batch, items)`` in order; empty ones left out where the kind skips them."""
+        rp = self.plan.ranks[self.rank]
+        if not rp.batch_share:
+            return []
+        runs = [(mb, count_items(mb, self.loss_weighting, self.causal))
+                for mb in split_microbatches(rows, rp.micro_batch_size, rp.num_microbatches)]
+        return [(mb, n) for mb, n in runs if n or self.empty_microbatches == "zero_loss"]
+
+    def _run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns ``Σ_m (N_m / N) · L_m`` (detached)."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for j, (mb, items) in enumerate(runs):
+            mb = to_device(mb, device)
+            with autocast_for(self.plan.dtype, self.module):  # fp16/bf16 plans: mixed precision
+                output = self._forward(mb)
+                loss = self.loss_fn(output, mb).float() if items else None
+            weighted = loss * (items / total) if loss is not None else zero_loss(output)
+            with self._last_backward() if j == len(runs) - 1 else contextlib.nullcontext():
+                if weighted is not None:
+                    self._backward(weighted)
+            if loss is not None:
+                loss_sum += loss.detach() * (items / total)
+        return loss_sum
+
+    def _backward(self, weighted: torch.Tensor) -> None:
+        """Back-propagate one micro-batch's weighted loss; fp16 plans multiply it by the loss
+        scale first (:mod:`fxpar.runtime.loss_scale`: the gradients are unscaled and checked
+        after :meth:`_sync_gradients`)."""
+        (self.loss_scaler.scale_loss(weighted) if self.loss_scaler is not None else weighted).backward()
+
+    def _scaler_group(self) -> Any:
+        """The ranks that share the loss-scale verdict: the module's own group (data and expert
+        parallel plans may run on a subgroup), else the whole job."""
+        return getattr(self, "group", None)
+
+    def _forward(self, mb: Any) -> Any:
+        """The model's output on one micro-batch; a forward that rejects it is a ConfigError."""
+        try:
+            if not isinstance(mb, Mapping):
+                return self.module(mb)
+            no_cache = not self.hf_use_cache and hasattr(self.module, "config")
+            return self.module(**({"use_cache": False, **mb} if no_cache else mb))
+        except _FORWARD_ERRORS as exc:
+            if isinstance(exc, (torch.OutOfMemoryError, FxparError)) or is_comm_failure(exc):
+                raise
+            missing = [k for k in self._input_specs if isinstance(mb, Mapping) and k not in mb]
+            lacks = f"; the batch lacks {missing}, which example_inputs had" if missing else ""
+            raise ConfigError(
+                f"{type(self).__name__}.step: {type(self.module).__name__}'s forward rejected rank "
+                f"{self.rank}'s micro-batch {checks.describe(mb)}{lacks}: {type(exc).__name__}: "
+                f"{str(exc).strip()[:300].rstrip('.')}. Pass batches like example_inputs (same keys, dtypes, "
+                "and per-sample shapes the model accepts)") from exc
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Sum the gradients (every ``.grad`` exists) and ``loss_sum`` over the ranks that hold
+        different rows; returns the global loss."""
+        raise NotImplementedError
+
+    def _sum_items(self, count: torch.Tensor) -> None:
+        """Sum this rank's item ``count`` (int64, in place) over the ranks that hold other rows
+        (one per distinct row set); by default the rank is alone."""
+
+    def _last_backward(self) -> contextlib.AbstractContextManager[Any]:
+        """A context around the last micro-batch's backward (data parallelism arms its buckets)."""
+        return contextlib.nullcontext()
+
+    def _where(self, local: bool) -> str:
+        return f"{type(self).__name__}.step" + ("(local=True)" if local else "")
+
+    def _check_batch(self, batch: Any, local: bool) -> None:
+        """Clear errors for a batch that does not fit the plan or the model, before any compute or
+        collective (every rank sees the same global batch and raises alike)."""
+        where = self._where(local)
+        rows = checks.batch_rows(batch, where)
+        start, stop = self.batch_rows()
+        if local and rows != stop - start:
+            raise PlanError(f"{where}: rank {self.rank} got {rows} samples ({checks.describe(batch)}) "
+                            f"but its plan share is {stop - start}; load the rows batch_rows() names "
+                            f"({start}..{stop - 1} of each global batch)")
+        if not local and rows != self.plan.global_batch:
+            raise PlanError(f"{where}: the batch has {rows} samples ({checks.describe(batch)}) but the "
+                            f"plan's global_batch is {self.plan.global_batch}; feed the global batch the "
+                            f"plan was made for{f', or re-plan with global_batch={rows}' if rows else ''}")
+        checks.check_like_example(batch, self._input_specs, where, exact_shapes=False, require_keys=False)
+        if (self.loss_fn is default_loss and isinstance(batch, Mapping) and "labels" in self._input_specs
+                and "labels" not in batch):
+            raise PlanError(f"{where}: the batch has no 'labels' ({checks.describe(batch)}); the model "
+                            "computes its loss from them, as in example_inputs: add labels, or give "
+                            "fxpar.auto(..., loss_fn=lambda output, batch: ...)")
+        checks.check_token_ids(batch, self._vocab_size, where)
+        if not local:
+            checks.check_labels_present(batch, where, causal=self.causal)

@@ -1,0 +1,205 @@
+"""The price of one given pipeline configuration: every pipeline prediction fxpar makes (the
+solver's re-ranking, the plan it stores, :func:`fxpar.sim.simulate` of a plan) is
+:func:`price` of a :class:`PipelineLayout` (what runs where) under :class:`PipelinePrices`
+(the cost model's numbers, :func:`pipeline_prices`).
+
+Data (:mod:`fxpar.sim.segments`, per segment ``i`` and device kind ``k``): ``a_ik`` / ``c_ik``
+seconds per micro-batch / per sample (forward + backward; ``fa_ik``, ``fc_ik`` the forward part),
+the fraction ``φ_i`` tensor parallelism divides, ``n_i`` parameters (``n_i(u)`` one rank's share
+in a width-``u`` group), saved activations ``α_i`` and boundary bytes ``β_i`` per sample.
+``P`` pipelines, ``m`` micro-batches of ``b`` samples; stage ``j`` owns segments ``[s_j, e_j)``
+on kind ``k_j`` in tensor-parallel groups of ``u_j``, at position ``π(j)`` of its pipeline (1F1B
+and GPipe: ``π(j) = j``; interleaved: a position holds several stages).
+
+Per stage and micro-batch (``σ_i = φ_i/u + 1 − φ_i``; ``TP_i`` one all-reduce of ``β_i·b`` bytes
+on the group's node, 2 forward and 2 backward per block, :func:`fxpar.sim.links.tp_allreduce_s`):
+
+    f_j = Σ_i (fa_ik + fc_ik·b)·σ_i + 2 Σ_i TP_i
+    b_j = Σ_i (a_ik + c_ik·b)·σ_i + 4 Σ_i TP_i − f_j   (+ Σ_blocks (fa_ik + fc_ik·b)·σ_i when
+                                                          the stage checkpoints: forward again)
+    h_j = β_{e_j − 1}·b / (hop bandwidth π(j) → π(j+1))   (:class:`fxpar.sim.links.LinkCosts`)
+
+The schedule's event simulation (:mod:`fxpar.sim.pipeline_sim` for 1F1B / GPipe,
+:mod:`fxpar.sim.interleaved` for interleaved stages) gives the makespan ``T_pipe`` and when each
+position's last backward ends (``e_d``).  Then, as codegen runs it, each position all-reduces
+its gradients across the pipelines from ``e_d`` (``G_d = Σ_{j at d} n_j(u_j)·grad bytes``), each
+pipeline updates its parameters (``1/P`` of them under ZeRO-1) and, under ZeRO-1, all-gathers
+the updated weights (``W_d`` weight bytes):
+
+    step = AR_done(e, G) + max_d o_k·Σ_{j at d} n_j(u_j)·(1/P)^z + z·AG(W)
+
+Memory per device of position ``d`` (``r_j`` micro-batches in flight: 1F1B ``min(S − j, m)``,
+GPipe ``m``, interleaved ``min(S − j, m)``; ``w, g, o`` bytes per parameter of weights, gradient,
+optimizer state):
+
+    M_d = Σ_{j at d} n_j(u_j)·(w + g + o/P^z + g·[P > 1]) + r_j·b·A_j
+    A_j = Σ_i α_i·(0.3 + 0.7/u)                     (no checkpointing; Megatron: ~30% replicated)
+        = Σ_i β_i + max_i α_i·(0.3 + 0.7/u) / (r_j·b)   (checkpointing every block)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpar.profiling.memory import state_bytes_per_param
+from fxpar.sim.interleaved import lockstep_order, replay
+from fxpar.sim.links import LinkCosts, tp_allreduce_s
+from fxpar.sim.pipeline_sim import simulate_stages
+from fxpar.sim.segments import SegmentTable, build_segments
+
+ACT_REPLICATED = 0.3
+SCHEDULES = ("1F1B", "GPipe", "interleaved")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePrices:
+    """The cost model's numbers a pipeline's price reads, per device kind (group key)."""
+
+    table: SegmentTable
+    intra_bytes_per_s: Mapping[str, float]
+    optimizer_s_per_param: Mapping[str, float]
+    node_bytes_per_s: float
+    optimizer: str
+    dtype: str
+
+
+def pipeline_prices(cost) -> PipelinePrices:
+    """:class:`PipelinePrices` of a CostModel: its segment table and, per device kind, the intra-node
+    link and optimizer seconds per parameter of the kind's first device."""
+    cluster = cost.cluster
+    groups = cluster.groups()
+    intra, opt = {}, {}
+    for g in groups:
+        first = cluster.device(g.ranks[0])
+        intra[g.key] = float(first.intra_node_gbps) * 1e9
+        opt[g.key] = cost.optimizer_s(first) / max(cost.param_count, 1)
+    return PipelinePrices(table=build_segments(cost.graph, cost, {g.key: g for g in groups}),
+                          intra_bytes_per_s=intra, optimizer_s_per_param=opt,
+                          node_bytes_per_s=cluster.inter_node_bytes_per_s(), optimizer=cost.optimizer,
+                          dtype=cost.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSlice:
+    """One stage: segments ``[start, end)`` on ``width`` devices of ``kind`` per pipeline."""
+
+    kind: str
+    width: int
+    start: int
+    end: int
+    checkpointing: bool
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """What runs where: the stages, the positions' links, and the schedule's numbers."""
+
+    stages: tuple[StageSlice, ...]
+    links: LinkCosts                # one entry per position
+    pipelines: int
+    num_microbatches: int
+    micro_batch: int
+    zero: bool
+    schedule: str = "1F1B"
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRun:
+    """A layout's price (module docstring); per stage, then per position."""
+
+    step_s: float
+    makespan_s: float
+    exposed_allreduce_s: float      # the gradient all-reduce's part after the last backward
+    optimizer_s: float              # the slowest position's update
+    gather_s: float                 # ZeRO-1 all-gather of the updated weights
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    hop_s: tuple[float, ...]        # after each stage (0 after the last)
+    busy_s: tuple[float, ...]       # per position: forward + backward seconds
+    position_optimizer_s: tuple[float, ...]
+    memory_bytes: tuple[int, ...]   # per device of each position
+    events: tuple                   # (stage, kind, start, end, micro-batch, arrival)
+
+
+def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float, float]:
+    """(f_j, b_j) of one stage per micro-batch of ``b`` samples (module docstring)."""
+    t, k, i, e = prices.table, st.kind, st.start, st.end
+    scale = (t.sharded_fraction / st.width + (1 - t.sharded_fraction))[i:e]
+    tp = tp_allreduce_s(prices.intra_bytes_per_s[k], st.width, t.boundary_bytes[i:e] * b) * (np.arange(i, e) > 0)
+    fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale
+    total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale).sum()) + 4 * float(tp.sum())
+    if st.checkpointing:  # every block's forward again during the backward
+        blocks = (np.arange(i, e) > 0) & (np.arange(i, e) < t.size - 1)
+        total += float(np.where(blocks, fwd_parts, 0.0).sum())
+    fwd = float(fwd_parts.sum()) + 2 * float(tp.sum())
+    return fwd, max(total - fwd, 0.0)
+
+
+def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int, pipelines: int,
+                 zero: bool) -> float:
+    """Bytes per device of one stage: its model state and ``in_flight`` micro-batches' activations."""
+    t, i, e = prices.table, st.start, st.end
+    w, g, o = state_bytes_per_param(prices.optimizer, prices.dtype)
+    per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
+    state = float(t.local_params(st.width)[i:e].sum()) * per_param
+    share = ACT_REPLICATED + (1 - ACT_REPLICATED) / st.width
+    factor = in_flight * b
+    if st.checkpointing:
+        act = float(t.boundary_bytes[i:e].sum()) + float((t.act_bytes[i:e] * share).max()) / max(factor, 1)
+    else:
+        act = float((t.act_bytes[i:e] * share).sum())
+    return state + factor * act
+
+
+def _hops(prices: PipelinePrices, layout: PipelineLayout) -> list[float]:
+    t, b, S = prices.table, layout.micro_batch, len(layout.stages)
+    return [float(t.boundary_bytes[st.end - 1]) * b
+            / layout.links.hop_bytes_per_s(st.position, layout.stages[j + 1].position) if j + 1 < S else 0.0
+            for j, st in enumerate(layout.stages)]
+
+
+def _schedule(layout: PipelineLayout, fwd, bwd, hops) -> tuple[list[float], list[float], list]:
+    """Per position: the end of its last op and its busy seconds; the events."""
+    m, W = layout.num_microbatches, len(layout.links.nodes)
+    if layout.schedule == "interleaved":
+        stage_rank = [st.position for st in layout.stages]
+        timed = all(f > 0 for f in fwd) and all(b > 0 for b in bwd)  # the order codegen runs (no hops)
+        order = lockstep_order(stage_rank, W, m, fwd if timed else None, bwd if timed else None)
+        return replay(order, stage_rank, fwd, bwd, hops)
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"schedule {layout.schedule!r}: expected one of {SCHEDULES}")
+    _, busy, events = simulate_stages(fwd, bwd, hops, m, layout.schedule)
+    ends = [0.0] * W
+    for e in events:
+        ends[e[0]] = max(ends[e[0]], e[3])
+    return ends, busy, events
+
+
+def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
+    """Simulate ``layout`` under ``prices`` (module docstring)."""
+    b, m, P, S = layout.micro_batch, layout.num_microbatches, layout.pipelines, len(layout.stages)
+    W = len(layout.links.nodes)
+    times = [stage_seconds(prices, st, b) for st in layout.stages]
+    fwd, bwd = [f for f, _ in times], [x for _, x in times]
+    hops = _hops(prices, layout)
+    ends, busy, events = _schedule(layout, fwd, bwd, hops)
+    makespan = max(ends)
+    w_bytes, g_bytes, _ = state_bytes_per_param(prices.optimizer, prices.dtype)
+    params, memory, opt = [0.0] * W, [0.0] * W, [0.0] * W
+    for j, st in enumerate(layout.stages):
+        local = float(prices.table.local_params(st.width)[st.start:st.end].sum())
+        params[st.position] += local
+        opt[st.position] += prices.optimizer_s_per_param[st.kind] * local * (1.0 / P if layout.zero else 1.0)
+        in_flight = m if layout.schedule == "GPipe" else min(S - j, m)
+        memory[st.position] += stage_memory(prices, st, in_flight, b, P, layout.zero)
+    exposed = layout.links.allreduce_done_s(ends, [n * g_bytes for n in params]) - makespan
+    gather = layout.links.allgather_s([n * w_bytes for n in params]) if layout.zero else 0.0
+    return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,
+                       exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,
+                       fwd_s=tuple(fwd), bwd_s=tuple(bwd), hop_s=tuple(hops), busy_s=tuple(busy),
+                       position_optimizer_s=tuple(opt), memory_bytes=tuple(int(x) for x in memory),
+                       events=tuple(events))

@@ -1,0 +1,123 @@
+"""A pipeline :class:`~fxpar.plan.Plan` as the :class:`~fxpar.sim.pipeline_cost.PipelineLayout` it
+runs, and its simulation (:func:`simulate_pipeline`, what :func:`fxpar.sim.simulate` returns for
+pipeline plans and what the solver stores in the plans it emits).
+
+Everything is read from the plan and the cluster, nothing from the plan's stored predictions:
+
+- each stage's segments: the segment table's modules it lists, in order (the embeddings go with
+  the first stage and the head with the last where a hand-written plan lists blocks only);
+- its device kind: the group of its first rank; its width: ``tensor_parallel``; checkpointing:
+  its own flag or the plan's;
+- 1F1B / GPipe: stage ``j`` is position ``j``, its ranks ``P`` groups of ``u_j`` consecutive entries
+  (pipeline by pipeline); interleaved: the positions are each pipeline's ranks in sorted order
+  and stage ``s`` sits at the position of its rank (codegen's rule,
+  :func:`fxpar.codegen.pipeline_interleaved.placement`);
+- each slot's node: its first rank's; each position's intra-node link: its kind's; the NIC: the
+  cluster's inter-node link.  A changed link speed therefore changes the simulated step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fxpar.errors import PlanError
+from fxpar.plan import Plan
+from fxpar.sim.links import LinkCosts
+from fxpar.sim.pipeline_cost import PipelineLayout, PipelinePrices, PipelineRun, StageSlice, price
+from fxpar.sim.pipeline_sim import pipeline_events
+from fxpar.sim.timeline import SimResult, TimelineEvent
+
+
+def stage_ranges(plan: Plan, prices: PipelinePrices) -> list[tuple[int, int]]:
+    """``[start, end)`` segments of each stage (module docstring); PlanError where the stages do not
+    cut the model's segments into contiguous ranges."""
+    table, S = prices.table, len(plan.stages)
+    owner = [-1] * table.size
+    for j, st in enumerate(plan.stages):
+        listed = set(st.modules)
+        for i, mods in enumerate(table.modules):
+            if mods and set(mods) <= listed:
+                owner[i] = j if owner[i] < 0 else owner[i]
+    owner[0] = 0 if owner[0] < 0 else owner[0]
+    owner[-1] = S - 1 if owner[-1] < 0 else owner[-1]
+    if -1 in owner or owner != sorted(owner) or set(owner) != set(range(S)):
+        raise PlanError(f"plan for {plan.model}: its stages' modules do not cut the model's segments "
+                        f"{list(table.names)} into {S} contiguous stages (segment owners {owner})")
+    return [(owner.index(j), len(owner) - owner[::-1].index(j)) for j in range(S)]
+
+
+def _kind_of(cluster) -> dict[int, str]:
+    return {r: g.key for g in cluster.groups() for r in g.ranks}
+
+
+def slots_of(plan: Plan) -> tuple[list[int], list[list[tuple[int, ...]]]]:
+    """(position of each stage, ``slots[d][p]``: the ranks of position ``d`` in pipeline ``p``)."""
+    P = plan.pipelines
+    if plan.schedule != "interleaved":
+        slots = []
+        for st in plan.stages:
+            u = len(st.ranks) // P
+            if u < 1 or u * P != len(st.ranks):
+                raise PlanError(f"plan stage {st.index}: {len(st.ranks)} ranks do not split into {P} pipelines")
+            slots.append([tuple(st.ranks[p * u:(p + 1) * u]) for p in range(P)])
+        return list(range(len(plan.stages))), slots
+    pipes = [sorted({st.ranks[p] for st in plan.stages}) for p in range(P)]
+    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in plan.stages) for p in range(P)}
+    if len(patterns) != 1:
+        raise PlanError("interleaved plan: every pipeline must place its stages alike")
+    positions = list(next(iter(patterns)))
+    return positions, [[(pipes[p][d],) for p in range(P)] for d in range(len(pipes[0]))]
+
+
+def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayout, list]:
+    """The layout ``plan`` runs (module docstring) and its slots (:func:`slots_of`)."""
+    kind = _kind_of(cluster)
+    positions, slots = slots_of(plan)
+    ranges = stage_ranges(plan, prices)
+    stages = tuple(StageSlice(kind=kind[st.ranks[0]], width=len(slots[d][0]), start=i, end=e,
+                              checkpointing=bool(st.activation_checkpointing or plan.activation_checkpointing),
+                              position=d)
+                   for st, d, (i, e) in zip(plan.stages, positions, ranges))
+    links = LinkCosts(nodes=tuple(tuple(cluster.device(slot[0]).node for slot in row) for row in slots),
+                      widths=tuple(len(row[0]) for row in slots),
+                      intra=tuple(prices.intra_bytes_per_s[kind[row[0][0]]] for row in slots),
+                      nic=float(prices.node_bytes_per_s))
+    b = plan.global_batch // (plan.pipelines * max(plan.num_microbatches, 1))
+    return PipelineLayout(stages=stages, links=links, pipelines=plan.pipelines,
+                          num_microbatches=plan.num_microbatches, micro_batch=b,
+                          zero=plan.zero_sharded_optimizer, schedule=plan.schedule), slots
+
+
+def price_plan(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineRun, SimResult]:
+    """The plan's price and its per-rank figures (no timeline: :func:`simulate_pipeline` adds it)."""
+    layout, slots = layout_of(plan, prices, cluster)
+    run = price(prices, layout)
+    position = _positions(slots)
+    busy = tuple(run.busy_s[position[r]] + run.position_optimizer_s[position[r]] for r in range(plan.world_size))
+    comm = run.exposed_allreduce_s + run.gather_s
+    return run, SimResult(step_s=run.step_s, compute_s=run.makespan_s, comm_s=comm, busy_s=busy,
+                          idle_s=tuple(run.step_s - b - comm for b in busy),
+                          peak_memory_bytes=tuple(run.memory_bytes[position[r]] for r in range(plan.world_size)),
+                          events=())
+
+
+def _positions(slots) -> dict[int, int]:
+    return {r: d for d, row in enumerate(slots) for slot in row for r in slot}
+
+
+def simulate_pipeline(plan: Plan, prices: PipelinePrices, cluster) -> SimResult:
+    """The plan's simulated step and per-rank timeline: forward / backward per micro-batch, the
+    waits on hops, the gradient all-reduce, each rank's optimizer step and the ZeRO-1 gather."""
+    run, figures = price_plan(plan, prices, cluster)
+    layout, slots = layout_of(plan, prices, cluster)
+    stage_ranks = [tuple(r for slot in slots[st.position] for r in slot) for st in layout.stages]
+    events = pipeline_events(stage_ranks, run.events, list(run.hop_s))
+    position = _positions(slots)
+    t0, t1 = run.makespan_s, run.makespan_s + run.exposed_allreduce_s
+    for r in range(plan.world_size):
+        if t1 > t0:
+            events.append(TimelineEvent(r, "all_reduce", t0, t1))
+        events.append(TimelineEvent(r, "optimizer", t1, t1 + run.position_optimizer_s[position[r]]))
+        if run.gather_s > 0:
+            events.append(TimelineEvent(r, "all_gather", t1 + run.optimizer_s, run.step_s))
+    return replace(figures, events=tuple(events))

@@ -1,0 +1,34 @@
+"""What every simulator returns: a step's per-rank timeline (:class:`TimelineEvent`) and its
+figures (:class:`SimResult`).  Shared by :mod:`fxpar.sim.simulate` (data and expert parallelism,
+the dispatch on the plan's strategy), :mod:`fxpar.sim.pipeline_plan` and
+:mod:`fxpar.sim.pipeline_sim` (pipelines), which import it from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    rank: int
+    kind: str            # "fwd", "bwd", "all_reduce", "idle", "optimizer"; pipelines: "hop" (waiting
+    #                      for a transfer), "all_gather" (ZeRO-1); expert parallelism: "replicated",
+    #                      "experts", "all_to_all"
+    start_s: float
+    end_s: float
+    micro_batch: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    step_s: float
+    compute_s: float                       # the slowest rank's compute
+    comm_s: float
+    busy_s: tuple[float, ...]              # per rank: compute
+    idle_s: tuple[float, ...]              # per rank: waiting for the slowest rank
+    peak_memory_bytes: tuple[int, ...]     # per rank
+    events: tuple[TimelineEvent, ...]
+
+    @property
+    def utilization(self) -> tuple[float, ...]:
+        return tuple(b / self.step_s if self.step_s > 0 else 0.0 for b in self.busy_s)

@@ -1,0 +1,74 @@
+"""The choice among the families' candidates and what the plan reports about it.
+
+    best = argmin_{plan ∈ candidates} predicted_step_s      (on equal steps the first found:
+           data parallelism, then pipelines, then expert parallelism — deterministic)
+
+Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
+among the strategies asked for; every one is the step of a plan that was a candidate, so
+``predicted_step_s ≤`` every baseline:
+    even_dp, proportional_dp   the data-parallel rules (:mod:`fxpar.solvers.family_dp`)
+    megatron_even              min(even_dp, the even-cut pipeline)
+    whale_rules                Whale's rule for the chosen plan's family: data parallel (shares ∝
+                               capacity, capped by memory), pipeline (layers ∝ capacity, large-memory
+                               devices first, :mod:`fxpar.solvers.family_pipeline`) or expert
+                               parallel (batch and experts ∝ capacity, :mod:`fxpar.solvers.family_ep`)
+    even_ep                    MoE models: even experts and batch (:mod:`fxpar.solvers.family_ep`)
+
+The explain lines are the families' own, in family order, then one per baseline with fxpar's
+speed-up over it, then the lower bound and what it counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fxpar.errors import InfeasibleError
+from fxpar.plan import Plan
+from fxpar.solvers.baselines import min_or_none
+from fxpar.solvers.problems import Candidates, Problems
+
+
+def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates) -> Plan:
+    """The fastest candidate, with the baselines and every family's reasoning in its ``explain``;
+    :class:`InfeasibleError` where no family offers a plan."""
+    families = (dp, pipeline, ep)
+    plans = [plan for family in families for plan in family.plans]
+    explain = [line for family in families for line in family.explain]
+    if not plans:
+        raise nothing_fits(p, dp.error, explain)
+    best = min(plans, key=lambda q: q.predicted_step_s)
+    baselines = combine_baselines(best.strategy, dp=dp, pipeline=pipeline, ep=ep)
+    for name, value in baselines:
+        explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
+                                               if value is None else
+                       f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
+    explain.append(f"lower bound {p.lower_bound_s:.4g} s: " + (
+        "work over the summed device rates + the last gradient bucket's all-reduce + the optimizer "
+        "(data parallelism only)" if p.lower_bound_with_allreduce else
+        "work over the summed device rates, node by node + the optimizer (valid for every "
+        "strategy; no communication term)"))
+    return replace(best, baselines=baselines, explain=tuple(explain))
+
+
+def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,
+                      ep: Candidates) -> tuple[tuple[str, float | None], ...]:
+    """The plan's baselines from the families' figures (module docstring); ``strategy``: the
+    chosen plan's, whose family's Whale rule is ``whale_rules``."""
+    d, pipe, e = dict(dp.baselines), dict(pipeline.baselines), dict(ep.baselines)
+    even, prop = d.get("even_dp"), d.get("proportional_dp")
+    family = {"data_parallel": d, "pipeline": pipe, "expert_parallel": e}.get(strategy, {})
+    out = (("even_dp", even), ("proportional_dp", prop),
+           ("megatron_even", min_or_none(even, pipe.get("megatron_even"))),
+           ("whale_rules", family.get("whale_rules")))
+    return out + ((("even_ep", e["even_ep"]),) if "even_ep" in e else ())
+
+
+def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[str]) -> InfeasibleError:
+    """The error when no family offers a plan: data parallelism's (with its shortfalls) if it
+    has one, else every family's reason."""
+    if dp_error is None:
+        return InfeasibleError(f"no plan among the strategies {p.strategies} applies to "
+                               f"{p.graph.model_name} or fits: " + ("; ".join(explain) or "nothing to try"))
+    return InfeasibleError(str(dp_error) + ("\nNo pipeline / tensor-parallel configuration "
+                                            "fits either." if p.pipeline is not None else ""),
+                           shortfalls=dp_error.shortfalls)

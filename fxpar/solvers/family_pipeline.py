@@ -1,0 +1,120 @@
+"""Pipeline candidates: identical heterogeneous pipelines with tensor-parallel stages.
+
+- :func:`searched`: the formula ``T`` (:func:`fxpar.solvers.pipeline.search_ranked`) ranks the
+  configurations; its :data:`RERANKED` best are re-ranked by the simulator
+  (:func:`fxpar.solvers.pipeline_plan.simulate_config`: the 1F1B event simulation with each
+  hop's latency in the schedule's dependency chain, :mod:`fxpar.sim.pipeline_cost`); the pick is
+  swapped for its variant with the other gradient exchange or layout where that simulates faster
+  (:func:`best_variant`), then becomes a plan (:func:`fxpar.solvers.pipeline_plan.to_plan`);
+- :func:`interleaved`: the plan's positions holding more stages than devices
+  (:mod:`fxpar.solvers.interleaved_plan`), each a candidate where it beats 1F1B;
+- :func:`rule_pipelines`: pipelines with even cuts (Megatron) and with cuts ∝ stage capacity,
+  large-memory kinds first (Whale) (:func:`fxpar.solvers.baselines.pipeline_baselines`), with
+  the same effort (:func:`reranked`: the formula's best re-ranked by the simulator, the faster
+  variant): the pipeline halves of the ``megatron_even`` and ``whale_rules`` baselines, and
+  candidates too, so the planner is never slower than a rule it can express.
+
+Tensor-parallel stages are tried only where codegen can split the blocks (a guarantee, and a
+smaller search: for other models they would only add all-reduces).  No wall-clock time goes
+into the explain lines: the plan's JSON is deterministic.
+"""
+
+from __future__ import annotations
+
+from fxpar.plan import Plan
+from fxpar.solvers import interleaved_plan
+from fxpar.solvers.baselines import pipeline_baselines
+from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, search_ranked
+from fxpar.solvers.pipeline_plan import simulate_config, to_plan, variants
+from fxpar.solvers.problems import Candidates, Problems
+
+#: pipeline configurations the formula ranks best that the 1F1B event simulation re-ranks
+RERANKED = 8
+
+
+def pipeline_candidates(p: Problems, max_tensor_parallel: int) -> Candidates:
+    """The searched pipeline, its interleaved forms and the rule pipelines (module docstring);
+    nothing where pipelines were not asked for or the model has no blocks."""
+    if p.pipeline is None:
+        return Candidates(baselines=(("megatron_even", None), ("whale_rules", None)))
+    found = searched(p, max_tensor_parallel)
+    rules = rule_pipelines(p, max_tensor_parallel)
+    return Candidates(plans=found.plans + rules.plans, explain=found.explain + rules.explain,
+                      baselines=rules.baselines)
+
+
+def reranked(p: Problems, ranked: list[PipelineConfig], label: str, explain: list[str]) -> tuple[PipelineConfig, Plan]:
+    """The simulator's fastest of ``ranked`` (the formula's best, fastest first), in its faster
+    variant, and its plan; a line in ``explain`` where the simulator overrules the formula."""
+    ctx = p.pipeline
+    steps = [simulate_config(ctx, c).step_s for c in ranked]
+    pick = min(range(len(ranked)), key=lambda i: (steps[i], i))
+    if pick:
+        explain.append(f"{label}: the formula's configuration #{pick + 1} is the fastest of its "
+                       f"{len(ranked)} best under the simulated 1F1B schedule ({ranked[0].pipelines} x "
+                       f"{len(ranked[0].stages)} stages, its first, simulates to {steps[0]:.4g} s)")
+    cfg = best_variant(ctx, ranked[pick], steps[pick], explain)
+    return cfg, to_plan(cfg, ctx, p.cluster, p.graph.model_name, p.workload, p.lower_bound_s)
+
+
+def searched(p: Problems, max_tensor_parallel: int) -> Candidates:
+    """The formula's best configurations re-ranked by the simulator, the pick's faster variant,
+    and its interleaved forms that beat it."""
+    width = max_tensor_parallel if any(layer.tensor_parallel for layer in p.graph.layers) else 1
+    ranked = search_ranked(p.pipeline, max_width=width, keep=RERANKED)
+    if not ranked:
+        return Candidates(explain=("pipelines: no configuration fits in memory",))
+    explain: list[str] = []
+    cfg, plan = reranked(p, ranked, "pipelines", explain)
+    where = ("" if cfg.pipelines == 1 else ", each stage's replicas side by side (stage-major)"
+             if cfg.layout == "stage-major" else ", each pipeline's stages side by side (pipeline-major)")
+    explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
+                   f"{cfg.num_microbatches} micro-batches{where}: {plan.predicted_step_s:.4g} s")
+    more, lines = interleaved(p, cfg, plan.predicted_step_s)
+    return Candidates(plans=(plan,) + more, explain=tuple(explain) + lines)
+
+
+def interleaved(p: Problems, cfg: PipelineConfig, one_f_one_b: float) -> tuple[tuple[Plan, ...], tuple[str, ...]]:
+    """The interleaved plans on ``cfg``'s positions that beat its 1F1B step, and a line for each tried."""
+    plans, explain = [], []
+    for inter in interleaved_plan.candidates(p.pipeline, cfg, p.cluster, p.graph.model_name, p.workload,
+                                             p.lower_bound_s):
+        better = inter.predicted_step_s < one_f_one_b
+        explain.append(f"interleaved, {len(inter.stages)} stages on {len(cfg.stages)} positions: "
+                       f"{inter.predicted_step_s:.4g} s" + ("" if better else " (1F1B is faster)"))
+        if better:
+            plans.append(inter)
+    return tuple(plans), tuple(explain)
+
+
+def rule_pipelines(p: Problems, max_tensor_parallel: int) -> Candidates:
+    """Megatron's and Whale's pipelines, each the simulator's best of its rule's configurations in
+    its faster variant: their steps as baselines, their plans as candidates."""
+    order = list(dict.fromkeys(g.key for g in p.cluster.groups()))
+    mega, whale = pipeline_baselines(p.pipeline, order, max_tensor_parallel, keep=RERANKED)
+    plans, explain, steps = [], [], {"megatron_even": None, "whale_rules": None}
+    for baseline, rule, ranked in (("megatron_even", "even-cut (Megatron)", mega),
+                                   ("whale_rules", "capacity-cut (Whale)", whale)):
+        if not ranked:
+            continue
+        label = f"pipelines with {rule} stages"
+        _, plan = reranked(p, ranked, label, explain)
+        steps[baseline] = plan.predicted_step_s
+        plans.append(plan)
+        explain.append(f"{label}: {plan.predicted_step_s:.4g} s")
+    return Candidates(plans=tuple(plans), explain=tuple(explain), baselines=tuple(steps.items()))
+
+
+def best_variant(ctx: PipelineContext, cfg: PipelineConfig, step: float, explain: list[str]) -> PipelineConfig:
+    """``cfg``, or its variant with the other gradient exchange or layout where the 1F1B
+    simulation predicts a shorter step (the formula chose between them); a line in ``explain``
+    when it swaps."""
+    best, best_step = cfg, step
+    for other in (c for c in variants(ctx, cfg) if c is not None):
+        other_step = simulate_config(ctx, other).step_s
+        if other_step < best_step - 1e-12:
+            best, best_step = other, other_step
+    if best is not cfg:
+        how = ("ZeRO-1" if best.zero else "a plain all-reduce") if best.zero != cfg.zero else f"{best.layout} placement"
+        explain.append(f"pipelines: with {how} the simulated step is {best_step:.4g} s instead of {step:.4g} s")
+    return best

@@ -1,0 +1,113 @@
+"""The plain-number problems every candidate family reads, built once per
+:func:`fxpar.solvers.plan` call (:func:`build_problems`), and what a family hands back
+(:class:`Candidates`).
+
+    check_inputs       before the cost model, so bad input fails fast
+    CostModel          graph × cluster → per node and device kind: seconds, bytes, collectives
+    build_dp_problem   → DPProblem: the share LP's data, one group per interchangeable device kind
+    build_context      → PipelineContext: the segment table and the device kinds (when pipelines
+                         are asked for and the model has repeated blocks)
+    build_problem      → EPProblem (MoE models, more than one rank), or a reason it cannot run
+    lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the work LP's bound (work over
+                       the summed device rates, node by node) + the optimizer; where data
+                       parallelism is the only strategy that applies, B / Σ_i (1/t_i) + the last
+                       gradient bucket's all-reduce + the optimizer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from fxpar.cluster import Cluster
+from fxpar.errors import ConfigError, InfeasibleError
+from fxpar.plan import Plan
+from fxpar.profiling import CostModel
+from fxpar.profiling.database import ProfileDB
+from fxpar.sim.expert_costs import build_problem
+from fxpar.sim.expert_sim import EPProblem
+from fxpar.solvers import data_parallel as dp
+from fxpar.solvers.baselines import dp_fits
+from fxpar.solvers.bounds import lower_bound_s
+from fxpar.solvers.pipeline import PipelineContext, build_context
+from fxpar.tracing.graph import ModelGraph
+from fxpar.workload import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class Problems:
+    """The inputs of one ``plan()`` call and the problems built from them (module docstring)."""
+
+    graph: ModelGraph
+    cluster: Cluster
+    workload: Workload
+    strategies: tuple[str, ...]
+    cost: CostModel
+    dp: dp.DPProblem
+    dp_fits: bool                        # a replica + one sample fits everywhere, and B ≥ ranks
+    pipeline: PipelineContext | None     # None: pipelines not asked for, or no repeated blocks
+    ep: EPProblem | str | None           # None: dense model or one rank; str: why EP cannot run
+    lower_bound_s: float
+    lower_bound_with_allreduce: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """What one family offers: its plans (each with the simulator's predictions, in the order
+    found: on equal steps the first wins), its explain lines, its baseline figures by name (None:
+    does not fit) and, for data parallelism, the error that says why it does not fit."""
+
+    plans: tuple[Plan, ...] = ()
+    explain: tuple[str, ...] = ()
+    baselines: tuple[tuple[str, float | None], ...] = ()
+    error: InfeasibleError | None = None
+
+
+def check_inputs(cluster, workload: Workload, *, allow_tf32: bool = False) -> None:
+    """Checks that need no model: run before tracing so bad input fails fast."""
+    if workload.global_batch < cluster.world_size:
+        raise ConfigError(
+            f"global_batch = {workload.global_batch} is smaller than the number of ranks "
+            f"({cluster.world_size}): data parallelism gives every rank at least one sample; "
+            f"use a global batch of at least {cluster.world_size} or fewer devices")
+    compute = "tf32" if (workload.dtype == "fp32" and allow_tf32) else workload.dtype
+    for group in cluster.groups():
+        group.type.peak_tflops(compute)  # ConfigError naming the device and its precisions
+
+
+def build_dp_problem(cost: CostModel, cluster, workload: Workload) -> dp.DPProblem:
+    """The share LP's data: one group per interchangeable device kind."""
+    groups = tuple(
+        dp.DPGroup(key=g.key, ranks=tuple(g.ranks), sample_s=cost.sample_cost(g).total_s,
+                   fixed_s=cost.sample_cost(g).fixed_s, memory_bytes=int(g.memory_bytes))
+        for g in cluster.groups())
+    grad = cost.gradient_bytes()
+    bucket = grad if cluster.world_size > 1 else 0  # codegen's flat all-reduce buffer
+    return dp.DPProblem(
+        groups=groups, global_batch=workload.global_batch, state_bytes=cost.state_bytes() + bucket,
+        activation_bytes_per_sample=cost.activation_bytes_per_sample() + cost.transient_bytes_per_sample(),
+        allreduce_s=cost.allreduce_s(grad), max_microbatches=workload.max_microbatches)
+
+
+def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: tuple[str, ...], *,
+                   allow_tf32: bool = False, profiles: Mapping[str, ProfileDB] | None = None) -> Problems:
+    """Check the inputs, price the model and build each asked-for family's problem."""
+    strategies = tuple(strategies)
+    dp_only = strategies == ("data_parallel",)
+    # with other strategies a batch smaller than the ranks is for them to judge (a pipeline needs fewer)
+    check_inputs(cluster, workload if dp_only else
+                 replace(workload, global_batch=max(workload.global_batch, cluster.world_size)),
+                 allow_tf32=allow_tf32)
+    cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer,
+                     allow_tf32=allow_tf32, profiles=profiles)
+    problem = build_dp_problem(cost, cluster, workload)
+    ctx = (build_context(graph, cost, cluster, workload)
+           if "pipeline" in strategies and len(graph.layers) >= 1 else None)
+    ep = (build_problem(cost, workload.global_batch, workload.max_microbatches)
+          if "expert_parallel" in strategies and cluster.world_size > 1 else None)
+    with_allreduce = dp_only or (ctx is None and not isinstance(ep, EPProblem))
+    return Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
+                    dp=problem, dp_fits=dp_fits(problem) and workload.global_batch >= cluster.world_size,
+                    pipeline=ctx, ep=ep,
+                    lower_bound_s=lower_bound_s(cost, workload.global_batch, data_parallel_only=with_allreduce),
+                    lower_bound_with_allreduce=with_allreduce)

@@ -1,0 +1,64 @@
+"""Structural facts about a model that planning and codegen must agree on, read from its
+modules (a pure function of the model; no parallel code here):
+
+- :func:`block_path`: the repeated block a module path sits in (``model.layers.3``);
+- :func:`is_attention` / :func:`shardable_blocks`: the attention modules whose heads fxpar's
+  tensor-parallel codegen splits, and the blocks holding one (the planner offers
+  tensor-parallel stages only there);
+- :func:`supports_vocab_parallel`: whether the input embedding, LM head and loss can be split
+  by vocabulary.
+
+Tracing records these in the :class:`~fxpar.tracing.graph.ModelGraph` and codegen's sharders
+check against them, so the solver and the runtime see one source of truth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_path(module_path: str) -> str | None:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``: the outermost indexed module."""
+    parts = module_path.split(".") if module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def has_attrs(module: torch.nn.Module, *names: str) -> bool:
+    return all(hasattr(module, n) for n in names)
+
+
+def is_attention(module: torch.nn.Module) -> bool:
+    """An attention module of a family the tensor-parallel sharders split: Llama-style
+    ``q/k/v/o_proj``, GPT-2 self-attention ``c_attn``/``c_proj``, BERT ``self.query/key/value``
+    with ``output.dense``."""
+    return (has_attrs(module, "q_proj", "k_proj", "v_proj", "o_proj")
+            or (has_attrs(module, "c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", False))
+            or (has_attrs(module, "self", "output") and has_attrs(module.self, "query", "key", "value")
+                and hasattr(module.output, "dense")))
+
+
+def shardable_blocks(model: torch.nn.Module) -> set[str]:
+    """Repeated blocks (``model.layers.3``) holding an attention the sharders can split."""
+    return {b for name, m in model.named_modules() if is_attention(m) and (b := block_path(name)) is not None}
+
+
+def supports_vocab_parallel(model: torch.nn.Module) -> bool:
+    """A HF causal LM with an ``nn.Embedding`` input, a bias-free ``nn.Linear`` head of the same
+    vocabulary and a loss computed through ``loss_function``."""
+    name = type(model).__name__
+    if not name.endswith(("ForCausalLM", "LMHeadModel")) or not hasattr(model, "get_output_embeddings"):
+        return False
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return (type(emb) is torch.nn.Embedding and isinstance(head, torch.nn.Linear) and head.bias is None
+            and head.out_features == emb.num_embeddings and hasattr(type(model), "loss_function"))
+
+
+def vocab_parallel_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """Paths of the embedding and head that tensor parallelism splits by vocabulary."""
+    if not supports_vocab_parallel(model):
+        return ()
+    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    return tuple(name for name, m in model.named_modules() if id(m) in wanted)

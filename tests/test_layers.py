@@ -1,0 +1,152 @@
+"""The package's import graph follows the data flow: each fxpar module imports only from its own
+layer or lower ones (module-level *and* function-level imports), there are no import cycles,
+and a function-level import of fxpar's own code says why it is lazy.
+
+Layers, lowest first (README "Layout" draws them):
+
+    errors, compat → workload, plan → cluster → tracing → profiling → sim → solvers
+      → runtime → checkpoint → codegen → planning, models, scenario, api_checks → api
+      → integrations, profile_cmd, demo → cli, the package itself
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fxpar"
+
+#: module prefix -> layer (the longest matching prefix wins)
+LAYERS: dict[str, int] = {
+    "fxpar.errors": 0, "fxpar.compat": 0,
+    "fxpar.workload": 1, "fxpar.plan_checks": 1, "fxpar.plan": 1,
+    "fxpar.cluster": 2,
+    "fxpar.tracing": 3,
+    "fxpar.profiling": 4,
+    "fxpar.sim": 5,
+    "fxpar.solvers": 6,
+    "fxpar.runtime": 7,
+    "fxpar.checkpoint": 8,
+    "fxpar.codegen": 9,
+    "fxpar.planning": 10, "fxpar.models": 10, "fxpar.scenario": 10, "fxpar.synthetic": 10,
+    "fxpar.api_checks": 10,
+    "fxpar.api": 11,
+    "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12,
+    "fxpar.cli": 13, "fxpar.__main__": 13, "fxpar": 13,
+}
+LAZY_MARK = "# lazy:"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
+    if best is None:
+        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_layers.py")
+    return LAYERS[best]
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """``(imported fxpar module, line, inside a function)`` for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    in_function: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function.update(id(n) for n in ast.walk(fn) if n is not fn)
+    out = []
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # `from fxpar.solvers import plan` may name a submodule: count the submodule if it is one
+            names = [f"{base}.{a.name}" if (PACKAGE.parent / f"{base}.{a.name}".replace(".", "/")).with_suffix(".py").exists()
+                     or (PACKAGE.parent / f"{base}.{a.name}".replace(".", "/")).is_dir() else base
+                     for a in node.names]
+        for name in names:
+            if name == "fxpar" or name.startswith("fxpar."):
+                out.append((name, node.lineno, id(node) in in_function))
+    return out
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    wrong = []
+    for module, path in _all_modules().items():
+        mine = layer_of(module)
+        for target, line, _ in _imports(path):
+            if layer_of(target) > mine:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} (layer {mine}) imports "
+                             f"{target} (layer {layer_of(target)})")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles() -> None:
+    modules = _all_modules()
+    graph = {m: {t for t, _, _ in _imports(p) if t in modules and t != m} for m, p in modules.items()}
+    # a package's __init__ importing its own submodules is how packages work, not a cycle
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not (modules[m].name == "__init__.py" and t.startswith(m + "."))}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_function_level_imports_say_why() -> None:
+    unexplained = []
+    for module, path in _all_modules().items():
+        lines = path.read_text().splitlines()
+        for target, line, inside in _imports(path):
+            context = " ".join(lines[max(0, line - 2): line])
+            if inside and LAZY_MARK not in context:
+                unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {target}")
+    assert not unexplained, ("function-level imports of fxpar modules without a `# lazy: <reason>` "
+                             "comment (hoist them, or say why they must be lazy):\n" + "\n".join(unexplained))
+
+
+@pytest.mark.parametrize("module,target", [("fxpar.sim.simulate", "fxpar.solvers.planner"),
+                                           ("fxpar.tracing.trace", "fxpar.codegen.tp_families")])
+def test_the_layer_check_catches_an_upward_import(module: str, target: str) -> None:
+    assert layer_of(target) > layer_of(module)

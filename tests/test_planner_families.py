@@ -1,0 +1,99 @@
+"""The planner as families of candidates (:mod:`fxpar.solvers.planner`): the choice and its
+baselines on plain plans, and the data-parallel rules (even, proportional shares) as real
+candidates that win where they simulate faster than the share LP's plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+import fxpar
+from fxpar.errors import InfeasibleError
+from fxpar.models import PRESETS
+from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.planning import trace_spec
+from fxpar.solvers import data_parallel
+from fxpar.solvers import plan as solve
+from fxpar.solvers.choose import choose, combine_baselines
+from fxpar.solvers.problems import Candidates
+from fxpar.workload import Workload
+
+
+def _plan(step: float, model: str = "m") -> Plan:
+    ranks = tuple(RankPlan(rank=r, device="cpu", node=0, speed=1.0, batch_share=2, micro_batch_size=2,
+                           num_microbatches=1, predicted_busy_s=step, predicted_memory_bytes=1,
+                           memory_capacity_bytes=2) for r in range(2))
+    return Plan(strategy="data_parallel", model=model, cluster="c", global_batch=4, seq_len=8, dtype="fp32",
+                optimizer="adamw", stages=(StagePlan(index=0, modules=("",), ranks=(0, 1), data_split=(2, 2)),),
+                ranks=ranks, predicted_step_s=step, predicted_compute_s=step, predicted_comm_s=0.0,
+                lower_bound_s=0.5)
+
+
+def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
+    return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_with_allreduce=False,
+                           strategies=("data_parallel", "pipeline"), graph=SimpleNamespace(model_name="m"),
+                           pipeline=pipeline)
+
+
+def test_choice_is_the_fastest_first_found_with_every_family_reasoning():
+    first, tie, slow = _plan(1.0, "first"), _plan(1.0, "tie"), _plan(2.0)
+    best = choose(_problems(), dp=Candidates(plans=(slow, first), explain=("dp",),
+                                             baselines=(("even_dp", 3.0), ("proportional_dp", 2.5),
+                                                        ("whale_rules", 2.4))),
+                  pipeline=Candidates(plans=(tie,), explain=("pipe",),
+                                      baselines=(("megatron_even", 1.5), ("whale_rules", 1.2))),
+                  ep=Candidates(explain=("ep",)))
+    assert best.model == "first"
+    # whale_rules is Whale's rule for the chosen plan's family (data parallelism here)
+    assert best.baselines == (("even_dp", 3.0), ("proportional_dp", 2.5), ("megatron_even", 1.5),
+                              ("whale_rules", 2.4))
+    assert best.explain[:3] == ("dp", "pipe", "ep") and best.explain[-1].startswith("lower bound 0.5 s")
+    assert "baseline even_dp: 3 s (fxpar 3.00x faster)" in best.explain
+
+
+def test_whale_rules_is_the_rule_of_the_chosen_family():
+    dp = Candidates(baselines=(("even_dp", None), ("proportional_dp", None), ("whale_rules", None)))
+    pipe = Candidates(baselines=(("megatron_even", 1.5), ("whale_rules", 1.2)))
+    ep = Candidates(baselines=(("even_ep", 4.0), ("whale_rules", 3.0)))
+    assert combine_baselines("pipeline", dp=dp, pipeline=pipe, ep=ep) == (
+        ("even_dp", None), ("proportional_dp", None), ("megatron_even", 1.5), ("whale_rules", 1.2),
+        ("even_ep", 4.0))
+    assert dict(combine_baselines("expert_parallel", dp=dp, pipeline=pipe, ep=ep))["whale_rules"] == 3.0
+    assert dict(combine_baselines("data_parallel", dp=dp, pipeline=pipe, ep=ep))["whale_rules"] is None
+
+
+def test_nothing_fits_raises_data_parallelism_s_shortfalls():
+    error = InfeasibleError("data parallelism does not fit", shortfalls={"T4": 2 ** 30})
+    with pytest.raises(InfeasibleError, match="No pipeline") as info:
+        choose(_problems(pipeline=object()), dp=Candidates(error=error), pipeline=Candidates(), ep=Candidates())
+    assert info.value.shortfalls == {"T4": 2 ** 30}
+    with pytest.raises(InfeasibleError, match="no plan among the strategies"):
+        choose(_problems(), dp=Candidates(), pipeline=Candidates(), ep=Candidates(explain=("ep: no",)))
+
+
+@pytest.fixture(scope="module")
+def graph_and_workload():
+    workload = Workload(global_batch=8, seq_len=32)
+    return trace_spec(PRESETS["llama-tiny"], workload), workload
+
+
+def test_a_rule_that_simulates_faster_than_the_lp_plan_is_chosen(graph_and_workload, monkeypatch):
+    graph, workload = graph_and_workload
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    honest = solve(graph, cluster, workload, strategies=("data_parallel",))
+    assert honest.solver.name == "dp-share-lp" and honest.batch_shares == (4, 4)
+    real = data_parallel.solve
+
+    def skewed(problem):  # an LP plan that loads one rank with all but one sample
+        sol = real(problem)
+        shares = (problem.global_batch - 1, 1)
+        return replace(sol, shares=shares, micro_batch=shares, num_microbatches=(1, 1))
+
+    monkeypatch.setattr(data_parallel, "solve", skewed)
+    chosen = solve(graph, cluster, workload, strategies=("data_parallel",))
+    assert chosen.solver.name == "dp-even-shares" and chosen.batch_shares == (4, 4)
+    assert chosen.predicted_step_s == chosen.baseline("even_dp") == honest.predicted_step_s
+    assert any(line.startswith("data parallel, even shares:") for line in chosen.explain)
+    assert chosen.solver.integer_s == chosen.predicted_step_s

@@ -1,0 +1,73 @@
+"""Collective audit workers: build each plan kind on 2 gloo ranks, record every collective of
+set-up and two training steps (:mod:`fxpar.runtime.audit`), and return the calls and the
+rule violations (module level, so they pickle by reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.codegen.hand_plans import (
+    expert_parallel_plan,
+    interleaved_plan,
+    pipeline_plan,
+    tensor_parallel_plan,
+)
+from fxpar.runtime.audit import CollectiveAudit
+from fxpar.runtime.device import rank_device
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+from .workers import TINY_CONFIGS
+
+#: plan kind -> (model family, number of blocks)
+KINDS = {"data_parallel": ("llama", 2), "pipeline": ("llama", 2), "pipeline_tp": ("llama", 2),
+         "interleaved": ("llama", 3), "tensor_parallel": ("llama", 2), "expert_parallel": ("mixtral", 2)}
+
+
+def _model(family: str, layers: int) -> torch.nn.Module:
+    cfg = dict(TINY_CONFIGS[family], num_hidden_layers=layers)
+    torch.manual_seed(0)
+    return build_model(ModelSpec(hf_config=cfg), device=rank_device(), seed=0, attn_implementation="eager").train()
+
+
+def _plan(kind: str, model: torch.nn.Module, cluster, batch: int, data: dict) -> fxpar.Plan | None:
+    if kind == "pipeline":
+        return pipeline_plan(model, cluster, global_batch=batch, blocks_per_stage=[1, 1], num_microbatches=2)
+    if kind == "pipeline_tp":  # 3 ranks: stage 0 a tensor-parallel group of 2, stage 1 on one rank
+        return pipeline_plan(model, cluster, global_batch=batch, blocks_per_stage=[1, 1], num_microbatches=2,
+                             tensor_parallel=[2, 1])
+    if kind == "interleaved":
+        return interleaved_plan(model, cluster, global_batch=batch, blocks_per_stage=[1, 1, 1],
+                                stage_ranks=[0, 1, 0], num_microbatches=2)
+    if kind == "tensor_parallel":
+        return tensor_parallel_plan(model, cluster, global_batch=batch, kv_shares=[1, 1])
+    if kind == "expert_parallel":
+        return expert_parallel_plan(model, cluster, global_batch=batch, expert_split=[3, 1], batch_shares=[5, 3])
+    return None  # data parallel: fxpar.auto's own plan
+
+
+def audit_plan_kind(kind: str, steps: int = 2) -> dict:
+    """Set up ``kind`` and train ``steps`` steps under a :class:`CollectiveAudit`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    family, layers = KINDS[kind]
+    model = _model(family, layers)
+    batch = 8
+    data = [example_inputs(model, batch, 16, seed=1 + s) for s in range(steps)]
+    for b in data:
+        b["labels"][0, :5] = -100
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    plan = _plan(kind, model, cluster, batch, data[0])
+    with CollectiveAudit(device) as audit:
+        pm = fxpar.auto(model, cluster, data[0], plan=plan)
+        opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
+        for b in data:
+            with audit.in_phase("step"):
+                pm.step(b)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {"rank": rank, "strategy": pm.plan.strategy, "module": type(pm).__name__,
+            "calls": [dataclasses.asdict(c) for c in audit.calls], "violations": audit.violations()}
