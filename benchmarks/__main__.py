@@ -9,6 +9,8 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     ep_tp     uneven expert / tensor parallelism vs even EP / TP and DDP, measured (emulated speeds)
     fidelity  cost model: predicted vs measured step time and memory
     rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
+    real_gpu  predicted vs measured step time and memory of real GPU runs (shared/validation)
+    collectives the collectives each plan kind issues per step, audited for NCCL validity
 
 Writes one JSON per suite and ``benchmarks/results/report-<machine>-<date>.md`` (tables +
 plots).  ``--quick`` runs every suite with fewer cases and steps (under 10 minutes here);
@@ -28,7 +30,8 @@ from pathlib import Path
 from benchmarks.common import RESULTS, machine, result_path
 
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
-          "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "fidelity": "fidelity", "rebalance": "rebalance"}
+          "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "fidelity": "fidelity", "rebalance": "rebalance",
+          "real_gpu": "real_gpu", "collectives": "collective_audit"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
@@ -36,7 +39,9 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "ep_tp": "Uneven expert / tensor parallelism vs even EP / TP and torch DDP "
                    "(measured on gloo CPU ranks, emulated speeds)",
           "fidelity": "Cost-model fidelity: predicted vs measured step time and peak memory",
-          "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)"}
+          "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)",
+          "real_gpu": "Validation on measured GPU runs (../shared/validation): predicted vs measured",
+          "collectives": "Collectives per training step by plan kind (collective audit, gloo)"}
 
 
 def _latest(name: str, quick: bool, folder=RESULTS) -> dict | None:

@@ -1,6 +1,6 @@
 """Regenerate the README's results section from the latest full-run JSON files.
 
-    python -m benchmarks.readme [--print]
+    python -m benchmarks.readme [--print] [--results DIR] [--quick]
 
 Replaces everything between ``<!-- results:begin -->`` and ``<!-- results:end -->``.  Every
 figure in that section, in the tables and in the sentences around them, is computed here from
@@ -23,14 +23,14 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
-def _files(name: str, *, quick: bool | None = False, folder: Path = RESULTS) -> list[Path]:
+def _files(name: str, folder: Path, quick: bool | None = False) -> list[Path]:
     """A suite's result files, oldest first (quick=None: full and quick runs)."""
     return sorted(p for p in Path(folder).glob(f"{name}-*.json")
                   if quick is None or ("-quick-" in p.name) == quick)
 
 
-def _latest(name: str, folder: Path = RESULTS) -> dict | None:
-    files = _files(name, folder=folder)
+def _latest(name: str, folder: Path = RESULTS, quick: bool = False) -> dict | None:
+    files = _files(name, folder, quick)
     return json.loads(files[-1].read_text()) if files else None
 
 
@@ -103,13 +103,13 @@ def _fairness(data: dict) -> list[str]:
 
 
 # ---- sections ---------------------------------------------------------------------------------
-def _dp(dp: dict, cores: Any) -> list[str]:
+def _dp(dp: dict, cores: Any, folder: Path) -> list[str]:
     runs = dp["runs"]
     seq, dtype = _one([r.get("seq_len") for r in runs]), _one([r.get("dtype") for r in runs])
     setting = ", ".join(p for p in (f"seq {seq}" if seq else "", dtype or "") if p)
     has_even = any(r.get("fxpar_even_step_s") is not None for r in runs)
-    methods = ("torch DDP, torch FSDP2 (`fully_shard` per block) and fxpar's own module at the same even "
-               "split ('fxpar even', which separates the gain of planning from the runtime's)"
+    methods = ("torch DDP, torch FSDP2 (`fully_shard` per block) and 'fxpar even', fxpar's own module at "
+               "torch's even split, which separates the gain of planning from the runtime's"
                if has_even else "torch DDP and torch FSDP2 (`fully_shard` per block), both with an even split")
     out = ["", f"Measured training step on {_models(runs)}{', ' + setting if setting else ''}, fxpar against "
            f"{methods} (`python -m benchmarks.dp_emulated`). Each figure is the median of warmed-up steps, "
@@ -126,19 +126,19 @@ def _dp(dp: dict, cores: Any) -> list[str]:
                      + (f"; the {_join([str(n) for n in crowded])}-rank rows run "
                         f"{_join([str(n) for n in crowded])} processes on {cores} cores" if crowded else "")
                      + ". Read such rows as 'reaches the ideal', not as beating it.")
-    noise = _equal_speed_noise()
+    noise = _equal_speed_noise(folder)
     if noise:
         prose.append("The equal-speed rows, where every method does the same work, show the run-to-run noise: "
                      + "; ".join(noise) + ".")
     return out + (["", " ".join(prose)] if prose else []) + _fairness(dp)
 
 
-def _equal_speed_noise() -> list[str]:
+def _equal_speed_noise(folder: Path) -> list[str]:
     """Per model, the range of fxpar's ratios to each baseline at equal speeds over every stored
     dp_emulated result (full and quick runs)."""
     ratios: dict[tuple[str, str], list[float]] = {}
     count = 0
-    for path in _files("dp_emulated", quick=None):
+    for path in _files("dp_emulated", folder, quick=None):
         runs = [r for r in json.loads(path.read_text()).get("runs", []) if len(set(r["speeds"])) == 1]
         count += bool(runs)
         for r in runs:
@@ -175,12 +175,12 @@ def _pp(pp: dict) -> list[str]:
 
 
 def _mix(s: dict) -> str:
-    """``1 V100-SXM2-16GB : 3 P100-PCIE-16GB`` from a device count per type."""
+    """``1 V100-SXM2-16GB : 3 P100-PCIE-16GB``: the device mix in lowest terms."""
     counts = s.get("devices")
     if not counts or len(counts) < 2:
         return ""
     g = reduce(math.gcd, counts.values())
-    return " : ".join(f"{n // g} {t.split('-')[0]}" for t, n in counts.items())
+    return " : ".join(f"{n // g} {t}" for t, n in counts.items())
 
 
 def _plan(plan: dict) -> list[str]:
@@ -194,8 +194,9 @@ def _plan(plan: dict) -> list[str]:
             s["vs_best_even"] = min(evens) / s["predicted_step_s"] if evens else None
     out = ["", "Predicted step time for every scenario in `../shared/scenarios` under fxpar's cost model. Every "
            "baseline is predicted by the same model and simulator (`python -m benchmarks.plan_scenarios`). "
-           "`x LB` is the step over the compute lower bound (work over the summed device rates, with no "
-           "communication term). 'vs best even' compares against the better of even DP and the best even "
+           "`x LB` is the step over the lower bound (`fxpar/solvers/bounds.py`: every model segment spread "
+           "over the device kinds at their own speeds, plus the optimizer; no plan fxpar could run is "
+           "faster). Every baseline was a candidate, so fxpar is never slower than one. 'vs best even' compares against the better of even DP and the best even "
            "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", _table(plan)]
     ceiling_note = ("`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can gain "
                     "over an even plan that is compute-bound at the slowest device's pace")
@@ -238,7 +239,7 @@ def _plan(plan: dict) -> list[str]:
     return out
 
 
-def _fidelity(fid: dict) -> list[str]:
+def _fidelity(fid: dict, folder: Path = RESULTS) -> list[str]:
     runs = fid["runs"]
     errs = [r["step_error"] for r in runs]
     ranks = fid.get("profile_ranks")
@@ -256,7 +257,7 @@ def _fidelity(fid: dict) -> list[str]:
     spread = [(hi - lo) / 2 / r["measured_step_s"] for r in runs for lo, hi in [r["measured_min_max_s"]]]
     text.append(f"Within a configuration the timed steps spread by up to ±{100 * max(spread):.0f}% around "
                 "their median (min and max in the JSON).")
-    across = _across_runs_fidelity()
+    across = _across_runs_fidelity(folder)
     if across is not None:
         text.append(f"The same configuration measured up to {100 * across:.0f}% apart across the stored runs.")
     under = [r for r in runs if all(p < m for p, m in zip(r["predicted_memory_bytes"], r["measured_memory_bytes"]))]
@@ -275,10 +276,10 @@ def _fidelity(fid: dict) -> list[str]:
     return out + [" ".join(text)]
 
 
-def _across_runs_fidelity() -> float | None:
+def _across_runs_fidelity(folder: Path) -> float | None:
     """The widest relative gap between stored runs of one configuration (model, speeds)."""
     seen: dict[tuple, list[float]] = {}
-    for path in _files("fidelity", quick=None):
+    for path in _files("fidelity", folder, quick=None):
         for r in json.loads(path.read_text()).get("runs", []):
             seen.setdefault((r["model"], tuple(r["speeds"])), []).append(r["measured_step_s"])
     gaps = [(max(v) - min(v)) / statistics.mean(v) for v in seen.values() if len(v) > 1]
@@ -304,10 +305,11 @@ def _rebalance(reb: dict) -> list[str]:
         ["", after.strip()] if after else [])
 
 
-def section() -> str:
-    dp, pp, plan = _latest("dp_emulated"), _latest("pp_emulated"), _latest("plan_scenarios")
-    fid, scal = _latest("fidelity"), _latest("planner_scaling")
-    reb, ep_tp = _latest("rebalance"), _latest("ep_tp_emulated")
+def section(folder: Path = RESULTS, quick: bool = False) -> str:
+    """The results section from the newest full (or ``quick``) result of each suite in ``folder``."""
+    dp, pp, plan = (_latest(n, folder, quick) for n in ("dp_emulated", "pp_emulated", "plan_scenarios"))
+    fid, scal = _latest("fidelity", folder, quick), _latest("planner_scaling", folder, quick)
+    reb, ep_tp = _latest("rebalance", folder, quick), _latest("ep_tp_emulated", folder, quick)
     info = (dp or plan or {}).get("machine", {})
     parts = [f"The tables below are generated by `python -m benchmarks.readme` from `benchmarks/results/*.json`. "
              f"They were measured on {info.get('date', '?')} on a {info.get('cores', '?')}-core CPU machine "
@@ -316,7 +318,7 @@ def section() -> str:
              "**Heterogeneity is emulated**: a rank of speed s sleeps (1/s − 1) × each compute segment before its "
              "next collective, in fxpar and in the baselines alike."]
     if dp:
-        parts += _dp(dp, info.get("cores"))
+        parts += _dp(dp, info.get("cores"), folder)
     if pp:
         parts += _pp(pp)
     if plan:
@@ -325,12 +327,22 @@ def section() -> str:
         parts += ["", "Planner solve time, tracing excluded (`python -m benchmarks.planner_scaling`):", "",
                   _table(scal), "", f"![planner scaling](benchmarks/results/{Path(scal['plot']).name})"]
     if fid:
-        parts += _fidelity(fid)
+        parts += _fidelity(fid, folder)
     if ep_tp:
         parts += ["", "Uneven expert and tensor parallelism against their even forms ('fxpar even') and DDP, "
                   "measured the same way (`python -m benchmarks.ep_tp_emulated`):", "", _table(ep_tp)] + _fairness(ep_tp)
     if reb:
         parts += _rebalance(reb)
+    real, coll = _latest("real_gpu", folder, False), _latest("collective_audit", folder, False)
+    if real:
+        parts += ["", "Predictions against real measured GPU runs (`python -m benchmarks.real_gpu`, the runs and their "
+                  "provenance in `../shared/validation/`; 'LOO' refits every calibrated constant without the run; "
+                  "Sailor is the best published estimator on the same runs):", "", _table(real)]
+    if coll:
+        parts += ["", "Collectives each plan kind issues per training step, recorded by the collective audit "
+                  "(`python -m benchmarks.collective_audit`; tiny models, two micro-batches where the plan has them; "
+                  "'NCCL-valid': device tensors, no object collective in a step, equal sizes where NCCL needs "
+                  "them, one order per group):", "", _table(coll)]
     return "\n".join(parts)
 
 
@@ -339,16 +351,18 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--print", action="store_true", help="print the section instead of writing README.md")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="read the results from this folder")
+    ap.add_argument("--quick", action="store_true", help="use the quick runs (with --print: a preview)")
     args = ap.parse_args(argv)
     if args.print:
-        print(section())
+        print(section(args.results, args.quick))
         return
     text = README.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{README}: no {BEGIN} ... {END} markers")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + section() + "\n" + END + tail)
+    README.write_text(head + BEGIN + "\n" + section(args.results, args.quick) + "\n" + END + tail)
     print(f"updated {README}")
 
 

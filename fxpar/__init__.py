@@ -9,10 +9,11 @@ from fxpar.api import ParallelModule, auto, from_pretrained, make_plan
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, FxparError, InfeasibleError, PlanError, TraceError
 from fxpar.plan import Plan
+from fxpar.predict import Prediction, predict
 from fxpar.runtime.optim import make_optimizer
 from fxpar.workload import Workload
 
 __version__ = "0.1.0"
 
 __all__ = ["make_optimizer", "Cluster", "ConfigError", "FxparError", "InfeasibleError", "ParallelModule", "Plan",
-           "PlanError", "TraceError", "Workload", "auto", "from_pretrained", "make_plan", "__version__"]
+           "PlanError", "Prediction", "TraceError", "Workload", "auto", "from_pretrained", "make_plan", "predict", "__version__"]

@@ -1,4 +1,5 @@
-"""The ``fxpar`` command line: ``fxpar plan`` and ``fxpar demo``.
+"""The ``fxpar`` command line: ``fxpar plan``, ``fxpar simulate`` (predict a given plan),
+``fxpar profile`` and ``fxpar demo``.
 
 Errors that the user can fix (bad files, flags, memory) print one clear message and exit 2;
 a plan that does not fit exits 3.  Nothing is written when a command fails.
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from fxpar.cluster import Cluster
+from fxpar.cluster.catalog import FRAMEWORK_CALIBRATION
 from fxpar.codegen.emit import emit
 from fxpar.demo import run_demo
 from fxpar.errors import ConfigError, FxparError, InfeasibleError
 from fxpar.models import resolve_model
+from fxpar.plan import Plan
 from fxpar.planning import plan_model, trace_spec
+from fxpar.predict import predict
 from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import load_profiles
@@ -109,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--collectives", action="store_true",
                    help="measure collectives on the running process group (under torchrun)")
     f.add_argument("--out", type=Path, default=Path("profiles"), help="database directory")
+
+    s = sub.add_parser("simulate", help="predict a given plan: step time, its parts, per-rank memory",
+                       description="Predict a plan (from `fxpar plan --json`, a hand-written one, or one "
+                                   "describing another framework's run) on a cluster: the simulator's step "
+                                   "time, its parts and each rank's peak memory.")
+    s.add_argument("--plan", type=Path, required=True, help="plan JSON")
+    s.add_argument("--model", required=True, help="preset name, path to a HF config.json, or module:function")
+    s.add_argument("--cluster", type=Path, required=True, help="cluster YAML/JSON")
+    s.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq-lm", "image-classification"))
+    s.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile --out)")
+    s.add_argument("--calibration", choices=sorted(FRAMEWORK_CALIBRATION),
+                   help="constants calibrated for the framework the plan describes (default: fxpar's own)")
+    s.add_argument("--json", nargs="?", const="-", dest="json_out", metavar="FILE",
+                   help="the prediction as JSON: on stdout (no FILE), or written to FILE")
 
     d = sub.add_parser("demo", help="2-rank gloo training: fxpar vs torch DDP, emulated speeds")
     d.add_argument("--steps", type=_positive, default=5, help="measured steps per method (default 5)")
@@ -238,6 +256,30 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.json_out not in (None, "-"):
+        _writable_file("--json", Path(args.json_out))
+    try:
+        text = args.plan.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--plan {args.plan}: file not found; write one with `fxpar plan --json FILE`") from None
+    plan = Plan.from_json(text, source=str(args.plan))
+    cluster = Cluster.from_file(args.cluster)
+    model = resolve_model(args.model, args.task)
+    calibration = FRAMEWORK_CALIBRATION[args.calibration] if args.calibration else None
+    prediction = predict(plan, model, cluster, profiles=load_profiles(args.profiles), calibration=calibration)
+    if args.json_out == "-":
+        print(json.dumps(prediction.to_dict(), indent=2))
+        return 0
+    print(prediction.table())
+    if args.json_out is not None:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(prediction.to_dict(), indent=2))
+        _progress(f"wrote {out}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.json_out is not None:
         _writable_file("--json", args.json_out)
@@ -253,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile}[args.command](args)
+        return {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile,
+                "simulate": _cmd_simulate}[args.command](args)
     except InfeasibleError as exc:
         print(f"fxpar: no plan fits: {exc}", file=sys.stderr)
         return EXIT_INFEASIBLE

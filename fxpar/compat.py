@@ -23,6 +23,10 @@ transformers (checked against 5.23):
 - ``type(experts)._apply_gate``: how an experts class combines its gate and up projections;
   fxpar's expert parallelism supports only the default ``act(gate) * up``, and the method's
   name is the only way to tell a custom gate (:func:`expert_gate_is_default`).
+- ``config._attn_implementation``: the attention implementation a model was built with
+  (``"sdpa"``, ``"eager"``, ...), after ``from_config`` resolved it (a class that cannot use
+  SDPA falls back to eager, :func:`fxpar.tracing.hf.build_model`); transformers exposes it
+  only under this name (:func:`attn_implementation`).
 
 The private names are reached through these functions only (``tests/test_private_names.py``
 scans the rest of the package).
@@ -74,3 +78,11 @@ def expert_gate_is_default(experts_type: type) -> bool:
     (``act(gate) * up``; no ``_apply_gate`` of its own, or transformers' default one)."""
     gate_fn = getattr(experts_type, "_apply_gate", None)
     return gate_fn is None or getattr(gate_fn, "__name__", "") == "_default_apply_gate"
+
+
+def attn_implementation(model: Any) -> str | None:
+    """The attention implementation ``model`` (a HF ``PreTrainedModel``) runs, None for a
+    model without a HF config."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "_attn_implementation", None) if config is not None else None
+    return str(value) if value is not None else None

@@ -45,9 +45,12 @@ import torch.distributed as dist
 
 from fxpar.api import auto
 from fxpar.cluster import Cluster
+from fxpar.cpu_rate import cache_file as cpu_cache_file
+from fxpar.cpu_rate import calibrated_emulated, cpu_scale
 from fxpar.errors import PlanError
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
+from fxpar.predict import predict
 from fxpar.runtime import WorkerPool
 from fxpar.runtime.emulation import SpeedEmulator
 from fxpar.solvers import plan as solve_plan
@@ -358,16 +361,22 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     """Plan, train with fxpar, fxpar even and DDP (and FSDP2) on spawned gloo ranks, print and
     return the figures."""
     torch.set_num_threads(1)
-    cluster = Cluster.emulated(list(speeds))
     model = _build(model=model_name)
     example = _batches(model, 1, global_batch)[0]
     workload = Workload(global_batch=global_batch, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
+    graph = trace(model, {k: v[:1] for k, v in example.items()})
+    # the CPU's rate, measured (or cached) on this machine: the catalog's cpu entry is nominal
+    share = max(1, global_batch // len(speeds))
+    scale, cached = cpu_scale(model, {k: v[:share] for k, v in example.items()}, graph)
+    progress(f"CPU rate: {scale:.3g}x the nominal one ({'cached in' if cached else 'measured, cached in'} "
+             f"{cpu_cache_file()})")
+    cluster = calibrated_emulated(list(speeds), scale)
     progress(f"planning {model_name} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
              f"CPU ranks with speeds {list(speeds)}")
     # the demo (and benchmarks.dp_emulated) compares data-parallel plans with DDP: an MoE model
     # would otherwise be offered expert parallelism, whose expert tensors are per-rank shards
-    graph = trace(model, {k: v[:1] for k, v in example.items()})
     plan = solve_plan(graph, cluster, workload, strategies=("data_parallel", "pipeline"), max_tensor_parallel=1)
+    nominal_step = predict(plan, graph, Cluster.emulated(list(speeds))).step_s
     print(plan.table())
     progress(f"training {rounds} rounds x {steps} steps of fxpar, fxpar even and torch DDP (even "
              f"split) on {len(speeds)} gloo ranks")
@@ -396,7 +405,8 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
               f"max {max(fsdp2_out[0]['times']):.3f})")
     print(f"  fxpar is {dd / fx:.2f}x faster than DDP (compute-bound ideal {ideal:.2f}x)"
           + (f", {ev / fx:.2f}x faster than its own even split" if ev else "")
-          + f"; predicted step {plan.predicted_step_s:.3f} s (roofline on a nominal CPU rate)")
+          + f"; predicted step {plan.predicted_step_s:.3f} s (roofline on this CPU's measured rate; "
+          f"{nominal_step:.3f} s on the nominal rate)")
     p = r0["parity"]
     print(f"  parity, step 0: fxpar loss {p['fxpar_loss']:.6f} vs single process "
           f"{p['reference_loss']:.6f}; max |grad diff| {p['max_grad_abs_diff']:.2e}")
@@ -408,7 +418,8 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
         "fxpar_step_s": fx, "fxpar_even_step_s": ev, "ddp_step_s": dd, "speedup": dd / fx,
         "speedup_vs_even": ev / fx if ev else None, "ideal_speedup": ideal,
         "fsdp2_step_s": fs, "fsdp2_step_times_s": fsdp2_out[0]["times"] if fsdp2_out else None,
-        "predicted_step_s": plan.predicted_step_s,
+        "predicted_step_s": plan.predicted_step_s, "predicted_step_nominal_cpu_s": nominal_step,
+        "cpu_rate_scale": scale,
         "fxpar_step_times_s": r0["fxpar"]["times"], "fxpar_even_step_times_s": r0["fxpar_even"]["times"],
         "ddp_step_times_s": r0["ddp"]["times"],
         "fxpar_losses": r0["fxpar"]["losses"], "fxpar_even_losses": r0["fxpar_even"]["losses"],

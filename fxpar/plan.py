@@ -39,6 +39,9 @@ class RankPlan:
     predicted_busy_s: float          # compute time of its share per step
     predicted_memory_bytes: int      # model state + activations of one micro-batch
     memory_capacity_bytes: int
+    #: host (CPU) bytes the rank holds while it sets up: the staging of one tensor (read, cast)
+    #: on its way to the device, or everything for a rank whose device is the CPU
+    predicted_host_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_rank(self)
@@ -138,6 +141,11 @@ class Plan:
     zero_sharded_optimizer: bool = False
     explain: tuple[str, ...] = ()     # why this plan: candidates and baselines considered
     collectives: tuple[CollectiveChoice, ...] = ()   # how each exchange is done, and why
+    #: runtime behaviour, so that a plan can describe another framework's run (the defaults are
+    #: fxpar's own): the gradient all-reduce starts during the last backward (False: after the
+    #: whole schedule, as DeepSpeed's pipeline engine does); fp32 matmuls may use TF32
+    overlap_grad_allreduce: bool = True
+    allow_tf32: bool = False
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -280,10 +288,12 @@ class Plan:
     # ---- display ---------------------------------------------------------------------------
     def table(self) -> str:
         """The plan as a plain-text table (rank, device, share, busy time, memory)."""
-        head = ("rank", "device", "node", "speed", "share", "micro x n", "busy s", "memory GiB", "of GiB")
+        head = ("rank", "device", "node", "speed", "share", "micro x n", "busy s", "memory GiB", "of GiB",
+                "host GiB")
         rows = [(str(r.rank), r.device, str(r.node), f"{r.speed:g}", str(r.batch_share),
                  f"{r.micro_batch_size} x {r.num_microbatches}", f"{r.predicted_busy_s:.4g}",
-                 f"{r.predicted_memory_bytes / 2**30:.2f}", f"{r.memory_capacity_bytes / 2**30:.0f}")
+                 f"{r.predicted_memory_bytes / 2**30:.2f}", f"{r.memory_capacity_bytes / 2**30:.0f}",
+                 f"{r.predicted_host_bytes / 2**30:.2f}")
                 for r in _summarised(self.ranks)]
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
         line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731

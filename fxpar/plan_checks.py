@@ -86,7 +86,7 @@ def check_rank(r: Any) -> None:
          node=_int(r.node, where, "node", 0), speed=_real(r.speed, where, "speed", strict=True),
          predicted_busy_s=_real(r.predicted_busy_s, where, "predicted_busy_s"))
     for name in ("batch_share", "micro_batch_size", "num_microbatches", "predicted_memory_bytes",
-                 "memory_capacity_bytes"):
+                 "memory_capacity_bytes", "predicted_host_bytes"):
         _set(r, **{name: _int(getattr(r, name), where, name, 0)})
 
 
@@ -153,7 +153,8 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
         _set(p, seq_len=_int(p.seq_len, where, "seq_len", 1))
     for name in ("predicted_step_s", "predicted_compute_s", "predicted_comm_s", "lower_bound_s"):
         _set(p, **{name: _real(getattr(p, name), where, name)})
-    for name in ("emulated", "activation_checkpointing", "zero_sharded_optimizer"):
+    for name in ("emulated", "activation_checkpointing", "zero_sharded_optimizer", "overlap_grad_allreduce",
+                 "allow_tf32"):
         _set(p, **{name: _flag(getattr(p, name), where, name)})
     for name, kind in (("ranks", rank_type), ("stages", stage_type)):
         items = tuple(_sequence(getattr(p, name), where, name, kind.__name__))

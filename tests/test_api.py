@@ -37,8 +37,37 @@ def test_auto_argument_errors(tmp_path):
         fxpar.auto("not a model", fxpar.Cluster.emulated([1.0]))
     with pytest.raises(ConfigError, match="cluster has type int"):
         fxpar.auto(tiny_model("llama"), 3)
-    with pytest.raises(ConfigError, match="example_inputs is required"):
-        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]))
+    with pytest.raises(ConfigError, match="example_inputs is required.*not a HuggingFace"):
+        fxpar.auto(torch.nn.Linear(4, 4), fxpar.Cluster.emulated([1.0]))
+
+
+def test_auto_with_only_model_and_cluster():
+    """The one-liner: a HF causal LM and a cluster, nothing else.  The example batch comes from
+    the config (DEFAULT_SAMPLES_PER_DEVICE x devices, DEFAULT_SEQ_LEN capped by the positions),
+    and the module trains like the model itself on a batch of that shape."""
+    from fxpar.api import DEFAULT_SAMPLES_PER_DEVICE
+
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0]))
+    assert pm.plan.global_batch == DEFAULT_SAMPLES_PER_DEVICE
+    data = global_batch(model, pm.plan.global_batch, model.config.max_position_embeddings)
+    loss = pm.step(data)
+    ref = reference(**data, use_cache=False).loss
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref.detach()), abs=1e-5)
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(pm.module.parameters(), reference.parameters()))
+    assert worst < 1e-6, worst
+
+
+@pytest.mark.multirank
+def test_auto_with_only_model_and_cluster_on_two_ranks(pool2):
+    from tests.workers import auto_model_and_cluster_only
+
+    results = pool2.run(auto_model_and_cluster_only)
+    for r in results:
+        assert r["global_batch"] == 8 and r["loss_diff"] < 1e-5 and r["max_grad_abs_diff"] < 1e-6, r
 
 
 def test_auto_reads_a_cluster_file(tmp_path):

@@ -305,7 +305,9 @@ AUTO_CASES: dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]] = {
     "cluster missing file": (lambda c: fxpar.auto(c["gpt"], "/nope/c.yaml", c["data"]), ("/nope/c.yaml",)),
     "cluster bigger than the job": (lambda c: fxpar.auto(c["gpt"], Cluster.emulated([1.0, 0.5]), c["data"]),
                                     ("2 devices", "1 process")),
-    "example_inputs None": (lambda c: _auto(c, example_inputs=None), ("example_inputs",)),
+    "example_inputs None (plain module)": (
+        lambda c: fxpar.auto(c["mlp"], c["c1"], None, loss_fn=lambda o, b: o.sum()),
+        ("example_inputs", "not a HuggingFace")),
     "example_inputs {}": (lambda c: _auto(c, example_inputs={}), ("example_inputs", "empty dict")),
     "example_inputs 5": (lambda c: _auto(c, example_inputs=5), ("example_inputs", "int")),
     "example_inputs wrong keys": (lambda c: _auto(c, example_inputs={"foo": c["data"]["input_ids"]}),

@@ -58,7 +58,7 @@ def test_section_builds_from_the_stored_results():
             assert "| " + " | ".join(data["table"]["head"]) + " |" in text, name
 
 
-def test_section_uses_new_fields_when_present(tmp_path, monkeypatch):
+def test_section_uses_new_fields_when_present(tmp_path):
     """A result with the fields new runs store: the sentences carry those figures."""
     from benchmarks import readme
 
@@ -69,10 +69,7 @@ def test_section_uses_new_fields_when_present(tmp_path, monkeypatch):
                      "measured_memory_bytes": [2, 2], "memory_error": [0.5, 0.5]}],
            "activations": [{"model": "m", "error": -0.125}]}
     (tmp_path / "fidelity-cpu2-x.json").write_text(json.dumps(fid))
-    monkeypatch.setattr(readme, "RESULTS", tmp_path)
-    monkeypatch.setattr(readme, "_files", lambda name, quick=False, folder=tmp_path:
-                        sorted(Path(folder).glob(f"{name}-*.json")))
-    text = "\n".join(readme._fidelity(readme._latest("fidelity", tmp_path)))
+    text = "\n".join(readme._fidelity(readme._latest("fidelity", tmp_path), tmp_path))
     assert "profiled on 3 concurrent ranks" in text
     assert "−12% for m" in text or "−13% for m" in text
     assert "Mean |step error| is 20.0%" in text and "±20%" in text

@@ -130,10 +130,20 @@ def steps_losses(speeds: list[float]) -> dict:
             "steps": len(out["times"])}
 
 
+@pytest.fixture(scope="module")
+def own_pool2():
+    """Ranks of this module's own: FSDP2's device mesh stays behind in a process, and the
+    session's shared pool should not inherit it."""
+    from fxpar.runtime import WorkerPool
+
+    with WorkerPool(2, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+        yield pool
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_hooked_baselines_keep_torchs_gradients(pool2, kind):
-    fast, slow = pool2.run(baseline_grads, kind, [1.0, 0.5])
+def test_hooked_baselines_keep_torchs_gradients(own_pool2, kind):
+    fast, slow = own_pool2.run(baseline_grads, kind, [1.0, 0.5])
     for r in (fast, slow):
         assert r["same_names"] and r["max_diff"] <= 1e-6, r
         assert r["collectives"] >= 1, r  # the hooks found the collectives
@@ -142,8 +152,8 @@ def test_hooked_baselines_keep_torchs_gradients(pool2, kind):
 
 
 @pytest.mark.multirank
-def test_baseline_steps_report_the_global_loss(pool2):
-    r0, r1 = pool2.run(steps_losses, [1.0, 0.5])
+def test_baseline_steps_report_the_global_loss(own_pool2):
+    r0, r1 = own_pool2.run(steps_losses, [1.0, 0.5])
     assert r0["losses"] == r1["losses"] and r0["steps"] == 2
     # equal halves of the same batch: the mean of the ranks' means is the global mean
     assert r0["losses"][0] == pytest.approx(r0["reference_first"], abs=1e-5)

@@ -1,12 +1,15 @@
 """A rank that disappears must not hang the others: with a process group made by
 :func:`fxpar.runtime.init_distributed` (gloo, short timeout), rank 0's ``pmodel.step`` raises a
-:class:`~fxpar.errors.RuntimeSetupError` naming the step and pointing at the other ranks — at
-once when the peer's process is gone, within the timeout when it is alive but silent."""
+:class:`~fxpar.errors.RuntimeSetupError` naming the step and pointing at the other ranks — from
+the closed connection when the peer's process is gone, from the timeout when it is alive but
+silent (the collective's error quoted in the message says which; no assertion depends on how
+fast this machine runs, only that a timeout never fires early)."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import re
 import time
 from pathlib import Path
 
@@ -42,8 +45,14 @@ def test_a_lost_rank_makes_step_raise_not_hang(tmp_path: Path, mode: str) -> Non
     message = outcome["message"]
     assert "DataParallelModule.step: gradient all-reduce" in message, message
     assert "check the other ranks' logs" in message, message
-    assert outcome["seconds"] <= timeout_s + 3, outcome
-    if mode == "exit":  # the closed connection is noticed at once, not after the timeout
-        assert outcome["seconds"] < timeout_s, outcome
+    # what ended the wait, from the collective's own error quoted in the message -- not how long
+    # this machine took: a closed connection (noticed at once) or the timeout (a silent peer)
+    cause = re.search(r"failed after [0-9.]+ s \((.*)\)\. Another rank", message)
+    assert cause, message
+    timed_out = "timed out" in cause.group(1).lower() or "timeout" in cause.group(1).lower()
+    if mode == "exit":
+        assert not timed_out, cause.group(1)
     else:
+        assert timed_out, cause.group(1)
+        # a timeout never fires early, whatever the load (the wait can only grow)
         assert outcome["seconds"] >= timeout_s - 1, outcome

@@ -23,14 +23,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fxpar.codegen.data_parallel import DataParallelModule
-from fxpar.codegen.materialize import SeededInit, materialize, module_slots, weights_source
+from fxpar.codegen.materialize import (
+    materialize,
+    module_slots,
+    weights_source,
+)
 from fxpar.errors import ConfigError
 from fxpar.tracing.hf import ModelSpec, build_meta_model, build_model
-from tests.workers import TINY_CONFIGS
 from tests.workers_meta import (
     TOL,
     checkpoint_parity,
     dp_plan,
+    meta_pipeline_in_bf16,
     pipeline_memory,
     seeded_state,
     tiny_config,
@@ -110,6 +114,13 @@ def test_seeded_init_is_the_same_under_every_plan(kind, request):
 @multirank
 def test_seeded_init_expert_parallel(pool2):
     _same(pool2.run(seeded_state, "ep", "mixtral", 2)[0]["state"], _single_process_seeded("mixtral", 2))
+
+
+@multirank
+def test_seeded_init_interleaved_pipeline_shares_the_tied_tensor(pool2):
+    root = pool2.run(seeded_state, "interleaved", "gpt2", 3)[0]
+    assert root["tied"] is True  # the embedding (stage 0) and the head (stage 2) of rank 0: one tensor
+    _same(root["state"], _single_process_seeded("gpt2", 3))
 
 
 @multirank
@@ -230,6 +241,12 @@ def test_mixed_meta_and_real_parameters_are_refused():
 
 
 @multirank
+def test_meta_model_in_a_bf16_pipeline_is_refused_on_every_rank(pool2):
+    for message in pool2.run(meta_pipeline_in_bf16):
+        assert "bf16 pipeline cannot be cut from a model on the meta device" in message, message
+
+
+@multirank
 def test_pipeline_rank_memory(pool4):
     """8 Llama blocks on 4 pipeline ranks (2 blocks per stage) from a meta model: each rank
     holds at most 40% of the whole model's parameters, gradients and AdamW state (bytes of the
@@ -240,7 +257,6 @@ def test_pipeline_rank_memory(pool4):
         held = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
         assert r["meta_params_held"] == 0 and r["original_all_meta"]
         assert r["param_bytes"] <= 0.4 * full and held <= 0.4 * 4 * full, r
-        peak = r["profiler_peak_bytes"] or {}
         print(f"stage {r['stage']}: params {r['param_bytes']} B ({r['param_bytes'] / full:.1%} of {full}), "
-              f"params+grads+AdamW {held} B ({held / (4 * full):.1%} of {4 * full}); profiler timeline "
-              f"peak: all tensors {peak.get('total')} B, params+grads+optimizer {peak.get('params_grads_optim')} B")
+              f"params+grads+AdamW {held} B ({held / (4 * full):.1%} of {4 * full}); profiler peak of "
+              f"set-up + step + AdamW step {r['profiler_peak_bytes']} B")

@@ -33,8 +33,9 @@ def _plan(step: float, model: str = "m") -> Plan:
 
 def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
     return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_with_allreduce=False,
-                           strategies=("data_parallel", "pipeline"), graph=SimpleNamespace(model_name="m"),
-                           pipeline=pipeline)
+                           strategies=("data_parallel", "pipeline"),
+                           graph=SimpleNamespace(model_name="m", params=(), attn_implementation="sdpa"),
+                           cluster=fxpar.Cluster.emulated([1.0, 1.0]), pipeline=pipeline)
 
 
 def test_choice_is_the_fastest_first_found_with_every_family_reasoning():

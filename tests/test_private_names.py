@@ -25,10 +25,7 @@ LIBRARIES = ("torch", "transformers")
 ALLOWED_FILES = {"compat.py"}
 #: uses waiting for their module's owner to switch to the fxpar.compat function named here
 #: (``(file under fxpar/, private name)``); delete an entry once its file is switched
-PENDING = {
-    ("codegen/tp_families.py", "_is_expert_parallel"): "fxpar.compat.mark_expert_parallel",
-    ("codegen/expert_parallel.py", "_apply_gate"): "fxpar.compat.expert_gate_is_default",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 #: private attributes of torch / transformers objects that fxpar has needed (or might reach
 #: for); the scan flags them on any object outside compat.py

@@ -308,3 +308,20 @@ def dp_autocast_parity(dtype: str, speeds: list[float], batch: int = 6, seq: int
     dtypes = {str(p.grad.dtype) for p in pm.module.parameters()}
     return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel,
             "grad_dtypes": sorted(dtypes), "shares": list(pm.plan.batch_shares)}
+
+
+def auto_model_and_cluster_only() -> dict:
+    """``fxpar.auto(model, cluster)`` with nothing else on every rank, then a step on a batch of
+    the default shape vs one process (loss and the replica's gradients)."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0, 0.5]), emulate=False)
+    data = global_batch(model, pm.plan.global_batch, model.config.max_position_embeddings)
+    loss = pm.step(data)
+    ref = reference(**data, use_cache=False).loss
+    ref.backward()
+    ref_grads = dict(reference.named_parameters())
+    named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
+    worst = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in named)
+    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch,
+            "loss_diff": abs(float(loss) - float(ref)), "max_grad_abs_diff": worst}

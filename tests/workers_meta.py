@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from fxpar.compat import attn_implementation
 from fxpar.plan import Plan, RankPlan, StagePlan
 from fxpar.tracing.hf import ModelSpec, build_meta_model, build_model
 from tests.workers import TINY_CONFIGS, global_batch
@@ -53,7 +54,11 @@ def dp_plan(shares: list[int], micro_batch_size: int, model: str = "LlamaForCaus
 
 def hand_plan(kind: str, model: torch.nn.Module, world: int, batch: int) -> Plan:
     """The plan of each case, made on the (meta) model."""
-    from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan
+    from fxpar.codegen.hand_plans import (
+        expert_parallel_plan,
+        interleaved_plan,
+        pipeline_plan,
+    )
 
     cluster = fxpar.Cluster.emulated([1.0] * world)
     if kind == "dp":
@@ -65,6 +70,9 @@ def hand_plan(kind: str, model: torch.nn.Module, world: int, batch: int) -> Plan
     if kind == "pp_tp":
         return pipeline_plan(model, cluster, global_batch=batch, blocks_per_stage=[2, 1], num_microbatches=2,
                              tensor_parallel=[2, 1])
+    if kind == "interleaved":  # rank 0 runs stages 0 and 2 (a tied embedding and head: one tensor)
+        return interleaved_plan(model, cluster, global_batch=batch, blocks_per_stage=[1, 1, 1],
+                                stage_ranks=[0, 1, 0], num_microbatches=4)
     if kind == "ep":
         return expert_parallel_plan(model, cluster, global_batch=batch, expert_split=[3, 1], batch_shares=[5, 3])
     raise ValueError(kind)
@@ -102,8 +110,7 @@ def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> 
     data = [global_batch(planning, batch, 16, seed=1 + s) for s in range(steps)]
     pm = fxpar.from_pretrained(folder, fxpar.Cluster.emulated([1.0] * world), example_inputs=data[0],
                                plan=plan, emulate=False)
-    reference = AutoModelForCausalLM.from_pretrained(
-        folder, attn_implementation=planning.config._attn_implementation).train()
+    reference = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation(planning)).train()
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     out = {"rank": rank, "steps": [], "held_bytes": _held_bytes(pm), "full_bytes": full_bytes,
@@ -157,42 +164,36 @@ def seeded_state(kind: str, family: str, layers: int) -> dict | None:
     tied = None
     if kind == "dp" and family == "gpt2":
         tied = pm.module.lm_head.weight is pm.module.transformer.wte.weight
+    if kind == "interleaved" and family == "gpt2" and rank == 0:  # stages 0 and 2 share the tensor
+        first, last = ({id(p) for _, p in m.named_original_parameters()} for m in pm.stage_modules)
+        tied = len(first & last) == 1
     if rank != 0:
         return None
     return {"state": {n: t.clone() for n, t in full.items()}, "held_bytes": held, "tied": tied}
 
 
 def _profiled_peak(fn):
-    """``fn()`` under ``torch.profiler`` (``profile_memory``, ``record_shapes``, ``with_stack``):
-    its result and the peaks of the profiler's CPU memory timeline (tensor lifetimes the profiler
-    tracks, by category): ``{"total": ..., "params_grads_optim": ...}`` in bytes, or None when the
-    timeline cannot be made (it is deprecated in torch and may go)."""
-    import tempfile
-    import warnings
-
+    """``fn()`` under ``torch.profiler`` with ``profile_memory=True``: its result and the peak,
+    in bytes, of the running sum of the CPU allocator's ``[memory]`` events (allocations minus
+    frees, in time order) over the call — the most memory the call had allocated at once —
+    or None when the profiler recorded no memory events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    try:
-        from torch.profiler._memory_profiler import Category  # lazy: only to name the columns
-
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            path = f"{tmp}/timeline.json"
-            prof.export_memory_timeline(path, device="cpu")
-            _, sizes = json.loads(Path(path).read_text())
-        kept = [c.value for c in (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)]
-        return result, {"total": max(sum(row) for row in sizes),
-                        "params_grads_optim": max(sum(row[i] for i in kept) for row in sizes)}
-    except Exception:  # noqa: BLE001 - a missing profiler feature leaves the figure out
-        return result, None
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    running, peak = 0, 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return result, (peak if events else None)
 
 
-def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 2, 2)) -> dict:
+def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 2, 2), meta: bool = True) -> dict:
     """A Llama of ``layers`` blocks on ``len(blocks_per_stage)`` pipeline ranks from a meta model
-    (seeded initialisation): the bytes of the tensors each rank holds — parameters, then after
+    (seeded initialisation; ``meta=False``: a real model on every rank, for comparison): the
+    bytes of the tensors each rank holds — parameters, then after
     one step and one AdamW step also gradients and optimizer state — against the whole model,
     counted as ``numel * element_size`` of distinct tensors; and the profiler's peak of the
     set-up, step and optimizer step (CPU allocator events)."""
@@ -200,8 +201,8 @@ def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = tiny_config("llama", layers)
-    with torch.device("meta"):
-        model = build_model(ModelSpec(hf_config=cfg), device="meta", attn_implementation="eager").train()
+    model = build_model(ModelSpec(hf_config=cfg), device="meta" if meta else "cpu", seed=0,
+                        attn_implementation="eager").train()
     full_params = sum(p.numel() * p.element_size() for p in model.parameters())
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8,
                          blocks_per_stage=list(blocks_per_stage), num_microbatches=len(blocks_per_stage))
@@ -223,4 +224,25 @@ def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 
     return {"rank": rank, "stage": pm.stage_index, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optim_bytes": optim_bytes, "full_param_bytes": full_params, "profiler_peak_bytes": peak,
             "meta_params_held": sum(1 for p in params.values() if p.is_meta),
-            "original_all_meta": all(p.is_meta for p in pm._original[0].parameters())}
+            "original_all_meta": all(p.is_meta for p in pm._original[0].parameters()),
+            "original_bytes": sum(p.numel() * p.element_size() for p in pm._original[0].parameters()
+                                  if not p.is_meta)}
+
+
+def meta_pipeline_in_bf16() -> str:
+    """A bf16 pipeline plan on a meta model: the ConfigError every rank raises (autocast has no
+    meta device, so the stages cannot be exported with its casts)."""
+    import dataclasses
+
+    from fxpar.codegen.hand_plans import pipeline_plan
+
+    world = dist.get_world_size()
+    model = build_model(ModelSpec(hf_config=tiny_config("gpt2", 2)), device="meta", attn_implementation="eager")
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[1, 1],
+                         num_microbatches=2)
+    try:
+        fxpar.auto(model.train(), fxpar.Cluster.emulated([1.0] * world), global_batch(model, 8, 16),
+                   plan=dataclasses.replace(plan, dtype="bf16"), emulate=False)
+    except fxpar.ConfigError as exc:
+        return str(exc)
+    return "no error"

@@ -28,7 +28,6 @@ floating one is a :class:`~fxpar.errors.ConfigError` naming the file and the ten
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ class _Part:
 
 
 class _Stored(_Part):
-    def __init__(self, reader: "HFWeights", file: Path, key: str, shape: tuple[int, ...], dtype: str) -> None:
+    def __init__(self, reader: HFWeights, file: Path, key: str, shape: tuple[int, ...], dtype: str) -> None:
         self.reader, self.file, self.key, self.shape = reader, file, key, shape
         self.raw_dtype = dtype
         self.dtype = _DTYPES.get(dtype, torch.uint8)
@@ -235,10 +234,10 @@ class HFWeights:
     def close(self) -> None:
         self._handles.clear()
 
-    def __enter__(self) -> "HFWeights":
+    def __enter__(self) -> HFWeights:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- transformers' conversions -------------------------------------------------------
@@ -352,6 +351,3 @@ def _merge(converter: Any, groups: dict[str, list[_Stored]]) -> _Part:
         return _Joined(parts, int(ops[0].dim))
     return _Unsupported(first, " + ".join(type(op).__name__ for op in (converter.operations or [])) or "?")
 
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(int(s) for s in shape)

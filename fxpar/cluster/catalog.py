@@ -287,12 +287,64 @@ _ENTRIES: tuple[DeviceType, ...] = (
         "(S1 measured 0.514 and 0.601); " + _MEM_DEF, vendor="amd", eff=0.55),
     _nv("P100-PCIE-16GB", 9.3, None, 18.7, None, 16, 732, None, 16,
         f"shared/scenarios/hap-*.yaml; NVIDIA P100 datasheet (U); {_EFF_DEF}; {_MEM_DEF}"),
+    # GH200 (Grace Hopper superchip, 96 GB HBM3): its GPU is an H100-class part, so the rates are
+    # the H100 SXM ones (D); memory as configured on CSCS Alps in shared/validation/README.md
+    # (102,625,181,696 bytes usable = 95.58 GiB); 4,000 GB/s and NVLink4 450 are NVIDIA's GH200
+    # datasheet figures (U: not in the reference).  BF16 GEMM efficiency 0.838 is S1's.
+    _nv("GH200-96GB", 67.0, 494.5, 989.0, 989.0, 102_625_181_696 / GIB, 4000, 450, 63,
+        "S1 (GH200 GEMM efficiency 0.838); rates = H100 SXM (D); memory: shared/validation/README.md "
+        "(usable as configured on CSCS Alps); memory bandwidth 4000 and NVLink4 450: NVIDIA GH200 "
+        f"datasheet (U); PCIe Gen5 63 (U); {_MEM_DEF}", eff=0.838),
+    # Turing cards of the "mit" validation cluster (shared/validation/README.md).  Not in the
+    # reference: figures from NVIDIA's Turing architecture whitepaper (U).  No TF32/BF16 on
+    # Turing.  GeForce fp16 = FP32-accumulate tensor-core rate (half of FP16-accumulate); the
+    # Titan RTX runs FP32 accumulation at the full rate.
+    _nv("Titan-RTX", 16.3, None, 130.5, None, 24, 672, None, 16,
+        f"NVIDIA Turing whitepaper (U); NVLink bridge 50 (U): {_BRIDGE}; PCIe Gen3 16; {_EFF_DEF}; {_MEM_DEF}"),
+    _nv("RTX-2080-Ti", 13.45, None, 53.8, None, 11, 616, None, 16,
+        "NVIDIA Turing whitepaper (U); fp16 = FP32-accumulate rate; 11 GiB: the validation set's "
+        f"'RTX-2080' nodes are configured with 11 GiB, i.e. this card; PCIe Gen3 16; {_EFF_DEF}; {_MEM_DEF}"),
     # The emulated CPU device: 0.05 TFLOP/s is a nominal figure, not a measurement.  Real
     # ratios between emulated devices come from each device's `speed`.
     _nv("cpu", 0.05, 0.05, 0.05, 0.05, 8.0, 20, None, 5,
         "nominal figures for the emulated CPU device (not measured); relative speed comes from "
         f"the per-device `speed`; {_EFF_DEF}; {_MEM_DEF}", vendor="cpu"),
 )
+
+#: Constants calibrated for another training framework, per framework and device kind, used
+#: by :func:`fxpar.predict` when a plan describes that framework's run (``calibration=``):
+#:
+#: - ``compute_scale``: factor on the roofline's per-sample compute (the framework's kernels
+#:   against fxpar's roofline at the catalog efficiencies);
+#: - ``segment_overhead_s``: fixed seconds per model segment (a block, the embedding, the
+#:   head) and micro-batch: per-layer launch and bookkeeping cost of the framework;
+#: - ``driver_memory_bytes``: what ``nvidia-smi memory.used`` shows beyond the program's
+#:   allocations (CUDA context, NCCL buffers, caching-allocator reserve);
+#: - ``attention_scores_kept``: the fraction of the eager seq x seq attention tensors (HF eager
+#:   attention's trace, less the sdpa trace) that the framework keeps per layer after TP (it
+#:   depends on what fxpar's trace counts as saved: refit when the tracer changes).
+#:
+#: How they were obtained: ``python -m benchmarks.real_gpu`` on the 14 measured runs of
+#: ``shared/validation/real-gpu-runs.json`` (Sailor, SOSP'25; Megatron-DeepSpeed + DeepSpeed
+#: 0.16.5 pipeline engine, fp32, NGC pytorch:24.10).  Time constants: linear least squares on
+#: the relative step error over the kind's runs (the three "mit" kinds share one pair: every
+#: heterogeneous run mixes them); memory constants: linear least squares over the kind's
+#: memory-valid runs (GH200 only).  The benchmark prints each one's leave-one-run-out error.
+_MIT = types.MappingProxyType({"compute_scale": 0.1, "segment_overhead_s": 0.0452, "attention_scores_kept": 0.433})
+FRAMEWORK_CALIBRATION: Mapping[str, Mapping[str, Mapping[str, float]]] = types.MappingProxyType({
+    "megatron-deepspeed": types.MappingProxyType({
+        # fitted on the 9 GH200 runs; leave-one-run-out: step 6.9% mean / 15.4% worst, memory
+        # 2.3% / 5.8% (fitted in-sample: 5.4% / 12.8% and 1.8% / 4.8%)
+        "GH200-96GB": types.MappingProxyType({"compute_scale": 0.788, "segment_overhead_s": 0.00181,
+                                              "driver_memory_bytes": 4.558e9, "attention_scores_kept": 0.433}),
+        # one pair shared by the three kinds of the 5 heterogeneous runs (no valid memory
+        # measurements: attention_scores_kept is GH200's, no driver_memory_bytes).  compute_scale
+        # sits at the fit's lower bound 0.1: those steps are explained by a fixed ~45 ms per
+        # segment and micro-batch, not by compute (they are dominated by PCIe TP and 1 GbE
+        # links); leave-one-run-out step error 8.7% mean / 20.6% worst (in-sample 6.5% / 15.1%)
+        "RTX-3090": _MIT, "Titan-RTX": _MIT, "RTX-2080-Ti": _MIT,
+    }),
+})
 
 #: Built-in device types by name (read-only).
 CATALOG: Mapping[str, DeviceType] = types.MappingProxyType({t.name: t for t in _ENTRIES})

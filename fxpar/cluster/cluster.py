@@ -32,7 +32,8 @@ from fxpar.errors import ConfigError
 
 MAX_WORLD_SIZE = 1 << 20
 DEFAULT_SINGLE_NODE_GBPS = 100.0
-NODE_KEYS: tuple[str, ...] = ("gpu", "count", "repeat", "intra_node_gbps", "speed", "speeds", "memory_gib")
+NODE_KEYS: tuple[str, ...] = ("gpu", "count", "repeat", "intra_node_gbps", "speed", "speeds", "memory_gib",
+                             "host_memory_gib")
 CLUSTER_KEYS: tuple[str, ...] = ("name", "inter_node_gbps", "device_types", "nodes")
 FILE_SUFFIXES: tuple[str, ...] = (".yaml", ".yml", ".json")
 _SPEED_ON_GPU = "speed is for emulated cpu devices; a real GPU's speed comes from the catalog"
@@ -47,13 +48,15 @@ class NodeSpec:
     intra_node_gbps: float | None = None
     speeds: tuple[float, ...] | None = None
     memory_gib: float | None = None
+    #: the node's host (CPU) memory, shared by its ranks while they set up; None: not checked
+    host_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         where = f"node of {self.device_type!r}"
         if not isinstance(self.device_type, str) or not self.device_type.strip():
             raise ConfigError(f"NodeSpec.device_type: got {self.device_type!r}; expected a GPU type name")
         positive_int(self.count, f"{where}: count")
-        for key in ("intra_node_gbps", "memory_gib"):
+        for key in ("intra_node_gbps", "memory_gib", "host_memory_gib"):
             if getattr(self, key) is not None:
                 object.__setattr__(self, key, positive_number(getattr(self, key), f"{where}: {key}"))
         if self.speeds is not None:
@@ -191,6 +194,11 @@ class Cluster:
                               f"expected 0..{self.world_size - 1}")
         return self.devices[rank]
 
+    def host_memory_bytes(self, node: int) -> int | None:
+        """Host (CPU) memory of machine ``node`` in bytes; None where the cluster does not say."""
+        gib = self.nodes[node].host_memory_gib
+        return None if gib is None else int(round(gib * GIB))
+
     def inter_node_bytes_per_s(self) -> float:
         """Network bandwidth per node in bytes/s (``inter_node_gbps`` is in bits)."""
         return self.inter_node_gbps * 1e9 / 8
@@ -263,6 +271,8 @@ def _node_to_dict(node: NodeSpec, repeat: int) -> dict[str, Any]:
         out["intra_node_gbps"] = node.intra_node_gbps
     if node.memory_gib is not None:
         out["memory_gib"] = node.memory_gib
+    if node.host_memory_gib is not None:
+        out["host_memory_gib"] = node.host_memory_gib
     if node.speeds is not None:
         if len(set(node.speeds)) == 1:
             out["speed"] = node.speeds[0]
@@ -379,11 +389,13 @@ def _parse_node(entry: Any, where: str, custom: Mapping[str, DeviceType]) -> tup
     repeat = positive_int(entry.get("repeat", 1), f"{where}.repeat")
     intra = entry.get("intra_node_gbps")
     memory = entry.get("memory_gib")
+    host = entry.get("host_memory_gib")
     speeds = _parse_speeds(entry, where, dtype, count)
     return NodeSpec(
         device_type=dtype.name, count=count, speeds=speeds,
         intra_node_gbps=None if intra is None else positive_number(intra, f"{where}.intra_node_gbps"),
         memory_gib=None if memory is None else positive_number(memory, f"{where}.memory_gib"),
+        host_memory_gib=None if host is None else positive_number(host, f"{where}.host_memory_gib"),
     ), repeat
 
 

@@ -67,6 +67,7 @@ from fxpar.codegen.grad_norm import clip_by_global_norm
 from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.codegen.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.shards import slice_parameter
+from fxpar.compat import expert_gate_is_default
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.device import broadcast_state
@@ -140,9 +141,8 @@ def _check_experts(name: str, experts: torch.nn.Module) -> int:
     flags = {"is_transposed": False, "has_bias": False, "has_gate": True, "is_concatenated": True,
              "has_post_expert_norm": False}
     odd = {k: getattr(experts, k) for k, v in flags.items() if getattr(experts, k, v) != v}
-    gate_fn = getattr(type(experts), "_apply_gate", None)
-    if odd or (gate_fn is not None and gate_fn.__name__ != "_default_apply_gate"):
-        raise PlanError(f"{where}: layout {odd or 'custom _apply_gate'} is not supported; expert "
+    if odd or not expert_gate_is_default(type(experts)):
+        raise PlanError(f"{where}: layout {odd or 'a custom gate function'} is not supported; expert "
                         "parallelism expects [gate; up] rows, act(gate)·up, no bias (Mixtral layout)")
     gu, down = experts.gate_up_proj, experts.down_proj
     if gu.shape[0] != down.shape[0]:

@@ -52,9 +52,10 @@ read under, its other names are tried next (a tied head absent from the files is
 Buffers.  Real buffers (``accelerate.init_empty_weights()`` keeps them) are moved to the
 device.  Meta buffers are recomputed on the host, never loaded: ones fxpar created (a zero
 bias of a tensor-parallel GPT-2 ``Conv1D``), ``position_ids`` (``arange``),
-``token_type_ids`` (zeros), and those of a parameter-free module that the HF model's own
-``_init_weights`` fills (rotary ``inv_freq`` / ``original_inv_freq``).  A persistent buffer the
-checkpoint holds is loaded.  Any other meta buffer is a ConfigError naming it.
+``token_type_ids`` (zeros), and those of a parameter-free module with a ``config`` (HF rotary
+embeddings: ``inv_freq`` / ``original_inv_freq``), which is rebuilt from its config on the
+host and its buffers taken.  A persistent buffer the checkpoint holds is loaded.  Any other
+meta buffer is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class Slot:
     tensor: torch.Tensor                       # as held now (meta or real): local shape, marks
     is_param: bool
     owner: torch.nn.Module                     # the module of the model that declared it
-    persistent: bool = True                    # buffers: in the state dict
+    persistent: bool = True                    # buffers: in the model's state dict
     names: list[str] = field(default_factory=list)                      # every name, canonical first
-    places: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    #: (module, attribute, persistent there) of every registration
+    places: list[tuple[torch.nn.Module, str, bool]] = field(default_factory=list)
 
     @property
     def leaf(self) -> str:
@@ -114,7 +116,7 @@ class Slot:
         return "other"
 
 
-def _add(slots: dict[int, Slot], t: torch.Tensor, name: str, place: tuple[torch.nn.Module, str],
+def _add(slots: dict[int, Slot], t: torch.Tensor, name: str, place: tuple[torch.nn.Module, str, bool],
          owner: torch.nn.Module, is_param: bool, persistent: bool, canonical: str | None = None) -> None:
     slot = slots.get(id(t))
     if slot is None:
@@ -124,7 +126,7 @@ def _add(slots: dict[int, Slot], t: torch.Tensor, name: str, place: tuple[torch.
             slot.names.append(canonical)
     if name not in slot.names:
         slot.names.append(name)
-    if not any(m is place[0] and a == place[1] for m, a in slot.places):
+    if not any(m is place[0] and a == place[1] for m, a, _ in slot.places):
         slot.places.append(place)
 
 
@@ -133,14 +135,13 @@ def module_slots(model: torch.nn.Module) -> list[Slot]:
     slot per tensor, canonical name = the first in ``named_parameters(remove_duplicate=False)``
     order."""
     slots: dict[int, Slot] = {}
+    persistent = set(model.state_dict(keep_vars=True))
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, t in module._parameters.items():
-            if t is not None:
-                _add(slots, t, f"{path}.{name}" if path else name, (module, name), module, True, True)
-        for name, t in module._buffers.items():
-            if t is not None:
-                _add(slots, t, f"{path}.{name}" if path else name, (module, name), module, False,
-                     name not in module._non_persistent_buffers_set)
+        for name, t in module.named_parameters(recurse=False, remove_duplicate=False):
+            _add(slots, t, f"{path}.{name}" if path else name, (module, name, True), module, True, True)
+        for name, t in module.named_buffers(recurse=False, remove_duplicate=False):
+            fqn = f"{path}.{name}" if path else name
+            _add(slots, t, fqn, (module, name, fqn in persistent), module, False, fqn in persistent)
     return list(slots.values())
 
 
@@ -149,13 +150,14 @@ def stage_slots(stages: list[torch.nn.Module], model: torch.nn.Module, canonical
     slot per tensor (a weight read by two stages of one rank is one slot); owners are found in
     the original ``model``, canonical names from ``canonical`` (taken before any sharding)."""
     slots: dict[int, Slot] = {}
+    persistent = set(model.state_dict(keep_vars=True))
     for stage in stages:
         for fqn, attr, t in stage.named_tensors():
-            path, _, leaf = fqn.rpartition(".")
+            path = fqn.rpartition(".")[0]
             owner = model.get_submodule(path) if path else model
             is_param = isinstance(t, torch.nn.Parameter)
-            _add(slots, t, fqn, (stage, attr), owner, is_param,
-                 is_param or leaf not in owner._non_persistent_buffers_set, canonical.get(fqn, fqn))
+            _add(slots, t, fqn, (stage, attr, False), owner, is_param, is_param or fqn in persistent,
+                 canonical.get(fqn, fqn))
     return list(slots.values())
 
 
@@ -208,18 +210,18 @@ def weights_source(model: torch.nn.Module, checkpoint: str | Path | None) -> Sou
     for slot in module_slots(model):
         if slot.is_param and reader is not None:
             reader.check(slot.request())
-        elif not slot.is_param and slot.tensor.is_meta:
-            if not (slot.persistent and reader is not None and reader.has(slot.names)):
-                _recompute(slot, model)
+        elif (not slot.is_param and slot.tensor.is_meta
+              and not (slot.persistent and reader is not None and reader.has(slot.names))):
+            _recompute(slot, model)  # a ConfigError for a buffer without a rule
     return reader if reader is not None else SeededInit(model)
 
 
 # ---- buffers ---------------------------------------------------------------------------------
 def _recompute(slot: Slot, model: torch.nn.Module) -> torch.Tensor:
     """The value of a meta buffer, on the host (module docstring's rules); ConfigError if none
-    applies.  A buffer recomputed by the model's ``_init_weights`` becomes real in its owner."""
+    applies.  A buffer of a rebuilt module becomes real in its owner."""
     t, leaf, owner = slot.tensor, slot.leaf, slot.owner
-    current = owner._buffers.get(leaf)
+    current = dict(owner.named_buffers(recurse=False)).get(leaf)
     if current is not None and not current.is_meta:
         return current
     fill = getattr(t, "fxpar_fill", None)
@@ -229,7 +231,7 @@ def _recompute(slot: Slot, model: torch.nn.Module) -> torch.Tensor:
         return torch.arange(t.shape[-1], dtype=t.dtype, device=CPU).expand(tuple(t.shape)).contiguous()
     if leaf == "token_type_ids":
         return torch.zeros(tuple(t.shape), dtype=t.dtype, device=CPU)
-    value = _hf_recompute(model, owner, leaf)
+    value = _rebuilt(owner, leaf)
     if value is not None:
         return value
     raise ConfigError(
@@ -238,28 +240,27 @@ def _recompute(slot: Slot, model: torch.nn.Module) -> torch.Tensor:
         "accelerate.init_empty_weights(), which keeps buffers real, or give the buffer real values")
 
 
-def _hf_recompute(model: torch.nn.Module, owner: torch.nn.Module, leaf: str) -> torch.Tensor | None:
-    """The buffers of a parameter-free module as the HF model's ``_init_weights`` fills them
-    (rotary tables); None when it does not (left NaN) or the model has no such method."""
-    init = getattr(model, "_init_weights", None)
-    if not callable(init) or any(True for _ in owner.parameters()):
+def _rebuilt(owner: torch.nn.Module, leaf: str) -> torch.Tensor | None:
+    """A parameter-free module with a ``config`` (HF rotary embeddings) rebuilt from its config
+    on the host: its meta buffers become the rebuilt module's (real, in ``owner`` too); the value
+    of ``leaf``, or None when the module cannot be rebuilt so."""
+    config = getattr(owner, "config", None)
+    if config is None or any(True for _ in owner.parameters()):
         return None
-    meta = {n: b for n, b in owner._buffers.items() if b is not None and b.is_meta}
-    if not all(b.is_floating_point() for b in meta.values()):
-        return None
-    for n, b in meta.items():
-        owner._buffers[n] = torch.full(tuple(b.shape), float("nan"), dtype=b.dtype, device=CPU)
     try:
-        with torch.no_grad():
-            init(owner)
-    except Exception:  # noqa: BLE001 - a model whose init cannot run on this module: no rule
-        filled = False
-    else:
-        filled = all(not torch.isnan(owner._buffers[n]).any() for n in meta)
-    if not filled:
-        owner._buffers.update(meta)
+        with torch.device(CPU):  # on the host, whatever default device the caller has set
+            fresh = type(owner)(config)
+    except Exception:  # noqa: BLE001 - a constructor that takes more than the config: no rule
         return None
-    return owner._buffers[leaf]
+    built = dict(fresh.named_buffers(recurse=False))
+    mine = dict(owner.named_buffers(recurse=False))
+    if leaf not in built or built[leaf].is_meta or tuple(built[leaf].shape) != tuple(mine[leaf].shape):
+        return None
+    persistent = set(owner.state_dict(keep_vars=True))
+    for name, b in mine.items():
+        if b.is_meta and name in built and not built[name].is_meta:
+            owner.register_buffer(name, built[name], persistent=name in persistent)
+    return built[leaf]
 
 
 # ---- the pass --------------------------------------------------------------------------------
@@ -279,9 +280,11 @@ def materialize(slots: list[Slot], device: torch.device, source: Source, model: 
                 for mark in ("fxpar_fill",):
                     if hasattr(slot.tensor, mark):
                         setattr(new, mark, getattr(slot.tensor, mark))
-            store = "_parameters" if slot.is_param else "_buffers"
-            for module, attr in slot.places:
-                getattr(module, store)[attr] = new
+            for module, attr, persistent in slot.places:
+                if slot.is_param:
+                    module.register_parameter(attr, new)
+                else:
+                    module.register_buffer(attr, new, persistent=persistent)
     close = getattr(source, "close", None)
     if callable(close):
         close()

@@ -20,8 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.materialize import is_meta_model, materialize, stage_slots, to_meta, weights_source
-from fxpar.codegen.pipeline_parallel import PipelineParallelModule, layer_to_stage, on_device
+from fxpar.codegen.materialize import (
+    is_meta_model,
+    materialize,
+    stage_slots,
+    to_meta,
+    weights_source,
+)
+from fxpar.codegen.pipeline_parallel import (
+    PipelineParallelModule,
+    layer_to_stage,
+    on_device,
+)
 from fxpar.codegen.pipeline_ties import TiedParam, alias_groups, canonical_names
 from fxpar.codegen.pipeline_tp import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping

@@ -42,7 +42,14 @@ import torch.distributed as dist
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.grad_norm import clip_by_global_norm
-from fxpar.codegen.materialize import is_meta_model, like_on, materialize, stage_slots, to_meta, weights_source
+from fxpar.codegen.materialize import (
+    is_meta_model,
+    like_on,
+    materialize,
+    stage_slots,
+    to_meta,
+    weights_source,
+)
 from fxpar.codegen.pipeline_split import split_stages
 from fxpar.codegen.pipeline_ties import (
     alias_groups,
@@ -62,12 +69,12 @@ from fxpar.codegen.pipeline_tp import (
 from fxpar.codegen.shards import assemble, shard_spec
 from fxpar.codegen.tensor_parallel import shard_model
 from fxpar.codegen.tp_families import head_layout, split_sizes
-from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.batch_checks import IGNORE_INDEX
-from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.device import broadcast_state, rank_device, to_host
+from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.optim import make_optimizer
@@ -290,6 +297,11 @@ class PipelineParallelModule(torch.nn.Module):
         shapes (the stages' buffers are built for them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
         autocast = (self.device.type, low) if low is not None else None
+        if autocast is not None and is_meta_model(model):  # same verdict on every rank
+            raise ConfigError(
+                f"{type(self).__name__}: a {self.plan.dtype} pipeline cannot be cut from a model on the meta "
+                "device: the stages are exported under torch.autocast, which has no meta device, so the "
+                "export would miss its casts; plan this model with dtype='fp32', or pass a real model")
         modules, self.input_names = split_stages(model, one, stage_of, len(self.plan.stages), autocast=autocast)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)

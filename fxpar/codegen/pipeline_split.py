@@ -13,6 +13,7 @@ optimizer, gradient synchronisation and state dicts stay in the model's own name
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -143,7 +144,8 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     The stages run where the export ran until :meth:`StageModule.retarget` moves them.
     """
     kwargs = dict(example_inputs)
-    kwargs.setdefault("use_cache", False)
+    if _accepts(model, "use_cache"):  # HF models do not export with a cache
+        kwargs.setdefault("use_cache", False)
     precision = (torch.autocast(device_type=autocast[0], dtype=autocast[1])
                  if autocast is not None else contextlib.nullcontext())
     try:
@@ -173,10 +175,19 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                         "stage must own at least one block")
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
+    getattr_target = {n.name: str(n.target) for n in parent.graph.nodes if n.op == "get_attr"}
+    for target in getattr_target.values():  # lifted tensor constants (torch.tensor(...) in forward)
+        if target not in params and not isinstance(_submodule(gm, target), torch.nn.Module):
+            # live only on the exported module: the reading stage owns them (a nested graph —
+            # an autocast region's submodule — is part of its piece, not a tensor)
+            params[target] = _attr(gm, target, model)
     user_inputs = [n.name for n in parent.graph.nodes if n.op == "placeholder"]
     tensor_inputs = tuple(n for n in user_inputs if isinstance(kwargs.get(n), torch.Tensor))
     constants = {n: kwargs[n] for n in user_inputs if n not in tensor_inputs and n in kwargs}
-    getattr_target = {n.name: str(n.target) for n in parent.graph.nodes if n.op == "get_attr"}
+    # non-tensor values one piece makes and a later one reads (static ints, flags): fixed by the
+    # export, so every stage gets them as constants rather than through the pipeline's p2p
+    constants.update({k: v for k, v in _piece_outputs(parent).items()
+                      if not isinstance(v, torch.Tensor) and isinstance(v, (int, float, bool, str, type(None)))})
 
     def name_of(a: torch.fx.Node) -> str:
         return getattr_target.get(a.name, a.name)
@@ -221,6 +232,14 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     return modules, tensor_inputs
 
 
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
     """Every device constant in the node arguments of ``gm`` and its nested graphs becomes ``device``."""
     def swap(a: Any) -> Any:
@@ -235,18 +254,52 @@ def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
         sub.recompile()
 
 
-def _value_dtypes(parent: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[str, torch.dtype]:
-    """dtype of every value of the parent graph (placeholders from the inputs, pieces' outputs
-    from their own graphs' output metadata)."""
-    out: dict[str, torch.dtype] = {k: v.dtype for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+def _submodule(gm: torch.nn.Module, target: str) -> torch.nn.Module | None:
+    try:
+        return gm.get_submodule(target)
+    except AttributeError:
+        return None
+
+
+def _attr(gm: torch.nn.Module, target: str, model: torch.nn.Module) -> torch.Tensor:
+    """The tensor at dotted ``target`` of the exported module (else of ``model``)."""
+    for root in (gm, model):
+        obj: Any = root
+        try:
+            for part in target.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, torch.Tensor):
+            return obj
+    raise TraceError(f"pipeline split: the exported graph reads {target!r}, which is neither a parameter, a "
+                     "buffer nor a constant of the exported module")
+
+
+def _piece_outputs(parent: torch.fx.GraphModule) -> dict[str, Any]:
+    """The example value (``meta["val"]``: a fake tensor, or a plain Python value) of every
+    piece output, by its name in the parent graph; a value without metadata is left out."""
+    out: dict[str, Any] = {}
     for call in (n for n in parent.graph.nodes if n.op == "call_module"):
         piece = getattr(parent, str(call.target))
         ret = next(n for n in piece.graph.nodes if n.op == "output").args[0]
         rets = ret if isinstance(ret, (tuple, list)) else (ret,)
-        vals = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None for r in rets]
         users = {u.args[1]: u.name for u in call.users if u.target is operator.getitem}
-        for k, v in enumerate(vals):
-            name = users.get(k, call.name if len(vals) == 1 else None)
-            if name is not None and isinstance(v, torch.Tensor):
-                out[name] = v.dtype
+        for k, r in enumerate(rets):
+            name = users.get(k, call.name if len(rets) == 1 else None)
+            if name is None:
+                continue
+            if isinstance(r, torch.fx.Node):
+                if "val" in r.meta:
+                    out[name] = r.meta["val"]
+            else:
+                out[name] = r  # a literal the piece returns as is
+    return out
+
+
+def _value_dtypes(parent: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """dtype of every tensor value of the parent graph (placeholders from the inputs, pieces'
+    outputs from their own graphs' output metadata)."""
+    out: dict[str, torch.dtype] = {k: v.dtype for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    out.update({k: v.dtype for k, v in _piece_outputs(parent).items() if isinstance(v, torch.Tensor)})
     return out

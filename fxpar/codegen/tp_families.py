@@ -34,6 +34,7 @@ import torch
 
 from fxpar.codegen.shards import slice_parameter
 from fxpar.codegen.tp_collectives import tp_copy, tp_reduce
+from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
 from fxpar.tracing.structure import (
     block_path,
@@ -134,7 +135,7 @@ def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
     m.gate_up_proj = slice_parameter(m.gate_up_proj, 0, lo, hi)
     m.down_proj = slice_parameter(m.down_proj, 0, lo, hi)
     m.num_experts = hi - lo
-    m._is_expert_parallel = True  # HF's experts implementations then skip the sentinel slots
+    mark_expert_parallel(m)  # HF's experts implementations then skip the sentinel slots
 
     def pre_hook(mod, args):
         hidden, index, weights = args[0], args[1], args[2]

@@ -40,7 +40,7 @@ optimizer state):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,9 +64,16 @@ class PipelinePrices:
     node_bytes_per_s: float
     optimizer: str
     dtype: str
+    #: per device kind, calibrated for a framework (:data:`fxpar.cluster.catalog.FRAMEWORK_CALIBRATION`;
+    #: empty: fxpar's own roofline): a factor on the per-sample compute (``a``, ``c`` of the
+    #: segments, not the TP all-reduces) and fixed seconds per segment and micro-batch (forward
+    #: 1/3, backward 2/3: the framework's per-layer launch and bookkeeping cost)
+    compute_scale: Mapping[str, float] = field(default_factory=dict)
+    segment_overhead_s: Mapping[str, float] = field(default_factory=dict)
 
 
-def pipeline_prices(cost) -> PipelinePrices:
+def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
+                    segment_overhead_s: Mapping[str, float] | None = None) -> PipelinePrices:
     """:class:`PipelinePrices` of a CostModel: its segment table and, per device kind, the intra-node
     link and optimizer seconds per parameter of the kind's first device."""
     cluster = cost.cluster
@@ -79,7 +86,8 @@ def pipeline_prices(cost) -> PipelinePrices:
     return PipelinePrices(table=build_segments(cost.graph, cost, {g.key: g for g in groups}),
                           intra_bytes_per_s=intra, optimizer_s_per_param=opt,
                           node_bytes_per_s=cluster.inter_node_bytes_per_s(), optimizer=cost.optimizer,
-                          dtype=cost.dtype)
+                          dtype=cost.dtype, compute_scale=dict(compute_scale or {}),
+                          segment_overhead_s=dict(segment_overhead_s or {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +113,9 @@ class PipelineLayout:
     micro_batch: int
     zero: bool
     schedule: str = "1F1B"
+    #: False: the gradient all-reduce starts after the whole schedule, on every position at once
+    #: (DeepSpeed's pipeline engine), instead of as each position's last backward ends
+    overlap_grad_allreduce: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +141,9 @@ def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float
     t, k, i, e = prices.table, st.kind, st.start, st.end
     scale = (t.sharded_fraction / st.width + (1 - t.sharded_fraction))[i:e]
     tp = tp_allreduce_s(prices.intra_bytes_per_s[k], st.width, t.boundary_bytes[i:e] * b) * (np.arange(i, e) > 0)
-    fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale
-    total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale).sum()) + 4 * float(tp.sum())
+    ks, over = prices.compute_scale.get(k, 1.0), prices.segment_overhead_s.get(k, 0.0)
+    fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale * ks + over / 3
+    total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale * ks + over).sum()) + 4 * float(tp.sum())
     if st.checkpointing:  # every block's forward again during the backward
         blocks = (np.arange(i, e) > 0) & (np.arange(i, e) < t.size - 1)
         total += float(np.where(blocks, fwd_parts, 0.0).sum())
@@ -196,7 +208,8 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
         opt[st.position] += prices.optimizer_s_per_param[st.kind] * local * (1.0 / P if layout.zero else 1.0)
         in_flight = m if layout.schedule == "GPipe" else min(S - j, m)
         memory[st.position] += stage_memory(prices, st, in_flight, b, P, layout.zero)
-    exposed = layout.links.allreduce_done_s(ends, [n * g_bytes for n in params]) - makespan
+    starts = ends if layout.overlap_grad_allreduce else [makespan] * len(ends)
+    exposed = layout.links.allreduce_done_s(starts, [n * g_bytes for n in params]) - makespan
     gather = layout.links.allgather_s([n * w_bytes for n in params]) if layout.zero else 0.0
     return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,
                        exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,

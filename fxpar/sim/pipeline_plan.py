@@ -85,7 +85,8 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
     b = plan.global_batch // (plan.pipelines * max(plan.num_microbatches, 1))
     return PipelineLayout(stages=stages, links=links, pipelines=plan.pipelines,
                           num_microbatches=plan.num_microbatches, micro_batch=b,
-                          zero=plan.zero_sharded_optimizer, schedule=plan.schedule), slots
+                          zero=plan.zero_sharded_optimizer, schedule=plan.schedule,
+                          overlap_grad_allreduce=plan.overlap_grad_allreduce), slots
 
 
 def price_plan(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineRun, SimResult]:

@@ -14,6 +14,7 @@ Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
                 (k+1)/K into r's last backward b_r, ready_k = max_r (compute_r − b_r + (k+1)/K·b_r);
                 buckets go one after another on the link:
                 end_k = max(ready_k, end_{k−1}) + AR(G/K);  comm = end_{K−1} − max_r compute_r
+                (a plan with ``overlap_grad_allreduce=False``: comm = AR(G), after the compute)
     opt_r     = optimizer step (cost model), after the all-reduce
     step      = max_r compute_r + comm + max_r opt_r,   idle_r = step − compute_r − comm − opt_r
     peak_r    = model state + gradient all-reduce buffer (world > 1)
@@ -74,7 +75,12 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         last_bwd.append(b)
         peaks.append(int(state + act * max(sizes, default=0)))
     compute = max(busy)
-    comm = overlapped_allreduce_s(cost, busy, last_bwd) if plan.world_size > 1 else 0.0
+    if plan.world_size <= 1:
+        comm = 0.0
+    elif plan.overlap_grad_allreduce:
+        comm = overlapped_allreduce_s(cost, busy, last_bwd)
+    else:  # the whole gradient after the slowest rank's last backward
+        comm = cost.allreduce_s(cost.gradient_bytes())
     opt = [cost.optimizer_s(cluster.device(rp.rank)) for rp in plan.ranks]
     for r, b in enumerate(busy):
         if compute - b > 0:

@@ -25,6 +25,7 @@ from dataclasses import replace
 from fxpar.errors import InfeasibleError
 from fxpar.plan import Plan
 from fxpar.solvers.baselines import min_or_none
+from fxpar.solvers.host_memory import with_host_memory
 from fxpar.solvers.problems import Candidates, Problems
 
 
@@ -37,6 +38,11 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates)
     if not plans:
         raise nothing_fits(p, dp.error, explain)
     best = min(plans, key=lambda q: q.predicted_step_s)
+    attention = getattr(p.graph, "attn_implementation", None)
+    if attention not in (None, "sdpa"):
+        explain.append(f"attention: {attention}, not SDPA (the model class has none, or was built "
+                       "without it): priced as its traced matmul + softmax + matmul, its seq x seq "
+                       "scores kept for backward")
     baselines = combine_baselines(best.strategy, dp=dp, pipeline=pipeline, ep=ep)
     for name, value in baselines:
         explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
@@ -47,7 +53,7 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates)
         "(data parallelism only)" if p.lower_bound_with_allreduce else
         "work over the summed device rates, node by node + the optimizer (valid for every "
         "strategy; no communication term)"))
-    return replace(best, baselines=baselines, explain=tuple(explain))
+    return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
 
 
 def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,

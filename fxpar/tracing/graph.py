@@ -113,6 +113,9 @@ class ModelGraph:
     #: module paths of the input embedding and LM head when tensor parallelism splits them by
     #: vocabulary (codegen/tp_vocab.py); empty when they stay replicated
     vocab_parallel_modules: tuple[str, ...] = ()
+    #: the HF attention implementation the model was traced with (``"sdpa"``, ``"eager"``...;
+    #: None for a model without a HF config): eager attention keeps its seq x seq scores
+    attn_implementation: str | None = None
 
     @property
     def param_count(self) -> int:

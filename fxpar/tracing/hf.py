@@ -84,7 +84,10 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: 
                 seed: int | None = 0, attn_implementation: str | None = "sdpa",
                 shallow: bool = False) -> torch.nn.Module:
     """Instantiate ``spec`` with random weights on ``device`` (``meta``: no memory at all).
-    ``shallow``: only the first few of its identical layers (:mod:`fxpar.tracing.repeat`)."""
+    ``shallow``: only the first few of its identical layers (:mod:`fxpar.tracing.repeat`).
+    ``attn_implementation="sdpa"`` (the default) falls back to the class's eager attention when
+    the class cannot use SDPA; :func:`fxpar.compat.attn_implementation` says which it got, and
+    the traced graph records it (``ModelGraph.attn_implementation``)."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForImageClassification,
@@ -105,7 +108,14 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: 
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         with ctx:
-            model = auto.from_config(config, dtype=torch_dtype(dtype), **extra)
+            try:
+                model = auto.from_config(config, dtype=torch_dtype(dtype), **extra)
+            except ValueError as exc:
+                if attn_implementation != "sdpa" or not _no_sdpa(exc):
+                    raise
+                # the class has no SDPA attention: its eager one (matmul, softmax, matmul;
+                # traced and priced as such, seq x seq scores included); the graph records it
+                model = auto.from_config(config, dtype=torch_dtype(dtype), attn_implementation="eager")
     except ValueError as exc:
         raise ConfigError(
             f"model.task = {spec.task!r} does not fit model_type "
@@ -113,6 +123,12 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "meta", dtype: 
     if str(device) != "meta":
         model = model.to(device)
     return model
+
+
+def _no_sdpa(exc: ValueError) -> bool:
+    """``exc`` is transformers' refusal of SDPA for a class that has no SDPA attention."""
+    text = str(exc)
+    return "scaled_dot_product_attention" in text or ("sdpa" in text and "does not support" in text)
 
 
 def example_inputs(model_or_config: Any, batch: int, seq_len: int | None = None, *,

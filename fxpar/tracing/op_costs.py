@@ -112,8 +112,18 @@ def classify(name: str) -> OpClass:
     return OpClass.ELEMENTWISE
 
 
-def saves_inputs(name: str) -> bool:
-    """Whether an op keeps its (non-parameter) inputs alive for the backward pass."""
+#: ops whose backward needs their *output* rather than their input (d softmax = f(softmax))
+SAVES_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
+#: products whose backward needs only the *other* operand: by a Python scalar, nothing
+_SCALAR_PRODUCT = frozenset({"mul", "div"})
+
+
+def saves_inputs(name: str, tensor_operands: int = 2) -> bool:
+    """Whether an op keeps its (non-parameter) inputs alive for the backward pass
+    (``tensor_operands``: how many of its arguments are tensors; a product with a Python
+    scalar keeps nothing)."""
+    if name in SAVES_OUTPUT or (name in _SCALAR_PRODUCT and tensor_operands < 2):
+        return False
     return name not in _NO_SAVE
 
 

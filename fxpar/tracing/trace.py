@@ -7,8 +7,10 @@ module path (``nn_module_stack``), the repeated block it sits in, forward and ba
 bytes it keeps alive for backward.
 
 Saved-activation estimate: a node that needs a gradient and whose backward needs its inputs
-(everything but add/sub/cat/views/…) keeps each non-parameter tensor input alive; each tensor
-is counted once, by its first saver.  Attention also keeps its output and log-sum-exp.
+(everything but add/sub/cat/views/…, and products with a Python scalar) keeps each
+non-parameter tensor input alive; softmax keeps its output instead; each tensor is counted
+once, by its first saver.  Attention (SDPA) also keeps its output and log-sum-exp; an eager
+attention is its traced matmul, softmax and matmul, so its seq × seq probabilities count.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
+from fxpar.compat import attn_implementation
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
@@ -206,6 +209,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
     needs_grad: dict[str, bool] = {}
     param_alias: dict[str, str] = {}      # node name -> parameter FQN it is a view of
     saved: set[str] = set()
+    same: dict[str, str] = {}             # node name -> the node whose tensor it returns (dropout p=0)
     for node in graph.nodes:
         if node.op == "placeholder":
             fqn = param_of_placeholder.get(node.name)
@@ -217,7 +221,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
             continue
         if node.op != "call_function":
             continue
-        nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
+        nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved, same))
 
     params = _param_infos(model, layer_of)
     layers = _layer_infos(nodes, params, layer_of, module_types, shardable_blocks(model))
@@ -225,11 +229,12 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
         nodes=tuple(nodes), params=params, layers=layers,
         input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
-        trace_time_s=elapsed, exported=ep, vocab_parallel_modules=vocab_parallel_modules(model))
+        trace_time_s=elapsed, exported=ep, vocab_parallel_modules=vocab_parallel_modules(model),
+        attn_implementation=attn_implementation(model))
 
 
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
-              param_alias: dict[str, str], saved: set[str]) -> OpNode:
+              param_alias: dict[str, str], saved: set[str], same: dict[str, str] | None = None) -> OpNode:
     name = op_costs.op_name(node.target)
     module = _module_path(node)
     stack_types = [str(c).rsplit(".", 1)[-1] for _, c in (node.meta.get("nn_module_stack") or {}).values()]
@@ -275,11 +280,19 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
     read = 0 if is_view else sum(_nbytes(t) for t in tensor_args if t is not None)
     written = 0 if is_view else sum(_nbytes(t) for t in outs)
     saved_bytes = 0
-    if rg and not is_view and op_costs.saves_inputs(name):
+    if rg and name in op_costs.SAVES_OUTPUT and outs and node.name not in saved:
+        saved.add(node.name)  # softmax keeps its output (the next matmul reads the same tensor)
+        saved_bytes += _nbytes(outs[0])
+    same = {} if same is None else same
+    if inputs and _returns_input(name, node):
+        same[node.name] = same.get(inputs[0].name, inputs[0].name)  # no new tensor
+    tensor_operands = sum(1 for a in node.args if isinstance(a, torch.fx.Node))
+    if rg and not is_view and op_costs.saves_inputs(name, tensor_operands):
         for a in node.args:
-            if (isinstance(a, torch.fx.Node) and a.name not in param_alias and a.name not in saved
+            key = same.get(a.name, a.name) if isinstance(a, torch.fx.Node) else ""
+            if (isinstance(a, torch.fx.Node) and a.name not in param_alias and key not in saved
                     and isinstance(a.meta.get("val"), torch.Tensor)):
-                saved.add(a.name)
+                saved.add(key)
                 saved_bytes += _nbytes(a.meta["val"])
         if cls is OpClass.ATTENTION and outs:
             saved.add(node.name)
@@ -297,6 +310,20 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
         fwd_flops=int(fwd), bwd_flops=int(bwd), bytes_read=int(read), bytes_written=int(written),
         saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg)
+
+
+def _returns_input(name: str, node: torch.fx.Node) -> bool:
+    """The op returns its first input itself: ``dropout(x, p, train)`` with ``p == 0`` or
+    ``train`` False, ``x.to(dtype)`` to the dtype (and device) ``x`` already has."""
+    if name == "dropout":
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return (isinstance(p, (int, float)) and p == 0) or train is False
+    if name == "to" and node.args and isinstance(node.args[0], torch.fx.Node):
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
+                and src.device == out.device and not node.kwargs.get("copy", False))
+    return False
 
 
 def _flat_tensors(args: tuple) -> list[torch.Tensor]:

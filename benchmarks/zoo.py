@@ -1,0 +1,492 @@
+"""Zoo coverage: how much of transformers' causal-LM zoo fxpar traces, plans and runs in parallel.
+
+``python -m benchmarks.zoo [--types a,b,...] [--json OUT] [--no-parity] [--timeout S]``
+
+Walks every model type of the installed transformers' causal-LM mapping
+(``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a public,
+documented module-level name, no underscore) and for each:
+
+1. builds a **tiny config** from the type's defaults (:func:`tiny_config`, rule below) and
+   trains it one step in plain PyTorch (batch 2 × 16 tokens, loss and backward on the CPU);
+   a type that cannot is **skipped** (reported with the reason, not counted);
+2. ``trace``: :func:`fxpar.tracing.trace` on one sample;
+3. ``plan``: :func:`fxpar.solvers.plan` for 2 emulated ranks of speeds 1.0 / 0.5;
+4. ``dp``: data-parallel parity on 2 ranks (uneven shares from the plan's LP, forced to data
+   parallelism) — loss and every gradient vs one process on the same global batch;
+5. ``pp``: 2-stage pipeline parity (one block per stage, 2 micro-batches, hand plan);
+6. ``tp``: uneven tensor-parallel parity (key/value groups 3:1 when the type has 4, else 1:1
+   — not uneven, noted), loss and every gathered gradient vs one process.  Expected to fail for
+   many families today (fxpar's sharders know Llama / GPT-2 / BERT-style attention): the
+   reason is recorded.
+
+Parity: loss within 1e-4 and every gradient within 1e-4 absolute (fp32, one step, batch 4 ×
+16; the pipeline's batch has no ignored labels, so its equal micro-batch weighting is exact).
+Multi-rank parts run on one :class:`fxpar.runtime.WorkerPool` of 2 gloo ranks, with a
+per-type timeout (``--timeout``; a timeout kills the pool, the next type gets a fresh one).
+
+**Shrinking rule** (:func:`tiny_config`), applied to every field of the type's default config:
+
+- hidden width (``hidden_size``, ``n_embd``, ``d_model``, ``dim``, ``embed_dim``...) -> 64;
+- layers (``num_hidden_layers``, ``n_layer``, ``num_layers``, ``num_decoder_layers``...) -> 2,
+  and per-layer lists (``layer_types``, ``block_types``...) cut to their first 2 entries;
+- attention heads -> 4, key/value heads -> 4 (so a 3:1 tensor split exists), ``head_dim`` -> 16;
+- MLP widths (``intermediate_size``, ``ffn_dim``, ``n_inner``, ``d_ff``) -> 128, expert and
+  shared-expert widths (``moe_intermediate_size``...) -> 64; experts -> 4, 2 per token;
+- ``vocab_size`` -> 256, positions (``max_position_embeddings``, ``n_positions``...) -> 128;
+  token ids (``pad/bos/eos/...token_id``) outside the vocabulary -> 0..2;
+- every other integer ``*_size`` / ``*_dim`` / ``*_rank`` field larger than 64 is scaled by
+  ``64 / default hidden`` (at least 8, a multiple of 4), so low-rank, conv and state widths
+  shrink with the model; dropouts -> 0 (parity is on deterministic steps).
+
+Types where the generic rule cannot work get a small documented entry in :data:`OVERRIDES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from benchmarks.common import finish
+from fxpar.codegen.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
+from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+from fxpar.runtime import WorkerPool
+from fxpar.solvers import plan as solve_plan
+from fxpar.tracing import trace
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.workload import Workload
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, MOE_FFN, VOCAB, POSITIONS = 64, 2, 4, 4, 16, 128, 64, 256, 128
+BATCH, SEQ = 4, 16
+TOL = 1e-4
+COLUMNS = ("trace", "plan", "dp", "pp", "tp")
+
+_HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "dim", "model_dim", "hidden_dim", "n_embed", "emb_dim",
+           "d_embed")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers",
+           "encoder_layers", "num_encoder_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
+          "encoder_attention_heads", "num_attention_heads_per_layer")
+_KV = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "n_kv_heads", "multi_query_group_num",
+       "num_key_value_groups")
+_FFN = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
+        "inner_hidden_size", "mlp_dim")
+_MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+_TOPK = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
+_POS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
+_PER_LAYER_LISTS = ("layer_types", "block_types", "layers_block_type", "attn_type_list", "hybrid_override_pattern",
+                    "mlp_only_layers", "layer_block_types")
+_NO_SCALE = ("vocab_size", "batch_size", "image_size", "patch_size", "num_labels", "max_batch_size")
+
+#: multi-head latent attention (DeepSeek-style): its widths must agree with each other
+#: (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), so they are set together
+_MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 16, "qk_head_dim": 16,
+        "kv_lora_rank": 16, "q_lora_rank": 32}
+
+#: per-type fields the generic rule gets wrong (each with why); applied last
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # attention_types is [[pattern, repeats]] and must expand to exactly num_layers entries
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+}
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrink_int(value: int, factor: float) -> int:
+    return max(8, round(value * factor / 4) * 4)
+
+
+def tiny_config(model_type: str) -> dict[str, Any]:
+    """The ``hf_config`` mapping (``model_type`` + changed fields) of ``model_type``'s tiny
+    model, by the module docstring's rule and :data:`OVERRIDES`."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    out: dict[str, Any] = {"model_type": model_type, **_shrunk(default.to_dict())}
+    out.update(OVERRIDES.get(model_type, {}))
+    return out
+
+
+def _shrunk(fields: dict[str, Any]) -> dict[str, Any]:
+    """The changed fields of one config (sub-configs — a vision tower, a text decoder — shrunk
+    by the same rule, whole)."""
+    old_hidden = next((fields[k] for k in _HIDDEN if isinstance(fields.get(k), int) and fields[k] > 0), 1024)
+    factor = HIDDEN / max(old_hidden, HIDDEN)
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if isinstance(value, dict) and "model_type" in value:
+            sub = {k: v for k, v in value.items() if k not in ("model_type", "transformers_version")}
+            out[key] = {**sub, **_shrunk(sub)}
+            continue
+        if isinstance(value, bool):
+            continue
+        new = _shrink(key, value, factor, fields)
+        if new is not None and new != value:
+            out[key] = new
+    if isinstance(fields.get("qk_rope_head_dim"), int):  # multi-head latent attention: one consistent set
+        out.update({k: v for k, v in _MLA.items() if k in fields})
+    return out
+
+
+def _shrink(key: str, value: Any, factor: float, fields: dict[str, Any]) -> Any:
+    if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_drop")):
+        return 0.0
+    if key in _PER_LAYER_LISTS and isinstance(value, (list, tuple)) and value:
+        return list(value[:LAYERS]) if len(value) >= LAYERS else value
+    if key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
+        return 2 if key.startswith("eos") else (1 if key.startswith("bos") else 0)
+    if not isinstance(value, int):
+        return None
+    if key in _HIDDEN:
+        return HIDDEN
+    if key in _LAYERS:
+        return min(value, LAYERS)
+    if key in _HEADS:
+        return HEADS
+    if key in _KV:
+        return min(KV_HEADS, HEADS) if value > 1 else value
+    if key == "head_dim" or key == "attention_head_size" or key == "kv_channels":
+        return HEAD_DIM
+    if key in _FFN:
+        return FFN
+    if key in _MOE_FFN:
+        return MOE_FFN
+    if key in _EXPERTS:
+        return min(value, 4) if value > 0 else value
+    if key in _TOPK:
+        return min(value, 2) if value > 0 else value
+    if key in ("vocab_size", "decoder_vocab_size"):
+        return VOCAB
+    if key in _POS:
+        return POSITIONS
+    if key in _NO_SCALE:
+        return None
+    if key.endswith(("_size", "_dim", "_rank", "_dims")) and value > 64:
+        return _shrink_int(value, factor)
+    return None
+
+
+# ---- plain PyTorch: can the tiny model train one step at all? ------------------------------------
+def build(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny model on the CPU (fxpar's builder: SDPA, or the class's eager attention)."""
+
+    return build_model(ModelSpec(hf_config=tiny_config(model_type)), device="cpu", seed=seed).train()
+
+
+def batch(model: torch.nn.Module, rows: int = BATCH, seed: int = 1) -> dict[str, torch.Tensor]:
+
+    return example_inputs(model, rows, SEQ, seed=seed)
+
+
+def trains_one_step(model_type: str) -> str | None:
+    """None when the tiny model trains one step in plain PyTorch, else why not."""
+    try:
+        model = build(model_type)
+        data = batch(model, 2)
+        loss = model(**data, use_cache=False).loss
+        if loss is None or not torch.isfinite(loss):
+            return f"loss is {loss}"
+        loss.backward()
+        if not any(p.grad is not None for p in model.parameters()):
+            return "no parameter receives a gradient"
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason it is skipped
+        return _reason(exc)
+    return None
+
+
+def _reason(exc: BaseException | str) -> str:
+    text = str(exc) if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if isinstance(exc, str):  # a WorkerError: the rank's own exception is the last line of its traceback
+        tail = [ln for ln in lines if not ln.startswith(("File ", "^", "~", "Traceback", "rank"))]
+        first = next((ln for ln in lines if "Error" in ln.split(":")[0]), lines[0] if lines else "")
+        last = tail[-1] if tail else first
+        text = last if "Error" in last.split(":")[0] else first
+    else:
+        text = lines[0] if lines else type(exc).__name__
+    return text[:300]
+
+
+# ---- worker functions (run on every rank of the pool) ---------------------------------------------
+def _grad_diff(named_grads, reference: torch.nn.Module) -> tuple[float, int]:
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    worst, n = 0.0, 0
+    for name, g in named_grads:
+        rg = ref[name].grad
+        if g is None and rg is None:
+            continue
+        g = torch.zeros_like(ref[name]) if g is None else g
+        rg = torch.zeros_like(g) if rg is None else rg
+        worst = max(worst, (g.float() - rg.float()).abs().max().item())
+        n += 1
+    return worst, n
+
+
+def dp_worker(model_type: str) -> dict:
+
+    model = build(model_type)
+    reference = copy.deepcopy(model)
+    data = batch(model)
+    cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    graph = trace(model, {k: v[:1] for k, v in data.items()})
+    plan = solve_plan(graph, cluster, Workload(global_batch=BATCH), strategies=("data_parallel",))
+    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, plan=plan)
+    loss = pm.step(data)
+    ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.backward()
+    worst, n = _grad_diff(((k, p.grad) for k, p in pm.module.named_parameters()), reference)
+    return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n}
+
+
+def pp_worker(model_type: str) -> dict:
+
+    model = build(model_type)
+    reference = copy.deepcopy(model)
+    data = batch(model)
+    blocks = len(block_paths(model))
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=BATCH,
+                         blocks_per_stage=[blocks // 2, blocks - blocks // 2], num_microbatches=2)
+    pm = PipelineParallelModule(model, plan, dist.get_rank(), data, emulate=False)
+    loss = pm.step(data)
+    ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.backward()
+    worst, n = _grad_diff(((k, p.grad) for k, p in pm.named_original_parameters()), reference)
+    return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n}
+
+
+def tp_worker(model_type: str) -> dict:
+
+    model = build(model_type)
+    reference = copy.deepcopy(model)
+    data = batch(model)
+    kv = int(getattr(model.config, "num_key_value_heads", 0) or getattr(model.config, "num_attention_heads", 0) or 0)
+    shares = [3, 1] if kv % 4 == 0 and kv > 0 else [1, 1]
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=shares)
+    pm = fxpar.auto(model, cluster, plan=plan, emulate=False)
+    loss = pm.step(data)
+    ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.backward()
+    grads = pm.gather_gradients(0)
+    out = {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": 0.0, "n": 0,
+           "shares": shares}
+    if grads is not None:
+        out["grad_diff"], out["n"] = _grad_diff(grads.items(), reference)
+    return out
+
+
+WORKERS = {"dp": dp_worker, "pp": pp_worker, "tp": tp_worker}
+
+
+def traced_dp_worker(model_type: str) -> dict:
+    """Trace, plan (rank 0: the full planner for 2 ranks of speeds 1.0 / 0.5) and data-parallel
+    parity in one call (``tests/test_zoo.py``: one pool round trip per type)."""
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    if dist.get_rank() == 0:
+        model = build(model_type)
+        graph = trace(model, batch(model, 1))
+        out["blocks"] = len(graph.layers)
+        out["strategy"] = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=BATCH)).strategy
+        out["attn_implementation"] = graph.attn_implementation
+    dist.barrier()
+    out.update(dp_worker(model_type))
+    return out
+
+
+# ---- the walk ---------------------------------------------------------------------------------------
+class _Timeout(Exception):
+    pass
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Raise :class:`_Timeout` in this (main) thread after ``seconds``."""
+    def fire(*_: Any) -> None:
+        raise _Timeout(f"timed out after {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def check_local(model_type: str, timeout: float) -> dict[str, Any]:
+    """Skip check, trace and plan in this process: ``{"skipped": reason}`` or the columns."""
+
+    row: dict[str, Any] = {"type": model_type}
+    start = time.perf_counter()
+    try:
+        with _deadline(timeout):
+            why = trains_one_step(model_type)
+            if why is not None:
+                return {**row, "skipped": why}
+            model = build(model_type)
+            row["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+            row["params"] = sum(p.numel() for p in model.parameters())
+            try:
+                graph = trace(model, batch(model, 1))
+                row["trace"] = {"ok": True, "blocks": len(graph.layers), "ops": len(graph.nodes)}
+            except Exception as exc:  # noqa: BLE001
+                row["trace"] = {"ok": False, "reason": _reason(exc)}
+                return row
+            try:
+                plan = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=BATCH))
+                row["plan"] = {"ok": True, "strategy": plan.strategy}
+            except Exception as exc:  # noqa: BLE001
+                row["plan"] = {"ok": False, "reason": _reason(exc)}
+    except _Timeout as exc:
+        row.setdefault("trace", {"ok": False, "reason": str(exc)})
+        row.setdefault("plan", {"ok": False, "reason": str(exc)})
+    row["local_s"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def check_parallel(pool_box: list, model_type: str, kind: str, timeout: float) -> dict[str, Any]:
+    """One parity column on the pool's 2 ranks (the pool is replaced if a type hangs it)."""
+
+    if pool_box[0] is None or not pool_box[0].alive:
+        if pool_box[0] is not None:
+            pool_box[0].close()
+        pool_box[0] = WorkerPool(2, env={"TRANSFORMERS_VERBOSITY": "error"})
+    start = time.perf_counter()
+    try:
+        results = pool_box[0].run(WORKERS[kind], model_type, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        if "no answer within" in msg or "died" in msg:
+            pool_box[0].close()
+            pool_box[0] = None
+        return {"ok": False, "reason": _reason(msg), "s": round(time.perf_counter() - start, 2)}
+    loss = max(r["loss_diff"] for r in results)
+    grad = max(r["grad_diff"] for r in results)
+    n = sum(r["n"] for r in results)
+    ok = loss <= TOL and grad <= TOL and n > 0
+    out = {"ok": ok, "loss_diff": loss, "grad_diff": grad, "grads": n, "s": round(time.perf_counter() - start, 2)}
+    if "shares" in results[0]:
+        out["shares"] = results[0]["shares"]
+    if not ok:
+        out["reason"] = (f"mismatch: loss diff {loss:.2e}, max grad diff {grad:.2e} (tolerance {TOL:g})"
+                         if n else "no gradients compared")
+    return out
+
+
+def walk(types: list[str], *, parity: tuple[str, ...], timeout: float, budget_s: float | None = None,
+         log=lambda line: print(line, flush=True)) -> list[dict[str, Any]]:
+    """Every type's row; parity columns stop being tried once ``budget_s`` is spent."""
+    pool_box: list = [None]
+    rows = []
+    start = time.perf_counter()
+    try:
+        for t in types:
+            row = check_local(t, timeout)
+            over = budget_s is not None and time.perf_counter() - start > budget_s
+            if "skipped" not in row and row.get("trace", {}).get("ok"):
+                for kind in parity:
+                    row[kind] = ({"ok": None, "reason": "not run: time budget spent"} if over
+                                 else check_parallel(pool_box, t, kind, timeout))
+            rows.append(row)
+            log(_line(row))
+    finally:
+        if pool_box[0] is not None:
+            pool_box[0].close()
+    return rows
+
+
+def _mark(cell: dict | None) -> str:
+    if not cell:
+        return "-"
+    return {True: "ok", False: "FAIL", None: "n/a"}[cell.get("ok")]
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "skipped" in row:
+        return f"{row['type']:<28} skipped: {row['skipped'][:120]}"
+    cells = " ".join(f"{c}={_mark(row.get(c))}" for c in COLUMNS)
+    why = next((f"{c}: {row[c]['reason'][:120]}" for c in COLUMNS if row.get(c) and row[c].get("ok") is False), "")
+    return f"{row['type']:<28} {cells} {why}"
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    tried = [r for r in rows if "skipped" not in r]
+    cover = {}
+    for c in COLUMNS:
+        run = [r for r in tried if r.get(c) and r[c].get("ok") is not None]
+        cover[c] = {"ok": sum(1 for r in run if r[c]["ok"]), "run": len(run), "of": len(tried)}
+    reasons: dict[str, dict[str, int]] = {}
+    for c in COLUMNS:
+        for r in tried:
+            if r.get(c) and r[c].get("ok") is False:
+                key = _reason_key(r[c]["reason"])
+                reasons.setdefault(c, {})[key] = reasons.setdefault(c, {}).get(key, 0) + 1
+    top = {c: sorted(v.items(), key=lambda kv: -kv[1])[:8] for c, v in reasons.items()}
+    return {"types": len(rows), "skipped": len(rows) - len(tried), "tried": len(tried), "coverage": cover,
+            "top_failures": top}
+
+
+def _reason_key(reason: str) -> str:
+    """A failure reason without its type-specific details (for grouping)."""
+    head = reason.split(" (")[0]
+    return head[:110]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import transformers
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.zoo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", help="comma-separated model types (default: the whole causal-LM mapping)")
+    ap.add_argument("--json", type=Path, help="folder for the JSON result (default: benchmarks/results)")
+    ap.add_argument("--no-parity", action="store_true", help="trace and plan only")
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds per type and column")
+    ap.add_argument("--budget", type=float, default=1500.0,
+                    help="seconds after which parity columns are no longer run (trace/plan go on)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    known = causal_lm_types()
+    types = [t.strip() for t in args.types.split(",")] if args.types else known
+    unknown = [t for t in types if t not in known]
+    if unknown:
+        sys.exit(f"--types: {unknown} not in transformers {transformers.__version__}'s causal-LM mapping")
+    start = time.perf_counter()
+    rows = walk(types, parity=() if args.no_parity else ("dp", "pp", "tp"), timeout=args.timeout,
+                budget_s=args.budget)
+    summ = summary(rows)
+    head = ["type", *COLUMNS, "first failure / skip reason"]
+    table_rows = []
+    for r in rows:
+        if "skipped" in r:
+            table_rows.append([r["type"], *(["skip"] * len(COLUMNS)), r["skipped"][:90]])
+            continue
+        why = next((f"{c}: {r[c]['reason']}" for c in COLUMNS if r.get(c) and r[c].get("ok") is False), "")
+        table_rows.append([r["type"], *(_mark(r.get(c)) for c in COLUMNS), why[:90]])
+    cov = ", ".join(f"{c} {v['ok']}/{v['of']}" for c, v in summ["coverage"].items())
+    caption = (f"transformers {transformers.__version__}: {summ['types']} causal-LM types, {summ['skipped']} "
+               f"skipped (tiny model does not train in plain PyTorch), coverage of the {summ['tried']} others: "
+               f"{cov} ({time.perf_counter() - start:.0f} s)")
+    return finish("zoo", title="HF causal-LM zoo coverage", caption=caption, head=head, rows=table_rows,
+                  quick=bool(args.types) or args.no_parity, out=args.json, transformers=transformers.__version__,
+                  summary=summ, types=rows, wall_s=round(time.perf_counter() - start, 1))
+
+
+if __name__ == "__main__":
+    main()

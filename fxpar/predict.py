@@ -1,0 +1,176 @@
+"""``fxpar.predict(plan, model_or_graph, cluster)``: the simulator's public face.
+
+For a *given* plan (solver-made, hand-made, or one that describes another framework's run: see
+the plan's runtime-behaviour fields ``overlap_grad_allreduce`` and ``allow_tf32``) it returns
+the predicted step time, the step's parts and each rank's peak device memory
+(:class:`Prediction`).  The numbers are :func:`fxpar.sim.simulate`'s, recomputed from the plan,
+the model's graph and the cluster, never read from the plan's stored predictions; a solver plan
+therefore gets back its own ``predicted_step_s``.
+
+The step's parts add up to the step (seconds, the slowest position's view):
+
+    pipeline:  step = compute + tensor_parallel + bubble + allreduce + optimizer + gather
+        compute          forward + backward of the busiest position, less its TP all-reduces
+        tensor_parallel  that position's tensor-parallel all-reduces (all micro-batches)
+        bubble           the schedule's makespan minus that position's busy time (pipeline
+                         fill / drain and waits on hops; ``hop_s`` is one micro-batch's hops)
+        allreduce        the gradient all-reduce after the last backward (exposed part)
+        optimizer        the slowest position's update; gather: ZeRO-1's all-gather
+    data parallel:  step = compute + allreduce + optimizer   (compute: the slowest rank)
+    expert parallel: step = compute + alltoall + allreduce + optimizer
+
+Memory: ``peak_memory_bytes`` is what the program allocates (model state, activations in flight,
+buffers); ``driver_memory_bytes`` adds, per device kind, what a driver-level reading
+(``nvidia-smi``) shows beyond that: the CUDA context, communication buffers and the caching
+allocator's reserve (the calibration's ``driver_memory_bytes``, 0 without one).
+
+``calibration``: per device kind, constants fitted for the framework a plan describes
+(:data:`fxpar.cluster.catalog.FRAMEWORK_CALIBRATION`): ``compute_scale`` and
+``segment_overhead_s`` change a pipeline plan's stage times (:class:`fxpar.sim.pipeline_cost.
+PipelinePrices`), ``driver_memory_bytes`` the driver-level memory.  Without it the prediction is
+:func:`fxpar.sim.simulate`'s, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from fxpar.errors import ConfigError
+from fxpar.plan import Plan
+from fxpar.planning import trace_spec
+from fxpar.profiling import CostModel
+from fxpar.profiling.database import ProfileDB
+from fxpar.sim import simulate
+from fxpar.sim.links import tp_allreduce_s
+from fxpar.sim.pipeline_cost import pipeline_prices
+from fxpar.sim.pipeline_plan import layout_of, price_plan, simulate_pipeline
+from fxpar.tracing import ModelGraph
+from fxpar.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    """A plan's predicted step, its parts and per-rank memory (module docstring)."""
+
+    strategy: str
+    step_s: float
+    compute_s: float
+    tensor_parallel_s: float
+    bubble_s: float
+    allreduce_s: float
+    alltoall_s: float
+    optimizer_s: float
+    gather_s: float
+    hop_s: float                          # one micro-batch's hops along a pipeline (in bubble)
+    busy_s: tuple[float, ...]             # per rank
+    idle_s: tuple[float, ...]             # per rank
+    peak_memory_bytes: tuple[int, ...]    # per rank, what the program allocates
+    driver_memory_bytes: tuple[int, ...]  # per rank, + the kind's driver-level overhead
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """The step's parts (they add up to ``step_s``)."""
+        return {"compute": self.compute_s, "tensor_parallel": self.tensor_parallel_s,
+                "bubble": self.bubble_s, "allreduce": self.allreduce_s, "alltoall": self.alltoall_s,
+                "optimizer": self.optimizer_s, "gather": self.gather_s}
+
+    @property
+    def max_peak_memory_bytes(self) -> int:
+        return max(self.peak_memory_bytes, default=0)
+
+    @property
+    def max_driver_memory_bytes(self) -> int:
+        return max(self.driver_memory_bytes, default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["parts"] = self.parts
+        d["max_peak_memory_bytes"] = self.max_peak_memory_bytes
+        d["max_driver_memory_bytes"] = self.max_driver_memory_bytes
+        return d
+
+    def table(self) -> str:
+        lines = [f"predicted step {self.step_s:.4g} s ({self.strategy})"]
+        lines += [f"  {name:<16}{value:10.4g} s  {100 * value / self.step_s if self.step_s else 0:5.1f}%"
+                  for name, value in self.parts.items() if value > 0]
+        if self.hop_s > 0:
+            lines.append(f"  (hops per micro-batch {self.hop_s:.4g} s, inside the bubble)")
+        lines.append(f"peak memory per rank: max {self.max_peak_memory_bytes / 2**30:.2f} GiB allocated, "
+                     f"{self.max_driver_memory_bytes / 2**30:.2f} GiB as the driver reports it")
+        return "\n".join(lines)
+
+
+def _graph(plan: Plan, model_or_graph: Any) -> ModelGraph:
+    if isinstance(model_or_graph, ModelGraph):
+        return model_or_graph
+    if model_or_graph is None:
+        raise ConfigError("predict: model_or_graph is None; give the model (a module, a ModelSpec or "
+                          "(module, example_inputs)) or its traced ModelGraph")
+    workload = Workload(global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
+                        optimizer=plan.optimizer)
+    return trace_spec(model_or_graph, workload)
+
+
+def cost_model(plan: Plan, graph: ModelGraph, cluster, profiles: Mapping[str, ProfileDB] | None = None) -> CostModel:
+    """The cost model a plan is priced under (its precision, optimizer and TF32 choice)."""
+    return CostModel(graph, cluster, dtype=plan.dtype, optimizer=plan.optimizer,
+                     allow_tf32=plan.allow_tf32, profiles=profiles)
+
+
+def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, ProfileDB] | None = None,
+            calibration: Mapping[str, Mapping[str, float]] | None = None) -> Prediction:
+    """Predict ``plan`` on ``cluster`` (module docstring).  ``model_or_graph``: a traced
+    :class:`ModelGraph`, or a model (traced on the meta device).  ``calibration``: per device
+    kind, a framework's calibrated constants (module docstring; None: fxpar's own)."""
+    if plan.world_size != cluster.world_size:
+        raise ConfigError(f"predict: the plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
+                          f"{cluster.world_size} devices")
+    graph = _graph(plan, model_or_graph)
+    cost = cost_model(plan, graph, cluster, profiles)
+    calib = dict(calibration or {})
+    prices = None
+    if plan.strategy == "pipeline":
+        kinds = {g.key: g.type.name for g in cluster.groups()}
+        prices = pipeline_prices(cost, compute_scale={k: float(calib[t]["compute_scale"]) for k, t in kinds.items()
+                                                      if "compute_scale" in calib.get(t, {})},
+                                 segment_overhead_s={k: float(calib[t]["segment_overhead_s"]) for k, t in kinds.items()
+                                                     if "segment_overhead_s" in calib.get(t, {})})
+        sim = simulate_pipeline(plan, prices, cluster)
+    else:
+        sim = simulate(plan, cost)
+    driver = tuple(int(m + float(calib.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
+                   for r, m in enumerate(sim.peak_memory_bytes))
+    common = dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
+                  peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver)
+    if prices is not None:
+        return _pipeline_parts(plan, prices, cluster, common)
+    if plan.strategy == "expert_parallel":
+        a2a = sum(e.end_s - e.start_s for e in sim.events if e.rank == 0 and e.kind == "all_to_all")
+        ar = sim.comm_s - a2a
+        return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=ar,
+                          alltoall_s=a2a, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
+                          gather_s=0.0, hop_s=0.0, **common)
+    return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=sim.comm_s,
+                      alltoall_s=0.0, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
+                      gather_s=0.0, hop_s=0.0, **common)
+
+
+def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Prediction:
+    run, _ = price_plan(plan, prices, cluster)
+    layout, _ = layout_of(plan, prices, cluster)
+    t, b, m = prices.table, layout.micro_batch, layout.num_microbatches
+    tp = [0.0] * len(run.busy_s)
+    for st in layout.stages:
+        parts = tp_allreduce_s(prices.intra_bytes_per_s[st.kind], st.width,
+                               t.boundary_bytes[st.start:st.end] * b) * (np.arange(st.start, st.end) > 0)
+        tp[st.position] += 4 * float(parts.sum()) * m
+    busiest = max(range(len(run.busy_s)), key=lambda d: run.busy_s[d])
+    busy = run.busy_s[busiest]
+    return Prediction(compute_s=busy - tp[busiest], tensor_parallel_s=tp[busiest],
+                      bubble_s=max(run.makespan_s - busy, 0.0), allreduce_s=run.exposed_allreduce_s,
+                      alltoall_s=0.0, optimizer_s=run.optimizer_s, gather_s=run.gather_s,
+                      hop_s=float(sum(run.hop_s)), **common)
