@@ -36,6 +36,17 @@ def test_collectives_are_nccl_valid(pool2, kind: str) -> None:
     _check(results, kind)
 
 
+@pytest.mark.parametrize("kind", ["data_parallel", "pipeline", "interleaved", "tensor_parallel",
+                                  "expert_parallel"])
+def test_every_kind_runs_with_an_explicit_device(pool2, kind: str) -> None:
+    """``fxpar.auto(..., device=torch.device("cpu"))`` given explicitly: every module kind keeps
+    its parameters on that device and issues the same valid collectives."""
+    results = pool2.run(audit_plan_kind, kind, 1, True)
+    for r in results:
+        assert r["device"] == "cpu" and r["held_on"] == ["cpu"], r
+    _check(results, kind)
+
+
 def test_pipeline_tp_collectives_are_nccl_valid(pool3) -> None:
     _check(pool3.run(audit_plan_kind, "pipeline_tp"), "pipeline_tp")
 

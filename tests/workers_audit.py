@@ -49,8 +49,9 @@ def _plan(kind: str, model: torch.nn.Module, cluster, batch: int, data: dict) ->
     return None  # data parallel: fxpar.auto's own plan
 
 
-def audit_plan_kind(kind: str, steps: int = 2) -> dict:
-    """Set up ``kind`` and train ``steps`` steps under a :class:`CollectiveAudit`."""
+def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) -> dict:
+    """Set up ``kind`` and train ``steps`` steps under a :class:`CollectiveAudit`; with
+    ``explicit_device`` the rank's device is passed to ``fxpar.auto(device=...)`` explicitly."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     family, layers = KINDS[kind]
@@ -62,12 +63,14 @@ def audit_plan_kind(kind: str, steps: int = 2) -> dict:
     cluster = fxpar.Cluster.emulated([1.0] * world)
     plan = _plan(kind, model, cluster, batch, data[0])
     with CollectiveAudit(device) as audit:
-        pm = fxpar.auto(model, cluster, data[0], plan=plan)
+        pm = fxpar.auto(model, cluster, data[0], plan=plan, device=device if explicit_device else None)
         opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
         for b in data:
             with audit.in_phase("step"):
                 pm.step(b)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return {"rank": rank, "strategy": pm.plan.strategy, "module": type(pm).__name__,
+    held = {str(p.device) for p in pm.parameters()}
+    return {"rank": rank, "strategy": pm.plan.strategy, "module": type(pm).__name__, "held_on": sorted(held),
+            "device": str(pm.device),
             "calls": [dataclasses.asdict(c) for c in audit.calls], "violations": audit.violations()}
