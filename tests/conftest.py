@@ -41,3 +41,19 @@ def pool4():
 
     with WorkerPool(4, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         yield pool
+
+
+def cvxpy_variable_sizes(monkeypatch) -> list[int]:
+    """Sizes of the cvxpy variables a solver creates from now on (what makes a solve fast or
+    slow, measured without timing this machine)."""
+    import cvxpy as cp
+
+    sizes: list[int] = []
+
+    class Counted(cp.Variable):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sizes.append(int(self.size))
+
+    monkeypatch.setattr(cp, "Variable", Counted)
+    return sizes

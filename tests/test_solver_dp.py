@@ -9,6 +9,7 @@ import pytest
 
 from fxpar.errors import InfeasibleError
 from fxpar.solvers import data_parallel as dp
+from tests.conftest import cvxpy_variable_sizes
 
 GIB = 2**30
 
@@ -110,25 +111,9 @@ def test_homogeneous_equals_even_split():
     assert sol.compute_s + prob.allreduce_s == pytest.approx(dp.even_split_step_s(prob))
 
 
-def _count_variables(monkeypatch) -> list[int]:
-    """Sizes of the cvxpy variables the solver creates (what makes a solve fast or slow,
-    without timing this machine)."""
-    import cvxpy as cp
-
-    sizes: list[int] = []
-
-    class Counted(cp.Variable):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            sizes.append(int(self.size))
-
-    monkeypatch.setattr(cp, "Variable", Counted)
-    return sizes
-
-
 def test_thousand_devices_two_variables_fast(monkeypatch):
     # fast by formulation: one share variable per device *type* (2) and the makespan, not 1024
-    sizes = _count_variables(monkeypatch)
+    sizes = cvxpy_variable_sizes(monkeypatch)
     prob = _problem([1.0, 1.6], [512, 512], 1536)
     sol = dp.solve(prob)
     assert sum(sol.shares) == 1536

@@ -12,24 +12,9 @@ from fxpar.solvers.experts import (
     build_expert_problem,
     solve,
 )
+from tests.conftest import cvxpy_variable_sizes
 
 GIB = 2 ** 30
-
-
-def _count_variables(monkeypatch) -> list[int]:
-    """Sizes of the cvxpy variables the solver creates (what makes a solve fast or slow,
-    without timing this machine)."""
-    import cvxpy as cp
-
-    sizes: list[int] = []
-
-    class Counted(cp.Variable):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            sizes.append(int(self.size))
-
-    monkeypatch.setattr(cp, "Variable", Counted)
-    return sizes
 
 
 def _group(key, ranks, expert_s, memory=GIB, **kw):
@@ -95,7 +80,7 @@ def test_thousand_devices_of_two_types_solve_fast(monkeypatch):
     # 512 devices 3x as fast as 512 others, 2048 experts: 3 on each fast, 1 on each slow device
     p = ExpertProblem(groups=(_group("fast", range(512), 1.0), _group("slow", range(512, 1024), 3.0)),
                       num_experts=2048, expert_bytes=1)
-    sizes = _count_variables(monkeypatch)
+    sizes = cvxpy_variable_sizes(monkeypatch)
     s = solve(p)
     # fast by formulation: variables per device *group* (5 of size 2, and the makespan), for
     # the MILP and its LP relaxation, not per device
