@@ -21,7 +21,12 @@ from fxpar.plan_checks import (
 )
 
 PLAN_FORMAT_VERSION = 1
-STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel")
+STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel",
+                                "sharded_data_parallel")
+#: sharding stages of a ``sharded_data_parallel`` plan: 2 shards gradients and optimizer state
+#: (ZeRO-2), 3 shards the parameters too (ZeRO-3 / FSDP: a block is all-gathered around its
+#: forward and backward)
+SHARD_STAGES: tuple[int, ...] = (2, 3)
 SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe", "interleaved")
 
 
@@ -42,6 +47,11 @@ class RankPlan:
     #: host (CPU) bytes the rank holds while it sets up: the staging of one tensor (read, cast)
     #: on its way to the device, or everything for a rank whose device is the CPU
     predicted_host_bytes: int = 0
+    #: sharded data parallelism: this rank recomputes each block's forward in its backward
+    activation_checkpointing: bool = False
+    #: sharded data parallelism: this rank keeps its optimizer state (and the fp32 master of its
+    #: shard) in host memory and runs the optimizer step on the CPU
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         check_rank(self)
@@ -65,6 +75,11 @@ class StagePlan:
     predicted_fwd_s: float = 0.0      # per micro-batch
     predicted_bwd_s: float = 0.0
     activation_checkpointing: bool = False   # this stage recomputes its forward in the backward
+    #: sharded data parallelism: each rank's part of the model state (parameters' rows, their
+    #: gradients and optimizer state), as whole-number weights per rank (order of ``ranks``);
+    #: every parameter's rows are split in these proportions by :func:`ragged_rows`
+    state_split: tuple[int, ...] | None = None
+    shard_stage: int = 0              # sharded data parallelism: 2 or 3 (``SHARD_STAGES``)
 
     def __post_init__(self) -> None:
         check_stage(self)
@@ -175,7 +190,17 @@ class Plan:
             st = self.stages[0] if len(self.stages) == 1 else None
             if st is None or st.expert_split is None or len(st.expert_split) != self.world_size:
                 raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
-        if self.strategy in ("data_parallel", "expert_parallel"):
+        if self.strategy == "sharded_data_parallel":
+            st = self.stages[0] if len(self.stages) == 1 else None
+            if st is None or st.state_split is None or len(st.state_split) != self.world_size \
+                    or sum(st.state_split) <= 0:
+                raise PlanError("a sharded_data_parallel plan has one stage with a state_split per rank "
+                                "(whole-number weights, not all zero)")
+            if st.shard_stage not in SHARD_STAGES:
+                raise PlanError(f"plan.stages[0].shard_stage = {st.shard_stage}: a sharded_data_parallel "
+                                f"plan shards at stage {SHARD_STAGES[0]} (gradients + optimizer) or "
+                                f"{SHARD_STAGES[1]} (parameters too)")
+        if self.strategy in ("data_parallel", "expert_parallel", "sharded_data_parallel"):
             total = sum(r.batch_share for r in self.ranks)
             if total != self.global_batch:
                 raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
@@ -338,6 +363,23 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def ragged_rows(num_rows: int, weights: Sequence[int]) -> tuple[int, ...]:
+    """Rows of a parameter (its first dimension, ``num_rows``) per rank for the state weights
+    ``w``: the largest-remainder rounding of ``num_rows · w_r / Σw`` (sums to ``num_rows``; ties
+    go to the lower rank).  A rank of weight 0 gets no rows.  This one rule is used by the
+    runtime (which rows a rank owns) and the cost model (the bytes it holds)."""
+    total = sum(weights)
+    if num_rows < 0 or total <= 0 or any(w < 0 for w in weights):
+        raise PlanError(f"ragged_rows({num_rows}, {list(weights)}): rows must be >= 0 and the "
+                        "weights >= 0 with a positive sum")
+    exact = [num_rows * w / total for w in weights]
+    rows = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda r: (-(exact[r] - rows[r]), r))
+    for r in order[: num_rows - sum(rows)]:
+        rows[r] += 1
+    return tuple(rows)
 
 
 def _span(modules: Sequence[str]) -> str:

@@ -88,6 +88,8 @@ def check_rank(r: Any) -> None:
     for name in ("batch_share", "micro_batch_size", "num_microbatches", "predicted_memory_bytes",
                  "memory_capacity_bytes", "predicted_host_bytes"):
         _set(r, **{name: _int(getattr(r, name), where, name, 0)})
+    for name in ("activation_checkpointing", "offload_optimizer"):
+        _set(r, **{name: _flag(getattr(r, name), where, name)})
 
 
 def check_stage(s: Any) -> None:
@@ -99,8 +101,9 @@ def check_stage(s: Any) -> None:
          tensor_parallel=_int(s.tensor_parallel, where, "tensor_parallel", 1),
          predicted_fwd_s=_real(s.predicted_fwd_s, where, "predicted_fwd_s"),
          predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"),
-         activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"))
-    for name in ("tensor_split", "expert_split", "mlp_split"):
+         activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"),
+         shard_stage=_int(s.shard_stage, where, "shard_stage", 0))
+    for name in ("tensor_split", "expert_split", "mlp_split", "state_split"):
         if getattr(s, name) is not None:
             _set(s, **{name: _ints(getattr(s, name), where, name, 0)})
 
