@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,6 +46,7 @@ from fxpar.api import auto
 from fxpar.cluster import Cluster
 from fxpar.cpu_rate import cache_file as cpu_cache_file
 from fxpar.cpu_rate import calibrated_emulated, cpu_scale
+from fxpar.demo_report import demo_result, print_demo
 from fxpar.errors import PlanError
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
@@ -351,17 +351,19 @@ def demo_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL
     return out
 
 
-def _median_timing(timings: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(t[k] for t in timings) for k in timings[0]} if timings else {}
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DemoPlan:
+    """What the demo planned: the plan, its prediction on the nominal CPU rate and the rate."""
+
+    plan: Plan
+    nominal_step_s: float
+    cpu_rate_scale: float
+    workload: Workload
 
 
-def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: int = 2,
-             global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print,
-             model_name: str = DEMO_MODEL, fsdp2: bool = False) -> dict[str, Any]:
-    """Plan, train with fxpar, fxpar even and DDP (and FSDP2) on spawned gloo ranks, print and
-    return the figures."""
-    torch.set_num_threads(1)
-    model = _build(model=model_name)
+def plan_demo(model: torch.nn.Module, model_name: str, speeds: tuple[float, ...], global_batch: int,
+              progress: Callable[[str], None]) -> DemoPlan:
+    """Calibrate the CPU rate (or read it from the cache) and plan data parallel or pipeline."""
     example = _batches(model, 1, global_batch)[0]
     workload = Workload(global_batch=global_batch, seq_len=DEMO_SEQ, dtype="fp32", optimizer="adamw")
     graph = trace(model, {k: v[:1] for k, v in example.items()})
@@ -376,62 +378,33 @@ def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: 
     # the demo (and benchmarks.dp_emulated) compares data-parallel plans with DDP: an MoE model
     # would otherwise be offered expert parallelism, whose expert tensors are per-rank shards
     plan = solve_plan(graph, cluster, workload, strategies=("data_parallel", "pipeline"), max_tensor_parallel=1)
-    nominal_step = predict(plan, graph, Cluster.emulated(list(speeds))).step_s
-    print(plan.table())
+    nominal = predict(plan, graph, Cluster.emulated(list(speeds))).step_s
+    return DemoPlan(plan=plan, nominal_step_s=nominal, cpu_rate_scale=scale, workload=workload)
+
+
+def run_demo(*, steps: int = 5, speeds: tuple[float, ...] = (1.0, 0.5), rounds: int = 2,
+             global_batch: int = DEMO_BATCH, progress: Callable[[str], None] = print,
+             model_name: str = DEMO_MODEL, fsdp2: bool = False) -> dict[str, Any]:
+    """Plan, train with fxpar, fxpar even and DDP (and FSDP2) on spawned gloo ranks, print and
+    return the figures (:mod:`fxpar.demo_report`)."""
+    torch.set_num_threads(1)
+    planned = plan_demo(_build(model=model_name), model_name, speeds, global_batch, progress)
+    plan_json = planned.plan.to_json(indent=None)
+    print(planned.plan.table())
     progress(f"training {rounds} rounds x {steps} steps of fxpar, fxpar even and torch DDP (even "
              f"split) on {len(speeds)} gloo ranks")
     with WorkerPool(len(speeds)) as pool:
-        results = pool.run(demo_worker, plan.to_json(indent=None), steps, rounds, model_name, timeout=900)
+        results = pool.run(demo_worker, plan_json, steps, rounds, model_name, timeout=900)
     fsdp2_out = None
     if fsdp2:
         progress("timing torch FSDP2 (even split) in fresh processes")
         with WorkerPool(len(speeds)) as pool:
-            fsdp2_out = pool.run(fsdp2_worker, plan.to_json(indent=None), steps, rounds, model_name, timeout=900)
-    r0 = results[0]
-    med = {m: statistics.median(r0[m]["times"]) if r0[m]["times"] else None for m in ("fxpar", "fxpar_even", "ddp")}
-    fx, ev, dd = med["fxpar"], med["fxpar_even"], med["ddp"]
-    fs = statistics.median(fsdp2_out[0]["times"]) if fsdp2_out else None
-    ideal = sum(speeds) / (len(speeds) * min(speeds))
-    print("\nstep  fxpar loss   ddp loss")
-    for i, (a, b) in enumerate(zip(r0["fxpar"]["losses"], r0["ddp"]["losses"])):
-        print(f"{i:4d}  {a:10.5f}  {b:10.5f}")
-    print(f"\nmeasured step time (emulated speeds {list(speeds)}, median of {len(r0['fxpar']['times'])}):")
-    for name, key, value in (("fxpar", "fxpar", fx), ("fxpar even", "fxpar_even", ev), ("DDP", "ddp", dd)):
-        if value is not None:
-            ts = r0[key]["times"]
-            print(f"  {name:10s} {value:.3f} s (min {min(ts):.3f}, max {max(ts):.3f})")
-    if fs is not None:
-        print(f"  {'FSDP2':10s} {fs:.3f} s (min {min(fsdp2_out[0]['times']):.3f}, "
-              f"max {max(fsdp2_out[0]['times']):.3f})")
-    print(f"  fxpar is {dd / fx:.2f}x faster than DDP (compute-bound ideal {ideal:.2f}x)"
-          + (f", {ev / fx:.2f}x faster than its own even split" if ev else "")
-          + f"; predicted step {plan.predicted_step_s:.3f} s (roofline on this CPU's measured rate; "
-          f"{nominal_step:.3f} s on the nominal rate)")
-    p = r0["parity"]
-    print(f"  parity, step 0: fxpar loss {p['fxpar_loss']:.6f} vs single process "
-          f"{p['reference_loss']:.6f}; max |grad diff| {p['max_grad_abs_diff']:.2e}")
-    return {
-        "emulated": True, "speeds": list(speeds), "model": model_name, "global_batch": global_batch,
-        "seq_len": DEMO_SEQ, "dtype": workload.dtype, "model_config": model_summary(model_name),
-        "plan": plan.to_dict(), "batch_shares": list(plan.batch_shares),
-        "even_shares": even_shares(global_batch, len(speeds)),
-        "fxpar_step_s": fx, "fxpar_even_step_s": ev, "ddp_step_s": dd, "speedup": dd / fx,
-        "speedup_vs_even": ev / fx if ev else None, "ideal_speedup": ideal,
-        "fsdp2_step_s": fs, "fsdp2_step_times_s": fsdp2_out[0]["times"] if fsdp2_out else None,
-        "predicted_step_s": plan.predicted_step_s, "predicted_step_nominal_cpu_s": nominal_step,
-        "cpu_rate_scale": scale,
-        "fxpar_step_times_s": r0["fxpar"]["times"], "fxpar_even_step_times_s": r0["fxpar_even"]["times"],
-        "ddp_step_times_s": r0["ddp"]["times"],
-        "fxpar_losses": r0["fxpar"]["losses"], "fxpar_even_losses": r0["fxpar_even"]["losses"],
-        "ddp_losses": r0["ddp"]["losses"], "fsdp2_losses": fsdp2_out[0]["losses"] if fsdp2_out else None,
-        # the baselines' emulation per rank (medians over the timed steps): compute segments,
-        # sleep added, time inside collectives, collectives bracketed per step
-        "baseline_emulation": {"ddp": [_median_timing(r["ddp"]["timing"]) for r in results],
-                               **({"fsdp2": [_median_timing(r["timing"]) for r in fsdp2_out]} if fsdp2_out else {})},
-        "per_rank": [{"rank": r["rank"], "speed": r["speed"], "fxpar_losses": r["fxpar"]["losses"],
-                      "ddp_losses": r["ddp"]["losses"]} for r in results],
-        "parity": {**p, "loss_abs_diff": abs(p["fxpar_loss"] - p["reference_loss"])},
-    }
+            fsdp2_out = pool.run(fsdp2_worker, plan_json, steps, rounds, model_name, timeout=900)
+    report = demo_result(planned.plan, planned.nominal_step_s, planned.cpu_rate_scale, results, fsdp2_out,
+                         speeds=speeds, model_name=model_name, config=model_summary(model_name),
+                         even=even_shares(global_batch, len(speeds)))
+    print_demo(report, results[0], fsdp2_out)
+    return report
 
 
 def model_summary(model_name: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     "fxpar.planning": 10, "fxpar.models": 10, "fxpar.scenario": 10, "fxpar.synthetic": 10,
     "fxpar.api_checks": 10, "fxpar.predict": 10, "fxpar.cpu_rate": 10,
     "fxpar.api": 11,
-    "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12,
+    "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12, "fxpar.demo_report": 12,
     "fxpar.cli": 13, "fxpar.__main__": 13, "fxpar": 13,
 }
 LAZY_MARK = "# lazy:"
