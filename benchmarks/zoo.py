@@ -1,6 +1,6 @@
 """Zoo coverage: how much of transformers' causal-LM zoo fxpar traces, plans and runs in parallel.
 
-``python -m benchmarks.zoo [--types a,b,...] [--json OUT] [--no-parity] [--timeout S]``
+``python -m benchmarks.zoo [--types a,b,...] [--columns dp,pp,tp] [--json OUT] [--no-parity] [--timeout S]``
 
 Walks every model type of the installed transformers' causal-LM mapping
 (``transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a public,
@@ -14,10 +14,13 @@ documented module-level name, no underscore) and for each:
 4. ``dp``: data-parallel parity on 2 ranks (uneven shares from the plan's LP, forced to data
    parallelism) — loss and every gradient vs one process on the same global batch;
 5. ``pp``: 2-stage pipeline parity (one block per stage, 2 micro-batches, hand plan);
-6. ``tp``: uneven tensor-parallel parity (key/value groups 3:1 when the type has 4, else 1:1
-   — not uneven, noted), loss and every gathered gradient vs one process.  Expected to fail for
-   many families today (fxpar's sharders know Llama / GPT-2 / BERT-style attention): the
-   reason is recorded.
+6. ``tp``: uneven tensor-parallel parity (key/value groups 3:1 — of 4, or in proportion for
+   more — when the type has at least 4, else 1:1, not uneven, noted), loss and every gathered gradient vs one process.  The projections are
+   read from the traced graph (:mod:`fxpar.tracing.tp_analysis`); a block it refuses (q/k norms
+   over the whole projection, ALiBi, multi-head latent attention, no attention at all) fails
+   with the block and the reason recorded.
+
+``--columns tp`` runs only the tensor-parallel column (trace and plan still run).
 
 Parity: loss within 1e-4 and every gradient within 1e-4 absolute (fp32, one step, batch 4 ×
 16; the pipeline's batch has no ignored labels, so its equal micro-batch weighting is exact).
@@ -60,6 +63,7 @@ import fxpar
 from benchmarks.common import finish
 from fxpar.codegen.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+from fxpar.codegen.tp_families import head_layout, split_sizes
 from fxpar.runtime import WorkerPool
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
@@ -275,8 +279,8 @@ def tp_worker(model_type: str) -> dict:
     model = build(model_type)
     reference = copy.deepcopy(model)
     data = batch(model)
-    kv = int(getattr(model.config, "num_key_value_heads", 0) or getattr(model.config, "num_attention_heads", 0) or 0)
-    shares = [3, 1] if kv % 4 == 0 and kv > 0 else [1, 1]
+    kv = head_layout(model)[0]  # key/value groups as the traced graph shows them (config if none)
+    shares = split_sizes(kv, [3, 1]) if kv >= 4 else [1, 1]
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=shares)
     pm = fxpar.auto(model, cluster, plan=plan, emulate=False)
@@ -455,6 +459,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--types", help="comma-separated model types (default: the whole causal-LM mapping)")
     ap.add_argument("--json", type=Path, help="folder for the JSON result (default: benchmarks/results)")
     ap.add_argument("--no-parity", action="store_true", help="trace and plan only")
+    ap.add_argument("--columns", default="dp,pp,tp",
+                    help="comma-separated parity columns to run (default: dp,pp,tp; e.g. tp)")
     ap.add_argument("--timeout", type=float, default=90.0, help="seconds per type and column")
     ap.add_argument("--budget", type=float, default=1500.0,
                     help="seconds after which parity columns are no longer run (trace/plan go on)")
@@ -468,7 +474,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         sys.exit(f"--types: {unknown} not in transformers {transformers.__version__}'s causal-LM mapping")
     start = time.perf_counter()
-    rows = walk(types, parity=() if args.no_parity else ("dp", "pp", "tp"), timeout=args.timeout,
+    parity = tuple(c.strip() for c in args.columns.split(",") if c.strip())
+    if set(parity) - set(WORKERS):
+        sys.exit(f"--columns: {sorted(set(parity) - set(WORKERS))} not among {sorted(WORKERS)}")
+    rows = walk(types, parity=() if args.no_parity else parity, timeout=args.timeout,
                 budget_s=args.budget)
     summ = summary(rows)
     head = ["type", *COLUMNS, "first failure / skip reason"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers_pptp import pp_tp_parity, tp_family_parity
+from tests.workers_pptp import check_tp_family_parity, pp_tp_parity, tp_family_parity
 
 pytestmark = pytest.mark.multirank
 
@@ -23,14 +23,7 @@ def test_three_to_one(pool2, family, overrides):
     # causal LMs get a vocab-parallel embedding / head / loss (256 rows 3:1); BERT's MLM head
     # (bias, transform, fixed loss) keeps them replicated
     assert [r["vocab_rows"] for r in results] == ([256, 256] if family == "bert" else [192, 64])
-    steps = [st for r in results for st in r["steps"]]
-    print(f"[parity] TP 3:1 {family}: loss {max(s['loss_diff'] for s in steps):.1e}, grads "
-          f"{max(s['max_grad_abs_diff'] for s in steps):.1e}, gathered weights {results[0]['param_diff']:.1e}")
-    for r in results:
-        assert r["sharded"] > 0
-        for step in r["steps"]:
-            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, (family, r["rank"], step)
-    assert results[0]["param_diff"] <= 1e-6, results[0]
+    check_tp_family_parity(results, family)
 
 
 def test_gpt2_fused_shards_checkpoint(pool2, tmp_path):

@@ -64,7 +64,8 @@ class _Piece:
 
     def key(self) -> tuple:
         s = self.shard
-        return (self.local_shape, None) if s is None else (self.local_shape, s.offsets, s.fused_dim, s.fused_offsets)
+        return (self.local_shape, None) if s is None else (self.local_shape, s.offsets, s.fused_dim, s.fused_offsets,
+                                                                 s.fused_sizes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,13 @@ A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever
   ``q/k/v/gate/up_proj``, columns of ``o/down_proj``, any split sizes) and says so itself;
 - :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` holds the rows ``[lo, hi)`` of
   every ``(E, ...)`` expert tensor (its experts, from the plan's ``expert_split``) and replicas
-  of the rest.
+  of the rest;
+- :class:`~fxpar.codegen.sharded_data_parallel.ShardedDataParallelModule` (``plan.strategy ==
+  "sharded_data_parallel"``) holds the rows ``[lo, hi)`` of *every* parameter that
+  ``fxpar.plan.ragged_rows`` gives it over the plan's ``state_split``, and its optimizer's state
+  for them; it says so with ``checkpoint_layout()`` (row boxes at offset ``lo``; an empty shard
+  and the mirror of a 0-d parameter another rank owns are not written), so its checkpoints load
+  under data parallelism, another state split or sharding stage, and the other way round.
 
 Modules are recognised by what they are (``plan.strategy``, ``checkpoint_layout()``,
 ``named_original_parameters()``), never by importing codegen: checkpoint sits below codegen in
@@ -48,18 +54,22 @@ class ShardSpec:
     offsets: tuple[int, ...]
     fused_dim: int | None = None
     fused_offsets: tuple[int, ...] = ()
+    #: sizes of the pieces along ``fused_dim`` when they differ (a grouped-query ``[q | k | v]``
+    #: slice: ``g`` query heads per key head); empty: ``k`` equal pieces
+    fused_sizes: tuple[int, ...] = ()
 
     def boxes(self, local_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``(global offsets, sizes, start in the local tensor along fused_dim)`` of each piece."""
         if self.fused_dim is None or len(self.fused_offsets) <= 1:
             return [(tuple(self.offsets), tuple(local_shape), 0)]
         d, k = self.fused_dim, len(self.fused_offsets)
-        size = local_shape[d] // k
-        out = []
-        for i, off in enumerate(self.fused_offsets):
+        pieces = self.fused_sizes or (local_shape[d] // k,) * k
+        out, start = [], 0
+        for off, size in zip(self.fused_offsets, pieces):
             offsets, sizes = list(self.offsets), list(local_shape)
             offsets[d], sizes[d] = off, size
-            out.append((tuple(offsets), tuple(sizes), i * size))
+            out.append((tuple(offsets), tuple(sizes), start))
+            start += size
         return out
 
     def piece(self, local: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Where a tensor-parallel shard sits in its full parameter, and putting shards back together.
 
 A sharded parameter carries ``fxpar_sharded``, ``fxpar_shard_dim``, ``fxpar_full_shape`` and
-``fxpar_fused_offsets`` (the offset along ``fxpar_shard_dim`` of each of its equal pieces: one
+``fxpar_fused_offsets`` (the offset along ``fxpar_shard_dim`` of each of its pieces, equal unless
+``fxpar_fused_sizes`` lists their sizes: one
 piece for a plain slice, ``k`` for a slice taken inside each block of a fused ``[q | k | v]``
 or ``[gate | up]`` tensor); ``fxpar_shard_offset`` is the first piece's offset.
 """
@@ -30,6 +31,22 @@ def slice_parameter(full: torch.Tensor, dim: int, lo: int, hi: int, *, parts: in
     return p
 
 
+def slice_runs(full: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.nn.Parameter:
+    """A new parameter holding the ``(offset, size)`` runs of ``full`` along ``dim``, in order
+    (pieces of any sizes: a grouped-query ``[q | k | v]`` slice), marked like
+    :func:`slice_parameter` (``fxpar_fused_sizes`` when the pieces differ in size)."""
+    data = torch.cat([full.detach().narrow(dim, o, n) for o, n in runs], dim=dim)
+    p = torch.nn.Parameter(data.clone())
+    p.fxpar_sharded = True
+    p.fxpar_shard_dim = dim
+    p.fxpar_shard_offset = runs[0][0]
+    p.fxpar_fused_offsets = tuple(o for o, _ in runs)
+    if len({n for _, n in runs}) > 1:
+        p.fxpar_fused_sizes = tuple(n for _, n in runs)
+    p.fxpar_full_shape = tuple(full.shape)
+    return p
+
+
 def shard_spec(p: torch.Tensor) -> ShardSpec | None:
     """The checkpoint box(es) of a sharded parameter; None for a whole one."""
     dim = getattr(p, "fxpar_shard_dim", None)
@@ -39,7 +56,8 @@ def shard_spec(p: torch.Tensor) -> ShardSpec | None:
     offsets = [0] * p.dim()
     offsets[dim] = fused[0]
     return ShardSpec(global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets),
-                     fused_dim=dim if len(fused) > 1 else None, fused_offsets=fused if len(fused) > 1 else ())
+                     fused_dim=dim if len(fused) > 1 else None, fused_offsets=fused if len(fused) > 1 else (),
+                     fused_sizes=tuple(getattr(p, "fxpar_fused_sizes", ())) if len(fused) > 1 else ())
 
 
 def box_view(full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

@@ -79,7 +79,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
                 expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
     """Shard the attention and MLP (and expert) modules of ``model`` in place for position
     ``rank`` of the tensor-parallel ``group`` (None: the default group), which holds
-    ``kv_shares[rank]`` key/value head groups (``tp_families.py`` lists the families); only
+    ``kv_shares[rank]`` key/value head groups (read from the traced graph: ``tp_families.py``); only
     inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).  The
     input ``embedding`` and LM ``head`` (with its loss) become vocab-parallel (``tp_vocab.py``)
     where the model supports it (None: when ``blocks`` is None).  ``expert_shares`` (experts
@@ -98,8 +98,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
         shard_vocab(model, mlp_shares if mlp_shares is not None else kv_shares, rank, key,
                     embedding=embedding, head=head)
     if count == 0 and (blocks is None or blocks):  # a stage of only embeddings / head has none
-        raise PlanError(describe_unsupported(model) + "; tensor parallelism supports Llama, Mistral, "
-                        "Qwen2, Mixtral, GPT-2, BERT and similar")
+        raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
     dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
     if dropout and model.training:
         warnings.warn(f"tensor parallelism on {type(model).__name__} with dropout p={dropout}: each rank "

@@ -94,3 +94,11 @@ def tp_max(x: torch.Tensor, group_key: int) -> torch.Tensor:
 @tp_max.register_fake
 def _tp_max_fake(x: torch.Tensor, group_key: int) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+def tp_grad_sum(grad: torch.Tensor, group_key: int) -> torch.Tensor:
+    """A gradient summed over the group (a hook on a replicated parameter that each rank uses
+    on its own heads only, e.g. a per-head q/k norm weight)."""
+    out = grad.contiguous().clone()
+    _all_reduce(out, group_key)
+    return out

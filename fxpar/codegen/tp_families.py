@@ -11,14 +11,14 @@ columns (a row-parallel bias is added once, by position 0):
 ``tp_copy`` goes on the input of each attention / MLP / expert module (its backward sums the
 input gradient over the group), ``tp_reduce`` on the output of each row-parallel layer.
 
-Families (by module structure, not by name):
+Attention and MLP projections come from the traced graph (:mod:`fxpar.tracing.tp_analysis`,
+sharded by :mod:`fxpar.codegen.tp_shard`): separate, fused ``[q | k | v]`` (GPT-2's
+``Conv1D`` ``c_attn``, Phi-3's ``qkv_proj``, grouped-query pieces of different sizes),
+per-head interleaved (GPT-NeoX's ``query_key_value``), output gates, per-head q/k norms,
+gated or plain MLPs — no module names.  A block the analysis refuses raises a
+:class:`PlanError` naming the block and the cause.  One family stays matched by structure
+here, because its weights are 3-D parameters rather than projections:
 
-- Llama-style attention ``q/k/v/o_proj`` (Llama, Mistral, Qwen2/3, Phi-3 without fused qkv,
-  Gemma, Mixtral, Qwen3-MoE), gated MLP ``gate/up/down_proj``;
-- GPT-2: ``attn.c_attn`` (``Conv1D``, fused ``[q | k | v]``: the rank keeps its heads of each
-  third; ``split_size`` set to the local width), ``attn.c_proj``, ``mlp.c_fc`` / ``mlp.c_proj``;
-- BERT / RoBERTa: ``attention.self.query/key/value``, ``attention.output.dense``,
-  ``intermediate.dense`` / ``output.dense``;
 - MoE experts holding ``gate_up_proj (E, 2I, H)`` (fused ``[gate | up]``) and
   ``down_proj (E, H, I)``: every expert's columns are split; the routing weights get a
   ``tp_copy`` too, because each rank's partial output depends on them.  Or, with expert
@@ -34,14 +34,11 @@ import torch
 
 from fxpar.codegen.shards import slice_parameter
 from fxpar.codegen.tp_collectives import tp_copy, tp_reduce
+from fxpar.codegen.tp_shard import shard_attention, shard_mlp
 from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
-from fxpar.tracing.structure import (
-    block_path,
-    has_attrs,
-    is_attention,
-    shardable_blocks,
-)
+from fxpar.tracing.structure import block_path
+from fxpar.tracing.tp_model import analyze_model
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -70,42 +67,6 @@ def _range(sizes: Sequence[int], rank: int) -> tuple[int, int]:
 
 
 # ---- layers -------------------------------------------------------------------------------
-def _column_linear(linear: torch.nn.Linear, lo: int, hi: int) -> None:
-    linear.weight = slice_parameter(linear.weight, 0, lo, hi)
-    if linear.bias is not None:
-        linear.bias = slice_parameter(linear.bias, 0, lo, hi)
-    linear.out_features = hi - lo
-
-
-def _row_linear(linear: torch.nn.Linear, lo: int, hi: int, first: bool, key: int) -> None:
-    linear.weight = slice_parameter(linear.weight, 1, lo, hi)
-    if linear.bias is not None and not first:  # the bias is added once, by position 0
-        linear.bias = None
-    elif linear.bias is not None:
-        linear.bias.fxpar_sharded = True  # held by one rank only: counted once in norms
-    linear.in_features = hi - lo
-    _reduce_output(linear, key)
-
-
-def _column_conv1d(conv: torch.nn.Module, lo: int, hi: int, parts: int = 1) -> None:
-    """GPT-2's ``Conv1D`` (``y = x·W + b``, ``W`` of shape (in, out)): keep output columns."""
-    conv.weight = slice_parameter(conv.weight, 1, lo, hi, parts=parts)
-    conv.bias = slice_parameter(conv.bias, 0, lo, hi, parts=parts)
-    conv.nf = (hi - lo) * parts
-
-
-def _row_conv1d(conv: torch.nn.Module, lo: int, hi: int, first: bool, key: int) -> None:
-    conv.weight = slice_parameter(conv.weight, 0, lo, hi)
-    if first:
-        conv.bias.fxpar_sharded = True
-    else:  # Conv1D's addmm needs a bias: a zero buffer on the other positions
-        zeros = torch.zeros_like(conv.bias.detach())
-        zeros.fxpar_fill = 0.0  # on meta, fxpar.codegen.materialize allocates it as zeros
-        del conv.bias
-        conv.register_buffer("bias", zeros, persistent=False)
-    _reduce_output(conv, key)
-
-
 def _copy_inputs(module: torch.nn.Module, key: int, positions: tuple[int, ...] = (0,)) -> None:
     """``tp_copy`` on the module's inputs at ``positions`` (or ``hidden_states=``)."""
     def pre_hook(m, args, kwargs):
@@ -152,62 +113,40 @@ def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
 def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
                       head_dim: int, per_group: int, blocks: Collection[str] | None,
                       expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
-    """Shard every recognised attention, MLP and expert module (module docstring) inside
-    ``blocks`` (None: all) for position ``rank``; MoE experts by columns, or, with
-    ``expert_shares`` (experts per position), by placing whole experts.  Returns the number of
-    attention modules.  MLP and expert columns split in proportion to ``mlp_shares`` (None:
-    ``kv_shares``), in multiples of 8 where the width allows."""
+    """Shard every attention and MLP the graph analysis found (:mod:`fxpar.codegen.tp_shard`)
+    and every MoE experts module (module docstring) inside ``blocks`` (None: all) for position
+    ``rank``; MoE experts by columns, or, with ``expert_shares`` (experts per position), by
+    placing whole experts.  Returns the number of attention modules.  MLP and expert columns
+    split in proportion to ``mlp_shares`` (None: ``kv_shares``), in multiples of 8 where the
+    width allows.  A block the analysis refused raises a :class:`PlanError` with its reason."""
+    analysis = analyze_model(model)
     mlp = list(mlp_shares) if mlp_shares is not None else list(kv_shares)
-    kv_sizes = [s * head_dim for s in kv_shares]
-    q_sizes = [s * per_group * head_dim for s in kv_shares]
     first, count = rank == 0, 0
+    for blk in analysis.blocks:
+        if blocks is not None and blk.path not in blocks:
+            continue
+        if blk.reason is not None and blk.attention == () and "no attention found" not in blk.reason:
+            raise PlanError(f"tensor parallelism cannot split {type(model).__name__}: {blk.reason}")
+        for att in blk.attention:
+            if att.kv_heads != sum(kv_shares) or att.head_dim != head_dim:
+                raise PlanError(f"block {blk.path}: the graph shows {att.kv_heads} key/value head groups of "
+                                f"size {att.head_dim}, the split {list(kv_shares)} assumes {sum(kv_shares)} of {head_dim}")
+            shard_attention(model, att, *_range(list(kv_shares), rank), first, key)
+            count += 1
+        for m in blk.mlp:
+            shard_mlp(model, m, *_range(_columns(m.width, mlp), rank), first, key)
     for name, m in list(model.named_modules()):
         if blocks is not None and block_path(name) not in blocks:
             continue
-        if has_attrs(m, "q_proj", "k_proj", "v_proj", "o_proj"):
-            _column_linear(m.q_proj, *_range(q_sizes, rank))
-            _column_linear(m.k_proj, *_range(kv_sizes, rank))
-            _column_linear(m.v_proj, *_range(kv_sizes, rank))
-            _row_linear(m.o_proj, *_range(q_sizes, rank), first, key)
-            _copy_inputs(m, key)
-            count += 1
-        elif is_attention(m) and hasattr(m, "c_attn"):  # GPT-2
-            lo, hi = _range(q_sizes, rank)
-            _column_conv1d(m.c_attn, lo, hi, parts=3)
-            m.split_size = hi - lo
-            _row_conv1d(m.c_proj, lo, hi, first, key)
-            _copy_inputs(m, key)
-            count += 1
-        elif is_attention(m):  # BERT / RoBERTa: attention.self + attention.output.dense
-            for lin in (m.self.query, m.self.key, m.self.value):
-                _column_linear(lin, *_range(q_sizes, rank))
-            _row_linear(m.output.dense, *_range(q_sizes, rank), first, key)
-            _copy_inputs(m.self, key)
-            count += 1
-        if has_attrs(m, "gate_proj", "up_proj", "down_proj"):
-            cols = _columns(m.gate_proj.out_features, mlp)
-            _column_linear(m.gate_proj, *_range(cols, rank))
-            _column_linear(m.up_proj, *_range(cols, rank))
-            _row_linear(m.down_proj, *_range(cols, rank), first, key)
-            _copy_inputs(m, key)
-        elif has_attrs(m, "c_fc", "c_proj"):  # GPT-2 MLP
-            cols = _columns(m.c_fc.nf, mlp)
-            _column_conv1d(m.c_fc, *_range(cols, rank))
-            _row_conv1d(m.c_proj, *_range(cols, rank), first, key)
-            _copy_inputs(m, key)
-        elif has_attrs(m, "intermediate", "output") and hasattr(m.intermediate, "dense") \
-                and hasattr(m.output, "dense"):  # BERT layer's MLP
-            cols = _columns(m.intermediate.dense.out_features, mlp)
-            _column_linear(m.intermediate.dense, *_range(cols, rank))
-            _row_linear(m.output.dense, *_range(cols, rank), first, key)
-            _copy_inputs(m.intermediate, key)
-        elif _is_experts(m) and expert_shares is not None:
+        if _is_experts(m) and expert_shares is not None:
             _place_experts(m, *_range(expert_shares, rank), key)
         elif _is_experts(m):
-            inter = m.down_proj.shape[2]
-            lo, hi = _range(_columns(inter, mlp), rank)
-            m.gate_up_proj = slice_parameter(m.gate_up_proj, 1, lo, hi, parts=2)
-            m.down_proj = slice_parameter(m.down_proj, 2, lo, hi)
+            # (E, 2I, H) / (E, H, I), or transposed (E, H, 2I) / (E, I, H) (Aria)
+            gu, down = m.gate_up_proj.shape, m.down_proj.shape
+            flip = gu[1] != 2 * down[2] and gu[2] == 2 * down[1]
+            lo, hi = _range(_columns(down[1] if flip else down[2], mlp), rank)
+            m.gate_up_proj = slice_parameter(m.gate_up_proj, 2 if flip else 1, lo, hi, parts=2)
+            m.down_proj = slice_parameter(m.down_proj, 1 if flip else 2, lo, hi)
             if hasattr(m, "intermediate_dim"):
                 m.intermediate_dim = hi - lo
             _copy_inputs(m, key, positions=(0, 2))  # hidden states and routing weights
@@ -215,8 +154,18 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     return count
 
 
+def shardable_blocks(model: torch.nn.Module) -> set[str]:
+    """Blocks whose attention heads the graph analysis can split (the planner's
+    ``LayerInfo.tensor_parallel`` reads the same analysis)."""
+    return set(analyze_model(model).splittable())
+
+
 def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:
-    """``(key/value head groups, query heads per group, head dim)`` of an HF model's attention."""
+    """``(key/value head groups, query heads per group, head dim)`` of the model's attention, as
+    the graph analysis found it in its first splittable block (the config's when none is)."""
+    found = next((b.attention[0] for b in analyze_model(model).blocks if b.splittable), None)
+    if found is not None:
+        return found.kv_heads, found.heads // found.kv_heads, found.head_dim
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int):
@@ -233,10 +182,28 @@ def check_shares(kv_shares: Sequence[int], kv: int) -> None:
                         f"model's {kv} key/value head groups and sum to {kv}")
 
 
+def refusal(model: torch.nn.Module, blocks: Collection[str]) -> str:
+    """Why the graph analysis cannot split the first of ``blocks`` (its reason names the block)."""
+    analysis = analyze_model(model)
+    for path in blocks:
+        blk = analysis.block(path)
+        if blk is not None and blk.reason is not None:
+            return blk.reason
+    return f"blocks {sorted(blocks)[:3]}: no attention found in the traced graph"
+
+
 def describe_unsupported(model: torch.nn.Module) -> str:
-    return (f"{type(model).__name__}: no attention fxpar can shard (Llama-style q/k/v/o_proj, GPT-2 "
-            "c_attn/c_proj, BERT query/key/value) found")
+    refused = analyze_model(model).refused()
+    why = f": {refused[0].reason}" if refused else ""
+    return f"{type(model).__name__}: no attention fxpar can shard found in the traced graph{why}"
 
 
-__all__ = ["split_sizes", "shard_module_tree", "shardable_blocks", "head_layout", "check_shares",
-           "describe_unsupported", "is_attention"]
+__all__ = [
+    "check_shares",
+    "describe_unsupported",
+    "head_layout",
+    "refusal",
+    "shard_module_tree",
+    "shardable_blocks",
+    "split_sizes",
+]

@@ -116,6 +116,9 @@ class ModelGraph:
     #: the HF attention implementation the model was traced with (``"sdpa"``, ``"eager"``...;
     #: None for a model without a HF config): eager attention keeps its seq x seq scores
     attn_implementation: str | None = None
+    #: what tensor parallelism can split, read from the graph (:mod:`fxpar.tracing.tp_analysis`);
+    #: ``LayerInfo.tensor_parallel`` is its ``splittable()`` — one source for planner and codegen
+    tp_analysis: Any = field(default=None, compare=False, repr=False)
 
     @property
     def param_count(self) -> int:

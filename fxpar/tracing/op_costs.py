@@ -19,7 +19,8 @@ is data).  Attention backward recomputes the scores and runs four more products:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fxpar.tracing.graph import OpClass
 

@@ -2,14 +2,13 @@
 modules (a pure function of the model; no parallel code here):
 
 - :func:`block_path`: the repeated block a module path sits in (``model.layers.3``);
-- :func:`is_attention` / :func:`shardable_blocks`: the attention modules whose heads fxpar's
-  tensor-parallel codegen splits, and the blocks holding one (the planner offers
-  tensor-parallel stages only there);
 - :func:`supports_vocab_parallel`: whether the input embedding, LM head and loss can be split
   by vocabulary.
 
-Tracing records these in the :class:`~fxpar.tracing.graph.ModelGraph` and codegen's sharders
-check against them, so the solver and the runtime see one source of truth.
+Which blocks tensor parallelism can split, and how, is read from the traced graph instead
+(:mod:`fxpar.tracing.tp_analysis`): tracing records it in the
+:class:`~fxpar.tracing.graph.ModelGraph` (``LayerInfo.tensor_parallel``) and codegen's
+sharders use the same analysis, so the solver and the runtime see one source of truth.
 """
 
 from __future__ import annotations
@@ -24,25 +23,6 @@ def block_path(module_path: str) -> str | None:
         if part.isdigit() and i > 0:
             return ".".join(parts[: i + 1])
     return None
-
-
-def has_attrs(module: torch.nn.Module, *names: str) -> bool:
-    return all(hasattr(module, n) for n in names)
-
-
-def is_attention(module: torch.nn.Module) -> bool:
-    """An attention module of a family the tensor-parallel sharders split: Llama-style
-    ``q/k/v/o_proj``, GPT-2 self-attention ``c_attn``/``c_proj``, BERT ``self.query/key/value``
-    with ``output.dense``."""
-    return (has_attrs(module, "q_proj", "k_proj", "v_proj", "o_proj")
-            or (has_attrs(module, "c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", False))
-            or (has_attrs(module, "self", "output") and has_attrs(module.self, "query", "key", "value")
-                and hasattr(module.output, "dense")))
-
-
-def shardable_blocks(model: torch.nn.Module) -> set[str]:
-    """Repeated blocks (``model.layers.3``) holding an attention the sharders can split."""
-    return {b for name, m in model.named_modules() if is_attention(m) and (b := block_path(name)) is not None}
 
 
 def supports_vocab_parallel(model: torch.nn.Module) -> bool:

@@ -22,7 +22,8 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -30,7 +31,8 @@ from fxpar.compat import attn_implementation
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
-from fxpar.tracing.structure import block_path, shardable_blocks, vocab_parallel_modules
+from fxpar.tracing.structure import block_path, vocab_parallel_modules
+from fxpar.tracing.tp_analysis import BlockTP, TPAnalysis, analyze
 
 ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
 
@@ -175,6 +177,24 @@ def _param_infos(model: torch.nn.Module, layer_of: dict[str, int]) -> tuple[Para
     return tuple(infos)
 
 
+def export_model(model: torch.nn.Module, example_inputs: ExampleInputs | None):
+    """``torch.export`` of ``model`` on ``example_inputs`` with :func:`trace`'s input handling
+    (``use_cache=False`` for HF models) and its :class:`TraceError` on failure."""
+    args, kwargs = _split_inputs(model, example_inputs)
+    return _export(model, args, kwargs)
+
+
+def tp_analysis_of(ep: Any) -> TPAnalysis:
+    """:func:`fxpar.tracing.tp_analysis.analyze`, with an unexpected failure of the analysis
+    itself turned into every block refused (tracing never fails because of it)."""
+    try:
+        return analyze(ep)
+    except Exception as exc:  # noqa: BLE001 - the reason names the failure; planning goes on
+        blocks = {b for n in ep.graph.nodes if (b := block_path(_module_path(n)))}
+        why = f"the tensor-parallel analysis failed: {type(exc).__name__}: {exc}"
+        return TPAnalysis(blocks=tuple(BlockTP(path=b, reason=f"block {b}: {why}") for b in sorted(blocks)))
+
+
 def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
           model_name: str | None = None) -> ModelGraph:
     """Export ``model`` on ``example_inputs`` and annotate every node with its costs.
@@ -224,13 +244,30 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved, same))
 
     params = _param_infos(model, layer_of)
-    layers = _layer_infos(nodes, params, layer_of, module_types, shardable_blocks(model))
+    tp = tp_analysis_of(ep)
+    layers = _layer_infos(nodes, params, layer_of, module_types, set(tp.splittable()))
     return ModelGraph(
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
         nodes=tuple(nodes), params=params, layers=layers,
         input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
         trace_time_s=elapsed, exported=ep, vocab_parallel_modules=vocab_parallel_modules(model),
-        attn_implementation=attn_implementation(model))
+        attn_implementation=attn_implementation(model), tp_analysis=tp)
+
+
+def _product_keeps(name: str, node: torch.fx.Node, needs_grad: dict[str, bool]) -> set[int] | None:
+    """Which tensor operands a two-tensor product keeps for its backward (None: not a product,
+    every operand).  ``a·b``: ∂/∂a = b and ∂/∂b = a, so ``a`` is kept only when ``b`` needs a
+    gradient and vice versa (a rotary ``q·cos`` keeps ``cos``, never ``q``, when ``cos`` is a
+    constant); ``a / b``: ∂/∂a = 1/b keeps ``b``, ∂/∂b = −a/b² keeps ``a`` and ``b``."""
+    if name not in ("mul", "div") or len(node.args) < 2:
+        return None
+    a, b = node.args[:2]
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return None
+    grad_a, grad_b = needs_grad.get(a.name, False), needs_grad.get(b.name, False)
+    if name == "mul":
+        return {i for i, other in ((0, grad_b), (1, grad_a)) if other}
+    return ({1} if grad_a or grad_b else set()) | ({0} if grad_b else set())
 
 
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
@@ -288,10 +325,11 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         same[node.name] = same.get(inputs[0].name, inputs[0].name)  # no new tensor
     tensor_operands = sum(1 for a in node.args if isinstance(a, torch.fx.Node))
     if rg and not is_view and op_costs.saves_inputs(name, tensor_operands):
-        for a in node.args:
+        kept = _product_keeps(name, node, needs_grad)
+        for i, a in enumerate(node.args):
             key = same.get(a.name, a.name) if isinstance(a, torch.fx.Node) else ""
             if (isinstance(a, torch.fx.Node) and a.name not in param_alias and key not in saved
-                    and isinstance(a.meta.get("val"), torch.Tensor)):
+                    and isinstance(a.meta.get("val"), torch.Tensor) and (kept is None or i in kept)):
                 saved.add(key)
                 saved_bytes += _nbytes(a.meta["val"])
         if cls is OpClass.ATTENTION and outs:

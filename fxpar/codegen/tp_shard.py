@@ -1,0 +1,160 @@
+"""Column / row sharding of attention and MLP projections as the graph analysis found them
+(:mod:`fxpar.tracing.tp_analysis`): no module names.
+
+Position ``t`` owning key/value groups ``[a, b)`` keeps, of every column-parallel projection,
+the output features ``Projection.intervals(a, b)`` (whole heads; every role of a fused
+projection), of every row-parallel one the same input features; MLP columns ``[c, e)`` the
+same way.  A ``linear`` weight is (out, in), a ``Conv1D`` weight (in, out).  Column biases are
+sliced with their rows; a row-parallel bias is added once, by position 0.  Then the module where
+the attention runs sees its local head counts: integer attributes holding the model's heads,
+key/value heads or their widths (and a private copy of its ``config``) are set to the local
+values, so that forwards which reshape by them stay exact.  ``tp_copy`` goes on the input of the
+attention / MLP module when its column projections read that module's input, else on each
+column projection; ``tp_reduce`` on every row-parallel output.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from fxpar.codegen.shards import slice_parameter, slice_runs
+from fxpar.codegen.tp_collectives import tp_copy, tp_grad_sum, tp_reduce
+from fxpar.tracing.tp_analysis import Attention, Mlp, Projection
+
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
+               "n_head_kv", "n_kv_heads", "kv_heads", "num_query_heads")
+_WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "hidden_size", "embed_dim", "q_size", "kv_size",
+                "kv_dim", "q_dim", "attention_hidden_size")
+_MLP_ATTRS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "hidden_features", "inner_dim")
+
+
+def _slice_runs(full: torch.Tensor, dim: int, runs: Sequence[tuple[int, int]]) -> torch.nn.Parameter:
+    """``full`` cut to ``runs`` ((offset, size)) along ``dim``: one slice, equal pieces of
+    equal blocks (``slice_parameter``'s fused form), or pieces of any size."""
+    sizes = {n for _, n in runs}
+    block = runs[1][0] - runs[0][0] if len(runs) > 1 else 0
+    if len(runs) == 1:
+        return slice_parameter(full, dim, runs[0][0], runs[0][0] + runs[0][1])
+    if len(sizes) == 1 and full.shape[dim] == block * len(runs) and all(
+            b - a == block for (a, _), (b, _) in itertools.pairwise(runs)):
+        return slice_parameter(full, dim, runs[0][0], runs[0][0] + runs[0][1], parts=len(runs))
+    return slice_runs(full, dim, tuple(runs))
+
+
+def _leaf(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
+    path, _, name = fqn.rpartition(".")
+    return model.get_submodule(path), name
+
+
+def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int, first: bool, key: int) -> None:
+    """Keep units ``[lo, hi)`` of one projection (module docstring), in place."""
+    module, wname = _leaf(model, proj.weight)
+    runs = proj.intervals(lo, hi)
+    width = sum(n for _, n in runs)
+    column = proj.parallel == "column"
+    dim = (0 if proj.kind == "linear" else 1) if column else (1 if proj.kind == "linear" else 0)
+    setattr(module, wname, _slice_runs(getattr(module, wname), dim, runs))
+    for attr in (("out_features", "nf") if column else ("in_features",)):
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, width)
+    if proj.bias is not None:
+        bmod, bname = _leaf(model, proj.bias)
+        bias = getattr(bmod, bname)
+        if column:
+            setattr(bmod, bname, _slice_runs(bias, 0, runs))
+        elif first:
+            bias.fxpar_sharded = True  # held by one rank only: counted once in norms
+        elif proj.kind == "linear":
+            setattr(bmod, bname, None)
+        else:  # Conv1D's addmm needs a bias: a zero buffer on the other positions
+            zeros = torch.zeros_like(bias.detach())
+            zeros.fxpar_fill = 0.0
+            delattr(bmod, bname)
+            bmod.register_buffer(bname, zeros, persistent=False)
+    if not column:
+        module.register_forward_hook(lambda m, args, out: tp_reduce(out, key))
+
+
+def _copy_inputs(module: torch.nn.Module, key: int) -> None:
+    """``tp_copy`` on the module's first input (or ``hidden_states=``)."""
+    def pre_hook(m, args, kwargs):
+        if args:
+            return (tp_copy(args[0], key), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], key)}
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def _inside(path: str, ancestor: str) -> bool:
+    return not ancestor or path == ancestor or path.startswith(ancestor + ".")
+
+
+def copy_into(model: torch.nn.Module, owner: str, producers: Sequence[str], projections: Sequence[Projection],
+              key: int) -> None:
+    """One ``tp_copy`` on ``owner``'s input when every column projection reads it from outside
+    ``owner``; else one on each column projection's input."""
+    cols = [p for p in projections if p.parallel == "column"]
+    if owner and all(not _inside(m, owner) for m in producers) and all(_inside(p.module, owner) for p in cols):
+        _copy_inputs(model.get_submodule(owner), key)
+        return
+    for p in cols:
+        _copy_inputs(model.get_submodule(p.module), key)
+
+
+def _localize(module: torch.nn.Module, names: Sequence[str], mapping: dict[int, int]) -> None:
+    for name in names:
+        value = module.__dict__.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value in mapping:
+            setattr(module, name, mapping[value])
+
+
+def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, first: bool, key: int) -> None:
+    """Keep key/value groups ``[lo, hi)`` of one attention and make its module see local heads."""
+    for proj in att.projections:
+        shard_projection(model, proj, lo, hi, first, key)
+    copy_into(model, att.module, (att.input_module,), att.projections, key)
+    for fqn in att.shared_params:
+        sum_gradients(model, fqn, key)
+    for fqn, dim, per_unit in att.head_params:
+        owner, name = _leaf(model, fqn)
+        setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit, hi * per_unit))
+    g, d, kv = att.heads // att.kv_heads, att.head_dim, hi - lo
+    mapping = {att.kv_heads * d: kv * d, att.heads * d: kv * g * d, att.kv_heads: kv, att.heads: kv * g}
+    module = model.get_submodule(att.module)
+    _localize(module, _HEAD_ATTRS, {att.kv_heads: kv, att.heads: kv * g})
+    _localize(module, _WIDTH_ATTRS, {k: v for k, v in mapping.items() if k > max(att.heads, att.kv_heads)})
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "num_attention_heads", None) == att.heads:
+        local = copy.copy(config)
+        local.num_attention_heads = kv * g
+        if getattr(config, "num_key_value_heads", None) == att.kv_heads:
+            local.num_key_value_heads = kv
+        module.config = local
+
+
+def sum_gradients(model: torch.nn.Module, fqn: str, key: int) -> None:
+    """The gradient of the replicated parameter ``fqn``, used by this rank on its heads only,
+    summed over the group: ``∂L/∂w = Σ_t ∂L_t/∂w``.  The hook goes on the parameter object the
+    forward sees (registered by the owner's forward pre-hook, after any materialisation)."""
+    owner, name = _leaf(model, fqn)
+
+    def pre_hook(m, args):
+        p = getattr(m, name)
+        if isinstance(p, torch.nn.Parameter) and p.requires_grad and getattr(p, "fxpar_grad_key", None) != key:
+            p.fxpar_grad_key = key
+            p.register_hook(lambda g: tp_grad_sum(g, key))
+
+    owner.register_forward_pre_hook(pre_hook)
+
+
+def shard_mlp(model: torch.nn.Module, mlp: Mlp, lo: int, hi: int, first: bool, key: int) -> None:
+    """Keep columns ``[lo, hi)`` of one MLP."""
+    for proj in mlp.projections:
+        shard_projection(model, proj, lo, hi, first, key)
+    copy_into(model, mlp.module, mlp.input_modules, mlp.projections, key)
+    if mlp.module:
+        _localize(model.get_submodule(mlp.module), _MLP_ATTRS, {mlp.width: hi - lo})

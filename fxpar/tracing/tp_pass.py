@@ -1,0 +1,391 @@
+"""The pass of :mod:`fxpar.tracing.tp_dataflow` over an exported program: per node, the
+transfer rule of its op (that module's docstring lists them), projections, attention events,
+consumers and escapes collected in a :class:`~fxpar.tracing.tp_dataflow.Dataflow`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from fxpar.tracing.op_costs import op_name
+from fxpar.tracing.tp_dataflow import (
+    _BINARY,
+    _REDUCE,
+    _SAME,
+    _SDPA,
+    Axis,
+    Dataflow,
+    Dim,
+    Flow,
+    Scores,
+    _norm_dim,
+    _shape,
+    reshape_dims,
+)
+
+
+# ---- the pass ---------------------------------------------------------------------------------
+def _params(ep: Any) -> dict[str, str]:
+    """Placeholder name -> parameter FQN."""
+    kind = torch.export.graph_signature.InputKind.PARAMETER
+    return {spec.arg.name: str(spec.target) for spec in ep.graph_signature.input_specs if spec.kind == kind}
+
+
+def _projection(node: torch.fx.Node, name: str, params: dict[str, str], transposed: dict[str, str]
+                ) -> tuple[Any, tuple] | None:
+    """``(input node, (weight fqn, bias fqn, kind, out, in))`` of a projection, else None."""
+    a = node.args
+    def fqn(x: Any) -> str | None:
+        return params.get(x.name) if isinstance(x, torch.fx.Node) else None
+    if name == "linear" and len(a) >= 2 and fqn(a[1]):
+        w = _shape(a[1])
+        return a[0], (fqn(a[1]), fqn(a[2]) if len(a) > 2 else None, "linear", w[0], w[1])
+    if name == "addmm" and len(a) >= 3 and fqn(a[2]):
+        w = _shape(a[2])
+        return a[1], (fqn(a[2]), fqn(a[0]), "conv1d", w[1], w[0])
+    if name in ("mm", "matmul") and len(a) >= 2 and isinstance(a[1], torch.fx.Node):
+        if fqn(a[1]):
+            w = _shape(a[1])
+            return a[0], (fqn(a[1]), None, "conv1d", w[1], w[0])
+        if a[1].name in transposed:
+            w = _shape(a[1])
+            return a[0], (transposed[a[1].name], None, "linear", w[1], w[0])
+    return None
+
+
+def _escape(df: Dataflow, state: Any, why: str) -> None:
+    if isinstance(state, Scores):
+        for f in (state.q, state.k):
+            _escape(df, f, why)
+    elif isinstance(state, list):
+        for f in state:
+            if f is not None:
+                _escape(df, f, why)
+    elif isinstance(state, Flow):
+        for src, _ in state.sources:
+            df.escapes.setdefault(src, []).append(why)
+
+
+def _aligned(dims: tuple, n: int) -> tuple:
+    return (None,) * (n - len(dims)) + tuple(dims)
+
+
+def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> Any:
+    """Elementwise op over Flows / Scores and plain operands (module docstring)."""
+    out_shape = _shape(node) or ()
+    n = len(out_shape)
+    states = [df.flows.get(a.name) for a in node.args if isinstance(a, torch.fx.Node)]
+    others = [a for a in node.args if isinstance(a, torch.fx.Node) and df.flows.get(a.name) is None]
+    scores = [s for s in states if isinstance(s, Scores)]
+    if scores:
+        extras = tuple(o.name for o in others if len(_shape(o) or ()) >= 3 and _shape(o)[-3] > 1)
+        return replace(scores[0], extras=scores[0].extras + extras)
+    flows = [s for s in states if isinstance(s, Flow)]
+    if len(flows) != len([s for s in states if s is not None]):
+        return None
+    dims: list[Dim] = [None] * n
+    for f in flows:
+        for k, e in enumerate(_aligned(f.dims, n)):
+            if isinstance(e, Axis):
+                if isinstance(dims[k], Axis) and dims[k] != e:
+                    return None
+                dims[k] = e
+            elif dims[k] is None and e == "B":
+                dims[k] = e
+    companions = tuple(c for f in flows for c in f.companions)
+    for o in others:
+        shape = (1,) * (n - len(_shape(o) or ())) + (_shape(o) or ())
+        fqn, pshape = _param_source(o, params)
+        for k, e in enumerate(dims):
+            if isinstance(e, Axis) and shape[k] > 1:
+                companions += ((fqn or o.name, e.stride, e.size, _param_dim(shape, k, pshape) if fqn else -1),)
+    return Flow(frozenset().union(*(f.sources for f in flows)), tuple(dims),
+                tuple(dict.fromkeys(r for f in flows for r in f.reduced)), tuple(dict.fromkeys(companions)))
+
+
+def _big(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(i, n) for i, n in enumerate(shape) if n != 1]
+
+
+def _param_source(o: torch.fx.Node, params: dict[str, str]) -> tuple[str | None, tuple[int, ...]]:
+    """``(parameter FQN, its shape)`` when ``o`` is a parameter through dtype casts, copies and
+    views that only add or drop size-1 dimensions, else ``(None, ())``."""
+    while o.name not in params and o.op == "call_function" and isinstance(o.args[0], torch.fx.Node) and (
+            op_name(o.target) in ("to", "_to_copy", "clone", "alias", "detach", "type_as", "contiguous")
+            or (op_name(o.target) in ("unsqueeze", "view", "reshape", "squeeze")
+                and [n for _, n in _big(_shape(o) or ())] == [n for _, n in _big(_shape(o.args[0]) or ())])):
+        o = o.args[0]
+    return (params[o.name], _shape(o) or ()) if o.name in params else (None, ())
+
+
+def _param_dim(operand: tuple[int, ...], k: int, param: tuple[int, ...]) -> int:
+    """The parameter dimension behind dimension ``k`` of an operand that is the parameter with
+    size-1 dimensions added (-1 if none)."""
+    mine, theirs = _big(operand), _big(param)
+    pos = [i for i, _ in mine]
+    return theirs[pos.index(k)][0] if k in pos and len(mine) == len(theirs) else -1
+
+
+def _reduce(flow: Flow, dims_arg: Any, keep: bool, n: int) -> Flow:
+    red = [_norm_dim(d, n) for d in (dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg])]
+    reduced = tuple((e.stride, e.size) for k, e in enumerate(flow.dims) if k in red and isinstance(e, Axis))
+    dims = tuple(None if k in red else e for k, e in enumerate(flow.dims)) if keep else tuple(
+        e for k, e in enumerate(flow.dims) if k not in red)
+    return replace(flow, dims=dims, reduced=flow.reduced + reduced)
+
+
+def _structural(node: torch.fx.Node, name: str, flow: Flow, df: Dataflow) -> Any:
+    """Views, moves, slices, splits (module docstring of tp_dataflow); None: not describable."""
+    a, src, dst = node.args, _shape(node.args[0]) or (), _shape(node)
+    n = len(src)
+    if name in ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "view_as", "reshape_as"):
+        dims = reshape_dims(flow.dims, src, dst) if dst is not None else None
+        return None if dims is None else replace(flow, dims=dims)
+    if name in ("transpose", "swapaxes"):
+        d0, d1 = _norm_dim(a[1], n), _norm_dim(a[2], n)
+        dims = list(flow.dims)
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+        return replace(flow, dims=tuple(dims))
+    if name == "t":
+        return replace(flow, dims=tuple(reversed(flow.dims)))
+    if name == "permute":
+        return replace(flow, dims=tuple(flow.dims[_norm_dim(d, n)] for d in a[1]))
+    if name == "unsqueeze":
+        dims = list(flow.dims)
+        dims.insert(_norm_dim(a[1], n + 1), None)
+        return replace(flow, dims=tuple(dims))
+    if name in ("expand", "expand_as", "repeat_interleave") and dst is not None and name != "repeat_interleave":
+        dims = (None,) * (len(dst) - n) + flow.dims
+        return replace(flow, dims=tuple("B" if e is None and dst[k] > 1 and (len(dst) - n > k or src[k - len(dst) + n] == 1)
+                                        else e for k, e in enumerate(dims)))
+    if name == "slice":
+        dim = _norm_dim(a[1] if len(a) > 1 else 0, n)
+        lo, hi = (a[2] if len(a) > 2 and a[2] is not None else 0), (a[3] if len(a) > 3 and a[3] is not None else src[dim])
+        step = a[4] if len(a) > 4 else 1
+        return _narrow(flow, dim, max(0, lo if lo >= 0 else lo + src[dim]), min(src[dim], hi if hi >= 0 else hi + src[dim]), step)
+    if name == "select":
+        dim, idx = _norm_dim(a[1], n), a[2] if a[2] >= 0 else a[2] + src[_norm_dim(a[1], n)]
+        part = _narrow(flow, dim, idx, idx + 1, 1)
+        return None if part is None else replace(part, dims=part.dims[:dim] + part.dims[dim + 1:])
+    if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split"):
+        return _pieces(node, name, flow, src)
+    return None
+
+
+def _narrow(flow: Flow, dim: int, lo: int, hi: int, step: int) -> Flow | None:
+    e = flow.dims[dim]
+    if not isinstance(e, Axis):
+        return flow
+    if e.rep != 1 or len(flow.sources) != 1 or step < 1:
+        return None
+    (src, base), = flow.sources
+    dims = list(flow.dims)
+    dims[dim] = Axis(e.stride * step, -(-(hi - lo) // step))
+    return replace(flow, sources=frozenset({(src, base + lo * e.stride)}), dims=tuple(dims))
+
+
+def _pieces(node: torch.fx.Node, name: str, flow: Flow, src: tuple[int, ...]) -> list | None:
+    a, n = node.args, len(src)
+    dim = _norm_dim(a[2] if len(a) > 2 else node.kwargs.get("dim", 0), n) if name != "unbind" else _norm_dim(
+        a[1] if len(a) > 1 else 0, n)
+    if name == "unbind":
+        sizes = [1] * src[dim]
+    elif name == "chunk":
+        per = -(-src[dim] // a[1])
+        sizes = [min(per, src[dim] - i * per) for i in range(a[1]) if i * per < src[dim]]
+    elif isinstance(a[1], int):
+        sizes = [min(a[1], src[dim] - i) for i in range(0, src[dim], a[1])]
+    else:
+        sizes = list(a[1])
+    out, lo = [], 0
+    for s in sizes:
+        part = _narrow(flow, dim, lo, lo + s, 1)
+        if part is not None and name == "unbind":
+            part = replace(part, dims=part.dims[:dim] + part.dims[dim + 1:])
+        out.append(part)
+        lo += s
+    return out
+
+
+def _cat(node: torch.fx.Node, df: Dataflow, stack: bool = False) -> Flow | None:
+    """``cat`` (or ``stack``) of pieces of one Flow that together cover a contiguous range of
+    features exactly (rotary ``rotate_half``, interleaved rotary's ``stack`` of even / odd
+    features): that range, in natural order — a permutation inside it is harmless while the
+    range lies within one head, which the analysis checks (the range is the head-size axis)."""
+    parts = node.args[0]
+    flows = [df.flows.get(p.name) if isinstance(p, torch.fx.Node) else None for p in parts]
+    if not flows or any(not isinstance(f, Flow) or len(f.sources) != 1 for f in flows):
+        return None
+    n = len(flows[0].dims)
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, n + (1 if stack else 0))
+    axis = n - 1 if stack else dim
+    axes = [f.dims[axis] for f in flows]
+    (src0, _), = flows[0].sources
+    if not all(isinstance(e, Axis) for e in axes) or any(s != src0 for f in flows for s, _ in f.sources) or (
+            stack and dim != n):
+        return None
+    feats = sorted(b + j * e.stride for f, e in zip(flows, axes) for _, b in f.sources for j in range(e.size))
+    lo = feats[0]
+    if feats != list(range(lo, lo + len(feats))) or any(f.dims[:axis] != flows[0].dims[:axis] for f in flows):
+        return None
+    dims = list(flows[0].dims)
+    if stack:
+        dims[axis:] = [Axis(len(flows), axes[0].size), Axis(1, len(flows))]
+    else:
+        dims[axis] = Axis(1, len(feats))
+    return Flow(frozenset({(src0, lo)}), tuple(dims), flows[0].reduced, flows[0].companions)
+
+
+def _attn_out(node: torch.fx.Node, q: Flow, v: Flow) -> Flow | None:
+    """The Flow of an attention output ``[..., heads, tokens, head_dim]``: source ``attn:<node>``."""
+    shape = _shape(node)
+    if shape is None or len(shape) < 3 or not isinstance(q.dims[-3], Axis):
+        return None
+    head, d = q.dims[-3], shape[-1]
+    dims = (None,) * (len(shape) - 3) + (Axis(d, head.size, 1, head.outer), None, Axis(1, d))
+    return Flow(frozenset({(f"attn:{node.name}", 0)}), dims)
+
+
+def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
+    """``q · kᵀ`` -> Scores; ``Scores · v`` -> an attention event (module docstring)."""
+    pair = node.args[:2] if operands is None else operands
+    a, b = (df.flows.get(x.name) if isinstance(x, torch.fx.Node) else None for x in pair)
+    if isinstance(a, Flow) and isinstance(b, Flow) and len(b.dims) >= 2 and isinstance(b.dims[-2], Axis) \
+            and not isinstance(b.dims[-1], Axis):
+        k = replace(b, dims=b.dims[:-2] + (b.dims[-1], b.dims[-2]))
+        return Scores(a, k)
+    if isinstance(a, Scores) and isinstance(b, Flow):
+        df.attention.append((node.name, a.q, a.k, b, a.extras))
+        return _attn_out(node, a.q, b)
+    return None
+
+
+def _sdpa(node: torch.fx.Node, df: Dataflow) -> Any:
+    q, k, v = (df.flows.get(x.name) if isinstance(x, torch.fx.Node) else None for x in node.args[:3])
+    if not all(isinstance(f, Flow) for f in (q, k, v)):
+        return None
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    shape = _shape(mask) if isinstance(mask, torch.fx.Node) else None
+    extras = (mask.name,) if shape and len(shape) >= 3 and shape[-3] > 1 else ()
+    df.attention.append((node.name, q, k, v, extras))
+    return _attn_out(node, q, v)
+
+
+def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, str]) -> Any:
+    """The state of ``node`` from its inputs' states (None: no Flow; raises nothing)."""
+    first = node.args[0] if node.args else None
+    state = df.flows.get(first.name) if isinstance(first, torch.fx.Node) else None
+    if name == "getitem" and isinstance(state, list):
+        return state[node.args[1]] if node.args[1] < len(state) else None
+    if name in _SDPA:
+        return _sdpa(node, df)
+    if name in ("matmul", "bmm"):
+        return _matmul(node, df)
+    if name == "baddbmm" and len(node.args) >= 3:  # bias + q·kᵀ (ALiBi): a per-head bias is an extra
+        scores = _matmul(node, df, node.args[1:3])
+        bias = node.args[0]
+        wide = isinstance(bias, torch.fx.Node) and (_shape(bias) or (1,))[0] > 1 and df.flows.get(bias.name) is None
+        return replace(scores, extras=(bias.name,)) if isinstance(scores, Scores) and wide else scores
+    if name in ("cat", "stack"):
+        return _cat(node, df, stack=name == "stack")
+    tensors = len([x for x in node.args if isinstance(x, torch.fx.Node)])
+    if name in _BINARY or ((name in _SAME or name in ("max", "min")) and tensors > 1):
+        return _elementwise(node, df, params)
+    if isinstance(state, Scores):
+        keep = _SAME | {"softmax", "_softmax", "_safe_softmax", "view", "reshape", "_unsafe_view"}
+        return state if name in keep else None
+    if not isinstance(state, Flow):
+        return None
+    if name in _SAME:
+        return state
+    if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+        return _reduce_keep(state, node.args[1], len(state.dims))
+    if name in _REDUCE:
+        dims = node.args[1] if len(node.args) > 1 else list(range(len(state.dims)))
+        keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        return _reduce(state, dims, keep, len(state.dims))
+    if name in ("layer_norm", "rms_norm", "native_layer_norm"):
+        return _norm(node, state, params)
+    return _structural(node, name, state, df)
+
+
+def _reduce_keep(flow: Flow, dim: int, n: int) -> Flow:
+    red = _reduce(flow, [dim], True, n)
+    return replace(red, dims=flow.dims)
+
+
+def _norm(node: torch.fx.Node, flow: Flow, params: dict[str, str]) -> Flow:
+    """``layer_norm(x, shape, w, b)``: reduces the last ``len(shape)`` dims; ``w`` / ``b`` are
+    per-feature companions there."""
+    n = len(flow.dims)
+    last = list(range(n - len(node.args[1]), n))
+    out = _reduce_keep(flow, last[0], n) if len(last) == 1 else _reduce(flow, last, True, n)
+    comps = tuple((params.get(w.name, w.name), e.stride, e.size, len(last) - (n - k))
+                  for w in node.args[2:4] if isinstance(w, torch.fx.Node)
+                  for k, e in enumerate(flow.dims) if k in last and isinstance(e, Axis))
+    return replace(out, dims=flow.dims, companions=out.companions + comps)
+
+
+def run(ep: Any) -> Dataflow:
+    """One pass over ``ep.graph`` (an :class:`torch.export.ExportedProgram`)."""
+    params = _params(ep)
+    transposed: dict[str, str] = {}
+    df = Dataflow(params=frozenset(params.values()))
+    for node in ep.graph.nodes:
+        if node.op == "output":
+            for a in node.all_input_nodes:
+                _escape_input(df, a, "the graph output")
+            continue
+        if node.op != "call_function":
+            continue
+        name = op_name(node.target)
+        if name in ("t", "transpose", "permute") and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].name in params and len(_shape(node.args[0]) or ()) == 2:
+            transposed[node.name] = params[node.args[0].name]
+        proj = _projection(node, name, params, transposed)
+        if proj is not None:
+            x, info = proj
+            df.projections[node.name] = info
+            df.inputs[node.name] = x.name if isinstance(x, torch.fx.Node) else ""
+            df.input_modules[node.name] = _producer_module(x, node)
+            state = df.flows.get(x.name) if isinstance(x, torch.fx.Node) else None
+            if isinstance(state, Flow):
+                df.consumers.append((node.name, state))
+            elif state is not None:
+                _escape(df, state, f"{name} at {node.name}")
+            n = len(_shape(node) or (0,))
+            df.flows[node.name] = Flow(frozenset({(node.name, 0)}), (None,) * (n - 1) + (Axis(1, info[3]),))
+            continue
+        inputs = [df.flows.get(a.name) for a in node.all_input_nodes if df.flows.get(a.name) is not None]
+        if not inputs:
+            continue
+        out = _transfer(node, name, df, params)
+        if out is None:
+            for s in inputs:
+                _escape(df, s, f"{name} at {node.name}")
+        else:
+            df.flows[node.name] = out
+    return df
+
+
+def _escape_input(df: Dataflow, a: torch.fx.Node, why: str) -> None:
+    state = df.flows.get(a.name)
+    if state is not None:
+        _escape(df, state, why)
+
+
+def _module_of(x: Any) -> str:
+    stack = x.meta.get("nn_module_stack") if isinstance(x, torch.fx.Node) else None
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+def _producer_module(x: Any, proj: torch.fx.Node) -> str:
+    """Module path of the op producing a projection's input ``x``, looking through the
+    projection module's own flattening views (GPT-2's ``Conv1D``)."""
+    own = _module_of(proj)
+    while isinstance(x, torch.fx.Node) and op_name(x.target) in ("view", "reshape", "_unsafe_view") \
+            and _module_of(x) == own and isinstance(x.args[0], torch.fx.Node):
+        x = x.args[0]
+    return _module_of(x)
