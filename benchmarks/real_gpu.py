@@ -25,9 +25,12 @@ prediction refits them without it; stored in ``fxpar.cluster.catalog.FRAMEWORK_C
   peak with sdpa attention (no seq x seq tensors), D the extra bytes of eager attention's scores;
   :func:`fit_memory` (GH200 runs only: the heterogeneous runs have no valid memory values).
 
-A run in heterogeneous stages (one stage's replicas on different kinds) is priced with the
-slowest replica's kind for the whole stage (fxpar's simulator gives a stage one kind; the
-synchronous step waits for the slowest replica anyway).
+A run in heterogeneous stages (one stage's replicas on different kinds, e.g. pipeline 0 on
+RTX-3090 -> Titan-RTX and pipeline 1 on RTX-2080 -> RTX-2080) is described as it ran: each
+replica on a node of its own kind (``StagePlan.replica_devices``), every pipeline with the same
+micro-batches; the simulator prices each pipeline at its own kinds (compute, its node's PCIe
+tensor parallelism) and starts each stage's gradient all-reduce when its slowest replica is done.
+(``--slowest-kind``: the former approximation, every replica of a stage on its slowest kind.)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import CATALOG, FRAMEWORK_CALIBRATION
 from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.predict import predict
+from fxpar.solvers.replica_pipeline import uneven_pipelines
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config
 from fxpar.tracing.repeat import depth, extend
@@ -112,13 +116,18 @@ def _stage_kind(stage: dict[str, Any]) -> str:
     return min(stage["replica_device_types"], key=lambda k: _FP32[k])
 
 
-def build_cluster(run: dict[str, Any]):
-    """One node per stage replica, dealt pipeline by pipeline (hand_plans' pipeline-major order)."""
+def _replica_kind(stage: dict[str, Any], p: int, slowest: bool = False) -> str:
+    return _stage_kind(stage) if slowest else stage["replica_device_types"][p]
+
+
+def build_cluster(run: dict[str, Any], *, slowest: bool = False):
+    """One node per stage replica, dealt pipeline by pipeline (hand_plans' pipeline-major order),
+    each of its replica's kind (``slowest``: of the stage's slowest kind)."""
     P, tp = run["dp_per_stage"][0], run["tensor_parallel"]
     nodes = []
     for p in range(P):
         for st in run["stages"]:
-            kind = _stage_kind(st)
+            kind = _replica_kind(st, p, slowest)
             nodes.append({"gpu": KINDS[kind], "count": tp, "intra_node_gbps": INTRA_GBPS[kind]})
     used = {n["gpu"] for n in run["nodes"]}
     if run["cluster_name"] == "clariden":
@@ -140,11 +149,12 @@ def build_plan(run: dict[str, Any], module, cluster):
                          blocks_per_stage=[len(st["transformer_blocks"]) for st in run["stages"]],
                          num_microbatches=m, pipelines=P, seq_len=run["seq_len"], tensor_parallel=[tp] * S)
     tf32 = all(CATALOG[k].tf32_tflops is not None for k in _kinds(run))  # torch ignores the flag without TF32
+    plan = uneven_pipelines(plan, plan.stages[0].data_split)  # each stage's replica_devices, where they differ
     return replace(plan, optimizer="adamw", overlap_grad_allreduce=False, allow_tf32=tf32)
 
 
 def _kinds(run) -> set[str]:
-    return {KINDS[_stage_kind(st)] for st in run["stages"]}
+    return {KINDS[k] for st in run["stages"] for k in st["replica_device_types"]}
 
 
 def calibration(run, consts: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -155,14 +165,14 @@ def calibration(run, consts: dict[str, float]) -> dict[str, dict[str, float]]:
 class Runs:
     """Each run's plan and cluster, built once; ``step``/``memory`` price them."""
 
-    def __init__(self, runs: list[dict[str, Any]]) -> None:
-        self.runs, self.models, self._built = runs, Models(), {}
+    def __init__(self, runs: list[dict[str, Any]], *, slowest: bool = False) -> None:
+        self.runs, self.models, self._built, self.slowest = runs, Models(), {}, slowest
 
     def _get(self, run, attention):
         key = (run["id"], attention)
         if key not in self._built:
             graph, module = self.models.get(run, attention)
-            cluster = build_cluster(run)
+            cluster = build_cluster(run, slowest=self.slowest)
             self._built[key] = (build_plan(run, module, cluster), graph, cluster)
         return self._built[key]
 
@@ -226,9 +236,9 @@ def _group(run) -> str:
     return GROUPS[_stage_kind(run["stages"][0])]
 
 
-def evaluate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Predict every run with constants fitted on all runs of its group, and leave-one-run-out."""
-    R = Runs(runs)
+def evaluate(runs: list[dict[str, Any]], *, slowest: bool = False) -> dict[str, Any]:
+    """Predict every run with constants fitted on its group's runs, and leave-one-run-out (``slowest``: see main)."""
+    R = Runs(runs, slowest=slowest)
     tterms = {r["id"]: R.time_terms(r) for r in runs}
     mterms = {r["id"]: R.memory_terms(r) for r in runs}
     timed = lambda r: bool(r.get("valid_for_time_validation", True))
@@ -301,8 +311,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="measured runs (real-gpu-runs.json format)")
     ap.add_argument("--json", "--out", type=Path, dest="out", help="folder for the JSON result (default benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="accepted for the runner; every run is always priced")
+    ap.add_argument("--slowest-kind", action="store_true",
+                    help="price every replica of a stage on its slowest kind (the former approximation)")
     args = ap.parse_args(argv)
-    report = evaluate(load_runs(args.runs))
+    report = evaluate(load_runs(args.runs), slowest=args.slowest_kind)
     head = ("run", "measured s", "fxpar s", "err", "LOO err", "Sailor err", "meas GiB", "fxpar GiB", "err",
             "LOO err", "Sailor err")
     rows = [(x["id"], f"{x['measured_step_s']:.4g}", f"{x['predicted_step_s']:.4g}", _pct(x["step_error"]),

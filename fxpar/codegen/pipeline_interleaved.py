@@ -3,13 +3,15 @@
 graph, run by ``torch.distributed.pipelining``'s multi-stage runtime on the lock-step action
 table of :mod:`fxpar.sim.interleaved` (plan ``schedule = "interleaved"``).
 
-Layout: ``P`` identical pipelines; stage ``j`` of pipeline ``p`` runs on ``stages[j].ranks[p]``
-(width 1).  Within a pipeline the stage -> rank pattern (by position in the pipeline's sorted
-ranks) is the same for every pipeline.  Gradients: the schedule scales micro-batch gradients
-by ``1/m``; a weight read by stages on two ranks (tied embeddings) is summed over those ranks
-(on one rank the stages share the tensor, so its gradient is already the sum); the ranks at
-the same position of every pipeline average.  As for 1F1B, the update equals one process on
-the global batch when every sample carries the same number of label tokens.
+Layout: ``P`` pipelines; stage ``j`` of pipeline ``p`` runs on ``stages[j].ranks[p]`` (width 1),
+pipeline ``p`` on its ``data_split[p]`` rows (its ranks' speeds and kinds may differ from the
+other pipelines').  Within a pipeline the stage -> rank pattern (by position in the pipeline's
+sorted ranks) is the same for every pipeline.  Gradients, as for 1F1B
+(:mod:`fxpar.codegen.pipeline_parallel`): each micro-batch's loss is weighted by its samples'
+label tokens over the global batch's; a weight read by stages on two ranks (tied embeddings) is
+summed over those ranks (on one rank the stages share the tensor, so its gradient is already
+the sum); the ranks at the same position of every pipeline sum.  So the update equals one
+process on the global batch whatever each pipeline's share and each sample's ``-100`` labels.
 """
 
 from __future__ import annotations
@@ -85,11 +87,13 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.stage_indices = [j for j in range(S) if stage_rank[j] == self.position]
         self.stage_index = self.stage_indices[0]
         self.tp_group = self.tp_position = None
+        self._owners: dict = {}  # the pipelines share their cuts: one group per position
         self.is_lead, self._sharded, self._link = True, False, None
         groups = [dist.new_group(r) for r in pipes]  # every rank creates every group, in order
         dp = [dist.new_group([pipes[p][k] for p in range(P)]) for k in range(len(pipes[0]))]
         self.pp_group = self.pipe_group = groups[self.pipeline_index]
         self.dp_group = dp[self.position]
+        self._stage_replicas = (tuple(pipes[p][self.position] for p in range(P)), self.dp_group)
         self.chain = [pipes[self.pipeline_index][stage_rank[j]] for j in range(S)]
         self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
         self.clock = SegmentClock(self.emulator)

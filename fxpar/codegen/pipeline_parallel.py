@@ -14,11 +14,14 @@ model's own mean loss over a micro-batch's ``N_mb`` items, the last stage back-p
 
     (N_mb / N) · L_mb      (the schedule's loss_fn, with ``scale_grads=False``)
 
-for every micro-batch of every pipeline, so that ``Σ_pipelines Σ_mb (N_mb / N) · L_mb = L``,
-the mean over the global batch, whatever number of ``-100`` labels each micro-batch holds.
+for every micro-batch of every pipeline (pipeline ``p`` trains its ``data_split[p]`` rows, so
+the pipelines may differ in batch as in device kind and speed), so that
+``Σ_pipelines Σ_mb (N_mb / N) · L_mb = L``, the mean over the global batch, whatever number of
+``-100`` labels each micro-batch holds.
 The per-sample items divided by ``N`` travel as the schedule's ``target`` (split into
 micro-batches with the inputs).  Tied parameters sum their stages' gradients; the stage
-groups SUM across the ``P`` pipelines; the returned loss is the same sum.
+groups SUM across the ``P`` pipelines (pipelines with their own cuts: each block's owners,
+:mod:`fxpar.codegen.pipeline_replicas`); the returned loss is the same sum.
 
 Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; a
 tensor-parallel stage is sharded in place (on ``meta`` for a meta model); the model is exported
@@ -50,6 +53,12 @@ from fxpar.codegen.materialize import (
     to_meta,
     weights_source,
 )
+from fxpar.codegen.pipeline_replicas import (
+    broadcast_first_pipeline,
+    owner_groups,
+    stage_modules,
+    sum_across_pipelines,
+)
 from fxpar.codegen.pipeline_split import split_stages
 from fxpar.codegen.pipeline_ties import (
     alias_groups,
@@ -68,7 +77,12 @@ from fxpar.codegen.pipeline_tp import (
 )
 from fxpar.codegen.shards import assemble, shard_spec
 from fxpar.codegen.tensor_parallel import shard_model
-from fxpar.codegen.tp_families import head_layout, split_sizes
+from fxpar.codegen.tp_families import (
+    head_layout,
+    refusal,
+    shardable_blocks,
+    split_sizes,
+)
 from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
@@ -79,12 +93,12 @@ from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.optim import make_optimizer
 from fxpar.runtime.precision import AUTOCAST_DTYPES
-from fxpar.tracing.structure import block_path, shardable_blocks
+from fxpar.tracing.structure import block_path
 
 
-def layer_to_stage(plan: Plan, block_paths: list[str]) -> list[int]:
-    """Stage index of each repeated block, from the stages' module lists."""
-    owner = {m: st.index for st in plan.stages for m in st.modules}
+def layer_to_stage(plan: Plan, block_paths: list[str], pipeline: int = 0) -> list[int]:
+    """Stage index of each repeated block in pipeline ``pipeline``, from the stages' module lists."""
+    owner = {m: st.index for st in plan.stages for m in stage_modules(st, pipeline)}
     missing = [b for b in block_paths if b not in owner]
     if missing:
         raise PlanError(f"pipeline plan does not place blocks {missing[:3]}; every block must "
@@ -146,8 +160,11 @@ class PipelineParallelModule(torch.nn.Module):
                for k, v in example_inputs.items()}
         if is_meta_model(model):  # exported and run on shapes only
             one = to_meta(one)
-        stage_of = layer_to_stage(plan, blocks)
+        cuts = [layer_to_stage(plan, blocks, q) for q in range(P)]  # each pipeline's own cuts
+        stage_of = cuts[self.pipeline_index]
         self._blocks, self._stage_of = blocks, stage_of
+        self._owners = owner_groups(plan, blocks, cuts, self.layout.chain)  # collective
+        self._stage_replicas = (tuple(self.layout.dp_ranks(self.stage_index, self.tp_position)), self.dp_group)
         self._canonical = canonical_names(model)  # before sharding can untie anything
         self._aliases = alias_groups(self._canonical)
         self._sharded = self.layout.tensor_parallel
@@ -180,10 +197,7 @@ class PipelineParallelModule(torch.nn.Module):
             self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
                                            loss_fn=self._scaled_loss, scale_grads=False)
         if P > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
-            with torch.no_grad():
-                for _, p in self.module.named_original_parameters():
-                    dist.broadcast(p.data, src=self.layout.dp_ranks(self.stage_index, self.tp_position)[0],
-                                   group=self.dp_group)
+            broadcast_first_pipeline(self.module.named_original_parameters(), self._owners, self._stage_replicas)
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str], *,
@@ -198,9 +212,8 @@ class PipelineParallelModule(torch.nn.Module):
         if unsupported:
             raise PlanError(
                 f"pipeline plan: tensor-parallel stages hold blocks {unsupported[:3]} of "
-                f"{type(model).__name__}, which have no attention fxpar can shard (Llama-style "
-                "q/k/v/o_proj, GPT-2 c_attn/c_proj, BERT query/key/value); re-plan with "
-                "max_tensor_parallel=1 for this model")
+                f"{type(model).__name__}, which have no attention fxpar can shard ("
+                f"{refusal(model, unsupported)}); re-plan with max_tensor_parallel=1 for this model")
         kv, _, _ = head_layout(model)
         if kv < max(self.layout.widths):
             raise PlanError(f"pipeline plan: a stage has tensor_parallel {max(self.layout.widths)}, but "
@@ -226,9 +239,11 @@ class PipelineParallelModule(torch.nn.Module):
         return self.module.named_original_parameters()
 
     def batch_rows(self) -> tuple[int, int]:
-        """``(start, stop)``: the rows of the global batch this rank's pipeline trains on."""
-        per = self.plan.global_batch // self.plan.pipelines
-        return self.pipeline_index * per, (self.pipeline_index + 1) * per
+        """``(start, stop)``: the rows of the global batch this rank's pipeline trains on (pipeline
+        ``p``: ``data_split[p]`` rows after those of the pipelines before it; uneven where it says)."""
+        split = self.plan.stages[0].data_split
+        start = sum(split[: self.pipeline_index])
+        return start, start + split[self.pipeline_index]
 
     def step(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
         """1F1B over this pipeline's share of ``batch`` (the global batch; with ``local=True``
@@ -348,12 +363,10 @@ class PipelineParallelModule(torch.nn.Module):
             whose = "this pipeline's share (the rows batch_rows() names)" if local else "the plan's global_batch"
             raise PlanError(f"{where}: the batch has {rows} samples ({checks.describe(batch)}) but "
                             f"{whose} is {expected}; feed batches of {expected} samples"
-                            + (f", or re-plan with global_batch={rows * (self.plan.pipelines if local else 1)}"
-                               if rows else ""))
+                            + (f", or re-plan with global_batch={rows}" if rows and not local else ""))
         checks.check_like_example(batch, self._input_specs, where, exact_shapes=True, require_keys=True)
         checks.check_token_ids(batch, self._vocab_size, where)
-        per = self.plan.global_batch // self.plan.pipelines
-        size = per // max(1, self.plan.num_microbatches)
+        size = self.plan.stages[0].data_split[self.pipeline_index] // max(1, self.plan.num_microbatches)
         starts = range(0, expected, size) if size else ()
         checks.check_labels_present(batch, where, causal=self._causal,
                                     chunks=[(s, min(s + size, expected)) for s in starts])
@@ -376,11 +389,8 @@ class PipelineParallelModule(torch.nn.Module):
 
     def _sync_gradients(self) -> None:
         sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
-        if self.plan.pipelines > 1:
-            for _, p in self.named_original_parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.dp_group)  # SUM: the weights hold 1/N
+        if self.plan.pipelines > 1:  # SUM: the weights hold 1/N
+            sum_across_pipelines(self.named_original_parameters(), self._owners, self._stage_replicas)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The full model's parameters under their original FQNs, on rank ``dst`` (None

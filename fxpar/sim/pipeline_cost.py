@@ -21,26 +21,34 @@ on the group's node, 2 forward and 2 backward per block, :func:`fxpar.sim.links.
 
 The schedule's event simulation (:mod:`fxpar.sim.pipeline_sim` for 1F1B / GPipe,
 :mod:`fxpar.sim.interleaved` for interleaved stages) gives the makespan ``T_pipe`` and when each
-position's last backward ends (``e_d``).  Then, as codegen runs it, each position all-reduces
+position's last backward ends (``e_d``).  Pipelines whose replicas differ (a stage's replica
+``p`` on its own kind ``k_jp``, pipeline ``p`` with its own micro-batch ``b_p``: the layout's
+``replica_kinds`` and ``micro_batches``) are each priced alone with their own ``f_jp``, ``b_jp``,
+``h_jp`` and schedule, ending position ``d`` at ``e_dp``; a position's all-reduce cannot start
+before its slowest replica is done, ``e_d = max_p e_dp`` (identical replicas: one schedule).
+Pipelines that cut the model differently (``replica_ranges``) price their own stages; the
+all-reduce of a position is priced with its largest replica's parameters.
+Then, as codegen runs it, each position all-reduces
 its gradients across the pipelines from ``e_d`` (``G_d = Σ_{j at d} n_j(u_j)·grad bytes``), each
 pipeline updates its parameters (``1/P`` of them under ZeRO-1) and, under ZeRO-1, all-gathers
 the updated weights (``W_d`` weight bytes):
 
-    step = AR_done(e, G) + max_d o_k·Σ_{j at d} n_j(u_j)·(1/P)^z + z·AG(W)
+    step = AR_done(e, G) + max_{d,p} o_{k_dp}·Σ_{j at d} n_j(u_j)·(1/P)^z + z·AG(W)
 
 Memory per device of position ``d`` (``r_j`` micro-batches in flight: 1F1B ``min(S − j, m)``,
 GPipe ``m``, interleaved ``min(S − j, m)``; ``w, g, o`` bytes per parameter of weights, gradient,
 optimizer state):
 
-    M_d = Σ_{j at d} n_j(u_j)·(w + g + o/P^z + g·[P > 1]) + r_j·b·A_j
-    A_j = Σ_i α_i·(0.3 + 0.7/u)                     (no checkpointing; Megatron: ~30% replicated)
-        = Σ_i β_i + max_i α_i·(0.3 + 0.7/u) / (r_j·b)   (checkpointing every block)
+    M_d = Σ_{j at d} peak_j,  peak_j = :func:`fxpar.sim.rank_memory.stage_peak_bytes`: the one
+          peak formula (:func:`fxpar.profiling.memory.step_peak_bytes`) with r_j in flight,
+          activations Σ_i α_i·(0.3 + 0.7/u) per sample (Megatron: ~30% replicated; under
+          checkpointing Σ_i β_i, the recomputed block in the workspace) and receive buffers
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,6 +56,7 @@ from fxpar.profiling.memory import state_bytes_per_param
 from fxpar.sim.interleaved import lockstep_order, replay
 from fxpar.sim.links import LinkCosts, tp_allreduce_s
 from fxpar.sim.pipeline_sim import simulate_stages
+from fxpar.sim.rank_memory import stage_peak_bytes
 from fxpar.sim.segments import SegmentTable, build_segments
 
 ACT_REPLICATED = 0.3
@@ -116,6 +125,38 @@ class PipelineLayout:
     #: False: the gradient all-reduce starts after the whole schedule, on every position at once
     #: (DeepSpeed's pipeline engine), instead of as each position's last backward ends
     overlap_grad_allreduce: bool = True
+    #: pipelines whose replicas differ: ``[p][j]`` the kind of stage ``j``'s replica in pipeline
+    #: ``p`` (``()``: every replica on its stage's ``kind``)
+    replica_kinds: tuple[tuple[str, ...], ...] = ()
+    #: samples per micro-batch of each pipeline (``()``: ``micro_batch`` for every pipeline)
+    micro_batches: tuple[int, ...] = ()
+    #: pipelines with their own cuts: ``[p][j]`` the segments ``(start, end)`` of stage ``j`` in
+    #: pipeline ``p`` (``()``: every pipeline cuts as ``stages`` say)
+    replica_ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def ranges(self, p: int) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of each stage in pipeline ``p``."""
+        return self.replica_ranges[p] if self.replica_ranges else tuple((st.start, st.end) for st in self.stages)
+
+    def replica(self, p: int) -> tuple[tuple[str, ...], int]:
+        """(kind of each stage, micro-batch) of pipeline ``p``."""
+        kinds = self.replica_kinds[p] if self.replica_kinds else tuple(st.kind for st in self.stages)
+        return kinds, (self.micro_batches[p] if self.micro_batches else self.micro_batch)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRun:
+    """One pipeline replica's schedule (module docstring): per stage ``f_jp``, ``b_jp``, ``h_jp``;
+    per position the end of its last op, busy seconds, optimizer seconds and memory per device."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    hop_s: tuple[float, ...]
+    ends_s: tuple[float, ...]
+    busy_s: tuple[float, ...]
+    optimizer_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    events: tuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +175,8 @@ class PipelineRun:
     position_optimizer_s: tuple[float, ...]
     memory_bytes: tuple[int, ...]   # per device of each position
     events: tuple                   # (stage, kind, start, end, micro-batch, arrival)
+    #: each pipeline's own schedule (the figures above: the slowest replica's, per stage or position)
+    replicas: tuple[ReplicaRun, ...] = ()
 
 
 def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float, float]:
@@ -152,23 +195,15 @@ def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float
 
 
 def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int, pipelines: int,
-                 zero: bool) -> float:
-    """Bytes per device of one stage: its model state and ``in_flight`` micro-batches' activations."""
-    t, i, e = prices.table, st.start, st.end
-    w, g, o = state_bytes_per_param(prices.optimizer, prices.dtype)
-    per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
-    state = float(t.local_params(st.width)[i:e].sum()) * per_param
-    share = ACT_REPLICATED + (1 - ACT_REPLICATED) / st.width
-    factor = in_flight * b
-    if st.checkpointing:
-        act = float(t.boundary_bytes[i:e].sum()) + float((t.act_bytes[i:e] * share).max()) / max(factor, 1)
-    else:
-        act = float((t.act_bytes[i:e] * share).sum())
-    return state + factor * act
+                 zero: bool, *, microbatches: int | None = None, first: bool = False, last: bool = False) -> float:
+    """Bytes per device of one stage at its step's peak (:func:`fxpar.sim.rank_memory.stage_peak_bytes`)."""
+    return stage_peak_bytes(prices.table, st, optimizer=prices.optimizer, dtype=prices.dtype, in_flight=in_flight,
+                            b=b, microbatches=microbatches or in_flight, pipelines=pipelines, zero=zero,
+                            act_share=ACT_REPLICATED + (1 - ACT_REPLICATED) / st.width, first=first, last=last)
 
 
-def _hops(prices: PipelinePrices, layout: PipelineLayout) -> list[float]:
-    t, b, S = prices.table, layout.micro_batch, len(layout.stages)
+def _hops(prices: PipelinePrices, layout: PipelineLayout, b: int) -> list[float]:
+    t, S = prices.table, len(layout.stages)
     return [float(t.boundary_bytes[st.end - 1]) * b
             / layout.links.hop_bytes_per_s(st.position, layout.stages[j + 1].position) if j + 1 < S else 0.0
             for j, st in enumerate(layout.stages)]
@@ -191,28 +226,59 @@ def _schedule(layout: PipelineLayout, fwd, bwd, hops) -> tuple[list[float], list
     return ends, busy, events
 
 
-def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
-    """Simulate ``layout`` under ``prices`` (module docstring)."""
-    b, m, P, S = layout.micro_batch, layout.num_microbatches, layout.pipelines, len(layout.stages)
-    W = len(layout.links.nodes)
-    times = [stage_seconds(prices, st, b) for st in layout.stages]
+def price_replica(prices: PipelinePrices, layout: PipelineLayout, kinds: tuple[str, ...], b: int,
+                  ranges: tuple[tuple[int, int], ...] | None = None) -> ReplicaRun:
+    """One pipeline with its stages on ``kinds``, micro-batches of ``b`` samples and (where the
+    pipelines cut differently) its own stage ``ranges`` (module docstring)."""
+    m, P, S, W = layout.num_microbatches, layout.pipelines, len(layout.stages), len(layout.links.nodes)
+    ranges = ranges or tuple((st.start, st.end) for st in layout.stages)
+    stages = [st if (st.kind, st.start, st.end) == (k, i, e) else replace(st, kind=k, start=i, end=e)
+              for st, k, (i, e) in zip(layout.stages, kinds, ranges)]
+    times = [stage_seconds(prices, st, b) for st in stages]
     fwd, bwd = [f for f, _ in times], [x for _, x in times]
-    hops = _hops(prices, layout)
+    hops = _hops(prices, layout, b)
     ends, busy, events = _schedule(layout, fwd, bwd, hops)
-    makespan = max(ends)
-    w_bytes, g_bytes, _ = state_bytes_per_param(prices.optimizer, prices.dtype)
-    params, memory, opt = [0.0] * W, [0.0] * W, [0.0] * W
-    for j, st in enumerate(layout.stages):
+    memory, opt = [0.0] * W, [0.0] * W
+    for j, st in enumerate(stages):
         local = float(prices.table.local_params(st.width)[st.start:st.end].sum())
-        params[st.position] += local
         opt[st.position] += prices.optimizer_s_per_param[st.kind] * local * (1.0 / P if layout.zero else 1.0)
         in_flight = m if layout.schedule == "GPipe" else min(S - j, m)
-        memory[st.position] += stage_memory(prices, st, in_flight, b, P, layout.zero)
+        memory[st.position] += stage_memory(prices, st, in_flight, b, P, layout.zero, microbatches=m,
+                                            first=j == 0, last=j == S - 1)
+    return ReplicaRun(fwd_s=tuple(fwd), bwd_s=tuple(bwd), hop_s=tuple(hops), ends_s=tuple(ends),
+                      busy_s=tuple(busy), optimizer_s=tuple(opt), memory_bytes=tuple(memory), events=tuple(events))
+
+
+def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
+    """Simulate ``layout`` under ``prices`` (module docstring): each distinct pipeline replica's
+    schedule once, then the stage all-reduces from the slowest replica's ends."""
+    distinct: dict[tuple, ReplicaRun] = {}
+    keys = [layout.replica(p) + (layout.ranges(p),) for p in range(layout.pipelines)]
+    for key in keys:
+        if key not in distinct:
+            distinct[key] = price_replica(prices, layout, *key)
+    reps = tuple(distinct[key] for key in keys)
+    W = len(layout.links.nodes)
+    ends = [max(r.ends_s[d] for r in reps) for d in range(W)]
+    makespan = max(ends)
+    slowest = max(range(len(reps)), key=lambda q: (max(reps[q].ends_s), -q))
+    def worst(name: str) -> tuple:
+        """Per stage or position, the largest value of any replica."""
+        return tuple(max(values) for values in zip(*(getattr(r, name) for r in reps)))
+
+    w_bytes, g_bytes, _ = state_bytes_per_param(prices.optimizer, prices.dtype)
+    params = [0.0] * W   # the largest replica's, where the pipelines cut differently
+    for p in range(layout.pipelines if layout.replica_ranges else 1):
+        held = [0.0] * W
+        for st, (i, e) in zip(layout.stages, layout.ranges(p)):
+            held[st.position] += float(prices.table.local_params(st.width)[i:e].sum())
+        params = [max(a, x) for a, x in zip(params, held)]
+    opt = worst("optimizer_s")
     starts = ends if layout.overlap_grad_allreduce else [makespan] * len(ends)
     exposed = layout.links.allreduce_done_s(starts, [n * g_bytes for n in params]) - makespan
     gather = layout.links.allgather_s([n * w_bytes for n in params]) if layout.zero else 0.0
     return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,
                        exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,
-                       fwd_s=tuple(fwd), bwd_s=tuple(bwd), hop_s=tuple(hops), busy_s=tuple(busy),
-                       position_optimizer_s=tuple(opt), memory_bytes=tuple(int(x) for x in memory),
-                       events=tuple(events))
+                       fwd_s=worst("fwd_s"), bwd_s=worst("bwd_s"), hop_s=worst("hop_s"), busy_s=worst("busy_s"),
+                       position_optimizer_s=opt, memory_bytes=tuple(int(x) for x in worst("memory_bytes")),
+                       events=reps[slowest].events, replicas=reps)

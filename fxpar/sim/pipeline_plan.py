@@ -8,6 +8,10 @@ Everything is read from the plan and the cluster, nothing from the plan's stored
   the first stage and the head with the last where a hand-written plan lists blocks only);
 - its device kind: the group of its first rank; its width: ``tensor_parallel``; checkpointing:
   its own flag or the plan's;
+- each replica (pipeline ``p``): its stages' kinds, the groups of the replica's first ranks (so a
+  stage's replicas on different GPU kinds are each priced at their own speed), and its micro-batch
+  ``data_split[p] / num_microbatches``, and its stages' segments where the pipelines cut the model
+  differently (``replica_modules``); a position's intra-node link: the slowest of its replicas';
 - 1F1B / GPipe: stage ``j`` is position ``j``, its ranks ``P`` groups of ``u_j`` consecutive entries
   (pipeline by pipeline); interleaved: the positions are each pipeline's ranks in sorted order
   and stage ``s`` sits at the position of its rank (codegen's rule,
@@ -28,13 +32,13 @@ from fxpar.sim.pipeline_sim import pipeline_events
 from fxpar.sim.timeline import SimResult, TimelineEvent
 
 
-def stage_ranges(plan: Plan, prices: PipelinePrices) -> list[tuple[int, int]]:
-    """``[start, end)`` segments of each stage (module docstring); PlanError where the stages do not
-    cut the model's segments into contiguous ranges."""
+def stage_ranges(plan: Plan, prices: PipelinePrices, pipeline: int = 0) -> list[tuple[int, int]]:
+    """``[start, end)`` segments of each stage in pipeline ``pipeline`` (module docstring); PlanError
+    where the stages do not cut the model's segments into contiguous ranges."""
     table, S = prices.table, len(plan.stages)
     owner = [-1] * table.size
     for j, st in enumerate(plan.stages):
-        listed = set(st.modules)
+        listed = set(st.modules if st.replica_modules is None else st.replica_modules[pipeline])
         for i, mods in enumerate(table.modules):
             if mods and set(mods) <= listed:
                 owner[i] = j if owner[i] < 0 else owner[i]
@@ -80,30 +84,40 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
                    for st, d, (i, e) in zip(plan.stages, positions, ranges))
     links = LinkCosts(nodes=tuple(tuple(cluster.device(slot[0]).node for slot in row) for row in slots),
                       widths=tuple(len(row[0]) for row in slots),
-                      intra=tuple(prices.intra_bytes_per_s[kind[row[0][0]]] for row in slots),
+                      intra=tuple(min(prices.intra_bytes_per_s[kind[slot[0]]] for slot in row) for row in slots),
                       nic=float(prices.node_bytes_per_s))
-    b = plan.global_batch // (plan.pipelines * max(plan.num_microbatches, 1))
+    m = max(plan.num_microbatches, 1)
+    replica_kinds = tuple(tuple(kind[slots[d][p][0]] for d in positions) for p in range(plan.pipelines))
+    split = plan.stages[0].data_split if plan.stages else ()
+    uneven = len(set(split)) > 1
+    cuts = tuple(tuple(stage_ranges(plan, prices, p)) for p in range(plan.pipelines))
     return PipelineLayout(stages=stages, links=links, pipelines=plan.pipelines,
-                          num_microbatches=plan.num_microbatches, micro_batch=b,
+                          num_microbatches=plan.num_microbatches,
+                          micro_batch=split[0] // m if uneven else plan.global_batch // (plan.pipelines * m),
                           zero=plan.zero_sharded_optimizer, schedule=plan.schedule,
-                          overlap_grad_allreduce=plan.overlap_grad_allreduce), slots
+                          overlap_grad_allreduce=plan.overlap_grad_allreduce,
+                          replica_kinds=replica_kinds if len(set(replica_kinds)) > 1 else (),
+                          micro_batches=tuple(n // m for n in split) if uneven else (),
+                          replica_ranges=cuts if len(set(cuts)) > 1 else ()), slots
 
 
 def price_plan(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineRun, SimResult]:
     """The plan's price and its per-rank figures (no timeline: :func:`simulate_pipeline` adds it)."""
     layout, slots = layout_of(plan, prices, cluster)
     run = price(prices, layout)
-    position = _positions(slots)
-    busy = tuple(run.busy_s[position[r]] + run.position_optimizer_s[position[r]] for r in range(plan.world_size))
+    where = _positions(slots)
+    reps = [run.replicas[where[r][1]] for r in range(plan.world_size)]
+    busy = tuple(reps[r].busy_s[where[r][0]] + reps[r].optimizer_s[where[r][0]] for r in range(plan.world_size))
     comm = run.exposed_allreduce_s + run.gather_s
     return run, SimResult(step_s=run.step_s, compute_s=run.makespan_s, comm_s=comm, busy_s=busy,
                           idle_s=tuple(run.step_s - b - comm for b in busy),
-                          peak_memory_bytes=tuple(run.memory_bytes[position[r]] for r in range(plan.world_size)),
+                          peak_memory_bytes=tuple(int(reps[r].memory_bytes[where[r][0]]) for r in range(plan.world_size)),
                           events=())
 
 
-def _positions(slots) -> dict[int, int]:
-    return {r: d for d, row in enumerate(slots) for slot in row for r in slot}
+def _positions(slots) -> dict[int, tuple[int, int]]:
+    """rank -> (its position, its pipeline)."""
+    return {r: (d, p) for d, row in enumerate(slots) for p, slot in enumerate(row) for r in slot}
 
 
 def simulate_pipeline(plan: Plan, prices: PipelinePrices, cluster) -> SimResult:
@@ -111,14 +125,17 @@ def simulate_pipeline(plan: Plan, prices: PipelinePrices, cluster) -> SimResult:
     waits on hops, the gradient all-reduce, each rank's optimizer step and the ZeRO-1 gather."""
     run, figures = price_plan(plan, prices, cluster)
     layout, slots = layout_of(plan, prices, cluster)
-    stage_ranks = [tuple(r for slot in slots[st.position] for r in slot) for st in layout.stages]
-    events = pipeline_events(stage_ranks, run.events, list(run.hop_s))
-    position = _positions(slots)
+    events: list[TimelineEvent] = []
+    for rep in {id(r): r for r in run.replicas}.values():  # each distinct schedule, on its pipelines' ranks
+        pipes = [p for p, other in enumerate(run.replicas) if other is rep]
+        stage_ranks = [tuple(r for p in pipes for r in slots[st.position][p]) for st in layout.stages]
+        events += pipeline_events(stage_ranks, rep.events, list(rep.hop_s))
+    where = _positions(slots)
     t0, t1 = run.makespan_s, run.makespan_s + run.exposed_allreduce_s
     for r in range(plan.world_size):
         if t1 > t0:
             events.append(TimelineEvent(r, "all_reduce", t0, t1))
-        events.append(TimelineEvent(r, "optimizer", t1, t1 + run.position_optimizer_s[position[r]]))
+        events.append(TimelineEvent(r, "optimizer", t1, t1 + run.replicas[where[r][1]].optimizer_s[where[r][0]]))
         if run.gather_s > 0:
             events.append(TimelineEvent(r, "all_gather", t1 + run.optimizer_s, run.step_s))
     return replace(figures, events=tuple(events))

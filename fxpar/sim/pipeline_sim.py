@@ -101,7 +101,8 @@ def simulate_1f1b(fwd: list[float], bwd: list[float], hop: list[float], m: int
 
 def pipeline_events(stage_ranks: list[tuple[int, ...]], events, hops: list[float] | None = None
                     ) -> list[TimelineEvent]:
-    """Expand stage events to every rank of the stage (all replicas run the same schedule).
+    """Expand stage events to every rank of the stage (``stage_ranks[j]``: the ranks of the
+    replicas that run this schedule; replicas that differ are expanded one call each).
     With ``hops`` (the seconds after each stage), a ``hop`` event shows the part of a wait that
     is the transfer: up to ``h`` seconds before the op's inputs arrived, after its rank was free."""
     out, free = [], {}

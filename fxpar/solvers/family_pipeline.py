@@ -12,7 +12,10 @@
   large-memory kinds first (Whale) (:func:`fxpar.solvers.baselines.pipeline_baselines`), with
   the same effort (:func:`reranked`: the formula's best re-ranked by the simulator, the faster
   variant): the pipeline halves of the ``megatron_even`` and ``whale_rules`` baselines, and
-  candidates too, so the planner is never slower than a rule it can express.
+  candidates too, so the planner is never slower than a rule it can express;
+- :func:`replica_candidates`: a pipeline per node kind, the pipelines' batches in proportion to
+  their speed (:mod:`fxpar.solvers.replica_pipeline`), priced by the simulator and chosen only
+  where faster than the identical pipelines.
 
 Tensor-parallel stages are tried only where codegen can split the blocks (a guarantee, and a
 smaller search: for other models they would only add all-reduces).  No wall-clock time goes
@@ -27,6 +30,7 @@ from fxpar.solvers.baselines import pipeline_baselines
 from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, search_ranked
 from fxpar.solvers.pipeline_plan import simulate_config, to_plan, variants
 from fxpar.solvers.problems import Candidates, Problems
+from fxpar.solvers.replica_pipeline import kind_pipelines
 
 #: pipeline configurations the formula ranks best that the 1F1B event simulation re-ranks
 RERANKED = 8
@@ -37,24 +41,48 @@ def pipeline_candidates(p: Problems, max_tensor_parallel: int) -> Candidates:
     nothing where pipelines were not asked for or the model has no blocks."""
     if p.pipeline is None:
         return Candidates(baselines=(("megatron_even", None), ("whale_rules", None)))
+    if p.graph.tp_analysis is not None:  # each rank of a TP group needs a key/value group
+        max_tensor_parallel = max(1, min(max_tensor_parallel, p.graph.tp_analysis.max_width()))
     found = searched(p, max_tensor_parallel)
     rules = rule_pipelines(p, max_tensor_parallel)
-    return Candidates(plans=found.plans + rules.plans, explain=found.explain + rules.explain,
-                      baselines=rules.baselines)
+    mixed = replica_candidates(p, max_tensor_parallel, found.plans + rules.plans)
+    return Candidates(plans=found.plans + rules.plans + mixed.plans,
+                      explain=found.explain + rules.explain + mixed.explain, baselines=rules.baselines)
 
 
-def reranked(p: Problems, ranked: list[PipelineConfig], label: str, explain: list[str]) -> tuple[PipelineConfig, Plan]:
-    """The simulator's fastest of ``ranked`` (the formula's best, fastest first), in its faster
-    variant, and its plan; a line in ``explain`` where the simulator overrules the formula."""
+def replica_candidates(p: Problems, max_tensor_parallel: int, identical: tuple[Plan, ...]) -> Candidates:
+    """A pipeline per node kind, batch per pipeline by speed (:func:`kind_pipelines`), listed after
+    the identical pipelines (so they win ties); each line says how it compares with them."""
+    width = max_tensor_parallel if any(layer.tensor_parallel for layer in p.graph.layers) else 1
+    return kind_pipelines(p, width, min((q.predicted_step_s for q in identical), default=None))
+
+
+def reranked(p: Problems, ranked: list[PipelineConfig], label: str,
+             explain: list[str]) -> tuple[PipelineConfig, Plan] | None:
+    """The simulator's fastest of ``ranked`` (the formula's best, fastest first) whose simulated
+    per-rank peak fits every device, in its faster variant, and its plan; a line in ``explain``
+    where the simulator overrules the formula.  None when the simulation finds none fits (the
+    search's memory tables approximate the simulator's peak formula)."""
     ctx = p.pipeline
     steps = [simulate_config(ctx, c).step_s for c in ranked]
-    pick = min(range(len(ranked)), key=lambda i: (steps[i], i))
-    if pick:
-        explain.append(f"{label}: the formula's configuration #{pick + 1} is the fastest of its "
-                       f"{len(ranked)} best under the simulated 1F1B schedule ({ranked[0].pipelines} x "
-                       f"{len(ranked[0].stages)} stages, its first, simulates to {steps[0]:.4g} s)")
-    cfg = best_variant(ctx, ranked[pick], steps[pick], explain)
-    return cfg, to_plan(cfg, ctx, p.cluster, p.graph.model_name, p.workload, p.lower_bound_s)
+    for pick in sorted(range(len(ranked)), key=lambda i: (steps[i], i)):
+        cfg = best_variant(ctx, ranked[pick], steps[pick], [])
+        plan = to_plan(cfg, ctx, p.cluster, p.graph.model_name, p.workload, p.lower_bound_s)
+        if any(r.predicted_memory_bytes > r.memory_capacity_bytes for r in plan.ranks):
+            cfg = ranked[pick]  # the variant may hold more; the configuration as searched
+            plan = to_plan(cfg, ctx, p.cluster, p.graph.model_name, p.workload, p.lower_bound_s)
+            if any(r.predicted_memory_bytes > r.memory_capacity_bytes for r in plan.ranks):
+                explain.append(f"{label}: configuration #{pick + 1} does not fit under the simulated "
+                               "peak memory; skipped")
+                continue
+        else:
+            best_variant(ctx, ranked[pick], steps[pick], explain)   # its reasoning, once
+        if pick:
+            explain.append(f"{label}: the formula's configuration #{pick + 1} is the fastest fitting one of its "
+                           f"{len(ranked)} best under the simulated 1F1B schedule ({ranked[0].pipelines} x "
+                           f"{len(ranked[0].stages)} stages, its first, simulates to {steps[0]:.4g} s)")
+        return cfg, plan
+    return None
 
 
 def searched(p: Problems, max_tensor_parallel: int) -> Candidates:
@@ -65,7 +93,10 @@ def searched(p: Problems, max_tensor_parallel: int) -> Candidates:
     if not ranked:
         return Candidates(explain=("pipelines: no configuration fits in memory",))
     explain: list[str] = []
-    cfg, plan = reranked(p, ranked, "pipelines", explain)
+    found = reranked(p, ranked, "pipelines", explain)
+    if found is None:
+        return Candidates(explain=tuple(explain) + ("pipelines: no configuration fits in memory",))
+    cfg, plan = found
     where = ("" if cfg.pipelines == 1 else ", each stage's replicas side by side (stage-major)"
              if cfg.layout == "stage-major" else ", each pipeline's stages side by side (pipeline-major)")
     explain.append(f"pipelines: {cfg.pipelines} x {len(cfg.stages)} stages, "
@@ -98,7 +129,10 @@ def rule_pipelines(p: Problems, max_tensor_parallel: int) -> Candidates:
         if not ranked:
             continue
         label = f"pipelines with {rule} stages"
-        _, plan = reranked(p, ranked, label, explain)
+        found = reranked(p, ranked, label, explain)
+        if found is None:
+            continue
+        plan = found[1]
         steps[baseline] = plan.predicted_step_s
         plans.append(plan)
         explain.append(f"{label}: {plan.predicted_step_s:.4g} s")
