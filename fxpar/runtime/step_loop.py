@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 
-from fxpar.errors import ConfigError, FxparError, PlanError
+from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime import batch_checks as checks
@@ -214,10 +214,15 @@ class StepModule(torch.nn.Module):
     rank: int
 
     def _setup_step(self, module: torch.nn.Module, plan: Plan, rank: int, *, loss_fn: LossFn | None,
-                    loss_weighting: LossWeighting, emulate: bool, device: torch.device | str | None = None) -> None:
+                    loss_weighting: LossWeighting, emulate: bool, device: torch.device | str | None = None,
+                    strategy: str | None = None) -> None:
         """What the step loop reads: model, plan, rank, loss, weighting, the emulation clock and
         the rank's device (:func:`fxpar.runtime.device.rank_device` of ``device``), where the kind
-        places its shard."""
+        places its shard.  ``strategy``: the plan kind this module runs (a PlanError otherwise)."""
+        if strategy is not None and plan.strategy != strategy:
+            raise PlanError(f"{type(self).__name__} needs a {strategy} plan, got {plan.strategy!r}")
+        if not 0 <= rank < plan.world_size:
+            raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         check_loss_options(type(self).__name__, loss_fn, loss_weighting)
         self.module, self.plan, self.rank = module, plan, rank
         self.device = rank_device(device)
@@ -277,8 +282,9 @@ class StepModule(torch.nn.Module):
             total = self._total_items(batch, local, device)
             runs = self._microbatches(batch if local else self.shard_batch(batch))
             self.clock.start()
-            try:
-                loss_sum = self._run(runs, total, device)
+            try:  # kinds whose collectives run inside the forward / backward (sharded, EP, TP)
+                with peer_failures(f"{where}: a collective of the forward or backward", self.rank):
+                    loss_sum = self._run(runs, total, device)
             finally:
                 self.clock.stop()
             for p in self.module.parameters():
@@ -327,6 +333,9 @@ class StepModule(torch.nn.Module):
                 output = self._forward(mb)
                 loss = self.loss_fn(output, mb).float() if items else None
             weighted = loss * (items / total) if loss is not None else zero_loss(output)
+            # the output (a causal LM's B·S·V logits) is not kept through the backward: autograd
+            # holds what the loss needs (its own log-softmax copy)
+            del output
             with self._last_backward() if j == len(runs) - 1 else contextlib.nullcontext():
                 if weighted is not None:
                     self._backward(weighted)

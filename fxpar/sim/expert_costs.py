@@ -103,6 +103,9 @@ def build_problem(cost, global_batch: int, max_microbatches: int | None = None) 
         global_batch=global_batch, num_experts=E, routed_bytes_per_sample=D,
         a2a_fixed_s=layers * (PASSES * max(2 * t1 - t2, 0.0) + collectives.allgather_time(shape, 8.0 * N * E)),
         state_bytes=state(P) + (grads if N > 1 else 0), expert_state_bytes=state(expert_total // E),
-        activation_bytes_per_sample=cost.activation_bytes_per_sample() - saved_x + cost.transient_bytes_per_sample(),
+        activation_bytes_per_sample=(cost.activation_bytes_per_sample() - saved_x
+                                     + cost.transient_bytes_per_sample()),
         expert_activation_bytes_per_sample=saved_x, replicated_params=P, expert_params=expert_total // E,
-        allreduce_s=cost.allreduce_s(grads) if N > 1 else 0.0, max_microbatches=max_microbatches)
+        allreduce_s=cost.allreduce_s(grads) if N > 1 else 0.0, max_microbatches=max_microbatches,
+        grad_bytes_per_param=memory.state_bytes_per_param(cost.optimizer, cost.dtype)[1],
+        exchange_bytes=grads if N > 1 else 0.0, workspace_bytes_per_sample=cost.transient_bytes_per_sample())

@@ -33,13 +33,18 @@ ranks' per-layer times are proportional, as they are here):
     in_r  = β_j K max(φ_r (X_j − x_r)/E, (x_r/E)(Φ_j − φ_r))       inside node j
     A_r   = k α + max(nic_j, in_r)
     step  = max_r R_r + max_r X_r + max_r A_r + AR + max_r o_g (P + p x_r)
-    mem_r = S + m x_r + a ⌈s_r/k⌉ + a' (x_r/E) Σ_q ⌈s_q/k⌉  ≤  M_g
+    mem_r = S + m x_r + a ⌈s_r/k⌉ + a' (x_r/E) Σ_q ⌈s_q/k⌉  ≤  M_g      (the solver's bound)
+    as simulated: the one peak formula (:func:`rank_peak_bytes`): gradients exist from the
+    first backward on, the all-reduce buckets X only after the last, the workspace t only
+    during a backward
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from fxpar.profiling import memory
 
 PASSES = 4  # all-to-alls per MoE layer and step: dispatch + combine, forward and backward
 
@@ -76,6 +81,12 @@ class EPProblem:
     expert_params: int                      # p
     allreduce_s: float                      # AR
     max_microbatches: int | None = None
+    #: the peak formula's parts (0: S and a hold everything, the simple sum below): gradient
+    #: bytes per parameter g; X the replicated gradients' all-reduce buckets (inside S); t the
+    #: backward workspace per sample (inside a)
+    grad_bytes_per_param: float = 0.0
+    exchange_bytes: float = 0.0
+    workspace_bytes_per_sample: float = 0.0
 
     @property
     def world(self) -> int:
@@ -106,6 +117,21 @@ class EPEval:
     fits: bool
 
 
+def rank_peak_bytes(p: EPProblem, x: int, micro: int, k: int, total_micro: int) -> int:
+    """A rank's peak (module docstring, ``mem_r``) by :func:`fxpar.profiling.memory.step_peak_bytes`:
+    W + O = S − X − g·P + (m − g·p)·x,  G = g·(P + p·x),  k micro-batches of ⌈s_r/k⌉ samples, each
+    sample's activations a − t + a'·(x/E)·Σ_q ⌈s_q/k⌉ / ⌈s_r/k⌉ (the experts' tokens come from
+    every rank's micro-batch), workspace t."""
+    g = p.grad_bytes_per_param
+    grads = g * (p.replicated_params + p.expert_params * x)
+    held = p.state_bytes - p.exchange_bytes + p.expert_state_bytes * x - grads
+    act = p.activation_bytes_per_sample - p.workspace_bytes_per_sample
+    act += p.expert_activation_bytes_per_sample * x / p.num_experts * total_micro / max(micro, 1)
+    return memory.step_peak_bytes(weights=held, grads=grads, optimizer_state=0.0, sizes=[micro] * k,
+                                  activation_per_sample=act, workspace_per_sample=p.workspace_bytes_per_sample,
+                                  exchange=p.exchange_bytes)
+
+
 def valid_share(s: int, k: int) -> bool:
     """Whether ``k`` micro-batches of ``⌈s/k⌉`` samples (what codegen runs) are all non-empty."""
     return s >= k and (k - 1) * -(-s // k) < s
@@ -123,8 +149,7 @@ def evaluate(p: EPProblem, shares, counts, k: int) -> EPEval:
         R.append(k * g.fixed_s + g.sample_s * s)
         X.append(x * (k * g.expert_fixed_s + B * g.expert_sample_s / E))
         O.append(g.optimizer_s_per_param * (p.replicated_params + p.expert_params * x))
-        mem.append(int(p.state_bytes + p.expert_state_bytes * x + p.activation_bytes_per_sample * micro[r]
-                       + p.expert_activation_bytes_per_sample * x / E * total_micro))
+        mem.append(rank_peak_bytes(p, x, micro[r], k, total_micro))
     for j, ranks in enumerate(p.nodes):
         Phi, Xj = sum(shares[r] for r in ranks) / B, sum(counts[r] for r in ranks)
         nic = p.nic_s_per_byte * K * max(Phi * (1 - Xj / E), Xj / E * (1 - Phi))

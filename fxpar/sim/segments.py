@@ -35,6 +35,9 @@ class SegmentTable:
     fwd_c: Mapping[str, np.ndarray]
     #: parameters per segment that tensor parallelism splits (None: all of them)
     sharded_params: np.ndarray | None = None
+    #: per segment, the largest output of a node that needs a gradient, bytes per sample (the
+    #: backward workspace is twice it: that output's gradient and its input's; None: unknown)
+    out_bytes: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -97,8 +100,12 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
     b = float(graph.batch_size)
     act = np.zeros(n_seg)
     boundary = np.zeros(n_seg)
+    out_max = np.zeros(n_seg)
     for i, node in enumerate(graph.nodes):
         act[seg_of[i]] += node.saved_bytes / b
+        if node.requires_grad and node.op_class is not OpClass.VIEW:
+            out = sum(float(np.prod(sh)) for sh in node.out_shapes) * _itemsize(node.dtype) / b
+            out_max[seg_of[i]] = max(out_max[seg_of[i]], out)
         if node.out_shapes and node.op_class is not OpClass.VIEW and node.dtype.startswith(("float", "bfloat")):
             boundary[seg_of[i]] = float(np.prod(node.out_shapes[0])) * _itemsize(node.dtype) / b
     if n_layers:  # what leaves the embeddings is the hidden state the first block reads
@@ -140,4 +147,4 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
                + (tuple(sorted(post_modules)),))
     return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
                         boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
-                        fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params)
+                        fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max)
