@@ -7,7 +7,10 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     dp        uneven data parallelism vs torch DDP, measured (emulated speeds)
     pp        heterogeneous vs even pipeline, measured (emulated speeds)
     ep_tp     uneven expert / tensor parallelism vs even EP / TP and DDP, measured (emulated speeds)
+    sharded   uneven sharded DP vs torch FSDP2, even_fsdp and the best other plan under emulated
+              memory caps, measured (emulated speeds and caps)
     fidelity  cost model: predicted vs measured step time and memory
+    memory    predicted vs measured peak live tensor bytes per rank (DP, PP, TP, EP)
     rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
     real_gpu  predicted vs measured step time and memory of real GPU runs (shared/validation)
     collectives the collectives each plan kind issues per step, audited for NCCL validity
@@ -30,7 +33,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS, machine, result_path
 
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
-          "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "fidelity": "fidelity", "rebalance": "rebalance",
+          "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "sharded": "sharded_emulated", "fidelity": "fidelity", "memory": "memory_fidelity", "rebalance": "rebalance",
           "real_gpu": "real_gpu", "collectives": "collective_audit"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
@@ -38,7 +41,10 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "pp": "Heterogeneous pipeline vs even pipeline (measured on gloo CPU ranks, emulated speeds)",
           "ep_tp": "Uneven expert / tensor parallelism vs even EP / TP and torch DDP "
                    "(measured on gloo CPU ranks, emulated speeds)",
+          "sharded": "Uneven sharded DP under emulated memory caps vs torch FSDP2, fxpar even_fsdp and the "
+                     "best other plan (measured on gloo CPU ranks, emulated speeds and caps)",
           "fidelity": "Cost-model fidelity: predicted vs measured step time and peak memory",
+          "memory": "Peak memory: predicted vs measured live tensor bytes per rank (gloo CPU)",
           "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)",
           "real_gpu": "Validation on measured GPU runs (../shared/validation): predicted vs measured",
           "collectives": "Collectives per training step by plan kind (collective audit, gloo)"}

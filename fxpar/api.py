@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from fxpar.codegen.data_parallel import DataParallelModule
 from fxpar.codegen.expert_parallel import ExpertParallelModule
 from fxpar.codegen.pipeline_interleaved import InterleavedPipelineModule
 from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+from fxpar.codegen.sharded_data_parallel import ShardedDataParallelModule
 from fxpar.codegen.tensor_parallel import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
@@ -59,15 +60,17 @@ def _one_sample(example_inputs: Any, meta: bool = False) -> Any:
 
 
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
-              *, max_tensor_parallel: int = 8) -> Plan:
+              *, max_tensor_parallel: int = 8, strategies: Sequence[str] | None = None) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``.
 
     ``max_tensor_parallel`` caps the width of tensor-parallel pipeline stages (inside a node;
     1: none).  The solver offers them only for blocks codegen can split (Llama-style, GPT-2,
-    BERT, MoE experts; ``LayerInfo.tensor_parallel``)."""
+    BERT, MoE experts; ``LayerInfo.tensor_parallel``).  ``strategies``: the plan families
+    searched (:data:`fxpar.solvers.planner.FAMILIES`; None: all)."""
     first = next(model.parameters(), None)
     graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
-    return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel)
+    return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel,
+                      strategies=api_checks.check_strategies(strategies))
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
@@ -75,7 +78,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
          optimizer: str = "adam", max_microbatches: int | None = None, plan: Plan | None = None,
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8,
-         device: torch.device | str | None = None, checkpoint: str | Path | None = None):
+         device: torch.device | str | None = None, checkpoint: str | Path | None = None,
+         strategies: Sequence[str] | None = None):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -84,7 +88,10 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     its size.  A HF model (``PreTrainedModel``) needs none: fxpar builds the example batch from
     its config (:func:`default_example_inputs`: ``global_batch`` defaults to
     ``DEFAULT_SAMPLES_PER_DEVICE`` × devices, ``seq_len`` to ``DEFAULT_SEQ_LEN`` capped by the
-    model's positions).  Pass ``plan=`` to skip solving (a hand-written or saved plan).
+    model's positions).  Pass ``plan=`` to skip solving (a hand-written or saved plan), or
+    ``strategies=`` to limit the families the planner searches (e.g. ``["data_parallel"]``;
+    default: data parallel, pipelines with tensor-parallel stages, expert parallel, sharded
+    data parallel).
 
     ``device``: this rank's device (default :func:`fxpar.runtime.device.rank_device`:
     ``cuda:LOCAL_RANK`` under NCCL, else the CPU).  ``checkpoint``: a HF ``save_pretrained``
@@ -92,10 +99,11 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     slices) its plan gives it; meant for a model built on the ``meta`` device.
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
-    Returns a :class:`DataParallelModule` or, for a pipeline, tensor-parallel or expert-parallel
-    plan, a :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule`,
-    :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule` or
-    :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` — all with the same API:
+    Returns a :class:`DataParallelModule` or, for a pipeline, tensor-parallel, expert-parallel or
+    sharded data-parallel plan, a :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule`,
+    :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule`,
+    :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` or
+    :class:`~fxpar.codegen.sharded_data_parallel.ShardedDataParallelModule` — all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
     Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`, or
@@ -109,7 +117,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     api_checks.check_options(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                              max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn,
                              loss_weighting=loss_weighting, emulate=emulate,
-                             max_tensor_parallel=max_tensor_parallel, group=group)
+                             max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies)
     device = rank_device(device, group=group)
     cluster = _as_cluster(cluster)
     rank = _check_world(cluster, group)
@@ -122,7 +130,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     if plan is None:
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
-        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel)
+        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel,
+                              strategies)
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
@@ -156,6 +165,9 @@ def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *
     if plan.strategy == "expert_parallel":
         return ExpertParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
                                     loss_weighting=loss_weighting, **common)
+    if plan.strategy == "sharded_data_parallel":
+        return ShardedDataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
+                                         loss_weighting=loss_weighting, example_inputs=example_inputs, **common)
     if plan.strategy == "tensor_parallel":
         return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, **common)
     if plan.strategy == "pipeline":
@@ -189,13 +201,15 @@ def default_example_inputs(model: torch.nn.Module, cluster: Cluster, global_batc
                              task=task, device=where)
 
 
-def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8) -> Plan:
+def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8,
+                   strategies: Sequence[str] | None = None) -> Plan:
     """Rank 0 traces and solves; every rank gets the plan (or rank 0's error, raised alike)."""
     payload: list[Any] = [None]
     if rank == 0:
         try:
             payload[0] = ("ok", make_plan(model, cluster, example_inputs, workload,
-                                          max_tensor_parallel=max_tensor_parallel).to_json(indent=None))
+                                          max_tensor_parallel=max_tensor_parallel,
+                                          strategies=strategies).to_json(indent=None))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payload[0] = ("error", exc)
     if dist.is_available() and dist.is_initialized():

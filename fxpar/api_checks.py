@@ -18,6 +18,7 @@ from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks
 from fxpar.runtime.step_loop import LOSS_WEIGHTINGS
+from fxpar.solvers.planner import FAMILIES
 from fxpar.workload import DTYPES, OPTIMIZERS
 
 _LABEL_KEYS: tuple[str, ...] = ("labels", "label", "start_positions", "end_positions")
@@ -46,8 +47,9 @@ def choice_option(name: str, value: Any, accepted: tuple[str, ...], hint: str = 
 
 def check_options(*, global_batch: Any, seq_len: Any, dtype: Any, optimizer: Any,
                   max_microbatches: Any, plan: Any, loss_fn: Any, loss_weighting: Any,
-                  emulate: Any, max_tensor_parallel: Any, group: Any) -> None:
+                  emulate: Any, max_tensor_parallel: Any, group: Any, strategies: Any = None) -> None:
     """The scalar keywords of ``fxpar.auto``: types and ranges."""
+    check_strategies(strategies)
     positive_int_option("global_batch", global_batch,
                         hint=" (samples per optimizer step over all ranks; None: example_inputs' rows)")
     positive_int_option("seq_len", seq_len, hint=" (tokens per sample)")
@@ -71,6 +73,18 @@ def check_options(*, global_batch: Any, seq_len: Any, dtype: Any, optimizer: Any
         raise ConfigError(f"fxpar.auto: plan has type {type(plan).__name__} ({plan!r:.60}); pass a "
                           f"fxpar.Plan or None (solve one){load}")
     _check_group(group)
+
+
+def check_strategies(strategies: Any) -> tuple[str, ...]:
+    """``strategies`` of ``fxpar.auto``: None (every family) or a non-empty list of
+    ``FAMILIES``; returns the tuple the planner searches."""
+    if strategies is None:
+        return FAMILIES
+    names = (strategies,) if isinstance(strategies, str) else strategies
+    if not isinstance(names, (list, tuple)) or not names or any(s not in FAMILIES for s in names):
+        raise ConfigError(f"fxpar.auto: strategies = {strategies!r:.80}: expected None (search every "
+                          f"family) or a non-empty list of {list(FAMILIES)}")
+    return tuple(names)
 
 
 def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighting: Any,

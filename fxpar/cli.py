@@ -31,6 +31,7 @@ from fxpar.profiling.database import load_profiles
 from fxpar.scenario import load_scenario
 from fxpar.sim import simulate
 from fxpar.sim.plot import plot_timeline
+from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 
@@ -55,6 +56,14 @@ def _one_line(text: str) -> str:
 
 def _progress(message: str) -> None:
     print(f"[fxpar] {message}", file=sys.stderr, flush=True)
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [n for n in names if n not in FAMILIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(FAMILIES)}")
+    return names
 
 
 def _positive(text: str) -> int:
@@ -99,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
     p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
     p.add_argument("--emit", type=Path, help="write what each rank runs (stage code, parameters) here")
+    p.add_argument("--strategies", type=_strategies, default=FAMILIES, metavar="LIST",
+                   help=f"comma-separated plan families to search (default: all of {','.join(FAMILIES)})")
     p.add_argument("--explain", action="store_true",
                    help="print the candidates considered, the baselines and the solver's bound")
 
@@ -159,7 +170,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"{workload.global_batch}, seq {workload.seq_len}, {workload.dtype}, {workload.optimizer}")
 
     profiles = load_profiles(args.profiles)
-    plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles)
+    plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles,
+                      strategies=args.strategies)
     print(plan.table())
     if args.explain:
         print("\nwhy this plan:")

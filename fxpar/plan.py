@@ -80,6 +80,14 @@ class StagePlan:
     #: every parameter's rows are split in these proportions by :func:`ragged_rows`
     state_split: tuple[int, ...] | None = None
     shard_stage: int = 0              # sharded data parallelism: 2 or 3 (``SHARD_STAGES``)
+    #: pipeline: the device kind (``RankPlan.device`` of its ranks) of each replica of this stage,
+    #: in pipeline order, where the replicas differ (pipeline 0 on RTX-3090, pipeline 1 on
+    #: RTX-2080); None: every replica on ``device``.  Each replica is priced at its own kind.
+    replica_devices: tuple[str, ...] | None = None
+    #: pipeline: the modules of each replica of this stage, in pipeline order, where the pipelines
+    #: cut the model differently (a fast pipeline's first stage taking more blocks); None: every
+    #: replica runs ``modules``.  Width-1 stages and 1F1B / GPipe only.
+    replica_modules: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         check_stage(self)
@@ -149,8 +157,10 @@ class Plan:
     solve_time_s: float = field(default=0.0, compare=False)  # wall clock: not in to_json
     solver: SolverReport | None = None
     emulated: bool = False
-    pipelines: int = 1                # identical pipeline replicas (data parallel across them)
-    num_microbatches: int = 1         # per pipeline and step
+    pipelines: int = 1                # pipeline replicas (data parallel across them); replica p
+                                      # trains data_split[p] samples, on its stages' replica_devices
+    num_microbatches: int = 1         # per pipeline and step (pipeline p's micro-batch:
+                                      # data_split[p] / num_microbatches samples)
     schedule: str = "none"
     activation_checkpointing: bool = False   # every stage (a stage can also say so itself)
     zero_sharded_optimizer: bool = False
@@ -327,13 +337,15 @@ class Plan:
                f"global batch {self.global_batch}, {self.dtype}, {self.optimizer}"]
         if self.strategy == "pipeline":
             out.append(f"{self.pipelines} pipeline(s) x {len(self.stages)} stages, {self.num_microbatches} "
-                       f"micro-batches of {self.global_batch // (self.pipelines * self.num_microbatches)}, "
+                       f"micro-batches of {_micro_batches(self)}, "
                        f"{self.schedule}, ZeRO-1 {'on' if self.zero_sharded_optimizer else 'off'}, "
                        f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}")
-            out += [f"  stage {st.index}: {st.device}, TP {st.tensor_parallel} per pipeline, "
+            out += [f"  stage {st.index}: {'/'.join(st.replica_devices or ()) or st.device}, TP {st.tensor_parallel} per pipeline, "
                     f"{_span(st.modules)}, fwd+bwd {1e3 * (st.predicted_fwd_s + st.predicted_bwd_s):.2f} ms"
                     f"/micro-batch" + (", checkpointed" if st.activation_checkpointing else "")
                     for st in self.stages]
+        if self.strategy == "sharded_data_parallel" and self.stages and self.stages[0].state_split is not None:
+            out.append(_sharded_line(self))
         if self.strategy == "expert_parallel" and self.stages and self.stages[0].expert_split is not None:
             split = self.stages[0].expert_split
             shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
@@ -341,7 +353,8 @@ class Plan:
         out += [line(head), line(tuple("-" * w for w in widths))]
         out += [line(row) for row in rows]
         if self.predicted_step_s > 0 and self.lower_bound_s > 0:
-            comm = "all-to-all + all-reduce" if self.strategy == "expert_parallel" else "all-reduce"
+            comm = {"expert_parallel": "all-to-all + all-reduce",
+                    "sharded_data_parallel": "all-gather + reduce-scatter"}.get(self.strategy, "all-reduce")
             out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
                        f" + {comm} {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
                        f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
@@ -380,6 +393,40 @@ def ragged_rows(num_rows: int, weights: Sequence[int]) -> tuple[int, ...]:
     for r in order[: num_rows - sum(rows)]:
         rows[r] += 1
     return tuple(rows)
+
+
+def _sharded_line(plan: Plan) -> str:
+    """The sharding stage, each rank's state share and who checkpoints / offloads."""
+    st, ranks = plan.stages[0], plan.ranks
+    total = sum(st.state_split or ()) or 1
+    shares = [f"{100 * w / total:.1f}" for w in st.state_split or ()]
+    shown = "/".join(shares) if len(shares) <= 16 else f"{min(shares)}-{max(shares)}"
+    ckpt = [r.rank for r in ranks if r.activation_checkpointing]
+    off = [r.rank for r in ranks if r.offload_optimizer]
+    return (f"ZeRO-{st.shard_stage}, model state % per rank: {shown}; activation checkpointing: ranks "
+            f"{_which(ckpt, len(ranks))}; optimizer offloaded: ranks {_which(off, len(ranks))}")
+
+
+def _which(ranks: Sequence[int], world: int) -> str:
+    return "none" if not ranks else "all" if len(ranks) == world else _ranges(ranks)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, list(ranks[1:]) + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def _micro_batches(plan: Plan) -> str:
+    """Samples per micro-batch: one number, or one per pipeline where their batches differ."""
+    split = plan.stages[0].data_split if plan.stages else ()
+    if len(set(split)) > 1:
+        return "/".join(str(n // plan.num_microbatches) for n in split) + " (per pipeline)"
+    return str(plan.global_batch // (plan.pipelines * plan.num_microbatches))
 
 
 def _span(modules: Sequence[str]) -> str:

@@ -106,6 +106,14 @@ def check_stage(s: Any) -> None:
     for name in ("tensor_split", "expert_split", "mlp_split", "state_split"):
         if getattr(s, name) is not None:
             _set(s, **{name: _ints(getattr(s, name), where, name, 0)})
+    if s.replica_devices is not None:
+        kinds = _texts(s.replica_devices, where, "replica_devices")
+        if not kinds or not all(kinds):
+            raise _fail(where, "replica_devices", s.replica_devices, "a device kind (non-empty text) per pipeline")
+        _set(s, replica_devices=kinds)
+    if s.replica_modules is not None:
+        items = _sequence(s.replica_modules, where, "replica_modules", "module lists, one per pipeline")
+        _set(s, replica_modules=tuple(_texts(m, where, f"replica_modules[{q}]") for q, m in enumerate(items)))
 
 
 def check_solver(s: Any) -> None:
@@ -205,6 +213,11 @@ def _check_stages(p: Any) -> None:
                 raise PlanError(f"plan.stages[{i}].ranks = {list(st.ranks)}: pipelines {p.pipelines} x "
                                 f"tensor_parallel {st.tensor_parallel} needs "
                                 f"{p.pipelines * st.tensor_parallel} ranks")
+            _check_replicas(p, i, st)
+        elif st.replica_devices is not None or st.replica_modules is not None:
+            name = "replica_devices" if st.replica_devices is not None else "replica_modules"
+            raise PlanError(f"plan.stages[{i}].{name} = {list(getattr(st, name))}: only a pipeline "
+                            f"plan has stage replicas, this plan is {p.strategy!r}; leave it null")
         elif p.strategy == "data_parallel" and sum(st.data_split) != p.global_batch:
             raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: the shares sum to "
                             f"{sum(st.data_split)}, not global_batch {p.global_batch}; they must add up "
@@ -213,3 +226,44 @@ def _check_stages(p: Any) -> None:
                 len(st.tensor_split) != len(st.ranks) or min(st.tensor_split, default=0) < 1):
             raise PlanError(f"plan.stages[{i}].tensor_split = {list(st.tensor_split)}: needs one entry "
                             f">= 1 per rank of the stage ({len(st.ranks)} ranks)")
+
+
+def _check_replicas(p: Any, i: int, st: Any) -> None:
+    """A pipeline stage's replicas: ``replica_devices[q]`` is the ``RankPlan.device`` of every
+    rank of replica ``q`` (ranks ``[q·u, (q+1)·u)`` of the stage, ``u = tensor_parallel``); every
+    stage splits the batch alike; where the pipelines' batches differ, pipeline ``q``'s
+    ``data_split[q]`` is ``num_microbatches`` micro-batches of ``data_split[q] / num_microbatches``
+    samples and its ranks say so (``batch_share``, ``micro_batch_size``, ``num_microbatches``)."""
+    u, where = st.tensor_parallel, f"plan.stages[{i}]"
+    first = p.stages[0].data_split
+    if st.data_split != first:
+        raise PlanError(f"{where}.data_split = {list(st.data_split)}: every stage of a pipeline trains the same "
+                        f"samples, so it must equal stages[0].data_split = {list(first)}")
+    if st.replica_devices is not None:
+        if len(st.replica_devices) != p.pipelines:
+            raise PlanError(f"{where}.replica_devices = {list(st.replica_devices)}: a pipeline plan with "
+                            f"pipelines = {p.pipelines} needs one device kind per pipeline")
+        for q, kind in enumerate(st.replica_devices):
+            wrong = [r for r in st.ranks[q * u:(q + 1) * u] if r < len(p.ranks) and p.ranks[r].device != kind]
+            if wrong:
+                raise PlanError(f"{where}.replica_devices[{q}] = {kind!r}, but rank {wrong[0]} of that replica "
+                                f"is a {p.ranks[wrong[0]].device!r} (ranks[{wrong[0]}].device); make them agree")
+    if st.replica_modules is not None and (len(st.replica_modules) != p.pipelines or u != 1
+                                           or p.schedule not in ("1F1B", "GPipe")):
+        raise PlanError(f"{where}.replica_modules: pipelines with their own stage cuts need one module list "
+                        f"per pipeline ({p.pipelines}), stages of tensor_parallel 1 and a 1F1B or GPipe "
+                        f"schedule (got {len(st.replica_modules)} lists, tensor_parallel {u}, "
+                        f"schedule {p.schedule!r})")
+    if len(set(st.data_split)) <= 1:
+        return
+    m = p.num_microbatches
+    for q, rows in enumerate(st.data_split):
+        if rows % m or rows == 0:
+            raise PlanError(f"{where}.data_split[{q}] = {rows}: pipeline {q}'s samples must split into "
+                            f"num_microbatches = {m} equal micro-batches (at least one sample each)")
+        for r in st.ranks[q * u:(q + 1) * u]:
+            rp = p.ranks[r] if r < len(p.ranks) else None
+            if rp is not None and (rp.batch_share, rp.micro_batch_size, rp.num_microbatches) != (rows, rows // m, m):
+                raise PlanError(f"plan.ranks[{r}]: batch_share {rp.batch_share}, micro_batch_size "
+                                f"{rp.micro_batch_size}, num_microbatches {rp.num_microbatches}; in pipeline {q} "
+                                f"({where}.data_split[{q}] = {rows}) they must be {rows}, {rows // m}, {m}")

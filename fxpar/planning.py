@@ -16,6 +16,7 @@ from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.keys import trace_at_two_batches
 from fxpar.solvers import check_inputs
 from fxpar.solvers import plan as solve_plan
+from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing import ModelGraph, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config
 from fxpar.tracing.repeat import SHALLOW_LAYERS, can_shorten, depth, extend
@@ -92,8 +93,9 @@ def _trace_shallow(spec: ModelSpec, workload: Workload, progress: Progress, star
 
 
 def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
-               progress: Progress = _quiet, profiles: Mapping[str, ProfileDB] | None = None) -> Plan:
-    """Trace (on meta) and solve: the CLI's ``fxpar plan``."""
+               progress: Progress = _quiet, profiles: Mapping[str, ProfileDB] | None = None,
+               strategies: tuple[str, ...] = FAMILIES) -> Plan:
+    """Trace (on meta) and solve among ``strategies``: the CLI's ``fxpar plan``."""
     check_inputs(cluster, workload)
     used = {g.type.name for g in cluster.groups()} & set(profiles or {})
     graph = trace_spec(model, workload, progress=progress,
@@ -101,6 +103,6 @@ def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
     if used:
         progress(f"measured profiles for {', '.join(sorted(used))}; roofline elsewhere")
     progress(f"solving for {cluster.world_size} devices in {len(cluster.groups())} groups")
-    result = solve_plan(graph, cluster, workload, profiles=profiles)
+    result = solve_plan(graph, cluster, workload, profiles=profiles, strategies=strategies)
     progress(f"solved in {result.solve_time_s:.2f} s")
     return result

@@ -18,6 +18,8 @@ The step's parts add up to the step (seconds, the slowest position's view):
         optimizer        the slowest position's update; gather: ZeRO-1's all-gather
     data parallel:  step = compute + allreduce + optimizer   (compute: the slowest rank)
     expert parallel: step = compute + alltoall + allreduce + optimizer
+    sharded data parallel: step = compute + gather + optimizer   (gather: the all-gathers and
+        reduce-scatters the compute does not hide, :mod:`fxpar.sim.sharded_sim`)
 
 Memory: ``peak_memory_bytes`` is what the program allocates (model state, activations in flight,
 buffers); ``driver_memory_bytes`` adds, per device kind, what a driver-level reading
@@ -148,6 +150,10 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
                   peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver)
     if prices is not None:
         return _pipeline_parts(plan, prices, cluster, common)
+    if plan.strategy == "sharded_data_parallel":  # exposed all-gathers + reduce-scatters in gather_s
+        return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=0.0,
+                          alltoall_s=0.0, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
+                          gather_s=sim.comm_s, hop_s=0.0, **common)
     if plan.strategy == "expert_parallel":
         a2a = sum(e.end_s - e.start_s for e in sim.events if e.rank == 0 and e.kind == "all_to_all")
         ar = sim.comm_s - a2a
@@ -162,14 +168,17 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
 def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Prediction:
     run, _ = price_plan(plan, prices, cluster)
     layout, _ = layout_of(plan, prices, cluster)
-    t, b, m = prices.table, layout.micro_batch, layout.num_microbatches
+    # the slowest pipeline replica's view (pipelines may differ in device kinds and batch)
+    q = max(range(len(run.replicas)), key=lambda p: (max(run.replicas[p].busy_s), -p))
+    (kinds, b), m, t = layout.replica(q), layout.num_microbatches, prices.table
     tp = [0.0] * len(run.busy_s)
-    for st in layout.stages:
-        parts = tp_allreduce_s(prices.intra_bytes_per_s[st.kind], st.width,
+    for st, kind in zip(layout.stages, kinds):
+        parts = tp_allreduce_s(prices.intra_bytes_per_s[kind], st.width,
                                t.boundary_bytes[st.start:st.end] * b) * (np.arange(st.start, st.end) > 0)
         tp[st.position] += 4 * float(parts.sum()) * m
-    busiest = max(range(len(run.busy_s)), key=lambda d: run.busy_s[d])
-    busy = run.busy_s[busiest]
+    busy_s = run.replicas[q].busy_s
+    busiest = max(range(len(busy_s)), key=lambda d: busy_s[d])
+    busy = busy_s[busiest]
     return Prediction(compute_s=busy - tp[busiest], tensor_parallel_s=tp[busiest],
                       bubble_s=max(run.makespan_s - busy, 0.0), allreduce_s=run.exposed_allreduce_s,
                       alltoall_s=0.0, optimizer_s=run.optimizer_s, gather_s=run.gather_s,

@@ -41,6 +41,29 @@ def test_auto_argument_errors(tmp_path):
         fxpar.auto(torch.nn.Linear(4, 4), fxpar.Cluster.emulated([1.0]))
 
 
+def test_strategies_limit_the_families_searched():
+    """``strategies=`` names the plan families the planner may choose; a wrong name or an empty
+    list is a ConfigError naming the keyword, before any tracing."""
+    from fxpar.api import make_plan
+    from fxpar.api_checks import check_strategies
+    from fxpar.solvers.planner import FAMILIES
+    from fxpar.workload import Workload
+
+    assert check_strategies(None) == FAMILIES
+    assert check_strategies("pipeline") == ("pipeline",)
+    for bad in ([], ["zero3"], 3):
+        with pytest.raises(ConfigError, match="strategies = .*expected None"):
+            check_strategies(bad)
+    with pytest.raises(ConfigError, match="strategies"):
+        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), strategies=["ddp"])
+    model = tiny_model("llama")
+    data = global_batch(model, 8, 16)
+    work = Workload(global_batch=8, seq_len=16, dtype="fp32", optimizer="adamw")
+    for only in ("data_parallel", "sharded_data_parallel", "pipeline"):
+        p = make_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), data, work, strategies=[only])
+        assert p.strategy == only, (only, p.strategy)
+
+
 def test_auto_with_only_model_and_cluster():
     """The one-liner: a HF causal LM and a cluster, nothing else.  The example batch comes from
     the config (DEFAULT_SAMPLES_PER_DEVICE x devices, DEFAULT_SEQ_LEN capped by the positions),

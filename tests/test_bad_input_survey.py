@@ -300,6 +300,7 @@ AUTO_CASES: dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]] = {
     "loss_fn 3": (lambda c: _auto(c, loss_fn=3), ("loss_fn", "3")),
     "emulate 'yes'": (lambda c: _auto(c, emulate="yes"), ("emulate", "'yes'")),
     "group 'world'": (lambda c: _auto(c, group="world"), ("group", "'world'")),
+    "strategies ['ddp']": (lambda c: _auto(c, strategies=["ddp"]), ("strategies", "ddp", "data_parallel")),
     "cluster 3": (lambda c: fxpar.auto(c["gpt"], 3, c["data"]), ("cluster", "int")),
     "cluster [1.0, 0.5]": (lambda c: fxpar.auto(c["gpt"], [1.0, 0.5], c["data"]), ("cluster", "list")),
     "cluster missing file": (lambda c: fxpar.auto(c["gpt"], "/nope/c.yaml", c["data"]), ("/nope/c.yaml",)),
@@ -331,7 +332,7 @@ AUTO_CASES: dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]] = {
                                ("model.layers.0", "GPT2LMHeadModel", "LlamaForCausalLM")),
     "tensor-parallel plan on an MLP": (
         lambda c: fxpar.auto(c["mlp"], c["c1"], c["x"], loss_fn=lambda o, b: o.sum(), plan=_tp_plan()),
-        ("tensor parallelism", "num_attention_heads")),
+        ("tensor parallelism", "Sequential")),
     "expert-parallel plan on a dense model": (lambda c: _auto(c, plan=_ep_plan()), ("GPT2LMHeadModel", "MoE")),
 }
 

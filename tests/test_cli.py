@@ -10,7 +10,7 @@ from fxpar.cli import main
 
 # Where data parallelism alone fits; the others need pipelines / tensor parallelism.
 FITS_DP = {"amp-gpt2-medium", "cpu-emulated-2", "hap-bert-base"}
-BASELINES = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
+BASELINES = ("even_dp", "proportional_dp", "megatron_even", "whale_rules", "even_fsdp")
 MOE = {"hap-moe"}  # MoE models also get the even expert-parallel baseline
 ALL = ["amp-gpt2-medium", "cpu-emulated-2", "h100-a100-llama7b", "hap-bert-base", "hap-moe",
        "homogeneous-a100", "lab-4090-a6000", "scale-1024-gpt175b"]
@@ -33,8 +33,9 @@ def test_plan_every_scenario(name, scenarios_dir, tmp_path, capsys):
         assert data["baselines"]["even_dp"] is not None
     else:
         assert data["baselines"]["even_dp"] is None
-        assert data["strategy"] in (("pipeline", "expert_parallel") if name in MOE else ("pipeline",))
-    if data["strategy"] == "data_parallel":
+        # replicated DP does not fit: a pipeline, sharded DP, or for MoE expert parallelism
+        assert data["strategy"] in ("pipeline", "sharded_data_parallel") + (("expert_parallel",) if name in MOE else ())
+    if data["strategy"] in ("data_parallel", "sharded_data_parallel"):
         assert sum(r["batch_share"] for r in data["ranks"]) == data["global_batch"]
     else:
         owned = sorted(r for st in data["stages"] for r in st["ranks"])
@@ -72,7 +73,8 @@ def test_plan_hf_config_json_and_module_function(tmp_path, capsys):
 
 
 def test_emit_data_parallel_and_pipeline(tmp_path, scenarios_dir, capsys):
-    assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--emit", str(tmp_path / "dp")]) == 0
+    assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--emit", str(tmp_path / "dp"),
+                 "--strategies", "data_parallel"]) == 0
     assert json.loads((tmp_path / "dp" / "rank_1.json").read_text())["runs"] == "the unchanged model"
     cluster = tmp_path / "small.yaml"
     cluster.write_text("device_types:\n  TINY: {fp32_tflops: 1, fp16_tflops: 2, memory_gib: 0.002, memory_gbps: 100}\n"

@@ -29,7 +29,7 @@ def _check(results: list[dict], kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["data_parallel", "pipeline", "interleaved", "tensor_parallel",
-                                  "expert_parallel"])
+                                  "expert_parallel", "sharded_data_parallel"])
 def test_collectives_are_nccl_valid(pool2, kind: str) -> None:
     results = pool2.run(audit_plan_kind, kind)
     assert results[0]["strategy"] == ("pipeline" if kind == "interleaved" else kind)
@@ -37,7 +37,7 @@ def test_collectives_are_nccl_valid(pool2, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["data_parallel", "pipeline", "interleaved", "tensor_parallel",
-                                  "expert_parallel"])
+                                  "expert_parallel", "sharded_data_parallel"])
 def test_every_kind_runs_with_an_explicit_device(pool2, kind: str) -> None:
     """``fxpar.auto(..., device=torch.device("cpu"))`` given explicitly: every module kind keeps
     its parameters on that device and issues the same valid collectives."""

@@ -124,7 +124,7 @@ def test_default_strategies_consider_expert_parallelism_for_moe(mixtral):
     graph, workload = mixtral
     plan = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), workload)
     names = [n for n, _ in plan.baselines]
-    assert names == ["even_dp", "proportional_dp", "megatron_even", "whale_rules", "even_ep"]
+    assert names == ["even_dp", "proportional_dp", "megatron_even", "whale_rules", "even_ep", "even_fsdp"]
     assert plan.baseline("even_ep") is not None and plan.predicted_step_s <= plan.baseline("even_ep")
     assert any(line.startswith("expert parallel (") for line in plan.explain)
     if plan.strategy == "expert_parallel":
@@ -161,5 +161,6 @@ def test_dense_models_get_no_expert_parallel_lines():
     graph = trace_spec(PRESETS["llama-tiny"], workload)
     assert build_problem(CostModel(graph, fxpar.Cluster.emulated([1.0, 0.5])), 8) is None
     plan = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), workload)
-    assert [n for n, _ in plan.baselines] == ["even_dp", "proportional_dp", "megatron_even", "whale_rules"]
+    assert [n for n, _ in plan.baselines] == ["even_dp", "proportional_dp", "megatron_even", "whale_rules",
+                                              "even_fsdp"]
     assert not any("expert" in line for line in plan.explain)

@@ -59,7 +59,8 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
     cluster = fxpar.Cluster.emulated(speeds)
     data = [global_batch(model, batch, seq, seed=1 + s) for s in range(steps)]
     plan = dp_only_plan(model, cluster, data[0], batch) if "num_local_experts" in TINY_CONFIGS[family] else None
-    pm = fxpar.auto(model, cluster, data[0], global_batch=batch, emulate=False, plan=plan)
+    pm = fxpar.auto(model, cluster, data[0], global_batch=batch, emulate=False, plan=plan,
+                    strategies=["data_parallel"])
     if micro_batch_size is not None:  # force gradient accumulation on every rank
         ranks = tuple(dataclasses.replace(
             r, micro_batch_size=min(micro_batch_size, r.batch_share) if r.batch_share else 0,
@@ -103,7 +104,7 @@ def emulation_timing(speeds: list[float]) -> dict:
     model = tiny_model("llama")
     cluster = fxpar.Cluster.emulated(speeds)
     data = global_batch(model, 8, 16)
-    pm = fxpar.auto(model, cluster, data, global_batch=8)
+    pm = fxpar.auto(model, cluster, data, global_batch=8, strategies=["data_parallel"])
     pm.step(data)
     t = pm.last_timing
     return {"rank": rank, "speed": speeds[rank], "compute_s": t.compute_s,
@@ -187,13 +188,16 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
 
 
 def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2) -> dict:
-    """fxpar.auto on a cluster too small for data parallelism: it plans and runs a pipeline."""
+    """fxpar.auto on a cluster too small for data parallelism: among data parallelism and
+    pipelines (``strategies=``; sharded data parallelism would also fit) it plans and runs a
+    pipeline."""
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_hidden_layers=4)),
                         device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(steps)]
-    pm = fxpar.auto(model, fxpar.Cluster.emulated(speeds, memory_gib=memory_gib), data[0], seq_len=16)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated(speeds, memory_gib=memory_gib), data[0], seq_len=16,
+                    strategies=["data_parallel", "pipeline"])
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -321,7 +325,14 @@ def auto_model_and_cluster_only() -> dict:
     ref = reference(**data, use_cache=False).loss
     ref.backward()
     ref_grads = dict(reference.named_parameters())
-    named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
-    worst = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in named)
-    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch,
+    if pm.plan.strategy == "sharded_data_parallel":  # this rank's rows of each gradient
+        rows = pm.owned_rows()
+        pairs = [(t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
+                  else ref_grads[t.names[0]].grad[slice(*rows[t.names[0]])])
+                 for t in pm.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
+    else:
+        named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
+        pairs = [(p.grad, ref_grads[n].grad) for n, p in named]
+    worst = max((a.reshape(-1) - b.reshape(-1)).abs().max().item() for a, b in pairs)
+    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "strategy": pm.plan.strategy,
             "loss_diff": abs(float(loss) - float(ref)), "max_grad_abs_diff": worst}

@@ -16,6 +16,7 @@ from fxpar.codegen.hand_plans import (
     pipeline_plan,
     tensor_parallel_plan,
 )
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.runtime.audit import CollectiveAudit
 from fxpar.runtime.device import rank_device
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
@@ -24,7 +25,8 @@ from .workers import TINY_CONFIGS
 
 #: plan kind -> (model family, number of blocks)
 KINDS = {"data_parallel": ("llama", 2), "pipeline": ("llama", 2), "pipeline_tp": ("llama", 2),
-         "interleaved": ("llama", 3), "tensor_parallel": ("llama", 2), "expert_parallel": ("mixtral", 2)}
+         "interleaved": ("llama", 3), "tensor_parallel": ("llama", 2), "expert_parallel": ("mixtral", 2),
+         "sharded_data_parallel": ("llama", 2)}
 
 
 def _model(family: str, layers: int) -> torch.nn.Module:
@@ -46,7 +48,10 @@ def _plan(kind: str, model: torch.nn.Module, cluster, batch: int, data: dict) ->
         return tensor_parallel_plan(model, cluster, global_batch=batch, kv_shares=[1, 1])
     if kind == "expert_parallel":
         return expert_parallel_plan(model, cluster, global_batch=batch, expert_split=[3, 1], batch_shares=[5, 3])
-    return None  # data parallel: fxpar.auto's own plan
+    if kind == "sharded_data_parallel":  # ZeRO-3, state 1:3 against batch 5:3
+        return sharded_data_parallel_plan(cluster, batch_split=[5, 3], state_split=[1, 3], shard_stage=3,
+                                          micro_batch_size=3)
+    return None  # data parallel: fxpar.auto's own plan (strategies=["data_parallel"])
 
 
 def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) -> dict:
@@ -63,7 +68,8 @@ def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) ->
     cluster = fxpar.Cluster.emulated([1.0] * world)
     plan = _plan(kind, model, cluster, batch, data[0])
     with CollectiveAudit(device) as audit:
-        pm = fxpar.auto(model, cluster, data[0], plan=plan, device=device if explicit_device else None)
+        pm = fxpar.auto(model, cluster, data[0], plan=plan, device=device if explicit_device else None,
+                        strategies=["data_parallel"] if plan is None else None)
         opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
         for b in data:
             with audit.in_phase("step"):

@@ -346,6 +346,21 @@ FRAMEWORK_CALIBRATION: Mapping[str, Mapping[str, Mapping[str, float]]] = types.M
     }),
 })
 
+#: Host link (device <-> host memory, what optimizer offload crosses): the type's ``pcie_gbps``
+#: (PCIe x16, one way; reference section 1: Gen3 ~16, Gen4 ~31, Gen5 ~63 GB/s), one slot per GPU.
+HOST_LINK_SOURCE = "reference section 1, 'PCIe (x16, uni)' column (DeviceType.pcie_gbps)"
+#: Parameters/s one node's CPUs update with DeepSpeed's CPU-Adam, shared by the node's offloading
+#: ranks: ZeRO-Offload (ATC'21, Table 3) ~0.22 s per 1e9 on two 24-core Xeons (U, as recalled),
+#: halved for a smaller host (U); SGD scaled by its lighter update traffic (memory.py).
+CPU_OPTIMIZER_PARAMS_PER_S = 2.0e9
+CPU_OPTIMIZER_SOURCE = "ZeRO-Offload (ATC'21) Table 3, CPU-Adam ~4.5e9 params/s (U), halved (U)"
+
+
+def host_link_bytes_per_s(device_type: DeviceType) -> float:
+    """Bytes/s one way between a device of ``device_type`` and its host memory (PCIe x16)."""
+    return device_type.pcie_gbps * 1e9
+
+
 #: Built-in device types by name (read-only).
 CATALOG: Mapping[str, DeviceType] = types.MappingProxyType({t.name: t for t in _ENTRIES})
 

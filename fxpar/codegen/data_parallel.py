@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.codegen.grad_buckets import GradientBuckets
 from fxpar.codegen.materialize import materialize, module_slots, weights_source
-from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime import batch_checks as checks
@@ -46,12 +46,8 @@ class DataParallelModule(StepModule):
                  broadcast_parameters: bool = True, example_inputs: Any = None,
                  device: torch.device | str | None = None, checkpoint: str | Path | None = None) -> None:
         super().__init__()
-        if plan.strategy != "data_parallel":
-            raise PlanError(f"DataParallelModule needs a data_parallel plan, got {plan.strategy!r}")
-        if not 0 <= rank < plan.world_size:
-            raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
-                         device=device)
+                         device=device, strategy="data_parallel")
         self.group = group
         self._grad_buckets: GradientBuckets | None = None
         self._input_specs = checks.input_specs(example_inputs)  # dtypes of the traced inputs

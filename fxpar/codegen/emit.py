@@ -3,6 +3,10 @@
 - ``plan.json``: the plan.
 - data parallel: ``rank_<r>.json``, the rank's share and micro-batches; every rank runs the
   unchanged model, so there is no generated code.
+- sharded data parallel: ``rank_<r>.json``, the rank's rows of the batch, its state weight, the
+  sharding stage, whether it recomputes blocks and offloads its optimizer, and (with the model)
+  its rows ``[lo, hi)`` of every parameter (:func:`fxpar.runtime.ragged.owned_rows`) with the
+  fraction of the model's elements they hold.
 - expert parallel: ``rank_<r>.json``, the rank's rows, its experts ``[lo, hi)`` of every MoE
   layer (the rest of the model is replicated; tokens reach their experts by all-to-all).
 - tensor parallel: ``position_<t>.py``, the exported graph of the model as position ``t`` of
@@ -33,6 +37,7 @@ from fxpar.codegen.pipeline_split import split_stages
 from fxpar.codegen.tensor_parallel import shard_model, split_sizes
 from fxpar.codegen.tp_layout import tp_layout
 from fxpar.plan import Plan
+from fxpar.runtime.ragged import owned_rows
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -54,6 +59,8 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
                 "batch_share": r.batch_share, "micro_batch_size": r.micro_batch_size,
                 "num_microbatches": r.num_microbatches, "batch_offset": offsets[r.rank]}))
         return written
+    if plan.strategy == "sharded_data_parallel":
+        return written + _emit_sharded(plan, model, out)
     if plan.strategy == "expert_parallel":
         split = plan.stages[0].expert_split
         for r in plan.ranks:
@@ -133,4 +140,30 @@ def _emit_tensor_parallel(plan: Plan, model: torch.nn.Module, example_inputs: di
             "rank": r.rank, "device": r.device, "replica": replica, "position": t,
             "kv_heads": layout.kv_shares[t], "rows": [lo, hi], "code": f"position_{t}.py",
             "tensor_parallel_group": layout.tp_ranks(replica), "data_parallel_group": layout.dp_ranks(t)}))
+    return written
+
+
+def _emit_sharded(plan: Plan, model: torch.nn.Module | None, out: Path) -> list[Path]:
+    """``rank_<r>.json`` of a sharded data-parallel plan (module docstring)."""
+    stage, offsets = plan.stages[0], plan.batch_offsets()
+    params = dict(model.named_parameters()) if model is not None else {}
+    total = sum(p.numel() for p in params.values())
+    written = []
+    for r in plan.ranks:
+        rows = {n: list(owned_rows(tuple(p.shape), stage.state_split)[r.rank]) + [p.shape[0] if p.dim() else 1]
+                for n, p in params.items()}
+        held = sum((hi - lo) * (p.numel() // max(1, of)) for (lo, hi, of), p in zip(rows.values(), params.values()))
+        data = {"rank": r.rank, "device": r.device, "batch_share": r.batch_share, "batch_offset": offsets[r.rank],
+                "micro_batch_size": r.micro_batch_size, "num_microbatches": r.num_microbatches,
+                "state_weight": stage.state_split[r.rank], "state_split": list(stage.state_split),
+                "shard_stage": stage.shard_stage, "activation_checkpointing": r.activation_checkpointing,
+                "offload_optimizer": r.offload_optimizer,
+                "runs": "the model with each parameter's rows [lo, hi) of `rows` held as its shard (with its "
+                        "gradient and optimizer state); " + ("blocks all-gathered around their forward and "
+                        "backward" if stage.shard_stage == 3 else "full parameters all-gathered each step")
+                        + ", gradients reduce-scattered into the shards"}
+        if model is not None:
+            data["rows"] = {n: v for n, v in rows.items()}
+            data["state_fraction"] = held / total if total else 0.0
+        written.append(_write_json(out / f"rank_{r.rank}.json", data))
     return written

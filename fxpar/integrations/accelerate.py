@@ -16,7 +16,8 @@ dataclass whose unset fields are filled from ``FXPAR_*`` environment variables::
 
 ``prepare`` parallelizes (``fxpar.auto``), registers the module through the public no-DDP path
 ``accelerator.prepare_model(pmodel, evaluation_mode=True)``, rebuilds the optimizer over this
-rank's parameters when they changed (pipeline stages, tensor shards), replaces the dataloader's
+rank's parameters when they changed (pipeline stages, tensor shards, the row shards of a
+sharded data-parallel plan, so AdamW holds only this rank's share of the state), replaces the dataloader's
 sampler by a per-rank share sampler (the loader you pass yields *global* batches), and registers
 save/load-state pre-hooks that write and read ``<dir>/fxpar`` with :mod:`fxpar.checkpoint` (each
 rank its own piece of the model and optimizer state, loadable under any plan).
@@ -97,7 +98,8 @@ class FxparPlugin:
         """The merged configuration: the plugin's fields override the config file's."""
         base = load_config(self.config_file) if self.config_file else config_from_mapping({}, source="FxparPlugin")
         d: dict[str, Any] = {"cluster": base.cluster, "speeds": base.speeds, "workload": dict(base.workload),
-                             "plan": base.plan, "max_tensor_parallel": base.max_tensor_parallel,
+                             "plan": base.plan, "strategies": base.strategies,
+                             "max_tensor_parallel": base.max_tensor_parallel,
                              "emulate": base.emulate}
         rebalance = base.rebalance
         if self.cluster is not None:
@@ -157,7 +159,7 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, pmodel: Any) -> torch.o
         return optimizer
     if len(optimizer.param_groups) != 1:
         raise ConfigError("fxpar prepare: the optimizer has several parameter groups and this plan "
-                          "re-creates parameters (pipeline stages / tensor shards); build the "
+                          "re-creates parameters (pipeline stages / tensor or row shards); build the "
                           "optimizer after prepare over pmodel.parameters()")
     if optimizer.state:
         raise ConfigError("fxpar prepare: the optimizer already has state; pass a fresh optimizer")

@@ -12,6 +12,7 @@ found through ``--fxpar-config`` / ``FXPAR_CONFIG`` (or passed as a mapping)::
       optimizer: adamw
       max_microbatches: null
     plan: plan.json              # optional: a saved plan instead of solving
+    strategies: [data_parallel]  # optional: the plan families the planner searches (default: all)
     max_tensor_parallel: 8        # widest tensor-parallel stage the solver may use (within a node)
     rebalance:
       enabled: true
@@ -67,6 +68,8 @@ class FxparConfig:
     speeds: tuple[float, ...] | None = None
     workload: Mapping[str, Any] = field(default_factory=dict)
     plan: str | None = None
+    #: plan families the planner searches (``fxpar.auto``'s ``strategies``); None: every family
+    strategies: tuple[str, ...] | None = None
     max_tensor_parallel: int = 8
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     emulate: bool = True
@@ -136,6 +139,8 @@ def config_from_mapping(d: Mapping[str, Any], *, source: str = "<dict>") -> Fxpa
         if not isinstance(kwargs["speeds"], (list, tuple)):
             raise ConfigError(f"{source}: speeds = {kwargs['speeds']!r}: expected a list such as [1.0, 0.5]")
         kwargs["speeds"] = tuple(kwargs["speeds"])
+    if isinstance(kwargs.get("strategies"), list):
+        kwargs["strategies"] = tuple(kwargs["strategies"])
     rb = kwargs.get("rebalance")
     if rb is not None:
         if isinstance(rb, bool):

@@ -18,6 +18,7 @@ simulations give the re-balancing measurements they control rather than this mac
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from fxpar.integrations.config import RebalanceConfig
 from fxpar.plan import Plan
 from fxpar.runtime.device import module_device, synchronize
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,12 @@ class StepMonitor:
     events: list[dict[str, Any]] = field(default_factory=list)
     _since_change: int = 0
     _start: float = 0.0
+
+    def __post_init__(self) -> None:
+        strategy = getattr(getattr(self.pmodel, "plan", None), "strategy", None)
+        if self.rebalance.enabled and strategy not in (None, "data_parallel"):
+            _LOG.info("fxpar: the plan is %s: online re-balancing re-solves data-parallel shares only, "
+                      "so this plan's shares stay fixed (strategies: [data_parallel] to re-balance)", strategy)
 
     @property
     def device(self) -> torch.device:

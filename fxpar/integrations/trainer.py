@@ -14,7 +14,11 @@ model, and Accelerate would wrap it in DDP):
   rank only its rows of every global batch (``plan.global_batch`` samples per optimizer step),
   re-read each step so re-balanced shares take effect at once;
 * ``training_step`` runs ``pmodel.step(rows, local=True)`` (forward, backward and fxpar's
-  gradient exchange for DP, PP or TP plans) and returns the global loss, equal on every rank;
+  gradient exchange for DP, PP, TP, EP or sharded DP plans) and returns the global loss, equal
+  on every rank;
+* the optimizer is the Trainer's own over ``pmodel.parameters()``: this rank's parameters,
+  which for a sharded data-parallel plan are its row shards (so AdamW holds only its share of
+  the state), and ZeRO-1 where a pipeline plan chose it;
 * gradient clipping uses the parallel module's whole-model norm (the Trainer's own clip would see
   one stage's or one shard's gradients), so ``max_grad_norm`` is applied by fxpar;
 * ``save_model`` gathers the full model and writes ``save_pretrained`` on rank 0; every
@@ -25,7 +29,9 @@ model, and Accelerate would wrap it in DDP):
 * ``train(resume_from_checkpoint=...)`` restores that state when training begins (after the
   Trainer has built the optimizer), and the Trainer skips the batches already trained;
 * evaluation: data-parallel plans use the Trainer's sharded loader; other plans load their
-  group's rows like training, and pipelines run a forward-only pass of their schedule.
+  group's rows like training, and pipelines run a forward-only pass of their schedule; a
+  sharded data-parallel plan evaluates the whole batch on every rank through the module's
+  forward (a collective that all-gathers the parameters for the duration).
 
 :class:`FxparCallback` times every step on every rank, adds per-device busy/idle and the
 imbalance to the Trainer's logs, and re-balances batch shares online (see
@@ -161,10 +167,10 @@ class FxparTrainer(Trainer):
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Data-parallel plans: the Trainer's own (sharded) loader.  Pipelines: each pipeline's
-        rows of every global batch, as in training (equal for all pipelines).  Tensor- and
-        expert-parallel plans: every rank evaluates the whole global batch (their collectives
-        run inside the forward, and uneven per-rank rows would make the Trainer gather losses
-        of unequal length).  A last partial global batch is dropped."""
+        rows of every global batch, as in training (equal for all pipelines).  Tensor-,
+        expert- and sharded data-parallel plans: every rank evaluates the whole global batch
+        (their collectives run inside the forward, and uneven per-rank rows would make the
+        Trainer gather losses of unequal length).  A last partial global batch is dropped."""
         strategy = self.model.plan.strategy
         if strategy == "data_parallel":
             return super().get_eval_dataloader(eval_dataset)
@@ -187,8 +193,11 @@ class FxparTrainer(Trainer):
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
         """Evaluation forward of the user's model (DP replica; TP/EP forwards run their
-        collectives, so every rank of the group evaluates the same rows)."""
-        inner = getattr(model, "module", model)
+        collectives, so every rank of the group evaluates the same rows).  A sharded
+        data-parallel module holds row shards only: its own forward gathers the full
+        parameters (collective; every rank evaluates the same rows)."""
+        sharded = getattr(getattr(model, "plan", None), "strategy", None) == "sharded_data_parallel"
+        inner = model if sharded else getattr(model, "module", model)
         outputs = inner(**inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         return (loss, outputs) if return_outputs else loss

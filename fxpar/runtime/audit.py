@@ -13,8 +13,10 @@ Rules checked per rank (:meth:`CollectiveAudit.violations`):
 - every tensor is on the rank's device (NCCL has no CPU backend: a CPU tensor fails);
 - no object collective (``broadcast_object_list``, ``all_gather_object``, ``gather_object``) in
   the ``"step"`` phase (they pickle through the host and synchronise: set-up only);
-- ``all_gather_into_tensor``: ``output = world × input`` elements (NCCL needs equal sizes;
-  ragged shards pad the communication buffer); list ``all_gather``: equal shapes;
+- ``all_gather_into_tensor`` / ``all_gather_single``: ``output = world × input`` elements, and
+  ``reduce_scatter_tensor`` / ``reduce_scatter_single``: ``input = world × output`` (NCCL
+  needs equal sizes; ragged shards pad the communication buffer); list ``all_gather``: equal
+  shapes;
 - ``all_to_all_single``: split sizes that sum to the tensors' first dimensions;
 - dtypes NCCL carries (no complex, no sub-byte types).
 
@@ -38,11 +40,15 @@ import torch.distributed.distributed_c10d as c10d
 #: the torch.distributed functions the audit wraps
 AUDITED: tuple[str, ...] = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_gather_single", "reduce_scatter_single",
     "all_to_all_single", "all_to_all", "reduce", "gather", "scatter", "barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object",
                                 "scatter_object_list"})
+#: equal-size collectives: (output, input) with the whole = world × the part
+GATHERS = frozenset({"all_gather_into_tensor", "all_gather_single"})
+EQUAL_SIZE = GATHERS | {"reduce_scatter_tensor", "reduce_scatter_single"}
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
 NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                          torch.uint8, torch.int32, torch.int64, torch.bool,
@@ -159,10 +165,11 @@ def _call_problems(call: CollectiveCall, device: torch.device) -> list[str]:
     odd = sorted({d for d in call.dtypes if getattr(torch, d, None) not in NCCL_DTYPES})
     if odd:
         problems.append(f"dtypes {odd} that NCCL does not carry")
-    if call.op == "all_gather_into_tensor" and len(call.shapes) == 2:
+    if call.op in EQUAL_SIZE and len(call.shapes) == 2:
         out, inp = (_numel(s) for s in call.shapes)
-        if out != len(call.group) * inp:
-            problems.append(f"output of {out} elements for {len(call.group)} ranks × {inp}: NCCL needs "
+        whole, part = (out, inp) if call.op in GATHERS else (inp, out)
+        if whole != len(call.group) * part:
+            problems.append(f"{whole} elements for {len(call.group)} ranks × {part}: NCCL needs "
                             "equal sizes (pad the communication buffer)")
     if call.op == "all_gather" and len(set(call.shapes)) > 1:
         problems.append("tensors of different shapes in a list all_gather (NCCL needs equal sizes)")
@@ -239,7 +246,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _group_arg(name: str, args: tuple) -> Any:
     """The positional ``group`` argument where the signature has one (else None: the world)."""
     positions = {"all_reduce": 2, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2,
-                 "reduce_scatter_tensor": 3, "all_to_all_single": 4, "barrier": 0,
+                 "all_gather_single": 2, "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "all_to_all_single": 4, "barrier": 0,
                  "all_gather_object": 2, "broadcast_object_list": 2}
     i = positions.get(name)
     return args[i] if i is not None and len(args) > i and not isinstance(args[i], (int, float)) else None

@@ -28,6 +28,9 @@ from fxpar.errors import ConfigError, RuntimeSetupError
 
 #: the CPU device; only this module names it
 CPU = torch.device("cpu")
+#: host memory, where a rank that offloads its optimizer (``RankPlan.offload_optimizer``) keeps its
+#: shard's fp32 master and optimizer state: the CPU by definition, named for that role
+HOST = CPU
 
 
 def local_rank() -> int:

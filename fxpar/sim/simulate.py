@@ -3,8 +3,9 @@ memory and a timeline, for any plan the codegen can run, recomputed from the pla
 model (never from the plan's stored predictions): data parallelism (below), pipelines (1F1B,
 GPipe and interleaved schedules with their hops, stage all-reduces and ZeRO-1 exchange:
 :func:`fxpar.sim.pipeline_plan.simulate_pipeline`, the math in :mod:`fxpar.sim.pipeline_cost`)
-and expert parallelism (phases of :func:`fxpar.sim.expert_sim.evaluate`, shown per rank as one
-block each).
+expert parallelism (phases of :func:`fxpar.sim.expert_sim.evaluate`, shown per rank as one
+block each) and sharded data parallelism (:func:`fxpar.sim.sharded_sim.simulate_sharded`, the math
+in :mod:`fxpar.sim.sharded_sim` and :mod:`fxpar.sim.sharded_cost`).
 
 Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
 
@@ -17,8 +18,9 @@ Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
                 (a plan with ``overlap_grad_allreduce=False``: comm = AR(G), after the compute)
     opt_r     = optimizer step (cost model), after the all-reduce
     step      = max_r compute_r + comm + max_r opt_r,   idle_r = step − compute_r − comm − opt_r
-    peak_r    = model state + gradient all-reduce buffer (world > 1)
-                + (saved activations + backward workspace) per sample × max_j m_j
+    peak_r    = :func:`fxpar.profiling.memory.step_peak_bytes` with r = 1 in flight:
+                W + O + max( max_j (G·[j ≥ 1] + (a + t)·m_j),  G + X ),  X = G on > 1 rank
+                (the flattened buckets), a / t saved activations / backward workspace per sample
 
 The solver's ``predicted_step_s`` is this simulator's answer, for every strategy.
 """
@@ -29,12 +31,15 @@ import math
 
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
-from fxpar.profiling import CostModel
+from fxpar.profiling import CostModel, memory
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.sim.expert_costs import build_problem
 from fxpar.sim.expert_sim import EPProblem, evaluate
 from fxpar.sim.pipeline_cost import pipeline_prices
 from fxpar.sim.pipeline_plan import simulate_pipeline
+from fxpar.sim.rank_memory import dp_held_bytes, tensor_parallel_peaks
+from fxpar.sim.sharded_cost import sharded_prices
+from fxpar.sim.sharded_sim import simulate_sharded
 from fxpar.sim.timeline import SimResult, TimelineEvent
 
 
@@ -55,11 +60,14 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         return simulate_pipeline(plan, pipeline_prices(cost), cost.cluster)
     if plan.strategy == "expert_parallel":
         return _simulate_expert(plan, cost)
+    if plan.strategy == "sharded_data_parallel":
+        return simulate_sharded(plan, sharded_prices(cost))
     cluster = cost.cluster
     events: list[TimelineEvent] = []
     busy, peaks = [], []
-    state = cost.state_bytes() + (cost.gradient_bytes() if plan.world_size > 1 else 0)
-    act = cost.activation_bytes_per_sample() + cost.transient_bytes_per_sample()
+    held = dp_held_bytes(cost, plan.world_size)
+    act = cost.activation_bytes_per_sample()
+    work = cost.transient_bytes_per_sample()
     last_bwd = []
     for rp in plan.ranks:
         sc = cost.sample_cost(cluster.device(rp.rank))
@@ -73,7 +81,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
             t += f + b
         busy.append(t)
         last_bwd.append(b)
-        peaks.append(int(state + act * max(sizes, default=0)))
+        peaks.append(memory.step_peak_bytes(sizes=sizes, activation_per_sample=act, workspace_per_sample=work, **held))
     compute = max(busy)
     if plan.world_size <= 1:
         comm = 0.0
@@ -90,6 +98,9 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         events.append(TimelineEvent(r, "optimizer", compute + comm, compute + comm + opt[r]))
     step = compute + comm + max(opt)
     busy = [b + o for b, o in zip(busy, opt)]
+    if plan.strategy == "tensor_parallel":  # each rank holds its shard (fxpar.sim.rank_memory)
+        peaks = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
+                                                                     rp.num_microbatches) for rp in plan.ranks])
     return SimResult(step_s=step, compute_s=compute, comm_s=comm, busy_s=tuple(busy),
                      idle_s=tuple(step - b - comm for b in busy), peak_memory_bytes=tuple(peaks),
                      events=tuple(events))

@@ -8,12 +8,15 @@ import math
 
 import numpy as np
 
+from fxpar.profiling import CostModel
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.sim.expert_costs import expert_node_mask
 from fxpar.sim.segments import segment_of_nodes
+from fxpar.sim.sharded_cost import collective_s, cpu_optimizer_rate, sharded_prices
 
 
-def lower_bound_s(cost, batch: int, *, data_parallel_only: bool) -> float:
+def lower_bound_s(cost, batch: int, *, data_parallel_only: bool, host_optimizer: bool = False,
+                  families: tuple[str, ...] = ("data_parallel",)) -> float:
     """A lower bound on the predicted step of every plan fxpar could emit for ``batch`` samples.
 
     Notation: devices of kind ``k`` (interchangeable: same type, speed, memory) number ``N_k``;
@@ -45,7 +48,10 @@ def lower_bound_s(cost, batch: int, *, data_parallel_only: bool) -> float:
     **Optimizer.**  Every schedule fxpar runs steps the optimizer after the last backward, and
     the devices together update at least every parameter once (ZeRO-1 splits the update across
     pipelines, tensor parallelism the split parameters), so the slowest device spends at least
-    ``min_k o_k / N``.
+    ``min_k o_k / N``.  Where sharded data parallelism may offload the optimizer to the host
+    (``host_optimizer``), a rank may update its shard at the host CPU's rate ``R`` instead
+    (:data:`fxpar.cluster.catalog.CPU_OPTIMIZER_PARAMS_PER_S`, Adam-equivalent), so the term is
+    ``min(min_k o_k, Ψ / R) / N`` (``Ψ`` parameters; the host link's transfers only add).
 
     **Communication.**  None in general: a pipeline need not all-reduce whole gradients and
     hides hops behind compute.  Where data parallelism is the only strategy that applies
@@ -57,14 +63,37 @@ def lower_bound_s(cost, batch: int, *, data_parallel_only: bool) -> float:
 
         LB = B / Σ_i (1/t_i) + min(AR(G/K), AR_phys(G/K)) + max_i o_i     (data parallel only)
         LB = Σ_u min_k λ_k·B·c_uk + min_k o_k / N                         (otherwise)
+    With sharded data parallelism among them (``families``): the compute term + the smaller of
+    the two families' tails (:func:`sharded_tail_s`).
     """
     cluster = cost.cluster
     groups = cluster.groups()
     opt = [cost.optimizer_s(cluster.device(g.ranks[0])) for g in groups]
+    fastest_opt = min(opt + ([cost.param_count / cpu_optimizer_rate(cost.optimizer, cost.dtype)] if host_optimizer else []))
     if data_parallel_only:
         rate = sum(len(g.ranks) / cost.sample_cost(g).total_s for g in groups)
-        return batch / rate + last_bucket_s(cost) + max(opt)
-    return compute_bound_s(cost, batch) + min(opt) / cluster.world_size
+        tails = [last_bucket_s(cost) + max(opt)] if "data_parallel" in families else []
+        if "sharded_data_parallel" in families and cluster.world_size > 1:
+            tails.append(sharded_tail_s(cost) + fastest_opt / cluster.world_size)
+        return batch / rate + min(tails, default=0.0)
+    return compute_bound_s(cost, batch) + fastest_opt / cluster.world_size
+
+
+def sharded_tail_s(cost: CostModel) -> float:
+    """The least reduce-scatter a sharded plan's last backward leaves exposed.
+
+    Sharded data parallelism (more than one rank) runs whole samples, so its compute is at least
+    ``B / Σ_i (1/t_i)``, but each rank updates only its shard (at least ``min(min_k o_k, Ψ/R)/N``
+    for the slowest), and the reduce-scatter of the rest of the model (unit 0: every parameter
+    outside the blocks) is issued when every rank has finished the last segment of its last
+    backward (ZeRO-2 and ZeRO-3, :mod:`fxpar.sim.sharded_sim`); it carries at least ``1/N`` of
+    the unit's gradients per rank (the largest shard is at least the mean, and the time grows
+    with the bytes).  So such a plan takes at least
+    ``B / Σ_i (1/t_i) + RS(g·U_0/N) + min(min_k o_k, Ψ/R)/N``; this is ``RS(g·U_0/N)`` (0 where
+    the rest of the model has no parameters)."""
+    prices = sharded_prices(cost)
+    rest = sum(r * c for r, c in prices.params[0])
+    return collective_s(prices, prices.bytes_wgo[1] * rest / prices.world, "reduce_scatter")
 
 
 def last_bucket_s(cost) -> float:

@@ -1,7 +1,8 @@
 """The choice among the families' candidates and what the plan reports about it.
 
     best = argmin_{plan ∈ candidates} predicted_step_s      (on equal steps the first found:
-           data parallelism, then pipelines, then expert parallelism — deterministic)
+           data parallelism, then pipelines, then expert parallelism, then sharded data
+           parallelism — deterministic)
 
 Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
 among the strategies asked for; every one is the step of a plan that was a candidate, so
@@ -13,6 +14,8 @@ among the strategies asked for; every one is the step of a plan that was a candi
                                devices first, :mod:`fxpar.solvers.family_pipeline`) or expert
                                parallel (batch and experts ∝ capacity, :mod:`fxpar.solvers.family_ep`)
     even_ep                    MoE models: even experts and batch (:mod:`fxpar.solvers.family_ep`)
+    even_fsdp                  sharded data parallelism (ZeRO-3) with even state and batch shares
+                               (:mod:`fxpar.solvers.family_sharded`), where that family is asked for
 
 The explain lines are the families' own, in family order, then one per baseline with fxpar's
 speed-up over it, then the lower bound and what it counts.
@@ -28,11 +31,15 @@ from fxpar.solvers.baselines import min_or_none
 from fxpar.solvers.host_memory import with_host_memory
 from fxpar.solvers.problems import Candidates, Problems
 
+#: a family that offers nothing (the default where a caller names no sharded family)
+NO_CANDIDATES = Candidates()
 
-def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates) -> Plan:
+
+def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
+           sharded: Candidates = NO_CANDIDATES) -> Plan:
     """The fastest candidate, with the baselines and every family's reasoning in its ``explain``;
     :class:`InfeasibleError` where no family offers a plan."""
-    families = (dp, pipeline, ep)
+    families = (dp, pipeline, ep, sharded)
     plans = [plan for family in families for plan in family.plans]
     explain = [line for family in families for line in family.explain]
     if not plans:
@@ -43,21 +50,23 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates)
         explain.append(f"attention: {attention}, not SDPA (the model class has none, or was built "
                        "without it): priced as its traced matmul + softmax + matmul, its seq x seq "
                        "scores kept for backward")
-    baselines = combine_baselines(best.strategy, dp=dp, pipeline=pipeline, ep=ep)
+    baselines = combine_baselines(best.strategy, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
     for name, value in baselines:
         explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
                                                if value is None else
                        f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
     explain.append(f"lower bound {p.lower_bound_s:.4g} s: " + (
         "work over the summed device rates + the last gradient bucket's all-reduce + the optimizer "
-        "(data parallelism only)" if p.lower_bound_with_allreduce else
+        "(data parallelism only" + ("; or sharded data parallelism's last reduce-scatter + its optimizer "
+                                    "share, whichever is smaller)" if "sharded_data_parallel" in p.strategies
+                                    else ")") if p.lower_bound_with_allreduce else
         "work over the summed device rates, node by node + the optimizer (valid for every "
         "strategy; no communication term)"))
     return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
 
 
 def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,
-                      ep: Candidates) -> tuple[tuple[str, float | None], ...]:
+                      ep: Candidates, sharded: Candidates = NO_CANDIDATES) -> tuple[tuple[str, float | None], ...]:
     """The plan's baselines from the families' figures (module docstring); ``strategy``: the
     chosen plan's, whose family's Whale rule is ``whale_rules``."""
     d, pipe, e = dict(dp.baselines), dict(pipeline.baselines), dict(ep.baselines)
@@ -66,7 +75,9 @@ def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,
     out = (("even_dp", even), ("proportional_dp", prop),
            ("megatron_even", min_or_none(even, pipe.get("megatron_even"))),
            ("whale_rules", family.get("whale_rules")))
-    return out + ((("even_ep", e["even_ep"]),) if "even_ep" in e else ())
+    fsdp = dict(sharded.baselines)
+    return (out + ((("even_ep", e["even_ep"]),) if "even_ep" in e else ())
+            + ((("even_fsdp", fsdp["even_fsdp"]),) if "even_fsdp" in fsdp else ()))
 
 
 def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[str]) -> InfeasibleError:
@@ -75,6 +86,8 @@ def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[st
     if dp_error is None:
         return InfeasibleError(f"no plan among the strategies {p.strategies} applies to "
                                f"{p.graph.model_name} or fits: " + ("; ".join(explain) or "nothing to try"))
+    sharded = [line for line in explain if line.startswith("sharded data parallel")]
     return InfeasibleError(str(dp_error) + ("\nNo pipeline / tensor-parallel configuration "
-                                            "fits either." if p.pipeline is not None else ""),
+                                            "fits either." if p.pipeline is not None else "")
+                           + "".join("\n" + line[0].upper() + line[1:] for line in sharded),
                            shortfalls=dp_error.shortfalls)

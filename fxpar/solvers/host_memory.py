@@ -9,6 +9,8 @@ peak is one tensor twice over (the read and the cast), and a rank whose device i
 holds its whole working set there as well:
 
     host_r = 2 · 4 · max_t numel(t)  +  [device of r is the CPU] · memory_r
+             + [r offloads its optimizer] · its shard's optimizer state  (sharded data parallelism,
+               :func:`fxpar.sim.sharded_cost.offload_host_bytes`)
     Σ_{r on node n} host_r  ≤  host_memory(n)           (when the cluster gives it)
 
 A plan that breaks the inequality raises :class:`~fxpar.errors.InfeasibleError` naming the
@@ -23,6 +25,7 @@ from dataclasses import replace
 from fxpar.cluster.cluster import Cluster
 from fxpar.errors import InfeasibleError
 from fxpar.plan import Plan
+from fxpar.sim.sharded_cost import offload_host_bytes
 from fxpar.tracing.graph import ModelGraph
 
 MASTER_BYTES = 4  # fp32 master weights
@@ -38,10 +41,12 @@ def with_host_memory(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Plan:
     """``plan`` with every rank's ``predicted_host_bytes``; InfeasibleError where a node's host
     memory cannot hold its ranks' set-up."""
     staging = staging_bytes(graph)
+    offload = offload_host_bytes(graph, plan)
     ranks = []
     for r in plan.ranks:
         on_cpu = cluster.device(r.rank).type.vendor == "cpu"
-        ranks.append(replace(r, predicted_host_bytes=staging + (r.predicted_memory_bytes if on_cpu else 0)))
+        ranks.append(replace(r, predicted_host_bytes=staging + (r.predicted_memory_bytes if on_cpu else 0)
+                             + offload[r.rank]))
     for node in range(cluster.num_nodes):
         capacity = cluster.host_memory_bytes(node)
         mine = [r for r in ranks if r.node == node]

@@ -27,10 +27,15 @@ choose the fastest, report:
      the same re-ranking;
    - expert parallelism, MoE models (:func:`fxpar.solvers.family_ep.ep_candidates`): shares and
      experts per device by alternating LP / MILP steps (:mod:`fxpar.solvers.expert_plan`), the
-     even split and Whale's rule among the points compared.
+     even split and Whale's rule among the points compared;
+   - sharded data parallelism (:func:`fxpar.solvers.family_sharded.sharded_candidates`): ZeRO-2
+     or ZeRO-3 with model state by memory and batch by speed, from the state-and-batch LP
+     (:mod:`fxpar.solvers.family_sharded_lp`) per sharding stage, checkpointing and offload
+     level and micro-batch rounds, each plan priced by
+     :func:`fxpar.sim.sharded_sim.simulate_sharded`; ``even_fsdp`` among them.
 3. Choice and report (:func:`fxpar.solvers.choose.choose`): ``argmin predicted_step_s`` (first
    found on ties), the baselines (``even_dp``, ``proportional_dp``, ``megatron_even``,
-   ``whale_rules`` of the chosen family, ``even_ep``; each a candidate, so the plan is never
+   ``whale_rules`` of the chosen family, ``even_ep``, ``even_fsdp``; each a candidate, so the plan is never
    slower than one) and every family's reasoning in ``explain``;
    :class:`~fxpar.errors.InfeasibleError` naming the shortfalls where nothing fits.
 """
@@ -47,14 +52,20 @@ from fxpar.solvers.choose import choose
 from fxpar.solvers.family_dp import dp_candidates
 from fxpar.solvers.family_ep import ep_candidates
 from fxpar.solvers.family_pipeline import pipeline_candidates
+from fxpar.solvers.family_sharded import sharded_candidates
 from fxpar.solvers.problems import build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
 
+#: the plan families the planner searches (tensor parallelism comes inside pipelines: a stage of
+#: one pipeline over a tensor-parallel group is the pure TP plan)
+FAMILIES: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel", "sharded_data_parallel")
+
+
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
          profiles: Mapping[str, ProfileDB] | None = None,
-         strategies: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel"),
+         strategies: tuple[str, ...] = FAMILIES,
          max_tensor_parallel: int = 8) -> Plan:
     """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
     uneven data parallelism (share LP), identical heterogeneous pipelines with TP stages
@@ -66,5 +77,6 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     dp = dp_candidates(problems)
     pipeline = pipeline_candidates(problems, max_tensor_parallel)
     ep = ep_candidates(problems)
-    best = choose(problems, dp=dp, pipeline=pipeline, ep=ep)
+    sharded = sharded_candidates(problems)
+    best = choose(problems, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
     return replace(best, solve_time_s=time.perf_counter() - start)

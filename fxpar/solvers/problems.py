@@ -11,7 +11,10 @@
     lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the work LP's bound (work over
                        the summed device rates, node by node) + the optimizer; where data
                        parallelism is the only strategy that applies, B / Σ_i (1/t_i) + the last
-                       gradient bucket's all-reduce + the optimizer
+                       gradient bucket's all-reduce + the optimizer (sharded data parallelism
+                       among the strategies: the smaller of that and its own tail, the last
+                       reduce-scatter + its optimizer share; the optimizer term allowing the
+                       host CPU's rate where ranks may offload)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
 from fxpar.sim.expert_costs import build_problem
 from fxpar.sim.expert_sim import EPProblem
+from fxpar.sim.sharded_cost import may_offload
 from fxpar.solvers import data_parallel as dp
 from fxpar.solvers.baselines import dp_fits
 from fxpar.solvers.bounds import lower_bound_s
@@ -105,9 +109,13 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
            if "pipeline" in strategies and len(graph.layers) >= 1 else None)
     ep = (build_problem(cost, workload.global_batch, workload.max_microbatches)
           if "expert_parallel" in strategies and cluster.world_size > 1 else None)
+    sharded = "sharded_data_parallel" in strategies and cluster.world_size > 1
     with_allreduce = dp_only or (ctx is None and not isinstance(ep, EPProblem))
     return Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
                     dp=problem, dp_fits=dp_fits(problem) and workload.global_batch >= cluster.world_size,
                     pipeline=ctx, ep=ep,
-                    lower_bound_s=lower_bound_s(cost, workload.global_batch, data_parallel_only=with_allreduce),
+                    lower_bound_s=lower_bound_s(
+                        cost, workload.global_batch, data_parallel_only=with_allreduce,
+                        host_optimizer=sharded and any(may_offload(cluster, g.ranks) for g in cluster.groups()),
+                        families=tuple(s for s in strategies if s in ("data_parallel", "sharded_data_parallel"))),
                     lower_bound_with_allreduce=with_allreduce)

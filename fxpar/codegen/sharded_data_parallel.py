@@ -1,0 +1,255 @@
+"""Uneven sharded data parallelism: batch shares by speed, model state by memory (ZeRO-2 / ZeRO-3).
+
+A ``sharded_data_parallel`` plan has one stage with ``state_split`` ``w`` (whole-number weights)
+and ``shard_stage``; rank ``r`` trains its batch share (by speed, independent of ``w``) and owns
+rows ``[o_{r,p}, o_{r,p} + n_{r,p})`` of every parameter ``p`` (:func:`fxpar.plan.ragged_rows`
+over ``w``; 0-d parameters: :func:`fxpar.runtime.ragged.scalar_owner`), of its gradient and of
+its optimizer state.  ``pmodel.parameters()`` yields only those row shards (under the original
+FQNs), so ``torch.optim.AdamW(pmodel.parameters())`` holds ``Σ_p n_{r,p}/n_p`` of the state.
+
+- ``shard_stage=2`` (gradients + optimizer state): every rank all-gathers the full parameters at
+  the start of each step (the shards changed in the optimizer step) and keeps them for the step;
+- ``shard_stage=3`` (parameters too): a unit (a transformer block; the rest of the model is one
+  more unit, held for the whole micro-batch) is all-gathered right before its forward, freed after
+  it, gathered again before its backward (a gradient hook on the block's outputs) and freed after
+  its gradients are reduced; the next block's all-gather is started before the current block
+  computes (prefetch, forward and backward).  Live full parameters: the rest, the block computing
+  and the one in flight.
+
+Gradients.  Each micro-batch back-propagates ``(N_m/N)·L_m`` (:mod:`fxpar.runtime.step_loop`);
+the full gradients of a unit are reduce-scattered (SUM) into the ranks' row shards as soon as
+they are accumulated and added to ``shard.grad``, so after the step ``Σ_ranks Σ_m`` of the
+gradients lands in the owner's rows: ``∇L`` exactly, as in data parallelism.  Every rank runs
+``R = max_r num_microbatches_r`` rounds of collectives; a rank with fewer micro-batches (or none)
+issues the rest with zero gradients (:mod:`fxpar.codegen.sharded_units` gives the orders).
+
+Per rank (``RankPlan``): ``activation_checkpointing`` wraps each block's forward in
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (the ZeRO-3 gather is outside it, the
+recomputation reads the parameters its pre-backward hook gathered); ``offload_optimizer`` keeps
+the shard Parameters (the optimizer's fp32 master and state) on the host (``HOST``): gradients are
+copied there, the optimizer steps on the CPU, and the device copy of the shard is refreshed before
+the next step's first gather.
+
+Set-up: the model (meta, or real with a checkpoint) is materialised shard by shard
+(:mod:`fxpar.codegen.materialize` reads only this rank's rows); a real model without a checkpoint
+takes rank 0's values tensor by tensor (broadcast through the device, each rank keeps its rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.checkpoint.layout import LocalParam, ShardSpec
+from fxpar.codegen.sharded_setup import build_units, install_block_hooks, reduce_group
+from fxpar.codegen.sharded_units import RoundSchedule, ShardedTensor, Unit
+from fxpar.errors import PlanError
+from fxpar.plan import Plan
+from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.device import to_host
+from fxpar.runtime.distributed import peer_failures
+from fxpar.runtime.ragged import owned_rows
+from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
+
+
+class ShardedDataParallelModule(StepModule):
+    """The per-rank module of a ``sharded_data_parallel`` plan (module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *, group: Any = None,
+                 loss_fn: LossFn | None = None, loss_weighting: LossWeighting = "auto", emulate: bool = True,
+                 example_inputs: Any = None, device: torch.device | str | None = None,
+                 checkpoint: str | Path | None = None) -> None:
+        super().__init__()
+        self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
+                         device=device, strategy="sharded_data_parallel")
+        self.group = group
+        self._input_specs = checks.input_specs(example_inputs)
+        stage, me = plan.stages[0], plan.ranks[rank]
+        self.shard_stage = stage.shard_stage
+        self.state_weights: tuple[int, ...] = tuple(stage.state_split)
+        self.offload_optimizer, self.activation_checkpointing = me.offload_optimizer, me.activation_checkpointing
+        with peer_failures("ShardedDataParallelModule: set-up of the row shards", rank):
+            self._units: list[Unit] = build_units(
+                module, self.state_weights, rank, self.device, checkpoint=checkpoint, group=group,
+                offload=self.offload_optimizer, zero3=self.shard_stage == 3)
+            self._reduce_group = reduce_group(group) if self._distributed else None
+        self._schedule = RoundSchedule(self._units, zero3=self.shard_stage == 3, clock=self.clock,
+                                       gather_group=group, reduce_group=self._reduce_group)
+        install_block_hooks(module, self._units, self._schedule, zero3=self.shard_stage == 3,
+                            checkpointing=self.activation_checkpointing)
+        busy = [r.num_microbatches for r in plan.ranks if r.batch_share]
+        self._rounds = max(busy) if busy else 1
+        self._layout_on_device = False
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.plan.world_size > 1
+
+    @property
+    def tensors(self) -> list[ShardedTensor]:
+        """Every parameter as shard + full tensor (tied ones once), in unit order."""
+        return [t for u in self._units for t in u.tensors]
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters allocated on the device right now (their storages)."""
+        return sum(t.full.untyped_storage().nbytes() for t in self.tensors)
+
+    def inflight_bytes(self) -> int:
+        """Bytes of all-gather output buffers in flight right now (ZeRO-3 prefetch)."""
+        return self._schedule.inflight_bytes()
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most full-parameter bytes the last step held at once, gathers in flight included
+        (ZeRO-3: the rest of the model, the block computing and the buffer of the one prefetched)."""
+        return self._schedule.peak_gathered_bytes
+
+    def owned_rows(self) -> dict[str, tuple[int, int]]:
+        """``fqn -> (lo, hi)``: this rank's rows of every parameter (0-d: ``(0, 1)`` if owned)."""
+        return {t.names[0]: owned_rows(tuple(t.full.shape), self.state_weights)[self.rank] for t in self.tensors}
+
+    def _refresh_device_shards(self) -> None:
+        """Offload: the optimizer changed the host shards; copy them to the device copies."""
+        if self.offload_optimizer:
+            with torch.no_grad():
+                for t in self.tensors:
+                    t.local.copy_(t.shard.detach(), non_blocking=True)
+
+    def _gather_all(self) -> None:
+        """Every unit gathered and registered (ZeRO-2 step start, evaluation, state gathers)."""
+        self._refresh_device_shards()
+        pending = [self.clock.collective(lambda u=u: u.launch_gather(self.group)) for u in self._units]
+        for u, p in zip(self._units, pending):
+            self.clock.collective(lambda u=u, p=p: u.finish_gather(p))
+        self._schedule.peak_gathered_bytes = max(self._schedule.peak_gathered_bytes, self.gathered_bytes())
+
+    def _release_all(self) -> None:
+        """ZeRO-3: free every unit; ZeRO-2: keep the full tensors, register the shards."""
+        for u in self._units:
+            if self.shard_stage == 3:
+                u.free()
+            else:
+                u.show_shards()
+                u.gathered = False
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """The full parameters registered in ``self.module`` for the duration (collective: every
+        rank enters it).  Gradients of what runs inside do not reach the shards."""
+        with peer_failures("ShardedDataParallelModule: all-gather of the parameters", self.rank):
+            self._gather_all()
+        try:
+            yield
+        finally:
+            self._release_all()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model on full parameters, for evaluation (collective; train with :meth:`step`)."""
+        with self.full_parameters():
+            return self.module(*args, **kwargs)
+
+    # ---- state --------------------------------------------------------------------------------
+    def set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan``'s batch shares at a step boundary; its state split, sharding stage
+        and per-rank choices must be this module's (they decide what each rank holds)."""
+        old, new = self.plan, plan
+        same = (new.strategy == old.strategy and new.world_size == old.world_size
+                and new.stages[0].state_split == old.stages[0].state_split
+                and new.stages[0].shard_stage == old.stages[0].shard_stage
+                and all((a.offload_optimizer, a.activation_checkpointing) == (b.offload_optimizer, b.activation_checkpointing)
+                        for a, b in zip(old.ranks, new.ranks)))
+        if not same:
+            raise PlanError("set_plan: a sharded data-parallel module can switch only to a plan with the same "
+                            f"ranks ({old.world_size}), state_split {old.stages[0].state_split}, shard_stage "
+                            f"{old.stages[0].shard_stage} and per-rank checkpointing/offload; rebuild the module "
+                            "(save_checkpoint / load_checkpoint move the state) to change them")
+        busy = [r.num_microbatches for r in new.ranks if r.batch_share]
+        self.plan, self._rounds = new, max(busy) if busy else 1
+
+    def checkpoint_layout(self) -> list[LocalParam]:
+        """The row box of every shard in its full parameter (:mod:`fxpar.checkpoint.layout`);
+        empty shards and 0-d mirrors are not written."""
+        out = []
+        for t in self.tensors:
+            lo, hi = owned_rows(tuple(t.full.shape), self.state_weights)[self.rank]
+            tensor = t.local if self._layout_on_device else t.shard
+            if t.full.dim() == 0:
+                out.append(LocalParam(fqn=t.names[0], param=tensor, write=hi > lo))
+                continue
+            spec = ShardSpec(global_shape=tuple(t.full.shape), offsets=(lo,) + (0,) * (t.full.dim() - 1))
+            out.append(LocalParam(fqn=t.names[0], param=tensor, shard=spec, write=hi > lo))
+        return out
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The full parameters under every original FQN, on the host of rank ``dst`` (None
+        elsewhere).  Collective."""
+        with self.full_parameters():
+            if self._distributed and dist.get_rank(self.group) != dst:
+                return None
+            return {name: to_host(t.full.detach()).clone() for t in self.tensors for name in t.names}
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """A HF ``save_pretrained`` folder assembled from the ranks' row shards
+        (:mod:`fxpar.checkpoint.hf_save`; offloaded shards travel through their device copies).
+        Collective."""
+        self._refresh_device_shards()
+        self._layout_on_device = True
+        try:
+            save_sharded(self, self.module, output_dir, **kwargs)
+        finally:
+            self._layout_on_device = False
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm: ``‖g‖² = Σ_ranks Σ_{own rows} g²`` (every
+        element is owned once), all-reduced; every shard is scaled by ``min(1, max_norm/(‖g‖+1e-6))``."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        owned = [t.shard for t in self.tensors if t.shard.grad is not None
+                 and (t.full.dim() or owned_rows((), self.state_weights)[self.rank][1])]
+        for p in owned:
+            sq += p.grad.detach().to(device=self.device, dtype=torch.float64).pow(2).sum()
+        if self._distributed:
+            dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt().to(torch.float32)
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1.0:
+            for t in self.tensors:
+                if t.shard.grad is not None:
+                    t.shard.grad.mul_(scale)
+        return norm
+
+    # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
+    def _run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:
+        """``R`` rounds (module docstring): this rank's micro-batches, then rounds of collectives
+        only; ZeRO-2 gathers every unit first."""
+        self._schedule.peak_gathered_bytes = 0
+        if self.shard_stage == 2:
+            self._gather_all()
+        else:
+            self._refresh_device_shards()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for j in range(self._rounds):
+            self._schedule.begin_round()
+            if j < len(runs):
+                loss_sum = loss_sum + super()._run([runs[j]], total, device)
+            self._schedule.end_round()
+        self._release_all()   # the shards are registered again: the optimizer's parameters
+        return loss_sum
+
+    def _sum_items(self, count: torch.Tensor) -> None:
+        if self._distributed:
+            dist.all_reduce(count, group=self.group)
+
+    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The gradients are already in the shards (reduce-scattered each round); the loss is
+        summed over the ranks (fp64)."""
+        loss = loss_sum.to(torch.float64).reshape(1)
+        if self._distributed:
+            dist.all_reduce(loss, group=self.group)
+        return loss[0].to(torch.float32)

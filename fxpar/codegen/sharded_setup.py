@@ -1,0 +1,169 @@
+"""Set-up passes of sharded data parallelism (:mod:`fxpar.codegen.sharded_data_parallel`), in order:
+
+1. :func:`build_units` — every parameter becomes a :class:`~fxpar.codegen.sharded_units.ShardedTensor`:
+   its slot is re-marked as this rank's rows (``fxpar_shard_dim = 0`` at offset ``o_r``, the
+   marks :func:`fxpar.codegen.shards.shard_spec` reads) and materialised from the source, so a
+   rank reads only its rows of a checkpoint or of the seeded initialisation; a real model without
+   a checkpoint takes rank 0's values (:class:`Rank0Rows`).  The full tensor is allocated on the
+   device (ZeRO-3: with no storage until gathered); an offloading rank moves its shard Parameter
+   to the host.  Parameters are grouped into units: the rest of the model first, then each block
+   (:func:`fxpar.codegen.hand_plans.block_paths`) holding parameters of its own;
+2. :func:`install_block_hooks` — ZeRO-3 forward pre/post hooks on each block (gather + prefetch,
+   free) and a multi-grad hook on its outputs (gather again before its backward); per-rank
+   activation checkpointing around each block's forward; post-accumulate-grad hooks on every
+   trainable full tensor (the reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint as recompute
+
+from fxpar.checkpoint.weights import TensorRequest
+from fxpar.codegen.hand_plans import block_paths
+from fxpar.codegen.materialize import Slot, materialize, module_slots, weights_source
+from fxpar.codegen.sharded_units import RoundSchedule, ShardedTensor, Unit
+from fxpar.codegen.shards import cut
+from fxpar.runtime.device import HOST
+from fxpar.runtime.ragged import owned_rows
+from fxpar.tracing.structure import block_path
+
+META = torch.device("meta")
+
+
+class Rank0Rows:
+    """Source of a real model without a checkpoint: each tensor is broadcast from rank 0 through
+    the device, one at a time, and this rank keeps its box (every rank asks in slot order)."""
+
+    def __init__(self, originals: dict[str, torch.Tensor], group: Any, device: torch.device) -> None:
+        self.originals, self.group, self.device = originals, group, device
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.src = (dist.get_global_rank(group, 0) if group is not None else 0) if distributed else None
+
+    def read(self, request: TensorRequest) -> torch.Tensor:
+        full = self.originals[request.names[0]].detach().to(self.device, dtype=request.dtype, copy=True)
+        if self.src is not None:
+            dist.broadcast(full, src=self.src, group=self.group)
+        return cut(full, request.local_shape, request.shard)
+
+
+def _mark_rows(slot: Slot, weights: tuple[int, ...], rank: int) -> None:
+    """Replace the slot's tensor by a meta tensor of this rank's rows, marked with their box."""
+    t = slot.tensor
+    if t.dim() == 0:
+        return   # owned whole by one rank; every rank reads the value (a mirror elsewhere)
+    lo, hi = owned_rows(tuple(t.shape), weights)[rank]
+    local = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype, device=META).requires_grad_(t.requires_grad)
+    local.fxpar_sharded, local.fxpar_shard_dim, local.fxpar_shard_offset = True, 0, lo
+    local.fxpar_fused_offsets, local.fxpar_full_shape = (lo,), tuple(t.shape)
+    slot.tensor = local
+
+
+def _sharded_tensor(slot: Slot, full_shape: tuple[int, ...], device: torch.device, *,
+                    offload: bool, zero3: bool) -> ShardedTensor:
+    """The materialised shard of ``slot`` with its full tensor (module docstring, step 1)."""
+    module, attr, _ = slot.places[0]
+    shard = getattr(module, attr)
+    full = torch.nn.Parameter(torch.empty(full_shape, dtype=shard.dtype, device=device),
+                              requires_grad=shard.requires_grad)
+    if zero3:
+        full.untyped_storage().resize_(0)
+    local = shard.detach()
+    if offload:
+        host = torch.nn.Parameter(shard.detach().to(HOST, copy=True), requires_grad=shard.requires_grad)
+        host.__dict__.update(shard.__dict__)
+        shard = host
+    tensor = ShardedTensor(names=list(slot.names or [slot.fqn]), places=[(m, a) for m, a, _ in slot.places],
+                           shard=shard, full=full, device_copy=local if offload else None)
+    tensor.show(shard)
+    return tensor
+
+
+def _unit_of(tensor: ShardedTensor, blocks: set[str]) -> str:
+    """The block every name of ``tensor`` sits in, else "" (the rest of the model)."""
+    found = {block_path(name.rpartition(".")[0]) for name in tensor.names}
+    one = found.pop() if len(found) == 1 else None
+    return one if one in blocks else ""
+
+
+def build_units(model: torch.nn.Module, weights: tuple[int, ...], rank: int, device: torch.device, *,
+                checkpoint: str | Path | None, group: Any, offload: bool, zero3: bool) -> list[Unit]:
+    """Materialise this rank's shards and group them: ``[rest, block_0, …]`` (module docstring)."""
+    source = weights_source(model, checkpoint)
+    slots = module_slots(model)
+    if source is None:
+        source = Rank0Rows({s.fqn: s.tensor for s in slots if s.is_param}, group, device)
+    shapes = {id(s): tuple(s.tensor.shape) for s in slots}
+    for s in slots:
+        if s.is_param:
+            _mark_rows(s, weights, rank)
+    materialize(slots, device, source, model)
+    if isinstance(source, Rank0Rows) and source.src is not None:
+        for b in model.buffers():   # as torch DDP: every replica starts from rank 0's buffers
+            dist.broadcast(b.data, src=source.src, group=group)
+    tensors = [_sharded_tensor(s, shapes[id(s)], device, offload=offload, zero3=zero3) for s in slots if s.is_param]
+    blocks = block_paths(model)
+    by_unit: dict[str, list[ShardedTensor]] = {"": []}
+    for t in tensors:
+        by_unit.setdefault(_unit_of(t, set(blocks)), []).append(t)
+    names = [""] + [b for b in blocks if by_unit.get(b)]
+    return [Unit(name or "<rest of the model>", by_unit[name], weights, rank, device) for name in names]
+
+
+def reduce_group(group: Any) -> Any:
+    """A second process group over ``group``'s ranks for the reduce-scatters (only its ranks
+    take part in creating it)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+
+def _tensors_of(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors_of(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors_of(o)]
+    return []
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return recompute(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def _zero3_hooks(block: torch.nn.Module, unit: Unit, schedule: RoundSchedule) -> None:
+    def before(module: torch.nn.Module, args: Any) -> None:
+        schedule.need(unit, "forward")
+
+    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+        schedule.release(unit)
+        outputs = _tensors_of(output)
+        if schedule.active and outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grads: schedule.need(unit, "backward"), mode="any")
+
+    block.register_forward_pre_hook(before)
+    block.register_forward_hook(after)
+
+
+def install_block_hooks(model: torch.nn.Module, units: list[Unit], schedule: RoundSchedule, *,
+                        zero3: bool, checkpointing: bool) -> None:
+    """Hooks of step 2 (module docstring)."""
+    for unit in units[1:]:
+        block = model.get_submodule(unit.name)
+        if checkpointing:
+            block.forward = _checkpointed(block.forward)
+        if zero3:
+            _zero3_hooks(block, unit, schedule)
+    for unit in units:
+        for t in unit.trained:
+            t.full.register_post_accumulate_grad_hook(schedule.grad_ready)

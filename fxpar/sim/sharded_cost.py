@@ -1,0 +1,299 @@
+"""Prices of uneven sharded data parallelism (ZeRO-2 / ZeRO-3 with ragged shards): the cost
+model's numbers per segment (:mod:`fxpar.sim.segments`: ``pre``, each repeated block, ``post``)
+for compute, and per collective *unit* as the runtime groups them
+(:mod:`fxpar.codegen.sharded_units`: unit 0 the rest of the model — embeddings, final norm,
+head — then one unit per block), each rank's shard of every unit, the collectives on the actual
+links, memory and the optimizer.
+
+Notation (rank ``r`` of ``N``; state weights ``ω`` from the plan's ``state_split``):
+
+    s_ur     elements of unit ``u`` rank ``r`` owns: Σ_{p ∈ u} ragged_rows(rows_p, ω)_r · cols_p
+             (:func:`unit_shards`, the runtime's one row rule :func:`fxpar.plan.ragged_rows`)
+    S_r      = Σ_u s_ur, the rank's state elements;  P = Σ_r S_r the parameters
+    ŝ_u      = max_r s_ur: the equal-size collectives pad every rank's part to it
+             (:mod:`fxpar.runtime.ragged`);  G_u = N·ŝ_u the padded unit
+    G_0, G_b the rest's padded unit and the largest block's;  G = max(G_0, G_b)
+    w, g, o  weight, gradient, optimizer-state bytes per parameter (:mod:`fxpar.profiling.memory`)
+    a(c)     saved activations + backward workspace per sample
+             (:meth:`CostModel.activation_bytes_per_sample`, ``c``: the rank checkpoints;
+             the step loop drops the model output before the backward)
+    d        = 1 block prefetched (:data:`PREFETCH`)
+
+Collectives of a unit (all-gather of ``w·N·ŝ_u`` bytes, reduce-scatter of ``g·N·ŝ_u``): the
+cheaper of a flat ring over the slowest hop (:func:`fxpar.profiling.collectives.allgather_time`,
+or the measured link) and a hierarchical one (``n_j`` ranks on node ``j`` of ``k``; ``c`` the
+padded per-rank bytes; η link efficiency) — :func:`collective_s`:
+
+    hier = max_j (N − n_j)·c / (η B_nic) + (k − 1) α_net
+           + max_j (n_j − 1)(1 + (N − n_j)/n_j)·c / (η B_in,j) + (n_j − 1) α_in
+
+(inside node ``j`` a rank receives its node's ``n_j − 1`` parts and its share of what the NIC
+brought in; through the NIC comes every other node's part once)
+
+so the time follows the largest shard, and mixed nodes pay their NIC once per remote byte.
+
+Memory of rank ``r`` (:func:`memory_per_rank`; ``m_r`` its largest micro-batch, ``z_r`` 1 when it
+offloads the optimizer), the largest of three moments of a round (checked against one gloo rank's
+live tensor bytes, :mod:`fxpar.profiling.tensor_peak` with every collective's work released on the
+calling thread: llama-tiny, 2 ranks, ZeRO-2 and ZeRO-3, ``end`` and ``idle`` within 304 bytes, the
+step's scalars):
+
+    X_r   = (w + g + (1 − z_r)·o)·S_r  (+ w·P for ZeRO-2)       shards (or their device copy),
+            their gradients, the optimizer; ZeRO-2 also keeps the full parameters for the step
+    held  = X_r + w·(G_0 + (1 + d)·G_b) [ZeRO-3] + 2g·G          the rest of the model for the whole
+            micro-batch, the block computing and the one prefetched; one unit's full gradient and
+            its padded reduce-scatter buffer
+    R     = g·Σ_u ((1 + k)·N + 1)·ŝ_u                                 every unit's reduce-scatter: its
+            input (N padded parts), ``k`` copies the backend makes of it (gloo's
+            ``reduce_scatter_tensor`` clones its input on the calling thread: ``k = 1`` on CPU
+            ranks, 0 on GPUs) and its output (ŝ_u); :class:`~fxpar.codegen.sharded_units.RoundSchedule`
+            waits on them only when the round ends, so all of them are alive then
+    end   = X_r + (w [ZeRO-3] + g)·G_0 + R                        the last reduce-scatter of the
+            round (the rest's, whose full gradients wait for the embedding's, the backward's last)
+            is launched: the blocks are freed, the rest is gathered with its full gradients
+    idle  = X_r + w·(Σ_u G_u + Σ_{b ≠ last} G_b) [ZeRO-3] + R     a round a rank has no micro-batch
+            for (fewer micro-batches than another rank): the output of every gather of the round
+            (each unit's forward, each block's but the last's backward) and every zero-gradient
+            reduce-scatter are alive until the round ends
+
+    peak_r = max(held + a(c_r)·m_r, end, idle if the rank has an empty round)
+
+(Activations fall block by block in the backward while a block's reduce-scatter buffers are
+added, so the live bytes move linearly between the two ends and the larger end is the peak.
+``R ≥ g·(N + 1)·P/N``: as long as the round keeps every reduce-scatter until its end, each rank
+holds more than a whole gradient's bytes then, whatever its state share.  ``k = 0`` on GPUs and
+NCCL keeping a work's input until it is waited on are not measured here.)
+Host bytes of an offloading rank (:func:`offload_host_bytes`): ``S_r·(o + 4 + 4·[fp32])``
+(moments and fp32 master, an fp32 gradient buffer, in fp32 training a master copy of the weights).
+
+Optimizer of rank ``r`` (:func:`optimizer_s`): on the device ``O_k·S_r / P`` (``O_k`` the cost
+model's full step); offloaded, gradients down and weights up the host link ``L_r`` and the
+node's CPU rate ``R`` (:data:`fxpar.cluster.catalog.CPU_OPTIMIZER_PARAMS_PER_S`, Adam-equivalent)
+shared by the ``q_n`` offloading ranks of node ``n``:
+
+    (g + w)·S_r / (η L_r) + q_n·S_r / R
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpar.cluster import Cluster
+from fxpar.cluster.catalog import CPU_OPTIMIZER_PARAMS_PER_S, host_link_bytes_per_s
+from fxpar.plan import Plan, ragged_rows
+from fxpar.profiling import CostModel, collectives
+from fxpar.profiling.database import LinkCost
+from fxpar.profiling.memory import (
+    optimizer_traffic_bytes_per_param,
+    state_bytes_per_param,
+)
+from fxpar.sim.segments import SegmentTable, build_segments
+from fxpar.tracing.graph import ModelGraph
+
+#: units gathered ahead of the one computing (ZeRO-3 prefetch)
+PREFETCH = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedPrices:
+    """The cost model's numbers for sharded data parallelism (module docstring)."""
+
+    table: SegmentTable                          # per unit: compute per device kind
+    kind_of: tuple[str, ...]                     # per rank: its device kind (group key)
+    node_of: tuple[int, ...]                     # per rank: its node
+    params: tuple[tuple[tuple[int, int], ...], ...]   # per unit: (rows, cols) of each parameter
+    is_block: np.ndarray                         # per unit: a repeated block (recomputed)
+    bytes_wgo: tuple[int, int, int]              # w, g, o bytes per parameter
+    mixed: bool                                  # fp16/bf16 training (fp32 master in o)
+    act_bytes: tuple[float, float]               # a(c): per sample, without / with checkpointing
+    full_opt_s: tuple[float, ...]                # per rank: the full optimizer step on its device
+    host_link: tuple[float, ...]                 # per rank: host link bytes/s
+    cpu_params_per_s: float                      # one node's CPU optimizer rate (this optimizer)
+    shape: collectives.RingShape                 # all ranks
+    measured_gather: LinkCost | None = None      # a measured all-gather link, or None
+    measured_scatter: LinkCost | None = None
+    scatter_copies: int = 0                      # k: copies the backend makes of a reduce-scatter input
+
+    @property
+    def world(self) -> int:
+        return len(self.kind_of)
+
+    @property
+    def param_count(self) -> int:
+        return sum(r * c for unit in self.params for r, c in unit)
+
+
+def unit_params(graph: ModelGraph) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """(rows, cols) of every parameter, per collective unit, as the runtime groups them
+    (:mod:`fxpar.codegen.sharded_units`): unit 0 the rest of the model (every parameter outside
+    the repeated blocks: embeddings, final norm, head), then one unit per block."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(len(graph.layers) + 1)]
+    for p in graph.params:
+        rows = int(p.shape[0]) if len(p.shape) else 1
+        out[0 if p.layer is None else p.layer + 1].append((rows, int(p.numel) // max(rows, 1)))
+    return tuple(tuple(u) for u in out)
+
+
+def cpu_optimizer_rate(optimizer: str, dtype: str) -> float:
+    """``R``: parameters/s of one node's CPU optimizer step (the catalog's Adam rate, scaled by the
+    update's memory traffic for other optimizers)."""
+    adam = optimizer_traffic_bytes_per_param("adam", dtype)
+    return CPU_OPTIMIZER_PARAMS_PER_S * adam / optimizer_traffic_bytes_per_param(optimizer, dtype)
+
+
+def sharded_prices(cost: CostModel) -> ShardedPrices:
+    """:class:`ShardedPrices` of a CostModel."""
+    cluster = cost.cluster
+    groups = cluster.groups()
+    kind = {r: g.key for g in groups for r in g.ranks}
+    devices = cluster.devices
+    w, g, o = state_bytes_per_param(cost.optimizer, cost.dtype)
+    transient = cost.transient_bytes_per_sample()
+    table = build_segments(cost.graph, cost, {gr.key: gr for gr in groups})
+    blocks = np.zeros(table.size, dtype=bool)
+    blocks[1:-1] = True
+    return ShardedPrices(
+        table=table, kind_of=tuple(kind[d.rank] for d in devices), node_of=tuple(d.node for d in devices),
+        params=unit_params(cost.graph), is_block=blocks, bytes_wgo=(w, g, o),
+        mixed=cost.dtype in ("fp16", "bf16"),
+        act_bytes=(cost.activation_bytes_per_sample(checkpointing=False) + transient,
+                   cost.activation_bytes_per_sample(checkpointing=True) + transient),
+        full_opt_s=tuple(cost.optimizer_s(d) for d in devices),
+        host_link=tuple(host_link_bytes_per_s(d.type) for d in devices),
+        cpu_params_per_s=cpu_optimizer_rate(cost.optimizer, cost.dtype),
+        shape=collectives.ring_shape(cluster), measured_gather=cost.measured_link("all_gather"),
+        measured_scatter=cost.measured_link("reduce_scatter"),
+        scatter_copies=1 if all(d.type.vendor == "cpu" for d in devices) else 0)
+
+
+def unit_shards(prices: ShardedPrices, weights: Sequence[int]) -> np.ndarray:
+    """``s_ur``: elements of unit ``u`` (rows) each rank owns (columns) under state ``weights``."""
+    out = np.zeros((len(prices.params), prices.world), dtype=np.int64)
+    cache: dict[int, np.ndarray] = {}
+    for u, unit in enumerate(prices.params):
+        for rows, cols in unit:
+            if rows not in cache:
+                cache[rows] = np.array(ragged_rows(rows, weights), dtype=np.int64)
+            out[u] += cache[rows] * cols
+    return out
+
+
+def hierarchical_s(shape: collectives.RingShape, per_rank_bytes: float) -> float:
+    """All-gather / reduce-scatter in two levels (module docstring), ``per_rank_bytes`` padded."""
+    n, eta = shape.world, collectives.LINK_EFFICIENCY
+    intra = max(((g - 1) + (g - 1) * (n - g) / g) * per_rank_bytes / (eta * b) + (g - 1) * collectives.ALPHA_INTRA_S
+                for g, b in zip(shape.devices_per_node, shape.intra_bytes_per_s))
+    if shape.num_nodes <= 1:
+        return intra
+    nic = max(n - g for g in shape.devices_per_node) * per_rank_bytes / (eta * shape.node_bytes_per_s)
+    return intra + nic + (shape.num_nodes - 1) * collectives.ALPHA_INTER_S
+
+
+def collective_s(prices: ShardedPrices, per_rank_bytes: float, kind: str = "all_gather") -> float:
+    """One padded all-gather (``kind="all_gather"``) or reduce-scatter of ``per_rank_bytes`` per rank."""
+    n = prices.world
+    if n <= 1 or per_rank_bytes <= 0:
+        return 0.0
+    link = prices.measured_gather if kind == "all_gather" else prices.measured_scatter
+    if link is not None:
+        return collectives.measured_time(link, kind, n, n * per_rank_bytes)
+    flat = collectives.allgather_time(prices.shape, n * per_rank_bytes)
+    return min(flat, hierarchical_s(prices.shape, per_rank_bytes))
+
+
+def unit_collectives(prices: ShardedPrices, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per unit: the all-gather of its weights and the reduce-scatter of its gradients (s)."""
+    w, g, _ = prices.bytes_wgo
+    top = shards.max(axis=1)
+    gather = np.array([collective_s(prices, w * float(s), "all_gather") for s in top])
+    scatter = np.array([collective_s(prices, g * float(s), "reduce_scatter") for s in top])
+    return gather, scatter
+
+
+def rank_memory(prices: ShardedPrices, stage: int, shards: np.ndarray, rank: int, micro: int,
+                checkpointing: bool, offload: bool) -> int:
+    """Peak device bytes of ``rank`` (module docstring; one rank of :func:`memory_per_rank`)."""
+    flags = np.zeros(prices.world, dtype=bool)
+    micros = np.zeros(prices.world)
+    micros[rank], ckpt, off = micro, flags.copy(), flags.copy()
+    ckpt[rank], off[rank] = checkpointing, offload
+    return int(memory_per_rank(prices, stage, shards, micros, ckpt, off)[rank])
+
+
+def memory_phases(prices: ShardedPrices, stage: int, shards: np.ndarray,
+                  offload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank: ``held`` (without activations), ``end`` and ``idle`` bytes (module docstring)."""
+    w, g, o = prices.bytes_wgo
+    mine = shards.sum(axis=0).astype(float)
+    top = shards.max(axis=1).astype(float)                            # ŝ_u
+    padded = prices.world * top                                       # G_u per unit
+    rest, block = float(padded[0]), float(padded[1:].max(initial=0.0))
+    state = (w + g) * mine + np.where(offload, 0.0, o * mine)
+    if stage != 3:
+        state = state + w * float(shards.sum())
+    scatters = g * float((((1 + prices.scatter_copies) * prices.world + 1) * top).sum())   # R
+    gathered = w * (rest + (1 + PREFETCH) * block) if stage == 3 else 0.0
+    held = state + gathered + 2 * g * max(rest, block)
+    end = state + ((w if stage == 3 else 0.0) + g) * rest + scatters
+    blocks = padded[1:][padded[1:] > 0]                                # the runtime's block units
+    queue = float(padded.sum()) + float(blocks[:-1].sum())           # forward: all; backward: not the last
+    idle = state + (w * queue if stage == 3 else 0.0) + scatters
+    return held, end, idle
+
+
+def memory_per_rank(prices: ShardedPrices, stage: int, shards: np.ndarray, micro: np.ndarray,
+                    checkpointing: np.ndarray, offload: np.ndarray,
+                    idle_round: np.ndarray | None = None) -> np.ndarray:
+    """Peak device bytes of every rank (module docstring), ``micro``: each rank's largest micro-batch;
+    ``idle_round``: the ranks with a round without a micro-batch (None: none)."""
+    held, end, idle = memory_phases(prices, stage, shards, np.asarray(offload, dtype=bool))
+    act = np.where(checkpointing, prices.act_bytes[1], prices.act_bytes[0]) * micro
+    peak = np.maximum(held + act, end)
+    if idle_round is not None:
+        peak = np.where(idle_round, np.maximum(peak, idle), peak)
+    return peak.astype(np.int64)
+
+
+def optimizer_s(prices: ShardedPrices, shards: np.ndarray, offload: Sequence[bool]) -> np.ndarray:
+    """Per rank: its optimizer step on its shard, on the device or offloaded (module docstring)."""
+    w, g, _ = prices.bytes_wgo
+    mine = shards.sum(axis=0).astype(float)
+    total = max(float(shards.sum()), 1.0)
+    sharing = Counter(n for n, z in zip(prices.node_of, offload) if z)
+    out = np.array(prices.full_opt_s) * mine / total
+    for r, z in enumerate(offload):
+        if z:
+            link = collectives.LINK_EFFICIENCY * prices.host_link[r]
+            out[r] = (g + w) * mine[r] / link + sharing[prices.node_of[r]] * mine[r] / prices.cpu_params_per_s
+    return out
+
+
+def may_offload(cluster: Cluster, ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` may offload their optimizer: GPUs (not the CPU itself) on nodes that
+    declare their host memory (``host_memory_gib``; without it the host is not known to hold it)."""
+    return all(cluster.device(r).type.vendor != "cpu" and cluster.host_memory_bytes(cluster.device(r).node)
+               is not None for r in ranks)
+
+
+def host_bytes_per_param(bytes_wgo: tuple[int, int, int], mixed: bool) -> int:
+    """Host bytes per offloaded parameter: ``o + 4 + 4·[fp32]`` (module docstring)."""
+    return bytes_wgo[2] + 4 + (0 if mixed else 4)
+
+
+def offload_host_bytes(graph: ModelGraph, plan: Plan) -> tuple[int, ...]:
+    """Per rank: host bytes of its offloaded optimizer (0 where it does not offload, or for a
+    plan that is not sharded data parallelism)."""
+    if plan.strategy != "sharded_data_parallel" or not any(r.offload_optimizer for r in plan.ranks):
+        return tuple(0 for _ in plan.ranks)
+    per_param = host_bytes_per_param(state_bytes_per_param(plan.optimizer, plan.dtype),
+                                     plan.dtype in ("fp16", "bf16"))
+    weights = plan.stages[0].state_split
+    elements = np.zeros(len(plan.ranks), dtype=np.int64)
+    for unit in unit_params(graph):
+        for rows, cols in unit:
+            elements += np.array(ragged_rows(rows, weights), dtype=np.int64) * cols
+    return tuple(int(per_param * e) if r.offload_optimizer else 0 for r, e in zip(plan.ranks, elements))

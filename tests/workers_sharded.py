@@ -1,0 +1,335 @@
+"""Functions that run inside spawned gloo ranks for the sharded data-parallel tests (module level,
+so they pickle by reference)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.checkpoint import load_checkpoint, save_checkpoint
+from fxpar.codegen.data_parallel import DataParallelModule
+from fxpar.codegen.sharded_data_parallel import ShardedDataParallelModule
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.runtime.ragged import (
+    RaggedLayout,
+    launch_all_gather,
+    launch_reduce_scatter,
+    split_parts,
+    unpack_full,
+)
+from tests.workers import global_batch, tiny_model
+
+LR = 1e-3
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class PlainNet(torch.nn.Module):
+    """A plain module: an input layer, 3 residual blocks (``blocks.<i>``), a head, a 0-d scale."""
+
+    def __init__(self, width: int = 24, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(7, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(3))
+        self.head = torch.nn.Linear(width, classes)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return torch.nn.functional.cross_entropy(self.head(h) * self.scale, y)
+
+
+def _case(family: str, batch: int, steps: int):
+    """Model, its single-process reference, and ``steps`` global batches."""
+    if family == "plain":
+        torch.manual_seed(0)
+        model = PlainNet()
+        gen = torch.Generator().manual_seed(3)
+        data = [(torch.randn(batch, 7, generator=gen), torch.randint(0, 5, (batch,), generator=gen))
+                for _ in range(steps)]
+    else:
+        model = tiny_model(family)
+        data = [global_batch(model, batch, 12, seed=1 + s) for s in range(steps)]
+    return model, copy.deepcopy(model), data
+
+
+def _ref_loss(reference: torch.nn.Module, b) -> torch.Tensor:
+    return reference(b) if isinstance(b, tuple) else reference(**b, use_cache=False).loss
+
+
+def _full_grads(pm: ShardedDataParallelModule) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient reassembled from the ranks' row shards (all-gather of objects)."""
+    mine = {t.names[0]: (pm.owned_rows()[t.names[0]], t.shard.grad.detach().clone() if t.shard.grad is not None
+                         else None, tuple(t.full.shape)) for t in pm.tensors}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for name, (_, _, shape) in mine.items():
+        full = torch.zeros(shape)
+        for table in every:
+            (lo, hi), g, _ = table[name]
+            if hi > lo and g is not None:
+                (full.view(1) if not shape else full[lo:hi]).copy_(g.reshape(-1) if not shape else g)
+        out[name] = full
+    return out
+
+
+def sharded_parity(family: str, batch_split: list[int], state_split: list[int], shard_stage: int, *,
+                   steps: int = 3, micro_batch_size: int | None = None, checkpointing: list[bool] | None = None,
+                   offload: list[bool] | None = None) -> dict:
+    """``steps`` AdamW steps of sharded DP vs one process: worst loss, gradient and weight diffs."""
+    rank = dist.get_rank()
+    model, reference, data = _case(family, sum(batch_split), steps)
+    cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
+    plan = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=state_split,
+                                      shard_stage=shard_stage, micro_batch_size=micro_batch_size,
+                                      activation_checkpointing=checkpointing, offload_optimizer=offload)
+    example = data[0] if not isinstance(data[0], tuple) else None
+    pm = ShardedDataParallelModule(model, plan, rank, example_inputs=example, emulate=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    names = dict(reference.named_parameters())
+    out = {"rank": rank, "loss": 0.0, "grad": 0.0, "weight": 0.0, "n_grads": 0, "peak": 0,
+           "shard_devices": sorted({str(p.device) for p in pm.parameters()}),
+           "shard_numel": sum(p.numel() for p in pm.parameters()),
+           "full_numel": sum(p.numel() for p in reference.parameters())}
+    for b in data:
+        loss = pm.step(b)
+        ref_loss = _ref_loss(reference, b)
+        ref_loss.backward()
+        grads = _full_grads(pm)
+        out["loss"] = max(out["loss"], abs(float(loss) - float(ref_loss.detach())))
+        for name, g in grads.items():
+            out["grad"] = max(out["grad"], (g - names[name].grad).abs().max().item())
+        out["n_grads"] = len(grads)
+        out["peak"] = max(out["peak"], pm.peak_gathered_bytes)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    full = pm.gather_state_dict(dst=0)
+    if rank == 0:
+        diffs = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
+        out["weight"] = max(diffs.values())
+        out["worst_weight"] = max(diffs, key=diffs.get)
+    out["whole_bytes"] = sum(t.full.numel() * t.full.element_size() for t in pm.tensors)
+    out["block_bytes"] = max(u.full_bytes for u in pm._units[1:]) if len(pm._units) > 1 else 0
+    out["rest_bytes"] = pm._units[0].full_bytes
+    out["gathered_after_step"] = pm.gathered_bytes()
+    return out
+
+
+def _sharded(model, batch_split, state_split, shard_stage, **kw) -> ShardedDataParallelModule:
+    cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
+    plan = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=state_split,
+                                      shard_stage=shard_stage, **kw)
+    return ShardedDataParallelModule(model, plan, dist.get_rank(), emulate=False)
+
+
+def _data_parallel(model, batch_split) -> DataParallelModule:
+    cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
+    sharded = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=[1] * len(batch_split))
+    stage = dataclasses.replace(sharded.stages[0], state_split=None, shard_stage=0)
+    plan = dataclasses.replace(sharded, strategy="data_parallel", stages=(stage,))
+    return DataParallelModule(model, plan, dist.get_rank(), emulate=False)
+
+
+def _full_state(pm) -> dict[str, torch.Tensor]:
+    """The full parameters on every rank (rank 0's gather, broadcast as objects)."""
+    full = pm.gather_state_dict(dst=0)
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def checkpoint_round_trip(first: str, second: str, root: str) -> dict:
+    """Train 2 steps under ``first`` ("dp", "zero3-1:3", "zero2-2:1"), save with its AdamW state,
+    load under ``second``, train 1 more step on both: the loaded weights equal the saved ones and
+    the next step (which reads the moved AdamW state) agrees."""
+    model = tiny_model("llama")
+    data = [global_batch(model, 4, 12, seed=7 + s) for s in range(3)]
+
+    def build(kind: str):
+        copy_ = copy.deepcopy(model)
+        if kind == "dp":
+            return _data_parallel(copy_, [3, 1])
+        stage, split = kind.split("-")
+        return _sharded(copy_, [3, 1], [int(w) for w in split.split(":")], int(stage[-1]))
+
+    a = build(first)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=LR)
+    for b in data[:2]:
+        a.step(b); opt_a.step(); opt_a.zero_grad()
+    saved = _full_state(a)
+    path = root + "/ckpt"
+    save_checkpoint(a, opt_a, path, step=2)
+    b_ = build(second)
+    opt_b = torch.optim.AdamW(b_.parameters(), lr=LR)
+    meta = load_checkpoint(b_, opt_b, path)
+    loaded = _full_state(b_)
+    out = {"saved_by": meta.saved_by, "load_diff": max((saved[n] - loaded[n]).abs().max().item() for n in saved)}
+    la, lb = a.step(data[2]), b_.step(data[2])
+    opt_a.step(); opt_b.step()
+    after_a, after_b = _full_state(a), _full_state(b_)
+    out["loss_diff"] = abs(float(la) - float(lb))
+    out["next_step_diff"] = max((after_a[n] - after_b[n]).abs().max().item() for n in after_a)
+    return out
+
+
+def save_gather_clip(root: str) -> dict:
+    """``save_pretrained`` writes the full model (HF loads it), ``gather_state_dict`` names every
+    FQN, ``clip_grad_norm_`` clips by the whole model's norm, on ZeRO-3 1:3 with rank 1 offloading."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    data = global_batch(model, 4, 12, seed=5)
+    pm = _sharded(model, [3, 1], [1, 3], 3, offload_optimizer=[False, True])
+    pm.step(data)
+    reference(**data, use_cache=False).loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    norm = pm.clip_grad_norm_(0.05)
+    grads = _full_grads(pm)
+    out = {"norm_diff": abs(float(norm) - float(ref_norm)), "norm": float(norm),
+           "clipped_diff": max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())}
+    pm.save_pretrained(root + "/hf")
+    full = pm.gather_state_dict(dst=0)
+    if dist.get_rank() == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(root + "/hf")
+        out["hf_diff"] = max((p.detach() - full[n]).abs().max().item() for n, p in loaded.named_parameters())
+        out["names_equal"] = set(full) == {n for n, _ in reference.named_parameters(remove_duplicate=False)}
+    return out
+
+
+def structure(shard_stage: int, checkpointing: list[bool], offload: list[bool]) -> dict:
+    """What each rank holds and does, on a 3-block plain model: live full-parameter bytes at each
+    block's forward (hooks inside the blocks), inner forwards per step (recomputation), where the
+    shards and the AdamW state live (offload)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = PlainNet()
+    pm = _sharded(model, [3, 1], [1, 3], shard_stage, activation_checkpointing=checkpointing,
+                  offload_optimizer=offload)
+    live, calls = [], [0]
+    for i, block in enumerate(model.blocks):
+        def probe(module, args, i=i):
+            calls[0] += 1
+            if torch.is_grad_enabled():
+                live.append((i, pm.gathered_bytes(), pm.inflight_bytes(),
+                             sorted(u.name for u in pm._units if u.gathered)))
+        block.up.register_forward_pre_hook(probe)
+    gen = torch.Generator().manual_seed(3)
+    batch = (torch.randn(4, 7, generator=gen), torch.randint(0, 5, (4,), generator=gen))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    pm.step(batch)
+    opt.step()
+    state_devices = sorted({str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)})
+    shared = [t.shard.untyped_storage().data_ptr() == t.local.untyped_storage().data_ptr()
+              for t in pm.tensors if t.local.numel()]
+    return {"rank": rank, "live": live, "inner_calls": calls[0], "units": [u.name for u in pm._units],
+            "block_bytes": [u.full_bytes for u in pm._units[1:]], "rest_bytes": pm._units[0].full_bytes,
+            "buffer_bytes": [u.buffer_bytes for u in pm._units[1:]],
+            "whole_bytes": sum(u.full_bytes for u in pm._units), "peak": pm.peak_gathered_bytes,
+            "after": pm.gathered_bytes(), "state_devices": state_devices,
+            "shards_are_device_copies": all(shared), "shards_separate": not any(shared),
+            "param_devices": sorted({str(p.device) for p in pm.parameters()})}
+
+
+def through_auto(shard_stage: int) -> dict:
+    """``fxpar.auto(..., plan=<sharded plan>)`` builds the sharded module; ``make_optimizer`` and
+    ``step`` train it like the other kinds."""
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    data = global_batch(model, 4, 12, seed=11)
+    cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    plan = sharded_data_parallel_plan(cluster, batch_split=[3, 1], state_split=[1, 3], shard_stage=shard_stage)
+    pm = fxpar.auto(model, cluster, data, plan=plan)
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR)
+    loss = pm.step(data)
+    ref = reference(**data, use_cache=False).loss
+    opt.step()
+    return {"kind": type(pm).__name__, "loss_diff": abs(float(loss) - float(ref.detach())),
+            "opt_numel": sum(p.numel() for g in opt.param_groups for p in g["params"]),
+            "full_numel": sum(p.numel() for p in reference.parameters())}
+
+
+def ragged_collectives(weights: list[int]) -> dict:
+    """The ragged all-gather and reduce-scatter on their own: parameters of 2-d, 1-d (fewer rows
+    than ranks) and 0-d shapes, weights with a zero; the gather rebuilds each tensor, the
+    reduce-scatter gives each rank the sum over ranks of its rows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = [(5, 3), (1,), (), (4,)]
+    layout = RaggedLayout.of(shapes, weights)
+    gen = torch.Generator().manual_seed(0)
+    truth = [torch.randn(s, generator=gen) for s in shapes]
+    shards = []
+    for i, t in enumerate(truth):
+        lo, hi = layout.rows[i][rank]
+        shards.append(t.reshape(-1)[lo:hi].clone() if not t.dim() else t[lo:hi].clone())
+    fulls = [torch.zeros(s) for s in shapes]
+    unpack_full(launch_all_gather(shards, layout, rank, None, device=torch.device("cpu")).wait(), layout, fulls)
+    grads = [t * (rank + 1) for t in truth]   # rank r contributes (r+1)·t: the sum is W(W+1)/2·t
+    out = launch_reduce_scatter(grads, layout, None, device=torch.device("cpu"), dtype=torch.float32).wait()
+    parts = split_parts(out, layout, rank)
+    factor = world * (world + 1) / 2
+    expect = [(t.reshape(-1)[slice(*layout.rows[i][rank])] if not t.dim() else t[slice(*layout.rows[i][rank])]) * factor
+              for i, t in enumerate(truth)]
+    return {"gather_exact": all(torch.equal(f, t) for f, t in zip(fulls, truth)),
+            "reduce_diff": max(((p.reshape(-1) - e.reshape(-1)).abs().max().item() if e.numel() else 0.0)
+                               for p, e in zip(parts, expect)),
+            "part_shapes": [list(p.shape) for p in parts], "padded": layout.padded,
+            "sizes": [layout.sizes(r) for r in range(world)]}
+
+
+def collective_sequence(shard_stage: int) -> dict:
+    """Every collective a rank issues in one step, recorded by wrapping ``torch.distributed``'s
+    functions (the ragged module looks them up at each call): op, group, sizes, devices.  Rank 0
+    trains 3 micro-batches and recomputes, rank 1 trains 1 and offloads: the per-group sequences
+    must still be identical, with NCCL's size rule (output = world x input) and device tensors."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model("llama")
+    data = global_batch(model, 4, 12, seed=3)
+    pm = _sharded(model, [3, 1], [1, 3], shard_stage, micro_batch_size=1,
+                  activation_checkpointing=[True, False], offload_optimizer=[False, True])
+    calls: list = []
+    originals = {}
+    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+        original = getattr(dist, name)
+        originals[name] = original
+
+        def recorded(out, *args, _name=name, _original=original, **kwargs):
+            group = kwargs.get("group")
+            tensors = [out] + [a for a in args if torch.is_tensor(a)]
+            calls.append((_name, tuple(dist.get_process_group_ranks(group)) if group is not None else "world",
+                          id(group) if group is not None else 0, [t.numel() for t in tensors],
+                          sorted({str(t.device) for t in tensors})))
+            return _original(out, *args, **kwargs)
+        setattr(dist, name, recorded)
+    try:
+        pm.step(data)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    sizes_ok = all(sizes[0] == world * sizes[1] if op == "all_gather_single" else
+                   sizes[1] == world * sizes[0] if op == "reduce_scatter_single" else True
+                   for op, _, _, sizes, _ in calls)
+    by_group: dict = {}
+    for op, ranks, gid, sizes, _ in calls:
+        by_group.setdefault(f"{op.split('_')[0]}:{ranks}", []).append((op, sizes[0]))
+    return {"rank": rank, "sizes_ok": sizes_ok, "devices": sorted({d for c in calls for d in c[4]}),
+            "groups": {k: v for k, v in by_group.items()}, "n_calls": len(calls),
+            "distinct_groups": len({c[2] for c in calls})}
