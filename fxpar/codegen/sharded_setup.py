@@ -116,10 +116,14 @@ def build_units(model: torch.nn.Module, weights: tuple[int, ...], rank: int, dev
 
 
 def reduce_group(group: Any) -> Any:
-    """A second process group over ``group``'s ranks for the reduce-scatters (only its ranks
-    take part in creating it)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+    """A second process group over ``group``'s ranks for the reduce-scatters.  Over the whole
+    job every rank creates it the ordinary way (named by torch's world-wide group counter, which
+    every rank advances alike); over a sub-group only its ranks take part (named by the hash of
+    its ranks: the counter may differ between ranks that created different sub-groups, and a
+    mismatch of names would leave the creation waiting forever)."""
+    if group is None:
+        return dist.new_group(ranks=list(range(dist.get_world_size())))
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), use_local_synchronization=True)
 
 
 def _tensors_of(output: Any) -> list[torch.Tensor]:
