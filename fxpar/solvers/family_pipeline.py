@@ -66,17 +66,17 @@ def reranked(p: Problems, ranked: list[PipelineConfig], label: str,
     ctx = p.pipeline
     steps = [simulate_config(ctx, c).step_s for c in ranked]
     for pick in sorted(range(len(ranked)), key=lambda i: (steps[i], i)):
-        cfg = best_variant(ctx, ranked[pick], steps[pick], [])
+        why: list[str] = []
+        cfg = best_variant(ctx, ranked[pick], steps[pick], why)
         plan = to_plan(cfg, ctx, p.cluster, p.graph.model_name, p.workload, p.lower_bound_s)
         if any(r.predicted_memory_bytes > r.memory_capacity_bytes for r in plan.ranks):
-            cfg = ranked[pick]  # the variant may hold more; the configuration as searched
+            cfg, why = ranked[pick], []  # the variant may hold more; the configuration as searched
             plan = to_plan(cfg, ctx, p.cluster, p.graph.model_name, p.workload, p.lower_bound_s)
             if any(r.predicted_memory_bytes > r.memory_capacity_bytes for r in plan.ranks):
                 explain.append(f"{label}: configuration #{pick + 1} does not fit under the simulated "
                                "peak memory; skipped")
                 continue
-        else:
-            best_variant(ctx, ranked[pick], steps[pick], explain)   # its reasoning, once
+        explain.extend(why)
         if pick:
             explain.append(f"{label}: the formula's configuration #{pick + 1} is the fastest fitting one of its "
                            f"{len(ranked)} best under the simulated 1F1B schedule ({ranked[0].pipelines} x "
