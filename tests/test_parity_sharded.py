@@ -48,7 +48,16 @@ CASES_2 = {
         ("llama", [5, 2], [2, 1], 3), {"micro_batch_size": 2, "checkpointing": [True, False], "offload": [False, True]}),
     "plain module zero2 micro-batches": (("plain", [5, 2], [1, 3], 2), {"micro_batch_size": 2}),
     "plain module zero3": (("plain", [3, 1], [1, 3], 3), {}),
+    # rank 1's rows never take the blocks' branch: its gradients never arrive there
+    "routed branch only on rank 0, zero3": (("routed", [3, 1], [1, 3], 3), {}),
+    "routed branch only on rank 0, zero2": (("routed", [3, 1], [1, 3], 2), {}),
 }
+
+
+def _grad_scale(family: str) -> float:
+    """The routed module's 5 blocks with a branch (gradients up to 1.1) differ from one process by
+    up to 1.1e-6 (summation order): its gradient tolerance is 5x the others'."""
+    return 5.0 if family == "routed" else 1.0
 
 
 @pytest.mark.parametrize("case", list(CASES_2))
@@ -56,9 +65,9 @@ def test_two_ranks(pool2, case):
     args, kwargs = CASES_2[case]
     results = pool2.run(w.sharded_parity, *args, **kwargs)
     for r in results:
-        assert r["n_grads"] >= 20 and r["loss"] <= LOSS_TOL and r["grad"] <= GRAD_TOL, r
+        assert r["n_grads"] >= 20 and r["loss"] <= LOSS_TOL and r["grad"] <= GRAD_TOL * _grad_scale(args[0]), r
     assert results[0]["weight"] <= WEIGHT_TOL, results[0]
-    mirrors = 1 if args[0] == "plain" else 0   # PlainNet.scale is 0-d: owned by rank 1, mirrored on rank 0
+    mirrors = 1 if args[0] in ("plain", "routed") else 0   # PlainNet.scale is 0-d: owned by rank 1, mirrored on rank 0
     assert sum(r["shard_numel"] for r in results) == results[0]["full_numel"] + mirrors
 
 

@@ -94,12 +94,15 @@ def test_memory_with_blocks_by_hand():
     rest, block = 4 * int(shards[0].max()), 4 * int(shards[1:].max())
     assert rest == 4 * (128 * 64 + 128 + 16 * 512 + 16) and block == 512 * 512 + 512   # rows 512/4, 64/4
     mine = int(shards[:, 0].sum())
-    # fp16 Adam (2, 2, 12): shards, the rest + the block computing + the one prefetched, 2 gradient buffers
-    # ... or, larger here, the end of the round: the rest and its full gradients, and every unit's
-    # reduce-scatter input and output, R = g·(N + 1)·Σ_u ŝ_u (GPUs: no backend copy)
-    scatters = 2 * 5 * (rest // 4 + 4 * (block // 4))
-    assert rank_memory(prices, 3, shards, 0, 0, False, False) == max(
-        16 * mine + 2 * (rest + 2 * block) + 4 * max(rest, block), 16 * mine + 4 * rest + scatters)
+    # fp16 Adam (2, 2, 12): shards, the rest + the block computing + the one prefetched, 2 gradient buffers;
+    # ... or two blocks' reduce-scatters in flight (input N·ŝ_b and output ŝ_b each: g·(N + 1) = 10 bytes
+    # per element of ŝ on GPUs, no backend copy) beside one block's full gradient;
+    # ... or the end of the round: the rest and its full gradients, b_0's and the rest's reduce-scatters
+    held = 16 * mine + 2 * (rest + 2 * block) + 4 * max(rest, block)
+    mid = 16 * mine + 2 * (rest + 2 * block) + 2 * block + 10 * 2 * (block // 4)
+    end = 16 * mine + 4 * rest + 10 * (block // 4 + rest // 4)
+    assert rank_memory(prices, 3, shards, 0, 0, False, False) == max(held, mid, end)
+    assert mid > held   # the case that decides here
 
 
 def test_memory_end_of_round_and_idle_round_by_hand():
@@ -111,18 +114,21 @@ def test_memory_end_of_round_and_idle_round_by_hand():
     rest, block = 4 * int(shards[0].max()), 4 * int(shards[1:].max())
     tops = rest // 4 + 4 * (block // 4)                  # Σ_u ŝ_u: the rest and 4 blocks (4 units empty)
     mine = int(shards[:, 0].sum())
-    scatters = 2 * (2 * 4 + 1) * tops                    # R = g·((1 + k)·N + 1)·Σ ŝ_u
+    per = 2 * (2 * 4 + 1)                                # g·((1 + k)·N + 1) per element of ŝ_u in flight
+    in_blocks, at_end = per * 2 * (block // 4), per * (block // 4 + rest // 4)   # two consecutive units
     held = 16 * mine + 2 * (rest + 2 * block) + 4 * max(rest, block)
-    end = 16 * mine + (2 + 2) * rest + scatters          # the rest gathered with its full gradients
+    mid = 16 * mine + 2 * (rest + 2 * block) + 2 * block + in_blocks
+    end = 16 * mine + (2 + 2) * rest + at_end            # the rest gathered with its full gradients
     # every gather's output (each unit forward, 3 of the 4 blocks again backward), zero-gradient scatters
-    idle = 16 * mine + 2 * (4 * tops + 3 * block) + scatters
-    assert held < end < idle
+    idle = 16 * mine + 2 * (4 * tops + 3 * block) + max(in_blocks, at_end)
+    assert end < held < mid < idle
     none = np.zeros(4, dtype=bool)
     got = memory_per_rank(prices, 3, shards, np.zeros(4), none, none, np.array([False, True, False, False]))
-    assert got.tolist() == [end, idle, end, end]
+    assert got.tolist() == [mid, idle, mid, mid]
     # ZeRO-2 has no gathers in a round: its idle round is below the end of a full one
     got = memory_per_rank(prices, 2, shards, np.zeros(4), none, none, np.ones(4, dtype=bool))
-    assert got.tolist() == [2 * block_graph().param_count + 16 * mine + 2 * rest + scatters] * 4
+    zero2 = 2 * block_graph().param_count + 16 * mine
+    assert got.tolist() == [zero2 + max(2 * block + in_blocks, 2 * rest + at_end, 4 * max(rest, block))] * 4
 
 
 def test_offloaded_host_bytes_by_hand():

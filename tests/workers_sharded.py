@@ -55,14 +55,57 @@ class PlainNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h) * self.scale, y)
 
 
+class RoutedBlock(Block):
+    """A block with a branch only the rows in ``chosen`` take (as an expert only some tokens
+    choose): a rank without such rows gets no gradient for ``rare``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.rare = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if bool(chosen.any()):
+            out = out.index_add(0, chosen.nonzero().flatten(), self.rare(x[chosen]))
+        return out
+
+
+class RoutedNet(PlainNet):
+    """:class:`PlainNet` whose 5 blocks route the rows with a positive first input feature (5: a
+    rank waiting in its backward for a reduce-scatter the other rank only starts at the round's
+    end is further behind than the one block prefetched)."""
+
+    def __init__(self, width: int = 24, classes: int = 5) -> None:
+        super().__init__(width, classes)
+        self.blocks = torch.nn.ModuleList(RoutedBlock(width) for _ in range(5))
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        h, chosen = self.inp(x), x[:, 0] > 0
+        for b in self.blocks:
+            h = b(h, chosen)
+        return torch.nn.functional.cross_entropy(self.head(h) * self.scale, y)
+
+
+def _plain_data(batch: int, steps: int, routed_rows: int | None) -> list:
+    gen = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(steps):
+        x = torch.randn(batch, 7, generator=gen)
+        if routed_rows is not None:   # only the first rows (rank 0's share) take the branch
+            x[:, 0] = -1.0
+            x[:routed_rows, 0] = 1.0
+        data.append((x, torch.randint(0, 5, (batch,), generator=gen)))
+    return data
+
+
 def _case(family: str, batch: int, steps: int):
-    """Model, its single-process reference, and ``steps`` global batches."""
-    if family == "plain":
+    """Model, its single-process reference, and ``steps`` global batches (``routed``: a plain
+    module whose branch only the first row of each batch takes)."""
+    if family in ("plain", "routed"):
         torch.manual_seed(0)
-        model = PlainNet()
-        gen = torch.Generator().manual_seed(3)
-        data = [(torch.randn(batch, 7, generator=gen), torch.randint(0, 5, (batch,), generator=gen))
-                for _ in range(steps)]
+        model = RoutedNet() if family == "routed" else PlainNet()
+        data = _plain_data(batch, steps, 1 if family == "routed" else None)
     else:
         model = tiny_model(family)
         data = [global_batch(model, batch, 12, seed=1 + s) for s in range(steps)]

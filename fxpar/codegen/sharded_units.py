@@ -164,6 +164,7 @@ class _Round:
     next_gather: int = 0
     ready: set[int] = field(default_factory=set)                  # units whose grads are complete
     reduces: list[tuple[Unit, Pending | None]] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)               # reduce-scatters waited for
     arrived: dict[int, int] = field(default_factory=dict)         # unit index -> grads arrived
 
 
@@ -212,6 +213,8 @@ class RoundSchedule:
         rnd = self._round
         if rnd is None or not self.zero3:
             return
+        if phase == "backward":
+            self._blocks_done_after(unit)
         if unit.gathered:
             self._prefetch(phase)
             return
@@ -240,18 +243,37 @@ class RoundSchedule:
             unit.free()
 
     # ---- reduce-scatters ------------------------------------------------------------------
+    def _blocks_done_after(self, unit: Unit) -> None:
+        """ZeRO-3: ``unit``'s backward starts, so every later block's backward is over (the
+        autograd engine runs a later block's nodes, and its gradient accumulations first, before
+        any node of an earlier one); their gradients are complete — a parameter that got none this
+        micro-batch (an expert no token chose) reduces zeros — and their reduce-scatters may start.
+        Without this a rank whose gradient never arrives would only launch at the round's end, while
+        the other ranks wait for it in their backward and it waits for their gathers."""
+        rnd = self._round
+        k = self.units.index(unit)
+        rnd.ready.update(range(k + 1, len(self.units)))
+        self._launch_reduces(final=False)
+
     def grad_ready(self, full: torch.Tensor) -> None:
         """Post-accumulate-grad hook of a full tensor: launch what is ready, in order."""
         rnd = self._round
         if rnd is None:
             return
         k = self._index[id(full)]
+        if any(u is self.units[k] for u, _ in rnd.reduces):
+            raise RuntimeSetupError(
+                f"sharded data parallelism: a gradient of {self.units[k].name} arrived after its "
+                "reduce-scatter started (the model runs that block's backward after an earlier "
+                "block's); use shard_stage=2 for a model that calls blocks out of order")
         rnd.arrived[k] = rnd.arrived.get(k, 0) + 1
         if rnd.arrived[k] == len(self.units[k].trained):
             rnd.ready.add(k)
             self._launch_reduces(final=False)
 
     def _launch_reduces(self, *, final: bool) -> None:
+        """Launch the ready reduce-scatters in order; after each launch, finish the one before it
+        (so at most two are in flight: their buffers are freed as the backward goes on)."""
         rnd = self._round
         while len(rnd.reduces) < len(self.reduce_order):
             unit = self.reduce_order[len(rnd.reduces)]
@@ -261,6 +283,17 @@ class RoundSchedule:
             rnd.reduces.append((unit, pending))
             if self.zero3 and unit is not self.units[0]:
                 unit.free()   # its backward is over
+            self._finish_reduce(len(rnd.reduces) - 2)
+
+    def _finish_reduce(self, k: int) -> None:
+        """Wait for the round's ``k``-th reduce-scatter (if launched and not yet finished) and add
+        its rows to the shards' gradients."""
+        rnd = self._round
+        if 0 <= k < len(rnd.reduces) and k not in rnd.finished:
+            unit, pending = rnd.reduces[k]
+            rnd.finished.add(k)
+            rnd.reduces[k] = (unit, None)
+            self.clock.collective(lambda: unit.finish_reduce(pending))
 
     # ---- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:
@@ -269,18 +302,25 @@ class RoundSchedule:
             self.need(self.units[0], "forward")
 
     def end_round(self) -> None:
-        """Issue what the round has not (same order on every rank), wait for everything, add the
-        reduced gradients to the shards; ZeRO-3 frees every unit."""
+        """Issue what the round has not (same order on every rank: the gathers, then the
+        reduce-scatters, each finished after the next one's launch), wait for everything, add the
+        reduced gradients to the shards; ZeRO-3 frees every unit.
+
+        The gathers are launched, not waited for, before the reduce-scatters: a rank waiting for a
+        gather another rank only launches later in its backward, while that rank waits for this
+        rank's reduce-scatter, would never return."""
         rnd = self._round
         if self.zero3:
             while rnd.next_gather < len(self.queue):
                 self._launch_next()
-            for pending in rnd.gathers:
-                if pending is not None:
-                    self.clock.collective(pending.wait)
         self._launch_reduces(final=True)
-        for unit, pending in rnd.reduces:
-            self.clock.collective(lambda u=unit, p=pending: u.finish_reduce(p))
+        if self.zero3:
+            for k, pending in enumerate(rnd.gathers):
+                if pending is not None:
+                    rnd.gathers[k] = None
+                    self.clock.collective(pending.wait)
+        for k in range(len(rnd.reduces)):
+            self._finish_reduce(k)
         if self.zero3:
             for unit in self.units:
                 if unit.gathered:

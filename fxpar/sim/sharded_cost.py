@@ -33,36 +33,40 @@ brought in; through the NIC comes every other node's part once)
 so the time follows the largest shard, and mixed nodes pay their NIC once per remote byte.
 
 Memory of rank ``r`` (:func:`memory_per_rank`; ``m_r`` its largest micro-batch, ``z_r`` 1 when it
-offloads the optimizer), the largest of three moments of a round (checked against one gloo rank's
-live tensor bytes, :mod:`fxpar.profiling.tensor_peak` with every collective's work released on the
-calling thread: llama-tiny, 2 ranks, ZeRO-2 and ZeRO-3, ``end`` and ``idle`` within 304 bytes, the
-step's scalars):
+offloads the optimizer), the largest of the moments of a round (:class:`MemoryPhases`; checked
+against one gloo rank's live tensor bytes, :mod:`fxpar.profiling.tensor_peak` with every
+collective's work released on the calling thread, ``benchmarks.sharded_emulated``):
 
     X_r   = (w + g + (1 − z_r)·o)·S_r  (+ w·P for ZeRO-2)       shards (or their device copy),
             their gradients, the optimizer; ZeRO-2 also keeps the full parameters for the step
-    held  = X_r + w·(G_0 + (1 + d)·G_b) [ZeRO-3] + 2g·G          the rest of the model for the whole
-            micro-batch, the block computing and the one prefetched; one unit's full gradient and
-            its padded reduce-scatter buffer
-    R     = g·Σ_u ((1 + k)·N + 1)·ŝ_u                                 every unit's reduce-scatter: its
-            input (N padded parts), ``k`` copies the backend makes of it (gloo's
+    r_u   = g·((1 + k)·N + 1)·ŝ_u                                one unit's reduce-scatter in
+            flight: its input (N padded parts), ``k`` copies the backend makes of it (gloo's
             ``reduce_scatter_tensor`` clones its input on the calling thread: ``k = 1`` on CPU
-            ranks, 0 on GPUs) and its output (ŝ_u); :class:`~fxpar.codegen.sharded_units.RoundSchedule`
-            waits on them only when the round ends, so all of them are alive then
-    end   = X_r + (w [ZeRO-3] + g)·G_0 + R                        the last reduce-scatter of the
+            ranks, 0 on GPUs) and its output (ŝ_u)
+    R_b, R_e  the most of two consecutive units in the order ``b_{L−1} … b_0, rest`` (among the
+            blocks; the last pair ``b_0, rest``) (:func:`scatter_bytes`):
+            :class:`~fxpar.codegen.sharded_units.RoundSchedule` finishes each reduce-scatter right
+            after launching the next, so no more than two are in flight
+    held  = X_r + w·(G_0 + (1 + d)·G_b) [ZeRO-3] + 2g·G          the backward starts: the rest of
+            the model, the block computing and the one prefetched; one unit's full gradient and
+            its padded buffer; all activations
+    mid   = X_r + w·(…) [ZeRO-3] + g·G_b + R_b                   two blocks' reduce-scatters in
+            flight: at least one block's backward is over, so ``λ = (L − 1)/L`` of the
+            activations at most remain (``L`` blocks)
+    end   = X_r + (w [ZeRO-3] + g)·G_0 + R_e                      the last reduce-scatter of the
             round (the rest's, whose full gradients wait for the embedding's, the backward's last)
-            is launched: the blocks are freed, the rest is gathered with its full gradients
-    idle  = X_r + w·(Σ_u G_u + Σ_{b ≠ last} G_b) [ZeRO-3] + R     a round a rank has no micro-batch
-            for (fewer micro-batches than another rank): the output of every gather of the round
-            (each unit's forward, each block's but the last's backward) and every zero-gradient
-            reduce-scatter are alive until the round ends
+            is launched beside ``b_0``'s: the blocks are freed, the rest is gathered with its
+            full gradients
+    idle  = X_r + w·(Σ_u G_u + Σ_{b ≠ last} G_b) [ZeRO-3] + max(R_b, R_e)   a round a rank has no
+            micro-batch for (fewer micro-batches than another rank): every gather of the round
+            (each unit's forward, each block's but the last's backward) is launched before the
+            zero-gradient reduce-scatters and waited for after them
 
-    peak_r = max(held + a(c_r)·m_r, end, idle if the rank has an empty round)
+    peak_r = max(held + a(c_r)·m_r, mid + λ·a(c_r)·m_r, end, idle if the rank has an empty round)
 
-(Activations fall block by block in the backward while a block's reduce-scatter buffers are
-added, so the live bytes move linearly between the two ends and the larger end is the peak.
-``R ≥ g·(N + 1)·P/N``: as long as the round keeps every reduce-scatter until its end, each rank
-holds more than a whole gradient's bytes then, whatever its state share.  ``k = 0`` on GPUs and
-NCCL keeping a work's input until it is waited on are not measured here.)
+(Activations fall block by block in the backward while the reduce-scatter buffers rise to two
+units and stay there; the three moments bound the live bytes between them.  ``k = 0`` on GPUs
+and NCCL keeping a work's input until it is waited on are not measured here.)
 Host bytes of an offloading rank (:func:`offload_host_bytes`): ``S_r·(o + 4 + 4·[fp32])``
 (moments and fp32 master, an fp32 gradient buffer, in fp32 training a master copy of the weights).
 
@@ -224,9 +228,45 @@ def rank_memory(prices: ShardedPrices, stage: int, shards: np.ndarray, rank: int
     return int(memory_per_rank(prices, stage, shards, micros, ckpt, off)[rank])
 
 
-def memory_phases(prices: ShardedPrices, stage: int, shards: np.ndarray,
-                  offload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rank: ``held`` (without activations), ``end`` and ``idle`` bytes (module docstring)."""
+@dataclass(frozen=True, slots=True)
+class MemoryPhases:
+    """Per rank, device bytes at the moments of a round (module docstring), activations apart:
+    ``held`` (+ all activations), ``mid`` (+ ``mid_act`` of them), ``end`` and ``idle``."""
+
+    held: np.ndarray
+    mid: np.ndarray
+    mid_act: float
+    end: np.ndarray
+    idle: np.ndarray
+
+    def peak(self, act: np.ndarray) -> np.ndarray:
+        """Peak bytes with activations ``act`` per rank (the idle round apart)."""
+        return np.maximum(np.maximum(self.held + act, self.mid + self.mid_act * act), self.end)
+
+    def batch_caps(self, memory: np.ndarray, act: np.ndarray) -> np.ndarray:
+        """The largest micro-batch (samples) each rank holds within ``memory`` (0 where the end
+        of a round does not fit); ``act`` bytes per sample."""
+        act = np.maximum(act, 1.0)
+        caps = np.minimum(np.floor((memory - self.held) / act),
+                          np.floor((memory - self.mid) / np.maximum(self.mid_act * act, 1.0)))
+        return np.where(self.end <= memory, np.maximum(caps, 0), 0).astype(np.int64)
+
+
+def scatter_bytes(prices: ShardedPrices, top: np.ndarray) -> tuple[float, float]:
+    """``(R_b, R_e)``: the reduce-scatter buffers alive at once, while the backward goes through
+    the blocks and at the round's end.  One unit's in flight holds ``g·((1 + k)·N + 1)·ŝ_u``
+    bytes (input, ``k`` backend copies, output); the runtime finishes each one right after
+    launching the next (:class:`~fxpar.codegen.sharded_units.RoundSchedule`), so two consecutive
+    units of the order ``b_{L−1} … b_0, rest`` are the most in flight."""
+    _, g, _ = prices.bytes_wgo
+    per = g * ((1 + prices.scatter_copies) * prices.world + 1)
+    order = [u for u in range(len(top) - 1, 0, -1) if top[u] > 0] + [0]
+    pairs = [float(top[a] + top[b]) for a, b in zip(order, order[1:])] or [float(top[order[0]])]
+    return per * max(pairs[:-1], default=0.0), per * pairs[-1]
+
+
+def memory_phases(prices: ShardedPrices, stage: int, shards: np.ndarray, offload: np.ndarray) -> MemoryPhases:
+    """Per rank: the moments of a round without activations (module docstring)."""
     w, g, o = prices.bytes_wgo
     mine = shards.sum(axis=0).astype(float)
     top = shards.max(axis=1).astype(float)                            # ŝ_u
@@ -235,14 +275,16 @@ def memory_phases(prices: ShardedPrices, stage: int, shards: np.ndarray,
     state = (w + g) * mine + np.where(offload, 0.0, o * mine)
     if stage != 3:
         state = state + w * float(shards.sum())
-    scatters = g * float((((1 + prices.scatter_copies) * prices.world + 1) * top).sum())   # R
+    in_blocks, at_end = scatter_bytes(prices, top)
     gathered = w * (rest + (1 + PREFETCH) * block) if stage == 3 else 0.0
-    held = state + gathered + 2 * g * max(rest, block)
-    end = state + ((w if stage == 3 else 0.0) + g) * rest + scatters
     blocks = padded[1:][padded[1:] > 0]                                # the runtime's block units
     queue = float(padded.sum()) + float(blocks[:-1].sum())           # forward: all; backward: not the last
-    idle = state + (w * queue if stage == 3 else 0.0) + scatters
-    return held, end, idle
+    return MemoryPhases(
+        held=state + gathered + 2 * g * max(rest, block),
+        mid=state + gathered + g * block + in_blocks,
+        mid_act=max(len(blocks) - 1, 0) / max(len(blocks), 1),
+        end=state + ((w if stage == 3 else 0.0) + g) * rest + at_end,
+        idle=state + (w * queue if stage == 3 else 0.0) + max(in_blocks, at_end))
 
 
 def memory_per_rank(prices: ShardedPrices, stage: int, shards: np.ndarray, micro: np.ndarray,
@@ -250,11 +292,11 @@ def memory_per_rank(prices: ShardedPrices, stage: int, shards: np.ndarray, micro
                     idle_round: np.ndarray | None = None) -> np.ndarray:
     """Peak device bytes of every rank (module docstring), ``micro``: each rank's largest micro-batch;
     ``idle_round``: the ranks with a round without a micro-batch (None: none)."""
-    held, end, idle = memory_phases(prices, stage, shards, np.asarray(offload, dtype=bool))
+    phases = memory_phases(prices, stage, shards, np.asarray(offload, dtype=bool))
     act = np.where(checkpointing, prices.act_bytes[1], prices.act_bytes[0]) * micro
-    peak = np.maximum(held + act, end)
+    peak = phases.peak(act)
     if idle_round is not None:
-        peak = np.where(idle_round, np.maximum(peak, idle), peak)
+        peak = np.where(idle_round, np.maximum(peak, phases.idle), peak)
     return peak.astype(np.int64)
 
 

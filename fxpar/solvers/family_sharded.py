@@ -38,6 +38,7 @@ from fxpar.sim.sharded_cost import (
     ShardedPrices,
     collective_s,
     may_offload,
+    scatter_bytes,
     offload_host_bytes,
     sharded_prices,
 )
@@ -203,7 +204,8 @@ def lp_data(p: Problems, prices: ShardedPrices, cfg: Config) -> ShardedLPData:
     sizes = [float(sum(r * c for r, c in unit)) for unit in prices.params]
     rest, block = sizes[0], max(sizes[1:], default=0.0)
     cols = float(sum(c for unit in prices.params for _, c in unit))
-    grads = 2 * g * N * max(rest, block)
+    in_blocks, at_end = scatter_bytes(prices, np.array(sizes))      # per unit φ̂ (ŝ_u = φ̂·size_u)
+    grads = max(2 * g * N * max(rest, block), g * N * block + in_blocks)
     buffer = w * N * (rest + (1 + PREFETCH) * block) + grads if cfg.stage == 3 else grads
     per, fixed = rank_rates(p, prices, cfg.checkpointing)
     groups = p.cluster.groups()
@@ -218,7 +220,7 @@ def lp_data(p: Problems, prices: ShardedPrices, cfg: Config) -> ShardedLPData:
         sample_s=np.array([per[r] for r in first]), fixed_s=np.array([fixed[r] for r in first]), act=act,
         opt_s=np.array([offload_s(p, prices, cfg, r) if cfg.offload[r] else prices.full_opt_s[r] for r in first]),
         state_coef=(w + g + (1 - off) * o) * P, buffer_coef=buffer,
-        end_coef=((w if cfg.stage == 3 else 0.0) + g) * N * rest + g * ((1 + prices.scatter_copies) * N + 1) * P,
+        end_coef=((w if cfg.stage == 3 else 0.0) + g) * N * rest + at_end,
         fixed_bytes=w * P if cfg.stage == 2 else 0.0, comm=comm, after=after, batch=p.workload.global_batch)
 
 

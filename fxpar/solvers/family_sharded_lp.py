@@ -28,11 +28,13 @@ device), ``T`` (compute / communication makespan), ``T_o`` (optimizer).
                 t_g x_g + J f_g ≤ T                                          (add_makespan_rows)
                 J·(C0 + C1 φ̂) ≤ T   (collectives overlap compute)            (add_comm_row)
                 O_g φ_g ≤ T_o                                                (add_optimizer_rows)
-                ZeRO-3: (w + g + (1 − z_g) o)·P φ_g + (w (U_0 + (1 + d) U_b) + 2g U)·N φ̂ + a_g x_g / J ≤ M_g − ε_g
-                ZeRO-2: (w + g + (1 − z_g) o)·P φ_g + 2g·N U φ̂ + a_g x_g / J ≤ M_g − ε_g − w·P
-                and at the end of a round (every reduce-scatter alive, ``k`` the backend's copies
-                of its input; :mod:`fxpar.sim.sharded_cost`):
-                (w + g + (1 − z_g) o)·P φ_g + ((w·[ZeRO-3] + g)·N U_0 + g ((1 + k) N + 1) P) φ̂ ≤ M_g − ε_g (− w·P)
+                ZeRO-3: (w + g + (1 − z_g) o)·P φ_g + (w (U_0 + (1 + d) U_b)·N + D)·φ̂ + a_g x_g / J ≤ M_g − ε_g
+                ZeRO-2: (w + g + (1 − z_g) o)·P φ_g + D·φ̂ + a_g x_g / J ≤ M_g − ε_g − w·P
+                with D = max(2g·N U, g·N U_b + R_b) the gradient buffers of the backward, and at
+                the end of a round:
+                (w + g + (1 − z_g) o)·P φ_g + ((w·[ZeRO-3] + g)·N U_0 + R_e) φ̂ ≤ M_g − ε_g (− w·P)
+                (R_b, R_e: two consecutive units' reduce-scatter buffers in flight, per unit φ̂,
+                ``k`` the backend's copies of an input: :func:`fxpar.sim.sharded_cost.scatter_bytes`)
                                                                              (add_memory_rows)
 
 An infeasible LP means the configuration does not fit (the caller tries the next: more

@@ -6,8 +6,9 @@ Integer plan of a configuration (``stage``, per-rank checkpointing ``c_r`` and o
 ``J`` rounds) and per-rank state fractions ``φ_r`` (:func:`integer_plan`):
 
     ω     = largest-remainder rounding of ``WEIGHT_SCALE · φ`` (the plan's ``state_split``)
-    cap_r = ⌊(M_r − held_r(ω)) / a(c_r)⌋ (0 where end_r(ω) > M_r)   the largest micro-batch that fits
-            (held_r, end_r: :func:`fxpar.sim.sharded_cost.memory_phases` with the exact ragged shards)
+    cap_r = min(⌊(M_r − held_r(ω)) / a(c_r)⌋, ⌊(M_r − mid_r(ω)) / (λ·a(c_r))⌋)
+            (0 where end_r(ω) > M_r)   the largest micro-batch that fits (held, mid, λ, end:
+            :func:`fxpar.sim.sharded_cost.memory_phases` with the exact ragged shards)
     x     = the exact greedy of :func:`fxpar.solvers.data_parallel.integer_shares`:
             min max_r t_r(c_r)·x_r + ⌈x_r / cap_r⌉·f_r  s.t. Σ x_r = B, 1 ≤ x_r ≤ K_r·cap_r
             (K_r = J rounds for ZeRO-3, whose collectives run per round; ZeRO-2: the micro-batch
@@ -69,10 +70,9 @@ def integer_plan(p: Problems, prices: ShardedPrices, cfg: Config, fractions: lis
     shards = unit_shards(prices, weights)
     devices = p.cluster.devices
     ckpt = np.array(cfg.checkpointing, dtype=bool)
-    held, end, _ = memory_phases(prices, cfg.stage, shards, np.array(cfg.offload, dtype=bool))
-    act = np.maximum(np.where(ckpt, prices.act_bytes[1], prices.act_bytes[0]), 1.0)
-    caps = [math.floor((d.memory_bytes - b) / a) if e <= d.memory_bytes else 0
-            for d, b, e, a in zip(devices, held, end, act)]
+    phases = memory_phases(prices, cfg.stage, shards, np.array(cfg.offload, dtype=bool))
+    act = np.where(ckpt, prices.act_bytes[1], prices.act_bytes[0])
+    caps = [int(c) for c in phases.batch_caps(np.array([float(d.memory_bytes) for d in devices]), act)]
     if min(caps) < 1:
         return None
     limit = p.workload.max_microbatches
