@@ -27,21 +27,7 @@ Parity: loss within 1e-4 and every gradient within 1e-4 absolute (fp32, one step
 Multi-rank parts run on one :class:`fxpar.runtime.WorkerPool` of 2 gloo ranks, with a
 per-type timeout (``--timeout``; a timeout kills the pool, the next type gets a fresh one).
 
-**Shrinking rule** (:func:`tiny_config`), applied to every field of the type's default config:
-
-- hidden width (``hidden_size``, ``n_embd``, ``d_model``, ``dim``, ``embed_dim``...) -> 64;
-- layers (``num_hidden_layers``, ``n_layer``, ``num_layers``, ``num_decoder_layers``...) -> 2,
-  and per-layer lists (``layer_types``, ``block_types``...) cut to their first 2 entries;
-- attention heads -> 4, key/value heads -> 4 (so a 3:1 tensor split exists), ``head_dim`` -> 16;
-- MLP widths (``intermediate_size``, ``ffn_dim``, ``n_inner``, ``d_ff``) -> 128, expert and
-  shared-expert widths (``moe_intermediate_size``...) -> 64; experts -> 4, 2 per token;
-- ``vocab_size`` -> 256, positions (``max_position_embeddings``, ``n_positions``...) -> 128;
-  token ids (``pad/bos/eos/...token_id``) outside the vocabulary -> 0..2;
-- every other integer ``*_size`` / ``*_dim`` / ``*_rank`` field larger than 64 is scaled by
-  ``64 / default hidden`` (at least 8, a multiple of 4), so low-rank, conv and state widths
-  shrink with the model; dropouts -> 0 (parity is on deterministic steps).
-
-Types where the generic rule cannot work get a small documented entry in :data:`OVERRIDES`.
+The shrinking rule and the architecture kinds live in :mod:`benchmarks.zoo_tiny`.
 """
 
 from __future__ import annotations
@@ -61,6 +47,7 @@ import torch.distributed as dist
 
 import fxpar
 from benchmarks.common import finish
+from benchmarks.zoo_tiny import architecture, causal_lm_types, tiny_config
 from fxpar.codegen.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 from fxpar.codegen.tp_families import head_layout, split_sizes
@@ -70,121 +57,9 @@ from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, MOE_FFN, VOCAB, POSITIONS = 64, 2, 4, 4, 16, 128, 64, 256, 128
 BATCH, SEQ = 4, 16
 TOL = 1e-4
 COLUMNS = ("trace", "plan", "dp", "pp", "tp")
-
-_HIDDEN = ("hidden_size", "n_embd", "d_model", "embed_dim", "dim", "model_dim", "hidden_dim", "n_embed", "emb_dim",
-           "d_embed")
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers",
-           "encoder_layers", "num_encoder_layers")
-_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
-          "encoder_attention_heads", "num_attention_heads_per_layer")
-_KV = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "n_kv_heads", "multi_query_group_num",
-       "num_key_value_groups")
-_FFN = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
-        "inner_hidden_size", "mlp_dim")
-_MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
-_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
-_TOPK = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k")
-_POS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length")
-_PER_LAYER_LISTS = ("layer_types", "block_types", "layers_block_type", "attn_type_list", "hybrid_override_pattern",
-                    "mlp_only_layers", "layer_block_types")
-_NO_SCALE = ("vocab_size", "batch_size", "image_size", "patch_size", "num_labels", "max_batch_size")
-
-#: multi-head latent attention (DeepSeek-style): its widths must agree with each other
-#: (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), so they are set together
-_MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 16, "qk_head_dim": 16,
-        "kv_lora_rank": 16, "q_lora_rank": 32}
-
-#: per-type fields the generic rule gets wrong (each with why); applied last
-OVERRIDES: dict[str, dict[str, Any]] = {
-    # attention_types is [[pattern, repeats]] and must expand to exactly num_layers entries
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
-}
-
-
-def causal_lm_types() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _shrink_int(value: int, factor: float) -> int:
-    return max(8, round(value * factor / 4) * 4)
-
-
-def tiny_config(model_type: str) -> dict[str, Any]:
-    """The ``hf_config`` mapping (``model_type`` + changed fields) of ``model_type``'s tiny
-    model, by the module docstring's rule and :data:`OVERRIDES`."""
-    from transformers import AutoConfig
-
-    default = AutoConfig.for_model(model_type)
-    out: dict[str, Any] = {"model_type": model_type, **_shrunk(default.to_dict())}
-    out.update(OVERRIDES.get(model_type, {}))
-    return out
-
-
-def _shrunk(fields: dict[str, Any]) -> dict[str, Any]:
-    """The changed fields of one config (sub-configs — a vision tower, a text decoder — shrunk
-    by the same rule, whole)."""
-    old_hidden = next((fields[k] for k in _HIDDEN if isinstance(fields.get(k), int) and fields[k] > 0), 1024)
-    factor = HIDDEN / max(old_hidden, HIDDEN)
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
-        if isinstance(value, dict) and "model_type" in value:
-            sub = {k: v for k, v in value.items() if k not in ("model_type", "transformers_version")}
-            out[key] = {**sub, **_shrunk(sub)}
-            continue
-        if isinstance(value, bool):
-            continue
-        new = _shrink(key, value, factor, fields)
-        if new is not None and new != value:
-            out[key] = new
-    if isinstance(fields.get("qk_rope_head_dim"), int):  # multi-head latent attention: one consistent set
-        out.update({k: v for k, v in _MLA.items() if k in fields})
-    return out
-
-
-def _shrink(key: str, value: Any, factor: float, fields: dict[str, Any]) -> Any:
-    if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_drop")):
-        return 0.0
-    if key in _PER_LAYER_LISTS and isinstance(value, (list, tuple)) and value:
-        return list(value[:LAYERS]) if len(value) >= LAYERS else value
-    if key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
-        return 2 if key.startswith("eos") else (1 if key.startswith("bos") else 0)
-    if not isinstance(value, int):
-        return None
-    if key in _HIDDEN:
-        return HIDDEN
-    if key in _LAYERS:
-        return min(value, LAYERS)
-    if key in _HEADS:
-        return HEADS
-    if key in _KV:
-        return min(KV_HEADS, HEADS) if value > 1 else value
-    if key == "head_dim" or key == "attention_head_size" or key == "kv_channels":
-        return HEAD_DIM
-    if key in _FFN:
-        return FFN
-    if key in _MOE_FFN:
-        return MOE_FFN
-    if key in _EXPERTS:
-        return min(value, 4) if value > 0 else value
-    if key in _TOPK:
-        return min(value, 2) if value > 0 else value
-    if key in ("vocab_size", "decoder_vocab_size"):
-        return VOCAB
-    if key in _POS:
-        return POSITIONS
-    if key in _NO_SCALE:
-        return None
-    if key.endswith(("_size", "_dim", "_rank", "_dims")) and value > 64:
-        return _shrink_int(value, factor)
-    return None
-
 
 # ---- plain PyTorch: can the tiny model train one step at all? ------------------------------------
 def build(model_type: str, seed: int = 0) -> torch.nn.Module:
@@ -194,8 +69,12 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
 
 
 def batch(model: torch.nn.Module, rows: int = BATCH, seed: int = 1) -> dict[str, torch.Tensor]:
-
-    return example_inputs(model, rows, SEQ, seed=seed)
+    """Token ids and labels; a composite config (vision or audio + text) has its vocabulary in its
+    text sub-config, so the ids are drawn from that."""
+    config = model.config
+    if getattr(config, "vocab_size", None) is None and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    return example_inputs(config, rows, SEQ, seed=seed)
 
 
 def trains_one_step(model_type: str) -> str | None:
@@ -344,6 +223,7 @@ def check_local(model_type: str, timeout: float) -> dict[str, Any]:
             if why is not None:
                 return {**row, "skipped": why}
             model = build(model_type)
+            row["architecture"] = architecture(model_type, model)
             row["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
             row["params"] = sum(p.numel() for p in model.parameters())
             try:
@@ -435,6 +315,12 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for c in COLUMNS:
         run = [r for r in tried if r.get(c) and r[c].get("ok") is not None]
         cover[c] = {"ok": sum(1 for r in run if r[c]["ok"]), "run": len(run), "of": len(tried)}
+    decoders = [r for r in tried if r.get("architecture") == "decoder-only"]
+    run = [r for r in decoders if r.get("tp") and r["tp"].get("ok") is not None]
+    cover["tp_decoder_only"] = {"ok": sum(1 for r in run if r["tp"]["ok"]), "run": len(run), "of": len(decoders)}
+    kinds: dict[str, int] = {}
+    for r in tried:
+        kinds[r.get("architecture", "unknown")] = kinds.get(r.get("architecture", "unknown"), 0) + 1
     reasons: dict[str, dict[str, int]] = {}
     for c in COLUMNS:
         for r in tried:
@@ -443,7 +329,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 reasons.setdefault(c, {})[key] = reasons.setdefault(c, {}).get(key, 0) + 1
     top = {c: sorted(v.items(), key=lambda kv: -kv[1])[:8] for c, v in reasons.items()}
     return {"types": len(rows), "skipped": len(rows) - len(tried), "tried": len(tried), "coverage": cover,
-            "top_failures": top}
+            "architectures": kinds, "top_failures": top}
 
 
 def _reason_key(reason: str) -> str:
@@ -480,18 +366,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = walk(types, parity=() if args.no_parity else parity, timeout=args.timeout,
                 budget_s=args.budget)
     summ = summary(rows)
-    head = ["type", *COLUMNS, "first failure / skip reason"]
+    head = ["type", "architecture", *COLUMNS, "first failure / skip reason"]
     table_rows = []
     for r in rows:
         if "skipped" in r:
-            table_rows.append([r["type"], *(["skip"] * len(COLUMNS)), r["skipped"][:90]])
+            table_rows.append([r["type"], "-", *(["skip"] * len(COLUMNS)), r["skipped"][:90]])
             continue
         why = next((f"{c}: {r[c]['reason']}" for c in COLUMNS if r.get(c) and r[c].get("ok") is False), "")
-        table_rows.append([r["type"], *(_mark(r.get(c)) for c in COLUMNS), why[:90]])
-    cov = ", ".join(f"{c} {v['ok']}/{v['of']}" for c, v in summ["coverage"].items())
+        table_rows.append([r["type"], r.get("architecture", "-"), *(_mark(r.get(c)) for c in COLUMNS), why[:90]])
+    cov = ", ".join(f"{c} {v['ok']}/{v['of']}" for c, v in summ["coverage"].items() if c in COLUMNS)
+    tp_dec = summ["coverage"]["tp_decoder_only"]
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(summ["architectures"].items(), key=lambda kv: -kv[1]))
     caption = (f"transformers {transformers.__version__}: {summ['types']} causal-LM types, {summ['skipped']} "
                f"skipped (tiny model does not train in plain PyTorch), coverage of the {summ['tried']} others: "
-               f"{cov} ({time.perf_counter() - start:.0f} s)")
+               f"{cov}; tp over the {tp_dec['of']} decoder-only types: {tp_dec['ok']}/{tp_dec['of']} "
+               f"(architectures: {kinds}) ({time.perf_counter() - start:.0f} s)")
     return finish("zoo", title="HF causal-LM zoo coverage", caption=caption, head=head, rows=table_rows,
                   quick=bool(args.types) or args.no_parity, out=args.json, transformers=transformers.__version__,
                   summary=summ, types=rows, wall_s=round(time.perf_counter() - start, 1))

@@ -131,7 +131,7 @@ def test_three_to_one_on_families_found_by_the_graph(pool2, family, overrides):
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type", ["cohere", "afmoe", "beam", "biogpt"])
 def test_zoo_types_the_name_based_sharders_missed(pool2, model_type):
-    # zoo tiny configs (benchmarks.zoo.tiny_config): cohere (per-head (heads, head_dim) q/k
+    # zoo tiny configs (benchmarks.zoo_tiny.tiny_config): cohere (per-head (heads, head_dim) q/k
     # norm weights, interleaved rotary), afmoe (output gate projection), beam (output gate
     # with a per-head bias), biogpt (q/k/v/out_proj, fc1/fc2); 3:1 of 4 key/value groups
     results = pool2.run(tp_worker, model_type, timeout=300)

@@ -1,5 +1,5 @@
 """Zoo coverage in CI (issue #16 item 1): a fixed sample of transformers' causal-LM model types,
-each built from its own defaults by ``benchmarks.zoo.tiny_config`` (hidden 64, 2 layers, 4
+each built from its own defaults by ``benchmarks.zoo_tiny.tiny_config`` (hidden 64, 2 layers, 4
 heads, 4 key/value heads where the type has grouped heads, vocab 256), traced, planned (the full
 planner, 2 emulated ranks of speeds 1.0 / 0.5) and run data-parallel on 2 gloo ranks: loss and
 every gradient within 1e-4 of one process on the same global batch (fp32, batch 4 x 16; the
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.zoo import (
+from benchmarks.zoo import TOL, build, summary, traced_dp_worker
+from benchmarks.zoo_tiny import (
+    ARCHITECTURES,
+    HEAD_DIM,
     HIDDEN,
     LAYERS,
-    TOL,
+    architecture,
     causal_lm_types,
     tiny_config,
-    traced_dp_worker,
 )
 from fxpar.plan import STRATEGIES
 
@@ -54,3 +56,40 @@ def test_trace_plan_and_data_parallel_parity(pool2, model_type):
     for r in results:
         assert r["n"] > 0
         assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+
+
+def test_shrinking_keeps_dependent_fields_consistent():
+    # a partial rotary width stays inside the (shrunk) head
+    assert 2 <= tiny_config("gptj")["rotary_dim"] <= HEAD_DIM
+    # multi-head latent attention: head_dim keeps its default relation (= the rope part)
+    v3 = tiny_config("deepseek_v3")
+    assert v3["head_dim"] == v3["qk_rope_head_dim"] and v3["qk_head_dim"] == v3["qk_nope_head_dim"] + v3["qk_rope_head_dim"]
+    # a hybrid keeps one layer of each kind (its first 2 default layers are linear attention)
+    assert tiny_config("qwen3_next")["layer_types"] == ["linear_attention", "full_attention"]
+    # per-layer lists and layer-index lists follow the kept layers
+    llama4 = tiny_config("llama4_text")
+    assert llama4["layer_types"] == ["chunked_attention", "full_attention"] and llama4["no_rope_layers"] == [1, 0]
+    assert llama4["moe_layers"] == [0, 1]
+    # a dict keyed by layer index: only the kept layers' entries, renumbered
+    assert tiny_config("gemma4_text")["per_layer_config"] == {"01": {"head_dim": HEAD_DIM}}
+
+
+@pytest.mark.parametrize(("model_type", "kind"), [
+    ("llama", "decoder-only"), ("jamba", "decoder-only"), ("mamba", "attention-free"), ("rwkv", "attention-free"),
+    ("bert", "encoder-as-decoder"), ("roberta", "encoder-as-decoder"), ("bart", "encoder-decoder"),
+    ("trocr", "encoder-decoder")])
+def test_architecture_kind(model_type, kind):
+    assert kind in ARCHITECTURES
+    assert architecture(model_type, build(model_type)) == kind
+
+
+def test_summary_counts_tensor_parallel_over_decoder_only_rows():
+    ok, bad = {"ok": True}, {"ok": False, "reason": "x"}
+    rows = [{"type": "a", "architecture": "decoder-only", "trace": ok, "tp": ok},
+            {"type": "b", "architecture": "decoder-only", "trace": ok, "tp": bad},
+            {"type": "c", "architecture": "encoder-decoder", "trace": ok, "tp": ok},
+            {"type": "d", "skipped": "why"}]
+    summ = summary(rows)
+    assert summ["coverage"]["tp_decoder_only"] == {"ok": 1, "run": 2, "of": 2}
+    assert summ["coverage"]["tp"] == {"ok": 2, "run": 3, "of": 3}
+    assert summ["architectures"] == {"decoder-only": 2, "encoder-decoder": 1}

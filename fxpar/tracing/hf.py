@@ -153,7 +153,7 @@ def example_inputs(model_or_config: Any, batch: int, seq_len: int | None = None,
         raise ConfigError(f"seq_len = {seq_len}: a language-model batch needs seq_len >= 1")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     rotary = hasattr(config, "rope_parameters") or hasattr(config, "rope_theta")
-    if max_pos is not None and not rotary and seq_len > int(max_pos):
+    if max_pos is not None and int(max_pos) > 0 and not rotary and seq_len > int(max_pos):  # -1: no limit (XLNet)
         raise ConfigError(
             f"seq_len = {seq_len} exceeds the model's max positions ({max_pos}); "
             "use a shorter sequence or raise max_position_embeddings / n_positions in hf_config")
