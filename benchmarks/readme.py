@@ -17,7 +17,9 @@ from functools import reduce
 from pathlib import Path
 from typing import Any
 
+from benchmarks import readme_sections
 from benchmarks.common import RESULTS
+from benchmarks.readme_sections import table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -32,12 +34,6 @@ def _files(name: str, folder: Path, quick: bool | None = False) -> list[Path]:
 def _latest(name: str, folder: Path = RESULTS, quick: bool = False) -> dict | None:
     files = _files(name, folder, quick)
     return json.loads(files[-1].read_text()) if files else None
-
-
-def _table(data: dict) -> str:
-    head, rows = data["table"]["head"], data["table"]["rows"]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 # ---- wording helpers --------------------------------------------------------------------------
@@ -114,7 +110,7 @@ def _dp(dp: dict, cores: Any, folder: Path) -> list[str]:
     out = ["", f"Measured training step on {_models(runs)}{', ' + setting if setting else ''}, fxpar against "
            f"{methods} (`python -m benchmarks.dp_emulated`). Each figure is the median of warmed-up steps, "
            "with min and max in the JSON. fxpar and DDP alternate in the same worker processes; FSDP2 runs in "
-           "fresh ones, because its device mesh slows whatever runs after it in a process:", "", _table(dp)]
+           "fresh ones, because its device mesh slows whatever runs after it in a process:", "", table(dp)]
     above = [r for r in runs if r["speedup"] > r["ideal_speedup"] and min(r["speeds"]) < 1]
     prose = []
     if above:
@@ -163,7 +159,7 @@ def _pp(pp: dict) -> list[str]:
     arm = "fxpar's own pipeline module" if first.get("even_blocks") else "an even pipeline"
     out = ["", f"Measured heterogeneous pipeline against {arm} with equal blocks per stage ('fxpar even': "
            f"the same 1F1B schedule), on {shape}{', ' + setting if setting else ''}, over "
-           f"{len(first['speeds'])} gloo ranks (`python -m benchmarks.pp_emulated`):", "", _table(pp)]
+           f"{len(first['speeds'])} gloo ranks (`python -m benchmarks.pp_emulated`):", "", table(pp)]
     empty = [r for r in runs if 0 in r["fxpar_blocks"]]
     if empty:
         last = all(r["fxpar_blocks"][-1] == 0 for r in empty)
@@ -197,7 +193,7 @@ def _plan(plan: dict) -> list[str]:
            "`x LB` is the step over the lower bound (`fxpar/solvers/bounds.py`: every model segment spread "
            "over the device kinds at their own speeds, plus the optimizer; no plan fxpar could run is "
            "faster). Every baseline was a candidate, so fxpar is never slower than one. 'vs best even' compares against the better of even DP and the best even "
-           "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", _table(plan)]
+           "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", table(plan)]
     ceiling_note = ("`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can gain "
                     "over an even plan that is compute-bound at the slowest device's pace")
     beyond = [s for s in planned if s.get("heterogeneity_ceiling") and s["vs_best_even"]
@@ -248,7 +244,7 @@ def _fidelity(fid: dict, folder: Path = RESULTS) -> list[str]:
            "kept beside the JSON. The "
            "plan used those profiles, then fxpar trained with emulated speeds. The table gives predicted against "
            "measured step time (median of rank 0) and peak memory (resident set, measured after the model is "
-           "built):", "", _table(fid), ""]
+           "built):", "", table(fid), ""]
     text = [f"Mean |step error| is {100 * sum(errs) / len(errs):.1f}% (range {100 * min(errs):.1f}–"
             f"{100 * max(errs):.1f}%)."]
     over = sum(r["predicted_step_s"] > r["measured_step_s"] for r in runs)
@@ -301,7 +297,7 @@ def _rebalance(reb: dict) -> list[str]:
             after += f", recovering {reb['recovery']:.0%} of the way to the step planned for the slowed speeds"
         after += "."
     return ["", f"Online re-balancing under the HF Trainer (`python -m benchmarks.rebalance`): {what}, and "
-            "`FxparCallback` re-solves the shares from the measured step times:", "", _table(reb)] + (
+            "`FxparCallback` re-solves the shares from the measured step times:", "", table(reb)] + (
         ["", after.strip()] if after else [])
 
 
@@ -325,24 +321,32 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
         parts += _plan(plan)
     if scal:
         parts += ["", "Planner solve time, tracing excluded (`python -m benchmarks.planner_scaling`):", "",
-                  _table(scal), "", f"![planner scaling](benchmarks/results/{Path(scal['plot']).name})"]
+                  table(scal), "", f"![planner scaling](benchmarks/results/{Path(scal['plot']).name})"]
     if fid:
         parts += _fidelity(fid, folder)
     if ep_tp:
         parts += ["", "Uneven expert and tensor parallelism against their even forms ('fxpar even') and DDP, "
-                  "measured the same way (`python -m benchmarks.ep_tp_emulated`):", "", _table(ep_tp)] + _fairness(ep_tp)
+                  "measured the same way (`python -m benchmarks.ep_tp_emulated`):", "", table(ep_tp)] + _fairness(ep_tp)
+    mem, sh = _latest("memory_fidelity", folder, False), _latest("sharded_emulated", folder, False)
+    if mem:
+        parts += readme_sections.memory(mem)
+    if sh:
+        parts += readme_sections.sharded(sh)
     if reb:
         parts += _rebalance(reb)
     real, coll = _latest("real_gpu", folder, False), _latest("collective_audit", folder, False)
     if real:
         parts += ["", "Predictions against real measured GPU runs (`python -m benchmarks.real_gpu`, the runs and their "
                   "provenance in `../shared/validation/`; 'LOO' refits every calibrated constant without the run; "
-                  "Sailor is the best published estimator on the same runs):", "", _table(real)]
+                  "Sailor is the best published estimator on the same runs):", "", table(real)]
     if coll:
         parts += ["", "Collectives each plan kind issues per training step, recorded by the collective audit "
                   "(`python -m benchmarks.collective_audit`; tiny models, two micro-batches where the plan has them; "
                   "'NCCL-valid': device tensors, no object collective in a step, equal sizes where NCCL needs "
-                  "them, one order per group):", "", _table(coll)]
+                  "them, one order per group):", "", table(coll)]
+    zoo = _latest("zoo", folder, False)
+    if zoo:
+        parts += readme_sections.zoo(zoo)
     return "\n".join(parts)
 
 

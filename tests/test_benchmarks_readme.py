@@ -18,8 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 READMEPY = ROOT / "benchmarks" / "readme.py"
+SECTIONSPY = ROOT / "benchmarks" / "readme_sections.py"
 #: digits that are names or notation, not figures
-NOT_FIGURES = ("FSDP2", "127.0.0.1", "1/s_min", "(1/s − 1)", "1F1B", "s − 1", "rank 0")
+NOT_FIGURES = ("FSDP2", "fsdp2", "fp32", "127.0.0.1", "1/s_min", "(1/s − 1)", "1F1B", "s − 1", "rank 0")
 
 
 def _literals(tree: ast.AST) -> list[tuple[int, str]]:
@@ -38,11 +39,12 @@ def _literals(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_readme_prose_types_no_figures():
     typed = []
-    for line, text in _literals(ast.parse(READMEPY.read_text())):
-        for name in NOT_FIGURES:
-            text = text.replace(name, "")
-        if re.search(r"\d", text):
-            typed.append(f"readme.py:{line}: {text[:80]!r}")
+    for path in (READMEPY, SECTIONSPY):
+        for line, text in _literals(ast.parse(path.read_text())):
+            for name in NOT_FIGURES:
+                text = text.replace(name, "")
+            if re.search(r"\d", text):
+                typed.append(f"{path.name}:{line}: {text[:80]!r}")
     assert not typed, "figures typed into the README prose (compute them from the JSON):\n" + "\n".join(typed)
 
 
@@ -52,7 +54,8 @@ def test_section_builds_from_the_stored_results():
     if not list((ROOT / "benchmarks" / "results").glob("*.json")):
         pytest.skip("no stored benchmark results in benchmarks/results")
     text = readme.section()
-    for name in ("dp_emulated", "pp_emulated", "plan_scenarios", "fidelity", "ep_tp_emulated", "rebalance"):
+    for name in ("dp_emulated", "pp_emulated", "plan_scenarios", "fidelity", "ep_tp_emulated", "rebalance",
+                 "memory_fidelity", "sharded_emulated"):
         data = readme._latest(name)
         if data is not None:
             assert "| " + " | ".join(data["table"]["head"]) + " |" in text, name

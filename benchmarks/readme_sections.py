@@ -1,0 +1,96 @@
+"""README sections of the newer suites (sharded DP under memory caps, tensor-memory fidelity, the
+HF zoo): each a pure function of one stored result (``benchmarks/results/*.json``) that returns
+Markdown lines; :mod:`benchmarks.readme` puts them in the results section.  Every figure is read
+or computed from the JSON, none typed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MIB = 2 ** 20
+
+
+def table(data: dict) -> str:
+    """A stored result's table as Markdown."""
+    head, rows = data["table"]["head"], data["table"]["rows"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def _unseen(measured: dict[str, Any]) -> list[str]:
+    """Per arm and rank, the bytes the profiler never saw freed in the reported window (frees made
+    on gloo's worker thread), where any."""
+    out = []
+    for arm, ranks in measured.items():
+        for r, res in enumerate(ranks or []):
+            windows, left = res.get("peak_bytes_per_window"), res.get("unseen_free_bytes")
+            if not windows or not left:
+                continue
+            k = windows.index(min(windows))
+            if left[k] > 0:
+                out.append(f"{arm} rank {r} {left[k] / MIB:.1f} MiB")
+    return out
+
+
+def _windows(sh: dict) -> int:
+    return max((len(r.get("peak_bytes_per_window") or []) for ranks in sh.get("measured", {}).values()
+                for r in ranks or []), default=0)
+
+
+def sharded(sh: dict) -> list[str]:
+    """Uneven sharded DP vs torch FSDP2, even_fsdp and the best other plan under memory caps."""
+    figs = sh.get("figures", {})
+    mine = figs.get("fxpar sharded", {})
+    lines = ["", "Uneven sharded data parallelism under emulated per-rank memory caps (`python -m "
+             f"benchmarks.sharded_emulated`): {sh['model']}, batch {sh['global_batch']}, seq {sh['seq_len']}, fp32 "
+             f"AdamW, emulated speeds {'/'.join(f'{s:g}' for s in sh['speeds'])} and caps "
+             f"{' / '.join(f'{c:g}' for c in sh['caps_gib'])} GiB; an arm is out of memory when a rank's measured "
+             "tensor peak exceeds its cap. fxpar's sharded plan comes from its planner; torch FSDP2 runs "
+             "`fully_shard` per block with even shards and batch, emulated like every arm:", "", table(sh)]
+    words = []
+    for other, key in (("torch FSDP2", "vs_fsdp2"), ("fxpar's best other plan", "vs_best_other")):
+        if mine.get(key) is not None:
+            words.append(f"{mine[key]:.2f}x faster than {other}")
+    even = figs.get("fxpar even_fsdp", {}).get("median_step_s")
+    if mine.get("median_step_s") and even:
+        words.append(f"{even / mine['median_step_s']:.2f}x faster than fxpar's even_fsdp")
+    fsdp_verdict = figs.get("torch FSDP2", {}).get("verdict", "")
+    if words:
+        lines += ["", f"fxpar's sharded plan ({mine.get('verdict', '?')}) ran {', '.join(words)} (torch FSDP2: "
+                  f"{fsdp_verdict}). The tensor peak is the least of {_windows(sh)} untimed one-step "
+                  "profiler windows per rank; a window over-states by the frees gloo's worker thread made"
+                  + (f" ({', '.join(_unseen(sh.get('measured', {})))} never seen freed)" if _unseen(sh.get("measured", {}))
+                     else "") + "."]
+    return lines
+
+
+def memory(mem: dict) -> list[str]:
+    """Predicted vs measured peak live tensor bytes per rank."""
+    rows = mem["table"]["rows"]
+    errors = [float(r[6].rstrip("%")) for r in rows if isinstance(r[6], str) and r[6].endswith("%")]
+    lines = ["", "Peak memory per rank, predicted by fxpar's step-peak formula against the live tensor peak "
+             "measured from the CPU allocator's events (`python -m benchmarks.memory_fidelity`; AdamW state "
+             "included, the higher of the steady-state steps measured):", "", table(mem)]
+    if errors:
+        lines += ["", f"Every row is within {min(errors):+.1f}%..{max(errors):+.1f}% of the measurement "
+                  f"({len(errors)} rank-rows)."]
+    return lines
+
+
+def zoo(z: dict) -> list[str]:
+    """Coverage of the transformers causal-LM zoo, per column."""
+    s = z["summary"]
+    cov = s["coverage"]
+    cells = [f"{c} {v['ok']}/{v['of']}" + (f" ({v['ok'] / v['of']:.0%})" if v["of"] else "")
+             for c, v in cov.items() if v["run"]]
+    kinds = ", ".join(f"{k} {n}" for k, n in s.get("architectures", {}).items())
+    lines = ["", f"HF causal-LM zoo (`python -m benchmarks.zoo`, transformers {z['transformers']}): "
+             f"{s['types']} model types, {s['skipped']} skipped (their tiny model does not train a step in plain "
+             f"PyTorch), {s['tried']} tried ({kinds}). Covered: {', '.join(cells)}; `tp_decoder_only` counts the "
+             "decoder-only types. Per-type rows and every failure's reason are in the JSON."]
+    top = s.get("top_failures", {})
+    for col, items in top.items():
+        if items:
+            lines.append(f"- {col}: " + "; ".join(f"{reason} ({n})" for reason, n in items[:4]))
+    return lines
