@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.zoo import TOL, build, summary, traced_dp_worker
+from benchmarks.zoo import TOL, build, pp_worker, summary, traced_dp_worker
 from benchmarks.zoo_tiny import (
     ARCHITECTURES,
     HEAD_DIM,
@@ -56,6 +56,17 @@ def test_trace_plan_and_data_parallel_parity(pool2, model_type):
     for r in results:
         assert r["n"] > 0
         assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "afmoe"])
+def test_pipeline_parity_complex_boundary_and_frozen_parameter(pool2, model_type):
+    """deepseek_v2 sends complex rotary frequencies between stages (they travel as their real and
+    imaginary parts); afmoe holds a parameter that does not train (the stage's gradient hook
+    leaves it out)."""
+    results = pool2.run(pp_worker, model_type, timeout=120)
+    for r in results:
+        assert r["n"] > 0 and r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
 
 
 def test_shrinking_keeps_dependent_fields_consistent():

@@ -92,8 +92,8 @@ class StageModule(torch.nn.Module):
     def forward(self, *received: torch.Tensor):
         # integer values (labels, positions) travel between stages as float32 — exact below
         # 2**24 — because pipeline p2p buffers for integer tensors arrive uninitialised on gloo
-        received = tuple(r.to(self.input_dtypes[i]) if self.input_dtypes.get(i) is not None else r
-                         for i, r in enumerate(received))
+        # (complex values as their real and imaginary parts: a trailing dimension of 2)
+        received = tuple(_restore(r, self.input_dtypes.get(i)) for i, r in enumerate(received))
         env = dict(zip(self.spec.inputs, received))
         env.update(self.constants)
         for fqn, safe in self._names.items():
@@ -114,9 +114,25 @@ class StageModule(torch.nn.Module):
         if self.is_last:  # the schedule concatenates micro-batch outputs: a (1,) loss
             result = tuple(r.reshape(1) if isinstance(r, torch.Tensor) and r.dim() == 0 else r for r in result)
         else:  # fresh contiguous tensors: p2p sends plain buffers
-            result = tuple((r.to(torch.float32) if not r.is_floating_point() else r).contiguous().clone()
-                           if isinstance(r, torch.Tensor) else r for r in result)
+            result = tuple(_as_float(r).contiguous().clone() if isinstance(r, torch.Tensor) else r for r in result)
         return result[0] if len(result) == 1 else result
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """A stage output as it travels: floating as is, complex as ``view_as_real`` (float), other
+    (integer, bool) values as float32."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t if t.is_floating_point() else t.to(torch.float32)
+
+
+def _restore(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A received value back in its traced dtype (the inverse of :func:`_as_float`)."""
+    if dtype is None:
+        return t
+    if dtype.is_complex:
+        return torch.view_as_complex(t.to(dtype.to_real()).contiguous())
+    return t.to(dtype)
 
 
 def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer_ids: dict[str, int]) -> int | None:

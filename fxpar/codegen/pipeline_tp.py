@@ -180,7 +180,7 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link
         return outs if isinstance(out, tuple) else outs[0]
 
     module.forward = forward
-    params = [p for _, p in module.named_original_parameters()]
+    params = [p for _, p in module.named_original_parameters() if p.requires_grad]  # not a frozen one
     if params:
         torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all")
 
