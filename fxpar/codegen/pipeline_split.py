@@ -135,7 +135,11 @@ def _restore(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer_ids: dict[str, int]) -> int | None:
+def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer_ids: dict[str, int],
+                    order: Mapping[str, int]) -> int | None:
+    """The stage of the block ``node`` belongs to (None outside blocks); a block's index is its
+    place among the model's blocks (``order``), or, for a block ``order`` lacks, the order blocks
+    first appear in the graph."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return None
@@ -143,8 +147,16 @@ def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer
     if blk is None:
         return None
     if blk not in layer_ids:
-        layer_ids[blk] = len(layer_ids)
+        layer_ids[blk] = order.get(blk, len(layer_ids))
     return cuts_by_layer[layer_ids[blk]]
+
+
+def _module_blocks(model: torch.nn.Module, count: int) -> dict[str, int]:
+    """Each block's index in module order — the order ``layer_to_stage`` counts in — when the
+    model has ``count`` blocks; a block the forward never runs (a vision tower without images)
+    then keeps its place, so the blocks after it still land on their own stages."""
+    blocks = list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
+    return {b: i for i, b in enumerate(blocks)} if len(blocks) == count else {}
 
 
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
@@ -173,13 +185,14 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     layer_ids: dict[str, int] = {}
     current = [0]
     cuts = dict(enumerate(layer_to_stage))
+    order = _module_blocks(model, len(layer_to_stage))
 
     def callback(node: torch.fx.Node) -> int:
-        s = _stage_of_layer(cuts, node, layer_ids)
+        s = _stage_of_layer(cuts, node, layer_ids, order)
         if s is None:
             # before the first block: stage 0; after the last block: the last stage
             s = current[0] if layer_ids else 0
-            if layer_ids and len(layer_ids) == len(layer_to_stage):
+            if layer_ids and (len(layer_ids) == len(layer_to_stage) or max(layer_ids.values()) == len(cuts) - 1):
                 s = num_stages - 1
         current[0] = max(current[0], s)
         return current[0]
