@@ -142,7 +142,8 @@ def _first_stage_blocks(model: torch.nn.Module, data: dict[str, torch.Tensor]) -
     (the traced graph's), so a tower this batch never enters (a vision encoder without images)
     cannot leave a stage without work."""
     blocks = block_paths(model)
-    ran = [layer.path for layer in trace(model, {k: v[:1] for k, v in data.items()}).layers]
+    ran = [layer.path for layer in trace(model, {k: v[:1] for k, v in data.items()}).layers
+           if any(True for _ in model.get_submodule(layer.path).parameters())]   # not a list of rotary embeddings
     if len(ran) < 2 or any(p not in blocks for p in ran):
         return len(blocks) // 2
     return blocks.index(ran[len(ran) // 2 - 1]) + 1

@@ -136,27 +136,31 @@ def _restore(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _stage_of_layer(cuts_by_layer: Mapping[int, int], node: torch.fx.Node, layer_ids: dict[str, int],
-                    order: Mapping[str, int]) -> int | None:
-    """The stage of the block ``node`` belongs to (None outside blocks); a block's index is its
-    place among the model's blocks (``order``), or, for a block ``order`` lacks, the order blocks
-    first appear in the graph."""
+                    order: Mapping[str, int | None]) -> int | None:
+    """The stage of the block ``node`` belongs to (None outside blocks, and for a block without
+    parameters: its ops go with the stage around them); a block's index is its place among the
+    model's blocks (``order``), or, for a block ``order`` lacks, the order blocks first appear in
+    the graph."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return None
     blk = block_path(str(list(stack.values())[-1][0]))
-    if blk is None:
+    if blk is None or (blk in order and order[blk] is None):
         return None
     if blk not in layer_ids:
         layer_ids[blk] = order.get(blk, len(layer_ids))
     return cuts_by_layer[layer_ids[blk]]
 
 
-def _module_blocks(model: torch.nn.Module, count: int) -> dict[str, int]:
+def _module_blocks(model: torch.nn.Module, count: int) -> dict[str, int | None]:
     """Each block's index in module order — the order ``layer_to_stage`` counts in — when the
-    model has ``count`` blocks; a block the forward never runs (a vision tower without images)
-    then keeps its place, so the blocks after it still land on their own stages."""
+    model has ``count`` blocks (None for a block without parameters, such as a list of rotary
+    embeddings, which may run before the first real block); a block the forward never runs (a
+    vision tower without images) keeps its place, so the blocks after it land on their stages."""
     blocks = list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
-    return {b: i for i, b in enumerate(blocks)} if len(blocks) == count else {}
+    if len(blocks) != count:
+        return {}
+    return {b: (i if any(True for _ in model.get_submodule(b).parameters()) else None) for i, b in enumerate(blocks)}
 
 
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
@@ -186,13 +190,14 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     current = [0]
     cuts = dict(enumerate(layer_to_stage))
     order = _module_blocks(model, len(layer_to_stage))
+    last = max((i for i in order.values() if i is not None), default=len(cuts) - 1)
 
     def callback(node: torch.fx.Node) -> int:
         s = _stage_of_layer(cuts, node, layer_ids, order)
         if s is None:
             # before the first block: stage 0; after the last block: the last stage
             s = current[0] if layer_ids else 0
-            if layer_ids and (len(layer_ids) == len(layer_to_stage) or max(layer_ids.values()) == len(cuts) - 1):
+            if layer_ids and (len(layer_ids) == len(layer_to_stage) or max(layer_ids.values()) == last):
                 s = num_stages - 1
         current[0] = max(current[0], s)
         return current[0]
