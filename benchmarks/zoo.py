@@ -20,7 +20,9 @@ documented module-level name, no underscore) and for each:
    over the whole projection, ALiBi, multi-head latent attention, no attention at all) fails
    with the block and the reason recorded.
 
-``--columns tp`` runs only the tensor-parallel column (trace and plan still run).
+``--columns tp`` runs only the tensor-parallel column (trace and plan still run).  ``--update
+OLD.json`` measures ``--types`` (default all) for ``--columns`` again and keeps OLD's other cells
+(:func:`merged`); the JSON's ``runs`` lists every run a table merges, with its date and columns.
 
 Parity: loss within 1e-4 and every gradient within 1e-4 absolute (fp32, one step, batch 4 ×
 16; the pipeline's batch has no ignored labels, so its equal micro-batch weighting is exact).
@@ -350,9 +352,45 @@ def _reason_key(reason: str) -> str:
     return head[:110]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    import transformers
+def merged(previous: list[dict[str, Any]], rows: list[dict[str, Any]], parity: tuple[str, ...]) -> list[dict[str, Any]]:
+    """``previous`` rows with the types of ``rows`` measured again: their skip check, trace, plan
+    and the ``parity`` columns replaced, the other columns kept (pure; ``--update``)."""
+    fresh = {r["type"]: r for r in rows}
+    out = []
+    for old in previous:
+        new = fresh.pop(old["type"], None)
+        if new is None:
+            out.append(old)
+        elif "skipped" in new:
+            out.append(new)
+        else:
+            kept = {c: old[c] for c in WORKERS if c in old and c not in parity and "skipped" not in old}
+            out.append({**kept, **new})
+    return out + list(fresh.values())
 
+
+def _table_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    table_rows = []
+    for r in rows:
+        if "skipped" in r:
+            table_rows.append([r["type"], "-", *(["skip"] * len(COLUMNS)), r["skipped"][:90]])
+            continue
+        why = next((f"{c}: {r[c]['reason']}" for c in COLUMNS if r.get(c) and r[c].get("ok") is False), "")
+        table_rows.append([r["type"], r.get("architecture", "-"), *(_mark(r.get(c)) for c in COLUMNS), why[:90]])
+    return table_rows
+
+
+def _caption(version: str, summ: dict[str, Any], seconds: float) -> str:
+    cov = ", ".join(f"{c} {v['ok']}/{v['of']}" for c, v in summ["coverage"].items() if c in COLUMNS)
+    tp_dec = summ["coverage"]["tp_decoder_only"]
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(summ["architectures"].items(), key=lambda kv: -kv[1]))
+    return (f"transformers {version}: {summ['types']} causal-LM types, {summ['skipped']} "
+            f"skipped (tiny model does not train in plain PyTorch), coverage of the {summ['tried']} others: "
+            f"{cov}; tp over the {tp_dec['of']} decoder-only types: {tp_dec['ok']}/{tp_dec['of']} "
+            f"(architectures: {kinds}) ({seconds:.0f} s)")
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.zoo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", help="comma-separated model types (default: the whole causal-LM mapping)")
     ap.add_argument("--json", type=Path, help="folder for the JSON result (default: benchmarks/results)")
@@ -362,7 +400,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--timeout", type=float, default=90.0, help="seconds per type and column")
     ap.add_argument("--budget", type=float, default=1500.0,
                     help="seconds after which parity columns are no longer run (trace/plan go on)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--update", type=Path,
+                    help="a previous zoo JSON: measure --types (default all) for --columns again and keep its "
+                         "other cells (the result lists every run it merges)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import json
+
+    import transformers
+
+    args = _arguments(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -375,27 +424,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parity = tuple(c.strip() for c in args.columns.split(",") if c.strip())
     if set(parity) - set(WORKERS):
         sys.exit(f"--columns: {sorted(set(parity) - set(WORKERS))} not among {sorted(WORKERS)}")
-    rows = walk(types, parity=() if args.no_parity else parity, timeout=args.timeout,
-                budget_s=args.budget)
+    parity = () if args.no_parity else parity
+    rows = walk(types, parity=parity, timeout=args.timeout, budget_s=args.budget)
+    run = {"date": time.strftime("%Y-%m-%d %H:%M"), "types": len(types), "columns": list(parity)}
+    runs, quick = [run], bool(args.types) or args.no_parity
+    if args.update is not None:
+        previous = json.loads(args.update.read_text())
+        rows = merged(previous["types"], rows, parity)
+        runs, quick = previous.get("runs", [{"file": args.update.name}]) + [run], previous.get("quick", quick)
     summ = summary(rows)
     head = ["type", "architecture", *COLUMNS, "first failure / skip reason"]
-    table_rows = []
-    for r in rows:
-        if "skipped" in r:
-            table_rows.append([r["type"], "-", *(["skip"] * len(COLUMNS)), r["skipped"][:90]])
-            continue
-        why = next((f"{c}: {r[c]['reason']}" for c in COLUMNS if r.get(c) and r[c].get("ok") is False), "")
-        table_rows.append([r["type"], r.get("architecture", "-"), *(_mark(r.get(c)) for c in COLUMNS), why[:90]])
-    cov = ", ".join(f"{c} {v['ok']}/{v['of']}" for c, v in summ["coverage"].items() if c in COLUMNS)
-    tp_dec = summ["coverage"]["tp_decoder_only"]
-    kinds = ", ".join(f"{k} {n}" for k, n in sorted(summ["architectures"].items(), key=lambda kv: -kv[1]))
-    caption = (f"transformers {transformers.__version__}: {summ['types']} causal-LM types, {summ['skipped']} "
-               f"skipped (tiny model does not train in plain PyTorch), coverage of the {summ['tried']} others: "
-               f"{cov}; tp over the {tp_dec['of']} decoder-only types: {tp_dec['ok']}/{tp_dec['of']} "
-               f"(architectures: {kinds}) ({time.perf_counter() - start:.0f} s)")
-    return finish("zoo", title="HF causal-LM zoo coverage", caption=caption, head=head, rows=table_rows,
-                  quick=bool(args.types) or args.no_parity, out=args.json, transformers=transformers.__version__,
-                  summary=summ, types=rows, wall_s=round(time.perf_counter() - start, 1))
+    return finish("zoo", title="HF causal-LM zoo coverage", caption=_caption(transformers.__version__, summ,
+                  time.perf_counter() - start), head=head, rows=_table_rows(rows), quick=quick, out=args.json,
+                  transformers=transformers.__version__, summary=summ, types=rows, runs=runs,
+                  wall_s=round(time.perf_counter() - start, 1))
 
 
 if __name__ == "__main__":

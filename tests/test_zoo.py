@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.zoo import TOL, build, pp_worker, summary, traced_dp_worker
+from benchmarks.zoo import TOL, build, merged, pp_worker, summary, traced_dp_worker
 from benchmarks.zoo_tiny import (
     ARCHITECTURES,
     HEAD_DIM,
@@ -106,3 +106,15 @@ def test_summary_counts_tensor_parallel_over_decoder_only_rows():
     assert summ["coverage"]["tp_decoder_only"] == {"ok": 1, "run": 2, "of": 2}
     assert summ["coverage"]["tp"] == {"ok": 2, "run": 3, "of": 3}
     assert summ["architectures"] == {"decoder-only": 2, "encoder-decoder": 1}
+
+
+def test_update_merges_only_the_columns_run_again():
+    old = [{"type": "a", "trace": {"ok": True}, "dp": {"ok": True}, "pp": {"ok": False, "reason": "x"}},
+           {"type": "b", "trace": {"ok": True}, "dp": {"ok": True}},
+           {"type": "c", "skipped": "does not train"}]
+    new = [{"type": "a", "trace": {"ok": True}, "pp": {"ok": True}, "tp": {"ok": False, "reason": "y"}},
+           {"type": "c", "trace": {"ok": True}, "tp": {"ok": True}}]
+    rows = {r["type"]: r for r in merged(old, new, ("pp", "tp"))}
+    assert rows["a"]["dp"] == {"ok": True} and rows["a"]["pp"] == {"ok": True} and rows["a"]["tp"]["ok"] is False
+    assert rows["b"] == old[1]                       # not measured again: kept whole
+    assert "skipped" not in rows["c"] and rows["c"]["tp"] == {"ok": True} and "dp" not in rows["c"]
