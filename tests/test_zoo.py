@@ -59,13 +59,14 @@ def test_trace_plan_and_data_parallel_parity(pool2, model_type):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model_type", ["deepseek_v2", "afmoe", "gemma3", "granite_swa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "afmoe", "gemma3", "granite_swa", "moss_transcribe_diarize"])
 def test_pipeline_parity_complex_boundary_frozen_parameter_idle_tower(pool2, model_type):
     """deepseek_v2 sends complex rotary frequencies between stages (they travel as their real and
     imaginary parts); afmoe holds a parameter that does not train (the stage's gradient hook
     leaves it out); gemma3's vision tower never runs on a text batch (its blocks keep their
     places in the stage cuts); granite_swa runs a list of rotary embeddings (a parameter-free
-    "block") before its first layer."""
+    "block") before its first layer; moss_transcribe_diarize's forward takes no use_cache (its
+    configs' use_cache is off while it exports)."""
     results = pool2.run(pp_worker, model_type, timeout=120)
     for r in results:
         assert r["n"] > 0 and r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r

@@ -23,6 +23,7 @@ from torch.fx.passes.split_module import split_module
 
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.structure import block_path
+from fxpar.tracing.trace import no_cache
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     precision = (torch.autocast(device_type=autocast[0], dtype=autocast[1])
                  if autocast is not None else contextlib.nullcontext())
     try:
-        with precision:
+        with precision, no_cache(model):
             ep = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None

@@ -80,6 +80,24 @@ def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
 _NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
 
 
+@contextlib.contextmanager
+def no_cache(model: torch.nn.Module):
+    """``use_cache = False`` on an HF model's config and its sub-configs (a text decoder's) while
+    the block runs, restored after: a model whose forward takes no ``use_cache`` argument (a
+    composite one passing ``**kwargs`` down) would otherwise return a ``DynamicCache``, which
+    does not export."""
+    config = getattr(model, "config", None)
+    configs = [config] + [getattr(config, k) for k in dir(config) if k.endswith("_config")] if config is not None else []
+    touched = [(c, c.use_cache) for c in configs if c is not None and isinstance(getattr(c, "use_cache", None), bool)]
+    for c, _ in touched:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c, old in touched:
+            c.use_cache = old
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
     quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [log.level for log in quiet]
@@ -87,7 +105,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         log.setLevel(logging.ERROR)
     captured = io.StringIO()  # a failed export prints its partial graph to stderr: keep it out
     try:
-        with contextlib.redirect_stderr(captured):
+        with contextlib.redirect_stderr(captured), no_cache(model):
             program = torch.export.export(model, args, kwargs, strict=False)
         sys.stderr.write(captured.getvalue())  # a successful export's warnings still show
         return program
