@@ -130,6 +130,20 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             log.setLevel(level)
 
 
+def _static(shape: Any, node: torch.fx.Node) -> tuple[int, ...]:
+    """``shape`` as integers; a size the exported graph leaves symbolic because it depends on the
+    data (tokens routed to an expert, a mask's count) is a clear :class:`TraceError` naming the op."""
+    try:
+        return tuple(int(d) for d in shape)
+    except Exception as exc:  # noqa: BLE001 - torch raises a guard error on a data-dependent size
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        where = f" in {stack[-1][0]}" if stack else ""
+        raise TraceError(
+            f"trace: op {node.name}{where} has a size that depends on the data ({type(exc).__name__}); fxpar's "
+            "cost model needs static shapes. What may help: a dense or grouped implementation of the layer "
+            "(for HF MoE models, config experts_implementation='batched_mm' where the class supports it)") from None
+
+
 def _model_frame(model: torch.nn.Module, exc: BaseException) -> str:
     """Where the export failed: the innermost submodule whose forward was running (its path and
     class) and the innermost line of model code outside torch (usually the line at fault)."""
@@ -304,9 +318,9 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
     for a in node.args:
         val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         tensor_args.append(val if isinstance(val, torch.Tensor) else None)
-    shapes = [tuple(int(s) for s in t.shape) if t is not None else None for t in tensor_args]
+    shapes = [_static(t.shape, node) if t is not None else None for t in tensor_args]
     outs = _tensor_meta(node.meta.get("val"))
-    out_shape = tuple(int(s) for s in outs[0].shape) if outs else None
+    out_shape = _static(outs[0].shape, node) if outs else None
 
     rg_inputs = [needs_grad.get(a.name, False) for a in inputs]
     floating_out = bool(outs) and outs[0].is_floating_point()
@@ -362,7 +376,7 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         args_repr=_args_repr(node),
         name=node.name, target=str(node.target), op_class=cls, module_path=module,
         layer=layer_of.get(blk) if blk else None,
-        out_shapes=tuple(tuple(int(s) for s in t.shape) for t in outs),
+        out_shapes=tuple(_static(t.shape, node) for t in outs),
         dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
         fwd_flops=int(fwd), bwd_flops=int(bwd), bytes_read=int(read), bytes_written=int(written),
         saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg)
