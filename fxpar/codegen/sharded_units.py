@@ -22,9 +22,12 @@ Schedule of one round (one micro-batch, :class:`RoundSchedule`), identical on ev
   ``b_{L−2} … b_0`` (backward; the last block is kept from its forward); ZeRO-2 gathers every
   unit once per step instead and has no gathers in a round;
 - reduce-scatters, on a second group over the same ranks, in the fixed order ``b_{L−1} … b_0,
-  rest``; a unit's starts once its gradients are all accumulated *and* every earlier unit's has
-  started (the ordered launch of :mod:`fxpar.codegen.grad_buckets`), so each rank issues the same
-  sequence whatever order its backward (with or without recomputation) finished them in.
+  rest``; a unit's starts once its gradients are all accumulated — or, ZeRO-3, once an earlier
+  block's backward starts (its gradients are then complete; one that never came reduces zeros) —
+  *and* every earlier unit's has started (the ordered launch of :mod:`fxpar.codegen.grad_buckets`),
+  so each rank issues the same sequence whatever order its backward (with or without
+  recomputation) finished them in; each is finished right after the next one's launch, so at
+  most two are in flight.
 
 Two groups make the two sequences independent of how a rank's backward interleaves them.  What
 a round did not reach (a rank's dummy round when it has fewer micro-batches than another, a unit
