@@ -93,19 +93,47 @@ def test_opt_out_proj_and_fc_mlp_and_qwen3_per_head_norms():
     assert qwen3.splittable  # q_norm / k_norm over one head (16 features): each rank has whole heads
 
 
-def test_refused_blocks_name_the_block_and_the_cause():
+def test_gemma_one_plus_weight_head_norms_are_shared_parameters():
+    # Gemma's RMSNorm scales by (1 + w): the companion is a function of the parameter, which
+    # must still be found, so that its gradient (each rank's heads only) is summed over the group
+    att, = analyze_model(_model("gemma3_text")).blocks[0].attention
+    assert att.shared_params == ("model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight")
+
+
+def test_vocab_parallel_only_where_the_loss_goes_through_loss_function():
+    # MarianForCausalLM computes CrossEntropyLoss over logits.view(-1, config.vocab_size): a
+    # rank's vocabulary slice would be read as more tokens, so its head stays replicated
+    from benchmarks.zoo import build
+    from fxpar.tracing.structure import supports_vocab_parallel
+
+    assert supports_vocab_parallel(_model("llama"))
+    assert not supports_vocab_parallel(build("marian"))
+
+
+def test_olmo2_norms_over_the_whole_projection_are_group_norms():
+    # OLMo-2's q_norm / k_norm reduce over all heads' features: each rank keeps its heads'
+    # features of the norm weight and all-reduces the sum of squares (tp_group_norm.py)
     olmo2 = analyze_model(_model("olmo2"))
-    assert olmo2.splittable() == frozenset()
-    reason = olmo2.refused()[0].reason
-    assert reason.startswith("block model.layers.0: attention at node") and "whole query projection" in reason
-    assert olmo2.blocks[0].mlp  # its MLP is still found
+    att, = olmo2.blocks[0].attention
+    q, k = att.group_norms
+    assert (q.module, q.params, q.width) == ("model.layers.0.self_attn.q_norm",
+                                             (("model.layers.0.self_attn.q_norm.weight", 0),), 64)
+    assert (k.module, k.width, k.rows.per_unit) == ("model.layers.0.self_attn.k_norm", 32, 1)
+    assert att.head_params == () and att.shared_params == ()
+
+
+def test_refused_blocks_name_the_block_and_the_cause():
+    bitnet = analyze_model(_model("bitnet"))   # a sub-norm over the whole attention output
+    assert bitnet.splittable() == frozenset()
+    reason = bitnet.refused()[0].reason
+    assert reason.startswith("block model.layers.0: attention at node") and "reordered or reduced" in reason
     bloom = analyze_model(_model("bloom", "eager"))
     assert bloom.refused() and all(b.reason.startswith(f"block {b.path}:") for b in bloom.refused())
     assert "ALiBi" in bloom.refused()[0].reason
 
 
 def test_planner_reads_the_same_analysis():
-    model = _model("olmo2")
+    model = _model("bitnet")
     graph = trace(model, example_inputs(model, 1, 8))
     assert [layer.tensor_parallel for layer in graph.layers] == [False, False]
     assert graph.tp_analysis.refused()[0].path == graph.layers[0].path
@@ -129,11 +157,14 @@ def test_three_to_one_on_families_found_by_the_graph(pool2, family, overrides):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model_type", ["cohere", "afmoe", "beam", "biogpt"])
+@pytest.mark.parametrize("model_type", ["cohere", "afmoe", "beam", "biogpt", "gemma3_text", "marian", "olmo2",
+                                        "olmoe"])
 def test_zoo_types_the_name_based_sharders_missed(pool2, model_type):
     # zoo tiny configs (benchmarks.zoo_tiny.tiny_config): cohere (per-head (heads, head_dim) q/k
     # norm weights, interleaved rotary), afmoe (output gate projection), beam (output gate
-    # with a per-head bias), biogpt (q/k/v/out_proj, fc1/fc2); 3:1 of 4 key/value groups
+    # with a per-head bias), biogpt (q/k/v/out_proj, fc1/fc2), gemma3_text ((1 + w) per-head
+    # q/k norms), marian (its own CrossEntropyLoss: replicated head), olmo2 / olmoe (q/k norms
+    # over the whole projection, computed across the group); 3:1 of 4 key/value groups
     results = pool2.run(tp_worker, model_type, timeout=300)
     assert results[0]["shares"] == [3, 1]
     for r in results:

@@ -23,6 +23,7 @@ import torch
 
 from fxpar.codegen.shards import slice_parameter, slice_runs
 from fxpar.codegen.tp_collectives import tp_copy, tp_grad_sum, tp_reduce
+from fxpar.codegen.tp_group_norm import shard_group_norm
 from fxpar.tracing.tp_analysis import Attention, Mlp, Projection
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
@@ -119,6 +120,8 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
     copy_into(model, att.module, (att.input_module,), att.projections, key)
     for fqn in att.shared_params:
         sum_gradients(model, fqn, key)
+    for norm in att.group_norms:
+        shard_group_norm(model, norm, lo, hi, key)
     for fqn, dim, per_unit in att.head_params:
         owner, name = _leaf(model, fqn)
         setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit, hi * per_unit))

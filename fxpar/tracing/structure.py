@@ -13,6 +13,8 @@ sharders use the same analysis, so the solver and the runtime see one source of 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -33,7 +35,21 @@ def supports_vocab_parallel(model: torch.nn.Module) -> bool:
         return False
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     return (type(emb) is torch.nn.Embedding and isinstance(head, torch.nn.Linear) and head.bias is None
-            and head.out_features == emb.num_embeddings and hasattr(type(model), "loss_function"))
+            and head.out_features == emb.num_embeddings and _loss_through_loss_function(type(model)))
+
+
+def _loss_through_loss_function(cls: type) -> bool:
+    """Whether ``cls.forward`` computes its loss by ``self.loss_function`` (which the
+    vocab-parallel loss replaces), not by its own ``CrossEntropyLoss`` over
+    ``logits.view(-1, config.vocab_size)`` (Marian's, Whisper's, TrOCR's causal LMs), which would
+    read a rank's vocabulary slice as more tokens."""
+    if not hasattr(cls, "loss_function"):
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function" in source
 
 
 def vocab_parallel_modules(model: torch.nn.Module) -> tuple[str, ...]:

@@ -15,8 +15,11 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    times (grouped-query attention) makes ``kv_heads = heads / g``.
 2. The attention output must feed exactly one projection, on its last axis, unchanged
    (``o``: row-parallel over features ``h·head_dim + [0, head_dim)``).
-3. Refused, with the block and cause: a norm or other reduction over features of more than one
-   head (a q/k norm over the whole projection), a tensor with a per-head extent added to the
+3. A norm over the whole output of a query / key projection (OLMo-2's ``q_norm``: one module
+   reduces all ``n`` features, its per-feature weights are parameters of that module) is a
+   :class:`GroupNorm`: computed across the group (``fxpar.codegen.tp_group_norm``).
+   Refused, with the block and cause: any other norm or reduction over features of more than
+   one head, a tensor with a per-head extent added to the
    scores (ALiBi slopes, per-head masks), q / k / v projections that read different inputs
    (cross-attention between stacks), a projection output that also leaves the attention
    (``escape``), or an attention whose operands do not trace to projections.
@@ -37,6 +40,7 @@ import torch
 
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.tp_dataflow import Axis, Dataflow, Flow, Scores
+from fxpar.tracing.tp_norms import GroupNorm, group_norms, whole_norm
 from fxpar.tracing.tp_pass import run
 
 
@@ -102,6 +106,8 @@ class Attention:
     #: per-head parameters on that way (a q/k norm weight of shape (heads, head_dim)):
     #: ``(fqn, dim, heads per key/value group)``, sliced by heads like the projections
     head_params: tuple[tuple[str, int, int], ...] = ()
+    #: norms over a whole query / key projection, computed across the group
+    group_norms: tuple[GroupNorm, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +167,9 @@ def _proj_module(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def _head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int] | str:
-    """``(projection node, rows, repeat)`` of one attention operand, or why not."""
+def _head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int, tuple | None] | str:
+    """``(projection node, rows, repeat, whole-projection norm)`` of one attention operand, or
+    why not; the norm is ``(module, ((weight fqn, dim), ...))`` (:func:`~fxpar.tracing.tp_norms.whole_norm`)."""
     if len(flow.sources) != 1:
         return f"its {role} mixes several projections"
     (src, base), = flow.sources
@@ -172,15 +179,17 @@ def _head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int]
     if not isinstance(head, Axis) or not isinstance(last, Axis) or last.stride != 1:
         return f"its {role} has no head axis (heads third from last, head size last)"
     d = last.size
+    norm = whole_norm(flow, src, df, d)
+    wide = {name for name, _ in norm[1]} if norm else set()
     for stride, size in flow.reduced:
-        if stride * size > d:
+        if stride * size > d and norm is None:
             return (f"a norm or reduction over {stride * size} features of its {role} spans more than one "
                     f"head of {d}: every rank would need the whole {role} projection")
     for name, stride, size, pdim in flow.companions:
         per_head = name in df.params and pdim >= 0 and stride == head.stride and size == head.size and head.rep == 1
-        if stride * size > d and not per_head:
+        if stride * size > d and not per_head and name not in wide:
             return f"{name} is applied per feature across the heads of its {role} (a per-head companion)"
-    return src, RoleRows(role, base, head.stride, head.size // head.rep, d), head.rep
+    return src, RoleRows(role, base, head.stride, head.size // head.rep, d), head.rep, norm
 
 
 def _companion_params(flows: tuple[Flow, ...], d: int, df: Dataflow, per_unit: dict[int, int]
@@ -237,7 +246,7 @@ def _attention(event: tuple, df: Dataflow, node: torch.fx.Node) -> Attention | s
     bad = next((p for p in parts if isinstance(p, str)), None)
     if bad is not None:
         return bad
-    (qs, q, qrep), (ks, k, _), (vs, v, _) = parts
+    (qs, q, qrep, qn), (ks, k, _, kn), (vs, v, _, vn) = parts
     heads, kv, d = q.heads * qrep, k.heads, q.head_dim
     if extras:
         return f"a tensor with a per-head extent ({extras[0]}) is added to the scores (ALiBi slopes / per-head mask)"
@@ -271,7 +280,12 @@ def _attention(event: tuple, df: Dataflow, node: torch.fx.Node) -> Attention | s
     by_src.update(gates)
     cols = tuple(_projection(df, s, "column", tuple(r)) for s, r in by_src.items())
     row = _projection(df, o, "row", (RoleRows("o", 0, d, heads, d, g),))
+    norms = group_norms(((qn, rows["q"]), (kn, rows["k"]), (vn, rows["v"])))
+    if isinstance(norms, str):
+        return norms
+    widened = {p for n in norms for p, _ in n.params}
     shared, head_params = _companion_params((qf, kf, vf, of), d, df, {0: g, 1: 1, 2: 1, 3: g})
+    head_params = tuple(h for h in head_params if h[0] not in widened)
     bad = next((c[0] for c in of.companions if c[1] * c[2] > d and (
         c[0] not in df.params or c[1] != d or c[2] != heads or c[3] < 0)), None)
     if bad is not None:
@@ -279,7 +293,7 @@ def _attention(event: tuple, df: Dataflow, node: torch.fx.Node) -> Attention | s
     return Attention(node=name, module=_module_path(node), heads=heads, kv_heads=kv, head_dim=d,
                      projections=cols + (row,), input_node=df.inputs[qs],
                      input_module=df.input_modules.get(qs, ""),
-                     shared_params=shared, head_params=head_params)
+                     shared_params=shared, head_params=head_params, group_norms=norms)
 
 
 def _mlp(proj: str, flow: Flow, df: Dataflow, taken: set[str], users: dict[str, int]) -> Mlp | None:

@@ -89,6 +89,8 @@ class Dataflow:
     inputs: dict = field(default_factory=dict)         # projection node -> its input node name
     input_modules: dict = field(default_factory=dict)  # projection node -> module path of that input
     params: frozenset = frozenset()                    # every parameter FQN of the program
+    #: (source node, stride, extent) of a reduction -> module paths of the ops that reduce so
+    reductions: dict = field(default_factory=dict)
 
 
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",

@@ -24,6 +24,7 @@ from fxpar.tracing.tp_dataflow import (
     _shape,
     reshape_dims,
 )
+from fxpar.tracing.tp_params import param_dim, param_source
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -97,35 +98,12 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
     companions = tuple(c for f in flows for c in f.companions)
     for o in others:
         shape = (1,) * (n - len(_shape(o) or ())) + (_shape(o) or ())
-        fqn, pshape = _param_source(o, params)
+        fqn, pshape = param_source(o, params)
         for k, e in enumerate(dims):
             if isinstance(e, Axis) and shape[k] > 1:
-                companions += ((fqn or o.name, e.stride, e.size, _param_dim(shape, k, pshape) if fqn else -1),)
+                companions += ((fqn or o.name, e.stride, e.size, param_dim(shape, k, pshape) if fqn else -1),)
     return Flow(frozenset().union(*(f.sources for f in flows)), tuple(dims),
                 tuple(dict.fromkeys(r for f in flows for r in f.reduced)), tuple(dict.fromkeys(companions)))
-
-
-def _big(shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    return [(i, n) for i, n in enumerate(shape) if n != 1]
-
-
-def _param_source(o: torch.fx.Node, params: dict[str, str]) -> tuple[str | None, tuple[int, ...]]:
-    """``(parameter FQN, its shape)`` when ``o`` is a parameter through dtype casts, copies and
-    views that only add or drop size-1 dimensions, else ``(None, ())``."""
-    while o.name not in params and o.op == "call_function" and isinstance(o.args[0], torch.fx.Node) and (
-            op_name(o.target) in ("to", "_to_copy", "clone", "alias", "detach", "type_as", "contiguous")
-            or (op_name(o.target) in ("unsqueeze", "view", "reshape", "squeeze")
-                and [n for _, n in _big(_shape(o) or ())] == [n for _, n in _big(_shape(o.args[0]) or ())])):
-        o = o.args[0]
-    return (params[o.name], _shape(o) or ()) if o.name in params else (None, ())
-
-
-def _param_dim(operand: tuple[int, ...], k: int, param: tuple[int, ...]) -> int:
-    """The parameter dimension behind dimension ``k`` of an operand that is the parameter with
-    size-1 dimensions added (-1 if none)."""
-    mine, theirs = _big(operand), _big(param)
-    pos = [i for i, _ in mine]
-    return theirs[pos.index(k)][0] if k in pos and len(mine) == len(theirs) else -1
 
 
 def _reduce(flow: Flow, dims_arg: Any, keep: bool, n: int) -> Flow:
@@ -367,7 +345,19 @@ def run(ep: Any) -> Dataflow:
                 _escape(df, s, f"{name} at {node.name}")
         else:
             df.flows[node.name] = out
+            _note_reductions(df, inputs, out, _module_of(node))
     return df
+
+
+def _note_reductions(df: Dataflow, inputs: list, out: Any, module: str) -> None:
+    """Record the module of every reduction ``out`` adds to its inputs' (``df.reductions``)."""
+    if not isinstance(out, Flow):
+        return
+    before = {r for f in inputs if isinstance(f, Flow) for r in f.reduced}
+    for stride, size in out.reduced:
+        if (stride, size) not in before:
+            for src, _ in out.sources:
+                df.reductions.setdefault((src, stride, size), set()).add(module)
 
 
 def _escape_input(df: Dataflow, a: torch.fx.Node, why: str) -> None:
