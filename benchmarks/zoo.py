@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
     args = _arguments(argv)
+    if args.update is not None and not args.update.is_file():
+        sys.exit(f"--update {args.update}: no such file (a zoo JSON written by an earlier run)")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
