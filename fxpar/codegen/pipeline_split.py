@@ -164,6 +164,29 @@ def _module_blocks(model: torch.nn.Module, count: int) -> dict[str, int | None]:
     return {b: (i if any(True for _ in model.get_submodule(b).parameters()) else None) for i, b in enumerate(blocks)}
 
 
+def _stage_callback(model: torch.nn.Module, layer_to_stage: Sequence[int], num_stages: int):
+    """``split_module``'s callback: the stage of each node in graph order, never decreasing —
+    a block's by ``layer_to_stage``; before the first block stage 0; after the last block (the
+    last with parameters in module order, or every block seen) the last stage; elsewhere the
+    stage so far."""
+    layer_ids: dict[str, int] = {}
+    current = [0]
+    cuts = dict(enumerate(layer_to_stage))
+    order = _module_blocks(model, len(layer_to_stage))
+    last = max((i for i in order.values() if i is not None), default=len(cuts) - 1)
+
+    def callback(node: torch.fx.Node) -> int:
+        s = _stage_of_layer(cuts, node, layer_ids, order)
+        if s is None:
+            s = current[0] if layer_ids else 0
+            if layer_ids and (len(layer_ids) == len(layer_to_stage) or max(layer_ids.values()) == last):
+                s = num_stages - 1
+        current[0] = max(current[0], s)
+        return current[0]
+
+    return callback
+
+
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                  layer_to_stage: Sequence[int], num_stages: int,
                  autocast: tuple[str, torch.dtype] | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
@@ -187,23 +210,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
     gm = ep.module()
-    layer_ids: dict[str, int] = {}
-    current = [0]
-    cuts = dict(enumerate(layer_to_stage))
-    order = _module_blocks(model, len(layer_to_stage))
-    last = max((i for i in order.values() if i is not None), default=len(cuts) - 1)
-
-    def callback(node: torch.fx.Node) -> int:
-        s = _stage_of_layer(cuts, node, layer_ids, order)
-        if s is None:
-            # before the first block: stage 0; after the last block: the last stage
-            s = current[0] if layer_ids else 0
-            if layer_ids and (len(layer_ids) == len(layer_to_stage) or max(layer_ids.values()) == last):
-                s = num_stages - 1
-        current[0] = max(current[0], s)
-        return current[0]
-
-    parent = split_module(gm, model, callback)
+    parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]
     if len(calls) != num_stages:
         raise PlanError(f"pipeline split produced {len(calls)} pieces for {num_stages} stages; every "
