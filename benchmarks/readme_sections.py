@@ -82,7 +82,7 @@ def zoo(z: dict) -> list[str]:
     """Coverage of the transformers causal-LM zoo, per column."""
     s = z["summary"]
     cov = s["coverage"]
-    cells = [f"{c} {v['ok']}/{v['of']}" + (f" ({v['ok'] / v['of']:.0%})" if v["of"] else "")
+    cells = [f"{c} {v['ok']}/{v['of']}" + (f" ({v['ok'] / v['of']:.1%})" if v["of"] else "")
              for c, v in cov.items() if v["run"]]
     kinds = ", ".join(f"{k} {n}" for k, n in s.get("architectures", {}).items())
     lines = ["", f"HF causal-LM zoo (`python -m benchmarks.zoo`, transformers {z['transformers']}): "

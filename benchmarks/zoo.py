@@ -71,12 +71,9 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
 
 
 def batch(model: torch.nn.Module, rows: int = BATCH, seed: int = 1) -> dict[str, torch.Tensor]:
-    """Token ids and labels; a composite config (vision or audio + text) has its vocabulary in its
-    text sub-config, so the ids are drawn from that."""
-    config = model.config
-    if getattr(config, "vocab_size", None) is None and hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
-    return example_inputs(config, rows, SEQ, seed=seed)
+    """Token ids and labels (a composite model's from its text sub-config's vocabulary:
+    :func:`fxpar.tracing.hf.example_inputs`)."""
+    return example_inputs(model, rows, SEQ, seed=seed)
 
 
 def trains_one_step(model_type: str) -> str | None:

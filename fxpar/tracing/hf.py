@@ -135,8 +135,12 @@ def _no_sdpa(exc: ValueError) -> bool:
 def example_inputs(model_or_config: Any, batch: int, seq_len: int | None = None, *,
                    task: Task = "causal-lm", device: str | torch.device = "cpu",
                    seed: int | None = 0) -> dict[str, torch.Tensor]:
-    """A batch for ``task``: token ids + labels for LMs, pixels + class labels for vision."""
+    """A batch for ``task``: token ids + labels for LMs, pixels + class labels for vision (a
+    composite model's — vision or audio + text — ids from its text decoder's vocabulary)."""
     config = getattr(model_or_config, "config", model_or_config)
+    if task != "image-classification" and getattr(config, "vocab_size", None) is None \
+            and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
     gen = torch.Generator().manual_seed(seed or 0)
     if batch < 1:
         raise ConfigError(f"batch = {batch}: must be at least 1")
