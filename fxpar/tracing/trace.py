@@ -412,6 +412,8 @@ def _args_repr(node: torch.fx.Node) -> str:
             return "T"
         if isinstance(a, (list, tuple)):
             return [plain(x) for x in a]
+        if isinstance(a, torch.device):  # aten.to.device(x, device, ...): where it was traced, not work
+            return "D"
         return a if isinstance(a, (int, float, bool, str, type(None))) else str(a)
     # the device is where the graph was traced (meta when planning): not part of the work
     kwargs = {k: ("D" if k == "device" else plain(v)) for k, v in sorted(node.kwargs.items())}
