@@ -64,10 +64,12 @@ TOL = 1e-4
 COLUMNS = ("trace", "plan", "dp", "pp", "tp")
 
 # ---- plain PyTorch: can the tiny model train one step at all? ------------------------------------
-def build(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny model on the CPU (fxpar's builder: SDPA, or the class's eager attention)."""
+def build(model_type: str, seed: int = 0, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The tiny model on the CPU (fxpar's builder: SDPA, or the class's eager attention);
+    ``overrides`` replace fields of the tiny config."""
 
-    return build_model(ModelSpec(hf_config=tiny_config(model_type)), device="cpu", seed=seed).train()
+    config = dict(tiny_config(model_type), **(overrides or {}))
+    return build_model(ModelSpec(hf_config=config), device="cpu", seed=seed).train()
 
 
 def batch(model: torch.nn.Module, rows: int = BATCH, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -164,9 +166,9 @@ def pp_worker(model_type: str) -> dict:
     return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n}
 
 
-def tp_worker(model_type: str) -> dict:
+def tp_worker(model_type: str, overrides: dict[str, Any] | None = None) -> dict:
 
-    model = build(model_type)
+    model = build(model_type, overrides=overrides)
     reference = copy.deepcopy(model)
     data = batch(model)
     kv = head_layout(model)[0]  # key/value groups as the traced graph shows them (config if none)

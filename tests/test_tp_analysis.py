@@ -3,7 +3,9 @@
 block's query / key / value projections (separate, fused ``[q | k | v]``, per-head interleaved),
 grouped key/value heads, the output projection, the MLP's up / gate / down (fused
 ``[gate | up]`` too), the rows a rank owning some key/value groups keeps, and refuses — naming
-the block and the cause — what it cannot prove (q/k norms over the whole projection, ALiBi).
+the block and the cause — what it cannot prove (ALiBi).  Multi-head latent attention (the
+replicated down projections and the head-shared rotary key) and gated attention outputs (a
+gate per head, or a per-head slice of the query projection) are split with their heads.
 The planner's ``LayerInfo.tensor_parallel`` is the same analysis.  Then uneven (3:1) tensor
 parallelism of the families the name-based sharders did not know, against one process: loss
 within 1e-5, every local gradient within 1e-6 of its slice of the reference, on 2 gloo ranks.
@@ -16,6 +18,7 @@ import torch
 
 from benchmarks.zoo import TOL as ZOO_TOL
 from benchmarks.zoo import tp_worker
+from benchmarks.zoo_tiny import tiny_config
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.tracing.tp_model import analyze_model
@@ -122,6 +125,49 @@ def test_olmo2_norms_over_the_whole_projection_are_group_norms():
     assert att.head_params == () and att.shared_params == ()
 
 
+def _zoo_model(model_type: str, **overrides):
+    return build_model(ModelSpec(hf_config=dict(tiny_config(model_type), **overrides)), device="cpu", seed=0)
+
+
+def test_latent_attention_shards_the_up_projections_and_sums_the_replicated_down_path():
+    # DeepSeek-V3's multi-head latent attention: q = W_qb · norm(W_qa · x), [c | k_rope] = W_kva · x,
+    # [k | v] per head = W_kvb · norm(c); the rotary key k_rope is shared by every head (joined
+    # to each head's k by writes into a fresh tensor); values narrower than queries (v_head_dim 8)
+    att = analyze_model(_zoo_model("deepseek_v3", v_head_dim=8)).blocks[1].attention[0]
+    q, kv, o = att.projections
+    assert (att.heads, att.kv_heads, att.head_dim, att.value_dim) == (4, 4, 16, 8)
+    assert q.weight.endswith("q_b_proj.weight") and _roles(q) == [("q", 0, 16, 4, 16, 1)]
+    # per head of kv_b_proj: 8 rows of k (the other 8 of its 16 features are the shared k_rope), 8 of v
+    assert kv.weight.endswith("kv_b_proj.weight") and _roles(kv) == [("k", 0, 16, 4, 8, 1), ("v", 8, 16, 4, 8, 1)]
+    assert o.parallel == "row" and _roles(o) == [("o", 0, 8, 4, 8, 1)]
+    assert kv.intervals(1, 3) == ((16, 32),)
+    # tp_copy on the attention module's input; the replicated down path's gradients are summed
+    assert att.input_module == "model.layers.1.input_layernorm"
+    assert {p.rsplit(".", 2)[-2] for p in att.shared_params} == {
+        "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}
+
+
+def test_gated_attention_outputs_are_split_with_their_heads():
+    # Qwen3-Next: q_proj gives each head [query | gate]; the gate multiplies the flattened output
+    att = analyze_model(_zoo_model("qwen3_next")).blocks[1].attention[0]
+    q = att.projections[0]
+    assert _roles(q) == [("q", 0, 32, 4, 16, 1), ("gate", 16, 32, 4, 16, 1)]
+    assert q.intervals(0, 3) == ((0, 96),)
+    # Laguna: one gate value per head (g_proj has `heads` outputs), broadcast over the head's features
+    att = analyze_model(_zoo_model("laguna")).blocks[0].attention[0]
+    g = next(p for p in att.projections if p.weight.endswith("g_proj.weight"))
+    assert g.parallel == "column" and _roles(g) == [("gate", 0, 1, 4, 1, 1)] and g.intervals(3, 4) == ((3, 1),)
+
+
+def test_a_projection_pair_inside_another_module_gets_its_own_copies():
+    # Kimi-Linear's linear attention holds low-rank pairs (f_a -> f_b) that look like MLPs: their
+    # module also holds replicated paths, so tp_copy goes on each column projection, not on it
+    mlps = analyze_model(_zoo_model("kimi_linear")).blocks[0].mlp
+    inner = [m for m in mlps if ".self_attn" in m.module]
+    assert inner and not any(m.dedicated for m in inner)
+    assert all(m.dedicated for m in mlps if m.module.endswith(".mlp"))
+
+
 def test_refused_blocks_name_the_block_and_the_cause():
     bitnet = analyze_model(_model("bitnet"))   # a sub-norm over the whole attention output
     assert bitnet.splittable() == frozenset()
@@ -154,6 +200,23 @@ def test_planner_reads_the_same_analysis():
 def test_three_to_one_on_families_found_by_the_graph(pool2, family, overrides):
     results = pool2.run(tp_family_parity, family, [3, 1], 2, overrides)
     check_tp_family_parity(results, family)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("deepseek_v3", {"v_head_dim": 8}),  # latent attention, values narrower than queries
+    ("deepseek_v2", None),               # latent attention, rotary in complex form
+    ("dots3_note", None),                # latent attention + sparse indexer + per-head output gate
+    ("qwen3_next", None),                # [query | gate] per head in q_proj; linear-attention layer
+    ("laguna", None),                    # one gate value per head
+    ("kimi_linear", None),               # low-rank pairs inside linear attention
+])
+def test_latent_and_gated_attention(pool2, model_type, overrides):
+    results = pool2.run(tp_worker, model_type, overrides, timeout=300)
+    assert results[0]["shares"] == [3, 1]
+    for r in results:
+        assert r["loss_diff"] <= ZOO_TOL and r["grad_diff"] <= ZOO_TOL, r
+    assert results[0]["n"] > 0
 
 
 @pytest.mark.multirank

@@ -52,9 +52,11 @@ def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
 
 
 def _columns(total: int, shares: Sequence[int]) -> list[int]:
-    """``total`` columns in proportion to ``shares``: multiples of 8 when ``total`` allows it."""
-    unit = 8 if total % 8 == 0 and total // 8 >= len(shares) else 1
-    sizes = split_sizes(total, shares, unit)
+    """``total`` columns in proportion to ``shares``: multiples of 8 when ``total`` allows it
+    with a multiple for every rank (16 columns as 3:1 are 12 + 4, not 16 + 0)."""
+    sizes = split_sizes(total, shares, 8) if total % 8 == 0 else []
+    if not sizes or min(sizes) < 1:
+        sizes = split_sizes(total, shares)
     if min(sizes) < 1:
         raise PlanError(f"a split of {total} MLP columns as {list(shares)} leaves a rank without columns; "
                         "give every rank a larger share")

@@ -24,7 +24,7 @@ import torch
 from fxpar.codegen.shards import slice_parameter, slice_runs
 from fxpar.codegen.tp_collectives import tp_copy, tp_grad_sum, tp_reduce
 from fxpar.codegen.tp_group_norm import shard_group_norm
-from fxpar.tracing.tp_analysis import Attention, Mlp, Projection
+from fxpar.tracing.tp_types import Attention, Mlp, Projection
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
                "n_head_kv", "n_kv_heads", "kv_heads", "num_query_heads")
@@ -125,8 +125,10 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
     for fqn, dim, per_unit in att.head_params:
         owner, name = _leaf(model, fqn)
         setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit, hi * per_unit))
-    g, d, kv = att.heads // att.kv_heads, att.head_dim, hi - lo
-    mapping = {att.kv_heads * d: kv * d, att.heads * d: kv * g * d, att.kv_heads: kv, att.heads: kv * g}
+    g, kv = att.heads // att.kv_heads, hi - lo
+    mapping = {att.kv_heads: kv, att.heads: kv * g}
+    for d in dict.fromkeys((att.head_dim, att.value_dim or att.head_dim)):
+        mapping.update({att.kv_heads * d: kv * d, att.heads * d: kv * g * d})
     module = model.get_submodule(att.module)
     _localize(module, _HEAD_ATTRS, {att.kv_heads: kv, att.heads: kv * g})
     _localize(module, _WIDTH_ATTRS, {k: v for k, v in mapping.items() if k > max(att.heads, att.kv_heads)})
@@ -158,6 +160,6 @@ def shard_mlp(model: torch.nn.Module, mlp: Mlp, lo: int, hi: int, first: bool, k
     """Keep columns ``[lo, hi)`` of one MLP."""
     for proj in mlp.projections:
         shard_projection(model, proj, lo, hi, first, key)
-    copy_into(model, mlp.module, mlp.input_modules, mlp.projections, key)
-    if mlp.module:
+    copy_into(model, mlp.module if mlp.dedicated else "", mlp.input_modules, mlp.projections, key)
+    if mlp.module and mlp.dedicated:
         _localize(model.get_submodule(mlp.module), _MLP_ATTRS, {mlp.width: hi - lo})

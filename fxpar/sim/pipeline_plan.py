@@ -27,7 +27,13 @@ from dataclasses import replace
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.sim.links import LinkCosts
-from fxpar.sim.pipeline_cost import PipelineLayout, PipelinePrices, PipelineRun, StageSlice, price
+from fxpar.sim.pipeline_cost import (
+    PipelineLayout,
+    PipelinePrices,
+    PipelineRun,
+    StageSlice,
+    price,
+)
 from fxpar.sim.pipeline_sim import pipeline_events
 from fxpar.sim.timeline import SimResult, TimelineEvent
 

@@ -24,7 +24,13 @@ import math
 import numpy as np
 
 from fxpar.solvers import data_parallel as dp
-from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, _divisors, evaluate, stage_sequences
+from fxpar.solvers.pipeline import (
+    PipelineConfig,
+    PipelineContext,
+    _divisors,
+    evaluate,
+    stage_sequences,
+)
 
 
 def proportional_shares(rates: list[float], batch: int) -> list[int]:

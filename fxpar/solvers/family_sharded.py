@@ -38,8 +38,8 @@ from fxpar.sim.sharded_cost import (
     ShardedPrices,
     collective_s,
     may_offload,
-    scatter_bytes,
     offload_host_bytes,
+    scatter_bytes,
     sharded_prices,
 )
 from fxpar.solvers.family_sharded_lp import ShardedLPData, solve_state_lp

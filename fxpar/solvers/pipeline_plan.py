@@ -17,10 +17,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
-from fxpar.sim.pipeline_cost import PipelineLayout, PipelinePrices, PipelineRun, StageSlice, price
+from fxpar.sim.pipeline_cost import (
+    PipelineLayout,
+    PipelinePrices,
+    PipelineRun,
+    StageSlice,
+    price,
+)
 from fxpar.sim.pipeline_plan import price_plan
 from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, _memo, evaluate
-from fxpar.solvers.placement import PIPELINE_MAJOR, STAGE_MAJOR, build_links, slot_indices
+from fxpar.solvers.placement import (
+    PIPELINE_MAJOR,
+    STAGE_MAJOR,
+    build_links,
+    slot_indices,
+)
 
 
 def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:

@@ -57,7 +57,6 @@ from fxpar.solvers.problems import build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
-
 #: the plan families the planner searches (tensor parallelism comes inside pipelines: a stage of
 #: one pipeline over a tensor-parallel group is the pure TP plan)
 FAMILIES: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel", "sharded_data_parallel")

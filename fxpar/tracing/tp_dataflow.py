@@ -21,8 +21,11 @@ Rules (everything else that reads a Flow is an *escape*, recorded with the op's 
   by ``bmm``) is kept as the axis's ``outer`` count and split off again;
 - transpose / permute / t / unsqueeze / expand / contiguous / clone / to / dropout / alias:
   dimensions move; ``slice`` / ``split`` / ``chunk`` + ``getitem`` / ``select`` on a feature
-  axis move ``base`` and shrink the axis (step 1 only); ``cat`` of pieces of one Flow that
-  cover an axis exactly (rotary ``rotate_half``) is that Flow;
+  axis move ``base`` and shrink the axis; ``cat`` of pieces of one projection whose features
+  together cover a range exactly (rotary ``rotate_half``, interleaved rotary's even / odd
+  halves) is that range; a piece the same for every head (head axis ``"B"``: the rotary key
+  of multi-head latent attention) joined on the last axis is recorded as ``shared``; writes into
+  slices of a fresh tensor (``new_empty`` + ``copy_``) are a ``cat`` once they cover it;
 - elementwise ops: operands with Flows must agree on their axes (the sources are united: a
   gated MLP's ``act(gate) · up``); an operand without a Flow must broadcast (size 1) over
   every feature axis wider than one head — a wider one is a *per-head companion* (ALiBi
@@ -50,12 +53,15 @@ Dim = Any  # Axis | "B" | None
 
 @dataclass(frozen=True, slots=True)
 class Axis:
-    """A tensor dimension indexing features: ``i -> (i // rep) * stride``."""
+    """A tensor dimension indexing features: ``i -> (i // rep) * stride``; with ``block = L``
+    (a head axis of stride ``stride`` merged with the first ``L`` features of each head:
+    a per-head slice of a fused projection, flattened) ``i -> (i // L) * stride + i % L``."""
 
     stride: int
     size: int
     rep: int = 1
     outer: int = 1      # data blocks merged outside it (``view(batch * heads, ...)``)
+    block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,10 @@ class Flow:
     dims: tuple
     reduced: tuple = ()         # ((stride, extent), ...) feature ranges reduced over
     companions: tuple = ()      # (node name, stride, extent) per-feature operands without a Flow
+    #: ((source node, features), ...): pieces of another projection's output, the same for every
+    #: head, joined to each head's features on the last axis (multi-head latent attention's
+    #: rotary key part); the last axis's size counts them, the projection rows do not
+    shared: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +101,11 @@ class Dataflow:
     params: frozenset = frozenset()                    # every parameter FQN of the program
     #: (source node, stride, extent) of a reduction -> module paths of the ops that reduce so
     reductions: dict = field(default_factory=dict)
+    #: attention output source ``attn:<node>`` -> (heads, features per head)
+    attn_shapes: dict = field(default_factory=dict)
+    #: attention output source -> [(projection node, base, head stride, rows per head), ...]:
+    #: projections multiplied into that output head by head (a gated attention output)
+    gates: dict = field(default_factory=dict)
 
 
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",
@@ -133,8 +148,11 @@ def _merge(entries: list[tuple[Dim, int]]) -> Dim | str:
     if len(big) == 2 and big[0][0] is None and isinstance(big[1][0], Axis) and big[1][0].outer == 1:
         a = big[1][0]
         return Axis(a.stride, a.size, a.rep, big[0][1])
-    if not all(isinstance(e, Axis) and e.rep == 1 and e.outer == 1 for e, _ in big):
+    if not all(isinstance(e, Axis) and e.rep == 1 and e.outer == 1 and not e.block for e, _ in big):
         return "?"
+    if len(big) == 2 and big[1][0].stride == 1 and big[0][0].stride > big[1][0].size:
+        (head, _), (inner, _) = big
+        return Axis(head.stride, head.size * inner.size, block=inner.size)
     for (outer, _), (inner, _) in itertools.pairwise(big):
         if outer.stride != inner.stride * inner.size:
             return "?"
@@ -154,6 +172,11 @@ def _split(flat: Dim, sizes: list[int]) -> list[Dim] | None:
     if flat.outer != 1:
         if len(big) == 2 and sizes[big[0]] == flat.outer and sizes[big[1]] == flat.size:
             out[big[1]] = Axis(flat.stride, flat.size, flat.rep)
+            return out
+        return None
+    if flat.block:
+        if len(big) == 2 and sizes[big[1]] == flat.block:
+            out[big[0]], out[big[1]] = Axis(flat.stride, flat.size // flat.block), Axis(1, flat.block)
             return out
         return None
     if flat.rep != 1:

@@ -10,7 +10,8 @@ import torch
 
 from fxpar.errors import PlanError
 from fxpar.tracing.hf import example_inputs, hf_task
-from fxpar.tracing.tp_analysis import TPAnalysis, analyze
+from fxpar.tracing.tp_analysis import analyze
+from fxpar.tracing.tp_types import TPAnalysis
 from fxpar.tracing.trace import export_model
 
 ATTR = "fxpar_tp_analysis"

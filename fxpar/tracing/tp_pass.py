@@ -24,11 +24,13 @@ from fxpar.tracing.tp_dataflow import (
     _shape,
     reshape_dims,
 )
+from fxpar.tracing.tp_gates import gate
+from fxpar.tracing.tp_join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
 from fxpar.tracing.tp_params import param_dim, param_source
 
 
 # ---- the pass ---------------------------------------------------------------------------------
-def _params(ep: Any) -> dict[str, str]:
+def placeholder_params(ep: Any) -> dict[str, str]:
     """Placeholder name -> parameter FQN."""
     kind = torch.export.graph_signature.InputKind.PARAMETER
     return {spec.arg.name: str(spec.target) for spec in ep.graph_signature.input_specs if spec.kind == kind}
@@ -91,7 +93,9 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
         for k, e in enumerate(_aligned(f.dims, n)):
             if isinstance(e, Axis):
                 if isinstance(dims[k], Axis) and dims[k] != e:
-                    return None
+                    shapes = [_shape(a) or () for a in node.args
+                              if isinstance(a, torch.fx.Node) and isinstance(df.flows.get(a.name), Flow)]
+                    return gate(flows, shapes, n, df) if not others else None
                 dims[k] = e
             elif dims[k] is None and e == "B":
                 dims[k] = e
@@ -103,7 +107,8 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
             if isinstance(e, Axis) and shape[k] > 1:
                 companions += ((fqn or o.name, e.stride, e.size, param_dim(shape, k, pshape) if fqn else -1),)
     return Flow(frozenset().union(*(f.sources for f in flows)), tuple(dims),
-                tuple(dict.fromkeys(r for f in flows for r in f.reduced)), tuple(dict.fromkeys(companions)))
+                tuple(dict.fromkeys(r for f in flows for r in f.reduced)), tuple(dict.fromkeys(companions)),
+                tuple(dict.fromkeys(s for f in flows for s in f.shared)))
 
 
 def _reduce(flow: Flow, dims_arg: Any, keep: bool, n: int) -> Flow:
@@ -149,14 +154,31 @@ def _structural(node: torch.fx.Node, name: str, flow: Flow, df: Dataflow) -> Any
         return None if part is None else replace(part, dims=part.dims[:dim] + part.dims[dim + 1:])
     if name in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split"):
         return _pieces(node, name, flow, src)
+    if name in ("view_as_complex", "view_as_real"):
+        return _complex(name, flow)
     return None
+
+
+def _complex(name: str, flow: Flow) -> Flow | None:
+    """``view_as_complex`` pairs features ``(2i, 2i + 1)`` of the last axis into element ``i``
+    (kept as the pair's first feature: the last axis must be ``Axis(1, 2)`` after one of stride
+    2); ``view_as_real`` splits them again (rotary embeddings in complex form)."""
+    last = flow.dims[-1] if flow.dims else None
+    if name == "view_as_complex":
+        before = flow.dims[-2] if len(flow.dims) > 1 else None
+        if last != Axis(1, 2) or not (before is None or (isinstance(before, Axis) and before.stride == 2)):
+            return None
+        return replace(flow, dims=flow.dims[:-1])
+    if isinstance(last, Axis) and (last.stride != 2 or last.rep != 1 or last.outer != 1):
+        return None
+    return replace(flow, dims=flow.dims + ((Axis(1, 2) if isinstance(last, Axis) else None),))
 
 
 def _narrow(flow: Flow, dim: int, lo: int, hi: int, step: int) -> Flow | None:
     e = flow.dims[dim]
     if not isinstance(e, Axis):
         return flow
-    if e.rep != 1 or len(flow.sources) != 1 or step < 1:
+    if e.rep != 1 or e.block or len(flow.sources) != 1 or step < 1 or (flow.shared and dim == len(flow.dims) - 1):
         return None
     (src, base), = flow.sources
     dims = list(flow.dims)
@@ -187,42 +209,14 @@ def _pieces(node: torch.fx.Node, name: str, flow: Flow, src: tuple[int, ...]) ->
     return out
 
 
-def _cat(node: torch.fx.Node, df: Dataflow, stack: bool = False) -> Flow | None:
-    """``cat`` (or ``stack``) of pieces of one Flow that together cover a contiguous range of
-    features exactly (rotary ``rotate_half``, interleaved rotary's ``stack`` of even / odd
-    features): that range, in natural order — a permutation inside it is harmless while the
-    range lies within one head, which the analysis checks (the range is the head-size axis)."""
-    parts = node.args[0]
-    flows = [df.flows.get(p.name) if isinstance(p, torch.fx.Node) else None for p in parts]
-    if not flows or any(not isinstance(f, Flow) or len(f.sources) != 1 for f in flows):
-        return None
-    n = len(flows[0].dims)
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, n + (1 if stack else 0))
-    axis = n - 1 if stack else dim
-    axes = [f.dims[axis] for f in flows]
-    (src0, _), = flows[0].sources
-    if not all(isinstance(e, Axis) for e in axes) or any(s != src0 for f in flows for s, _ in f.sources) or (
-            stack and dim != n):
-        return None
-    feats = sorted(b + j * e.stride for f, e in zip(flows, axes) for _, b in f.sources for j in range(e.size))
-    lo = feats[0]
-    if feats != list(range(lo, lo + len(feats))) or any(f.dims[:axis] != flows[0].dims[:axis] for f in flows):
-        return None
-    dims = list(flows[0].dims)
-    if stack:
-        dims[axis:] = [Axis(len(flows), axes[0].size), Axis(1, len(flows))]
-    else:
-        dims[axis] = Axis(1, len(feats))
-    return Flow(frozenset({(src0, lo)}), tuple(dims), flows[0].reduced, flows[0].companions)
-
-
-def _attn_out(node: torch.fx.Node, q: Flow, v: Flow) -> Flow | None:
+def _attn_out(node: torch.fx.Node, q: Flow, v: Flow, df: Dataflow) -> Flow | None:
     """The Flow of an attention output ``[..., heads, tokens, head_dim]``: source ``attn:<node>``."""
     shape = _shape(node)
     if shape is None or len(shape) < 3 or not isinstance(q.dims[-3], Axis):
         return None
     head, d = q.dims[-3], shape[-1]
     dims = (None,) * (len(shape) - 3) + (Axis(d, head.size, 1, head.outer), None, Axis(1, d))
+    df.attn_shapes[f"attn:{node.name}"] = (head.size, d)
     return Flow(frozenset({(f"attn:{node.name}", 0)}), dims)
 
 
@@ -236,7 +230,7 @@ def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
         return Scores(a, k)
     if isinstance(a, Scores) and isinstance(b, Flow):
         df.attention.append((node.name, a.q, a.k, b, a.extras))
-        return _attn_out(node, a.q, b)
+        return _attn_out(node, a.q, b, df)
     return None
 
 
@@ -248,7 +242,7 @@ def _sdpa(node: torch.fx.Node, df: Dataflow) -> Any:
     shape = _shape(mask) if isinstance(mask, torch.fx.Node) else None
     extras = (mask.name,) if shape and len(shape) >= 3 and shape[-3] > 1 else ()
     df.attention.append((node.name, q, k, v, extras))
-    return _attn_out(node, q, v)
+    return _attn_out(node, q, v, df)
 
 
 def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, str]) -> Any:
@@ -267,7 +261,12 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
         wide = isinstance(bias, torch.fx.Node) and (_shape(bias) or (1,))[0] > 1 and df.flows.get(bias.name) is None
         return replace(scores, extras=(bias.name,)) if isinstance(scores, Scores) and wide else scores
     if name in ("cat", "stack"):
-        return _cat(node, df, stack=name == "stack")
+        return cat(node, df, stack=name == "stack")
+    if isinstance(state, Canvas):
+        return view_of(node, state) if name == "slice" else None
+    if name == "copy_" and isinstance(state, CanvasView):
+        write(df, state, df.flows.get(node.args[1].name) if isinstance(node.args[1], torch.fx.Node) else None)
+        return state
     tensors = len([x for x in node.args if isinstance(x, torch.fx.Node)])
     if name in _BINARY or ((name in _SAME or name in ("max", "min")) and tensors > 1):
         return _elementwise(node, df, params)
@@ -308,7 +307,7 @@ def _norm(node: torch.fx.Node, flow: Flow, params: dict[str, str]) -> Flow:
 
 def run(ep: Any) -> Dataflow:
     """One pass over ``ep.graph`` (an :class:`torch.export.ExportedProgram`)."""
-    params = _params(ep)
+    params = placeholder_params(ep)
     transposed: dict[str, str] = {}
     df = Dataflow(params=frozenset(params.values()))
     for node in ep.graph.nodes:
@@ -338,6 +337,11 @@ def run(ep: Any) -> Dataflow:
             continue
         inputs = [df.flows.get(a.name) for a in node.all_input_nodes if df.flows.get(a.name) is not None]
         if not inputs:
+            continue
+        if name in FRESH:  # a fresh tensor shaped like a Flow: its values come from later writes
+            canvas = fresh(node)
+            if canvas is not None:
+                df.flows[node.name] = canvas
             continue
         out = _transfer(node, name, df, params)
         if out is None:

@@ -32,7 +32,8 @@ from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
-from fxpar.tracing.tp_analysis import BlockTP, TPAnalysis, analyze
+from fxpar.tracing.tp_analysis import analyze
+from fxpar.tracing.tp_types import BlockTP, TPAnalysis
 
 ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
 
