@@ -19,6 +19,7 @@ import torch
 from benchmarks.zoo import TOL as ZOO_TOL
 from benchmarks.zoo import tp_worker
 from benchmarks.zoo_tiny import tiny_config
+from fxpar.runtime.pool import WorkerError
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.tracing.tp_model import analyze_model
@@ -217,6 +218,14 @@ def test_latent_and_gated_attention(pool2, model_type, overrides):
     for r in results:
         assert r["loss_diff"] <= ZOO_TOL and r["grad_diff"] <= ZOO_TOL, r
     assert results[0]["n"] > 0
+
+
+@pytest.mark.multirank
+def test_a_forward_that_splits_by_a_fixed_count_is_refused_after_sharding(pool2):
+    # CodeGen reshapes its fused qkv by mp_num = 4 written in its code: on the rank holding 3 of 4
+    # heads that mixes features of different heads; the sharded model is analysed again and refused
+    with pytest.raises(WorkerError, match="block transformer.h.0 should compute 3 of its 4 heads"):
+        pool2.run(tp_worker, "codegen", timeout=300)
 
 
 @pytest.mark.multirank

@@ -61,6 +61,7 @@ from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_b
     split_sizes,
 )
 from fxpar.codegen.tp_layout import make_groups, tp_layout
+from fxpar.codegen.tp_verify import verify_local_heads
 from fxpar.codegen.tp_vocab import shard_vocab, supports_vocab_parallel
 from fxpar.errors import PlanError
 from fxpar.runtime.device import broadcast_state
@@ -71,6 +72,7 @@ from fxpar.runtime.step_loop import (
     StepModule,
     allreduce_gradients,
 )
+from fxpar.tracing.tp_model import analyze_model
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
@@ -89,6 +91,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     modules were sharded (0 for an empty ``blocks``: a stage of only the embeddings or head)."""
     kv, per_group, head_dim = head_layout(model)
     check_shares(kv_shares, kv)
+    before = analyze_model(model)
     key = register_group(group, clock)
     vocab = supports_vocab_parallel(model)
     count = shard_module_tree(model, kv_shares, rank, key, head_dim, per_group, blocks, expert_shares, mlp_shares)
@@ -99,6 +102,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
                     embedding=embedding, head=head)
     if count == 0 and (blocks is None or blocks):  # a stage of only embeddings / head has none
         raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
+    verify_local_heads(model, before, kv_shares[rank], blocks)
     dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
     if dropout and model.training:
         warnings.warn(f"tensor parallelism on {type(model).__name__} with dropout p={dropout}: each rank "

@@ -87,6 +87,12 @@ class Scores:
     extras: tuple = ()          # per-head companions added to the scores (ALiBi)
 
 
+@dataclass(frozen=True, slots=True)
+class Inert:
+    """A value computed from features that carries none of them and needs no split (the
+    positions of the maxima of attention scores): using it is not an escape."""
+
+
 @dataclass(slots=True)
 class Dataflow:
     """Everything one pass over the graph found."""
@@ -111,7 +117,8 @@ class Dataflow:
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",
          "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "pow", "abs", "erf",
          "square", "softplus", "reciprocal", "sin", "cos", "clamp", "clamp_min", "clamp_max", "leaky_relu",
-         "elu", "mish", "hardtanh", "relu6", "log_sigmoid", "_assert_tensor_metadata"}
+         "elu", "mish", "hardtanh", "relu6", "log_sigmoid", "_assert_tensor_metadata",
+         "tp_copy", "tp_reduce"}   # fxpar's own collectives (a sharded model traced again): features unchanged
 _BINARY = {"add", "sub", "mul", "div", "where", "maximum", "minimum", "masked_fill", "rsub", "true_divide"}
 _REDUCE = {"mean", "sum", "amax", "amin", "var", "std", "var_mean", "norm", "linalg_vector_norm"}
 _SDPA = {"scaled_dot_product_attention", "_scaled_dot_product_efficient_attention",

@@ -66,3 +66,51 @@ def param_dim(operand: tuple[int, ...], k: int, param: tuple[int, ...]) -> int:
     mine, theirs = _big(operand), _big(param)
     pos = [i for i, _ in mine]
     return theirs[pos.index(k)][0] if k in pos and len(mine) == len(theirs) else -1
+
+
+_FILLS = {"zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
+          "new_ones", "new_full", "new_empty", "scalar_tensor"}
+_CARRY = {"view", "reshape", "_unsafe_view", "alias", "to", "_to_copy", "contiguous", "clone", "detach", "expand",
+          "unsqueeze", "type_as"}
+
+
+def per_head(o: torch.fx.Node, dim: int = -3) -> bool:
+    """Whether the operand ``o`` added to attention scores can differ from head to head along
+    ``dim`` (``-3``: ``[batch, heads, queries, keys]``; ``0``: the ``[batch · heads, …]`` of
+    ``baddbmm``): not when that dimension has size 1, nor when ``o`` is a constant fill (a zero
+    bias) or a broadcast of a tensor of size 1 there (a causal mask expanded over the heads),
+    seen through casts and views."""
+    shape = _shape(o) or ()
+    if len(shape) < (-dim if dim < 0 else dim + 1) or shape[dim] == 1:
+        return False
+    for _ in range(16):
+        name = op_name(o.target) if o.op == "call_function" else ""
+        if name in _FILLS and (not o.all_input_nodes or name.endswith("_like") or name.startswith("new_")):
+            return _written_into(o)
+        if name == "expand":
+            src = _shape(o.args[0]) or ()
+            here = _shape(o) or ()
+            k = dim + len(here) if dim < 0 else dim
+            j = k - (len(here) - len(src))
+            return not (0 <= j < len(src) and src[j] == 1) and j >= 0
+        if name not in _CARRY or not o.args or not isinstance(o.args[0], torch.fx.Node):
+            return True
+        if name in ("view", "reshape", "_unsafe_view") and _shape(o.args[0]) != _shape(o):
+            return True
+        o = o.args[0]
+    return True
+
+
+def _written_into(o: torch.fx.Node) -> bool:
+    """Whether an in-place op (``copy_``, ``masked_fill_``…) writes into ``o`` or a view of it."""
+    todo, seen = [o], set()
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            name = op_name(u.target) if u.op == "call_function" else ""
+            if name.endswith("_") and not name.endswith("__") and u.args and u.args[0] is x:
+                return True
+            if name in _CARRY | {"slice", "select", "narrow", "transpose", "permute"} and u.name not in seen:
+                seen.add(u.name)
+                todo.append(u)
+    return False

@@ -19,6 +19,7 @@ from fxpar.tracing.tp_dataflow import (
     Dataflow,
     Dim,
     Flow,
+    Inert,
     Scores,
     _norm_dim,
     _shape,
@@ -26,7 +27,7 @@ from fxpar.tracing.tp_dataflow import (
 )
 from fxpar.tracing.tp_gates import gate
 from fxpar.tracing.tp_join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
-from fxpar.tracing.tp_params import param_dim, param_source
+from fxpar.tracing.tp_params import param_dim, param_source, per_head
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
     others = [a for a in node.args if isinstance(a, torch.fx.Node) and df.flows.get(a.name) is None]
     scores = [s for s in states if isinstance(s, Scores)]
     if scores:
-        extras = tuple(o.name for o in others if len(_shape(o) or ()) >= 3 and _shape(o)[-3] > 1)
+        extras = tuple(o.name for o in others if per_head(o))
         return replace(scores[0], extras=scores[0].extras + extras)
     flows = [s for s in states if isinstance(s, Flow)]
     if len(flows) != len([s for s in states if s is not None]):
@@ -240,7 +241,7 @@ def _sdpa(node: torch.fx.Node, df: Dataflow) -> Any:
         return None
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     shape = _shape(mask) if isinstance(mask, torch.fx.Node) else None
-    extras = (mask.name,) if shape and len(shape) >= 3 and shape[-3] > 1 else ()
+    extras = (mask.name,) if isinstance(mask, torch.fx.Node) and per_head(mask) else ()
     df.attention.append((node.name, q, k, v, extras))
     return _attn_out(node, q, v, df)
 
@@ -258,7 +259,8 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name == "baddbmm" and len(node.args) >= 3:  # bias + q·kᵀ (ALiBi): a per-head bias is an extra
         scores = _matmul(node, df, node.args[1:3])
         bias = node.args[0]
-        wide = isinstance(bias, torch.fx.Node) and (_shape(bias) or (1,))[0] > 1 and df.flows.get(bias.name) is None
+        wide = isinstance(bias, torch.fx.Node) and (_shape(bias) or (1,))[0] > 1 and df.flows.get(bias.name) is None \
+            and per_head(bias, 0)
         return replace(scores, extras=(bias.name,)) if isinstance(scores, Scores) and wide else scores
     if name in ("cat", "stack"):
         return cat(node, df, stack=name == "stack")
@@ -272,6 +274,8 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
         return _elementwise(node, df, params)
     if isinstance(state, Scores):
         keep = _SAME | {"softmax", "_softmax", "_safe_softmax", "view", "reshape", "_unsafe_view"}
+        if name in ("max", "amax", "logsumexp", "sum") and len(node.args) > 1:  # a per-head, per-query statistic
+            return [state, Inert()] if name == "max" else state
         return state if name in keep else None
     if not isinstance(state, Flow):
         return None

@@ -1,0 +1,49 @@
+"""The sharded model checked against the plan: after position ``t`` keeps its key/value groups,
+the model is traced again and analysed (:func:`fxpar.tracing.tp_model.analyze_model`); every
+sharded attention must now compute exactly its local heads — ``k_t`` key/value groups of ``g``
+query heads, the same head sizes.  A forward that reshapes by a number fixed in its code rather
+than read from the module (CodeGen's ``mp_num = 4``) would otherwise mix features of different
+heads on a rank holding 3 of 4 heads and train silently wrong; here it is a :class:`PlanError`
+naming the block.  A rank left with one key/value group cannot check itself (a head axis of
+size 1 is not told apart from a plain dimension in the graph): the positions holding two or more do."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from fxpar.errors import PlanError
+from fxpar.tracing.tp_model import analyze_model
+from fxpar.tracing.tp_types import Attention, TPAnalysis
+
+
+def _local(att: Attention, groups: int) -> tuple[int, int, int, int]:
+    g = att.heads // att.kv_heads
+    return groups * g, groups, att.head_dim, att.value_dim or att.head_dim
+
+
+def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
+                       blocks: Collection[str] | None) -> None:
+    """Raise :class:`PlanError` unless every attention the full model's analysis ``before``
+    found in ``blocks`` (None: all) now computes ``groups`` key/value groups of whole heads."""
+    sharded = [b for b in before.blocks if b.attention and (blocks is None or b.path in blocks)]
+    if not sharded or groups < 2:
+        return
+    after = analyze_model(model)
+    for blk in sharded:
+        now = after.block(blk.path)
+        found = now.attention if now is not None else ()
+        for i, att in enumerate(blk.attention):
+            want = _local(att, groups)
+            got = (found[i].heads, found[i].kv_heads, found[i].head_dim,
+                   found[i].value_dim or found[i].head_dim) if i < len(found) else None
+            if got != want:
+                why = (now.reason if now is not None and now.reason else
+                       f"it computes {got[0]} heads of {got[2]} features in {got[1]} key/value groups" if got
+                       else "its attention is no longer found")
+                raise PlanError(
+                    f"tensor parallelism on {type(model).__name__}: block {blk.path} should compute {want[0]} "
+                    f"of its {att.heads} heads ({want[1]} key/value groups of {want[2]} features) on this rank, "
+                    f"but after sharding {why}; its forward likely splits by a head count fixed in its code. "
+                    "Re-plan with max_tensor_parallel=1 for this model")
