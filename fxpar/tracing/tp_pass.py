@@ -240,7 +240,6 @@ def _sdpa(node: torch.fx.Node, df: Dataflow) -> Any:
     if not all(isinstance(f, Flow) for f in (q, k, v)):
         return None
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    shape = _shape(mask) if isinstance(mask, torch.fx.Node) else None
     extras = (mask.name,) if isinstance(mask, torch.fx.Node) and per_head(mask) else ()
     df.attention.append((node.name, q, k, v, extras))
     return _attn_out(node, q, v, df)
