@@ -39,6 +39,7 @@ from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.tp_model import analyze_model
+from fxpar.tracing.tp_types import Projection
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -112,6 +113,37 @@ def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
     _reduce_output(m, key)
 
 
+def _holders(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Parameter FQN (the first name) -> every name the same parameter object has."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n[0]: n for n in names.values()} | {m: n for n in names.values() for m in n}
+
+
+def _first_call(projections: Sequence[Projection], done: set[str], block: str,
+                holders: dict[str, list[str]]) -> bool:
+    """Whether these projections are sharded for the first time (a module the forward calls
+    more than once — Zamba's shared transformer, HRM's recurrent layers — appears once per call
+    in the analysis, but is one set of weights); a call that shares only some of its weights with
+    an earlier one cannot be split consistently, nor can a weight tied between modules
+    (``holders``: every name of each parameter)."""
+    weights = {p.weight for p in projections}
+    if weights <= done:
+        return False
+    tied = next((w for w in sorted(weights) if len(holders.get(w, ())) > 1), None)
+    if tied is not None:
+        raise PlanError(f"tensor parallelism: block {block}'s {tied} is one parameter held by several modules "
+                        f"({', '.join(holders[tied])}: tied weights, e.g. Zamba's shared transformer); fxpar "
+                        "shards a projection in one module only — re-plan with max_tensor_parallel=1 for this model")
+    if weights & done:
+        raise PlanError(f"tensor parallelism: block {block} reuses some projections of an earlier attention or MLP "
+                        f"({sorted(weights & done)[0]}) with others, which no split of the heads keeps consistent; "
+                        "re-plan with max_tensor_parallel=1 for this model")
+    done |= weights
+    return True
+
+
 def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
                       head_dim: int, per_group: int, blocks: Collection[str] | None,
                       expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
@@ -123,7 +155,8 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     width allows.  A block the analysis refused raises a :class:`PlanError` with its reason."""
     analysis = analyze_model(model)
     mlp = list(mlp_shares) if mlp_shares is not None else list(kv_shares)
-    first, count = rank == 0, 0
+    first, count, done = rank == 0, 0, set()
+    holders = _holders(model)
     for blk in analysis.blocks:
         if blocks is not None and blk.path not in blocks:
             continue
@@ -133,10 +166,12 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             if att.kv_heads != sum(kv_shares) or att.head_dim != head_dim:
                 raise PlanError(f"block {blk.path}: the graph shows {att.kv_heads} key/value head groups of "
                                 f"size {att.head_dim}, the split {list(kv_shares)} assumes {sum(kv_shares)} of {head_dim}")
-            shard_attention(model, att, *_range(list(kv_shares), rank), first, key)
+            if _first_call(att.projections, done, blk.path, holders):
+                shard_attention(model, att, *_range(list(kv_shares), rank), first, key)
             count += 1
         for m in blk.mlp:
-            shard_mlp(model, m, *_range(_columns(m.width, mlp), rank), first, key)
+            if _first_call(m.projections, done, blk.path, holders):
+                shard_mlp(model, m, *_range(_columns(m.width, mlp), rank), first, key)
     for name, m in list(model.named_modules()):
         if blocks is not None and block_path(name) not in blocks:
             continue

@@ -337,6 +337,8 @@ def analyze(ep: Any) -> TPAnalysis:
         blk = block_path(_proj_module(df.projections[proj][0]))
         if mlp is not None and blk in blocks:
             blocks[blk]["mlp"].append(mlp)
+            weights = {p.weight for p in mlp.projections}
+            taken_nodes |= {s for s, info in df.projections.items() if info[0] in weights}
     return TPAnalysis(blocks=tuple(
         BlockTP(path=b, attention=tuple(v["attention"]), mlp=tuple(v["mlp"]), reason=v["reason"]
                 if v["reason"] or v["attention"] else f"block {b}: no attention found")
