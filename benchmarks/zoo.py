@@ -26,6 +26,8 @@ OLD.json`` measures ``--types`` (default all) for ``--columns`` again and keeps 
 
 Parity: loss within 1e-4 and every gradient within 1e-4 absolute (fp32, one step, batch 4 ×
 16; the pipeline's batch has no ignored labels, so its equal micro-batch weighting is exact).
+The tensor-parallel step and its reference start from the same random seed: a router that
+samples while training (PhiMoE's sparsemixer) then draws the same numbers on every rank.
 Multi-rank parts run on one :class:`fxpar.runtime.WorkerPool` of 2 gloo ranks, with a
 per-type timeout (``--timeout``; a timeout kills the pool, the next type gets a fresh one).
 
@@ -60,6 +62,7 @@ from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 
 BATCH, SEQ = 4, 16
+SEED = 1234
 TOL = 1e-4
 COLUMNS = ("trace", "plan", "dp", "pp", "tp")
 
@@ -176,7 +179,9 @@ def tp_worker(model_type: str, overrides: dict[str, Any] | None = None) -> dict:
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=shares)
     pm = fxpar.auto(model, cluster, plan=plan, emulate=False)
+    torch.manual_seed(SEED)  # the same random draws as the reference (PhiMoE's router samples in training)
     loss = pm.step(data)
+    torch.manual_seed(SEED)
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()
     grads = pm.gather_gradients(0)

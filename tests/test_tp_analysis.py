@@ -170,17 +170,26 @@ def test_a_projection_pair_inside_another_module_gets_its_own_copies():
 
 
 def test_refused_blocks_name_the_block_and_the_cause():
-    bitnet = analyze_model(_model("bitnet"))   # a sub-norm over the whole attention output
-    assert bitnet.splittable() == frozenset()
-    reason = bitnet.refused()[0].reason
-    assert reason.startswith("block model.layers.0: attention at node") and "reordered or reduced" in reason
+    diff = analyze_model(_model("diffllama"))   # differential attention pairs head h with head h + H/2
+    assert diff.splittable() == frozenset()
+    reason = diff.refused()[0].reason
+    assert reason.startswith("block model.layers.0: scaled_dot_product_attention at node") and "trace back" in reason
     bloom = analyze_model(_model("bloom", "eager"))
     assert bloom.refused() and all(b.reason.startswith(f"block {b.path}:") for b in bloom.refused())
     assert "ALiBi" in bloom.refused()[0].reason
 
 
+def test_output_sub_norm_over_all_heads_is_a_group_norm():
+    # BitNet's attn_sub_norm: an RMS norm over the whole attention output before o_proj
+    att = analyze_model(_model("bitnet")).blocks[0].attention[0]
+    norm, = att.group_norms
+    assert (norm.module, norm.width, norm.params) == (
+        "model.layers.0.self_attn.attn_sub_norm", 64, (("model.layers.0.self_attn.attn_sub_norm.weight", 0),))
+    assert (norm.rows.role, norm.rows.stride, norm.rows.head_dim) == ("o", 16, 16)
+
+
 def test_planner_reads_the_same_analysis():
-    model = _model("bitnet")
+    model = _model("diffllama")
     graph = trace(model, example_inputs(model, 1, 8))
     assert [layer.tensor_parallel for layer in graph.layers] == [False, False]
     assert graph.tp_analysis.refused()[0].path == graph.layers[0].path
@@ -211,10 +220,14 @@ def test_three_to_one_on_families_found_by_the_graph(pool2, family, overrides):
     ("qwen3_next", None),                # [query | gate] per head in q_proj; linear-attention layer
     ("laguna", None),                    # one gate value per head
     ("kimi_linear", None),               # low-rank pairs inside linear attention
+    ("bitnet", None),                    # a norm over the whole attention output, across the group
+    ("hrm_text", None),                  # layers the forward calls several times
+    ("granite_swa", None),               # attention sinks: σ(logsumexp(scores) − sink_h) scales each head
+    ("mimo_v2_flash", None),             # a max over the keys subtracted from the scores (2 KV groups: 1:1)
 ])
-def test_latent_and_gated_attention(pool2, model_type, overrides):
+def test_latent_gated_and_sink_attention(pool2, model_type, overrides):
     results = pool2.run(tp_worker, model_type, overrides, timeout=300)
-    assert results[0]["shares"] == [3, 1]
+    assert results[0]["shares"] == ([1, 1] if model_type == "mimo_v2_flash" else [3, 1])
     for r in results:
         assert r["loss_diff"] <= ZOO_TOL and r["grad_diff"] <= ZOO_TOL, r
     assert results[0]["n"] > 0

@@ -127,14 +127,20 @@ def _covers(df: Dataflow, src: str, roles: list[RoleRows], dim_out: bool = True)
     return sum(r.heads * r.head_dim for r in roles) == (out if dim_out else inp)
 
 
-def _output_gates(df: Dataflow, flow: Flow, out_src: str, like: RoleRows) -> dict[str, list[RoleRows]] | str:
+def _output_gates(df: Dataflow, flow: Flow, out_src: str, like: RoleRows, query: str
+                  ) -> dict[str, list[RoleRows]] | str:
     """Projections multiplied elementwise into the attention output before its output
     projection (a gated attention output, ``o(attn · σ(gate(x)))``): column-parallel, head by
     head.  A gate with the attention output's own feature layout is one of the Flow's sources
     (rows ``base + h·head_dim + [0, head_dim)``); one lined up head by head
     (:mod:`fxpar.tracing.tp_gates`: a value per head, a per-head slice of a fused projection)
-    is in ``df.gates``."""
-    found = [(src, base, like.stride, like.head_dim, 1) for src, base in sorted(flow.sources) if src != out_src]
+    is in ``df.gates``.  A statistic of this attention's own scores (``stat:``, an attention
+    sink ``σ(logsumexp(s) − sink_h)``) may scale it too: its per-head parameters are sliced."""
+    stats = {s for s, _ in flow.sources if s.startswith("stat:")}
+    if stats - {f"stat:{query}"}:
+        return f"the attention output is scaled by a statistic of other scores ({sorted(stats)[0]})"
+    found = [(src, base, like.stride, like.head_dim, 1) for src, base in sorted(flow.sources)
+             if src != out_src and src not in stats]
     found += [(src, base, stride, rows, 0) for src, base, stride, rows in df.gates.get(out_src, [])]
     out: dict[str, list[RoleRows]] = {}
     for src, base, stride, rows, uses in found:
@@ -211,9 +217,10 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
         why = df.escapes.get(out_src, ["no single projection"])[0]
         return f"the attention output feeds {why} instead of one output projection"
     o, of = users[0]
-    if (out_src, 0) not in of.sources or of.dims[-1] != Axis(1, heads * dv) or of.reduced:
+    out_norm = whole_norm(of, out_src, df, dv, heads * dv) if of.reduced else None
+    if (out_src, 0) not in of.sources or of.dims[-1] != Axis(1, heads * dv) or (of.reduced and out_norm is None):
         return "the attention output reaches its output projection reordered or reduced"
-    gates = _output_gates(df, of, out_src, RoleRows("gate", 0, dv, heads, dv, g))
+    gates = _output_gates(df, of, out_src, RoleRows("gate", 0, dv, heads, dv, g), qs)
     if isinstance(gates, str):
         return gates
     for src, roles in gates.items():
@@ -227,13 +234,14 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     input_node, input_module, region_params = source
     cols = tuple(_projection(df, s, "column", tuple(r)) for s, r in by_src.items())
     row = _projection(df, o, "row", (RoleRows("o", 0, dv, heads, dv, g),))
-    norms = group_norms(((qn, rows["q"]), (kn, rows["k"]), (vn, rows["v"])))
+    norms = group_norms(((qn, rows["q"]), (kn, rows["k"]), (vn, rows["v"]),
+                         (out_norm, RoleRows("o", 0, dv, heads, dv, g))))
     if isinstance(norms, str):
         return norms
     widened = {p for n in norms for p, _ in n.params}
     shared, head_params = _companion_params(tuple(event[1:4]) + (of,), (d, d, dv, dv), df, (g, 1, 1, g))
     head_params = tuple(h for h in head_params if h[0] not in widened)
-    bad = next((c[0] for c in of.companions if c[1] * c[2] > dv and (
+    bad = next((c[0] for c in of.companions if c[1] * c[2] > dv and c[0] not in widened and (
         c[0] not in df.params or c[1] != dv or c[2] != heads or c[3] < 0)), None)
     if bad is not None:
         return f"{bad} is applied across the heads of the attention output before its output projection"

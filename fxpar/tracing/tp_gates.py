@@ -8,7 +8,9 @@ features line up with the attention output head by head, but not feature by feat
   ``[query | gate]``: the gate of head ``h`` is rows ``h·2d + d + [0, d)``).
 
 At the elementwise op joining an attention-output Flow ``A`` (source ``attn:<node>``, ``H``
-heads of ``d`` features) and a projection Flow ``G``, each dimension is compared: where ``A``
+heads of ``d`` features) and a projection Flow ``G``, each dimension is compared (a statistic of the
+scores, ``stat:``, joins ``A`` with its per-head companions: the analysis checks it is this
+attention's): where ``A``
 has its head axis ``G`` must have an axis of ``H`` features (its stride is the gate's head
 stride); where ``A`` has the head's ``d`` features ``G`` has size 1 (one value per head) or
 ``d`` consecutive features; a flattened ``A`` (``H·d`` features) pairs with a flattened ``G``
@@ -54,6 +56,8 @@ def gate(flows: list[Flow], shapes: list[tuple[int, ...]], n: int, df: Dataflow)
         return None
     (src, _), = a.sources
     (gsrc, base), = g.sources
+    if gsrc.startswith("stat:"):  # a statistic of the scores (an attention sink's gate): the analysis checks it
+        return Flow(a.sources | g.sources, a.dims, a.reduced, tuple(dict.fromkeys(a.companions + g.companions)))
     if src not in df.attn_shapes or gsrc.startswith("attn:") or gsrc not in df.projections:
         return None
     heads, d = df.attn_shapes[src]

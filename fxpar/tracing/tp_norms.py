@@ -1,4 +1,5 @@
-"""Norms over a whole query / key projection (OLMo-2's ``q_norm`` over all heads' features),
+"""Norms over a whole query / key projection (OLMo-2's ``q_norm`` over all heads' features) or
+over the whole attention output before its projection (BitNet's ``attn_sub_norm``),
 read from the dataflow for :mod:`fxpar.tracing.tp_analysis` (its rule 3): one module reduces
 the ``n`` features of one projection's whole output, and every per-feature operand across
 heads is a parameter of that module.  Such a norm is split like its projection's heads and
@@ -27,13 +28,15 @@ class GroupNorm:
     width: int
 
 
-def whole_norm(flow: Flow, src: str, df: Dataflow, d: int) -> tuple[str, tuple[tuple[str, int], ...]] | None:
+def whole_norm(flow: Flow, src: str, df: Dataflow, d: int, width: int | None = None
+               ) -> tuple[str, tuple[tuple[str, int], ...]] | None:
     """``(module, ((weight fqn, dim), ...))`` when every reduction wider than a head is one norm
-    over the whole output ``[0, n)`` of the projection ``src`` (features contiguous, ``n`` > d),
-    done inside one module, and every per-feature operand across heads is a parameter of that
-    module indexed by those features; else None."""
+    over the whole output ``[0, n)`` of the projection ``src`` (``n``: its width, or ``width``
+    for an attention output; features contiguous, ``n`` > d), done inside one module, and every
+    per-feature operand across heads is a parameter of that module indexed by those features;
+    else None."""
     wide = [(st, n) for st, n in flow.reduced if st * n > d]
-    out = df.projections[src][3]
+    out = df.projections[src][3] if width is None else width
     if not wide or any((st, n) != (1, out) for st, n in wide):
         return None
     modules = df.reductions.get((src, 1, out), set())

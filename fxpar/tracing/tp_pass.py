@@ -273,8 +273,9 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
         return _elementwise(node, df, params)
     if isinstance(state, Scores):
         keep = _SAME | {"softmax", "_softmax", "_safe_softmax", "view", "reshape", "_unsafe_view"}
-        if name in ("max", "amax", "logsumexp", "sum") and len(node.args) > 1:  # a per-head, per-query statistic
-            return [state, Inert()] if name == "max" else state
+        if name in ("max", "amax", "logsumexp", "sum") and len(node.args) > 1:
+            stat = _statistic(node, state)
+            return [stat, Inert()] if name == "max" and stat is not None else stat
         return state if name in keep else None
     if not isinstance(state, Flow):
         return None
@@ -289,6 +290,20 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in ("layer_norm", "rms_norm", "native_layer_norm"):
         return _norm(node, state, params)
     return _structural(node, name, state, df)
+
+
+def _statistic(node: torch.fx.Node, scores: Scores) -> Flow | None:
+    """A reduction of attention scores over the keys (``max`` / ``logsumexp`` / ``sum``: a
+    stable or hand-written softmax, an attention sink's gate): one value per head and query, a
+    Flow of source ``stat:<query projection>`` with the query's head axis."""
+    dims_arg = node.args[1]
+    dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
+    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    q = scores.q
+    if len(dims) != 1 or dims[0] not in (-1, len(q.dims) - 1) or len(q.sources) != 1 or len(q.dims) < 3:
+        return None
+    (src, _), = q.sources
+    return Flow(frozenset({(f"stat:{src}", 0)}), q.dims[:-1] + ((None,) if keep else ()))
 
 
 def _reduce_keep(flow: Flow, dim: int, n: int) -> Flow:
