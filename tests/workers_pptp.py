@@ -219,17 +219,17 @@ def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) ->
 
 
 def unsupported_tp_stage_refused() -> str:
-    """A pipeline plan with a tensor-parallel stage for BitNet (a sub-norm over the whole
-    attention output before its output projection, which the graph analysis refuses): every
-    rank raises the same clear error, naming the block and the reason, before any collective."""
+    """A pipeline plan with a tensor-parallel stage for DiffLlama (differential attention pairs
+    head ``h`` with head ``h + H/2``, which the graph analysis refuses): every rank raises the
+    same clear error, naming the block and the reason, before any collective."""
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
     from fxpar.errors import PlanError
     from tests.families import FAMILIES
 
     torch.manual_seed(0)
-    bitnet = dict(FAMILIES["llama"][0], model_type="bitnet")
-    model = build_model(ModelSpec(hf_config=bitnet), device="cpu", seed=0, attn_implementation="eager").train()
+    diff = dict(FAMILIES["llama"][0], model_type="diffllama")
+    model = build_model(ModelSpec(hf_config=diff), device="cpu", seed=0, attn_implementation="sdpa").train()
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), global_batch=4,
                          blocks_per_stage=[1, 1], num_microbatches=2, tensor_parallel=[2, 1])
     try:
