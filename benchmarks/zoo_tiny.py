@@ -123,6 +123,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                  "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8},
     # the language adapters need a language (ids carry none); the default list's only entry
     "xmod": {"default_language": "en_XX"},
+    # its config lists (attention, mlp) blocks as separate entries and halves every layer count
+    # on load: 2 layers are 4 entries, one input and one output layer (no recurrent layer)
+    "dory": {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"],
+             "n_input_layers": 2, "n_output_layers": 2, "n_recurrent_layers": 0},
 }
 
 

@@ -22,6 +22,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from fxpar.errors import PlanError, TraceError
+from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.trace import no_cache
 
@@ -209,6 +210,14 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
             ep = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
+    lost = lost_gradients(ep)
+    if lost:
+        raise PlanError(
+            f"pipeline split: {type(model).__name__}'s exported graph gives no gradient to {len(lost)} parameters "
+            f"that eager training updates ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): its forward "
+            "computes them under torch.no_grad inside a custom autograd Function (as Reformer's reversible "
+            "layers do), and pipeline stages run the exported graph, so they would never train. Plan it with "
+            "strategies=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
     gm = ep.module()
     parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]

@@ -40,7 +40,12 @@ def pipeline_candidates(p: Problems, max_tensor_parallel: int) -> Candidates:
     """The searched pipeline, its interleaved forms and the rule pipelines (module docstring);
     nothing where pipelines were not asked for or the model has no blocks."""
     if p.pipeline is None:
-        return Candidates(baselines=(("megatron_even", None), ("whale_rules", None)))
+        lost = p.graph.lost_gradients
+        why = (() if not lost else (
+            f"pipelines: not considered: their stages run the exported graph, which gives no gradient to {len(lost)} "
+            f"parameters eager training updates ({lost[0]}, ...: a custom autograd Function computing under "
+            "torch.no_grad, as Reformer's reversible layers)",))
+        return Candidates(explain=why, baselines=(("megatron_even", None), ("whale_rules", None)))
     if p.graph.tp_analysis is not None:  # each rank of a TP group needs a key/value group
         max_tensor_parallel = max(1, min(max_tensor_parallel, p.graph.tp_analysis.max_width()))
     found = searched(p, max_tensor_parallel)

@@ -49,7 +49,8 @@ class Problems:
     cost: CostModel
     dp: dp.DPProblem
     dp_fits: bool                        # a replica + one sample fits everywhere, and B ≥ ranks
-    pipeline: PipelineContext | None     # None: pipelines not asked for, or no repeated blocks
+    pipeline: PipelineContext | None     # None: pipelines not asked for, no repeated blocks, or an
+    #                                      exported graph that loses gradients (graph.lost_gradients)
     ep: EPProblem | str | None           # None: dense model or one rank; str: why EP cannot run
     lower_bound_s: float
     lower_bound_with_allreduce: bool
@@ -106,7 +107,7 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
                      allow_tf32=allow_tf32, profiles=profiles)
     problem = build_dp_problem(cost, cluster, workload)
     ctx = (build_context(graph, cost, cluster, workload)
-           if "pipeline" in strategies and len(graph.layers) >= 1 else None)
+           if "pipeline" in strategies and len(graph.layers) >= 1 and not graph.lost_gradients else None)
     ep = (build_problem(cost, workload.global_batch, workload.max_microbatches)
           if "expert_parallel" in strategies and cluster.world_size > 1 else None)
     sharded = "sharded_data_parallel" in strategies and cluster.world_size > 1

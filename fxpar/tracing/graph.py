@@ -119,6 +119,9 @@ class ModelGraph:
     #: what tensor parallelism can split, read from the graph (:mod:`fxpar.tracing.tp_analysis`);
     #: ``LayerInfo.tensor_parallel`` is its ``splittable()`` — one source for planner and codegen
     tp_analysis: Any = field(default=None, compare=False, repr=False)
+    #: trainable parameters the exported graph cannot differentiate (a custom autograd Function
+    #: computing under no_grad, :mod:`fxpar.tracing.grad_paths`): no pipeline may run this graph
+    lost_gradients: tuple[str, ...] = ()
 
     @property
     def param_count(self) -> int:

@@ -30,6 +30,7 @@ import torch
 from fxpar.compat import attn_implementation
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
+from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
 from fxpar.tracing.tp_analysis import analyze
@@ -284,7 +285,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         nodes=tuple(nodes), params=params, layers=layers,
         input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
         trace_time_s=elapsed, exported=ep, vocab_parallel_modules=vocab_parallel_modules(model),
-        attn_implementation=attn_implementation(model), tp_analysis=tp)
+        attn_implementation=attn_implementation(model), tp_analysis=tp, lost_gradients=lost_gradients(ep))
 
 
 def _product_keeps(name: str, node: torch.fx.Node, needs_grad: dict[str, bool]) -> set[int] | None:
