@@ -28,6 +28,7 @@ from fxpar.tracing.tp_dataflow import (
 from fxpar.tracing.tp_gates import gate
 from fxpar.tracing.tp_join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
 from fxpar.tracing.tp_params import param_dim, param_source, per_head
+from fxpar.tracing.tp_region import module_path
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -367,7 +368,7 @@ def run(ep: Any) -> Dataflow:
                 _escape(df, s, f"{name} at {node.name}")
         else:
             df.flows[node.name] = out
-            _note_reductions(df, inputs, out, _module_of(node))
+            _note_reductions(df, inputs, out, module_path(node))
     return df
 
 
@@ -388,16 +389,11 @@ def _escape_input(df: Dataflow, a: torch.fx.Node, why: str) -> None:
         _escape(df, state, why)
 
 
-def _module_of(x: Any) -> str:
-    stack = x.meta.get("nn_module_stack") if isinstance(x, torch.fx.Node) else None
-    return str(list(stack.values())[-1][0]) if stack else ""
-
-
 def _producer_module(x: Any, proj: torch.fx.Node) -> str:
     """Module path of the op producing a projection's input ``x``, looking through the
     projection module's own flattening views (GPT-2's ``Conv1D``)."""
-    own = _module_of(proj)
+    own = module_path(proj)
     while isinstance(x, torch.fx.Node) and op_name(x.target) in ("view", "reshape", "_unsafe_view") \
-            and _module_of(x) == own and isinstance(x.args[0], torch.fx.Node):
+            and module_path(x) == own and isinstance(x.args[0], torch.fx.Node):
         x = x.args[0]
-    return _module_of(x)
+    return module_path(x)

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fxpar.tracing.op_costs import op_name
 
 
-def module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
+def module_path(node: Any) -> str:
+    """The path of the innermost module a graph node runs in ("" for anything else)."""
+    stack = (node.meta.get("nn_module_stack") or {}) if isinstance(node, torch.fx.Node) else {}
     return str(list(stack.values())[-1][0]) if stack else ""
 
 
