@@ -210,14 +210,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
             ep = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
-    lost = lost_gradients(ep)
-    if lost:
-        raise PlanError(
-            f"pipeline split: {type(model).__name__}'s exported graph gives no gradient to {len(lost)} parameters "
-            f"that eager training updates ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): its forward "
-            "computes them under torch.no_grad inside a custom autograd Function (as Reformer's reversible "
-            "layers do), and pipeline stages run the exported graph, so they would never train. Plan it with "
-            "strategies=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
+    _refuse_lost_gradients(model, ep)
     gm = ep.module()
     parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]
@@ -281,6 +274,19 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
         modules.append(mod)
     return modules, tensor_inputs
+
+
+def _refuse_lost_gradients(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> None:
+    """A :class:`PlanError` when the exported graph gives no gradient to parameters eager
+    training updates (:mod:`fxpar.tracing.grad_paths`): the stages would never train them."""
+    lost = lost_gradients(ep)
+    if lost:
+        raise PlanError(
+            f"pipeline split: {type(model).__name__}'s exported graph gives no gradient to {len(lost)} parameters "
+            f"that eager training updates ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): its forward "
+            "computes them under torch.no_grad inside a custom autograd Function (as Reformer's reversible "
+            "layers do), and pipeline stages run the exported graph, so they would never train. Plan it with "
+            "strategies=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
 
 
 def _accepts(model: torch.nn.Module, name: str) -> bool:
