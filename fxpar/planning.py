@@ -61,7 +61,10 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
             if not hasattr(module, "config"):
                 raise ConfigError("model: a plain nn.Module needs example inputs; return "
                                   "(module, example_inputs) from your module:function")
-            inputs = example_inputs(module, 1, workload.seq_len)
+            # on the model's device: a meta model traces on meta inputs (torch 2.11's fake
+            # embedding refuses a meta weight with CPU ids), a GPU model on its GPU
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+            inputs = example_inputs(module, 1, workload.seq_len, device=device)
         name = type(module).__name__
     progress(f"tracing {name} with torch.export")
     graph = trace(module, inputs, model_name=name)

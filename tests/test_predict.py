@@ -38,6 +38,19 @@ def test_solver_plan_prediction_equals_its_stored_step():
     assert fxpar.predict(plan, spec, cluster).step_s == pytest.approx(p.step_s, rel=1e-9)  # traced for us
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_predict_traces_a_model_on_its_own_device(device):
+    # the example batch is built on the model's device: a meta model under torch 2.11 failed with
+    # "found two different devices meta, cpu" when its ids were made on the CPU
+    cluster = fxpar.Cluster.from_dict(CLUSTER)
+    workload = Workload(global_batch=16, seq_len=128)
+    spec = PRESETS["gpt2-tiny"]
+    plan = plan_model(spec, cluster, workload)
+    module = build_model(spec, device=device)
+    p = fxpar.predict(plan, module, cluster)
+    assert p.step_s == pytest.approx(fxpar.predict(plan, spec, cluster).step_s, rel=1e-9)
+
+
 def _hand_pipeline():
     cluster = fxpar.Cluster.from_dict(CLUSTER)
     module = build_model(PRESETS["gpt2-tiny"], device="meta")

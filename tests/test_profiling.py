@@ -12,19 +12,33 @@ from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel, collectives
-from fxpar.profiling.database import load_profiles
-from fxpar.profiling.roofline import OP_OVERHEAD_S
+from fxpar.profiling.database import LinkCost, OpCost, ProfileDB, load_profiles
+from fxpar.profiling.roofline import OP_OVERHEAD_S, optimizer_key
 from fxpar.tracing.hf import ModelSpec
 from fxpar.workload import Workload
 from tests.workers import TINY_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures" / "profiles"
 SPEC = ModelSpec(hf_config=TINY_CONFIGS["llama"])
 
 
 @pytest.fixture(scope="module")
 def graph():
     return trace_spec(SPEC, Workload(global_batch=8, seq_len=16), op_keys=True)
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(graph, tmp_path_factory) -> Path:
+    """A synthetic A100 database (not measured) over the keys of the graph traced here: every op
+    costs ``1e-5 + 2e-6·B`` forward and twice that backward, and the all-reduce link is
+    ``α = 1e-4 s``, ``100 GB/s``; an AdamW step costs 1 ns per parameter.  Built from the installed torch/transformers' own graph, so its
+    keys follow whatever ops that version's Llama exports (a stored file named one version's ops)."""
+    ops = {k: OpCost(fwd=(1e-5, 2e-6), bwd=(2e-5, 4e-6)) for k in set(graph.op_keys)}
+    ops[optimizer_key("adam", "fp32")] = OpCost(fwd=(0.0, 1e-9), bwd=(0.0, 0.0))  # 1 ns a parameter
+    db = ProfileDB(device_type="A100-SXM-80GB", device_name="synthetic fixture (not measured)",
+                   ops=ops, links={"all_reduce": LinkCost(alpha_s=1e-4, bus_bytes_per_s=1e11, world=4)})
+    directory = tmp_path_factory.mktemp("profiles")
+    db.save(directory)
+    return directory
 
 
 def _cluster() -> Cluster:
@@ -40,8 +54,8 @@ def test_keys_are_batch_normalised(graph):
     assert not any("'meta'" in k for k in graph.op_keys)  # the tracing device is not in a key
 
 
-def test_fixture_profile_is_used_where_present(graph):
-    profiles = load_profiles(FIXTURES)
+def test_fixture_profile_is_used_where_present(graph, fixture_dir):
+    profiles = load_profiles(fixture_dir)
     cost = CostModel(graph, _cluster(), profiles=profiles)
     a100, v100 = _cluster().device(0), _cluster().device(2)
     measured, roofline = cost.sample_cost(a100), cost.sample_cost(v100)
@@ -61,8 +75,8 @@ def test_fixture_profile_is_used_where_present(graph):
     assert c2.optimizer_s(only_a100.device(0)) == pytest.approx(1e-9 * graph.param_count)
 
 
-def test_profile_db_round_trip_and_errors(tmp_path):
-    db = load_profiles(FIXTURES)["A100-SXM-80GB"]
+def test_profile_db_round_trip_and_errors(tmp_path, fixture_dir):
+    db = load_profiles(fixture_dir)["A100-SXM-80GB"]
     path = db.save(tmp_path)
     again = load_profiles(tmp_path)["A100-SXM-80GB"]
     assert again.ops == db.ops and again.links == db.links

@@ -133,3 +133,47 @@ def test_layers_that_differ_are_traced_in_full():
     mixed = dict(TINY_CONFIGS["llama"], model_type="qwen2", num_hidden_layers=6,
                  layer_types=["full_attention"] * 3 + ["sliding_attention"] * 3)
     assert not can_shorten(hf_config(ModelSpec(hf_config=mixed)))
+
+
+class _LayerDropStack(torch.nn.Module):
+    """transformers <= 5.17's LayerDrop (OPT, BART, ...): a draw in training mode even at 0."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = layer(x)
+        return x.sum()
+
+
+class _LayerDropAndDropout(_LayerDropStack):
+    """The same, with the module's training flag also gating a dropout of its own."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = layer(x)
+        return torch.nn.functional.dropout(x, p=0.5, training=self.training).sum()
+
+
+def test_layerdrop_zero_exports_in_training_mode_and_the_mode_is_restored():
+    from fxpar.tracing.trace import export_model
+
+    model = _LayerDropStack(0.0).train()
+    ep = export_model(model, (torch.randn(2, 4),))
+    assert model.training and all(m.training for m in model.modules())  # restored
+    assert sum(1 for n in ep.graph.nodes if "linear" in str(n.target)) == 2  # no layer skipped
+    with pytest.raises(TraceError, match="layerdrop"):  # layers skipped at random: not one graph
+        export_model(_LayerDropStack(0.2).train(), (torch.randn(2, 4),))
+    with pytest.raises(TraceError, match="layerdrop"):  # the flag also gates a dropout: left alone
+        export_model(_LayerDropAndDropout(0.0).train(), (torch.randn(2, 4),))

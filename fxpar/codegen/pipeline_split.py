@@ -24,7 +24,7 @@ from torch.fx.passes.split_module import split_module
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.structure import block_path
-from fxpar.tracing.trace import no_cache
+from fxpar.tracing.trace import export_ready
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     precision = (torch.autocast(device_type=autocast[0], dtype=autocast[1])
                  if autocast is not None else contextlib.nullcontext())
     try:
-        with precision, no_cache(model):
+        with precision, export_ready(model):
             ep = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None

@@ -100,6 +100,48 @@ def no_cache(model: torch.nn.Module):
             c.use_cache = old
 
 
+def _training_only_gates_layerdrop(module: torch.nn.Module) -> bool:
+    """Whether every line of ``module``'s forward that reads ``self.training`` is a LayerDrop
+    gate (the line, or one of the two after it, reads ``layerdrop``); False without source."""
+    try:
+        lines = inspect.getsource(type(module).forward).splitlines()
+    except (OSError, TypeError):
+        return False
+    reads = [i for i, line in enumerate(lines) if "self.training" in line]
+    return bool(reads) and all(any("layerdrop" in x for x in lines[i:i + 3]) for i in reads)
+
+
+@contextlib.contextmanager
+def no_layerdrop(model: torch.nn.Module):
+    """Modules with LayerDrop switched off (``layerdrop == 0``) whose forward reads its
+    ``training`` flag only for LayerDrop are put in eval mode while the block runs (their
+    children keep their mode), restored after.
+
+    Older transformers (OPT, BART, Whisper, ... up to about 5.17) draw ``torch.rand([]) <
+    layerdrop`` in training mode even when ``layerdrop`` is 0: a branch on a tensor's value that
+    ``torch.export`` cannot trace, though it never skips a layer.  When the flag gates nothing
+    else in that module's forward, the graph is the training graph.  A LayerDrop above 0 skips
+    layers at random and stays an export error."""
+    touched = [m for m in model.modules() if m.training
+               and isinstance(getattr(m, "layerdrop", None), (int, float)) and float(m.layerdrop) == 0.0
+               and _training_only_gates_layerdrop(m)]
+    for m in touched:
+        m.training = False  # this module only: not .eval(), which would recurse into the layers
+    try:
+        yield
+    finally:
+        for m in touched:
+            m.training = True
+
+
+@contextlib.contextmanager
+def export_ready(model: torch.nn.Module):
+    """Every setting an HF model needs to export its training graph: :func:`no_cache` and
+    :func:`no_layerdrop`."""
+    with no_cache(model), no_layerdrop(model):
+        yield
+
+
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
     quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [log.level for log in quiet]
@@ -107,7 +149,7 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         log.setLevel(logging.ERROR)
     captured = io.StringIO()  # a failed export prints its partial graph to stderr: keep it out
     try:
-        with contextlib.redirect_stderr(captured), no_cache(model):
+        with contextlib.redirect_stderr(captured), export_ready(model):
             program = torch.export.export(model, args, kwargs, strict=False)
         sys.stderr.write(captured.getvalue())  # a successful export's warnings still show
         return program
