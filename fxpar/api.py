@@ -20,6 +20,7 @@ from fxpar.codegen.tensor_parallel import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.device import check_device_kind, rank_device
+from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
@@ -147,6 +148,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
 def _check_world(cluster: Cluster, group: Any) -> int:
     """This process's rank; a RuntimeSetupError when the job's size is not the cluster's."""
     distributed = dist.is_available() and dist.is_initialized()
+    if distributed:  # the job's collectives must not outlive the interpreter (runtime.exit_drain)
+        drain_collective_threads_at_exit()
     world = dist.get_world_size(group) if distributed else 1
     if world != cluster.world_size:
         hint = ("call torch.distributed.init_process_group (e.g. under torchrun) first"

@@ -23,6 +23,7 @@ from typing import Any
 
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.runtime.device import rank_device
+from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi", "cpu:gloo,cuda:nccl")
@@ -93,6 +94,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
             f"{_first_line(exc)}; launch with torchrun (which sets the environment), or pass "
             "init_method, rank and world_size, and check that every rank can reach the "
             "rendezvous address") from exc
+    drain_collective_threads_at_exit()
     return True
 
 
