@@ -11,6 +11,11 @@
 Checked against torch 2.13; a torch without them raises a clear error when an interleaved plan
 is run, and nothing else in fxpar depends on them.
 
+- ``torch.distributed.pipelining.stage._RootArgPlaceholder`` / ``_RecvInfo`` and a stage's
+  ``bwd_cache`` / ``args_recv_info``: torch 2.11's stages refuse a received input that gets no
+  gradient; :func:`pipeline_stage_class` recognises that release by the first name and sends
+  zeros for such an input (torch >= 2.13 needs none of it).
+
 transformers (checked against 5.23):
 
 - ``PreTrainedModel._keys_to_ignore_on_save``: ``Trainer`` reads it from the model it trains
@@ -35,6 +40,8 @@ scans the rest of the package).
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from fxpar.errors import RuntimeSetupError
 
@@ -86,3 +93,38 @@ def attn_implementation(model: Any) -> str | None:
     config = getattr(model, "config", None)
     value = getattr(config, "_attn_implementation", None) if config is not None else None
     return str(value) if value is not None else None
+
+
+def pipeline_stage_class() -> type:
+    """``torch.distributed.pipelining.PipelineStage``, or on torch releases whose stages refuse
+    an input without a gradient (2.11: ``RuntimeError: [1] for chunk 0 has gradients None and is
+    expecting to send gradients to stage 0``) a subclass that sends zeros for it.
+
+    A stage input without a gradient is common: a value the previous stage computed without the
+    parameters (a rotary table, an attention mask, integer positions) that only feeds
+    non-differentiable paths.  torch >= 2.13 skips such a slot on both sides; 2.11 allocates a
+    gradient buffer on the sending stage for every output it sent and requires a tensor for
+    each, while its backward ignores the gradient of an output that needs none
+    (``_backward.stage_backward`` keeps only outputs with a ``grad_fn``).  Zeros of the received
+    buffer's shape and dtype satisfy the exchange and change no gradient.  The older design is
+    recognised by its ``stage._RootArgPlaceholder`` class (gone in 2.13); the subclass reads the
+    stage's private ``bwd_cache`` and ``args_recv_info`` (the gradients of a micro-batch and the
+    received inputs they belong to), which is why it lives here."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import stage as stage_module
+
+    if not hasattr(stage_module, "_RootArgPlaceholder"):
+        return PipelineStage
+    recv_info = stage_module._RecvInfo
+
+    class ZeroGradInputsStage(PipelineStage):
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+            grads = self.bwd_cache.get(bwd_chunk_id)
+            if grads is not None and self.has_backward and not self.is_first:
+                infos = self.args_recv_info[0]
+                self.bwd_cache[bwd_chunk_id] = tuple(
+                    g if g is not None or not isinstance(info, recv_info) else torch.zeros_like(info.buffer)
+                    for g, info in zip(grads, infos))
+            return super().get_bwd_send_ops(bwd_chunk_id)
+
+    return ZeroGradInputsStage

@@ -30,7 +30,8 @@ def _pinned() -> dict[str, Version]:
     lines = (ROOT / "scripts" / "lowest-versions.txt").read_text().splitlines()
     pins = {}
     for line in lines:
-        if line.strip() and not line.startswith("#"):
+        line = line.split("#", 1)[0].strip()  # pip's own comment syntax
+        if line:
             name, version = line.split("==")
             pins[name.strip().lower()] = Version(version.strip())
     return pins

@@ -36,7 +36,7 @@ from fxpar.codegen.pipeline_parallel import (
 )
 from fxpar.codegen.pipeline_ties import TiedParam, alias_groups, canonical_names
 from fxpar.codegen.pipeline_tp import example_values, wrap_stage
-from fxpar.compat import pipeline_action, set_stage_mapping
+from fxpar.compat import pipeline_action, pipeline_stage_class, set_stage_mapping
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.device import rank_device
@@ -71,7 +71,6 @@ class InterleavedPipelineModule(PipelineParallelModule):
                  *, emulate: bool = True, device: torch.device | str | None = None,
                  checkpoint: str | Path | None = None) -> None:
         torch.nn.Module.__init__(self)
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -122,7 +121,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
             wrap_stage(mod, self.clock, self.emulator, None)
         self._tied, self._first_tie_stage = self._tie_groups(modules, stage_rank, pipes)
         self._tie_owner = self.position  # _first_tie_stage holds positions here
-        stages = [PipelineStage(mod, j, S, self.device, input_args=examples[j][0],
+        stages = [pipeline_stage_class()(mod, j, S, self.device, input_args=examples[j][0],
                                 output_args=examples[j][1][0] if len(examples[j][1]) == 1 else examples[j][1],
                                 group=self.pp_group)
                   for j, mod in zip(self.stage_indices, self.stage_modules)]

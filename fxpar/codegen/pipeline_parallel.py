@@ -83,6 +83,7 @@ from fxpar.codegen.tp_families import (
     shardable_blocks,
     split_sizes,
 )
+from fxpar.compat import pipeline_stage_class
 from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
@@ -125,11 +126,7 @@ class PipelineParallelModule(torch.nn.Module):
                  *, emulate: bool = True, device: torch.device | str | None = None,
                  checkpoint: str | Path | None = None) -> None:
         super().__init__()
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-        )
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
@@ -189,7 +186,7 @@ class PipelineParallelModule(torch.nn.Module):
         self._stage_inputs = stage_in
         self.pipe_stage = self.schedule = None
         if self.is_lead:  # followers replay the lead's schedule (pipeline_tp.py)
-            self.pipe_stage = PipelineStage(self.module, self.stage_index, S, self.device,
+            self.pipe_stage = pipeline_stage_class()(self.module, self.stage_index, S, self.device,
                                             input_args=stage_in,
                                             output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
                                             group=self.pp_group)
