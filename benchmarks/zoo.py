@@ -60,6 +60,7 @@ from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
+from tests.parity import gradient_gaps
 
 BATCH, SEQ = 4, 16
 SEED = 1234
@@ -125,6 +126,16 @@ def _grad_diff(named_grads, reference: torch.nn.Module) -> tuple[float, int]:
     return worst, n
 
 
+def _parity(loss, ref_loss, named_grads, reference: torch.nn.Module) -> dict[str, Any]:
+    """What the parity rules of ``tests/parity.py`` need (the zoo's own verdict stays
+    :data:`TOL`): both losses and the gradient gaps (``grads``: per tensor ‖g − g_ref‖, ‖g_ref‖
+    and size, with the whole reference model's gradient norm)."""
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    pairs = [(name, None if g is None else g.float(), None if ref[name].grad is None else ref[name].grad.float())
+             for name, g in named_grads]
+    return {"loss": float(loss), "ref_loss": float(ref_loss.detach()), "grads": gradient_gaps(pairs, reference)}
+
+
 def dp_worker(model_type: str) -> dict:
 
     model = build(model_type)
@@ -138,7 +149,8 @@ def dp_worker(model_type: str) -> dict:
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()
     worst, n = _grad_diff(((k, p.grad) for k, p in pm.module.named_parameters()), reference)
-    return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n}
+    return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n,
+            **_parity(loss, ref_loss, ((k, p.grad) for k, p in pm.module.named_parameters()), reference)}
 
 
 def _first_stage_blocks(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> int:
@@ -166,7 +178,8 @@ def pp_worker(model_type: str) -> dict:
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()
     worst, n = _grad_diff(((k, p.grad) for k, p in pm.named_original_parameters()), reference)
-    return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n}
+    return {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": worst, "n": n,
+            **_parity(loss, ref_loss, ((k, p.grad) for k, p in pm.named_original_parameters()), reference)}
 
 
 def tp_worker(model_type: str, overrides: dict[str, Any] | None = None) -> dict:
@@ -186,9 +199,10 @@ def tp_worker(model_type: str, overrides: dict[str, Any] | None = None) -> dict:
     ref_loss.backward()
     grads = pm.gather_gradients(0)
     out = {"rank": dist.get_rank(), "loss_diff": abs(float(loss) - float(ref_loss.detach())), "grad_diff": 0.0, "n": 0,
-           "shares": shares}
+           "shares": shares, **_parity(loss, ref_loss, (), reference)}
     if grads is not None:
         out["grad_diff"], out["n"] = _grad_diff(grads.items(), reference)
+        out.update(_parity(loss, ref_loss, grads.items(), reference))
     return out
 
 

@@ -16,7 +16,8 @@ ALL = ["amp-gpt2-medium", "cpu-emulated-2", "h100-a100-llama7b", "hap-bert-base"
        "homogeneous-a100", "lab-4090-a6000", "scale-1024-gpt175b"]
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n == "scale-1024-gpt175b" else n
+                                  for n in ALL])  # the 1024-GPU scenario: the full suite
 def test_plan_every_scenario(name, scenarios_dir, tmp_path, capsys):
     out = tmp_path / "plan.json"
     code = main(["plan", "--scenario", str(scenarios_dir / f"{name}.yaml"), "--json", str(out)])

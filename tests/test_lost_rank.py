@@ -17,7 +17,7 @@ import pytest
 
 from tests.workers_bad_inputs import lost_rank_step
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.full]  # subprocess jobs: the full suite
 TIMEOUT_S = {"exit": 10.0, "hang": 6.0}
 SPAWN_BUDGET_S = 20.0  # start-up of two fresh interpreters with torch, tracing, one step
 

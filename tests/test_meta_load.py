@@ -4,10 +4,13 @@
 Parity: ``fxpar.from_pretrained(folder)`` builds the model on ``meta`` and each rank reads only
 its shard of the folder's safetensors (one ``model.safetensors``, or a sharded index written
 with ``max_shard_size="20KB"``); the loss and every gradient each rank holds match the same
-folder loaded with ``AutoModelForCausalLM.from_pretrained`` in one process, fp32: loss within
-1e-5 absolute, gradients within 1e-5 on the first step and 5e-5 after one AdamW step (lr 1e-2)
-(``tests/workers_meta.TOL``).  ``save_pretrained`` then writes the ranks' pieces (no rank builds
-the model) and HF reloads exactly the gathered weights.
+folder loaded with ``AutoModelForCausalLM.from_pretrained`` in one process, by the rules of
+``tests/parity.py`` (fp32): loss within ``LOSS_RTOL`` (64·eps) relative on both steps, every
+gradient within ``GRAD_RTOL`` (1024·eps) of its norm plus a floor tied to the whole model's
+gradient norm on the first, ``grad_rtol(1)`` (GRAD_RTOL + TRAJECTORY_RTOL["adamw"]) on the
+second, after one AdamW step (lr 1e-2) made the weights differ.  ``save_pretrained`` then writes
+the ranks' pieces (no rank builds the model), HF reloads exactly the gathered weights, and they
+follow the single-process AdamW trajectory (``TRAJECTORY_RTOL["adamw"]``).
 
 A meta model without a checkpoint gets the seeded initialisation: every plan kind and world
 size starts from the same weights as a single-process materialisation, bit for bit.
@@ -29,9 +32,9 @@ from fxpar.codegen.materialize import (
     weights_source,
 )
 from fxpar.errors import ConfigError
-from fxpar.tracing.hf import ModelSpec, build_meta_model, build_model
+from fxpar.tracing.hf import ModelSpec, build_meta_model, build_model, example_inputs
+from tests.parity import check_step, check_trajectory, expect
 from tests.workers_meta import (
-    TOL,
     checkpoint_parity,
     dp_plan,
     meta_pipeline_in_bf16,
@@ -65,12 +68,12 @@ def _check(results: list[dict], ranks: int) -> None:
     for r in results:
         assert r["meta_left"] == 0 and r["dtypes"] == ["torch.float32"] and r["device"] == "cpu"
         assert r.get("original_all_meta", True)  # the pipeline's own copy of the model stays on meta
-        for step, (tl, tg) in zip(r["steps"], TOL):
+        for k, step in enumerate(r["steps"]):
             assert step["n_grads"] >= 3
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, (r["rank"], step)
+            expect(*check_step(step), context=(r["rank"], k))
     root = results[0]
     assert root["saved_vs_gathered"] == 0.0       # save_pretrained wrote exactly the ranks' weights
-    assert root["saved_vs_reference"] <= 1e-4     # ... which trained like the single process
+    expect(check_trajectory(root["saved_trajectory"]))   # ... which trained like the single process
 
 
 @multirank
@@ -102,10 +105,28 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert not bad, bad[:3]
 
 
+def _meta_constant_blocks_pipelines(family: str, layers: int) -> str | None:
+    """Why a meta model of ``family`` cannot be split into pipeline stages on the installed
+    torch/transformers, or None.  Some releases (transformers 5.17 with torch 2.11) make the
+    eager attention mask from a tensor constant created in ``forward``; exported on the meta
+    device it is lifted as a meta tensor whose value nobody knows, and fxpar refuses it with a
+    ConfigError at set-up (a real model's buffers are recomputed; a constant cannot be)."""
+    model = build_model(ModelSpec(hf_config=tiny_config(family, layers)), device="meta", attn_implementation="eager")
+    inputs = {**example_inputs(model, 2, 16, device="meta"), "use_cache": False}
+    ep = torch.export.export(model.train(), (), inputs, strict=False)
+    lifted = [k for k, v in ep.constants.items() if "lifted_tensor" in k and v.device.type == "meta"]
+    if not lifted:
+        return None
+    return (f"this torch/transformers exports {family}'s eager attention with a tensor constant on the "
+            f"meta device ({lifted[0]}): a meta model's pipeline stages are refused there")
+
+
 @multirank
 @pytest.mark.parametrize("kind", ["dp", "pp", "pp_tp"])
 def test_seeded_init_is_the_same_under_every_plan(kind, request):
     family, layers, ranks = CASES[kind]
+    if kind != "dp" and (why := _meta_constant_blocks_pipelines(family, layers)):
+        pytest.skip(why)
     pool = request.getfixturevalue(f"pool{ranks}")
     root = pool.run(seeded_state, kind, family, layers)[0]
     _same(root["state"], _single_process_seeded(family, layers))
@@ -118,6 +139,8 @@ def test_seeded_init_expert_parallel(pool2):
 
 @multirank
 def test_seeded_init_interleaved_pipeline_shares_the_tied_tensor(pool2):
+    if why := _meta_constant_blocks_pipelines("gpt2", 3):
+        pytest.skip(why)
     root = pool2.run(seeded_state, "interleaved", "gpt2", 3)[0]
     assert root["tied"] is True  # the embedding (stage 0) and the head (stage 2) of rank 0: one tensor
     _same(root["state"], _single_process_seeded("gpt2", 3))
@@ -247,6 +270,7 @@ def test_meta_model_in_a_bf16_pipeline_is_refused_on_every_rank(pool2):
 
 
 @multirank
+@pytest.mark.full
 def test_pipeline_rank_memory(pool4):
     """8 Llama blocks on 4 pipeline ranks (2 blocks per stage) from a meta model: each rank
     holds at most 40% of the whole model's parameters, gradients and AdamW state (bytes of the

@@ -2,13 +2,18 @@
 to the original FQNs on rank 0) equal one process on the same global batch.
 
 fp32, tiny Mixtral / Qwen3-MoE (4 experts, top-2, 2 layers), 2 gloo ranks, uneven batch shares,
-labels with ignored tokens (token-weighted losses).  Tolerances (measured max in brackets):
-- loss: |Δ| <= 1e-5 on a loss of ~5.5 (measured <= 1e-6);
-- first step, every gradient: |Δ| <= 1e-6 and |Δ| / max|g_ref| <= 1e-5 per tensor (2.2e-8, 4.7e-7);
-- second step, after one AdamW step (lr 1e-2) on both sides: |Δ| <= 1e-6 (2.4e-7), relative
-  <= 2e-4 (6e-5: Adam's first update is ~lr·sign(g), so tensors with tiny gradients move apart);
-- parameters gathered on rank 0 after two AdamW steps: |Δ| <= 1e-4 (4e-5);
-- whole-model gradient norm from clip_grad_norm_: |Δ| <= 1e-5.
+labels with ignored tokens (token-weighted losses).  Rules (``tests/parity.py``, multiples of
+fp32's eps), at both steps (the second after one AdamW step, lr 1e-2, on both sides):
+- loss: relative gap within ``LOSS_RTOL`` (64·eps);
+- every gradient, this rank's (expert tensors sliced) and all of them gathered on rank 0:
+  ``‖Δg‖ <= GRAD_RTOL·(‖g_ref‖ + floor)`` (1024·eps; the floor ties a tensor with a tiny
+  gradient to the whole model's gradient norm) on the first step, ``grad_rtol(1)`` (GRAD_RTOL +
+  TRAJECTORY_RTOL["adamw"]: the weights differ) on the second;
+- whole-model gradient norm from clip_grad_norm_: within ``NORM_RTOL`` relative (``norm_rtol(1)``
+  on the second step);
+- parameters gathered on rank 0 after the two AdamW steps: the trajectory gap
+  ``‖w − w_ref‖ / ‖w_ref − w₀‖`` within ``TRAJECTORY_RTOL["adamw"]`` (Adam's first update is
+  ~lr·sign(g), so elements with tiny gradients move apart: no element-wise bound).
 """
 
 from __future__ import annotations
@@ -18,24 +23,20 @@ import json
 import pytest
 
 from fxpar.errors import PlanError
+from tests.parity import check_gradients, check_loss, check_step, check_trajectory, expect
 from tests.workers_ep import ep_parity, ep_save_pretrained
-
-LOSS_TOL = 1e-5
-GRAD_TOL = [(1e-6, 1e-5), (1e-6, 2e-4)]   # (abs, rel) per step
-PARAM_TOL = 1e-4
 
 
 def _check(results: list[dict]) -> None:
     for r in results:
-        for step, (tabs, trel) in zip(r["steps"], GRAD_TOL):
-            assert step["loss_diff"] <= LOSS_TOL, step
-            assert step["local_abs"] <= tabs and step["local_rel"] <= trel, step
-            assert step["norm_diff"] <= 1e-5, step   # clip_grad_norm_ sees the whole model
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))   # loss, local gradients, the whole norm
             if r["rank"] == 0:
                 assert step["missing"] == [], step          # every FQN came back
-                assert step["gathered_abs"] <= tabs and step["gathered_rel"] <= trel, step
+                expect(check_gradients(step["gathered"], kind="gathered gradients"), context=k)
     root = results[0]
-    assert root["state_missing"] == [] and root["param_abs"] <= PARAM_TOL, root
+    assert root["state_missing"] == [], root
+    expect(check_trajectory(root["weights"]))
     losses = {json.dumps([s["loss"] for s in r["steps"]]) for r in results}
     assert len(losses) == 1  # the same global loss on every rank
 
@@ -91,11 +92,12 @@ def test_local_rows_step_matches(pool2):
 
 @pytest.mark.multirank
 def test_save_pretrained_round_trip(pool2, tmp_path):
-    """After one AdamW step (lr 1e-3) the reloaded weights equal the reference within 1e-5
-    (measured 2.2e-6: Adam's first update lr·g/(|g| + eps) magnifies ~1e-8 gradient differences
-    where |g| is tiny)."""
+    """After one AdamW step (lr 1e-3) the reloaded weights follow the reference's trajectory
+    (``TRAJECTORY_RTOL["adamw"]``: Adam's first update lr·g/(|g| + eps) magnifies ~1e-8 gradient
+    differences where |g| is tiny, so no element-wise bound)."""
     root = pool2.run(ep_save_pretrained, str(tmp_path))[0]
-    assert root["n"] == 21 and root["max_param_diff"] <= 1e-5, root
+    assert root["n"] == 21, root
+    expect(check_trajectory(root["weights"]))
 
 
 @pytest.mark.multirank
@@ -150,6 +152,7 @@ def test_single_rank_matches_model_exactly():
     import copy
 
     from fxpar.codegen.expert_parallel import ExpertParallelModule
+    from tests.parity import gradient_gaps
     from tests.workers import global_batch
 
     model = _model()
@@ -159,7 +162,6 @@ def test_single_rank_matches_model_exactly():
     loss = pm.step(batch)
     ref = reference(**batch, use_cache=False).loss
     ref.backward()
-    assert abs(float(loss) - float(ref.detach())) <= 1e-6
     grads = dict(reference.named_parameters())
-    for name, p in pm.module.named_parameters():
-        assert (p.grad - grads[name].grad).abs().max().item() <= 1e-6, name
+    gaps = gradient_gaps(((n, p.grad, grads[n].grad) for n, p in pm.module.named_parameters()), reference)
+    expect(check_loss(loss, ref.detach()), check_gradients(gaps))

@@ -1,25 +1,32 @@
 """Pipeline parallelism: loss and every gradient of every stage equal one process on the same
-global batch (fp32; loss within 1e-5 absolute; gradients within 1e-6 on the first step, which
-checks the parallel arithmetic itself, and within 5e-5 after one AdamW step at lr 1e-2, whose
-normalised update magnifies last-bit differences of near-zero gradients).  Batches have no ignored labels: the pipeline weights micro-batch
-losses equally, which is exact when every sample has the same number of label tokens."""
+global batch, and each stage's weights follow the single-process trajectory over two AdamW
+steps (lr 1e-2).  Rules (``tests/parity.py``, fp32): loss within ``LOSS_RTOL`` (64·eps)
+relative at both steps; every gradient within ``GRAD_RTOL`` (1024·eps) of its norm plus a floor
+tied to the whole model's gradient norm on the first step, within ``grad_rtol(1)`` (GRAD_RTOL +
+TRAJECTORY_RTOL["adamw"]: the weights differ after an AdamW step) on the second; the stage's
+weights within
+``TRAJECTORY_RTOL["adamw"]`` of the distance moved (Adam's normalised update turns last-bit
+differences of near-zero gradients into whole steps, so no element-wise weight bound).  Batches
+have no ignored labels: the pipeline weights micro-batch losses equally, which is exact when
+every sample has the same number of label tokens."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.parity import check_step, check_trajectory, expect
 from tests.workers import auto_pipeline_parity, pp_gather_and_save, pp_parity
 
 pytestmark = pytest.mark.multirank
-TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
 
 
 def _check(results, n_stages):
     assert sorted({r["stage"] for r in results}) == list(range(n_stages))
     for r in results:
-        for step, (tl, tg) in zip(r["steps"], TOL):
+        for k, step in enumerate(r["steps"]):
             assert step["n_grads"] > 5
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
+            expect(*check_step(step), context=(r["rank"], k))
+        expect(check_trajectory(r["weights"]), context=r["rank"])
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -66,12 +73,14 @@ def test_auto_plans_and_runs_a_pipeline_when_dp_does_not_fit(pool2):
     fast, slow = pool2.run(auto_pipeline_parity, [1.0, 0.5], 0.003)
     for r in (fast, slow):
         assert r["strategy"] == "pipeline" and r["stages"] == 2
-        for step, (tl, tg) in zip(r["steps"], TOL):
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=k)
     assert fast["slept_s"] == 0.0 and slow["slept_s"] > 0.0  # the emulated slow stage waits
 
 
 def test_gathered_state_dict_saves_and_reloads_equal_weights(pool2, tmp_path):
+    # the reloaded weights after 2 AdamW steps (lr 1e-3) follow the single-process trajectory
     result = pool2.run(pp_gather_and_save, str(tmp_path / "saved"))[0]
     assert result["missing"] == [] and result["unexpected"] == []
-    assert result["max_param_diff"] <= 1e-5 and result["n"] > 10
+    assert result["n"] > 10
+    expect(check_trajectory(result["weights"]))

@@ -1,16 +1,20 @@
 """Pipelines whose replicas differ — stage replicas at different speeds (emulated device kinds)
 and an uneven batch per pipeline — equal one process on the same global batch, with ``-100``
-labels padding some samples (fp32; loss within 1e-5; gradients within 1e-6 on the first step
-and 5e-5 after one AdamW step at lr 1e-2; weights within 1e-3 after each AdamW step: Adam's
-normalised update ``lr·m/(√v + ε)`` turns a last-bit difference in a gradient near ``ε`` into an
-update difference of up to ``lr``, so the weights are held to a tenth of one step).  The
-pipelines weight every sample by its label tokens over the global batch's, so the stage
+labels padding some samples.  Rules (``tests/parity.py``, fp32), at each of the AdamW steps (lr
+1e-2): loss within ``LOSS_RTOL`` (64·eps) relative; every gradient of the rank's stage within
+``GRAD_RTOL`` (1024·eps) of its norm plus a floor tied to the whole model's gradient norm (after
+the first step ``grad_rtol(k)`` = GRAD_RTOL + TRAJECTORY_RTOL["adamw"]: the weights differ); the
+stage's weights after the step within ``TRAJECTORY_RTOL["adamw"]`` (2√GRAD_RTOL) of the distance
+they moved — Adam's normalised update ``lr·m/(√v + ε)`` turns a last-bit difference in a
+gradient near zero into an update difference of up to ``lr``, so no element-wise weight bound.
+The pipelines weight every sample by its label tokens over the global batch's, so the stage
 all-reduce (a SUM across the replicas) is exact whatever each pipeline's share."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.parity import check_step, expect
 from tests.workers_replicas import (
     own_cuts_parity,
     planned_replica_parity,
@@ -19,17 +23,20 @@ from tests.workers_replicas import (
 )
 
 pytestmark = pytest.mark.multirank
-TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
-WEIGHT_TOL = 1e-3
+
+
+def _check_steps(results) -> None:
+    """The loss, gradient and (after each step) trajectory rules on every rank and step."""
+    for r in results:
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))
 
 
 def _check(results) -> None:
     assert sorted((r["pipeline"], r["stage"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in results:
-        for step, (tl, tg) in zip(r["steps"], TOL):
-            assert step["n_grads"] > 5
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
-            assert step["max_weight_abs_diff"] <= WEIGHT_TOL, step
+        assert all(step["n_grads"] > 5 for step in r["steps"])
+    _check_steps(results)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -58,20 +65,15 @@ def test_the_planners_pipeline_per_node_kind_runs_exactly(pool4):
     assert {r["data_split"] for r in results} == {(8, 4)} and {r["pipelines"] for r in results} == {2}
     assert sorted(r["rows"] for r in results) == [(0, 8), (0, 8), (8, 12), (8, 12)]
     for r in results:
-        for step, (tl, tg) in zip(r["steps"], TOL):
-            assert step["n_grads"] > 5 and r["sharded"] > 5
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
-            assert step["max_weight_abs_diff"] <= WEIGHT_TOL, step
+        assert r["sharded"] > 5 and all(step["n_grads"] > 5 for step in r["steps"])
+    _check_steps(results)
 
 
 def test_interleaved_pipelines_with_uneven_batches(pool4):
     # each pipeline's first rank holds stages 0 and 2; pipeline 0 trains 6 samples, pipeline 1 two
     results = pool4.run(replica_interleaved_parity, [6, 2])
     assert sorted(r["rows"] for r in results) == [(0, 6), (0, 6), (6, 8), (6, 8)]
-    for r in results:
-        for step, (tl, tg) in zip(r["steps"], TOL):
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
-            assert step["max_weight_abs_diff"] <= WEIGHT_TOL, step
+    _check_steps(results)
 
 
 def test_pipelines_with_their_own_stage_cuts(pool4):
@@ -79,7 +81,4 @@ def test_pipelines_with_their_own_stage_cuts(pool4):
     # samples: each block's gradient is summed over the two ranks that own it
     results = sorted(pool4.run(own_cuts_parity, [[1, 3], [3, 1]], [6, 2]), key=lambda r: r["rank"])
     assert [r["blocks"] for r in results] == [["0"], ["1", "2", "3"], ["0", "1", "2"], ["3"]]
-    for r in results:
-        for step, (tl, tg) in zip(r["steps"], TOL):
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
-            assert step["max_weight_abs_diff"] <= WEIGHT_TOL, step
+    _check_steps(results)

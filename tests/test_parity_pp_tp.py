@@ -1,8 +1,13 @@
 """Pipelines whose stages are tensor-parallel groups (PP × TP, and × DP): the loss, every rank's
-gradient of the slice it holds, the whole-model gradient norm and the weights after two AdamW
-steps equal one process on the same global batch.  fp32; loss within 1e-5, gradients within
-1e-6 on the first step and 5e-5 after one AdamW step (lr 1e-2, whose normalised update turns
-last-bit differences of near-zero gradients into whole steps), weights within 2e-3 after two.
+gradient of the slice it holds, the whole-model gradient norm and the weights after two
+optimizer steps equal one process on the same global batch.  Rules (``tests/parity.py``, fp32):
+loss within ``LOSS_RTOL`` (64·eps) relative, every gradient within ``GRAD_RTOL`` (1024·eps) of
+its norm plus a floor tied to the whole model's gradient norm and the gradient norm within
+``NORM_RTOL`` on the first step (after an optimizer step the weights differ: ``grad_rtol(1)`` =
+GRAD_RTOL + the optimizer's TRAJECTORY_RTOL, and ``norm_rtol(1)``), and the gathered weights
+within ``TRAJECTORY_RTOL`` of the distance moved — AdamW's (2√GRAD_RTOL: its normalised update
+turns last-bit differences of near-zero gradients into whole steps) or SGD's (GRAD_RTOL: its
+update is linear in the gradient).
 
 A tensor-parallel stage's lead runs the schedule and its followers replay it
 (``fxpar/codegen/pipeline_tp.py``); widths may differ between stages."""
@@ -11,6 +16,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.parity import (
+    AUTOCAST_GRAD_RTOL,
+    AUTOCAST_LOSS_RTOL,
+    check_gradients,
+    check_loss,
+    check_step,
+    check_trajectory,
+    expect,
+)
 from tests.workers_pptp import (
     auto_pp_tp_parity,
     pp_autocast_parity,
@@ -21,7 +35,6 @@ from tests.workers_pptp import (
 )
 
 pytestmark = pytest.mark.multirank
-TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
 
 
 def _report(results, label: str = "") -> None:
@@ -31,16 +44,18 @@ def _report(results, label: str = "") -> None:
                      for k in range(len(results[0]['steps']))))
 
 
-def _check(results, n_params: int = 39, tol=TOL, param_tol: float = 2e-3):
+def _check(results, n_params: int = 39):
+    """Every rank's loss, gradient and gradient-norm rules at every step; rank 0's gathered
+    weights against the trajectory rule of the run's optimizer."""
     _report(results, f"{len(results)} ranks")
     if "param_diff" in results[0]:
         print(f"[parity]   weights after the steps {results[0]['param_diff']:.1e}")
     for r in results:
-        for step, (tl, tg) in zip(r["steps"], tol):
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, (r["rank"], step)
-            assert step["norm_diff"] <= 1e-4, (r["rank"], step)
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))
     lead = results[0]
-    assert lead["n_params"] == n_params and lead["param_diff"] <= param_tol, lead
+    assert lead["n_params"] == n_params, lead
+    expect(check_trajectory(lead["weights"]))
 
 
 def test_two_stages_of_two_ranks_1f1b(pool4):
@@ -53,11 +68,11 @@ def test_two_stages_of_two_ranks_1f1b(pool4):
 def test_mixed_widths_gpipe_with_tied_embeddings(pool3):
     # stage 0 on two ranks (TP 2), stage 1 on one; the tied embedding / head is summed across
     # the stages' leads and handed to the follower.  SGD: its update is linear in the gradient,
-    # so both steps stay within 1e-6 (AdamW's step 2 reaches 7e-5 on the tied weight)
+    # so the weights are held to SGD's trajectory rule (GRAD_RTOL)
     results = pool3.run(pp_tp_parity, [2, 1], [2, 2], 2, 1, "GPipe", True, False, 2, 8, 16, "sgd")
     assert [(r["stage"], r["position"]) for r in results] == [(0, 0), (0, 1), (1, 0)]
     assert [r["local_q_rows"] for r in results] == [[32, 32], [32, 32], [64, 64]]
-    _check(results, n_params=39, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+    _check(results, n_params=39)
 
 
 def test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head(pool3):
@@ -65,7 +80,7 @@ def test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head(pool3):
     # the tied gradient is summed on full-size tensors and cut back into each side's rows
     results = pool3.run(pp_tp_parity, [1, 2], [1, 3], 4, 1, "1F1B", True, True, 2, 8, 16, "sgd")
     assert [r["local_q_rows"] for r in results] == [[64], [32, 32, 32], [32, 32, 32]]
-    _check(results, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+    _check(results)
 
 
 def test_uneven_heads_inside_a_pipeline_stage(pool3):
@@ -74,7 +89,7 @@ def test_uneven_heads_inside_a_pipeline_stage(pool3):
     results = pool3.run(pp_tp_parity, [2, 1], [2, 2], 2, 1, "1F1B", False, False, 2, 8, 16, "sgd", "llama",
                         [[3, 1], None], {"num_key_value_heads": 4})
     assert [r["local_q_rows"] for r in results] == [[48, 48], [16, 16], [64, 64]]
-    _check(results, tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+    _check(results)
 
 
 def test_whole_projection_qk_norms_across_an_uneven_stage(pool3):
@@ -83,7 +98,7 @@ def test_whole_projection_qk_norms_across_an_uneven_stage(pool3):
     results = pool3.run(pp_tp_parity, [2, 1], [1, 1], 2, 1, "1F1B", False, False, 2, 8, 16, "sgd", "llama",
                         [[3, 1], None], {"num_key_value_heads": 4, "model_type": "olmo2"})
     assert [r["local_q_rows"] for r in results] == [[48], [16], [64]]
-    _check(results, n_params=results[0]["n_params"], tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+    _check(results, n_params=results[0]["n_params"])
 
 
 def test_uneven_experts_inside_a_pipeline_stage(pool3):
@@ -92,7 +107,7 @@ def test_uneven_experts_inside_a_pipeline_stage(pool3):
     results = pool3.run(pp_tp_parity, [2, 1], [1, 1], 2, 1, "1F1B", False, False, 2, 8, 16, "sgd", "mixtral",
                         None, None, [[3, 1], None])
     assert [r["local_experts"] for r in results] == [[3], [1], [4]]
-    _check(results, n_params=len_params_mixtral(), tol=[(1e-5, 1e-6)] * 2, param_tol=1e-6)
+    _check(results, n_params=len_params_mixtral())
 
 
 def len_params_mixtral() -> int:
@@ -113,7 +128,8 @@ def test_pp_tp_saves_and_checkpoints(pool4, tmp_path, tied):
     # both ends vocab-parallel; tied: the head's copy is not written twice
     result = pool4.run(pp_tp_checkpoint, str(tmp_path / "hf"), str(tmp_path / "ckpt"), tied)[0]
     assert result["n"] == (38 if tied else 39)
-    assert max(result["save_pretrained_diff"], result["checkpoint_diff"]) <= 1e-6, result
+    # one SGD step (lr 0.1): both copies follow the single-process SGD trajectory
+    expect(check_trajectory(result["save_pretrained"]), check_trajectory(result["checkpoint"]))
 
 
 def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
@@ -123,8 +139,8 @@ def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
     _report(results, "auto PP x TP")
     assert all(r["strategy"] == "pipeline" and r["widths"] == [2, 2] for r in results), results[0]
     for r in results:
-        for step in r["steps"]:
-            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, step
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=k)
     assert results[0]["slept_s"] == 0.0 and results[2]["slept_s"] > 0.0  # the slow ranks were stretched
 
 
@@ -137,24 +153,27 @@ def test_tp_stage_of_an_unsupported_family_is_refused_on_every_rank(pool3):
 def test_zero_sharded_optimizer_on_two_pipelines(pool4, tmp_path):
     # the plan's ZeRO-1 runs: half the stage's Adam state per rank, same weights as one process
     results = pool4.run(pp_zero_parity, str(tmp_path / "ckpt"))
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["zero"] and 0 < r["local_states"] < r["stage_params"], r
-        # 2 AdamW steps at lr 1e-3 after averaging across pipelines (measured 1.2e-5): Adam's
-        # normalised update turns last-bit gradient differences into up to lr per step
-        assert r["param_diff"] <= 1e-4, r
-    assert results[0]["ckpt_states"] == 39 and results[0]["ckpt_state_diff"] <= 1e-6, results[0]
+        # 2 AdamW steps at lr 1e-3 after averaging across pipelines: the stage's weights follow
+        # the single-process trajectory (Adam's normalised update turns last-bit gradient
+        # differences into up to lr per step: no element-wise bound)
+        expect(check_trajectory(r["weights"]), context=rank)
+    # the checkpoint's first moments (a linear combination of the gradients): the gradient rule
+    assert results[0]["ckpt_states"] == 39, results[0]
+    expect(check_gradients(results[0]["ckpt_state"], kind="Adam first moments"))
 
 
 @pytest.mark.parametrize(("widths", "pool"), [([1, 1], "pool2"), ([2, 1], "pool3")])
 def test_bf16_pipeline_runs_mixed_precision_like_one_process(widths, pool, request):
     """dtype bf16: every stage is exported and run under autocast (fp32 master weights and
     gradients).  bf16 rounding depends on how the batch is cut into micro-batches, so the
-    tolerance is bf16's, as for data parallelism: loss within 1e-2 relative, each gradient
-    within 5% in norm of the single-process autocast gradient."""
+    tolerance is bf16's, as for data parallelism (``tests/parity.AUTOCAST_*``): loss within 1e-2
+    relative, each gradient within 5% of its norm plus the floor of the gradient rule."""
     results = request.getfixturevalue(pool).run(pp_autocast_parity, "bf16", widths, [2, 2], 2)
     for r in results:
         print(f"[bf16] PP widths {widths} rank {r['rank']}: loss {r['loss']:.5f} vs {r['ref_loss']:.5f}, "
               f"grad rel-norm diff {r['max_grad_rel_norm_diff']:.2e}")
         assert r["grad_dtypes"] == ["torch.float32"] and "bfloat16" in r["autocast"]
-        assert abs(r["loss"] - r["ref_loss"]) <= 1e-2 * abs(r["ref_loss"]), r
-        assert r["max_grad_rel_norm_diff"] <= 0.05, r
+        expect(check_loss(r["loss"], r["ref_loss"], AUTOCAST_LOSS_RTOL),
+               check_gradients(r["grads"], AUTOCAST_GRAD_RTOL), context=r["rank"])

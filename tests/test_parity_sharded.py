@@ -1,15 +1,18 @@
 """Uneven sharded data parallelism (ZeRO-2 / ZeRO-3 with ragged row shards) equals one process.
 
 Every case trains 3 AdamW steps (lr 1e-3) on gloo ranks and on one process over the same global
-batches, with padded (-100) labels for the Llama, and compares:
+batches, with padded (-100) labels for the Llama, and compares by the rules of
+``tests/parity.py`` (fp32, multiples of fp32's eps):
 
-- the global loss of each step: within 1e-5 absolute (observed <= 1e-6);
-- every parameter's gradient, reassembled from the ranks' row shards: within 1e-6 absolute
-  (observed <= 2e-7; gradients are O(1e-2..1));
-- every weight after the 3 steps (gathered with ``gather_state_dict``): within 2e-5 absolute, 2%
-  of one step's lr.  AdamW moves a weight by about ``lr·sign(g)`` whatever ``|g|``, so a
-  summation-order difference of 1e-7 in a gradient near zero can move it by a fraction of lr
-  (observed <= 8.1e-6, on 3 ranks with 5 micro-batches).
+- the global loss of each step: relative gap within ``LOSS_RTOL`` (64·eps);
+- every parameter's gradient, reassembled from the ranks' row shards:
+  ``‖Δg‖ <= GRAD_RTOL·(‖g_ref‖ + floor)`` (1024·eps; the floor ties a tensor with a tiny gradient
+  to the whole model's gradient norm) on the first step, ``grad_rtol(k)`` (GRAD_RTOL +
+  TRAJECTORY_RTOL["adamw"]: the weights differ) after AdamW steps;
+- the weights after the 3 steps (gathered with ``gather_state_dict``): the trajectory gap
+  ``‖w − w_ref‖ / ‖w_ref − w₀‖`` within ``TRAJECTORY_RTOL["adamw"]``.  AdamW moves a weight by
+  about ``lr·sign(g)`` whatever ``|g|``, so a summation-order difference in a gradient near zero
+  can move it by a fraction of lr: element-wise weight gaps are no fair measure.
 
 Checkpoint round trips (sharded -> DP, DP -> sharded, sharded -> other split and stage) are
 bit-exact.  Memory is asserted on structure: which units hold allocated full parameters inside
@@ -30,10 +33,25 @@ from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.runtime.ragged import RaggedLayout, owned_rows, scalar_owner
 from tests import workers_sharded as w
+from tests.parity import (
+    check_gradients,
+    check_loss,
+    check_norm,
+    check_step,
+    check_trajectory,
+    expect,
+    gradient_gaps,
+)
 
 pytestmark = pytest.mark.multirank
 
-LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 1e-5, 1e-6, 2e-5
+
+def _check(results) -> None:
+    """Every rank's losses and gradients at every step; rank 0's weights after the steps."""
+    for r in results:
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))
+    expect(check_trajectory(results[0]["weights"]))
 
 
 CASES_2 = {
@@ -54,19 +72,14 @@ CASES_2 = {
 }
 
 
-def _grad_scale(family: str) -> float:
-    """The routed module's 5 blocks with a branch (gradients up to 1.1) differ from one process by
-    up to 1.1e-6 (summation order): its gradient tolerance is 5x the others'."""
-    return 5.0 if family == "routed" else 1.0
-
-
 @pytest.mark.parametrize("case", list(CASES_2))
 def test_two_ranks(pool2, case):
+    # the gradient rule is relative to each tensor's norm: the routed module's larger gradients
+    # (up to 1.1) need no tolerance of their own
     args, kwargs = CASES_2[case]
     results = pool2.run(w.sharded_parity, *args, **kwargs)
-    for r in results:
-        assert r["n_grads"] >= 20 and r["loss"] <= LOSS_TOL and r["grad"] <= GRAD_TOL * _grad_scale(args[0]), r
-    assert results[0]["weight"] <= WEIGHT_TOL, results[0]
+    assert all(r["n_grads"] >= 20 for r in results)
+    _check(results)
     mirrors = 1 if args[0] in ("plain", "routed") else 0   # PlainNet.scale is 0-d: owned by rank 1, mirrored on rank 0
     assert sum(r["shard_numel"] for r in results) == results[0]["full_numel"] + mirrors
 
@@ -75,27 +88,21 @@ def test_three_ranks_micro_batches_idle_rank_and_checkpointing(pool3):
     # rank 2 trains nothing but holds half the state; 5 micro-batches of 1 on ranks 0 and 1
     results = pool3.run(w.sharded_parity, "llama", [3, 2, 0], [1, 2, 3], 3, micro_batch_size=1,
                         checkpointing=[False, True, False])
-    for r in results:
-        assert r["loss"] <= LOSS_TOL and r["grad"] <= GRAD_TOL, r
-    assert results[0]["weight"] <= WEIGHT_TOL, results[0]
+    _check(results)
 
 
 def test_three_ranks_state_weight_zero_and_offload(pool3):
     # rank 1 holds no rows at all (state weight 0) and offloads its (empty) optimizer
     results = pool3.run(w.sharded_parity, "plain", [3, 2, 1], [3, 0, 1], 3, micro_batch_size=2,
                         offload=[False, True, False])
-    for r in results:
-        assert r["loss"] <= LOSS_TOL and r["grad"] <= GRAD_TOL, r
-    assert results[0]["weight"] <= WEIGHT_TOL, results[0]
+    _check(results)
     assert results[1]["shard_numel"] == 1   # only the mirror of the 0-d scale
 
 
 def test_four_ranks(pool4):
     results = pool4.run(w.sharded_parity, "llama", [3, 3, 1, 1], [1, 1, 3, 3], 3, steps=2,
                         checkpointing=[True, False, False, True])
-    for r in results:
-        assert r["loss"] <= LOSS_TOL and r["grad"] <= GRAD_TOL, r
-    assert results[0]["weight"] <= WEIGHT_TOL, results[0]
+    _check(results)
 
 
 def test_ragged_collectives(pool3):
@@ -111,13 +118,14 @@ def test_ragged_collectives(pool3):
 def test_checkpoint_round_trip(pool2, tmp_path, first, second):
     for r in pool2.run(w.checkpoint_round_trip, first, second, str(tmp_path)):
         assert r["load_diff"] == 0.0, r           # bit-exact
-        assert r["loss_diff"] <= LOSS_TOL and r["next_step_diff"] <= WEIGHT_TOL, r
+        # the next step under both plans: the loss rule, and the AdamW step from the saved weights
+        expect(check_loss(r["loss_b"], r["loss_a"]), check_trajectory(r["next_step"]), context=(first, second))
 
 
 def test_save_pretrained_gather_and_clip(pool2, tmp_path):
     results = pool2.run(w.save_gather_clip, str(tmp_path))
     for r in results:
-        assert r["norm_diff"] <= 1e-5 * r["norm"] and r["clipped_diff"] <= GRAD_TOL, r
+        expect(check_norm(r["norm"], r["ref_norm"]), check_gradients(r["clipped"], kind="clipped gradients"))
     assert results[0]["hf_diff"] == 0.0 and results[0]["names_equal"], results[0]
 
 
@@ -153,7 +161,8 @@ def test_zero2_keeps_full_parameters(pool2):
 def test_fxpar_auto_builds_it(pool2):
     results = pool2.run(w.through_auto, 3)
     for r in results:
-        assert r["kind"] == "ShardedDataParallelModule" and r["loss_diff"] <= LOSS_TOL, r
+        assert r["kind"] == "ShardedDataParallelModule", r
+        expect(check_loss(r["loss"], r["ref_loss"]))
     assert [r["opt_numel"] for r in results] == [26704, 80112]   # rows 1:3 of 106,816 elements
     assert sum(r["opt_numel"] for r in results) == results[0]["full_numel"]
 
@@ -201,9 +210,9 @@ def test_one_process_and_set_plan():
     loss = pm.step(data)
     ref = reference(**data, use_cache=False).loss
     ref.backward()
-    assert abs(float(loss) - float(ref.detach())) <= LOSS_TOL
     grads = dict(pm.module.named_parameters())
-    assert max((grads[n].grad - p.grad).abs().max().item() for n, p in reference.named_parameters()) <= GRAD_TOL
+    gaps = gradient_gaps(((n, grads[n].grad, p.grad) for n, p in reference.named_parameters()), reference)
+    expect(check_loss(loss, ref.detach()), check_gradients(gaps))
     pm.set_plan(sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], micro_batch_size=1,
                                            activation_checkpointing=[True]))
     assert pm._rounds == 3
@@ -225,4 +234,4 @@ def test_collectives_match_across_ranks(pool2, shard_stage):
     assert len(reduces) == 1 and len(reduces[0]) == 3 * 3   # 3 rounds x (2 blocks + the rest)
     gathers = [v for k, v in first["groups"].items() if k.startswith("all:")]
     per_round = 3 + 1 if shard_stage == 3 else 0              # rest, 2 blocks forward, 1 block backward
-    assert sum(op == "all_gather_single" for op, _ in gathers[0]) == (3 if shard_stage == 2 else 3 * per_round)
+    assert sum(op.startswith("all_gather") for op, _ in gathers[0]) == (3 if shard_stage == 2 else 3 * per_round)

@@ -1,7 +1,12 @@
 """Uneven tensor parallelism: loss and every gradient (each rank's slice) equal one process on the
-same global batch.  fp32; loss within 1e-5; gradients within 1e-6 on the first step and 5e-5
-after one AdamW step (lr 1e-2), whose normalised update magnifies last-bit differences of
-near-zero gradients (with SGD every step stays within 1e-6).  Labels include ignored tokens.
+same global batch.  Rules (``tests/parity.py``, fp32): loss within ``LOSS_RTOL`` (64·eps)
+relative at every step; every gradient within ``GRAD_RTOL`` (1024·eps) of its norm plus a floor
+tied to the whole model's gradient norm and the gradient norm within ``NORM_RTOL`` on the first
+step, within ``grad_rtol(k)`` / ``norm_rtol(k)`` (GRAD_RTOL + the optimizer's TRAJECTORY_RTOL:
+the weights differ) after it; the weights after the steps within ``TRAJECTORY_RTOL`` of the
+distance moved — AdamW's (2√GRAD_RTOL: its normalised update magnifies last-bit differences of
+near-zero gradients) or SGD's (GRAD_RTOL: its update is linear in the gradient).  Labels
+include ignored tokens.
 
 TP × DP (4 ranks = 2 replicas × TP 2, KV heads 3:1 inside each replica, 10 / 6 samples across
 them): each replica's mean loss is weighted by its share of the global label tokens and
@@ -16,17 +21,17 @@ import fxpar
 from fxpar.codegen.hand_plans import tensor_parallel_plan
 from fxpar.codegen.tp_layout import tp_layout
 from fxpar.errors import PlanError
+from tests.parity import check_gradients, check_loss, check_norm, check_step, check_trajectory, expect, norm_rtol
 from tests.workers import tiny_model, tp_parity
 from tests.workers_tp import tp_dp_parity, tp_dp_save
 
 pytestmark = pytest.mark.multirank
-TOL = [(1e-5, 1e-6), (1e-5, 5e-5)]
 
 
 def _check(results):
     for r in results:
-        for step, (tl, tg) in zip(r["steps"], TOL):
-            assert step["loss_diff"] <= tl and step["max_grad_abs_diff"] <= tg, step
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))
 
 
 def test_three_to_one_heads_on_two_ranks(pool2):
@@ -41,43 +46,49 @@ def test_two_one_one_on_three_ranks(pool3):
     _check(results)
 
 
-def _check_tp_dp(results, replicas, tol, param_tol):
+def _check_tp_dp(results, replicas):
+    """The global loss on every rank; each replica's gathered gradients and the gradient norm
+    on rank 0 at every step; the weights after the steps (the run's optimizer's trajectory rule)."""
     losses = {round(s["loss"], 7) for r in results for s in r["steps"][:1]}
     assert len(losses) == 1  # the global loss on every rank
     lead = results[0]
-    for step, (tl, tg) in zip(lead["steps"], tol):
+    for k, step in enumerate(lead["steps"]):
         assert step["n_grads"] == 21
-        assert step["norm_diff"] <= 1e-5, step
-        for rep in range(replicas):
-            assert step[f"grad_diff_replica{rep}"] <= tg, step
+        grads = step["grads_replica0"]
+        expect(check_norm(step["norm"], step["ref_norm"], norm_rtol(grads.steps_before, grads.optimizer)),
+               *(check_gradients(step[f"grads_replica{rep}"], kind=f"replica {rep} gradients") for rep in range(replicas)),
+               context=k)
     for r in results:
-        for step, (tl, _) in zip(r["steps"], tol):
-            assert step["loss_diff"] <= tl, step
-    assert lead["n_params"] == 21 and lead["param_diff"] <= param_tol
+        for k, step in enumerate(r["steps"]):
+            expect(check_loss(step["loss"], step["ref_loss"]), context=(r["rank"], k))
+    assert lead["n_params"] == 21
+    expect(check_trajectory(lead["weights"]))
 
 
 def test_tp_times_dp_adamw_on_four_ranks(pool4):
-    # step 2 runs local=True on each replica's rows; AdamW (lr 1e-2) makes step 2 looser (5e-5)
-    # and the weights after 2 steps differ by up to ~1e-3 (measured 5.7e-4): near-zero
-    # gradients get ±lr updates whose sign follows last-bit noise
+    # step 2 runs local=True on each replica's rows; AdamW (lr 1e-2): near-zero gradients get
+    # ±lr updates whose sign follows last-bit noise, so the weights are held to the trajectory
+    # rule, not element-wise
     results = pool4.run(tp_dp_parity, [3, 1], 2, [10, 6])
     assert [tuple(r["rows"]) for r in results] == [(0, 10), (0, 10), (10, 16), (10, 16)]
     assert [r["local_q_rows"] for r in results] == [48, 16, 48, 16]
-    _check_tp_dp(results, 2, TOL, 2e-3)
+    _check_tp_dp(results, 2)
 
 
 @pytest.mark.parametrize(("kv", "replicas", "shares"),
                          [([3, 1, 3, 1], 2, [6, 10]), ([4], 4, [5, 4, 4, 3])])
 def test_tp_times_dp_sgd_stays_exact(pool4, kv, replicas, shares):
-    # SGD's update is linear in the gradient: all 3 steps (the 2nd on local rows) within 1e-6
+    # SGD's update is linear in the gradient: the weights after 3 steps (the 2nd on local rows)
+    # are held to GRAD_RTOL of the distance moved
     results = pool4.run(tp_dp_parity, kv, replicas, shares, 3, "sgd")
-    _check_tp_dp(results, replicas, [(1e-5, 1e-6)] * 3, 1e-6)
+    _check_tp_dp(results, replicas)
 
 
 def test_tp_times_dp_saves_and_checkpoints(pool4, tmp_path):
     result = pool4.run(tp_dp_save, str(tmp_path / "hf"), str(tmp_path / "ckpt"))[0]
     assert result["n"] == 21
-    assert max(result["save_pretrained_diff"], result["checkpoint_diff"], result["reload_diff"]) <= 1e-6, result
+    # one SGD step (lr 0.1): every copy follows the single-process SGD trajectory
+    expect(*(check_trajectory(result[k]) for k in ("save_pretrained", "checkpoint", "reload")))
 
 
 def test_tp_dp_plan_fields_and_errors():

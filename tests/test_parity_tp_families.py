@@ -2,14 +2,18 @@
 layers), BERT (``query/key/value``, row-parallel ``dense`` before a LayerNorm), Mixtral (MoE
 experts split by columns, fused ``[gate | up]``, routing weights copied into the group) and
 Qwen2 (biased q/k/v); the causal LMs also with a vocab-parallel embedding, head and loss.  2 gloo ranks, 3:1 of the heads (1:1 for Mixtral's 2 KV groups is
-replaced by 4 KV groups so the split is uneven).  fp32, SGD: the loss within 1e-5, every
-local gradient within 1e-6 of its slice of the single-process gradient on both steps, the
-gathered weights within 1e-6."""
+replaced by 4 KV groups so the split is uneven).  fp32, SGD, the rules of ``tests/parity.py``:
+the loss within ``LOSS_RTOL`` (64·eps) relative, every local gradient within ``GRAD_RTOL``
+(1024·eps) of its slice of the single-process gradient (relative to its norm plus a floor tied
+to the whole model's gradient norm) on the first step, 2·GRAD_RTOL (``grad_rtol(1, "sgd")``)
+after an SGD step, the gathered weights within SGD's
+trajectory rule (``GRAD_RTOL`` of the distance moved: SGD's update is linear in the gradient)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.parity import check_step, check_trajectory, expect
 from tests.workers_pptp import check_tp_family_parity, pp_tp_parity, tp_family_parity
 
 pytestmark = pytest.mark.multirank
@@ -29,7 +33,7 @@ def test_three_to_one(pool2, family, overrides):
 def test_gpt2_fused_shards_checkpoint(pool2, tmp_path):
     # c_attn's shard is three boxes ([q | k | v] pieces): saved as three chunks, read back exactly
     results = pool2.run(tp_family_parity, "gpt2", [3, 1], 1, None, str(tmp_path / "ckpt"))
-    assert results[0]["checkpoint_diff"] <= 1e-6, results[0]
+    expect(check_trajectory(results[0]["checkpoint"]))   # the weights after one SGD step, read back
 
 
 def test_gpt2_pipeline_with_a_tensor_parallel_stage(pool3):
@@ -37,10 +41,9 @@ def test_gpt2_pipeline_with_a_tensor_parallel_stage(pool3):
     results = pool3.run(pp_tp_parity, [2, 1], [2, 2], 2, 1, "1F1B", True, False, 2, 8, 16, "sgd", "gpt2")
     assert [r["sharded"] > 0 for r in results] == [True, True, False]
     for r in results:
-        for step in r["steps"]:
-            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, (r["rank"], step)
-            assert step["norm_diff"] <= 1e-4
-    assert results[0]["param_diff"] <= 1e-6, results[0]
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))   # loss, gradients, gradient norm
+    expect(check_trajectory(results[0]["weights"]))
 
 
 def test_mlp_columns_and_vocabulary_split_finer_than_the_heads(pool2):
@@ -50,6 +53,6 @@ def test_mlp_columns_and_vocabulary_split_finer_than_the_heads(pool2):
     assert [r["mlp_rows"] for r in results] == [[104], [24]]
     assert [r["vocab_rows"] for r in results] == [205, 51]
     for r in results:
-        for step in r["steps"]:
-            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, step
-    assert results[0]["param_diff"] <= 1e-6
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))
+    expect(check_trajectory(results[0]["weights"]))

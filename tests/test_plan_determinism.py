@@ -36,6 +36,7 @@ def test_planning_twice_gives_byte_identical_json(scenarios_dir: Path, name: str
     assert "solve_time_s" in json.loads(first.to_json(timings=True))
 
 
+@pytest.mark.full  # two CLI processes; planning twice in one process stays quick
 def test_cli_json_is_byte_identical_across_processes(scenarios_dir: Path, tmp_path: Path) -> None:
     scenario = str(scenarios_dir / "lab-4090-a6000.yaml")
     here, there = tmp_path / "here.json", tmp_path / "there.json"

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 10, 2
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.full]  # subprocess jobs: the full suite
 
 
 def _launch(tmp: Path, name: str, restarts: int, delay: float) -> tuple[subprocess.Popen, Path]:

@@ -37,7 +37,8 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= REL * max(abs(a), abs(b))
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n == "scale-1024-gpt175b" else n
+                                  for n in SCENARIOS])  # the 1024-GPU scenario: the full suite
 def test_stored_prediction_is_the_simulators_for_every_scenario(scenarios_dir: Path, name: str) -> None:
     sc = load_scenario(scenarios_dir / f"{name}.yaml")
     graph = trace_spec(sc.model, sc.workload)

@@ -2,23 +2,26 @@
 each built from its own defaults by ``benchmarks.zoo_tiny.tiny_config`` (hidden 64, 2 layers, 4
 heads, 4 key/value heads where the type has grouped heads, vocab 256), traced, planned (the full
 planner, 2 emulated ranks of speeds 1.0 / 0.5) and run data-parallel on 2 gloo ranks: loss and
-every gradient within 1e-4 of one process on the same global batch (fp32, batch 4 x 16; the
-measured differences are below 1e-6).  The whole zoo, with pipeline and tensor-parallel
-columns, is ``python -m benchmarks.zoo``.
+every gradient against one process on the same global batch (fp32, batch 4 x 16) by the rules
+of ``tests/parity.py`` — loss within ``LOSS_RTOL`` (64·eps) relative, every gradient within
+``GRAD_RTOL`` (1024·eps) of its norm plus a floor tied to the whole model's gradient norm —
+which hold whatever a type's gradient scale (the zoo's own table keeps its absolute 1e-4).  The
+whole zoo, with pipeline and tensor-parallel columns, is ``python -m benchmarks.zoo``.
 
 The sample spans the architectures the mapping holds: Llama-style decoders (llama, mistral,
 qwen2, qwen3, gemma, granite, cohere, glm, olmo2, starcoder2, stablelm, persimmon, phi, phi3),
 GPT-style (gpt2, gpt_bigcode, gpt_neox, falcon, opt, biogpt, xglm), ALiBi (bloom), encoder or
 encoder-decoder models used as decoders (bert, bart), mixture of experts (mixtral, olmoe,
 qwen2_moe), hybrid attention + state-space / convolution (jamba, lfm2).  bloom and xglm have
-no SDPA attention: they exercise the builder's eager fallback.  About 1.5 minutes on 2 cores.
+no SDPA attention: they exercise the builder's eager fallback.  The multi-rank cases (about 1.5
+minutes on 2 cores) are in the full suite (``FXPAR_FULL=1``); the quick tier keeps the unit tests.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.zoo import TOL, build, merged, pp_worker, summary, traced_dp_worker
+from benchmarks.zoo import build, merged, pp_worker, summary, traced_dp_worker
 from benchmarks.zoo_tiny import (
     ARCHITECTURES,
     HEAD_DIM,
@@ -29,6 +32,7 @@ from benchmarks.zoo_tiny import (
     tiny_config,
 )
 from fxpar.plan import STRATEGIES
+from tests.parity import check_step, expect
 
 SAMPLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "cohere", "glm", "olmo2", "starcoder2",
           "stablelm", "persimmon", "phi", "phi3", "gpt2", "gpt_bigcode", "gpt_neox", "falcon", "opt", "biogpt",
@@ -47,6 +51,7 @@ def test_sample_is_in_the_installed_mapping_and_shrunk():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type", SAMPLE)
+@pytest.mark.full
 def test_trace_plan_and_data_parallel_parity(pool2, model_type):
     results = pool2.run(traced_dp_worker, model_type, timeout=120)
     first = results[0]
@@ -55,11 +60,12 @@ def test_trace_plan_and_data_parallel_parity(pool2, model_type):
     assert (first["attn_implementation"] == "eager") == (model_type in NO_SDPA), first
     for r in results:
         assert r["n"] > 0
-        assert r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+        expect(*check_step(r), context=(model_type, r["rank"]))
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "afmoe", "gemma3", "granite_swa", "moss_transcribe_diarize"])
+@pytest.mark.full
 def test_pipeline_parity_complex_boundary_frozen_parameter_idle_tower(pool2, model_type):
     """deepseek_v2 sends complex rotary frequencies between stages (they travel as their real and
     imaginary parts); afmoe holds a parameter that does not train (the stage's gradient hook
@@ -69,7 +75,8 @@ def test_pipeline_parity_complex_boundary_frozen_parameter_idle_tower(pool2, mod
     configs' use_cache is off while it exports)."""
     results = pool2.run(pp_worker, model_type, timeout=120)
     for r in results:
-        assert r["n"] > 0 and r["loss_diff"] <= TOL and r["grad_diff"] <= TOL, r
+        assert r["n"] > 0, r
+        expect(*check_step(r), context=(model_type, r["rank"]))
 
 
 def test_shrinking_keeps_dependent_fields_consistent():

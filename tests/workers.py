@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from tests.parity import gradient_gaps, snapshot, step_record, trajectory_gaps
 
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -52,10 +53,13 @@ def dp_only_plan(model: torch.nn.Module, cluster, data: dict, batch: int) -> fxp
 
 def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int = 2,
               micro_batch_size: int | None = None, bucket_bytes: int | None = None) -> dict:
-    """Train ``steps`` steps with fxpar (uneven DP) and single-process; report the differences."""
+    """Train ``steps`` AdamW steps with fxpar (uneven DP) and single-process; per step the
+    losses and the gradient gaps (``tests/parity.step_record``), then the weights' trajectory
+    gap (``weights``)."""
     rank = dist.get_rank()
     model = tiny_model(family)
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     cluster = fxpar.Cluster.emulated(speeds)
     data = [global_batch(model, batch, seq, seed=1 + s) for s in range(steps)]
     plan = dp_only_plan(model, cluster, data[0], batch) if "num_local_experts" in TINY_CONFIGS[family] else None
@@ -72,7 +76,7 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     out = {"rank": rank, "shares": list(pm.plan.batch_shares), "steps": []}
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         out.setdefault("launched_in_backward", []).append(
             pm._grad_buckets.last_launched_in_backward if getattr(pm, "_grad_buckets", None) else 0)
@@ -80,21 +84,12 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
         names = dict(reference.named_parameters())
-        worst_abs, worst_rel, worst_name = 0.0, 0.0, ""
-        n_grads = 0
-        for name, p in pm.module.named_parameters():
-            g, rg = p.grad, names[name].grad
-            diff = (g - rg).abs().max().item()
-            rel = diff / max(rg.abs().max().item(), 1e-12)
-            n_grads += 1
-            if diff > worst_abs:
-                worst_abs, worst_rel, worst_name = diff, rel, name
-        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss.detach()),
-                             "loss_diff": abs(float(loss) - float(ref_loss.detach())),
-                             "max_grad_abs_diff": worst_abs, "max_grad_rel_diff": worst_rel,
-                             "worst_param": worst_name, "n_grads": n_grads})
+        out["steps"].append(step_record(loss, ref_loss, ((n, p.grad, names[n].grad) for n, p in pm.module.named_parameters()),
+                                        reference, steps_before=k))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    names = dict(reference.named_parameters())
+    out["weights"] = trajectory_gaps((n, p, names[n], initial[n]) for n, p in pm.module.named_parameters())
     return out
 
 
@@ -157,7 +152,9 @@ def pipeline_case(cfg: dict, world: int, batch: int, seq: int, steps: int, **pla
 def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
               batch: int = 8, seq: int = 16, steps: int = 2, layers: int | None = None,
               checkpointing: bool = False, schedule: str = "1F1B", layout: str = "pipeline-major") -> dict:
-    """Pipeline plan vs single process: loss and the gradients of this rank's stage."""
+    """Pipeline plan vs single process (AdamW, lr 1e-2): per step the loss and the gradients of
+    this rank's stage (``tests/parity.step_record``), then the trajectory gap of the stage's
+    weights (``weights``)."""
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -171,19 +168,18 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    initial = snapshot(reference)
     out = {"rank": rank, "stage": pm.stage_index, "steps": [], "checkpointing": pm.module.checkpointing}
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        worst, n = 0.0, 0
-        for fqn, p in pm.named_original_parameters():
-            worst = max(worst, (p.grad - ref_params[fqn].grad).abs().max().item())
-            n += 1
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())),
-                             "max_grad_abs_diff": worst, "n_grads": n})
+        out["steps"].append(step_record(loss, ref_loss, ((f, p.grad, ref_params[f].grad)
+                                                         for f, p in pm.named_original_parameters()), reference,
+                                        steps_before=k))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    out["weights"] = trajectory_gaps((f, p, ref_params[f], initial[f]) for f, p in pm.named_original_parameters())
     return out
 
 
@@ -203,12 +199,13 @@ def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     out = {"strategy": pm.plan.strategy, "stages": len(pm.plan.stages), "steps": [],
            "slept_s": pm.emulator.slept_s if hasattr(pm, "emulator") else 0.0}
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        worst = max((p.grad - ref_params[f].grad).abs().max().item() for f, p in pm.named_original_parameters())
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        out["steps"].append(step_record(loss, ref_loss, ((f, p.grad, ref_params[f].grad)
+                                                         for f, p in pm.named_original_parameters()), reference,
+                                        steps_before=k))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     out["slept_s"] = pm.emulator.slept_s
@@ -224,6 +221,7 @@ def pp_gather_and_save(save_dir: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model("gpt2")
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8,
                          blocks_per_stage=[1, 1], num_microbatches=2)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(2)]
@@ -241,9 +239,9 @@ def pp_gather_and_save(save_dir: str) -> dict:
     fresh.save_pretrained(save_dir)
     loaded = type(fresh).from_pretrained(save_dir)
     ref = dict(reference.named_parameters())
-    worst = max((p - ref[n]).abs().max().item() for n, p in loaded.named_parameters())
+    weights = trajectory_gaps((n, p, ref[n], initial[n]) for n, p in loaded.named_parameters())
     return {"missing": [m for m in missing if not m.endswith("lm_head.weight")], "unexpected": list(unexpected),
-            "max_param_diff": worst, "n": len(state)}
+            "max_param_diff": weights.max_abs, "weights": weights, "n": len(state)}
 
 
 def tp_parity(kv_shares: list[int], steps: int = 2) -> dict:
@@ -267,12 +265,9 @@ def tp_parity(kv_shares: list[int], steps: int = 2) -> dict:
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        worst = 0.0
-        for name, p in pm.module.named_parameters():
-            ref_grad = ref_params[name].grad
-            local = _local_slice(name, p.shape, full[name].shape, ref_grad, kv_shares, rank)
-            worst = max(worst, (p.grad - local).abs().max().item())
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        out["steps"].append(step_record(loss, ref_loss, (
+            (n, p.grad, _local_slice(n, p.shape, full[n].shape, ref_params[n].grad, kv_shares, rank))
+            for n, p in pm.module.named_parameters()), reference, steps_before=s))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     return out
@@ -307,16 +302,16 @@ def dp_autocast_parity(dtype: str, speeds: list[float], batch: int = 6, seq: int
         ref_loss = reference(**data, use_cache=False).loss
     ref_loss.float().backward()
     names = dict(reference.named_parameters())
-    rel = max(((p.grad - names[n].grad).norm() / names[n].grad.norm().clamp_min(1e-12)).item()
-              for n, p in pm.module.named_parameters())
+    grads = gradient_gaps(((n, p.grad, names[n].grad) for n, p in pm.module.named_parameters()), reference)
+    rel = max(g / max(n, 1e-12) for g, n in zip(grads.gaps, grads.norms))
     dtypes = {str(p.grad.dtype) for p in pm.module.parameters()}
-    return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel,
+    return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel, "grads": grads,
             "grad_dtypes": sorted(dtypes), "shares": list(pm.plan.batch_shares)}
 
 
 def auto_model_and_cluster_only() -> dict:
     """``fxpar.auto(model, cluster)`` with nothing else on every rank, then a step on a batch of
-    the default shape vs one process (loss and the replica's gradients)."""
+    the default shape vs one process (loss and the replica's gradients: ``tests/parity.step_record``)."""
     model = tiny_model("llama")
     reference = copy.deepcopy(model)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0, 0.5]), emulate=False)
@@ -327,12 +322,11 @@ def auto_model_and_cluster_only() -> dict:
     ref_grads = dict(reference.named_parameters())
     if pm.plan.strategy == "sharded_data_parallel":  # this rank's rows of each gradient
         rows = pm.owned_rows()
-        pairs = [(t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
+        pairs = [(t.names[0], t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
                   else ref_grads[t.names[0]].grad[slice(*rows[t.names[0]])])
                  for t in pm.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
     else:
         named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
-        pairs = [(p.grad, ref_grads[n].grad) for n, p in named]
-    worst = max((a.reshape(-1) - b.reshape(-1)).abs().max().item() for a, b in pairs)
-    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "strategy": pm.plan.strategy,
-            "loss_diff": abs(float(loss) - float(ref)), "max_grad_abs_diff": worst}
+        pairs = [(n, p.grad, ref_grads[n].grad) for n, p in named]
+    step = step_record(loss, ref, pairs, reference)
+    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "strategy": pm.plan.strategy, **step}

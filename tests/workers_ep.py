@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
+from tests.parity import gradient_gaps, snapshot, step_record, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch
 
 MOE_CONFIGS = {
@@ -51,14 +52,17 @@ def drop_like_switch(model: torch.nn.Module, capacity_factor: float, dropped: li
 def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], steps: int = 2,
               capacity_factor: float | None = None, speeds: list[float] | None = None,
               seq: int = 16, local: bool = False) -> dict:
-    """Expert parallelism vs one process on the same global batches: loss, this rank's
-    gradients (expert tensors sliced), every gathered gradient and the trained parameters."""
+    """Expert parallelism vs one process on the same global batches: losses, this rank's
+    gradients (expert tensors sliced: ``tests/parity.step_record``), every gathered gradient
+    (rank 0: ``gathered``), the whole-model gradient norm, and the trained parameters'
+    trajectory (rank 0: ``weights``)."""
     from fxpar.codegen.expert_parallel import ExpertParallelModule
     from fxpar.codegen.hand_plans import expert_parallel_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = moe_model(family)
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     ref_dropped: list[int] = []
     if capacity_factor is not None:
         drop_like_switch(reference, capacity_factor, ref_dropped)
@@ -84,27 +88,25 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
             loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        local_abs = local_rel = 0.0
+        pairs = []
         for name, p in pm.module.named_parameters():
             ref = ref_params[name].grad
             if pm.is_expert_parameter(name):
                 ref = ref[lo:lo + p.shape[0]]
                 out["local_experts"].append(p.shape[0])
             if ref.numel():
-                diff = (p.grad - ref).abs().max().item()
-                local_abs = max(local_abs, diff)
-                local_rel = max(local_rel, diff / max(ref.abs().max().item(), 1e-12))
+                pairs.append((name, p.grad, ref))
         full = pm.gather_gradients()
-        step = {"loss": float(loss), "loss_diff": abs(float(loss) - float(ref_loss.detach())),
-                "local_abs": local_abs, "local_rel": local_rel}
+        step = step_record(loss, ref_loss, pairs, reference, steps_before=s)
         if rank == 0:
             step["missing"] = sorted(set(ref_params) - set(full))
-            step["gathered_abs"] = max((full[n] - ref_params[n].grad).abs().max().item() for n in full)
-            step["gathered_rel"] = max((full[n] - ref_params[n].grad).abs().max().item()
-                                       / max(ref_params[n].grad.abs().max().item(), 1e-12) for n in full)
+            step["gathered"] = gradient_gaps(((n, full[n], ref_params[n].grad) for n in full), reference,
+                                              steps_before=s)
             step["n_grads"] = len(full)
         norm = pm.clip_grad_norm_(1e9)  # the whole model's norm (too large to clip)
-        step["norm_diff"] = abs(float(norm) - float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)))
+        step["norm"] = float(norm)
+        step["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+        step["norm_diff"] = abs(step["norm"] - step["ref_norm"])
         out["dropped"].append(list(pm.last_dropped))
         out["ref_dropped"].append(list(ref_dropped))
         out["steps"].append(step)
@@ -114,7 +116,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
     if rank == 0:
         ref_state = reference.state_dict()
         out["state_missing"] = sorted(set(ref_state) - set(state))
-        out["param_abs"] = max((state[n] - ref_state[n]).abs().max().item() for n in state)
+        out["weights"] = trajectory_gaps((n, state[n], p, initial[n]) for n, p in reference.named_parameters())
     t = pm.last_timing
     out["timing"] = {"compute_s": t.compute_s, "emulation_s": t.emulation_s, "comm_s": t.comm_s,
                      "total_s": t.total_s}
@@ -122,13 +124,15 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
 
 
 def ep_save_pretrained(save_dir: str) -> dict:
-    """One 3:1 step, then ``save_pretrained`` (gathered on rank 0), reloaded with HF and compared
-    with the single-process model trained the same way."""
+    """One 3:1 AdamW step, then ``save_pretrained`` (gathered on rank 0), reloaded with HF and
+    compared with the single-process model trained the same way (``weights``: the trajectory
+    gap; ``max_param_diff``: the largest element gap)."""
     from fxpar.codegen.expert_parallel import ExpertParallelModule
 
     rank = dist.get_rank()
     model = moe_model("mixtral")
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     pm = ExpertParallelModule(model, [3, 1], rank, batch_shares=[5, 3])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -140,5 +144,5 @@ def ep_save_pretrained(save_dir: str) -> dict:
         return {}
     loaded = type(reference).from_pretrained(save_dir)
     ref = dict(reference.named_parameters())
-    return {"n": len(dict(loaded.named_parameters())),
-            "max_param_diff": max((p - ref[n]).abs().max().item() for n, p in loaded.named_parameters())}
+    weights = trajectory_gaps((n, p, ref[n], initial[n]) for n, p in loaded.named_parameters())
+    return {"n": len(dict(loaded.named_parameters())), "weights": weights, "max_param_diff": weights.max_abs}

@@ -13,6 +13,7 @@ import fxpar
 from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
 from fxpar.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 
+from .parity import gradient_gaps
 from .workers import dp_only_plan, global_batch, tiny_model
 from .workers_ep import moe_model
 
@@ -31,7 +32,8 @@ def _plan(kind: str, model: torch.nn.Module, cluster, data: dict) -> fxpar.Plan:
 
 def fp16_parity(kind: str, init_scale: float = 2.0 ** 16, steps: int = 2) -> dict:
     """``kind``'s fp16 plan vs one process under fp16 autocast with a GradScaler of the same
-    ``init_scale``: loss, unscaled gradients (relative norm), skipped steps and the scale."""
+    ``init_scale``: loss, unscaled whole (unsharded) gradients (``grads``: a
+    ``tests/parity.GradientGaps``; ``rel``: the largest ‖Δg‖ / ‖g_ref‖), skipped steps and the scale."""
     rank = dist.get_rank()
     model = moe_model("mixtral") if kind == "expert_parallel" else tiny_model("llama")
     reference = copy.deepcopy(model)
@@ -53,10 +55,11 @@ def fp16_parity(kind: str, init_scale: float = 2.0 ** 16, steps: int = 2) -> dic
         scaler.unscale_(ref_opt)
         ref_skipped = not all(torch.isfinite(p.grad).all() for p in reference.parameters() if p.grad is not None)
         grads = {n: p.grad for n, p in named.items() if p.grad is not None}
-        rel = max((((g - ref_named[n].grad).norm() / ref_named[n].grad.norm().clamp_min(1e-12)).item()
-                   for n, g in grads.items() if getattr(named[n], "fxpar_shard_dim", None) is None
-                   and ref_named[n].grad is not None), default=0.0)
-        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss), "rel": rel,
+        gaps = gradient_gaps(((n, g, ref_named[n].grad) for n, g in grads.items()
+                              if getattr(named[n], "fxpar_shard_dim", None) is None and ref_named[n].grad is not None),
+                             reference)
+        rel = max((g / max(n, 1e-12) for g, n in zip(gaps.gaps, gaps.norms)), default=0.0)
+        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss), "rel": rel, "grads": gaps,
                              "skipped": pm.loss_scaler.last_skipped, "ref_skipped": ref_skipped,
                              "scale": pm.loss_scaler.scale, "n_grads": len(grads)})
         opt.step(); opt.zero_grad(set_to_none=True)

@@ -13,12 +13,8 @@ import fxpar
 from fxpar.compat import attn_implementation
 from fxpar.plan import Plan, RankPlan, StagePlan
 from fxpar.tracing.hf import ModelSpec, build_meta_model, build_model
+from tests.parity import snapshot, step_record, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch
-
-#: (loss, every gradient) absolute tolerances, fp32: the first step checks the parallel
-#: arithmetic itself; the second follows one AdamW step (lr 1e-2), whose normalised update
-#: magnifies last-bit differences of near-zero gradients
-TOL = [(1e-5, 1e-5), (1e-5, 5e-5)]
 
 
 def tiny_config(family: str, layers: int | None = None) -> dict:
@@ -99,8 +95,9 @@ def _held_bytes(pm) -> int:
 def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> dict:
     """``fxpar.from_pretrained(folder)`` (a meta model, each rank reading its shard) vs the same
     folder loaded with ``AutoModelForCausalLM.from_pretrained`` in one process: loss and every
-    local gradient for ``steps`` AdamW steps; then ``save_pretrained`` from the ranks' pieces,
-    reloaded with HF and compared with the gathered weights (rank 0)."""
+    local gradient for ``steps`` AdamW steps (``tests/parity.step_record``); then
+    ``save_pretrained`` from the ranks' pieces, reloaded with HF and compared with the gathered
+    weights (bit for bit) and with the reference's trajectory (``saved_trajectory``; rank 0)."""
     from transformers import AutoModelForCausalLM
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,6 +109,7 @@ def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> 
                                plan=plan, emulate=False)
     reference = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation(planning)).train()
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    initial = snapshot(reference)
     full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     out = {"rank": rank, "steps": [], "held_bytes": _held_bytes(pm), "full_bytes": full_bytes,
            "device": str(pm.device), "dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
@@ -120,17 +118,12 @@ def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> 
         out["original_all_meta"] = all(p.is_meta for p in pm._original[0].parameters())
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        worst, n = 0.0, 0
-        for name, p in _local_params(pm):
-            want = _reference_slice(p, ref_params[name].grad)
-            worst = max(worst, (p.grad - want).abs().max().item())
-            n += 1
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())),
-                             "max_grad_abs_diff": worst, "n_grads": n})
+        out["steps"].append(step_record(loss, ref_loss, ((name, p.grad, _reference_slice(p, ref_params[name].grad))
+                                                         for name, p in _local_params(pm)), reference, steps_before=k))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     pm.save_pretrained(save_dir)
@@ -140,7 +133,8 @@ def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> 
         names = dict(saved.named_parameters(remove_duplicate=False))
         out["saved_vs_gathered"] = max((names[n] - t.to(names[n].dtype)).abs().max().item()
                                        for n, t in full.items() if n in names)
-        out["saved_vs_reference"] = max((names[n] - t).abs().max().item() for n, t in ref_params.items())
+        out["saved_trajectory"] = trajectory_gaps((n, names[n], t, initial[n]) for n, t in ref_params.items())
+        out["saved_vs_reference"] = out["saved_trajectory"].max_abs
         out["saved_files"] = sorted(p.name for p in Path(save_dir).iterdir())
         index = Path(save_dir) / "model.safetensors.index.json"
         out["index_files"] = (sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -9,6 +9,16 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
+from tests.parity import (
+    check_step,
+    check_trajectory,
+    expect,
+    gradient_gaps,
+    model_totals,
+    snapshot,
+    step_record,
+    trajectory_gaps,
+)
 from tests.workers import TINY_CONFIGS, global_batch, pipeline_case
 
 
@@ -29,56 +39,58 @@ def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.fused_dim)
 
 
-def _train_and_compare(pm, reference: torch.nn.Module, data: list, optimizer: str) -> tuple[list[dict], float | None]:
+def _train_and_compare(pm, reference: torch.nn.Module, data: list, optimizer: str):
     """Train ``pm`` and ``reference`` on the same batches (AdamW or SGD, lr 1e-2); per step the
-    loss difference, this rank's worst gradient difference (its slice of the reference) and the
-    whole-model gradient-norm difference; then the gathered weights' worst difference (rank 0)."""
+    losses, this rank's gradient gaps (its slice of the reference: ``tests/parity.step_record``)
+    and the whole-model gradient norms (``norm``, ``ref_norm``, ``norm_diff``); then, on rank 0,
+    the gathered weights' trajectory gap (a ``tests/parity.TrajectoryGaps``; None elsewhere)."""
     make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     opt, ref_opt = make(pm.parameters(), lr=1e-2), make(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    initial = snapshot(reference)
     steps = []
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         norm = pm.clip_grad_norm_(1e9)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-        worst, n = 0.0, 0
+        pairs = []
         for fqn, p in pm.named_original_parameters():
             want = _reference_slice(p, ref_params[fqn].grad)
             assert p.grad.shape == want.shape, (fqn, p.grad.shape, want.shape)
-            worst = max(worst, (p.grad - want).abs().max().item())
-            n += 1
-        steps.append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst,
-                      "n_grads": n, "norm_diff": abs(float(norm) - float(ref_norm))})
+            pairs.append((fqn, p.grad, want))
+        step = step_record(loss, ref_loss, pairs, reference, steps_before=k, optimizer=optimizer)
+        step.update(norm=float(norm), ref_norm=float(ref_norm), norm_diff=abs(float(norm) - float(ref_norm)))
+        steps.append(step)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     full = pm.gather_state_dict(dst=0)
     if dist.get_rank() != 0:
         return steps, None
     assert set(full) >= set(ref_params), sorted(set(ref_params) - set(full))
-    return steps, max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+    return steps, trajectory_gaps(((n, full[n], t, initial[n]) for n, t in ref_params.items()), optimizer)
 
 
 def check_tp_family_parity(results: list[dict], family: str) -> None:
-    """The ranks of a ``tp_family_parity`` run: every rank sharded something, loss within 1e-5
-    and every gradient within 1e-6 of one process at every step, gathered weights within 1e-6."""
+    """The ranks of a ``tp_family_parity`` run (SGD): every rank sharded something; the loss,
+    gradient and (gathered weights) SGD-trajectory rules of ``tests/parity.py`` at every step."""
     steps = [st for r in results for st in r["steps"]]
     print(f"[parity] TP 3:1 {family}: loss {max(s['loss_diff'] for s in steps):.1e}, grads "
           f"{max(s['max_grad_abs_diff'] for s in steps):.1e}, gathered weights {results[0]['param_diff']:.1e}")
     for r in results:
         assert r["sharded"] > 0
-        for step in r["steps"]:
-            assert step["loss_diff"] <= 1e-5 and step["max_grad_abs_diff"] <= 1e-6, (family, r["rank"], step)
-    assert results[0]["param_diff"] <= 1e-6, results[0]
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(family, r["rank"], k))
+    expect(check_trajectory(results[0]["weights"]), context=family)
 
 
 def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, overrides: dict | None = None,
                      ckpt_dir: str | None = None, mlp_shares: list[int] | None = None) -> dict:
     """Uneven tensor parallelism of one HF family (``tests/families.py``) on ``len(kv_shares)``
     ranks vs one process: loss, every local gradient against its slice of the reference
-    gradient, and the gathered model after ``steps`` SGD steps (and, with ``ckpt_dir``, a sharded
-    checkpoint loaded into one process)."""
+    gradient, and the gathered model's trajectory after ``steps`` SGD steps (and, with
+    ``ckpt_dir``, a sharded checkpoint loaded into one process: ``checkpoint``)."""
     from fxpar.codegen.hand_plans import tensor_parallel_plan
     from tests.families import _DEC, FAMILIES
 
@@ -89,6 +101,7 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
     model = build_model(ModelSpec(hf_config=dict(config, **(overrides or {})), task=task), device="cpu",
                         seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     cluster = fxpar.Cluster.emulated([1.0] * world)
     plan = tensor_parallel_plan(model, cluster, global_batch=4, kv_shares=kv_shares, mlp_shares=mlp_shares)
     pm = fxpar.auto(model, cluster, plan=plan)
@@ -104,14 +117,15 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
         loss = pm.step(b)
         ref_loss = reference(**b).loss
         ref_loss.backward()
-        worst = max((p.grad - _reference_slice(p, ref_params[n].grad)).abs().max().item()
-                    for n, p in pm.module.named_parameters())
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        out["steps"].append(step_record(loss, ref_loss, ((n, p.grad, _reference_slice(p, ref_params[n].grad))
+                                                         for n, p in pm.module.named_parameters()), reference,
+                                        steps_before=s, optimizer="sgd"))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     full = pm.gather_state_dict(dst=0)
     if rank == 0:
-        out["param_diff"] = max((full[n] - t).abs().max().item() for n, t in ref_params.items())
+        out["weights"] = trajectory_gaps(((n, full[n], t, initial[n]) for n, t in ref_params.items()), "sgd")
+        out["param_diff"] = out["weights"].max_abs
     if ckpt_dir is not None:
         from fxpar.checkpoint import load_checkpoint, save_checkpoint
 
@@ -121,7 +135,9 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
             single = build_model(ModelSpec(hf_config=dict(config, **(overrides or {})), task=task), device="cpu",
                                  seed=7, attn_implementation="eager")
             load_checkpoint(single, None, ckpt_dir, distributed=False)
-            out["checkpoint_diff"] = max((p - ref_params[n]).abs().max().item() for n, p in single.named_parameters())
+            out["checkpoint"] = trajectory_gaps(((n, p, ref_params[n], initial[n]) for n, p in single.named_parameters()),
+                                                "sgd")
+            out["checkpoint_diff"] = out["checkpoint"].max_abs
     return out
 
 
@@ -133,8 +149,8 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     """A pipeline whose stages are tensor-parallel groups (``widths[j]`` ranks each, even head
     shares) vs one process on the same global batch: the loss, this rank's gradient of every
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
-    after ``steps`` optimizer steps (AdamW or SGD, lr 1e-2) the gathered model against the
-    reference weights."""
+    after ``steps`` optimizer steps (AdamW or SGD, lr 1e-2) the gathered model's trajectory
+    against the reference's (``weights``, rank 0)."""
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,16 +165,17 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
            "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],
            "sharded": sum(1 for _, p in pm.named_original_parameters() if getattr(p, "fxpar_shard_dim", None) is not None),
            "local_experts": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("gate_up_proj")]}
-    out["steps"], param_diff = _train_and_compare(pm, reference, data, optimizer)
+    out["steps"], weights = _train_and_compare(pm, reference, data, optimizer)
     if rank == 0:
-        out["param_diff"] = param_diff
+        out["weights"], out["param_diff"] = weights, weights.max_abs
         out["n_params"] = len(dict(reference.named_parameters(remove_duplicate=False)))
     return out
 
 
 def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
-    """A 2-stage × TP-2 pipeline trains one step, writes ``save_pretrained`` and a sharded
-    checkpoint; the checkpoint loads into a single-process model and both equal the reference."""
+    """A 2-stage × TP-2 pipeline trains one SGD step, writes ``save_pretrained`` and a sharded
+    checkpoint; the checkpoint loads into a single-process model and both follow the reference's
+    SGD trajectory (``save_pretrained``, ``checkpoint``: ``tests/parity.TrajectoryGaps``)."""
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline_parallel import PipelineParallelModule
@@ -168,6 +185,7 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[2, 2],
                          num_microbatches=2, tensor_parallel=[2, 2])
     b = global_batch(model, 8, 16, ignore_some=False)
@@ -185,9 +203,10 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     loaded = type(reference).from_pretrained(save_dir)
     single = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=7, attn_implementation="eager")
     load_checkpoint(single, None, ckpt_dir, distributed=False)
-    return {"n": len(ref),
-            "save_pretrained_diff": max((p - ref[n]).abs().max().item() for n, p in loaded.named_parameters()),
-            "checkpoint_diff": max((p - ref[n]).abs().max().item() for n, p in single.named_parameters())}
+    saved = trajectory_gaps(((n, p, ref[n], initial[n]) for n, p in loaded.named_parameters()), "sgd")
+    checkpoint = trajectory_gaps(((n, p, ref[n], initial[n]) for n, p in single.named_parameters()), "sgd")
+    return {"n": len(ref), "save_pretrained": saved, "checkpoint": checkpoint,
+            "save_pretrained_diff": saved.max_abs, "checkpoint_diff": checkpoint.max_abs}
 
 
 def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) -> dict:
@@ -208,9 +227,8 @@ def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) ->
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        worst = max((p.grad - _reference_slice(p, ref_params[f].grad)).abs().max().item()
-                    for f, p in pm.named_original_parameters())
-        out["steps"].append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": worst})
+        out["steps"].append(step_record(loss, ref_loss, ((f, p.grad, _reference_slice(p, ref_params[f].grad))
+                                                         for f, p in pm.named_original_parameters()), reference))
         for p in pm.parameters():
             p.grad = None
         reference.zero_grad(set_to_none=True)
@@ -243,7 +261,8 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
     """2 pipelines x 2 stages with the plan's ZeRO-1 (``make_optimizer`` -> ZeroRedundancyOptimizer
     over the stage's data-parallel pair): the weights after AdamW steps equal one process's, each
     rank keeps optimizer state for only part of its stage, and the sharded checkpoint holds
-    every parameter's Adam state (compared with the single-process optimizer's)."""
+    every parameter's Adam state (compared with the single-process optimizer's: its first moment
+    is a linear combination of the gradients, so it is held to the gradient rule, ``ckpt_state``)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
@@ -255,6 +274,7 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[2, 2],
                          num_microbatches=2, pipelines=2, zero_sharded_optimizer=True)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(steps)]
@@ -271,10 +291,11 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
         pm.step(b); opt.step(); opt.zero_grad()
         reference(**b, use_cache=False).loss.backward(); ref_opt.step(); ref_opt.zero_grad()
     ref = dict(reference.named_parameters())
+    weights = trajectory_gaps((f, p, ref[f], initial[f]) for f, p in pm.named_original_parameters())
     out = {"zero": isinstance(opt, ZeroRedundancyOptimizer) and isinstance(wrapped, ZeroRedundancyOptimizer)
            and len(wrapped.param_groups) == 2,
            "local_states": len(opt.optim.state), "stage_params": len(list(pm.named_original_parameters())),
-           "param_diff": max((p - ref[f]).abs().max().item() for f, p in pm.named_original_parameters())}
+           "weights": weights, "param_diff": weights.max_abs}
     save_checkpoint(pm, opt, ckpt_dir, step=steps)
     dist.barrier()
     if rank == 0:
@@ -283,8 +304,9 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
         load_checkpoint(single, single_opt, ckpt_dir, distributed=False)
         mine = dict(single.named_parameters())
         ref_state = {n: ref_opt.state[p]["exp_avg"] for n, p in ref.items()}
-        out["ckpt_state_diff"] = max((single_opt.state[mine[n]]["exp_avg"] - s).abs().max().item()
-                                     for n, s in ref_state.items())
+        out["ckpt_state"] = gradient_gaps(((n, single_opt.state[mine[n]]["exp_avg"], s) for n, s in ref_state.items()),
+                                          model_totals(ref_state.values()))
+        out["ckpt_state_diff"] = out["ckpt_state"].max_abs
         out["ckpt_states"] = len(single_opt.state)
     return out
 
@@ -313,10 +335,10 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
         ref_loss = reference(**data, use_cache=False).loss
     ref_loss.float().backward()
     names = dict(reference.named_parameters(remove_duplicate=False))
-    rel = max(((p.grad - _reference_slice(p, names[f].grad)).norm()
-               / _reference_slice(p, names[f].grad).norm().clamp_min(1e-12)).item()
-              for f, p in pm.named_original_parameters())
-    return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel,
+    grads = gradient_gaps(((f, p.grad, _reference_slice(p, names[f].grad)) for f, p in pm.named_original_parameters()),
+                          reference)
+    rel = max(g / max(n, 1e-12) for g, n in zip(grads.gaps, grads.norms))
+    return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel, "grads": grads,
             "grad_dtypes": sorted({str(p.grad.dtype) for _, p in pm.named_original_parameters()}),
             "autocast": str(pm.module.autocast)}
 
@@ -324,7 +346,8 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
 def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: list[int], microbatches: int,
                        pipelines: int = 1, steps: int = 2, optimizer: str = "sgd", speeds: list[float] | None = None) -> dict:
     """An interleaved pipeline (a rank may hold several stages) vs one process: loss, every
-    gradient, the gradient norm, the weights after ``steps`` steps, and the eval loss."""
+    gradient, the gradient norm, the weights' trajectory after ``steps`` steps (rank 0), and the
+    eval loss (``eval_loss``, ``ref_eval_loss``)."""
     from fxpar.codegen.hand_plans import interleaved_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -339,11 +362,13 @@ def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: li
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(steps)]
     pm = fxpar.auto(model, cluster, data[0], plan=plan)
     out = {"rank": rank, "stages": pm.stage_indices, "module": type(pm).__name__}
-    out["steps"], param_diff = _train_and_compare(pm, reference, data, optimizer)
+    out["steps"], weights = _train_and_compare(pm, reference, data, optimizer)
     with torch.no_grad():
-        out["eval_diff"] = abs(float(pm.eval_loss(data[0])) - float(reference(**data[0], use_cache=False).loss))
+        out["eval_loss"] = float(pm.eval_loss(data[0]))
+        out["ref_eval_loss"] = float(reference(**data[0], use_cache=False).loss)
+    out["eval_diff"] = abs(out["eval_loss"] - out["ref_eval_loss"])
     if rank == 0:
-        out["param_diff"] = param_diff
+        out["weights"], out["param_diff"] = weights, weights.max_abs
     out["slept_s"] = pm.emulator.slept_s
     return out
 
@@ -374,6 +399,6 @@ def solver_interleaved_parity() -> dict:
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()
     ref = dict(reference.named_parameters(remove_duplicate=False))
+    step = step_record(loss, ref_loss, ((f, p.grad, ref[f].grad) for f, p in pm.named_original_parameters()), reference)
     return {"stages": pm.stage_indices, "blocks": [len(st.modules) for st in plan.stages],
-            "loss_diff": abs(float(loss) - float(ref_loss.detach())),
-            "grad_diff": max((p.grad - ref[f].grad).abs().max().item() for f, p in pm.named_original_parameters())}
+            "grad_diff": step["max_grad_abs_diff"], **step}

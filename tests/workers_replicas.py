@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
+from tests.parity import snapshot, step_record, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch, tiny_model
 from tests.workers_pptp import _reference_slice
 
@@ -41,24 +42,28 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
 
 
 def train_and_compare(pm, reference: torch.nn.Module, data: list) -> list[dict]:
-    """AdamW (lr 1e-2) steps of ``pm`` and ``reference`` on the same batches; per step the loss
-    difference and this rank's worst gradient and (after the step) weight difference, a
-    tensor-parallel shard against its slice of the reference."""
+    """AdamW (lr 1e-2) steps of ``pm`` and ``reference`` on the same batches; per step the losses
+    and this rank's gradient gaps (``tests/parity.step_record``) and, after the step, the
+    trajectory gap of its weights (``weights``; ``max_weight_abs_diff`` its largest element
+    gap), a tensor-parallel shard against its slice of the reference."""
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    initial = snapshot(reference)
     steps = []
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
         named = list(pm.named_original_parameters())
-        grads = max((p.grad - _reference_slice(p, ref_params[f].grad)).abs().max().item() for f, p in named)
+        step = step_record(loss, ref_loss, ((f, p.grad, _reference_slice(p, ref_params[f].grad)) for f, p in named),
+                           reference, steps_before=k)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
-        weights = max((p.detach() - _reference_slice(p, ref_params[f].detach())).abs().max().item() for f, p in named)
-        steps.append({"loss_diff": abs(float(loss) - float(ref_loss.detach())), "max_grad_abs_diff": grads,
-                      "max_weight_abs_diff": weights, "n_grads": len(named)})
+        step["weights"] = trajectory_gaps((f, p, _reference_slice(p, ref_params[f]), _reference_slice(p, initial[f]))
+                                          for f, p in named)
+        step["max_weight_abs_diff"] = step["weights"].max_abs
+        steps.append(step)
     return steps
 
 

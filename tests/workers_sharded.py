@@ -21,6 +21,7 @@ from fxpar.runtime.ragged import (
     split_parts,
     unpack_full,
 )
+from tests.parity import gradient_gaps, snapshot, trajectory_gaps
 from tests.workers import global_batch, tiny_model
 
 LR = 1e-3
@@ -136,9 +137,13 @@ def _full_grads(pm: ShardedDataParallelModule) -> dict[str, torch.Tensor]:
 def sharded_parity(family: str, batch_split: list[int], state_split: list[int], shard_stage: int, *,
                    steps: int = 3, micro_batch_size: int | None = None, checkpointing: list[bool] | None = None,
                    offload: list[bool] | None = None) -> dict:
-    """``steps`` AdamW steps of sharded DP vs one process: worst loss, gradient and weight diffs."""
+    """``steps`` AdamW steps of sharded DP vs one process: per step the losses and the reassembled
+    gradients' gaps (``steps``: ``loss``, ``ref_loss``, ``grads``), the worst absolute loss and
+    gradient differences over the steps (``loss``, ``grad``), and the weights after the steps
+    (rank 0: ``weights``, a trajectory gap; ``weight``, the largest element gap)."""
     rank = dist.get_rank()
     model, reference, data = _case(family, sum(batch_split), steps)
+    initial = snapshot(reference)
     cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
     plan = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=state_split,
                                       shard_stage=shard_stage, micro_batch_size=micro_batch_size,
@@ -148,27 +153,27 @@ def sharded_parity(family: str, batch_split: list[int], state_split: list[int], 
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     names = dict(reference.named_parameters())
-    out = {"rank": rank, "loss": 0.0, "grad": 0.0, "weight": 0.0, "n_grads": 0, "peak": 0,
+    out = {"rank": rank, "loss": 0.0, "grad": 0.0, "weight": 0.0, "n_grads": 0, "peak": 0, "steps": [],
            "shard_devices": sorted({str(p.device) for p in pm.parameters()}),
            "shard_numel": sum(p.numel() for p in pm.parameters()),
            "full_numel": sum(p.numel() for p in reference.parameters())}
-    for b in data:
+    for k, b in enumerate(data):
         loss = pm.step(b)
         ref_loss = _ref_loss(reference, b)
         ref_loss.backward()
         grads = _full_grads(pm)
+        gaps = gradient_gaps(((n, g, names[n].grad) for n, g in grads.items()), reference, steps_before=k)
+        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss.detach()), "grads": gaps})
         out["loss"] = max(out["loss"], abs(float(loss) - float(ref_loss.detach())))
-        for name, g in grads.items():
-            out["grad"] = max(out["grad"], (g - names[name].grad).abs().max().item())
+        out["grad"] = max(out["grad"], gaps.max_abs)
         out["n_grads"] = len(grads)
         out["peak"] = max(out["peak"], pm.peak_gathered_bytes)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     full = pm.gather_state_dict(dst=0)
     if rank == 0:
-        diffs = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
-        out["weight"] = max(diffs.values())
-        out["worst_weight"] = max(diffs, key=diffs.get)
+        out["weights"] = trajectory_gaps((n, full[n], p, initial[n]) for n, p in reference.named_parameters())
+        out["weight"], out["worst_weight"] = out["weights"].max_abs, out["weights"].worst
     out["whole_bytes"] = sum(t.full.numel() * t.full.element_size() for t in pm.tensors)
     out["block_bytes"] = max(u.full_bytes for u in pm._units[1:]) if len(pm._units) > 1 else 0
     out["rest_bytes"] = pm._units[0].full_bytes
@@ -202,7 +207,9 @@ def _full_state(pm) -> dict[str, torch.Tensor]:
 def checkpoint_round_trip(first: str, second: str, root: str) -> dict:
     """Train 2 steps under ``first`` ("dp", "zero3-1:3", "zero2-2:1"), save with its AdamW state,
     load under ``second``, train 1 more step on both: the loaded weights equal the saved ones and
-    the next step (which reads the moved AdamW state) agrees."""
+    the next step (which reads the moved AdamW state) agrees: the two losses (``loss_a``,
+    ``loss_b``) and the two runs' weights after it (``next_step``: the trajectory gap of the
+    second against the first, from the saved weights)."""
     model = tiny_model("llama")
     data = [global_batch(model, 4, 12, seed=7 + s) for s in range(3)]
 
@@ -228,8 +235,10 @@ def checkpoint_round_trip(first: str, second: str, root: str) -> dict:
     la, lb = a.step(data[2]), b_.step(data[2])
     opt_a.step(); opt_b.step()
     after_a, after_b = _full_state(a), _full_state(b_)
+    out["loss_a"], out["loss_b"] = float(la), float(lb)
     out["loss_diff"] = abs(float(la) - float(lb))
-    out["next_step_diff"] = max((after_a[n] - after_b[n]).abs().max().item() for n in after_a)
+    out["next_step"] = trajectory_gaps((n, after_b[n], after_a[n], saved[n]) for n in after_a)
+    out["next_step_diff"] = out["next_step"].max_abs
     return out
 
 
@@ -247,8 +256,9 @@ def save_gather_clip(root: str) -> dict:
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
     norm = pm.clip_grad_norm_(0.05)
     grads = _full_grads(pm)
-    out = {"norm_diff": abs(float(norm) - float(ref_norm)), "norm": float(norm),
-           "clipped_diff": max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())}
+    clipped = gradient_gaps(((n, grads[n], p.grad) for n, p in reference.named_parameters()), reference)
+    out = {"norm_diff": abs(float(norm) - float(ref_norm)), "norm": float(norm), "ref_norm": float(ref_norm),
+           "clipped": clipped, "clipped_diff": clipped.max_abs}
     pm.save_pretrained(root + "/hf")
     full = pm.gather_state_dict(dst=0)
     if dist.get_rank() == 0:
@@ -306,6 +316,7 @@ def through_auto(shard_stage: int) -> dict:
     ref = reference(**data, use_cache=False).loss
     opt.step()
     return {"kind": type(pm).__name__, "loss_diff": abs(float(loss) - float(ref.detach())),
+            "loss": float(loss), "ref_loss": float(ref.detach()),
             "opt_numel": sum(p.numel() for g in opt.param_groups for p in g["params"]),
             "full_numel": sum(p.numel() for p in reference.parameters())}
 
@@ -350,7 +361,10 @@ def collective_sequence(shard_stage: int) -> dict:
                   activation_checkpointing=[True, False], offload_optimizer=[False, True])
     calls: list = []
     originals = {}
-    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+    # the names the runtime calls (fxpar.runtime.ragged): torch 2.13's, or the older ones before
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    for name in (gather, scatter, "all_reduce"):
         original = getattr(dist, name)
         originals[name] = original
 
@@ -367,8 +381,8 @@ def collective_sequence(shard_stage: int) -> dict:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    sizes_ok = all(sizes[0] == world * sizes[1] if op == "all_gather_single" else
-                   sizes[1] == world * sizes[0] if op == "reduce_scatter_single" else True
+    sizes_ok = all(sizes[0] == world * sizes[1] if op == gather else
+                   sizes[1] == world * sizes[0] if op == scatter else True
                    for op, _, _, sizes, _ in calls)
     by_group: dict = {}
     for op, ranks, gid, sizes, _ in calls:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
+from tests.parity import gradient_gaps, snapshot, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch
 
 BATCH, SEQ = 16, 16
@@ -37,10 +38,10 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | None, steps: int = 2,
                  optimizer: str = "adamw") -> dict:
     """``replicas`` replicas × TP width ``world / replicas`` vs one process on the same global
-    batch: loss, every full gradient (gathered from every replica), the gradient norm, and the
-    weights after the optimizer steps (AdamW lr 1e-2, or SGD lr 1e-1, whose update is linear in
-    the gradient and so keeps later steps as tight as the first).  Odd steps feed the replica's
-    rows with ``local=True``."""
+    batch: loss, every full gradient (gathered from every replica: ``grads_replica<r>``, a
+    ``tests/parity.GradientGaps``), the gradient norm, and the weights' trajectory after the
+    optimizer steps (AdamW lr 1e-2, or SGD lr 1e-1, whose update is linear in the gradient).  Odd
+    steps feed the replica's rows with ``local=True``."""
     from fxpar.codegen.hand_plans import tensor_parallel_plan
     from fxpar.codegen.tensor_parallel import TensorParallelModule
 
@@ -49,6 +50,7 @@ def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | 
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     cluster = fxpar.Cluster.emulated([1.0] * world)
     plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=kv_shares,
                                 replicas=replicas, batch_shares=batch_shares)
@@ -71,20 +73,25 @@ def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | 
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
         ref_grads = {n: p.grad for n, p in ref_params.items()}
-        record = {"loss": float(loss), "loss_diff": abs(float(loss) - float(ref_loss.detach()))}
+        record = {"loss": float(loss), "ref_loss": float(ref_loss.detach()),
+                  "loss_diff": abs(float(loss) - float(ref_loss.detach()))}
         for rep in range(replicas):
             full = pm.gather_gradients(dst=0, replica=rep)
             if full is not None:
                 record[f"grad_diff_replica{rep}"], record[f"worst_param_replica{rep}"], record["n_grads"] = \
                     _worst(full, ref_grads)
+                record[f"grads_replica{rep}"] = gradient_gaps(((n, g, ref_grads[n]) for n, g in full.items()), reference,
+                                                              steps_before=s, optimizer=optimizer)
         ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-        record["norm_diff"] = abs(float(pm.clip_grad_norm_(1e9)) - float(ref_norm))
+        record["norm"], record["ref_norm"] = float(pm.clip_grad_norm_(1e9)), float(ref_norm)
+        record["norm_diff"] = abs(record["norm"] - record["ref_norm"])
         out["steps"].append(record)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     weights = pm.gather_state_dict(dst=0, replica=replicas - 1)
     if weights is not None:
         out["param_diff"], _, out["n_params"] = _worst(weights, {n: p.detach() for n, p in ref_params.items()})
+        out["weights"] = trajectory_gaps(((n, w, ref_params[n], initial[n]) for n, w in weights.items()), optimizer)
     return out
 
 
@@ -92,7 +99,8 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     """2 replicas × TP 2 (3:1, 10/6 samples): one SGD step, then ``save_pretrained`` (replica 0
     gathered on rank 0) and an ``fxpar.checkpoint`` save (each box once; replicas deduplicated);
     both read back in one process, and the checkpoint loaded into a fresh TP × DP module (its
-    replica 1 gathered), compared with the single-process model."""
+    replica 1 gathered), compared with the single-process model: element-wise gaps
+    (``*_diff``) and SGD trajectory gaps (``save_pretrained``, ``checkpoint``, ``reload``)."""
     from fxpar.checkpoint import load_checkpoint, read_model_state, save_checkpoint
     from fxpar.codegen.hand_plans import tensor_parallel_plan
     from fxpar.codegen.tensor_parallel import TensorParallelModule
@@ -101,6 +109,7 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     plan = tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                                 kv_shares=[3, 1], replicas=2, batch_shares=[10, 6])
     pm = TensorParallelModule(model, plan, rank, emulate=False)
@@ -120,5 +129,8 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     loaded = type(reference).from_pretrained(save_dir)
     saved = {n: p.detach() for n, p in loaded.named_parameters()}
     state = read_model_state(ckpt_dir)
-    return {"save_pretrained_diff": _worst(saved, ref)[0], "checkpoint_diff": _worst(state, ref)[0],
-            "reload_diff": _worst(reloaded, ref)[0], "n": len(state)}
+    out = {"save_pretrained_diff": _worst(saved, ref)[0], "checkpoint_diff": _worst(state, ref)[0],
+           "reload_diff": _worst(reloaded, ref)[0], "n": len(state)}
+    for key, got in (("save_pretrained", saved), ("checkpoint", state), ("reload", reloaded)):
+        out[key] = trajectory_gaps(((n, w, ref[n], initial[n]) for n, w in got.items()), "sgd")
+    return out
