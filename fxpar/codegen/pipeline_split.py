@@ -24,7 +24,7 @@ from torch.fx.passes.split_module import split_module
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.structure import block_path
-from fxpar.tracing.trace import export_ready
+from fxpar.tracing.export_settings import export_ready
 
 
 @dataclass(frozen=True)

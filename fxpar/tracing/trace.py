@@ -30,6 +30,7 @@ import torch
 from fxpar.compat import attn_implementation
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
+from fxpar.tracing.export_settings import export_ready
 from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
@@ -80,66 +81,6 @@ def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
 
 
 _NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
-
-
-@contextlib.contextmanager
-def no_cache(model: torch.nn.Module):
-    """``use_cache = False`` on an HF model's config and its sub-configs (a text decoder's) while
-    the block runs, restored after: a model whose forward takes no ``use_cache`` argument (a
-    composite one passing ``**kwargs`` down) would otherwise return a ``DynamicCache``, which
-    does not export."""
-    config = getattr(model, "config", None)
-    configs = [config] + [getattr(config, k) for k in dir(config) if k.endswith("_config")] if config is not None else []
-    touched = [(c, c.use_cache) for c in configs if c is not None and isinstance(getattr(c, "use_cache", None), bool)]
-    for c, _ in touched:
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for c, old in touched:
-            c.use_cache = old
-
-
-def _training_only_gates_layerdrop(module: torch.nn.Module) -> bool:
-    """Whether every line of ``module``'s forward that reads ``self.training`` is a LayerDrop
-    gate (the line, or one of the two after it, reads ``layerdrop``); False without source."""
-    try:
-        lines = inspect.getsource(type(module).forward).splitlines()
-    except (OSError, TypeError):
-        return False
-    reads = [i for i, line in enumerate(lines) if "self.training" in line]
-    return bool(reads) and all(any("layerdrop" in x for x in lines[i:i + 3]) for i in reads)
-
-
-@contextlib.contextmanager
-def no_layerdrop(model: torch.nn.Module):
-    """Modules with LayerDrop switched off (``layerdrop == 0``) whose forward reads its
-    ``training`` flag only for LayerDrop are put in eval mode while the block runs (their
-    children keep their mode), restored after.
-
-    Older transformers (OPT, BART, Whisper, ... up to about 5.17) draw ``torch.rand([]) <
-    layerdrop`` in training mode even when ``layerdrop`` is 0: a branch on a tensor's value that
-    ``torch.export`` cannot trace, though it never skips a layer.  When the flag gates nothing
-    else in that module's forward, the graph is the training graph.  A LayerDrop above 0 skips
-    layers at random and stays an export error."""
-    touched = [m for m in model.modules() if m.training
-               and isinstance(getattr(m, "layerdrop", None), (int, float)) and float(m.layerdrop) == 0.0
-               and _training_only_gates_layerdrop(m)]
-    for m in touched:
-        m.training = False  # this module only: not .eval(), which would recurse into the layers
-    try:
-        yield
-    finally:
-        for m in touched:
-            m.training = True
-
-
-@contextlib.contextmanager
-def export_ready(model: torch.nn.Module):
-    """Every setting an HF model needs to export its training graph: :func:`no_cache` and
-    :func:`no_layerdrop`."""
-    with no_cache(model), no_layerdrop(model):
-        yield
 
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
