@@ -275,6 +275,8 @@ def test_pipeline_rank_memory(pool4):
     """8 Llama blocks on 4 pipeline ranks (2 blocks per stage) from a meta model: each rank
     holds at most 40% of the whole model's parameters, gradients and AdamW state (bytes of the
     tensors it holds, numel x element size); the figures are printed for the README."""
+    if why := _meta_constant_blocks_pipelines("llama", 8):
+        pytest.skip(why)
     results = pool4.run(pipeline_memory)
     full = results[0]["full_param_bytes"]
     for r in sorted(results, key=lambda r: r["stage"]):

@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 import torch
 
-from fxpar.errors import PlanError
+from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.tp_model import analyze_model
 from fxpar.tracing.tp_types import Attention, TPAnalysis
 
@@ -30,7 +30,16 @@ def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
     sharded = [b for b in before.blocks if b.attention and (blocks is None or b.path in blocks)]
     if not sharded or groups < 2:
         return
-    after = analyze_model(model)
+    try:
+        after = analyze_model(model)
+    except TraceError as exc:  # the sharded forward no longer runs (older CodeGen: a reshape by 0)
+        blk, att = sharded[0], sharded[0].attention[0]
+        want = _local(att, groups)
+        raise PlanError(
+            f"tensor parallelism on {type(model).__name__}: block {blk.path} should compute {want[0]} of its "
+            f"{att.heads} heads on this rank, but after sharding the model no longer traces "
+            f"({str(exc).splitlines()[0][:300]}); its forward likely splits by a head count fixed in its "
+            "code. Re-plan with max_tensor_parallel=1 for this model") from None
     for blk in sharded:
         now = after.block(blk.path)
         found = now.attention if now is not None else ()

@@ -5,7 +5,6 @@ split alike)."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
@@ -28,38 +27,72 @@ def no_cache(model: torch.nn.Module):
             c.use_cache = old
 
 
-def _training_only_gates_layerdrop(module: torch.nn.Module) -> bool:
-    """Whether every line of ``module``'s forward that reads ``self.training`` is a LayerDrop
-    gate (the line, or one of the two after it, reads ``layerdrop``); False without source."""
-    try:
-        lines = inspect.getsource(type(module).forward).splitlines()
-    except (OSError, TypeError):
+class _NeverDrop:
+    """A LayerDrop probability of 0 that compares without a tensor.
+
+    Against a number it is 0.0.  Against a tensor — a uniform draw ``r`` in [0, 1), reaching here
+    reflected, since a tensor cannot convert it — it answers as ``r`` against 0 does almost
+    surely: ``r < p`` and ``r <= p`` are False, ``r > p`` and ``r >= p`` True, as Python
+    booleans, so no branch depends on a tensor's value."""
+
+    @staticmethod
+    def _number(other: object) -> bool:
+        return isinstance(other, (int, float)) and not isinstance(other, bool)
+
+    def __gt__(self, other: object) -> bool:   # p > x, or x < p reflected
+        return 0.0 > other if self._number(other) else False
+
+    def __ge__(self, other: object) -> bool:   # p >= x, or x <= p reflected
+        return 0.0 >= other if self._number(other) else False
+
+    def __lt__(self, other: object) -> bool:   # p < x, or x > p reflected
+        return 0.0 < other if self._number(other) else True
+
+    def __le__(self, other: object) -> bool:   # p <= x, or x >= p reflected
+        return 0.0 <= other if self._number(other) else True
+
+    def __eq__(self, other: object) -> bool:
+        return other == 0.0
+
+    def __hash__(self) -> int:
+        return hash(0.0)
+
+    def __float__(self) -> float:
+        return 0.0
+
+    def __bool__(self) -> bool:
         return False
-    reads = [i for i, line in enumerate(lines) if "self.training" in line]
-    return bool(reads) and all(any("layerdrop" in x for x in lines[i:i + 3]) for i in reads)
+
+    def __repr__(self) -> str:
+        return "0.0 (fxpar: LayerDrop off while exporting)"
+
+
+NEVER_DROP = _NeverDrop()
 
 
 @contextlib.contextmanager
 def no_layerdrop(model: torch.nn.Module):
-    """Modules with LayerDrop switched off (``layerdrop == 0``) whose forward reads its
-    ``training`` flag only for LayerDrop are put in eval mode while the block runs (their
-    children keep their mode), restored after.
+    """A LayerDrop of 0 (``module.layerdrop == 0``) is replaced by :data:`NEVER_DROP` while the
+    block runs, restored after.
 
-    Older transformers (OPT, BART, Whisper, ... up to about 5.17) draw ``torch.rand([]) <
-    layerdrop`` in training mode even when ``layerdrop`` is 0: a branch on a tensor's value that
-    ``torch.export`` cannot trace, though it never skips a layer.  When the flag gates nothing
-    else in that module's forward, the graph is the training graph.  A LayerDrop above 0 skips
-    layers at random and stays an export error."""
-    touched = [m for m in model.modules() if m.training
-               and isinstance(getattr(m, "layerdrop", None), (int, float)) and float(m.layerdrop) == 0.0
-               and _training_only_gates_layerdrop(m)]
+    Older transformers (OPT, BART, Marian, XGLM, BioGPT, Whisper, ... up to about 5.17) draw
+    ``torch.rand([]) < layerdrop`` in training mode even when ``layerdrop`` is 0: a branch on a
+    tensor's value that ``torch.export`` cannot trace, though it never skips a layer.  A tensor
+    compared with NEVER_DROP gives up (no tensor conversion exists) and Python asks NEVER_DROP,
+    which answers False: the branch becomes static, the training mode and every dropout stay as
+    they are, and the graph is the training graph.  A LayerDrop above 0 skips layers at random
+    and stays an export error."""
+    touched = [m for m in model.modules()
+               if isinstance(getattr(m, "layerdrop", None), (int, float)) and not isinstance(m.layerdrop, bool)
+               and float(m.layerdrop) == 0.0]
+    old = [m.layerdrop for m in touched]
     for m in touched:
-        m.training = False  # this module only: not .eval(), which would recurse into the layers
+        m.layerdrop = NEVER_DROP
     try:
         yield
     finally:
-        for m in touched:
-            m.training = True
+        for m, value in zip(touched, old):
+            m.layerdrop = value
 
 
 @contextlib.contextmanager
