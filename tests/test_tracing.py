@@ -143,27 +143,24 @@ class _LayerDropStack(torch.nn.Module):
         self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
         self.layerdrop = layerdrop
 
-    def forward(self, x):
+    def run_layers(self, x):
         for layer in self.layers:
             if self.training:
                 dropout_probability = torch.rand([])
                 if dropout_probability < self.layerdrop:
                     continue
             x = layer(x)
-        return x.sum()
+        return x
+
+    def forward(self, x):
+        return self.run_layers(x).sum()
 
 
 class _LayerDropAndDropout(_LayerDropStack):
     """The same, with the module's training flag also gating a dropout of its own."""
 
     def forward(self, x):
-        for layer in self.layers:
-            if self.training:
-                dropout_probability = torch.rand([])
-                if dropout_probability < self.layerdrop:
-                    continue
-            x = layer(x)
-        return torch.nn.functional.dropout(x, p=0.5, training=self.training).sum()
+        return torch.nn.functional.dropout(self.run_layers(x), p=0.5, training=self.training).sum()
 
 
 def test_layerdrop_zero_exports_in_training_mode_and_the_mode_is_restored():
