@@ -21,6 +21,7 @@ from transformers import default_data_collator
 
 from fxpar.integrations.accelerate import FxparPlugin, prepare
 from fxpar.models import PRESETS
+from fxpar.runtime import init_distributed
 from fxpar.synthetic import TokenDataset
 from fxpar.tracing.hf import build_model
 
@@ -36,9 +37,13 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
     plugin = FxparPlugin()
-    batch = plugin.to_config().workload.get("global_batch", 8)
+    config = plugin.to_config()
+    # emulated CPU ranks: gloo, with the GPUs hidden (Accelerate's barrier would pick one per
+    # local rank); a cluster of GPUs: NCCL, one process per GPU.  It prints which.
+    init_distributed(cluster=None if config.cluster == "detect" else config.resolve_cluster())
+    accelerator = Accelerator(cpu=torch.distributed.get_backend() == "gloo")
+    batch = config.workload.get("global_batch", 8)
     model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
     data = TokenDataset(batch * args.steps, args.seq, model.config.vocab_size)
     loader = DataLoader(data, batch_size=batch, shuffle=False, collate_fn=default_data_collator)

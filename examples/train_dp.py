@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_dp.py --speeds 1.0 0.5 --steps 5
     torchrun --nproc-per-node 2 examples/train_dp.py --cluster ../shared/scenarios/cpu-emulated-2.yaml
 
-On CPU the ranks use gloo and emulate the given relative speeds (labelled as emulated).
+On CPU the ranks use gloo and emulate the given relative speeds (labelled as emulated); a
+cluster of GPUs runs on NCCL, one process per GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.models import PRESETS
+from fxpar.runtime import init_distributed
 from fxpar.tracing.hf import build_model, example_inputs
 
 
@@ -30,9 +32,9 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank()
     cluster = fxpar.Cluster.from_file(args.cluster) if args.cluster else fxpar.Cluster.emulated(args.speeds)
+    init_distributed(cluster=cluster)  # gloo for emulated CPU ranks, NCCL for GPUs (it says which)
+    rank = dist.get_rank()
     model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
     data = [example_inputs(model, args.batch, args.seq, seed=i) for i in range(args.steps)]
 

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_trainer.py --fxpar-config examples/fxpar.yaml
     FXPAR_CONFIG=examples/fxpar.yaml torchrun --nproc-per-node 2 examples/train_trainer.py --steps 8
 
-On CPU the ranks use gloo and emulate the relative speeds the config names (labelled emulated).
+On CPU the ranks use gloo and emulate the relative speeds the config names (labelled emulated);
+a cluster of GPUs runs on NCCL, one process per GPU.
 ``--slow-down RANK:SPEED:STEP`` changes a rank's emulated speed at a step (to watch the callback
 re-balance); ``--out FILE`` writes the loss curve, step times and re-balance events as JSON.
 """
@@ -21,6 +22,7 @@ from transformers import TrainerCallback, TrainingArguments, default_data_collat
 from fxpar.integrations import load_config, parallelize
 from fxpar.integrations.trainer import FxparCallback, FxparTrainer
 from fxpar.models import PRESETS
+from fxpar.runtime import init_distributed
 from fxpar.synthetic import TokenDataset
 from fxpar.tracing.hf import build_model
 
@@ -53,8 +55,10 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     config = load_config(args.fxpar_config)
+    # gloo (GPUs hidden) for emulated CPU ranks, NCCL for a cluster of GPUs; it prints which
+    init_distributed(cluster=None if config.cluster == "detect" else config.resolve_cluster())
+    on_cpu = dist.get_backend() == "gloo"
     batch = int(config.workload.get("global_batch", 8))
     model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
     data = TokenDataset(batch * args.steps, args.seq, model.config.vocab_size)
@@ -71,7 +75,7 @@ def main() -> None:
     targs = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr,
                               lr_scheduler_type="constant", logging_steps=1,
                               save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                              report_to=[], use_cpu=on_cpu, seed=0, disable_tqdm=True,
                               per_device_train_batch_size=batch, per_device_eval_batch_size=4)
     trainer = FxparTrainer(model=pmodel, args=targs, train_dataset=data,
                            data_collator=default_data_collator, callbacks=callbacks,

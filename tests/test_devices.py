@@ -11,6 +11,7 @@ tensors for the host with ``fxpar.runtime.device.to_host``).
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,126 @@ def test_rank_device_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     if torch.cuda.is_available():
         with pytest.raises(ConfigError, match="LOCAL_RANK='x'"):
             rank_device()
+
+
+# ---- a machine with CUDA, faked: the device and backend choices read only these answers ----
+
+class _Props:
+    name, total_memory = "NVIDIA H200", 141 * 10**9
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda`` answers as on a one-GPU H200 machine (no CUDA call is made: a test that
+    reaches real CUDA work fails, which is the point for CPU plans)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: _Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: _Props.name)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def _backend_is(monkeypatch: pytest.MonkeyPatch, name: str | None) -> None:
+    import fxpar.runtime.device as device_module
+
+    monkeypatch.setattr(device_module, "_backend", lambda group=None: name)
+
+
+def test_the_rank_device_follows_the_plan_on_a_cuda_machine(fake_cuda, monkeypatch) -> None:
+    assert rank_device(plan_kind="cpu") == CPU               # an emulated CPU rank stays on the CPU
+    assert rank_device(plan_kind="H200-SXM") == torch.device("cuda", 0)
+    assert rank_device() == torch.device("cuda", 0)          # no plan yet: the GPU, as before
+    monkeypatch.setenv("LOCAL_RANK", "1")                    # a second CPU process on a 1-GPU node
+    assert rank_device(plan_kind="cpu") == CPU
+    with pytest.raises(Exception, match="LOCAL_RANK is 1 but the node has 1 CUDA"):
+        rank_device(plan_kind="H200-SXM")
+    _backend_is(monkeypatch, "gloo")                         # a gloo group keeps every rank on the CPU
+    assert rank_device(plan_kind="H200-SXM") == CPU
+
+
+def test_an_nccl_group_refuses_cpu_and_mixed_plans(fake_cuda, monkeypatch) -> None:
+    from fxpar.runtime.device import check_plan_backend
+
+    _backend_is(monkeypatch, "nccl")
+    with pytest.raises(ConfigError, match="every rank of the plan is an emulated CPU.*gloo"):
+        check_plan_backend(["cpu", "cpu"])
+    with pytest.raises(ConfigError, match=r"mixes CPU ranks \[1\] with GPU ranks"):
+        check_plan_backend(["H200-SXM", "cpu"])
+    with pytest.raises(ConfigError, match="backend is nccl"):
+        rank_device(plan_kind="cpu")
+    check_plan_backend(["H200-SXM", "H200-SXM"])             # GPUs under NCCL: fine
+    _backend_is(monkeypatch, "gloo")
+    check_plan_backend(["H200-SXM", "cpu"])                  # gloo: everything emulated on the CPU
+
+
+def test_the_backend_follows_the_cluster_and_the_gpus_present(fake_cuda, monkeypatch) -> None:
+    import fxpar
+    from fxpar.errors import RuntimeSetupError
+    from fxpar.runtime.distributed import choose_backend, keep_cpu_job_off_gpus
+
+    cpu_cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    gpu_cluster = fxpar.Cluster.from_dict({"nodes": [{"gpu": "H200-SXM", "count": 2}]})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert choose_backend(cluster=cpu_cluster).backend == "gloo"
+    assert choose_backend().backend == "gloo"                # 2 processes, 1 GPU: CPU ranks
+    assert "2 processes on this node but 1 CUDA" in choose_backend().reason
+    with pytest.raises(RuntimeSetupError, match="2 processes on this node.*1 CUDA device"):
+        choose_backend(cluster=gpu_cluster)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert choose_backend(cluster=fxpar.Cluster.from_dict({"nodes": [{"gpu": "H200-SXM", "count": 1}]})).backend == "nccl"
+    assert choose_backend().backend == "nccl"
+    assert choose_backend("gloo").backend == "gloo"
+    with pytest.raises(ConfigError, match="backend = 'mpi2'"):
+        choose_backend("mpi2")
+    assert keep_cpu_job_off_gpus(cpu_cluster)             # a CPU job hides the GPUs from itself
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert not keep_cpu_job_off_gpus(gpu_cluster)
+
+
+def test_a_cpu_plan_trains_on_the_cpu_of_a_cuda_machine(fake_cuda) -> None:
+    """The H200 run's first failure: ``fxpar.auto`` of an emulated one-rank cluster on a
+    machine with CUDA refused ("the plan gives it a cpu"); now it trains on the CPU."""
+    import fxpar
+    from tests.workers import global_batch, tiny_model
+
+    model = tiny_model("gpt2")
+    pmodel = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), global_batch(model, 2, 8))
+    assert pmodel.device == CPU
+    assert torch.isfinite(pmodel.step(global_batch(model, 2, 8)))
+
+
+def test_models_spread_over_devices_or_on_another_gpu_are_refused(monkeypatch) -> None:
+    import fxpar.runtime.device as device_module
+    from fxpar.runtime.device import check_model_devices
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    check_model_devices(model)
+    # the check reads only the devices it finds: a model split by device_map over two GPUs
+    monkeypatch.setattr(device_module, "model_devices", lambda m: [torch.device("cuda", 0), torch.device("cuda", 1)])
+    with pytest.raises(ConfigError, match="on 2 devices.*without device_map"):
+        check_model_devices(model)
+    model.hf_device_map = {"0": 0, "1": 1}
+    with pytest.raises(ConfigError, match="hf_device_map"):
+        check_model_devices(model)
+    # a model on cuda:1 for a rank on cuda:0
+    monkeypatch.setattr(device_module, "model_devices", lambda m: [torch.device("cuda", 1)])
+    with pytest.raises(ConfigError, match="on cuda:1, but this rank runs on cuda:0"):
+        check_model_devices(torch.nn.Linear(2, 2), torch.device("cuda", 0))
+    check_model_devices(torch.nn.Linear(2, 2), torch.device("cuda", 1))
+
+
+def test_tracing_moves_the_example_batch_to_the_model_s_device(tmp_path) -> None:
+    """The batch follows the model: CPU ids for a meta model whose buffers are real (as
+    ``fxpar.from_pretrained`` builds it: the H200 check's first failure of this rule)."""
+    from transformers import LlamaConfig
+
+    from fxpar.tracing import trace
+    from fxpar.tracing.hf import build_meta_model, example_inputs
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    model = build_meta_model(tmp_path)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {b.device.type for b in model.buffers()} == {"cpu"}
+    graph = trace(model, example_inputs(model, 1, 16))            # ids on the CPU
+    assert graph.param_count == sum(p.numel() for p in model.parameters())

@@ -98,3 +98,29 @@ def test_a_rule_that_simulates_faster_than_the_lp_plan_is_chosen(graph_and_workl
     assert chosen.predicted_step_s == chosen.baseline("even_dp") == honest.predicted_step_s
     assert any(line.startswith("data parallel, even shares:") for line in chosen.explain)
     assert chosen.solver.integer_s == chosen.predicted_step_s
+
+
+def test_predictions_equal_but_for_the_last_bits_prefer_the_simpler_family():
+    """The H200 run: data parallelism predicted 0.07551730574527638 s and a one-stage pipeline
+    ...636; ``choose`` took the pipeline.  Within REL_TOL (1e-9) the family order decides."""
+    from fxpar.solvers.choose import FAMILY_ORDER, REL_TOL, fastest_simplest
+
+    assert FAMILY_ORDER[0] == "data_parallel" and REL_TOL == 1e-9
+    dp, pipe = _plan(0.07551730574527638, "dp"), _plan(0.075517305745276, "pipe")  # pipe: the pipeline family's
+    assert pipe.predicted_step_s < dp.predicted_step_s
+    assert choose(_problems(), dp=Candidates(plans=(dp,)), pipeline=Candidates(plans=(pipe,)),
+                  ep=Candidates()).model == "dp"
+    faster = replace(pipe, predicted_step_s=dp.predicted_step_s * (1 - 1e-6))  # beyond the tolerance
+    assert fastest_simplest([dp, faster]).model == "pipe"
+
+
+def test_one_device_gets_data_parallelism_and_a_forced_pipeline_stays_possible(graph_and_workload):
+    """One device: no one-stage, width-one pipeline is searched where data parallelism fits
+    (explain says so); with ``strategies=("pipeline",)`` it is the plan."""
+    graph, workload = graph_and_workload
+    one = fxpar.Cluster.emulated([1.0])
+    chosen = solve(graph, one, workload)
+    assert chosen.strategy == "data_parallel"
+    assert any("which is data parallelism: not searched" in line for line in chosen.explain), chosen.explain
+    forced = solve(graph, one, workload, strategies=("pipeline",))
+    assert forced.strategy == "pipeline" and len(forced.stages) == 1

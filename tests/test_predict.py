@@ -115,3 +115,19 @@ def test_cli_simulate_round_trip(tmp_path, capsys):
     assert main(["simulate", "--plan", str(tmp_path / "missing.json"), "--model", "gpt2-tiny",
                  "--cluster", str(cluster)]) == 2
     assert "file not found" in capsys.readouterr().err
+
+
+def test_predict_builds_the_example_batch_for_the_model_s_task():
+    """A user module (not a ModelSpec) is traced on a batch for its own task: pixels and class
+    labels for an image classifier, where a causal-LM batch of token ids cannot run."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                       image_size=32, patch_size=8, num_labels=3)
+    module = ViTForImageClassification(config)
+    cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    workload = Workload(global_batch=8, seq_len=None)
+    graph = trace_spec(module, workload)
+    plan = fxpar.solvers.plan(graph, cluster, workload)
+    p = fxpar.predict(plan, module, cluster)
+    assert p.step_s == pytest.approx(plan.predicted_step_s, rel=1e-9)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.runtime.device import rank_device
 
 from .workers import global_batch, tiny_model
@@ -46,3 +47,48 @@ def gpu_parity(kind: str, steps: int = 2) -> dict:
         for p in list(pm.parameters()) + list(reference.parameters()):
             p.grad = None
     return out
+
+
+UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _one_gpu_plan(model, data, dtype: str, family: str, stage: int | None) -> fxpar.Plan:
+    """The planner's plan of ``family`` for the local GPU; ZeRO-2 and -3 are set by hand."""
+    cluster = fxpar.Cluster.detect()
+    if family == "sharded_data_parallel":
+        return sharded_data_parallel_plan(cluster, batch_split=[4], state_split=[1], shard_stage=stage,
+                                          micro_batch_size=2, model=type(model).__name__, dtype=dtype)
+    return fxpar.make_plan(model, cluster, data, fxpar.Workload(global_batch=4, dtype=dtype, optimizer="adamw"),
+                           strategies=[family])
+
+
+def _grad_pairs(pm, reference) -> list:
+    ref = dict(reference.named_parameters(remove_duplicate=False))  # GPT-2's tied lm_head
+    if pm.plan.strategy == "sharded_data_parallel":  # one rank owns every row
+        return [(t.names[0], t.shard.grad, ref[t.names[0]].grad) for t in pm.tensors]
+    named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
+    return [(n, p.grad, ref[n].grad) for n, p in named]
+
+
+def one_gpu_family(family: str, stage: int | None, dtype: str) -> dict:
+    """One rank, one GPU: ``family`` in ``dtype`` (model built on the host) against eager CUDA
+    autocast on the same weights: the first step's losses and the worst gradient gap as a
+    fraction of that tensor's norm (``tests/test_gpu_one.py``)."""
+    model = tiny_model("gpt2")
+    reference = copy.deepcopy(model).cuda()
+    data = global_batch(model, 4, 32)
+    plan = _one_gpu_plan(model, data, dtype, family, stage)
+    pm = fxpar.auto(model, fxpar.Cluster.detect(), data, plan=plan)
+    loss = pm.step(data)
+    with torch.autocast("cuda", dtype=AUTOCAST[dtype]):
+        ref_loss = reference(**{k: v.cuda() for k, v in data.items()}, use_cache=False).loss
+    ref_loss.float().backward()
+    worst, devices = 0.0, set()
+    for name, g, g_ref in _grad_pairs(pm, reference):
+        assert g is not None, f"{name} has no gradient"
+        devices.add(str(g.device))
+        diff = float((g.detach().double().reshape(-1) - g_ref.detach().double().reshape(-1)).norm())
+        worst = max(worst, diff / max(float(g_ref.double().norm()), 1e-12))
+    return {"strategy": pm.plan.strategy, "loss": float(loss), "ref_loss": float(ref_loss), "worst": worst,
+            "grad_devices": sorted(devices)}

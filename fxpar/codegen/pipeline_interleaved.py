@@ -39,7 +39,7 @@ from fxpar.codegen.pipeline_tp import example_values, wrap_stage
 from fxpar.compat import pipeline_action, pipeline_stage_class, set_stage_mapping
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
-from fxpar.runtime.device import rank_device
+from fxpar.runtime.device import plan_rank_device
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.sim.interleaved import check_placement, lockstep_order
@@ -78,7 +78,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         pipes, stage_rank = placement(plan)
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank, self._original = plan, rank, [model]
-        self.device = rank_device(device)
+        self.device = plan_rank_device(plan, rank, device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         self.loss_scaler = scaler_for(plan.dtype)
         self.pipeline_index = next(p for p in range(P) if rank in pipes[p])

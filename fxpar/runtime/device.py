@@ -4,13 +4,18 @@
 ``fxpar/integrations`` that names the CPU device (``tests/test_devices.py`` scans for others):
 
 1. an explicit ``device`` (``fxpar.auto(..., device=...)``) wins;
-2. under an initialised process group whose backend is NCCL, ``cuda:LOCAL_RANK``;
-3. without a process group, on a machine with CUDA, ``cuda:LOCAL_RANK`` (``LOCAL_RANK``
-   defaults to 0: one process, one GPU);
-4. otherwise the CPU (gloo ranks, machines without CUDA).
+2. a rank the plan gives a CPU device type (``Cluster.emulated``, ``gpu: cpu`` in a cluster
+   file) runs on the CPU, also on a machine with CUDA; under an NCCL group that is a
+   ConfigError (NCCL moves only CUDA tensors), as is an NCCL group whose plan has any CPU rank
+   (:func:`check_plan_backend`, run on every rank so none is left waiting in a collective);
+3. a GPU rank under an initialised process group whose backend is NCCL: ``cuda:LOCAL_RANK``;
+4. a GPU rank without a process group, on a machine with CUDA: ``cuda:LOCAL_RANK``
+   (``LOCAL_RANK`` defaults to 0: one process, one GPU);
+5. otherwise the CPU (gloo ranks, machines without CUDA).
 
 A gloo process group on a CUDA machine keeps its ranks on the CPU: gloo's collectives are
-CPU collectives.  :func:`init_distributed` (``runtime/distributed.py``) binds a CUDA rank to its
+CPU collectives.  ``plan_kind`` None (a device asked for before any plan exists) follows
+rules 3-5.  :func:`init_distributed` (``runtime/distributed.py``) binds a CUDA rank to its
 GPU before the first collective (``torch.cuda.set_device`` and ``device_id=``), so object
 collectives, DCP and the pipelining schedules' ``batch_isend_irecv`` use the right GPU.
 """
@@ -18,11 +23,13 @@ collectives, DCP and the pipelining schedules' ``batch_isend_irecv`` use the rig
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxpar.cluster.catalog import DeviceType, lookup_device_type
 from fxpar.cluster.detect import match_device_name
 from fxpar.errors import ConfigError, RuntimeSetupError
 
@@ -61,9 +68,39 @@ def _cuda_device(index: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def rank_device(device: torch.device | str | None = None, *, group: Any = None) -> torch.device:
+def is_cpu_kind(device_type: str, custom: Mapping[str, DeviceType] | None = None) -> bool:
+    """True when ``device_type`` (a plan's ``RankPlan.device``) names an emulated CPU device."""
+    try:
+        return lookup_device_type(device_type, custom).vendor == "cpu"
+    except ConfigError:
+        return False  # a type only the cluster file declared: a GPU (custom types are GPUs)
+
+
+def check_plan_backend(device_types: Sequence[str], group: Any = None) -> None:
+    """An NCCL process group cannot run a plan with CPU ranks (NCCL moves CUDA tensors only):
+    a ConfigError that says what to do, raised alike on every rank."""
+    backend = _backend(group)
+    cpu_ranks = [r for r, kind in enumerate(device_types) if is_cpu_kind(kind)]
+    if backend is None or "nccl" not in backend or not cpu_ranks:
+        return
+    if len(cpu_ranks) == len(device_types):
+        what = "every rank of the plan is an emulated CPU device"
+        todo = ("start the process group with gloo: fxpar.runtime.init_distributed(cluster=cluster) "
+                "picks it from the cluster (or backend='gloo'), or plan for this machine's GPUs with "
+                "fxpar.Cluster.detect()")
+    else:
+        what = (f"the plan mixes CPU ranks {cpu_ranks} with GPU ranks, and fxpar runs a job on one "
+                "kind of device")
+        todo = ("describe only GPUs in the cluster (fxpar.Cluster.detect()), or emulate every "
+                "device on the CPU (gpu: cpu for each node) under a gloo group")
+    raise ConfigError(f"the process group's backend is {backend}, but {what}; {todo}")
+
+
+def rank_device(device: torch.device | str | None = None, *, group: Any = None,
+                plan_kind: str | None = None) -> torch.device:
     """This rank's device (module docstring).  ``device``: an explicit choice (``"cpu"``,
-    ``"cuda:1"``, a ``torch.device``); a bad one is a ConfigError naming it."""
+    ``"cuda:1"``, a ``torch.device``); a bad one is a ConfigError naming it.  ``plan_kind``:
+    the device type the plan gives this rank (``plan.ranks[rank].device``)."""
     if device is not None:
         try:
             chosen = torch.device(device)
@@ -79,9 +116,20 @@ def rank_device(device: torch.device | str | None = None, *, group: Any = None) 
             raise ConfigError(f"device = {device!r}: fxpar runs on 'cpu' or 'cuda' devices")
         return chosen
     backend = _backend(group)
+    if plan_kind is not None and is_cpu_kind(plan_kind):
+        check_plan_backend([plan_kind], group)
+        return CPU
     if torch.cuda.is_available() and (backend is None or "nccl" in backend):
         return _cuda_device(local_rank())
     return CPU
+
+
+def plan_rank_device(plan: Any, rank: int, device: torch.device | str | None = None, *,
+                     group: Any = None) -> torch.device:
+    """:func:`rank_device` for rank ``rank`` of ``plan`` (a :class:`fxpar.plan.Plan`), after
+    :func:`check_plan_backend` on the whole plan."""
+    check_plan_backend([r.device for r in plan.ranks], group)
+    return rank_device(device, group=group, plan_kind=plan.ranks[rank].device)
 
 
 def is_cuda(device: torch.device) -> bool:
@@ -137,3 +185,30 @@ def broadcast_state(module: torch.nn.Module, src: int, group: Any, device: torch
                 staged = t.data.to(device)
                 dist.broadcast(staged, src=src, group=group)
                 t.data.copy_(staged)
+
+
+def model_devices(module: torch.nn.Module) -> list[torch.device]:
+    """The distinct devices of ``module``'s parameters and buffers, in order of appearance."""
+    seen: dict[torch.device, None] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen.setdefault(t.device, None)
+    return list(seen)
+
+
+def check_model_devices(model: torch.nn.Module, device: torch.device | None = None) -> None:
+    """A model fxpar can take: all of it on one device (the CPU, ``meta`` or a GPU) and, with
+    ``device`` (the rank's), no GPU other than that one.  A model spread over devices (HF's
+    ``device_map``) or on another rank's GPU is a ConfigError that says what to do."""
+    found = [d for d in model_devices(model) if d.type != "meta"]  # part-meta: weights_source says
+    if len(found) > 1:
+        mapped = " (its hf_device_map spreads it)" if getattr(model, "hf_device_map", None) else ""
+        raise ConfigError(
+            f"the model's parameters are on {len(found)} devices ({', '.join(map(str, found))}){mapped}; "
+            "fxpar places the model itself: build or load it on one device (the CPU, or 'meta' with "
+            "fxpar.from_pretrained / checkpoint=), without device_map")
+    if device is None or not found or found[0].type != "cuda" or device.type != "cuda":
+        return
+    if found[0] != device:
+        raise ConfigError(
+            f"the model is on {found[0]}, but this rank runs on {device} (cuda:LOCAL_RANK); build the "
+            "model on the CPU (fxpar moves each rank's part to its GPU) or on this rank's GPU")

@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
+import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fxpar.errors import ConfigError, RuntimeSetupError
-from fxpar.runtime.device import rank_device
+from fxpar.runtime.device import local_rank, rank_device
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -41,27 +44,96 @@ def _check_timeout(timeout_s: Any) -> float:
     return float(timeout_s)
 
 
-def resolve_backend(backend: str | None) -> str:
-    """``backend`` as given, else plain ``nccl`` where CUDA is available (never torch's mixed
-    ``cpu:gloo,cuda:nccl`` default, which sends CPU tensors silently through gloo), else
-    ``gloo``."""
+@dataclass(frozen=True)
+class BackendChoice:
+    """The process group's backend and why (:func:`choose_backend`)."""
+
+    backend: str
+    reason: str
+
+
+def _local_world_size() -> int:
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1").strip() or "1"
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={raw!r}: expected the number of "
+                          "processes on this node (an integer >= 1, as torchrun sets it)") from None
+
+
+def choose_backend(backend: str | None = None, cluster: Any = None) -> BackendChoice:
+    """The backend for this job, from the plan's devices and the GPUs actually present.
+
+    1. ``backend`` as given (one of :data:`BACKENDS`);
+    2. a ``cluster`` (:class:`fxpar.Cluster`) of emulated CPU devices: ``gloo`` (CPU ranks),
+       also on a machine with CUDA; a cluster mixing CPU and GPU devices is a ConfigError;
+    3. a cluster of GPUs on a machine with CUDA: ``nccl`` when the node has a GPU for each of
+       its ``LOCAL_WORLD_SIZE`` processes, else a RuntimeSetupError; without CUDA, ``gloo``
+       (the GPUs' plan runs emulated on the CPU);
+    4. no cluster: ``nccl`` when CUDA is there with a GPU for each local process, else ``gloo``.
+
+    Never torch's mixed ``cpu:gloo,cuda:nccl`` default, which sends CPU tensors silently
+    through gloo."""
     import torch
 
-    if backend is not None and backend not in BACKENDS:
-        raise ConfigError(f"init_distributed: backend = {backend!r}: accepted values are "
-                          f"{', '.join(BACKENDS)} or None (nccl with CUDA, else gloo)")
     if backend is not None:
-        return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in BACKENDS:
+            raise ConfigError(f"init_distributed: backend = {backend!r}: accepted values are "
+                              f"{', '.join(BACKENDS)} or None (chosen from the cluster and the GPUs present)")
+        return BackendChoice(backend, "asked for")
+    local = _local_world_size()
+    if cluster is not None:
+        vendors = {d.type.vendor == "cpu" for d in cluster.devices}
+        if vendors == {True}:
+            return BackendChoice("gloo", f"the cluster {cluster.name!r} has emulated CPU devices")
+        if len(vendors) > 1:
+            raise ConfigError(f"init_distributed: the cluster {cluster.name!r} mixes emulated CPU devices "
+                              "with GPUs; a job runs on one kind: describe only GPUs (fxpar.Cluster.detect()) "
+                              "or emulate every device (gpu: cpu)")
+        if not torch.cuda.is_available():
+            return BackendChoice("gloo", "no CUDA here: the GPU cluster's plan runs emulated on CPU ranks")
+        gpus = torch.cuda.device_count()
+        if local > gpus:
+            raise RuntimeSetupError(f"init_distributed: {local} processes on this node (LOCAL_WORLD_SIZE) but "
+                                    f"it has {gpus} CUDA device(s); start one process per GPU (torchrun "
+                                    f"--nproc-per-node {gpus}) or emulate the devices on the CPU (gpu: cpu)")
+        return BackendChoice("nccl", f"{local} process(es) on {gpus} CUDA device(s)")
+    if not torch.cuda.is_available():
+        return BackendChoice("gloo", "no CUDA here")
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        return BackendChoice("gloo", f"{local} processes on this node but {gpus} CUDA device(s): CPU ranks")
+    return BackendChoice("nccl", f"{local} process(es) on {gpus} CUDA device(s)")
+
+
+def keep_cpu_job_off_gpus(cluster: Any) -> bool:
+    """For a ``cluster`` of emulated CPU devices, hide this machine's GPUs from this process
+    (``CUDA_VISIBLE_DEVICES=''``) so that libraries which pick a GPU by local rank leave a CPU
+    job alone (Accelerate's and the HF Trainer's barrier pass ``device_ids=[local rank]``,
+    which on a machine with fewer GPUs than processes is "invalid device ordinal").  CUDA
+    reads the variable once, at its first query in the process: call this before anything
+    asks ``torch.cuda``.  Returns True when it hid them."""
+    if cluster is None or not all(d.type.vendor == "cpu" for d in cluster.devices):
+        return False
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return True
+
+
+def resolve_backend(backend: str | None, cluster: Any = None) -> str:
+    """:func:`choose_backend`'s backend alone."""
+    return choose_backend(backend, cluster).backend
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, *,
                      init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None) -> bool:
+                     world_size: int | None = None, cluster: Any = None, verbose: bool = True) -> bool:
     """Initialise ``torch.distributed`` with a collective timeout of ``timeout_s`` seconds.
 
-    ``backend`` None means ``nccl`` on a machine with CUDA, ``gloo`` otherwise
-    (:func:`resolve_backend`).  A CUDA rank is bound to ``cuda:LOCAL_RANK`` before the group
+    ``backend`` None chooses from ``cluster`` (the :class:`fxpar.Cluster` the job is planned
+    for) and the GPUs present (:func:`choose_backend`); ``verbose`` prints the choice and its
+    reason on the first process of each node.  A CUDA rank is bound to ``cuda:LOCAL_RANK`` before the group
     exists (``torch.cuda.set_device`` and ``device_id=``), so no collective guesses its GPU.
     ``init_method`` None means ``env://`` (torchrun sets ``MASTER_ADDR``, ``RANK``, ...).
     Returns True when it created the process group, False when one already existed (then
@@ -70,7 +142,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
     import torch.distributed as dist
 
     timeout = _check_timeout(timeout_s)
-    backend = resolve_backend(backend)
+    hid_gpus = backend in (None, "gloo") and keep_cpu_job_off_gpus(cluster)
+    choice = choose_backend(backend, cluster)
+    backend = choice.backend
     if not dist.is_available():
         raise RuntimeSetupError("init_distributed: this torch build has no torch.distributed")
     if dist.is_initialized():
@@ -95,6 +169,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
             "init_method, rank and world_size, and check that every rank can reach the "
             "rendezvous address") from exc
     drain_collective_threads_at_exit()
+    if verbose and local_rank() == 0:
+        hidden = "; GPUs hidden from this CPU job (CUDA_VISIBLE_DEVICES='')" if hid_gpus else ""
+        print(f"fxpar: process group backend {backend} ({choice.reason}){hidden}", file=sys.stderr, flush=True)
     return True
 
 

@@ -46,7 +46,7 @@ from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime import batch_checks as checks
-from fxpar.runtime.device import module_device, rank_device
+from fxpar.runtime.device import module_device, plan_rank_device
 from fxpar.runtime.distributed import is_comm_failure, peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
@@ -225,7 +225,7 @@ class StepModule(torch.nn.Module):
             raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         check_loss_options(type(self).__name__, loss_fn, loss_weighting)
         self.module, self.plan, self.rank = module, plan, rank
-        self.device = rank_device(device)
+        self.device = plan_rank_device(plan, rank, device)
         self.loss_fn: LossFn = loss_fn or default_loss
         self.causal = type(module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         is_hf = hasattr(module, "config")

@@ -1,8 +1,15 @@
 """The choice among the families' candidates and what the plan reports about it.
 
-    best = argmin_{plan ∈ candidates} predicted_step_s      (on equal steps the first found:
-           data parallelism, then pipelines, then expert parallelism, then sharded data
-           parallelism — deterministic)
+    fastest = min_{plan ∈ candidates} predicted_step_s
+    best    = the first plan, in FAMILY_ORDER (data parallelism, then pipelines, then expert
+              parallelism, then sharded data parallelism; within a family, as found), with
+              predicted_step_s ≤ fastest · (1 + REL_TOL)
+
+Predictions that differ by less than ``REL_TOL`` (1e-9, relative) are equal: they differ in
+the last bits of sums taken in another order (one H200's data-parallel and one-stage pipeline
+plans: 0.07551730574527638 vs ...636 s), and the simpler family wins.  (Where data parallelism
+offers a plan, the pipeline family does not search one-stage pipelines of width one at all:
+:func:`fxpar.solvers.family_pipeline.pipeline_candidates`.)
 
 Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
 among the strategies asked for; every one is the step of a plan that was a candidate, so
@@ -33,6 +40,16 @@ from fxpar.solvers.problems import Candidates, Problems
 
 #: a family that offers nothing (the default where a caller names no sharded family)
 NO_CANDIDATES = Candidates()
+#: predicted steps closer than this (relative) are equal; the simpler family then wins
+REL_TOL = 1e-9
+#: the order in which equal predictions prefer the families (simplest first)
+FAMILY_ORDER: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel", "sharded_data_parallel")
+
+
+def fastest_simplest(plans: list[Plan]) -> Plan:
+    """The first plan in ``plans`` (family order) within ``REL_TOL`` of the fastest."""
+    fastest = min(q.predicted_step_s for q in plans)
+    return next(q for q in plans if q.predicted_step_s <= fastest * (1.0 + REL_TOL))
 
 
 def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
@@ -44,7 +61,7 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
     explain = [line for family in families for line in family.explain]
     if not plans:
         raise nothing_fits(p, dp.error, explain)
-    best = min(plans, key=lambda q: q.predicted_step_s)
+    best = fastest_simplest(plans)
     attention = getattr(p.graph, "attn_implementation", None)
     if attention not in (None, "sdpa"):
         explain.append(f"attention: {attention}, not SDPA (the model class has none, or was built "

@@ -36,9 +36,22 @@ from fxpar.solvers.replica_pipeline import kind_pipelines
 RERANKED = 8
 
 
-def pipeline_candidates(p: Problems, max_tensor_parallel: int) -> Candidates:
+def is_data_parallel_config(cfg: PipelineConfig) -> bool:
+    """One stage, one device wide per pipeline: data parallelism with a pipeline's machinery."""
+    return len(cfg.stages) == 1 and cfg.stages[0].width == 1
+
+
+def _searchable(ranked: list[PipelineConfig], skip_data_parallel: bool) -> list[PipelineConfig]:
+    return [c for c in ranked if not (skip_data_parallel and is_data_parallel_config(c))]
+
+
+def pipeline_candidates(p: Problems, max_tensor_parallel: int, *, data_parallel_fits: bool = False) -> Candidates:
     """The searched pipeline, its interleaved forms and the rule pipelines (module docstring);
-    nothing where pipelines were not asked for or the model has no blocks."""
+    nothing where pipelines were not asked for or the model has no blocks.  Where
+    ``data_parallel_fits`` (the data-parallel family offered a plan), one-stage, width-one
+    configurations are left out of the search and the rule baselines alike
+    (:func:`is_data_parallel_config`); where it does not, such a micro-batched pipeline may be
+    the only plan that fits, and stays."""
     if p.pipeline is None:
         lost = p.graph.lost_gradients
         why = (() if not lost else (
@@ -48,8 +61,8 @@ def pipeline_candidates(p: Problems, max_tensor_parallel: int) -> Candidates:
         return Candidates(explain=why, baselines=(("megatron_even", None), ("whale_rules", None)))
     if p.graph.tp_analysis is not None:  # each rank of a TP group needs a key/value group
         max_tensor_parallel = max(1, min(max_tensor_parallel, p.graph.tp_analysis.max_width()))
-    found = searched(p, max_tensor_parallel)
-    rules = rule_pipelines(p, max_tensor_parallel)
+    found = searched(p, max_tensor_parallel, data_parallel_fits)
+    rules = rule_pipelines(p, max_tensor_parallel, data_parallel_fits)
     mixed = replica_candidates(p, max_tensor_parallel, found.plans + rules.plans)
     return Candidates(plans=found.plans + rules.plans + mixed.plans,
                       explain=found.explain + rules.explain + mixed.explain, baselines=rules.baselines)
@@ -90,11 +103,15 @@ def reranked(p: Problems, ranked: list[PipelineConfig], label: str,
     return None
 
 
-def searched(p: Problems, max_tensor_parallel: int) -> Candidates:
+def searched(p: Problems, max_tensor_parallel: int, skip_data_parallel: bool = False) -> Candidates:
     """The formula's best configurations re-ranked by the simulator, the pick's faster variant,
-    and its interleaved forms that beat it."""
+    and its interleaved forms that beat it (``skip_data_parallel``: :func:`pipeline_candidates`)."""
     width = max_tensor_parallel if any(layer.tensor_parallel for layer in p.graph.layers) else 1
-    ranked = search_ranked(p.pipeline, max_width=width, keep=RERANKED)
+    every = search_ranked(p.pipeline, max_width=width, keep=RERANKED)
+    ranked = _searchable(every, skip_data_parallel)
+    if every and not ranked:
+        return Candidates(explain=("pipelines: only one stage one device wide fits, which is data "
+                                   "parallelism: not searched",))
     if not ranked:
         return Candidates(explain=("pipelines: no configuration fits in memory",))
     explain: list[str] = []
@@ -123,11 +140,12 @@ def interleaved(p: Problems, cfg: PipelineConfig, one_f_one_b: float) -> tuple[t
     return tuple(plans), tuple(explain)
 
 
-def rule_pipelines(p: Problems, max_tensor_parallel: int) -> Candidates:
+def rule_pipelines(p: Problems, max_tensor_parallel: int, skip_data_parallel: bool = False) -> Candidates:
     """Megatron's and Whale's pipelines, each the simulator's best of its rule's configurations in
     its faster variant: their steps as baselines, their plans as candidates."""
     order = list(dict.fromkeys(g.key for g in p.cluster.groups()))
-    mega, whale = pipeline_baselines(p.pipeline, order, max_tensor_parallel, keep=RERANKED)
+    mega, whale = (_searchable(r, skip_data_parallel)
+                   for r in pipeline_baselines(p.pipeline, order, max_tensor_parallel, keep=RERANKED))
     plans, explain, steps = [], [], {"megatron_even": None, "whale_rules": None}
     for baseline, rule, ranked in (("megatron_even", "even-cut (Megatron)", mega),
                                    ("whale_rules", "capacity-cut (Whale)", whale)):
