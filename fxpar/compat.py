@@ -16,6 +16,19 @@ is run, and nothing else in fxpar depends on them.
   gradient; :func:`pipeline_stage_class` recognises that release by the first name and sends
   zeros for such an input (torch >= 2.13 needs none of it).
 
+- ``torch.ops.aten._assert_tensor_metadata``: ``torch.export`` puts one before every
+  ``aten.to`` of the graph (torch 2.11 and 2.13: its ``_insert_aten_to_metadata_assert_pass``),
+  asserting the dtype, device and layout the input had while tracing.  Autocast changes those
+  dtypes at run time (a bf16 matmul output where the export saw float32), so pipeline stages
+  drop these nodes (:func:`is_tensor_metadata_assert`); the op is private, and there is no
+  public switch to export without it.
+- ``torch.ops.higher_order.wrap_with_autocast`` and its argument layout ``(device_type, dtype,
+  enabled, cache_enabled, body, *operands)``: how the export records a ``with torch.autocast``
+  block of the model's forward (transformers' float32 rotary tables).  The device type is a
+  literal of the export; a stage exported on the host and run on a GPU must name the GPU's
+  (:func:`retarget_autocast_region`).  The name is public, the layout is torch's own
+  (``torch._higher_order_ops.wrap.WrapWithAutocast``).
+
 transformers (checked against 5.23):
 
 - ``PreTrainedModel._keys_to_ignore_on_save``: ``Trainer`` reads it from the model it trains
@@ -65,6 +78,27 @@ def set_stage_mapping(schedule: Any, actions: dict[int, list[Any]]) -> None:
         raise RuntimeSetupError("this torch's PipelineScheduleMulti cannot take a custom stage placement; "
                                 "use a 1F1B or GPipe plan")
     setter(actions)
+
+
+# ---- torch.export graphs -------------------------------------------------------------------------
+def is_tensor_metadata_assert(node: torch.fx.Node) -> bool:
+    """True for an ``aten._assert_tensor_metadata`` node (any overload): an assertion of the dtype,
+    device and layout a tensor had while the graph was exported."""
+    if node.op != "call_function":
+        return False
+    packet = torch.ops.aten._assert_tensor_metadata
+    return node.target is packet or any(node.target is getattr(packet, name) for name in packet.overloads())
+
+
+def retarget_autocast_region(node: torch.fx.Node, device_type: str) -> bool:
+    """When ``node`` is an autocast region of an exported graph (``wrap_with_autocast``), make it
+    act on ``device_type`` (its dtype, enabled flag and body are kept); True when it is one."""
+    region = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+    if region is None or node.op != "call_function" or node.target is not region:
+        return False
+    if node.args and node.args[0] != device_type:
+        node.args = (device_type, *node.args[1:])
+    return True
 
 
 # ---- transformers ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_fast_rank_holds_stages_0_and_2(pool2):
     _check(results)
 
 
+@pytest.mark.full  # the quick tier keeps test_fast_rank_holds_stages_0_and_2 (interleaved, 2 ranks)
 def test_tied_embedding_across_ranks_and_two_pipelines(pool4):
     # GPT-2 (tied embedding / head) in 4 stages on 2 ranks per pipeline: stage 0 (embedding) on
     # rank 0, stage 3 (head) on rank 1, so the tie is summed across ranks; 2 pipelines

@@ -6,7 +6,9 @@ Rank layout comes from the plan (``pipeline_tp.py``): stage ``j`` of pipeline ``
 first rank runs the schedule and whose others replay it.  Groups: the point-to-point chain of
 each pipeline, one per (stage, position) across the ``P`` pipelines (data parallelism), one per
 tensor-parallel stage, one per pipeline, one per weight tied across stages
-(``pipeline_ties.py``).  Mixed precision: the stages are exported and run under autocast.
+(``pipeline_ties.py``).  Mixed precision: the stages are exported under the autocast of the
+device the model is on and run under the autocast of this rank's device
+(:mod:`fxpar.codegen.pipeline_split`).
 
 Correctness: with ``N`` items in the global batch (label tokens ``labels[..., 1:] != -100``
 for HF causal LMs, labels ``!= -100`` for other HF models, else samples) and ``L_mb`` the
@@ -88,7 +90,7 @@ from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.batch_checks import IGNORE_INDEX
-from fxpar.runtime.device import broadcast_state, rank_device, to_host
+from fxpar.runtime.device import broadcast_state, plan_rank_device, to_host
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.loss_scale import scaler_for
@@ -134,7 +136,7 @@ class PipelineParallelModule(torch.nn.Module):
             raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
         S, P = len(plan.stages), plan.pipelines
         self.plan, self.rank = plan, rank
-        self.device = rank_device(device)
+        self.device = plan_rank_device(plan, rank, device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         self.loss_scaler = scaler_for(plan.dtype)
         self._original = [model]  # a list: not registered as a submodule (config, names)
@@ -304,17 +306,19 @@ class PipelineParallelModule(torch.nn.Module):
         return (items[lo:hi] / total).to(torch.float32)
 
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
-        """The stage modules (mixed precision: exported and run under autocast, fp32 master
-        weights), and what the batch checks need: the traced inputs' dtypes and per-sample
-        shapes (the stages' buffers are built for them), the vocabulary, causal or not."""
+        """The stage modules (mixed precision: exported under the autocast of the device the
+        model is on, run under this rank's device's, fp32 master weights:
+        :mod:`fxpar.codegen.pipeline_split`), and what the batch checks need: the traced inputs'
+        dtypes and per-sample shapes (the stages' buffers are built for them), the vocabulary,
+        causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
-        autocast = (self.device.type, low) if low is not None else None
-        if autocast is not None and is_meta_model(model):  # same verdict on every rank
+        if low is not None and is_meta_model(model):  # same verdict on every rank
             raise ConfigError(
                 f"{type(self).__name__}: a {self.plan.dtype} pipeline cannot be cut from a model on the meta "
-                "device: the stages are exported under torch.autocast, which has no meta device, so the "
-                "export would miss its casts; plan this model with dtype='fp32', or pass a real model")
-        modules, self.input_names = split_stages(model, one, stage_of, len(self.plan.stages), autocast=autocast)
+                "device: the stages are exported under the autocast of the model's device, and the meta "
+                "device has none, so the export would miss the model's own autocast regions (float32 "
+                "rotary tables); plan this model with dtype='fp32', or pass a real model")
+        modules, self.input_names = split_stages(model, one, stage_of, len(self.plan.stages), autocast=low)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None

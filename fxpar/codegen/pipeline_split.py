@@ -8,6 +8,33 @@ next to the embeddings, the labels that the loss reads.  Each stage module owns 
 parameters and buffers — the original model's tensors, under their original FQNs — so the
 optimizer, gradient synchronisation and state dicts stay in the model's own names.
 (``pipelining.pipeline()`` is not used: it fails on RoPE models, pytorch/pytorch#184361.)
+
+Mixed precision (a bf16 / fp16 plan).  ``torch.export`` records the training graph above
+autocast: an op autocast would run in bf16 is recorded as the op itself (``aten.linear``), never
+with the casts autocast makes — a graph exported under autocast holds no ``aten._to_copy`` more
+than one exported without (torch 2.11 and 2.13).  So the policy is not frozen into the graph:
+each stage runs its piece under ``torch.autocast`` of the device it runs on
+(:attr:`StageModule.autocast`, set by :meth:`StageModule.retarget`), and every aten op of the
+piece dispatches through that autocast there — CUDA's policy on a GPU, wherever the export ran.
+What the export does freeze is dealt with so:
+
+- before every ``aten.to`` torch inserts ``aten._assert_tensor_metadata`` with the dtype and
+  device the input had while tracing.  A model and example batch on the host, exported under a
+  CUDA autocast (which leaves host tensors alone), recorded float32 where the GPU run makes
+  bf16 ("Tensor dtype mismatch! Expected: Float, Got: c10::BFloat16").  The split drops every
+  such assertion (:func:`drop_metadata_asserts`); the ``aten.to`` stays and converts what the
+  run gives it, as eager does;
+- a ``with torch.autocast(...)`` block of the model's own forward (transformers' float32 rotary
+  tables, GPT-2's upcast attention: ``maybe_autocast(..., enabled=False)``) becomes a
+  ``wrap_with_autocast`` region naming the device type of the export — and ``maybe_autocast``
+  records it only when autocast is on for the tensors' device.  So the export runs under the
+  autocast of the device the model and example batch are on (the CPU's for a model built on the
+  host), and :meth:`StageModule.retarget` gives the regions the run device's type, as it does
+  the graph's device constants: the rotary tables stay float32 on the GPU, as in eager;
+- the stage-boundary example values (the dtypes of the p2p buffers, which torch's stages check
+  every output against) come from one pass on the export device, under its autocast.  A
+  residual block returns float32 under either device's policy (its residual sum promotes);
+  a boundary value that one policy made bf16 and the other float32 would fail that check.
 """
 
 from __future__ import annotations
@@ -21,7 +48,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
+from fxpar.compat import is_tensor_metadata_assert, retarget_autocast_region
 from fxpar.errors import PlanError, TraceError
+from fxpar.runtime.device import HOST
 from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.export_settings import export_ready
@@ -53,7 +82,8 @@ class StageModule(torch.nn.Module):
         self.is_last = False
         #: recompute this stage's forward during backward (the plan's activation checkpointing)
         self.checkpointing = False
-        #: ``(device type, low dtype)``: run the piece under ``torch.autocast`` (it was exported so)
+        #: ``(device type, low dtype)``: run the piece under ``torch.autocast`` of the device it
+        #: runs on (the export's until :meth:`retarget`; module docstring, mixed precision)
         self.autocast: tuple[str, torch.dtype] | None = None
         #: input position -> integer dtype to restore (set by split_stages for stages > 0)
         self.input_dtypes: dict[int, torch.dtype] = {}
@@ -75,8 +105,12 @@ class StageModule(torch.nn.Module):
         """Run on ``device``: every device the export recorded in the piece's graph (the example
         inputs' — ``meta`` for a meta model — and the buffers', in device checks, tensor
         factories, ``.to(x.device)``) becomes ``device``, nested graphs (autocast regions)
-        included.  The tensors themselves are moved (or materialised) separately."""
-        _retarget(self.piece, torch.device(device))
+        included; the model's autocast regions and the stage's own autocast act on ``device``'s
+        type.  The tensors themselves are moved (or materialised) separately."""
+        device = torch.device(device)
+        _retarget(self.piece, device)
+        if self.autocast is not None:
+            self.autocast = (device.type, self.autocast[1])
 
     def named_tensors(self):
         """(original FQN, attribute name, tensor) of every parameter and buffer this stage holds
@@ -190,28 +224,28 @@ def _stage_callback(model: torch.nn.Module, layer_to_stage: Sequence[int], num_s
 
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                  layer_to_stage: Sequence[int], num_stages: int,
-                 autocast: tuple[str, torch.dtype] | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
+                 autocast: torch.dtype | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
     """Stage modules (all of them; each rank keeps its own) and the names of stage 0's inputs.
 
     ``layer_to_stage[l]`` is the stage of repeated block ``l``; what precedes the first block
-    runs on stage 0, what follows the last block on the last stage.  ``autocast``
-    (``(device type, dtype)``) exports the model under ``torch.autocast`` and runs every stage
-    under it (mixed precision): the exported graph's dtype checks then hold, and each op sees
-    the casts eager autocast would make, so the stages compute what the autocast model does.
-    The stages run where the export ran until :meth:`StageModule.retarget` moves them.
+    runs on stage 0, what follows the last block on the last stage.  ``autocast`` (the plan's
+    low-precision dtype) exports the model under ``torch.autocast`` of the device its tensors
+    are on and runs every stage under the autocast of the device it runs on (module docstring,
+    mixed precision), so the stages compute what the autocast model does there.  The stages
+    run where the export ran until :meth:`StageModule.retarget` moves them.
     """
     kwargs = dict(example_inputs)
     if _accepts(model, "use_cache"):  # HF models do not export with a cache
         kwargs.setdefault("use_cache", False)
-    precision = (torch.autocast(device_type=autocast[0], dtype=autocast[1])
-                 if autocast is not None else contextlib.nullcontext())
+    device_type = _export_device(model, kwargs).type
     try:
-        with precision, export_ready(model):
+        with _export_precision(device_type, autocast), export_ready(model):
             ep = torch.export.export(model, (), kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
     _refuse_lost_gradients(model, ep)
     gm = ep.module()
+    drop_metadata_asserts(gm)
     parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]
     if len(calls) != num_stages:
@@ -268,12 +302,51 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
         piece = getattr(parent, str(call.target))
         mod = StageModule(piece, specs[i], reads[i], params, constants, produced[i])
         mod.is_last = i == num_stages - 1
-        mod.autocast = autocast
+        mod.autocast = (device_type, autocast) if autocast is not None else None
         if i > 0:
             mod.input_dtypes = {k: dtypes[v] for k, v in enumerate(specs[i].inputs)
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
         modules.append(mod)
     return modules, tensor_inputs
+
+
+def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.device:
+    """Where the export's tensors are: the model's first parameter or buffer, else the first
+    tensor input, else the host."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), HOST)
+
+
+def _export_precision(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The autocast to export under: ``dtype``'s on the export tensors' device (what records
+    the model's own autocast regions, module docstring), none for an fp32 plan."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    if not torch.amp.is_autocast_available(device_type):
+        raise PlanError(f"pipeline split: a {dtype} plan exports the model under torch.autocast of the device "
+                        f"its tensors are on, and {device_type!r} has no autocast; build the model on the CPU "
+                        "or a GPU, or plan it with dtype='fp32'")
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
+    """Erase every tensor-metadata assertion (``aten._assert_tensor_metadata``) of ``gm`` and of
+    its nested graphs; returns how many.  They pin the dtypes and devices of the export, which
+    the run's autocast and device legitimately change (module docstring); nothing reads them."""
+    dropped = 0
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        found = [n for n in sub.graph.nodes if is_tensor_metadata_assert(n) and not n.users]
+        for node in found:
+            sub.graph.erase_node(node)
+        if found:
+            sub.recompile()
+        dropped += len(found)
+    return dropped
 
 
 def _refuse_lost_gradients(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> None:
@@ -298,7 +371,8 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
 
 
 def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """Every device constant in the node arguments of ``gm`` and its nested graphs becomes ``device``."""
+    """Every device constant in the node arguments of ``gm`` and its nested graphs becomes
+    ``device``, and every autocast region acts on ``device``'s type."""
     def swap(a: Any) -> Any:
         return device if isinstance(a, torch.device) and a != device else a
 
@@ -306,6 +380,7 @@ def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
         if not isinstance(sub, torch.fx.GraphModule):
             continue
         for node in sub.graph.nodes:
+            retarget_autocast_region(node, device.type)
             node.args = torch.fx.node.map_aggregate(node.args, swap)
             node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
         sub.recompile()
