@@ -31,6 +31,11 @@ replica on a node of its own kind (``StagePlan.replica_devices``), every pipelin
 micro-batches; the simulator prices each pipeline at its own kinds (compute, its node's PCIe
 tensor parallelism) and starts each stage's gradient all-reduce when its slowest replica is done.
 (``--slowest-kind``: the former approximation, every replica of a stage on its slowest kind.)
+
+fxpar's own runs (``--own-runs``, default ``shared/validation/h200-2026-11-26/measured.json``:
+Llama 1.1B and GPT-2 124M trained by fxpar on one H200) follow as the table's last rows and the
+JSON's ``report.own_runs``: step and program-level allocated peak against the catalog roofline's
+prediction, uncalibrated (:mod:`benchmarks.real_gpu_own`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import numpy as np
 from scipy.optimize import lsq_linear
 
 from benchmarks.common import finish
+from benchmarks.real_gpu_own import DEFAULT_OWN_RUNS, evaluate_own
+from benchmarks.real_gpu_own import table_rows as own_table_rows
 from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import CATALOG, FRAMEWORK_CALIBRATION
 from fxpar.codegen.hand_plans import pipeline_plan
@@ -313,8 +320,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="accepted for the runner; every run is always priced")
     ap.add_argument("--slowest-kind", action="store_true",
                     help="price every replica of a stage on its slowest kind (the former approximation)")
+    ap.add_argument("--own-runs", type=Path, nargs="*", default=[DEFAULT_OWN_RUNS],
+                    help="fxpar's own GPU runs (shared/validation/*/measured.json; benchmarks.real_gpu_own)")
     args = ap.parse_args(argv)
     report = evaluate(load_runs(args.runs), slowest=args.slowest_kind)
+    report["own_runs"] = [row for path in args.own_runs if path.is_file() for row in evaluate_own(path)]
     head = ("run", "measured s", "fxpar s", "err", "LOO err", "Sailor err", "meas GiB", "fxpar GiB", "err",
             "LOO err", "Sailor err")
     rows = [(x["id"], f"{x['measured_step_s']:.4g}", f"{x['predicted_step_s']:.4g}", _pct(x["step_error"]),
@@ -329,9 +339,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append((f"[{label}] {who} n: mean / worst", "", "", _pm(st["step_error"]),
                          _pm(step) if step else "", "", "", "", _pm(st["memory_error"]),
                          _pm(st["loo_memory_error"]) if who == "fxpar" else "", ""))
+    rows += own_table_rows(report["own_runs"], _pct)
     caption = (f"predicted vs measured step and driver-level peak memory ({args.runs.name}); constants fitted "
                f"on these runs: {json.dumps(report['constants']['fitted'])}; runs with memory under-predicted by "
-               f">10%: {report['memory_under_10pct'] or 'none'}")
+               f">10%: {report['memory_under_10pct'] or 'none'}.  fxpar's own runs (last rows, "
+               f"benchmarks.real_gpu_own): catalog roofline, no calibration; memory = program-level allocated "
+               f"bytes (torch.cuda.max_memory_allocated vs predict's peak_memory_bytes); the LOO column holds the "
+               f"step error of the bf16 meta trace (fxpar plan) beside the fp32 module's (fxpar.auto)")
     return finish("real_gpu", title="Validation on measured GPU runs", caption=caption, head=head, rows=rows,
                   quick=False, out=args.out, runs_file=str(args.runs), report=report)
 

@@ -19,7 +19,8 @@ from fxpar.codegen.sharded_data_parallel import ShardedDataParallelModule
 from fxpar.codegen.tensor_parallel import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
-from fxpar.runtime.device import check_device_kind, rank_device
+from fxpar.planning import measured_graph
+from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
@@ -67,11 +68,16 @@ def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, wor
     ``max_tensor_parallel`` caps the width of tensor-parallel pipeline stages (inside a node;
     1: none).  The solver offers them only for blocks codegen can split (Llama-style, GPT-2,
     BERT, MoE experts; ``LayerInfo.tensor_parallel``).  ``strategies``: the plan families
-    searched (:data:`fxpar.solvers.planner.FAMILIES`; None: all)."""
-    first = next(model.parameters(), None)
-    graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
-    return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel,
-                      strategies=api_checks.check_strategies(strategies))
+    searched (:data:`fxpar.solvers.planner.FAMILIES`; None: all).  On a machine with CUDA, a
+    measured profile of its GPU cached by ``fxpar profile --device cuda`` prices the plan
+    (:func:`fxpar.planning.measured_graph`); the plan's ``cost_source`` names what priced it."""
+    strategies = api_checks.check_strategies(strategies)
+    graph, profiles = measured_graph(model, example_inputs, workload, cluster)
+    if graph is None:
+        first = next(model.parameters(), None)
+        graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
+    return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel, strategies=strategies,
+                      profiles=profiles)
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
@@ -94,8 +100,9 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     default: data parallel, pipelines with tensor-parallel stages, expert parallel, sharded
     data parallel).
 
-    ``device``: this rank's device (default :func:`fxpar.runtime.device.rank_device`:
-    ``cuda:LOCAL_RANK`` under NCCL, else the CPU).  ``checkpoint``: a HF ``save_pretrained``
+    ``device``: this rank's device (default :func:`fxpar.runtime.device.rank_device`, from
+    the plan: ``cuda:LOCAL_RANK`` for a GPU rank on a machine with CUDA under NCCL or without a
+    process group, the CPU for an emulated CPU rank or a gloo group).  ``checkpoint``: a HF ``save_pretrained``
     folder (or ``.safetensors`` file) whose weights this rank loads, only the tensors (or
     slices) its plan gives it; meant for a model built on the ``meta`` device.
 
@@ -119,7 +126,9 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                              max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn,
                              loss_weighting=loss_weighting, emulate=emulate,
                              max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies)
-    device = rank_device(device, group=group)
+    if device is not None:
+        rank_device(device, group=group)  # a bad device option fails before any tracing
+    check_model_devices(model)
     cluster = _as_cluster(cluster)
     rank = _check_world(cluster, group)
     if example_inputs is None and plan is None:
@@ -138,7 +147,9 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
     else:
         api_checks.check_plan_fits_model(plan, model)
+    device = plan_rank_device(plan, rank, device, group=group)
     check_device_kind(plan.ranks[rank].device, device, rank)
+    check_model_devices(model, device)
     api_checks.check_options_for_plan(plan, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
                                       example_inputs=example_inputs)
     return _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,

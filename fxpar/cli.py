@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -26,8 +27,8 @@ from fxpar.plan import Plan
 from fxpar.planning import plan_model, trace_spec
 from fxpar.predict import predict
 from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
-from fxpar.profiling import CostModel
-from fxpar.profiling.database import load_profiles
+from fxpar.profiling import CostModel, local_cache
+from fxpar.profiling.database import PROFILE_DIR_ENV, load_profiles
 from fxpar.scenario import load_scenario
 from fxpar.sim import simulate
 from fxpar.sim.plot import plot_timeline
@@ -169,7 +170,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _progress(f"cluster {cluster.name}: {cluster.world_size} devices; workload: batch "
               f"{workload.global_batch}, seq {workload.seq_len}, {workload.dtype}, {workload.optimizer}")
 
-    profiles = load_profiles(args.profiles)
+    profiles = _profiles(args.profiles, cluster, workload)
     plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles,
                       strategies=args.strategies)
     print(plan.table())
@@ -194,6 +195,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _progress(f"wrote {args.json_out}")
     _progress(f"done in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _profiles(directory: Path | None, cluster: Cluster, workload: Workload) -> dict:
+    """The measured profiles to plan with: ``--profiles DIR`` or ``$FXPAR_PROFILE_DIR`` when
+    given; else, on a machine with CUDA, the profile ``fxpar profile --device cuda`` cached for
+    this GPU, torch version and dtype (:func:`fxpar.profiling.local_cache.lookup`); else none
+    (the catalog roofline).  The plan names what it used (``Plan.cost_source``)."""
+    if directory is not None or os.environ.get(PROFILE_DIR_ENV):
+        return load_profiles(directory)
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    found = local_cache.lookup(cluster, workload.dtype)
+    _progress(f"cost source: {found.description}")
+    return dict(found.profiles or {})
 
 
 def _writable_file(flag: str, path: Path) -> None:
@@ -258,7 +275,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.collectives:
         profile_collectives(out=args.out, progress=_progress)
         return 0
-    created = maybe_init_process_group()
+    created = maybe_init_process_group(args.device)
     try:
         profile_ops(model=args.model, batch=args.batch, seq=args.seq, device=args.device,
                     out=args.out, repeats=args.repeats, dtype=args.dtype, progress=_progress)

@@ -171,6 +171,9 @@ class Plan:
     #: whole schedule, as DeepSpeed's pipeline engine does); fp32 matmuls may use TF32
     overlap_grad_allreduce: bool = True
     allow_tf32: bool = False
+    #: where the predicted times came from: "catalog roofline", or a measured profile
+    #: (:func:`fxpar.profiling.local_cache.describe`)
+    cost_source: str = "catalog roofline"
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -360,6 +363,7 @@ class Plan:
                        f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
         else:
             out.append("no prediction (a hand-written plan)")
+        out.append(f"cost source: {self.cost_source}")
         for name, value in self.baselines:
             out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else
                        f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"

@@ -152,7 +152,7 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
     """Types and ranges of every ``Plan`` field, then the cross-field rules that do not depend
     on the strategy (stage numbering, ranks in range, per-strategy split lengths)."""
     where = "plan"
-    for name in ("strategy", "model", "cluster", "dtype", "optimizer", "schedule"):
+    for name in ("strategy", "model", "cluster", "dtype", "optimizer", "schedule", "cost_source"):
         _set(p, **{name: _text(getattr(p, name), where, name)})
     _set(p, global_batch=_int(p.global_batch, where, "global_batch", 1),
          pipelines=_int(p.pipelines, where, "pipelines", 1),

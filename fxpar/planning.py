@@ -10,15 +10,16 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fxpar.errors import ConfigError
+from fxpar.errors import ConfigError, FxparError
 from fxpar.plan import Plan
+from fxpar.profiling import local_cache
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.keys import trace_at_two_batches
 from fxpar.solvers import check_inputs
 from fxpar.solvers import plan as solve_plan
 from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing import ModelGraph, trace
-from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config, hf_task
 from fxpar.tracing.repeat import SHALLOW_LAYERS, can_shorten, depth, extend
 from fxpar.workload import Workload
 
@@ -61,10 +62,12 @@ def trace_spec(model: ModelSpec | Any, workload: Workload, *, progress: Progress
             if not hasattr(module, "config"):
                 raise ConfigError("model: a plain nn.Module needs example inputs; return "
                                   "(module, example_inputs) from your module:function")
-            # on the model's device: a meta model traces on meta inputs (torch 2.11's fake
-            # embedding refuses a meta weight with CPU ids), a GPU model on its GPU
+            # for the model's task, on the model's device: a meta model traces on meta inputs
+            # (torch 2.11's fake embedding refuses a meta weight with CPU ids), a GPU model on its GPU
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
-            inputs = example_inputs(module, 1, workload.seq_len, device=device)
+            task = hf_task(module) or "causal-lm"
+            inputs = example_inputs(module, 1, None if task == "image-classification" else workload.seq_len,
+                                    task=task, device=device)
         name = type(module).__name__
     progress(f"tracing {name} with torch.export")
     graph = trace(module, inputs, model_name=name)
@@ -109,3 +112,28 @@ def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
     result = solve_plan(graph, cluster, workload, profiles=profiles, strategies=strategies)
     progress(f"solved in {result.solve_time_s:.2f} s")
     return result
+
+
+def measured_graph(model: torch.nn.Module, sample_inputs: Any, workload: Workload,
+                   cluster: Any) -> tuple[ModelGraph | None, Mapping[str, ProfileDB] | None]:
+    """On a machine with CUDA, the cached measured profile of its GPU
+    (:func:`fxpar.profiling.local_cache.lookup`) and a graph keyed for it: a HF model's config
+    traced at batch 2 and 4 on ``meta`` (``op_keys``), at the example batch's sequence length.
+    ``(None, None)`` where no profile is cached, the model is not a HF model the keyed trace can
+    rebuild, or the rebuild fails: the caller traces the model itself and prices by the
+    roofline (the plan's ``cost_source`` says which)."""
+    found = local_cache.lookup(cluster, workload.dtype) if torch.cuda.is_available() else None
+    task = hf_task(model)
+    if found is None or not found.profiles or task is None:
+        return None, None
+    ids = sample_inputs.get("input_ids") if isinstance(sample_inputs, Mapping) else None
+    seq = workload.seq_len or (int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None)
+    if seq is None and task != "image-classification":
+        return None, None
+    spec = ModelSpec(hf_config=model.config.to_dict(), task=task, name=type(model).__name__)
+    try:
+        keyed = trace_spec(spec, Workload(global_batch=workload.global_batch, seq_len=seq, dtype=workload.dtype,
+                                          optimizer=workload.optimizer), op_keys=True)
+    except FxparError:
+        return None, None
+    return keyed, found.profiles

@@ -22,9 +22,11 @@ import torch
 from fxpar.cluster.detect import match_device_name
 from fxpar.errors import ConfigError
 from fxpar.models import resolve_model
+from fxpar.profiling import local_cache
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.measure import profile_model
 from fxpar.profiling.measure_comm import measure_collectives
+from fxpar.runtime.distributed import init_distributed
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
 
@@ -73,11 +75,15 @@ def profile_ops(*, model: str | ModelSpec, batch: int, seq: int, device: str, ou
     path = db.save(out)
     progress(f"{len(db.ops)} distinct ops of {spec.display_name} on {dev_name} "
              f"({type_name}) in {time.perf_counter() - start:.1f} s -> {path}")
+    if device == "cuda":  # `fxpar plan` on this machine finds it there (fxpar.profiling.local_cache)
+        progress(f"cached for {type_name}, torch {db.torch_version}, {dtype}: {local_cache.store(db, dtype)}")
     return path
 
 
-def maybe_init_process_group() -> bool:
-    """Under torchrun (RANK set) start the process group; True if this call created it."""
+def maybe_init_process_group(device: str | None = None) -> bool:
+    """Under torchrun (RANK set) start the process group; True if this call created it.
+    ``device`` "cpu" profiles CPU ranks (gloo, also on a machine with GPUs); otherwise the
+    backend follows the GPUs present (:func:`fxpar.runtime.distributed.choose_backend`)."""
     import os
 
     import torch.distributed as dist
@@ -85,8 +91,7 @@ def maybe_init_process_group() -> bool:
     if dist.is_initialized() or "RANK" not in os.environ:
         return False
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return True
+    return init_distributed(backend="gloo" if device == "cpu" else None)
 
 
 def profile_collectives(*, out: Path, progress: Callable[[str], None]) -> Path | None:

@@ -52,3 +52,22 @@ def test_summary_and_constants_are_complete(report):
     for group, consts in rep["constants"]["fitted"].items():
         assert all(math.isfinite(v) for v in consts.values()), group
     json.dumps(rep)  # the benchmark writes it as JSON
+
+
+def test_own_runs_are_priced_against_allocated_bytes():
+    """fxpar's own GPU runs (benchmarks.real_gpu_own): one row per run of the measured file, the
+    step and the program-level peak predicted (catalog roofline) beside the measured ones."""
+    from benchmarks.real_gpu_own import DEFAULT_OWN_RUNS, evaluate_own, load_own_runs
+
+    if not DEFAULT_OWN_RUNS.is_file():
+        pytest.skip(f"no own GPU runs at {DEFAULT_OWN_RUNS} (../shared/validation is not checked out here)")
+    runs, rows = load_own_runs(DEFAULT_OWN_RUNS)["runs"], evaluate_own(DEFAULT_OWN_RUNS)
+    assert len(rows) == len(runs)
+    for run, row in zip(runs, rows):
+        assert row["measured_allocated_bytes"] == run["plain_hf_loop_peak_allocated_bytes"]
+        assert row["cost_source"] == "catalog roofline" and row["device"] == "H200-SXM"
+        for key in ("predicted_step_s", "step_error", "predicted_step_s_bf16_trace", "memory_error"):
+            assert math.isfinite(row[key]), (row["id"], key)
+        # both traces price the same mixed-precision memory (fxpar.tracing.saved)
+        assert row["predicted_memory_bytes"] == row["predicted_memory_bytes_bf16_trace"] > 0
+    json.dumps(rows)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -64,6 +64,8 @@ class ProfileDB:
     torch_version: str = ""
     ops: Mapping[str, OpCost] = field(default_factory=dict)
     links: Mapping[str, LinkCost] = field(default_factory=dict)
+    #: the file it was read from ("" when built in memory); not part of the data
+    source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict:
         return {"format": PROFILE_FORMAT, "device_type": self.device_type,
@@ -116,7 +118,7 @@ def load_profile(path: str | Path) -> ProfileDB:
         raise ConfigError(f"profile {file}: no such file") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"profile {file}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
-    return ProfileDB.from_dict(data, source=str(file))
+    return replace(ProfileDB.from_dict(data, source=str(file)), source=str(file))
 
 
 def load_profiles(directory: str | Path | None = None) -> dict[str, ProfileDB]:

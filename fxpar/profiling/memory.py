@@ -8,8 +8,20 @@ Model state per parameter (ZeRO paper §3, reference section 3), ``Ψ`` paramete
     sgd         fp32             4        4      4  (momentum)              12 Ψ
     sgd         fp16/bf16 mixed  2        2      8  (fp32 master, momentum) 12 Ψ
 
+fxpar's mixed precision (:mod:`fxpar.runtime.precision`) keeps the parameters themselves in fp32
+(the master weights), their gradients in fp32 and AdamW's ``m, v``: 4 + 4 + 8 bytes; its forward
+under ``torch.autocast`` adds a bf16/fp16 copy of each weight a matmul reads (cached for the
+forward, kept by autograd until the backward uses it).  The mixed rows above charge the same
+16 Ψ: ``W + O`` = 2 + 12 is the fp32 weights, ``m, v`` and the autocast copies, alive when a
+backward starts; ``W + O + G`` = 16 is the fp32 state after the last backward, the copies freed.
+(The copies are charged for every parameter; an input embedding is never cast, so its 2 bytes
+per parameter are an over-statement.)
+
 Activations: the traced graph's saved-for-backward bytes per sample (see
-:mod:`fxpar.tracing.trace`), in the precision the graph was traced with.
+:mod:`fxpar.tracing.saved`): in fp32, as traced; in fp16/bf16, as ``torch.autocast`` keeps them
+(:meth:`fxpar.tracing.graph.ModelGraph.under_autocast`: matmul inputs and outputs in the low
+type, a copy per matmul of an fp32 input, norms and residuals in fp32), whatever precision the
+model was traced in.
 
 Peak of a training step (:func:`step_peak_bytes`, every plan kind; checked against the CPU
 allocator's live tensor bytes by ``python -m benchmarks.memory_fidelity``).  A rank holds its

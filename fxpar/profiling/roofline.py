@@ -90,14 +90,15 @@ class CostModel:
     def __init__(self, graph: ModelGraph, cluster, *, dtype: str = "fp32",
                  optimizer: str = "adam", allow_tf32: bool = False,
                  profiles: Mapping[str, ProfileDB] | None = None) -> None:
-        self.graph = graph
+        # mixed precision: activations as torch.autocast keeps them (fxpar.tracing.saved)
+        self.graph = graph.under_autocast() if dtype in ("fp16", "bf16") else graph
         self.cluster = cluster
         self.dtype = dtype
         self.optimizer = optimizer
         self.compute_dtype = "tf32" if (dtype == "fp32" and allow_tf32) else dtype
         memory.state_bytes_per_param(optimizer, dtype)  # validates the optimizer name early
         self.profiles = dict(profiles or {})
-        nodes = graph.nodes
+        nodes = self.graph.nodes
         self._keys = list(graph.op_keys)
         b = float(graph.batch_size)
         self._fwd = np.array([n.fwd_flops for n in nodes], dtype=np.float64) / b

@@ -48,6 +48,7 @@ from dataclasses import replace
 
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
+from fxpar.profiling.local_cache import profiles_description
 from fxpar.solvers.choose import choose
 from fxpar.solvers.family_dp import dp_candidates
 from fxpar.solvers.family_ep import ep_candidates
@@ -74,8 +75,9 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     start = time.perf_counter()
     problems = build_problems(graph, cluster, workload, strategies, allow_tf32=allow_tf32, profiles=profiles)
     dp = dp_candidates(problems)
-    pipeline = pipeline_candidates(problems, max_tensor_parallel)
+    pipeline = pipeline_candidates(problems, max_tensor_parallel, data_parallel_fits=bool(dp.plans))
     ep = ep_candidates(problems)
     sharded = sharded_candidates(problems)
     best = choose(problems, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
-    return replace(best, solve_time_s=time.perf_counter() - start)
+    return replace(best, solve_time_s=time.perf_counter() - start,
+                   cost_source=profiles_description(profiles, cluster, workload.dtype, problems.cost))

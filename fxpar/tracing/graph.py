@@ -8,6 +8,7 @@ from equality and repr) for codegen only.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,11 @@ class OpNode:
     in_shapes: tuple[tuple[int, ...], ...] = ()   # tensor inputs (lists flattened), in order
     in_dtypes: tuple[str, ...] = ()
     args_repr: str = ""               # the non-tensor arguments, for profile keys
+    #: under torch.autocast (fp32 master weights, bf16/fp16 forward: :mod:`fxpar.tracing.saved`):
+    #: the bytes this node keeps for backward (-1: not computed, as traced) and its output's dtype
+    #: ("": as traced; the low type is written "bfloat16", fp16 has its size)
+    amp_saved_bytes: int = -1
+    amp_dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,17 @@ class ModelGraph:
     @property
     def activation_bytes(self) -> int:
         return sum(n.saved_bytes for n in self.nodes)
+
+    def under_autocast(self) -> "ModelGraph":
+        """This graph as a mixed-precision step runs it (fp32 master weights, forward under
+        ``torch.autocast``): each node's ``saved_bytes`` and ``dtype`` replaced by its
+        ``amp_saved_bytes`` and ``amp_dtype`` where the trace computed them
+        (:mod:`fxpar.tracing.saved`), everything else (FLOPs, bytes moved, shapes) as traced.
+        Idempotent."""
+        nodes = tuple(n if n.amp_saved_bytes < 0 and not n.amp_dtype else
+                      dataclasses.replace(n, saved_bytes=n.amp_saved_bytes if n.amp_saved_bytes >= 0 else n.saved_bytes,
+                                          dtype=n.amp_dtype or n.dtype) for n in self.nodes)
+        return dataclasses.replace(self, nodes=nodes)
 
     def summary(self) -> WorkloadSummary:
         """Per-sample totals (FLOPs and activation bytes scale linearly with the batch)."""

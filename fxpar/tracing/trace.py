@@ -6,10 +6,11 @@ module path (``nn_module_stack``), the repeated block it sits in, forward and ba
 (:mod:`fxpar.tracing.op_costs`), bytes read and written, parameters read, and the activation
 bytes it keeps alive for backward.
 
-Saved-activation estimate: a node that needs a gradient and whose backward needs its inputs
-(everything but add/sub/cat/views/…, and products with a Python scalar) keeps each
-non-parameter tensor input alive; softmax keeps its output instead; each tensor is counted
-once, by its first saver.  Attention (SDPA) also keeps its output and log-sum-exp; an eager
+Saved-activation estimate (:mod:`fxpar.tracing.saved`, as traced and under ``torch.autocast``):
+a node that needs a gradient and whose backward needs its inputs (everything but
+add/sub/cat/views/…, and products with a Python scalar) keeps each non-parameter tensor input
+alive; softmax keeps its output instead; each tensor is counted once, by its first saver.
+Attention (SDPA) also keeps its output and log-sum-exp, and K/V before a GQA repeat; an eager
 attention is its traced matmul, softmax and matmul, so its seq × seq probabilities count.
 """
 
@@ -32,20 +33,13 @@ from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
 from fxpar.tracing.export_settings import export_ready
 from fxpar.tracing.grad_paths import lost_gradients
+from fxpar.tracing.saved import SavedBytes, tensor_vals
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
 from fxpar.tracing.tp_analysis import analyze
 from fxpar.tracing.tp_types import BlockTP, TPAnalysis
 
 ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
-
-
-def _tensor_meta(val: Any) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -77,7 +71,32 @@ def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
         accepts_cache = False
     if accepts_cache and "use_cache" not in kwargs:
         kwargs["use_cache"] = False  # HF models do not export with a DynamicCache
-    return args, kwargs
+    where = _model_device(model)
+    return _on_device(args, where), _on_device(kwargs, where)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    """The one device ``model``'s parameters live on (its buffers' for a model without any; a
+    ``meta`` model may keep real buffers, as ``fxpar.from_pretrained``'s rotary tables; None
+    for a model without either); parameters spread over several devices (HF's ``device_map``)
+    are a TraceError."""
+    found = list(dict.fromkeys(t.device for t in model.parameters()))
+    if len(found) > 1:
+        raise TraceError(f"trace({type(model).__name__}): the model's parameters are on {len(found)} "
+                         f"devices ({', '.join(map(str, found))}); load it on one device (the CPU, a "
+                         "GPU or 'meta') without device_map before tracing")
+    return found[0] if found else next((t.device for t in model.buffers()), None)
+
+
+def _on_device(inputs: Any, device: torch.device | None) -> Any:
+    """Every tensor of ``inputs`` (a tuple or dict of them) on ``device``: the example batch
+    follows the model, wherever either was built (``meta`` inputs for a ``meta`` model)."""
+    def move(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) and device is not None and v.device != device else v
+
+    if isinstance(inputs, dict):
+        return {k: move(v) for k, v in inputs.items()}
+    return tuple(move(v) for v in inputs)
 
 
 _NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
@@ -245,8 +264,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
     nodes: list[OpNode] = []
     needs_grad: dict[str, bool] = {}
     param_alias: dict[str, str] = {}      # node name -> parameter FQN it is a view of
-    saved: set[str] = set()
-    same: dict[str, str] = {}             # node name -> the node whose tensor it returns (dropout p=0)
+    saved = SavedBytes(next((p.dtype for p in model.parameters() if p.is_floating_point()), None))
     for node in graph.nodes:
         if node.op == "placeholder":
             fqn = param_of_placeholder.get(node.name)
@@ -258,7 +276,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
             continue
         if node.op != "call_function":
             continue
-        nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved, same))
+        nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
 
     params = _param_infos(model, layer_of)
     tp = tp_analysis_of(ep)
@@ -271,24 +289,8 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
         attn_implementation=attn_implementation(model), tp_analysis=tp, lost_gradients=lost_gradients(ep))
 
 
-def _product_keeps(name: str, node: torch.fx.Node, needs_grad: dict[str, bool]) -> set[int] | None:
-    """Which tensor operands a two-tensor product keeps for its backward (None: not a product,
-    every operand).  ``a·b``: ∂/∂a = b and ∂/∂b = a, so ``a`` is kept only when ``b`` needs a
-    gradient and vice versa (a rotary ``q·cos`` keeps ``cos``, never ``q``, when ``cos`` is a
-    constant); ``a / b``: ∂/∂a = 1/b keeps ``b``, ∂/∂b = −a/b² keeps ``a`` and ``b``."""
-    if name not in ("mul", "div") or len(node.args) < 2:
-        return None
-    a, b = node.args[:2]
-    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
-        return None
-    grad_a, grad_b = needs_grad.get(a.name, False), needs_grad.get(b.name, False)
-    if name == "mul":
-        return {i for i, other in ((0, grad_b), (1, grad_a)) if other}
-    return ({1} if grad_a or grad_b else set()) | ({0} if grad_b else set())
-
-
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
-              param_alias: dict[str, str], saved: set[str], same: dict[str, str] | None = None) -> OpNode:
+              param_alias: dict[str, str], saved: SavedBytes) -> OpNode:
     name = op_costs.op_name(node.target)
     module = _module_path(node)
     stack_types = [str(c).rsplit(".", 1)[-1] for _, c in (node.meta.get("nn_module_stack") or {}).values()]
@@ -304,7 +306,7 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         tensor_args.append(val if isinstance(val, torch.Tensor) else None)
     shapes = [_static(t.shape, node) if t is not None else None for t in tensor_args]
-    outs = _tensor_meta(node.meta.get("val"))
+    outs = tensor_vals(node.meta.get("val"))
     out_shape = _static(outs[0].shape, node) if outs else None
 
     rg_inputs = [needs_grad.get(a.name, False) for a in inputs]
@@ -333,26 +335,9 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
     is_view = base_cls is OpClass.VIEW
     read = 0 if is_view else sum(_nbytes(t) for t in tensor_args if t is not None)
     written = 0 if is_view else sum(_nbytes(t) for t in outs)
-    saved_bytes = 0
-    if rg and name in op_costs.SAVES_OUTPUT and outs and node.name not in saved:
-        saved.add(node.name)  # softmax keeps its output (the next matmul reads the same tensor)
-        saved_bytes += _nbytes(outs[0])
-    same = {} if same is None else same
-    if inputs and _returns_input(name, node):
-        same[node.name] = same.get(inputs[0].name, inputs[0].name)  # no new tensor
-    tensor_operands = sum(1 for a in node.args if isinstance(a, torch.fx.Node))
-    if rg and not is_view and op_costs.saves_inputs(name, tensor_operands):
-        kept = _product_keeps(name, node, needs_grad)
-        for i, a in enumerate(node.args):
-            key = same.get(a.name, a.name) if isinstance(a, torch.fx.Node) else ""
-            if (isinstance(a, torch.fx.Node) and a.name not in param_alias and key not in saved
-                    and isinstance(a.meta.get("val"), torch.Tensor) and (kept is None or i in kept)):
-                saved.add(key)
-                saved_bytes += _nbytes(a.meta["val"])
-        if cls is OpClass.ATTENTION and outs:
-            saved.add(node.name)
-            o = outs[0]
-            saved_bytes += _nbytes(o) + int(o.numel() // max(1, o.shape[-1])) * 4  # out + lse
+    saved_bytes, amp_saved, amp_dtype = saved.count(
+        node, name, attention=cls is OpClass.ATTENTION, is_view=is_view, rg=rg, needs_grad=needs_grad,
+        param_alias=param_alias)
 
     flat_in = _flat_tensors(node.args) + _flat_tensors(tuple(node.kwargs.values()))
     return OpNode(
@@ -364,21 +349,8 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         out_shapes=tuple(_static(t.shape, node) for t in outs),
         dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
         fwd_flops=int(fwd), bwd_flops=int(bwd), bytes_read=int(read), bytes_written=int(written),
-        saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg)
-
-
-def _returns_input(name: str, node: torch.fx.Node) -> bool:
-    """The op returns its first input itself: ``dropout(x, p, train)`` with ``p == 0`` or
-    ``train`` False, ``x.to(dtype)`` to the dtype (and device) ``x`` already has."""
-    if name == "dropout":
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return (isinstance(p, (int, float)) and p == 0) or train is False
-    if name == "to" and node.args and isinstance(node.args[0], torch.fx.Node):
-        src, out = node.args[0].meta.get("val"), node.meta.get("val")
-        return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
-                and src.device == out.device and not node.kwargs.get("copy", False))
-    return False
+        saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg,
+        amp_saved_bytes=int(amp_saved), amp_dtype=amp_dtype)
 
 
 def _flat_tensors(args: tuple) -> list[torch.Tensor]:
