@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.gpu_check_report import HEAD, arm_row
+
 MIB = 2 ** 20
 
 
@@ -94,3 +96,26 @@ def zoo(z: dict) -> list[str]:
         if items:
             lines.append(f"- {col}: " + "; ".join(f"{reason} ({n})" for reason, n in items[:4]))
     return lines
+
+
+def gpu_checks(results: list[dict]) -> list[str]:
+    """The arms of the stored GPU checks that ran on CUDA (``python -m benchmarks.gpu_check``):
+    one Markdown table, each run's machine and stack named above it, skipped arms left out."""
+    runs = [r for r in results if r.get("device") == "cuda"]
+    if not runs:
+        return []
+    out = ["", "One GPU, measured by `python -m benchmarks.gpu_check` (each arm in a fresh process from the same "
+           "initial weights; 'x plain': against the plain HF loop of the same model, dtype and batch; 'pred': "
+           "the plan's prediction, catalog roofline; gaps as a fraction of the tolerance from the precision's "
+           "unit roundoff):"]
+    rows: list[list[str]] = []
+    for r in runs:
+        m, p = r.get("machine", {}), r.get("packages", {})
+        measured = [name for name, arm in r["arms"].items() if "step_s" in arm]
+        out.append(f"- {m.get('gpu', '?')}, {m.get('date', '?')}, {m.get('cores', '?')} CPU cores: torch "
+                   f"{m.get('torch', '?')}, transformers {p.get('transformers', {}).get('version', '?')}; "
+                   f"{len(measured)} arms measured ({', '.join(sorted({n.split('/')[1] for n in measured}))})")
+        rows += [row for name, arm in r["arms"].items() if "step_s" in arm
+                 for row in [arm_row(name, arm, r["comparisons"].get(name, {}))]]
+    out += ["", "| " + " | ".join(HEAD) + " |", "|" + "|".join("---" for _ in HEAD) + "|"]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
