@@ -40,7 +40,6 @@ What the export does freeze is dealt with so:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -48,12 +47,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
-from fxpar.compat import is_tensor_metadata_assert, retarget_autocast_region
+from fxpar.codegen.pipeline_export import exported_for_split
+from fxpar.compat import retarget_autocast_region
 from fxpar.errors import PlanError, TraceError
-from fxpar.runtime.device import HOST
-from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.structure import block_path
-from fxpar.tracing.export_settings import export_ready
 
 
 @dataclass(frozen=True)
@@ -235,17 +232,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     run where the export ran until :meth:`StageModule.retarget` moves them.
     """
     kwargs = dict(example_inputs)
-    if _accepts(model, "use_cache"):  # HF models do not export with a cache
-        kwargs.setdefault("use_cache", False)
-    device_type = _export_device(model, kwargs).type
-    try:
-        with _export_precision(device_type, autocast), export_ready(model):
-            ep = torch.export.export(model, (), kwargs, strict=False)
-    except Exception as exc:  # noqa: BLE001
-        raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
-    _refuse_lost_gradients(model, ep)
-    gm = ep.module()
-    drop_metadata_asserts(gm)
+    gm, device_type = exported_for_split(model, kwargs, autocast)
     parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]
     if len(calls) != num_stages:
@@ -283,19 +270,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     if loss_name is None:
         raise TraceError("pipeline split: the model returns no loss; pass labels in the example inputs")
 
-    available = list(tensor_inputs)
-    stage_inputs = [tuple(tensor_inputs)]
-    specs = []
-    for i in range(num_stages):
-        avail_after = available + [p for p in produced[i] if p not in available]
-        later = set()
-        for j in range(i + 1, num_stages):
-            later.update(r for r in reads[j] if r not in params and r not in constants)
-        outputs = (loss_name,) if i == num_stages - 1 else tuple(v for v in avail_after if v in later)
-        stage_params = tuple(dict.fromkeys(r for r in reads[i] if r in params))
-        specs.append(StageSpec(index=i, inputs=stage_inputs[i], outputs=outputs, params=stage_params))
-        stage_inputs.append(outputs)
-        available = list(outputs)
+    specs = _stage_specs(tensor_inputs, reads, produced, set(params), set(constants), loss_name)
     dtypes = _value_dtypes(parent, kwargs)
     modules = []
     for i, call in enumerate(calls):
@@ -310,64 +285,23 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     return modules, tensor_inputs
 
 
-def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.device:
-    """Where the export's tensors are: the model's first parameter or buffer, else the first
-    tensor input, else the host."""
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), HOST)
-
-
-def _export_precision(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """The autocast to export under: ``dtype``'s on the export tensors' device (what records
-    the model's own autocast regions, module docstring), none for an fp32 plan."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    if not torch.amp.is_autocast_available(device_type):
-        raise PlanError(f"pipeline split: a {dtype} plan exports the model under torch.autocast of the device "
-                        f"its tensors are on, and {device_type!r} has no autocast; build the model on the CPU "
-                        "or a GPU, or plan it with dtype='fp32'")
-    return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
-    """Erase every tensor-metadata assertion (``aten._assert_tensor_metadata``) of ``gm`` and of
-    its nested graphs; returns how many.  They pin the dtypes and devices of the export, which
-    the run's autocast and device legitimately change (module docstring); nothing reads them."""
-    dropped = 0
-    for sub in gm.modules():
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        found = [n for n in sub.graph.nodes if is_tensor_metadata_assert(n) and not n.users]
-        for node in found:
-            sub.graph.erase_node(node)
-        if found:
-            sub.recompile()
-        dropped += len(found)
-    return dropped
-
-
-def _refuse_lost_gradients(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> None:
-    """A :class:`PlanError` when the exported graph gives no gradient to parameters eager
-    training updates (:mod:`fxpar.tracing.grad_paths`): the stages would never train them."""
-    lost = lost_gradients(ep)
-    if lost:
-        raise PlanError(
-            f"pipeline split: {type(model).__name__}'s exported graph gives no gradient to {len(lost)} parameters "
-            f"that eager training updates ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): its forward "
-            "computes them under torch.no_grad inside a custom autograd Function (as Reformer's reversible "
-            "layers do), and pipeline stages run the exported graph, so they would never train. Plan it with "
-            "strategies=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
-
-
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+def _stage_specs(tensor_inputs: tuple[str, ...], reads: list[list[str]], produced: list[list[str]],
+                 params: set[str], constants: set[str], loss_name: str) -> list[StageSpec]:
+    """Each stage's inputs (the previous stage's outputs; stage 0: the batch's tensors), outputs
+    (what it holds that a later stage reads; the last: the loss) and the ``params`` (parameters,
+    buffers) it reads; neither those nor ``constants`` travel between stages."""
+    fixed = params | constants
+    num_stages = len(reads)
+    available, stage_inputs, specs = list(tensor_inputs), [tuple(tensor_inputs)], []
+    for i in range(num_stages):
+        avail_after = available + [p for p in produced[i] if p not in available]
+        later = {r for j in range(i + 1, num_stages) for r in reads[j] if r not in fixed}
+        outputs = (loss_name,) if i == num_stages - 1 else tuple(v for v in avail_after if v in later)
+        stage_params = tuple(dict.fromkeys(r for r in reads[i] if r in params))
+        specs.append(StageSpec(index=i, inputs=stage_inputs[i], outputs=outputs, params=stage_params))
+        stage_inputs.append(outputs)
+        available = list(outputs)
+    return specs
 
 
 def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:

@@ -1,0 +1,100 @@
+"""The export a pipeline split cuts: the model's graph under the autocast of the device its
+tensors are on, with the assertions autocast invalidates removed (see
+:mod:`fxpar.codegen.pipeline_split`, "Mixed precision").
+
+    exported_for_split(model, kwargs, dtype) -> (graph module, export device type)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Mapping
+
+import torch
+
+from fxpar.compat import is_tensor_metadata_assert
+from fxpar.errors import PlanError, TraceError
+from fxpar.runtime.device import HOST
+from fxpar.tracing.export_settings import export_ready
+from fxpar.tracing.grad_paths import lost_gradients
+
+
+def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
+                       dtype: torch.dtype | None) -> tuple[torch.fx.GraphModule, str]:
+    """``model`` exported on ``kwargs`` (``use_cache=False`` added for HF models) under
+    ``dtype``'s autocast of the export tensors' device (none for fp32), its tensor-metadata
+    assertions dropped; and that device's type.  A model whose export loses gradients is a
+    PlanError, a failed export a TraceError."""
+    if accepts(model, "use_cache"):  # HF models do not export with a cache
+        kwargs.setdefault("use_cache", False)
+    device_type = _export_device(model, kwargs).type
+    try:
+        with _export_precision(device_type, dtype), export_ready(model):
+            ep = torch.export.export(model, (), kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
+    _refuse_lost_gradients(model, ep)
+    gm = ep.module()
+    drop_metadata_asserts(gm)
+    return gm, device_type
+
+
+def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.device:
+    """Where the export's tensors are: the model's first parameter or buffer, else the first
+    tensor input, else the host."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), HOST)
+
+
+def _export_precision(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The autocast to export under: ``dtype``'s on the export tensors' device (what records
+    the model's own autocast regions, module docstring), none for an fp32 plan."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    if not torch.amp.is_autocast_available(device_type):
+        raise PlanError(f"pipeline split: a {dtype} plan exports the model under torch.autocast of the device "
+                        f"its tensors are on, and {device_type!r} has no autocast; build the model on the CPU "
+                        "or a GPU, or plan it with dtype='fp32'")
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
+    """Erase every tensor-metadata assertion (``aten._assert_tensor_metadata``) of ``gm`` and of
+    its nested graphs; returns how many.  They pin the dtypes and devices of the export, which
+    the run's autocast and device legitimately change (module docstring); nothing reads them."""
+    dropped = 0
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        found = [n for n in sub.graph.nodes if is_tensor_metadata_assert(n) and not n.users]
+        for node in found:
+            sub.graph.erase_node(node)
+        if found:
+            sub.recompile()
+        dropped += len(found)
+    return dropped
+
+
+def _refuse_lost_gradients(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> None:
+    """A :class:`PlanError` when the exported graph gives no gradient to parameters eager
+    training updates (:mod:`fxpar.tracing.grad_paths`): the stages would never train them."""
+    lost = lost_gradients(ep)
+    if lost:
+        raise PlanError(
+            f"pipeline split: {type(model).__name__}'s exported graph gives no gradient to {len(lost)} parameters "
+            f"that eager training updates ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): its forward "
+            "computes them under torch.no_grad inside a custom autograd Function (as Reformer's reversible "
+            "layers do), and pipeline stages run the exported graph, so they would never train. Plan it with "
+            "strategies=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
+
+
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
