@@ -1,11 +1,13 @@
-"""Validation on measured GPU runs: ``python -m benchmarks.real_gpu [--runs FILE] [--json OUT]``.
+"""Validation on measured GPU runs: ``python -m benchmarks.real_gpu [--runs FILE] [--constants C] [--json OUT]``.
 
 For every run of ``shared/validation/real-gpu-runs.json`` (or ``--runs``, same format): the model
-from its config, as a GPT-2-like proxy of the OPT-350-like decoder that ran (HF ``gpt2``: pre-
-LayerNorm, learned positions, biases; with the run's ReLU, FFN width, untied head and the padded
-vocabulary of its TP degree; fxpar's tensor parallelism recognises GPT-2 blocks, not OPT's), the cluster from the hardware the
-file states (catalog entries: GH200-96GB, RTX-3090, Titan-RTX, RTX-2080-Ti; the publication's
-link figures: intra-node per node kind, inter-node the slowest link the run's nodes share), the
+from what the run describes (:mod:`benchmarks.real_gpu_model`: ``model_type`` and that HF family's
+config fields, unknown fields refused; the OPT-350-like decoder of these runs as a GPT-2 proxy, HF
+``gpt2``: pre-LayerNorm, learned positions, biases; with the run's ReLU, FFN width, untied head and
+the padded vocabulary of its TP degree; fxpar's tensor parallelism recognises GPT-2 blocks, not
+OPT's), the cluster from the hardware the file states (catalog entries: GH200-96GB, RTX-3090,
+Titan-RTX, RTX-2080-Ti; the publication's link figures: intra-node per node kind, inter-node the
+slowest link the run's nodes share), the
 plan from its layout (``fxpar.codegen.hand_plans.pipeline_plan``: its stages, TP, replicas and
 micro-batches), described as the measured framework ran it: DeepSpeed's pipeline engine
 all-reduces the gradients after the whole schedule (``overlap_grad_allreduce=False``), fp32
@@ -36,6 +38,11 @@ fxpar's own runs (``--own-runs``, default ``shared/validation/h200-2026-11-26/me
 Llama 1.1B and GPT-2 124M trained by fxpar on one H200) follow as the table's last rows and the
 JSON's ``report.own_runs``: step and program-level allocated peak against the catalog roofline's
 prediction, uncalibrated (:mod:`benchmarks.real_gpu_own`).
+
+``--constants catalog`` fits nothing: every run is predicted with the catalog's stored constants
+(a kind without any: the plain simulator), see :mod:`benchmarks.real_gpu_catalog`.  Kinds other
+than the file's four GPU names are catalog entries; a cluster other than clariden / mit takes its
+``inter_node_gbps`` (GB/s) from the run, else the cluster format's default.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import numpy as np
 from scipy.optimize import lsq_linear
 
 from benchmarks.common import finish
+from benchmarks.real_gpu_model import check_head_bias, model_key, run_spec
 from benchmarks.real_gpu_own import DEFAULT_OWN_RUNS, evaluate_own
 from benchmarks.real_gpu_own import table_rows as own_table_rows
 from fxpar.cluster import Cluster
@@ -59,8 +67,8 @@ from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.predict import predict
 from fxpar.solvers.replica_pipeline import uneven_pipelines
 from fxpar.tracing import trace
-from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config
-from fxpar.tracing.repeat import depth, extend
+from fxpar.tracing.hf import build_model, example_inputs, hf_config
+from fxpar.tracing.repeat import can_shorten, depth, extend
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent.parent / "shared" / "validation" / "real-gpu-runs.json"
 #: the file's GPU names -> catalog entries
@@ -87,17 +95,8 @@ def load_runs(path: Path) -> list[dict[str, Any]]:
     return json.loads(Path(path).read_text())
 
 
-def _spec(run: dict[str, Any]):
-    m = run["model"]
-    return ModelSpec(name=f"opt-350-mds-v{m['padded_vocab_size']}", hf_config=dict(
-        model_type="gpt2", n_embd=m["hidden_size"], n_layer=m["num_hidden_layers"], n_head=m["num_attention_heads"],
-        n_inner=m["ffn_dim"], vocab_size=m["padded_vocab_size"], n_positions=m["max_position_embeddings"],
-        activation_function=m["activation_function"], tie_word_embeddings=m["tie_word_embeddings"],
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
-
-
 class Models:
-    """Traced graphs (eager and sdpa attention) and the meta module, per padded vocabulary."""
+    """Traced graphs (eager and sdpa attention) and the meta module, per run model and sequence."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, Any] = {}
@@ -106,21 +105,38 @@ class Models:
         """(graph, meta module).  ``eager``: HF's eager attention keeps the seq x seq scores, as
         Megatron's unfused fp32 softmax does; ``sdpa``: it keeps none (a few blocks traced, the
         rest copied)."""
-        key = (run["model"]["padded_vocab_size"], run["seq_len"], attention)
+        key = (model_key(run), run["seq_len"], attention)
         if key not in self._cache:
-            spec = _spec(run)
-            short = build_model(spec, device="meta", dtype="fp32", shallow=True, attn_implementation=attention)
-            inputs = example_inputs(short, 1, run["seq_len"], task=spec.task, device="meta")
-            graph = extend(trace(short, inputs, model_name=spec.display_name), depth(hf_config(spec)))
-            if graph is None:
-                raise RuntimeError(f"{run['id']}: the proxy's blocks differ; cannot copy them")
+            spec = run_spec(run)
             full = build_model(spec, device="meta", dtype="fp32", attn_implementation=attention)
+            check_head_bias(run, full)
+            graph = None
+            if can_shorten(hf_config(spec)):  # identical blocks: a few traced, the rest copied
+                short = build_model(spec, device="meta", dtype="fp32", shallow=True, attn_implementation=attention)
+                inputs = example_inputs(short, 1, run["seq_len"], task=spec.task, device="meta")
+                graph = extend(trace(short, inputs, model_name=spec.display_name), depth(hf_config(spec)))
+            if graph is None:  # blocks that differ (local / global attention, ...): every one traced
+                inputs = example_inputs(full, 1, run["seq_len"], task=spec.task, device="meta")
+                graph = trace(full, inputs, model_name=spec.display_name)
             self._cache[key] = (graph, full)
         return self._cache[key]
 
 
+def catalog_kind(kind: str) -> str:
+    """The catalog entry of a run's GPU name: :data:`KINDS`' mapping, else the name itself."""
+    name = KINDS.get(kind, kind)
+    if name not in CATALOG:
+        raise ValueError(f"GPU kind {kind!r}: neither one of {sorted(KINDS)} nor a catalog entry "
+                         f"({', '.join(sorted(CATALOG))})")
+    return name
+
+
+def _fp32(kind: str) -> float:
+    return _FP32[kind] if kind in _FP32 else CATALOG[catalog_kind(kind)].fp32_tflops
+
+
 def _stage_kind(stage: dict[str, Any]) -> str:
-    return min(stage["replica_device_types"], key=lambda k: _FP32[k])
+    return min(stage["replica_device_types"], key=_fp32)
 
 
 def _replica_kind(stage: dict[str, Any], p: int, slowest: bool = False) -> str:
@@ -135,13 +151,17 @@ def build_cluster(run: dict[str, Any], *, slowest: bool = False):
     for p in range(P):
         for st in run["stages"]:
             kind = _replica_kind(st, p, slowest)
-            nodes.append({"gpu": KINDS[kind], "count": tp, "intra_node_gbps": INTRA_GBPS[kind]})
+            intra = INTRA_GBPS.get(kind, (run.get("intra_node_gbps") or {}).get(kind))
+            nodes.append({"gpu": catalog_kind(kind), "count": tp, **({"intra_node_gbps": intra} if intra else {})})
     used = {n["gpu"] for n in run["nodes"]}
-    if run["cluster_name"] == "clariden":
+    if run.get("cluster_name") == "clariden":
         inter = INTER_GBPS["clariden"]
-    else:
+    elif run.get("cluster_name") == "mit":
         inter = INTER_GBPS["mit-3090"] if "RTX-3090" in used and len(used) > 1 else INTER_GBPS["mit"]
-    return Cluster.from_dict({"name": run["id"], "inter_node_gbps": inter * 8, "nodes": nodes}, name=run["id"])
+    else:  # another cluster: the GB/s the run states, else the cluster format's default
+        inter = run.get("inter_node_gbps")
+    link = {} if inter is None else {"inter_node_gbps": inter * 8}
+    return Cluster.from_dict({"name": run["id"], **link, "nodes": nodes}, name=run["id"])
 
 
 def build_plan(run: dict[str, Any], module, cluster):
@@ -161,7 +181,7 @@ def build_plan(run: dict[str, Any], module, cluster):
 
 
 def _kinds(run) -> set[str]:
-    return {KINDS[k] for st in run["stages"] for k in st["replica_device_types"]}
+    return {catalog_kind(k) for st in run["stages"] for k in st["replica_device_types"]}
 
 
 def calibration(run, consts: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -175,7 +195,8 @@ class Runs:
     def __init__(self, runs: list[dict[str, Any]], *, slowest: bool = False) -> None:
         self.runs, self.models, self._built, self.slowest = runs, Models(), {}, slowest
 
-    def _get(self, run, attention):
+    def built(self, run, attention: str = "eager"):
+        """(plan, graph, cluster) of the run with ``attention``'s trace."""
         key = (run["id"], attention)
         if key not in self._built:
             graph, module = self.models.get(run, attention)
@@ -184,8 +205,13 @@ class Runs:
         return self._built[key]
 
     def predict(self, run, consts: dict[str, float], attention: str = "eager"):
-        plan, graph, cluster = self._get(run, attention)
-        return predict(plan, graph, cluster, calibration=calibration(run, consts))
+        """The run priced with one group's constants on each of its kinds."""
+        return self.price(run, calibration(run, consts), attention)
+
+    def price(self, run, calib: dict[str, dict[str, float]] | None, attention: str = "eager"):
+        """``fxpar.predict`` of the run's plan with a per-kind ``calibration`` (None: none)."""
+        plan, graph, cluster = self.built(run, attention)
+        return predict(plan, graph, cluster, calibration=calib)
 
     def time_terms(self, run) -> tuple[float, float, float]:
         """(X, Y, Z): step ≈ compute_scale·X + segment_overhead_s·Y + Z near the roofline."""
@@ -240,7 +266,8 @@ def _stats(errors: list[float | None]) -> dict[str, Any]:
 
 
 def _group(run) -> str:
-    return GROUPS[_stage_kind(run["stages"][0])]
+    name = catalog_kind(_stage_kind(run["stages"][0]))  # kinds outside GROUPS: a group of their own
+    return {KINDS[k]: g for k, g in GROUPS.items()}.get(name, name)
 
 
 def evaluate(runs: list[dict[str, Any]], *, slowest: bool = False) -> dict[str, Any]:
@@ -322,7 +349,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="price every replica of a stage on its slowest kind (the former approximation)")
     ap.add_argument("--own-runs", type=Path, nargs="*", default=[DEFAULT_OWN_RUNS],
                     help="fxpar's own GPU runs (shared/validation/*/measured.json; benchmarks.real_gpu_own)")
+    ap.add_argument("--constants", choices=("fit", "catalog"), default="fit",
+                    help="fit: refit on the runs, in-sample and leave-one-run-out; catalog: the stored "
+                         "FRAMEWORK_CALIBRATION, nothing fitted (benchmarks.real_gpu_catalog)")
+    ap.add_argument("--framework", default="megatron-deepspeed", help="the catalog calibration --constants catalog uses")
     args = ap.parse_args(argv)
+    if args.constants == "catalog":
+        from benchmarks.real_gpu_catalog import report_catalog  # it imports this module
+
+        return report_catalog(args)
     report = evaluate(load_runs(args.runs), slowest=args.slowest_kind)
     report["own_runs"] = [row for path in args.own_runs if path.is_file() for row in evaluate_own(path)]
     head = ("run", "measured s", "fxpar s", "err", "LOO err", "Sailor err", "meas GiB", "fxpar GiB", "err",

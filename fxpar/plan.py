@@ -174,6 +174,10 @@ class Plan:
     #: where the predicted times came from: "catalog roofline", or a measured profile
     #: (:func:`fxpar.profiling.local_cache.describe`)
     cost_source: str = "catalog roofline"
+    #: a re-balanced data-parallel plan: the samples per second each rank's forward + backward
+    #: was measured at (what its shares were solved from); ``fxpar.predict`` prices it with them
+    #: (:func:`fxpar.predict.measured_cluster`).  None: priced from the cost model alone
+    measured_speeds: tuple[float, ...] | None = None
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -251,8 +255,9 @@ class Plan:
         return dict(self.baselines).get(name)
 
     def speedup_over(self, name: str) -> float | None:
+        """baseline / predicted step; None where the baseline does not fit or the plan has no prediction."""
         base = self.baseline(name)
-        return None if base is None else base / self.predicted_step_s
+        return None if base is None or self.predicted_step_s <= 0 else base / self.predicted_step_s
 
     def shard_batch(self, batch: Any, rank: int) -> Any:
         """The slice of ``batch`` (dict / tuple / tensor, leading dim = samples) for ``rank``."""
@@ -362,7 +367,8 @@ class Plan:
                        f" + {comm} {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
                        f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
         else:
-            out.append("no prediction (a hand-written plan)")
+            out.append("no prediction: a re-balanced plan not priced yet (fxpar.predict prices it at its measured "
+                       "speeds)" if self.measured_speeds else "no prediction (a hand-written plan)")
         out.append(f"cost source: {self.cost_source}")
         for name, value in self.baselines:
             out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else

@@ -182,7 +182,21 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
                 raise _fail(where, f"collectives[{i}]", item, f"a {collective_type.__name__}")
         _set(p, collectives=items)
     _set(p, baselines=_baselines(p.baselines))
+    _check_measured(p)
     _check_stages(p)
+
+
+def _check_measured(p: Any) -> None:
+    """``measured_speeds``: None, or one positive samples-per-second figure per rank of a
+    data-parallel plan (a re-balance measured them)."""
+    if p.measured_speeds is None:
+        return
+    items = _sequence(p.measured_speeds, "plan", "measured_speeds", "positive numbers (samples/s)")
+    speeds = tuple(_real(v, "plan", f"measured_speeds[{i}]", strict=True) for i, v in enumerate(items))
+    if p.strategy != "data_parallel" or len(speeds) != len(p.ranks):
+        raise _fail("plan", "measured_speeds", p.measured_speeds,
+                    f"one speed per rank ({len(p.ranks)}) of a data_parallel plan, or null")
+    _set(p, measured_speeds=speeds)
 
 
 def _baselines(value: Any) -> tuple[tuple[str, float | None], ...]:

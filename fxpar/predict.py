@@ -26,6 +26,17 @@ buffers); ``driver_memory_bytes`` adds, per device kind, what a driver-level rea
 (``nvidia-smi``) shows beyond that: the CUDA context, communication buffers and the caching
 allocator's reserve (the calibration's ``driver_memory_bytes``, 0 without one).
 
+Measured speeds: a re-balanced data-parallel plan records ``measured_speeds`` ``v_r``, the
+samples per second rank r's forward + backward ran at (:mod:`fxpar.solvers.rebalance`).  It is
+priced by the same simulator with rank r's device at the relative speed
+
+    σ_r = v_r · c_r(1)        c_r(1): the cost model's marginal forward + backward seconds per
+                              sample on r's device kind at speed 1 (``SampleCost.total_s``)
+
+so that the simulator's seconds per sample on rank r are ``c_r(1) / σ_r = 1 / v_r``, the
+measured ones; per-micro-batch fixed costs scale by the same ``1/σ_r``; the all-reduce, the
+optimizer (not divided by a speed) and memory are the cost model's (:func:`measured_cluster`).
+
 ``calibration``: per device kind, constants fitted for the framework a plan describes
 (:data:`fxpar.cluster.catalog.FRAMEWORK_CALIBRATION`): ``compute_scale`` and
 ``segment_overhead_s`` change a pipeline plan's stage times (:class:`fxpar.sim.pipeline_cost.
@@ -36,12 +47,13 @@ PipelinePrices`), ``driver_memory_bytes`` the driver-level memory.  Without it t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from fxpar.errors import ConfigError
+from fxpar.cluster import Device
+from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
@@ -50,6 +62,7 @@ from fxpar.sim import simulate
 from fxpar.sim.links import tp_allreduce_s
 from fxpar.sim.pipeline_cost import pipeline_prices
 from fxpar.sim.pipeline_plan import layout_of, price_plan, simulate_pipeline
+from fxpar.solvers.rebalance import UNPRICED
 from fxpar.tracing import ModelGraph
 from fxpar.workload import Workload
 
@@ -117,9 +130,42 @@ def _graph(plan: Plan, model_or_graph: Any) -> ModelGraph:
     return trace_spec(model_or_graph, workload)
 
 
+@dataclass(frozen=True, slots=True)
+class MeasuredCluster:
+    """``base`` with rank r's device at the measured relative speed ``σ_r`` (module docstring);
+    everything else (nodes, links, names) is ``base``'s."""
+
+    base: Any
+    devices: tuple[Device, ...]
+
+    def device(self, rank: int) -> Device:
+        self.base.device(rank)  # the range check and its error
+        return self.devices[rank]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def measured_cluster(plan: Plan, cost: CostModel) -> MeasuredCluster:
+    """``cost``'s cluster with ``σ_r = v_r · c_r(1)`` for each rank (module docstring)."""
+    if plan.measured_speeds is None:
+        raise ConfigError("measured_cluster: the plan records no measured speeds")
+    base = cost.cluster
+    devices = []
+    for r, v in enumerate(plan.measured_speeds):
+        d = base.device(r)
+        devices.append(replace(d, speed=v * cost.sample_cost(replace(d, speed=1.0)).total_s))
+    return MeasuredCluster(base, tuple(devices))
+
+
 def cost_model(plan: Plan, graph: ModelGraph, cluster, profiles: Mapping[str, ProfileDB] | None = None) -> CostModel:
-    """The cost model a plan is priced under (its precision, optimizer and TF32 choice)."""
-    return CostModel(graph, cluster, dtype=plan.dtype, optimizer=plan.optimizer,
+    """The cost model a plan is priced under (its precision, optimizer and TF32 choice, and the
+    measured speeds of a re-balanced plan)."""
+    cost = CostModel(graph, cluster, dtype=plan.dtype, optimizer=plan.optimizer,
+                     allow_tf32=plan.allow_tf32, profiles=profiles)
+    if plan.measured_speeds is None:
+        return cost
+    return CostModel(graph, measured_cluster(plan, cost), dtype=plan.dtype, optimizer=plan.optimizer,
                      allow_tf32=plan.allow_tf32, profiles=profiles)
 
 
@@ -183,3 +229,20 @@ def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Pred
                       bubble_s=max(run.makespan_s - busy, 0.0), allreduce_s=run.exposed_allreduce_s,
                       alltoall_s=0.0, optimizer_s=run.optimizer_s, gather_s=run.gather_s,
                       hop_s=float(sum(run.hop_s)), **common)
+
+
+def priced_plan(plan: Plan, graph: Any, cluster: Any, profiles: Mapping[str, ProfileDB] | None = None) -> Plan:
+    """``plan`` with every stored prediction from ``p = fxpar.predict(plan, graph, cluster)``:
+    ``predicted_step_s = p.step_s``, compute ``p.compute_s``, communication ``p.allreduce_s``
+    (the all-reduce's choice too), per rank busy ``p.busy_s[r]`` and memory
+    ``p.peak_memory_bytes[r]`` (data-parallel plans)."""
+    if plan.strategy != "data_parallel":
+        raise PlanError(f"priced: re-pricing is for data_parallel plans, not {plan.strategy!r}")
+    p = predict(plan, graph, cluster, profiles=profiles)
+    ranks = tuple(replace(rp, predicted_busy_s=p.busy_s[r], predicted_memory_bytes=p.peak_memory_bytes[r])
+                  for r, rp in enumerate(plan.ranks))
+    collectives = tuple(replace(c, predicted_s=p.allreduce_s) if c.method == "all-reduce" else c
+                        for c in plan.collectives)
+    explain = tuple(line.split(UNPRICED)[0] for line in plan.explain)
+    return replace(plan, ranks=ranks, collectives=collectives, predicted_step_s=p.step_s,
+                   predicted_compute_s=p.compute_s, predicted_comm_s=p.allreduce_s, explain=explain)

@@ -71,3 +71,22 @@ def test_own_runs_are_priced_against_allocated_bytes():
         # both traces price the same mixed-precision memory (fxpar.tracing.saved)
         assert row["predicted_memory_bytes"] == row["predicted_memory_bytes_bf16_trace"] > 0
     json.dumps(rows)
+
+
+def test_catalog_constants_predict_every_shared_run():
+    """``--constants catalog`` on the shared runs: the stored constants, as stored, price every
+    run (no fit); memory errors exactly where the run's memory is valid."""
+    if not RUNS.is_file():
+        pytest.skip(f"no measured runs at {RUNS} (../shared/validation is not checked out here)")
+    from benchmarks.real_gpu import load_runs
+    from benchmarks.real_gpu_catalog import evaluate_catalog
+    from fxpar.cluster.catalog import FRAMEWORK_CALIBRATION
+
+    runs = load_runs(RUNS)
+    rep = evaluate_catalog(runs)
+    assert rep["constants"]["catalog"] == {k: dict(v) for k, v in FRAMEWORK_CALIBRATION["megatron-deepspeed"].items()}
+    for run, row in zip(runs, rep["rows"], strict=True):
+        assert row["id"] == run["id"] and math.isfinite(row["step_error"]) and "plain" not in row["pricing"]
+        assert (row["memory_error"] is not None) == bool(run.get("valid_for_memory_validation")
+                                                        and run.get("measured_peak_memory_bytes"))
+    json.dumps(rep)

@@ -79,5 +79,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     ep = ep_candidates(problems)
     sharded = sharded_candidates(problems)
     best = choose(problems, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
+    # what priced the plan, read off the one CostModel that priced it (fxpar.predict rebuilds it)
     return replace(best, solve_time_s=time.perf_counter() - start,
+                   allow_tf32=problems.cost.compute_dtype == "tf32",
                    cost_source=profiles_description(profiles, cluster, workload.dtype, problems.cost))

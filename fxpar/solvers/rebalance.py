@@ -20,6 +20,14 @@ sample goes to the rank whose finish time grows least).  The decision rule: re-b
 predicted makespan ``T' = max_r t_r x'_r`` is below ``(1 − threshold) · max_r b_r``, so noise
 within the threshold never churns the plan.
 
+The re-balanced plan records what it was solved from, ``measured_speeds`` ``v_r = 1 / t_r``
+(samples per second), and its predictions are :func:`fxpar.predict`'s for those speeds (the
+simulator with rank r's device at ``σ_r = v_r · c_r(1)``, all-reduce and optimizer included:
+:mod:`fxpar.predict`), so ``predicted_step_s == fxpar.predict(plan, graph, cluster).step_s``.
+:func:`rebalanced_plan` stores it unpriced (a running job's monitor has neither graph nor
+cluster): its predicted times are 0, as a hand-written plan's, never a figure the simulator
+would not give; :func:`fxpar.predict.priced_plan` prices it where both are at hand.
+
 Memory: the micro-batch cap ``m_r`` is the largest micro-batch the current plan already runs on
 a device of the same memory capacity (conservative: re-balancing never tries a micro-batch size
 that was not planned to fit); a larger share is split into more micro-batches, at most ``K`` of
@@ -35,6 +43,10 @@ from dataclasses import dataclass, replace
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.solvers.data_parallel import integer_shares, micro_batches
+
+
+#: the end of a re-balanced plan's note until :func:`fxpar.predict.priced_plan` prices it
+UNPRICED = "; not priced here (no model graph or cluster): fxpar.predict prices it at its measured_speeds"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,22 +104,23 @@ def micro_cap(plan: Plan, rank: int) -> int:
 
 
 def rebalanced_plan(plan: Plan, decision: RebalanceDecision, *, step: int | None = None) -> Plan:
-    """``plan`` with the proposed shares (micro-batching and predictions updated)."""
+    """``plan`` with the proposed shares and micro-batching and ``measured_speeds = 1 / t_r``,
+    unpriced (predicted times 0): :func:`fxpar.predict.priced_plan` gives it the predictions
+    :func:`fxpar.predict.predict` makes on a cluster for a graph (module docstring)."""
     ranks = []
     for r, (rp, share) in enumerate(zip(plan.ranks, decision.proposed)):
         size, count = micro_batches(share, micro_cap(plan, r), None)
         ranks.append(replace(rp, batch_share=share, micro_batch_size=size, num_microbatches=count,
-                             predicted_busy_s=decision.sample_s[r] * share))
-    compute = max(rp.predicted_busy_s for rp in ranks)
+                             predicted_busy_s=0.0))
     stages = tuple(replace(st, data_split=tuple(decision.proposed)) if st.modules == ("",) else st
                    for st in plan.stages)
     when = f" at step {step}" if step is not None else ""
     note = (f"re-balanced{when} from measured times: shares {list(decision.shares)} -> "
-            f"{list(decision.proposed)}; compute {decision.measured_step_s:.4g} s -> predicted "
-            f"{decision.predicted_step_s:.4g} s ({decision.gain:.2f}x)")
-    return replace(plan, ranks=tuple(ranks), stages=stages, predicted_compute_s=compute,
-                   predicted_step_s=compute + plan.predicted_comm_s,
-                   explain=plan.explain + (note,))
+            f"{list(decision.proposed)}; compute {decision.measured_step_s:.4g} s -> "
+            f"{decision.predicted_step_s:.4g} s at the measured seconds per sample ({decision.gain:.2f}x)")
+    return replace(plan, ranks=tuple(ranks), stages=stages, predicted_step_s=0.0, predicted_compute_s=0.0,
+                   predicted_comm_s=0.0, measured_speeds=tuple(1.0 / t for t in decision.sample_s),
+                   explain=plan.explain + (note + UNPRICED,))
 
 
 def shares_for_speeds(speeds: Sequence[float], batch: int) -> list[int]:
