@@ -20,6 +20,7 @@ from fxpar.codegen.tensor_parallel import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.planning import measured_graph
+from fxpar.predict import Pricing
 from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.runtime.step_loop import LossWeighting
@@ -71,13 +72,22 @@ def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, wor
     searched (:data:`fxpar.solvers.planner.FAMILIES`; None: all).  On a machine with CUDA, a
     measured profile of its GPU cached by ``fxpar profile --device cuda`` prices the plan
     (:func:`fxpar.planning.measured_graph`); the plan's ``cost_source`` names what priced it."""
+    return plan_and_pricing(model, cluster, example_inputs, workload, max_tensor_parallel=max_tensor_parallel,
+                            strategies=strategies)[0]
+
+
+def plan_and_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
+                     *, max_tensor_parallel: int = 8,
+                     strategies: Sequence[str] | None = None) -> tuple[Plan, Pricing]:
+    """:func:`make_plan`'s plan and what priced it (:class:`fxpar.predict.Pricing`)."""
     strategies = api_checks.check_strategies(strategies)
     graph, profiles = measured_graph(model, example_inputs, workload, cluster)
     if graph is None:
         first = next(model.parameters(), None)
         graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
-    return solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel, strategies=strategies,
+    plan = solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel, strategies=strategies,
                       profiles=profiles)
+    return plan, Pricing(graph=graph, cluster=cluster, profiles=profiles)
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
@@ -137,11 +147,12 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
         rows = api_checks.check_example_inputs(model, example_inputs, loss_fn=loss_fn)
         if global_batch is None and plan is None:
             global_batch = rows
+    pricing = None  # a given plan: priced (or not) by whoever made it
     if plan is None:
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
-        plan = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel,
-                              strategies)
+        plan, pricing = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel,
+                                       strategies)
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
@@ -152,8 +163,10 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     check_model_devices(model, device)
     api_checks.check_options_for_plan(plan, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
                                       example_inputs=example_inputs)
-    return _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
-                  loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
+                    loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
+    return module
 
 
 def _check_world(cluster: Cluster, group: Any) -> int:
@@ -216,14 +229,16 @@ def default_example_inputs(model: torch.nn.Module, cluster: Cluster, global_batc
 
 
 def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8,
-                   strategies: Sequence[str] | None = None) -> Plan:
-    """Rank 0 traces and solves; every rank gets the plan (or rank 0's error, raised alike)."""
+                   strategies: Sequence[str] | None = None) -> tuple[Plan, Pricing | None]:
+    """Rank 0 traces and solves; every rank gets the plan (or rank 0's error, raised alike),
+    rank 0 also what priced it."""
     payload: list[Any] = [None]
+    pricing = None
     if rank == 0:
         try:
-            payload[0] = ("ok", make_plan(model, cluster, example_inputs, workload,
-                                          max_tensor_parallel=max_tensor_parallel,
-                                          strategies=strategies).to_json(indent=None))
+            plan, pricing = plan_and_pricing(model, cluster, example_inputs, workload,
+                                             max_tensor_parallel=max_tensor_parallel, strategies=strategies)
+            payload[0] = ("ok", plan.to_json(indent=None))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payload[0] = ("error", exc)
     if dist.is_available() and dist.is_initialized():
@@ -231,7 +246,7 @@ def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_te
     kind, value = payload[0]
     if kind == "error":
         raise value
-    return Plan.from_json(value)
+    return Plan.from_json(value), pricing
 
 
 def from_pretrained(name_or_path: str | Path, cluster: Cluster | str | Path, **auto_options: Any) -> torch.nn.Module:

@@ -246,3 +246,15 @@ def priced_plan(plan: Plan, graph: Any, cluster: Any, profiles: Mapping[str, Pro
     explain = tuple(line.split(UNPRICED)[0] for line in plan.explain)
     return replace(plan, ranks=ranks, collectives=collectives, predicted_step_s=p.step_s,
                    predicted_compute_s=p.compute_s, predicted_comm_s=p.allreduce_s, explain=explain)
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a plan was priced with: the traced graph, the cluster and any measured profiles.
+    ``fxpar.auto`` leaves it on rank 0's module (``pmodel.pricing``) so that a plan re-balanced
+    while training is priced the same way (:func:`priced_plan`)."""
+
+    graph: ModelGraph
+    cluster: Any
+    profiles: Mapping[str, ProfileDB] | None = None
+

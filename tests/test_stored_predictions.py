@@ -14,7 +14,7 @@ import fxpar
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
 from fxpar.planning import trace_spec
-from fxpar.predict import cost_model, measured_cluster
+from fxpar.predict import Pricing, cost_model, measured_cluster, priced_plan
 from fxpar.solvers import plan as solve
 from fxpar.solvers.family_dp import dp_candidates
 from fxpar.solvers.family_ep import ep_candidates
@@ -22,7 +22,6 @@ from fxpar.solvers.family_pipeline import pipeline_candidates
 from fxpar.solvers.family_sharded import sharded_candidates
 from fxpar.solvers.planner import FAMILIES
 from fxpar.solvers.problems import build_problems
-from fxpar.predict import priced_plan
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
 from fxpar.workload import Workload
 
@@ -128,3 +127,32 @@ def test_allow_tf32_on_the_plan_is_the_one_that_priced_it(dtype, tf32, stored):
     if dtype == "fp32":  # the flag changes the pricing, so a wrong flag would show
         flipped = fxpar.predict(replace(plan, allow_tf32=not stored), graph, cluster).step_s
         assert flipped != pytest.approx(plan.predicted_step_s, rel=1e-6)
+
+
+def test_the_training_monitor_prices_its_re_balanced_plan_like_predict():
+    """The monitor of a running job (rank 0) re-balances with what priced the plan
+    (``pmodel.pricing``, left by fxpar.auto): the stored step is fxpar.predict's."""
+    from fxpar.integrations.config import RebalanceConfig
+    from fxpar.integrations.monitor import StepMonitor, StepRecord
+
+    cluster = _clusters()["emulated"]
+    graph = trace_spec(PRESETS["gpt2-tiny"], WORKLOAD)
+    plan = solve(graph, cluster, WORKLOAD, strategies=("data_parallel",))
+
+    class Module:  # what the monitor reads of a parallel module
+        def __init__(self) -> None:
+            self.plan, self.pricing = plan, Pricing(graph=graph, cluster=cluster)
+
+        def set_plan(self, new: Plan) -> None:
+            self.plan = new
+
+    module = Module()
+    monitor = StepMonitor(module, rebalance=RebalanceConfig(threshold=0.0, warmup_steps=0, window=1))
+    busy = tuple(rp.predicted_busy_s * (3.0 if rp.rank == 1 else 1.0) for rp in plan.ranks)
+    monitor.history.append(StepRecord(step=0, busy_s=busy, step_s=max(busy)))
+    monitor._since_change = 1
+    new = monitor.maybe_rebalance(0)
+    assert new is not None and new.measured_speeds is not None and new.predicted_step_s > 0
+    assert new.predicted_step_s == pytest.approx(fxpar.predict(new, graph, cluster).step_s, rel=1e-9)
+    assert "not priced here" not in new.explain[-1]
+

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.plan import Plan
+from fxpar.predict import priced_plan
 from fxpar.runtime.device import module_device, synchronize
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
 
@@ -111,6 +112,13 @@ class StepMonitor:
     def plan(self) -> Plan:
         return self.pmodel.plan
 
+    def _priced(self, plan: Plan) -> Plan:
+        """A re-balanced plan priced at its measured speeds by what priced the original
+        (``pmodel.pricing``, rank 0 of a plan ``fxpar.auto`` solved), so its stored step is
+        ``fxpar.predict``'s; unpriced (and saying so) where the module has none (a given plan)."""
+        pricing = getattr(self.pmodel, "pricing", None)
+        return plan if pricing is None else priced_plan(plan, pricing.graph, pricing.cluster, pricing.profiles)
+
     def maybe_rebalance(self, step: int) -> Plan | None:
         """Re-solve the shares when the measured times say so; returns the new plan (applied)
         or None.  Collective: call on every rank at the same step."""
@@ -129,7 +137,8 @@ class StepMonitor:
             event = {"step": step, "busy_s": busy, "shares": list(decision.shares),
                      "proposed": list(decision.proposed), "measured_step_s": decision.measured_step_s,
                      "predicted_step_s": decision.predicted_step_s, "applied": decision.apply}
-            new = rebalanced_plan(self.plan, decision, step=step).to_json(indent=None) if decision.apply else None
+            new = self._priced(rebalanced_plan(self.plan, decision, step=step)).to_json(indent=None) \
+                if decision.apply else None
             payload[0] = (event, new)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
