@@ -213,3 +213,25 @@ def test_tracing_moves_the_example_batch_to_the_model_s_device(tmp_path) -> None
     assert {b.device.type for b in model.buffers()} == {"cpu"}
     graph = trace(model, example_inputs(model, 1, 16))            # ids on the CPU
     assert graph.param_count == sum(p.numel() for p in model.parameters())
+
+
+def test_predict_traces_a_meta_model_where_it_is(tmp_path) -> None:
+    """``fxpar.predict`` of a model on ``meta``, with real buffers as ``fxpar.from_pretrained``
+    builds it, makes its example batch where the model is (the H200 run's predict failed with
+    "found two different devices meta, cpu" under torch 2.11); the same model built from its
+    spec on ``meta`` predicts the same step."""
+    from transformers import LlamaConfig
+
+    import fxpar
+    from fxpar.planning import plan_model
+    from fxpar.tracing.hf import ModelSpec, build_meta_model
+    from fxpar.workload import Workload
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    spec = ModelSpec(hf_config=config.to_dict())
+    plan = plan_model(spec, cluster, Workload(global_batch=4, seq_len=32))
+    p = fxpar.predict(plan, build_meta_model(tmp_path), cluster)
+    assert p.step_s == pytest.approx(fxpar.predict(plan, spec, cluster).step_s, rel=1e-9)
