@@ -339,6 +339,11 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
         parts += ["", "Predictions against real measured GPU runs (`python -m benchmarks.real_gpu`, the runs and their "
                   "provenance in `../shared/validation/`; 'LOO' refits every calibrated constant without the run; "
                   "Sailor is the best published estimator on the same runs):", "", table(real)]
+    catalog = _latest("real_gpu_catalog", folder, False)
+    if catalog:
+        parts += ["", "The same runs predicted with the catalog's stored constants, nothing fitted "
+                  "(`python -m benchmarks.real_gpu --constants catalog`; 'priced by' names each kind's calibration):",
+                  "", table(catalog)]
     if coll:
         parts += ["", "Collectives each plan kind issues per training step, recorded by the collective audit "
                   "(`python -m benchmarks.collective_audit`; tiny models, two micro-batches where the plan has them; "

@@ -10,8 +10,10 @@ Titan-RTX, RTX-2080-Ti; the publication's link figures: intra-node per node kind
 slowest link the run's nodes share), the
 plan from its layout (``fxpar.codegen.hand_plans.pipeline_plan``: its stages, TP, replicas and
 micro-batches), described as the measured framework ran it: DeepSpeed's pipeline engine
-all-reduces the gradients after the whole schedule (``overlap_grad_allreduce=False``), fp32
-without TF32 (``allow_tf32=False``; the file says "unknown"; the fit below tells).  Then
+all-reduces the gradients after the whole schedule (``overlap_grad_allreduce=False``) and holds
+pipeline receive buffers for the in-flight micro-batches only (``receive_in_flight``, the
+catalog's fact of the framework: ``num_pipe_buffers() = min(stages − stage_id, micro_batches)``),
+fp32 without TF32 (``allow_tf32=False``; the file says "unknown"; the fit below tells).  Then
 ``fxpar.predict`` gives the step and the per-rank driver-level memory, compared with the
 measurements and with the published estimators' predictions on the same runs.
 
@@ -185,8 +187,11 @@ def _kinds(run) -> set[str]:
 
 
 def calibration(run, consts: dict[str, float]) -> dict[str, dict[str, float]]:
-    """The run's kinds' calibration from a group's constants."""
-    return {k: dict(consts) for k in _kinds(run)}
+    """The run's kinds' calibration from a group's constants, with what the runs' framework
+    does that nothing fits (``receive_in_flight``: the catalog's megatron-deepspeed entry)."""
+    facts = {k: {"receive_in_flight": v["receive_in_flight"]}
+             for k, v in FRAMEWORK_CALIBRATION["megatron-deepspeed"].items() if "receive_in_flight" in v}
+    return {k: {**facts.get(k, {}), **consts} for k in _kinds(run)}
 
 
 class Runs:

@@ -40,8 +40,10 @@ optimizer (not divided by a speed) and memory are the cost model's (:func:`measu
 ``calibration``: per device kind, constants fitted for the framework a plan describes
 (:data:`fxpar.cluster.catalog.FRAMEWORK_CALIBRATION`): ``compute_scale`` and
 ``segment_overhead_s`` change a pipeline plan's stage times (:class:`fxpar.sim.pipeline_cost.
-PipelinePrices`), ``driver_memory_bytes`` the driver-level memory.  Without it the prediction is
-:func:`fxpar.sim.simulate`'s, exactly.
+PipelinePrices`), ``driver_memory_bytes`` the driver-level memory; ``receive_in_flight`` (not
+fitted: what the framework does) says the framework holds pipeline receive buffers for the
+in-flight micro-batches only (:func:`fxpar.sim.rank_memory.stage_peak_bytes`).  Without it the
+prediction is :func:`fxpar.sim.simulate`'s, exactly.
 """
 
 from __future__ import annotations
@@ -186,7 +188,9 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
         prices = pipeline_prices(cost, compute_scale={k: float(calib[t]["compute_scale"]) for k, t in kinds.items()
                                                       if "compute_scale" in calib.get(t, {})},
                                  segment_overhead_s={k: float(calib[t]["segment_overhead_s"]) for k, t in kinds.items()
-                                                     if "segment_overhead_s" in calib.get(t, {})})
+                                                     if "segment_overhead_s" in calib.get(t, {})},
+                                 receive_in_flight={k: bool(calib[t]["receive_in_flight"]) for k, t in kinds.items()
+                                                    if "receive_in_flight" in calib.get(t, {})})
         sim = simulate_pipeline(plan, prices, cluster)
     else:
         sim = simulate(plan, cost)

@@ -131,3 +131,16 @@ def test_predict_builds_the_example_batch_for_the_model_s_task():
     plan = fxpar.solvers.plan(graph, cluster, workload)
     p = fxpar.predict(plan, module, cluster)
     assert p.step_s == pytest.approx(plan.predicted_step_s, rel=1e-9)
+
+
+def test_a_framework_that_receives_per_transfer_holds_only_the_in_flight_buffers():
+    """``receive_in_flight`` (DeepSpeed's pipeline engine: ``min(stages - stage_id, micro_batches)``
+    buffers) lowers the stages' receive buffers from one per micro-batch to the in-flight ones
+    and changes nothing else: same step, lower peak on every stage that receives."""
+    plan, cluster, graph = _hand_pipeline()
+    kinds = {d.type.name for d in cluster.devices}
+    own = fxpar.predict(plan, graph, cluster)
+    framework = fxpar.predict(plan, graph, cluster, calibration={k: {"receive_in_flight": 1.0} for k in kinds})
+    assert framework.step_s == own.step_s
+    assert all(f <= o for f, o in zip(framework.peak_memory_bytes, own.peak_memory_bytes))
+    assert sum(framework.peak_memory_bytes) < sum(own.peak_memory_bytes)

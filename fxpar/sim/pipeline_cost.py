@@ -79,10 +79,15 @@ class PipelinePrices:
     #: 1/3, backward 2/3: the framework's per-layer launch and bookkeeping cost)
     compute_scale: Mapping[str, float] = field(default_factory=dict)
     segment_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    #: per device kind, True where the framework receives pipeline activations and gradients into
+    #: fresh tensors per transfer, so only the in-flight micro-batches' buffers are alive (what
+    #: Megatron-LM does); absent: fxpar's runtime, one buffer per micro-batch
+    receive_in_flight: Mapping[str, bool] = field(default_factory=dict)
 
 
 def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
-                    segment_overhead_s: Mapping[str, float] | None = None) -> PipelinePrices:
+                    segment_overhead_s: Mapping[str, float] | None = None,
+                    receive_in_flight: Mapping[str, bool] | None = None) -> PipelinePrices:
     """:class:`PipelinePrices` of a CostModel: its segment table and, per device kind, the intra-node
     link and optimizer seconds per parameter of the kind's first device."""
     cluster = cost.cluster
@@ -96,7 +101,8 @@ def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
                           intra_bytes_per_s=intra, optimizer_s_per_param=opt,
                           node_bytes_per_s=cluster.inter_node_bytes_per_s(), optimizer=cost.optimizer,
                           dtype=cost.dtype, compute_scale=dict(compute_scale or {}),
-                          segment_overhead_s=dict(segment_overhead_s or {}))
+                          segment_overhead_s=dict(segment_overhead_s or {}),
+                          receive_in_flight=dict(receive_in_flight or {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +205,8 @@ def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int,
     """Bytes per device of one stage at its step's peak (:func:`fxpar.sim.rank_memory.stage_peak_bytes`)."""
     return stage_peak_bytes(prices.table, st, optimizer=prices.optimizer, dtype=prices.dtype, in_flight=in_flight,
                             b=b, microbatches=microbatches or in_flight, pipelines=pipelines, zero=zero,
-                            act_share=ACT_REPLICATED + (1 - ACT_REPLICATED) / st.width, first=first, last=last)
+                            act_share=ACT_REPLICATED + (1 - ACT_REPLICATED) / st.width, first=first, last=last,
+                            receive_in_flight=prices.receive_in_flight.get(st.kind, False))
 
 
 def _hops(prices: PipelinePrices, layout: PipelineLayout, b: int) -> list[float]:

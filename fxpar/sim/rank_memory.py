@@ -142,7 +142,7 @@ def _itemsize(dtype: str) -> int:
 
 def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str, in_flight: int, b: int,
                      microbatches: int, pipelines: int, zero: bool, act_share: float, first: bool,
-                     last: bool) -> int:
+                     last: bool, receive_in_flight: bool = False) -> int:
     """Peak of one device of a pipeline stage ``st`` (segments ``[i, e)`` of ``table``, width
     ``u``, ``act_share`` of each activation per device), the one formula with:
 
@@ -152,7 +152,13 @@ def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str
           = Σ_i β_i                                  under activation checkpointing
         t = 2·max_i out_i·share (+ max_i α_i·share: the block recomputed, checkpointing)
         H = m·b·(β_{i−1}·[not first] + β_{e−1}·[not last])   per-micro-batch receive buffers
-                                                     (activations in, gradients back)
+                                                     (activations in, gradients back), with
+                                                     m = min(microbatches, r) where the framework
+                                                     receives into fresh tensors per transfer
+                                                     (``receive_in_flight``: Megatron-LM's
+                                                     p2p_communication), else every micro-batch's
+                                                     (torch.distributed.pipelining allocates them
+                                                     up front)
     with ``r = in_flight`` micro-batches of ``b`` samples alive at a backward's start; ``st``: a
     :class:`fxpar.sim.pipeline_cost.StageSlice` (``start``, ``end``, ``width``, ``checkpointing``)."""
     i, e = st.start, st.end
@@ -170,4 +176,5 @@ def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str
     return memory.step_peak_bytes(weights=w * n, grads=g * n, optimizer_state=o * n / (pipelines if zero else 1),
                                   sizes=[b] * max(microbatches, 1), in_flight=in_flight, activation_per_sample=act,
                                   workspace_per_sample=work, exchange=g * n if pipelines > 1 else 0.0,
-                                  buffers=max(microbatches, 1) * b * recv)
+                                  buffers=(min(max(microbatches, 1), max(in_flight, 1)) if receive_in_flight
+                                           else max(microbatches, 1)) * b * recv)
