@@ -58,6 +58,7 @@ def test_stage_major_replicas_with_uneven_batches(pool4):
     assert sorted(r["rows"] for r in results) == [(0, 2), (0, 2), (2, 8), (2, 8)]
 
 
+@pytest.mark.full  # the quick tier keeps the hand-written replica pipelines of this module
 def test_the_planners_pipeline_per_node_kind_runs_exactly(pool4):
     # 2 nodes (speed 1 and 0.5): the planner gives each node its own pipeline, a tensor-parallel
     # stage of width 2, with 8 and 4 of the 12 samples (shards compared with their slice)

@@ -116,6 +116,7 @@ def len_params_mixtral() -> int:
     return len(dict(tiny_model("mixtral").named_parameters(remove_duplicate=False)))
 
 
+@pytest.mark.full  # quick tier: TP stages in one pipeline here, two pipelines in the ZeRO-1 test below
 def test_tp_stages_times_two_pipelines(pool4):
     # one stage of TP 2 in each of 2 pipelines: data parallel across the pipelines per position
     results = pool4.run(pp_tp_parity, [2], [4], 2, 2)
@@ -123,7 +124,7 @@ def test_tp_stages_times_two_pipelines(pool4):
     _check(results)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.full)])  # quick: untied
 def test_pp_tp_saves_and_checkpoints(pool4, tmp_path, tied):
     # both ends vocab-parallel; tied: the head's copy is not written twice
     result = pool4.run(pp_tp_checkpoint, str(tmp_path / "hf"), str(tmp_path / "ckpt"), tied)[0]
