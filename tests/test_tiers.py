@@ -1,6 +1,7 @@
 """The quick tier (the README's default test command) still covers every parallel form with
 multi-rank parity, a Trainer and an Accelerate run, the bad-input survey and the checkpoint
-matrix's diagonal; the full suite (``FXPAR_FULL=1``) holds every test."""
+matrix's diagonal; the full suite (``FXPAR_FULL=1``) holds every test.  The check itself runs in
+the full suite (CI runs both on every change)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +46,7 @@ def _collected(full: bool) -> list[str]:
     return [line for line in out.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.full  # 14 s of collecting the suite twice; CI's full-suite part runs it on every change
 def test_the_quick_tier_covers_every_parallel_form_and_the_full_suite_holds_everything():
     quick, full = _collected(False), _collected(True)
     missing = [what for what, (file, part) in REQUIRED.items()
