@@ -18,6 +18,7 @@ from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
 from fxpar.tracing.export_settings import export_ready
 from fxpar.tracing.grad_paths import lost_gradients
+from fxpar.tracing.trace import model_device
 
 
 def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
@@ -41,12 +42,11 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
 
 
 def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.device:
-    """Where the export's tensors are: the model's first parameter or buffer, else the first
-    tensor input, else the host."""
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
+    """Where the export's tensors are: the model's (:func:`fxpar.tracing.trace.model_device`),
+    else the first tensor input's, else the host."""
+    found = model_device(model)
+    if found is not None:
+        return found
     return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), HOST)
 
 

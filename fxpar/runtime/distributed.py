@@ -83,10 +83,9 @@ def choose_backend(backend: str | None = None, cluster: Any = None) -> BackendCh
         return BackendChoice(backend, "asked for")
     local = _local_world_size()
     if cluster is not None:
-        vendors = {d.type.vendor == "cpu" for d in cluster.devices}
-        if vendors == {True}:
+        if cluster.is_emulated():
             return BackendChoice("gloo", f"the cluster {cluster.name!r} has emulated CPU devices")
-        if len(vendors) > 1:
+        if any(d.type.vendor == "cpu" for d in cluster.devices):
             raise ConfigError(f"init_distributed: the cluster {cluster.name!r} mixes emulated CPU devices "
                               "with GPUs; a job runs on one kind: describe only GPUs (fxpar.Cluster.detect()) "
                               "or emulate every device (gpu: cpu)")
@@ -113,7 +112,7 @@ def keep_cpu_job_off_gpus(cluster: Any) -> bool:
     which on a machine with fewer GPUs than processes is "invalid device ordinal").  CUDA
     reads the variable once, at its first query in the process: call this before anything
     asks ``torch.cuda``.  Returns True when it hid them."""
-    if cluster is None or not all(d.type.vendor == "cpu" for d in cluster.devices):
+    if cluster is None or not cluster.is_emulated():
         return False
     if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         return False

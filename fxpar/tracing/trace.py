@@ -71,11 +71,11 @@ def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
         accepts_cache = False
     if accepts_cache and "use_cache" not in kwargs:
         kwargs["use_cache"] = False  # HF models do not export with a DynamicCache
-    where = _model_device(model)
+    where = model_device(model)
     return _on_device(args, where), _on_device(kwargs, where)
 
 
-def _model_device(model: torch.nn.Module) -> torch.device | None:
+def model_device(model: torch.nn.Module) -> torch.device | None:
     """The one device ``model``'s parameters live on (its buffers' for a model without any; a
     ``meta`` model may keep real buffers, as ``fxpar.from_pretrained``'s rotary tables; None
     for a model without either); parameters spread over several devices (HF's ``device_map``)
