@@ -37,7 +37,7 @@ QUICK = [(1.0, 0.5), (1.0, 1.0)]
 
 
 def timed_worker(plan_json: str, steps: int) -> dict:
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
     from fxpar.plan import Plan
     from fxpar.tracing.hf import build_model, example_inputs
 

@@ -16,7 +16,7 @@ documented module-level name, no underscore) and for each:
 5. ``pp``: 2-stage pipeline parity (one block per stage, 2 micro-batches, hand plan);
 6. ``tp``: uneven tensor-parallel parity (key/value groups 3:1 — of 4, or in proportion for
    more — when the type has at least 4, else 1:1, not uneven, noted), loss and every gathered gradient vs one process.  The projections are
-   read from the traced graph (:mod:`fxpar.tracing.tp_analysis`); a block it refuses (q/k norms
+   read from the traced graph (:mod:`fxpar.tracing.tensor_parallel.analysis`); a block it refuses (q/k norms
    over the whole projection, ALiBi, multi-head latent attention, no attention at all) fails
    with the block and the reason recorded.
 
@@ -53,8 +53,8 @@ import fxpar
 from benchmarks.common import finish
 from benchmarks.zoo_tiny import architecture, causal_lm_types, tiny_config
 from fxpar.codegen.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.pipeline_parallel import PipelineParallelModule
-from fxpar.codegen.tp_families import head_layout, split_sizes
+from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.tensor.families import head_layout, split_sizes
 from fxpar.runtime import WorkerPool
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace

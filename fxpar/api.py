@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from fxpar import api_checks
 from fxpar.cluster import Cluster
-from fxpar.codegen.data_parallel import DataParallelModule
-from fxpar.codegen.expert_parallel import ExpertParallelModule
-from fxpar.codegen.pipeline_interleaved import InterleavedPipelineModule
-from fxpar.codegen.pipeline_parallel import PipelineParallelModule
-from fxpar.codegen.sharded_data_parallel import ShardedDataParallelModule
-from fxpar.codegen.tensor_parallel import TensorParallelModule
+from fxpar.codegen.data.module import DataParallelModule
+from fxpar.codegen.expert.module import ExpertParallelModule
+from fxpar.codegen.pipeline.interleaved import InterleavedPipelineModule
+from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.sharded.module import ShardedDataParallelModule
+from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.planning import measured_graph
@@ -118,10 +118,10 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
     Returns a :class:`DataParallelModule` or, for a pipeline, tensor-parallel, expert-parallel or
-    sharded data-parallel plan, a :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule`,
-    :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule`,
-    :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` or
-    :class:`~fxpar.codegen.sharded_data_parallel.ShardedDataParallelModule` — all with the same API:
+    sharded data-parallel plan, a :class:`~fxpar.codegen.pipeline.module.PipelineParallelModule`,
+    :class:`~fxpar.codegen.tensor.module.TensorParallelModule`,
+    :class:`~fxpar.codegen.expert.module.ExpertParallelModule` or
+    :class:`~fxpar.codegen.sharded.module.ShardedDataParallelModule` — all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
     Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`, or

@@ -56,7 +56,7 @@ def test_expert_parallel_plan(tmp_path):
 def test_tensor_parallel_shard_of_a_stage_without_blocks():
     # a stage holding only the final norm and the head (no blocks): nothing to split in blocks,
     # the head becomes vocab-parallel, and no "no attention" error
-    from fxpar.codegen.tensor_parallel import shard_model
+    from fxpar.codegen.tensor.module import shard_model
 
     model, _ = _meta_llama(2)
     assert shard_model(model, [1, 1], 0, blocks=set(), embedding=False, head=True) == 0

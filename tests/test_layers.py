@@ -7,6 +7,11 @@ Layers, lowest first (README "Layout" draws them):
     errors, compat → workload, plan → cluster → tracing → profiling → sim → solvers
       → runtime → checkpoint → codegen → planning, models, scenario, api_checks → api
       → integrations, profile_cmd, demo → cli, the package itself
+
+Inside a layer, sub-layers (``SUBLAYERS``): codegen's sub-packages in the order its
+``__init__`` gives (common → tensor → hand plans → one module per plan family → emit), the
+tracer over its tensor-parallel analysis, the planner over its families.  Two parts of one
+sub-layer above the base never import each other (the plan families are independent).
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ LAYERS: dict[str, int] = {
     "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12, "fxpar.demo_report": 12,
     "fxpar.cli": 13, "fxpar.__main__": 13, "fxpar": 13,
 }
+#: package -> {its child module or sub-package: sub-layer}; children not named are the base (0)
+SUBLAYERS: dict[str, dict[str, int]] = {
+    "fxpar.codegen": {"common": 0, "tensor": 1, "hand_plans": 2, "sharded_plans": 2,
+                      "data": 3, "expert": 3, "sharded": 3, "pipeline": 3, "emit": 4},
+    "fxpar.tracing": {"tensor_parallel": 1, "trace": 2, "hf": 2, "analyze_model": 3},
+    "fxpar.solvers": {"families": 1, "choose": 1, "planner": 2},
+}
 LAZY_MARK = "# lazy:"
 
 
@@ -49,6 +61,27 @@ def layer_of(module: str) -> int:
     if best is None:
         raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_layers.py")
     return LAYERS[best]
+
+
+def sublayer_of(module: str) -> tuple[str, str, int] | None:
+    """``(package, child, sub-layer)`` of a module inside a package of ``SUBLAYERS``."""
+    for package, order in SUBLAYERS.items():
+        if module.startswith(package + "."):
+            child = module[len(package) + 1:].split(".")[0]
+            return package, child, order.get(child, 0)
+    return None
+
+
+def sideways_error(module: str, target: str) -> str | None:
+    """Why ``module`` may not import ``target`` under ``SUBLAYERS`` (None: it may)."""
+    mine, theirs = sublayer_of(module), sublayer_of(target)
+    if mine is None or theirs is None or mine[0] != theirs[0] or mine[1] == theirs[1]:
+        return None
+    if theirs[2] > mine[2]:
+        return f"{mine[0]}.{theirs[1]} (sub-layer {theirs[2]}) is above {mine[0]}.{mine[1]} (sub-layer {mine[2]})"
+    if theirs[2] == mine[2] > 0:
+        return f"{mine[0]}.{mine[1]} and {mine[0]}.{theirs[1]} are parts of sub-layer {mine[2]}, which never import each other"
+    return None
 
 
 def _imports(path: Path) -> list[tuple[str, int, bool]]:
@@ -91,6 +124,35 @@ def test_every_import_goes_down_the_layers() -> None:
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} (layer {mine}) imports "
                              f"{target} (layer {layer_of(target)})")
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_every_import_goes_down_the_sublayers() -> None:
+    wrong = []
+    for module, path in _all_modules().items():
+        for target, line, _ in _imports(path):
+            why = sideways_error(module, target)
+            if why:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} imports {target}: {why}")
+    assert not wrong, "imports against the sub-layer order:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module,target", [
+    ("fxpar.codegen.common.shards", "fxpar.codegen.tensor.shard"),
+    ("fxpar.codegen.tensor.module", "fxpar.codegen.pipeline.module"),
+    ("fxpar.codegen.expert.module", "fxpar.codegen.sharded.units"),
+    ("fxpar.codegen.data.module", "fxpar.codegen.emit"),
+    ("fxpar.tracing.tensor_parallel.analysis", "fxpar.tracing.trace"),
+    ("fxpar.solvers.families.pipeline", "fxpar.solvers.planner"),
+])
+def test_the_sublayer_check_catches_an_import_against_the_order(module: str, target: str) -> None:
+    assert sideways_error(module, target)
+    assert sideways_error(target, module) is None or sublayer_of(target)[2] == sublayer_of(module)[2]
+
+
+def test_every_codegen_part_has_a_sublayer() -> None:
+    children = {p.stem if p.suffix else p.name for p in (PACKAGE / "codegen").iterdir()
+                if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert children == set(SUBLAYERS["fxpar.codegen"]), "name each codegen part's sub-layer in SUBLAYERS"
 
 
 def test_no_import_cycles() -> None:
@@ -147,6 +209,6 @@ def test_function_level_imports_say_why() -> None:
 
 
 @pytest.mark.parametrize("module,target", [("fxpar.sim.simulate", "fxpar.solvers.planner"),
-                                           ("fxpar.tracing.trace", "fxpar.codegen.tp_families")])
+                                           ("fxpar.tracing.trace", "fxpar.codegen.tensor.families")])
 def test_the_layer_check_catches_an_upward_import(module: str, target: str) -> None:
     assert layer_of(target) > layer_of(module)

@@ -25,8 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fxpar.codegen.data_parallel import DataParallelModule
-from fxpar.codegen.materialize import (
+from fxpar.codegen.data.module import DataParallelModule
+from fxpar.codegen.common.materialize import (
     materialize,
     module_slots,
     weights_source,

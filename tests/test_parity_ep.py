@@ -133,7 +133,7 @@ def test_expert_parallel_plan_round_trips_and_validates():
 
 
 def test_module_rejects_bad_splits_and_aux_loss():
-    from fxpar.codegen.expert_parallel import ExpertParallelModule
+    from fxpar.codegen.expert.module import ExpertParallelModule
 
     with pytest.raises(PlanError, match="sum to the 4 experts"):
         ExpertParallelModule(_model(), [3], 0, batch_shares=[8])
@@ -151,7 +151,7 @@ def test_module_rejects_bad_splits_and_aux_loss():
 def test_single_rank_matches_model_exactly():
     import copy
 
-    from fxpar.codegen.expert_parallel import ExpertParallelModule
+    from fxpar.codegen.expert.module import ExpertParallelModule
     from tests.parity import gradient_gaps
     from tests.workers import global_batch
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import block_paths, pipeline_plan
-from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.models import PRESETS
 from fxpar.tracing.hf import build_model, example_inputs
 from tests.parity import check_step, expect, snapshot, step_record, trajectory_gaps

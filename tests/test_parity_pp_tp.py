@@ -10,7 +10,7 @@ turns last-bit differences of near-zero gradients into whole steps) or SGD's (GR
 update is linear in the gradient).
 
 A tensor-parallel stage's lead runs the schedule and its followers replay it
-(``fxpar/codegen/pipeline_tp.py``); widths may differ between stages."""
+(``fxpar/codegen/pipeline/tensor_stages.py``); widths may differ between stages."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_uneven_heads_inside_a_pipeline_stage(pool3):
 
 def test_whole_projection_qk_norms_across_an_uneven_stage(pool3):
     # OLMo-2 (q_norm / k_norm over all heads' features), stage 0 splits 4 KV groups 3:1: the
-    # norms' sums of squares are all-reduced across the stage's group (tp_group_norm.py)
+    # norms' sums of squares are all-reduced across the stage's group (fxpar/codegen/tensor/group_norm.py)
     results = pool3.run(pp_tp_parity, [2, 1], [1, 1], 2, 1, "1F1B", False, False, 2, 8, 16, "sgd", "llama",
                         [[3, 1], None], {"num_key_value_heads": 4, "model_type": "olmo2"})
     assert [r["local_q_rows"] for r in results] == [[48], [16], [64]]

@@ -198,7 +198,7 @@ def test_hand_plan_checks_and_emit(tmp_path):
 def test_one_process_and_set_plan():
     """One rank (no process group): the same code path with the collectives as copies; set_plan
     takes new batch shares and refuses a change of what the rank holds."""
-    from fxpar.codegen.sharded_data_parallel import ShardedDataParallelModule
+    from fxpar.codegen.sharded.module import ShardedDataParallelModule
 
     model = w.tiny_model("llama")
     reference = copy.deepcopy(model)

@@ -19,7 +19,7 @@ import pytest
 
 import fxpar
 from fxpar.codegen.hand_plans import tensor_parallel_plan
-from fxpar.codegen.tp_layout import tp_layout
+from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.errors import PlanError
 from tests.parity import check_gradients, check_loss, check_norm, check_step, check_trajectory, expect, norm_rtol
 from tests.workers import tiny_model, tp_parity

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan
-from fxpar.codegen.pipeline_parallel import PipelineParallelModule
-from fxpar.codegen.pipeline_split import split_stages
+from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.pipeline.split import split_stages
 from tests.parity import check_loss, check_step, expect, step_record
 
 

@@ -104,7 +104,7 @@ def test_new_plan_fields_round_trip(tmp_path):
     assert fxpar.Plan.from_json(inter.to_json()) == inter and inter.schedule == "interleaved"
     with pytest.raises(PlanError, match="method"):
         CollectiveChoice(exchange="x", method="carrier pigeon", predicted_s=1.0)
-    from fxpar.codegen.pipeline_interleaved import placement
+    from fxpar.codegen.pipeline.interleaved import placement
 
     bad = interleaved_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), global_batch=4, blocks_per_stage=[1, 1],
                            stage_ranks=[0, 1], num_microbatches=2)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from fxpar.cluster import Cluster
-from fxpar.codegen.data_parallel import DataParallelModule
-from fxpar.codegen.expert_parallel import ExpertParallelModule
+from fxpar.codegen.data.module import DataParallelModule
+from fxpar.codegen.expert.module import ExpertParallelModule
 from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan

@@ -1,5 +1,5 @@
 """Tensor parallelism read from the traced graph (issue #16 items 4-5,
-``fxpar/tracing/tp_analysis.py``): on tiny models of several families, the analysis finds each
+``fxpar/tracing/tensor_parallel/analysis.py``): on tiny models of several families, the analysis finds each
 block's query / key / value projections (separate, fused ``[q | k | v]``, per-head interleaved),
 grouped key/value heads, the output projection, the MLP's up / gate / down (fused
 ``[gate | up]`` too), the rows a rank owning some key/value groups keeps, and refuses — naming
@@ -23,7 +23,7 @@ from benchmarks.zoo_tiny import tiny_config
 from fxpar.runtime.pool import WorkerError
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
-from fxpar.tracing.tp_model import analyze_model
+from fxpar.tracing.analyze_model import analyze_model
 from tests.families import _DEC, FAMILIES
 from tests.parity import check_step, expect
 from tests.workers_pptp import check_tp_family_parity, tp_family_parity
@@ -118,7 +118,7 @@ def test_vocab_parallel_only_where_the_loss_goes_through_loss_function():
 
 def test_olmo2_norms_over_the_whole_projection_are_group_norms():
     # OLMo-2's q_norm / k_norm reduce over all heads' features: each rank keeps its heads'
-    # features of the norm weight and all-reduces the sum of squares (tp_group_norm.py)
+    # features of the norm weight and all-reduces the sum of squares (fxpar/codegen/tensor/group_norm.py)
     olmo2 = analyze_model(_model("olmo2"))
     att, = olmo2.blocks[0].attention
     q, k = att.group_norms

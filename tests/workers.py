@@ -155,7 +155,7 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     """Pipeline plan vs single process (AdamW, lr 1e-2): per step the loss and the gradients of
     this rank's stage (``tests/parity.step_record``), then the trajectory gap of the stage's
     weights (``weights``)."""
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS[family])
@@ -216,7 +216,7 @@ def pp_gather_and_save(save_dir: str) -> dict:
     """Train 2 pipeline steps, gather the state dict on rank 0, save_pretrained, reload, compare
     with the single-process model trained the same way."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model("gpt2")

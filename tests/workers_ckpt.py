@@ -30,8 +30,8 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
     "ep": experts per rank, "module": plain) on this rank, an AdamW over its parameters, and a
     layout check."""
     from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
-    from fxpar.codegen.tensor_parallel import TensorParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.tensor.module import TensorParallelModule
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -53,7 +53,7 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
                                     kv_shares=arg)
         pm = TensorParallelModule(model, plan, rank, emulate=False)
     elif kind == "ep":
-        from fxpar.codegen.expert_parallel import ExpertParallelModule
+        from fxpar.codegen.expert.module import ExpertParallelModule
         from fxpar.codegen.hand_plans import expert_parallel_plan
 
         plan = expert_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,

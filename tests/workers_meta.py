@@ -82,7 +82,7 @@ def _local_params(pm) -> list[tuple[str, torch.nn.Parameter]]:
 
 def _reference_slice(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The part of the whole ``full`` tensor that this rank's ``p`` holds (its box(es))."""
-    from fxpar.codegen.shards import cut, shard_spec
+    from fxpar.codegen.common.shards import cut, shard_spec
 
     return cut(full, tuple(p.shape), shard_spec(p))
 

@@ -25,7 +25,7 @@ from tests.workers import TINY_CONFIGS, global_batch, pipeline_case
 def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """The part of the unsharded ``full`` tensor that this rank's ``p`` holds (each piece of a
     fused ``[q | k | v]`` / ``[gate | up]`` shard, concatenated like the shard)."""
-    from fxpar.codegen.shards import shard_spec
+    from fxpar.codegen.common.shards import shard_spec
 
     spec = shard_spec(p)
     if spec is None:
@@ -151,7 +151,7 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
     after ``steps`` optimizer steps (AdamW or SGD, lr 1e-2) the gathered model's trajectory
     against the reference's (``weights``, rank 0)."""
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
@@ -178,7 +178,7 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     SGD trajectory (``save_pretrained``, ``checkpoint``: ``tests/parity.TrajectoryGaps``)."""
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4, tie_word_embeddings=tied)
@@ -241,7 +241,7 @@ def unsupported_tp_stage_refused() -> str:
     head ``h`` with head ``h + H/2``, which the graph analysis refuses): every rank raises the
     same clear error, naming the block and the reason, before any collective."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
     from fxpar.errors import PlanError
     from tests.families import FAMILIES
 
@@ -267,7 +267,7 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
 
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
@@ -317,7 +317,7 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
     import dataclasses
 
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
     from fxpar.runtime.precision import AUTOCAST_DTYPES
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -22,7 +22,7 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
     ``data_split[p]`` samples, against one process: the loss, every gradient of this rank's stage
     on each step, and its weights after each AdamW step."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline_parallel import PipelineParallelModule
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
     from fxpar.solvers.replica_pipeline import uneven_pipelines
 
     rank = dist.get_rank()

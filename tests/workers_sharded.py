@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.checkpoint import load_checkpoint, save_checkpoint
-from fxpar.codegen.data_parallel import DataParallelModule
-from fxpar.codegen.sharded_data_parallel import ShardedDataParallelModule
+from fxpar.codegen.data.module import DataParallelModule
+from fxpar.codegen.sharded.module import ShardedDataParallelModule
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.runtime.ragged import (
     RaggedLayout,

@@ -43,7 +43,7 @@ def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | 
     optimizer steps (AdamW lr 1e-2, or SGD lr 1e-1, whose update is linear in the gradient).  Odd
     steps feed the replica's rows with ``local=True``."""
     from fxpar.codegen.hand_plans import tensor_parallel_plan
-    from fxpar.codegen.tensor_parallel import TensorParallelModule
+    from fxpar.codegen.tensor.module import TensorParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)  # 4 heads, 4 KV groups: 3:1 splits
@@ -103,7 +103,7 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     (``*_diff``) and SGD trajectory gaps (``save_pretrained``, ``checkpoint``, ``reload``)."""
     from fxpar.checkpoint import load_checkpoint, read_model_state, save_checkpoint
     from fxpar.codegen.hand_plans import tensor_parallel_plan
-    from fxpar.codegen.tensor_parallel import TensorParallelModule
+    from fxpar.codegen.tensor.module import TensorParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)

@@ -2,16 +2,16 @@
 
 A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever the plan:
 
-- a plain ``nn.Module`` and :class:`~fxpar.codegen.data_parallel.DataParallelModule` hold full
+- a plain ``nn.Module`` and :class:`~fxpar.codegen.data.module.DataParallelModule` hold full
   replicas (``named_parameters()``; a tied weight appears once, under its first name);
-- :class:`~fxpar.codegen.pipeline_parallel.PipelineParallelModule` holds the full tensors of
+- :class:`~fxpar.codegen.pipeline.module.PipelineParallelModule` holds the full tensors of
   its stage (``named_original_parameters()``), a subset of the FQNs;
-- :class:`~fxpar.codegen.tensor_parallel.TensorParallelModule` holds *ragged* slices (rows of
+- :class:`~fxpar.codegen.tensor.module.TensorParallelModule` holds *ragged* slices (rows of
   ``q/k/v/gate/up_proj``, columns of ``o/down_proj``, any split sizes) and says so itself;
-- :class:`~fxpar.codegen.expert_parallel.ExpertParallelModule` holds the rows ``[lo, hi)`` of
+- :class:`~fxpar.codegen.expert.module.ExpertParallelModule` holds the rows ``[lo, hi)`` of
   every ``(E, ...)`` expert tensor (its experts, from the plan's ``expert_split``) and replicas
   of the rest;
-- :class:`~fxpar.codegen.sharded_data_parallel.ShardedDataParallelModule` (``plan.strategy ==
+- :class:`~fxpar.codegen.sharded.module.ShardedDataParallelModule` (``plan.strategy ==
   "sharded_data_parallel"``) holds the rows ``[lo, hi)`` of *every* parameter that
   ``fxpar.plan.ragged_rows`` gives it over the plan's ``state_split``, and its optimizer's state
   for them; it says so with ``checkpoint_layout()`` (row boxes at offset ``lo``; an empty shard

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from fxpar.codegen.hand_plans import block_paths
-from fxpar.codegen.pipeline_parallel import layer_to_stage
-from fxpar.codegen.pipeline_split import split_stages
-from fxpar.codegen.tensor_parallel import shard_model, split_sizes
-from fxpar.codegen.tp_layout import tp_layout
+from fxpar.codegen.pipeline.module import layer_to_stage
+from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.tensor.module import shard_model, split_sizes
+from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.plan import Plan
 from fxpar.runtime.ragged import owned_rows
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.tp_families import split_sizes
-from fxpar.codegen.tp_layout import tp_layout
+from fxpar.codegen.tensor.families import split_sizes
+from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
 from fxpar.tracing.structure import block_path

@@ -4,7 +4,7 @@
 
 Data parallelism: the whole model, ``X = G`` on more than one rank (the flattened buckets).
 
-Tensor parallelism (uneven, :mod:`fxpar.codegen.tensor_parallel`): position ``t`` of a group owns
+Tensor parallelism (uneven, :mod:`fxpar.codegen.tensor.module`): position ``t`` of a group owns
 the fraction ``κ_t = k_t / Σ k`` of every block's attention (key/value head groups) and
 ``μ_t = m_t / Σ m`` of every MLP's columns and of the vocabulary (embedding, LM head and the
 vocab-parallel loss); norms, residuals and blocks codegen does not split stay whole.  Per
@@ -36,7 +36,7 @@ from fxpar.profiling import CostModel, memory
 from fxpar.sim.segments import SegmentTable, _inside_block_part, _tensor_parallel
 from fxpar.tracing.graph import ModelGraph, OpClass
 
-#: tensors of the logits slice's size fxpar's vocab-parallel loss (:mod:`fxpar.codegen.tp_vocab`)
+#: tensors of the logits slice's size fxpar's vocab-parallel loss (:mod:`fxpar.codegen.tensor.vocab`)
 #: keeps for backward: the shifted logits ``z`` (``gather``'s input) and ``exp(z)``; the
 #: single-device loss keeps one, ``log_softmax``'s output (what the traced graph records)
 VOCAB_LOSS_SAVES = 2.0

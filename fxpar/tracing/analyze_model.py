@@ -1,6 +1,6 @@
 """The tensor-parallel analysis of a live model (for codegen and the planner alike): export it
 on a one-sample batch of 8 tokens (on ``meta`` when its parameters are) and run
-:func:`fxpar.tracing.tp_analysis.analyze`.  The result is kept on the model object
+:func:`fxpar.tracing.tensor_parallel.analysis.analyze`.  The result is kept on the model object
 (``model.fxpar_tp_analysis``), keyed by the parameters' shapes, because a rank asks twice
 (which blocks are splittable, then how) before it shards."""
 
@@ -10,8 +10,8 @@ import torch
 
 from fxpar.errors import PlanError
 from fxpar.tracing.hf import example_inputs, hf_task
-from fxpar.tracing.tp_analysis import analyze
-from fxpar.tracing.tp_types import TPAnalysis
+from fxpar.tracing.tensor_parallel.analysis import analyze
+from fxpar.tracing.tensor_parallel.findings import TPAnalysis
 from fxpar.tracing.trace import export_model
 
 ATTR = "fxpar_tp_analysis"

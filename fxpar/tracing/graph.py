@@ -117,12 +117,12 @@ class ModelGraph:
     #: batch-normalised key per node (profiling.keys), empty unless traced at two batch sizes
     op_keys: tuple[str, ...] = ()
     #: module paths of the input embedding and LM head when tensor parallelism splits them by
-    #: vocabulary (codegen/tp_vocab.py); empty when they stay replicated
+    #: vocabulary (codegen/tensor/vocab.py); empty when they stay replicated
     vocab_parallel_modules: tuple[str, ...] = ()
     #: the HF attention implementation the model was traced with (``"sdpa"``, ``"eager"``...;
     #: None for a model without a HF config): eager attention keeps its seq x seq scores
     attn_implementation: str | None = None
-    #: what tensor parallelism can split, read from the graph (:mod:`fxpar.tracing.tp_analysis`);
+    #: what tensor parallelism can split, read from the graph (:mod:`fxpar.tracing.tensor_parallel.analysis`);
     #: ``LayerInfo.tensor_parallel`` is its ``splittable()`` — one source for planner and codegen
     tp_analysis: Any = field(default=None, compare=False, repr=False)
     #: trainable parameters the exported graph cannot differentiate (a custom autograd Function

@@ -6,7 +6,7 @@ modules (a pure function of the model; no parallel code here):
   by vocabulary.
 
 Which blocks tensor parallelism can split, and how, is read from the traced graph instead
-(:mod:`fxpar.tracing.tp_analysis`): tracing records it in the
+(:mod:`fxpar.tracing.tensor_parallel.analysis`): tracing records it in the
 :class:`~fxpar.tracing.graph.ModelGraph` (``LayerInfo.tensor_parallel``) and codegen's
 sharders use the same analysis, so the solver and the runtime see one source of truth.
 """

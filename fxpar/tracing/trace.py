@@ -36,8 +36,8 @@ from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.saved import SavedBytes, tensor_vals
 from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
-from fxpar.tracing.tp_analysis import analyze
-from fxpar.tracing.tp_types import BlockTP, TPAnalysis
+from fxpar.tracing.tensor_parallel.analysis import analyze
+from fxpar.tracing.tensor_parallel.findings import BlockTP, TPAnalysis
 
 ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
 
@@ -221,7 +221,7 @@ def export_model(model: torch.nn.Module, example_inputs: ExampleInputs | None):
 
 
 def tp_analysis_of(ep: Any) -> TPAnalysis:
-    """:func:`fxpar.tracing.tp_analysis.analyze`, with an unexpected failure of the analysis
+    """:func:`fxpar.tracing.tensor_parallel.analysis.analyze`, with an unexpected failure of the analysis
     itself turned into every block refused (tracing never fails because of it)."""
     try:
         return analyze(ep)

@@ -69,7 +69,7 @@ import torch
 
 from fxpar.checkpoint.layout import ShardSpec
 from fxpar.checkpoint.weights import HFWeights, TensorRequest
-from fxpar.codegen.shards import cut, shard_spec
+from fxpar.codegen.common.shards import cut, shard_spec
 from fxpar.errors import ConfigError
 from fxpar.runtime.device import CPU
 

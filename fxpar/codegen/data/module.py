@@ -5,10 +5,10 @@ shared step loop (:mod:`fxpar.runtime.step_loop`, which gives the weighting math
 micro-batch back-propagates ``(N_m / N) · L_m``, so the SUM over ranks of the local gradients
 is ``∇L`` exactly; gradients are all-reduced with SUM (never divided by the world size).  What
 is particular to this kind: the all-reduce runs in buckets launched during the last
-micro-batch's backward (:mod:`fxpar.codegen.grad_buckets`), with the loss riding along.
+micro-batch's backward (:mod:`fxpar.codegen.common.grad_buckets`), with the loss riding along.
 
 Set-up, in order: the rank's device (``rank_device``); the replica materialised on it
-(:mod:`fxpar.codegen.materialize`: a meta model, or any model with a ``checkpoint``, reads the
+(:mod:`fxpar.codegen.common.materialize`: a meta model, or any model with a ``checkpoint``, reads the
 same values on every rank — the checkpoint or the seeded initialisation — with no broadcast; a
 real model without one is moved there and takes rank 0's weights tensor by tensor).
 """
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
-from fxpar.codegen.grad_buckets import GradientBuckets
-from fxpar.codegen.materialize import materialize, module_slots, weights_source
+from fxpar.codegen.common.grad_buckets import GradientBuckets
+from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES

@@ -24,7 +24,7 @@ whose backward is the all-to-all with the split sizes swapped, so the autograd g
 
 Gradients.  The shared step loop (:mod:`fxpar.runtime.step_loop`, which gives the weighting
 math) has rank ``r`` back-propagate ``(N_m / N) · L_m`` for each micro-batch.  A replicated
-parameter's gradients are SUM-all-reduced (as in :mod:`fxpar.codegen.data_parallel`).  An expert's rows
+parameter's gradients are SUM-all-reduced (as in :mod:`fxpar.codegen.data.module`).  An expert's rows
 arrive from every rank, and the backward all-to-all returns the weighted gradient of each rank's
 loss to the owner, so the owner's local gradient already is ``∂L/∂W_e`` of the global batch:
 expert parameters need no all-reduce.  Parameter names stay those of the model; an expert
@@ -43,7 +43,7 @@ A Switch/Mixtral auxiliary balancing loss (``config.output_router_logits``) is a
 function of the whole batch's routing, so averaging it over ranks is not exact; it is refused
 unless ``allow_local_aux_loss=True``.
 
-Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; the
+Set-up, in order (:mod:`fxpar.codegen.common.materialize`): the source of the values is checked; the
 experts are cut (on ``meta`` for a meta model: the rank's rows ``[o_r, o_r + n_r)`` of every
 ``(E, ...)`` tensor, marked with their box); the rank's experts and the replicated rest are
 materialised on its device from the checkpoint or the seeded initialisation.  A real model
@@ -63,10 +63,10 @@ import torch.nn.functional as F
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.cluster import Cluster
-from fxpar.codegen.grad_norm import clip_by_global_norm
+from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.hand_plans import expert_parallel_plan
-from fxpar.codegen.materialize import materialize, module_slots, weights_source
-from fxpar.codegen.shards import slice_parameter
+from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
+from fxpar.codegen.common.shards import slice_parameter
 from fxpar.compat import expert_gate_is_default
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan

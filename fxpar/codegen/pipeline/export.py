@@ -1,6 +1,6 @@
 """The export a pipeline split cuts: the model's graph under the autocast of the device its
 tensors are on, with the assertions autocast invalidates removed (see
-:mod:`fxpar.codegen.pipeline_split`, "Mixed precision").
+:mod:`fxpar.codegen.pipeline.split`, "Mixed precision").
 
     exported_for_split(model, kwargs, dtype) -> (graph module, export device type)
 """

@@ -7,7 +7,7 @@ Layout: ``P`` pipelines; stage ``j`` of pipeline ``p`` runs on ``stages[j].ranks
 pipeline ``p`` on its ``data_split[p]`` rows (its ranks' speeds and kinds may differ from the
 other pipelines').  Within a pipeline the stage -> rank pattern (by position in the pipeline's
 sorted ranks) is the same for every pipeline.  Gradients, as for 1F1B
-(:mod:`fxpar.codegen.pipeline_parallel`): each micro-batch's loss is weighted by its samples'
+(:mod:`fxpar.codegen.pipeline.module`): each micro-batch's loss is weighted by its samples'
 label tokens over the global batch's; a weight read by stages on two ranks (tied embeddings) is
 summed over those ranks (on one rank the stages share the tensor, so its gradient is already
 the sum); the ranks at the same position of every pipeline sum.  So the update equals one
@@ -22,20 +22,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.materialize import (
+from fxpar.codegen.common.materialize import (
     is_meta_model,
     materialize,
     stage_slots,
     to_meta,
     weights_source,
 )
-from fxpar.codegen.pipeline_parallel import (
+from fxpar.codegen.pipeline.module import (
     PipelineParallelModule,
     layer_to_stage,
     on_device,
 )
-from fxpar.codegen.pipeline_ties import TiedParam, alias_groups, canonical_names
-from fxpar.codegen.pipeline_tp import example_values, wrap_stage
+from fxpar.codegen.pipeline.ties import TiedParam, alias_groups, canonical_names
+from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, pipeline_stage_class, set_stage_mapping
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan

@@ -1,14 +1,14 @@
 """Pipeline-parallel execution of a ``pipeline`` plan (``Schedule1F1B`` or ``ScheduleGPipe``, as
 the plan says, on ``PipelineStage``).
 
-Rank layout comes from the plan (``pipeline_tp.py``): stage ``j`` of pipeline ``p`` runs on
+Rank layout comes from the plan (``tensor_stages.py``): stage ``j`` of pipeline ``p`` runs on
 ``plan.stages[j].ranks[p·u_j : (p+1)·u_j]``, a tensor-parallel group of width ``u_j`` whose
 first rank runs the schedule and whose others replay it.  Groups: the point-to-point chain of
 each pipeline, one per (stage, position) across the ``P`` pipelines (data parallelism), one per
 tensor-parallel stage, one per pipeline, one per weight tied across stages
-(``pipeline_ties.py``).  Mixed precision: the stages are exported under the autocast of the
+(``ties.py``).  Mixed precision: the stages are exported under the autocast of the
 device the model is on and run under the autocast of this rank's device
-(:mod:`fxpar.codegen.pipeline_split`).
+(:mod:`fxpar.codegen.pipeline.split`).
 
 Correctness: with ``N`` items in the global batch (label tokens ``labels[..., 1:] != -100``
 for HF causal LMs, labels ``!= -100`` for other HF models, else samples) and ``L_mb`` the
@@ -23,9 +23,9 @@ the pipelines may differ in batch as in device kind and speed), so that
 The per-sample items divided by ``N`` travel as the schedule's ``target`` (split into
 micro-batches with the inputs).  Tied parameters sum their stages' gradients; the stage
 groups SUM across the ``P`` pipelines (pipelines with their own cuts: each block's owners,
-:mod:`fxpar.codegen.pipeline_replicas`); the returned loss is the same sum.
+:mod:`fxpar.codegen.pipeline.replicas`); the returned loss is the same sum.
 
-Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; a
+Set-up, in order (:mod:`fxpar.codegen.common.materialize`): the source of the values is checked; a
 tensor-parallel stage is sharded in place (on ``meta`` for a meta model); the model is exported
 and split (on meta example inputs for a meta model) and the stage boundary shapes come from
 one pass over the chain; then only this rank's stage is materialised on its device (from the
@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam
-from fxpar.codegen.grad_norm import clip_by_global_norm
-from fxpar.codegen.materialize import (
+from fxpar.codegen.common.grad_norm import clip_by_global_norm
+from fxpar.codegen.common.materialize import (
     is_meta_model,
     like_on,
     materialize,
@@ -55,20 +55,20 @@ from fxpar.codegen.materialize import (
     to_meta,
     weights_source,
 )
-from fxpar.codegen.pipeline_replicas import (
+from fxpar.codegen.pipeline.replicas import (
     broadcast_first_pipeline,
     owner_groups,
     stage_modules,
     sum_across_pipelines,
 )
-from fxpar.codegen.pipeline_split import split_stages
-from fxpar.codegen.pipeline_ties import (
+from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.pipeline.ties import (
     alias_groups,
     canonical_names,
     sync_tied,
     tied_params,
 )
-from fxpar.codegen.pipeline_tp import (
+from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
     PipelineLayout,
     StageLink,
@@ -77,9 +77,9 @@ from fxpar.codegen.pipeline_tp import (
     make_groups,
     wrap_stage,
 )
-from fxpar.codegen.shards import assemble, shard_spec
-from fxpar.codegen.tensor_parallel import shard_model
-from fxpar.codegen.tp_families import (
+from fxpar.codegen.common.shards import assemble, shard_spec
+from fxpar.codegen.tensor.module import shard_model
+from fxpar.codegen.tensor.families import (
     head_layout,
     refusal,
     shardable_blocks,
@@ -187,7 +187,7 @@ class PipelineParallelModule(torch.nn.Module):
         stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
         self.pipe_stage = self.schedule = None
-        if self.is_lead:  # followers replay the lead's schedule (pipeline_tp.py)
+        if self.is_lead:  # followers replay the lead's schedule (tensor_stages.py)
             self.pipe_stage = pipeline_stage_class()(self.module, self.stage_index, S, self.device,
                                             input_args=stage_in,
                                             output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
@@ -308,7 +308,7 @@ class PipelineParallelModule(torch.nn.Module):
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
         """The stage modules (mixed precision: exported under the autocast of the device the
         model is on, run under this rank's device's, fp32 master weights:
-        :mod:`fxpar.codegen.pipeline_split`), and what the batch checks need: the traced inputs'
+        :mod:`fxpar.codegen.pipeline.split`), and what the batch checks need: the traced inputs'
         dtypes and per-sample shapes (the stages' buffers are built for them), the vocabulary,
         causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)

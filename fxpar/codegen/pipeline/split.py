@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
-from fxpar.codegen.pipeline_export import exported_for_split
+from fxpar.codegen.pipeline.export import exported_for_split
 from fxpar.compat import retarget_autocast_region
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.structure import block_path
@@ -111,7 +111,7 @@ class StageModule(torch.nn.Module):
 
     def named_tensors(self):
         """(original FQN, attribute name, tensor) of every parameter and buffer this stage holds
-        (what :func:`fxpar.codegen.materialize.stage_slots` allocates)."""
+        (what :func:`fxpar.codegen.common.materialize.stage_slots` allocates)."""
         for fqn, safe in self._names.items():
             yield fqn, safe, getattr(self, safe)
 

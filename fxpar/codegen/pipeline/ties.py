@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.shards import place, shard_spec, take
+from fxpar.codegen.common.shards import place, shard_spec, take
 
 
 @dataclass(slots=True)

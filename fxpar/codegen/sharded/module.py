@@ -21,7 +21,7 @@ the full gradients of a unit are reduce-scattered (SUM) into the ranks' row shar
 they are accumulated and added to ``shard.grad``, so after the step ``Σ_ranks Σ_m`` of the
 gradients lands in the owner's rows: ``∇L`` exactly, as in data parallelism.  Every rank runs
 ``R = max_r num_microbatches_r`` rounds of collectives; a rank with fewer micro-batches (or none)
-issues the rest with zero gradients (:mod:`fxpar.codegen.sharded_units` gives the orders).
+issues the rest with zero gradients (:mod:`fxpar.codegen.sharded.units` gives the orders).
 
 Per rank (``RankPlan``): ``activation_checkpointing`` wraps each block's forward in
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (the ZeRO-3 gather is outside it, the
@@ -31,7 +31,7 @@ copied there, the optimizer steps on the CPU, and the device copy of the shard i
 the next step's first gather.
 
 Set-up: the model (meta, or real with a checkpoint) is materialised shard by shard
-(:mod:`fxpar.codegen.materialize` reads only this rank's rows); a real model without a checkpoint
+(:mod:`fxpar.codegen.common.materialize` reads only this rank's rows); a real model without a checkpoint
 takes rank 0's values tensor by tensor (broadcast through the device, each rank keeps its rows).
 """
 
@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
-from fxpar.codegen.sharded_setup import build_units, install_block_hooks, reduce_group
-from fxpar.codegen.sharded_units import RoundSchedule, ShardedTensor, Unit
+from fxpar.codegen.sharded.setup import build_units, install_block_hooks, reduce_group
+from fxpar.codegen.sharded.units import RoundSchedule, ShardedTensor, Unit
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks

@@ -1,8 +1,8 @@
-"""Set-up passes of sharded data parallelism (:mod:`fxpar.codegen.sharded_data_parallel`), in order:
+"""Set-up passes of sharded data parallelism (:mod:`fxpar.codegen.sharded.module`), in order:
 
-1. :func:`build_units` — every parameter becomes a :class:`~fxpar.codegen.sharded_units.ShardedTensor`:
+1. :func:`build_units` — every parameter becomes a :class:`~fxpar.codegen.sharded.units.ShardedTensor`:
    its slot is re-marked as this rank's rows (``fxpar_shard_dim = 0`` at offset ``o_r``, the
-   marks :func:`fxpar.codegen.shards.shard_spec` reads) and materialised from the source, so a
+   marks :func:`fxpar.codegen.common.shards.shard_spec` reads) and materialised from the source, so a
    rank reads only its rows of a checkpoint or of the seeded initialisation; a real model without
    a checkpoint takes rank 0's values (:class:`Rank0Rows`).  The full tensor is allocated on the
    device (ZeRO-3: with no storage until gathered); an offloading rank moves its shard Parameter
@@ -26,9 +26,9 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from fxpar.checkpoint.weights import TensorRequest
 from fxpar.codegen.hand_plans import block_paths
-from fxpar.codegen.materialize import Slot, materialize, module_slots, weights_source
-from fxpar.codegen.sharded_units import RoundSchedule, ShardedTensor, Unit
-from fxpar.codegen.shards import cut
+from fxpar.codegen.common.materialize import Slot, materialize, module_slots, weights_source
+from fxpar.codegen.sharded.units import RoundSchedule, ShardedTensor, Unit
+from fxpar.codegen.common.shards import cut
 from fxpar.runtime.device import HOST
 from fxpar.runtime.ragged import owned_rows
 from fxpar.tracing.structure import block_path

@@ -24,7 +24,7 @@ Schedule of one round (one micro-batch, :class:`RoundSchedule`), identical on ev
 - reduce-scatters, on a second group over the same ranks, in the fixed order ``b_{L−1} … b_0,
   rest``; a unit's starts once its gradients are all accumulated — or, ZeRO-3, once an earlier
   block's backward starts (its gradients are then complete; one that never came reduces zeros) —
-  *and* every earlier unit's has started (the ordered launch of :mod:`fxpar.codegen.grad_buckets`),
+  *and* every earlier unit's has started (the ordered launch of :mod:`fxpar.codegen.common.grad_buckets`),
   so each rank issues the same sequence whatever order its backward (with or without
   recomputation) finished them in; each is finished right after the next one's launch, so at
   most two are in flight.

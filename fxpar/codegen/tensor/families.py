@@ -11,8 +11,8 @@ columns (a row-parallel bias is added once, by position 0):
 ``tp_copy`` goes on the input of each attention / MLP / expert module (its backward sums the
 input gradient over the group), ``tp_reduce`` on the output of each row-parallel layer.
 
-Attention and MLP projections come from the traced graph (:mod:`fxpar.tracing.tp_analysis`,
-sharded by :mod:`fxpar.codegen.tp_shard`): separate, fused ``[q | k | v]`` (GPT-2's
+Attention and MLP projections come from the traced graph (:mod:`fxpar.tracing.tensor_parallel.analysis`,
+sharded by :mod:`fxpar.codegen.tensor.shard`): separate, fused ``[q | k | v]`` (GPT-2's
 ``Conv1D`` ``c_attn``, Phi-3's ``qkv_proj``, grouped-query pieces of different sizes),
 per-head interleaved (GPT-NeoX's ``query_key_value``), output gates, per-head q/k norms,
 gated or plain MLPs — no module names.  A block the analysis refuses raises a
@@ -32,14 +32,14 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from fxpar.codegen.shards import slice_parameter
-from fxpar.codegen.tp_collectives import tp_copy, tp_reduce
-from fxpar.codegen.tp_shard import shard_attention, shard_mlp
+from fxpar.codegen.common.shards import slice_parameter
+from fxpar.codegen.tensor.collectives import tp_copy, tp_reduce
+from fxpar.codegen.tensor.shard import shard_attention, shard_mlp
 from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
 from fxpar.tracing.structure import block_path
-from fxpar.tracing.tp_model import analyze_model
-from fxpar.tracing.tp_types import Projection
+from fxpar.tracing.analyze_model import analyze_model
+from fxpar.tracing.tensor_parallel.findings import Projection
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -147,7 +147,7 @@ def _first_call(projections: Sequence[Projection], done: set[str], block: str,
 def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
                       head_dim: int, per_group: int, blocks: Collection[str] | None,
                       expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
-    """Shard every attention and MLP the graph analysis found (:mod:`fxpar.codegen.tp_shard`)
+    """Shard every attention and MLP the graph analysis found (:mod:`fxpar.codegen.tensor.shard`)
     and every MoE experts module (module docstring) inside ``blocks`` (None: all) for position
     ``rank``; MoE experts by columns, or, with ``expert_shares`` (experts per position), by
     placing whole experts.  Returns the number of attention modules.  MLP and expert columns

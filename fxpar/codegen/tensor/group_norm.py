@@ -1,5 +1,5 @@
 """A norm over a whole query / key projection, computed across the tensor-parallel group
-(:class:`~fxpar.tracing.tp_norms.GroupNorm`: OLMo-2's ``q_norm`` / ``k_norm`` over all
+(:class:`~fxpar.tracing.tensor_parallel.norms.GroupNorm`: OLMo-2's ``q_norm`` / ``k_norm`` over all
 heads' features).
 
 Position ``t`` holds the features ``F_t`` of its heads (any sizes: uneven splits too).  An RMS
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fxpar.codegen.shards import slice_parameter
-from fxpar.codegen.tp_collectives import tp_copy, tp_reduce
+from fxpar.codegen.common.shards import slice_parameter
+from fxpar.codegen.tensor.collectives import tp_copy, tp_reduce
 from fxpar.errors import PlanError
-from fxpar.tracing.tp_norms import GroupNorm
+from fxpar.tracing.tensor_parallel.norms import GroupNorm
 
 _MEANS = (torch.mean, torch.Tensor.mean)
 

@@ -10,7 +10,7 @@ weight, row-parallel layers (``o``, ``down``) their columns:
     y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
 
 Two differentiable collectives make it exact, whatever the split sizes (DTensor's ``Shard``
-cannot express ragged shards, so none is used here; ``tp_collectives.py``):
+cannot express ragged shards, so none is used here; ``collectives.py``):
 
     tp_copy      forward identity,     backward all-reduce(SUM)   (attention / MLP input)
     tp_reduce    forward all-reduce,   backward identity          (after o_proj / down_proj)
@@ -18,7 +18,7 @@ cannot express ragged shards, so none is used here; ``tp_collectives.py``):
 Everything else (embeddings, norms, head) is replicated and receives identical gradients on
 every rank of the group.  Parameter names are unchanged; shapes are the local slices.
 
-TP × DP (layout and process groups: ``tp_layout.py``): ``R`` replicas, each a group of ``W``
+TP × DP (layout and process groups: ``layout.py``): ``R`` replicas, each a group of ``W``
 ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples in the shared step loop
 (:mod:`fxpar.runtime.step_loop`, which gives the weighting math: each micro-batch
 back-propagates ``(N_m / N) · L_m``).  What differs from data parallelism: every rank of a
@@ -29,7 +29,7 @@ the same slice): ``Σ_r ∇[(N_r/N) L_r] = ∇L`` for shards and replicated para
 loss rides along, so every rank returns ``L``.  With a custom ``loss_fn`` the embeddings and
 head stay replicated, so that the loss sees the full logits.
 
-Set-up, in order (:mod:`fxpar.codegen.materialize`): the source of the values is checked; the
+Set-up, in order (:mod:`fxpar.codegen.common.materialize`): the source of the values is checked; the
 model is sharded in place (on ``meta`` for a meta model: nothing allocated); the rank's slices
 (each parameter's ``shard_spec`` box) and the replicated rest are materialised on its device
 from the checkpoint or the seeded initialisation.  A real model without a checkpoint takes
@@ -48,11 +48,11 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam
-from fxpar.codegen.grad_norm import clip_by_global_norm
-from fxpar.codegen.materialize import materialize, module_slots, weights_source
-from fxpar.codegen.shards import assemble, shard_spec
-from fxpar.codegen.tp_collectives import register_group
-from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_blocks re-exported
+from fxpar.codegen.common.grad_norm import clip_by_global_norm
+from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
+from fxpar.codegen.common.shards import assemble, shard_spec
+from fxpar.codegen.tensor.collectives import register_group
+from fxpar.codegen.tensor.families import (  # noqa: F401 - split_sizes, shardable_blocks re-exported
     check_shares,
     describe_unsupported,
     head_layout,
@@ -60,9 +60,9 @@ from fxpar.codegen.tp_families import (  # noqa: F401 - split_sizes, shardable_b
     shardable_blocks,
     split_sizes,
 )
-from fxpar.codegen.tp_layout import make_groups, tp_layout
-from fxpar.codegen.tp_verify import verify_local_heads
-from fxpar.codegen.tp_vocab import shard_vocab, supports_vocab_parallel
+from fxpar.codegen.tensor.layout import make_groups, tp_layout
+from fxpar.codegen.tensor.verify import verify_local_heads
+from fxpar.codegen.tensor.vocab import shard_vocab, supports_vocab_parallel
 from fxpar.errors import PlanError
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
@@ -72,7 +72,7 @@ from fxpar.runtime.step_loop import (
     StepModule,
     allreduce_gradients,
 )
-from fxpar.tracing.tp_model import analyze_model
+from fxpar.tracing.analyze_model import analyze_model
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
@@ -81,9 +81,9 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
                 expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
     """Shard the attention and MLP (and expert) modules of ``model`` in place for position
     ``rank`` of the tensor-parallel ``group`` (None: the default group), which holds
-    ``kv_shares[rank]`` key/value head groups (read from the traced graph: ``tp_families.py``); only
+    ``kv_shares[rank]`` key/value head groups (read from the traced graph: ``families.py``); only
     inside the repeated blocks named in ``blocks`` (e.g. ``model.layers.3``; None: all).  The
-    input ``embedding`` and LM ``head`` (with its loss) become vocab-parallel (``tp_vocab.py``)
+    input ``embedding`` and LM ``head`` (with its loss) become vocab-parallel (``vocab.py``)
     where the model supports it (None: when ``blocks`` is None).  ``expert_shares`` (experts
     per position) places whole MoE experts instead of splitting their columns; ``mlp_shares``
     splits MLP columns and the vocabulary in other proportions than the heads (finer: a 4:1
@@ -114,7 +114,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
 
 class TensorParallelModule(StepModule):
     """This rank's shard of a ``tensor_parallel`` plan (``R`` replicas × TP width ``W``, see
-    ``tp_layout.py``); ``step(global_batch)`` trains one step and returns the global loss."""
+    ``layout.py``); ``step(global_batch)`` trains one step and returns the global loss."""
 
     hf_use_cache = False
 

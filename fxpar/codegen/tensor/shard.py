@@ -1,5 +1,5 @@
 """Column / row sharding of attention and MLP projections as the graph analysis found them
-(:mod:`fxpar.tracing.tp_analysis`): no module names.
+(:mod:`fxpar.tracing.tensor_parallel.analysis`): no module names.
 
 Position ``t`` owning key/value groups ``[a, b)`` keeps, of every column-parallel projection,
 the output features ``Projection.intervals(a, b)`` (whole heads; every role of a fused
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
-from fxpar.codegen.shards import slice_parameter, slice_runs
-from fxpar.codegen.tp_collectives import tp_copy, tp_grad_sum, tp_reduce
-from fxpar.codegen.tp_group_norm import shard_group_norm
-from fxpar.tracing.tp_types import Attention, Mlp, Projection
+from fxpar.codegen.common.shards import slice_parameter, slice_runs
+from fxpar.codegen.tensor.collectives import tp_copy, tp_grad_sum, tp_reduce
+from fxpar.codegen.tensor.group_norm import shard_group_norm
+from fxpar.tracing.tensor_parallel.findings import Attention, Mlp, Projection
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
                "n_head_kv", "n_kv_heads", "kv_heads", "num_query_heads")

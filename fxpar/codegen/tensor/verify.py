@@ -1,5 +1,5 @@
 """The sharded model checked against the plan: after position ``t`` keeps its key/value groups,
-the model is traced again and analysed (:func:`fxpar.tracing.tp_model.analyze_model`); every
+the model is traced again and analysed (:func:`fxpar.tracing.analyze_model.analyze_model`); every
 sharded attention must now compute exactly its local heads — ``k_t`` key/value groups of ``g``
 query heads, the same head sizes.  A forward that reshapes by a number fixed in its code rather
 than read from the module (CodeGen's ``mp_num = 4``) would otherwise mix features of different
@@ -14,8 +14,8 @@ from collections.abc import Collection
 import torch
 
 from fxpar.errors import PlanError, TraceError
-from fxpar.tracing.tp_model import analyze_model
-from fxpar.tracing.tp_types import Attention, TPAnalysis
+from fxpar.tracing.analyze_model import analyze_model
+from fxpar.tracing.tensor_parallel.findings import Attention, TPAnalysis
 
 
 def _local(att: Attention, groups: int) -> tuple[int, int, int, int]:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fxpar.codegen.shards import slice_parameter
-from fxpar.codegen.tp_collectives import tp_copy, tp_max, tp_reduce
-from fxpar.codegen.tp_families import split_sizes
+from fxpar.codegen.common.shards import slice_parameter
+from fxpar.codegen.tensor.collectives import tp_copy, tp_max, tp_reduce
+from fxpar.codegen.tensor.families import split_sizes
 from fxpar.tracing.structure import supports_vocab_parallel  # noqa: F401 - re-exported for the sharders
 
 

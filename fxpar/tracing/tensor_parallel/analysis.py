@@ -1,7 +1,7 @@
 """Tensor parallelism read from the traced graph: per repeated block, the projections that make
 attention's query, key and value (column-parallel, whole heads / key-value groups), the one that
 consumes its output (row-parallel), and the MLP's up / gate (column) and down (row)
-projections — found by dataflow (:mod:`fxpar.tracing.tp_dataflow`), not by module names.
+projections — found by dataflow (:mod:`fxpar.tracing.tensor_parallel.dataflow`), not by module names.
 
 Rules (``analyze(exported_program)``, a pure function of the graph):
 
@@ -18,14 +18,14 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    head size less that piece.  Values may have their own head size (``value_dim``).
 2. The attention output must feed exactly one projection, on its last axis, unchanged
    (``o``: row-parallel over features ``h·value_dim + [0, value_dim)``), except for gates
-   multiplied in head by head (:mod:`fxpar.tracing.tp_gates`: a separate projection, one
+   multiplied in head by head (:mod:`fxpar.tracing.tensor_parallel.gates`: a separate projection, one
    value per head, or a per-head slice of the query projection), column-parallel with the heads.
 3. A norm over the whole output of a query / key projection (OLMo-2's ``q_norm``: one module
    reduces all ``n`` features, its per-feature weights are parameters of that module) is a
-   :class:`GroupNorm`: computed across the group (``fxpar.codegen.tp_group_norm``).
+   :class:`GroupNorm`: computed across the group (``fxpar.codegen.tensor.group_norm``).
 4. The column projections read the block's input ``x``, or values computed from it inside the
    attention module (latent attention's down projections and norms): then the region from the
-   module's input to them is replicated (:mod:`fxpar.tracing.tp_region`; its parameters'
+   module's input to them is replicated (:mod:`fxpar.tracing.tensor_parallel.region`; its parameters'
    gradients are summed over the group, ``shared_params``), and it must start from one input.
    Refused, with the block and cause: any other norm or reduction over features of more than
    one head, a tensor with a per-head extent added to the
@@ -49,13 +49,13 @@ from typing import Any
 import torch
 
 from fxpar.tracing.structure import block_path
-from fxpar.tracing.tp_dataflow import Axis, Dataflow, Flow, Scores
-from fxpar.tracing.tp_norms import group_norms, whole_norm
-from fxpar.tracing.tp_pass import placeholder_params, run
-from fxpar.tracing.tp_region import inside as _inside
-from fxpar.tracing.tp_region import module_path as _module_path
-from fxpar.tracing.tp_region import parameter_dependent, replicated_region
-from fxpar.tracing.tp_types import (
+from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, Scores
+from fxpar.tracing.tensor_parallel.norms import group_norms, whole_norm
+from fxpar.tracing.tensor_parallel.dataflow_pass import placeholder_params, run
+from fxpar.tracing.tensor_parallel.region import inside as _inside
+from fxpar.tracing.tensor_parallel.region import module_path as _module_path
+from fxpar.tracing.tensor_parallel.region import parameter_dependent, replicated_region
+from fxpar.tracing.tensor_parallel.findings import (
     Attention,
     BlockTP,
     Mlp,
@@ -72,7 +72,7 @@ def _proj_module(fqn: str) -> str:
 def _head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int, tuple | None, int] | str:
     """``(projection node, rows, repeat, whole-projection norm, head size)`` of one attention
     operand, or why not; the norm is ``(module, ((weight fqn, dim), ...))``
-    (:func:`~fxpar.tracing.tp_norms.whole_norm`).  The rows per head are the head size less the
+    (:func:`~fxpar.tracing.tensor_parallel.norms.whole_norm`).  The rows per head are the head size less the
     features shared by every head (``Flow.shared``: a latent attention's rotary key)."""
     what = {"q": "query", "k": "key", "v": "value"}[role]
     if len(flow.sources) != 1:
@@ -133,7 +133,7 @@ def _output_gates(df: Dataflow, flow: Flow, out_src: str, like: RoleRows, query:
     projection (a gated attention output, ``o(attn · σ(gate(x)))``): column-parallel, head by
     head.  A gate with the attention output's own feature layout is one of the Flow's sources
     (rows ``base + h·head_dim + [0, head_dim)``); one lined up head by head
-    (:mod:`fxpar.tracing.tp_gates`: a value per head, a per-head slice of a fused projection)
+    (:mod:`fxpar.tracing.tensor_parallel.gates`: a value per head, a per-head slice of a fused projection)
     is in ``df.gates``.  A statistic of this attention's own scores (``stat:``, an attention
     sink ``σ(logsumexp(s) − sink_h)``) may scale it too: its per-head parameters are sliced."""
     stats = {s for s, _ in flow.sources if s.startswith("stat:")}
@@ -184,7 +184,7 @@ def _roles(event: tuple, df: Dataflow) -> tuple | str:
 def _input(event: tuple, df: Dataflow, graph: _Graph, node: torch.fx.Node, columns: tuple[str, ...],
            gates: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]] | str:
     """``(input node, its module, replicated parameters)`` the column projections read: their
-    common input, or the root of the replicated region (:mod:`fxpar.tracing.tp_region`) when
+    common input, or the root of the replicated region (:mod:`fxpar.tracing.tensor_parallel.region`) when
     they read different values inside the attention module or a head-shared piece joins the key."""
     inputs = {df.inputs[c] for c in columns}
     if len(inputs) == 1 and not any(f.shared for f in event[1:4]):

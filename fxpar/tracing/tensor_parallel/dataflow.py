@@ -1,6 +1,6 @@
 """Feature-axis dataflow over an exported graph: which tensor dimensions of every value index
 the output features of which projection (the abstract interpretation behind
-:mod:`fxpar.tracing.tp_analysis`).
+:mod:`fxpar.tracing.tensor_parallel.analysis`).
 
 A *projection* is a matrix product with a parameter weight: ``linear(x, W[, b])``
 (``W`` of shape (out, in)), GPT-2's ``Conv1D`` ``addmm(b, x, W)`` (``W`` of shape (in, out)),

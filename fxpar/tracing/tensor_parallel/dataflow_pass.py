@@ -1,6 +1,6 @@
-"""The pass of :mod:`fxpar.tracing.tp_dataflow` over an exported program: per node, the
+"""The pass of :mod:`fxpar.tracing.tensor_parallel.dataflow` over an exported program: per node, the
 transfer rule of its op (that module's docstring lists them), projections, attention events,
-consumers and escapes collected in a :class:`~fxpar.tracing.tp_dataflow.Dataflow`."""
+consumers and escapes collected in a :class:`~fxpar.tracing.tensor_parallel.dataflow.Dataflow`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fxpar.tracing.op_costs import op_name
-from fxpar.tracing.tp_dataflow import (
+from fxpar.tracing.tensor_parallel.dataflow import (
     _BINARY,
     _REDUCE,
     _SAME,
@@ -25,10 +25,10 @@ from fxpar.tracing.tp_dataflow import (
     _shape,
     reshape_dims,
 )
-from fxpar.tracing.tp_gates import gate
-from fxpar.tracing.tp_join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
-from fxpar.tracing.tp_params import param_dim, param_source, per_head
-from fxpar.tracing.tp_region import module_path
+from fxpar.tracing.tensor_parallel.gates import gate
+from fxpar.tracing.tensor_parallel.join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
+from fxpar.tracing.tensor_parallel.params import param_dim, param_source, per_head
+from fxpar.tracing.tensor_parallel.region import module_path
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def _reduce(flow: Flow, dims_arg: Any, keep: bool, n: int) -> Flow:
 
 
 def _structural(node: torch.fx.Node, name: str, flow: Flow, df: Dataflow) -> Any:
-    """Views, moves, slices, splits (module docstring of tp_dataflow); None: not describable."""
+    """Views, moves, slices, splits (module docstring of :mod:`fxpar.tracing.tensor_parallel.dataflow`); None: not describable."""
     a, src, dst = node.args, _shape(node.args[0]) or (), _shape(node)
     n = len(src)
     if name in ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "view_as", "reshape_as"):

@@ -1,13 +1,13 @@
-"""What the tensor-parallel analysis (:mod:`fxpar.tracing.tp_analysis`) finds: per block, the
+"""What the tensor-parallel analysis (:mod:`fxpar.tracing.tensor_parallel.analysis`) finds: per block, the
 attention's and MLP's projections with the rows each unit (key/value group, MLP column) owns.
-Plain frozen data, read by codegen (``fxpar.codegen.tp_shard``) and the planner alike."""
+Plain frozen data, read by codegen (``fxpar.codegen.tensor.shard``) and the planner alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from fxpar.tracing.tp_norms import GroupNorm
+from fxpar.tracing.tensor_parallel.norms import GroupNorm
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Gated attention outputs in the tensor-parallel dataflow (:mod:`fxpar.tracing.tp_pass`):
+"""Gated attention outputs in the tensor-parallel dataflow (:mod:`fxpar.tracing.tensor_parallel.dataflow_pass`):
 ``o(attn ⊙ σ(g))`` where the gate ``g`` comes from a projection of the block's input whose
 features line up with the attention output head by head, but not feature by feature with it:
 
@@ -20,7 +20,7 @@ recorded in ``Dataflow.gates``; the op's result is ``A`` (the gate's features ar
 
 from __future__ import annotations
 
-from fxpar.tracing.tp_dataflow import Axis, Dataflow, Flow
+from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow
 
 
 def _per_dim(a, g, g_size: int, heads: int, d: int) -> tuple[int | None, int | None] | None:

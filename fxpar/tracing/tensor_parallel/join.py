@@ -1,4 +1,4 @@
-"""Joins in the tensor-parallel dataflow (:mod:`fxpar.tracing.tp_pass`): ``cat`` / ``stack`` of
+"""Joins in the tensor-parallel dataflow (:mod:`fxpar.tracing.tensor_parallel.dataflow_pass`): ``cat`` / ``stack`` of
 Flow pieces, and writes into slices of a fresh tensor (``new_empty`` then ``copy_`` into
 ``slice`` views, as multi-head latent attention assembles its key), which are a ``cat`` once
 the writes cover the tensor.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fxpar.tracing.tp_dataflow import Axis, Dataflow, Flow, _norm_dim, _shape
+from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, _norm_dim, _shape
 
 
 @dataclass(slots=True)

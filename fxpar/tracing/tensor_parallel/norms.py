@@ -1,9 +1,9 @@
 """Norms over a whole query / key projection (OLMo-2's ``q_norm`` over all heads' features) or
 over the whole attention output before its projection (BitNet's ``attn_sub_norm``),
-read from the dataflow for :mod:`fxpar.tracing.tp_analysis` (its rule 3): one module reduces
+read from the dataflow for :mod:`fxpar.tracing.tensor_parallel.analysis` (its rule 3): one module reduces
 the ``n`` features of one projection's whole output, and every per-feature operand across
 heads is a parameter of that module.  Such a norm is split like its projection's heads and
-computed across the group (:mod:`fxpar.codegen.tp_group_norm`):
+computed across the group (:mod:`fxpar.codegen.tensor.group_norm`):
 
     rms(x) = sqrt((1/n) Σ_t Σ_{f∈F_t} x_f²)        (the inner sums per rank, the outer all-reduced)
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fxpar.tracing.tp_dataflow import Dataflow, Flow
+from fxpar.tracing.tensor_parallel.dataflow import Dataflow, Flow
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class GroupNorm:
 
     module: str
     params: tuple[tuple[str, int], ...]
-    rows: Any                       # the role's heads (a tp_analysis.RoleRows): the features a rank keeps
+    rows: Any                       # the role's heads (an analysis.RoleRows): the features a rank keeps
     width: int
 
 

@@ -1,5 +1,5 @@
 """Which parameter a per-feature operand of the tensor-parallel dataflow is
-(:mod:`fxpar.tracing.tp_pass`): a norm weight ``w`` reaches a query as ``w``, a cast or
+(:mod:`fxpar.tracing.tensor_parallel.dataflow_pass`): a norm weight ``w`` reaches a query as ``w``, a cast or
 broadcast view of it, or an elementwise function of it alone (Gemma's ``1 + w``).  Its gradient
 is then handled by the analysis (summed over the group, or sliced by heads); an operand computed
 from a parameter is never taken for a constant, which would leave each rank a partial gradient.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fxpar.tracing.op_costs import op_name
-from fxpar.tracing.tp_dataflow import _shape
+from fxpar.tracing.tensor_parallel.dataflow import _shape
 
 
 def _big(shape: tuple[int, ...]) -> list[tuple[int, int]]:

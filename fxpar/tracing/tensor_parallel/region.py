@@ -1,5 +1,5 @@
 """The replicated part of an attention module that tensor parallelism splits (for
-:mod:`fxpar.tracing.tp_analysis`): when the query / key / value projections do not all read the
+:mod:`fxpar.tracing.tensor_parallel.analysis`): when the query / key / value projections do not all read the
 block's input directly — multi-head latent attention computes ``q = W_qb · norm(W_qa · x)`` and
 ``[c | k_rope] = W_kva · x``, ``[k | v] = W_kvb · norm(c)``, with the rotary key ``k_rope``
 shared by every head — everything between the module's input ``x`` and the column-parallel

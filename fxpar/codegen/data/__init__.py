@@ -1,0 +1,1 @@
+"""Uneven data parallelism: the per-rank module (``module``).  Imports ``codegen.common`` only."""
