@@ -1,11 +1,18 @@
-"""Expert placement MILP: hand-computable optima, memory caps, all-to-all trade-offs, errors."""
+"""Expert placement MILP: hand-computable optima, memory caps, all-to-all trade-offs, errors, and the
+cross-check of the planner's x-step (:func:`fxpar.solvers.expert_plan._x_step`) against it."""
 
 from __future__ import annotations
+
+import itertools
+import math
+import random
 
 import pytest
 
 import fxpar
 from fxpar.errors import ConfigError, InfeasibleError
+from fxpar.sim.expert_sim import EPGroup, EPProblem
+from fxpar.solvers.expert_plan import _x_step
 from fxpar.solvers.experts import (
     ExpertGroup,
     ExpertProblem,
@@ -106,3 +113,90 @@ def test_bad_problem_is_a_config_error():
         ExpertProblem(groups=(_group("a", [0], 1.0),), num_experts=0, expert_bytes=1)
     with pytest.raises(ConfigError, match="token_fraction"):
         ExpertProblem(groups=(_group("a", [0], 1.0, token_fraction=2.0),), num_experts=2, expert_bytes=1)
+
+
+# ---- cross-check: the planner's x-step (expert_plan._x_step) against this exact MILP -------------
+
+CROSS_CHECK_SEEDS = range(16)
+
+
+def _cross_check_instance(seed: int):
+    """A random small instance as both programs' data, with equal e_g and memory caps.
+
+    No all-to-all (β = α = D = 0) and no optimizer time (o = 0), so the x-step minimises
+    ``max_g e_g·u_g`` (``T_O ≥ 0``, ``C ≥ 0``) as :func:`solve` does (``b = α = 0``, ``c ≥ 0``).
+    ``_x_step``: ``e_g = k f'_g + B c'_g/E``, ``u_g ≤ min(E, ⌊(M_g − S − a max_{r∈g}⌈s_r/k⌉) /
+    (m + a' Σ_q⌈s_q/k⌉/E)⌋)``; ``ExpertProblem.cap``: ``min(E, ⌊(M_g − R_g)/m⌋)``.  With
+    ``a' = E·w`` (w integer) the per-expert bytes are an exact integer, so ``R_g = S + a·max⌈s_r/k⌉``
+    and ``m = m' + w·Σ⌈s_q/k⌉`` give the same caps (asserted).  Returns (EPProblem, shares, k,
+    ExpertProblem, per-rank e, per-rank cap)."""
+    rng = random.Random(seed)
+    N, E, k = rng.randint(2, 4), rng.randint(4, 8), rng.choice([1, 2])
+    G = rng.randint(1, min(3, N))
+    ranks = list(range(N))
+    rng.shuffle(ranks)  # groups need not be contiguous in rank order
+    cuts = sorted(rng.sample(range(1, N), G - 1))
+    members = [tuple(sorted(ranks[a:b])) for a, b in zip([0] + cuts, cuts + [N])]
+    shares = [k * rng.randint(1, 6) for _ in range(N)]
+    B = sum(shares)
+    S, a, m_state, w = 1000, 10, 100, rng.choice([0, 1, 10])
+    total_micro = sum(math.ceil(s / k) for s in shares)
+    per_expert = m_state + w * total_micro
+    while True:
+        want = [rng.randint(1, math.ceil(2 * E / N)) for _ in range(G)]  # often binding
+        if sum(len(rs) * c for rs, c in zip(members, want)) >= E:
+            break
+    ep_groups, ex_groups = [], []
+    for gi, (rs, cap) in enumerate(zip(members, want)):
+        base = S + a * max(math.ceil(shares[r] / k) for r in rs)
+        memory = base + cap * per_expert + rng.randrange(per_expert)  # cap = ⌊(M − R)/m⌋ exactly
+        fixed, sample = rng.choice([0.0, 0.001, 0.01]), rng.choice([0.01, 0.02, 0.03, 0.05, 0.07])
+        ep_groups.append(EPGroup(key=f"g{gi}", ranks=rs, sample_s=0.02, fixed_s=0.001, expert_sample_s=sample,
+                                 expert_fixed_s=fixed, optimizer_s_per_param=0.0, memory_bytes=memory))
+        ex_groups.append(ExpertGroup(key=f"g{gi}", ranks=rs, expert_s=k * fixed + B * sample / E,
+                                     memory_bytes=memory, base_bytes=base))
+    p = EPProblem(groups=tuple(ep_groups), nodes=(tuple(range(N)),), intra_s_per_byte=(0.0,),
+                  nic_s_per_byte=0.0, global_batch=B, num_experts=E, routed_bytes_per_sample=0.0,
+                  a2a_fixed_s=0.0, state_bytes=S, expert_state_bytes=m_state, activation_bytes_per_sample=a,
+                  expert_activation_bytes_per_sample=E * w, replicated_params=1000, expert_params=10,
+                  allreduce_s=0.0)
+    q = ExpertProblem(groups=tuple(ex_groups), num_experts=E, expert_bytes=per_expert)
+    assert [q.cap(g) for g in q.groups] == [min(E, c) for c in want]
+    e, cap = [0.0] * N, [0] * N
+    for g in q.groups:
+        for r in g.ranks:
+            e[r], cap[r] = g.expert_s, q.cap(g)
+    return p, shares, k, q, e, cap
+
+
+def _makespan(e, counts) -> float:
+    return max(er * x for er, x in zip(e, counts))
+
+
+def _brute_force(e, cap, E: int) -> float:
+    """min over every count vector summing to E within the per-rank caps of max_r e_r·x_r."""
+    return min(_makespan(e, xs) for xs in itertools.product(*(range(c + 1) for c in cap)) if sum(xs) == E)
+
+
+@pytest.mark.parametrize("seed", CROSS_CHECK_SEEDS)
+def test_x_step_reaches_this_milps_optimum_with_fixed_shares(seed):
+    p, shares, k, q, e, cap = _cross_check_instance(seed)
+    E = q.num_experts
+    exact = solve(q)
+    step = _x_step(p, shares, k)
+    assert step is not None
+    for counts in (exact.counts, tuple(step)):
+        assert sum(counts) == E and all(0 <= x <= c for x, c in zip(counts, cap)), (counts, cap)
+    optimum = _brute_force(e, cap, E)
+    assert exact.makespan_s == pytest.approx(_makespan(e, exact.counts), rel=1e-12)
+    assert _makespan(e, exact.counts) == pytest.approx(optimum, rel=1e-9)
+    assert _makespan(e, step) == pytest.approx(optimum, rel=1e-9)
+
+
+def test_cross_check_instances_exercise_the_memory_caps():
+    # the seeds above are not all trivially uncapped: in some the caps change the optimum
+    binding = 0
+    for seed in CROSS_CHECK_SEEDS:
+        _, _, _, q, e, cap = _cross_check_instance(seed)
+        binding += _brute_force(e, cap, q.num_experts) > _brute_force(e, [q.num_experts] * len(e), q.num_experts)
+    assert binding >= 4, binding

@@ -1,4 +1,16 @@
-"""Expert placement for uneven expert parallelism: how many of the ``E`` experts each device owns.
+"""The exact expert-placement MILP for *fixed* token shares: how many of the ``E`` experts each device owns.
+
+No code path of the planner calls :func:`solve` or :func:`build_expert_problem`: the planner's
+expert-parallel family chooses shares and experts together by :func:`fxpar.solvers.expert_plan.solve`
+(an alternation over :class:`fxpar.sim.expert_sim.EPProblem`).  This module is kept as
+
+* the reference its x-step (:func:`fxpar.solvers.expert_plan._x_step`, experts for fixed shares) is
+  checked against: with no all-to-all and no optimizer time both minimise ``max_g e_g·u_g`` under the
+  same count and memory rows, and ``tests/test_solver_experts.py`` asserts they reach the same
+  makespan (and that this MILP's is the brute-force optimum).  The x-step's data map onto these
+  symbols as ``e_g = k f'_g + B c'_g/E``, ``m = m' + a' Σ_q ⌈s_q/k⌉/E``, ``R_g = S + a max_{r∈g} ⌈s_r/k⌉``
+  (its own ``m'``, ``a``, ``a'``, ``S``: :mod:`fxpar.sim.expert_sim`);
+* the home of the count rows both programs share (:func:`add_count_rows`, imported by the x-step).
 
 Devices of one group (same type, speed, memory, token share and link) are interchangeable, so
 the program has integer variables per *group*, not per device; a group's devices own ``l_g`` or
