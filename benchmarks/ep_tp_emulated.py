@@ -63,7 +63,7 @@ MIXES = [(1.0, 0.5), (1.0, 0.25), (1.0, 1.0)]
 
 # ---- splits and ideals (parent) -----------------------------------------------------------------
 def ep_splits(speeds) -> dict[str, Any]:
-    from fxpar.codegen.tensor.module import split_sizes
+    from fxpar.codegen.tensor.families import split_sizes
 
     n = len(speeds)
     return {"fxpar": {"experts": split_sizes(4, list(speeds)),
@@ -78,7 +78,7 @@ def _tp_time(kv, speeds) -> float:
 def tp_splits(speeds) -> dict[str, Any]:
     """fxpar: the whole-head split minimising the slowest rank's attention, and MLP columns /
     vocabulary rows in proportion to speed (integer weights); even: 2:2 everywhere."""
-    from fxpar.codegen.tensor.module import split_sizes
+    from fxpar.codegen.tensor.families import split_sizes
 
     best = min(([k, 4 - k] for k in range(1, 4)), key=lambda kv: (_tp_time(kv, speeds), abs(kv[0] - 2)))
     return {"fxpar": {"kv": best, "mlp": split_sizes(20, list(speeds))}, "even": {"kv": [2, 2], "mlp": [1, 1]}}

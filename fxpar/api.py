@@ -130,23 +130,53 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     torch's default of 30 minutes.  Bad options raise :class:`~fxpar.errors.ConfigError`
     naming the keyword and the value (see :mod:`fxpar.api_checks`).
     """
+    _check_auto_args(model, device, global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                     max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn, loss_weighting=loss_weighting,
+                     emulate=emulate, max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies)
+    cluster = _as_cluster(cluster)
+    rank = _check_world(cluster, group)
+    example_inputs, global_batch = _example_batch(model, cluster, example_inputs, plan, global_batch, seq_len, loss_fn)
+    plan, pricing = _auto_plan(model, cluster, example_inputs, plan, rank, group, global_batch=global_batch,
+                               seq_len=seq_len, dtype=dtype, optimizer=optimizer, max_microbatches=max_microbatches,
+                               max_tensor_parallel=max_tensor_parallel, strategies=strategies)
+    device = _checked_rank_device(model, plan, rank, device, group=group, loss_fn=loss_fn,
+                                  loss_weighting=loss_weighting, example_inputs=example_inputs)
+    module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
+                    loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
+    return module
+
+
+def _check_auto_args(model: Any, device: torch.device | str | None, *, group: Any, **options: Any) -> None:
+    """``auto``'s first step: a ConfigError for a model that is no ``nn.Module`` or a bad option,
+    before any tracing (``options``: :func:`fxpar.api_checks.check_options`'s keywords)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
-    api_checks.check_options(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                             max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn,
-                             loss_weighting=loss_weighting, emulate=emulate,
-                             max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies)
+    api_checks.check_options(group=group, **options)
     if device is not None:
         rank_device(device, group=group)  # a bad device option fails before any tracing
     check_model_devices(model)
-    cluster = _as_cluster(cluster)
-    rank = _check_world(cluster, group)
+
+
+def _example_batch(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, plan: Plan | None,
+                   global_batch: int | None, seq_len: int | None, loss_fn: Any) -> tuple[Any, int | None]:
+    """``auto``'s example batch (a HF model's default one when none is given and nothing is
+    planned) after its checks, and the global batch (default: the example's rows)."""
     if example_inputs is None and plan is None:
         example_inputs = default_example_inputs(model, cluster, global_batch, seq_len)
     if example_inputs is not None:
         rows = api_checks.check_example_inputs(model, example_inputs, loss_fn=loss_fn)
         if global_batch is None and plan is None:
             global_batch = rows
+    return example_inputs, global_batch
+
+
+def _auto_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, plan: Plan | None, rank: int,
+               group: Any, *, global_batch: int | None, seq_len: int | None, dtype: str, optimizer: str,
+               max_microbatches: int | None, max_tensor_parallel: int,
+               strategies: Sequence[str] | None) -> tuple[Plan, Pricing | None]:
+    """``auto``'s plan: solved on rank 0 and broadcast (with what priced it), or the given one
+    checked against the cluster and the model (priced, or not, by whoever made it: None)."""
     pricing = None  # a given plan: priced (or not) by whoever made it
     if plan is None:
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
@@ -158,15 +188,20 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
     else:
         api_checks.check_plan_fits_model(plan, model)
+    return plan, pricing
+
+
+def _checked_rank_device(model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None, *,
+                         group: Any, loss_fn: Any, loss_weighting: LossWeighting,
+                         example_inputs: Any) -> torch.device:
+    """``auto``'s placement step: this rank's device for ``plan``, checked against the plan's
+    device kind and the model's tensors, then the options checked against the plan."""
     device = plan_rank_device(plan, rank, device, group=group)
     check_device_kind(plan.ranks[rank].device, device, rank)
     check_model_devices(model, device)
     api_checks.check_options_for_plan(plan, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
                                       example_inputs=example_inputs)
-    module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
-                    loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
-    module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
-    return module
+    return device
 
 
 def _check_world(cluster: Cluster, group: Any) -> int:

@@ -8,7 +8,7 @@ JSON (``to_json`` / ``from_json``) and prints as a table.  Sizes are integers pe
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 from fxpar.errors import PlanError
@@ -18,16 +18,12 @@ from fxpar.plan_checks import (
     check_rank,
     check_solver,
     check_stage,
+    check_strategy,
 )
+from fxpar.plan_json import _build, _known, _listed, _require
+from fxpar.plan_table import render_table
 
 PLAN_FORMAT_VERSION = 1
-STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel",
-                                "sharded_data_parallel")
-#: sharding stages of a ``sharded_data_parallel`` plan: 2 shards gradients and optimizer state
-#: (ZeRO-2), 3 shards the parameters too (ZeRO-3 / FSDP: a block is all-gathered around its
-#: forward and backward)
-SHARD_STAGES: tuple[int, ...] = (2, 3)
-SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe", "interleaved")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,7 +75,7 @@ class StagePlan:
     #: gradients and optimizer state), as whole-number weights per rank (order of ``ranks``);
     #: every parameter's rows are split in these proportions by :func:`ragged_rows`
     state_split: tuple[int, ...] | None = None
-    shard_stage: int = 0              # sharded data parallelism: 2 or 3 (``SHARD_STAGES``)
+    shard_stage: int = 0              # sharded data parallelism: 2 or 3 (``fxpar.plan_checks.SHARD_STAGES``)
     #: pipeline: the device kind (``RankPlan.device`` of its ranks) of each replica of this stage,
     #: in pipeline order, where the replicas differ (pipeline 0 on RTX-3090, pipeline 1 on
     #: RTX-2080); None: every replica on ``device``.  Each replica is priced at its own kind.
@@ -183,56 +179,7 @@ class Plan:
     def __post_init__(self) -> None:
         check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport,
                    collective_type=CollectiveChoice)
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"plan.strategy = {self.strategy!r}: accepted values are {STRATEGIES}")
-        if not self.ranks:
-            raise PlanError("plan.ranks is empty: a plan needs at least one rank")
-        for i, r in enumerate(self.ranks):
-            if r.rank != i:
-                raise PlanError(f"plan.ranks[{i}].rank = {r.rank}: ranks must be listed 0..n-1 in order")
-            if r.batch_share < 0 or r.micro_batch_size < 0 or r.num_microbatches < 0:
-                raise PlanError(f"plan.ranks[{i}]: batch_share, micro_batch_size and "
-                                "num_microbatches must be >= 0")
-            if r.batch_share and r.micro_batch_size * r.num_microbatches < r.batch_share:
-                raise PlanError(
-                    f"plan.ranks[{i}]: micro_batch_size {r.micro_batch_size} x num_microbatches "
-                    f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"plan.schedule = {self.schedule!r}: accepted values are {SCHEDULES}")
-        if self.strategy == "tensor_parallel":
-            if len(self.stages) != 1 or self.stages[0].tensor_split is None:
-                raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
-            return
-        if self.strategy == "expert_parallel":
-            st = self.stages[0] if len(self.stages) == 1 else None
-            if st is None or st.expert_split is None or len(st.expert_split) != self.world_size:
-                raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
-        if self.strategy == "sharded_data_parallel":
-            st = self.stages[0] if len(self.stages) == 1 else None
-            if st is None or st.state_split is None or len(st.state_split) != self.world_size \
-                    or sum(st.state_split) <= 0:
-                raise PlanError("a sharded_data_parallel plan has one stage with a state_split per rank "
-                                "(whole-number weights, not all zero)")
-            if st.shard_stage not in SHARD_STAGES:
-                raise PlanError(f"plan.stages[0].shard_stage = {st.shard_stage}: a sharded_data_parallel "
-                                f"plan shards at stage {SHARD_STAGES[0]} (gradients + optimizer) or "
-                                f"{SHARD_STAGES[1]} (parameters too)")
-        if self.strategy in ("data_parallel", "expert_parallel", "sharded_data_parallel"):
-            total = sum(r.batch_share for r in self.ranks)
-            if total != self.global_batch:
-                raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
-                                f"{self.global_batch}; they must be equal")
-            return
-        owned = sorted(r for st in self.stages for r in st.ranks)
-        if self.schedule == "interleaved":  # a rank may hold several stages
-            if sorted(set(owned)) != list(range(self.world_size)):
-                raise PlanError("plan: every rank must hold at least one stage of the interleaved pipeline")
-        elif owned != list(range(self.world_size)):
-            raise PlanError("plan: every rank must belong to exactly one pipeline stage")
-        for st in self.stages:
-            if sum(st.data_split) != self.global_batch:
-                raise PlanError(f"plan.stages[{st.index}]: data_split sums to {sum(st.data_split)}, "
-                                f"not global_batch {self.global_batch}")
+        check_strategy(self)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -331,58 +278,7 @@ class Plan:
     # ---- display ---------------------------------------------------------------------------
     def table(self) -> str:
         """The plan as a plain-text table (rank, device, share, busy time, memory)."""
-        head = ("rank", "device", "node", "speed", "share", "micro x n", "busy s", "memory GiB", "of GiB",
-                "host GiB")
-        rows = [(str(r.rank), r.device, str(r.node), f"{r.speed:g}", str(r.batch_share),
-                 f"{r.micro_batch_size} x {r.num_microbatches}", f"{r.predicted_busy_s:.4g}",
-                 f"{r.predicted_memory_bytes / 2**30:.2f}", f"{r.memory_capacity_bytes / 2**30:.0f}",
-                 f"{r.predicted_host_bytes / 2**30:.2f}")
-                for r in _summarised(self.ranks)]
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-        out = [f"fxpar plan: {self.strategy} for {self.model} on {self.cluster} "
-               f"({self.world_size} ranks{', emulated' if self.emulated else ''}), "
-               f"global batch {self.global_batch}, {self.dtype}, {self.optimizer}"]
-        if self.strategy == "pipeline":
-            out.append(f"{self.pipelines} pipeline(s) x {len(self.stages)} stages, {self.num_microbatches} "
-                       f"micro-batches of {_micro_batches(self)}, "
-                       f"{self.schedule}, ZeRO-1 {'on' if self.zero_sharded_optimizer else 'off'}, "
-                       f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}")
-            out += [f"  stage {st.index}: {'/'.join(st.replica_devices or ()) or st.device}, TP {st.tensor_parallel} per pipeline, "
-                    f"{_span(st.modules)}, fwd+bwd {1e3 * (st.predicted_fwd_s + st.predicted_bwd_s):.2f} ms"
-                    f"/micro-batch" + (", checkpointed" if st.activation_checkpointing else "")
-                    for st in self.stages]
-        if self.strategy == "sharded_data_parallel" and self.stages and self.stages[0].state_split is not None:
-            out.append(_sharded_line(self))
-        if self.strategy == "expert_parallel" and self.stages and self.stages[0].expert_split is not None:
-            split = self.stages[0].expert_split
-            shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
-            out.append(f"experts per rank (every MoE layer): {shown}; {self.num_microbatches} micro-batch(es)")
-        out += [line(head), line(tuple("-" * w for w in widths))]
-        out += [line(row) for row in rows]
-        if self.predicted_step_s > 0 and self.lower_bound_s > 0:
-            comm = {"expert_parallel": "all-to-all + all-reduce",
-                    "sharded_data_parallel": "all-gather + reduce-scatter"}.get(self.strategy, "all-reduce")
-            out.append(f"predicted step {self.predicted_step_s:.4g} s (compute {self.predicted_compute_s:.4g}"
-                       f" + {comm} {self.predicted_comm_s:.4g}); lower bound {self.lower_bound_s:.4g} s"
-                       f" ({self.predicted_step_s / self.lower_bound_s:.3f}x)")
-        else:
-            out.append("no prediction: a re-balanced plan not priced yet (fxpar.predict prices it at its measured "
-                       "speeds)" if self.measured_speeds else "no prediction (a hand-written plan)")
-        out.append(f"cost source: {self.cost_source}")
-        for name, value in self.baselines:
-            out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else
-                       f"{value:.4g} s -> fxpar is {value / self.predicted_step_s:.3f}x faster"
-                       if self.predicted_step_s > 0 else f"{value:.4g} s"))
-        for c in self.collectives:
-            others = ", ".join(f"with {m} {'it does not fit' if t is None else f'{t:.4g} s'}" for m, t in c.alternatives)
-            out.append(f"exchange {c.exchange}: {c.method} {c.predicted_s:.4g} s"
-                       + (f" (predicted step {self.predicted_step_s:.4g} s; {others})" if others else ""))
-        if self.solver is not None:
-            s = self.solver
-            out.append(f"solver {s.name} ({s.backend}, {s.status}): relaxation {s.objective_s:.4g} s, "
-                       f"integer {s.integer_s:.4g} s, gap {100 * s.gap:.2f}%, {s.solve_time_s:.3f} s")
-        return "\n".join(out)
+        return render_table(self)
 
     def __str__(self) -> str:
         return self.table()
@@ -403,94 +299,6 @@ def ragged_rows(num_rows: int, weights: Sequence[int]) -> tuple[int, ...]:
     for r in order[: num_rows - sum(rows)]:
         rows[r] += 1
     return tuple(rows)
-
-
-def _sharded_line(plan: Plan) -> str:
-    """The sharding stage, each rank's state share and who checkpoints / offloads."""
-    st, ranks = plan.stages[0], plan.ranks
-    total = sum(st.state_split or ()) or 1
-    shares = [f"{100 * w / total:.1f}" for w in st.state_split or ()]
-    shown = "/".join(shares) if len(shares) <= 16 else f"{min(shares)}-{max(shares)}"
-    ckpt = [r.rank for r in ranks if r.activation_checkpointing]
-    off = [r.rank for r in ranks if r.offload_optimizer]
-    return (f"ZeRO-{st.shard_stage}, model state % per rank: {shown}; activation checkpointing: ranks "
-            f"{_which(ckpt, len(ranks))}; optimizer offloaded: ranks {_which(off, len(ranks))}")
-
-
-def _which(ranks: Sequence[int], world: int) -> str:
-    return "none" if not ranks else "all" if len(ranks) == world else _ranges(ranks)
-
-
-def _ranges(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out, start = [], ranks[0]
-    for a, b in zip(ranks, list(ranks[1:]) + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
-
-
-def _micro_batches(plan: Plan) -> str:
-    """Samples per micro-batch: one number, or one per pipeline where their batches differ."""
-    split = plan.stages[0].data_split if plan.stages else ()
-    if len(set(split)) > 1:
-        return "/".join(str(n // plan.num_microbatches) for n in split) + " (per pipeline)"
-    return str(plan.global_batch // (plan.pipelines * plan.num_microbatches))
-
-
-def _span(modules: Sequence[str]) -> str:
-    if len(modules) <= 3:
-        return ", ".join(m or "<root>" for m in modules)
-    return f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)"
-
-
-def _summarised(ranks: Sequence[RankPlan], limit: int = 24) -> list[RankPlan]:
-    if len(ranks) <= limit:
-        return list(ranks)
-    return list(ranks[: limit // 2]) + list(ranks[-limit // 2:])
-
-
-def _known(cls: type, d: Mapping[str, Any], source: str) -> dict[str, Any]:
-    if not isinstance(d, Mapping):
-        raise PlanError(f"{source}: expected an object, got {type(d).__name__}")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise PlanError(f"{source}: unknown keys {unknown}; accepted keys are {sorted(names)}")
-    return {k: v for k, v in d.items() if k in names}
-
-
-def _require(cls: type, kw: Mapping[str, Any], source: str) -> None:
-    """PlanError naming the keys ``cls`` needs that ``kw`` lacks."""
-    needed = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
-    missing = [n for n in needed if n not in kw]
-    if missing:
-        raise PlanError(f"{source}: not a valid fxpar plan: missing keys {missing}; a {cls.__name__} "
-                        f"needs {needed} (write plans with Plan.to_json or `fxpar plan --json`)")
-
-
-def _build(cls: type, d: Any, source: str) -> Any:
-    """``cls`` from a mapping, errors prefixed with ``source``."""
-    kw = _known(cls, d, source)
-    _require(cls, kw, source)
-    try:
-        return cls(**kw)
-    except PlanError as exc:
-        raise PlanError(f"{source}: {exc}") from None
-
-
-def _listed(d: Mapping[str, Any], key: str, source: str, *, required: bool = True) -> Sequence[Any]:
-    """``d[key]`` as a list (PlanError when missing or not a list)."""
-    if key not in d:
-        if required:
-            raise PlanError(f"{source}: not a valid fxpar plan: missing key {key!r} (a plan lists "
-                            f"its {key}; write plans with Plan.to_json or `fxpar plan --json`)")
-        return ()
-    value = d[key]
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise PlanError(f"{source}: {key} = {value!r:.60}: expected a list of {key[:-1]} objects")
-    return value
 
 
 def _slice_batch(batch: Any, start: int, stop: int, expected: int) -> Any:

@@ -18,6 +18,13 @@ from typing import Any
 from fxpar.errors import PlanError
 
 REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
+STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel",
+                                "sharded_data_parallel")
+#: sharding stages of a ``sharded_data_parallel`` plan: 2 shards gradients and optimizer state
+#: (ZeRO-2), 3 shards the parameters too (ZeRO-3 / FSDP: a block is all-gathered around its
+#: forward and backward)
+SHARD_STAGES: tuple[int, ...] = (2, 3)
+SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe", "interleaved")
 
 
 def _fail(where: str, name: str, value: Any, expected: str) -> PlanError:
@@ -281,3 +288,78 @@ def _check_replicas(p: Any, i: int, st: Any) -> None:
                 raise PlanError(f"plan.ranks[{r}]: batch_share {rp.batch_share}, micro_batch_size "
                                 f"{rp.micro_batch_size}, num_microbatches {rp.num_microbatches}; in pipeline {q} "
                                 f"({where}.data_split[{q}] = {rows}) they must be {rows}, {rows // m}, {m}")
+
+
+def check_strategy(p: Any) -> None:
+    """The rules of a ``Plan`` that depend on its strategy, after :func:`check_plan`: a known
+    strategy and schedule, ranks listed in order with micro-batches that cover their shares, each
+    strategy's split, and shares (or stages) that account for the whole batch and every rank."""
+    if p.strategy not in STRATEGIES:
+        raise PlanError(f"plan.strategy = {p.strategy!r}: accepted values are {STRATEGIES}")
+    if not p.ranks:
+        raise PlanError("plan.ranks is empty: a plan needs at least one rank")
+    _check_rank_batches(p)
+    if p.schedule not in SCHEDULES:
+        raise PlanError(f"plan.schedule = {p.schedule!r}: accepted values are {SCHEDULES}")
+    if p.strategy == "tensor_parallel":
+        if len(p.stages) != 1 or p.stages[0].tensor_split is None:
+            raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
+        return
+    if p.strategy == "expert_parallel":
+        st = p.stages[0] if len(p.stages) == 1 else None
+        if st is None or st.expert_split is None or len(st.expert_split) != len(p.ranks):
+            raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
+    if p.strategy == "sharded_data_parallel":
+        _check_state_split(p)
+    if p.strategy in ("data_parallel", "expert_parallel", "sharded_data_parallel"):
+        total = sum(r.batch_share for r in p.ranks)
+        if total != p.global_batch:
+            raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
+                            f"{p.global_batch}; they must be equal")
+        return
+    _check_pipeline_ranks(p)
+
+
+def _check_rank_batches(p: Any) -> None:
+    """Ranks listed 0..n-1 in order, each with ``micro_batch_size x num_microbatches`` covering
+    its ``batch_share``."""
+    for i, r in enumerate(p.ranks):
+        if r.rank != i:
+            raise PlanError(f"plan.ranks[{i}].rank = {r.rank}: ranks must be listed 0..n-1 in order")
+        if r.batch_share < 0 or r.micro_batch_size < 0 or r.num_microbatches < 0:
+            raise PlanError(f"plan.ranks[{i}]: batch_share, micro_batch_size and "
+                            "num_microbatches must be >= 0")
+        if r.batch_share and r.micro_batch_size * r.num_microbatches < r.batch_share:
+            raise PlanError(
+                f"plan.ranks[{i}]: micro_batch_size {r.micro_batch_size} x num_microbatches "
+                f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
+
+
+def _check_state_split(p: Any) -> None:
+    """A sharded data-parallel plan: one stage with a state weight per rank (not all zero) and a
+    sharding stage of ``SHARD_STAGES``."""
+    st = p.stages[0] if len(p.stages) == 1 else None
+    if st is None or st.state_split is None or len(st.state_split) != len(p.ranks) \
+            or sum(st.state_split) <= 0:
+        raise PlanError("a sharded_data_parallel plan has one stage with a state_split per rank "
+                        "(whole-number weights, not all zero)")
+    if st.shard_stage not in SHARD_STAGES:
+        raise PlanError(f"plan.stages[0].shard_stage = {st.shard_stage}: a sharded_data_parallel "
+                        f"plan shards at stage {SHARD_STAGES[0]} (gradients + optimizer) or "
+                        f"{SHARD_STAGES[1]} (parameters too)")
+
+
+def _check_pipeline_ranks(p: Any) -> None:
+    """A pipeline plan: every rank in exactly one stage (at least one where the schedule is
+    interleaved), and every stage's ``data_split`` summing to the global batch."""
+    world = len(p.ranks)
+    owned = sorted(r for st in p.stages for r in st.ranks)
+    if p.schedule == "interleaved":  # a rank may hold several stages
+        if sorted(set(owned)) != list(range(world)):
+            raise PlanError("plan: every rank must hold at least one stage of the interleaved pipeline")
+    elif owned != list(range(world)):
+        raise PlanError("plan: every rank must belong to exactly one pipeline stage")
+    for st in p.stages:
+        if sum(st.data_split) != p.global_batch:
+            raise PlanError(f"plan.stages[{st.index}]: data_split sums to {sum(st.data_split)}, "
+                            f"not global_batch {p.global_batch}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fxpar.cluster import Cluster
-from fxpar.cluster.cluster import _load_file
+from fxpar.cluster.cluster_file import load_file
 from fxpar.errors import ConfigError
 from fxpar.tracing.hf import TASKS, ModelSpec
 from fxpar.workload import Workload
@@ -32,7 +32,7 @@ class Scenario:
 def load_scenario(path: str | Path) -> Scenario:
     """Read a scenario file; every problem is a ConfigError naming the file and the field."""
     file = Path(path)
-    data = _load_file(file)
+    data = load_file(file)
     src = str(file)
     if not isinstance(data, Mapping):
         raise ConfigError(f"{src}: the top level must be a mapping with keys {', '.join(_TOP_KEYS)}")

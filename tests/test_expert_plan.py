@@ -134,7 +134,7 @@ def test_default_strategies_consider_expert_parallelism_for_moe(mixtral):
 def test_auto_make_plan_of_a_real_mixtral_is_runnable():
     # fxpar.auto's planning step (trace of the real module, default strategies) on 2 emulated ranks
     from fxpar.api import make_plan
-    from fxpar.codegen.expert.module import _check_experts, find_moe_blocks
+    from fxpar.codegen.expert.experts import _check_experts, find_moe_blocks
     from fxpar.tracing.hf import build_model, example_inputs
 
     model = build_model(PRESETS["mixtral-tiny"], device="cpu", seed=0)

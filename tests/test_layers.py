@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fxpar"
 #: module prefix -> layer (the longest matching prefix wins)
 LAYERS: dict[str, int] = {
     "fxpar.errors": 0, "fxpar.compat": 0,
-    "fxpar.workload": 1, "fxpar.plan_checks": 1, "fxpar.plan": 1,
+    "fxpar.workload": 1, "fxpar.plan_checks": 1, "fxpar.plan_json": 1, "fxpar.plan_table": 1, "fxpar.plan": 1,
     "fxpar.cluster": 2,
     "fxpar.tracing": 3,
     "fxpar.profiling": 4,
@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "fxpar.api_checks": 10, "fxpar.predict": 10, "fxpar.cpu_rate": 10,
     "fxpar.api": 11,
     "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12, "fxpar.demo_report": 12,
+    "fxpar.demo_emulation": 12,
     "fxpar.cli": 13, "fxpar.__main__": 13, "fxpar": 13,
 }
 #: package -> {its child module or sub-package: sub-layer}; children not named are the base (0)
@@ -212,3 +213,35 @@ def test_function_level_imports_say_why() -> None:
                                            ("fxpar.tracing.trace", "fxpar.codegen.tensor.families")])
 def test_the_layer_check_catches_an_upward_import(module: str, target: str) -> None:
     assert layer_of(target) > layer_of(module)
+
+
+def test_the_readme_layout_names_every_package() -> None:
+    """The README's "Layout" section names every package of fxpar (as ``fxpar/x`` or, inside
+    its parent's entry, ``name/``), so a new or moved package cannot leave it stale."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[: layout.find("\n## ", 1) if "\n## " in layout[1:] else len(layout)]
+    packages = sorted(p.parent.relative_to(PACKAGE.parent) for p in PACKAGE.rglob("__init__.py"))
+    missing = [str(p) for p in packages if p.parts[1:] and f"`{p.as_posix()}`" not in layout
+               and f"`{p.name}/`" not in layout]
+    assert not missing, f"README 'Layout' does not name these packages: {missing}"
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def test_modules_and_functions_stay_small() -> None:
+    """The README's size rule: no module of fxpar over 400 lines, no function over 60 (from its
+    ``def`` to its last line, docstring included, as ``../shared/tools/structure.py`` counts)."""
+    big, long = [], []
+    for module, path in _all_modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            big.append(f"{module}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {lines} lines")
+    assert not big and not long, ("split these by extracting named steps (README 'Layout'):\n"
+                                  + "\n".join(big + long))

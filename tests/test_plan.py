@@ -47,6 +47,12 @@ def test_shares_follow_speed(plan):
     assert plan.lower_bound_s <= plan.predicted_step_s <= plan.baseline("even_dp")
 
 
+def test_speedup_over_a_baseline_is_its_step_over_the_plan_s(plan):
+    assert plan.speedup_over("even_dp") == plan.baseline("even_dp") / plan.predicted_step_s >= 1.0
+    assert plan.speedup_over("no such baseline") is None
+    assert dataclasses.replace(plan, predicted_step_s=0.0).speedup_over("even_dp") is None
+
+
 def test_table_lists_every_rank(plan):
     table = plan.table()
     assert "rank" in table and "even_dp" in table and table.count(" cpu ") == 3

@@ -63,7 +63,8 @@ def test_state_that_does_not_fit_names_device_and_shortfall():
     assert set(info.value.shortfalls) == {"g0"}
     expected = 20 * GIB + GIB // 8 - 16 * GIB
     assert info.value.shortfalls["g0"] == expected
-    assert "short by 4.12 GiB" in str(info.value) and "pipeline" in str(info.value)
+    assert "short by 4.12 GiB" in str(info.value) and "'pipeline'" in str(info.value)
+    assert "'sharded_data_parallel'" in str(info.value) and "not yet" not in str(info.value)
 
 
 def test_batch_larger_than_memory_caps_is_infeasible():

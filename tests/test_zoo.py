@@ -31,7 +31,7 @@ from benchmarks.zoo_tiny import (
     causal_lm_types,
     tiny_config,
 )
-from fxpar.plan import STRATEGIES
+from fxpar.plan_checks import STRATEGIES
 from tests.parity import check_step, expect
 
 SAMPLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "cohere", "glm", "olmo2", "starcoder2",

@@ -156,31 +156,14 @@ def save_checkpoint(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     try:
         if error is not None:
             raise CheckpointError(error)
-        if final.exists() and not final.is_dir():
-            raise CheckpointError(f"save_checkpoint: {final} is a file; pass a directory path "
-                                  "(it is created, or replaced when it holds an older checkpoint)")
-        try:
-            json.dumps({"step": step, "extra": extra or {}}, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"save_checkpoint: step / extra must be JSON-serialisable ({exc}); "
-                                  "store tensors in the model or convert them to lists") from None
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise CheckpointError(f"save_checkpoint: step = {step!r}; expected an int or None")
+        _check_save_args(final, step, extra)
         state, shards, info = _save_state(layout, optimizer)
     except FxparError as exc:
         error = str(exc)
     _agree(layout, error)
 
     partial = final.parent / f".{final.name}.partial"
-    error = None
-    if rank == 0:
-        try:
-            if partial.exists():
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-        except OSError as exc:
-            error = f"save_checkpoint: cannot create {partial} ({exc}); check the path and permissions"
-    _agree(layout, error)
+    _agree(layout, _fresh_partial(partial) if rank == 0 else None)
 
     with quiet_dcp():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)),
@@ -188,23 +171,53 @@ def save_checkpoint(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | 
                  no_dist=not layout.distributed)
 
     infos = _exchange(layout, info)
-    error = None
-    if rank == 0:
-        try:
-            meta = _merge_infos(infos, layout, step, extra or {})
-            (partial / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-            old = final.parent / f".{final.name}.old"
-            if final.exists():
-                if old.exists():
-                    shutil.rmtree(old)
-                final.rename(old)
-            partial.rename(final)
+    _agree(layout, _publish(partial, final, infos, layout, step, extra or {}) if rank == 0 else None)
+    return final
+
+
+def _check_save_args(final: Path, step: int | None, extra: dict[str, Any] | None) -> None:
+    """Step 1 of a save: a CheckpointError for a target that is a file or a bad ``step`` / ``extra``."""
+    if final.exists() and not final.is_dir():
+        raise CheckpointError(f"save_checkpoint: {final} is a file; pass a directory path "
+                              "(it is created, or replaced when it holds an older checkpoint)")
+    try:
+        json.dumps({"step": step, "extra": extra or {}}, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"save_checkpoint: step / extra must be JSON-serialisable ({exc}); "
+                              "store tensors in the model or convert them to lists") from None
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise CheckpointError(f"save_checkpoint: step = {step!r}; expected an int or None")
+
+
+def _fresh_partial(partial: Path) -> str | None:
+    """Rank 0, step 2 of a save: an empty ``.<name>.partial`` folder (None), or the error."""
+    try:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    except OSError as exc:
+        return f"save_checkpoint: cannot create {partial} ({exc}); check the path and permissions"
+    return None
+
+
+def _publish(partial: Path, final: Path, infos: list[dict[str, Any]], layout: Layout, step: int | None,
+             extra: dict[str, Any]) -> str | None:
+    """Rank 0, last step of a save: write the JSON file into ``partial`` and rename it to
+    ``final`` (an older checkpoint there is moved aside, then removed); None, or the error."""
+    try:
+        meta = _merge_infos(infos, layout, step, extra)
+        (partial / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        old = final.parent / f".{final.name}.old"
+        if final.exists():
             if old.exists():
                 shutil.rmtree(old)
-        except OSError as exc:
-            error = f"save_checkpoint: cannot move {partial} to {final} ({exc}); check the path and permissions"
-    _agree(layout, error)
-    return final
+            final.rename(old)
+        partial.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+    except OSError as exc:
+        return f"save_checkpoint: cannot move {partial} to {final} ({exc}); check the path and permissions"
+    return None
 
 
 def _param_entries(layout: Layout) -> tuple[dict[str, Any], dict[str, ShardSpec]]:

@@ -9,25 +9,15 @@ A cluster file follows the schema of ``shared/scenarios/README.md``: a whole sce
 from __future__ import annotations
 
 import itertools
-import json
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
-from fxpar.cluster.catalog import (
-    GIB,
-    MAX_SPEED,
-    DeviceType,
-    Dtype,
-    check_keys,
-    lookup_device_type,
-    positive_int,
-    positive_number,
-)
+from fxpar.cluster.catalog import GIB, MAX_SPEED, DeviceType, Dtype, lookup_device_type
+from fxpar.cluster.cluster_file import SPEED_ON_GPU, load_file, parse_device_types, parse_speeds
 from fxpar.cluster.detect import detected_cluster_mapping
+from fxpar.cluster.values import check_keys, positive_int, positive_number
 from fxpar.errors import ConfigError
 
 MAX_WORLD_SIZE = 1 << 20
@@ -35,8 +25,6 @@ DEFAULT_SINGLE_NODE_GBPS = 100.0
 NODE_KEYS: tuple[str, ...] = ("gpu", "count", "repeat", "intra_node_gbps", "speed", "speeds", "memory_gib",
                              "host_memory_gib")
 CLUSTER_KEYS: tuple[str, ...] = ("name", "inter_node_gbps", "device_types", "nodes")
-FILE_SUFFIXES: tuple[str, ...] = (".yaml", ".yml", ".json")
-_SPEED_ON_GPU = "speed is for emulated cpu devices; a real GPU's speed comes from the catalog"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,7 +111,7 @@ def _build_devices(name: str, nodes: tuple[NodeSpec, ...],
         where = f"cluster {name!r}: nodes[{index}]"
         dtype = lookup_device_type(node.device_type, custom, where=f"{where}.device_type")
         if node.speeds is not None and dtype.vendor != "cpu":
-            raise ConfigError(f"{where}.speeds: got {list(node.speeds)} for {dtype.name}; {_SPEED_ON_GPU}")
+            raise ConfigError(f"{where}.speeds: got {list(node.speeds)} for {dtype.name}; {SPEED_ON_GPU}")
         memory = int(round(node.memory_gib * GIB)) if node.memory_gib is not None else dtype.memory_bytes
         link = node.intra_node_gbps if node.intra_node_gbps is not None else dtype.intra_node_gbps
         for local in range(node.count):
@@ -225,7 +213,7 @@ class Cluster:
     def from_file(cls, path: str | Path) -> "Cluster":
         """Load a ``.yaml``/``.yml``/``.json`` cluster or scenario file."""
         file = Path(path)
-        return _parse(_load_file(file), name=file.stem, source=str(file))
+        return _parse(load_file(file), name=file.stem, source=str(file))
 
     @classmethod
     def emulated(cls, speeds: Sequence[float], *, memory_gib: float = 8.0,
@@ -281,36 +269,6 @@ def _node_to_dict(node: NodeSpec, repeat: int) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------- file loading
-
-def _load_file(file: Path) -> Any:
-    """Read and parse a YAML or JSON file, turning every failure into a ConfigError."""
-    if file.is_dir():
-        raise ConfigError(f"{file}: is a directory; pass the path of a cluster or scenario file "
-                          f"inside it (ending in {', '.join(FILE_SUFFIXES)})")
-    if file.suffix.lower() not in FILE_SUFFIXES:
-        raise ConfigError(f"{file}: unsupported file type {file.suffix!r}; expected a cluster or "
-                          f"scenario file ending in {', '.join(FILE_SUFFIXES)}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{file}: file not found; pass the path of a cluster or scenario file, "
-                          "e.g. shared/scenarios/cpu-emulated-2.yaml") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: cannot read the file ({exc}); expected a UTF-8 text file") from None
-    try:
-        return json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{file}: malformed JSON at line {exc.lineno}, column {exc.colno}: "
-                          f"{exc.msg}; fix the syntax there") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        context = f" ({exc.context})" if getattr(exc, "context", None) else ""
-        raise ConfigError(f"{file}: malformed YAML{at}: {problem}{context}; fix the syntax there") from None
-
-
 # ----------------------------------------------------------------------------- parsing
 
 def _parse(d: Any, *, name: str, source: str) -> Cluster:
@@ -332,7 +290,7 @@ def _parse(d: Any, *, name: str, source: str) -> Cluster:
     name = d.get("name", body.get("name", name))
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"{source}: name: got {name!r}; expected a non-empty string")
-    custom = _parse_device_types(body.get("device_types"), f"{source}: {prefix}device_types")
+    custom = parse_device_types(body.get("device_types"), f"{source}: {prefix}device_types")
     nodes = _parse_nodes(body.get("nodes"), f"{source}: {prefix}nodes", custom)
     inter, where = body.get("inter_node_gbps"), f"{source}: {prefix}inter_node_gbps"
     if inter is None and len(nodes) > 1:
@@ -341,16 +299,6 @@ def _parse(d: Any, *, name: str, source: str) -> Cluster:
                           "200, NDR 400)")
     inter = DEFAULT_SINGLE_NODE_GBPS if inter is None else positive_number(inter, where)
     return Cluster(name=name, nodes=nodes, inter_node_gbps=inter, custom_types=custom)
-
-
-def _parse_device_types(raw: Any, where: str) -> dict[str, DeviceType]:
-    """The ``device_types:`` mapping, or {} when absent."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: got {raw!r:.80}; expected a mapping NAME: {{fp32_tflops: ..., "
-                          "fp16_tflops: ..., memory_gib: ..., memory_gbps: ...}")
-    return {name: DeviceType.from_dict(name, spec, where=where) for name, spec in raw.items()}
 
 
 def _parse_nodes(raw: Any, where: str, custom: Mapping[str, DeviceType]) -> tuple[NodeSpec, ...]:
@@ -390,31 +338,10 @@ def _parse_node(entry: Any, where: str, custom: Mapping[str, DeviceType]) -> tup
     intra = entry.get("intra_node_gbps")
     memory = entry.get("memory_gib")
     host = entry.get("host_memory_gib")
-    speeds = _parse_speeds(entry, where, dtype, count)
+    speeds = parse_speeds(entry, where, dtype, count)
     return NodeSpec(
         device_type=dtype.name, count=count, speeds=speeds,
         intra_node_gbps=None if intra is None else positive_number(intra, f"{where}.intra_node_gbps"),
         memory_gib=None if memory is None else positive_number(memory, f"{where}.memory_gib"),
         host_memory_gib=None if host is None else positive_number(host, f"{where}.host_memory_gib"),
     ), repeat
-
-
-def _parse_speeds(entry: Mapping[str, Any], where: str, dtype: DeviceType,
-                  count: int) -> tuple[float, ...] | None:
-    """``speed`` (one for all devices) or ``speeds`` (one per device); cpu devices only."""
-    for key in ("speed", "speeds"):
-        if key in entry and dtype.vendor != "cpu":
-            raise ConfigError(f"{where}.{key}: got {entry[key]!r} for gpu {dtype.name}; {_SPEED_ON_GPU}. "
-                              f"Remove `{key}`, or use gpu: cpu for an emulated device")
-    if "speed" in entry and "speeds" in entry:
-        raise ConfigError(f"{where}: both `speed` and `speeds` given; use one (`speeds` lists one per device)")
-    if "speed" in entry:
-        return (positive_number(entry["speed"], f"{where}.speed", maximum=MAX_SPEED),) * count
-    raw = entry.get("speeds")
-    if raw is None:
-        return None
-    if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence) or len(raw) != count:
-        raise ConfigError(f"{where}.speeds: got {raw!r:.80}; expected a list of {count} relative "
-                          "speeds (one per device, matching count)")
-    return tuple(positive_number(s, f"{where}.speeds[{i}]", maximum=MAX_SPEED) for i, s in enumerate(raw))
-

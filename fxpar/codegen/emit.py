@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.hand_plans import block_paths
-from fxpar.codegen.pipeline.module import layer_to_stage
+from fxpar.codegen.pipeline.stage_setup import layer_to_stage
 from fxpar.codegen.pipeline.split import split_stages
-from fxpar.codegen.tensor.module import shard_model, split_sizes
+from fxpar.codegen.tensor.families import split_sizes
 from fxpar.codegen.tensor.layout import tp_layout
+from fxpar.codegen.tensor.module import shard_model
 from fxpar.plan import Plan
 from fxpar.runtime.ragged import owned_rows
+from fxpar.tracing.structure import block_paths
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> Path:

@@ -11,11 +11,7 @@ from fxpar.codegen.tensor.families import split_sizes
 from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
-from fxpar.tracing.structure import block_path
-
-
-def block_paths(model: torch.nn.Module) -> list[str]:
-    return list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
+from fxpar.tracing.structure import block_paths  # also fxpar.codegen.hand_plans.block_paths, as before
 
 
 def _check_blocks(blocks: list[str], blocks_per_stage: list[int]) -> None:

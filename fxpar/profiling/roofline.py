@@ -155,9 +155,6 @@ class CostModel:
                 measured_fraction=float(nc.measured.mean()) if len(nc.measured) else 0.0)
         return self._cache[key]
 
-    def flops_per_sample(self) -> float:
-        return float(self._fwd.sum() + self._bwd.sum())
-
     # ---- memory --------------------------------------------------------------------------
     @property
     def param_count(self) -> int:

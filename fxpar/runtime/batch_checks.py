@@ -90,15 +90,6 @@ def batch_rows(batch: Any, where: str) -> int:
     return next(iter(rows.values()))
 
 
-def check_rows(batch: Any, expected: int, where: str, *, what: str, remedy: str) -> int:
-    """:func:`batch_rows`, and that it equals ``expected`` (``what`` says whose count that is)."""
-    rows = batch_rows(batch, where)
-    if rows != expected:
-        raise PlanError(f"{where}: the batch has {rows} samples ({describe(batch)}) but {what} is "
-                        f"{expected}; {remedy}")
-    return rows
-
-
 def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *,
                        exact_shapes: bool, require_keys: bool) -> None:
     """Keys, dtypes (and with ``exact_shapes`` the per-sample shapes) as traced."""

@@ -132,10 +132,6 @@ def plan_rank_device(plan: Any, rank: int, device: torch.device | str | None = N
     return rank_device(device, group=group, plan_kind=plan.ranks[rank].device)
 
 
-def is_cuda(device: torch.device) -> bool:
-    return device.type == "cuda"
-
-
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU): timings that feed decisions
     (emulation, re-balancing) must measure work done, not work launched."""

@@ -120,11 +120,6 @@ def keep_cpu_job_off_gpus(cluster: Any) -> bool:
     return True
 
 
-def resolve_backend(backend: str | None, cluster: Any = None) -> str:
-    """:func:`choose_backend`'s backend alone."""
-    return choose_backend(backend, cluster).backend
-
-
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None, *,
                      init_method: str | None = None, rank: int | None = None,
                      world_size: int | None = None, cluster: Any = None, verbose: bool = True) -> bool:

@@ -30,22 +30,24 @@ each compute segment before the next collective the rank issues -- inside the fo
 backward (tensor, expert parallel) or at each gradient bucket launch (data parallel) -- so a
 slow rank reaches every collective as late as a slow device would.  :class:`StepTiming` splits
 the step into compute, emulation and communication.
+
+A batch's rows and items are counted and sliced in :mod:`fxpar.runtime.batches`; the kinds' bucketed
+gradient all-reduce is :mod:`fxpar.runtime.allreduce` (both importable from here too).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 
 from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
-from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.batches import count_items, slice_rows, split_microbatches, to_device
 from fxpar.runtime.device import module_device, plan_rank_device
 from fxpar.runtime.distributed import is_comm_failure, peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
@@ -71,51 +73,6 @@ class StepTiming:
     emulation_s: float    # sleep added to emulate a slower device
     comm_s: float         # collectives: inside forward/backward and the gradient sync
     total_s: float
-
-
-# ---- batches ---------------------------------------------------------------------------------
-def batch_len(batch: Any) -> int:
-    """Rows of the first batched tensor of ``batch`` (dict / tuple / tensor); 0 if none."""
-    if isinstance(batch, Mapping):
-        batch = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
-    elif isinstance(batch, (tuple, list)):
-        batch = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim()), None)
-    return 0 if batch is None else int(batch.shape[0])
-
-
-def count_items(batch: Any, weighting: str, causal: bool) -> int:
-    """Items a mean-reduced loss averages over: samples, or label tokens (HF's ``-100`` ignored,
-    labels shifted by one for causal LMs)."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if weighting == "tokens" and isinstance(labels, torch.Tensor) and labels.dim() >= 2:
-        return checks.label_tokens(labels, causal)
-    return batch_len(batch)
-
-
-def slice_rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every batched tensor in ``batch`` (dict / tuple / tensor); scalars
-    and non-tensors are shared."""
-    if isinstance(batch, Mapping):
-        return {k: slice_rows(v, start, stop) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_rows(v, start, stop) for v in batch)
-    if isinstance(batch, torch.Tensor) and batch.dim():
-        return batch[start:stop]
-    return batch
-
-
-def split_microbatches(batch: Any, size: int, n: int) -> list[Any]:
-    """``n`` micro-batches of ``size`` rows (the last may be shorter or empty)."""
-    return [slice_rows(batch, i * size, (i + 1) * size) for i in range(n)]
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (asynchronous copies where possible)."""
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch.to(device, non_blocking=True) if isinstance(batch, torch.Tensor) else batch
 
 
 # ---- losses ----------------------------------------------------------------------------------
@@ -157,37 +114,6 @@ def check_loss_options(where: str, loss_fn: Any, loss_weighting: Any) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"{where}: loss_fn = {loss_fn!r:.60} is not callable; pass a function "
                           "(output, batch) -> scalar loss tensor, or None")
-
-
-# ---- collectives -----------------------------------------------------------------------------
-def allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
-    """In-place SUM all-reduce of ``tensors`` over ``group``, flattened into buckets of at most
-    ``GRADIENT_BUCKET_BYTES`` of one dtype each (one collective per bucket, all in flight together)."""
-    buckets: list[list[torch.Tensor]] = []
-    size, dtype = 0, None
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not buckets or t.dtype != dtype or size + nbytes > GRADIENT_BUCKET_BYTES:
-            buckets.append([])
-            size, dtype = 0, t.dtype
-        buckets[-1].append(t)
-        size += nbytes
-    flats = [torch.cat([t.reshape(-1) for t in b]) for b in buckets]
-    works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
-    for bucket, flat, work in zip(buckets, flats, works):
-        work.wait()
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-def allreduce_gradients(grads: Sequence[torch.Tensor], loss_sum: torch.Tensor, group: Any) -> torch.Tensor:
-    """SUM ``grads`` in place over ``group`` and the weighted loss with them (fp64); returns the
-    summed loss."""
-    loss = loss_sum.to(torch.float64).reshape(1)  # a new tensor: loss_sum is left as it is
-    allreduce_sum([*grads, loss], group)
-    return loss[0].to(torch.float32)
 
 
 # ---- the loop --------------------------------------------------------------------------------

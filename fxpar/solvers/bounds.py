@@ -66,17 +66,32 @@ def lower_bound_s(cost, batch: int, *, data_parallel_only: bool, host_optimizer:
     With sharded data parallelism among them (``families``): the compute term + the smaller of
     the two families' tails (:func:`sharded_tail_s`).
     """
-    cluster = cost.cluster
-    groups = cluster.groups()
-    opt = [cost.optimizer_s(cluster.device(g.ranks[0])) for g in groups]
-    fastest_opt = min(opt + ([cost.param_count / cpu_optimizer_rate(cost.optimizer, cost.dtype)] if host_optimizer else []))
+    opt, fastest_opt = _optimizer_steps_s(cost, host_optimizer)
     if data_parallel_only:
-        rate = sum(len(g.ranks) / cost.sample_cost(g).total_s for g in groups)
-        tails = [last_bucket_s(cost) + max(opt)] if "data_parallel" in families else []
-        if "sharded_data_parallel" in families and cluster.world_size > 1:
-            tails.append(sharded_tail_s(cost) + fastest_opt / cluster.world_size)
-        return batch / rate + min(tails, default=0.0)
-    return compute_bound_s(cost, batch) + fastest_opt / cluster.world_size
+        return _data_parallel_only_s(cost, batch, opt, fastest_opt, families)
+    return compute_bound_s(cost, batch) + fastest_opt / cost.cluster.world_size
+
+
+def _optimizer_steps_s(cost: CostModel, host_optimizer: bool) -> tuple[list[float], float]:
+    """``o_k`` per device kind (in group order) and the fastest full step, ``min_k o_k`` or, with
+    ``host_optimizer``, ``min(min_k o_k, Ψ / R)`` (:func:`lower_bound_s`, **Optimizer**)."""
+    cluster = cost.cluster
+    opt = [cost.optimizer_s(cluster.device(g.ranks[0])) for g in cluster.groups()]
+    host = [cost.param_count / cpu_optimizer_rate(cost.optimizer, cost.dtype)] if host_optimizer else []
+    return opt, min(opt + host)
+
+
+def _data_parallel_only_s(cost: CostModel, batch: int, opt: list[float], fastest_opt: float,
+                          families: tuple[str, ...]) -> float:
+    """:func:`lower_bound_s` where data parallelism is the only strategy: ``B / Σ_i (1/t_i)`` plus
+    the smaller tail of the families offered (data parallel: ``min(AR(G/K), AR_phys(G/K)) + max_i o_i``;
+    sharded: :func:`sharded_tail_s` ``+ min(min_k o_k, Ψ/R) / N``; none: 0)."""
+    cluster = cost.cluster
+    rate = sum(len(g.ranks) / cost.sample_cost(g).total_s for g in cluster.groups())
+    tails = [last_bucket_s(cost) + max(opt)] if "data_parallel" in families else []
+    if "sharded_data_parallel" in families and cluster.world_size > 1:
+        tails.append(sharded_tail_s(cost) + fastest_opt / cluster.world_size)
+    return batch / rate + min(tails, default=0.0)
 
 
 def sharded_tail_s(cost: CostModel) -> float:

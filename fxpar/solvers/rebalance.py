@@ -36,7 +36,6 @@ them (``max_microbatches``, unbounded when None).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -121,11 +120,3 @@ def rebalanced_plan(plan: Plan, decision: RebalanceDecision, *, step: int | None
     return replace(plan, ranks=tuple(ranks), stages=stages, predicted_step_s=0.0, predicted_compute_s=0.0,
                    predicted_comm_s=0.0, measured_speeds=tuple(1.0 / t for t in decision.sample_s),
                    explain=plan.explain + (note + UNPRICED,))
-
-
-def shares_for_speeds(speeds: Sequence[float], batch: int) -> list[int]:
-    """Integer shares minimising the makespan for devices of relative ``speeds`` (the optimum a
-    re-balance should reach when per-sample time is ∝ 1/speed)."""
-    if not speeds or min(speeds) <= 0:
-        raise PlanError(f"speeds {list(speeds)}: need positive relative speeds")
-    return integer_shares([1.0 / s for s in speeds], [math.inf] * len(speeds), batch)

@@ -177,9 +177,6 @@ class ModelGraph:
             memory_bound_bytes_per_sample=memory_bound / b,
         )
 
-    def nodes_of_layer(self, layer: int) -> tuple[OpNode, ...]:
-        return tuple(n for n in self.nodes if n.layer == layer)
-
     def __str__(self) -> str:
         s = self.summary()
         return (

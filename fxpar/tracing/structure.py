@@ -27,6 +27,11 @@ def block_path(module_path: str) -> str | None:
     return None
 
 
+def block_paths(model: torch.nn.Module) -> list[str]:
+    """The model's repeated blocks (``model.layers.3``), once each, in module order."""
+    return list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
+
+
 def supports_vocab_parallel(model: torch.nn.Module) -> bool:
     """A HF causal LM with an ``nn.Embedding`` input, a bias-free ``nn.Linear`` head of the same
     vocabulary and a loss computed through ``loss_function``."""

@@ -317,20 +317,7 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
     if base_cls is OpClass.VIEW and len(params_read) == 1 and inputs and inputs[0].name in param_alias:
         param_alias[node.name] = params_read[0]
 
-    fwd = bwd = 0
-    if base_cls is OpClass.MATMUL:
-        if name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d"):
-            transposed = bool(node.args[6]) if name in ("convolution", "_convolution") and len(node.args) > 6 else False
-            fwd = op_costs.conv_flops(shapes, out_shape, transposed)
-            bwd = fwd * sum(1 for a in node.args[:2] if isinstance(a, torch.fx.Node) and needs_grad.get(a.name))
-        else:
-            fwd, (b_first, b_second) = op_costs.matmul_flops(name, shapes, out_shape)
-            operands = node.args[1:3] if name in ("addmm", "baddbmm") else node.args[:2]
-            grads = [isinstance(a, torch.fx.Node) and needs_grad.get(a.name, False) for a in operands]
-            bwd = (b_first if grads and grads[0] else 0) + (b_second if len(grads) > 1 and grads[1] else 0)
-    elif cls is OpClass.ATTENTION:
-        fwd = op_costs.attention_flops(shapes)
-        bwd = int(op_costs.ATTENTION_BACKWARD_FACTOR * fwd) if rg else 0
+    fwd, bwd = _flops(node, name, base_cls, cls, shapes, out_shape, needs_grad, rg)
 
     is_view = base_cls is OpClass.VIEW
     read = 0 if is_view else sum(_nbytes(t) for t in tensor_args if t is not None)
@@ -351,6 +338,28 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
         fwd_flops=int(fwd), bwd_flops=int(bwd), bytes_read=int(read), bytes_written=int(written),
         saved_bytes=int(saved_bytes), param_fqns=params_read, requires_grad=rg,
         amp_saved_bytes=int(amp_saved), amp_dtype=amp_dtype)
+
+
+def _flops(node: torch.fx.Node, name: str, base_cls: OpClass, cls: OpClass,
+           shapes: list[tuple[int, ...] | None], out_shape: tuple[int, ...] | None,
+           needs_grad: dict[str, bool], rg: bool) -> tuple[int, int]:
+    """``_annotate``'s FLOPs step: (forward, backward) FLOPs of a matmul, convolution or attention
+    node, the backward counting only the operands that need a gradient; (0, 0) for other ops."""
+    fwd = bwd = 0
+    if base_cls is OpClass.MATMUL:
+        if name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d"):
+            transposed = bool(node.args[6]) if name in ("convolution", "_convolution") and len(node.args) > 6 else False
+            fwd = op_costs.conv_flops(shapes, out_shape, transposed)
+            bwd = fwd * sum(1 for a in node.args[:2] if isinstance(a, torch.fx.Node) and needs_grad.get(a.name))
+        else:
+            fwd, (b_first, b_second) = op_costs.matmul_flops(name, shapes, out_shape)
+            operands = node.args[1:3] if name in ("addmm", "baddbmm") else node.args[:2]
+            grads = [isinstance(a, torch.fx.Node) and needs_grad.get(a.name, False) for a in operands]
+            bwd = (b_first if grads and grads[0] else 0) + (b_second if len(grads) > 1 and grads[1] else 0)
+    elif cls is OpClass.ATTENTION:
+        fwd = op_costs.attention_flops(shapes)
+        bwd = int(op_costs.ATTENTION_BACKWARD_FACTOR * fwd) if rg else 0
+    return fwd, bwd
 
 
 def _flat_tensors(args: tuple) -> list[torch.Tensor]:

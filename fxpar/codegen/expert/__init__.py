@@ -1,2 +1,3 @@
-"""Uneven expert parallelism for mixture-of-experts models: the per-rank module (``module``).
+"""Uneven expert parallelism for mixture-of-experts models: the per-rank module (``module``) and
+the sharded experts it puts in each MoE block (``experts``).
 Imports ``codegen.common`` and the hand plans (``codegen.hand_plans``)."""

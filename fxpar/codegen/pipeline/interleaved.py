@@ -22,28 +22,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.common.materialize import (
-    is_meta_model,
-    materialize,
-    stage_slots,
-    to_meta,
-    weights_source,
-)
-from fxpar.codegen.pipeline.module import (
-    PipelineParallelModule,
+from fxpar.codegen.common.materialize import Source
+from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.pipeline.stage_setup import (
+    check_process_group,
     layer_to_stage,
+    micro_example,
     on_device,
+    place_stages,
+    rank_clock,
+    torch_stage,
+    wants_checkpointing,
 )
 from fxpar.codegen.pipeline.ties import TiedParam, alias_groups, canonical_names
 from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
-from fxpar.compat import pipeline_action, pipeline_stage_class, set_stage_mapping
-from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.compat import pipeline_action, set_stage_mapping
+from fxpar.errors import PlanError
 from fxpar.plan import Plan
-from fxpar.runtime.device import plan_rank_device
-from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
-from fxpar.runtime.loss_scale import scaler_for
 from fxpar.sim.interleaved import check_placement, lockstep_order
-from fxpar.tracing.structure import block_path
+from fxpar.tracing.structure import block_paths
 
 
 def placement(plan: Plan) -> tuple[list[list[int]], list[int]]:
@@ -73,14 +70,30 @@ class InterleavedPipelineModule(PipelineParallelModule):
         torch.nn.Module.__init__(self)
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
+        check_process_group()
         pipes, stage_rank = placement(plan)
+        source = self._begin(model, plan, rank, device, checkpoint)
+        self._place_positions(plan, rank, emulate, pipes, stage_rank)
+        blocks = block_paths(model)
+        one = micro_example(model, plan, rank, example_inputs)
+        self._canonical = canonical_names(model)
+        self._aliases = alias_groups(self._canonical)
+        modules = self._split(model, one, layer_to_stage(plan, blocks))
+        examples = self._own_stages(model, modules, one, source)
+        self._tied, self._first_tie_stage = self._tie_groups(modules, stage_rank, pipes)
+        self._tie_owner = self.position  # _first_tie_stage holds positions here
+        self.schedule = self._multi_schedule(PipelineScheduleMulti, examples, stage_rank, len(pipes[0]))
+        if plan.pipelines > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
+            with torch.no_grad():
+                for _, p in self.named_original_parameters():
+                    dist.broadcast(p.data, src=pipes[0][self.position], group=self.dp_group)
+
+    # ---- set-up helpers -----------------------------------------------------------------
+    def _place_positions(self, plan: Plan, rank: int, emulate: bool, pipes: list[list[int]],
+                         stage_rank: list[int]) -> None:
+        """This rank's pipeline, position and stages, its groups (a chain per pipeline, one per
+        position across the pipelines), its pipeline's chain and its speed clock."""
         S, P = len(plan.stages), plan.pipelines
-        self.plan, self.rank, self._original = plan, rank, [model]
-        self.device = plan_rank_device(plan, rank, device)
-        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
-        self.loss_scaler = scaler_for(plan.dtype)
         self.pipeline_index = next(p for p in range(P) if rank in pipes[p])
         self.position = pipes[self.pipeline_index].index(rank)
         self.stage_indices = [j for j in range(S) if stage_rank[j] == self.position]
@@ -94,54 +107,44 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.dp_group = dp[self.position]
         self._stage_replicas = (tuple(pipes[p][self.position] for p in range(P)), self.dp_group)
         self.chain = [pipes[self.pipeline_index][stage_rank[j]] for j in range(S)]
-        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-        self.clock = SegmentClock(self.emulator)
+        self.emulator, self.clock = rank_clock(plan, rank, emulate)
 
-        blocks = list(dict.fromkeys(b for b in (block_path(n) for n, _ in model.named_modules()) if b))
-        one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
-               for k, v in example_inputs.items()}
-        if is_meta_model(model):  # exported and run on shapes only
-            one = to_meta(one)
-        self._canonical = canonical_names(model)
-        self._aliases = alias_groups(self._canonical)
-        modules = self._split(model, one, layer_to_stage(plan, blocks))
+    def _own_stages(self, model: torch.nn.Module, modules: list[Any], one: dict[str, Any],
+                    source: Source | None) -> list[tuple[tuple, tuple]]:
+        """This rank's stages, their tensors on the device and their wrappers; returns every
+        stage's boundary example values (on the device)."""
         self.stage_modules = torch.nn.ModuleList(modules[j] for j in self.stage_indices)
         self.module = self.stage_modules[0]
         # boundary shapes from one pass over the chain (meta: shapes only), before materialising
         examples = [(on_device(i, self.device), on_device(o, self.device))
                     for i, o in example_values(modules, tuple(one[n] for n in self.input_names))]
-        for mod in self.stage_modules:
-            mod.retarget(self.device)
-        if source is not None:  # this rank's stages only (a weight two of them read: one tensor)
-            materialize(stage_slots(list(self.stage_modules), model, self._canonical), self.device, source, model)
-        else:
-            self.stage_modules.to(self.device)
+        # this rank's stages only (a weight two of them read: one tensor)
+        place_stages(list(self.stage_modules), model, self._canonical, self.device, source)
         for j, mod in zip(self.stage_indices, self.stage_modules):
-            mod.checkpointing = plan.activation_checkpointing or plan.stages[j].activation_checkpointing
+            mod.checkpointing = wants_checkpointing(self.plan, j)
             wrap_stage(mod, self.clock, self.emulator, None)
-        self._tied, self._first_tie_stage = self._tie_groups(modules, stage_rank, pipes)
-        self._tie_owner = self.position  # _first_tie_stage holds positions here
-        stages = [pipeline_stage_class()(mod, j, S, self.device, input_args=examples[j][0],
-                                output_args=examples[j][1][0] if len(examples[j][1]) == 1 else examples[j][1],
-                                group=self.pp_group)
+        return examples
+
+    def _multi_schedule(self, schedule_class: type, examples: list[tuple[tuple, tuple]], stage_rank: list[int],
+                        width: int) -> Any:
+        """The multi-stage schedule of this rank's stages on the lock-step action table of
+        :mod:`fxpar.sim.interleaved` (``width`` ranks per pipeline), in the planner's order when
+        it timed every stage."""
+        plan, S = self.plan, len(self.plan.stages)
+        stages = [torch_stage(mod, j, S, self.device, examples[j][0], examples[j][1], self.pp_group)
                   for j, mod in zip(self.stage_indices, self.stage_modules)]
         fwd = [st.predicted_fwd_s for st in plan.stages]
         bwd = [st.predicted_bwd_s for st in plan.stages]
         timed = all(f > 0 for f in fwd) and all(b > 0 for b in bwd)  # the planner's order, when it made one
-        order = lockstep_order(stage_rank, len(pipes[0]), plan.num_microbatches,
+        order = lockstep_order(stage_rank, width, plan.num_microbatches,
                                fwd if timed else None, bwd if timed else None)
-        schedule = PipelineScheduleMulti(stages, n_microbatches=plan.num_microbatches,
-                                         loss_fn=self._scaled_loss, scale_grads=False)
+        schedule = schedule_class(stages, n_microbatches=plan.num_microbatches,
+                                  loss_fn=self._scaled_loss, scale_grads=False)
         schedule.pipeline_order = {r: [None if a is None else pipeline_action(a[1], a[0], a[2]) for a in acts]
                                    for r, acts in order.items()}
         set_stage_mapping(schedule, schedule.pipeline_order)
-        self.schedule = schedule
-        if P > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
-            with torch.no_grad():
-                for _, p in self.named_original_parameters():
-                    dist.broadcast(p.data, src=pipes[0][self.position], group=self.dp_group)
+        return schedule
 
-    # ---- set-up helpers -----------------------------------------------------------------
     def _tie_groups(self, modules, stage_rank: list[int], pipes: list[list[int]]):
         """Weights read on several positions of a pipeline (this rank's entries, summed over
         those ranks of this pipeline by ``sync_tied``) and the first position of every such

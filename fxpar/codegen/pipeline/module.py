@@ -37,7 +37,6 @@ tensor-parallel stage, the first pipeline's for the others.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,23 +44,29 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
-from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.grad_norm import clip_by_global_norm
-from fxpar.codegen.common.materialize import (
-    is_meta_model,
-    like_on,
-    materialize,
-    stage_slots,
-    to_meta,
-    weights_source,
-)
+from fxpar.codegen.common.materialize import Source, is_meta_model, weights_source
 from fxpar.codegen.pipeline.replicas import (
     broadcast_first_pipeline,
     owner_groups,
-    stage_modules,
     sum_across_pipelines,
 )
+from fxpar.codegen.pipeline.batches import check_pipeline_batch
 from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.pipeline.stage_setup import (
+    check_process_group,
+    check_tp_stages,
+    layer_to_stage,
+    micro_example,
+    on_device,
+    place_stages,
+    rank_clock,
+    tp_shares,
+    torch_stage,
+    wants_checkpointing,
+    weighted_loss,
+)
+from fxpar.codegen.pipeline.stage_state import gather_stages, stage_boxes
 from fxpar.codegen.pipeline.ties import (
     alias_groups,
     canonical_names,
@@ -77,48 +82,17 @@ from fxpar.codegen.pipeline.tensor_stages import (
     make_groups,
     wrap_stage,
 )
-from fxpar.codegen.common.shards import assemble, shard_spec
 from fxpar.codegen.tensor.module import shard_model
-from fxpar.codegen.tensor.families import (
-    head_layout,
-    refusal,
-    shardable_blocks,
-    split_sizes,
-)
-from fxpar.compat import pipeline_stage_class
-from fxpar.errors import ConfigError, PlanError, RuntimeSetupError
+from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.batch_checks import IGNORE_INDEX
-from fxpar.runtime.device import broadcast_state, plan_rank_device, to_host
+from fxpar.runtime.device import broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
-from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.optim import make_optimizer
 from fxpar.runtime.precision import AUTOCAST_DTYPES
-from fxpar.tracing.structure import block_path
-
-
-def layer_to_stage(plan: Plan, block_paths: list[str], pipeline: int = 0) -> list[int]:
-    """Stage index of each repeated block in pipeline ``pipeline``, from the stages' module lists."""
-    owner = {m: st.index for st in plan.stages for m in stage_modules(st, pipeline)}
-    missing = [b for b in block_paths if b not in owner]
-    if missing:
-        raise PlanError(f"pipeline plan does not place blocks {missing[:3]}; every block must "
-                        "belong to one stage (re-plan for this model)")
-    return [owner[b] for b in block_paths]
-
-
-def weighted_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The schedule's loss_fn: the micro-batch's mean loss times ``N_mb / N`` (the sum of its
-    samples' weights, carried as the schedule's ``target``)."""
-    return output.float() * target.sum()
-
-
-def on_device(values: Any, device: torch.device) -> Any:
-    """Tensors in ``values`` (a tuple of example values) on ``device``: real ones moved, meta
-    ones (a meta model's stage boundaries) as uninitialised tensors of their shape and flags."""
-    return like_on(values, device)
+from fxpar.tracing.structure import block_paths
 
 
 class PipelineParallelModule(torch.nn.Module):
@@ -132,14 +106,42 @@ class PipelineParallelModule(torch.nn.Module):
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeSetupError("a pipeline plan runs on an initialised process group")
-        S, P = len(plan.stages), plan.pipelines
+        check_process_group()
+        source = self._begin(model, plan, rank, device, checkpoint)
+        self._place_rank(plan, rank, emulate)
+        blocks = block_paths(model)
+        one = micro_example(model, plan, rank, example_inputs)
+        stage_of = self._cut(model, plan, blocks)
+        if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
+            self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index],
+                                  broadcast=source is None)
+        modules = self._split(model, one, stage_of)
+        stage_in, stage_out = self._own_stage(model, modules, one, source)
+        self.pipe_stage = self.schedule = None
+        if self.is_lead:  # followers replay the lead's schedule (tensor_stages.py)
+            self.pipe_stage = torch_stage(self.module, self.stage_index, len(plan.stages), self.device,
+                                          stage_in, stage_out, self.pp_group)
+            schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
+            self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
+                                           loss_fn=self._scaled_loss, scale_grads=False)
+        if plan.pipelines > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
+            broadcast_first_pipeline(self.module.named_original_parameters(), self._owners, self._stage_replicas)
+
+    # ---- set-up helpers -----------------------------------------------------------------
+    def _begin(self, model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None,
+               checkpoint: str | Path | None) -> Source | None:
+        """First set-up step (both pipeline modules): the plan, rank, device and loss scaler;
+        returns the source of the values, checked on every rank before any collective."""
         self.plan, self.rank = plan, rank
         self.device = plan_rank_device(plan, rank, device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         self.loss_scaler = scaler_for(plan.dtype)
         self._original = [model]  # a list: not registered as a submodule (config, names)
+        return source
+
+    def _place_rank(self, plan: Plan, rank: int, emulate: bool) -> None:
+        """This rank's place in the layout (stage, pipeline, tensor-parallel position), its
+        groups, its pipeline's chain and its speed clock."""
         self.layout = PipelineLayout.of(plan)
         self.stage_index, self.pipeline_index, self.tp_position = self.layout.where(rank)
         self.tp_width = self.layout.widths[self.stage_index]
@@ -148,18 +150,15 @@ class PipelineParallelModule(torch.nn.Module):
         self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
         self.pipe_group = groups.pipeline
         self.chain = self.layout.chain(self.pipeline_index)
-        self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-        self.clock = SegmentClock(self.emulator)
+        self.emulator, self.clock = rank_clock(plan, rank, emulate)
         self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index), self.device)
                       if self.tp_width > 1 else None)
 
-        blocks = list(dict.fromkeys(
-            b for b in (block_path(n) for n, _ in model.named_modules()) if b is not None))
-        one = {k: (v[: plan.ranks[rank].micro_batch_size] if isinstance(v, torch.Tensor) and v.dim() else v)
-               for k, v in example_inputs.items()}
-        if is_meta_model(model):  # exported and run on shapes only
-            one = to_meta(one)
-        cuts = [layer_to_stage(plan, blocks, q) for q in range(P)]  # each pipeline's own cuts
+    def _cut(self, model: torch.nn.Module, plan: Plan, blocks: list[str]) -> list[int]:
+        """Each pipeline's cuts (collective: the groups of each block's owners across the
+        pipelines), the weights' canonical names before sharding can untie anything; returns
+        the stage of each block in this rank's pipeline."""
+        cuts = [layer_to_stage(plan, blocks, q) for q in range(plan.pipelines)]  # each pipeline's own cuts
         stage_of = cuts[self.pipeline_index]
         self._blocks, self._stage_of = blocks, stage_of
         self._owners = owner_groups(plan, blocks, cuts, self.layout.chain)  # collective
@@ -167,69 +166,38 @@ class PipelineParallelModule(torch.nn.Module):
         self._canonical = canonical_names(model)  # before sharding can untie anything
         self._aliases = alias_groups(self._canonical)
         self._sharded = self.layout.tensor_parallel
-        if self._sharded:  # shard this rank's stage in place, so the export sees its local shapes
-            self._shard_own_stage(model, plan, [b for b, j in zip(blocks, stage_of) if j == self.stage_index],
-                                  broadcast=source is None)
-        modules = self._split(model, one, stage_of)
+        return stage_of
+
+    def _own_stage(self, model: torch.nn.Module, modules: list[Any], one: dict[str, Any],
+                   source: Source | None) -> tuple[tuple, tuple]:
+        """This rank's stage: its boundary example values, its tensors on the device, its ties
+        and wrappers; returns the boundary values (on the device) the schedule's stage takes."""
         self.module = modules[self.stage_index]
-        self.module.checkpointing = plan.activation_checkpointing or plan.stages[self.stage_index].activation_checkpointing
+        self.module.checkpointing = wants_checkpointing(self.plan, self.stage_index)
         # boundary shapes from one pass over the chain (meta: shapes only), before materialising
         stage_in, stage_out = example_values(modules, tuple(one[n] for n in self.input_names))[self.stage_index]
-        self.module.retarget(self.device)
-        if source is not None:  # this rank's stage only, on its device
-            materialize(stage_slots([self.module], model, self._canonical), self.device, source, model)
-        else:
-            self.module.to(self.device)
+        place_stages([self.module], model, self._canonical, self.device, source)  # this rank's stage only
         self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
         wrap_stage(self.module, self.clock, self.emulator, self._link)
         stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
-        self.pipe_stage = self.schedule = None
-        if self.is_lead:  # followers replay the lead's schedule (tensor_stages.py)
-            self.pipe_stage = pipeline_stage_class()(self.module, self.stage_index, S, self.device,
-                                            input_args=stage_in,
-                                            output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
-                                            group=self.pp_group)
-            schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
-            self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
-                                           loss_fn=self._scaled_loss, scale_grads=False)
-        if P > 1 and source is None:  # a real model: every pipeline starts from the first one's weights
-            broadcast_first_pipeline(self.module.named_original_parameters(), self._owners, self._stage_replicas)
+        return stage_in, stage_out
 
-    # ---- set-up helpers -----------------------------------------------------------------
     def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str], *,
                          broadcast: bool = True) -> None:
         """Every rank starts from rank 0's weights (``broadcast``: a real model without a
         checkpoint); then this rank keeps its position's slice of its own stage's blocks (other
         stages stay whole: only their boundary shapes are used)."""
         wide = [b for b, j in zip(self._blocks, self._stage_of) if self.layout.widths[j] > 1]
-        unsupported = sorted(set(wide) - shardable_blocks(model))
-        # checked alike on every rank, before any collective: a refusal on some ranks only
-        # would leave the others waiting
-        if unsupported:
-            raise PlanError(
-                f"pipeline plan: tensor-parallel stages hold blocks {unsupported[:3]} of "
-                f"{type(model).__name__}, which have no attention fxpar can shard ("
-                f"{refusal(model, unsupported)}); re-plan with max_tensor_parallel=1 for this model")
-        kv, _, _ = head_layout(model)
-        if kv < max(self.layout.widths):
-            raise PlanError(f"pipeline plan: a stage has tensor_parallel {max(self.layout.widths)}, but "
-                            f"{type(model).__name__} has {kv} key/value head groups to split; re-plan "
-                            "with max_tensor_parallel <= " + str(kv))
+        kv = check_tp_stages(model, wide, max(self.layout.widths))
         if broadcast:
             broadcast_state(model, 0, None, self.device)
         if self.tp_width == 1:
             return
-        stage = plan.stages[self.stage_index]
-        if stage.tensor_split is not None:
-            shares = list(stage.tensor_split[self.pipeline_index * self.tp_width:][: self.tp_width])
-        else:
-            shares = split_sizes(kv, [1] * self.tp_width)
+        shares, experts = tp_shares(plan.stages[self.stage_index], self.pipeline_index, self.tp_width, kv)
         last = self.stage_index == len(plan.stages) - 1
-        experts = (list(stage.expert_split[self.pipeline_index * self.tp_width:][: self.tp_width])
-                   if stage.expert_split is not None else None)
         shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks),
                     embedding=self.stage_index == 0, head=last, expert_shares=experts)
 
@@ -352,25 +320,9 @@ class PipelineParallelModule(torch.nn.Module):
         """Clear errors, before any send or receive, for a batch the stages cannot take (every
         rank of the pipeline checks the same batch, so all raise alike; none waits forever)."""
         where = "PipelineParallelModule.step" + ("(local=True)" if local else "")
-        if not isinstance(batch, Mapping):
-            raise PlanError(f"{where}: the batch has type {type(batch).__name__}; a pipeline takes a "
-                            f"dict with the traced inputs {list(self.input_names)}")
-        missing = [n for n in self.input_names if n not in batch]
-        if missing:
-            raise PlanError(f"{where}: the batch lacks {missing}; the traced model takes "
-                            f"{list(self.input_names)} (the keys of example_inputs)")
-        rows = checks.batch_rows({n: batch[n] for n in self.input_names}, where)
-        if rows != expected:
-            whose = "this pipeline's share (the rows batch_rows() names)" if local else "the plan's global_batch"
-            raise PlanError(f"{where}: the batch has {rows} samples ({checks.describe(batch)}) but "
-                            f"{whose} is {expected}; feed batches of {expected} samples"
-                            + (f", or re-plan with global_batch={rows}" if rows and not local else ""))
-        checks.check_like_example(batch, self._input_specs, where, exact_shapes=True, require_keys=True)
-        checks.check_token_ids(batch, self._vocab_size, where)
         size = self.plan.stages[0].data_split[self.pipeline_index] // max(1, self.plan.num_microbatches)
-        starts = range(0, expected, size) if size else ()
-        checks.check_labels_present(batch, where, causal=self._causal,
-                                    chunks=[(s, min(s + size, expected)) for s in starts])
+        check_pipeline_batch(batch, where, self.input_names, expected, local, self._input_specs,
+                             self._vocab_size, self._causal, size)
 
     def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
@@ -398,34 +350,13 @@ class PipelineParallelModule(torch.nn.Module):
         elsewhere), from the first pipeline's stages: load it into the original model class and
         call ``save_pretrained``.  Tied names are all present; the shards of a tensor-parallel
         stage are concatenated in offset order along their split dimension."""
-        mine = {}
-        if self.pipeline_index == 0:
-            mine = {self._canonical.get(fqn, fqn): (to_host(p.detach()).clone(), shard_spec(p))
-                    for fqn, p in self.named_original_parameters()}
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
-        dist.gather_object(mine, gathered, dst=dst)
-        if dist.get_rank() != dst:
-            return None
-        pieces: dict[str, list[Any]] = {}
-        for part in gathered:
-            for fqn, piece in part.items():
-                pieces.setdefault(fqn, []).append(piece)
-        full: dict[str, torch.Tensor] = {}
-        for fqn, parts in pieces.items():
-            t = assemble(parts)
-            for alias in self._aliases.get(fqn, [fqn]):  # tied weights under every name
-                full[alias] = t
-        return full
+        return gather_stages(self.named_original_parameters(), self.pipeline_index == 0, self._canonical,
+                             self._aliases, dst)
 
     def checkpoint_layout(self) -> list[Any]:
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook): a
         whole tensor of its stage, or a tensor-parallel shard at its offset."""
-        out = []
-        for fqn, p in self.named_original_parameters():
-            name = self._canonical.get(fqn, fqn)
-            write = self._first_tie_stage.get(name, self._tie_owner) == self._tie_owner
-            out.append(LocalParam(fqn=name, param=p, shard=shard_spec(p), write=write))
-        return out
+        return stage_boxes(self.named_original_parameters(), self._canonical, self._first_tie_stage, self._tie_owner)
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """A HF ``save_pretrained`` folder written from the stages: each rank streams the tensors

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch.fx.passes.split_module import split_module
@@ -238,14 +238,8 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     if len(calls) != num_stages:
         raise PlanError(f"pipeline split produced {len(calls)} pieces for {num_stages} stages; every "
                         "stage must own at least one block")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    params.update(dict(model.named_buffers(remove_duplicate=False)))
     getattr_target = {n.name: str(n.target) for n in parent.graph.nodes if n.op == "get_attr"}
-    for target in getattr_target.values():  # lifted tensor constants (torch.tensor(...) in forward)
-        if target not in params and not isinstance(_submodule(gm, target), torch.nn.Module):
-            # live only on the exported module: the reading stage owns them (a nested graph —
-            # an autocast region's submodule — is part of its piece, not a tensor)
-            params[target] = _attr(gm, target, model)
+    params = _stage_tensors(model, gm, getattr_target.values())
     user_inputs = [n.name for n in parent.graph.nodes if n.op == "placeholder"]
     tensor_inputs = tuple(n for n in user_inputs if isinstance(kwargs.get(n), torch.Tensor))
     constants = {n: kwargs[n] for n in user_inputs if n not in tensor_inputs and n in kwargs}
@@ -263,14 +257,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
         reads.append([name_of(a) for a in call.args])
         outs = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
         produced.append([u.name for u in sorted(outs, key=lambda u: u.args[1])] or [call.name])
-    out_node = next(n for n in parent.graph.nodes if n.op == "output")
-    final = out_node.args[0]
-    first_out = final[0] if isinstance(final, (tuple, list)) else final
-    loss_name = first_out.name if isinstance(first_out, torch.fx.Node) else None
-    if loss_name is None:
-        raise TraceError("pipeline split: the model returns no loss; pass labels in the example inputs")
-
-    specs = _stage_specs(tensor_inputs, reads, produced, set(params), set(constants), loss_name)
+    specs = _stage_specs(tensor_inputs, reads, produced, set(params), set(constants), _loss_name(parent))
     dtypes = _value_dtypes(parent, kwargs)
     modules = []
     for i, call in enumerate(calls):
@@ -283,6 +270,31 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
         modules.append(mod)
     return modules, tensor_inputs
+
+
+def _stage_tensors(model: torch.nn.Module, gm: torch.fx.GraphModule, targets: Iterable[str]) -> dict[str, Any]:
+    """The tensors the stages may own, by name: the model's parameters and buffers (every tied
+    name) and the lifted tensor constants among the parent graph's attribute ``targets``."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    for target in targets:  # lifted tensor constants (torch.tensor(...) in forward)
+        if target not in params and not isinstance(_submodule(gm, target), torch.nn.Module):
+            # live only on the exported module: the reading stage owns them (a nested graph —
+            # an autocast region's submodule — is part of its piece, not a tensor)
+            params[target] = _attr(gm, target, model)
+    return params
+
+
+def _loss_name(parent: torch.fx.GraphModule) -> str:
+    """The parent graph's name of the model's loss (its first output); a TraceError when the
+    model returns none."""
+    out_node = next(n for n in parent.graph.nodes if n.op == "output")
+    final = out_node.args[0]
+    first_out = final[0] if isinstance(final, (tuple, list)) else final
+    loss_name = first_out.name if isinstance(first_out, torch.fx.Node) else None
+    if loss_name is None:
+        raise TraceError("pipeline split: the model returns no loss; pass labels in the example inputs")
+    return loss_name
 
 
 def _stage_specs(tensor_inputs: tuple[str, ...], reads: list[list[str]], produced: list[list[str]],

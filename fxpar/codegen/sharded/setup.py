@@ -7,7 +7,7 @@
    a checkpoint takes rank 0's values (:class:`Rank0Rows`).  The full tensor is allocated on the
    device (ZeRO-3: with no storage until gathered); an offloading rank moves its shard Parameter
    to the host.  Parameters are grouped into units: the rest of the model first, then each block
-   (:func:`fxpar.codegen.hand_plans.block_paths`) holding parameters of its own;
+   (:func:`fxpar.tracing.structure.block_paths`) holding parameters of its own;
 2. :func:`install_block_hooks` — ZeRO-3 forward pre/post hooks on each block (gather + prefetch,
    free) and a multi-grad hook on its outputs (gather again before its backward); per-rank
    activation checkpointing around each block's forward; post-accumulate-grad hooks on every
@@ -25,13 +25,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as recompute
 
 from fxpar.checkpoint.weights import TensorRequest
-from fxpar.codegen.hand_plans import block_paths
 from fxpar.codegen.common.materialize import Slot, materialize, module_slots, weights_source
 from fxpar.codegen.sharded.units import RoundSchedule, ShardedTensor, Unit
 from fxpar.codegen.common.shards import cut
 from fxpar.runtime.device import HOST
 from fxpar.runtime.ragged import owned_rows
-from fxpar.tracing.structure import block_path
+from fxpar.tracing.structure import block_path, block_paths
 
 META = torch.device("meta")
 

@@ -52,27 +52,22 @@ from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import assemble, shard_spec
 from fxpar.codegen.tensor.collectives import register_group
-from fxpar.codegen.tensor.families import (  # noqa: F401 - split_sizes, shardable_blocks re-exported
+from fxpar.codegen.tensor.families import (
     check_shares,
     describe_unsupported,
     head_layout,
     shard_module_tree,
-    shardable_blocks,
-    split_sizes,
 )
 from fxpar.codegen.tensor.layout import make_groups, tp_layout
 from fxpar.codegen.tensor.verify import verify_local_heads
-from fxpar.codegen.tensor.vocab import shard_vocab, supports_vocab_parallel
+from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.runtime.step_loop import (
-    LossFn,
-    LossWeighting,
-    StepModule,
-    allreduce_gradients,
-)
+from fxpar.runtime.allreduce import allreduce_gradients
+from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
 from fxpar.tracing.analyze_model import analyze_model
+from fxpar.tracing.structure import supports_vocab_parallel
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,

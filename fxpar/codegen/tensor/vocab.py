@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from fxpar.codegen.common.shards import slice_parameter
 from fxpar.codegen.tensor.collectives import tp_copy, tp_max, tp_reduce
 from fxpar.codegen.tensor.families import split_sizes
-from fxpar.tracing.structure import supports_vocab_parallel  # noqa: F401 - re-exported for the sharders
 
 
 class VocabParallelEmbedding(torch.nn.Embedding):

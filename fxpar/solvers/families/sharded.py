@@ -31,7 +31,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from fxpar.plan import SHARD_STAGES, Plan
+from fxpar.plan import Plan
+from fxpar.plan_checks import SHARD_STAGES
 from fxpar.profiling import collectives
 from fxpar.sim.sharded_cost import (
     PREFETCH,

@@ -1,0 +1,40 @@
+"""What a batch must be for a pipeline's stages: clear errors, before any send or receive, for
+a batch they cannot take — not a dict, missing traced inputs, the wrong number of samples,
+inputs unlike the traced example, token ids outside the vocabulary, a micro-batch without
+labels.  Every rank of a pipeline checks the same batch, so all raise alike; none waits forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fxpar.errors import PlanError
+from fxpar.runtime import batch_checks as checks
+
+
+def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected: int, local: bool,
+                         specs: dict[str, checks.InputSpec], vocab_size: int | None, causal: bool,
+                         micro_rows: int) -> None:
+    """A PlanError (``where`` names the call) unless ``batch`` is a dict of the traced inputs
+    ``names`` with ``expected`` samples (``local``: this pipeline's share, else the global
+    batch), like the traced example (``specs``), of token ids below ``vocab_size`` and with
+    label tokens in each micro-batch of ``micro_rows`` samples."""
+    if not isinstance(batch, Mapping):
+        raise PlanError(f"{where}: the batch has type {type(batch).__name__}; a pipeline takes a "
+                        f"dict with the traced inputs {list(names)}")
+    missing = [n for n in names if n not in batch]
+    if missing:
+        raise PlanError(f"{where}: the batch lacks {missing}; the traced model takes "
+                        f"{list(names)} (the keys of example_inputs)")
+    rows = checks.batch_rows({n: batch[n] for n in names}, where)
+    if rows != expected:
+        whose = "this pipeline's share (the rows batch_rows() names)" if local else "the plan's global_batch"
+        raise PlanError(f"{where}: the batch has {rows} samples ({checks.describe(batch)}) but "
+                        f"{whose} is {expected}; feed batches of {expected} samples"
+                        + (f", or re-plan with global_batch={rows}" if rows and not local else ""))
+    checks.check_like_example(batch, specs, where, exact_shapes=True, require_keys=True)
+    checks.check_token_ids(batch, vocab_size, where)
+    starts = range(0, expected, micro_rows) if micro_rows else ()
+    checks.check_labels_present(batch, where, causal=causal,
+                                chunks=[(s, min(s + micro_rows, expected)) for s in starts])
