@@ -352,6 +352,9 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
     zoo = _latest("zoo", folder, False)
     if zoo:
         parts += readme_sections.zoo(zoo)
+    recorded = _latest("recorded_fidelity", folder, False)
+    if recorded:
+        parts += readme_sections.recorded_fidelity(recorded)
     parts += readme_sections.gpu_checks([json.loads(p.read_text()) for p in _files("gpu_check", folder, None)])
     return "\n".join(parts)
 

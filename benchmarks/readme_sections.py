@@ -91,6 +91,9 @@ def zoo(z: dict) -> list[str]:
              f"{s['types']} model types, {s['skipped']} skipped (their tiny model does not train a step in plain "
              f"PyTorch), {s['tried']} tried ({kinds}). Covered: {', '.join(cells)}; `tp_decoder_only` counts the "
              "decoder-only types. Per-type rows and every failure's reason are in the JSON."]
+    if s.get("recorded"):
+        lines[-1] += (f" Recorded by running them, since they do not export as a whole: {len(s['recorded'])} "
+                      f"({', '.join(s['recorded'])}); their plans are data parallel or sharded.")
     top = s.get("top_failures", {})
     for col, items in top.items():
         if items:
@@ -119,3 +122,19 @@ def gpu_checks(results: list[dict]) -> list[str]:
                  for row in [arm_row(name, arm, r["comparisons"].get(name, {}))]]
     out += ["", "| " + " | ".join(HEAD) + " |", "|" + "|".join("---" for _ in HEAD) + "|"]
     return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+
+def recorded_fidelity(r: dict) -> list[str]:
+    """How far a recorded graph's prediction is from the exported graph's (models that export)."""
+    s = r["summary"]
+    c = r["cluster"]["nodes"]
+    where = " + ".join(f"{n['count']}x {n['gpu']}" for n in c)
+    dtypes = " and ".join(h.split()[1] for h in r["table"]["head"] if h.startswith("step "))
+    return ["", f"Recorded vs exported graph (`python -m benchmarks.recorded_fidelity`, transformers "
+            f"{r['transformers']}, {r['machine']['date']}): {s['types']} causal-LM types that export, widened "
+            f"tiny configs at sequence {r['seq_len']}, traced both ways; the data-parallel plan made from the "
+            f"export ({where}, global batch {r['global_batch']}, {dtypes}) priced under each graph. "
+            f"FLOPs equal on {s['flops_equal']}/{s['types']}; the recorded step differs by "
+            f"{s['mean_abs_step_error']:.1%} on average, {s['max_abs_step_error']:.1%} at most.", "",
+            table(r)]

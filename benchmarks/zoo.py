@@ -260,7 +260,8 @@ def check_local(model_type: str, timeout: float) -> dict[str, Any]:
             row["params"] = sum(p.numel() for p in model.parameters())
             try:
                 graph = trace(model, batch(model, 1))
-                row["trace"] = {"ok": True, "blocks": len(graph.layers), "ops": len(graph.nodes)}
+                row["trace"] = {"ok": True, "blocks": len(graph.layers), "ops": len(graph.nodes),
+                                "recorded": bool(graph.recorded)}
             except Exception as exc:  # noqa: BLE001
                 row["trace"] = {"ok": False, "reason": _reason(exc)}
                 return row
@@ -360,7 +361,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 key = _reason_key(r[c]["reason"])
                 reasons.setdefault(c, {})[key] = reasons.setdefault(c, {}).get(key, 0) + 1
     top = {c: sorted(v.items(), key=lambda kv: -kv[1])[:8] for c, v in reasons.items()}
+    recorded = sorted(r["type"] for r in tried if (r.get("trace") or {}).get("recorded"))
     return {"types": len(rows), "skipped": len(rows) - len(tried), "tried": len(tried), "coverage": cover,
+            "recorded": recorded,
             "architectures": kinds, "top_failures": top}
 
 
@@ -401,10 +404,12 @@ def _table_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
 def _caption(version: str, summ: dict[str, Any], seconds: float) -> str:
     cov = ", ".join(f"{c} {v['ok']}/{v['of']}" for c, v in summ["coverage"].items() if c in COLUMNS)
     tp_dec = summ["coverage"]["tp_decoder_only"]
+    recorded = summ.get("recorded", [])
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(summ["architectures"].items(), key=lambda kv: -kv[1]))
     return (f"transformers {version}: {summ['types']} causal-LM types, {summ['skipped']} "
             f"skipped (tiny model does not train in plain PyTorch), coverage of the {summ['tried']} others: "
-            f"{cov}; tp over the {tp_dec['of']} decoder-only types: {tp_dec['ok']}/{tp_dec['of']} "
+            f"{cov}; tp over the {tp_dec['of']} decoder-only types: {tp_dec['ok']}/{tp_dec['of']}; "
+            f"{len(recorded)} recorded, not exported ({', '.join(recorded) or 'none'}) "
             f"(architectures: {kinds}) ({seconds:.0f} s)")
 
 

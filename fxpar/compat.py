@@ -46,6 +46,12 @@ transformers (checked against 5.23):
   SDPA falls back to eager, :func:`fxpar.tracing.hf.build_model`); transformers exposes it
   only under this name (:func:`attn_implementation`).
 
+- ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees every
+  aten op a forward dispatches (torch's own ``FlopCounterMode`` is one); fxpar records a model
+  that does not export by running it under such a mode (:mod:`fxpar.tracing.recorded`,
+  :func:`dispatch_recorder_base`).  torch documents the mode (``__torch_dispatch__``) but keeps
+  the class in a private module; checked against torch 2.11 and 2.13.
+
 The private names are reached through these functions only (``tests/test_private_names.py``
 scans the rest of the package).
 """
@@ -55,6 +61,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.errors import RuntimeSetupError
 
@@ -162,3 +169,8 @@ def pipeline_stage_class() -> type:
             return super().get_bwd_send_ops(bwd_chunk_id)
 
     return ZeroGradInputsStage
+
+
+def dispatch_recorder_base() -> type:
+    """``TorchDispatchMode``, the base class of :mod:`fxpar.tracing.recorded`'s op recorder."""
+    return TorchDispatchMode

@@ -309,6 +309,19 @@ def dp_autocast_parity(dtype: str, speeds: list[float], batch: int = 6, seq: int
             "grad_dtypes": sorted(dtypes), "shares": list(pm.plan.batch_shares)}
 
 
+def rank_gradient_pairs(pm, reference: torch.nn.Module) -> list:
+    """``(name, this rank's gradient, the reference's same part)`` for a data-parallel, sharded
+    (this rank's rows of each gradient) or pipeline (its stage's parameters) module."""
+    ref_grads = dict(reference.named_parameters())
+    if pm.plan.strategy == "sharded_data_parallel":
+        rows = pm.owned_rows()
+        return [(t.names[0], t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
+                 else ref_grads[t.names[0]].grad[slice(*rows[t.names[0]])])
+                for t in pm.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
+    named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
+    return [(n, p.grad, ref_grads[n].grad) for n, p in named]
+
+
 def auto_model_and_cluster_only() -> dict:
     """``fxpar.auto(model, cluster)`` with nothing else on every rank, then a step on a batch of
     the default shape vs one process (loss and the replica's gradients: ``tests/parity.step_record``)."""
@@ -319,14 +332,5 @@ def auto_model_and_cluster_only() -> dict:
     loss = pm.step(data)
     ref = reference(**data, use_cache=False).loss
     ref.backward()
-    ref_grads = dict(reference.named_parameters())
-    if pm.plan.strategy == "sharded_data_parallel":  # this rank's rows of each gradient
-        rows = pm.owned_rows()
-        pairs = [(t.names[0], t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
-                  else ref_grads[t.names[0]].grad[slice(*rows[t.names[0]])])
-                 for t in pm.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
-    else:
-        named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
-        pairs = [(n, p.grad, ref_grads[n].grad) for n, p in named]
-    step = step_record(loss, ref, pairs, reference)
+    step = step_record(loss, ref, rank_gradient_pairs(pm, reference), reference)
     return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "strategy": pm.plan.strategy, **step}

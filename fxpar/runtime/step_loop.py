@@ -32,7 +32,7 @@ slow rank reaches every collective as late as a slow device would.  :class:`Step
 the step into compute, emulation and communication.
 
 A batch's rows and items are counted and sliced in :mod:`fxpar.runtime.batches`; the kinds' bucketed
-gradient all-reduce is :mod:`fxpar.runtime.allreduce` (both importable from here too).
+gradient all-reduce is :mod:`fxpar.runtime.allreduce`.
 """
 
 from __future__ import annotations

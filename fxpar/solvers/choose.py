@@ -37,6 +37,7 @@ from fxpar.plan import Plan
 from fxpar.solvers.baselines import min_or_none
 from fxpar.solvers.host_memory import with_host_memory
 from fxpar.solvers.problems import Candidates, Problems
+from fxpar.tracing.graph import ModelGraph
 
 #: a family that offers nothing (the default where a caller names no sharded family)
 NO_CANDIDATES = Candidates()
@@ -67,6 +68,8 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
         explain.append(f"attention: {attention}, not SDPA (the model class has none, or was built "
                        "without it): priced as its traced matmul + softmax + matmul, its seq x seq "
                        "scores kept for backward")
+    if p.graph.recorded:
+        explain.append(recorded_line(p.graph))
     baselines = combine_baselines(best.strategy, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
     for name, value in baselines:
         explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
@@ -80,6 +83,19 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
         "work over the summed device rates, node by node + the optimizer (valid for every "
         "strategy; no communication term)"))
     return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
+
+
+def recorded_line(graph: ModelGraph) -> str:
+    """The explain line of a plan made from a recorded graph: why, which blocks, what it costs."""
+    blocks = [layer.path for layer in graph.layers]
+    shown = ", ".join(blocks[:3]) + (f", ... ({len(blocks)} in all)" if len(blocks) > 3 else "")
+    return (f"recorded graph: the model did not export as a whole ({graph.recorded.splitlines()[0][:160]}); "
+            f"its {len(graph.nodes)} ops were recorded by running its forward, block by block "
+            f"({shown or 'no repeated blocks'}), with the tracer's FLOP formulas and the activation bytes autograd "
+            "saved (as float32 under autocast), so the prediction carries the recording's difference from an "
+            "export (python -m benchmarks.recorded_fidelity measures it on models that export); only data "
+            "parallelism and sharded data parallelism were searched: pipelines and tensor parallelism need "
+            "the exported graph")
 
 
 def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,

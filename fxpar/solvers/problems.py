@@ -3,6 +3,8 @@
 (:class:`Candidates`).
 
     check_inputs       before the cost model, so bad input fails fast
+    strategies_for     the families asked for, less those a recorded graph cannot have
+                       (:data:`RECORDED_FAMILIES`)
     CostModel          graph × cluster → per node and device kind: seconds, bytes, collectives
     build_dp_problem   → DPProblem: the share LP's data, one group per interchangeable device kind
     build_context      → PipelineContext: the segment table and the device kinds (when pipelines
@@ -23,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from fxpar.cluster import Cluster
-from fxpar.errors import ConfigError, InfeasibleError
+from fxpar.errors import ConfigError, InfeasibleError, PlanError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
@@ -68,6 +70,27 @@ class Candidates:
     error: InfeasibleError | None = None
 
 
+#: the families whose codegen runs the model's own forward: the ones a recorded graph
+#: (:mod:`fxpar.tracing.recorded`, no exported program to cut stages from or read projections
+#: from) can have
+RECORDED_FAMILIES: tuple[str, ...] = ("data_parallel", "sharded_data_parallel")
+
+
+def strategies_for(graph: ModelGraph, strategies: tuple[str, ...]) -> tuple[str, ...]:
+    """``strategies``, less the families a recorded graph cannot have; a PlanError when none is left."""
+    if not graph.recorded:
+        return tuple(strategies)
+    kept = tuple(s for s in strategies if s in RECORDED_FAMILIES)
+    if not kept:
+        raise PlanError(
+            f"{graph.model_name} did not export as a whole ({graph.recorded.splitlines()[0][:200]}), so fxpar "
+            f"recorded it by running it; strategies {list(strategies)} need the exported graph (pipeline stages "
+            "are cut from it, tensor and expert parallelism read from it): add 'data_parallel' or "
+            "'sharded_data_parallel', or make the model export (fxpar.tracing.trace(model, inputs, "
+            "record=False) shows why it does not)")
+    return kept
+
+
 def check_inputs(cluster, workload: Workload, *, allow_tf32: bool = False) -> None:
     """Checks that need no model: run before tracing so bad input fails fast."""
     if workload.global_batch < cluster.world_size:
@@ -97,7 +120,7 @@ def build_dp_problem(cost: CostModel, cluster, workload: Workload) -> dp.DPProbl
 def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: tuple[str, ...], *,
                    allow_tf32: bool = False, profiles: Mapping[str, ProfileDB] | None = None) -> Problems:
     """Check the inputs, price the model and build each asked-for family's problem."""
-    strategies = tuple(strategies)
+    strategies = strategies_for(graph, tuple(strategies))
     dp_only = strategies == ("data_parallel",)
     # with other strategies a batch smaller than the ranks is for them to judge (a pipeline needs fewer)
     check_inputs(cluster, workload if dp_only else

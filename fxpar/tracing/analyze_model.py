@@ -12,7 +12,7 @@ from fxpar.errors import PlanError
 from fxpar.tracing.hf import example_inputs, hf_task
 from fxpar.tracing.tensor_parallel.analysis import analyze
 from fxpar.tracing.tensor_parallel.findings import TPAnalysis
-from fxpar.tracing.trace import export_model
+from fxpar.tracing.export import export_model
 
 ATTR = "fxpar_tp_analysis"
 

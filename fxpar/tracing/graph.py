@@ -128,6 +128,10 @@ class ModelGraph:
     #: trainable parameters the exported graph cannot differentiate (a custom autograd Function
     #: computing under no_grad, :mod:`fxpar.tracing.grad_paths`): no pipeline may run this graph
     lost_gradients: tuple[str, ...] = ()
+    #: non-empty when the whole model did not export and the graph was recorded by running it
+    #: (:mod:`fxpar.tracing.recorded`; the export's error): no exported program, so no pipeline
+    #: or tensor-parallel plan
+    recorded: str = ""
 
     @property
     def param_count(self) -> int:

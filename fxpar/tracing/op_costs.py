@@ -189,3 +189,29 @@ def attention_flops(shapes: list[tuple[int, ...] | None]) -> int:
 
 
 ATTENTION_BACKWARD_FACTOR = 2.5
+
+#: convolution ops (their FLOPs by :func:`conv_flops`; the other products by :func:`matmul_flops`)
+CONVOLUTIONS = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d"})
+
+
+def node_flops(name: str, base_cls: OpClass, cls: OpClass, shapes: list[tuple[int, ...] | None],
+               out_shape: tuple[int, ...] | None, *, operand_grads: Sequence[bool], rg: bool,
+               transposed: bool = False) -> tuple[int, int]:
+    """(forward, backward) FLOPs of one op, exported or recorded: a product or convolution by its
+    shapes, the backward counting the gradient of each operand that needs one (``operand_grads``:
+    input and weight for a convolution, the two factors of a product); attention
+    ``ATTENTION_BACKWARD_FACTOR`` × its forward when it needs a gradient (``rg``); (0, 0) for
+    every other op (charged as memory traffic)."""
+    fwd = bwd = 0
+    if base_cls is OpClass.MATMUL:
+        if name in CONVOLUTIONS:
+            fwd = conv_flops(shapes, out_shape, transposed)
+            bwd = fwd * sum(1 for g in operand_grads[:2] if g)
+        else:
+            fwd, (b_first, b_second) = matmul_flops(name, shapes, out_shape)
+            bwd = (b_first if operand_grads and operand_grads[0] else 0) + \
+                (b_second if len(operand_grads) > 1 and operand_grads[1] else 0)
+    elif cls is OpClass.ATTENTION:
+        fwd = attention_flops(shapes)
+        bwd = int(ATTENTION_BACKWARD_FACTOR * fwd) if rg else 0
+    return fwd, bwd

@@ -16,14 +16,8 @@ attention is its traced matmul, softmax and matmul, so its seq × seq probabilit
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import io
-import logging
-import sys
 import time
-import traceback
-from collections.abc import Mapping
+import warnings
 from typing import Any
 
 import torch
@@ -31,107 +25,15 @@ import torch
 from fxpar.compat import attn_implementation
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
-from fxpar.tracing.export_settings import export_ready
+from fxpar.tracing.export import ExampleInputs, batch_and_seq, export_program, split_inputs
 from fxpar.tracing.grad_paths import lost_gradients
+from fxpar.tracing.graph import ModelGraph, OpClass, OpNode
+from fxpar.tracing.model_facts import layer_infos, nbytes, param_infos
+from fxpar.tracing.recorded import record_graph
 from fxpar.tracing.saved import SavedBytes, tensor_vals
-from fxpar.tracing.graph import LayerInfo, ModelGraph, OpClass, OpNode, ParamInfo
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
 from fxpar.tracing.tensor_parallel.analysis import analyze
 from fxpar.tracing.tensor_parallel.findings import BlockTP, TPAnalysis
-
-ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return int(t.numel()) * t.element_size()
-
-
-def _split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
-                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if example_inputs is None:
-        raise TraceError(
-            f"trace({type(model).__name__}): example_inputs is required: pass a dict of keyword "
-            "inputs (e.g. {'input_ids': ids, 'labels': ids}) or a tuple of positional inputs; "
-            "fxpar.tracing.hf.example_inputs(model, batch, seq_len) builds one for HF models")
-    if isinstance(example_inputs, Mapping):
-        args: tuple[Any, ...] = ()
-        kwargs = dict(example_inputs)
-    elif isinstance(example_inputs, torch.Tensor):
-        args, kwargs = (example_inputs,), {}
-    elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs = tuple(example_inputs), {}
-    else:
-        raise TraceError(
-            f"trace({type(model).__name__}): example_inputs has type "
-            f"{type(example_inputs).__name__}; expected a dict of keyword inputs, a tuple of "
-            "positional inputs or a tensor")
-    try:
-        accepts_cache = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        accepts_cache = False
-    if accepts_cache and "use_cache" not in kwargs:
-        kwargs["use_cache"] = False  # HF models do not export with a DynamicCache
-    where = model_device(model)
-    return _on_device(args, where), _on_device(kwargs, where)
-
-
-def model_device(model: torch.nn.Module) -> torch.device | None:
-    """The one device ``model``'s parameters live on (its buffers' for a model without any; a
-    ``meta`` model may keep real buffers, as ``fxpar.from_pretrained``'s rotary tables; None
-    for a model without either); parameters spread over several devices (HF's ``device_map``)
-    are a TraceError."""
-    found = list(dict.fromkeys(t.device for t in model.parameters()))
-    if len(found) > 1:
-        raise TraceError(f"trace({type(model).__name__}): the model's parameters are on {len(found)} "
-                         f"devices ({', '.join(map(str, found))}); load it on one device (the CPU, a "
-                         "GPU or 'meta') without device_map before tracing")
-    return found[0] if found else next((t.device for t in model.buffers()), None)
-
-
-def _on_device(inputs: Any, device: torch.device | None) -> Any:
-    """Every tensor of ``inputs`` (a tuple or dict of them) on ``device``: the example batch
-    follows the model, wherever either was built (``meta`` inputs for a ``meta`` model)."""
-    def move(v: Any) -> Any:
-        return v.to(device) if isinstance(v, torch.Tensor) and device is not None and v.device != device else v
-
-    if isinstance(inputs, dict):
-        return {k: move(v) for k, v in inputs.items()}
-    return tuple(move(v) for v in inputs)
-
-
-_NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
-
-
-def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
-    quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    levels = [log.level for log in quiet]
-    for log in quiet:  # a failed export logs whole graphs; the TraceError below says what matters
-        log.setLevel(logging.ERROR)
-    captured = io.StringIO()  # a failed export prints its partial graph to stderr: keep it out
-    try:
-        with contextlib.redirect_stderr(captured), export_ready(model):
-            program = torch.export.export(model, args, kwargs, strict=False)
-        sys.stderr.write(captured.getvalue())  # a successful export's warnings still show
-        return program
-    except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear error
-        where = _model_frame(model, exc)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        data_dependent = "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__
-        general = ("pass example_inputs that match the model's forward (names and shapes); for HF "
-                   "models keep use_cache=False and set attn_implementation='sdpa' or 'eager'")
-        hint = ("branching or indexing on a tensor's *value* (if x.sum() > 0, int(x.item()), ...) "
-                "does not export: use torch.where / torch.cond, or move the decision out of "
-                f"forward; else {general}" if data_dependent else
-                f"{general}; data-dependent Python control flow on tensor values does not export")
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__}{where}: "
-            f"{type(exc).__name__}: {first[:400]}\n"
-            f"What may help: {hint} "
-            "(see https://pytorch.org/docs/stable/export.html#limitations-of-torch-export)"
-        ) from None
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
 
 
 def _static(shape: Any, node: torch.fx.Node) -> tuple[int, ...]:
@@ -146,37 +48,6 @@ def _static(shape: Any, node: torch.fx.Node) -> tuple[int, ...]:
             f"trace: op {node.name}{where} has a size that depends on the data ({type(exc).__name__}); fxpar's "
             "cost model needs static shapes. What may help: a dense or grouped implementation of the layer "
             "(for HF MoE models, config experts_implementation='batched_mm' where the class supports it)") from None
-
-
-def _model_frame(model: torch.nn.Module, exc: BaseException) -> str:
-    """Where the export failed: the innermost submodule whose forward was running (its path and
-    class) and the innermost line of model code outside torch (usually the line at fault)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    fxpar_frames = [i for i, f in enumerate(frames) if "fxpar" in f.filename]
-    inside = frames[fxpar_frames[-1] + 1:] if fxpar_frames else frames  # below torch.export
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
-    mine = [f for f in inside if not f.filename.startswith(torch_dir) and not f.filename.startswith("<")]
-    owner = next((o for o in (_owning_module(model, f) for f in reversed(inside)) if o), "")
-    parts = []
-    if mine:
-        f = mine[-1]
-        parts.append(f"at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else ""))
-    if owner:
-        parts.append(f"in {owner}")
-    return f" (failing {', '.join(parts)})" if parts else ""
-
-
-def _owning_module(model: torch.nn.Module, frame: traceback.FrameSummary) -> str:
-    """``"module 'encoder.layer.3' (BertLayer)"`` when ``frame`` lies in a submodule's
-    forward, else ``""``."""
-    for path, module in model.named_modules():
-        code = getattr(getattr(type(module), "forward", None), "__code__", None)
-        if code is None or code.co_filename != frame.filename or code.co_name != frame.name:
-            continue
-        lines = [line for _, _, line in code.co_lines() if line is not None]
-        if lines and frame.lineno is not None and min(lines) <= frame.lineno <= max(lines):
-            return f"module {path!r} ({type(module).__name__})" if path else ""
-    return ""
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -194,32 +65,6 @@ def _module_types(graph: torch.fx.Graph) -> dict[str, str]:
     return types
 
 
-def _param_infos(model: torch.nn.Module, layer_of: dict[str, int]) -> tuple[ParamInfo, ...]:
-    by_tensor: dict[int, list[str]] = {}
-    tensors: dict[int, torch.nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(name)
-        tensors[id(p)] = p
-    infos = []
-    for key, names in by_tensor.items():
-        p = tensors[key]
-        fqn = names[0]
-        module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-        blk = block_path(module)
-        infos.append(ParamInfo(
-            fqn=fqn, shape=tuple(int(s) for s in p.shape), dtype=str(p.dtype).replace("torch.", ""),
-            numel=int(p.numel()), nbytes=_nbytes(p), module_path=module,
-            layer=layer_of.get(blk) if blk else None, aliases=tuple(names[1:])))
-    return tuple(infos)
-
-
-def export_model(model: torch.nn.Module, example_inputs: ExampleInputs | None):
-    """``torch.export`` of ``model`` on ``example_inputs`` with :func:`trace`'s input handling
-    (``use_cache=False`` for HF models) and its :class:`TraceError` on failure."""
-    args, kwargs = _split_inputs(model, example_inputs)
-    return _export(model, args, kwargs)
-
-
 def tp_analysis_of(ep: Any) -> TPAnalysis:
     """:func:`fxpar.tracing.tensor_parallel.analysis.analyze`, with an unexpected failure of the analysis
     itself turned into every block refused (tracing never fails because of it)."""
@@ -232,24 +77,41 @@ def tp_analysis_of(ep: Any) -> TPAnalysis:
 
 
 def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
-          model_name: str | None = None) -> ModelGraph:
+          model_name: str | None = None, record: bool | None = None) -> ModelGraph:
     """Export ``model`` on ``example_inputs`` and annotate every node with its costs.
 
     ``example_inputs`` is a dict of keyword inputs (HF style), a tuple of positional inputs or
     one tensor.  The batch size is the leading dimension of the first tensor input.
+    ``record``: None exports the whole model and, when that fails, records it by running it
+    (:mod:`fxpar.tracing.recorded`: the same per-op costs per block, but no exported program,
+    so no pipeline or tensor-parallel plan), with a warning that says why; True records
+    without trying the export; False only exports (its failure raises).
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"trace: model has type {type(model).__name__}; expected a torch.nn.Module")
-    args, kwargs = _split_inputs(model, example_inputs)
-    start = time.perf_counter()
-    ep = _export(model, args, kwargs)
-    elapsed = time.perf_counter() - start
+    args, kwargs = split_inputs(model, example_inputs)
+    if record:
+        return record_graph(model, args, kwargs, why="recorded on request (trace(record=True))",
+                            model_name=model_name)
+    try:
+        return _exported_graph(model, args, kwargs, model_name)
+    except TraceError as exc:
+        if record is False:
+            raise
+        why = str(exc).splitlines()[0]
+        warnings.warn(f"{why}\nfxpar records the model by running it instead: its plan can use data "
+                      "parallelism and sharded data parallelism, not pipelines or tensor parallelism "
+                      "(trace(record=False) raises instead)", stacklevel=2)
+        return record_graph(model, args, kwargs, why=str(exc), model_name=model_name)
 
-    first_tensor = next((v for v in list(args) + list(kwargs.values())
-                         if isinstance(v, torch.Tensor)), None)
-    batch = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() else 1
-    seq = int(first_tensor.shape[1]) if (first_tensor is not None and first_tensor.dim() >= 2
-                                         and not first_tensor.is_floating_point()) else None
+
+def _exported_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    model_name: str | None) -> ModelGraph:
+    """:func:`trace`'s export path: the program's nodes annotated (module docstring)."""
+    start = time.perf_counter()
+    ep = export_program(model, args, kwargs)
+    elapsed = time.perf_counter() - start
+    batch, seq = batch_and_seq(args, kwargs)
 
     graph = ep.graph
     param_of_placeholder: dict[str, str] = {}
@@ -278,9 +140,9 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
             continue
         nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
 
-    params = _param_infos(model, layer_of)
+    params = param_infos(model, layer_of)
     tp = tp_analysis_of(ep)
-    layers = _layer_infos(nodes, params, layer_of, module_types, set(tp.splittable()))
+    layers = layer_infos(nodes, params, layer_of, module_types, set(tp.splittable()))
     return ModelGraph(
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,
         nodes=tuple(nodes), params=params, layers=layers,
@@ -320,8 +182,8 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
     fwd, bwd = _flops(node, name, base_cls, cls, shapes, out_shape, needs_grad, rg)
 
     is_view = base_cls is OpClass.VIEW
-    read = 0 if is_view else sum(_nbytes(t) for t in tensor_args if t is not None)
-    written = 0 if is_view else sum(_nbytes(t) for t in outs)
+    read = 0 if is_view else sum(nbytes(t) for t in tensor_args if t is not None)
+    written = 0 if is_view else sum(nbytes(t) for t in outs)
     saved_bytes, amp_saved, amp_dtype = saved.count(
         node, name, attention=cls is OpClass.ATTENTION, is_view=is_view, rg=rg, needs_grad=needs_grad,
         param_alias=param_alias)
@@ -343,23 +205,13 @@ def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[st
 def _flops(node: torch.fx.Node, name: str, base_cls: OpClass, cls: OpClass,
            shapes: list[tuple[int, ...] | None], out_shape: tuple[int, ...] | None,
            needs_grad: dict[str, bool], rg: bool) -> tuple[int, int]:
-    """``_annotate``'s FLOPs step: (forward, backward) FLOPs of a matmul, convolution or attention
-    node, the backward counting only the operands that need a gradient; (0, 0) for other ops."""
-    fwd = bwd = 0
-    if base_cls is OpClass.MATMUL:
-        if name in ("convolution", "_convolution", "conv1d", "conv2d", "conv3d"):
-            transposed = bool(node.args[6]) if name in ("convolution", "_convolution") and len(node.args) > 6 else False
-            fwd = op_costs.conv_flops(shapes, out_shape, transposed)
-            bwd = fwd * sum(1 for a in node.args[:2] if isinstance(a, torch.fx.Node) and needs_grad.get(a.name))
-        else:
-            fwd, (b_first, b_second) = op_costs.matmul_flops(name, shapes, out_shape)
-            operands = node.args[1:3] if name in ("addmm", "baddbmm") else node.args[:2]
-            grads = [isinstance(a, torch.fx.Node) and needs_grad.get(a.name, False) for a in operands]
-            bwd = (b_first if grads and grads[0] else 0) + (b_second if len(grads) > 1 and grads[1] else 0)
-    elif cls is OpClass.ATTENTION:
-        fwd = op_costs.attention_flops(shapes)
-        bwd = int(op_costs.ATTENTION_BACKWARD_FACTOR * fwd) if rg else 0
-    return fwd, bwd
+    """``_annotate``'s FLOPs step: :func:`fxpar.tracing.op_costs.node_flops` with the operands'
+    gradient needs read from the graph."""
+    operands = node.args[1:3] if name in ("addmm", "baddbmm") else node.args[:2]
+    grads = [isinstance(a, torch.fx.Node) and needs_grad.get(a.name, False) for a in operands]
+    transposed = bool(node.args[6]) if name in ("convolution", "_convolution") and len(node.args) > 6 else False
+    return op_costs.node_flops(name, base_cls, cls, shapes, out_shape, operand_grads=grads, rg=rg,
+                               transposed=transposed)
 
 
 def _flat_tensors(args: tuple) -> list[torch.Tensor]:
@@ -384,16 +236,3 @@ def _args_repr(node: torch.fx.Node) -> str:
     # the device is where the graph was traced (meta when planning): not part of the work
     kwargs = {k: ("D" if k == "device" else plain(v)) for k, v in sorted(node.kwargs.items())}
     return repr([plain(a) for a in node.args]) + (repr(kwargs) if kwargs else "")
-
-
-def _layer_infos(nodes: list[OpNode], params: tuple[ParamInfo, ...], layer_of: dict[str, int],
-                 module_types: dict[str, str], tp_blocks: set[str]) -> tuple[LayerInfo, ...]:
-    infos = []
-    for path, idx in sorted(layer_of.items(), key=lambda kv: kv[1]):
-        mine = [n for n in nodes if n.layer == idx]
-        infos.append(LayerInfo(
-            index=idx, path=path, module_type=module_types.get(path, ""),
-            param_count=sum(p.numel for p in params if p.layer == idx),
-            fwd_flops=sum(n.fwd_flops for n in mine), bwd_flops=sum(n.bwd_flops for n in mine),
-            tensor_parallel=path in tp_blocks))
-    return tuple(infos)

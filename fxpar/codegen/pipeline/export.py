@@ -16,9 +16,8 @@ import torch
 from fxpar.compat import is_tensor_metadata_assert
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
-from fxpar.tracing.export_settings import export_ready
+from fxpar.tracing.export import export_program, model_device
 from fxpar.tracing.grad_paths import lost_gradients
-from fxpar.tracing.trace import model_device
 
 
 def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
@@ -30,11 +29,11 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
     if accepts(model, "use_cache"):  # HF models do not export with a cache
         kwargs.setdefault("use_cache", False)
     device_type = _export_device(model, kwargs).type
-    try:
-        with _export_precision(device_type, dtype), export_ready(model):
-            ep = torch.export.export(model, (), kwargs, strict=False)
-    except Exception as exc:  # noqa: BLE001
-        raise TraceError(f"pipeline split: torch.export failed for {type(model).__name__}: {exc}") from None
+    try:  # the tracer's export: its noise kept out, its failure one TraceError naming the line at fault
+        with _export_precision(device_type, dtype):
+            ep = export_program(model, (), dict(kwargs))
+    except TraceError as exc:
+        raise TraceError(f"pipeline split: {exc}") from None
     _refuse_lost_gradients(model, ep)
     gm = ep.module()
     drop_metadata_asserts(gm)
@@ -42,7 +41,7 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
 
 
 def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.device:
-    """Where the export's tensors are: the model's (:func:`fxpar.tracing.trace.model_device`),
+    """Where the export's tensors are: the model's (:func:`fxpar.tracing.export.model_device`),
     else the first tensor input's, else the host."""
     found = model_device(model)
     if found is not None:

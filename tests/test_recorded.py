@@ -1,0 +1,114 @@
+"""Models that ``torch.export`` cannot trace as a whole are recorded by running them
+(:mod:`fxpar.tracing.recorded`): per-block costs by the tracer's formulas, plans restricted to
+the families that run the model's own forward, and uneven data parallelism and sharded data
+parallelism that equal one process (``tests/parity.py``'s rules)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import PlanError, TraceError
+from fxpar.solvers import plan as solve
+from fxpar.solvers.problems import RECORDED_FAMILIES
+from fxpar.tracing import OpClass, trace
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.workload import Workload
+from tests.workers import TINY_CONFIGS
+from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
+from tests.parity import check_step, expect
+from tests.workers_recorded import recorded_parity
+
+
+def _recorded(model: torch.nn.Module, inputs) -> fxpar.tracing.ModelGraph:
+    with pytest.warns(UserWarning, match="records the model by running it"):
+        return trace(model, inputs)
+
+
+def _block_flops(batch: int, seq: int, dim: int = 32, heads: int = 4) -> int:
+    """Forward FLOPs of one LoopMoEBlock: qkv, proj, gate and the one expert every token runs
+    (2·in·out per token each), and attention's two products (2·s·s·d each)."""
+    tokens = batch * seq
+    products = 2 * tokens * (dim * 3 * dim + dim * dim + dim * 4 + 2 * (dim * 2 * dim))
+    return products + 2 * 2 * batch * seq * seq * dim
+
+
+def test_a_model_that_does_not_export_is_recorded_block_by_block():
+    torch.manual_seed(0)
+    model = LoopMoEForCausalLM()
+    with pytest.raises(TraceError, match="top.unique"):
+        trace(model, loop_moe_batch(2, 8), record=False)
+    graph = _recorded(model, loop_moe_batch(2, 8))
+    assert "torch.export could not trace LoopMoEForCausalLM" in graph.recorded and graph.exported is None
+    assert [layer.path for layer in graph.layers] == ["layers.0", "layers.1", "layers.2"]
+    assert all(layer.fwd_flops == _block_flops(2, 8) and not layer.tensor_parallel for layer in graph.layers)
+    assert graph.param_count == sum(p.numel() for p in model.parameters())
+    assert sum(layer.param_count for layer in graph.layers) == sum(p.numel() for p in model.layers.parameters())
+    head = [n for n in graph.nodes if n.module_path == "head" and n.op_class is OpClass.MATMUL]
+    assert sum(n.fwd_flops for n in head) == 2 * 2 * 8 * 32 * 64 and all(n.bwd_flops == 2 * n.fwd_flops for n in head)
+    per_block = [sum(n.saved_bytes for n in graph.nodes if n.layer == k) for k in range(3)]
+    assert all(b > 0 for b in per_block) and graph.batch_size == 2 and graph.seq_len == 8
+
+
+def test_recording_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = LoopMoEForCausalLM().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    _recorded(model, loop_moe_batch(1, 8))
+    after_rng = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after_rng, torch.rand(3))  # the RNG stream goes on as if nothing ran
+    assert all(p.grad is None for p in model.parameters()) and model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_recording_a_model_that_exports_matches_its_export():
+    # the same tiny Llama both ways: every product's FLOPs are the same formulas on the same
+    # shapes; saved bytes come from two different counts (autograd's saves vs the graph rule)
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="cpu", seed=0).train()
+    inputs = example_inputs(model, 2, 16)
+    exported, recorded = trace(model, inputs), trace(model, inputs, record=True)
+    assert recorded.recorded and not exported.recorded
+    assert (recorded.fwd_flops, recorded.bwd_flops) == (exported.fwd_flops, exported.bwd_flops)
+    assert [dataclasses.astuple(x)[:6] for x in recorded.layers] == [dataclasses.astuple(x)[:6] for x in exported.layers]
+    assert recorded.params == exported.params
+    assert abs(recorded.activation_bytes / exported.activation_bytes - 1) < 0.1
+
+
+def test_a_recorded_graph_plans_only_the_families_that_run_the_model_s_forward():
+    torch.manual_seed(0)
+    graph = _recorded(LoopMoEForCausalLM(), loop_moe_batch(1, 8))
+    plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8))
+    assert plan.strategy in RECORDED_FAMILIES
+    line = next(e for e in plan.explain if e.startswith("recorded graph"))
+    assert "layers.0, layers.1, layers.2" in line and "pipelines and tensor parallelism" in line
+    with pytest.raises(PlanError, match="did not export as a whole.*'data_parallel'"):
+        solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("pipeline",))
+
+
+def test_a_meta_model_that_reads_tensor_values_is_a_clear_error():
+    with torch.device("meta"):
+        model = LoopMoEForCausalLM()
+    with pytest.raises(TraceError) as info, pytest.warns(UserWarning):
+        trace(model, {k: v.to("meta") for k, v in loop_moe_batch(1, 8).items()})
+    msg = str(info.value)
+    assert "could not trace LoopMoEForCausalLM" in msg and "failed too" in msg and "weights on the CPU" in msg
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("strategy", RECORDED_FAMILIES)
+def test_uneven_parallel_step_of_a_recorded_model_equals_one_process(pool2, strategy):
+    # equal speeds and an odd batch: the tiny model is overhead-bound (a slower rank would get
+    # no sample), so 7 samples split 4 + 3 keep the shares uneven
+    results = pool2.run(recorded_parity, strategy, [1.0, 1.0], 7, 8)
+    for r in results:
+        assert r["strategy"] == strategy and r["n_grads"] > 10
+        assert any(e.startswith("recorded graph") for e in r["explain"])
+        expect(*check_step(r), context=r["rank"])
+    if strategy == "data_parallel":
+        assert sorted(results[0]["shares"]) == [3, 4]
