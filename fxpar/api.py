@@ -26,6 +26,7 @@ from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
+from fxpar.tracing.analyze_model import remember_example
 from fxpar.tracing.hf import build_meta_model, hf_task
 from fxpar.tracing.hf import example_inputs as hf_example_inputs
 from fxpar.workload import Workload
@@ -224,6 +225,8 @@ def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *
            emulate: bool) -> torch.nn.Module:
     """This rank's module for ``plan`` (the plan kind picks the class)."""
     common = {"emulate": emulate, "device": device, "checkpoint": checkpoint}
+    if plan.strategy in ("tensor_parallel", "pipeline") and example_inputs is not None:
+        remember_example(model, example_inputs)  # tensor parallelism exports a non-HF model on it
     if plan.strategy == "expert_parallel":
         return ExpertParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
                                     loss_weighting=loss_weighting, **common)
@@ -234,7 +237,7 @@ def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *
         return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, **common)
     if plan.strategy == "pipeline":
         kind = InterleavedPipelineModule if plan.schedule == "interleaved" else PipelineParallelModule
-        return kind(model, plan, rank, example_inputs, **common)
+        return kind(model, plan, rank, example_inputs, loss_weighting=loss_weighting, **common)
     return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
                               example_inputs=example_inputs, **common)
 

@@ -90,7 +90,7 @@ def check_strategies(strategies: Any) -> tuple[str, ...]:
 def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighting: Any,
                            example_inputs: Any) -> None:
     """Options every plan kind honours, or a ConfigError naming the option and the plan kind:
-    pipelines train on the model's own loss (token-weighted for HF models) and need a dict
+    pipelines train on the model's own loss (weighted by ``loss_weighting``) and need a dict
     example batch to cut the model; tensor-parallel and pipeline plans build their process
     groups over the whole job, so ``group`` is for data and expert parallel plans only."""
     kind = "interleaved pipeline" if plan.schedule == "interleaved" else plan.strategy.replace("_", " ")
@@ -104,10 +104,6 @@ def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighti
         raise ConfigError(f"fxpar.auto: loss_fn with a {kind} plan: the last stage computes the model's "
                           "own loss inside the exported graph; pass labels in the batch and loss_fn=None, "
                           "or plan without pipelines (strategies without 'pipeline')")
-    if loss_weighting == "samples":
-        raise ConfigError(f"fxpar.auto: loss_weighting='samples' with a {kind} plan: pipelines weight "
-                          "micro-batches by their label tokens, as the model's mean loss does; pass "
-                          "'auto' or 'tokens'")
     if not isinstance(example_inputs, Mapping):
         raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs as a dict of keyword inputs "
                           "with labels (one batch) to split the model into stages; got "

@@ -138,3 +138,93 @@ def nanogpt_batch(batch: int, seq: int, vocab: int = 64, seed: int = 1) -> dict[
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return {"idx": data[:, :-1], "targets": data[:, 1:]}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (batch, heads, seq, head_dim), computed in forward
+    (the rotate-half form: the two halves of each head as the pair's coordinates)."""
+    s, d = x.shape[-2], x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), freqs)
+    angles = torch.cat((angles, angles), dim=-1)
+    half = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+    return x * angles.cos() + half * angles.sin()
+
+
+def repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, head_dim) -> (batch, kv_heads·times, seq, head_dim), each key/value
+    head repeated for the query heads of its group."""
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, times, s, d).reshape(b, kv * times, s, d)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention that reshapes by its own head-count attributes (``n_heads``,
+    ``n_kv_heads``, ``head_dim``), as most model repositories write it."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = rotate(self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2))
+        k = rotate(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2))
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class SwiGLUBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = GQAttention(dim, n_heads, n_kv_heads)
+        self.ffn_norm = RMSNorm(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class LlamaStyleForCausalLM(nn.Module):
+    """A Llama written from scratch (the Meta reference layout: ``tok_embeddings``, ``layers``,
+    ``norm``, ``output``); ``forward(input_ids, labels)`` returns ``{"loss", "logits"}``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 64, n_heads: int = 8, n_kv_heads: int = 4, layers: int = 3,
+                 hidden: int = 96) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(SwiGLUBlock(dim, n_heads, n_kv_heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.output(self.norm(h))
+        out = {"logits": logits}
+        if labels is not None:
+            out = {"loss": F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100),
+                   **out}
+        return out

@@ -101,7 +101,8 @@ def test_a_meta_model_that_reads_tensor_values_is_a_clear_error():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("strategy", RECORDED_FAMILIES)
+@pytest.mark.parametrize("strategy", [s if s == "data_parallel" else pytest.param(s, marks=pytest.mark.full)
+                                      for s in RECORDED_FAMILIES])
 def test_uneven_parallel_step_of_a_recorded_model_equals_one_process(pool2, strategy):
     # equal speeds and an odd batch: the tiny model is overhead-bound (a slower rank would get
     # no sample), so 7 samples split 4 + 3 keep the shares uneven

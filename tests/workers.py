@@ -311,8 +311,9 @@ def dp_autocast_parity(dtype: str, speeds: list[float], batch: int = 6, seq: int
 
 def rank_gradient_pairs(pm, reference: torch.nn.Module) -> list:
     """``(name, this rank's gradient, the reference's same part)`` for a data-parallel, sharded
-    (this rank's rows of each gradient) or pipeline (its stage's parameters) module."""
-    ref_grads = dict(reference.named_parameters())
+    (this rank's rows of each gradient) or pipeline (its stage's parameters) module; a tied
+    weight's gradient is found under any of its names."""
+    ref_grads = dict(reference.named_parameters(remove_duplicate=False))
     if pm.plan.strategy == "sharded_data_parallel":
         rows = pm.owned_rows()
         return [(t.names[0], t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()

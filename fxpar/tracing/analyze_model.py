@@ -1,45 +1,75 @@
 """The tensor-parallel analysis of a live model (for codegen and the planner alike): export it
-on a one-sample batch of 8 tokens (on ``meta`` when its parameters are) and run
+on a one-sample batch of 8 tokens built for its HF task (on ``meta`` when its parameters are),
+or for a model written outside transformers on one sample of the batch ``fxpar.auto`` was given
+(:func:`remember_example`), and run
 :func:`fxpar.tracing.tensor_parallel.analysis.analyze`.  The result is kept on the model object
 (``model.fxpar_tp_analysis``), keyed by the parameters' shapes, because a rank asks twice
 (which blocks are splittable, then how) before it shards."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.tracing.export import export_model
 from fxpar.tracing.hf import example_inputs, hf_task
 from fxpar.tracing.tensor_parallel.analysis import analyze
 from fxpar.tracing.tensor_parallel.findings import TPAnalysis
-from fxpar.tracing.export import export_model
 
 ATTR = "fxpar_tp_analysis"
+#: where :func:`remember_example` keeps a one-sample batch of a model that is not a HF one
+EXAMPLE_ATTR = "fxpar_tp_example"
 
 
 def _signature(model: torch.nn.Module) -> tuple:
     return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
 
 
+def remember_example(model: torch.nn.Module, inputs: Any) -> None:
+    """Keep one sample of ``inputs`` (a dict, tuple or tensor batch) on ``model``, from which
+    :func:`analyze_model` exports a model that is not a HF one (whose example batch fxpar cannot
+    build); ``fxpar.auto`` does it with the batch it was given."""
+    def one(v: Any) -> Any:
+        return v[:1] if isinstance(v, torch.Tensor) and v.dim() else v
+
+    if isinstance(inputs, Mapping):
+        model.__dict__[EXAMPLE_ATTR] = {k: one(v) for k, v in inputs.items()}
+    elif isinstance(inputs, (tuple, list)):
+        model.__dict__[EXAMPLE_ATTR] = tuple(one(v) for v in inputs)
+    elif isinstance(inputs, torch.Tensor):
+        model.__dict__[EXAMPLE_ATTR] = one(inputs)
+
+
 def analyze_model(model: torch.nn.Module) -> TPAnalysis:
-    """The :class:`TPAnalysis` of ``model`` (a HF model: its task names the example batch)."""
+    """The :class:`TPAnalysis` of ``model``: exported on a one-sample batch built for its HF task,
+    or for another model the one :func:`remember_example` kept."""
     sig = _signature(model)
     kept = model.__dict__.get(ATTR)
     if kept is not None and kept[0] == sig:
         return kept[1]
-    task = hf_task(model)
-    if task is None and hasattr(model, "config") and callable(getattr(model, "get_input_embeddings", None)):
-        task = "causal-lm"  # a HF decoder of another class name (BertGenerationDecoder): token ids + labels
-    if task is None:
-        raise PlanError(f"tensor parallelism reads the attention from a traced graph; {type(model).__name__} "
-                        "is not a HuggingFace PreTrainedModel, so fxpar cannot build its example batch")
-    first = next(model.parameters(), None)
-    device = "meta" if first is not None and first.is_meta else "cpu"
-    inputs = example_inputs(model, 1, None if task == "image-classification" else 8, task=task, device=device)
     was_training = model.training
     try:
-        result = analyze(export_model(model, inputs))
+        result = analyze(export_model(model, _example(model)))
     finally:
         model.train(was_training)
     model.__dict__[ATTR] = (sig, result)
     return result
+
+
+def _example(model: torch.nn.Module) -> Any:
+    """The one-sample batch :func:`analyze_model` exports ``model`` on (on ``meta`` for a meta model)."""
+    first = next(model.parameters(), None)
+    device = "meta" if first is not None and first.is_meta else "cpu"
+    task = hf_task(model)
+    if task is None and hasattr(model, "config") and callable(getattr(model, "get_input_embeddings", None)):
+        task = "causal-lm"  # a HF decoder of another class name (BertGenerationDecoder): token ids + labels
+    if task is not None:
+        return example_inputs(model, 1, None if task == "image-classification" else 8, task=task, device=device)
+    if EXAMPLE_ATTR in model.__dict__:
+        return model.__dict__[EXAMPLE_ATTR]
+    raise PlanError(f"tensor parallelism reads the attention from a traced graph; {type(model).__name__} is not "
+                    "a HuggingFace PreTrainedModel, so fxpar cannot build its example batch: pass example_inputs "
+                    "(a batch of the model's inputs) to fxpar.auto")

@@ -1,6 +1,7 @@
 """Pipelines (PP, PP x TP x DP, interleaved, replicas cut differently): the export a split cuts
-(``export``), the split into stage modules (``split``), the rank layout of tensor-parallel stages
-(``tensor_stages``), weights tied across stages (``ties``), gradient exchange between pipelines
-with different cuts (``replicas``) and the per-rank modules (``module``, ``interleaved``; their
-shared set-up steps, batch checks and gathered state: ``stage_setup``, ``batches``, ``stage_state``).
+(``export``), the split into stage modules (``split``) and what crosses its cuts
+(``boundaries``), the rank layout of tensor-parallel stages (``tensor_stages``), weights tied
+across stages (``ties``), gradient exchange between pipelines with different cuts (``replicas``)
+and the per-rank modules (``module``, ``interleaved``; their shared set-up steps, batch checks
+and gathered state: ``stage_setup``, ``batches``, ``stage_state``).
 Imports ``codegen.common`` and ``codegen.tensor``."""

@@ -39,6 +39,7 @@ from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
+from fxpar.runtime.step_loop import LossWeighting
 from fxpar.sim.interleaved import check_placement, lockstep_order
 from fxpar.tracing.structure import block_paths
 
@@ -66,13 +67,13 @@ class InterleavedPipelineModule(PipelineParallelModule):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                  *, emulate: bool = True, device: torch.device | str | None = None,
-                 checkpoint: str | Path | None = None) -> None:
+                 checkpoint: str | Path | None = None, loss_weighting: LossWeighting = "auto") -> None:
         torch.nn.Module.__init__(self)
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         check_process_group()
         pipes, stage_rank = placement(plan)
-        source = self._begin(model, plan, rank, device, checkpoint)
+        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting)
         self._place_positions(plan, rank, emulate, pipes, stage_rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)

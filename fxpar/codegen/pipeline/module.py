@@ -11,7 +11,8 @@ device the model is on and run under the autocast of this rank's device
 (:mod:`fxpar.codegen.pipeline.split`).
 
 Correctness: with ``N`` items in the global batch (label tokens ``labels[..., 1:] != -100``
-for HF causal LMs, labels ``!= -100`` for other HF models, else samples) and ``L_mb`` the
+for HF causal LMs, labels ``!= -100`` for other HF models, else samples; ``loss_weighting``
+"tokens" / "samples" chooses for any model, as for the other kinds) and ``L_mb`` the
 model's own mean loss over a micro-batch's ``N_mb`` items, the last stage back-propagates
 
     (N_mb / N) · L_mb      (the schedule's loss_fn, with ``scale_grads=False``)
@@ -92,6 +93,7 @@ from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.optim import make_optimizer
 from fxpar.runtime.precision import AUTOCAST_DTYPES
+from fxpar.runtime.step_loop import LossWeighting, check_loss_options
 from fxpar.tracing.structure import block_paths
 
 
@@ -100,14 +102,14 @@ class PipelineParallelModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                  *, emulate: bool = True, device: torch.device | str | None = None,
-                 checkpoint: str | Path | None = None) -> None:
+                 checkpoint: str | Path | None = None, loss_weighting: LossWeighting = "auto") -> None:
         super().__init__()
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
         check_process_group()
-        source = self._begin(model, plan, rank, device, checkpoint)
+        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting)
         self._place_rank(plan, rank, emulate)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
@@ -129,9 +131,12 @@ class PipelineParallelModule(torch.nn.Module):
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _begin(self, model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None,
-               checkpoint: str | Path | None) -> Source | None:
-        """First set-up step (both pipeline modules): the plan, rank, device and loss scaler;
-        returns the source of the values, checked on every rank before any collective."""
+               checkpoint: str | Path | None, loss_weighting: LossWeighting) -> Source | None:
+        """First set-up step (both pipeline modules): the plan, rank, device, loss weighting
+        (``"auto"``: label tokens for HF models, else samples) and loss scaler; returns the
+        source of the values, checked on every rank before any collective."""
+        check_loss_options(type(self).__name__, None, loss_weighting)
+        self._by_tokens = loss_weighting == "tokens" or (loss_weighting == "auto" and hasattr(model, "config"))
         self.plan, self.rank = plan, rank
         self.device = plan_rank_device(plan, rank, device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
@@ -263,7 +268,7 @@ class PipelineParallelModule(torch.nn.Module):
         tokens (HF models) or 1, ``N`` summed over the global batch (over the pipelines'
         stage group when ``local``: each rank then holds its pipeline's rows only)."""
         labels = batch.get("labels")
-        if self._hf and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
+        if self._by_tokens and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
             used = labels[..., 1:] if self._causal else labels
             items = (used != IGNORE_INDEX).flatten(1).sum(1).to(self.device, torch.float64)
         else:
@@ -291,7 +296,6 @@ class PipelineParallelModule(torch.nn.Module):
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-        self._hf = hasattr(model, "config")
         return modules
 
     def _where(self) -> str:

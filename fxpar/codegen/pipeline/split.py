@@ -41,26 +41,16 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch.fx.passes.split_module import split_module
 
+from fxpar.codegen.pipeline.boundaries import StageSpec, loss_name, piece_outputs, stage_specs, value_dtypes
 from fxpar.codegen.pipeline.export import exported_for_split
 from fxpar.compat import retarget_autocast_region
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.structure import block_path
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What stage ``index`` receives and sends (value names of the parent graph)."""
-
-    index: int
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]          # for the last stage: the loss only
-    params: tuple[str, ...]           # FQNs of parameters / buffers it reads
 
 
 class StageModule(torch.nn.Module):
@@ -245,7 +235,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     constants = {n: kwargs[n] for n in user_inputs if n not in tensor_inputs and n in kwargs}
     # non-tensor values one piece makes and a later one reads (static ints, flags): fixed by the
     # export, so every stage gets them as constants rather than through the pipeline's p2p
-    constants.update({k: v for k, v in _piece_outputs(parent).items()
+    constants.update({k: v for k, v in piece_outputs(parent).items()
                       if not isinstance(v, torch.Tensor) and isinstance(v, (int, float, bool, str, type(None)))})
 
     def name_of(a: torch.fx.Node) -> str:
@@ -257,8 +247,8 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
         reads.append([name_of(a) for a in call.args])
         outs = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
         produced.append([u.name for u in sorted(outs, key=lambda u: u.args[1])] or [call.name])
-    specs = _stage_specs(tensor_inputs, reads, produced, set(params), set(constants), _loss_name(parent))
-    dtypes = _value_dtypes(parent, kwargs)
+    specs = stage_specs(tensor_inputs, reads, produced, set(params), set(constants), loss_name(parent, gm))
+    dtypes = value_dtypes(parent, kwargs)
     modules = []
     for i, call in enumerate(calls):
         piece = getattr(parent, str(call.target))
@@ -283,37 +273,6 @@ def _stage_tensors(model: torch.nn.Module, gm: torch.fx.GraphModule, targets: It
             # an autocast region's submodule — is part of its piece, not a tensor)
             params[target] = _attr(gm, target, model)
     return params
-
-
-def _loss_name(parent: torch.fx.GraphModule) -> str:
-    """The parent graph's name of the model's loss (its first output); a TraceError when the
-    model returns none."""
-    out_node = next(n for n in parent.graph.nodes if n.op == "output")
-    final = out_node.args[0]
-    first_out = final[0] if isinstance(final, (tuple, list)) else final
-    loss_name = first_out.name if isinstance(first_out, torch.fx.Node) else None
-    if loss_name is None:
-        raise TraceError("pipeline split: the model returns no loss; pass labels in the example inputs")
-    return loss_name
-
-
-def _stage_specs(tensor_inputs: tuple[str, ...], reads: list[list[str]], produced: list[list[str]],
-                 params: set[str], constants: set[str], loss_name: str) -> list[StageSpec]:
-    """Each stage's inputs (the previous stage's outputs; stage 0: the batch's tensors), outputs
-    (what it holds that a later stage reads; the last: the loss) and the ``params`` (parameters,
-    buffers) it reads; neither those nor ``constants`` travel between stages."""
-    fixed = params | constants
-    num_stages = len(reads)
-    available, stage_inputs, specs = list(tensor_inputs), [tuple(tensor_inputs)], []
-    for i in range(num_stages):
-        avail_after = available + [p for p in produced[i] if p not in available]
-        later = {r for j in range(i + 1, num_stages) for r in reads[j] if r not in fixed}
-        outputs = (loss_name,) if i == num_stages - 1 else tuple(v for v in avail_after if v in later)
-        stage_params = tuple(dict.fromkeys(r for r in reads[i] if r in params))
-        specs.append(StageSpec(index=i, inputs=stage_inputs[i], outputs=outputs, params=stage_params))
-        stage_inputs.append(outputs)
-        available = list(outputs)
-    return specs
 
 
 def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -352,32 +311,3 @@ def _attr(gm: torch.nn.Module, target: str, model: torch.nn.Module) -> torch.Ten
             return obj
     raise TraceError(f"pipeline split: the exported graph reads {target!r}, which is neither a parameter, a "
                      "buffer nor a constant of the exported module")
-
-
-def _piece_outputs(parent: torch.fx.GraphModule) -> dict[str, Any]:
-    """The example value (``meta["val"]``: a fake tensor, or a plain Python value) of every
-    piece output, by its name in the parent graph; a value without metadata is left out."""
-    out: dict[str, Any] = {}
-    for call in (n for n in parent.graph.nodes if n.op == "call_module"):
-        piece = getattr(parent, str(call.target))
-        ret = next(n for n in piece.graph.nodes if n.op == "output").args[0]
-        rets = ret if isinstance(ret, (tuple, list)) else (ret,)
-        users = {u.args[1]: u.name for u in call.users if u.target is operator.getitem}
-        for k, r in enumerate(rets):
-            name = users.get(k, call.name if len(rets) == 1 else None)
-            if name is None:
-                continue
-            if isinstance(r, torch.fx.Node):
-                if "val" in r.meta:
-                    out[name] = r.meta["val"]
-            else:
-                out[name] = r  # a literal the piece returns as is
-    return out
-
-
-def _value_dtypes(parent: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[str, torch.dtype]:
-    """dtype of every tensor value of the parent graph (placeholders from the inputs, pieces'
-    outputs from their own graphs' output metadata)."""
-    out: dict[str, torch.dtype] = {k: v.dtype for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    out.update({k: v.dtype for k, v in _piece_outputs(parent).items() if isinstance(v, torch.Tensor)})
-    return out

@@ -5,7 +5,9 @@ query heads, the same head sizes.  A forward that reshapes by a number fixed in 
 than read from the module (CodeGen's ``mp_num = 4``) would otherwise mix features of different
 heads on a rank holding 3 of 4 heads and train silently wrong; here it is a :class:`PlanError`
 naming the block.  A rank left with one key/value group cannot check itself (a head axis of
-size 1 is not told apart from a plain dimension in the graph): the positions holding two or more do."""
+size 1 is not told apart from a plain dimension in the graph): the positions holding two or more
+do, and the group agrees on the verdict (one all-reduce of the refusing rank), so every position
+raises and none goes on to wait in a collective its peer never joins."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from collections.abc import Collection
 
 import torch
 
+import torch.distributed as dist
+
 from fxpar.errors import PlanError, TraceError
+from fxpar.runtime.device import rank_device
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.findings import Attention, TPAnalysis
 
@@ -24,9 +29,30 @@ def _local(att: Attention, groups: int) -> tuple[int, int, int, int]:
 
 
 def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
+                       blocks: Collection[str] | None, group: object = None) -> None:
+    """Raise :class:`PlanError` on every position of the tensor-parallel ``group`` (None: the
+    default group; no process group: this process alone) unless, on every position that can
+    check itself, each attention the full model's analysis ``before`` found in ``blocks``
+    (None: all) now computes its key/value groups (``groups`` here) of whole heads."""
+    try:
+        _check_local_heads(model, before, groups, blocks)
+        verdict = None
+    except PlanError as exc:
+        verdict = exc
+    if dist.is_available() and dist.is_initialized():
+        refused = torch.tensor([dist.get_rank() + 1 if verdict else 0], device=rank_device(group=group))
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
+        if verdict is None and int(refused.item()):
+            raise PlanError(f"tensor parallelism on {type(model).__name__}: rank {int(refused.item()) - 1} of this "
+                            "rank's tensor-parallel group found its sharded attention wrong (its error names the "
+                            "block and the cause); re-plan with max_tensor_parallel=1 for this model")
+    if verdict is not None:
+        raise verdict
+
+
+def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
                        blocks: Collection[str] | None) -> None:
-    """Raise :class:`PlanError` unless every attention the full model's analysis ``before``
-    found in ``blocks`` (None: all) now computes ``groups`` key/value groups of whole heads."""
+    """This position's check (module docstring); nothing to check with one key/value group."""
     sharded = [b for b in before.blocks if b.attention and (blocks is None or b.path in blocks)]
     if not sharded or groups < 2:
         return
