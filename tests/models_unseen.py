@@ -172,9 +172,10 @@ class GQAttention(nn.Module):
     """Grouped-query attention that reshapes by its own head-count attributes (``n_heads``,
     ``n_kv_heads``, ``head_dim``), as most model repositories write it."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, interleave: bool = False) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.interleave = interleave  # repeat key/value heads with repeat_interleave, not expand
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -185,16 +186,20 @@ class GQAttention(nn.Module):
         q = rotate(self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2))
         k = rotate(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2))
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+        rep = self.n_heads // self.n_kv_heads
+        if self.interleave:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        else:
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
 class SwiGLUBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int, interleave: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dim)
-        self.attention = GQAttention(dim, n_heads, n_kv_heads)
+        self.attention = GQAttention(dim, n_heads, n_kv_heads, interleave)
         self.ffn_norm = RMSNorm(dim)
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
@@ -208,13 +213,14 @@ class SwiGLUBlock(nn.Module):
 
 class LlamaStyleForCausalLM(nn.Module):
     """A Llama written from scratch (the Meta reference layout: ``tok_embeddings``, ``layers``,
-    ``norm``, ``output``); ``forward(input_ids, labels)`` returns ``{"loss", "logits"}``."""
+    ``norm``, ``output``); ``forward(input_ids, labels)`` returns ``{"loss", "logits"}``;
+    ``interleave`` repeats the key/value heads with ``repeat_interleave`` (as many ports do)."""
 
     def __init__(self, vocab: int = 64, dim: int = 64, n_heads: int = 8, n_kv_heads: int = 4, layers: int = 3,
-                 hidden: int = 96) -> None:
+                 hidden: int = 96, interleave: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(SwiGLUBlock(dim, n_heads, n_kv_heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(SwiGLUBlock(dim, n_heads, n_kv_heads, hidden, interleave) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 

@@ -8,6 +8,8 @@
 - a Llama written from scratch (RMSNorm, rotary in forward, grouped-query attention reshaped by
   its own head attributes, SwiGLU): data parallelism, the pipeline and uneven tensor parallelism
   (heads 3 : 1, read from the traced graph, not from module names) equal one process;
+- the same Llama repeating its key/value heads with ``repeat_interleave``: uneven tensor
+  parallelism equals one process;
 - the MoE whose expert loop does not export: ``tests/test_recorded.py`` (data parallel and
   sharded parity); its pipeline and tensor parallelism are refused with the export's reason.
 
@@ -42,8 +44,17 @@ def test_data_parallel_and_pipeline_equal_one_process(pool2, name, form, strateg
 
 
 @pytest.mark.full
-def test_llama_style_tensor_parallel_equals_one_process(pool2):
-    _check(pool2.run(unseen_parity, "llama_style", "tp", 4, 16), "tp", "tensor_parallel")
+@pytest.mark.parametrize("name", ["llama_style", "llama_interleave"])
+def test_llama_style_tensor_parallel_equals_one_process(pool2, name):
+    _check(pool2.run(unseen_parity, name, "tp", 4, 16), "tp", "tensor_parallel")
+
+
+def test_the_moe_that_does_not_export_is_refused_pipelines_and_tensor_parallelism(pool2):
+    # data parallel and sharded: tests/test_recorded.py; pipelines and TP need the export
+    for form in ("pp", "tp"):
+        for r in pool2.run(unseen_parity, "loop_moe", form, 4, 8):
+            assert "torch.export could not trace LoopMoEForCausalLM" in r["error"], r["error"]
+            assert "top.unique().tolist()" in r["error"]
 
 
 def test_nanogpt_tensor_parallel_is_refused_naming_the_block_and_the_cause(pool2):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.pipeline.module import PipelineParallelModule
-from tests.models_unseen import LlamaStyleForCausalLM, NanoGPT, loop_moe_batch, nanogpt_batch
+from tests.models_unseen import LlamaStyleForCausalLM, LoopMoEForCausalLM, NanoGPT, loop_moe_batch, nanogpt_batch
 from tests.parity import step_record
 from tests.workers import rank_gradient_pairs
 
@@ -27,6 +27,8 @@ def _nanogpt_loss(output, batch):
 MODELS: dict[str, tuple[Any, Any, Any, str]] = {
     "nanogpt": (NanoGPT, nanogpt_batch, _nanogpt_loss, "samples"),   # a loss over every position
     "llama_style": (LlamaStyleForCausalLM, loop_moe_batch, None, "tokens"),  # over label tokens
+    "llama_interleave": (lambda: LlamaStyleForCausalLM(interleave=True), loop_moe_batch, None, "tokens"),
+    "loop_moe": (LoopMoEForCausalLM, loop_moe_batch, None, "tokens"),  # does not export: recorded
 }
 
 

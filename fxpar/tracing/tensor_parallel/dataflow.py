@@ -20,7 +20,8 @@ Rules (everything else that reads a Flow is an *escape*, recorded with the op's 
   data dimension merged in front of a head axis (``view(batch · heads, …)``, eager attention
   by ``bmm``) is kept as the axis's ``outer`` count and split off again;
 - transpose / permute / t / unsqueeze / expand / contiguous / clone / to / dropout / alias:
-  dimensions move; ``slice`` / ``split`` / ``chunk`` + ``getitem`` / ``select`` on a feature
+  dimensions move; ``repeat_interleave(x, r, dim)`` on a head axis repeats each head ``r``
+  times (``rep = r``, as ``expand`` + ``reshape`` does); ``slice`` / ``split`` / ``chunk`` + ``getitem`` / ``select`` on a feature
   axis move ``base`` and shrink the axis; ``cat`` of pieces of one projection whose features
   together cover a range exactly (rotary ``rotate_half``, interleaved rotary's even / odd
   halves) is that range; a piece the same for every head (head axis ``"B"``: the rotary key
