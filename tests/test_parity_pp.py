@@ -56,6 +56,7 @@ def test_activation_checkpointing_on_one_stage_only(pool2):
     _check(results, 2)
 
 
+@pytest.mark.full  # 9 s on 4 ranks; pipelines x data parallel stays quick in test_parity_pp_tp.py and the replica tests
 def test_pipeline_times_data_parallel_on_four_ranks(pool4):
     results = pool4.run(pp_parity, "gpt2", [1, 1], 2, 2)  # 2 stages x 2 pipelines, tied weights
     _check(results, 2)

@@ -116,6 +116,7 @@ def test_summary_counts_tensor_parallel_over_decoder_only_rows():
     assert summ["architectures"] == {"decoder-only": 2, "encoder-decoder": 1}
 
 
+@pytest.mark.full  # a benchmark's merge of two walks (10 s of worker pools); the zoo's pure parts stay quick
 def test_update_merges_only_the_columns_run_again():
     old = [{"type": "a", "trace": {"ok": True}, "dp": {"ok": True}, "pp": {"ok": False, "reason": "x"}},
            {"type": "b", "trace": {"ok": True}, "dp": {"ok": True}},
