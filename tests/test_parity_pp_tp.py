@@ -133,6 +133,7 @@ def test_pp_tp_saves_and_checkpoints(pool4, tmp_path, tied):
     expect(check_trajectory(result["save_pretrained"]), check_trajectory(result["checkpoint"]))
 
 
+@pytest.mark.full  # 6 s; PP x TP parity stays quick in this file's hand-planned tests
 def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
     # one emulated node of 4 CPUs (two at half speed), 0.01 GiB each: data parallelism does
     # not fit, the solver picks 2 stages of TP 2; gradients are compared before any update
