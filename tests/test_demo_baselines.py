@@ -140,6 +140,7 @@ def own_pool2():
         yield pool
 
 
+@pytest.mark.full  # the baselines' own pool of ranks, about 10 s; fxpar's forms stay in the quick tier
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_hooked_baselines_keep_torchs_gradients(own_pool2, kind):
@@ -151,6 +152,7 @@ def test_hooked_baselines_keep_torchs_gradients(own_pool2, kind):
     assert slow["emulation_s"] == pytest.approx(slow["compute_s"], rel=1e-9)  # (1/0.5 − 1) x compute
 
 
+@pytest.mark.full
 @pytest.mark.multirank
 def test_baseline_steps_report_the_global_loss(own_pool2):
     r0, r1 = own_pool2.run(steps_losses, [1.0, 0.5])

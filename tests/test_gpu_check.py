@@ -103,6 +103,7 @@ def test_pytest_output_of_a_killed_run_is_counted():
     assert done["counts"] == out["counts"] and done["summary_line"].startswith("1 failed")
 
 
+@pytest.mark.full  # 2.5 s of the GPU check's plumbing on the CPU
 def test_a_spent_budget_skips_every_part(tmp_path):
     result = _check(tmp_path, "--budget-s", "0", "--skip", "pytest")
     skipped = {s["part"] for s in result["skipped"]}

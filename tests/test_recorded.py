@@ -67,14 +67,25 @@ def test_recording_leaves_the_model_as_it_was():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def _flops(graph, *, with_params: bool) -> tuple[int, int]:
+    nodes = [n for n in graph.nodes if bool(n.param_fqns) == with_params]
+    return sum(n.fwd_flops for n in nodes), sum(n.bwd_flops for n in nodes)
+
+
 def test_recording_a_model_that_exports_matches_its_export():
     # the same tiny Llama both ways: every product's FLOPs are the same formulas on the same
-    # shapes; saved bytes come from two different counts (autograd's saves vs the graph rule)
+    # shapes; saved bytes come from two different counts (autograd's saves vs the graph rule).
+    # Outside the blocks the recording may count more: transformers before 5.2x computes the
+    # rotary table's product inside torch.autocast(enabled=False), which the export keeps as a
+    # higher-order op whose body the tracer does not enter
     model = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="cpu", seed=0).train()
     inputs = example_inputs(model, 2, 16)
     exported, recorded = trace(model, inputs), trace(model, inputs, record=True)
     assert recorded.recorded and not exported.recorded
-    assert (recorded.fwd_flops, recorded.bwd_flops) == (exported.fwd_flops, exported.bwd_flops)
+    assert _flops(recorded, with_params=True) == _flops(exported, with_params=True)
+    rest, rest_exported = _flops(recorded, with_params=False), _flops(exported, with_params=False)
+    assert rest[0] >= rest_exported[0] and rest[1] == rest_exported[1]
+    assert rest[0] - rest_exported[0] <= 2 * 2 * 16 * model.config.head_dim  # at most the rotary table's product
     assert [dataclasses.astuple(x)[:6] for x in recorded.layers] == [dataclasses.astuple(x)[:6] for x in exported.layers]
     assert recorded.params == exported.params
     assert abs(recorded.activation_bytes / exported.activation_bytes - 1) < 0.1

@@ -239,8 +239,10 @@ class PipelineParallelModule(torch.nn.Module):
         what = "step" if train else "eval_loss"
         with peer_failures(f"{type(self).__name__}.{what} ({self._where()})", self.rank):
             weights = self._item_weights(batch, lo, hi, local)
-            self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True) for n in self.input_names),
-                               losses, train, weights)
+            # contiguous: torch 2.11's stages check the inputs' strides against the example's,
+            # and a batch sliced by the user (ids[:, :-1]) is a strided view
+            self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True).contiguous()
+                                     for n in self.input_names), losses, train, weights)
             if train:
                 self._sync_gradients()
                 if self.loss_scaler is not None:  # fp16: unscale, one inf/NaN verdict for every rank
