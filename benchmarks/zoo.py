@@ -26,8 +26,11 @@ OLD.json`` measures ``--types`` (default all) for ``--columns`` again and keeps 
 
 Parity: loss within 1e-4 and every gradient within 1e-4 absolute (fp32, one step, batch 4 ×
 16; the pipeline's batch has no ignored labels, so its equal micro-batch weighting is exact).
-The tensor-parallel step and its reference start from the same random seed: a router that
-samples while training (PhiMoE's sparsemixer) then draws the same numbers on every rank.
+Every parallel step and its reference start from the same random seed: a router that samples
+while training (PhiMoE's sparsemixer, whose draws pick its backward's estimator) then draws the
+same numbers on every rank of a tensor-parallel group, and a data-parallel or pipeline run no
+longer depends on what the pool's ranks ran before (a rank's rows still draw other numbers than
+one process's whole batch: exact where the draws do not change the result).
 Multi-rank parts run on one :class:`fxpar.runtime.WorkerPool` of 2 gloo ranks, with a
 per-type timeout (``--timeout``; a timeout kills the pool, the next type gets a fresh one).
 
@@ -145,7 +148,9 @@ def dp_worker(model_type: str) -> dict:
     graph = trace(model, {k: v[:1] for k, v in data.items()})
     plan = solve_plan(graph, cluster, Workload(global_batch=BATCH), strategies=("data_parallel",))
     pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, plan=plan)
+    torch.manual_seed(SEED)  # the same random draws as the reference (PhiMoE's router samples in training)
     loss = pm.step(data)
+    torch.manual_seed(SEED)
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()
     worst, n = _grad_diff(((k, p.grad) for k, p in pm.module.named_parameters()), reference)
@@ -174,7 +179,9 @@ def pp_worker(model_type: str) -> dict:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=BATCH,
                          blocks_per_stage=[first, len(block_paths(model)) - first], num_microbatches=2)
     pm = PipelineParallelModule(model, plan, dist.get_rank(), data, emulate=False)
+    torch.manual_seed(SEED)
     loss = pm.step(data)
+    torch.manual_seed(SEED)
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()
     worst, n = _grad_diff(((k, p.grad) for k, p in pm.named_original_parameters()), reference)
