@@ -8,6 +8,10 @@ its sockets open), which only the collective timeout of ``init_distributed`` can
 
 Needs root, iproute2's ``ip netns`` and util-linux's ``unshare``; without them the test skips
 and says which command failed.  Namespaces and links are removed in a ``finally``.
+
+Where the freeze lands decides which collective node A waits in; the last test freezes a peer
+at the one that used to outlast the timeout (a sharded step's reduce-scatter, on a second group
+torch had given its 30-minute default), deterministically and without namespaces.
 """
 
 from __future__ import annotations
@@ -161,3 +165,45 @@ def test_two_namespaced_nodes_detect_train_and_survive_a_lost_node(tmp_path: Pat
         for which, proc in nodes.items():
             _kill_node(n[f"ns_{which}"], proc)
         _teardown(n)
+
+
+# ---- the mechanism, deterministically: a peer frozen at an exact collective -------------------
+FROZEN_TIMEOUT_S = 3.0
+SPAWN_BUDGET_S = 20.0  # two fresh interpreters with torch and fxpar, set-up and one good step
+
+
+def test_a_peer_frozen_before_its_reduce_scatter_is_lost_after_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 SIGSTOPs itself right before launching the gradient reduce-scatter of a sharded
+    data-parallel step (tests/workers_frozen_peer.py); rank 0's step must end in the lost-peer
+    error after the collective timeout.  The reduce-scatters run on a second process group, which
+    ``torch.distributed.new_group`` gives gloo's default timeout (30 min), not the job's: a node
+    frozen there held the other one for half an hour (the flaky ``[frozen]`` case above, whose
+    freeze landed there only sometimes).  gloo's reduce-scatter cannot be bounded at the wait
+    either (its work ignores ``wait(timeout=...)``), so the group itself must carry the timeout."""
+    import multiprocessing as mp
+
+    from tests.workers_frozen_peer import frozen_peer_step
+
+    ctx = mp.get_context("spawn")
+    result, phase = tmp_path / "rank0.json", "reduce_scatter"
+    procs = [ctx.Process(target=frozen_peer_step, daemon=True,
+                         args=(str(tmp_path / "rdzv"), r, FROZEN_TIMEOUT_S, str(result), phase)) for r in range(2)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(timeout=SPAWN_BUDGET_S + FROZEN_TIMEOUT_S + 10)
+        assert not procs[0].is_alive(), (f"rank 0 still waiting {time.monotonic() - start:.0f} s after the "
+                                         f"start, its peer frozen before its {phase}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()  # SIGKILL also ends a stopped process
+            p.join(timeout=5)
+    outcome = json.loads(result.read_text())
+    message = outcome["message"]
+    assert outcome["type"] == "RuntimeSetupError" and outcome["fxpar"], outcome
+    assert "ShardedDataParallelModule.step" in message and "check the other ranks' logs" in message, message
+    cause = message.split(" failed after ", 1)[-1].lower()
+    assert "timed out" in cause or "timeout" in cause, message  # the timeout, not a closed socket
+    assert FROZEN_TIMEOUT_S - 1 <= outcome["seconds"], outcome  # a timeout never fires early

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.runtime.distributed import wait_work
 
 
 def allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
@@ -29,7 +30,7 @@ def allreduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> None:
     flats = [torch.cat([t.reshape(-1) for t in b]) for b in buckets]
     works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
     for bucket, flat, work in zip(buckets, flats, works):
-        work.wait()
+        wait_work(work, flat.device)   # at most the job's collective timeout
         offset = 0
         for t in bucket:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

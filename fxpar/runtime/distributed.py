@@ -4,12 +4,17 @@ A rank that dies (killed, out of memory, a crashed node) leaves the others waiti
 collective.  gloo notices a closed connection at once and otherwise gives up after the process
 group's timeout (torch's default is 30 minutes); fxpar turns either failure into a
 :class:`~fxpar.errors.RuntimeSetupError` that names the step and says to look at the other
-ranks.  Start jobs with :func:`init_distributed` (or pass ``timeout=`` to
-``torch.distributed.init_process_group`` yourself) so that a lost peer costs seconds, not half
+ranks.  Start jobs with :func:`init_distributed` so that a lost peer costs seconds, not half
 an hour::
 
     fxpar.runtime.init_distributed(timeout_s=120)   # under torchrun: env:// rendezvous
     pmodel = fxpar.auto(model, cluster, batch)
+
+Its timeout bounds every collective of a step, not only those of the job's group: the groups
+fxpar makes get it too (:func:`new_group`; torch would give them its backend's default, gloo
+30 min, NCCL 10 min), and fxpar's waits for asynchronous collectives on CPU ranks stop at it
+(:func:`wait_work`).  ``timeout=`` given to ``torch.distributed.init_process_group`` directly
+bounds only that group's own collectives (torch does not publish it for fxpar to reuse).
 """
 
 from __future__ import annotations
@@ -131,7 +136,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
     exists (``torch.cuda.set_device`` and ``device_id=``), so no collective guesses its GPU.
     ``init_method`` None means ``env://`` (torchrun sets ``MASTER_ADDR``, ``RANK``, ...).
     Returns True when it created the process group, False when one already existed (then
-    left as it is).  Raises :class:`RuntimeSetupError` with the rendezvous settings when
+    left as it is).  The timeout is also the one of every group fxpar creates over this job
+    (:func:`new_group`) and bounds fxpar's waits for asynchronous collectives (:func:`wait_work`).
+    Raises :class:`RuntimeSetupError` with the rendezvous settings when
     set-up fails."""
     import torch.distributed as dist
 
@@ -162,11 +169,67 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
             f"{_first_line(exc)}; launch with torchrun (which sets the environment), or pass "
             "init_method, rank and world_size, and check that every rank can reach the "
             "rendezvous address") from exc
+    _record_timeout(timeout)
     drain_collective_threads_at_exit()
     if verbose and local_rank() == 0:
         hidden = "; GPUs hidden from this CPU job (CUDA_VISIBLE_DEVICES='')" if hid_gpus else ""
         print(f"fxpar: process group backend {backend} ({choice.reason}){hidden}", file=sys.stderr, flush=True)
     return True
+
+
+# ---- the job's collective timeout, on every group and every wait ---------------------------
+#: (the default group init_distributed created, its timeout): see :func:`collective_timeout`
+_recorded: tuple[Any, datetime.timedelta] | None = None
+
+
+def _record_timeout(timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    global _recorded
+    _recorded = (dist.group.WORLD, datetime.timedelta(seconds=timeout_s))
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The collective timeout :func:`init_distributed` gave this job's process group, while that
+    group is the job's default one; None otherwise (a group made by ``init_process_group``
+    directly: its timeout is not public, and torch's defaults apply to fxpar's groups)."""
+    import torch.distributed as dist
+
+    if _recorded is None or not dist.is_initialized() or dist.group.WORLD is not _recorded[0]:
+        return None
+    return _recorded[1]
+
+
+def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group`` with the job's collective timeout.  torch gives a new group
+    its backend's *default* timeout (gloo 30 min, NCCL 10 min), never the default group's, so a
+    group made without ``timeout=`` waits that long for a silent peer (a SIGSTOPped node) where
+    the job asked :func:`init_distributed` for seconds."""
+    import torch.distributed as dist
+
+    timeout = collective_timeout()
+    if timeout is not None:
+        kwargs.setdefault("timeout", timeout)
+    return dist.new_group(ranks=ranks, **kwargs)
+
+
+def wait_work(work: Any, device: Any = None) -> None:
+    """Wait for an asynchronous collective (``async_op=True``) at most the job's collective
+    timeout, whatever the timeout of the group it runs on: ``work.wait(timeout=...)``, which
+    raises (a comm failure for :func:`peer_failures`) when it runs out -- a collective that has
+    not ended that long after the wait began is lost, as NCCL's watchdog counts it.  gloo's
+    ``wait`` blocks this thread until the work ends, so bounding it costs nothing; but gloo's
+    reduce-scatter (an all-reduce wrapped in a work whose ``wait`` ignores the timeout, torch
+    2.13) ends only by its group's own timeout, hence :func:`new_group`.  For tensors on a CUDA
+    ``device`` (NCCL) a plain ``wait()`` only orders the current stream after the collective
+    and returns at once; a bounded one would block the CPU on every collective (no more
+    launching ahead of the GPU), so those are left to NCCL's watchdog, which ends a collective
+    that outlives its group's timeout (every fxpar group has the job's: :func:`new_group`)."""
+    timeout = collective_timeout()
+    if timeout is None or getattr(device, "type", "cpu") == "cuda":
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
 
 
 def bind_cuda_device() -> Any:

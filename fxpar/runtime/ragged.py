@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from fxpar.errors import ConfigError
 from fxpar.plan import ragged_rows
+from fxpar.runtime.distributed import wait_work
 
 Rows = tuple[int, int]
 
@@ -126,9 +127,12 @@ class Pending:
     out: torch.Tensor
 
     def wait(self) -> torch.Tensor:
+        """The output, once the collective is done; at most the job's collective timeout
+        (:func:`fxpar.runtime.distributed.wait_work`), also where a silent peer made the
+        collective's own group wait longer."""
         if self.work is not None:
-            self.work.wait()
-            self.work = None
+            work, self.work = self.work, None
+            wait_work(work, self.out.device)
         return self.out
 
 

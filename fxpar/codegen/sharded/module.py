@@ -53,7 +53,7 @@ from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import to_host
-from fxpar.runtime.distributed import peer_failures
+from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
 from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
 
@@ -215,7 +215,7 @@ class ShardedDataParallelModule(StepModule):
         for p in owned:
             sq += p.grad.detach().to(device=self.device, dtype=torch.float64).pow(2).sum()
         if self._distributed:
-            dist.all_reduce(sq, group=self.group)
+            wait_work(dist.all_reduce(sq, group=self.group, async_op=True), sq.device)
         norm = sq.sqrt().to(torch.float32)
         scale = max_norm / (float(norm) + 1e-6)
         if scale < 1.0:
@@ -244,12 +244,14 @@ class ShardedDataParallelModule(StepModule):
 
     def _sum_items(self, count: torch.Tensor) -> None:
         if self._distributed:
-            dist.all_reduce(count, group=self.group)
+            wait_work(dist.all_reduce(count, group=self.group, async_op=True), count.device)
 
     def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The gradients are already in the shards (reduce-scattered each round); the loss is
-        summed over the ranks (fp64)."""
+        summed over the ranks (fp64).  On CPU ranks each wait of the step, this one included, ends
+        within the job's collective timeout (:func:`fxpar.runtime.distributed.wait_work`), also on
+        a ``group`` the caller made with a longer one."""
         loss = loss_sum.to(torch.float64).reshape(1)
         if self._distributed:
-            dist.all_reduce(loss, group=self.group)
+            wait_work(dist.all_reduce(loss, group=self.group, async_op=True), loss.device)
         return loss[0].to(torch.float32)

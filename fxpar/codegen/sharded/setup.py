@@ -29,6 +29,7 @@ from fxpar.codegen.common.materialize import Slot, materialize, module_slots, we
 from fxpar.codegen.sharded.units import RoundSchedule, ShardedTensor, Unit
 from fxpar.codegen.common.shards import cut
 from fxpar.runtime.device import HOST
+from fxpar.runtime.distributed import new_group
 from fxpar.runtime.ragged import owned_rows
 from fxpar.tracing.structure import block_path, block_paths
 
@@ -119,10 +120,13 @@ def reduce_group(group: Any) -> Any:
     job every rank creates it the ordinary way (named by torch's world-wide group counter, which
     every rank advances alike); over a sub-group only its ranks take part (named by the hash of
     its ranks: the counter may differ between ranks that created different sub-groups, and a
-    mismatch of names would leave the creation waiting forever)."""
+    mismatch of names would leave the creation waiting forever).  It has the job's collective
+    timeout (:func:`fxpar.runtime.distributed.new_group`): torch would give it its backend's
+    default (gloo 30 min, NCCL 10 min), and a peer frozen before its reduce-scatter would hold
+    the other ranks that long."""
     if group is None:
-        return dist.new_group(ranks=list(range(dist.get_world_size())))
-    return dist.new_group(ranks=dist.get_process_group_ranks(group), use_local_synchronization=True)
+        return new_group(ranks=list(range(dist.get_world_size())))
+    return new_group(ranks=dist.get_process_group_ranks(group), use_local_synchronization=True)
 
 
 def _tensors_of(output: Any) -> list[torch.Tensor]:
