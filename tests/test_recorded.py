@@ -1,7 +1,8 @@
 """Models that ``torch.export`` cannot trace as a whole are recorded by running them
 (:mod:`fxpar.tracing.recorded`): per-block costs by the tracer's formulas, plans restricted to
-the families that run the model's own forward, and uneven data parallelism and sharded data
-parallelism that equal one process (``tests/parity.py``'s rules)."""
+the families that run the model's own forward and pipelines of eager stages (their parity:
+``tests/test_eager_pipeline.py``), and uneven data parallelism and sharded data parallelism that
+equal one process (``tests/parity.py``'s rules)."""
 
 from __future__ import annotations
 
@@ -91,15 +92,19 @@ def test_recording_a_model_that_exports_matches_its_export():
     assert abs(recorded.activation_bytes / exported.activation_bytes - 1) < 0.1
 
 
-def test_a_recorded_graph_plans_only_the_families_that_run_the_model_s_forward():
+def test_a_recorded_graph_plans_data_parallelism_and_eager_pipelines_only():
+    # the families that run the model's own forward, and pipelines of eager stages
+    # (tests/test_eager_pipeline.py); tensor and expert parallelism need the exported graph
     torch.manual_seed(0)
     graph = _recorded(LoopMoEForCausalLM(), loop_moe_batch(1, 8))
     plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8))
-    assert plan.strategy in RECORDED_FAMILIES
+    assert plan.strategy in RECORDED_FAMILIES and "expert_parallel" not in RECORDED_FAMILIES
     line = next(e for e in plan.explain if e.startswith("recorded graph"))
-    assert "layers.0, layers.1, layers.2" in line and "pipelines and tensor parallelism" in line
-    with pytest.raises(PlanError, match="did not export as a whole.*'data_parallel'"):
-        solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("pipeline",))
+    assert "layers.0, layers.1, layers.2" in line and "tensor and expert parallelism need the exported graph" in line
+    piped = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("pipeline",))
+    assert piped.strategy == "pipeline" and all(s.tensor_parallel == 1 for s in piped.stages)
+    with pytest.raises(PlanError, match="did not export as a whole.*'data_parallel', 'pipeline'"):
+        solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("expert_parallel",))
 
 
 def test_a_meta_model_that_reads_tensor_values_is_a_clear_error():

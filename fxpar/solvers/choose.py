@@ -93,8 +93,9 @@ def recorded_line(graph: ModelGraph) -> str:
             f"its {len(graph.nodes)} ops were recorded by running its forward, block by block "
             f"({shown or 'no repeated blocks'}), with the tracer's FLOP formulas and the activation bytes autograd "
             "saved (as float32 under autocast), so the prediction carries the recording's difference from an "
-            "export (python -m benchmarks.recorded_fidelity measures it on models that export); only data "
-            "parallelism and sharded data parallelism were searched: pipelines and tensor parallelism need "
+            "export (python -m benchmarks.recorded_fidelity measures it on models that export); data "
+            "parallelism, sharded data parallelism and pipelines were searched (pipeline stages run the "
+            "model's own modules eagerly, cut at block boundaries); tensor and expert parallelism need "
             "the exported graph")
 
 

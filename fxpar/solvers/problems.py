@@ -4,7 +4,7 @@
 
     check_inputs       before the cost model, so bad input fails fast
     strategies_for     the families asked for, less those a recorded graph cannot have
-                       (:data:`RECORDED_FAMILIES`)
+                       (:data:`RECORDED_FAMILIES`: not expert parallelism)
     CostModel          graph × cluster → per node and device kind: seconds, bytes, collectives
     build_dp_problem   → DPProblem: the share LP's data, one group per interchangeable device kind
     build_context      → PipelineContext: the segment table and the device kinds (when pipelines
@@ -70,10 +70,12 @@ class Candidates:
     error: InfeasibleError | None = None
 
 
-#: the families whose codegen runs the model's own forward: the ones a recorded graph
-#: (:mod:`fxpar.tracing.recorded`, no exported program to cut stages from or read projections
-#: from) can have
-RECORDED_FAMILIES: tuple[str, ...] = ("data_parallel", "sharded_data_parallel")
+#: the families a recorded graph (:mod:`fxpar.tracing.recorded`: no exported program to read
+#: projections or experts from) can have: those whose codegen runs the model's own forward, and
+#: pipelines, whose stages then run the model's own modules eagerly
+#: (:mod:`fxpar.codegen.pipeline.eager`; their blocks are not tensor-parallel, as the recorded
+#: blocks say)
+RECORDED_FAMILIES: tuple[str, ...] = ("data_parallel", "pipeline", "sharded_data_parallel")
 
 
 def strategies_for(graph: ModelGraph, strategies: tuple[str, ...]) -> tuple[str, ...]:
@@ -84,10 +86,10 @@ def strategies_for(graph: ModelGraph, strategies: tuple[str, ...]) -> tuple[str,
     if not kept:
         raise PlanError(
             f"{graph.model_name} did not export as a whole ({graph.recorded.splitlines()[0][:200]}), so fxpar "
-            f"recorded it by running it; strategies {list(strategies)} need the exported graph (pipeline stages "
-            "are cut from it, tensor and expert parallelism read from it): add 'data_parallel' or "
-            "'sharded_data_parallel', or make the model export (fxpar.tracing.trace(model, inputs, "
-            "record=False) shows why it does not)")
+            f"recorded it by running it; strategies {list(strategies)} need the exported graph (expert and tensor "
+            "parallelism read the model's experts and projections from it): add 'data_parallel', 'pipeline' "
+            "(eager stages) or 'sharded_data_parallel', or make the model export (fxpar.tracing.trace(model, "
+            "inputs, record=False) shows why it does not)")
     return kept
 
 

@@ -129,8 +129,8 @@ class ModelGraph:
     #: computing under no_grad, :mod:`fxpar.tracing.grad_paths`): no pipeline may run this graph
     lost_gradients: tuple[str, ...] = ()
     #: non-empty when the whole model did not export and the graph was recorded by running it
-    #: (:mod:`fxpar.tracing.recorded`; the export's error): no exported program, so no pipeline
-    #: or tensor-parallel plan
+    #: (:mod:`fxpar.tracing.recorded`; the export's error): no exported program, so no tensor- or
+    #: expert-parallel plan (pipelines run eager stages, :mod:`fxpar.codegen.pipeline.eager`)
     recorded: str = ""
 
     @property

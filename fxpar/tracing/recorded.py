@@ -21,10 +21,12 @@ Nothing is timed, so recording needs no accelerator; it costs one forward at the
 batch (one sample when planning).  A ``meta`` model records only if its forward reads no tensor
 value (``.item()``, ``nonzero``); the TraceError then says to plan from CPU weights.
 
-What a recorded graph lacks: an exported program (``exported`` is None), from which pipeline
-stages are split and tensor parallelism's projections are read.  Its blocks are therefore not
-tensor-parallel (``LayerInfo.tensor_parallel`` False) and the planner offers only the families
-that run the model's own forward: data parallelism and sharded data parallelism.  The costs
+What a recorded graph lacks: an exported program (``exported`` is None), from which tensor
+parallelism's projections and expert parallelism's experts are read.  Its blocks are therefore
+not tensor-parallel (``LayerInfo.tensor_parallel`` False) and the planner offers data
+parallelism, sharded data parallelism (both run the model's own forward) and pipelines, whose
+stages run the model's own modules eagerly, cut at block boundaries
+(:mod:`fxpar.codegen.pipeline.eager`).  The costs
 differ from the exported graph's by what eager dispatch does differently (``linear`` as ``t`` +
 ``addmm``, SDPA's CPU kernel; FLOPs are equal), and under autocast its saved bytes stay as
 recorded in float32 (``amp_saved_bytes`` is not computed).

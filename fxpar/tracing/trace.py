@@ -84,7 +84,7 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
     one tensor.  The batch size is the leading dimension of the first tensor input.
     ``record``: None exports the whole model and, when that fails, records it by running it
     (:mod:`fxpar.tracing.recorded`: the same per-op costs per block, but no exported program,
-    so no pipeline or tensor-parallel plan), with a warning that says why; True records
+    so no tensor- or expert-parallel plan; pipelines run eager stages), with a warning that says why; True records
     without trying the export; False only exports (its failure raises).
     """
     if not isinstance(model, torch.nn.Module):
@@ -100,7 +100,8 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
             raise
         why = str(exc).splitlines()[0]
         warnings.warn(f"{why}\nfxpar records the model by running it instead: its plan can use data "
-                      "parallelism and sharded data parallelism, not pipelines or tensor parallelism "
+                      "parallelism, sharded data parallelism and pipelines of eager stages, not tensor or "
+                      "expert parallelism "
                       "(trace(record=False) raises instead)", stacklevel=2)
         return record_graph(model, args, kwargs, why=str(exc), model_name=model_name)
 

@@ -53,7 +53,7 @@ from fxpar.codegen.pipeline.replicas import (
     sum_across_pipelines,
 )
 from fxpar.codegen.pipeline.batches import check_pipeline_batch
-from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.pipeline.eager import cut_stages
 from fxpar.codegen.pipeline.stage_setup import (
     check_process_group,
     check_tp_stages,
@@ -283,9 +283,10 @@ class PipelineParallelModule(torch.nn.Module):
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
         """The stage modules (mixed precision: exported under the autocast of the device the
         model is on, run under this rank's device's, fp32 master weights:
-        :mod:`fxpar.codegen.pipeline.split`), and what the batch checks need: the traced inputs'
-        dtypes and per-sample shapes (the stages' buffers are built for them), the vocabulary,
-        causal or not."""
+        :mod:`fxpar.codegen.pipeline.split`; a model that does not export gets stages that run
+        its own modules eagerly: :mod:`fxpar.codegen.pipeline.eager`), and what the batch checks
+        need: the traced inputs' dtypes and per-sample shapes (the stages' buffers are built for
+        them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
         if low is not None and is_meta_model(model):  # same verdict on every rank
             raise ConfigError(
@@ -293,7 +294,7 @@ class PipelineParallelModule(torch.nn.Module):
                 "device: the stages are exported under the autocast of the model's device, and the meta "
                 "device has none, so the export would miss the model's own autocast regions (float32 "
                 "rotary tables); plan this model with dtype='fp32', or pass a real model")
-        modules, self.input_names = split_stages(model, one, stage_of, len(self.plan.stages), autocast=low)
+        modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None

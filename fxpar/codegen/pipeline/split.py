@@ -116,7 +116,7 @@ class StageModule(torch.nn.Module):
         # integer values (labels, positions) travel between stages as float32 — exact below
         # 2**24 — because pipeline p2p buffers for integer tensors arrive uninitialised on gloo
         # (complex values as their real and imaginary parts: a trailing dimension of 2)
-        received = tuple(_restore(r, self.input_dtypes.get(i)) for i, r in enumerate(received))
+        received = tuple(restore_dtype(r, self.input_dtypes.get(i)) for i, r in enumerate(received))
         env = dict(zip(self.spec.inputs, received))
         env.update(self.constants)
         for fqn, safe in self._names.items():
@@ -137,11 +137,11 @@ class StageModule(torch.nn.Module):
         if self.is_last:  # the schedule concatenates micro-batch outputs: a (1,) loss
             result = tuple(r.reshape(1) if isinstance(r, torch.Tensor) and r.dim() == 0 else r for r in result)
         else:  # fresh contiguous tensors: p2p sends plain buffers
-            result = tuple(_as_float(r).contiguous().clone() if isinstance(r, torch.Tensor) else r for r in result)
+            result = tuple(as_float(r).contiguous().clone() if isinstance(r, torch.Tensor) else r for r in result)
         return result[0] if len(result) == 1 else result
 
 
-def _as_float(t: torch.Tensor) -> torch.Tensor:
+def as_float(t: torch.Tensor) -> torch.Tensor:
     """A stage output as it travels: floating as is, complex as ``view_as_real`` (float), other
     (integer, bool) values as float32."""
     if t.is_complex():
@@ -149,8 +149,8 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_floating_point() else t.to(torch.float32)
 
 
-def _restore(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A received value back in its traced dtype (the inverse of :func:`_as_float`)."""
+def restore_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A received value back in its traced dtype (the inverse of :func:`as_float`)."""
     if dtype is None:
         return t
     if dtype.is_complex:
@@ -211,7 +211,8 @@ def _stage_callback(model: torch.nn.Module, layer_to_stage: Sequence[int], num_s
 
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                  layer_to_stage: Sequence[int], num_stages: int,
-                 autocast: torch.dtype | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
+                 autocast: torch.dtype | None = None,
+                 exported: tuple[torch.fx.GraphModule, str] | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
     """Stage modules (all of them; each rank keeps its own) and the names of stage 0's inputs.
 
     ``layer_to_stage[l]`` is the stage of repeated block ``l``; what precedes the first block
@@ -219,10 +220,11 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     low-precision dtype) exports the model under ``torch.autocast`` of the device its tensors
     are on and runs every stage under the autocast of the device it runs on (module docstring,
     mixed precision), so the stages compute what the autocast model does there.  The stages
-    run where the export ran until :meth:`StageModule.retarget` moves them.
+    run where the export ran until :meth:`StageModule.retarget` moves them.  ``exported``: the
+    export already made (:func:`exported_for_split` on ``example_inputs``), else made here.
     """
     kwargs = dict(example_inputs)
-    gm, device_type = exported_for_split(model, kwargs, autocast)
+    gm, device_type = exported if exported is not None else exported_for_split(model, kwargs, autocast)
     parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]
     if len(calls) != num_stages:

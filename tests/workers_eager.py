@@ -1,0 +1,53 @@
+"""Rank workers for eager pipeline stages (``tests/test_eager_pipeline.py``): a model that does
+not export, cut into stages that run its own modules, trains one step as one process does."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
+from tests.parity import step_record
+from tests.workers import rank_gradient_pairs
+
+
+def eager_auto_parity(speeds: list[float], batch: int, seq: int) -> dict:
+    """``fxpar.auto`` of :class:`LoopMoEForCausalLM` (recorded, not exported) asked for a
+    pipeline, one step vs one process: the loss and this rank's stage's gradients."""
+    torch.manual_seed(0)
+    model = LoopMoEForCausalLM()
+    reference = copy.deepcopy(model)
+    data = loop_moe_batch(batch, seq)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the recording's warning: tests/test_recorded.py checks it
+        pm = fxpar.auto(model, fxpar.Cluster.emulated(speeds), data, global_batch=batch, emulate=False,
+                        strategies=["pipeline"], loss_weighting="tokens")
+    loss = pm.step(data)
+    ref_loss = reference(**data)["loss"]
+    ref_loss.backward()
+    return {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "stage": type(pm.module).__name__,
+            "stages": len(pm.plan.stages), "explain": list(pm.plan.explain),
+            **step_record(loss, ref_loss, rank_gradient_pairs(pm, reference), reference)}
+
+
+def eager_hand_parity(config: dict, blocks: list[int], microbatches: int, checkpointing: bool) -> dict:
+    """A tiny HF model built from ``config`` (one that does not export) under a hand-written
+    2-stage pipeline plan (``blocks`` per stage, 1F1B), one step vs one process."""
+    model = build_model(ModelSpec(hf_config=config), device="cpu", seed=0).train()
+    reference = copy.deepcopy(model)
+    data = example_inputs(model, 4, 16, seed=1)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=4, blocks_per_stage=blocks,
+                         num_microbatches=microbatches, activation_checkpointing=checkpointing)
+    pm = PipelineParallelModule(model, plan, dist.get_rank(), data, emulate=False)
+    loss = pm.step(data)
+    ref_loss = reference(**data, use_cache=False).loss
+    ref_loss.backward()
+    return {"rank": dist.get_rank(), "stage": type(pm.module).__name__,
+            **step_record(loss, ref_loss, rank_gradient_pairs(pm, reference), reference)}
