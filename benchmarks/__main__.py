@@ -34,7 +34,8 @@ from benchmarks.common import RESULTS, machine, result_path
 
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
           "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "sharded": "sharded_emulated", "fidelity": "fidelity", "memory": "memory_fidelity", "rebalance": "rebalance",
-          "real_gpu": "real_gpu", "collectives": "collective_audit"}
+          "real_gpu": "real_gpu", "collectives": "collective_audit",
+          "adapt": "adapt"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
@@ -47,7 +48,8 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "memory": "Peak memory: predicted vs measured live tensor bytes per rank (gloo CPU)",
           "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)",
           "real_gpu": "Validation on measured GPU runs (../shared/validation): predicted vs measured",
-          "collectives": "Collectives per training step by plan kind (collective audit, gloo)"}
+          "collectives": "Collectives per training step by plan kind (collective audit, gloo)",
+          "adapt": "Adapting while training under a straggler (measured, emulated speeds)"}
 
 
 def _latest(name: str, quick: bool, folder=RESULTS) -> dict | None:

@@ -10,13 +10,11 @@ import torch
 import torch.distributed as dist
 
 from fxpar import api_checks
+from fxpar.adapt import Adapt, AdaptiveModule, AdaptPolicy, Planning
+from fxpar.adapt.switch import meta_template
+from fxpar.build import build_module
 from fxpar.cluster import Cluster
 from fxpar.codegen.data.module import DataParallelModule
-from fxpar.codegen.expert.module import ExpertParallelModule
-from fxpar.codegen.pipeline.interleaved import InterleavedPipelineModule
-from fxpar.codegen.pipeline.module import PipelineParallelModule
-from fxpar.codegen.sharded.module import ShardedDataParallelModule
-from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.planning import measured_graph
@@ -26,7 +24,6 @@ from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
-from fxpar.tracing.analyze_model import remember_example
 from fxpar.tracing.hf import build_meta_model, hf_task
 from fxpar.tracing.hf import example_inputs as hf_example_inputs
 from fxpar.workload import Workload
@@ -97,7 +94,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8,
          device: torch.device | str | None = None, checkpoint: str | Path | None = None,
-         strategies: Sequence[str] | None = None):
+         strategies: Sequence[str] | None = None, adapt: bool | Adapt = False):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -125,6 +122,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     :class:`~fxpar.codegen.sharded.module.ShardedDataParallelModule` — all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
+    ``adapt=True`` / :class:`fxpar.adapt.Adapt`: an adaptive module (:mod:`fxpar.adapt`).
+
     Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`, or
     ``timeout=`` of ``init_process_group``): a rank that dies then makes the others' ``step``
     raise :class:`~fxpar.errors.RuntimeSetupError` within that time instead of waiting for
@@ -133,7 +132,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     """
     _check_auto_args(model, device, global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                      max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                     emulate=emulate, max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies)
+                     emulate=emulate, max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies,
+                     adapt=adapt)
     cluster = _as_cluster(cluster)
     rank = _check_world(cluster, group)
     example_inputs, global_batch = _example_batch(model, cluster, example_inputs, plan, global_batch, seq_len, loss_fn)
@@ -142,15 +142,53 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                                max_tensor_parallel=max_tensor_parallel, strategies=strategies)
     device = _checked_rank_device(model, plan, rank, device, group=group, loss_fn=loss_fn,
                                   loss_weighting=loss_weighting, example_inputs=example_inputs)
-    module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
-                    loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    build_options = dict(group=group, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    workload = Workload(global_batch=plan.global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                        max_microbatches=max_microbatches)
+    return _rank_module(model, plan, pricing, rank=rank, device=device, example_inputs=example_inputs,
+                        checkpoint=checkpoint, build_options=build_options, adapt=(adapt, cluster, workload, AdaptPolicy(
+                            strategies=tuple(strategies) if strategies else None, max_tensor_parallel=max_tensor_parallel)))
+
+
+def _rank_module(model: torch.nn.Module, plan: Plan, pricing: Pricing | None, *, rank: int, device: torch.device,
+                 example_inputs: Any, checkpoint: Any, build_options: dict[str, Any],
+                 adapt: tuple[Any, Cluster, Workload, AdaptPolicy]) -> torch.nn.Module:
+    """``auto``'s last step: this rank's module, inside an adaptive one when ``adapt[0]`` asks."""
+    template = meta_template(model) if adapt[0] else None  # before codegen changes the model
+    module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, **build_options)
     module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
-    return module
+    if template is None:
+        return module
+    return _adaptive(module, adapt[0], template, pricing, adapt[2], adapt[1], rank=rank, device=device,
+                     example_inputs=example_inputs, build_options=build_options, policy=adapt[3])
 
 
-def _check_auto_args(model: Any, device: torch.device | str | None, *, group: Any, **options: Any) -> None:
+def _adaptive(module: torch.nn.Module, adapt: Any, template: torch.nn.Module, pricing: Pricing | None,
+              workload: Workload, cluster: Cluster, *, rank: int, device: torch.device, example_inputs: Any,
+              build_options: dict[str, Any], policy: AdaptPolicy) -> AdaptiveModule:
+    """``module`` inside an :class:`~fxpar.adapt.AdaptiveModule` (``auto``'s ``adapt``); rank 0
+    keeps the graph and cost model it re-plans from."""
+    planning = Planning(graph=pricing.graph if pricing else None, cluster=cluster, workload=workload,
+                        profiles=pricing.profiles if pricing else None)
+    options = adapt if isinstance(adapt, Adapt) else Adapt(policy=policy)
+    return AdaptiveModule(module, planning=planning, template=template, example_inputs=example_inputs,
+                          build_options=build_options, device=device, rank=rank, options=options)
+
+
+def _check_adapt(adapt: Any, plan: Plan | None) -> None:
+    """A ConfigError, on every rank alike, for a bad ``adapt`` or one with a given plan."""
+    if not (isinstance(adapt, bool) or adapt is None or isinstance(adapt, Adapt)):
+        raise ConfigError(f"fxpar.auto: adapt = {adapt!r}; pass True, False or a fxpar.adapt.Adapt")
+    if adapt and plan is not None:
+        raise ConfigError("fxpar.auto: adapt needs fxpar to make the plan (it re-plans from that trace); "
+                          "leave out plan=")
+
+
+def _check_auto_args(model: Any, device: torch.device | str | None, *, group: Any, adapt: Any,
+                     **options: Any) -> None:
     """``auto``'s first step: a ConfigError for a model that is no ``nn.Module`` or a bad option,
     before any tracing (``options``: :func:`fxpar.api_checks.check_options`'s keywords)."""
+    _check_adapt(adapt, options.get("plan"))
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
     api_checks.check_options(group=group, **options)
@@ -218,28 +256,6 @@ def _check_world(cluster: Cluster, group: Any) -> int:
             f"fxpar.auto: the cluster {cluster.name!r} has {cluster.world_size} devices but this job "
             f"has {world} process{'es' if world != 1 else ''}; {hint}")
     return dist.get_rank(group) if distributed else 0
-
-
-def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
-           checkpoint: str | Path | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
-           emulate: bool) -> torch.nn.Module:
-    """This rank's module for ``plan`` (the plan kind picks the class)."""
-    common = {"emulate": emulate, "device": device, "checkpoint": checkpoint}
-    if plan.strategy in ("tensor_parallel", "pipeline") and example_inputs is not None:
-        remember_example(model, example_inputs)  # tensor parallelism exports a non-HF model on it
-    if plan.strategy == "expert_parallel":
-        return ExpertParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
-                                    loss_weighting=loss_weighting, **common)
-    if plan.strategy == "sharded_data_parallel":
-        return ShardedDataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn,
-                                         loss_weighting=loss_weighting, example_inputs=example_inputs, **common)
-    if plan.strategy == "tensor_parallel":
-        return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, **common)
-    if plan.strategy == "pipeline":
-        kind = InterleavedPipelineModule if plan.schedule == "interleaved" else PipelineParallelModule
-        return kind(model, plan, rank, example_inputs, loss_weighting=loss_weighting, **common)
-    return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                              example_inputs=example_inputs, **common)
 
 
 def default_example_inputs(model: torch.nn.Module, cluster: Cluster, global_batch: int | None,

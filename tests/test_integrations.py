@@ -161,6 +161,31 @@ def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_refe
 
 
 @pytest.mark.full
+def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trainer_reference):
+    """``adapt:`` through FxparTrainer: rank 1 slows to 0.25 after step 2; from the injected busy
+    times (the plan's prediction at each rank's emulated speed, tests/trainer_adapt_injected.py)
+    the module detects it after min_steps, re-plans and moves its state to the new plan in
+    memory; the loss curve, the evaluation loss and the saved weights equal the single-process
+    Trainer's."""
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],
+                        adapt={"calibration_steps": 1, "min_steps": 2, "horizon_steps": 100})
+    _torchrun("tests/trainer_adapt_injected.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq",
+                                                  str(SEQ), "--slow-down", "1:0.25:2", "--out", "run.json",
+                                                  "--output-dir", "saved", "--eval"], {}, tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    ref_losses, ref_weights, ref_eval = trainer_reference
+    _assert_losses(run["losses"], ref_losses)
+    expect(check_loss(run["eval_loss"], ref_eval), context="eval")
+    switches = [e for e in run["events"] if e["kind"] == "switch"]
+    assert len(switches) == 1, run["events"]
+    decision = next(e for e in run["events"] if e["kind"] == "decision")
+    # step 0 calibrates, steps 1 and 2 at speed 1... rank 1 slow from step 2: 2 slow steps -> step 3
+    assert decision["step"] == 3 and decision["factors"] == pytest.approx([1.0, 0.25]), decision
+    assert run["plan"]["ranks"][1]["batch_share"] < run["plan"]["ranks"][0]["batch_share"]
+    _assert_weights(tmp_path / "saved", ref_weights)
+
+
+@pytest.mark.full
 def test_trainer_pipeline_matches_single_process_and_resumes(tmp_path, trainer_reference):
     model = _model()
     cluster = Cluster.emulated([1.0, 0.5])

@@ -5,7 +5,8 @@ and a function-level import of fxpar's own code says why it is lazy.
 Layers, lowest first (README "Layout" draws them):
 
     errors, compat → workload, plan → cluster → tracing → profiling → sim → solvers
-      → runtime → checkpoint → codegen → planning, models, scenario, api_checks → api
+      → runtime → checkpoint → codegen → planning, models, scenario, api_checks, build
+      → adapt, api (api imports adapt, never the other way)
       → integrations, profile_cmd, demo → cli, the package itself
 
 Inside a layer, sub-layers (``SUBLAYERS``): codegen's sub-packages in the order its
@@ -36,8 +37,8 @@ LAYERS: dict[str, int] = {
     "fxpar.checkpoint": 8,
     "fxpar.codegen": 9,
     "fxpar.planning": 10, "fxpar.models": 10, "fxpar.scenario": 10, "fxpar.synthetic": 10,
-    "fxpar.api_checks": 10, "fxpar.predict": 10, "fxpar.cpu_rate": 10,
-    "fxpar.api": 11,
+    "fxpar.api_checks": 10, "fxpar.predict": 10, "fxpar.cpu_rate": 10, "fxpar.build": 10,
+    "fxpar.adapt": 11, "fxpar.api": 11,
     "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12, "fxpar.demo_report": 12,
     "fxpar.demo_emulation": 12,
     "fxpar.cli": 13, "fxpar.__main__": 13, "fxpar": 13,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +38,9 @@ class NodeSpec:
     memory_gib: float | None = None
     #: the node's host (CPU) memory, shared by its ranks while they set up; None: not checked
     host_memory_gib: float | None = None
+    #: measured slow-down of each device of a running job (``Cluster.derated``, :mod:`fxpar.adapt`):
+    #: its speed is ``speeds[i] · derate[i]``; never read from a cluster file
+    derate: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         where = f"node of {self.device_type!r}"
@@ -54,6 +57,12 @@ class NodeSpec:
                 raise ConfigError(f"{where}: speeds has {len(speeds)} entries {list(speeds)} but count is "
                                   f"{self.count}; give one speed per device")
             object.__setattr__(self, "speeds", speeds)
+        if self.derate is not None:
+            derate = tuple(positive_number(f, f"{where}: derate[{i}]", maximum=MAX_SPEED)
+                           for i, f in enumerate(self.derate))
+            if len(derate) != self.count:
+                raise ConfigError(f"{where}: derate has {len(derate)} entries but count is {self.count}")
+            object.__setattr__(self, "derate", derate)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +125,7 @@ def _build_devices(name: str, nodes: tuple[NodeSpec, ...],
         link = node.intra_node_gbps if node.intra_node_gbps is not None else dtype.intra_node_gbps
         for local in range(node.count):
             speed = node.speeds[local] if node.speeds is not None else 1.0
+            speed *= node.derate[local] if node.derate is not None else 1.0
             devices.append(Device(rank=len(devices), node=index, local_rank=local, type=dtype,
                                   speed=speed, memory_bytes=memory, intra_node_gbps=link))
     return tuple(devices)
@@ -181,6 +191,22 @@ class Cluster:
             raise ConfigError(f"rank {rank!r} is out of range for cluster {self.name!r}; "
                               f"expected 0..{self.world_size - 1}")
         return self.devices[rank]
+
+    def derated(self, factors: Sequence[float]) -> "Cluster":
+        """This cluster with device ``r``'s speed multiplied by ``factors[r]`` (a running job's
+        measured slow-down, :mod:`fxpar.adapt`): ``σ'_r = σ_r · f_r``, for GPUs as for emulated
+        devices; types, memory and links unchanged."""
+        factors = [float(f) for f in factors]
+        if len(factors) != self.world_size:
+            raise ConfigError(f"Cluster.derated: {len(factors)} factors for {self.world_size} devices; "
+                              "give one per rank")
+        nodes, start = [], 0
+        for node in self.nodes:
+            own = factors[start:start + node.count]
+            base = node.derate or (1.0,) * node.count
+            nodes.append(replace(node, derate=tuple(b * f for b, f in zip(base, own))))
+            start += node.count
+        return replace(self, nodes=tuple(nodes))
 
     def host_memory_bytes(self, node: int) -> int | None:
         """Host (CPU) memory of machine ``node`` in bytes; None where the cluster does not say."""

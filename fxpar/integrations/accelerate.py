@@ -100,7 +100,7 @@ class FxparPlugin:
         d: dict[str, Any] = {"cluster": base.cluster, "speeds": base.speeds, "workload": dict(base.workload),
                              "plan": base.plan, "strategies": base.strategies,
                              "max_tensor_parallel": base.max_tensor_parallel,
-                             "emulate": base.emulate}
+                             "emulate": base.emulate, "adapt": base.adapt}
         rebalance = base.rebalance
         if self.cluster is not None:
             d["cluster"], d["speeds"] = self.cluster, None
@@ -137,10 +137,13 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
                                               collate_fn=dataloader.collate_fn)))
     pmodel = parallelize(model, config, example_inputs, global_batch=batch)
     pmodel = accelerator.prepare_model(pmodel, device_placement=False, evaluation_mode=True)
-    pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=config.rebalance,
+    rebalance = RebalanceConfig(enabled=False) if config.adapt else config.rebalance  # adapt re-plans instead
+    pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=rebalance,
                                        max_microbatches=config.workload.get("max_microbatches"))
     if optimizer is not None:
         optimizer = zero_wrap(_rebuild_optimizer(optimizer, pmodel), pmodel)
+        if callable(getattr(pmodel, "track", None)):  # fxpar.adapt: a switch moves this optimizer's state
+            pmodel.track(optimizer)
     sampler = ShareBatchSampler(len(dataloader.dataset), pmodel.plan.global_batch,
                                 lambda: rank_rows(pmodel),
                                 shuffle=isinstance(dataloader.sampler, RandomSampler))

@@ -30,12 +30,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
 from fxpar.workload import Workload
 
 CONFIG_ENV = "FXPAR_CONFIG"
+
+
+#: the keys of an ``adapt:`` mapping (:class:`~fxpar.adapt.DetectorSettings`, :class:`~fxpar.adapt.AdaptPolicy`)
+ADAPT_KEYS = frozenset({"threshold", "min_steps", "calibration_steps", "min_gain", "horizon_steps"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +78,9 @@ class FxparConfig:
     max_tensor_parallel: int = 8
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     emulate: bool = True
+    #: re-plan every family from measured speeds and move the live state (:mod:`fxpar.adapt`):
+    #: true, or a mapping of :data:`ADAPT_KEYS`; it supersedes ``rebalance`` (which then stays off)
+    adapt: bool | Mapping[str, Any] = False
     source: str = "<fxpar config>"
 
     def __post_init__(self) -> None:
@@ -97,6 +105,20 @@ class FxparConfig:
                               "must be a positive integer")
         if not isinstance(self.emulate, bool):
             raise ConfigError(f"{self.source}: emulate = {self.emulate!r}: must be true or false")
+        if not isinstance(self.adapt, (bool, Mapping)) or isinstance(self.adapt, Mapping) and set(self.adapt) - ADAPT_KEYS:
+            raise ConfigError(f"{self.source}: adapt = {self.adapt!r}: must be true, false or a mapping of "
+                              f"{sorted(ADAPT_KEYS)}")
+
+    def adapt_options(self) -> Adapt | bool:
+        """``fxpar.auto``'s ``adapt``: False, or the :class:`~fxpar.adapt.Adapt` this config gives."""
+        if self.adapt is False:
+            return False
+        given = {} if self.adapt is True else dict(self.adapt)
+        detector = DetectorSettings(**{k: given[k] for k in ("threshold", "min_steps", "calibration_steps")
+                                       if k in given})
+        policy = AdaptPolicy(strategies=self.strategies, max_tensor_parallel=self.max_tensor_parallel,
+                             **{k: given[k] for k in ("min_gain", "horizon_steps") if k in given})
+        return Adapt(policy=policy, detector=detector)
 
     def resolve_cluster(self):
         """The :class:`~fxpar.cluster.Cluster` this config names."""

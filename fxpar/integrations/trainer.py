@@ -69,7 +69,9 @@ class FxparCallback(TrainerCallback):
         self.pending: dict[str, float] = {}
 
     def attach(self, pmodel: Any, max_microbatches: int | None = None) -> None:
-        self.monitor = StepMonitor(pmodel, rebalance=self.rebalance, max_microbatches=max_microbatches)
+        adaptive = callable(getattr(pmodel, "apply_pending", None))  # fxpar.adapt re-plans instead
+        rebalance = RebalanceConfig(enabled=False) if adaptive else self.rebalance
+        self.monitor = StepMonitor(pmodel, rebalance=rebalance, max_microbatches=max_microbatches)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.monitor is not None:
@@ -143,6 +145,9 @@ class FxparTrainer(Trainer):
         """The Trainer's optimizer, as ZeRO-1 across pipelines where the plan chose it."""
         optimizer = super().create_optimizer(model)
         self.optimizer = zero_wrap(optimizer, self.model)
+        track = getattr(self.model, "track", None)
+        if callable(track):  # fxpar.adapt: a plan switch moves this optimizer's state
+            track(_torch_optimizer(self.optimizer))
         return self.optimizer
 
     def get_train_dataloader(self) -> DataLoader:
@@ -186,6 +191,7 @@ class FxparTrainer(Trainer):
                         ignore_keys: list[str] | None = None):
         """The loss only (``prediction_loss_only`` is implied for pipelines: no rank holds the
         whole model's logits)."""
+        model = _current(model)
         if hasattr(model, "eval_loss"):
             return model.eval_loss(inputs, local=True).detach(), None, None
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
@@ -196,6 +202,7 @@ class FxparTrainer(Trainer):
         collectives, so every rank of the group evaluates the same rows).  A sharded
         data-parallel module holds row shards only: its own forward gathers the full
         parameters (collective; every rank evaluates the same rows)."""
+        model = _current(model)
         sharded = getattr(getattr(model, "plan", None), "strategy", None) == "sharded_data_parallel"
         inner = model if sharded else getattr(model, "module", model)
         outputs = inner(**inputs)
@@ -257,6 +264,11 @@ class _ResumeFxparState(TrainerCallback):
         self.trainer.fxpar_resume = None
 
 
+def _current(pmodel: Any) -> Any:
+    """The plan's module inside an adaptive one (:class:`fxpar.adapt.AdaptiveModule`), else ``pmodel``."""
+    return pmodel.module if callable(getattr(pmodel, "apply_pending", None)) else pmodel
+
+
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -264,5 +276,6 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def _inner_model(pmodel: Any) -> torch.nn.Module:
     """The user's model inside a parallel module (a pipeline keeps it for saving only)."""
+    pmodel = _current(pmodel)
     original = getattr(pmodel, "_original", None)
     return original[0] if original else getattr(pmodel, "module", pmodel)

@@ -64,6 +64,9 @@ class SegmentClock:
         self.active = False
         self.compute_s = self.emulation_s = self.comm_s = 0.0
         self._last = 0.0
+        #: compute + emulated sleep since the clock was made, never reset (a pipeline restarts the
+        #: per-step figures at every segment): what :mod:`fxpar.adapt` reads busy time from
+        self.busy_total_s = 0.0
 
     def start(self) -> None:
         self.active = True
@@ -73,8 +76,10 @@ class SegmentClock:
     def _close_segment(self) -> None:
         if self.active:
             seg = time.perf_counter() - self._last
+            slept = self.emulator.stretch(seg)
             self.compute_s += seg
-            self.emulation_s += self.emulator.stretch(seg)
+            self.emulation_s += slept
+            self.busy_total_s += seg + slept
 
     def collective(self, fn: Callable[[], Any]) -> Any:
         self._close_segment()

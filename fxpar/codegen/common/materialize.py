@@ -182,6 +182,14 @@ class SeededInit:
         return cut(full, request.local_shape, request.shard).to(request.dtype)
 
 
+class Uninitialised:
+    """Allocates each box without values: for a module whose values are filled afterwards, in
+    memory, by :func:`fxpar.checkpoint.reshard_move.reshard` (:mod:`fxpar.adapt`)."""
+
+    def read(self, request: TensorRequest) -> torch.Tensor:
+        return torch.empty(request.local_shape, dtype=request.dtype, device=CPU)
+
+
 def is_meta_model(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are on ``meta`` (all of them; a mix is a ConfigError)."""
     flags = [p.is_meta for p in model.parameters()]
@@ -194,9 +202,10 @@ def is_meta_model(model: torch.nn.Module) -> bool:
     return bool(flags) and all(flags)
 
 
-def weights_source(model: torch.nn.Module, checkpoint: str | Path | None) -> Source | None:
-    """Where this rank's values come from (module docstring): the checkpoint, the seeded
-    initialisation of a meta model, or None for a real model (the kind broadcasts rank 0's).
+def weights_source(model: torch.nn.Module, checkpoint: str | Path | Source | None) -> Source | None:
+    """Where this rank's values come from (module docstring): the checkpoint (a folder, or a
+    :class:`Source` given as it is), the seeded initialisation of a meta model, or None for a
+    real model (the kind broadcasts rank 0's).
     Checks, on every rank alike and before any collective, that the checkpoint holds every
     tensor of the model with its shape and dtype, and recomputes the model's meta buffers on
     the host (a ConfigError for one fxpar cannot recompute)."""
@@ -206,14 +215,15 @@ def weights_source(model: torch.nn.Module, checkpoint: str | Path | None) -> Sou
     tie = getattr(model, "tie_weights", None)
     if callable(tie):  # HF: the config's ties as tensor identity (init_empty_weights leaves them untied)
         tie()
-    reader = HFWeights(checkpoint, model) if checkpoint is not None else None
+    given = checkpoint if callable(getattr(checkpoint, "read", None)) else None
+    reader = HFWeights(checkpoint, model) if checkpoint is not None and given is None else None
     for slot in module_slots(model):
         if slot.is_param and reader is not None:
             reader.check(slot.request())
         elif (not slot.is_param and slot.tensor.is_meta
               and not (slot.persistent and reader is not None and reader.has(slot.names))):
             _recompute(slot, model)  # a ConfigError for a buffer without a rule
-    return reader if reader is not None else SeededInit(model)
+    return given or reader or SeededInit(model)
 
 
 # ---- buffers ---------------------------------------------------------------------------------

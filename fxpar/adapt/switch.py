@@ -1,0 +1,122 @@
+"""Switch a running job to a new plan without a restart: build, move state, swap the optimizer.
+
+1. **Template.**  When adapting starts, the model is copied once with every parameter on the
+   ``meta`` device (:func:`meta_template`: ``copy.deepcopy`` with the parameters pre-seeded in
+   its memo, so no weight is copied; buffers, small, stay real).  A new plan's module is built
+   from a copy of this template on every rank: codegen's meta path allocates only the rank's
+   shard (:mod:`fxpar.codegen.common.materialize`), from :class:`Uninitialised` (no values).
+2. **State.**  :func:`fxpar.checkpoint.reshard_move.reshard` fills the new module's parameters
+   and the optimizer state from the old module's, rank to rank, in memory.
+3. **Optimizer.**  The user's optimizer object stays the one they step: its ``param_groups``
+   get the new module's parameters (each parameter in the group its FQN was in before, on any
+   rank; group settings such as the learning rate unchanged) and its ``state`` the moved
+   tensors.  ZeRO-1 optimizers (``ZeroRedundancyOptimizer``) are refused.
+4. **RNG.**  The host and CUDA generators are saved before and restored after, so the run
+   goes on with the random stream it had (dropout masks, sampling routers).
+
+``migrate_s`` counts all of it: from the last old step to the first new one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.build import build_module
+from fxpar.checkpoint.layout import describe
+from fxpar.checkpoint.reshard import ReshardStats
+from fxpar.checkpoint.reshard_move import reshard
+from fxpar.codegen.common.materialize import Uninitialised
+from fxpar.errors import ConfigError
+from fxpar.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchReport:
+    """What one switch cost on this rank."""
+
+    build_s: float
+    move_s: float
+    migrate_s: float
+    stats: ReshardStats
+    state_bytes: int            # parameter + optimizer-state bytes this rank holds after
+
+
+def meta_template(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter on ``meta`` (ties kept, buffers copied, no weight copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def _group_of_fqn(layout: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """FQN → index of the optimizer group that holds it, agreed over every rank."""
+    ids = layout.by_id()
+    mine = {ids[id(p)].fqn: g for g, group in enumerate(optimizer.param_groups)
+            for p in group["params"] if id(p) in ids}
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out: dict[str, int] = {}
+    for held in every:
+        for fqn, g in held.items():
+            out[fqn] = min(g, out.get(fqn, g))
+    return out
+
+
+def _regroup(optimizer: torch.optim.Optimizer, new_layout: Any, groups: dict[str, int]) -> None:
+    """Point ``optimizer``'s groups at the new parameters (by FQN), with empty state."""
+    members: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for lp in new_layout.params:
+        if lp.param.requires_grad:
+            members[groups.get(lp.fqn, 0)].append(lp.param)
+    optimizer.param_groups = [dict(group, params=params) for group, params in zip(optimizer.param_groups, members)]
+    optimizer.state = defaultdict(dict)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan,
+                  template: torch.nn.Module, *, rank: int, example_inputs: Any, device: torch.device,
+                  build_options: dict[str, Any]) -> tuple[torch.nn.Module, SwitchReport]:
+    """The module of ``plan`` on this rank, holding ``old``'s values and, in ``optimizer``
+    (changed in place), its state (module docstring).  Collective over the default group."""
+    if optimizer is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        raise ConfigError("fxpar adapt: a ZeroRedundancyOptimizer cannot be moved to a new plan; build a plain "
+                          "optimizer (torch.optim.AdamW(pmodel.parameters())) for an adaptive run")
+    start, rng = time.perf_counter(), _rng_state()
+    old_layout = describe(old)
+    groups = _group_of_fqn(old_layout, optimizer) if optimizer is not None else {}
+    new = build_module(meta_template(template), plan, rank, example_inputs, device=device,
+                       checkpoint=Uninitialised(), **build_options)
+    built = time.perf_counter()
+    new_layout = describe(new)
+    old_view = SimpleNamespace(state=optimizer.state) if optimizer is not None else None
+    if optimizer is not None:
+        _regroup(optimizer, new_layout, groups)
+    stats = reshard(old_layout, old_view, new_layout, optimizer, device)  # type: ignore[arg-type]
+    _set_rng_state(rng)
+    done = time.perf_counter()
+    held = sum(lp.param.numel() * lp.param.element_size() for lp in new_layout.params)
+    if optimizer is not None:
+        held += sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim())
+    return new, SwitchReport(build_s=built - start, move_s=done - built, migrate_s=done - start, stats=stats,
+                             state_bytes=held)

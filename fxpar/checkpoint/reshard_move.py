@@ -1,0 +1,172 @@
+"""The move of :mod:`fxpar.checkpoint.reshard`: exchange holdings, plan, pack, send, unpack.
+
+Collective over the default process group (every rank calls :func:`reshard` with its old and new
+module's layouts).  Per (sender, receiver) one byte buffer carries, for each transfer of the plan
+in order, the parameter's region and then the region of each optimizer-state tensor shaped like
+it (the sender's state names, which the receiver knows from the exchanged holdings), each segment
+padded to 16 bytes so that the receiver can view it as its dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.checkpoint.layout import Layout, LocalParam
+from fxpar.checkpoint.reshard import (
+    ALIGN,
+    Holding,
+    ReshardStats,
+    Transfer,
+    holdings,
+    plan_transfers,
+    region_view,
+    volume,
+)
+from fxpar.errors import CheckpointError
+
+
+def _dtype(name: str) -> torch.dtype:
+    """``torch.float32`` from ``"torch.float32"``."""
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _kinds(holding: Holding) -> list[tuple[str, torch.dtype]]:
+    """What travels per region of this FQN: the parameter, then its shaped state."""
+    return [("param", _dtype(holding.dtype))] + [(k, _dtype(d)) for k, d in holding.state]
+
+
+def _tensor(lp: LocalParam, optimizer: torch.optim.Optimizer | None, kind: str) -> torch.Tensor:
+    if kind == "param":
+        return lp.param
+    assert optimizer is not None
+    return optimizer.state[lp.param][kind]
+
+
+def _new_state(new: Layout, optimizer: torch.optim.Optimizer | None, old: list[dict[str, Holding]]) -> None:
+    """Empty optimizer state for every new parameter, shaped as the old holders' (0-d state set)."""
+    if optimizer is None:
+        return
+    for lp in new.params:
+        held = next((h[lp.fqn] for h in old if lp.fqn in h and (h[lp.fqn].state or h[lp.fqn].scalars)), None)
+        if held is None:
+            continue
+        state = {k: torch.zeros(lp.param.shape, dtype=_dtype(d), device=lp.param.device) for k, d in held.state}
+        for k, value, d, on_param in held.scalars:
+            state[k] = torch.tensor(value, dtype=_dtype(d), device=lp.param.device if on_param else "cpu")
+        optimizer.state[lp.param] = state
+
+
+def _pack(transfers: list[Transfer], me: int, peer: int, old_held: dict[str, Holding],
+          old: dict[str, LocalParam], optimizer: Any, device: torch.device) -> torch.Tensor | None:
+    """The byte buffer this rank sends ``peer`` (None: nothing)."""
+    parts: list[torch.Tensor] = []
+    for t in transfers:
+        if t.src != me or t.dst != peer:
+            continue
+        for kind, _ in _kinds(old_held[t.fqn]):
+            region = region_view(old[t.fqn], _tensor(old[t.fqn], optimizer, kind), (t.offsets, t.sizes))
+            flat = region.detach().reshape(-1).contiguous().view(torch.uint8)
+            pad = _padded(flat.numel()) - flat.numel()
+            parts += [flat.to(device), torch.zeros(pad, dtype=torch.uint8, device=device)]
+    return torch.cat(parts) if parts else None
+
+
+def _recv_size(transfers: list[Transfer], me: int, peer: int, sender: dict[str, Holding]) -> int:
+    """Bytes this rank receives from ``peer``."""
+    return sum(_padded(volume(t.sizes) * d.itemsize) for t in transfers if t.src == peer and t.dst == me
+               for _, d in _kinds(sender[t.fqn]))
+
+
+def _unpack(buffer: torch.Tensor, transfers: list[Transfer], me: int, peer: int, sender: dict[str, Holding],
+            new: dict[str, LocalParam], optimizer: Any) -> None:
+    """Copy the regions of ``buffer`` (from ``peer``) into this rank's new tensors."""
+    at = 0
+    for t in transfers:
+        if t.src != peer or t.dst != me:
+            continue
+        for kind, dtype in _kinds(sender[t.fqn]):
+            n = volume(t.sizes) * dtype.itemsize
+            values = buffer[at:at + n].view(dtype).view(t.sizes)
+            at += _padded(n)
+            if kind == "param" or (optimizer is not None and kind in optimizer.state.get(new[t.fqn].param, {})):
+                region_view(new[t.fqn], _tensor(new[t.fqn], optimizer, kind), (t.offsets, t.sizes)).copy_(values)
+
+
+def _copy_local(transfers: list[Transfer], me: int, old_held: dict[str, Holding], old: dict[str, LocalParam],
+                new: dict[str, LocalParam], old_optim: Any, new_optim: Any) -> int:
+    """Regions this rank keeps: copied from its old tensors to its new ones; bytes copied."""
+    copied = 0
+    for t in transfers:
+        if t.src != me or t.dst != me:
+            continue
+        for kind, dtype in _kinds(old_held[t.fqn]):
+            if kind != "param" and kind not in new_optim.state.get(new[t.fqn].param, {}):
+                continue
+            box = (t.offsets, t.sizes)
+            source = region_view(old[t.fqn], _tensor(old[t.fqn], old_optim, kind), box)
+            region_view(new[t.fqn], _tensor(new[t.fqn], new_optim, kind), box).copy_(source)
+            copied += volume(t.sizes) * dtype.itemsize
+    return copied
+
+
+def reshard(old: Layout, old_optim: torch.optim.Optimizer | None, new: Layout,
+            new_optim: torch.optim.Optimizer | None, device: torch.device) -> ReshardStats:
+    """Fill ``new``'s parameters (and ``new_optim``'s state, created here) from ``old``'s on every
+    rank (collective over the default group; :mod:`fxpar.checkpoint.reshard`)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    me, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    mine = (holdings(old, old_optim), holdings(new, None))
+    gathered: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    olds, news = [g[0] for g in gathered], [g[1] for g in gathered]
+    transfers = plan_transfers(olds, news)
+    if new_optim is None and old_optim is not None or new_optim is not None and old_optim is None:
+        raise CheckpointError("reshard: pass both optimizers or neither")
+    _new_state(new, new_optim, olds)
+    old_params, new_params = {lp.fqn: lp for lp in old.params}, {lp.fqn: lp for lp in new.params}
+    with torch.no_grad():
+        local = _copy_local(transfers, me, olds[me], old_params, new_params, old_optim,
+                            new_optim if new_optim is not None else _NoState())
+        sent, received = _exchange(transfers, me, world, olds, old_params, new_params, old_optim, new_optim, device)
+    return ReshardStats(sent_bytes=sent, received_bytes=received, local_bytes=local,
+                        transfers=sum(1 for t in transfers if me in (t.src, t.dst)))
+
+
+class _NoState:
+    """Stands in for a missing optimizer: holds no state."""
+
+    state: dict[Any, Any] = {}
+
+
+def _exchange(transfers: list[Transfer], me: int, world: int, olds: list[dict[str, Holding]],
+              old_params: dict[str, LocalParam], new_params: dict[str, LocalParam], old_optim: Any,
+              new_optim: Any, device: torch.device) -> tuple[int, int]:
+    """Send and receive every peer's buffer with one ``batch_isend_irecv``; bytes sent, received."""
+    ops, inbox, sent = [], {}, 0
+    for peer in range(world):
+        if peer == me:
+            continue
+        out = _pack(transfers, me, peer, olds[me], old_params, old_optim, device)
+        if out is not None:
+            ops.append(dist.P2POp(dist.isend, out, peer))
+            sent += out.numel()
+        size = _recv_size(transfers, me, peer, olds[peer])
+        if size:
+            inbox[peer] = torch.empty(size, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for peer, buffer in inbox.items():
+        _unpack(buffer, transfers, me, peer, olds[peer], new_params, new_optim)
+    return sent, sum(b.numel() for b in inbox.values())

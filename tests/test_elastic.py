@@ -1,0 +1,29 @@
+"""A lost node under elastic torchrun: the job re-plans for the ranks left and resumes from the
+last background checkpoint (``examples/train_elastic.py`` via ``benchmarks/elastic.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.elastic import reference_losses, run_elastic
+from tests.parity import check_loss, expect
+
+pytestmark = [pytest.mark.multirank, pytest.mark.full]  # subprocess jobs: the full suite
+STEPS, EVERY, BATCH, SEQ = 14, 2, 12, 32
+
+
+def test_a_lost_node_re_plans_for_three_ranks_and_resumes_from_the_last_checkpoint(tmp_path):
+    run = run_elastic(tmp_path, steps=STEPS, every=EVERY, kill_after=6)
+    assert run["worlds"] == [4, 3], run["agent_logs"]
+    assert sorted(c for c in run["return_codes"] if c is not None)[-3:] == [0, 0, 0], run["agent_logs"]
+    # at most EVERY steps (and the one in flight) are lost, and the job resumes at a checkpoint
+    assert run["resumed_step"] % EVERY == 0
+    assert 0 <= run["steps_lost"] <= EVERY, run
+    final: dict[int, float] = {}
+    for r in run["records"]:
+        if "loss" in r:
+            final[r["step"]] = r["loss"]  # the last job's loss for each step
+    assert sorted(final) == list(range(STEPS))
+    reference = reference_losses(STEPS, BATCH, SEQ)
+    for step in range(STEPS):  # 4 ranks before, 3 after: the same losses as one process
+        expect(check_loss(final[step], reference[step]), context=f"step {step}")

@@ -1,0 +1,51 @@
+"""``examples/train_trainer.py`` under ``adapt:`` with every rank's busy time *injected* (run by
+torchrun from tests/test_integrations.py).
+
+The test checks that the adaptive module reacts to what it measures, not to how this machine's
+timing came out: each rank reports ``predicted_busy_s / speed``, what a device of its current
+emulated speed takes for its part of the current plan (the example's ``--slow-down`` callback
+changes the speed mid-run), through :attr:`fxpar.adapt.AdaptiveModule.measure_busy`.
+Everything else is the example, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_trainer.py"
+
+
+def modeled_busy(pmodel):
+    """``step -> seconds`` for this rank: the current plan's prediction at its emulated speed."""
+    rank = dist.get_rank()
+
+    def busy(step: int) -> float:
+        return pmodel.plan.ranks[rank].predicted_busy_s / pmodel.emulator.speed
+    return busy
+
+
+def main() -> None:
+    spec = importlib.util.spec_from_file_location("train_trainer_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    class InjectedBusyCallback(example.FxparCallback):
+        def attach(self, pmodel, max_microbatches=None):
+            super().attach(pmodel, max_microbatches)
+            pmodel.measure_busy = modeled_busy(pmodel)
+
+        @property
+        def events(self):
+            return getattr(self.monitor.pmodel, "events", [])
+
+    example.FxparCallback = InjectedBusyCallback  # what the example's main() instantiates
+    example.main()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()

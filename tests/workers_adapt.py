@@ -1,0 +1,122 @@
+"""Adaptive-training workers that run inside spawned gloo ranks (module level, so they pickle)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.adapt.switch import meta_template, switch_module
+from fxpar.checkpoint.layout import describe
+from fxpar.checkpoint.reshard import entry_boxes, region_view
+from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.tracing.hf import ModelSpec, build_model
+from tests.parity import snapshot, trajectory_gaps
+from tests.workers import TINY_CONFIGS, global_batch
+
+BATCH, SEQ = 8, 16
+CONFIG = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
+
+
+def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int) -> fxpar.Plan:
+    """The hand plan of a switch target: "pp" (2 stages of 2 blocks, 2 micro-batches),
+    "sharded" (ZeRO-3, uneven batch and state), "tp" (one KV group per rank), "interleaved"
+    (4 one-block stages over 2 ranks), "ep" (a Mixtral's 4 experts split 3:1)."""
+    if kind == "pp":
+        return pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=[2, 2], num_microbatches=2)
+    if kind == "sharded":
+        return sharded_data_parallel_plan(cluster, batch_split=[5, 3], state_split=[3, 1], shard_stage=3)
+    if kind == "tp":
+        return tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[1, 1])
+    if kind == "interleaved":  # 4 stages of one block, rank 0 runs stages 0 and 2
+        return interleaved_plan(model, cluster, global_batch=BATCH, blocks_per_stage=[1, 1, 1, 1],
+                                stage_ranks=[0, 1, 0, 1], num_microbatches=2)
+    if kind == "ep":  # uneven experts: 3 on rank 0, 1 on rank 1
+        return expert_parallel_plan(model, cluster, global_batch=BATCH, expert_split=[3, 1], batch_shares=[5, 3])
+    raise ValueError(kind)
+
+
+def _boxes(pm: torch.nn.Module, reference: dict, initial: dict) -> list:
+    """(name, this rank's piece, the reference's and the initial weights' same piece) per box."""
+    out = []
+    for lp in describe(pm).params:
+        for (offsets, sizes), _ in entry_boxes(lp):
+            cut = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            out.append((f"{lp.fqn}{list(offsets)}", region_view(lp, lp.param, (offsets, sizes)),
+                        reference[lp.fqn][cut], initial[lp.fqn][cut]))
+    return out
+
+
+def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None) -> dict[str, Any]:
+    """Train ``steps`` AdamW steps starting under uneven data parallelism, switching to
+    ``switches[k]`` before step ``k``; per step the loss and the reference's (one process, same
+    batches), at the end the trajectory gaps of every box this rank holds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=config or CONFIG), device="cpu", seed=0,
+                        attn_implementation="eager").train()
+    reference, template = copy.deepcopy(model), meta_template(model)
+    initial = snapshot(reference)
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0, 0.6][:world])
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, strategies=["data_parallel"])
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": [], "switches": []}
+    for k in range(steps):
+        if k in switches:
+            plan = _plan(switches[k], template, cluster, world)
+            pm, report = switch_module(pm, opt, plan, template, rank=rank, example_inputs=data[0],
+                                       device=torch.device("cpu"),
+                                       build_options=dict(group=None, loss_fn=None, loss_weighting="auto",
+                                                          emulate=False))
+            out["switches"].append({"step": k, "to": plan.strategy, "sent": report.stats.sent_bytes,
+                                    "received": report.stats.received_bytes, "local": report.stats.local_bytes,
+                                    "state_bytes": report.state_bytes, "migrate_s": report.migrate_s})
+        loss = pm.step(data[k])
+        ref_loss = reference(**data[k], use_cache=False).loss
+        ref_loss.backward()
+        out["losses"].append((float(loss), float(ref_loss)))
+        out["kinds"].append(pm.plan.strategy)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    ref_params = dict(reference.named_parameters())
+    out["weights"] = trajectory_gaps(_boxes(pm, ref_params, initial))
+    out["n_state"] = sum(len(s) for s in opt.state.values())
+    return out
+
+
+def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib: float,
+                 strategies: list[str]) -> dict[str, Any]:
+    """``fxpar.auto(..., adapt=...)`` on a 4-block Llama with emulated speeds that change
+    (``speeds_at``: (from step, rank, speed)); the events, the plan kinds per step, and the
+    losses against one process on the same batches."""
+    from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    reference = copy.deepcopy(model)
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size(), memory_gib=memory_gib)
+    options = Adapt(policy=AdaptPolicy(strategies=tuple(strategies), horizon_steps=1000),
+                    detector=DetectorSettings(min_steps=3, calibration_steps=2), timeline=SpeedTimeline(tuple(speeds_at)),
+                    total_steps=steps)
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=strategies, adapt=options)
+    opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": []}
+    for k in range(steps):
+        loss = pm.step(data[k])
+        ref_loss = reference(**data[k], use_cache=False).loss
+        ref_loss.backward()
+        out["losses"].append((float(loss.detach()), float(ref_loss.detach())))
+        out["kinds"].append(pm.plan.strategy)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
+    out["events"] = pm.events
+    return out
