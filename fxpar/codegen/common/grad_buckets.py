@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.runtime.distributed import wait_work
 from fxpar.runtime.emulation import SegmentClock
 
 
@@ -112,8 +113,8 @@ class GradientBuckets:
         dtype = self.params[0].dtype if self.params else torch.float32
         loss = loss_sum.to(dtype).reshape(1).clone()
         self._works.append(dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
-        for w in self._works:
-            w.wait()
+        for w in self._works:  # bounded by the job's collective timeout (gloo)
+            wait_work(w, loss.device)
         for bucket, flat in zip(self.buckets, self._flats):
             offset = 0
             for p in bucket:

@@ -39,6 +39,7 @@ from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
+from fxpar.runtime.distributed import new_group
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.sim.interleaved import check_placement, lockstep_order
 from fxpar.tracing.structure import block_paths
@@ -102,8 +103,8 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.tp_group = self.tp_position = None
         self._owners: dict = {}  # the pipelines share their cuts: one group per position
         self.is_lead, self._sharded, self._link = True, False, None
-        groups = [dist.new_group(r) for r in pipes]  # every rank creates every group, in order
-        dp = [dist.new_group([pipes[p][k] for p in range(P)]) for k in range(len(pipes[0]))]
+        groups = [new_group(r) for r in pipes]  # every rank creates every group, in order
+        dp = [new_group([pipes[p][k] for p in range(P)]) for k in range(len(pipes[0]))]
         self.pp_group = self.pipe_group = groups[self.pipeline_index]
         self.dp_group = dp[self.position]
         self._stage_replicas = (tuple(pipes[p][self.position] for p in range(P)), self.dp_group)
@@ -161,7 +162,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
             if len(positions) < 2:
                 continue
             first[name] = positions[0]
-            groups = [dist.new_group([pipes[p][k] for k in positions]) for p in range(len(pipes))]
+            groups = [new_group([pipes[p][k] for k in positions]) for p in range(len(pipes))]
             if self.position in positions:
                 ties.append(TiedParam(name, mine[name], positions[0], groups[self.pipeline_index]))
         return ties, first

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.plan import Plan, StagePlan
+from fxpar.runtime.distributed import new_group
 from fxpar.tracing.structure import block_path
 
 
@@ -40,7 +41,7 @@ def owner_groups(plan: Plan, blocks: list[str], stage_of: list[list[int]], chain
     if not own_cuts(plan):
         return {}
     owners = {b: tuple(chain(q)[stage_of[q][l]] for q in range(plan.pipelines)) for l, b in enumerate(blocks)}
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(set(owners.values()))}
+    groups = {ranks: new_group(list(ranks)) for ranks in sorted(set(owners.values()))}
     return {b: (ranks, groups[ranks]) for b, ranks in owners.items()}
 
 

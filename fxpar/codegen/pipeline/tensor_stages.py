@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import PlanError
+from fxpar.runtime.distributed import new_group
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
@@ -101,12 +102,12 @@ class PipelineGroups:
 
 def make_groups(layout: PipelineLayout, rank: int) -> PipelineGroups:
     stage, pipe, pos = layout.where(rank)
-    chains = [dist.new_group(layout.chain(p)) for p in range(layout.pipelines)]
-    dps = {(j, t): dist.new_group(layout.dp_ranks(j, t))
+    chains = [new_group(layout.chain(p)) for p in range(layout.pipelines)]
+    dps = {(j, t): new_group(layout.dp_ranks(j, t))
            for j, u in enumerate(layout.widths) for t in range(u)}
-    tps = {(j, p): dist.new_group(layout.tp_ranks(j, p))
+    tps = {(j, p): new_group(layout.tp_ranks(j, p))
            for j, u in enumerate(layout.widths) if u > 1 for p in range(layout.pipelines)}
-    pipes = ([dist.new_group(layout.pipeline_ranks(p)) for p in range(layout.pipelines)]
+    pipes = ([new_group(layout.pipeline_ranks(p)) for p in range(layout.pipelines)]
              if layout.tensor_parallel else chains)
     return PipelineGroups(chain=chains[pipe] if pos == 0 else None, dp=dps[(stage, pos)],
                           tp=tps.get((stage, pipe)), pipeline=pipes[pipe])

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.codegen.common.shards import place, shard_spec, take
+from fxpar.runtime.distributed import new_group
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ def tied_params(modules, canonical: dict[str, str], layout, stage: int, pipeline
         if len(stages) < 2:
             continue
         first[name] = stages[0]
-        groups = [dist.new_group([layout.chain(p)[j] for j in stages]) for p in range(layout.pipelines)]
+        groups = [new_group([layout.chain(p)[j] for j in stages]) for p in range(layout.pipelines)]
         if stage in stages:
             ties.append(TiedParam(name, mine[name], stages[0], groups[pipeline] if is_lead else None))
     return ties, first
