@@ -14,7 +14,8 @@ infeasible).  Arms, every one under the same timeline and emulation:
 
 Per arm the mean step (slowest rank's wall time) before, during and after the straggler; for
 ``adapt`` the time to detect (step times from the slowdown to the decision), re-plan, migrate,
-and the bytes moved per rank against the state each rank holds.
+and the bytes moved per rank against the state each rank holds.  Last, a 4 → 3 node loss under
+elastic torchrun (:mod:`benchmarks.elastic`): the steps lost and the time to resume.
 ``python -m benchmarks --suite adapt [--quick]`` or ``python -m benchmarks.adapt``.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 import fxpar
 from benchmarks.common import finish
+from benchmarks.elastic import run_elastic
 from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
 from fxpar.errors import InfeasibleError
 from fxpar.runtime import WorkerPool
@@ -43,6 +46,8 @@ CONFIG = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hi
               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 WORLD, BATCH, SEQ, SLOW_RANK, SLOW_SPEED = 4, 16, 32, 2, 0.3
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
+#: the elastic example's sleep per step (the node is lost while steps run)
+ELASTIC_DELAY_S = 0.1
 
 
 def _model() -> torch.nn.Module:
@@ -134,10 +139,11 @@ def _row(s: dict[str, Any]) -> list[Any]:
     moved = max(s["bytes_moved_per_rank"]) if s["bytes_moved_per_rank"] else 0
     return [s["scenario"], "yes" if s["dp_fits"] else "no", ms(s["keep"]["before_s"]), ms(s["keep_plan_step_s"]),
             ms(s["rebalance_step_s"]), ms(s["adapt_step_s"]), ms(s["fresh_plan_step_s"]),
-            f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x", ms(a["after_s"]),
+            f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x", f"{s['adapt_step_s'] / s['fresh_plan_step_s']:.2f}",
+            ms(a["after_s"]),
             f"{s['detect_s']:.2f}" if s["detect_s"] is not None else "-",
             f"{s['replan_s']:.2f}" if s["replan_s"] is not None else "-",
-            f"{s['migrate_s']:.2f}" if s["migrate_s"] is not None else "-",
+            f"{s['migrate_s']:.2f} ({s['migrate_s'] / s['adapt_step_s']:.1f} steps)" if s["migrate_s"] is not None else "-",
             f"{moved / 2**20:.2f} / {(s['state_bytes_per_rank'] or 0) / 2**20:.2f}",
             "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
 
@@ -152,13 +158,26 @@ def main(argv: list[str] | None = None) -> dict:
     tight = next((c for c in caps if not dp_fits(c)), caps[-1])
     with WorkerPool(WORLD, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         runs = [scenario(pool, "dp fits", 8.0, phases), scenario(pool, "dp does not fit", tight, phases)]
+    print("--- elastic: 4 -> 3 nodes", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        lost = run_elastic(Path(d), step_delay=ELASTIC_DELAY_S)
+    elastic = {k: lost[k] for k in ("worlds", "resumed_step", "steps_done_before_loss", "steps_lost", "resume_s",
+                                   "load_s")}
+    steps = [r for r in lost["records"] if "loss" in r]
+    elastic["step_s"] = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:])
+                                          if b["world"] == a["world"] and b["step"] == a["step"] + 1)
+    print(f"elastic 4 -> 3 nodes: resumed at step {elastic['resumed_step']}, {elastic['steps_lost']} step(s) lost, "
+          f"first new step {elastic['resume_s']:.1f} s after the loss (checkpoint load {elastic['load_s']:.2f} s; "
+          f"a step takes {elastic['step_s']:.2f} s with its {ELASTIC_DELAY_S} s delay)", flush=True)
     head = ["scenario", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
-            "adapt vs keep", "after ms", "detect s", "replan s", "migrate s", "MiB moved / held per rank", "switches"]
+            "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
+            "MiB moved / held per rank", "switches"]
     caption = (f"Adapting while training (llama 4x128, batch {BATCH}, seq {SEQ}, {WORLD} gloo CPU ranks, EMULATED "
                f"speeds): rank {SLOW_RANK} slows to {SLOW_SPEED} at step {phases[0]} and recovers at step "
                f"{phases[1]}; mean step of the slowest rank while the straggler lasts")
     return finish("adapt", title="Adapting while training under a straggler (measured, emulated speeds)",
                   caption=caption, head=head, rows=[_row(s) for s in runs], quick=args.quick, runs=runs,
+                  elastic=elastic,
                   phases=list(phases), slow_rank=SLOW_RANK, slow_speed=SLOW_SPEED, out=args.out)
 
 

@@ -155,8 +155,10 @@ class AdaptiveModule(torch.nn.Module):
         return loss
 
     def _clock_busy(self) -> float:
+        """Busy seconds of the current module since it was built (its clock: CUDA events on a GPU)."""
         clock = getattr(self.module, "clock", None)
-        return float(getattr(clock, "busy_total_s", 0.0))
+        busy = getattr(clock, "device_busy_s", None)
+        return float(busy()) if callable(busy) else 0.0
 
     def _gather(self, values: list[float]) -> tuple[list[float], list[float]]:
         """Every rank's ``values`` (busy, wall), as two per-rank lists."""

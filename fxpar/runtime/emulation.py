@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fxpar.errors import ConfigError
 
 
@@ -57,9 +59,13 @@ class SegmentClock:
     for time it spent waiting on the fast one inside collectives).  One per module: the step loop
     (:mod:`fxpar.runtime.step_loop`) runs it around the micro-batches of every kind, whose
     collectives sit inside the forward and backward (tensor, expert parallel) or at each
-    gradient bucket launch (data parallel); the pipeline stages use it the same way."""
+    gradient bucket launch (data parallel); the pipeline stages use it the same way.
 
-    def __init__(self, emulator: SpeedEmulator) -> None:
+    On a CUDA ``device`` the host's clock sees kernel launches, not the work: each compute segment
+    is also bracketed by two CUDA events on the current stream, and :meth:`device_busy_s` sums
+    their elapsed times (what :mod:`fxpar.adapt` reads a GPU rank's busy time from)."""
+
+    def __init__(self, emulator: SpeedEmulator, device: Any = None) -> None:
         self.emulator = emulator
         self.active = False
         self.compute_s = self.emulation_s = self.comm_s = 0.0
@@ -67,11 +73,21 @@ class SegmentClock:
         #: compute + emulated sleep since the clock was made, never reset (a pipeline restarts the
         #: per-step figures at every segment): what :mod:`fxpar.adapt` reads busy time from
         self.busy_total_s = 0.0
+        self._cuda = getattr(device, "type", None) == "cuda"
+        self._segment_start: Any = None
+        self._events: list[tuple[Any, Any]] = []
+        self._device_total_s = 0.0
+
+    def _mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start(self) -> None:
         self.active = True
         self.compute_s = self.emulation_s = self.comm_s = 0.0
         self._last = time.perf_counter()
+        self._segment_start = self._mark() if self._cuda else None
 
     def _close_segment(self) -> None:
         if self.active:
@@ -80,6 +96,9 @@ class SegmentClock:
             self.compute_s += seg
             self.emulation_s += slept
             self.busy_total_s += seg + slept
+            if self._segment_start is not None:
+                self._events.append((self._segment_start, self._mark()))
+                self._segment_start = None
 
     def collective(self, fn: Callable[[], Any]) -> Any:
         self._close_segment()
@@ -87,7 +106,20 @@ class SegmentClock:
         out = fn()
         self._last = time.perf_counter()
         self.comm_s += self._last - t0
+        if self._cuda and self.active:
+            self._segment_start = self._mark()
         return out
+
+    def device_busy_s(self) -> float:
+        """Busy seconds since the clock was made: the CUDA events' elapsed times on a GPU (waits
+        for the last one), :attr:`busy_total_s` elsewhere."""
+        if not self._cuda:
+            return self.busy_total_s
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._device_total_s += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events = []
+        return self._device_total_s
 
     def stop(self) -> None:
         self._close_segment()

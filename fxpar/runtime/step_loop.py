@@ -157,7 +157,7 @@ class StepModule(torch.nn.Module):
         is_hf = hasattr(module, "config")
         self.loss_weighting = ("tokens" if is_hf else "samples") if loss_weighting == "auto" else loss_weighting
         self.emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-        self.clock = SegmentClock(self.emulator)
+        self.clock = SegmentClock(self.emulator, self.device)
         self.last_timing: StepTiming | None = None
         #: fp16 plans: the dynamic loss scale every rank agrees on (None: no scaling)
         self.loss_scaler: DynamicLossScaler | None = scaler_for(plan.dtype)

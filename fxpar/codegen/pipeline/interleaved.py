@@ -109,7 +109,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.dp_group = dp[self.position]
         self._stage_replicas = (tuple(pipes[p][self.position] for p in range(P)), self.dp_group)
         self.chain = [pipes[self.pipeline_index][stage_rank[j]] for j in range(S)]
-        self.emulator, self.clock = rank_clock(plan, rank, emulate)
+        self.emulator, self.clock = rank_clock(plan, rank, emulate, self.device)
 
     def _own_stages(self, model: torch.nn.Module, modules: list[Any], one: dict[str, Any],
                     source: Source | None) -> list[tuple[tuple, tuple]]:

@@ -155,7 +155,7 @@ class PipelineParallelModule(torch.nn.Module):
         self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
         self.pipe_group = groups.pipeline
         self.chain = self.layout.chain(self.pipeline_index)
-        self.emulator, self.clock = rank_clock(plan, rank, emulate)
+        self.emulator, self.clock = rank_clock(plan, rank, emulate, self.device)
         self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index), self.device)
                       if self.tp_width > 1 else None)
 

@@ -63,11 +63,12 @@ def on_device(values: Any, device: torch.device) -> Any:
     return like_on(values, device)
 
 
-def rank_clock(plan: Plan, rank: int, emulate: bool) -> tuple[SpeedEmulator, SegmentClock]:
+def rank_clock(plan: Plan, rank: int, emulate: bool, device: torch.device | None = None
+               ) -> tuple[SpeedEmulator, SegmentClock]:
     """The rank's speed emulator (its plan speed when ``emulate`` and the plan is emulated, else
-    none) and the clock that stretches its compute segments."""
+    none) and the clock that stretches its compute segments (CUDA events on a GPU ``device``)."""
     emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-    return emulator, SegmentClock(emulator)
+    return emulator, SegmentClock(emulator, device)
 
 
 def micro_example(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any]) -> dict[str, Any]:
