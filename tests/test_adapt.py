@@ -41,16 +41,19 @@ def test_switch_dp_pp_sharded_tp_keeps_the_single_process_trajectory(pool2):
 
 @pytest.mark.full
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["mixtral: EP -> ZeRO-3 -> EP", "llama: interleaved -> ZeRO-3 -> interleaved"])
+@pytest.mark.parametrize("case", ["mixtral: EP -> PP -> ZeRO-3 -> EP", "llama: interleaved -> ZeRO-3 -> interleaved"])
 def test_switches_between_expert_interleaved_and_sharded_layouts(pool2, case):
-    """Expert parallelism (a Mixtral's experts 3:1) and an interleaved pipeline (4 one-block
-    stages on 2 ranks) to uneven ZeRO-3 and back, from uneven DP: the same losses and trajectory
-    as one process."""
+    """Expert parallelism (a Mixtral's experts 3:1), its pipeline (built on meta: the stage's
+    token counts take the host's float histc) and an interleaved pipeline (4 one-block stages on
+    2 ranks) to uneven ZeRO-3 and back, from uneven DP: the same losses and trajectory as one
+    process."""
     from tests.workers import TINY_CONFIGS
 
-    kind = "ep" if case.startswith("mixtral") else "interleaved"
-    config = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=4) if kind == "ep" else None
-    results = pool2.run(switch_parity, {2: kind, 4: "sharded", 6: kind}, 9, 1e-3, config)
+    if case.startswith("mixtral"):
+        config, switches = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=4), {2: "ep", 4: "pp", 6: "sharded", 8: "ep"}
+    else:
+        config, switches = None, {2: "interleaved", 4: "sharded", 6: "interleaved"}
+    results = pool2.run(switch_parity, switches, 10, 1e-3, config)
     for r in results:
         for k, (loss, ref) in enumerate(r["losses"]):
             expect(check_loss(loss, ref), context=f"{case}: rank {r['rank']} step {k}")

@@ -97,3 +97,28 @@ def accepts(model: torch.nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
+    """Cast every integer input of ``aten.histc`` to float32 (in ``gm`` and its nested graphs);
+    returns how many.  Models choose the dtype by device (transformers' MoE counts tokens per
+    expert with ``histc`` on int32 off the host, float32 on it), so a stage exported on ``meta``
+    (a meta model) records the int32 path, which the CPU's ``histc`` lacks.  The counts are
+    small integers: equal in float32."""
+    changed = 0
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in list(sub.graph.nodes):
+            if node.target is not torch.ops.aten.histc.default or not isinstance(node.args[0], torch.fx.Node):
+                continue
+            value = node.args[0].meta.get("val")
+            if value is None or value.dtype.is_floating_point:
+                continue
+            with sub.graph.inserting_before(node):
+                cast = sub.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],),
+                                               {"dtype": torch.float32})
+            node.args = (cast, *node.args[1:])
+            changed += 1
+        sub.recompile()
+    return changed

@@ -47,7 +47,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from fxpar.codegen.pipeline.boundaries import StageSpec, loss_name, piece_outputs, stage_specs, value_dtypes
-from fxpar.codegen.pipeline.export import exported_for_split
+from fxpar.codegen.pipeline.export import exported_for_split, float_histc_inputs
 from fxpar.compat import retarget_autocast_region
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.structure import block_path
@@ -96,6 +96,8 @@ class StageModule(torch.nn.Module):
         type.  The tensors themselves are moved (or materialised) separately."""
         device = torch.device(device)
         _retarget(self.piece, device)
+        if device.type == "cpu":  # a piece exported on meta took the accelerator's int32 histc
+            float_histc_inputs(self.piece)
         if self.autocast is not None:
             self.autocast = (device.type, self.autocast[1])
 
