@@ -208,7 +208,7 @@ def test_bad_adapt_options_are_clear_errors():
 
 
 @pytest.mark.full
-def test_single_process_adaptive_module_trains_like_the_plain_one():
+def test_single_process_adaptive_module_trains_like_the_plain_one(tmp_path):
     """One process: the adaptive module's steps equal the plan's module's (nothing to switch)."""
     import copy
 
@@ -229,6 +229,12 @@ def test_single_process_adaptive_module_trains_like_the_plain_one():
         for o in opts:
             o.step(); o.zero_grad()
     assert adaptive.plan.strategy == plain.plan.strategy and adaptive.steps == 3
+    # a checkpoint of the adaptive module is its plan module's: the model's own names
+    from fxpar.checkpoint import read_model_state, save_checkpoint
+
+    path = save_checkpoint(adaptive, opts[1], tmp_path / "ckpt", step=3)
+    saved = read_model_state(path)
+    assert set(saved) == {n for n, _ in twin.named_parameters()}
 
 
 def test_the_clock_accumulates_busy_time_across_steps_and_segments():

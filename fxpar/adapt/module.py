@@ -35,7 +35,7 @@ from fxpar.adapt.decide import AdaptPolicy, Decision, decide, plan_kind, with_fa
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import switch_module
 from fxpar.cluster import Cluster
-from fxpar.errors import RuntimeSetupError
+from fxpar.errors import FxparError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
@@ -92,6 +92,11 @@ class AdaptiveModule(torch.nn.Module):
     @property
     def plan(self) -> Plan:
         return self.module.plan
+
+    @property
+    def parallel_module(self) -> torch.nn.Module:
+        """The current plan's module (what checkpoints describe: :func:`fxpar.checkpoint.describe`)."""
+        return self.module
 
     def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register the optimizer a switch moves (its state follows the parameters).  A decided
@@ -176,7 +181,13 @@ class AdaptiveModule(torch.nn.Module):
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         payload: list[Any] = [None]
         if self.rank == 0:
-            payload[0] = self._decide(factors)
+            try:
+                payload[0] = self._decide(factors)
+            except FxparError as exc:  # e.g. no plan fits the derated cluster: keep this one
+                payload[0] = Decision(switch=False, reason=f"re-planning failed ({exc})", factors=tuple(factors),
+                                      keep_step_s=float("nan"), new_step_s=float("nan"), migrate_s=float("nan"),
+                                      horizon_steps=0, replan_s=0.0, old_kind=plan_kind(self.plan),
+                                      new_kind="-", plan=None)
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]

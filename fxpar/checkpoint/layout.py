@@ -20,7 +20,8 @@ A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever
 
 Modules are recognised by what they are (``plan.strategy``, ``checkpoint_layout()``,
 ``named_original_parameters()``), never by importing codegen: checkpoint sits below codegen in
-the layer order.
+the layer order.  A wrapper that runs one of them (:class:`fxpar.adapt.AdaptiveModule`) names
+it as ``parallel_module``, and is described as that module.
 
 A module describes itself with a ``checkpoint_layout()`` method returning :class:`LocalParam`
 entries (the box of the full tensor it holds); that takes precedence over the rules above and
@@ -124,6 +125,9 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
     if not isinstance(pmodel, torch.nn.Module):
         raise CheckpointError(f"checkpoint: the model has type {type(pmodel).__name__}; pass the "
                               "torch.nn.Module fxpar.auto returned (or a plain model)")
+    inner = getattr(pmodel, "parallel_module", None)  # a wrapper (fxpar.adapt): the plan's module
+    if isinstance(inner, torch.nn.Module) and inner is not pmodel:
+        return describe(inner, distributed=distributed)
     group, distributed = process_group(pmodel, distributed)
     custom = getattr(pmodel, "checkpoint_layout", None)
     if callable(custom):
