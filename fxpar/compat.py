@@ -52,6 +52,13 @@ transformers (checked against 5.23):
   :func:`dispatch_recorder_base`).  torch documents the mode (``__torch_dispatch__``) but keeps
   the class in a private module; checked against torch 2.11 and 2.13.
 
+- ``torch._subclasses.fake_tensor.FakeTensorMode``: runs ops on tensors that have a device and
+  shapes but no values.  A bf16 / fp16 pipeline of a meta model needs its stage boundaries'
+  shapes and dtypes *under the host's autocast* (the meta device has none), without computing
+  or holding the model: the pass runs on unwritten host stand-ins under this mode
+  (:func:`fake_host_mode`).  ``torch.export`` uses the same class; it has no public name
+  (checked against torch 2.11 and 2.13).
+
 The private names are reached through these functions only (``tests/test_private_names.py``
 scans the rest of the package).
 """
@@ -61,6 +68,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.errors import RuntimeSetupError
@@ -169,6 +177,11 @@ def pipeline_stage_class() -> type:
             return super().get_bwd_send_ops(bwd_chunk_id)
 
     return ZeroGradInputsStage
+
+
+def fake_host_mode() -> Any:
+    """A ``FakeTensorMode`` that takes real tensors as inputs (module docstring)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def dispatch_recorder_base() -> type:

@@ -223,20 +223,29 @@ def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 
                                   if not p.is_meta)}
 
 
-def meta_pipeline_in_bf16() -> str:
-    """A bf16 pipeline plan on a meta model: the ConfigError every rank raises (autocast has no
-    meta device, so the stages cannot be exported with its casts)."""
+def meta_pipeline_in_bf16(folder: str) -> dict:
+    """A bf16 pipeline plan on a model built on meta and loaded from ``folder`` (its stages
+    exported on host stand-ins, under the host's autocast) against the same plan on the real
+    model: the two steps' losses and this rank's gradients."""
     import dataclasses
 
     from fxpar.codegen.hand_plans import pipeline_plan
 
-    world = dist.get_world_size()
-    model = build_model(ModelSpec(hf_config=tiny_config("gpt2", 2)), device="meta", attn_implementation="eager")
-    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[1, 1],
-                         num_microbatches=2)
-    try:
-        fxpar.auto(model.train(), fxpar.Cluster.emulated([1.0] * world), global_batch(model, 8, 16),
-                   plan=dataclasses.replace(plan, dtype="bf16"), emulate=False)
-    except fxpar.ConfigError as exc:
-        return str(exc)
-    return "no error"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        write_checkpoint(folder, "llama", 2)
+    dist.barrier()
+    meta = build_meta_model(folder).train()
+    real = build_model(ModelSpec(hf_config=tiny_config("llama", 2)), device="cpu", seed=0,
+                       attn_implementation=attn_implementation(meta)).train()  # the same kernels
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    plan = dataclasses.replace(pipeline_plan(real, cluster, global_batch=8, blocks_per_stage=[1, 1],
+                                             num_microbatches=2), dtype="bf16")
+    data = global_batch(real, 8, 16)
+    out: dict = {"rank": rank}
+    for name, model, ckpt in (("meta", meta, folder), ("real", real, None)):
+        pm = fxpar.auto(model, cluster, data, plan=plan, emulate=False, checkpoint=ckpt)
+        out[name] = float(pm.step(data))
+        out[name + "_grads"] = {f: p.grad.detach().clone() for f, p in pm.named_original_parameters()}
+        out[name + "_meta_left"] = sum(1 for _, p in pm.named_original_parameters() if p.is_meta)
+    return out

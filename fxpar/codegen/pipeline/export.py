@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator, Sequence
 from typing import Any, Mapping
 
 import torch
@@ -122,3 +123,63 @@ def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
             changed += 1
         sub.recompile()
     return changed
+
+
+@contextlib.contextmanager
+def host_stand_ins(model: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, every ``meta`` parameter of ``model`` is an *unwritten* host tensor
+    of its shape and dtype (``torch.empty``: address space, no page is touched: the export only
+    reads shapes), so a mixed-precision stage is exported under the host's autocast, with the
+    model's own autocast regions (float32 rotary tables), as for a real model; the meta
+    parameters come back after, ties included (one stand-in per tensor).  Then
+    :func:`meta_stage_tensors` gives the stages the meta tensors again."""
+    slots = [(mod, name, p) for mod in model.modules() for name, p in mod._parameters.items()
+             if p is not None and p.is_meta]
+    stand_in: dict[int, torch.nn.Parameter] = {}
+    for mod, name, p in slots:
+        if id(p) not in stand_in:
+            stand_in[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"),
+                                                 requires_grad=p.requires_grad)
+        mod._parameters[name] = stand_in[id(p)]
+    try:
+        yield
+    finally:
+        for mod, name, p in slots:
+            mod._parameters[name] = p
+
+
+@contextlib.contextmanager
+def stage_stand_ins(stages: Sequence[Any]) -> Iterator[None]:
+    """While the block runs, every meta tensor of the stage modules is an unwritten host tensor
+    (one per tensor), as :func:`host_stand_ins` does for the model."""
+    swapped, stand_in = [], {}
+    for stage in stages:
+        for _, safe, t in stage.named_tensors():
+            if t.is_meta and safe in stage._parameters:
+                if id(t) not in stand_in:
+                    stand_in[id(t)] = torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu"),
+                                                         requires_grad=t.requires_grad)
+                swapped.append((stage, safe, t))
+                stage._parameters[safe] = stand_in[id(t)]
+    try:
+        yield
+    finally:
+        for stage, safe, t in swapped:
+            stage._parameters[safe] = t
+
+
+def meta_stage_tensors(stages: Sequence[Any], model: torch.nn.Module) -> None:
+    """Every stage tensor that stands in for a meta parameter (:func:`host_stand_ins`) becomes
+    that parameter again, found by its original name."""
+    meta = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+    for stage in stages:
+        for fqn, safe, t in stage.named_tensors():
+            if fqn in meta and not t.is_meta:
+                stage._parameters[safe] = meta[fqn]
+
+
+def shape_on_meta(value: Any) -> Any:
+    """A tensor (a fake one included) as a meta tensor of its shape, dtype and grad flag."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(tuple(value.shape), dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.codegen.common.grad_norm import clip_by_global_norm
-from fxpar.codegen.common.materialize import Source, is_meta_model, weights_source
+from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
 from fxpar.codegen.pipeline.replicas import (
     broadcast_first_pipeline,
     owner_groups,
@@ -54,6 +54,7 @@ from fxpar.codegen.pipeline.replicas import (
 )
 from fxpar.codegen.pipeline.batches import check_pipeline_batch
 from fxpar.codegen.pipeline.eager import cut_stages
+from fxpar.codegen.pipeline.export import host_stand_ins, meta_stage_tensors, shape_on_meta, stage_stand_ins
 from fxpar.codegen.pipeline.stage_setup import (
     check_process_group,
     check_tp_stages,
@@ -84,11 +85,12 @@ from fxpar.codegen.pipeline.tensor_stages import (
     wrap_stage,
 )
 from fxpar.codegen.tensor.module import shard_model
-from fxpar.errors import ConfigError, PlanError
+from fxpar.compat import fake_host_mode
+from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.batch_checks import IGNORE_INDEX
-from fxpar.runtime.device import broadcast_state, plan_rank_device
+from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.optim import make_optimizer
@@ -180,7 +182,7 @@ class PipelineParallelModule(torch.nn.Module):
         self.module = modules[self.stage_index]
         self.module.checkpointing = wants_checkpointing(self.plan, self.stage_index)
         # boundary shapes from one pass over the chain (meta: shapes only), before materialising
-        stage_in, stage_out = example_values(modules, tuple(one[n] for n in self.input_names))[self.stage_index]
+        stage_in, stage_out = self._boundaries(modules, tuple(one[n] for n in self.input_names))
         place_stages([self.module], model, self._canonical, self.device, source)  # this rank's stage only
         self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
@@ -189,6 +191,16 @@ class PipelineParallelModule(torch.nn.Module):
         stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
         return stage_in, stage_out
+
+    def _boundaries(self, modules: list[Any], inputs: tuple) -> tuple[tuple, tuple]:
+        """This rank's stage's example inputs and outputs.  Stages a low-precision plan exported
+        from a meta model on host stand-ins pass over the chain the same way, fake (shapes and
+        dtypes under the host's autocast, no values: :func:`fxpar.compat.fake_host_mode`)."""
+        if not self._host_exported:
+            return example_values(modules, inputs)[self.stage_index]
+        with stage_stand_ins(modules), fake_host_mode():
+            found = example_values(modules, like_on(inputs, HOST))[self.stage_index]
+        return tuple(tuple(shape_on_meta(t) for t in part) for part in found)
 
     def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str], *,
                          broadcast: bool = True) -> None:
@@ -288,13 +300,14 @@ class PipelineParallelModule(torch.nn.Module):
         need: the traced inputs' dtypes and per-sample shapes (the stages' buffers are built for
         them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
-        if low is not None and is_meta_model(model):  # same verdict on every rank
-            raise ConfigError(
-                f"{type(self).__name__}: a {self.plan.dtype} pipeline cannot be cut from a model on the meta "
-                "device: the stages are exported under the autocast of the model's device, and the meta "
-                "device has none, so the export would miss the model's own autocast regions (float32 "
-                "rotary tables); plan this model with dtype='fp32', or pass a real model")
-        modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low)
+        self._host_exported = low is not None and is_meta_model(model)
+        if self._host_exported:  # exported on host stand-ins (their docstring)
+            with host_stand_ins(model):
+                modules, self.input_names = cut_stages(model, like_on(one, HOST), stage_of, len(self.plan.stages),
+                                                       autocast=low)
+            meta_stage_tensors(modules, model)
+        else:
+            modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
