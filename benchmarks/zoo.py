@@ -17,7 +17,7 @@ documented module-level name, no underscore) and for each:
 6. ``tp``: uneven tensor-parallel parity (key/value groups 3:1 — of 4, or in proportion for
    more — when the type has at least 4, else 1:1, not uneven, noted), loss and every gathered gradient vs one process.  The projections are
    read from the traced graph (:mod:`fxpar.tracing.tensor_parallel.analysis`); a block it refuses (q/k norms
-   over the whole projection, ALiBi, multi-head latent attention, no attention at all) fails
+   over the whole projection, a fused single-K/V-head projection, no attention at all) fails
    with the block and the reason recorded.
 
 ``--columns tp`` runs only the tensor-parallel column (trace and plan still run).  ``--update

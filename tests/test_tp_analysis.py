@@ -3,7 +3,7 @@
 block's query / key / value projections (separate, fused ``[q | k | v]``, per-head interleaved),
 grouped key/value heads, the output projection, the MLP's up / gate / down (fused
 ``[gate | up]`` too), the rows a rank owning some key/value groups keeps, and refuses — naming
-the block and the cause — what it cannot prove (ALiBi).  Multi-head latent attention (the
+the block and the cause — what it cannot prove (a fused single-K/V-head projection).  Multi-head latent attention (the
 replicated down projections and the head-shared rotary key) and gated attention outputs (a
 gate per head, or a per-head slice of the query projection) are split with their heads.
 The planner's ``LayerInfo.tensor_parallel`` is the same analysis.  Then uneven (3:1) tensor
@@ -172,13 +172,12 @@ def test_a_projection_pair_inside_another_module_gets_its_own_copies():
 
 
 def test_refused_blocks_name_the_block_and_the_cause():
-    diff = analyze_model(_model("diffllama"))   # differential attention pairs head h with head h + H/2
-    assert diff.splittable() == frozenset()
-    reason = diff.refused()[0].reason
-    assert reason.startswith("block model.layers.0: scaled_dot_product_attention at node") and "trace back" in reason
-    bloom = analyze_model(_model("bloom", "eager"))
-    assert bloom.refused() and all(b.reason.startswith(f"block {b.path}:") for b in bloom.refused())
-    assert "ALiBi" in bloom.refused()[0].reason
+    falcon = analyze_model(_model("falcon"))   # one fused query/key/value projection, one K/V head
+    assert falcon.splittable() == frozenset()
+    reason = falcon.refused()[0].reason
+    assert reason.startswith("block transformer.h.0: scaled_dot_product_attention at node") and "trace back" in reason
+    bloom = analyze_model(_model("bloom", "eager"))  # ALiBi: a per-head bias sliced with its heads
+    assert bloom.splittable() and all(a.head_biases for b in bloom.blocks for a in b.attention)
 
 
 def test_output_sub_norm_over_all_heads_is_a_group_norm():
@@ -191,7 +190,7 @@ def test_output_sub_norm_over_all_heads_is_a_group_norm():
 
 
 def test_planner_reads_the_same_analysis():
-    model = _model("diffllama")
+    model = _model("falcon")
     graph = trace(model, example_inputs(model, 1, 8))
     assert [layer.tensor_parallel for layer in graph.layers] == [False, False]
     assert graph.tp_analysis.refused()[0].path == graph.layers[0].path

@@ -237,16 +237,16 @@ def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) ->
 
 
 def unsupported_tp_stage_refused() -> str:
-    """A pipeline plan with a tensor-parallel stage for DiffLlama (differential attention pairs
-    head ``h`` with head ``h + H/2``, which the graph analysis refuses): every rank raises the
-    same clear error, naming the block and the reason, before any collective."""
+    """A pipeline plan with a tensor-parallel stage for JetMoE (its attention's query/key/value
+    do not trace back to projections the graph analysis can split): every rank raises the same
+    clear error, naming the block and the reason, before any collective."""
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline.module import PipelineParallelModule
     from fxpar.errors import PlanError
     from tests.families import FAMILIES
 
     torch.manual_seed(0)
-    diff = dict(FAMILIES["llama"][0], model_type="diffllama")
+    diff = dict(FAMILIES["llama"][0], model_type="jetmoe")
     model = build_model(ModelSpec(hf_config=diff), device="cpu", seed=0, attn_implementation="sdpa").train()
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), global_batch=4,
                          blocks_per_stage=[1, 1], num_microbatches=2, tensor_parallel=[2, 1])

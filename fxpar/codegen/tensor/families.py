@@ -15,6 +15,7 @@ Attention and MLP projections come from the traced graph (:mod:`fxpar.tracing.te
 sharded by :mod:`fxpar.codegen.tensor.shard`): separate, fused ``[q | k | v]`` (GPT-2's
 ``Conv1D`` ``c_attn``, Phi-3's ``qkv_proj``, grouped-query pieces of different sizes),
 per-head interleaved (GPT-NeoX's ``query_key_value``), output gates, per-head q/k norms,
+per-head score biases (ALiBi, relative-position tables: :mod:`fxpar.codegen.tensor.head_bias`),
 gated or plain MLPs — no module names.  A block the analysis refuses raises a
 :class:`PlanError` naming the block and the cause.  One family stays matched by structure
 here, because its weights are 3-D parameters rather than projections:
@@ -34,6 +35,7 @@ import torch
 
 from fxpar.codegen.common.shards import slice_parameter
 from fxpar.codegen.tensor.collectives import tp_copy, tp_reduce
+from fxpar.codegen.tensor.head_bias import argument_keys, shard_head_biases
 from fxpar.codegen.tensor.shard import shard_attention, shard_mlp
 from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
@@ -157,6 +159,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     mlp = list(mlp_shares) if mlp_shares is not None else list(kv_shares)
     first, count, done = rank == 0, 0, set()
     holders = _holders(model)
+    keys = argument_keys(model, analysis, blocks)  # before any sharding: a forward of the full model
     for blk in analysis.blocks:
         if blocks is not None and blk.path not in blocks:
             continue
@@ -168,6 +171,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
                                 f"size {att.head_dim}, the split {list(kv_shares)} assumes {sum(kv_shares)} of {head_dim}")
             if _first_call(att.projections, done, blk.path, holders):
                 shard_attention(model, att, *_range(list(kv_shares), rank), first, key)
+                shard_head_biases(model, att, *_range(list(kv_shares), rank), keys, first, key)
             count += 1
         for m in blk.mlp:
             if _first_call(m.projections, done, blk.path, holders):

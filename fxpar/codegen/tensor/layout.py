@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.runtime.distributed import new_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +130,11 @@ def make_groups(layout: TPLayout, rank: int) -> tuple[Any, Any]:
         return None, None
     tp_group = dp_group = None
     for r in range(layout.replicas):
-        group = dist.new_group(layout.tp_ranks(r))
+        group = new_group(layout.tp_ranks(r))
         if r == layout.replica(rank):
             tp_group = group
     for t in range(layout.width):
-        group = dist.new_group(layout.dp_ranks(t))
+        group = new_group(layout.dp_ranks(t))
         if t == layout.position(rank):
             dp_group = group
     return tp_group, dp_group

@@ -81,11 +81,13 @@ def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
 
 
 def _copy_inputs(module: torch.nn.Module, key: int) -> None:
-    """``tp_copy`` on the module's first input (or ``hidden_states=``)."""
+    """``tp_copy`` on the module's first input (or ``hidden_states=``), and on every other
+    argument that is the same tensor (CPM-Ant's ``self_attention(x, x, ...)``: query and
+    key/value inputs; the traced graph sees one value, so both are that input)."""
     def pre_hook(m, args, kwargs):
-        if args:
-            return (tp_copy(args[0], key), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], key)}
+        x = args[0] if args else kwargs["hidden_states"]
+        c = tp_copy(x, key)
+        return tuple(c if a is x else a for a in args), {k: c if v is x else v for k, v in kwargs.items()}
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 

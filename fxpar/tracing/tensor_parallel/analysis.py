@@ -27,9 +27,14 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    attention module (latent attention's down projections and norms): then the region from the
    module's input to them is replicated (:mod:`fxpar.tracing.tensor_parallel.region`; its parameters'
    gradients are summed over the group, ``shared_params``), and it must start from one input.
+   A tensor with one entry per head added to the scores (ALiBi slopes, a relative-position
+   table, a per-head mask) is cut by heads with them (``head_biases``:
+   :mod:`fxpar.tracing.tensor_parallel.head_bias` says where from, and what it refuses).
+   Differential attention (two attentions on halves of the values, head ``j`` combined with
+   head ``j + H/2``) is split in pairs of heads
+   (:mod:`fxpar.tracing.tensor_parallel.differential`).
    Refused, with the block and cause: any other norm or reduction over features of more than
-   one head, a tensor with a per-head extent added to the
-   scores (ALiBi slopes, per-head masks), projections computed from several inputs
+   one head, projections computed from several inputs
    (cross-attention between stacks), a projection output that also leaves the attention
    (``escape``), or an attention whose operands do not trace to projections.
 5. MLP: a projection whose input comes, through elementwise ops only (activation, gate
@@ -51,80 +56,25 @@ import torch
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, Scores
 from fxpar.tracing.tensor_parallel.norms import group_norms, whole_norm
+from fxpar.tracing.tensor_parallel import differential
 from fxpar.tracing.tensor_parallel.dataflow_pass import placeholder_params, run
+from fxpar.tracing.tensor_parallel.head_bias import buffer_names, head_bias
+from fxpar.tracing.tensor_parallel.roles import companion_params as _companion_params
+from fxpar.tracing.tensor_parallel.roles import covers as _covers
+from fxpar.tracing.tensor_parallel.roles import head_role as _head_role
+from fxpar.tracing.tensor_parallel.roles import proj_module as _proj_module
+from fxpar.tracing.tensor_parallel.roles import projection as _projection
 from fxpar.tracing.tensor_parallel.region import inside as _inside
 from fxpar.tracing.tensor_parallel.region import module_path as _module_path
 from fxpar.tracing.tensor_parallel.region import parameter_dependent, replicated_region
 from fxpar.tracing.tensor_parallel.findings import (
     Attention,
     BlockTP,
+    HeadBias,
     Mlp,
-    Projection,
     RoleRows,
     TPAnalysis,
 )
-
-
-def _proj_module(fqn: str) -> str:
-    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
-
-
-def _head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int, tuple | None, int] | str:
-    """``(projection node, rows, repeat, whole-projection norm, head size)`` of one attention
-    operand, or why not; the norm is ``(module, ((weight fqn, dim), ...))``
-    (:func:`~fxpar.tracing.tensor_parallel.norms.whole_norm`).  The rows per head are the head size less the
-    features shared by every head (``Flow.shared``: a latent attention's rotary key)."""
-    what = {"q": "query", "k": "key", "v": "value"}[role]
-    if len(flow.sources) != 1:
-        return f"its {what} mixes several projections"
-    (src, base), = flow.sources
-    if src not in df.projections:
-        return f"its {what} does not come from a parameter projection"
-    head, last = (flow.dims[-3], flow.dims[-1]) if len(flow.dims) >= 3 else (None, None)
-    if not isinstance(head, Axis) or not isinstance(last, Axis) or last.stride != 1:
-        return f"its {what} has no head axis (heads third from last, head size last)"
-    d = last.size
-    rows = d - sum(n for _, n in flow.shared)
-    norm = whole_norm(flow, src, df, d)
-    wide = {name for name, _ in norm[1]} if norm else set()
-    for stride, size in flow.reduced:
-        if stride * size > d and norm is None:
-            return (f"a norm or reduction over {stride * size} features of its {what} spans more than one "
-                    f"head of {d}: every rank would need the whole {what} projection")
-    for name, stride, size, pdim in flow.companions:
-        per_head = name in df.params and pdim >= 0 and stride == head.stride and size == head.size and head.rep == 1
-        if stride * size > d and not per_head and name not in wide:
-            return f"{name} is applied per feature across the heads of its {what} (a per-head companion)"
-    return src, RoleRows(role, base, head.stride, head.size // head.rep, rows), head.rep, norm, d
-
-
-def _companion_params(flows: tuple[Flow, ...], sizes: tuple[int, ...], df: Dataflow, per_unit: tuple[int, ...]
-                      ) -> tuple[tuple[str, ...], tuple[tuple[str, int, int], ...]]:
-    """Parameters applied on the way to q / k / v (and on the attention output): within one
-    head of ``sizes[i]`` features (replicated, gradients summed) and per head (``(fqn, dim,
-    heads per key/value group)``: sliced by heads)."""
-    shared: dict[str, None] = {}
-    heads: dict[tuple[str, int, int], None] = {}
-    for f, d, unit in zip(flows, sizes, per_unit):
-        for name, stride, size, pdim in f.companions:
-            if name not in df.params:
-                continue
-            if stride * size <= d:
-                shared[name] = None
-            else:
-                heads[(name, pdim, unit)] = None
-    return tuple(k for k in shared if k not in {h[0] for h in heads}), tuple(heads)
-
-
-def _projection(df: Dataflow, src: str, parallel: str, roles: tuple[RoleRows, ...]) -> Projection:
-    weight, bias, kind, out, inp = df.projections[src]
-    return Projection(weight=weight, bias=bias, module=_proj_module(weight), kind=kind, parallel=parallel,
-                      out_features=out, in_features=inp, roles=roles)
-
-
-def _covers(df: Dataflow, src: str, roles: list[RoleRows], dim_out: bool = True) -> bool:
-    _, _, _, out, inp = df.projections[src]
-    return sum(r.heads * r.head_dim for r in roles) == (out if dim_out else inp)
 
 
 def _output_gates(df: Dataflow, flow: Flow, out_src: str, like: RoleRows, query: str
@@ -159,19 +109,18 @@ class _Graph:
     nodes: dict
     params: dict            # placeholder name -> parameter FQN
     dependent: frozenset    # nodes whose value depends on a parameter
+    buffers: dict           # placeholder name -> buffer FQN
 
 
 def _roles(event: tuple, df: Dataflow) -> tuple | str:
     """``(parts, heads, kv, d, dv)`` of one attention event's q / k / v (rule 1), or why not."""
-    name, qf, kf, vf, extras = event
+    name, qf, kf, vf, _ = event
     parts = [_head_role(f, r, df) for f, r in ((qf, "q"), (kf, "k"), (vf, "v"))]
     bad = next((p for p in parts if isinstance(p, str)), None)
     if bad is not None:
         return bad
     (qs, q, qrep, _, d), (ks, k, _, _, dk), (vs, v, _, _, dv) = parts
     heads, kv = q.heads * qrep, k.heads
-    if extras:
-        return f"a tensor with a per-head extent ({extras[0]}) is added to the scores (ALiBi slopes / per-head mask)"
     if qrep != 1 or v.heads != kv or heads % kv or dk != d or qf.shared or vf.shared:
         return (f"query heads {heads}, key heads {kv}, value heads {v.heads} (head sizes {d}/{dk}/{dv}) "
                 "do not group")
@@ -197,6 +146,15 @@ def _input(event: tuple, df: Dataflow, graph: _Graph, node: torch.fx.Node, colum
     if isinstance(region, str):
         return region
     return region.root, region.root_module, region.params
+
+
+def _biases(event: tuple, df: Dataflow, graph: _Graph, heads: tuple[int, int], by_src: dict[str, list[RoleRows]]
+            ) -> tuple[HeadBias, ...] | str:
+    """The per-head tensors the event adds to its scores, cut by heads (rule 4), or why not."""
+    found = [head_bias(x, graph.nodes, df, _module_path(graph.nodes[event[0]]), (graph.params, graph.buffers),
+                       *heads, by_src) for x in dict.fromkeys(event[4])]
+    bad = next((b for b in found if isinstance(b, str)), None)
+    return bad if bad is not None else tuple(dict.fromkeys(b for one in found for b in one))
 
 
 def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
@@ -231,6 +189,9 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     source = _input(event, df, graph, node, tuple(by_src), tuple(gates))
     if isinstance(source, str):
         return source
+    biases = _biases(event, df, graph, (heads, g), by_src)
+    if isinstance(biases, str):
+        return biases
     input_node, input_module, region_params = source
     cols = tuple(_projection(df, s, "column", tuple(r)) for s, r in by_src.items())
     row = _projection(df, o, "row", (RoleRows("o", 0, dv, heads, dv, g),))
@@ -246,11 +207,12 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     if bad is not None:
         return f"{bad} is applied across the heads of the attention output before its output projection"
     sliced = {p.weight for p in cols + (row,)} | {p.bias for p in cols + (row,)} | widened | {h[0] for h in head_params}
+    sliced |= {b.target for b in biases} | {b.projection.bias for b in biases if b.projection is not None}
     shared = tuple(dict.fromkeys(shared + tuple(p for p in region_params if p not in sliced)))
     return Attention(node=event[0], module=_module_path(node), heads=heads, kv_heads=kv, head_dim=d,
                      projections=cols + (row,), input_node=input_node, input_module=input_module,
                      shared_params=shared, head_params=head_params, group_norms=norms,
-                     value_dim=dv)
+                     value_dim=dv, head_biases=biases)
 
 
 def _mlp(proj: str, flow: Flow, df: Dataflow, taken: set[str], users: dict[str, int]) -> Mlp | None:
@@ -291,6 +253,26 @@ def _mlp(proj: str, flow: Flow, df: Dataflow, taken: set[str], users: dict[str, 
                input_modules=tuple(dict.fromkeys(df.input_modules.get(s, "") for s in by_src)), dedicated=dedicated)
 
 
+def _differentials(ep: Any, df: Dataflow, graph: _Graph, blocks: dict[str, dict[str, Any]],
+                   explained: set[str]) -> set[str]:
+    """Differential attentions (:mod:`fxpar.tracing.tensor_parallel.differential`) into their
+    blocks (their attention nodes added to ``explained``); returns the weights they take."""
+    taken: set[str] = set()
+    for node in ep.graph.nodes:
+        blk = block_path(_module_path(node)) if node.op == "call_function" else None
+        pat = differential.find(node, df, graph.params) if blk in blocks and node.name not in explained else None
+        if pat is None:
+            continue
+        explained |= {pat.first.name, pat.second.name}
+        att = differential.attention(pat, df)
+        if isinstance(att, str):
+            blocks[blk]["reason"] = blocks[blk]["reason"] or f"block {blk}: attention at node {node.name}: {att}"
+        else:
+            blocks[blk]["attention"].append(att)
+            taken |= {p.weight for p in att.projections}
+    return taken
+
+
 def _loose_attention(ep: Any, df: Dataflow, found: set[str]) -> dict[str, str]:
     """Block -> reason, for attention ops no event explains (SDPA, or a 4-D softmax over scores)."""
     out: dict[str, str] = {}
@@ -313,7 +295,7 @@ def analyze(ep: Any) -> TPAnalysis:
     df = run(ep)
     nodes = {n.name: n for n in ep.graph.nodes}
     params = placeholder_params(ep)
-    graph = _Graph(ep, nodes, params, parameter_dependent(ep, params))
+    graph = _Graph(ep, nodes, params, parameter_dependent(ep, params), buffer_names(ep))
     blocks: dict[str, dict[str, Any]] = {}
     for n in ep.graph.nodes:
         b = block_path(_module_path(n)) if n.op == "call_function" else None
@@ -331,6 +313,7 @@ def analyze(ep: Any) -> TPAnalysis:
             continue
         blocks[blk]["attention"].append(att)
         taken |= {p.weight for p in att.projections}
+    taken |= _differentials(ep, df, graph, blocks, explained)
     taken_nodes = {s for s, info in df.projections.items() if info[0] in taken}
     softmaxed = {n for n, s in df.flows.items() if isinstance(s, Scores)}
     for blk, why in _loose_attention(ep, df, explained | softmaxed).items():

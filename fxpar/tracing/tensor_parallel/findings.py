@@ -55,6 +55,27 @@ class Projection:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadBias:
+    """A tensor with one entry per query head added to the scores (ALiBi, a relative-position
+    table, a per-head mask): a rank owning key/value groups ``[a, b)`` uses its heads
+    ``[a·per_unit, b·per_unit)`` along ``dim`` of ``target``
+    (:mod:`fxpar.tracing.tensor_parallel.head_bias`)."""
+
+    node: str                       # the value added to the scores
+    source: Literal["param", "buffer", "input", "projection"]
+    #: the parameter / buffer FQN, or (``input``) the node of the value entering the attention module
+    target: str
+    dim: int                        # the dimension of ``target`` that indexes heads
+    heads: int                      # query heads (entries along ``dim``, per batch row when ``merged``)
+    per_unit: int = 1               # query heads per key/value group
+    merged: bool = False            # ``dim`` is ``batch · heads``, heads inner (Bloom's ``baddbmm``)
+    shape: tuple[int, ...] = ()     # ``input``: its traced shape (how codegen finds the argument)
+    #: ``projection``: the projection making it from this attention's own features, row-parallel
+    #: over them (:mod:`fxpar.tracing.tensor_parallel.head_projection`)
+    projection: Projection | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Attention:
     """One attention of a block: heads, key/value groups, head size, projections."""
 
@@ -77,6 +98,8 @@ class Attention:
     #: features per head of the value and the attention output (0: ``head_dim``; latent
     #: attention's values may be wider or narrower than its queries and keys)
     value_dim: int = 0
+    #: per-head tensors added to the scores, cut by heads like the projections
+    head_biases: tuple[HeadBias, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
