@@ -355,6 +355,9 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
     recorded = _latest("recorded_fidelity", folder, False)
     if recorded:
         parts += readme_sections.recorded_fidelity(recorded)
+    adapting = _latest("adapt", folder, False)
+    if adapting:
+        parts += readme_sections.adapt(adapting)
     parts += readme_sections.gpu_checks([json.loads(p.read_text()) for p in _files("gpu_check", folder, None)])
     return "\n".join(parts)
 

@@ -93,7 +93,8 @@ def zoo(z: dict) -> list[str]:
              "decoder-only types. Per-type rows and every failure's reason are in the JSON."]
     if s.get("recorded"):
         lines[-1] += (f" Recorded by running them, since they do not export as a whole: {len(s['recorded'])} "
-                      f"({', '.join(s['recorded'])}); their plans are data parallel or sharded.")
+                      f"({', '.join(s['recorded'])}); their plans are data parallel, sharded, or pipelines of eager "
+                      "stages.")
     top = s.get("top_failures", {})
     for col, items in top.items():
         if items:
@@ -138,3 +139,22 @@ def recorded_fidelity(r: dict) -> list[str]:
             f"FLOPs equal on {s['flops_equal']}/{s['types']}; the recorded step differs by "
             f"{s['mean_abs_step_error']:.1%} on average, {s['max_abs_step_error']:.1%} at most.", "",
             table(r)]
+
+
+def adapt(a: dict) -> list[str]:
+    """Adapting while training under a straggler, and the elastic 4 -> 3 node loss."""
+    m, d = a["machine"], a.get("detector", {})
+    lines = ["", f"Adapting while training (`python -m benchmarks.adapt`, {m['date']}, EMULATED speeds): "
+             f"the straggler slows to {a['slow_speed']} from step {a['phases'][0]} to "
+             f"{a['phases'][1]} of {a['phases'][2]}; 'keep' runs the first plan throughout, 'DP rebalance' re-plans "
+             "data-parallel shares only, 'adapt' every family, 'fresh plan' is made for the slowed speeds from the "
+             f"start; milliseconds are the mean step while the straggler lasts (detector: threshold "
+             f"{d.get('threshold')}, {d.get('min_steps')} steps):", "", table(a)]
+    e = a.get("elastic")
+    if e:
+        lines += ["", f"A node lost under elastic torchrun (`benchmarks/elastic.py`, worlds {e['worlds']}): the "
+                  f"3-rank job resumed at step {e['resumed_step']} from a background checkpoint, "
+                  f"{e['steps_lost']} step(s) lost, its first step {e['resume_s']:.1f} s after the loss "
+                  f"(checkpoint load {e['load_s']:.2f} s; a step took {e['step_s']:.2f} s including the "
+                  "example's delay)."]
+    return lines

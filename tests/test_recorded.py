@@ -129,3 +129,7 @@ def test_uneven_parallel_step_of_a_recorded_model_equals_one_process(pool2, stra
         expect(*check_step(r), context=r["rank"])
     if strategy == "data_parallel":
         assert sorted(results[0]["shares"]) == [3, 4]
+    if strategy == "pipeline":  # stages of eager blocks, every parameter on some stage
+        assert all(r["stage"] == "EagerStage" for r in results)
+        assert any("pipelines were searched" in e for e in results[0]["explain"])
+        assert sum(r["n_grads"] for r in results) >= len(list(LoopMoEForCausalLM().parameters()))

@@ -10,13 +10,10 @@ Everything else is the example, unchanged.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import torch.distributed as dist
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_trainer.py"
+from trainer_injected_busy import load_example  # a sibling script: torchrun puts tests/ on sys.path
 
 
 def modeled_busy(pmodel):
@@ -29,9 +26,7 @@ def modeled_busy(pmodel):
 
 
 def main() -> None:
-    spec = importlib.util.spec_from_file_location("train_trainer_example", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example()
 
     class InjectedBusyCallback(example.FxparCallback):
         def attach(self, pmodel, max_microbatches=None):

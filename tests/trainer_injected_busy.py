@@ -26,10 +26,17 @@ def modeled_busy(pmodel):
     return busy
 
 
-def main() -> None:
+def load_example():
+    """``examples/train_trainer.py`` as a module: a test replaces its ``FxparCallback`` (what its
+    ``main()`` instantiates) before running ``main()``."""
     spec = importlib.util.spec_from_file_location("train_trainer_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def main() -> None:
+    example = load_example()
 
     class InjectedBusyCallback(example.FxparCallback):
         def attach(self, pmodel, max_microbatches=None):

@@ -4,37 +4,15 @@ not export, cut into stages that run its own modules, trains one step as one pro
 from __future__ import annotations
 
 import copy
-import warnings
 
-import torch
 import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
-from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
 from tests.parity import step_record
 from tests.workers import rank_gradient_pairs
-
-
-def eager_auto_parity(speeds: list[float], batch: int, seq: int) -> dict:
-    """``fxpar.auto`` of :class:`LoopMoEForCausalLM` (recorded, not exported) asked for a
-    pipeline, one step vs one process: the loss and this rank's stage's gradients."""
-    torch.manual_seed(0)
-    model = LoopMoEForCausalLM()
-    reference = copy.deepcopy(model)
-    data = loop_moe_batch(batch, seq)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the recording's warning: tests/test_recorded.py checks it
-        pm = fxpar.auto(model, fxpar.Cluster.emulated(speeds), data, global_batch=batch, emulate=False,
-                        strategies=["pipeline"], loss_weighting="tokens")
-    loss = pm.step(data)
-    ref_loss = reference(**data)["loss"]
-    ref_loss.backward()
-    return {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "stage": type(pm.module).__name__,
-            "stages": len(pm.plan.stages), "explain": list(pm.plan.explain),
-            **step_record(loss, ref_loss, rank_gradient_pairs(pm, reference), reference)}
 
 
 def eager_hand_parity(config: dict, blocks: list[int], microbatches: int, checkpointing: bool) -> dict:

@@ -32,4 +32,5 @@ def recorded_parity(strategy: str, speeds: list[float], batch: int, seq: int) ->
     ref_loss.backward()
     pairs = rank_gradient_pairs(pm, reference)
     return {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "shares": list(pm.plan.batch_shares),
-            "explain": list(pm.plan.explain), **step_record(loss, ref_loss, pairs, reference)}
+            "stage": type(getattr(pm, "module", pm)).__name__, "explain": list(pm.plan.explain),
+            **step_record(loss, ref_loss, pairs, reference)}

@@ -125,6 +125,11 @@ def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
+def _stand_in(t: torch.Tensor) -> torch.nn.Parameter:
+    """An unwritten host parameter of ``t``'s shape, dtype and grad flag."""
+    return torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu"), requires_grad=t.requires_grad)
+
+
 @contextlib.contextmanager
 def host_stand_ins(model: torch.nn.Module) -> Iterator[None]:
     """While the block runs, every ``meta`` parameter of ``model`` is an *unwritten* host tensor
@@ -138,8 +143,7 @@ def host_stand_ins(model: torch.nn.Module) -> Iterator[None]:
     stand_in: dict[int, torch.nn.Parameter] = {}
     for mod, name, p in slots:
         if id(p) not in stand_in:
-            stand_in[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"),
-                                                 requires_grad=p.requires_grad)
+            stand_in[id(p)] = _stand_in(p)
         mod._parameters[name] = stand_in[id(p)]
     try:
         yield
@@ -157,8 +161,7 @@ def stage_stand_ins(stages: Sequence[Any]) -> Iterator[None]:
         for _, safe, t in stage.named_tensors():
             if t.is_meta and safe in stage._parameters:
                 if id(t) not in stand_in:
-                    stand_in[id(t)] = torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu"),
-                                                         requires_grad=t.requires_grad)
+                    stand_in[id(t)] = _stand_in(t)
                 swapped.append((stage, safe, t))
                 stage._parameters[safe] = stand_in[id(t)]
     try:
