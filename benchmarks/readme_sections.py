@@ -153,7 +153,7 @@ def adapt(a: dict) -> list[str]:
     e = a.get("elastic")
     if e:
         lines += ["", f"A node lost under elastic torchrun (`benchmarks/elastic.py`, worlds {e['worlds']}): the "
-                  f"3-rank job resumed at step {e['resumed_step']} from a background checkpoint, "
+                  f"{e['worlds'][-1]}-rank job resumed at step {e['resumed_step']} from a background checkpoint, "
                   f"{e['steps_lost']} step(s) lost, its first step {e['resume_s']:.1f} s after the loss "
                   f"(checkpoint load {e['load_s']:.2f} s; a step took {e['step_s']:.2f} s including the "
                   "example's delay)."]

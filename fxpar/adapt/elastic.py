@@ -34,6 +34,7 @@ import torch.distributed as dist
 from fxpar.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fxpar.checkpoint.layout import LocalParam, describe
 from fxpar.errors import ConfigError
+from fxpar.runtime.device import HOST
 from fxpar.runtime.distributed import new_group
 
 
@@ -51,13 +52,13 @@ class _Staged(torch.nn.Module):
 def _stage(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> tuple[_Staged, Any]:
     """Host copies of this rank's parameters and optimizer state, and an optimizer-shaped holder."""
     layout = describe(pmodel)
-    copies = {id(lp.param): lp.param.detach().to("cpu", copy=True) for lp in layout.params}
+    copies = {id(lp.param): lp.param.detach().to(HOST, copy=True) for lp in layout.params}
     params = [LocalParam(fqn=lp.fqn, param=copies[id(lp.param)], shard=lp.shard, write=lp.write)
               for lp in layout.params]
     held = type(type(optimizer).__name__, (), {})()  # the class name is what the checkpoint records
     held.param_groups = [dict(g, params=[copies[id(p)] for p in g["params"] if id(p) in copies])
                          for g in optimizer.param_groups]
-    held.state = {copies[id(p)]: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+    held.state = {copies[id(p)]: {k: v.detach().to(HOST, copy=True) if isinstance(v, torch.Tensor) else v
                                   for k, v in st.items()}
                   for p, st in optimizer.state.items() if id(p) in copies}
     return _Staged(params, group, getattr(pmodel, "plan", None)), held

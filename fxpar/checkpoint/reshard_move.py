@@ -26,6 +26,7 @@ from fxpar.checkpoint.reshard import (
     volume,
 )
 from fxpar.errors import CheckpointError
+from fxpar.runtime.device import HOST
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -59,7 +60,7 @@ def _new_state(new: Layout, optimizer: torch.optim.Optimizer | None, old: list[d
             continue
         state = {k: torch.zeros(lp.param.shape, dtype=_dtype(d), device=lp.param.device) for k, d in held.state}
         for k, value, d, on_param in held.scalars:
-            state[k] = torch.tensor(value, dtype=_dtype(d), device=lp.param.device if on_param else "cpu")
+            state[k] = torch.tensor(value, dtype=_dtype(d), device=lp.param.device if on_param else HOST)
         optimizer.state[lp.param] = state
 
 

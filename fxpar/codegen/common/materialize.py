@@ -309,15 +309,17 @@ def _buffer(slot: Slot, source: Source, model: torch.nn.Module) -> torch.Tensor:
 
 
 def like_on(values: Any, device: torch.device) -> Any:
-    """Example values (tensors, tuples of them) on ``device``: meta ones as uninitialised
-    tensors of their shape, dtype, strides and ``requires_grad`` (pipeline buffers need only
-    those), real ones moved."""
+    """Example values (tensors, tuples, lists or dicts of them) on ``device``: meta ones as
+    uninitialised tensors of their shape, dtype, strides and ``requires_grad`` (pipeline buffers
+    need only those), real ones moved."""
     if isinstance(values, torch.Tensor):
         if values.is_meta:
             return torch.empty_like(values, device=device).requires_grad_(values.requires_grad)
         return values.to(device)
     if isinstance(values, (tuple, list)):
         return type(values)(like_on(v, device) for v in values)
+    if isinstance(values, dict):
+        return {k: like_on(v, device) for k, v in values.items()}
     return values
 
 

@@ -117,8 +117,7 @@ def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
             if value is None or value.dtype.is_floating_point:
                 continue
             with sub.graph.inserting_before(node):
-                cast = sub.graph.call_function(torch.ops.aten._to_copy.default, (node.args[0],),
-                                               {"dtype": torch.float32})
+                cast = sub.graph.call_function(torch.ops.aten.to.dtype, (node.args[0], torch.float32))
             node.args = (cast, *node.args[1:])
             changed += 1
         sub.recompile()
@@ -127,7 +126,7 @@ def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
 
 def _stand_in(t: torch.Tensor) -> torch.nn.Parameter:
     """An unwritten host parameter of ``t``'s shape, dtype and grad flag."""
-    return torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="cpu"), requires_grad=t.requires_grad)
+    return torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=HOST), requires_grad=t.requires_grad)
 
 
 @contextlib.contextmanager
