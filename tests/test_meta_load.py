@@ -264,6 +264,7 @@ def test_mixed_meta_and_real_parameters_are_refused():
 
 
 @multirank
+@pytest.mark.full  # the quick tier's budget; meta models' fp32 pipelines stay quick (checkpoint parity)
 def test_meta_model_in_a_bf16_pipeline_equals_the_real_model(pool2, tmp_path):
     """A bf16 pipeline cut from a meta model (exported on host stand-ins under the host's
     autocast, each stage then loading its shard) runs the same stage graphs as one cut from the

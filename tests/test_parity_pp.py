@@ -62,6 +62,7 @@ def test_pipeline_times_data_parallel_on_four_ranks(pool4):
     _check(results, 2)
 
 
+@pytest.mark.full  # 11 s on 4 ranks; the stage-major layout stays quick in test_parity_pp_replicas.py
 def test_stage_major_layout_is_exact(pool4):
     # a stage's replicas on adjacent ranks (stage 0 = ranks 0, 1; stage 1 = ranks 2, 3), as the
     # planner lays pipelines out when the all-reduce, not the hops, should stay inside a node
