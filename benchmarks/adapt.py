@@ -161,6 +161,22 @@ def _row(s: dict[str, Any]) -> list[Any]:
             "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
 
 
+def _elastic(*, grow: bool) -> dict[str, Any]:
+    """A node lost (4 -> 3) or joining (3 -> 4) under elastic torchrun (:mod:`benchmarks.elastic`)."""
+    print(f"--- elastic: {'3 -> 4' if grow else '4 -> 3'} nodes", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        run = run_elastic(Path(d), step_delay=ELASTIC_DELAY_S, grow=grow)
+    out = {k: run[k] for k in ("worlds", "resumed_step", "steps_done_before_change", "steps_lost", "resume_s",
+                               "load_s")}
+    steps = [r for r in run["records"] if "loss" in r]
+    out["step_s"] = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:])
+                                      if b["world"] == a["world"] and b["step"] == a["step"] + 1)
+    print(f"elastic {out['worlds']}: resumed at step {out['resumed_step']}, {out['steps_lost']} step(s) lost, first "
+          f"new step {out['resume_s']:.1f} s after the change (checkpoint load {out['load_s']:.2f} s; a step takes "
+          f"{out['step_s']:.2f} s with its {ELASTIC_DELAY_S} s delay)", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -174,17 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         with WorkerPool(world, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
             runs += [scenario(pool, "dp fits", 8.0, phases, slow_rank),
                      scenario(pool, "dp does not fit", tight, phases, slow_rank)]
-    print("--- elastic: 4 -> 3 nodes", flush=True)
-    with tempfile.TemporaryDirectory() as d:
-        lost = run_elastic(Path(d), step_delay=ELASTIC_DELAY_S)
-    elastic = {k: lost[k] for k in ("worlds", "resumed_step", "steps_done_before_loss", "steps_lost", "resume_s",
-                                   "load_s")}
-    steps = [r for r in lost["records"] if "loss" in r]
-    elastic["step_s"] = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:])
-                                          if b["world"] == a["world"] and b["step"] == a["step"] + 1)
-    print(f"elastic 4 -> 3 nodes: resumed at step {elastic['resumed_step']}, {elastic['steps_lost']} step(s) lost, "
-          f"first new step {elastic['resume_s']:.1f} s after the loss (checkpoint load {elastic['load_s']:.2f} s; "
-          f"a step takes {elastic['step_s']:.2f} s with its {ELASTIC_DELAY_S} s delay)", flush=True)
+    elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
     head = ["scenario", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
             "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
             "MiB moved / held per rank", "switches"]

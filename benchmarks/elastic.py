@@ -1,4 +1,5 @@
-"""A 4 → 3 node loss under elastic torchrun (gloo CPU ranks, emulated): time to resume, steps lost.
+"""A 4 → 3 node loss (and a 3 → 4 join) under elastic torchrun (gloo CPU ranks, emulated): time to
+resume, steps lost.
 
 Four torchrun agents (one per emulated node, one worker each, c10d rendezvous on 127.0.0.1,
 ``--nnodes 3:4 --max-restarts 3``) run ``examples/train_elastic.py``.  Once step ``kill_after``
@@ -7,7 +8,9 @@ get SIGKILL.  The survivors' collectives fail, their agents restart them as a 3-
 re-plans for 3 ranks and resumes from the newest complete background checkpoint.  Measured:
 the steps lost (last step done before the loss − the step resumed from), the time from the kill
 to the first step of the new job, and every step's loss against one process on the same
-batches.  Used by ``tests/test_elastic.py`` and by the ``adapt`` benchmark suite.
+batches.  With ``grow`` a fourth node joins a running 3-node job instead: torchrun's agents see
+it waiting, stop their workers and restart all four, which re-plan for 4 ranks and resume from
+the newest checkpoint.  Used by ``tests/test_elastic.py`` and by the ``adapt`` benchmark suite.
 """
 
 from __future__ import annotations
@@ -85,19 +88,24 @@ def reference_losses(steps: int, batch: int, seq: int) -> list[float]:
 
 
 def run_elastic(tmp: Path, *, steps: int = 14, every: int = 2, kill_after: int = 6,
-                step_delay: float = 0.3, timeout_s: float = 400) -> dict[str, Any]:
-    """The scenario of the module docstring; the measurements and the step records."""
+                step_delay: float = 0.3, timeout_s: float = 400, grow: bool = False) -> dict[str, Any]:
+    """The scenario of the module docstring (``grow``: the other way, a 3-node job that a fourth
+    node joins after step ``kill_after``); the measurements and the step records."""
     port, log = _free_port(), tmp / "steps.jsonl"
     args = ["--steps", str(steps), "--every", str(every), "--checkpoint-dir", str(tmp / "ckpt"),
             "--loss-log", str(log), "--step-delay", str(step_delay), "--timeout", "20"]
-    agents = [_agent(tmp, i, port, args) for i in range(4)]
+    agents = [_agent(tmp, i, port, args) for i in range(3 if grow else 4)]
     deadline = time.time() + timeout_s
     try:
         while not any(r.get("step", -1) >= kill_after for r in _records(log)):
             if time.time() > deadline or any(a.poll() not in (None, 0) for a in agents):
-                raise RuntimeError(f"the 4-node job never reached step {kill_after}: {_tails(tmp)}")
+                raise RuntimeError(f"the job never reached step {kill_after}: {_tails(tmp)}")
             time.sleep(0.1)
-        killed_at = _lose_a_node(tmp, agents)
+        if grow:
+            killed_at = time.time()
+            agents.append(_agent(tmp, 3, port, args))
+        else:
+            killed_at = _lose_a_node(tmp, agents)
         survivors = [a for a in agents if a.poll() is None]
         for a in survivors:
             a.wait(timeout=max(deadline - time.time(), 1))
@@ -111,17 +119,20 @@ def run_elastic(tmp: Path, *, steps: int = 14, every: int = 2, kill_after: int =
             **_measure(records, killed_at)}
 
 
-def _measure(records: list[dict[str, Any]], killed_at: float) -> dict[str, Any]:
+def _measure(records: list[dict[str, Any]], changed_at: float) -> dict[str, Any]:
+    """From the step records: the worlds of each start, the step the new job resumed from, the
+    steps the old job finished (its world's records), the steps lost (finished − resumed), the
+    time from the loss (or join) to the new job's first step, and its checkpoint load time."""
     starts = [r for r in records if r.get("event") == "start"]
     steps = [r for r in records if "step" in r and "event" not in r]
-    before = [r for r in steps if r["time"] <= killed_at]
-    after = [r for r in steps if r["time"] > killed_at]
     resumed = starts[-1] if len(starts) > 1 else None
-    done = max((r["step"] for r in before), default=-1) + 1
+    old_world = starts[0]["world"] if starts else None
+    done = max((r["step"] for r in steps if r["world"] == old_world), default=-1) + 1
+    new = [r for r in steps if resumed and r["world"] == resumed["world"] and r["time"] > changed_at]
     return {"worlds": [s["world"] for s in starts], "resumed_step": resumed["step"] if resumed else None,
-            "steps_done_before_loss": done,
+            "steps_done_before_change": done,
             "steps_lost": done - resumed["step"] if resumed else None,
-            "resume_s": after[0]["time"] - killed_at if after else None,
+            "resume_s": new[0]["time"] - changed_at if new else None,
             "load_s": resumed["resume_s"] if resumed else None}
 
 

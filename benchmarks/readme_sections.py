@@ -150,11 +150,10 @@ def adapt(a: dict) -> list[str]:
              "data-parallel shares only, 'adapt' every family, 'fresh plan' is made for the slowed speeds from the "
              f"start; milliseconds are the mean step while the straggler lasts (detector: threshold "
              f"{d.get('threshold')}, {d.get('min_steps')} steps):", "", table(a)]
-    e = a.get("elastic")
-    if e:
-        lines += ["", f"A node lost under elastic torchrun (`benchmarks/elastic.py`, worlds {e['worlds']}): the "
-                  f"{e['worlds'][-1]}-rank job resumed at step {e['resumed_step']} from a background checkpoint, "
-                  f"{e['steps_lost']} step(s) lost, its first step {e['resume_s']:.1f} s after the loss "
-                  f"(checkpoint load {e['load_s']:.2f} s; a step took {e['step_s']:.2f} s including the "
-                  "example's delay)."]
+    for what, e in (a.get("elastic") or {}).items():
+        lines += ["", f"A node {what} under elastic torchrun (`benchmarks/elastic.py`, worlds {e['worlds']}): the "
+                  f"{e['worlds'][-1]}-rank job resumed at step {e['resumed_step']} from a background checkpoint "
+                  f"after the old job finished {e['steps_done_before_change']} steps ({e['steps_lost']} lost), its "
+                  f"first step {e['resume_s']:.1f} s after the change (checkpoint load {e['load_s']:.2f} s; a step "
+                  f"took {e['step_s']:.2f} s including the example's delay)."]
     return lines

@@ -1,5 +1,6 @@
-"""A lost node under elastic torchrun: the job re-plans for the ranks left and resumes from the
-last background checkpoint (``examples/train_elastic.py`` via ``benchmarks/elastic.py``)."""
+"""A lost or joining node under elastic torchrun: the job re-plans for the ranks it has and
+resumes from the last background checkpoint (``examples/train_elastic.py`` via
+``benchmarks/elastic.py``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ pytestmark = [pytest.mark.multirank, pytest.mark.full]  # subprocess jobs: the f
 STEPS, EVERY, BATCH, SEQ = 14, 2, 12, 32
 
 
-def test_a_lost_node_re_plans_for_three_ranks_and_resumes_from_the_last_checkpoint(tmp_path):
-    run = run_elastic(tmp_path, steps=STEPS, every=EVERY, kill_after=6)
-    assert run["worlds"] == [4, 3], run["agent_logs"]
+@pytest.mark.parametrize("grow", [False, True], ids=["4 -> 3 nodes", "3 -> 4 nodes"])
+def test_the_job_re_plans_for_the_nodes_it_has_and_resumes_from_the_last_checkpoint(tmp_path, grow):
+    run = run_elastic(tmp_path, steps=STEPS, every=EVERY, kill_after=6, grow=grow)
+    assert run["worlds"] == ([3, 4] if grow else [4, 3]), run["agent_logs"]
     assert sorted(c for c in run["return_codes"] if c is not None)[-3:] == [0, 0, 0], run["agent_logs"]
     # at most EVERY steps (and the one in flight) are lost, and the job resumes at a checkpoint
     assert run["resumed_step"] % EVERY == 0
@@ -25,5 +27,5 @@ def test_a_lost_node_re_plans_for_three_ranks_and_resumes_from_the_last_checkpoi
             final[r["step"]] = r["loss"]  # the last job's loss for each step
     assert sorted(final) == list(range(STEPS))
     reference = reference_losses(STEPS, BATCH, SEQ)
-    for step in range(STEPS):  # 4 ranks before, 3 after: the same losses as one process
+    for step in range(STEPS):  # before and after the change: the same losses as one process
         expect(check_loss(final[step], reference[step]), context=f"step {step}")
