@@ -182,6 +182,7 @@ def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trai
     # step 0 calibrates, steps 1 and 2 at speed 1... rank 1 slow from step 2: 2 slow steps -> step 3
     assert decision["step"] == 3 and decision["factors"] == pytest.approx([1.0, 0.25]), decision
     assert run["plan"]["ranks"][1]["batch_share"] < run["plan"]["ranks"][0]["batch_share"]
+    assert "SWITCH" in run["plan"]["explain"][-1]  # the plan says why it replaced the first one
     _assert_weights(tmp_path / "saved", ref_weights)
 
 

@@ -24,7 +24,7 @@ writes); rank 0 prints one line per decision and per switch.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable
 from typing import Any
 
@@ -204,9 +204,13 @@ class AdaptiveModule(torch.nn.Module):
             raise RuntimeError("fxpar adapt: rank 0 holds no model graph to re-plan from")
         left = None if self.options.total_steps is None else max(self.options.total_steps - self.steps - 1, 1)
         last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"), 0.0)
-        decision = decide(self.plan, p.graph, p.cluster.derated(self.derate), p.workload, self.options.policy,
-                          steps_left=left, build_s=last_build, profiles=p.profiles)
-        return with_factors(decision, factors)
+        decision = with_factors(decide(self.plan, p.graph, p.cluster.derated(self.derate), p.workload,
+                                       self.options.policy, steps_left=left, build_s=last_build, profiles=p.profiles),
+                                factors)
+        if decision.plan is None:
+            return decision
+        # the new plan says why it replaced the old one (plan.explain)
+        return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
 
     def _switch(self, plan: Plan) -> None:
         old_kind = plan_kind(self.plan)
