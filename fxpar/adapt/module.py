@@ -82,6 +82,7 @@ class AdaptiveModule(torch.nn.Module):
         self.steps, self.events = 0, []
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None
+        self._replan_wall_s = 0.0
         self._last_busy = self._clock_busy()
         self.last_step_s: list[float] = []
         self.last_busy_s: list[float] = []
@@ -180,6 +181,7 @@ class AdaptiveModule(torch.nn.Module):
         """Rank 0 re-plans for the derated cluster; every rank gets the decision."""
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         payload: list[Any] = [None]
+        start = time.perf_counter()
         if self.rank == 0:
             try:
                 payload[0] = self._decide(factors)
@@ -191,6 +193,7 @@ class AdaptiveModule(torch.nn.Module):
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
+        self._replan_wall_s = time.perf_counter() - start  # every rank waits for rank 0's solve
         self.events.append({"step": self.steps, "kind": "decision", **_decision_dict(decision)})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
@@ -225,14 +228,18 @@ class AdaptiveModule(torch.nn.Module):
         self._plan_derate = list(self.derate)
         self.detector.restart()
         slowest = self._gather([report.migrate_s, float(report.stats.received_bytes)])
+        # migrate_s: everything between the last old step and the first new one: the re-plan
+        # (every rank waited for it), the new module's build and the state's move
         event = {"step": self.steps, "kind": "switch", "from": old_kind, "to": plan_kind(plan),
-                 "migrate_s": max(slowest[0]), "build_s": report.build_s, "move_s": report.move_s,
+                 "migrate_s": self._replan_wall_s + max(slowest[0]), "replan_s": self._replan_wall_s,
+                 "build_s": report.build_s, "move_s": report.move_s,
                  "bytes_moved_per_rank": slowest[1], "state_bytes": report.state_bytes,
                  "predicted_step_s": plan.predicted_step_s, "stats": asdict(report.stats)}
         self.events.append(event)
         if self.options.verbose and self.rank == 0:
             print(f"fxpar adapt: step {self.steps}: {old_kind} -> {event['to']} (predicted "
-                  f"{plan.predicted_step_s * 1e3:.1f} ms/step), migrated in {event['migrate_s']:.2f} s, "
+                  f"{plan.predicted_step_s * 1e3:.1f} ms/step), migrated in {event['migrate_s']:.2f} s (re-plan "
+                  f"{event['replan_s']:.2f} s), "
                   f"{max(slowest[1]) / 2**20:.1f} MiB received by the busiest rank", flush=True)
 
 
