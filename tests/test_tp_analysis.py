@@ -172,7 +172,8 @@ def test_a_projection_pair_inside_another_module_gets_its_own_copies():
 
 
 def test_refused_blocks_name_the_block_and_the_cause():
-    falcon = analyze_model(_model("falcon"))   # one fused query/key/value projection, one K/V head
+    # Falcon-40B's fused layout: per key/value group [g query heads | k | v], query heads strided
+    falcon = analyze_model(_model("falcon", new_decoder_architecture=True, num_kv_heads=2))
     assert falcon.splittable() == frozenset()
     reason = falcon.refused()[0].reason
     assert reason.startswith("block transformer.h.0: scaled_dot_product_attention at node") and "trace back" in reason
@@ -190,7 +191,7 @@ def test_output_sub_norm_over_all_heads_is_a_group_norm():
 
 
 def test_planner_reads_the_same_analysis():
-    model = _model("falcon")
+    model = _model("falcon", new_decoder_architecture=True, num_kv_heads=2)
     graph = trace(model, example_inputs(model, 1, 8))
     assert [layer.tensor_parallel for layer in graph.layers] == [False, False]
     assert graph.tp_analysis.refused()[0].path == graph.layers[0].path

@@ -122,7 +122,10 @@ def _assign(tables: list[dict[str, tuple]]) -> list[_Job]:
             unique: dict[tuple, _Piece] = {}
             for p in sorted(pieces, key=lambda p: (p.rank != writer, p.rank)):
                 unique.setdefault(p.key(), p)
-            covered = sum(math.prod(p.local_shape) for p in unique.values())
+            # distinct boxes: two ranks' pieces may share a box (multi-query K/V rows replicated in
+            # a fused weight), written once
+            boxes = {(tuple(o), tuple(z)) for p in unique.values() for o, z, _ in p.shard.boxes(p.local_shape)}
+            covered = sum(math.prod(z) for _, z in boxes)
             if covered != math.prod(shape):
                 raise CheckpointError(f"save_pretrained: the ranks' boxes of {name} cover {covered} of its "
                                       f"{math.prod(shape)} elements (shape {list(shape)}); the module's "

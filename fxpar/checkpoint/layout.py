@@ -49,7 +49,10 @@ class ShardSpec:
     A *fused* parameter (GPT-2's ``c_attn`` = ``[q | k | v]``, an MoE ``gate_up_proj`` =
     ``[gate | up]``) is split inside each of its ``k`` blocks: the local tensor is then ``k``
     equal pieces along ``fused_dim``, piece ``i`` at ``fused_offsets[i]`` of that dimension
-    (the other dimensions at ``offsets``)."""
+    (the other dimensions at ``offsets``).  The pieces may differ in size (``fused_sizes``), and a
+    piece may be held by other ranks too, as the same box (a multi-query attention's key/value
+    head, replicated on every rank beside each rank's own query rows): identical boxes are
+    written once and read as one source (``reshard``), so the distinct boxes tile the tensor."""
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]

@@ -85,6 +85,7 @@ from fxpar.codegen.pipeline.tensor_stages import (
     wrap_stage,
 )
 from fxpar.codegen.tensor.module import shard_model
+from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
@@ -355,7 +356,7 @@ class PipelineParallelModule(torch.nn.Module):
         of a tensor-parallel stage once, on its lead; shards on every rank); returns that norm."""
         named = list(self.named_original_parameters())
         params = [p for _, p in named]
-        counted = (p.grad for fqn, p in named if p.grad is not None
+        counted = (counted_gradient(p) for fqn, p in named if p.grad is not None  # replicated K/V rows once
                    and (self.is_lead or getattr(p, "fxpar_sharded", False))
                    and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner)
         return clip_by_global_norm(counted, params, max_norm, self.pipe_group)

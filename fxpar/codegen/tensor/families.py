@@ -3,8 +3,10 @@ with per-rank sizes (whole heads / KV groups, MLP columns in proportion).
 
 Position ``t`` of a tensor-parallel group owns ``k_t`` key/value head groups (``k_t·g`` query
 heads, ``g`` = heads per KV group; ``g = 1`` without grouped-query attention) and ``c_t`` MLP
-columns.  Column-parallel layers keep their output rows, row-parallel layers their input
-columns (a row-parallel bias is added once, by position 0):
+columns.  A split whose shares sum to the query heads instead (multi-query attention: one
+key/value head, :func:`split_units`) gives position ``t`` ``k_t`` query heads and a replica of
+the key/value heads they read.  Column-parallel layers keep their output rows, row-parallel
+layers their input columns (a row-parallel bias is added once, by position 0):
 
     y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
 
@@ -41,7 +43,7 @@ from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.analyze_model import analyze_model
-from fxpar.tracing.tensor_parallel.findings import Projection
+from fxpar.tracing.tensor_parallel.findings import Attention, Projection, by_query_heads
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -146,6 +148,22 @@ def _first_call(projections: Sequence[Projection], done: set[str], block: str,
     return True
 
 
+def split_units(att: Attention, shares: Sequence[int], head_dim: int, block: str) -> Attention:
+    """``att`` split by the unit ``shares`` count: its key/value groups, or (when the shares sum
+    to its query heads) its query heads with the key/value heads replicated (``by_query_heads``)."""
+    units = sum(shares)
+    if att.head_dim == head_dim and units == att.kv_heads:
+        return att
+    if att.head_dim == head_dim and units == att.heads:
+        found = by_query_heads(att)
+        if isinstance(found, str):
+            raise PlanError(f"block {block}: its {att.heads} query heads cannot be split with the key/value heads "
+                            f"replicated ({found}); split its {att.kv_heads} key/value groups instead")
+        return found
+    raise PlanError(f"block {block}: the graph shows {att.kv_heads} key/value head groups ({att.heads} query heads) "
+                    f"of size {att.head_dim}, the split {list(shares)} assumes {units} of {head_dim}")
+
+
 def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
                       head_dim: int, per_group: int, blocks: Collection[str] | None,
                       expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
@@ -166,9 +184,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
         if blk.reason is not None and blk.attention == () and "no attention found" not in blk.reason:
             raise PlanError(f"tensor parallelism cannot split {type(model).__name__}: {blk.reason}")
         for att in blk.attention:
-            if att.kv_heads != sum(kv_shares) or att.head_dim != head_dim:
-                raise PlanError(f"block {blk.path}: the graph shows {att.kv_heads} key/value head groups of "
-                                f"size {att.head_dim}, the split {list(kv_shares)} assumes {sum(kv_shares)} of {head_dim}")
+            att = split_units(att, kv_shares, head_dim, blk.path)
             if _first_call(att.projections, done, blk.path, holders):
                 shard_attention(model, att, *_range(list(kv_shares), rank), first, key)
                 shard_head_biases(model, att, *_range(list(kv_shares), rank), keys, first, key)
@@ -202,9 +218,13 @@ def shardable_blocks(model: torch.nn.Module) -> set[str]:
 
 
 def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:
-    """``(key/value head groups, query heads per group, head dim)`` of the model's attention, as
-    the graph analysis found it in its first splittable block (the config's when none is)."""
+    """``(split units, query heads per unit, head dim)`` of the model's attention, as the graph
+    analysis found it in its first splittable block (the config's when none is): its key/value
+    head groups, or for multi-query attention (one key/value head) its query heads, each rank
+    then holding the key/value head (:func:`~fxpar.tracing.tensor_parallel.findings.by_query_heads`)."""
     found = next((b.attention[0] for b in analyze_model(model).blocks if b.splittable), None)
+    if found is not None and found.kv_heads == 1:  # multi-query: split by query heads
+        return found.heads, 1, found.head_dim
     if found is not None:
         return found.kv_heads, found.heads // found.kv_heads, found.head_dim
     config = getattr(model, "config", None)
@@ -214,13 +234,16 @@ def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:
                         f"{type(model).__name__} has none")
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return kv, heads // kv, head_dim
+    return (heads, 1, head_dim) if kv == 1 else (kv, heads // kv, head_dim)
 
 
-def check_shares(kv_shares: Sequence[int], kv: int) -> None:
-    if sum(kv_shares) != kv or min(kv_shares) < 1:
+def check_shares(kv_shares: Sequence[int], kv: int, heads: int | None = None) -> None:
+    """Every rank gets a unit; the shares sum to the ``kv`` key/value groups (or to the
+    ``heads`` query heads: a split by query heads with the key/value heads replicated)."""
+    if sum(kv_shares) not in (kv, heads) or min(kv_shares) < 1:
+        also = f" (or its {heads} query heads)" if heads not in (None, kv) else ""
         raise PlanError(f"tensor_split {list(kv_shares)} must give every rank at least one of the "
-                        f"model's {kv} key/value head groups and sum to {kv}")
+                        f"model's {kv} key/value head groups{also} and sum to {kv}{also and ' or ' + str(heads)}")
 
 
 def refusal(model: torch.nn.Module, blocks: Collection[str]) -> str:
@@ -247,4 +270,5 @@ __all__ = [
     "shard_module_tree",
     "shardable_blocks",
     "split_sizes",
+    "split_units",
 ]

@@ -3,9 +3,11 @@ uneven data parallelism across tensor-parallel replicas.
 
 Ranks of a tensor-parallel group run the same samples.  In every attention block, position
 ``t`` of the group owns ``k_t`` whole key/value groups (``k_t·g`` query heads with ``g`` = heads
-per KV group), so its local heads keep the model's query/KV ratio; in every MLP it owns ``c_t``
-intermediate columns.  Column-parallel layers (``q/k/v``, ``gate/up``) keep their rows of the
-weight, row-parallel layers (``o``, ``down``) their columns:
+per KV group), so its local heads keep the model's query/KV ratio — or, for multi-query
+attention (one key/value head), ``k_t`` query heads and a replica of the key/value head (its
+gradient summed over the group, counted once in norms and checkpoints: ``shard.py``); in every
+MLP it owns ``c_t`` intermediate columns.  Column-parallel layers (``q/k/v``, ``gate/up``) keep
+their rows of the weight, row-parallel layers (``o``, ``down``) their columns:
 
     y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
 
@@ -59,6 +61,7 @@ from fxpar.codegen.tensor.families import (
     shard_module_tree,
 )
 from fxpar.codegen.tensor.layout import make_groups, tp_layout
+from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.codegen.tensor.verify import verify_local_heads
 from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
@@ -85,7 +88,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     speed ratio where the heads only allow 3:1).  Returns how many attention
     modules were sharded (0 for an empty ``blocks``: a stage of only the embeddings or head)."""
     kv, per_group, head_dim = head_layout(model)
-    check_shares(kv_shares, kv)
+    check_shares(kv_shares, kv, kv * per_group)
     before = analyze_model(model)
     key = register_group(group, clock)
     vocab = supports_vocab_parallel(model)
@@ -97,7 +100,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
                     embedding=embedding, head=head)
     if count == 0 and (blocks is None or blocks):  # a stage of only embeddings / head has none
         raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
-    verify_local_heads(model, before, kv_shares[rank], blocks, group)
+    verify_local_heads(model, before, kv_shares, rank, blocks, group)
     dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
     if dropout and model.training:
         warnings.warn(f"tensor parallelism on {type(model).__name__} with dropout p={dropout}: each rank "
@@ -165,8 +168,10 @@ class TensorParallelModule(StepModule):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
         shards' squares summed over this rank's TP group, replicated parameters counted once
-        (position 0); gradients are already identical across replicas.  Returns the norm."""
-        counted = (p.grad for p in self.module.parameters()
+        (position 0), and so are replicated key/value rows inside a shard (``counted_gradient``:
+        on the rank owning that head's first query head); gradients are already identical
+        across replicas.  Returns the norm."""
+        counted = (counted_gradient(p) for p in self.module.parameters()
                    if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0))
         return clip_by_global_norm(counted, self.module.parameters(), max_norm, self.tp_group,
                                    reduce=self.world > 1 and self.layout.width > 1)

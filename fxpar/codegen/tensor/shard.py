@@ -11,12 +11,21 @@ key/value heads or their widths (and a private copy of its ``config``) are set t
 values, so that forwards which reshape by them stay exact.  ``tp_copy`` goes on the input of the
 attention / MLP module when its column projections read that module's input, else on each
 column projection; ``tp_reduce`` on every row-parallel output.
+
+Split by query heads (multi-query attention, ``Attention.by_heads``), a rank owning query heads
+``[a, b)`` also holds the key/value heads they read, as other ranks do: a projection of only the
+one key/value head stays whole, a fused ``[q | k | v]`` keeps each such head as a box of its own
+(the same box on every holder: written once).  Each holder's gradient of those rows covers its
+query heads only, so it is summed over the group, ``∂L/∂W_kv = Σ_t ∂L_t/∂W_kv``; a norm counts
+them on one holder (``fxpar_repeated``, :func:`counted_gradient`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -24,12 +33,14 @@ import torch
 from fxpar.codegen.common.shards import slice_parameter, slice_runs
 from fxpar.codegen.tensor.collectives import tp_copy, tp_grad_sum, tp_reduce
 from fxpar.codegen.tensor.group_norm import shard_group_norm
+from fxpar.errors import PlanError
 from fxpar.tracing.tensor_parallel.findings import Attention, Mlp, Projection
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
                "n_head_kv", "n_kv_heads", "kv_heads", "num_query_heads")
 _WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "hidden_size", "embed_dim", "q_size", "kv_size",
                 "kv_dim", "q_dim", "attention_hidden_size")
+_GROUP_ATTRS = ("num_key_value_groups", "num_queries_per_kv")  # query heads per key/value head
 _MLP_ATTRS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "hidden_features", "inner_dim")
 
 
@@ -51,6 +62,41 @@ def _leaf(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
     return model.get_submodule(path), name
 
 
+def _names(proj: Projection) -> list[str]:
+    return [proj.weight] + ([proj.bias] if proj.bias is not None else [])
+
+
+def _replicated_whole(model: torch.nn.Module, proj: Projection, key: int) -> bool:
+    """A column projection of one key/value head that every rank holds (``RoleRows.shared``, a
+    multi-query ``kv_proj``) stays whole, its gradient (a partial sum: each rank's query heads
+    only) summed over the group; True when so."""
+    if not all(r.shared and r.heads == 1 for r in proj.roles):
+        return False
+    for fqn in _names(proj):
+        sum_gradients(model, fqn, key)
+    return True
+
+
+def _sum_shared_rows(model: torch.nn.Module, proj: Projection, lo: int, hi: int, dim: int, key: int) -> None:
+    """The rows of replicated key/value heads in a sliced column projection (a fused
+    ``[q | k | v]``): their gradients summed over the group through one buffer of every shared
+    head's rows (``sum_gradients(rows=…)``), and those :meth:`Projection.counted` leaves to
+    another rank marked ``fxpar_repeated = (dim, ((local start, size), …))``: counted once in
+    norms (:func:`counted_gradient`)."""
+    runs = proj.pieces(lo, hi)
+    if not any(shared for _, _, shared in runs):
+        return
+    every = sorted((r.base + h * r.stride, r.head_dim) for r in proj.roles if r.shared for h in range(r.heads))
+    at = dict(zip((o for o, _ in every), itertools.accumulate((n for _, n in every), initial=0)))
+    starts = list(itertools.accumulate((n for _, n, _ in runs), initial=0))
+    moves = tuple((starts[i], at[o], n) for i, (o, n, shared) in enumerate(runs) if shared)
+    skip = tuple((starts[i], n) for i, ((_, n, _), c) in enumerate(zip(runs, proj.counted(lo, hi))) if not c)
+    for fqn, d in zip(_names(proj), (dim, 0)):
+        owner, name = _leaf(model, fqn)
+        getattr(owner, name).fxpar_repeated = (d, skip)
+        sum_gradients(model, fqn, key, rows=(d, moves, sum(n for _, n in every)))
+
+
 def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int, first: bool, key: int) -> None:
     """Keep units ``[lo, hi)`` of one projection (module docstring), in place."""
     module, wname = _leaf(model, proj.weight)
@@ -58,6 +104,8 @@ def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
     width = sum(n for _, n in runs)
     column = proj.parallel == "column"
     dim = (0 if proj.kind == "linear" else 1) if column else (1 if proj.kind == "linear" else 0)
+    if column and _replicated_whole(model, proj, key):
+        return
     setattr(module, wname, _slice_runs(getattr(module, wname), dim, runs))
     for attr in (("out_features", "nf") if column else ("in_features",)):
         if isinstance(getattr(module, attr, None), int):
@@ -76,7 +124,9 @@ def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
             zeros.fxpar_fill = 0.0
             delattr(bmod, bname)
             bmod.register_buffer(bname, zeros, persistent=False)
-    if not column:
+    if column:
+        _sum_shared_rows(model, proj, lo, hi, dim, key)
+    else:
         module.register_forward_hook(lambda m, args, out: tp_reduce(out, key))
 
 
@@ -116,7 +166,14 @@ def _localize(module: torch.nn.Module, names: Sequence[str], mapping: dict[int, 
 
 
 def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, first: bool, key: int) -> None:
-    """Keep key/value groups ``[lo, hi)`` of one attention and make its module see local heads."""
+    """Keep units ``[lo, hi)`` of one attention (key/value groups, or query heads with their
+    key/value heads replicated: ``Attention.by_heads``) and make its module see local heads."""
+    g = att.heads // att.kv_heads
+    nh, kv = att.local_heads(lo, hi)
+    if att.by_heads and lo // g != (hi - 1) // g and (lo % g or hi % g):
+        raise PlanError(f"tensor parallelism: attention {att.module} split by query heads: this rank's heads "
+                        f"[{lo}, {hi}) cover part of a group of {g} query heads sharing a key/value head and "
+                        "part of another; give every rank heads inside one group or whole groups")
     for proj in att.projections:
         shard_projection(model, proj, lo, hi, first, key)
     copy_into(model, att.module, (att.input_module,), att.projections, key)
@@ -127,35 +184,72 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
     for fqn, dim, per_unit in att.head_params:
         owner, name = _leaf(model, fqn)
         setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit, hi * per_unit))
-    g, kv = att.heads // att.kv_heads, hi - lo
-    mapping = {att.kv_heads: kv, att.heads: kv * g}
+    mapping = {att.kv_heads: kv, att.heads: nh}
     for d in dict.fromkeys((att.head_dim, att.value_dim or att.head_dim)):
-        mapping.update({att.kv_heads * d: kv * d, att.heads * d: kv * g * d})
+        mapping.update({att.kv_heads * d: kv * d, att.heads * d: nh * d})
     module = model.get_submodule(att.module)
-    _localize(module, _HEAD_ATTRS, {att.kv_heads: kv, att.heads: kv * g})
+    _localize(module, _HEAD_ATTRS, {att.kv_heads: kv, att.heads: nh})
     _localize(module, _WIDTH_ATTRS, {k: v for k, v in mapping.items() if k > max(att.heads, att.kv_heads)})
+    _localize(module, _GROUP_ATTRS, {g: nh // kv})
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "num_attention_heads", None) == att.heads:
         local = copy.copy(config)
-        local.num_attention_heads = kv * g
+        local.num_attention_heads = nh
         if getattr(config, "num_key_value_heads", None) == att.kv_heads:
             local.num_key_value_heads = kv
         module.config = local
 
 
-def sum_gradients(model: torch.nn.Module, fqn: str, key: int) -> None:
+def sum_gradients(model: torch.nn.Module, fqn: str, key: int,
+                  rows: tuple[int, tuple[tuple[int, int, int], ...], int] | None = None) -> None:
     """The gradient of the replicated parameter ``fqn``, used by this rank on its heads only,
-    summed over the group: ``∂L/∂w = Σ_t ∂L_t/∂w``.  The hook goes on the parameter object the
-    forward sees (registered by the owner's forward pre-hook, after any materialisation)."""
+    summed over the group: ``∂L/∂w = Σ_t ∂L_t/∂w``; with ``rows = (dim, moves, n)`` only the
+    rows ``(local start, start in an n-row buffer, size)`` along ``dim`` (replicated key/value
+    heads of a sliced projection; every rank adds its rows into one buffer of all of them, zeros
+    where it holds none, so the sum is one all-reduce however the holders overlap).  The hook
+    goes on the parameter object the forward sees (registered by the owner's forward pre-hook,
+    after any materialisation)."""
     owner, name = _leaf(model, fqn)
+    hook = (lambda g: tp_grad_sum(g, key)) if rows is None else functools.partial(_sum_rows, rows=rows, key=key)
+    done: dict[int, weakref.ref] = {}   # by identity (a tensor's == is elementwise)
 
-    def pre_hook(m, args):
-        p = getattr(m, name)
-        if isinstance(p, torch.nn.Parameter) and p.requires_grad and getattr(p, "fxpar_grad_key", None) != key:
-            p.fxpar_grad_key = key
-            p.register_hook(lambda g: tp_grad_sum(g, key))
+    def attach(p: object) -> None:
+        if isinstance(p, torch.nn.Parameter) and p.requires_grad and (
+                id(p) not in done or done[id(p)]() is not p):
+            done[id(p)] = weakref.ref(p)
+            p.register_hook(hook)
 
-    owner.register_forward_pre_hook(pre_hook)
+    attach(getattr(owner, name))  # now too: a pipeline stage runs this object, not the owner's forward
+    owner.register_forward_pre_hook(lambda m, args: attach(getattr(m, name)))
+
+
+def _sum_rows(grad: torch.Tensor, rows: tuple[int, tuple[tuple[int, int, int], ...], int], key: int) -> torch.Tensor:
+    """``grad`` with its replicated rows summed over the group (:func:`sum_gradients`)."""
+    dim, moves, n = rows
+    shape = list(grad.shape)
+    shape[dim] = n
+    buf = grad.new_zeros(shape)
+    for local, at, size in moves:
+        buf.narrow(dim, at, size).copy_(grad.narrow(dim, local, size))
+    buf = tp_grad_sum(buf, key)
+    out = grad.clone()
+    for local, at, size in moves:
+        out.narrow(dim, local, size).copy_(buf.narrow(dim, at, size))
+    return out
+
+
+def counted_gradient(p: torch.Tensor) -> torch.Tensor | None:
+    """The part of ``p``'s gradient this rank counts in a norm: all of it, less the replicated
+    key/value rows another rank counts (``fxpar_repeated``)."""
+    g = p.grad
+    skip = getattr(p, "fxpar_repeated", None)
+    if g is None or not skip or not skip[1]:
+        return g
+    dim, runs = skip
+    keep = torch.ones(g.shape[dim], dtype=torch.bool, device=g.device)
+    for start, size in runs:
+        keep[start:start + size] = False
+    return g.index_select(dim, keep.nonzero().flatten())
 
 
 def shard_mlp(model: torch.nn.Module, mlp: Mlp, lo: int, hi: int, first: bool, key: int) -> None:

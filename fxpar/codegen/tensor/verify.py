@@ -11,7 +11,8 @@ raises and none goes on to wait in a collective its peer never joins."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -23,19 +24,26 @@ from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.findings import Attention, TPAnalysis
 
 
-def _local(att: Attention, groups: int) -> tuple[int, int, int, int]:
-    g = att.heads // att.kv_heads
-    return groups * g, groups, att.head_dim, att.value_dim or att.head_dim
+def _local(att: Attention, shares: Sequence[int], rank: int) -> tuple[int, int, int, int]:
+    """``(query heads, key/value heads, head size, value size)`` of ``att`` on position ``rank``
+    of the split ``shares`` (key/value groups, or query heads: ``split_units``)."""
+    lo = sum(shares[:rank])
+    if sum(shares) == att.kv_heads:
+        nh, kv = att.local_heads(lo, lo + shares[rank])
+    else:
+        nh, kv = replace(att, by_heads=True).local_heads(lo, lo + shares[rank])
+    return nh, kv, att.head_dim, att.value_dim or att.head_dim
 
 
-def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
+def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Sequence[int], rank: int,
                        blocks: Collection[str] | None, group: object = None) -> None:
     """Raise :class:`PlanError` on every position of the tensor-parallel ``group`` (None: the
     default group; no process group: this process alone) unless, on every position that can
     check itself, each attention the full model's analysis ``before`` found in ``blocks``
-    (None: all) now computes its key/value groups (``groups`` here) of whole heads."""
+    (None: all) now computes its units (``shares[rank]``: key/value groups, or query heads) of
+    whole heads."""
     try:
-        _check_local_heads(model, before, groups, blocks)
+        _check_local_heads(model, before, shares, rank, blocks)
         verdict = None
     except PlanError as exc:
         verdict = exc
@@ -50,17 +58,18 @@ def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
         raise verdict
 
 
-def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
+def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Sequence[int], rank: int,
                        blocks: Collection[str] | None) -> None:
-    """This position's check (module docstring); nothing to check with one key/value group."""
+    """This position's check (module docstring); nothing to check with one key/value group
+    (or one query head, split by query heads)."""
     sharded = [b for b in before.blocks if b.attention and (blocks is None or b.path in blocks)]
-    if not sharded or groups < 2:
+    if not sharded or shares[rank] < 2:
         return
     try:
         after = analyze_model(model)
     except TraceError as exc:  # the sharded forward no longer runs (older CodeGen: a reshape by 0)
         blk, att = sharded[0], sharded[0].attention[0]
-        want = _local(att, groups)
+        want = _local(att, shares, rank)
         raise PlanError(
             f"tensor parallelism on {type(model).__name__}: block {blk.path} should compute {want[0]} of its "
             f"{att.heads} heads on this rank, but after sharding the model no longer traces "
@@ -70,7 +79,7 @@ def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, groups: int,
         now = after.block(blk.path)
         found = now.attention if now is not None else ()
         for i, att in enumerate(blk.attention):
-            want = _local(att, groups)
+            want = _local(att, shares, rank)
             got = (found[i].heads, found[i].kv_heads, found[i].head_dim,
                    found[i].value_dim or found[i].head_dim) if i < len(found) else None
             if got != want:

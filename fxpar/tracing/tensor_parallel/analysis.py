@@ -12,7 +12,8 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    of the weight each head reads: head ``h`` of a role = features
    ``base + h·stride + [0, head_dim)`` (fused ``[q | k | v]``: a ``base`` per role; per-head
    interleaved ``query_key_value``: ``stride = 3·head_dim``); a key/value head repeated ``g``
-   times (grouped-query attention) makes ``kv_heads = heads / g``.
+   times (grouped-query attention) makes ``kv_heads = heads / g``; a key / value without a head
+   axis (one head, size 1 or broadcast: multi-query attention) is one key/value head.
    A piece the same for every head joined to each head's key (multi-head latent attention's
    rotary key, ``Flow.shared``) is not rows of the key projection: ``head_dim`` there is the
    head size less that piece.  Values may have their own head size (``value_dim``).

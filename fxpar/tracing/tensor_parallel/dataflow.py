@@ -24,7 +24,8 @@ Rules (everything else that reads a Flow is an *escape*, recorded with the op's 
   times (``rep = r``, as ``expand`` + ``reshape`` does); ``slice`` / ``split`` / ``chunk`` + ``getitem`` / ``select`` on a feature
   axis move ``base`` and shrink the axis; ``cat`` of pieces of one projection whose features
   together cover a range exactly (rotary ``rotate_half``, interleaved rotary's even / odd
-  halves) is that range; a piece the same for every head (head axis ``"B"``: the rotary key
+  halves) is that range; ``index`` by a constant list of consecutive positions (Falcon's
+  ``fused_qkv[..., [-2], :]``) is a slice; a piece the same for every head (head axis ``"B"``: the rotary key
   of multi-head latent attention) joined on the last axis is recorded as ``shared``; writes into
   slices of a fresh tensor (``new_empty`` + ``copy_``) are a ``cat`` once they cover it;
 - elementwise ops: operands with Flows must agree on their axes (the sources are united: a
@@ -113,6 +114,8 @@ class Dataflow:
     #: attention output source -> [(projection node, base, head stride, rows per head), ...]:
     #: projections multiplied into that output head by head (a gated attention output)
     gates: dict = field(default_factory=dict)
+    #: placeholder name -> value of a lifted constant tensor (an index list)
+    constants: dict = field(default_factory=dict)
 
 
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",

@@ -28,7 +28,7 @@ from fxpar.tracing.tensor_parallel.gates import gate
 from fxpar.tracing.tensor_parallel.join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
 from fxpar.tracing.tensor_parallel.params import param_dim, param_source, per_head
 from fxpar.tracing.tensor_parallel.region import module_path
-from fxpar.tracing.tensor_parallel.structural import structural
+from fxpar.tracing.tensor_parallel.structural import structural, structural_slice
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -174,6 +174,8 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
         return replace(scores, extras=(bias.name,)) if isinstance(scores, Scores) and wide else scores
     if name in ("cat", "stack"):
         return cat(node, df, stack=name == "stack")
+    if name == "index" and isinstance(state, Flow):
+        return _index(node, state, df)
     if isinstance(state, Canvas):
         return view_of(node, state) if name == "slice" else None
     if name == "copy_" and isinstance(state, CanvasView):
@@ -201,6 +203,27 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in ("layer_norm", "rms_norm", "native_layer_norm"):
         return _norm(node, state, params)
     return structural(node, name, state)
+
+
+def _index(node: torch.fx.Node, flow: Flow, df: Dataflow) -> Flow | None:
+    """``x[..., [i, i+1, …], ...]`` with a constant list of consecutive indices on one dimension
+    (Falcon's multi-query ``fused_qkv[..., [-2], :]``): a slice of that dimension."""
+    indices = node.args[1] if len(node.args) > 1 else ()
+    used = [(d, i) for d, i in enumerate(indices) if i is not None]
+    src = _shape(node.args[0])
+    if len(used) != 1 or src is None or not isinstance(used[0][1], torch.fx.Node):
+        return None
+    dim, idx = used[0]
+    while idx.op == "call_function" and op_name(idx.target) in ("lift_fresh_copy", "clone", "_to_copy") \
+            and isinstance(idx.args[0], torch.fx.Node):
+        idx = idx.args[0]
+    value = df.constants.get(idx.name)
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() == 0 or value.is_floating_point():
+        return None
+    pos = [int(v) + (src[dim] if int(v) < 0 else 0) for v in value.tolist()]
+    if any(b != a + 1 for a, b in zip(pos, pos[1:])) or not 0 <= pos[0] <= pos[-1] < src[dim]:
+        return None
+    return structural_slice(flow, dim, pos[0], pos[-1] + 1)
 
 
 def _statistic(node: torch.fx.Node, scores: Scores) -> Flow | None:
@@ -234,11 +257,18 @@ def _norm(node: torch.fx.Node, flow: Flow, params: dict[str, str]) -> Flow:
     return replace(out, dims=flow.dims, companions=out.companions + comps)
 
 
+def _constants(ep: Any) -> dict[str, Any]:
+    """Placeholder name -> value of the program's lifted constant tensors (index lists)."""
+    kind = torch.export.graph_signature.InputKind.CONSTANT_TENSOR
+    return {spec.arg.name: ep.constants.get(spec.target) for spec in ep.graph_signature.input_specs
+            if spec.kind == kind}
+
+
 def run(ep: Any) -> Dataflow:
     """One pass over ``ep.graph`` (an :class:`torch.export.ExportedProgram`)."""
     params = placeholder_params(ep)
     transposed: dict[str, str] = {}
-    df = Dataflow(params=frozenset(params.values()))
+    df = Dataflow(params=frozenset(params.values()), constants=_constants(ep))
     for node in ep.graph.nodes:
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -247,7 +277,7 @@ def run(ep: Any) -> Dataflow:
         if node.op != "call_function":
             continue
         name = op_name(node.target)
-        if name in ("t", "transpose", "permute") and isinstance(node.args[0], torch.fx.Node) \
+        if name in ("t", "transpose", "permute", "numpy_T") and isinstance(node.args[0], torch.fx.Node) \
                 and node.args[0].name in params and len(_shape(node.args[0]) or ()) == 2:
             transposed[node.name] = params[node.args[0].name]
         proj = _projection(node, name, params, transposed)

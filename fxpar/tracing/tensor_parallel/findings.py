@@ -4,7 +4,7 @@ Plain frozen data, read by codegen (``fxpar.codegen.tensor.shard``) and the plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fxpar.tracing.tensor_parallel.norms import GroupNorm
@@ -22,6 +22,16 @@ class RoleRows:
     heads: int
     head_dim: int
     per_unit: int = 1
+    #: 0: every head belongs to one unit.  ``s > 0``: each head is shared by ``s`` consecutive
+    #: units (a key/value head when the units are query heads, :func:`by_query_heads`): a rank
+    #: owning units ``[a, b)`` holds heads ``[⌊a/s⌋, ⌈b/s⌉)``, replicas of rows other ranks hold
+    shared: int = 0
+
+    def owned(self, lo: int, hi: int) -> range:
+        """The heads a rank owning units ``[lo, hi)`` holds."""
+        if self.shared:
+            return range(lo // self.shared, -(-hi // self.shared))
+        return range(lo * self.per_unit, hi * self.per_unit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,21 +47,30 @@ class Projection:
     in_features: int
     roles: tuple[RoleRows, ...]
 
-    def intervals(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
-        """``(offset, size)`` runs of the split dimension a rank owning units ``[lo, hi)``
-        keeps (key/value groups, or MLP columns), merged and in feature order."""
-        runs: list[tuple[int, int]] = []
-        for r in self.roles:
-            for h in range(lo * r.per_unit, hi * r.per_unit):
-                runs.append((r.base + h * r.stride, r.head_dim))
-        runs.sort()
-        merged: list[list[int]] = []
-        for off, n in runs:
-            if merged and merged[-1][0] + merged[-1][1] == off:
+    def pieces(self, lo: int, hi: int) -> tuple[tuple[int, int, bool], ...]:
+        """``(offset, size, shared)`` runs of the split dimension a rank owning units ``[lo, hi)``
+        keeps, in feature order: its own heads' rows merged where contiguous; a shared head's rows
+        (``RoleRows.shared``) one run per head, never merged, so that every rank holding that
+        head holds the same box of the tensor (written once, summed over its holders)."""
+        runs = sorted((r.base + h * r.stride, r.head_dim, bool(r.shared)) for r in self.roles for h in r.owned(lo, hi))
+        merged: list[list] = []
+        for off, n, shared in runs:
+            if merged and not shared and not merged[-1][2] and merged[-1][0] + merged[-1][1] == off:
                 merged[-1][1] += n
             else:
-                merged.append([off, n])
-        return tuple((o, n) for o, n in merged)
+                merged.append([off, n, shared])
+        return tuple((o, n, s) for o, n, s in merged)
+
+    def intervals(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """``(offset, size)`` runs of the split dimension a rank owning units ``[lo, hi)``
+        keeps (key/value groups, query heads, or MLP columns), in feature order (:meth:`pieces`)."""
+        return tuple((o, n) for o, n, _ in self.pieces(lo, hi))
+
+    def counted(self, lo: int, hi: int) -> tuple[bool, ...]:
+        """Per run of :meth:`pieces`: whether this rank counts it in a norm — its own rows, and a
+        shared head's rows on the rank owning that head's first unit (one holder of each)."""
+        first = {r.base + h * r.stride: h * r.shared for r in self.roles if r.shared for h in r.owned(lo, hi)}
+        return tuple(not s or lo <= first[o] < hi for o, _, s in self.pieces(lo, hi))
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +119,63 @@ class Attention:
     value_dim: int = 0
     #: per-head tensors added to the scores, cut by heads like the projections
     head_biases: tuple[HeadBias, ...] = ()
+    #: the split units are query heads, the key/value heads replicated (:func:`by_query_heads`)
+    by_heads: bool = False
+
+    @property
+    def units(self) -> int:
+        """How many units a tensor-parallel split of this attention divides."""
+        return self.heads if self.by_heads else self.kv_heads
+
+    def local_heads(self, lo: int, hi: int) -> tuple[int, int]:
+        """``(query heads, key/value heads)`` a rank owning units ``[lo, hi)`` computes."""
+        g = self.heads // self.kv_heads
+        if not self.by_heads:
+            return (hi - lo) * g, hi - lo
+        return hi - lo, -(-hi // g) - lo // g
+
+
+def by_query_heads(att: Attention) -> Attention | str:
+    """``att`` split by query heads instead of key/value groups (multi-query attention, or more
+    ranks than key/value groups): a rank owning query heads ``[a, b)`` keeps their query / output
+    / gate rows and the whole key/value heads ``[⌊a/g⌋, ⌈b/g⌉)`` they read (replicated on every
+    rank that reads them; their gradients summed over the group):
+
+        o = Σ_t  W_o[:, heads_t] · attn(W_q[heads_t] x, W_k[kv_t] x, W_v[kv_t] x)
+
+    Or why not: a norm across a whole key / value projection, a per-key-head parameter with
+    several key/value heads."""
+    g = att.heads // att.kv_heads
+    if g == 1 or att.by_heads:
+        return replace(att, by_heads=True)
+
+    def unit(r: RoleRows) -> RoleRows | None:
+        if r.per_unit == g:
+            return replace(r, per_unit=1)
+        return replace(r, shared=g) if r.per_unit == 1 and r.heads == att.kv_heads else None
+
+    def proj(p: Projection) -> Projection | None:
+        roles = tuple(unit(r) for r in p.roles)
+        return None if None in roles else replace(p, roles=roles)
+
+    projections = tuple(proj(p) for p in att.projections)
+    if None in projections:
+        return "a projection has heads that are neither query heads nor key/value heads"
+    if any(n.rows.per_unit != g for n in att.group_norms):
+        return "a norm spans a whole key/value projection"
+    kv_params = tuple(f for f, _, u in att.head_params if u != g)
+    if kv_params and att.kv_heads > 1:
+        return f"{kv_params[0]} holds one entry per key/value head"
+    biases = []
+    for b in att.head_biases:
+        moved = None if b.projection is None else proj(b.projection)
+        if b.per_unit != g or (b.projection is not None and moved is None):
+            return f"the per-head score bias {b.target} does not follow the query heads"
+        biases.append(replace(b, per_unit=1, projection=moved))
+    return replace(att, projections=projections, by_heads=True, head_biases=tuple(biases),
+                   group_norms=tuple(replace(n, rows=replace(n.rows, per_unit=1)) for n in att.group_norms),
+                   head_params=tuple((f, d, 1) for f, d, u in att.head_params if u == g),
+                   shared_params=att.shared_params + kv_params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +219,9 @@ class TPAnalysis:
 
     def max_width(self) -> int:
         """The widest tensor-parallel group every splittable block allows (its fewest key/value
-        groups: each rank needs at least one); 1 when no block is splittable."""
-        kv = [a.kv_heads for b in self.blocks if b.splittable for a in b.attention]
+        groups: each rank needs at least one; query heads for multi-query attention, whose one
+        key/value head every rank holds: :func:`by_query_heads`); 1 when no block is splittable."""
+        kv = [a.heads if a.kv_heads == 1 else a.kv_heads for b in self.blocks if b.splittable for a in b.attention]
         return min(kv) if kv else 1
 
     def refused(self) -> tuple[BlockTP, ...]:

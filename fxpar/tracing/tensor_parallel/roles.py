@@ -26,6 +26,8 @@ def head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int, 
     if src not in df.projections:
         return f"its {what} does not come from a parameter projection"
     head, last = (flow.dims[-3], flow.dims[-1]) if len(flow.dims) >= 3 else (None, None)
+    if role != "q" and head in (None, "B") and isinstance(last, Axis) and last.stride == 1 and last.rep == 1:
+        head = Axis(last.size, 1)  # one key/value head (multi-query attention): a size-1 or broadcast head axis
     if not isinstance(head, Axis) or not isinstance(last, Axis) or last.stride != 1:
         return f"its {what} has no head axis (heads third from last, head size last)"
     d = last.size

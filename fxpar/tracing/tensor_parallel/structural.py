@@ -35,10 +35,14 @@ def structural(node: torch.fx.Node, name: str, flow: Flow) -> Any:
         return replace(flow, dims=tuple(dims))
     if name == "repeat_interleave":
         return _repeat_interleave(node, flow, n)
-    if name in ("expand", "expand_as") and dst is not None:
+    if name in ("expand", "expand_as", "broadcast_to") and dst is not None:
         dims = (None,) * (len(dst) - n) + flow.dims
-        return replace(flow, dims=tuple("B" if e is None and dst[k] > 1 and (len(dst) - n > k or src[k - len(dst) + n] == 1)
-                                        else e for k, e in enumerate(dims)))
+        one = [k >= len(dst) - n and src[k - len(dst) + n] == 1 for k in range(len(dst))]
+        # a dimension of size 1 repeated: broadcast, also when it was one feature block (a slice of
+        # one head, Falcon-40B's key of one group: its offset is in the Flow's base already)
+        return replace(flow, dims=tuple("B" if dst[k] > 1 and (e is None and (len(dst) - n > k or one[k])
+                                                               or isinstance(e, Axis) and one[k]) else e
+                                        for k, e in enumerate(dims)))
     if name == "slice":
         dim = _norm_dim(a[1] if len(a) > 1 else 0, n)
         lo, hi = (a[2] if len(a) > 2 and a[2] is not None else 0), (a[3] if len(a) > 3 and a[3] is not None else src[dim])
@@ -86,6 +90,12 @@ def _complex(name: str, flow: Flow) -> Flow | None:
     if isinstance(last, Axis) and (last.stride != 2 or last.rep != 1 or last.outer != 1):
         return None
     return replace(flow, dims=flow.dims + ((Axis(1, 2) if isinstance(last, Axis) else None),))
+
+
+def structural_slice(flow: Flow, dim: int, lo: int, hi: int) -> Flow | None:
+    """``flow`` narrowed to ``[lo, hi)`` along ``dim`` (a constant index list of consecutive
+    positions, :mod:`fxpar.tracing.tensor_parallel.dataflow_pass`)."""
+    return _narrow(flow, dim, lo, hi, 1)
 
 
 def _narrow(flow: Flow, dim: int, lo: int, hi: int, step: int) -> Flow | None:
