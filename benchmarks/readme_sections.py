@@ -151,6 +151,9 @@ def adapt(a: dict) -> list[str]:
              f"start; milliseconds are the mean step while the straggler lasts (detector: threshold "
              f"{d.get('threshold')}, {d.get('min_steps')} steps):", "", table(a)]
     for what, e in (a.get("elastic") or {}).items():
+        if "error" in e:
+            lines += ["", f"A node {what} under elastic torchrun: not measured in this run ({e['error'][:200]})."]
+            continue
         lines += ["", f"A node {what} under elastic torchrun (`benchmarks/elastic.py`, worlds {e['worlds']}): the "
                   f"{e['worlds'][-1]}-rank job resumed at step {e['resumed_step']} from a background checkpoint "
                   f"after the old job finished {e['steps_done_before_change']} steps ({e['steps_lost']} lost), its "
