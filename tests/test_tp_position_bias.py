@@ -102,6 +102,7 @@ def test_a_projected_mask_repeated_over_query_groups(pool2):
 
 
 @pytest.mark.multirank
+@pytest.mark.full  # 5 s: the quick tier keeps the analysis tests and the ALiBi buffer model
 def test_a_relative_position_table_is_sharded_by_heads(pool2):
     results = pool2.run(bias_parity, "cpmant", [3, 1])
     _judge(results)
