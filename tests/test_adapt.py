@@ -198,7 +198,9 @@ def test_bad_adapt_options_are_clear_errors():
     data = global_batch(model, 4, 8)
     with pytest.raises(ConfigError, match="adapt = 'yes'"):
         fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, adapt="yes")
-    plan = fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), data).plan
+    from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+
+    plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0]), batch_split=[4], state_split=[1])
     with pytest.raises(ConfigError, match="leave out plan="):
         fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, plan=plan, adapt=True)
     with pytest.raises(ConfigError, match="min_gain"):

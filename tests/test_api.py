@@ -85,6 +85,7 @@ def test_auto_with_only_model_and_cluster():
 
 
 @pytest.mark.multirank
+@pytest.mark.full  # 10 s (8 x 128 tokens); the one-process form stays quick
 def test_auto_with_only_model_and_cluster_on_two_ranks(pool2):
     from tests.parity import check_step, expect
     from tests.workers import auto_model_and_cluster_only

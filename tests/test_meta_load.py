@@ -77,7 +77,8 @@ def _check(results: list[dict], ranks: int) -> None:
 
 
 @multirank
-@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-index"])
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.full)],  # quick: one file
+                         ids=["single-file", "sharded-index"])
 @pytest.mark.parametrize("kind", ["dp", "pp", "pp_tp", "ep"])
 def test_checkpoint_parity(kind, sharded, tmp_path, request):
     family, layers, ranks = CASES[kind]
