@@ -375,3 +375,14 @@ def check_step(step: dict) -> tuple[Report, ...]:
     if "weights" in step:
         out.append(check_trajectory(step["weights"]))
     return tuple(out)
+
+
+def check_tp_results(results: list[dict]) -> None:
+    """A tensor-parallel step's results, one dict per rank (``loss``, ``ref_loss``, ``rank``;
+    rank 0 also ``grads``, the gathered gradients' :class:`GradientGaps`, and ``parameters``,
+    the reference's count): every rank's loss and rank 0's gradients within the rules, and
+    every parameter compared."""
+    for r in results:
+        expect(check_loss(r["loss"], r["ref_loss"]), context=r["rank"])
+    expect(check_gradients(results[0]["grads"]))
+    assert len(results[0]["grads"]) == results[0]["parameters"]   # every parameter compared

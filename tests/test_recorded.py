@@ -94,13 +94,14 @@ def test_recording_a_model_that_exports_matches_its_export():
 
 def test_a_recorded_graph_plans_data_parallelism_and_eager_pipelines_only():
     # the families that run the model's own forward, and pipelines of eager stages
-    # (tests/test_eager_pipeline.py); tensor and expert parallelism need the exported graph
+    # (tests/test_eager_pipeline.py); expert parallelism needs the exported graph, and tensor
+    # parallelism (read block by block: tests/test_tp_by_block.py) is a hand plan's only
     torch.manual_seed(0)
     graph = _recorded(LoopMoEForCausalLM(), loop_moe_batch(1, 8))
     plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8))
     assert plan.strategy in RECORDED_FAMILIES and "expert_parallel" not in RECORDED_FAMILIES
     line = next(e for e in plan.explain if e.startswith("recorded graph"))
-    assert "layers.0, layers.1, layers.2" in line and "tensor and expert parallelism need the exported graph" in line
+    assert "layers.0, layers.1, layers.2" in line and "tensor parallelism is not searched for it" in line
     piped = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("pipeline",))
     assert piped.strategy == "pipeline" and all(s.tensor_parallel == 1 for s in piped.stages)
     with pytest.raises(PlanError, match="did not export as a whole.*'data_parallel', 'pipeline'"):

@@ -26,6 +26,7 @@ from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.tracing.analyze_model import analyze_model
 from tests.families import _DEC, FAMILIES
 from tests.parity import check_step, expect
+from tests.workers_tp_more import fixed_count_refusal
 from tests.workers_pptp import check_tp_family_parity, tp_family_parity
 
 
@@ -239,11 +240,13 @@ def test_latent_gated_and_sink_attention(pool2, model_type, overrides):
 @pytest.mark.multirank
 @pytest.mark.full
 def test_a_forward_that_splits_by_a_fixed_count_is_refused_after_sharding(pool2):
-    # CodeGen reshapes its fused qkv by mp_num = 4 written in its code: on the rank holding 3 of 4
-    # heads that mixes features of different heads; the sharded model is analysed again and refused
-    # (under transformers 5.17 the sharded forward no longer traces at all: refused the same way)
+    # CodeGen reshapes its fused qkv by mp_num = 4 written in its code: with that count left whole
+    # (fxpar scales it with the kept heads: shard._BLOCK_ATTRS, emptied in this worker), on the
+    # rank holding 3 of 4 heads it mixes features of different heads; the sharded model is
+    # analysed again and refused (under transformers 5.17 the sharded forward no longer traces at
+    # all: refused the same way)
     with pytest.raises(WorkerError, match="block transformer.h.0 should compute 3 of its 4 heads"):
-        pool2.run(tp_worker, "codegen", timeout=300)
+        pool2.run(fixed_count_refusal, "codegen", timeout=300)
 
 
 @pytest.mark.multirank

@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks.zoo import build
 from fxpar.tracing.analyze_model import analyze_model
-from tests.parity import check_gradients, check_loss, expect
+from tests.parity import check_tp_results
 from tests.workers_tp_bias import bias_parity, buffer_parity
 
 
@@ -62,26 +62,19 @@ def test_differential_attention_is_split_in_pairs_of_heads():
     assert att.shared_params == tuple(f"model.layers.0.self_attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2"))
 
 
-def _judge(results: list[dict]) -> None:
-    for r in results:
-        expect(check_loss(r["loss"], r["ref_loss"]), context=r["rank"])
-    expect(check_gradients(results[0]["grads"]))
-    assert len(results[0]["grads"]) == results[0]["parameters"]   # every parameter compared
-
-
 @pytest.mark.multirank
 @pytest.mark.full
 @pytest.mark.parametrize(("model_type", "padded"), [("bloom", True), ("mpt", False)])
 def test_alibi_is_narrowed_to_each_ranks_heads(pool2, model_type, padded):
     # Bloom with left padding takes its other ALiBi branch (slopes × the mask's cumulative positions)
-    _judge(pool2.run(bias_parity, model_type, [3, 1], padded))
+    check_tp_results(pool2.run(bias_parity, model_type, [3, 1], padded))
 
 
 @pytest.mark.multirank
 @pytest.mark.full
 def test_a_projected_mask_and_its_per_head_scale(pool2):
     results = pool2.run(bias_parity, "doge", [3, 1])
-    _judge(results)
+    check_tp_results(results)
     grads = results[0]["grads"]
     assert all(n > 0 for name, n in zip(grads.names, grads.norms) if "dt_proj" in name or name.endswith(".A"))
     fqn = "model.layers.0.self_attn"
@@ -96,7 +89,7 @@ def test_a_projected_mask_repeated_over_query_groups(pool2):
     # 8 query heads in 4 key/value groups: the mask is one value per group, repeated (repeat_kv)
     gqa = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
     results = pool2.run(bias_parity, "doge", [3, 1], False, gqa)
-    _judge(results)
+    check_tp_results(results)
     boxes = [r["boxes"]["model.layers.1.self_attn.A"] for r in results]
     assert boxes == [((3,), (0,), (4,)), ((1,), (3,), (4,))]
 
@@ -105,7 +98,7 @@ def test_a_projected_mask_repeated_over_query_groups(pool2):
 @pytest.mark.full  # 5 s: the quick tier keeps the analysis tests and the ALiBi buffer model
 def test_a_relative_position_table_is_sharded_by_heads(pool2):
     results = pool2.run(bias_parity, "cpmant", [3, 1])
-    _judge(results)
+    check_tp_results(results)
     fqn = "cpmant.position_bias.relative_attention_bias"
     shapes = [r["boxes"][fqn] for r in results]
     rows = shapes[0][2][0]
@@ -116,7 +109,7 @@ def test_a_relative_position_table_is_sharded_by_heads(pool2):
 def test_a_per_head_buffer_is_cut_with_the_heads(pool2):
     # a model of its own (not a HF one) keeping ALiBi slopes as a buffer of its attention module
     results = pool2.run(buffer_parity, [3, 1])
-    _judge(results)
+    check_tp_results(results)
     assert [r["slopes"] for r in results] == [[[0.5, 0.25, 0.125]] * 2, [[0.0625]] * 2]
 
 
@@ -126,4 +119,4 @@ def test_a_per_head_buffer_is_cut_with_the_heads(pool2):
                                     {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 4}])
 def test_differential_attention_parity(pool2, config):
     # 4 pairs split 3:1; the scalar λ's parameters are replicated, their gradients summed
-    _judge(pool2.run(bias_parity, "diffllama", [3, 1], False, config))
+    check_tp_results(pool2.run(bias_parity, "diffllama", [3, 1], False, config))

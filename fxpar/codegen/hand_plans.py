@@ -11,6 +11,8 @@ from fxpar.codegen.tensor.families import split_sizes
 from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.tracing.analyze_model import analyze_model
+from fxpar.tracing.tensor_parallel.by_block import explain_line
 from fxpar.tracing.structure import block_paths  # also fxpar.codegen.hand_plans.block_paths, as before
 
 
@@ -152,9 +154,21 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
     plan = Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
-                predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))
+                predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
+                explain=_by_block_note(model))
     tp_layout(plan)  # the replicas' splits agree
     return plan
+
+
+def _by_block_note(model: torch.nn.Module) -> tuple[str, ...]:
+    """The explain line of a model whose tensor-parallel analysis is read block by block (its
+    analysis is kept on the model, so the module built next does not repeat it); nothing where
+    it cannot be analysed yet (a model outside transformers before ``fxpar.auto`` saw a batch)."""
+    try:
+        line = explain_line(analyze_model(model))
+    except PlanError:
+        return ()
+    return (line,) if line else ()
 
 
 def expert_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, expert_split: list[int],

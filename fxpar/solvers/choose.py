@@ -95,8 +95,9 @@ def recorded_line(graph: ModelGraph) -> str:
             "saved (as float32 under autocast), so the prediction carries the recording's difference from an "
             "export (python -m benchmarks.recorded_fidelity measures it on models that export); data "
             "parallelism, sharded data parallelism and pipelines were searched (pipeline stages run the "
-            "model's own modules eagerly, cut at block boundaries); tensor and expert parallelism need "
-            "the exported graph")
+            "model's own modules eagerly, cut at block boundaries); expert parallelism needs the exported "
+            "graph, and tensor parallelism is not searched for it (a hand tensor_parallel_plan splits the "
+            "blocks that export on their own: fxpar.tracing.tensor_parallel.by_block)")
 
 
 def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,

@@ -2,7 +2,8 @@
 on a one-sample batch of 8 tokens built for its HF task (on ``meta`` when its parameters are),
 or for a model written outside transformers on one sample of the batch ``fxpar.auto`` was given
 (:func:`remember_example`), and run
-:func:`fxpar.tracing.tensor_parallel.analysis.analyze`.  The result is kept on the model object
+:func:`fxpar.tracing.tensor_parallel.analysis.analyze` — or, when the whole model does not
+export, read it block by block (:mod:`fxpar.tracing.tensor_parallel.by_block`).  The result is kept on the model object
 (``model.fxpar_tp_analysis``), keyed by the parameters' shapes, because a rank asks twice
 (which blocks are splittable, then how) before it shards."""
 
@@ -13,11 +14,12 @@ from typing import Any
 
 import torch
 
-from fxpar.errors import PlanError
-from fxpar.tracing.export import export_model
+from fxpar.errors import PlanError, TraceError
+from fxpar.tracing.export import export_model, split_inputs
 from fxpar.tracing.hf import example_inputs, hf_task
-from fxpar.tracing.tensor_parallel.analysis import analyze
+from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
 from fxpar.tracing.tensor_parallel.findings import TPAnalysis
+from fxpar.tracing.trace import tp_analysis_of
 
 ATTR = "fxpar_tp_analysis"
 #: where :func:`remember_example` keeps a one-sample batch of a model that is not a HF one
@@ -43,23 +45,38 @@ def remember_example(model: torch.nn.Module, inputs: Any) -> None:
         model.__dict__[EXAMPLE_ATTR] = one(inputs)
 
 
-def analyze_model(model: torch.nn.Module) -> TPAnalysis:
+def analyze_model(model: torch.nn.Module, *, how: str = "auto") -> TPAnalysis:
     """The :class:`TPAnalysis` of ``model``: exported on a one-sample batch built for its HF task,
-    or for another model the one :func:`remember_example` kept."""
+    or for another model the one :func:`remember_example` kept.  ``how``: ``"auto"`` reads it
+    block by block where the whole model does not export
+    (:mod:`fxpar.tracing.tensor_parallel.by_block`); ``"whole"`` raises the export's TraceError
+    instead; ``"by_block"`` reads it block by block directly.  A sharded model is analysed again
+    the way its full model was (``fxpar.codegen.tensor.verify``): by block on the calls the
+    full model's analysis kept, since its own forward would run the group's collectives."""
     sig = _signature(model)
     kept = model.__dict__.get(ATTR)
     if kept is not None and kept[0] == sig:
         return kept[1]
     was_training = model.training
+    example = analysis_example(model)
     try:
-        result = analyze(export_model(model, _example(model)))
+        if how == "by_block":
+            result = analyze_by_block(model, *split_inputs(model, example), why="analysed by block as its full "
+                                      "model was", keep=True)
+        else:
+            try:
+                result = tp_analysis_of(export_model(model, example))  # a failing analysis: every block refused
+            except TraceError as exc:  # read block by block where the blocks export on their own
+                if how == "whole":
+                    raise
+                result = analyze_by_block(model, *split_inputs(model, example), why=str(exc), keep=True)
     finally:
         model.train(was_training)
     model.__dict__[ATTR] = (sig, result)
     return result
 
 
-def _example(model: torch.nn.Module) -> Any:
+def analysis_example(model: torch.nn.Module) -> Any:
     """The one-sample batch :func:`analyze_model` exports ``model`` on (on ``meta`` for a meta model)."""
     first = next(model.parameters(), None)
     device = "meta" if first is not None and first.is_meta else "cpu"

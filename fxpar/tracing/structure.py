@@ -34,13 +34,15 @@ def block_paths(model: torch.nn.Module) -> list[str]:
 
 def supports_vocab_parallel(model: torch.nn.Module) -> bool:
     """A HF causal LM with an ``nn.Embedding`` input, a bias-free ``nn.Linear`` head of the same
-    vocabulary and a loss computed through ``loss_function``."""
+    vocabulary and no parameter but its weight (not Dory's per-logit ``logit_scale``, which the
+    vocabulary split would leave whole) and a loss computed through ``loss_function``."""
     name = type(model).__name__
     if not name.endswith(("ForCausalLM", "LMHeadModel")) or not hasattr(model, "get_output_embeddings"):
         return False
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     return (type(emb) is torch.nn.Embedding and isinstance(head, torch.nn.Linear) and head.bias is None
-            and head.out_features == emb.num_embeddings and _loss_through_loss_function(type(model)))
+            and head.out_features == emb.num_embeddings and [n for n, _ in head.named_parameters()] == ["weight"]
+            and _loss_through_loss_function(type(model)))
 
 
 def _loss_through_loss_function(cls: type) -> bool:

@@ -100,9 +100,9 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
             raise
         why = str(exc).splitlines()[0]
         warnings.warn(f"{why}\nfxpar records the model by running it instead: its plan can use data "
-                      "parallelism, sharded data parallelism and pipelines of eager stages, not tensor or "
-                      "expert parallelism "
-                      "(trace(record=False) raises instead)", stacklevel=2)
+                      "parallelism, sharded data parallelism and pipelines of eager stages, not expert "
+                      "parallelism; tensor parallelism only from a hand plan, for the blocks that export "
+                      "on their own (trace(record=False) raises instead)", stacklevel=2)
         return record_graph(model, args, kwargs, why=str(exc), model_name=model_name)
 
 

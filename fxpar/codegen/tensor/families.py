@@ -36,8 +36,11 @@ from collections.abc import Collection, Sequence
 import torch
 
 from fxpar.codegen.common.shards import slice_parameter
+from fxpar.codegen.tensor.block_split import block_shares
 from fxpar.codegen.tensor.collectives import tp_copy, tp_reduce
 from fxpar.codegen.tensor.head_bias import argument_keys, shard_head_biases
+from fxpar.codegen.tensor.aliases import merge_copies
+from fxpar.codegen.tensor.experts import place_expert_biases, slice_expert_columns
 from fxpar.codegen.tensor.shard import shard_attention, shard_mlp
 from fxpar.compat import mark_expert_parallel
 from fxpar.errors import PlanError
@@ -102,6 +105,7 @@ def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
     become HF's expert-parallel sentinels (index ``hi − lo``, weight 0)."""
     m.gate_up_proj = slice_parameter(m.gate_up_proj, 0, lo, hi)
     m.down_proj = slice_parameter(m.down_proj, 0, lo, hi)
+    place_expert_biases(m, lo, hi)
     m.num_experts = hi - lo
     mark_expert_parallel(m)  # HF's experts implementations then skip the sentinel slots
 
@@ -118,11 +122,16 @@ def _place_experts(m: torch.nn.Module, lo: int, hi: int, key: int) -> None:
 
 
 def _holders(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Parameter FQN (the first name) -> every name the same parameter object has."""
-    names: dict[int, list[str]] = {}
+    """Parameter FQN (any of its names) -> one name per distinct module holding the same
+    parameter object: a module reached by several paths (a shared block called from several
+    layers) is one holder, sharded once for every call."""
+    names: dict[int, dict[int, str]] = {}
+    aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n[0]: n for n in names.values()} | {m: n for n in names.values() for m in n}
+        owner = model.get_submodule(name.rpartition(".")[0])
+        names.setdefault(id(p), {}).setdefault(id(owner), name)
+        aliases.setdefault(id(p), []).append(name)
+    return {m: list(names[k].values()) for k, n in aliases.items() for m in n}
 
 
 def _first_call(projections: Sequence[Projection], done: set[str], block: str,
@@ -150,11 +159,13 @@ def _first_call(projections: Sequence[Projection], done: set[str], block: str,
 
 def split_units(att: Attention, shares: Sequence[int], head_dim: int, block: str) -> Attention:
     """``att`` split by the unit ``shares`` count: its key/value groups, or (when the shares sum
-    to its query heads) its query heads with the key/value heads replicated (``by_query_heads``)."""
+    to its query heads) its query heads with the key/value heads replicated (``by_query_heads``).
+    Its head size may differ from the model's first splittable block (``head_dim``): blocks are
+    split independently (``block_split``)."""
     units = sum(shares)
-    if att.head_dim == head_dim and units == att.kv_heads:
+    if units == att.kv_heads:
         return att
-    if att.head_dim == head_dim and units == att.heads:
+    if units == att.heads:
         found = by_query_heads(att)
         if isinstance(found, str):
             raise PlanError(f"block {block}: its {att.heads} query heads cannot be split with the key/value heads "
@@ -172,10 +183,14 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     ``rank``; MoE experts by columns, or, with ``expert_shares`` (experts per position), by
     placing whole experts.  Returns the number of attention modules.  MLP and expert columns
     split in proportion to ``mlp_shares`` (None: ``kv_shares``), in multiples of 8 where the
-    width allows.  A block the analysis refused raises a :class:`PlanError` with its reason."""
+    width allows.  A block the analysis refused raises a :class:`PlanError` with its reason.  A
+    module the analysis could not read (``BlockTP.opaque``: it exports nowhere, e.g. experts
+    looped over in Python, whose zero-computation experts a column split would count once per
+    rank) runs whole on every rank."""
     analysis = analyze_model(model)
     mlp = list(mlp_shares) if mlp_shares is not None else list(kv_shares)
     first, count, done = rank == 0, 0, set()
+    merge_copies(model)   # copies of one module with tied weights: one module, sharded once (aliases.py)
     holders = _holders(model)
     keys = argument_keys(model, analysis, blocks)  # before any sharding: a forward of the full model
     for blk in analysis.blocks:
@@ -184,16 +199,20 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
         if blk.reason is not None and blk.attention == () and "no attention found" not in blk.reason:
             raise PlanError(f"tensor parallelism cannot split {type(model).__name__}: {blk.reason}")
         for att in blk.attention:
-            att = split_units(att, kv_shares, head_dim, blk.path)
+            shares = block_shares(att, kv_shares, head_dim)   # more groups than the plan's unit count
+            att = split_units(att, shares, head_dim, blk.path)
             if _first_call(att.projections, done, blk.path, holders):
-                shard_attention(model, att, *_range(list(kv_shares), rank), first, key)
-                shard_head_biases(model, att, *_range(list(kv_shares), rank), keys, first, key)
+                shard_attention(model, att, *_range(shares, rank), first, key)
+                shard_head_biases(model, att, *_range(shares, rank), keys, first, key)
             count += 1
         for m in blk.mlp:
             if _first_call(m.projections, done, blk.path, holders):
                 shard_mlp(model, m, *_range(_columns(m.width, mlp), rank), first, key)
+    opaque = [o for blk in analysis.blocks for o in blk.opaque]  # not read from a graph: run whole
     for name, m in list(model.named_modules()):
         if blocks is not None and block_path(name) not in blocks:
+            continue
+        if any(name == o or name.startswith(o + ".") for o in opaque):
             continue
         if _is_experts(m) and expert_shares is not None:
             _place_experts(m, *_range(expert_shares, rank), key)
@@ -202,10 +221,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             gu, down = m.gate_up_proj.shape, m.down_proj.shape
             flip = gu[1] != 2 * down[2] and gu[2] == 2 * down[1]
             lo, hi = _range(_columns(down[1] if flip else down[2], mlp), rank)
-            m.gate_up_proj = slice_parameter(m.gate_up_proj, 2 if flip else 1, lo, hi, parts=2)
-            m.down_proj = slice_parameter(m.down_proj, 1 if flip else 2, lo, hi)
-            if hasattr(m, "intermediate_dim"):
-                m.intermediate_dim = hi - lo
+            slice_expert_columns(m, lo, hi, first)   # weights, biases; interleaved [g0, u0, …] too
             _copy_inputs(m, key, positions=(0, 2))  # hidden states and routing weights
             _reduce_output(m, key)
     return count
@@ -229,6 +245,8 @@ def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:
         return found.kv_heads, found.heads // found.kv_heads, found.head_dim
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) and analyze_model(model).refused():  # say why no block splits
+        raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
     if not isinstance(heads, int):
         raise PlanError(f"tensor parallelism needs a HF model with config.num_attention_heads; "
                         f"{type(model).__name__} has none")
@@ -257,8 +275,8 @@ def refusal(model: torch.nn.Module, blocks: Collection[str]) -> str:
 
 
 def describe_unsupported(model: torch.nn.Module) -> str:
-    refused = analyze_model(model).refused()
-    why = f": {refused[0].reason}" if refused else ""
+    refused = sorted(analyze_model(model).refused(), key=lambda b: b.reason.endswith("no attention found"))
+    why = f": {refused[0].reason}" if refused else ""  # a block with a cause before a bare "none found"
     return f"{type(model).__name__}: no attention fxpar can shard found in the traced graph{why}"
 
 

@@ -5,7 +5,7 @@ heads' features).
 Position ``t`` holds the features ``F_t`` of its heads (any sizes: uneven splits too).  An RMS
 norm over the ``n`` features of the whole projection needs ``mean(x²) = (1/n) Σ_t Σ_{f∈F_t} x_f²``:
 inside the norm module's forward, every ``mean`` over the last dimension of a tensor of the
-rank's width becomes
+rank's width becomes (a ``sum`` there, an L2 norm's ``Σ x²``, the same without ``/ n``)
 
     m = tp_reduce(tp_copy(Σ_{f∈F_t} x_f)) / n        (forward all-reduce, backward all-reduce)
 
@@ -29,6 +29,7 @@ from fxpar.errors import PlanError
 from fxpar.tracing.tensor_parallel.norms import GroupNorm
 
 _MEANS = (torch.mean, torch.Tensor.mean)
+_SUMS = (torch.sum, torch.Tensor.sum)   # an L2 norm ``x / ‖x‖``: Σ_t Σ_{f∈F_t} x_f², not divided
 
 
 class _GroupMean(TorchFunctionMode):
@@ -41,7 +42,7 @@ class _GroupMean(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _MEANS and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0 \
+        if func in _MEANS + _SUMS and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0 \
                 and args[0].shape[-1] == self.local and "dtype" not in kwargs:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -49,7 +50,8 @@ class _GroupMean(TorchFunctionMode):
             if len(dims) == 1 and dims[0] in (-1, args[0].dim() - 1):
                 self.count += 1
                 part = args[0].sum(dim=-1, keepdim=bool(keep))
-                return tp_reduce(tp_copy(part, self.key), self.key) / self.total
+                whole = tp_reduce(tp_copy(part, self.key), self.key)
+                return whole if func in _SUMS else whole / self.total
         return func(*args, **kwargs)
 
 

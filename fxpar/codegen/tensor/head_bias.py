@@ -34,7 +34,7 @@ from fxpar.codegen.common.shards import slice_parameter
 from fxpar.codegen.tensor.collectives import tp_copy
 from fxpar.codegen.tensor.shard import shard_projection
 from fxpar.errors import PlanError
-from fxpar.tracing.analyze_model import _example
+from fxpar.tracing.analyze_model import analysis_example
 from fxpar.tracing.export import split_inputs
 from fxpar.tracing.tensor_parallel.findings import Attention, HeadBias, TPAnalysis
 
@@ -66,7 +66,7 @@ def _record(model: torch.nn.Module, modules: Collection[str]) -> dict[str, dict[
 
     handles = [model.get_submodule(m).register_forward_pre_hook(hook(m), with_kwargs=True) for m in modules]
     try:
-        args, kwargs = split_inputs(model, _example(model))
+        args, kwargs = split_inputs(model, analysis_example(model))
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(*args, **kwargs)
     finally:
@@ -105,15 +105,22 @@ def narrow_heads(x: torch.Tensor, bias: HeadBias, lo: int, hi: int) -> torch.Ten
     return x.narrow(bias.dim, lo, hi - lo)
 
 
-def _narrow_on_entry(module: torch.nn.Module, cuts: list[tuple[Key, HeadBias, int, int]]) -> None:
-    """A forward pre-hook cutting each ``(argument, bias, lo, hi)`` to query heads ``[lo, hi)``."""
+def _narrow_on_entry(module: torch.nn.Module, cuts: list[tuple[Key, HeadBias, int, int]], group_key: int) -> None:
+    """A forward pre-hook cutting each ``(argument, bias, lo, hi)`` to query heads ``[lo, hi)``.
+    A bias that needs a gradient (built from parameters before the block: a model analysed block
+    by block sees CPM-Ant's position table as such an input) goes through ``tp_copy`` first: each
+    rank's narrow back-propagates its heads' columns only, and the backward all-reduce
+    assembles the whole gradient, ``∂L/∂B = Σ_t pad_t(∂L/∂B[:, heads_t])``, on every rank."""
+    def cut(x: torch.Tensor, bias: HeadBias, lo: int, hi: int) -> torch.Tensor:
+        return narrow_heads(tp_copy(x, group_key) if x.requires_grad else x, bias, lo, hi)
+
     def pre_hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs = list(args), dict(kwargs)
         for key, bias, lo, hi in cuts:
             if isinstance(key, int) and key < len(args) and isinstance(args[key], torch.Tensor):
-                args[key] = narrow_heads(args[key], bias, lo, hi)
+                args[key] = cut(args[key], bias, lo, hi)
             elif isinstance(key, str) and isinstance(kwargs.get(key), torch.Tensor):
-                kwargs[key] = narrow_heads(kwargs[key], bias, lo, hi)
+                kwargs[key] = cut(kwargs[key], bias, lo, hi)
         return tuple(args), kwargs
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -164,5 +171,5 @@ def shard_head_biases(model: torch.nn.Module, att: Attention, lo: int, hi: int, 
         else:
             _slice_stored(model, bias, a, b)
     if cuts:
-        _narrow_on_entry(model.get_submodule(att.module), cuts)
+        _narrow_on_entry(model.get_submodule(att.module), cuts, key)
 

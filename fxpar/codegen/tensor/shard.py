@@ -33,6 +33,7 @@ import torch
 from fxpar.codegen.common.shards import slice_parameter, slice_runs
 from fxpar.codegen.tensor.collectives import tp_copy, tp_grad_sum, tp_reduce
 from fxpar.codegen.tensor.group_norm import shard_group_norm
+from fxpar.codegen.tensor.sub_heads import localize_parts
 from fxpar.errors import PlanError
 from fxpar.tracing.tensor_parallel.findings import Attention, Mlp, Projection
 
@@ -42,6 +43,9 @@ _WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "hidden_size", "embe
                 "kv_dim", "q_dim", "attention_hidden_size")
 _GROUP_ATTRS = ("num_key_value_groups", "num_queries_per_kv")  # query heads per key/value head
 _MLP_ATTRS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "hidden_features", "inner_dim")
+#: how many blocks a fused projection is interleaved in (model-parallel shards it was trained
+#: with): the forward reads ``width // blocks`` as one block's width (:func:`_localize_blocks`)
+_BLOCK_ATTRS = ("mp_num",)
 
 
 def _slice_runs(full: torch.Tensor, dim: int, runs: Sequence[tuple[int, int]]) -> torch.nn.Parameter:
@@ -146,12 +150,22 @@ def _inside(path: str, ancestor: str) -> bool:
     return not ancestor or path == ancestor or path.startswith(ancestor + ".")
 
 
+def _held(model: torch.nn.Module, path: str, owner: str) -> bool:
+    """Whether the module at ``path`` is ``owner``'s module or inside it, as objects (a module
+    reached by several paths — one shared block, ``aliases.py`` — is inside under any of them)."""
+    try:
+        inner, outer = model.get_submodule(path), model.get_submodule(owner)
+    except AttributeError:
+        return _inside(path, owner)
+    return any(m is inner for m in outer.modules())
+
+
 def copy_into(model: torch.nn.Module, owner: str, producers: Sequence[str], projections: Sequence[Projection],
               key: int) -> None:
     """One ``tp_copy`` on ``owner``'s input when every column projection reads it from outside
     ``owner``; else one on each column projection's input."""
     cols = [p for p in projections if p.parallel == "column"]
-    if owner and all(not _inside(m, owner) for m in producers) and all(_inside(p.module, owner) for p in cols):
+    if owner and all(not _held(model, m, owner) for m in producers) and all(_held(model, p.module, owner) for p in cols):
         _copy_inputs(model.get_submodule(owner), key)
         return
     for p in cols:
@@ -184,6 +198,9 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
     for fqn, dim, per_unit in att.head_params:
         owner, name = _leaf(model, fqn)
         setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit, hi * per_unit))
+    for fqn, dim, per_unit, width in att.feature_params:   # features of heads [lo·u, hi·u)
+        owner, name = _leaf(model, fqn)
+        setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit * width, hi * per_unit * width))
     mapping = {att.kv_heads: kv, att.heads: nh}
     for d in dict.fromkeys((att.head_dim, att.value_dim or att.head_dim)):
         mapping.update({att.kv_heads * d: kv * d, att.heads * d: nh * d})
@@ -191,6 +208,8 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
     _localize(module, _HEAD_ATTRS, {att.kv_heads: kv, att.heads: nh})
     _localize(module, _WIDTH_ATTRS, {k: v for k, v in mapping.items() if k > max(att.heads, att.kv_heads)})
     _localize(module, _GROUP_ATTRS, {g: nh // kv})
+    _localize_blocks(module, att.heads, nh)
+    localize_parts(model, att, lo, hi)   # parts sliced by heads (a bias module, a convolution's taps)
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "num_attention_heads", None) == att.heads:
         local = copy.copy(config)
@@ -198,6 +217,23 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
         if getattr(config, "num_key_value_heads", None) == att.kv_heads:
             local.num_key_value_heads = kv
         module.config = local
+
+
+def _localize_blocks(module: torch.nn.Module, heads: int, local: int) -> None:
+    """Scale a block count ``m`` (``_BLOCK_ATTRS``) with the heads kept: the forward splits the
+    fused output into ``m`` blocks of ``width / m`` features (``heads / m`` heads each), and the
+    localized width holds ``local`` heads, so ``m' = local · m / heads`` keeps each block's
+    width; a rank must then keep whole blocks (the analysis found each head's rows one block:
+    ``m = heads``, or refused the layout)."""
+    for name in _BLOCK_ATTRS:
+        m = module.__dict__.get(name)
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+            continue
+        if heads % m or (local * m) % heads:
+            raise PlanError(f"tensor parallelism: {type(module).__name__}.{name} = {m} splits its fused projection "
+                            f"into {m} blocks of {heads // m if heads % m == 0 else heads / m} heads; {local} of "
+                            f"{heads} heads on a rank are not whole blocks — re-plan with max_tensor_parallel=1")
+        setattr(module, name, local * m // heads)
 
 
 def sum_gradients(model: torch.nn.Module, fqn: str, key: int,

@@ -18,6 +18,7 @@ import torch
 
 import torch.distributed as dist
 
+from fxpar.codegen.tensor.block_split import block_shares
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import rank_device
 from fxpar.tracing.analyze_model import analyze_model
@@ -27,6 +28,7 @@ from fxpar.tracing.tensor_parallel.findings import Attention, TPAnalysis
 def _local(att: Attention, shares: Sequence[int], rank: int) -> tuple[int, int, int, int]:
     """``(query heads, key/value heads, head size, value size)`` of ``att`` on position ``rank``
     of the split ``shares`` (key/value groups, or query heads: ``split_units``)."""
+    shares = block_shares(att, shares)
     lo = sum(shares[:rank])
     if sum(shares) == att.kv_heads:
         nh, kv = att.local_heads(lo, lo + shares[rank])
@@ -66,7 +68,7 @@ def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Seque
     if not sharded or shares[rank] < 2:
         return
     try:
-        after = analyze_model(model)
+        after = analyze_model(model, how="by_block" if before.by_block is not None else "whole")
     except TraceError as exc:  # the sharded forward no longer runs (older CodeGen: a reshape by 0)
         blk, att = sharded[0], sharded[0].attention[0]
         want = _local(att, shares, rank)
@@ -79,6 +81,8 @@ def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Seque
         now = after.block(blk.path)
         found = now.attention if now is not None else ()
         for i, att in enumerate(blk.attention):
+            if block_shares(att, shares)[rank] < 2:  # this block leaves it one unit: it cannot tell
+                continue
             want = _local(att, shares, rank)
             got = (found[i].heads, found[i].kv_heads, found[i].head_dim,
                    found[i].value_dim or found[i].head_dim) if i < len(found) else None

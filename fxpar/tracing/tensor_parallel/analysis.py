@@ -31,9 +31,17 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    A tensor with one entry per head added to the scores (ALiBi slopes, a relative-position
    table, a per-head mask) is cut by heads with them (``head_biases``:
    :mod:`fxpar.tracing.tensor_parallel.head_bias` says where from, and what it refuses).
+   Convolution taps per head multiplied into a key's / value's token windows (a second
+   projection, and a static table indexed by the key's features) are split with the heads
+   (:mod:`fxpar.tracing.tensor_parallel.short_conv`).
    Differential attention (two attentions on halves of the values, head ``j`` combined with
    head ``j + H/2``) is split in pairs of heads
-   (:mod:`fxpar.tracing.tensor_parallel.differential`).
+   (:mod:`fxpar.tracing.tensor_parallel.differential`).  A parameter with one entry per feature
+   of every head of a role (a query scale viewed ``[heads, 1, d]``, a depthwise convolution's
+   per-channel weight) is sliced like the rows (``feature_params``:
+   :mod:`fxpar.tracing.tensor_parallel.features`); a score bias computed head by head from
+   another projection of the input is column-parallel with the heads
+   (:mod:`fxpar.tracing.tensor_parallel.head_maps`).
    Refused, with the block and cause: any other norm or reduction over features of more than
    one head, projections computed from several inputs
    (cross-attention between stacks), a projection output that also leaves the attention
@@ -59,6 +67,8 @@ from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, Scores
 from fxpar.tracing.tensor_parallel.norms import group_norms, whole_norm
 from fxpar.tracing.tensor_parallel import differential
 from fxpar.tracing.tensor_parallel.dataflow_pass import placeholder_params, run
+from fxpar.tracing.tensor_parallel.features import feature_params, is_feature
+from fxpar.tracing.tensor_parallel.head_maps import flow_biases
 from fxpar.tracing.tensor_parallel.head_bias import buffer_names, head_bias
 from fxpar.tracing.tensor_parallel.roles import companion_params as _companion_params
 from fxpar.tracing.tensor_parallel.roles import covers as _covers
@@ -68,6 +78,7 @@ from fxpar.tracing.tensor_parallel.roles import projection as _projection
 from fxpar.tracing.tensor_parallel.region import inside as _inside
 from fxpar.tracing.tensor_parallel.region import module_path as _module_path
 from fxpar.tracing.tensor_parallel.region import parameter_dependent, replicated_region
+from fxpar.tracing.tensor_parallel.short_conv import tap_rows
 from fxpar.tracing.tensor_parallel.findings import (
     Attention,
     BlockTP,
@@ -116,6 +127,9 @@ class _Graph:
 def _roles(event: tuple, df: Dataflow) -> tuple | str:
     """``(parts, heads, kv, d, dv)`` of one attention event's q / k / v (rule 1), or why not."""
     name, qf, kf, vf, _ = event
+    leaked = next((s for f in (qf, kf, vf) for s, _ in sorted(f.sources) if df.escapes.get(s)), None)
+    if leaked in df.projections:  # the first cause: features leave the path the dataflow follows
+        return f"the output of {df.projections[leaked][0]} also feeds {df.escapes[leaked][0]}"
     parts = [_head_role(f, r, df) for f, r in ((qf, "q"), (kf, "k"), (vf, "v"))]
     bad = next((p for p in parts if isinstance(p, str)), None)
     if bad is not None:
@@ -150,12 +164,30 @@ def _input(event: tuple, df: Dataflow, graph: _Graph, node: torch.fx.Node, colum
 
 
 def _biases(event: tuple, df: Dataflow, graph: _Graph, heads: tuple[int, int], by_src: dict[str, list[RoleRows]]
-            ) -> tuple[HeadBias, ...] | str:
-    """The per-head tensors the event adds to its scores, cut by heads (rule 4), or why not."""
+            ) -> tuple[tuple[HeadBias, ...], tuple[str, ...], tuple] | str:
+    """The per-head tensors the event adds to its scores, cut by heads (rule 4), and the
+    replicated and the per-head parameters of those computed head by head from a column
+    projection (:mod:`fxpar.tracing.tensor_parallel.head_maps`, which adds its rows to ``by_src``),
+    or why not."""
+    flowed = flow_biases(event[4], df, (heads[0], heads[0] // heads[1], heads[1]), by_src)
     found = [head_bias(x, graph.nodes, df, _module_path(graph.nodes[event[0]]), (graph.params, graph.buffers),
-                       *heads, by_src) for x in dict.fromkeys(event[4])]
+                       *heads, by_src) for x in flowed[0]]
     bad = next((b for b in found if isinstance(b, str)), None)
-    return bad if bad is not None else tuple(dict.fromkeys(b for one in found for b in one))
+    return bad if bad is not None else (tuple(dict.fromkeys(b for one in found for b in one)), *flowed[1:])
+
+
+def _output_projection(out_src: str, df: Dataflow, heads: int, dv: int) -> tuple[str, Flow, Any] | str:
+    """``(projection, its input flow, a norm over the whole output or None)`` the attention
+    output ``out_src`` feeds, unchanged on its last axis (rule 2), or why not."""
+    users = [(p, f) for p, f in df.consumers if out_src in {s for s, _ in f.sources}]
+    if df.escapes.get(out_src) or len(users) != 1:
+        why = df.escapes.get(out_src, ["no single projection"])[0]
+        return f"the attention output feeds {why} instead of one output projection"
+    o, of = users[0]
+    out_norm = whole_norm(of, out_src, df, dv, heads * dv) if of.reduced else None
+    if (out_src, 0) not in of.sources or of.dims[-1] != Axis(1, heads * dv) or (of.reduced and out_norm is None):
+        return "the attention output reaches its output projection reordered or reduced"
+    return o, of, out_norm
 
 
 def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
@@ -170,15 +202,17 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     by_src: dict[str, list[RoleRows]] = {}
     for src, role in ((qs, "q"), (ks, "k"), (vs, "v")):
         by_src.setdefault(src, []).append(rows[role])
+    for src, role in dict.fromkeys(((qs, "q"), (ks, "k"), (vs, "v"))):   # convolution taps (short_conv.py)
+        found_taps = tap_rows(df, src, rows[role], kv)
+        if isinstance(found_taps, str):
+            return found_taps
+        for tap_src, tap in found_taps:
+            by_src.setdefault(tap_src, []).append(tap)
     out_src = f"attn:{event[0]}"
-    users = [(p, f) for p, f in df.consumers if out_src in {s for s, _ in f.sources}]
-    if df.escapes.get(out_src) or len(users) != 1:
-        why = df.escapes.get(out_src, ["no single projection"])[0]
-        return f"the attention output feeds {why} instead of one output projection"
-    o, of = users[0]
-    out_norm = whole_norm(of, out_src, df, dv, heads * dv) if of.reduced else None
-    if (out_src, 0) not in of.sources or of.dims[-1] != Axis(1, heads * dv) or (of.reduced and out_norm is None):
-        return "the attention output reaches its output projection reordered or reduced"
+    output = _output_projection(out_src, df, heads, dv)
+    if isinstance(output, str):
+        return output
+    o, of, out_norm = output
     gates = _output_gates(df, of, out_src, RoleRows("gate", 0, dv, heads, dv, g), qs)
     if isinstance(gates, str):
         return gates
@@ -193,7 +227,7 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     biases = _biases(event, df, graph, (heads, g), by_src)
     if isinstance(biases, str):
         return biases
-    input_node, input_module, region_params = source
+    (biases, bias_params, bias_heads), (input_node, input_module, region_params) = biases, source
     cols = tuple(_projection(df, s, "column", tuple(r)) for s, r in by_src.items())
     row = _projection(df, o, "row", (RoleRows("o", 0, dv, heads, dv, g),))
     norms = group_norms(((qn, rows["q"]), (kn, rows["k"]), (vn, rows["v"]),
@@ -202,18 +236,20 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
         return norms
     widened = {p for n in norms for p, _ in n.params}
     shared, head_params = _companion_params(tuple(event[1:4]) + (of,), (d, d, dv, dv), df, (g, 1, 1, g))
-    head_params = tuple(h for h in head_params if h[0] not in widened)
+    head_params = tuple(dict.fromkeys(h for h in head_params + bias_heads if h[0] not in widened))
+    feats = feature_params(tuple(event[1:4]) + (of,), (d, d, dv, dv), (heads, kv, kv, heads), (g, 1, 1, g), df, widened)
     bad = next((c[0] for c in of.companions if c[1] * c[2] > dv and c[0] not in widened and (
-        c[0] not in df.params or c[1] != dv or c[2] != heads or c[3] < 0)), None)
+        c[0] not in df.params or c[1] != dv or c[2] != heads or c[3] < 0) and not is_feature(c, heads, dv, df)), None)
     if bad is not None:
         return f"{bad} is applied across the heads of the attention output before its output projection"
-    sliced = {p.weight for p in cols + (row,)} | {p.bias for p in cols + (row,)} | widened | {h[0] for h in head_params}
+    sliced = {p.weight for p in cols + (row,)} | {p.bias for p in cols + (row,)} | widened | {
+        h[0] for h in head_params + feats}
     sliced |= {b.target for b in biases} | {b.projection.bias for b in biases if b.projection is not None}
-    shared = tuple(dict.fromkeys(shared + tuple(p for p in region_params if p not in sliced)))
+    shared = tuple(dict.fromkeys(shared + bias_params + tuple(p for p in region_params if p not in sliced)))
     return Attention(node=event[0], module=_module_path(node), heads=heads, kv_heads=kv, head_dim=d,
                      projections=cols + (row,), input_node=input_node, input_module=input_module,
                      shared_params=shared, head_params=head_params, group_norms=norms,
-                     value_dim=dv, head_biases=biases)
+                     value_dim=dv, head_biases=biases, feature_params=feats)
 
 
 def _mlp(proj: str, flow: Flow, df: Dataflow, taken: set[str], users: dict[str, int]) -> Mlp | None:

@@ -39,7 +39,14 @@ Rules (everything else that reads a Flow is an *escape*, recorded with the op's 
   elementwise ops, masks and softmax keep them; ``matmul(Scores, value Flow)`` or
   ``scaled_dot_product_attention(q, k, v)`` is an *attention event* whose output starts a
   Flow of source ``attn:<node>`` (head axis stride ``d``, head-dim axis stride 1);
-- a projection whose input has a Flow is a *consumer* of that Flow (row-parallel candidate).
+- a projection whose input has a Flow is a *consumer* of that Flow (row-parallel candidate);
+- a depthwise ``conv1d`` over feature channels keeps them (its weight a per-feature companion),
+  ``matmul`` of one head's features by a shared ``[d, k]`` parameter maps each head on its own,
+  ``gather`` along a dimension without features keeps the Flow
+  (:mod:`fxpar.tracing.tensor_parallel.features`, :mod:`fxpar.tracing.tensor_parallel.head_maps`);
+- ``pad`` / ``unfold`` / ``flip`` over dimensions without features keep the Flow, and a windowed
+  Flow times per-head convolution taps from another projection is that Flow, the taps recorded
+  (:mod:`fxpar.tracing.tensor_parallel.short_conv`).
 """
 
 from __future__ import annotations
@@ -116,6 +123,9 @@ class Dataflow:
     gates: dict = field(default_factory=dict)
     #: placeholder name -> value of a lifted constant tensor (an index list)
     constants: dict = field(default_factory=dict)
+    #: projection node -> [(tap projection node, base, head stride, heads, taps per head), ...]:
+    #: per-head convolution taps multiplied into its windows (:mod:`.short_conv`)
+    taps: dict = field(default_factory=dict)
 
 
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",

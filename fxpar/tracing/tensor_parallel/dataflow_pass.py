@@ -25,9 +25,13 @@ from fxpar.tracing.tensor_parallel.dataflow import (
     _shape,
 )
 from fxpar.tracing.tensor_parallel.gates import gate
+from fxpar.tracing.tensor_parallel.features import depthwise, merged_companion
+from fxpar.tracing.tensor_parallel.head_maps import gather_data, head_map
 from fxpar.tracing.tensor_parallel.join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
 from fxpar.tracing.tensor_parallel.params import param_dim, param_source, per_head
 from fxpar.tracing.tensor_parallel.region import module_path
+from fxpar.tracing.tensor_parallel.score_keys import carries_scores, key_axis
+from fxpar.tracing.tensor_parallel.short_conv import taps, window
 from fxpar.tracing.tensor_parallel.structural import structural, structural_slice
 
 
@@ -86,6 +90,9 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
     scores = [s for s in states if isinstance(s, Scores)]
     if scores:
         extras = tuple(o.name for o in others if per_head(o))
+        extras += tuple(a.name for a in node.args if isinstance(a, torch.fx.Node)  # a bias made from features
+                        and isinstance(df.flows.get(a.name), Flow)   # (not a statistic of the scores: a row max)
+                        and not any(s.startswith("stat:") for s, _ in df.flows[a.name].sources))
         return replace(scores[0], extras=scores[0].extras + extras)
     flows = [s for s in states if isinstance(s, Flow)]
     if len(flows) != len([s for s in states if s is not None]):
@@ -97,7 +104,7 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
                 if isinstance(dims[k], Axis) and dims[k] != e:
                     shapes = [_shape(a) or () for a in node.args
                               if isinstance(a, torch.fx.Node) and isinstance(df.flows.get(a.name), Flow)]
-                    return gate(flows, shapes, n, df) if not others else None
+                    return (gate(flows, shapes, n, df) or taps(node, df, params)) if not others else None
                 dims[k] = e
             elif dims[k] is None and e == "B":
                 dims[k] = e
@@ -105,6 +112,10 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
     for o in others:
         shape = (1,) * (n - len(_shape(o) or ())) + (_shape(o) or ())
         fqn, pshape = param_source(o, params)
+        merged = merged_companion(o, dims, params) if not fqn or not pshape else None
+        if merged is not None:   # a 1-D parameter over several feature axes (features.py)
+            companions += (merged,)
+            continue
         for k, e in enumerate(dims):
             if isinstance(e, Axis) and shape[k] > 1:
                 companions += ((fqn or o.name, e.stride, e.size, param_dim(shape, k, pshape) if fqn else -1),)
@@ -172,10 +183,16 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
         wide = isinstance(bias, torch.fx.Node) and (_shape(bias) or (1,))[0] > 1 and df.flows.get(bias.name) is None \
             and per_head(bias, 0)
         return replace(scores, extras=(bias.name,)) if isinstance(scores, Scores) and wide else scores
+    if name in ("cat", "slice") and carries_scores(node, df):  # an attention sink (score_keys)
+        return key_axis(node, name, df)
     if name in ("cat", "stack"):
         return cat(node, df, stack=name == "stack")
     if name == "index" and isinstance(state, Flow):
         return _index(node, state, df)
+    if name == "conv1d":
+        return depthwise(node, state, params)
+    if name == "gather":
+        return gather_data(node, state, df)
     if isinstance(state, Canvas):
         return view_of(node, state) if name == "slice" else None
     if name == "copy_" and isinstance(state, CanvasView):
@@ -197,11 +214,15 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
         return _reduce_keep(state, node.args[1], len(state.dims))
     if name in _REDUCE:
-        dims = node.args[1] if len(node.args) > 1 else list(range(len(state.dims)))
-        keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        at = 2 if name in ("norm", "linalg_vector_norm") else 1   # norm(x, p, dim, keepdim): dim comes after p
+        dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
+        dims = list(range(len(state.dims))) if dims is None else dims
+        keep = bool(node.args[at + 1]) if len(node.args) > at + 1 else bool(node.kwargs.get("keepdim", False))
         return _reduce(state, dims, keep, len(state.dims))
     if name in ("layer_norm", "rms_norm", "native_layer_norm"):
         return _norm(node, state, params)
+    if name in ("pad", "constant_pad_nd", "unfold", "flip"):   # token windows (short_conv.py)
+        return window(node, name, state)
     return structural(node, name, state)
 
 
@@ -280,11 +301,15 @@ def run(ep: Any) -> Dataflow:
         if name in ("t", "transpose", "permute", "numpy_T") and isinstance(node.args[0], torch.fx.Node) \
                 and node.args[0].name in params and len(_shape(node.args[0]) or ()) == 2:
             transposed[node.name] = params[node.args[0].name]
+        mapped = head_map(node, df, params) if name == "matmul" else None
+        if mapped is not None:   # one shared [d, k] map per head, not a projection (head_maps.py)
+            df.flows[node.name] = mapped
+            continue
         proj = _projection(node, name, params, transposed)
         if proj is not None:
             x, info = proj
             df.projections[node.name] = info
-            df.inputs[node.name] = x.name if isinstance(x, torch.fx.Node) else ""
+            df.inputs[node.name] = _uncopied(x).name if isinstance(x, torch.fx.Node) else ""
             df.input_modules[node.name] = _producer_module(x, node)
             state = df.flows.get(x.name) if isinstance(x, torch.fx.Node) else None
             if isinstance(state, Flow):
@@ -327,6 +352,14 @@ def _escape_input(df: Dataflow, a: torch.fx.Node, why: str) -> None:
     state = df.flows.get(a.name)
     if state is not None:
         _escape(df, state, why)
+
+
+def _uncopied(x: torch.fx.Node) -> torch.fx.Node:
+    """``x`` seen through fxpar's ``tp_copy`` (a sharded model traced again: a copy on each column
+    projection's input is still one input, as before sharding)."""
+    while x.op == "call_function" and op_name(x.target) == "tp_copy" and isinstance(x.args[0], torch.fx.Node):
+        x = x.args[0]
+    return x
 
 
 def _producer_module(x: Any, proj: torch.fx.Node) -> str:

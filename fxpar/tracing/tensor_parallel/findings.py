@@ -121,6 +121,10 @@ class Attention:
     head_biases: tuple[HeadBias, ...] = ()
     #: the split units are query heads, the key/value heads replicated (:func:`by_query_heads`)
     by_heads: bool = False
+    #: per-feature parameters over all heads (:mod:`fxpar.tracing.tensor_parallel.features`):
+    #: ``(fqn, dim, heads per unit, features per head)``, a rank owning units ``[a, b)`` keeps
+    #: entries ``[a·u·d, b·u·d)`` of ``dim``
+    feature_params: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def units(self) -> int:
@@ -163,7 +167,8 @@ def by_query_heads(att: Attention) -> Attention | str:
         return "a projection has heads that are neither query heads nor key/value heads"
     if any(n.rows.per_unit != g for n in att.group_norms):
         return "a norm spans a whole key/value projection"
-    kv_params = tuple(f for f, _, u in att.head_params if u != g)
+    kv_params = tuple(f for f, _, u in att.head_params if u != g) + tuple(
+        f for f, _, u, _ in att.feature_params if u != g)
     if kv_params and att.kv_heads > 1:
         return f"{kv_params[0]} holds one entry per key/value head"
     biases = []
@@ -175,6 +180,7 @@ def by_query_heads(att: Attention) -> Attention | str:
     return replace(att, projections=projections, by_heads=True, head_biases=tuple(biases),
                    group_norms=tuple(replace(n, rows=replace(n.rows, per_unit=1)) for n in att.group_norms),
                    head_params=tuple((f, d, 1) for f, d, u in att.head_params if u == g),
+                   feature_params=tuple((f, d, 1, w) for f, d, u, w in att.feature_params if u == g),
                    shared_params=att.shared_params + kv_params)
 
 
@@ -201,6 +207,9 @@ class BlockTP:
     attention: tuple[Attention, ...] = ()
     mlp: tuple[Mlp, ...] = ()
     reason: str | None = None
+    #: modules of the block that export nowhere (read block by block:
+    #: :mod:`fxpar.tracing.tensor_parallel.by_block`); they run whole on every rank of the group
+    opaque: tuple[str, ...] = ()
 
     @property
     def splittable(self) -> bool:
@@ -212,6 +221,8 @@ class TPAnalysis:
     """Every block's :class:`BlockTP`, in graph order."""
 
     blocks: tuple[BlockTP, ...]
+    #: why the model was analysed block by block (its whole export failed), else None
+    by_block: str | None = None
 
     def splittable(self) -> frozenset[str]:
         """Paths of the blocks whose attention heads can be split."""

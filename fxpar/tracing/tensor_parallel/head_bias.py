@@ -12,7 +12,8 @@ dimension whole, ``embedding(table, ids)`` (a table's last dimension) and elemen
 one operand wider than 1 there.  It ends at
 
 - a **parameter** or **buffer** ``P`` whose dimension ``k`` becomes the head dimension, reached
-  through ops that take no sizes (no view, expand, repeat, slice of the head dimension): then
+  through ops that keep that dimension whole (a view or expand that moves it with its size
+  kept, :func:`how_kept`; no slice of it, no repeat that tiles it): then
   ``P`` is cut to ``P[lo:hi]`` along ``k`` (a parameter sharded: each rank's gradient is
   exactly the gradient of its slice, because only its heads read it);
 - the output features of a projection of this attention's own values (or queries / keys), one
@@ -198,9 +199,20 @@ def _walk(extra: torch.fx.Node, d: int, module: str, df: Dataflow, stored: dict[
             return w
         if op_name(node.target) in _ELEMENTWISE:
             w.companions += [(a, k) for a, k in _wide(node, w.dim) if a.name in stored and a is not found[0]]
+        kept = how_kept(node, w.dim, found)
         w.node, w.dim, how = found
-        w.sized |= how in _SIZED
+        w.sized |= how in _SIZED and not kept
         w.cut |= how == "slice_head" and w.boundary is None
+
+
+def how_kept(node: torch.fx.Node, d: int, found: tuple[torch.fx.Node, int, str]) -> bool:
+    """Whether a view / expand moves the head dimension ``d`` of ``node`` whole, its size that
+    of the input dimension it comes from: with a parameter cut to a rank's heads it then carries
+    the rank's heads (or, if the model wrote the full count as a literal size, fails loudly);
+    a slice of it, or a ``repeat`` that tiles it, is never kept."""
+    before, after = _shape(found[0]) or (), _shape(node) or ()
+    return found[2] != "slice_head" and 0 <= found[1] < len(before) and d < len(after) \
+        and before[found[1]] == after[d]
 
 
 def _features(extra: torch.fx.Node, df: Dataflow) -> str | None:

@@ -47,8 +47,10 @@ def whole_norm(flow: Flow, src: str, df: Dataflow, d: int, width: int | None = N
     for name, stride, size, pdim in flow.companions:
         if stride * size <= d:
             continue
-        if name not in df.params or pdim < 0 or (stride, size) != (1, out) or name.rsplit(".", 1)[0] != module:
+        if name not in df.params or pdim < 0 or (stride, size) != (1, out):
             return None
+        if name.rsplit(".", 1)[0] != module:
+            continue   # a per-feature scale outside the norm: sliced with the heads (features.py)
         params[(name, pdim)] = None
     return module, tuple(params)
 

@@ -16,6 +16,13 @@ its full gradient is the sum over the group,
 
 which is what ``shared_params`` asks codegen to all-reduce; ``x``'s own gradient is summed by
 ``tp_copy``'s backward.
+
+Several roots (cross-attention inside one module: BLT's queries from the byte stream, its keys
+and values from the patch stream, each normalised on the way) leave no one value to copy: the
+region is then ``root == ""`` and codegen puts a ``tp_copy`` on each column projection's input
+instead (:func:`fxpar.codegen.tensor.shard.copy_into`).  Everything before those inputs then
+receives the group-summed gradient already, so no parameter of the region is summed again
+(``params`` empty).
 """
 
 from __future__ import annotations
@@ -74,8 +81,11 @@ def written(ep: torch.export.ExportedProgram) -> dict[str, list[torch.fx.Node]]:
 
 def parameter_dependent(ep: torch.export.ExportedProgram, params: dict[str, str]) -> frozenset[str]:
     """Names of the nodes whose value depends on a parameter (forward closure; an in-place
-    write of such a value makes the tensor written into depend on it, from then on)."""
-    out: set[str] = set(params)
+    write of such a value makes the tensor written into depend on it, from then on).  An input
+    that requires a gradient counts as one: a block exported alone
+    (:mod:`fxpar.tracing.tensor_parallel.by_block`) takes the activations of the blocks before it."""
+    out: set[str] = set(params) | {n.name for n in ep.graph.nodes if n.op == "placeholder"
+                                   and getattr(n.meta.get("val"), "requires_grad", False)}
     for node in ep.graph.nodes:
         if node.op == "call_function" and any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
@@ -118,6 +128,8 @@ def replicated_region(ep: torch.export.ExportedProgram, start: Iterable[torch.fx
             todo.extend(writes.get(node.name, ()))
         else:
             roots[node.name] = None
+    if len(roots) > 1:  # cross-attention: a tp_copy on each column projection's input (docstring)
+        return Region(root="", root_module=module, params=())
     if len(roots) != 1:
         names = ", ".join(list(roots)[:4]) or "none"
         return (f"the query / key / value of {module} are computed from {len(roots)} inputs of the module "

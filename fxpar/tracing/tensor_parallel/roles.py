@@ -6,6 +6,7 @@ head of a query / key / value reads (the analysis's rule 1)."""
 from __future__ import annotations
 
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow
+from fxpar.tracing.tensor_parallel.features import is_feature
 from fxpar.tracing.tensor_parallel.findings import Projection, RoleRows
 from fxpar.tracing.tensor_parallel.norms import whole_norm
 
@@ -40,7 +41,9 @@ def head_role(flow: Flow, role: str, df: Dataflow) -> tuple[str, RoleRows, int, 
                     f"head of {d}: every rank would need the whole {what} projection")
     for name, stride, size, pdim in flow.companions:
         per_head = name in df.params and pdim >= 0 and stride == head.stride and size == head.size and head.rep == 1
-        if stride * size > d and not per_head and name not in wide:
+        per_feature = head.stride == d and not flow.shared and is_feature(
+            (name, stride, size, pdim), head.size // head.rep, d, df)
+        if stride * size > d and not per_head and not per_feature and name not in wide:
             return f"{name} is applied per feature across the heads of its {what} (a per-head companion)"
     return src, RoleRows(role, base, head.stride, head.size // head.rep, rows), head.rep, norm, d
 
@@ -58,6 +61,8 @@ def companion_params(flows: tuple[Flow, ...], sizes: tuple[int, ...], df: Datafl
                 continue
             if stride * size <= d:
                 shared[name] = None
+            elif stride == 1 and pdim >= 0 and size % d == 0 and size > d:
+                continue   # per feature over whole heads: features.feature_params
             else:
                 heads[(name, pdim, unit)] = None
     return tuple(k for k in shared if k not in {h[0] for h in heads}), tuple(heads)
