@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     """The quick tier deselects the tests marked ``full`` unless ``FXPAR_FULL`` is set (a marker
     expression given with ``-m`` decides alone).  A test parametrized with a ``model_type`` the
     installed transformers does not have (a type added in a later release than the lowest one
-    the project supports) is skipped, naming the type and the installed version, instead of
+    the project supports), or marked ``model_types("dory", ...)`` with one, is skipped, naming the type and the installed version, instead of
     failing inside transformers' config lookup."""
     import transformers
 
@@ -48,12 +48,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     installed = None
     for item in items:
         model_type = getattr(getattr(item, "callspec", None), "params", {}).get("model_type")
-        if not isinstance(model_type, str):
+        wanted = [model_type] if isinstance(model_type, str) else []
+        wanted += [t for marker in item.iter_markers("model_types") for t in marker.args]
+        if not wanted:
             continue
         installed = installed if installed is not None else _installed_model_types()
-        if model_type not in installed:
+        missing = [t for t in wanted if t not in installed]
+        if missing:
             item.add_marker(pytest.mark.skip(
-                reason=f"transformers {transformers.__version__} has no model type {model_type!r} "
+                reason=f"transformers {transformers.__version__} has no model type {missing[0]!r} "
                        "(added in a later release)"))
 
 

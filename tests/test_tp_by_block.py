@@ -1,7 +1,8 @@
 """Tensor parallelism for models ``torch.export`` cannot trace as a whole, read block by block
 (issue #28 item 1; :mod:`fxpar.tracing.tensor_parallel.by_block`): DBRX and LongCat-Flash
 (their MoE loops over the experts a batch hits: the attention exports, the experts are opaque and
-run whole on every rank), Gemma-3n (a fake tensor left as a constant at model level; its
+run whole on every rank; also LongCat-Flash's zero-computation experts, which a column split
+would count once per rank), Gemma-3n (a fake tensor left as a constant at model level; its
 blocks export once the KV-sharing dict they are passed is bound as a constant) and BLT (an
 entropy model's ``torch.distributions`` draw; its cross-attention layers read queries and
 keys/values from two streams: :mod:`fxpar.tracing.tensor_parallel.region`).
@@ -33,26 +34,27 @@ from tests.workers_tp_bias import bias_parity
 
 
 def test_a_model_that_does_not_export_is_read_block_by_block():
-    model = build("dbrx")
+    # LongCat-Flash: two latent attentions and two MLPs per block, and an MoE whose loop over
+    # the experts a batch hits exports nowhere
+    model = build("longcat_flash")
     analysis = analyze_model(model)
-    assert analysis.by_block is not None and "could not trace DbrxForCausalLM" in analysis.by_block
-    assert [b.path for b in analysis.blocks] == ["transformer.blocks.0", "transformer.blocks.1"]
+    assert analysis.by_block is not None and "could not trace LongcatFlashForCausalLM" in analysis.by_block
+    assert [b.path for b in analysis.blocks] == ["model.layers.0", "model.layers.1"]
     for blk in analysis.blocks:
-        assert blk.splittable
-        assert blk.opaque == (f"{blk.path}.ffn.experts",)   # the expert loop exports nowhere
-        (att,) = blk.attention
+        assert blk.splittable and len(blk.mlp) == 2
+        assert blk.opaque == (f"{blk.path}.mlp.experts",)
         # the second block takes the first one's findings, moved under its own path
-        assert {p.weight for p in att.projections} == {f"{blk.path}.norm_attn_norm.attn.Wqkv.weight",
-                                                       f"{blk.path}.norm_attn_norm.attn.out_proj.weight"}
+        assert [a.module for a in blk.attention] == [f"{blk.path}.self_attn.0", f"{blk.path}.self_attn.1"]
+        assert all(p.weight.startswith(f"{blk.path}.") for a in blk.attention for p in a.projections)
     # one block of each kind keeps its calls (for the sharded model's check), the others are named only
     kept = model.__dict__[CALLS_ATTR]
-    assert kept["transformer.blocks.1"] is None and kept["transformer.blocks.0"] is not None
-    assert not any(p.startswith("transformer.blocks.1.") for p in kept)
+    assert kept["model.layers.1"] is None and kept["model.layers.0"] is not None
+    assert not any(p.startswith("model.layers.1.") for p in kept)
     # a hand plan says so (the analysis is kept on the model: not read again)
     plan = tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=4, kv_shares=[3, 1])
     (line,) = plan.explain
     assert line.startswith("tensor parallelism read block by block") and "2 of its 2 blocks split" in line
-    assert "transformer.blocks.1.ffn.experts" in line and "run whole on every rank" in line
+    assert "model.layers.1.mlp.experts" in line and "run whole on every rank" in line
 
 
 def test_moving_findings_renames_paths_and_reasons_only():
@@ -73,7 +75,7 @@ def test_an_attention_that_exports_nowhere_is_a_clear_refusal():
 
 
 def test_a_meta_model_that_does_not_export_says_to_plan_from_cpu_weights():
-    model = build("dbrx").to("meta")
+    model = build("longcat_flash").to("meta")
     with pytest.raises(PlanError, match="reading it block by block needs one run of its forward.*"
                                         "from the model with its weights on the CPU"):
         analyze_model(model)

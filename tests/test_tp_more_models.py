@@ -41,6 +41,7 @@ from tests.workers_tp_more import more_parity
 INKLING_UNIFORM = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_head_dim": 16}
 
 
+@pytest.mark.model_types("dory")
 def test_per_feature_scales_across_heads_are_sliced_with_them():
     model = build("dory")
     analysis = analyze_model(model)
@@ -138,6 +139,7 @@ def test_blocks_of_other_head_sizes_parity(pool2):
 
 @pytest.mark.multirank
 @pytest.mark.full
+@pytest.mark.model_types("dory")
 def test_feature_scales_are_checkpointed_as_slices(pool2):
     results = pool2.run(more_parity, "dory", [3, 1], None, (".sqk", ".s_gate"))
     check_tp_results(results)

@@ -46,6 +46,7 @@ def test_the_convolution_taps_and_the_bias_are_split_by_heads(model_type):
         assert (f"{p}.{role}_proj.sconv.static_weight", 1, 1, full.head_dim) in full.feature_params
 
 
+@pytest.mark.model_types("inkling2_text")
 def test_mixed_head_sizes_take_the_split_in_proportion():
     full = analyze_model(build("inkling2_text")).block("model.layers.1").attention[0]
     assert block_shares(full, [6, 2]) == [3, 1]
@@ -66,5 +67,6 @@ def test_short_convolution_parity(pool2, model_type):
 
 @pytest.mark.multirank
 @pytest.mark.full
+@pytest.mark.model_types("inkling2_text")
 def test_short_convolution_parity_with_mixed_head_sizes(pool2):
     check_tp_results(pool2.run(more_parity, "inkling2_text", [6, 2], None))
