@@ -17,6 +17,7 @@ import torch
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.export import export_model, split_inputs
 from fxpar.tracing.hf import example_inputs, hf_task
+from fxpar.tracing.tensor_parallel.analysis import analyze
 from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
 from fxpar.tracing.tensor_parallel.findings import TPAnalysis
 from fxpar.tracing.trace import tp_analysis_of
@@ -58,22 +59,37 @@ def analyze_model(model: torch.nn.Module, *, how: str = "auto") -> TPAnalysis:
     if kept is not None and kept[0] == sig:
         return kept[1]
     was_training = model.training
-    example = analysis_example(model)
     try:
-        if how == "by_block":
-            result = analyze_by_block(model, *split_inputs(model, example), why="analysed by block as its full "
-                                      "model was", keep=True)
-        else:
-            try:
-                result = tp_analysis_of(export_model(model, example))  # a failing analysis: every block refused
-            except TraceError as exc:  # read block by block where the blocks export on their own
-                if how == "whole":
-                    raise
-                result = analyze_by_block(model, *split_inputs(model, example), why=str(exc), keep=True)
+        result = _analysis(model, analysis_example(model), how)
     finally:
         model.train(was_training)
     model.__dict__[ATTR] = (sig, result)
     return result
+
+
+def _analysis(model: torch.nn.Module, example: Any, how: str) -> TPAnalysis:
+    """:func:`analyze_model`'s reading of ``model`` on ``example`` (uncached).  An export whose
+    analysis fails (torch 2.15 exports BLT whole, with shapes read from data, where the dataflow
+    needs static ones) is read block by block as well, unless ``how`` is ``"whole"``."""
+    def by_block(why: str) -> TPAnalysis:
+        return analyze_by_block(model, *split_inputs(model, example), why=why, keep=True)
+
+    if how == "by_block":
+        return by_block("analysed by block as its full model was")
+    try:
+        program = export_model(model, example)
+    except TraceError as exc:  # read block by block where the blocks export on their own
+        if how == "whole":
+            raise
+        return by_block(str(exc))
+    if how == "whole":
+        return tp_analysis_of(program)  # a failing analysis: every block refused, naming why
+    try:
+        return analyze(program)
+    except Exception as exc:  # noqa: BLE001 - the whole program's analysis failed: read each block alone
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        return by_block(f"the tensor-parallel analysis of {type(model).__name__}'s export failed "
+                        f"({type(exc).__name__}: {first})")
 
 
 def analysis_example(model: torch.nn.Module) -> Any:
