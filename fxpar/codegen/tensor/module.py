@@ -100,7 +100,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
                     embedding=embedding, head=head)
     if count == 0 and (blocks is None or blocks):  # a stage of only embeddings / head has none
         raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
-    verify_local_heads(model, before, kv_shares, rank, blocks, group)
+    verify_local_heads(model, before, kv_shares, rank, blocks, group, head_dim=head_dim)
     dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
     if dropout and model.training:
         warnings.warn(f"tensor parallelism on {type(model).__name__} with dropout p={dropout}: each rank "

@@ -25,10 +25,10 @@ from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.findings import Attention, TPAnalysis
 
 
-def _local(att: Attention, shares: Sequence[int], rank: int) -> tuple[int, int, int, int]:
+def _local(att: Attention, shares: Sequence[int], rank: int, head_dim: int | None) -> tuple[int, int, int, int]:
     """``(query heads, key/value heads, head size, value size)`` of ``att`` on position ``rank``
     of the split ``shares`` (key/value groups, or query heads: ``split_units``)."""
-    shares = block_shares(att, shares)
+    shares = block_shares(att, shares, head_dim)   # the block's own split, as codegen made it
     lo = sum(shares[:rank])
     if sum(shares) == att.kv_heads:
         nh, kv = att.local_heads(lo, lo + shares[rank])
@@ -38,14 +38,14 @@ def _local(att: Attention, shares: Sequence[int], rank: int) -> tuple[int, int, 
 
 
 def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Sequence[int], rank: int,
-                       blocks: Collection[str] | None, group: object = None) -> None:
+                       blocks: Collection[str] | None, group: object = None, *, head_dim: int | None = None) -> None:
     """Raise :class:`PlanError` on every position of the tensor-parallel ``group`` (None: the
     default group; no process group: this process alone) unless, on every position that can
     check itself, each attention the full model's analysis ``before`` found in ``blocks``
     (None: all) now computes its units (``shares[rank]``: key/value groups, or query heads) of
     whole heads."""
     try:
-        _check_local_heads(model, before, shares, rank, blocks)
+        _check_local_heads(model, before, shares, rank, blocks, head_dim)
         verdict = None
     except PlanError as exc:
         verdict = exc
@@ -61,7 +61,7 @@ def verify_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Seque
 
 
 def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Sequence[int], rank: int,
-                       blocks: Collection[str] | None) -> None:
+                       blocks: Collection[str] | None, head_dim: int | None) -> None:
     """This position's check (module docstring); nothing to check with one key/value group
     (or one query head, split by query heads)."""
     sharded = [b for b in before.blocks if b.attention and (blocks is None or b.path in blocks)]
@@ -71,7 +71,7 @@ def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Seque
         after = analyze_model(model, how="by_block" if before.by_block is not None else "whole")
     except TraceError as exc:  # the sharded forward no longer runs (older CodeGen: a reshape by 0)
         blk, att = sharded[0], sharded[0].attention[0]
-        want = _local(att, shares, rank)
+        want = _local(att, shares, rank, head_dim)
         raise PlanError(
             f"tensor parallelism on {type(model).__name__}: block {blk.path} should compute {want[0]} of its "
             f"{att.heads} heads on this rank, but after sharding the model no longer traces "
@@ -81,9 +81,9 @@ def _check_local_heads(model: torch.nn.Module, before: TPAnalysis, shares: Seque
         now = after.block(blk.path)
         found = now.attention if now is not None else ()
         for i, att in enumerate(blk.attention):
-            if block_shares(att, shares)[rank] < 2:  # this block leaves it one unit: it cannot tell
+            if block_shares(att, shares, head_dim)[rank] < 2:  # this block leaves it one unit: it cannot tell
                 continue
-            want = _local(att, shares, rank)
+            want = _local(att, shares, rank, head_dim)
             got = (found[i].heads, found[i].kv_heads, found[i].head_dim,
                    found[i].value_dim or found[i].head_dim) if i < len(found) else None
             if got != want:
