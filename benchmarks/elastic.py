@@ -2,15 +2,16 @@
 resume, steps lost.
 
 Four torchrun agents (one per emulated node, one worker each, c10d rendezvous on 127.0.0.1,
-``--nnodes 3:4 --max-restarts 3``) run ``examples/train_elastic.py``.  Once step ``kill_after``
-is logged, one node that does not host the rendezvous store is lost: its agent and its worker
-get SIGKILL.  The survivors' collectives fail, their agents restart them as a 3-node job, which
-re-plans for 3 ranks and resumes from the newest complete background checkpoint.  Measured:
-the steps lost (last step done before the loss − the step resumed from), the time from the kill
-to the first step of the new job, and every step's loss against one process on the same
-batches.  With ``grow`` a fourth node joins a running 3-node job instead: torchrun's agents see
-it waiting, stop their workers and restart all four, which re-plan for 4 ranks and resume from
-the newest checkpoint.  Used by ``tests/test_elastic.py`` and by the ``adapt`` benchmark suite.
+``--nnodes 3:4 --max-restarts 3``) run ``examples/train_elastic.py``.  Once step ``kill_after`` is
+logged, one node that does not host the rendezvous store (the first agent hosts it, set by
+``is_host``) is lost: its agent and its worker get SIGKILL.  The survivors' collectives fail,
+their agents restart them as a 3-node job, which re-plans for 3 ranks and resumes from the newest
+complete background checkpoint.  Measured: the steps lost (last step done before the loss − the
+step resumed from), the time from the kill to the first step of the new job, and every step's loss
+against one process on the same batches.  With ``grow`` a fourth node joins a running 3-node job
+instead: torchrun's agents see it waiting, stop their workers and restart all four, which re-plan
+for 4 ranks and resume from the newest checkpoint.  Used by ``tests/test_elastic.py`` and by the
+``adapt`` benchmark suite.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def _free_port() -> int:
 def _agent(tmp: Path, node: int, port: int, script_args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3:4", "--nproc-per-node", "1",
            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", "fxpar-elastic", "--rdzv-conf", "last_call_timeout=2,join_timeout=120",
+           "--rdzv-id", "fxpar-elastic",
+           # the first agent hosts the store, by configuration: left to the bind race on 127.0.0.1
+           # (every agent matches the endpoint's host), the node lost could be the store's host
+           "--rdzv-conf", f"last_call_timeout=2,join_timeout=120,is_host={int(node == 0)}",
            "--monitor-interval", "0.5", str(SCRIPT), *script_args]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FXPAR_EMULATED_SPEED": "1.0"}

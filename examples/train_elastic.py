@@ -6,7 +6,9 @@ One agent per node (here: per emulated CPU device), c10d rendezvous, 3 to 4 node
         --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29600 \\
         --rdzv-id demo examples/train_elastic.py --steps 16 --every 2 --checkpoint-dir ckpts
 
-(start it once per node).  Every run plans for the devices it has (``Cluster.detect()``: each
+(start it once per node).  The rendezvous store lives in one agent, and losing that node ends the
+job: on one machine every agent matches ``127.0.0.1`` and the first to bind hosts it, so name the
+host with ``--rdzv-conf is_host=1`` on one agent and ``is_host=0`` on the others.  Every run plans for the devices it has (``Cluster.detect()``: each
 CPU rank reports its ``FXPAR_EMULATED_SPEED``), resumes from the newest complete checkpoint
 under ``--checkpoint-dir`` whatever plan and world size wrote it (:func:`fxpar.adapt.elastic.resume`),
 and checkpoints every ``--every`` steps in the background
