@@ -9,12 +9,12 @@ from tests.workers_tp_step import zoo_tp_step
 
 
 def more_parity(model_type: str, shares: list[int], overrides: dict | None = None,
-                boxed: tuple[str, ...] = ()) -> dict:
+                boxed: tuple[str, ...] = (), pad: bool = False) -> dict:
     """One step of ``model_type``'s tiny model split ``shares`` (key/value groups per rank): the
     losses, the gathered gradients' gaps on rank 0, and this rank's checkpoint boxes of the
     sharded parameters whose names contain one of ``boxed`` (``{fqn: (local shape, offsets,
-    global shape)}``)."""
-    return zoo_tp_step(model_type, shares, overrides=overrides, boxed=boxed)
+    global shape)}``); ``pad``: on left-padded rows."""
+    return zoo_tp_step(model_type, shares, overrides=overrides, boxed=boxed, pad=pad)
 
 
 def fixed_count_refusal(model_type: str) -> dict:

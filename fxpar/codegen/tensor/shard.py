@@ -42,6 +42,8 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key
 _WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim", "hidden_size", "embed_dim", "q_size", "kv_size",
                 "kv_dim", "q_dim", "attention_hidden_size")
 _GROUP_ATTRS = ("num_key_value_groups", "num_queries_per_kv")  # query heads per key/value head
+#: the group count of a grouped output projection (DeepSeek-V4's ``o_groups``, its module's ``n_groups``)
+_GROUP_COUNT_ATTRS = ("o_groups", "n_groups", "out_groups")
 _MLP_ATTRS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "hidden_features", "inner_dim")
 #: how many blocks a fused projection is interleaved in (model-parallel shards it was trained
 #: with): the forward reads ``width // blocks`` as one block's width (:func:`_localize_blocks`)
@@ -201,21 +203,28 @@ def shard_attention(model: torch.nn.Module, att: Attention, lo: int, hi: int, fi
     for fqn, dim, per_unit, width in att.feature_params:   # features of heads [lo·u, hi·u)
         owner, name = _leaf(model, fqn)
         setattr(owner, name, slice_parameter(getattr(owner, name), dim, lo * per_unit * width, hi * per_unit * width))
-    mapping = {att.kv_heads: kv, att.heads: nh}
+    heads = {att.heads: nh} if att.replicated_kv else {att.kv_heads: kv, att.heads: nh}  # no key/value heads to count
+    mapping = dict(heads)
     for d in dict.fromkeys((att.head_dim, att.value_dim or att.head_dim)):
-        mapping.update({att.kv_heads * d: kv * d, att.heads * d: nh * d})
+        mapping.update({k * d: v * d for k, v in heads.items()})
     module = model.get_submodule(att.module)
-    _localize(module, _HEAD_ATTRS, {att.kv_heads: kv, att.heads: nh})
+    _localize(module, _HEAD_ATTRS, heads)
     _localize(module, _WIDTH_ATTRS, {k: v for k, v in mapping.items() if k > max(att.heads, att.kv_heads)})
-    _localize(module, _GROUP_ATTRS, {g: nh // kv})
+    _localize(module, _GROUP_ATTRS, {att.heads: nh} if att.replicated_kv else {g: nh // kv})
     _localize_blocks(module, att.heads, nh)
     localize_parts(model, att, lo, hi)   # parts sliced by heads (a bias module, a convolution's taps)
+    groups = {att.out_groups: att.out_groups * (hi - lo) // att.units} if att.out_groups else {}
+    for owner in dict.fromkeys([module] + [model.get_submodule(p.module) for p in att.projections]):
+        _localize(owner, _GROUP_COUNT_ATTRS, groups)
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "num_attention_heads", None) == att.heads:
         local = copy.copy(config)
         local.num_attention_heads = nh
-        if getattr(config, "num_key_value_heads", None) == att.kv_heads:
+        if getattr(config, "num_key_value_heads", None) == att.kv_heads and not att.replicated_kv:
             local.num_key_value_heads = kv
+        for name in _GROUP_COUNT_ATTRS:   # a grouped output projection's group count, read from the config
+            if isinstance(getattr(local, name, None), int) and getattr(local, name) in groups:
+                setattr(local, name, groups[getattr(local, name)])
         module.config = local
 
 

@@ -16,11 +16,17 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    axis (one head, size 1 or broadcast: multi-query attention) is one key/value head.
    A piece the same for every head joined to each head's key (multi-head latent attention's
    rotary key, ``Flow.shared``) is not rows of the key projection: ``head_dim`` there is the
-   head size less that piece.  Values may have their own head size (``value_dim``).
+   head size less that piece.  Values may have their own head size (``value_dim``).  A key and
+   value the dataflow does not follow that are one head broadcast over the query heads
+   (DeepSeek-V4's shared key/value with its compressed history) are computed whole on every
+   rank (``replicated_kv``: units are query heads; :mod:`fxpar.tracing.tensor_parallel.replicated_kv`).
 2. The attention output must feed exactly one projection, on its last axis, unchanged
    (``o``: row-parallel over features ``h·value_dim + [0, value_dim)``), except for gates
    multiplied in head by head (:mod:`fxpar.tracing.tensor_parallel.gates`: a separate projection, one
-   value per head, or a per-head slice of the query projection), column-parallel with the heads.
+   value per head, or a per-head slice of the query projection), column-parallel with the heads;
+   or a grouped (block-diagonal) projection of groups of heads and the one projection after it
+   (column- then row-parallel, units of whole groups and heads: ``out_groups``;
+   :mod:`fxpar.tracing.tensor_parallel.attention_output`).
 3. A norm over the whole output of a query / key projection (OLMo-2's ``q_norm``: one module
    reduces all ``n`` features, its per-feature weights are parameters of that module) is a
    :class:`GroupNorm`: computed across the group (``fxpar.codegen.tensor.group_norm``).
@@ -64,7 +70,7 @@ import torch
 
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, Scores
-from fxpar.tracing.tensor_parallel.norms import group_norms, whole_norm
+from fxpar.tracing.tensor_parallel.norms import group_norms
 from fxpar.tracing.tensor_parallel import differential
 from fxpar.tracing.tensor_parallel.dataflow_pass import placeholder_params, run
 from fxpar.tracing.tensor_parallel.features import feature_params, is_feature
@@ -78,6 +84,8 @@ from fxpar.tracing.tensor_parallel.roles import projection as _projection
 from fxpar.tracing.tensor_parallel.region import inside as _inside
 from fxpar.tracing.tensor_parallel.region import module_path as _module_path
 from fxpar.tracing.tensor_parallel.region import parameter_dependent, replicated_region
+from fxpar.tracing.tensor_parallel.replicated_kv import replicated_roles, scores_like, whole_children
+from fxpar.tracing.tensor_parallel.attention_output import output_gates, output_side
 from fxpar.tracing.tensor_parallel.short_conv import tap_rows
 from fxpar.tracing.tensor_parallel.findings import (
     Attention,
@@ -87,30 +95,6 @@ from fxpar.tracing.tensor_parallel.findings import (
     RoleRows,
     TPAnalysis,
 )
-
-
-def _output_gates(df: Dataflow, flow: Flow, out_src: str, like: RoleRows, query: str
-                  ) -> dict[str, list[RoleRows]] | str:
-    """Projections multiplied elementwise into the attention output before its output
-    projection (a gated attention output, ``o(attn · σ(gate(x)))``): column-parallel, head by
-    head.  A gate with the attention output's own feature layout is one of the Flow's sources
-    (rows ``base + h·head_dim + [0, head_dim)``); one lined up head by head
-    (:mod:`fxpar.tracing.tensor_parallel.gates`: a value per head, a per-head slice of a fused projection)
-    is in ``df.gates``.  A statistic of this attention's own scores (``stat:``, an attention
-    sink ``σ(logsumexp(s) − sink_h)``) may scale it too: its per-head parameters are sliced."""
-    stats = {s for s, _ in flow.sources if s.startswith("stat:")}
-    if stats - {f"stat:{query}"}:
-        return f"the attention output is scaled by a statistic of other scores ({sorted(stats)[0]})"
-    found = [(src, base, like.stride, like.head_dim, 1) for src, base in sorted(flow.sources)
-             if src != out_src and src not in stats]
-    found += [(src, base, stride, rows, 0) for src, base, stride, rows in df.gates.get(out_src, [])]
-    out: dict[str, list[RoleRows]] = {}
-    for src, base, stride, rows, uses in found:
-        users = sum(1 for _, f in df.consumers if src in {s for s, _ in f.sources})
-        if src not in df.projections or df.escapes.get(src) or users != uses:
-            return f"the attention output is combined with {src}, which is not a gate projection"
-        out.setdefault(src, []).append(RoleRows("gate", base, stride, like.heads, rows, like.per_unit))
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +111,12 @@ class _Graph:
 def _roles(event: tuple, df: Dataflow) -> tuple | str:
     """``(parts, heads, kv, d, dv)`` of one attention event's q / k / v (rule 1), or why not."""
     name, qf, kf, vf, _ = event
-    leaked = next((s for f in (qf, kf, vf) for s, _ in sorted(f.sources) if df.escapes.get(s)), None)
+    flows = [f for f in (qf, kf, vf) if isinstance(f, Flow)]
+    leaked = next((s for f in flows for s, _ in sorted(f.sources) if df.escapes.get(s)), None)
     if leaked in df.projections:  # the first cause: features leave the path the dataflow follows
         return f"the output of {df.projections[leaked][0]} also feeds {df.escapes[leaked][0]}"
+    if len(flows) < 3:   # a key / value every rank computes whole (replicated_kv.py)
+        return replicated_roles(qf, kf, vf, df)
     parts = [_head_role(f, r, df) for f, r in ((qf, "q"), (kf, "k"), (vf, "v"))]
     bad = next((p for p in parts if isinstance(p, str)), None)
     if bad is not None:
@@ -151,7 +138,7 @@ def _input(event: tuple, df: Dataflow, graph: _Graph, node: torch.fx.Node, colum
     common input, or the root of the replicated region (:mod:`fxpar.tracing.tensor_parallel.region`) when
     they read different values inside the attention module or a head-shared piece joins the key."""
     inputs = {df.inputs[c] for c in columns}
-    if len(inputs) == 1 and not any(f.shared for f in event[1:4]):
+    if len(inputs) == 1 and all(isinstance(f, Flow) and not f.shared for f in event[1:4]):
         return df.inputs[columns[0]], df.input_modules.get(columns[0], ""), ()
     module = _module_path(node)
     if any(not _inside(_proj_module(df.projections[c][0]), module) for c in columns):
@@ -176,18 +163,23 @@ def _biases(event: tuple, df: Dataflow, graph: _Graph, heads: tuple[int, int], b
     return bad if bad is not None else (tuple(dict.fromkeys(b for one in found for b in one)), *flowed[1:])
 
 
-def _output_projection(out_src: str, df: Dataflow, heads: int, dv: int) -> tuple[str, Flow, Any] | str:
-    """``(projection, its input flow, a norm over the whole output or None)`` the attention
-    output ``out_src`` feeds, unchanged on its last axis (rule 2), or why not."""
-    users = [(p, f) for p, f in df.consumers if out_src in {s for s, _ in f.sources}]
-    if df.escapes.get(out_src) or len(users) != 1:
-        why = df.escapes.get(out_src, ["no single projection"])[0]
-        return f"the attention output feeds {why} instead of one output projection"
-    o, of = users[0]
-    out_norm = whole_norm(of, out_src, df, dv, heads * dv) if of.reduced else None
-    if (out_src, 0) not in of.sources or of.dims[-1] != Axis(1, heads * dv) or (of.reduced and out_norm is None):
-        return "the attention output reaches its output projection reordered or reduced"
-    return o, of, out_norm
+def _head_rows(parts: tuple, heads: int, kv: int, df: Dataflow
+               ) -> tuple[dict[str, RoleRows], dict[str, list[RoleRows]]] | str:
+    """The rows of each role (``q`` / ``k`` / ``v``, the query's ``heads / kv`` heads per unit)
+    and of each column projection (a fused one holds several roles; convolution taps
+    multiplied into a key's / value's windows are rows of their own projection), or why not."""
+    rows = {"q": replace(parts[0][0][1], heads=heads, per_unit=heads // kv)}
+    rows.update({r: p[1] for p, r in parts[1:]})
+    by_src: dict[str, list[RoleRows]] = {}
+    for p, role in parts:
+        by_src.setdefault(p[0], []).append(rows[role])
+    for src, role in dict.fromkeys((p[0], r) for p, r in parts):   # convolution taps (short_conv.py)
+        found_taps = tap_rows(df, src, rows[role], kv)
+        if isinstance(found_taps, str):
+            return found_taps
+        for tap_src, tap in found_taps:
+            by_src.setdefault(tap_src, []).append(tap)
+    return rows, by_src
 
 
 def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
@@ -196,24 +188,19 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     found = _roles(event, df)
     if isinstance(found, str):
         return found
-    ((qs, q, _, qn, _), (ks, k, _, kn, _), (vs, v, _, vn, _)), heads, kv, d, dv = found
-    g = heads // kv
-    rows = {"q": replace(q, heads=heads, per_unit=g), "k": k, "v": v}
-    by_src: dict[str, list[RoleRows]] = {}
-    for src, role in ((qs, "q"), (ks, "k"), (vs, "v")):
-        by_src.setdefault(src, []).append(rows[role])
-    for src, role in dict.fromkeys(((qs, "q"), (ks, "k"), (vs, "v"))):   # convolution taps (short_conv.py)
-        found_taps = tap_rows(df, src, rows[role], kv)
-        if isinstance(found_taps, str):
-            return found_taps
-        for tap_src, tap in found_taps:
-            by_src.setdefault(tap_src, []).append(tap)
+    (qpart, kpart, vpart), heads, kv, d, dv = found
     out_src = f"attn:{event[0]}"
-    output = _output_projection(out_src, df, heads, dv)
+    output = output_side(out_src, df, heads, dv, kv if kpart is not None else 0)
     if isinstance(output, str):
         return output
-    o, of, out_norm = output
-    gates = _output_gates(df, of, out_src, RoleRows("gate", 0, dv, heads, dv, g), qs)
+    (o, of, out_norm, grouped), kv = output
+    g = heads // kv
+    parts = tuple((p, r) for p, r in ((qpart, "q"), (kpart, "k"), (vpart, "v")) if p is not None)
+    found_rows = _head_rows(parts, heads, kv, df)
+    if isinstance(found_rows, str):
+        return found_rows
+    rows, by_src = found_rows
+    gates = output_gates(df, of, out_src, RoleRows("gate", 0, dv, heads, dv, g), qpart[0])
     if isinstance(gates, str):
         return gates
     for src, roles in gates.items():
@@ -229,15 +216,17 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
         return biases
     (biases, bias_params, bias_heads), (input_node, input_module, region_params) = biases, source
     cols = tuple(_projection(df, s, "column", tuple(r)) for s, r in by_src.items())
-    row = _projection(df, o, "row", (RoleRows("o", 0, dv, heads, dv, g),))
-    norms = group_norms(((qn, rows["q"]), (kn, rows["k"]), (vn, rows["v"]),
-                         (out_norm, RoleRows("o", 0, dv, heads, dv, g))))
+    row = _projection(df, o, "row", (RoleRows("o", 0, dv, heads, dv, g),)) if grouped is None else grouped[1]
+    cols += () if grouped is None else (grouped[0],)
+    norms = group_norms(tuple((p[3], rows[r]) for p, r in parts) + ((out_norm, RoleRows("o", 0, dv, heads, dv, g)),))
     if isinstance(norms, str):
         return norms
     widened = {p for n in norms for p, _ in n.params}
-    shared, head_params = _companion_params(tuple(event[1:4]) + (of,), (d, d, dv, dv), df, (g, 1, 1, g))
+    flows = tuple(f for f in event[1:4] if isinstance(f, Flow)) + (of,)
+    sizes, units = (d,) + (d, dv)[:len(flows) - 2] + (dv,), (g,) + (1, 1)[:len(flows) - 2] + (g,)
+    shared, head_params = _companion_params(flows, sizes, df, units)
     head_params = tuple(dict.fromkeys(h for h in head_params + bias_heads if h[0] not in widened))
-    feats = feature_params(tuple(event[1:4]) + (of,), (d, d, dv, dv), (heads, kv, kv, heads), (g, 1, 1, g), df, widened)
+    feats = feature_params(flows, sizes, (heads,) + (kv, kv)[:len(flows) - 2] + (heads,), units, df, widened)
     bad = next((c[0] for c in of.companions if c[1] * c[2] > dv and c[0] not in widened and (
         c[0] not in df.params or c[1] != dv or c[2] != heads or c[3] < 0) and not is_feature(c, heads, dv, df)), None)
     if bad is not None:
@@ -245,11 +234,14 @@ def _attention(event: tuple, df: Dataflow, graph: _Graph) -> Attention | str:
     sliced = {p.weight for p in cols + (row,)} | {p.bias for p in cols + (row,)} | widened | {
         h[0] for h in head_params + feats}
     sliced |= {b.target for b in biases} | {b.projection.bias for b in biases if b.projection is not None}
+    if kpart is None:   # a replicated key/value: every parameter its modules hold, used at this length or not
+        region_params = whole_children(region_params, _module_path(node), df.params)
     shared = tuple(dict.fromkeys(shared + bias_params + tuple(p for p in region_params if p not in sliced)))
     return Attention(node=event[0], module=_module_path(node), heads=heads, kv_heads=kv, head_dim=d,
                      projections=cols + (row,), input_node=input_node, input_module=input_module,
                      shared_params=shared, head_params=head_params, group_norms=norms,
-                     value_dim=dv, head_biases=biases, feature_params=feats)
+                     value_dim=dv, head_biases=biases, feature_params=feats,
+                     replicated_kv=kpart is None, out_groups=0 if grouped is None else grouped[2])
 
 
 def _mlp(proj: str, flow: Flow, df: Dataflow, taken: set[str], users: dict[str, int]) -> Mlp | None:
@@ -257,7 +249,8 @@ def _mlp(proj: str, flow: Flow, df: Dataflow, taken: set[str], users: dict[str, 
     srcs = {s for s, _ in flow.sources}
     last = flow.dims[-1] if flow.dims else None
     if (proj in taken or flow.reduced or not isinstance(last, Axis) or last.stride != 1 or last.rep != 1
-            or any(s not in df.projections or s in taken or df.escapes.get(s) or users.get(s, 0) != 1 for s in srcs)):
+            or any(s not in df.projections or s in taken or s in df.grouped or df.escapes.get(s)
+                   or users.get(s, 0) != 1 for s in srcs)):
         return None
     width = last.size
     if any(stride * size > 1 for _, stride, size, _ in flow.companions):
@@ -321,7 +314,8 @@ def _loose_attention(ep: Any, df: Dataflow, found: set[str]) -> dict[str, str]:
         sdpa = "scaled_dot_product" in name
         soft = "softmax" in name and isinstance(val, torch.Tensor) and val.dim() == 4
         blk = block_path(_module_path(node))
-        if blk is not None and (sdpa or (soft and val.shape[-1] == val.shape[-2])) and blk not in out:
+        soft = soft and val.shape[-1] == val.shape[-2] and scores_like(node)
+        if blk is not None and (sdpa or soft) and blk not in out:
             what = "scaled_dot_product_attention" if sdpa else "a softmax over attention scores"
             out[blk] = f"{what} at node {node.name}: its query/key/value do not trace back to projections"
     return out

@@ -39,6 +39,11 @@ Rules (everything else that reads a Flow is an *escape*, recorded with the op's 
   elementwise ops, masks and softmax keep them; ``matmul(Scores, value Flow)`` or
   ``scaled_dot_product_attention(q, k, v)`` is an *attention event* whose output starts a
   Flow of source ``attn:<node>`` (head axis stride ``d``, head-dim axis stride 1);
+- a key / value operand without a Flow read by a query with a head axis is :class:`Replicated`
+  when it is one head broadcast over the query heads (multi-query attention whose key and
+  value the dataflow does not follow: every rank computes them whole), and ``bmm`` of ``G``
+  feature groups by a parameter viewed ``(G, O, I)`` is a *grouped* (block-diagonal)
+  projection (:mod:`fxpar.tracing.tensor_parallel.replicated_kv`);
 - a projection whose input has a Flow is a *consumer* of that Flow (row-parallel candidate);
 - a depthwise ``conv1d`` over feature channels keeps them (its weight a per-feature companion),
   ``matmul`` of one head's features by a shared ``[d, k]`` parameter maps each head on its own,
@@ -97,6 +102,16 @@ class Scores:
 
 
 @dataclass(frozen=True, slots=True)
+class Replicated:
+    """A key or value operand of attention that carries no projection features: one key/value
+    head, computed by every rank whole and broadcast over the query heads
+    (:mod:`fxpar.tracing.tensor_parallel.replicated_kv`)."""
+
+    node: str                   # the operand as the attention reads it
+    head_dim: int               # its last dimension
+
+
+@dataclass(frozen=True, slots=True)
 class Inert:
     """A value computed from features that carries none of them and needs no split (the
     positions of the maxima of attention scores): using it is not an escape."""
@@ -126,6 +141,9 @@ class Dataflow:
     #: projection node -> [(tap projection node, base, head stride, heads, taps per head), ...]:
     #: per-head convolution taps multiplied into its windows (:mod:`.short_conv`)
     taps: dict = field(default_factory=dict)
+    #: grouped projection node -> (groups G, input features per group I, outputs per group O):
+    #: ``bmm`` of ``G`` feature groups by ``W.view(G, O, I)`` (:mod:`.replicated_kv`)
+    grouped: dict = field(default_factory=dict)
 
 
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",

@@ -20,6 +20,7 @@ from fxpar.tracing.tensor_parallel.dataflow import (
     Dim,
     Flow,
     Inert,
+    Replicated,
     Scores,
     _norm_dim,
     _shape,
@@ -30,6 +31,7 @@ from fxpar.tracing.tensor_parallel.head_maps import gather_data, head_map
 from fxpar.tracing.tensor_parallel.join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
 from fxpar.tracing.tensor_parallel.params import param_dim, param_source, per_head
 from fxpar.tracing.tensor_parallel.region import module_path
+from fxpar.tracing.tensor_parallel.replicated_kv import grouped_projection, replicated_operand
 from fxpar.tracing.tensor_parallel.score_keys import carries_scores, key_axis
 from fxpar.tracing.tensor_parallel.short_conv import taps, window
 from fxpar.tracing.tensor_parallel.structural import structural, structural_slice
@@ -151,7 +153,13 @@ def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
             and not isinstance(b.dims[-1], Axis):
         k = replace(b, dims=b.dims[:-2] + (b.dims[-1], b.dims[-2]))
         return Scores(a, k)
-    if isinstance(a, Scores) and isinstance(b, Flow):
+    if isinstance(a, Flow) and b is None:   # one key head every rank computes whole (replicated_kv.py)
+        k = replicated_operand(pair[1], a, df, features=-2)
+        width = a.dims[-1].size if a.dims and isinstance(a.dims[-1], Axis) else None
+        return Scores(a, k) if k is not None and (_shape(pair[1]) or (0, 0))[-2] == width else None
+    if isinstance(a, Scores) and b is None:
+        b = replicated_operand(pair[1], a.q, df)
+    if isinstance(a, Scores) and isinstance(b, (Flow, Replicated)):
         df.attention.append((node.name, a.q, a.k, b, a.extras))
         return _attn_out(node, a.q, b, df)
     return None
@@ -159,7 +167,9 @@ def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
 
 def _sdpa(node: torch.fx.Node, df: Dataflow) -> Any:
     q, k, v = (df.flows.get(x.name) if isinstance(x, torch.fx.Node) else None for x in node.args[:3])
-    if not all(isinstance(f, Flow) for f in (q, k, v)):
+    if isinstance(q, Flow):   # one key/value head every rank computes whole (replicated_kv.py)
+        k, v = (replicated_operand(x, q, df) if f is None else f for x, f in zip(node.args[1:3], (k, v)))
+    if not isinstance(q, Flow) or not all(isinstance(f, (Flow, Replicated)) for f in (k, v)):
         return None
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     extras = (mask.name,) if isinstance(mask, torch.fx.Node) and per_head(mask) else ()
@@ -176,7 +186,7 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in _SDPA:
         return _sdpa(node, df)
     if name in ("matmul", "bmm"):
-        return _matmul(node, df)
+        return _matmul(node, df) or (grouped_projection(node, df, params) if name == "bmm" else None)
     if name == "baddbmm" and len(node.args) >= 3:  # bias + q·kᵀ (ALiBi): a per-head bias is an extra
         scores = _matmul(node, df, node.args[1:3])
         bias = node.args[0]

@@ -125,6 +125,11 @@ class Attention:
     #: ``(fqn, dim, heads per unit, features per head)``, a rank owning units ``[a, b)`` keeps
     #: entries ``[a·u·d, b·u·d)`` of ``dim``
     feature_params: tuple[tuple[str, int, int, int], ...] = ()
+    #: the key and value are one head every rank computes whole (no key/value rows: units are
+    #: query heads, or runs of them: :mod:`fxpar.tracing.tensor_parallel.replicated_kv`)
+    replicated_kv: bool = False
+    #: groups of a grouped output projection (0: none), each unit whole groups
+    out_groups: int = 0
 
     @property
     def units(self) -> int:
