@@ -15,7 +15,10 @@ groups).
 Parity: 2 gloo ranks, fp32, the rules of ``tests/parity.py`` (loss within ``LOSS_RTOL``, every
 gathered gradient within ``GRAD_RTOL``, the clipping norm within ``NORM_RTOL``), with the
 heavily-compressed layer made to compress at the test's 16 tokens (its rate 128 → 10, more than the
-analysis example's 8 tokens) so that its compressor's parameters take part, padded rows, and a checkpoint round trip (exact)."""
+analysis example's 8 tokens) so that its compressor's parameters take part, padded rows, and a
+checkpoint round trip (exact).  And a model written outside transformers whose one key/value head
+is a running mean over the tokens (``cumsum``, which the dataflow does not follow) read by SDPA:
+computed whole on every rank too."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from benchmarks.zoo import build
 from fxpar.tracing.analyze_model import analyze_model
 from tests.parity import check_gradients, check_loss, check_norm, check_tp_results, expect
 from tests.workers_tp_mqa import mqa_parity
+from fxpar.tracing.analyze_model import remember_example
+from tests.workers_tp_forms import PrefixKeyLM, example, prefix_key_parity
 from tests.workers_tp_more import more_parity
 
 #: both compressed layers compress at the batch's 16 tokens (heavily compressed: one window of 10, seen by
@@ -33,7 +38,6 @@ COMPRESSING = {"compress_rates": {"compressed_sparse_attention": 4, "heavily_com
 #: a group of the output projection spans two heads: units are pairs of heads
 WIDE_GROUPS = {**COMPRESSING, "o_groups": 2}
 
-pytestmark = pytest.mark.model_types("deepseek_v4")
 
 
 def _attention(overrides: dict | None = None, layer: int = 1):
@@ -42,6 +46,7 @@ def _attention(overrides: dict | None = None, layer: int = 1):
     return analysis.blocks[layer].attention[0]
 
 
+@pytest.mark.model_types("deepseek_v4")
 def test_the_key_value_is_replicated_and_the_output_projection_grouped():
     att = _attention(COMPRESSING)
     assert att.replicated_kv and (att.heads, att.kv_heads, att.units, att.out_groups) == (4, 4, 4, 8)
@@ -59,6 +64,7 @@ def test_the_key_value_is_replicated_and_the_output_projection_grouped():
     assert not summed & {"q_b_proj.weight", "o_a_proj.weight", "o_b_proj.weight", "sinks"}
 
 
+@pytest.mark.model_types("deepseek_v4")
 def test_a_compressor_the_example_does_not_reach_is_summed_whole():
     # the analysis example has 8 tokens: the heavily-compressed layer (rate 128) compresses none,
     # so its gate and position bias are not in the graph; a longer batch uses them on every rank.
@@ -72,6 +78,7 @@ def test_a_compressor_the_example_does_not_reach_is_summed_whole():
 
 
 @pytest.mark.full
+@pytest.mark.model_types("deepseek_v4")
 def test_groups_wider_than_a_head_make_units_of_several_heads():
     att = _attention(WIDE_GROUPS)
     assert (att.heads, att.units, att.out_groups) == (4, 2, 2)
@@ -82,6 +89,7 @@ def test_groups_wider_than_a_head_make_units_of_several_heads():
 
 @pytest.mark.multirank
 @pytest.mark.full
+@pytest.mark.model_types("deepseek_v4")
 def test_shared_kv_parity_norm_and_checkpoint(pool2, tmp_path):
     results = pool2.run(mqa_parity, "deepseek_v4", [3, 1], str(tmp_path / "ckpt"), COMPRESSING)
     for r in results:
@@ -98,5 +106,26 @@ def test_shared_kv_parity_norm_and_checkpoint(pool2, tmp_path):
 @pytest.mark.parametrize(("shares", "overrides", "pad"), [
     ([3, 1], None, False), ([3, 1], COMPRESSING, True), ([1, 1], WIDE_GROUPS, False),
 ], ids=["zoo model", "padded rows", "groups of two heads"])
+@pytest.mark.model_types("deepseek_v4")
 def test_shared_kv_parity(pool2, shares, overrides, pad):
     check_tp_results(pool2.run(more_parity, "deepseek_v4", shares, overrides, (), pad))
+
+
+def test_a_key_value_the_dataflow_cannot_follow_is_computed_whole_under_sdpa():
+    # a model written outside transformers: its one key/value head is a running mean over the
+    # tokens (cumsum), expanded over the 4 query heads and read by SDPA
+    model = PrefixKeyLM()
+    remember_example(model, example())
+    analysis = analyze_model(model)
+    assert analysis.splittable() == frozenset({"layers.0", "layers.1"}) and analysis.max_width() == 4
+    att = analysis.blocks[0].attention[0]
+    assert att.replicated_kv and (att.heads, att.units, att.out_groups) == (4, 4, 0)
+    assert [(p.weight, p.parallel) for p in att.projections] == [
+        ("layers.0.attn.q_proj.weight", "column"), ("layers.0.attn.o_proj.weight", "row")]
+    assert set(att.shared_params) == {f"layers.0.attn.{p}_proj.{w}" for p in "kv" for w in ("weight", "bias")}
+
+
+@pytest.mark.multirank
+@pytest.mark.full
+def test_a_key_value_computed_whole_parity(pool2):
+    check_tp_results(pool2.run(prefix_key_parity, [3, 1]))

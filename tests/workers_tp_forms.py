@@ -64,3 +64,35 @@ def projected_sink_parity(shares: list[int]) -> dict:
     """One step of :func:`ProjectedSinkLM` split ``shares``: losses, gathered gradient gaps
     (rank 0) and this rank's ``sink_proj`` boxes."""
     return module_tp_step(ProjectedSinkLM, example(), shares, SINK_NAMES)[0]
+
+
+class _PrefixKeyAttention(torch.nn.Module):
+    """Causal SDPA whose one key/value head is a running mean over the tokens of a projection
+    (``cumsum`` / position: an op the tensor-parallel dataflow does not follow), expanded over
+    the query heads: every rank computes it whole."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, width // heads
+        self.q_proj, self.o_proj = (torch.nn.Linear(width, width, bias=False) for _ in range(2))
+        self.k_proj, self.v_proj = (torch.nn.Linear(width, self.head_dim) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        count = torch.arange(1, t + 1, device=x.device, dtype=x.dtype).view(1, t, 1)
+        k, v = ((p(x).cumsum(1) / count).unsqueeze(1).expand(b, self.num_heads, t, self.head_dim)
+                for p in (self.k_proj, self.v_proj))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def PrefixKeyLM() -> TinyAttentionLM:
+    """A tiny causal LM (not a HF one) of 2 blocks of :class:`_PrefixKeyAttention`."""
+    return TinyAttentionLM(_PrefixKeyAttention)
+
+
+def prefix_key_parity(shares: list[int]) -> dict:
+    """One step of :func:`PrefixKeyLM` split ``shares`` (query heads per rank): losses and the
+    gathered gradients' gaps (rank 0)."""
+    return module_tp_step(PrefixKeyLM, example(), shares)[0]
