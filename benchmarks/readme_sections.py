@@ -94,7 +94,7 @@ def zoo(z: dict) -> list[str]:
     if s.get("recorded"):
         lines[-1] += (f" Recorded by running them, since they do not export as a whole: {len(s['recorded'])} "
                       f"({', '.join(s['recorded'])}); their plans are data parallel, sharded, or pipelines of eager "
-                      "stages.")
+                      "stages, tensor-parallel in the blocks read block by block.")
     top = s.get("top_failures", {})
     for col, items in top.items():
         if items:

@@ -14,14 +14,16 @@ import torch
 import fxpar
 from fxpar.errors import PlanError, TraceError
 from fxpar.solvers import plan as solve
-from fxpar.solvers.problems import RECORDED_FAMILIES
+from benchmarks.zoo import BATCH, batch, build
+from fxpar.solvers.pipeline import search_ranked
+from fxpar.solvers.problems import RECORDED_FAMILIES, build_problems
 from fxpar.tracing import OpClass, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 from tests.workers import TINY_CONFIGS
 from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
 from tests.parity import check_step, expect
-from tests.workers_recorded import recorded_parity
+from tests.workers_recorded import recorded_parity, searched_tp_parity
 
 
 def _recorded(model: torch.nn.Module, inputs) -> fxpar.tracing.ModelGraph:
@@ -95,13 +97,14 @@ def test_recording_a_model_that_exports_matches_its_export():
 def test_a_recorded_graph_plans_data_parallelism_and_eager_pipelines_only():
     # the families that run the model's own forward, and pipelines of eager stages
     # (tests/test_eager_pipeline.py); expert parallelism needs the exported graph, and tensor
-    # parallelism (read block by block: tests/test_tp_by_block.py) is a hand plan's only
+    # parallelism needs an attention read block by block (tests/test_tp_by_block.py), which this
+    # model's (a method of its block, around a fused qkv) is not
     torch.manual_seed(0)
     graph = _recorded(LoopMoEForCausalLM(), loop_moe_batch(1, 8))
     plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8))
     assert plan.strategy in RECORDED_FAMILIES and "expert_parallel" not in RECORDED_FAMILIES
     line = next(e for e in plan.explain if e.startswith("recorded graph"))
-    assert "layers.0, layers.1, layers.2" in line and "tensor parallelism is not searched for it" in line
+    assert "layers.0, layers.1, layers.2" in line and "without tensor parallelism" in line
     piped = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("pipeline",))
     assert piped.strategy == "pipeline" and all(s.tensor_parallel == 1 for s in piped.stages)
     with pytest.raises(PlanError, match="did not export as a whole.*'data_parallel', 'pipeline'"):
@@ -134,3 +137,28 @@ def test_uneven_parallel_step_of_a_recorded_model_equals_one_process(pool2, stra
         assert all(r["stage"] == "EagerStage" for r in results)
         assert any("pipelines were searched" in e for e in results[0]["explain"])
         assert sum(r["n_grads"] for r in results) >= len(list(LoopMoEForCausalLM().parameters()))
+
+
+@pytest.mark.model_types("longcat_flash")
+def test_a_recorded_graph_searches_tensor_parallel_stages_for_the_blocks_read_one_by_one():
+    # LongCat-Flash loops over the experts a batch hits: recorded; its blocks' attention is read
+    # block by block, so the pipeline search offers stages two ranks wide
+    model = build("longcat_flash")
+    graph = _recorded(model, batch(model, 1))
+    assert graph.tp_analysis is not None and all(layer.tensor_parallel for layer in graph.layers)
+    cluster, workload = fxpar.Cluster.emulated([1.0, 1.0], one_node=True), Workload(global_batch=BATCH)
+    problems = build_problems(graph, cluster, workload, ("pipeline",))
+    wide = [c for c in search_ranked(problems.pipeline, max_width=2, keep=64) if any(st.width == 2 for st in c.stages)]
+    assert wide, "no configuration with a tensor-parallel stage"
+    plan = solve(graph, cluster, workload, strategies=("pipeline",))
+    line = next(e for e in plan.explain if e.startswith("recorded graph"))
+    assert f"tensor-parallel in the {len(graph.layers)} of {len(graph.layers)} blocks" in line
+
+
+@pytest.mark.multirank
+@pytest.mark.full
+@pytest.mark.model_types("longcat_flash")
+def test_a_searched_tensor_parallel_stage_of_a_recorded_model_equals_one_process(pool2):
+    for r in pool2.run(searched_tp_parity, "longcat_flash"):
+        assert r["widths"] == [2] and r["stage"] == "EagerStage"
+        expect(*check_step(r), context=r["rank"])

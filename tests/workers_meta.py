@@ -80,7 +80,7 @@ def _local_params(pm) -> list[tuple[str, torch.nn.Parameter]]:
     return list(pm.module.named_parameters(remove_duplicate=False))
 
 
-def _reference_slice(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+def reference_slice(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The part of the whole ``full`` tensor that this rank's ``p`` holds (its box(es))."""
     from fxpar.codegen.common.shards import cut, shard_spec
 
@@ -122,7 +122,7 @@ def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> 
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        out["steps"].append(step_record(loss, ref_loss, ((name, p.grad, _reference_slice(p, ref_params[name].grad))
+        out["steps"].append(step_record(loss, ref_loss, ((name, p.grad, reference_slice(p, ref_params[name].grad))
                                                          for name, p in _local_params(pm)), reference, steps_before=k))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ from tests.parity import (
 from tests.workers import TINY_CONFIGS, global_batch, pipeline_case
 
 
-def _reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+def reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """The part of the unsharded ``full`` tensor that this rank's ``p`` holds (each piece of a
     fused ``[q | k | v]`` / ``[gate | up]`` shard, concatenated like the shard)."""
     from fxpar.codegen.common.shards import shard_spec
@@ -57,7 +57,7 @@ def _train_and_compare(pm, reference: torch.nn.Module, data: list, optimizer: st
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
         pairs = []
         for fqn, p in pm.named_original_parameters():
-            want = _reference_slice(p, ref_params[fqn].grad)
+            want = reference_slice(p, ref_params[fqn].grad)
             assert p.grad.shape == want.shape, (fqn, p.grad.shape, want.shape)
             pairs.append((fqn, p.grad, want))
         step = step_record(loss, ref_loss, pairs, reference, steps_before=k, optimizer=optimizer)
@@ -117,7 +117,7 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
         loss = pm.step(b)
         ref_loss = reference(**b).loss
         ref_loss.backward()
-        out["steps"].append(step_record(loss, ref_loss, ((n, p.grad, _reference_slice(p, ref_params[n].grad))
+        out["steps"].append(step_record(loss, ref_loss, ((n, p.grad, reference_slice(p, ref_params[n].grad))
                                                          for n, p in pm.module.named_parameters()), reference,
                                         steps_before=s, optimizer="sgd"))
         opt.step(); opt.zero_grad(set_to_none=True)
@@ -227,7 +227,7 @@ def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) ->
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        out["steps"].append(step_record(loss, ref_loss, ((f, p.grad, _reference_slice(p, ref_params[f].grad))
+        out["steps"].append(step_record(loss, ref_loss, ((f, p.grad, reference_slice(p, ref_params[f].grad))
                                                          for f, p in pm.named_original_parameters()), reference))
         for p in pm.parameters():
             p.grad = None
@@ -335,7 +335,7 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
         ref_loss = reference(**data, use_cache=False).loss
     ref_loss.float().backward()
     names = dict(reference.named_parameters(remove_duplicate=False))
-    grads = gradient_gaps(((f, p.grad, _reference_slice(p, names[f].grad)) for f, p in pm.named_original_parameters()),
+    grads = gradient_gaps(((f, p.grad, reference_slice(p, names[f].grad)) for f, p in pm.named_original_parameters()),
                           reference)
     rel = max(g / max(n, 1e-12) for g, n in zip(grads.gaps, grads.norms))
     return {"rank": rank, "loss": float(loss), "ref_loss": float(ref_loss), "max_grad_rel_norm_diff": rel, "grads": grads,

@@ -13,7 +13,7 @@ import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
 from tests.parity import snapshot, step_record, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch, tiny_model
-from tests.workers_pptp import _reference_slice
+from tests.workers_pptp import reference_slice
 
 
 def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], microbatches: int,
@@ -56,11 +56,11 @@ def train_and_compare(pm, reference: torch.nn.Module, data: list) -> list[dict]:
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
         named = list(pm.named_original_parameters())
-        step = step_record(loss, ref_loss, ((f, p.grad, _reference_slice(p, ref_params[f].grad)) for f, p in named),
+        step = step_record(loss, ref_loss, ((f, p.grad, reference_slice(p, ref_params[f].grad)) for f, p in named),
                            reference, steps_before=k)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
-        step["weights"] = trajectory_gaps((f, p, _reference_slice(p, ref_params[f]), _reference_slice(p, initial[f]))
+        step["weights"] = trajectory_gaps((f, p, reference_slice(p, ref_params[f]), reference_slice(p, initial[f]))
                                           for f, p in named)
         step["max_weight_abs_diff"] = step["weights"].max_abs
         steps.append(step)

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import fxpar
 from benchmarks.zoo import BATCH, SEED, batch, build
 from fxpar.codegen.hand_plans import tensor_parallel_plan
-from fxpar.tracing.analyze_model import ATTR as ANALYSIS_ATTR
 from fxpar.tracing.analyze_model import analysis_example
 from fxpar.tracing.export import split_inputs
 from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
+from fxpar.tracing.tensor_parallel.kept import keep_analysis
 from tests.parity import gradient_gaps
 
 
@@ -26,7 +26,7 @@ def force_block_by_block(model: torch.nn.Module) -> None:
     (:mod:`fxpar.tracing.tensor_parallel.by_block`), as for a model that does not export whole."""
     args, kwargs = split_inputs(model, analysis_example(model))
     analysis = analyze_by_block(model, args, kwargs, why="forced by the test", keep=True)
-    model.__dict__[ANALYSIS_ATTR] = (tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), analysis)
+    keep_analysis(model, analysis)
 
 
 def padded(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -95,9 +95,19 @@ def recorded_line(graph: ModelGraph) -> str:
             "saved (as float32 under autocast), so the prediction carries the recording's difference from an "
             "export (python -m benchmarks.recorded_fidelity measures it on models that export); data "
             "parallelism, sharded data parallelism and pipelines were searched (pipeline stages run the "
-            "model's own modules eagerly, cut at block boundaries); expert parallelism needs the exported "
-            "graph, and tensor parallelism is not searched for it (a hand tensor_parallel_plan splits the "
-            "blocks that export on their own: fxpar.tracing.tensor_parallel.by_block)")
+            f"model's own modules eagerly, cut at block boundaries), {_recorded_tensor_parallel(graph)}; "
+            "expert parallelism needs the exported graph")
+
+
+def _recorded_tensor_parallel(graph: ModelGraph) -> str:
+    """What the search of a recorded graph did with tensor parallelism (its blocks read one by
+    one: :func:`fxpar.tracing.analyze_model.with_recorded_tensor_parallel`)."""
+    split = [layer.path for layer in graph.layers if layer.tensor_parallel]
+    if split:
+        return (f"their stages tensor-parallel in the {len(split)} of {len(graph.layers)} blocks whose attention "
+                "was read block by block (fxpar.tracing.tensor_parallel.by_block)")
+    return ("without tensor parallelism: no block's attention could be read on its own "
+            "(fxpar.tracing.tensor_parallel.by_block says why per block)")
 
 
 def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,

@@ -71,10 +71,9 @@ class Candidates:
 
 
 #: the families a recorded graph (:mod:`fxpar.tracing.recorded`: no exported program to read
-#: projections or experts from) can have: those whose codegen runs the model's own forward, and
-#: pipelines, whose stages then run the model's own modules eagerly
-#: (:mod:`fxpar.codegen.pipeline.eager`; their blocks are not tensor-parallel, as the recorded
-#: blocks say)
+#: experts from) can have: those whose codegen runs the model's own forward, and pipelines, whose
+#: stages then run the model's own modules eagerly (:mod:`fxpar.codegen.pipeline.eager`),
+#: tensor-parallel in the blocks whose attention was read block by block (the graph's layers say)
 RECORDED_FAMILIES: tuple[str, ...] = ("data_parallel", "pipeline", "sharded_data_parallel")
 
 

@@ -4,8 +4,9 @@ or for a model written outside transformers on one sample of the batch ``fxpar.a
 (:func:`remember_example`), and run
 :func:`fxpar.tracing.tensor_parallel.analysis.analyze` — or, when the whole model does not
 export, read it block by block (:mod:`fxpar.tracing.tensor_parallel.by_block`).  The result is kept on the model object
-(``model.fxpar_tp_analysis``), keyed by the parameters' shapes, because a rank asks twice
-(which blocks are splittable, then how) before it shards."""
+(:mod:`fxpar.tracing.tensor_parallel.kept`), keyed by the parameters' shapes, because a rank asks twice
+(which blocks are splittable, then how) before it shards; a recorded graph's analysis
+(:func:`fxpar.tracing.trace.trace`) is kept there too."""
 
 from __future__ import annotations
 
@@ -17,18 +18,13 @@ import torch
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.export import export_model, split_inputs
 from fxpar.tracing.hf import example_inputs, hf_task
-from fxpar.tracing.tensor_parallel.analysis import analyze
+from fxpar.tracing.tensor_parallel.analysis import analyze, analyze_or_refuse
 from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
 from fxpar.tracing.tensor_parallel.findings import TPAnalysis
-from fxpar.tracing.trace import tp_analysis_of
+from fxpar.tracing.tensor_parallel.kept import keep_analysis, kept_analysis
 
-ATTR = "fxpar_tp_analysis"
 #: where :func:`remember_example` keeps a one-sample batch of a model that is not a HF one
 EXAMPLE_ATTR = "fxpar_tp_example"
-
-
-def _signature(model: torch.nn.Module) -> tuple:
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
 
 
 def remember_example(model: torch.nn.Module, inputs: Any) -> None:
@@ -54,16 +50,15 @@ def analyze_model(model: torch.nn.Module, *, how: str = "auto") -> TPAnalysis:
     instead; ``"by_block"`` reads it block by block directly.  A sharded model is analysed again
     the way its full model was (``fxpar.codegen.tensor.verify``): by block on the calls the
     full model's analysis kept, since its own forward would run the group's collectives."""
-    sig = _signature(model)
-    kept = model.__dict__.get(ATTR)
-    if kept is not None and kept[0] == sig:
-        return kept[1]
+    kept = kept_analysis(model)
+    if kept is not None:
+        return kept
     was_training = model.training
     try:
         result = _analysis(model, analysis_example(model), how)
     finally:
         model.train(was_training)
-    model.__dict__[ATTR] = (sig, result)
+    keep_analysis(model, result)
     return result
 
 
@@ -83,7 +78,7 @@ def _analysis(model: torch.nn.Module, example: Any, how: str) -> TPAnalysis:
             raise
         return by_block(str(exc))
     if how == "whole":
-        return tp_analysis_of(program)  # a failing analysis: every block refused, naming why
+        return analyze_or_refuse(program)  # a failing analysis: every block refused, naming why
     try:
         return analyze(program)
     except Exception as exc:  # noqa: BLE001 - the whole program's analysis failed: read each block alone

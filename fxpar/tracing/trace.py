@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ from fxpar.tracing.model_facts import layer_infos, nbytes, param_infos
 from fxpar.tracing.recorded import record_graph
 from fxpar.tracing.saved import SavedBytes, tensor_vals
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
-from fxpar.tracing.tensor_parallel.analysis import analyze
-from fxpar.tracing.tensor_parallel.findings import BlockTP, TPAnalysis
+from fxpar.tracing.tensor_parallel.analysis import analyze_or_refuse
+from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
+from fxpar.tracing.tensor_parallel.kept import keep_analysis
 
 
 def _static(shape: Any, node: torch.fx.Node) -> tuple[int, ...]:
@@ -65,17 +67,6 @@ def _module_types(graph: torch.fx.Graph) -> dict[str, str]:
     return types
 
 
-def tp_analysis_of(ep: Any) -> TPAnalysis:
-    """:func:`fxpar.tracing.tensor_parallel.analysis.analyze`, with an unexpected failure of the analysis
-    itself turned into every block refused (tracing never fails because of it)."""
-    try:
-        return analyze(ep)
-    except Exception as exc:  # noqa: BLE001 - the reason names the failure; planning goes on
-        blocks = {b for n in ep.graph.nodes if (b := block_path(_module_path(n)))}
-        why = f"the tensor-parallel analysis failed: {type(exc).__name__}: {exc}"
-        return TPAnalysis(blocks=tuple(BlockTP(path=b, reason=f"block {b}: {why}") for b in sorted(blocks)))
-
-
 def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
           model_name: str | None = None, record: bool | None = None) -> ModelGraph:
     """Export ``model`` on ``example_inputs`` and annotate every node with its costs.
@@ -84,15 +75,18 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
     one tensor.  The batch size is the leading dimension of the first tensor input.
     ``record``: None exports the whole model and, when that fails, records it by running it
     (:mod:`fxpar.tracing.recorded`: the same per-op costs per block, but no exported program,
-    so no tensor- or expert-parallel plan; pipelines run eager stages), with a warning that says why; True records
+    so no expert-parallel plan; pipelines run eager stages, tensor-parallel in the blocks that
+    export on their own: :func:`_with_block_tensor_parallel`),
+    with a warning that says why; True records
     without trying the export; False only exports (its failure raises).
     """
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"trace: model has type {type(model).__name__}; expected a torch.nn.Module")
     args, kwargs = split_inputs(model, example_inputs)
     if record:
-        return record_graph(model, args, kwargs, why="recorded on request (trace(record=True))",
-                            model_name=model_name)
+        return _with_block_tensor_parallel(record_graph(
+            model, args, kwargs, why="recorded on request (trace(record=True))", model_name=model_name),
+            model, args, kwargs)
     try:
         return _exported_graph(model, args, kwargs, model_name)
     except TraceError as exc:
@@ -100,10 +94,32 @@ def trace(model: torch.nn.Module, example_inputs: ExampleInputs | None, *,
             raise
         why = str(exc).splitlines()[0]
         warnings.warn(f"{why}\nfxpar records the model by running it instead: its plan can use data "
-                      "parallelism, sharded data parallelism and pipelines of eager stages, not expert "
-                      "parallelism; tensor parallelism only from a hand plan, for the blocks that export "
-                      "on their own (trace(record=False) raises instead)", stacklevel=2)
-        return record_graph(model, args, kwargs, why=str(exc), model_name=model_name)
+                      "parallelism, sharded data parallelism and pipelines of eager stages, tensor-parallel "
+                      "in the blocks that export on their own, not expert parallelism (trace(record=False) "
+                      "raises instead)", stacklevel=2)
+        return _with_block_tensor_parallel(record_graph(model, args, kwargs, why=str(exc), model_name=model_name),
+                                           model, args, kwargs)
+
+
+def _with_block_tensor_parallel(graph: ModelGraph, model: torch.nn.Module, args: tuple[Any, ...],
+                                kwargs: dict[str, Any]) -> ModelGraph:
+    """A recorded graph (no exported program) with the blocks tensor parallelism can split, read
+    block by block on the example it was recorded on (:mod:`fxpar.tracing.tensor_parallel.by_block`:
+    each block exported on its own where it can be), so that the planner searches tensor-parallel
+    pipeline stages for it; the analysis is kept on the model (:mod:`~fxpar.tracing.tensor_parallel.kept`)
+    and codegen splits the same blocks.  A model whose blocks cannot be read (a forward that fails on
+    ``meta``) keeps none: its plans are data parallel, sharded or pipelines without tensor parallelism."""
+    was_training = model.training
+    try:
+        analysis = analyze_by_block(model, args, kwargs, why=graph.recorded or "recorded", keep=True)
+    except Exception:  # noqa: BLE001 - planning goes on without tensor parallelism (docstring)
+        return graph
+    finally:
+        model.train(was_training)
+    keep_analysis(model, analysis)
+    splittable = analysis.splittable()
+    layers = tuple(replace(layer, tensor_parallel=layer.path in splittable) for layer in graph.layers)
+    return replace(graph, layers=layers, tp_analysis=analysis)
 
 
 def _exported_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -142,7 +158,7 @@ def _exported_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         nodes.append(_annotate(node, layer_of, needs_grad, param_alias, saved))
 
     params = param_infos(model, layer_of)
-    tp = tp_analysis_of(ep)
+    tp = analyze_or_refuse(ep)
     layers = layer_infos(nodes, params, layer_of, module_types, set(tp.splittable()))
     return ModelGraph(
         model_name=model_name or type(model).__name__, batch_size=batch, seq_len=seq,

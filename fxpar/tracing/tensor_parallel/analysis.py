@@ -365,3 +365,14 @@ def analyze(ep: Any) -> TPAnalysis:
         BlockTP(path=b, attention=tuple(v["attention"]), mlp=tuple(v["mlp"]), reason=v["reason"]
                 if v["reason"] or v["attention"] else f"block {b}: no attention found")
         for b, v in blocks.items()))
+
+
+def analyze_or_refuse(ep: Any) -> TPAnalysis:
+    """:func:`analyze`, with an unexpected failure of the analysis itself turned into every
+    block refused, naming the failure (tracing never fails because of it)."""
+    try:
+        return analyze(ep)
+    except Exception as exc:  # noqa: BLE001 - the reason names the failure; planning goes on
+        blocks = {b for n in ep.graph.nodes if (b := block_path(_module_path(n)))}
+        why = f"the tensor-parallel analysis failed: {type(exc).__name__}: {exc}"
+        return TPAnalysis(blocks=tuple(BlockTP(path=b, reason=f"block {b}: {why}") for b in sorted(blocks)))
