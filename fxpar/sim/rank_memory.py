@@ -33,7 +33,7 @@ import numpy as np
 
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel, memory
-from fxpar.sim.segments import SegmentTable, _inside_block_part, _tensor_parallel
+from fxpar.sim.segments import SegmentTable, _tensor_parallel, split_parameter, kept_whole
 from fxpar.tracing.graph import ModelGraph, OpClass
 
 #: tensors of the logits slice's size fxpar's vocab-parallel loss (:mod:`fxpar.codegen.tensor.vocab`)
@@ -71,10 +71,11 @@ def node_shares(graph: ModelGraph, kv: float, mlp: float, *, saved: bool = False
     part's input, which every rank holds whole (column-parallel: the input is replicated), and
     the vocab-parallel loss saves :data:`VOCAB_LOSS_SAVES` slices of the logits."""
     vocab = _vocab_size(graph)
+    whole = kept_whole(graph)
     out = np.ones(len(graph.nodes))
     part_seen: set[tuple[int, bool]] = set()
     for i, n in enumerate(graph.nodes):
-        if _tensor_parallel(n, graph):
+        if _tensor_parallel(n, graph, whole):
             blk = graph.layers[n.layer].path if n.layer is not None else ""
             attn = n.layer is not None and _attention(n.module_path, blk)
             out[i] = kv if attn else mlp
@@ -92,15 +93,14 @@ def node_shares(graph: ModelGraph, kv: float, mlp: float, *, saved: bool = False
 def param_shares(graph: ModelGraph, kv: float, mlp: float) -> float:
     """``Σ_p n_p φ_p``: the parameters one tensor-parallel rank holds."""
     total = 0.0
+    whole = kept_whole(graph)
     for p in graph.params:
-        if p.layer is None:
-            total += p.numel * (mlp if p.module_path in graph.vocab_parallel_modules else 1.0)
-            continue
-        layer = graph.layers[p.layer]
-        if layer.tensor_parallel and _inside_block_part(p.module_path, layer.path):
-            total += p.numel * (kv if _attention(p.module_path, layer.path) else mlp)
-        else:
+        if not split_parameter(p, graph, whole):
             total += p.numel
+        elif p.layer is None:
+            total += p.numel * mlp
+        else:
+            total += p.numel * (kv if _attention(p.module_path, graph.layers[p.layer].path) else mlp)
     return total
 
 

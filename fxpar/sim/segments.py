@@ -54,13 +54,54 @@ def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
 
 
-def _tensor_parallel(node, graph: ModelGraph) -> bool:
+@dataclass(frozen=True)
+class KeptWhole:
+    """What tensor parallelism keeps whole on every rank inside the blocks it splits
+    (``Attention.shared_params``, gradients summed over the group): those parameters, and the
+    modules that compute on the whole replicated input — the ones holding only such parameters,
+    less per-head norms (weights of one head's size, which run on the rank's own heads):
+    latent attention's down projections and their norms, DeepSeek-V4's key/value projection,
+    compressor and indexer."""
+
+    params: frozenset[str] = frozenset()
+    modules: frozenset[str] = frozenset()
+
+
+def kept_whole(graph: ModelGraph) -> KeptWhole:
+    """:class:`KeptWhole` of ``graph``'s tensor-parallel analysis (nothing without one)."""
+    tp = graph.tp_analysis
+    if tp is None:
+        return KeptWhole()
+    atts = [a for b in tp.blocks if b.splittable for a in b.attention]
+    shared = frozenset(f for a in atts for f in a.shared_params)
+    head = max((a.head_dim for a in atts), default=0)
+    by_module: dict[str, list] = {}
+    for p in graph.params:
+        by_module.setdefault(p.module_path, []).append(p)
+    modules = {m for m, ps in by_module.items()
+               if all(p.fqn in shared or shared.intersection(p.aliases) for p in ps)
+               and not all(len(p.shape) == 1 and p.numel <= head for p in ps)}
+    return KeptWhole(params=shared, modules=frozenset(modules))
+
+
+def split_parameter(p, graph: ModelGraph, whole: KeptWhole = KeptWhole()) -> bool:
+    """Whether tensor parallelism splits parameter ``p`` (a ``ParamInfo``): inside a splittable
+    block's attention / MLP / experts and not kept whole (:func:`kept_whole`), or in a
+    vocab-parallel embedding / head."""
+    if p.layer is None:
+        return p.module_path in graph.vocab_parallel_modules
+    layer = graph.layers[p.layer]
+    return layer.tensor_parallel and _inside_block_part(p.module_path, layer.path) and p.fqn not in whole.params
+
+
+def _tensor_parallel(node, graph: ModelGraph, whole: KeptWhole = KeptWhole()) -> bool:
     """Tensor parallelism as fxpar's codegen runs it divides everything inside a block's
-    attention / MLP / experts submodules (column-parallel in, row-parallel out); the block-level
-    norms and residual adds stay replicated, and so do blocks whose attention codegen does not
+    attention / MLP / experts submodules (column-parallel in, row-parallel out) but the modules
+    it keeps whole on every rank (``whole``: :func:`kept_whole`); the block-level norms and
+    residual adds stay replicated, and so do blocks whose attention codegen does not
     recognise; the embedding and head are split by vocabulary where codegen does that
     (``graph.vocab_parallel_modules``), else replicated."""
-    if node.op_class is OpClass.VIEW:
+    if node.op_class is OpClass.VIEW or node.module_path in whole.modules:
         return False
     if node.layer is None:
         return node.module_path in graph.vocab_parallel_modules and \
@@ -112,6 +153,7 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
         boundary[0] = max(boundary[0], boundary[1])
     params = np.zeros(n_seg)
     split_params = np.zeros(n_seg)
+    whole = kept_whole(graph)
     pre_modules: set[str] = set()
     post_modules: set[str] = set()
     for p in graph.params:
@@ -121,13 +163,9 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             seg = min(users) if users else 0
             (pre_modules if seg == 0 else post_modules).add(p.module_path)
         params[seg] += p.numel
-        if p.layer is None:
-            split = p.module_path in graph.vocab_parallel_modules
-        else:
-            split = graph.layers[p.layer].tensor_parallel and _inside_block_part(p.module_path, graph.layers[p.layer].path)
-        if split:
+        if split_parameter(p, graph, whole):
             split_params[seg] += p.numel
-    sharded = np.array([_tensor_parallel(n, graph) for n in graph.nodes])
+    sharded = np.array([_tensor_parallel(n, graph, whole) for n in graph.nodes])
     cost_a, cost_c, fwd_a, fwd_c = {}, {}, {}, {}
     frac = np.zeros(n_seg)
     for key, dev in kinds.items():
