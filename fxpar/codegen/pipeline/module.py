@@ -208,7 +208,10 @@ class PipelineParallelModule(torch.nn.Module):
         """Every rank starts from rank 0's weights (``broadcast``: a real model without a
         checkpoint); then this rank keeps its position's slice of its own stage's blocks (other
         stages stay whole: only their boundary shapes are used)."""
-        wide = [b for b, j in zip(self._blocks, self._stage_of) if self.layout.widths[j] > 1]
+        wide: dict[int, list[str]] = {}
+        for b, j in zip(self._blocks, self._stage_of):
+            if self.layout.widths[j] > 1:
+                wide.setdefault(j, []).append(b)
         kv = check_tp_stages(model, wide, max(self.layout.widths))
         if broadcast:
             broadcast_state(model, 0, None, self.device)

@@ -107,17 +107,21 @@ def torch_stage(module: torch.nn.Module, stage: int, num_stages: int, device: to
                                   group=group)
 
 
-def check_tp_stages(model: torch.nn.Module, wide: list[str], widest: int) -> int:
-    """The model's key/value head groups, once the blocks ``wide`` of its tensor-parallel stages
-    (the widest ``widest`` ranks) are found shardable and the head groups enough to split."""
-    unsupported = sorted(set(wide) - shardable_blocks(model))
+def check_tp_stages(model: torch.nn.Module, wide: dict[int, list[str]], widest: int) -> int:
+    """The model's key/value head groups, once every tensor-parallel stage (``wide``: stage ->
+    its blocks; the widest ``widest`` ranks) is found to hold a block it can shard, and the head
+    groups enough to split.  A stage's other blocks (Gemma-3n's AltUp projections, a hybrid's
+    state-space layers) run whole on each of its ranks, on the same replicated activations:
+    exact, their gradients the same on every rank, as in a tensor-parallel plan."""
+    shardable = shardable_blocks(model)
     # checked alike on every rank, before any collective: a refusal on some ranks only
     # would leave the others waiting
-    if unsupported:
-        raise PlanError(
-            f"pipeline plan: tensor-parallel stages hold blocks {unsupported[:3]} of "
-            f"{type(model).__name__}, which have no attention fxpar can shard ("
-            f"{refusal(model, unsupported)}); re-plan with max_tensor_parallel=1 for this model")
+    for stage, blocks in sorted(wide.items()):
+        if blocks and not shardable.intersection(blocks):
+            raise PlanError(
+                f"pipeline plan: tensor-parallel stage {stage} holds only blocks {blocks[:3]} of "
+                f"{type(model).__name__}, which have no attention fxpar can shard ("
+                f"{refusal(model, blocks)}); re-plan with max_tensor_parallel=1 for this model")
     kv, _, _ = head_layout(model)
     if kv < widest:
         raise PlanError(f"pipeline plan: a stage has tensor_parallel {widest}, but "
