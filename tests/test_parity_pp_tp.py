@@ -33,6 +33,7 @@ from tests.workers_pptp import (
     pp_zero_parity,
     unsupported_tp_stage_refused,
 )
+from tests.workers_recorded import searched_tp_parity
 
 pytestmark = pytest.mark.multirank
 
@@ -179,3 +180,14 @@ def test_bf16_pipeline_runs_mixed_precision_like_one_process(widths, pool, reque
         assert r["grad_dtypes"] == ["torch.float32"] and "bfloat16" in r["autocast"]
         expect(check_loss(r["loss"], r["ref_loss"], AUTOCAST_LOSS_RTOL),
                check_gradients(r["grads"], AUTOCAST_GRAD_RTOL), context=r["rank"])
+
+
+@pytest.mark.multirank
+@pytest.mark.full
+@pytest.mark.parametrize("model_type", ["jamba", "qwen3_next"])
+def test_a_searched_tensor_parallel_stage_runs_its_blocks_without_attention_whole(pool2, model_type):
+    # hybrids: a state-space (Jamba) or linear-attention (Qwen3-Next) block beside an attention
+    # block in the pipeline search's stage two ranks wide; the first runs whole on both ranks
+    for r in pool2.run(searched_tp_parity, model_type):
+        assert r["widths"] == [2]
+        expect(*check_step(r), context=r["rank"])

@@ -44,10 +44,10 @@ def recorded_parity(strategy: str, speeds: list[float], batch: int, seq: int) ->
 
 
 def searched_tp_parity(model_type: str) -> dict:
-    """One step of ``model_type``'s tiny zoo model (one that does not export) under the best plan
-    the pipeline search prices with a stage two ranks wide (a tensor-parallel stage of eager
-    blocks, from the recorded graph) vs one process: the stages' widths, the stage class and
-    :func:`tests.parity.step_record`."""
+    """One step of ``model_type``'s tiny zoo model under the best plan the pipeline search prices
+    with a stage two ranks wide (for a model that does not export, a tensor-parallel stage of
+    eager blocks from the recorded graph) vs one process: the stages' widths, the stage class
+    and :func:`tests.parity.step_record`."""
     model = build(model_type)
     reference = copy.deepcopy(model)
     data = batch(model)
