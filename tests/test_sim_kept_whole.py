@@ -48,6 +48,7 @@ def test_latent_attention_s_down_path_is_priced_whole():
     assert np.all(now[1:-1] < then[1:-1]) and now[0] == then[0] and now[-1] == then[-1]
 
 
+@pytest.mark.full
 @pytest.mark.model_types("deepseek_v4")
 def test_a_replicated_key_value_path_is_priced_whole():
     whole = kept_whole(_graph("deepseek_v4")).modules
