@@ -57,6 +57,7 @@ def test_a_replicated_key_value_path_is_priced_whole():
     assert "model.layers.1.self_attn.q_b_proj" not in whole
 
 
+@pytest.mark.full
 def test_per_head_norms_still_divide():
     graph = _graph("qwen3")
     assert kept_whole(graph).modules == frozenset()   # q_norm / k_norm: one head's weight each

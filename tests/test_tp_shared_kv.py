@@ -46,6 +46,7 @@ def _attention(overrides: dict | None = None, layer: int = 1):
     return analysis.blocks[layer].attention[0]
 
 
+@pytest.mark.full   # the quick tier reads DeepSeek-V4 once, below
 @pytest.mark.model_types("deepseek_v4")
 def test_the_key_value_is_replicated_and_the_output_projection_grouped():
     att = _attention(COMPRESSING)

@@ -11,7 +11,10 @@
 - the same Llama repeating its key/value heads with ``repeat_interleave``: uneven tensor
   parallelism equals one process;
 - the MoE whose expert loop does not export: ``tests/test_recorded.py`` (data parallel and
-  sharded parity); its pipeline and tensor parallelism are refused with the export's reason.
+  sharded parity); its pipeline runs eager stages and equals one process; tensor parallelism is
+  refused with the export's reason (its attention is a method of the block, nothing to read);
+- DeepSeek-V4-style attention written outside transformers (a running-mean key/value head every
+  rank computes whole, under SDPA): ``tests/test_tp_shared_kv.py``.
 
 Parity: ``tests/parity.py``'s rules (fp32, losses and every gradient)."""
 

@@ -20,6 +20,9 @@ Rules (``analyze(exported_program)``, a pure function of the graph):
    value the dataflow does not follow that are one head broadcast over the query heads
    (DeepSeek-V4's shared key/value with its compressed history) are computed whole on every
    rank (``replicated_kv``: units are query heads; :mod:`fxpar.tracing.tensor_parallel.replicated_kv`).
+   A linear attention (a chunk's ``(q kᵀ ⊙ D) v`` plus ``q`` times a key-value state) is one
+   attention of its query, key and value; its per-head decay buffers are cut with the heads
+   (:mod:`fxpar.tracing.tensor_parallel.linear_state`).
 2. The attention output must feed exactly one projection, on its last axis, unchanged
    (``o``: row-parallel over features ``h·value_dim + [0, value_dim)``), except for gates
    multiplied in head by head (:mod:`fxpar.tracing.tensor_parallel.gates`: a separate projection, one
@@ -76,6 +79,7 @@ from fxpar.tracing.tensor_parallel.dataflow_pass import placeholder_params, run
 from fxpar.tracing.tensor_parallel.features import feature_params, is_feature
 from fxpar.tracing.tensor_parallel.head_maps import flow_biases
 from fxpar.tracing.tensor_parallel.head_bias import buffer_names, head_bias
+from fxpar.tracing.tensor_parallel.linear_state import head_buffers
 from fxpar.tracing.tensor_parallel.roles import companion_params as _companion_params
 from fxpar.tracing.tensor_parallel.roles import covers as _covers
 from fxpar.tracing.tensor_parallel.roles import head_role as _head_role
@@ -159,8 +163,16 @@ def _biases(event: tuple, df: Dataflow, graph: _Graph, heads: tuple[int, int], b
     flowed = flow_biases(event[4], df, (heads[0], heads[0] // heads[1], heads[1]), by_src)
     found = [head_bias(x, graph.nodes, df, _module_path(graph.nodes[event[0]]), (graph.params, graph.buffers),
                        *heads, by_src) for x in flowed[0]]
+    module = _module_path(graph.nodes[event[0]])
+    if event[0] in df.stateful:   # a linear attention's decays: buffers with one dimension per head
+        found.append(head_buffers(module, graph.buffers, graph.nodes, heads[0], heads[1]))
     bad = next((b for b in found if isinstance(b, str)), None)
-    return bad if bad is not None else (tuple(dict.fromkeys(b for one in found for b in one)), *flowed[1:])
+    if bad is not None:
+        return bad
+    kept = {}
+    for b in (b for one in found for b in one):
+        kept.setdefault(b.target if b.source == "buffer" else b, b)   # a buffer once (its use, else its shape)
+    return tuple(kept.values()), *flowed[1:]
 
 
 def _head_rows(parts: tuple, heads: int, kv: int, df: Dataflow

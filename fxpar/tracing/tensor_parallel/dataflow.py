@@ -44,6 +44,11 @@ Rules (everything else that reads a Flow is an *escape*, recorded with the op's 
   value the dataflow does not follow: every rank computes them whole), and ``bmm`` of ``G``
   feature groups by a parameter viewed ``(G, O, I)`` is a *grouped* (block-diagonal)
   projection (:mod:`fxpar.tracing.tensor_parallel.replicated_kv`);
+- ``matmul(kᵀ, v)`` of a key and a value Flow with one head axis is a linear attention's
+  :class:`KVState`, ``matmul(q, state)`` an attention event, ``matmul(q, zeros)`` a :class:`Zero`
+  that adding leaves out; events of one query, key and value are one attention, and a ``cat``
+  of one Flow's pieces along the tokens is that Flow
+  (:mod:`fxpar.tracing.tensor_parallel.linear_state`);
 - a projection whose input has a Flow is a *consumer* of that Flow (row-parallel candidate);
 - a depthwise ``conv1d`` over feature channels keeps them (its weight a per-feature companion),
   ``matmul`` of one head's features by a shared ``[d, k]`` parameter maps each head on its own,
@@ -112,6 +117,21 @@ class Replicated:
 
 
 @dataclass(frozen=True, slots=True)
+class KVState:
+    """A linear attention's key-value state ``kᵀ · v`` per head (its key Flow as a key, tokens
+    then features; :mod:`fxpar.tracing.tensor_parallel.linear_state`)."""
+
+    k: Flow
+    v: Flow
+
+
+@dataclass(frozen=True, slots=True)
+class Zero:
+    """A query's product with a fresh all-zero state (a linear attention's first chunk): zero,
+    adding nothing to the output it joins (:mod:`fxpar.tracing.tensor_parallel.linear_state`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Inert:
     """A value computed from features that carries none of them and needs no split (the
     positions of the maxima of attention scores): using it is not an escape."""
@@ -144,6 +164,8 @@ class Dataflow:
     #: grouped projection node -> (groups G, input features per group I, outputs per group O):
     #: ``bmm`` of ``G`` feature groups by ``W.view(G, O, I)`` (:mod:`.replicated_kv`)
     grouped: dict = field(default_factory=dict)
+    #: attention events a key-value state or a fresh zero state also fed (linear attention)
+    stateful: set = field(default_factory=set)
 
 
 _SAME = {"contiguous", "clone", "to", "dropout", "alias", "_to_copy", "type_as", "detach", "lift_fresh_copy",

@@ -20,9 +20,10 @@ from fxpar.tracing.tensor_parallel.dataflow import (
     Dim,
     Flow,
     Inert,
+    KVState,
     Replicated,
     Scores,
-    _norm_dim,
+    Zero,
     _shape,
 )
 from fxpar.tracing.tensor_parallel.gates import gate
@@ -30,11 +31,14 @@ from fxpar.tracing.tensor_parallel.features import depthwise, merged_companion
 from fxpar.tracing.tensor_parallel.head_maps import gather_data, head_map
 from fxpar.tracing.tensor_parallel.join import FRESH, Canvas, CanvasView, cat, fresh, view_of, write
 from fxpar.tracing.tensor_parallel.params import param_dim, param_source, per_head
+from fxpar.tracing.tensor_parallel.linear_state import (data_cat, event_of_query, same_event, state_elementwise,
+                                                        state_product, zero_derived)
+from fxpar.tracing.tensor_parallel.reductions import norm_flow, reduce_flow, reduce_keep, statistic
 from fxpar.tracing.tensor_parallel.region import module_path
 from fxpar.tracing.tensor_parallel.replicated_kv import grouped_projection, replicated_operand
 from fxpar.tracing.tensor_parallel.score_keys import carries_scores, key_axis
 from fxpar.tracing.tensor_parallel.short_conv import taps, window
-from fxpar.tracing.tensor_parallel.structural import structural, structural_slice
+from fxpar.tracing.tensor_parallel.structural import constant_index, structural
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -89,6 +93,12 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
     n = len(out_shape)
     states = [df.flows.get(a.name) for a in node.args if isinstance(a, torch.fx.Node)]
     others = [a for a in node.args if isinstance(a, torch.fx.Node) and df.flows.get(a.name) is None]
+    if any(isinstance(s, (KVState, Zero)) for s in states):   # linear attention (linear_state.py)
+        rest = [s for s in states if not isinstance(s, Zero)]
+        name = op_name(node.target)
+        if name in ("add", "sub") and len(rest) == 1 and isinstance(rest[0], Flow) and not others:
+            return rest[0]
+        return state_elementwise(name, states, others)
     scores = [s for s in states if isinstance(s, Scores)]
     if scores:
         extras = tuple(o.name for o in others if per_head(o))
@@ -126,23 +136,34 @@ def _elementwise(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> A
                 tuple(dict.fromkeys(s for f in flows for s in f.shared)))
 
 
-def _reduce(flow: Flow, dims_arg: Any, keep: bool, n: int) -> Flow:
-    red = [_norm_dim(d, n) for d in (dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg])]
-    reduced = tuple((e.stride, e.size) for k, e in enumerate(flow.dims) if k in red and isinstance(e, Axis))
-    dims = tuple(None if k in red else e for k, e in enumerate(flow.dims)) if keep else tuple(
-        e for k, e in enumerate(flow.dims) if k not in red)
-    return replace(flow, dims=dims, reduced=flow.reduced + reduced)
-
-
-def _attn_out(node: torch.fx.Node, q: Flow, v: Flow, df: Dataflow) -> Flow | None:
-    """The Flow of an attention output ``[..., heads, tokens, head_dim]``: source ``attn:<node>``."""
+def _attn_out(node: torch.fx.Node, q: Flow, df: Dataflow, event: str | None = None) -> Flow | None:
+    """The Flow of an attention output ``[..., heads, tokens, head_dim]``: source ``attn:<event>``
+    (this node's, or an earlier event's of the same query, key and value)."""
     shape = _shape(node)
     if shape is None or len(shape) < 3 or not isinstance(q.dims[-3], Axis):
         return None
     head, d = q.dims[-3], shape[-1]
     dims = (None,) * (len(shape) - 3) + (Axis(d, head.size, 1, head.outer), None, Axis(1, d))
-    df.attn_shapes[f"attn:{node.name}"] = (head.size, d)
-    return Flow(frozenset({(f"attn:{node.name}", 0)}), dims)
+    name = f"attn:{event or node.name}"
+    df.attn_shapes.setdefault(name, (head.size, d))
+    return Flow(frozenset({(name, 0)}), dims)
+
+
+def _event(node: torch.fx.Node, q: Flow, k: Any, v: Any, extras: tuple, df: Dataflow,
+           stateful: bool = False) -> Flow | None:
+    """An attention event, or its part when an earlier event has the same query, key and value
+    (a linear attention's chunk terms: one attention, :mod:`.linear_state`)."""
+    i = same_event(df, q, k, v)
+    if i is None:
+        df.attention.append((node.name, q, k, v, extras))
+        name = node.name
+    else:
+        e = df.attention[i]
+        df.attention[i] = (*e[:4], tuple(dict.fromkeys(e[4] + extras)))
+        name, stateful = e[0], True
+    if stateful:
+        df.stateful.add(name)
+    return _attn_out(node, q, df, name)
 
 
 def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
@@ -153,6 +174,15 @@ def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
             and not isinstance(b.dims[-1], Axis):
         k = replace(b, dims=b.dims[:-2] + (b.dims[-1], b.dims[-2]))
         return Scores(a, k)
+    if isinstance(a, Flow) and isinstance(b, Flow):   # a linear attention's kᵀ·v (linear_state.py)
+        return state_product(a, b)
+    if isinstance(a, Flow) and isinstance(b, KVState):
+        return _event(node, a, b.k, b.v, (), df, stateful=True)
+    if isinstance(a, Flow) and b is None and zero_derived(pair[1]):   # the zero first state
+        i = event_of_query(df, a)
+        if i is not None:
+            df.stateful.add(df.attention[i][0])
+            return Zero()
     if isinstance(a, Flow) and b is None:   # one key head every rank computes whole (replicated_kv.py)
         k = replicated_operand(pair[1], a, df, features=-2)
         width = a.dims[-1].size if a.dims and isinstance(a.dims[-1], Axis) else None
@@ -160,8 +190,7 @@ def _matmul(node: torch.fx.Node, df: Dataflow, operands: Any = None) -> Any:
     if isinstance(a, Scores) and b is None:
         b = replicated_operand(pair[1], a.q, df)
     if isinstance(a, Scores) and isinstance(b, (Flow, Replicated)):
-        df.attention.append((node.name, a.q, a.k, b, a.extras))
-        return _attn_out(node, a.q, b, df)
+        return _event(node, a.q, a.k, b, a.extras, df)
     return None
 
 
@@ -173,8 +202,7 @@ def _sdpa(node: torch.fx.Node, df: Dataflow) -> Any:
         return None
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     extras = (mask.name,) if isinstance(mask, torch.fx.Node) and per_head(mask) else ()
-    df.attention.append((node.name, q, k, v, extras))
-    return _attn_out(node, q, v, df)
+    return _event(node, q, k, v, extras, df)
 
 
 def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, str]) -> Any:
@@ -196,9 +224,9 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in ("cat", "slice") and carries_scores(node, df):  # an attention sink (score_keys)
         return key_axis(node, name, df)
     if name in ("cat", "stack"):
-        return cat(node, df, stack=name == "stack")
+        return _tokens_cat(node, df) if name == "cat" and _tokens_cat(node, df) else cat(node, df, stack=name == "stack")
     if name == "index" and isinstance(state, Flow):
-        return _index(node, state, df)
+        return constant_index(node, state, df)
     if name == "conv1d":
         return depthwise(node, state, params)
     if name == "gather":
@@ -214,7 +242,7 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if isinstance(state, Scores):
         keep = _SAME | {"softmax", "_softmax", "_safe_softmax", "view", "reshape", "_unsafe_view"}
         if name in ("max", "amax", "logsumexp", "sum") and len(node.args) > 1:
-            stat = _statistic(node, state)
+            stat = statistic(node, state)
             return [stat, Inert()] if name == "max" and stat is not None else stat
         return state if name in keep else None
     if not isinstance(state, Flow):
@@ -222,70 +250,18 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in _SAME:
         return state
     if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
-        return _reduce_keep(state, node.args[1], len(state.dims))
+        return reduce_keep(state, node.args[1], len(state.dims))
     if name in _REDUCE:
         at = 2 if name in ("norm", "linalg_vector_norm") else 1   # norm(x, p, dim, keepdim): dim comes after p
         dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
         dims = list(range(len(state.dims))) if dims is None else dims
         keep = bool(node.args[at + 1]) if len(node.args) > at + 1 else bool(node.kwargs.get("keepdim", False))
-        return _reduce(state, dims, keep, len(state.dims))
+        return reduce_flow(state, dims, keep, len(state.dims))
     if name in ("layer_norm", "rms_norm", "native_layer_norm"):
-        return _norm(node, state, params)
+        return norm_flow(node, state, params)
     if name in ("pad", "constant_pad_nd", "unfold", "flip"):   # token windows (short_conv.py)
         return window(node, name, state)
     return structural(node, name, state)
-
-
-def _index(node: torch.fx.Node, flow: Flow, df: Dataflow) -> Flow | None:
-    """``x[..., [i, i+1, …], ...]`` with a constant list of consecutive indices on one dimension
-    (Falcon's multi-query ``fused_qkv[..., [-2], :]``): a slice of that dimension."""
-    indices = node.args[1] if len(node.args) > 1 else ()
-    used = [(d, i) for d, i in enumerate(indices) if i is not None]
-    src = _shape(node.args[0])
-    if len(used) != 1 or src is None or not isinstance(used[0][1], torch.fx.Node):
-        return None
-    dim, idx = used[0]
-    while idx.op == "call_function" and op_name(idx.target) in ("lift_fresh_copy", "clone", "_to_copy") \
-            and isinstance(idx.args[0], torch.fx.Node):
-        idx = idx.args[0]
-    value = df.constants.get(idx.name)
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() == 0 or value.is_floating_point():
-        return None
-    pos = [int(v) + (src[dim] if int(v) < 0 else 0) for v in value.tolist()]
-    if any(b != a + 1 for a, b in zip(pos, pos[1:])) or not 0 <= pos[0] <= pos[-1] < src[dim]:
-        return None
-    return structural_slice(flow, dim, pos[0], pos[-1] + 1)
-
-
-def _statistic(node: torch.fx.Node, scores: Scores) -> Flow | None:
-    """A reduction of attention scores over the keys (``max`` / ``logsumexp`` / ``sum``: a
-    stable or hand-written softmax, an attention sink's gate): one value per head and query, a
-    Flow of source ``stat:<query projection>`` with the query's head axis."""
-    dims_arg = node.args[1]
-    dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
-    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
-    q = scores.q
-    if len(dims) != 1 or dims[0] not in (-1, len(q.dims) - 1) or len(q.sources) != 1 or len(q.dims) < 3:
-        return None
-    (src, _), = q.sources
-    return Flow(frozenset({(f"stat:{src}", 0)}), q.dims[:-1] + ((None,) if keep else ()))
-
-
-def _reduce_keep(flow: Flow, dim: int, n: int) -> Flow:
-    red = _reduce(flow, [dim], True, n)
-    return replace(red, dims=flow.dims)
-
-
-def _norm(node: torch.fx.Node, flow: Flow, params: dict[str, str]) -> Flow:
-    """``layer_norm(x, shape, w, b)``: reduces the last ``len(shape)`` dims; ``w`` / ``b`` are
-    per-feature companions there."""
-    n = len(flow.dims)
-    last = list(range(n - len(node.args[1]), n))
-    out = _reduce_keep(flow, last[0], n) if len(last) == 1 else _reduce(flow, last, True, n)
-    comps = tuple((params.get(w.name, w.name), e.stride, e.size, len(last) - (n - k))
-                  for w in node.args[2:4] if isinstance(w, torch.fx.Node)
-                  for k, e in enumerate(flow.dims) if k in last and isinstance(e, Axis))
-    return replace(out, dims=flow.dims, companions=out.companions + comps)
 
 
 def _constants(ep: Any) -> dict[str, Any]:
@@ -380,3 +356,13 @@ def _producer_module(x: Any, proj: torch.fx.Node) -> str:
             and module_path(x) == own and isinstance(x.args[0], torch.fx.Node):
         x = x.args[0]
     return module_path(x)
+
+
+def _tokens_cat(node: torch.fx.Node, df: Dataflow) -> Flow | None:
+    """``cat`` of one Flow's pieces along a dimension without features (:func:`.linear_state.data_cat`)."""
+    parts = node.args[0]
+    flows = [df.flows.get(p.name) if isinstance(p, torch.fx.Node) else None for p in parts]
+    if not flows or any(not isinstance(f, Flow) for f in flows):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else 0
+    return data_cat(flows, dim + len(flows[0].dims) if dim < 0 else dim)

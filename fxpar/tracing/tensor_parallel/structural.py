@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from fxpar.tracing.tensor_parallel.dataflow import Axis, Flow, _norm_dim, _shape, reshape_dims
+from fxpar.tracing.op_costs import op_name
+from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, _norm_dim, _shape, reshape_dims
 
 
 def structural(node: torch.fx.Node, name: str, flow: Flow) -> Any:
@@ -131,3 +132,24 @@ def _pieces(node: torch.fx.Node, name: str, flow: Flow, src: tuple[int, ...]) ->
         out.append(part)
         lo += s
     return out
+
+
+def constant_index(node: torch.fx.Node, flow: Flow, df: Dataflow) -> Flow | None:
+    """``x[..., [i, i+1, …], ...]`` with a constant list of consecutive indices on one dimension
+    (Falcon's multi-query ``fused_qkv[..., [-2], :]``): a slice of that dimension."""
+    indices = node.args[1] if len(node.args) > 1 else ()
+    used = [(d, i) for d, i in enumerate(indices) if i is not None]
+    src = _shape(node.args[0])
+    if len(used) != 1 or src is None or not isinstance(used[0][1], torch.fx.Node):
+        return None
+    dim, idx = used[0]
+    while idx.op == "call_function" and op_name(idx.target) in ("lift_fresh_copy", "clone", "_to_copy") \
+            and isinstance(idx.args[0], torch.fx.Node):
+        idx = idx.args[0]
+    value = df.constants.get(idx.name)
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() == 0 or value.is_floating_point():
+        return None
+    pos = [int(v) + (src[dim] if int(v) < 0 else 0) for v in value.tolist()]
+    if any(b != a + 1 for a, b in zip(pos, pos[1:])) or not 0 <= pos[0] <= pos[-1] < src[dim]:
+        return None
+    return structural_slice(flow, dim, pos[0], pos[-1] + 1)
