@@ -224,7 +224,8 @@ def _transfer(node: torch.fx.Node, name: str, df: Dataflow, params: dict[str, st
     if name in ("cat", "slice") and carries_scores(node, df):  # an attention sink (score_keys)
         return key_axis(node, name, df)
     if name in ("cat", "stack"):
-        return _tokens_cat(node, df) if name == "cat" and _tokens_cat(node, df) else cat(node, df, stack=name == "stack")
+        along = _tokens_cat(node, df) if name == "cat" else None
+        return along if along is not None else cat(node, df, stack=name == "stack")
     if name == "index" and isinstance(state, Flow):
         return constant_index(node, state, df)
     if name == "conv1d":
