@@ -52,6 +52,13 @@ transformers (checked against 5.23):
   :func:`dispatch_recorder_base`).  torch documents the mode (``__torch_dispatch__``) but keeps
   the class in a private module; checked against torch 2.11 and 2.13.
 
+- ``torch.ops.aten._to_copy``: the op autocast's casts dispatch to (``Tensor.to`` is a composite
+  of it).  A bf16 / fp16 sharded plan watches its first forward for which parameters are only
+  ever cast to the low precision (:mod:`fxpar.codegen.sharded.probe`, :func:`is_dtype_cast`);
+  aten has no public name for the op (checked against torch 2.11 and 2.13).  The same mode
+  base class (:func:`dispatch_recorder_base`) runs the probe and the step audit's counters
+  (:mod:`fxpar.runtime.host_reads`).
+
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: runs ops on tensors that have a device and
   shapes but no values.  A bf16 / fp16 pipeline of a meta model needs its stage boundaries'
   shapes and dtypes *under the host's autocast* (the meta device has none), without computing
@@ -182,6 +189,11 @@ def pipeline_stage_class() -> type:
 def fake_host_mode() -> Any:
     """A ``FakeTensorMode`` that takes real tensors as inputs (module docstring)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_dtype_cast(func: Any) -> bool:
+    """``func`` is ``aten._to_copy.default``: a cast (autocast's, ``Tensor.to``'s)."""
+    return func is torch.ops.aten._to_copy.default
 
 
 def dispatch_recorder_base() -> type:

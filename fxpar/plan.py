@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
+from fxpar.dtype_policy import DtypePolicy
 from fxpar.errors import PlanError
 from fxpar.plan_checks import (
     check_collective,
@@ -174,14 +175,27 @@ class Plan:
     #: was measured at (what its shares were solved from); ``fxpar.predict`` prices it with them
     #: (:func:`fxpar.predict.measured_cluster`).  None: priced from the cost model alone
     measured_speeds: tuple[float, ...] | None = None
+    #: what is sent and kept in which precision (:mod:`fxpar.dtype_policy`); None: the default of
+    #: ``dtype`` (parameters autocast casts gathered in ``dtype``, gradients reduced in fp32),
+    #: resolved by :attr:`precision` and written out in full by ``to_json``
+    dtype_policy: DtypePolicy | None = None
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
         check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport,
                    collective_type=CollectiveChoice)
         check_strategy(self)
+        if self.dtype_policy is not None:
+            policy = DtypePolicy.from_value(self.dtype_policy, self.dtype)
+            policy.check_for(self.dtype)
+            object.__setattr__(self, "dtype_policy", policy)
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def precision(self) -> DtypePolicy:
+        """The plan's dtype policy: ``dtype_policy``, or the default of ``dtype``."""
+        return self.dtype_policy if self.dtype_policy is not None else DtypePolicy.for_dtype(self.dtype)
+
     @property
     def world_size(self) -> int:
         return len(self.ranks)
@@ -219,6 +233,7 @@ class Plan:
         """The plan as plain data; ``timings=False`` leaves out the wall-clock solve times."""
         d = asdict(self)
         d["baselines"] = {k: v for k, v in self.baselines}
+        d["dtype_policy"] = asdict(self.precision)
         if not timings:
             d.pop("solve_time_s")
             if d["solver"] is not None:
@@ -257,6 +272,10 @@ class Plan:
                 kw["solver"] = _build(SolverReport, d["solver"], f"{source}: solver")
             kw["collectives"] = tuple(_build(CollectiveChoice, c, f"{source}: collectives[{i}]")
                                       for i, c in enumerate(_listed(d, "collectives", source, required=False)))
+            if d.get("dtype_policy") is not None:  # the default of the dtype is kept as None
+                dtype = str(d.get("dtype", "fp32"))
+                policy = DtypePolicy.from_value(d["dtype_policy"], dtype)
+                kw["dtype_policy"] = None if policy == DtypePolicy.for_dtype(dtype) else policy
             _require(cls, kw, source)
             return cls(**kw)
         except PlanError as exc:

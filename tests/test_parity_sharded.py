@@ -109,9 +109,13 @@ def test_ragged_collectives(pool3):
     for r in pool3.run(w.ragged_collectives, [2, 0, 1]):
         assert r["gather_exact"], r
         assert r["reduce_diff"] <= 1e-6, r
+        assert r["grads_dropped"], r
     sizes = r["sizes"]
-    assert sizes[1] == [0, 0, 0, 0]          # weight 0: no rows of anything
-    assert r["padded"] == max(sum(s) for s in sizes)
+    assert sizes[1] == [0, 0, 0, 0, 0]       # weight 0: no rows of anything
+    # every part padded to the largest (16-byte aligned); the padding is what the parts lack
+    assert r["part_bytes"] == -(-max(r["region_bytes"]) // 16) * 16
+    assert r["padding_bytes"] == 3 * r["part_bytes"] - sum(
+        4 * (s[0] + s[2]) + 2 * (s[1] + s[3] + s[4]) for s in sizes)
 
 
 @pytest.mark.parametrize("first,second", [("zero3-1:3", "dp"), ("dp", "zero3-1:3"), ("zero3-1:3", "zero2-2:1")])
@@ -153,8 +157,15 @@ def test_zero3_holds_one_block_and_one_prefetch(pool2):
 
 
 def test_zero2_keeps_full_parameters(pool2):
+    """ZeRO-2 launches every unit's all-gather at the step's start and unpacks each as its forward
+    needs it: inside block i's forward the rest and blocks 0..i are gathered and the gathers of
+    the blocks after it are in flight (they overlap its compute); after the step every full
+    tensor is still there."""
     for r in pool2.run(w.structure, 2, [False, False], [False, False]):
-        assert all(gathered == r["whole_bytes"] for _, gathered, _, _ in r["live"]), r
+        for i, (k, gathered, inflight, units) in enumerate(r["live"]):
+            assert units == ["<rest of the model>"] + [f"blocks.{j}" for j in range(i + 1)], r
+            assert gathered == r["rest_bytes"] + sum(r["block_bytes"][:i + 1]), r
+            assert inflight == sum(r["buffer_bytes"][i + 1:]), r
         assert r["after"] == r["whole_bytes"]
 
 

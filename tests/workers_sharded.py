@@ -14,13 +14,8 @@ from fxpar.checkpoint import load_checkpoint, save_checkpoint
 from fxpar.codegen.data.module import DataParallelModule
 from fxpar.codegen.sharded.module import ShardedDataParallelModule
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
-from fxpar.runtime.ragged import (
-    RaggedLayout,
-    launch_all_gather,
-    launch_reduce_scatter,
-    split_parts,
-    unpack_full,
-)
+from fxpar.codegen.sharded.buffers import GatherBuffers, ReduceBuffers
+from fxpar.runtime.ragged import PackedLayout, RaggedLayout
 from tests.parity import gradient_gaps, snapshot, trajectory_gaps
 from tests.workers import global_batch, tiny_model
 
@@ -322,31 +317,52 @@ def through_auto(shard_stage: int) -> dict:
 
 
 def ragged_collectives(weights: list[int]) -> dict:
-    """The ragged all-gather and reduce-scatter on their own: parameters of 2-d, 1-d (fewer rows
-    than ranks) and 0-d shapes, weights with a zero; the gather rebuilds each tensor, the
-    reduce-scatter gives each rank the sum over ranks of its rows."""
+    """A unit's all-gather and reduce-scatter buffers on their own: parameters of 2-d, 1-d (fewer
+    rows than ranks) and 0-d shapes, two wire dtypes (fp32 and bf16 regions), weights with a zero;
+    the gather rebuilds each tensor in its wire dtype, the reduce-scatter (fp32) gives each rank
+    the sum over ranks of its rows of the gradients, whatever their dtype."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    shapes = [(5, 3), (1,), (), (4,)]
-    layout = RaggedLayout.of(shapes, weights)
+    shapes = [(5, 3), (1,), (), (4,), (3, 2)]
+    f32, b16 = torch.float32, torch.bfloat16
+    wire = [f32, b16, f32, b16, b16]
+    rows = RaggedLayout.of(shapes, weights)
+    layout = PackedLayout.of(rows, [d.itemsize for d in wire])
     gen = torch.Generator().manual_seed(0)
     truth = [torch.randn(s, generator=gen) for s in shapes]
     shards = []
     for i, t in enumerate(truth):
-        lo, hi = layout.rows[i][rank]
+        lo, hi = rows.rows[i][rank]
         shards.append(t.reshape(-1)[lo:hi].clone() if not t.dim() else t[lo:hi].clone())
-    fulls = [torch.zeros(s) for s in shapes]
-    unpack_full(launch_all_gather(shards, layout, rank, None, device=torch.device("cpu")).wait(), layout, fulls)
-    grads = [t * (rank + 1) for t in truth]   # rank r contributes (r+1)·t: the sum is W(W+1)/2·t
-    out = launch_reduce_scatter(grads, layout, None, device=torch.device("cpu"), dtype=torch.float32).wait()
-    parts = split_parts(out, layout, rank)
-    factor = world * (world + 1) / 2
-    expect = [(t.reshape(-1)[slice(*layout.rows[i][rank])] if not t.dim() else t[slice(*layout.rows[i][rank])]) * factor
-              for i, t in enumerate(truth)]
-    return {"gather_exact": all(torch.equal(f, t) for f, t in zip(fulls, truth)),
-            "reduce_diff": max(((p.reshape(-1) - e.reshape(-1)).abs().max().item() if e.numel() else 0.0)
-                               for p, e in zip(parts, expect)),
-            "part_shapes": [list(p.shape) for p in parts], "padded": layout.padded,
-            "sizes": [layout.sizes(r) for r in range(world)]}
+    cpu = torch.device("cpu")
+    gather = GatherBuffers(layout, [f32, b16], rank, cpu, [True] * len(shapes))
+    sources = [[shards[i].reshape(-1) for i in region] for region in layout.regions]
+    gather.finish(gather.launch(sources, None, True))
+    exact = all(torch.equal(gather.fulls[i].detach(), truth[i].to(wire[i])) for i in range(len(shapes)))
+    order = sorted(range(len(shapes)), key=lambda i: (wire[i] == f32, str(wire[i]), i))
+    grad_rows = RaggedLayout.of([shapes[i] for i in order], weights)
+    reduce = ReduceBuffers(PackedLayout.of(grad_rows, [4] * len(order)), f32, [wire[i] for i in order],
+                           rank, cpu, cpu)
+    fulls = [gather.fulls[i] for i in order]
+    reduce.adopt(fulls, None)
+    contributions = [(truth[i] * (rank + 1)).to(wire[i]) for i in order]  # rank r adds (r+1)·t
+    with torch.no_grad():
+        for f, g in zip(fulls, contributions):
+            f.grad.add_(g)
+    masters = [torch.nn.Parameter(torch.zeros(grad_rows.local_shape(k, rank))) for k in range(len(order))]
+    reduce.prepare_shard_grads(masters)
+    reduce.finish(reduce.launch(fulls, None, True))
+    expect = []
+    for k, i in enumerate(order):
+        total = sum((truth[i] * (r + 1)).to(wire[i]).float() for r in range(world))
+        lo, hi = grad_rows.rows[k][rank]
+        expect.append(total.reshape(-1)[lo:hi] if not total.dim() else total[lo:hi])
+    return {"gather_exact": exact,
+            "reduce_diff": max(((m.grad.reshape(-1) - e.reshape(-1)).abs().max().item() if e.numel() else 0.0)
+                               for m, e in zip(masters, expect)),
+            "grads_dropped": all(f.grad is None for f in fulls),
+            "part_bytes": layout.part_bytes, "padding_bytes": layout.padding_bytes,
+            "region_bytes": [layout.region_offset(len(layout.regions), r) for r in range(world)],
+            "sizes": [rows.sizes(r) for r in range(world)]}
 
 
 def collective_sequence(shard_stage: int) -> dict:
@@ -390,3 +406,52 @@ def collective_sequence(shard_stage: int) -> dict:
     return {"rank": rank, "sizes_ok": sizes_ok, "devices": sorted({d for c in calls for d in c[4]}),
             "groups": {k: v for k, v in by_group.items()}, "n_calls": len(calls),
             "distinct_groups": len({c[2] for c in calls})}
+
+
+def bf16_parity(family: str, shard_stage: int, cast: str, reduce_dtype: str = "fp32", steps: int = 2) -> dict:
+    """A bf16 sharded plan (batch 3:1, state 1:3) under its dtype policy against one process under
+    bf16 autocast: ``cast="autocast"`` against the fp32 model, ``"all"`` against the model whose
+    parameters are cast to bf16 (its buffers not: only parameters are gathered).  Per step: the
+    loss, every whole gradient (``gradient_gaps``), and the wire dtypes of the all-gathers (the
+    collective audit's record of this rank's calls)."""
+    from fxpar.dtype_policy import DtypePolicy
+    from fxpar.runtime.audit import CollectiveAudit
+
+    rank = dist.get_rank()
+    model = tiny_model(family)
+    reference = copy.deepcopy(model)
+    if cast == "all":
+        for p in reference.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    data = [global_batch(model, 4, 12, seed=20 + s) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    plan = sharded_data_parallel_plan(cluster, batch_split=[3, 1], state_split=[1, 3], shard_stage=shard_stage,
+                                      dtype="bf16")
+    plan = dataclasses.replace(plan, dtype_policy=DtypePolicy(param_dtype="bf16", reduce_dtype=reduce_dtype,
+                                                              cast=cast))
+    pm = ShardedDataParallelModule(model, plan, rank, emulate=False)
+    names = dict(reference.named_parameters())
+    out = {"rank": rank, "steps": []}
+    for k, b in enumerate(data):
+        audit = CollectiveAudit(torch.device("cpu"), phase="step")
+        with audit:
+            loss = pm.step(b)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = reference(**b, use_cache=False).loss
+        ref_loss.float().backward()
+        grads = _full_grads(pm)
+        gaps = gradient_gaps(((n, g, names[n].grad.float()) for n, g in grads.items()), reference)
+        sends = [c for c in audit.calls if c.op in ("all_gather_single", "all_gather_into_tensor")]
+        reduces = [c for c in audit.calls if c.op in ("reduce_scatter_single", "reduce_scatter_tensor")]
+        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss.detach()), "grads": gaps,
+                             "gather_bytes": sum(int(torch.Size(c.shapes[1]).numel()) for c in sends),
+                             "reduce_dtypes": sorted({c.dtypes[0] for c in reduces}),
+                             "wire": sorted({str(d).removeprefix("torch.") for u in pm._units for d in u.train.wire})})
+        for p in reference.parameters():
+            p.grad = None
+        for p in pm.parameters():
+            p.grad = None
+    # bytes a rank sends per all-gather, in the training mode against fp32 (the exact mode)
+    out["part_ratio"] = (sum(u.train.gather.layout.part_bytes for u in pm._units)
+                         / sum(u.exact.gather.layout.part_bytes for u in pm._units))
+    return out

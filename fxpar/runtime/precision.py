@@ -12,6 +12,8 @@ from typing import ContextManager
 import torch
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: a precision's name (:data:`fxpar.dtype_policy.PRECISIONS`) -> its torch dtype
+TORCH_DTYPES = {"fp32": torch.float32, **AUTOCAST_DTYPES}
 
 
 def autocast_for(dtype: str, module: torch.nn.Module) -> ContextManager:

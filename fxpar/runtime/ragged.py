@@ -1,4 +1,5 @@
-"""Ragged row shards of parameters and the collectives that move them (sharded data parallelism).
+"""Ragged row shards of parameters and the byte layout of the collectives that move them
+(sharded data parallelism).
 
 Which rows a rank owns.  Parameter ``p`` of shape ``(n, *rest)`` is split along its first
 dimension by the plan's state weights ``w`` with :func:`fxpar.plan.ragged_rows` (THE rule, shared
@@ -7,28 +8,32 @@ parameter (a scalar) has no rows: it is owned whole by the rank of the largest w
 index on ties) and is the empty range ``(0, 0)`` everywhere else (:func:`owned_rows`, which writes
 it as the one "row" ``(0, 1)`` of a 1-element view).
 
-A *unit* (a transformer block, or the rest of the model) is moved by one collective.  Rank ``r``'s
-part of the unit is the concatenation of its rows of every parameter, ``m_r = Σ_i n_{r,i}·c_i``
-elements (``c_i`` = elements per row); the communication buffer pads every rank's part to
-``M = max_r m_r`` (:class:`RaggedLayout`).  Only the buffer is padded: each rank's shard and the
-math see the true rows (DESIGN, "Uneven shards").
+A *unit* (a transformer block, or the rest of the model) is moved by one collective, through one
+byte buffer laid out by :class:`PackedLayout`.  Each tensor travels in a *wire* dtype (a
+bf16 plan gathers the weights autocast casts in bf16 and the rest in fp32:
+:mod:`fxpar.dtype_policy`); the tensors of one wire dtype form a *region*.  Rank ``r``'s part of
+the buffer is, region after region (each starting at an :data:`ALIGN`-byte boundary), its rows of
+every tensor of the region in that dtype: ``b_r = Σ_k align(Σ_{i∈k} n_{r,i}·c_i·s_k)`` bytes
+(``c_i`` elements per row, ``s_k`` the region's bytes per element).  Every part is padded to
+``M = max_r b_r`` (rounded up to :data:`ALIGN`): only the buffer is padded; each rank's shard and
+the math see the true rows (DESIGN, "Uneven shards").
 
-- all-gather: every rank sends its part (padded to ``M``), receives ``W·M`` elements, and copies
-  rank ``r``'s ``m_r`` into its rows of each full tensor (:func:`launch_all_gather`,
-  :func:`unpack_full`);
-- reduce-scatter (SUM): every rank lays out the full gradients as ``W`` padded parts (part ``r`` =
-  rank ``r``'s rows), and receives the sum over ranks of its own part (``M`` elements, the first
-  ``m_r`` meaningful; :func:`launch_reduce_scatter`, :func:`split_parts`).
+- all-gather: every rank sends its part (``M`` bytes) and receives ``W·M``; one
+  ``split_with_sizes_copy`` moves every rank's rows of every tensor into the flat full tensors
+  of the regions (:meth:`PackedLayout.gather_chunks`);
+- reduce-scatter (SUM, one region in the reduce dtype): the full gradients, flat in tensor
+  order, are moved by one ``split_with_sizes_copy`` into ``W`` padded parts (part ``r`` = rank
+  ``r``'s rows, :meth:`PackedLayout.scatter_chunks`), and each rank receives the sum of its own
+  part: its rows of every gradient, flat in tensor order.
 
 Collectives.  Both are the equal-size ones (``all_gather_single`` / ``reduce_scatter_single``,
 torch 2.13's names for ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; the old names where
 a torch lacks the new ones): NCCL requires equal sizes, and they are its efficient ring/tree
-kernels.  torch 2.13's gloo implements both (checked on this machine: ``reduce_scatter_tensor``
-on gloo returns the right sums), so CPU runs use the very same path and no gloo-only fallback is
-needed; traffic per rank is ``(W−1)·M`` elements for each, the padding ``W·M − Σ_r m_r`` being
-the price of raggedness (zero for even splits).  Every buffer is allocated on the device of the
-tensors it carries (the rank's device), never on a literal device.  ``async_op=True`` returns a
-:class:`Pending` so callers can overlap the transfer with compute (prefetch).
+kernels.  gloo implements both (its reduce-scatter as an all-reduce of the whole input, torch
+2.13), so CPU runs use the very same path; traffic per rank is ``(W−1)·M`` bytes for each, the
+padding ``W·M − Σ_r b_r`` being the price of raggedness and alignment (zero for even splits of
+aligned tensors).  ``async_op=True`` returns a :class:`Pending` so callers overlap the transfer
+with compute (prefetch).  The buffers themselves live in :mod:`fxpar.codegen.sharded.buffers`.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.errors import ConfigError
 from fxpar.plan import ragged_rows
 from fxpar.runtime.distributed import wait_work
 
 Rows = tuple[int, int]
+#: every region of a packed part starts at a multiple of this many bytes (any dtype view of it is
+#: aligned; 16 is also what vectorised copies want)
+ALIGN = 16
 
 
 def _all_gather(out: torch.Tensor, send: torch.Tensor, group: Any) -> Any:
@@ -136,79 +143,110 @@ class Pending:
         return self.out
 
 
-def _dtype_of(tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise ConfigError(f"sharded data parallelism: one unit (a block) holds parameters of dtypes "
-                          f"{sorted(map(str, dtypes))}; its collectives carry one dtype. Cast the model to one "
-                          "floating dtype (fxpar keeps fp32 master weights)")
-    return dtypes.pop() if dtypes else torch.float32
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
-def launch_all_gather(shards: Sequence[torch.Tensor], layout: RaggedLayout, rank: int, group: Any, *,
-                      device: torch.device) -> Pending:
-    """Start the all-gather of this rank's ``shards`` (its rows of every parameter of the unit,
-    in ``layout`` order; a 0-d parameter's mirror on a rank that does not own it sends nothing);
-    the output holds ``W`` padded parts."""
-    dtype = _dtype_of(shards)
-    send = torch.zeros(layout.padded, dtype=dtype, device=device)
-    offset = 0
-    for s, n in zip(shards, layout.sizes(rank)):
-        send[offset:offset + n].copy_(s.detach().reshape(-1)[:n])
-        offset += n
-    out = torch.empty(layout.world * layout.padded, dtype=dtype, device=device)
-    if layout.world == 1 or layout.padded == 0:
-        out.copy_(send)
-        return Pending(None, out)
-    return Pending(_all_gather(out, send, group), out)
+#: one piece of a packed buffer: (tensor index, or None for padding; rank; bytes)
+Chunk = tuple[int | None, int, int]
 
 
-def unpack_full(out: torch.Tensor, layout: RaggedLayout, fulls: Sequence[torch.Tensor]) -> None:
-    """Copy every rank's part of a finished all-gather into its rows of ``fulls`` (through
-    ``.data``: the copy is not an autograd in-place use of the tensors, which backward may have
-    saved)."""
-    M = layout.padded
-    with torch.no_grad():
-        for r in range(layout.world):
-            offset = r * M
-            for i, full in enumerate(fulls):
-                lo, hi = layout.rows[i][r]
-                n = (hi - lo) * layout.row_size(i)
-                if n:
-                    row_view(full.data)[lo:hi].copy_(out[offset:offset + n].view(hi - lo, -1))
-                offset += n
+@dataclass(frozen=True, slots=True)
+class PackedLayout:
+    """The byte layout of one unit's collective buffer (module docstring): ``rows`` says which rows
+    each rank owns, ``regions`` the tensor indices of each wire dtype, ``itemsizes`` its bytes per
+    element.  Each region's full tensors are flat in region order (:meth:`flat_offset`)."""
+
+    rows: RaggedLayout
+    regions: tuple[tuple[int, ...], ...]
+    itemsizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rows: RaggedLayout, itemsize: Sequence[int]) -> PackedLayout:
+        """Regions by wire itemsize (the largest first, then in tensor order inside each)."""
+        sizes = sorted(set(itemsize), reverse=True)
+        regions = tuple(tuple(i for i in range(len(itemsize)) if itemsize[i] == s) for s in sizes)
+        return cls(rows=rows, regions=regions, itemsizes=tuple(sizes))
+
+    def _numel(self, i: int, rank: int) -> int:
+        lo, hi = self.rows.rows[i][rank]
+        return (hi - lo) * self.rows.row_size(i)
+
+    def region_elements(self, k: int, rank: int) -> int:
+        """Elements of region ``k`` that ``rank`` owns (its part of the region, unpadded)."""
+        return sum(self._numel(i, rank) for i in self.regions[k])
+
+    def region_offset(self, k: int, rank: int) -> int:
+        """Byte offset of region ``k`` inside ``rank``'s part."""
+        off = 0
+        for j in range(k):
+            off = _align(off + self.region_elements(j, rank) * self.itemsizes[j])
+        return off
+
+    @property
+    def part_bytes(self) -> int:
+        """``M``: the largest rank's part in bytes, aligned; every part is padded to it."""
+        ends = [self.region_offset(len(self.regions), r) for r in range(self.rows.world)]
+        return _align(max(ends, default=0))
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes of the ``W·M`` buffer that carry no row (padding and alignment)."""
+        used = sum(self.region_elements(k, r) * self.itemsizes[k]
+                   for r in range(self.rows.world) for k in range(len(self.regions)))
+        return self.rows.world * self.part_bytes - used
+
+    def region_numel(self, k: int) -> int:
+        """Elements of the flat full tensor of region ``k`` (every row of its tensors)."""
+        return sum(math.prod(self.rows.shapes[i]) if self.rows.shapes[i] else 1 for i in self.regions[k])
+
+    def flat_offset(self, i: int) -> tuple[int, int]:
+        """``(region, element offset)`` of tensor ``i`` in its region's flat full tensor."""
+        for k, members in enumerate(self.regions):
+            off = 0
+            for j in members:
+                if j == i:
+                    return k, off
+                off += math.prod(self.rows.shapes[j]) if self.rows.shapes[j] else 1
+        raise IndexError(i)
+
+    def gather_chunks(self) -> list[tuple[Chunk, int, int]]:
+        """The all-gather output (``W·M`` bytes) in buffer order: per chunk, where it goes, as
+        ``((tensor or None, rank, bytes), region, byte offset in the region's flat full tensor)``
+        (padding: region -1)."""
+        out: list[tuple[Chunk, int, int]] = []
+        for r in range(self.rows.world):
+            off = 0
+            for k, members in enumerate(self.regions):
+                start = _align(off)
+                if start > off:
+                    out.append(((None, r, start - off), -1, 0))
+                off = start
+                for i in members:
+                    n = self._numel(i, r) * self.itemsizes[k]
+                    _, base = self.flat_offset(i)
+                    first = self.rows.rows[i][r][0] * self.rows.row_size(i)
+                    out.append(((i, r, n), k, (base + first) * self.itemsizes[k]))
+                    off += n
+            if self.part_bytes > off:
+                out.append(((None, r, self.part_bytes - off), -1, 0))
+        return out
+
+    def scatter_chunks(self) -> list[tuple[Chunk, int]]:
+        """A one-region layout's flat full tensor in *tensor* order (tensor by tensor, each rank's
+        rows in rank order): per chunk ``((tensor, rank, bytes), byte offset in the ``W·M``
+        buffer)`` -- where the reduce-scatter's input takes it."""
+        assert len(self.regions) <= 1, "a reduce-scatter layout has one region"
+        s = self.itemsizes[0] if self.itemsizes else 1
+        starts = {}
+        for r in range(self.rows.world):
+            off = r * self.part_bytes
+            for i in (self.regions[0] if self.regions else ()):
+                starts[(i, r)] = off
+                off += self._numel(i, r) * s
+        return [((i, r, self._numel(i, r) * s), starts[(i, r)])
+                for i in (self.regions[0] if self.regions else ()) for r in range(self.rows.world)]
 
 
-def launch_reduce_scatter(grads: Sequence[torch.Tensor | None], layout: RaggedLayout, group: Any, *,
-                          device: torch.device, dtype: torch.dtype) -> Pending:
-    """Start the SUM reduce-scatter of full gradients (None: zero) into ragged row parts; the
-    output (``M`` elements) starts with this rank's rows of every parameter, in order."""
-    M = layout.padded
-    send = torch.zeros(layout.world * M, dtype=dtype, device=device)
-    for r in range(layout.world):
-        offset = r * M
-        for i, g in enumerate(grads):
-            lo, hi = layout.rows[i][r]
-            n = (hi - lo) * layout.row_size(i)
-            if n and g is not None:
-                send[offset:offset + n].copy_(row_view(g)[lo:hi].reshape(-1))
-            offset += n
-    out = torch.empty(M, dtype=dtype, device=device)
-    if layout.world == 1 or M == 0:
-        out.copy_(send[:M])
-        return Pending(None, out)
-    return Pending(_reduce_scatter(out, send, group), out)
-
-
-def split_parts(out: torch.Tensor, layout: RaggedLayout, rank: int) -> list[torch.Tensor]:
-    """Views of this rank's part of a reduce-scatter output, one per parameter, in its shard's
-    shape (:meth:`RaggedLayout.local_shape`)."""
-    views, offset = [], 0
-    for i, n in enumerate(layout.sizes(rank)):
-        views.append(out[offset:offset + n].view(layout.local_shape(i, rank)))
-        offset += n
-    return views
-
-
-__all__ = ["Pending", "RaggedLayout", "launch_all_gather", "launch_reduce_scatter", "owned_rows", "row_view",
-           "scalar_owner", "split_parts", "unpack_full"]
+__all__ = ["ALIGN", "Chunk", "PackedLayout", "Pending", "RaggedLayout", "owned_rows", "row_view",
+           "scalar_owner"]

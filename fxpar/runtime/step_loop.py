@@ -31,8 +31,10 @@ backward (tensor, expert parallel) or at each gradient bucket launch (data paral
 slow rank reaches every collective as late as a slow device would.  :class:`StepTiming` splits
 the step into compute, emulation and communication.
 
-A batch's rows and items are counted and sliced in :mod:`fxpar.runtime.batches`; the kinds' bucketed
-gradient all-reduce is :mod:`fxpar.runtime.allreduce`.
+A batch's rows and items are counted and sliced in :mod:`fxpar.runtime.batches`.  The kinds'
+data-parallel sum (:meth:`StepModule._summed`: the parameters summed over the ranks that hold
+other rows, and their group) is the loop's own: persistent buckets whose views are the gradients,
+launched during the last micro-batch's backward (:mod:`fxpar.runtime.allreduce`).
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ import torch
 from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.allreduce import GradientBuckets
 from fxpar.runtime.batches import count_items, slice_rows, split_microbatches, to_device
 from fxpar.runtime.device import module_device, plan_rank_device
 from fxpar.runtime.distributed import is_comm_failure, peer_failures
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
 from fxpar.runtime.optim import make_optimizer
-from fxpar.runtime.precision import autocast_for
+from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.runtime.precision import TORCH_DTYPES, autocast_for
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 LossWeighting = Literal["auto", "samples", "tokens"]
@@ -122,7 +126,9 @@ class StepModule(torch.nn.Module):
     :meth:`_setup_step` in its ``__init__`` (before sharding: its collectives report to
     ``self.clock``) and supplies:
 
-    - ``_sync_gradients(loss_sum)``: the gradient sync after the last backward (required);
+    - ``_summed()``: the parameters summed over the ranks with other rows and their group (the
+      loop's bucketed all-reduce; default: none), or ``_sync_gradients(loss_sum)``: a sync of its
+      own after the last backward;
     - ``_sum_items(count)``: sum ``N`` over the ranks with other rows (``local=True``; default: alone);
     - ``batch_rows()``: this rank's rows of the global batch (default: its plan share);
     - ``_last_backward()``: a context around the last micro-batch's backward (default none);
@@ -134,6 +140,8 @@ class StepModule(torch.nn.Module):
     empty_microbatches: ClassVar[EmptyMicrobatches] = "skip"
     #: False: HF models are called with ``use_cache=False`` (no KV cache of sharded heads)
     hf_use_cache: ClassVar[bool] = True
+    #: gradient bucket size of the overlapped all-reduce (set before the first step to change)
+    bucket_bytes: int = GRADIENT_BUCKET_BYTES
 
     module: torch.nn.Module
     plan: Plan
@@ -161,6 +169,7 @@ class StepModule(torch.nn.Module):
         self.last_timing: StepTiming | None = None
         #: fp16 plans: the dynamic loss scale every rank agrees on (None: no scaling)
         self.loss_scaler: DynamicLossScaler | None = scaler_for(plan.dtype)
+        self._grad_buckets: GradientBuckets | None = None
         #: dtypes of the traced inputs, for the batch checks ({}: unknown)
         self._input_specs: dict[str, checks.InputSpec] = {}
         vocab = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -207,6 +216,9 @@ class StepModule(torch.nn.Module):
         with timed() as wall:
             total = self._total_items(batch, local, device)
             runs = self._microbatches(batch if local else self.shard_batch(batch))
+            buckets = self._buckets()
+            if buckets is not None:
+                buckets.prepare()
             self.clock.start()
             try:  # kinds whose collectives run inside the forward / backward (sharded, EP, TP)
                 with peer_failures(f"{where}: a collective of the forward or backward", self.rank):
@@ -298,19 +310,41 @@ class StepModule(torch.nn.Module):
                 f"{str(exc).strip()[:300].rstrip('.')}. Pass batches like example_inputs (same keys, dtypes, "
                 "and per-sample shapes the model accepts)") from exc
 
+    # ---- the data-parallel sum ---------------------------------------------------------------
+    def _buckets(self) -> GradientBuckets | None:
+        """The bucketed all-reduce of :meth:`_summed`'s parameters, built at the first step (the
+        parameters do not change between steps); None where nothing is summed."""
+        if self._grad_buckets is None:
+            summed = self._summed()
+            if summed is None:
+                return None
+            params, group = summed
+            policy = self.plan.precision
+            reduce = TORCH_DTYPES[policy.reduce_dtype] if policy.reduce_dtype != "fp32" else None
+            self._grad_buckets = GradientBuckets(params, group, self.clock, self.bucket_bytes, reduce_dtype=reduce)
+        return self._grad_buckets
+
     # ---- hooks -------------------------------------------------------------------------------
+    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
+        """The parameters whose gradients are SUMmed over the ranks that hold other rows, and
+        that group (None: nothing is summed, or the kind syncs by :meth:`_sync_gradients`)."""
+        return None
+
     def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Sum the gradients (every ``.grad`` exists) and ``loss_sum`` over the ranks that hold
-        different rows; returns the global loss."""
-        raise NotImplementedError
+        different rows; returns the global loss.  Default: the buckets of :meth:`_summed`."""
+        buckets = self._buckets()
+        return buckets.finish(loss_sum) if buckets is not None else loss_sum
 
     def _sum_items(self, count: torch.Tensor) -> None:
         """Sum this rank's item ``count`` (int64, in place) over the ranks that hold other rows
         (one per distinct row set); by default the rank is alone."""
 
     def _last_backward(self) -> contextlib.AbstractContextManager[Any]:
-        """A context around the last micro-batch's backward (data parallelism arms its buckets)."""
-        return contextlib.nullcontext()
+        """A context around the last micro-batch's backward: the buckets of :meth:`_summed` launch
+        as their gradients become final."""
+        buckets = self._buckets()
+        return buckets.armed() if buckets is not None else contextlib.nullcontext()
 
     def _where(self, local: bool) -> str:
         return f"{type(self).__name__}.step" + ("(local=True)" if local else "")

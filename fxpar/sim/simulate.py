@@ -11,7 +11,7 @@ Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
 
     compute_r = Σ_j [ (F_f + F_c·m_j) + (B_f + B_c·m_j) ] / s_r          (cost model, affine)
     comm      = the gradient all-reduce in K buckets of ≤ 25 MiB (codegen's overlapped scheme,
-                :mod:`fxpar.codegen.common.grad_buckets`): bucket k is ready on rank r a fraction
+                :mod:`fxpar.runtime.allreduce`): bucket k is ready on rank r a fraction
                 (k+1)/K into r's last backward b_r, ready_k = max_r (compute_r − b_r + (k+1)/K·b_r);
                 buckets go one after another on the link:
                 end_k = max(ready_k, end_{k−1}) + AR(G/K);  comm = end_{K−1} − max_r compute_r

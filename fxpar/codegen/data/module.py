@@ -5,7 +5,7 @@ shared step loop (:mod:`fxpar.runtime.step_loop`, which gives the weighting math
 micro-batch back-propagates ``(N_m / N) · L_m``, so the SUM over ranks of the local gradients
 is ``∇L`` exactly; gradients are all-reduced with SUM (never divided by the world size).  What
 is particular to this kind: the all-reduce runs in buckets launched during the last
-micro-batch's backward (:mod:`fxpar.codegen.common.grad_buckets`), with the loss riding along.
+micro-batch's backward (:mod:`fxpar.runtime.allreduce`), with the loss riding along.
 
 Set-up, in order: the rank's device (``rank_device``); the replica materialised on it
 (:mod:`fxpar.codegen.common.materialize`: a meta model, or any model with a ``checkpoint``, reads the
@@ -15,7 +15,6 @@ real model without one is moved there and takes rank 0's weights tensor by tenso
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,9 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
-from fxpar.codegen.common.grad_buckets import GradientBuckets
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
-from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.distributed import peer_failures
@@ -36,9 +33,6 @@ from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
 
 class DataParallelModule(StepModule):
     """The per-rank module of a data-parallel plan; ``step(global_batch)`` trains one step."""
-
-    #: gradient bucket size of the overlapped all-reduce (set before the first step to change)
-    bucket_bytes: int = GRADIENT_BUCKET_BYTES
 
     def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *,
                  group: Any = None, loss_fn: LossFn | None = None,
@@ -49,7 +43,6 @@ class DataParallelModule(StepModule):
         self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
                          device=device, strategy="data_parallel")
         self.group = group
-        self._grad_buckets: GradientBuckets | None = None
         self._input_specs = checks.input_specs(example_inputs)  # dtypes of the traced inputs
         source = weights_source(module, checkpoint)  # checked on every rank, before any collective
         if source is not None:  # every replica reads the same values: no broadcast
@@ -101,17 +94,7 @@ class DataParallelModule(StepModule):
         if self._distributed:
             dist.all_reduce(count, group=self.group)
 
-    def _buckets(self) -> GradientBuckets:
-        if self._grad_buckets is None:  # built once: the parameters do not change between steps
-            self._grad_buckets = GradientBuckets(list(self.module.parameters()), self.group, self.clock,
-                                                 self.bucket_bytes)
-        return self._grad_buckets
-
-    def _last_backward(self) -> contextlib.AbstractContextManager[Any]:
-        """The all-reduce starts during the last backward: buckets launch as they fill."""
-        return self._buckets().armed() if self._distributed else contextlib.nullcontext()
-
-    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Wait for the buckets armed in the last backward (launching the ones still waiting, all
-        of them on a rank without samples); the loss rides along."""
-        return self._buckets().finish(loss_sum) if self._distributed else loss_sum
+    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
+        """Every parameter, over the module's group: the step loop's buckets, launched during the
+        last backward (all of them at its end on a rank without samples); the loss rides along."""
+        return (list(self.module.parameters()), self.group) if self._distributed else None

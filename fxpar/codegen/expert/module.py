@@ -68,7 +68,6 @@ from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.device import broadcast_state
-from fxpar.runtime.allreduce import allreduce_gradients
 from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
 
 
@@ -133,14 +132,13 @@ class ExpertParallelModule(StepModule):
         if self.world > 1:
             dist.all_reduce(count, group=self.group)
 
-    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """SUM of the replicated parameters' gradients; an expert's local gradient already is
-        the global one (module docstring)."""
+    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
+        """SUM of the replicated parameters' gradients (the step loop's buckets, launched during
+        the last backward); an expert's local gradient already is the global one (module
+        docstring)."""
         if self.world == 1:
-            return loss_sum
-        grads = [p.grad for n, p in self.module.named_parameters()
-                 if p.requires_grad and n not in self._expert_names]
-        return allreduce_gradients(grads, loss_sum, self.group)
+            return None
+        return [p for n, p in self.module.named_parameters() if n not in self._expert_names], self.group
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm: expert rows' squares summed over the ranks,

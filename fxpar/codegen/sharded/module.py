@@ -47,14 +47,18 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
+from fxpar.codegen.common.grad_norm import clip_by_global_norm
+from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks, reduce_group
-from fxpar.codegen.sharded.units import RoundSchedule, ShardedTensor, Unit
+from fxpar.codegen.sharded.schedule import RoundSchedule
+from fxpar.codegen.sharded.units import ShardedTensor, Unit
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import to_host
 from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
+from fxpar.runtime.precision import TORCH_DTYPES
 from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
 
 
@@ -74,11 +78,21 @@ class ShardedDataParallelModule(StepModule):
         self.shard_stage = stage.shard_stage
         self.state_weights: tuple[int, ...] = tuple(stage.state_split)
         self.offload_optimizer, self.activation_checkpointing = me.offload_optimizer, me.activation_checkpointing
+        policy = plan.precision
         with peer_failures("ShardedDataParallelModule: set-up of the row shards", rank):
             self._units: list[Unit] = build_units(
                 module, self.state_weights, rank, self.device, checkpoint=checkpoint, group=group,
-                offload=self.offload_optimizer, zero3=self.shard_stage == 3)
+                offload=self.offload_optimizer, reduce_dtype=TORCH_DTYPES[policy.reduce_dtype])
             self._reduce_group = reduce_group(group) if self._distributed else None
+        #: the low precision the training forward reads cast parameters in (None: as the shards)
+        self._low = TORCH_DTYPES[policy.param_dtype] if policy.param_dtype != "fp32" else None
+        #: watches the first step's forward for the parameters autocast casts (policy cast "autocast")
+        self._probe: CastProbe | None = None
+        if self._low is not None:
+            if policy.cast == "all":
+                self._set_wire([True] * len(self.tensors))
+            else:
+                self._probe = CastProbe(self.tensors, self._low)
         self._schedule = RoundSchedule(self._units, zero3=self.shard_stage == 3, clock=self.clock,
                                        gather_group=group, reduce_group=self._reduce_group)
         install_block_hooks(module, self._units, self._schedule, zero3=self.shard_stage == 3,
@@ -99,7 +113,7 @@ class ShardedDataParallelModule(StepModule):
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters allocated on the device right now (their storages)."""
-        return sum(t.full.untyped_storage().nbytes() for t in self.tensors)
+        return sum(u.allocated_bytes() for u in self._units)
 
     def inflight_bytes(self) -> int:
         """Bytes of all-gather output buffers in flight right now (ZeRO-3 prefetch)."""
@@ -116,28 +130,50 @@ class ShardedDataParallelModule(StepModule):
         return {t.names[0]: owned_rows(tuple(t.full.shape), self.state_weights)[self.rank] for t in self.tensors}
 
     def _refresh_device_shards(self) -> None:
-        """Offload: the optimizer changed the host shards; copy them to the device copies."""
+        """Offload: the optimizer changed the host shards; copy them to the device copies (one
+        non-blocking copy per unit from pinned host memory: :func:`fxpar.codegen.sharded.setup.offload`)."""
         if self.offload_optimizer:
-            with torch.no_grad():
-                for t in self.tensors:
-                    t.local.copy_(t.shard.detach(), non_blocking=True)
+            for u in self._units:
+                u.refresh_device_copies()
+
+    def _set_wire(self, cast: list[bool]) -> None:
+        """Train with the parameters ``cast`` names gathered in the plan's param dtype."""
+        it = iter(cast)
+        for u in self._units:
+            u.set_wire([self._low if next(it) and t.full.is_floating_point() else u.master_dtype
+                        for t in u.tensors])
+
+    def _finish_probe(self) -> None:
+        """After the first step: every rank's view of which parameters autocast casts is
+        combined (a parameter any rank saw used otherwise stays in the shards' dtype) and the
+        training mode is built from it; same decision on every rank."""
+        probe, self._probe = self._probe, None
+        flags = probe.flags(self.device)
+        if self._distributed:
+            wait_work(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags.device)
+        cast = probe.decide(flags)
+        self._set_wire(cast)
+        self.explain_precision = probe.describe(cast)
 
     def _gather_all(self) -> None:
-        """Every unit gathered and registered (ZeRO-2 step start, evaluation, state gathers)."""
+        """Every unit gathered and registered in fp32 (evaluation, state gathers)."""
         self._refresh_device_shards()
+        for u in self._units:
+            u.use(u.exact)
         pending = [self.clock.collective(lambda u=u: u.launch_gather(self.group)) for u in self._units]
         for u, p in zip(self._units, pending):
             self.clock.collective(lambda u=u, p=p: u.finish_gather(p))
         self._schedule.peak_gathered_bytes = max(self._schedule.peak_gathered_bytes, self.gathered_bytes())
 
     def _release_all(self) -> None:
-        """ZeRO-3: free every unit; ZeRO-2: keep the full tensors, register the shards."""
+        """ZeRO-3 (and any gather outside the training mode): free every unit; ZeRO-2: keep the
+        full tensors of its training mode, register the shards."""
         for u in self._units:
-            if self.shard_stage == 3:
+            if self.shard_stage == 3 or u.mode is not u.train:
                 u.free()
             else:
                 u.show_shards()
-                u.gathered = False
+            u.use(u.train)
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -208,39 +244,44 @@ class ShardedDataParallelModule(StepModule):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm: ``‖g‖² = Σ_ranks Σ_{own rows} g²`` (every
-        element is owned once), all-reduced; every shard is scaled by ``min(1, max_norm/(‖g‖+1e-6))``."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        owned = [t.shard for t in self.tensors if t.shard.grad is not None
+        element is owned once), all-reduced; every shard is scaled by ``min(1, max_norm/(‖g‖+1e-6))``
+        on its device, with no read to the host (:func:`fxpar.codegen.common.grad_norm.clip_by_global_norm`)."""
+        owned = [t.shard.grad for t in self.tensors if t.shard.grad is not None
                  and (t.full.dim() or owned_rows((), self.state_weights)[self.rank][1])]
-        for p in owned:
-            sq += p.grad.detach().to(device=self.device, dtype=torch.float64).pow(2).sum()
-        if self._distributed:
-            wait_work(dist.all_reduce(sq, group=self.group, async_op=True), sq.device)
-        norm = sq.sqrt().to(torch.float32)
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1.0:
-            for t in self.tensors:
-                if t.shard.grad is not None:
-                    t.shard.grad.mul_(scale)
-        return norm
+        return clip_by_global_norm(owned, [t.shard for t in self.tensors], max_norm,
+                                   self.group if self._distributed else None, reduce=self._distributed,
+                                   device=self.device)
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
     def _run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:
         """``R`` rounds (module docstring): this rank's micro-batches, then rounds of collectives
         only; ZeRO-2 gathers every unit first."""
         self._schedule.peak_gathered_bytes = 0
+        self._refresh_device_shards()
+        for u in self._units:
+            u.use(u.train)
+            u.refresh_sources()
+            u.prepare_shard_grads()
         if self.shard_stage == 2:
-            self._gather_all()
-        else:
-            self._refresh_device_shards()
+            self._schedule.prefetch_all()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for j in range(self._rounds):
             self._schedule.begin_round()
             if j < len(runs):
                 loss_sum = loss_sum + super()._run([runs[j]], total, device)
             self._schedule.end_round()
+        self._schedule.finish_prefetched()
         self._release_all()   # the shards are registered again: the optimizer's parameters
+        if self._probe is not None:
+            self._finish_probe()
         return loss_sum
+
+    def _forward(self, mb: Any) -> Any:
+        """The model's output; the first step's forward runs under the cast probe (module docstring)."""
+        if self._probe is None:
+            return super()._forward(mb)
+        with self._probe.watching():
+            return super()._forward(mb)
 
     def _sum_items(self, count: torch.Tensor) -> None:
         if self._distributed:

@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from fxpar.checkpoint.weights import TensorRequest
 from fxpar.codegen.common.materialize import Slot, materialize, module_slots, weights_source
-from fxpar.codegen.sharded.units import RoundSchedule, ShardedTensor, Unit
+from fxpar.codegen.sharded.schedule import RoundSchedule
+from fxpar.codegen.sharded.units import ShardedTensor, Unit
 from fxpar.codegen.common.shards import cut
 from fxpar.runtime.device import HOST
 from fxpar.runtime.distributed import new_group
@@ -64,24 +65,37 @@ def _mark_rows(slot: Slot, weights: tuple[int, ...], rank: int) -> None:
     slot.tensor = local
 
 
-def _sharded_tensor(slot: Slot, full_shape: tuple[int, ...], device: torch.device, *,
-                    offload: bool, zero3: bool) -> ShardedTensor:
-    """The materialised shard of ``slot`` with its full tensor (module docstring, step 1)."""
+def _sharded_tensor(slot: Slot, full_shape: tuple[int, ...]) -> ShardedTensor:
+    """The materialised shard of ``slot`` (module docstring, step 1); its unit makes the full
+    tensors."""
     module, attr, _ = slot.places[0]
-    shard = getattr(module, attr)
-    full = torch.nn.Parameter(torch.empty(full_shape, dtype=shard.dtype, device=device),
-                              requires_grad=shard.requires_grad)
-    if zero3:
-        full.untyped_storage().resize_(0)
-    local = shard.detach()
-    if offload:
-        host = torch.nn.Parameter(shard.detach().to(HOST, copy=True), requires_grad=shard.requires_grad)
-        host.__dict__.update(shard.__dict__)
-        shard = host
-    tensor = ShardedTensor(names=list(slot.names or [slot.fqn]), places=[(m, a) for m, a, _ in slot.places],
-                           shard=shard, full=full, device_copy=local if offload else None)
-    tensor.show(shard)
-    return tensor
+    return ShardedTensor(names=list(slot.names or [slot.fqn]), places=[(m, a) for m, a, _ in slot.places],
+                         shard=getattr(module, attr), full_shape=full_shape)
+
+
+def _offload(tensors: list[ShardedTensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An offloading rank's shards: the optimizer's Parameters become views of one flat host
+    buffer (pinned where the device is a GPU, so copies to it run in the background) and their
+    device copies views of one flat device buffer, so refreshing the device copies before a
+    step's first gather is one copy."""
+    sizes = [t.shard.numel() for t in tensors]
+    dtype = tensors[0].shard.dtype
+    pinned = device.type == "cuda"
+    host = torch.empty(sum(sizes), dtype=dtype, device=HOST, pin_memory=pinned)
+    on_device = torch.empty(sum(sizes), dtype=dtype, device=device)
+    off = 0
+    for t, n in zip(tensors, sizes):
+        shard = t.shard
+        view = host[off:off + n].view(shard.shape)
+        view.copy_(shard.detach())
+        param = torch.nn.Parameter(view, requires_grad=shard.requires_grad)
+        param.__dict__.update(shard.__dict__)
+        t.device_copy = on_device[off:off + n].view(shard.shape)
+        t.device_copy.copy_(shard.detach())
+        t.shard = param
+        t.show(param)
+        off += n
+    return host, on_device
 
 
 def _unit_of(tensor: ShardedTensor, blocks: set[str]) -> str:
@@ -92,7 +106,8 @@ def _unit_of(tensor: ShardedTensor, blocks: set[str]) -> str:
 
 
 def build_units(model: torch.nn.Module, weights: tuple[int, ...], rank: int, device: torch.device, *,
-                checkpoint: str | Path | None, group: Any, offload: bool, zero3: bool) -> list[Unit]:
+                checkpoint: str | Path | None, group: Any, offload: bool,
+                reduce_dtype: torch.dtype = torch.float32) -> list[Unit]:
     """Materialise this rank's shards and group them: ``[rest, block_0, …]`` (module docstring)."""
     source = weights_source(model, checkpoint)
     slots = module_slots(model)
@@ -106,13 +121,19 @@ def build_units(model: torch.nn.Module, weights: tuple[int, ...], rank: int, dev
     if isinstance(source, Rank0Rows) and source.src is not None:
         for b in model.buffers():   # as torch DDP: every replica starts from rank 0's buffers
             dist.broadcast(b.data, src=source.src, group=group)
-    tensors = [_sharded_tensor(s, shapes[id(s)], device, offload=offload, zero3=zero3) for s in slots if s.is_param]
+    tensors = [_sharded_tensor(s, shapes[id(s)]) for s in slots if s.is_param]
     blocks = block_paths(model)
     by_unit: dict[str, list[ShardedTensor]] = {"": []}
     for t in tensors:
         by_unit.setdefault(_unit_of(t, set(blocks)), []).append(t)
     names = [""] + [b for b in blocks if by_unit.get(b)]
-    return [Unit(name or "<rest of the model>", by_unit[name], weights, rank, device) for name in names]
+    distributed = dist.is_available() and dist.is_initialized() and len(weights) > 1
+    units = []
+    for name in names:
+        flats = _offload(by_unit[name], device) if offload and by_unit[name] else None
+        units.append(Unit(name or "<rest of the model>", by_unit[name], weights, rank, device,
+                          reduce_dtype=reduce_dtype, distributed=distributed, offload_flats=flats))
+    return units
 
 
 def reduce_group(group: Any) -> Any:
@@ -162,15 +183,19 @@ def _zero3_hooks(block: torch.nn.Module, unit: Unit, schedule: RoundSchedule) ->
     block.register_forward_hook(after)
 
 
+def _zero2_hooks(block: torch.nn.Module, unit: Unit, schedule: RoundSchedule) -> None:
+    def before(module: torch.nn.Module, args: Any) -> None:
+        schedule.need(unit, "forward")   # the gather launched at the step's start
+
+    block.register_forward_pre_hook(before)
+
+
 def install_block_hooks(model: torch.nn.Module, units: list[Unit], schedule: RoundSchedule, *,
                         zero3: bool, checkpointing: bool) -> None:
-    """Hooks of step 2 (module docstring)."""
+    """Hooks of step 2 (module docstring); each unit's full tensors report their gradients to the
+    schedule (:meth:`Unit.on_grad`)."""
     for unit in units[1:]:
         block = model.get_submodule(unit.name)
         if checkpointing:
             block.forward = _checkpointed(block.forward)
-        if zero3:
-            _zero3_hooks(block, unit, schedule)
-    for unit in units:
-        for t in unit.trained:
-            t.full.register_post_accumulate_grad_hook(schedule.grad_ready)
+        (_zero3_hooks if zero3 else _zero2_hooks)(block, unit, schedule)

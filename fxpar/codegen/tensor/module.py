@@ -67,7 +67,6 @@ from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.runtime.allreduce import allreduce_gradients
 from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.structure import supports_vocab_parallel
@@ -157,13 +156,11 @@ class TensorParallelModule(StepModule):
         if self.layout.replicas > 1:  # one rank per replica: the rows differ across replicas only
             dist.all_reduce(count, group=self.dp_group)
 
-    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
         """``g ← Σ_replicas g`` over this position's DP group for every parameter (shards at one
-        position hold the same slice), and the weighted losses summed the same way."""
-        if self.layout.replicas == 1:
-            return loss_sum
-        grads = [p.grad for p in self.module.parameters() if p.requires_grad]
-        return allreduce_gradients(grads, loss_sum, self.dp_group)
+        position hold the same slice), and the weighted losses summed the same way: the step
+        loop's buckets, launched during the last backward."""
+        return (list(self.module.parameters()), self.dp_group) if self.layout.replicas > 1 else None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
