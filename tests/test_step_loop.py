@@ -50,8 +50,11 @@ def _padded_batch(model: torch.nn.Module, rows: int) -> dict[str, torch.Tensor]:
 class _SimulatedRank(DataParallelModule):
     """A data-parallel rank with a (simulated) group to sum its item count over."""
 
-    def _sum_items(self, count: torch.Tensor) -> None:
-        dist.all_reduce(count, group="simulated")
+    def _items_group(self) -> object:
+        return "simulated"
+
+    def _host_group(self, group: object) -> object:
+        return group
 
 
 def _simulate(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: Plan, *, local: bool,
@@ -111,10 +114,15 @@ def test_local_rows_sum_the_item_counts_over_the_group(monkeypatch):
     total = sum(count_items(s, "tokens", causal=True) for s in shares)
     seen: list[int] = []
 
-    def all_reduce(t: torch.Tensor, group: object = None, **_: object) -> None:
+    class Done:
+        def wait(self, **_: object) -> None:
+            pass
+
+    def all_reduce(t: torch.Tensor, group: object = None, **_: object) -> Done:
         assert group == "simulated" and t.dtype == torch.int64
         seen.append(int(t.item()))
         t.fill_(total)
+        return Done()
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     _assert_equal(_simulate(model, batch, plan, local=True, kind=_SimulatedRank), _reference(model, batch))

@@ -150,7 +150,7 @@ def test_the_training_monitor_prices_its_re_balanced_plan_like_predict():
     monitor = StepMonitor(module, rebalance=RebalanceConfig(threshold=0.0, warmup_steps=0, window=1))
     busy = tuple(rp.predicted_busy_s * (3.0 if rp.rank == 1 else 1.0) for rp in plan.ranks)
     monitor.history.append(StepRecord(step=0, busy_s=busy, step_s=max(busy)))
-    monitor._since_change = 1
+    monitor._since_change, monitor._decide_now = 1, True   # as end() leaves it at a decision step
     new = monitor.maybe_rebalance(0)
     assert new is not None and new.measured_speeds is not None and new.predicted_step_s > 0
     assert new.predicted_step_s == pytest.approx(fxpar.predict(new, graph, cluster).step_s, rel=1e-9)

@@ -80,3 +80,43 @@ def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) ->
     return {"rank": rank, "strategy": pm.plan.strategy, "module": type(pm).__name__, "held_on": sorted(held),
             "device": str(pm.device),
             "calls": [dataclasses.asdict(c) for c in audit.calls], "violations": audit.violations()}
+
+
+def step_cost_of_kind(kind: str, steps: int = 3, dtype: str = "fp32", shard_stage: int = 3) -> dict:
+    """``kind`` on this job's ranks: ``steps`` steps, the last under a
+    :class:`~fxpar.runtime.step_audit.StepAudit` (the steady step: the probe's and the first
+    step's one-off work done); returns what it counted (host reads, dynamic shapes, syncs,
+    device-to-host copies, ops) and the MoE layers and micro-batches for the expected copies."""
+    from fxpar.runtime.step_audit import StepAudit
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    family, layers = KINDS[kind]
+    model = _model(family, layers)
+    batch = 8
+    data = [example_inputs(model, batch, 16, seed=1 + s) for s in range(steps)]
+    for b in data:
+        b["labels"][0, :5] = -100
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    plan = _plan(kind, model, cluster, batch, data[0])
+    if kind == "sharded_data_parallel":
+        plan = sharded_data_parallel_plan(cluster, batch_split=[5, 3], state_split=[1, 3], shard_stage=shard_stage,
+                                          micro_batch_size=3)
+    if plan is None:
+        from .workers import dp_only_plan
+
+        plan = dp_only_plan(model, cluster, data[0], batch)
+    plan = dataclasses.replace(plan, dtype=dtype)
+    pm = fxpar.auto(model, cluster, data[0], plan=plan, emulate=False)
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
+    for k, b in enumerate(data):
+        audit = StepAudit()
+        if k == steps - 1:
+            with audit as cost:
+                loss = pm.step(b)
+        else:
+            loss = pm.step(b)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    moe = sum(1 for m in pm.modules() if type(m).__name__ == "ExpertParallelExperts")
+    return {"rank": rank, "module": type(pm).__name__, "cost": cost.summary(), "moe_layers": moe,
+            "microbatches": pm.plan.ranks[rank].num_microbatches, "loss": float(loss)}

@@ -1,16 +1,24 @@
-"""Step timing on every rank, per-device busy/idle, and online re-balancing.
+"""Step timing on every rank, per-device busy/idle, and online re-balancing -- at no cost to
+the step it times.
 
 Used by :class:`~fxpar.integrations.trainer.FxparCallback` and by the Accelerate integration.
-Each step every rank contributes ``(busy_s, step_s)``: ``busy_s`` is its forward + backward
-time (emulated sleep included, from the module's ``last_timing``), ``step_s`` the wall time of
-the whole step.  One ``all_gather`` per step brings them to every rank, so the logs show
+Each step every rank records ``(busy_s, step_s)``: ``busy_s`` its forward + backward time
+(emulated sleep included, from the module's ``last_timing``; on a GPU the device time of its
+compute segments), ``step_s`` the wall time of the whole step (on a GPU: between two CUDA events
+around it).  Nothing waits for the device: a GPU step's events are read once they have
+completed (``Event.query()``), a step late, and the records are brought to every rank by one
+``all_gather`` every :attr:`StepMonitor.gather_every` steps (and at each re-balancing decision),
+never per step.  A gathered window gives the logs
 
     busy_r / step      utilisation of device r
     imbalance          max_r busy_r / mean_r busy_r − 1
 
 and, for data-parallel plans, rank 0 re-solves the shares from the medians over a window
 (:mod:`fxpar.solvers.rebalance`) and broadcasts the new plan; every rank switches at the same
-step boundary, so no state is lost (weights, optimizer and the data order are untouched).
+step boundary, so no state is lost (weights, optimizer and the data order are untouched).  A
+decision at step ``k`` uses the ``window`` steps before it that every rank has recorded (on a
+CPU: up to ``k``; on a GPU: up to ``k − 1``, the last step's events still running -- a rank whose
+record of that step is not complete yet waits for that one event, already a step old).
 
 ``busy_s`` can be injected instead of measured (:attr:`StepMonitor.measure_busy`): tests and
 simulations give the re-balancing measurements they control rather than this machine's timing.
@@ -31,7 +39,8 @@ import torch.distributed as dist
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.plan import Plan
 from fxpar.predict import priced_plan
-from fxpar.runtime.device import module_device, synchronize
+from fxpar.runtime.device import host_tensor, module_device
+from fxpar.runtime.distributed import host_group
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
 
 _LOG = logging.getLogger(__name__)
@@ -45,6 +54,29 @@ class StepRecord:
 
 
 @dataclass(slots=True)
+class _Local:
+    """This rank's record of one step, complete once its CUDA events are (:meth:`done`)."""
+
+    step: int
+    busy_s: float | None                 # known now (host clock, or injected)
+    wall_s: float                        # host wall time (CPU ranks: the step time)
+    events: tuple[Any, Any] | None = None          # CUDA: start and end of the step
+    segments: list[tuple[Any, Any]] = field(default_factory=list)   # CUDA: compute segments
+
+    def done(self) -> bool:
+        return self.events is None or self.events[1].query()
+
+    def values(self) -> tuple[float, float]:
+        """``(busy_s, step_s)``; on a GPU from the events (call when :meth:`done`, or it waits)."""
+        if self.events is None:
+            return float(self.busy_s if self.busy_s is not None else self.wall_s), self.wall_s
+        self.events[1].synchronize()   # a no-op once done(): the caller reads a step late
+        step = self.events[0].elapsed_time(self.events[1]) / 1e3
+        busy = self.busy_s if self.busy_s is not None else sum(a.elapsed_time(b) for a, b in self.segments) / 1e3
+        return float(busy), float(step)
+
+
+@dataclass(slots=True)
 class StepMonitor:
     """Collects per-rank step times and decides re-balances; see the module docstring."""
 
@@ -54,12 +86,23 @@ class StepMonitor:
     #: this rank's busy seconds for a step (``step -> seconds``), called in :meth:`end` in place
     #: of the measurement; None (default): measured, from the module's ``last_timing``
     measure_busy: Callable[[int], float] | None = None
+    #: bring the ranks' records together every this many steps (for the logs; re-balancing
+    #: decisions gather their window when they are due)
+    gather_every: int = 10
     history: list[StepRecord] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     _since_change: int = 0
     _start: float = 0.0
+    _start_event: Any = None
+    _local: list[_Local] = field(default_factory=list)
+    _gathered_upto: int = -1
+    _decide_now: bool = False
+    _host: Any = None            # the gloo group of the gathers (:func:`fxpar.runtime.distributed.host_group`)
 
     def __post_init__(self) -> None:
+        clock = getattr(self.pmodel, "clock", None)
+        if hasattr(clock, "take_events"):
+            clock.take_events()   # from now on the clock keeps its compute segments' events for end()
         strategy = getattr(getattr(self.pmodel, "plan", None), "strategy", None)
         if self.rebalance.enabled and strategy not in (None, "data_parallel"):
             _LOG.info("fxpar: the plan is %s: online re-balancing re-solves data-parallel shares only, "
@@ -70,30 +113,64 @@ class StepMonitor:
         """The rank's device (the module's own ``device``, else where its parameters are)."""
         return getattr(self.pmodel, "device", None) or module_device(self.pmodel)
 
-    def begin(self) -> None:
-        synchronize(self.device)  # CUDA: time the work, not its launch
-        self._start = time.perf_counter()
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
 
-    def end(self, step: int) -> StepRecord:
-        """Record the step just finished (call on every rank, after the optimizer step)."""
-        synchronize(self.device)
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self._start = time.perf_counter()
+        self._start_event = self._event() if self._cuda else None
+
+    def end(self, step: int) -> StepRecord | None:
+        """Record the step just finished (call on every rank, after the optimizer step); returns
+        the newest gathered record when this step gathered (module docstring), else None."""
         wall = time.perf_counter() - self._start
         timing = getattr(self.pmodel, "last_timing", None)
         if self.measure_busy is not None:  # injected measurement
-            busy = float(self.measure_busy(step))
+            busy: float | None = float(self.measure_busy(step))
+        elif self._cuda:
+            busy = None   # the device time of its compute segments, read with the step's events
         else:
             busy = (timing.compute_s + timing.emulation_s) if timing is not None else wall
-        mine = torch.tensor([busy, wall], dtype=torch.float64, device=self.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts = [torch.zeros(2, dtype=torch.float64, device=self.device) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, mine)
-        else:
-            parts = [mine]
-        rec = StepRecord(step=step, busy_s=tuple(float(p[0]) for p in parts),
-                         step_s=max(float(p[1]) for p in parts))
-        self.history.append(rec)
+        record = _Local(step=step, busy_s=busy, wall_s=wall)
+        if self._cuda:
+            clock = getattr(self.pmodel, "clock", None)
+            record.events = (self._start_event, self._event())
+            record.segments = clock.take_events() if hasattr(clock, "take_events") else []
+        self._local.append(record)
         self._since_change += 1
-        return rec
+        cfg = self.rebalance
+        waited = self._since_change - cfg.warmup_steps
+        self._decide_now = (cfg.enabled and self.plan.strategy == "data_parallel" and hasattr(self.pmodel, "set_plan")
+                            and waited >= cfg.window and waited % cfg.window == 0)
+        if self._decide_now or (self.gather_every and step % self.gather_every == 0):
+            return self._gather(step - (1 if self._cuda else 0))
+        return None
+
+    def _gather(self, upto: int) -> StepRecord | None:
+        """Every rank's records of the steps after the last gather up to ``upto`` (one
+        ``all_gather``; collective: every rank calls it at the same step)."""
+        mine = [r for r in self._local if self._gathered_upto < r.step <= upto]
+        self._local = [r for r in self._local if r.step > upto]
+        rows = [(r.step, *r.values()) for r in mine]
+        table = host_tensor(rows, torch.float64).reshape(len(rows), 3)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if self._host is None:   # made at the first gather, the same step on every rank
+                self._host = host_group(None)
+            parts = [torch.zeros_like(table) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, table, group=self._host)   # host tensors: no device in the exchange
+        else:
+            parts = [table]
+        self._gathered_upto = max(self._gathered_upto, upto)
+        for i, row in enumerate(rows):
+            self.history.append(StepRecord(step=int(row[0]), busy_s=tuple(float(p[i, 1]) for p in parts),
+                                           step_s=max(float(p[i, 2]) for p in parts)))
+        return self.history[-1] if rows else None
 
     def metrics(self, rec: StepRecord | None = None) -> dict[str, float]:
         """Per-device busy fraction and the imbalance of the last (or given) step."""
@@ -121,13 +198,11 @@ class StepMonitor:
 
     def maybe_rebalance(self, step: int) -> Plan | None:
         """Re-solve the shares when the measured times say so; returns the new plan (applied)
-        or None.  Collective: call on every rank at the same step."""
+        or None.  Collective: call on every rank at the same step, after :meth:`end`."""
         cfg = self.rebalance
-        if not cfg.enabled or self.plan.strategy != "data_parallel" or not hasattr(self.pmodel, "set_plan"):
+        if not self._decide_now or len(self.history) < cfg.window:  # a fresh window each time
             return None
-        waited = self._since_change - cfg.warmup_steps
-        if waited < cfg.window or waited % cfg.window:  # a fresh window of measurements each time
-            return None
+        self._decide_now = False
         window = self.history[-cfg.window:]
         busy = [statistics.median(rec.busy_s[r] for rec in window) for r in range(self.plan.world_size)]
         payload: list[Any] = [None]

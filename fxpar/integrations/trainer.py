@@ -81,7 +81,8 @@ class FxparCallback(TrainerCallback):
         if self.monitor is None:
             return
         rec = self.monitor.end(state.global_step)
-        self.pending = self.monitor.metrics(rec)
+        if rec is not None:   # the records are gathered every few steps (monitor docstring)
+            self.pending = self.monitor.metrics(rec)
         plan = self.monitor.maybe_rebalance(state.global_step)
         if plan is not None:
             self.pending["fxpar/rebalanced"] = 1.0

@@ -1,8 +1,13 @@
 """Checks of the batch given to ``pmodel.step``, run before any compute or collective.
 
-Every rank receives the same global batch, so every rank raises the same clear error and no
-rank is left waiting in a collective.  The messages name the key, the value found, what the
-plan or the traced model expects, and what to change.
+Shapes, keys and dtypes are checked on the whole batch, so every rank raises the same clear
+error and none is left waiting in a collective.  *Values* (token ids, labels that are all -100)
+are checked where the batch is: on the host, with NumPy (no tensor op, so nothing waits for a
+device), and only on the rows this rank trains on (a rank whose rows are bad raises; the others
+learn it from the broken collective, :func:`fxpar.runtime.distributed.peer_failures`).  A batch
+already on a GPU is not read back to be checked: its values go unchecked (pass batches on the
+host, as a DataLoader yields them).  The messages name the key, the value found, what the plan
+or the traced model expects, and what to change.
 """
 
 from __future__ import annotations
@@ -115,29 +120,49 @@ def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *
                             "new shape")
 
 
+def on_host(t: Any) -> bool:
+    """``t`` is a tensor in host memory (its values can be read without waiting for a device)."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+
+def host_values(t: torch.Tensor) -> Any:
+    """A host tensor's values as a NumPy array (a view, no copy; no tensor op is dispatched)."""
+    return t.detach().numpy()
+
+
 def check_token_ids(batch: Any, vocab_size: int | None, where: str) -> None:
-    """For HF language models: ``input_ids`` in ``[0, vocab)``, ``labels`` there or -100."""
+    """For HF language models: ``input_ids`` in ``[0, vocab)``, ``labels`` there or -100 (host
+    tensors only: module docstring)."""
     if not isinstance(batch, Mapping) or not vocab_size:
         return
     for key, allowed in (("input_ids", ()), ("labels", (IGNORE_INDEX,))):
         v = batch.get(key)
-        if not isinstance(v, torch.Tensor) or v.numel() == 0 or v.is_floating_point():
+        if not on_host(v) or v.numel() == 0 or v.is_floating_point() or v.dtype == torch.bool:
             continue
-        bad = (v < 0) | (v >= vocab_size)
+        values = host_values(v)
+        bad = (values < 0) | (values >= vocab_size)
         for value in allowed:
-            bad &= v != value
-        if bool(bad.any()):
-            example = int(v[bad][0])
+            bad &= values != value
+        if bad.any():
+            example = int(values[bad][0])
             extra = " or -100 (ignored)" if allowed else ""
             raise ConfigError(f"{where}: batch[{key!r}] holds {example}, outside the model's "
                               f"vocabulary 0..{vocab_size - 1}{extra}; check the tokenizer matches "
                               "the model (config.vocab_size)")
 
 
-def label_tokens(labels: torch.Tensor, causal: bool) -> int:
-    """Label tokens a loss averages over (causal LMs shift labels by one)."""
-    used = labels[..., 1:] if causal and labels.dim() >= 2 else labels
-    return int((used != IGNORE_INDEX).sum())
+def used_labels(labels: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The labels a loss averages over (causal LMs shift labels by one)."""
+    return labels[..., 1:] if causal and labels.dim() >= 2 else labels
+
+
+def label_tokens(labels: torch.Tensor, causal: bool) -> int | torch.Tensor:
+    """Label tokens a loss averages over: an ``int`` counted on the host for host labels, else a
+    0-d int64 tensor on the labels' device (never read back: module docstring)."""
+    used = used_labels(labels, causal)
+    if on_host(used):
+        return int((host_values(used) != IGNORE_INDEX).sum())
+    return (used != IGNORE_INDEX).sum()
 
 
 def check_labels_present(batch: Any, where: str, *, causal: bool,
@@ -145,7 +170,7 @@ def check_labels_present(batch: Any, where: str, *, causal: bool,
     """The batch (and each ``(start, stop)`` row range in ``chunks``: micro-batches whose loss is
     a mean of their own) has at least one label that is not -100."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if not isinstance(labels, torch.Tensor) or labels.dim() == 0 or labels.is_floating_point():
+    if not on_host(labels) or labels.dim() == 0 or labels.is_floating_point():
         return
     if label_tokens(labels, causal) == 0:
         raise PlanError(f"{where}: every one of the {labels.numel()} labels is -100 (ignored), so the "

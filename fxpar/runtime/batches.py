@@ -25,9 +25,10 @@ def batch_len(batch: Any) -> int:
     return 0 if batch is None else int(batch.shape[0])
 
 
-def count_items(batch: Any, weighting: str, causal: bool) -> int:
+def count_items(batch: Any, weighting: str, causal: bool) -> int | torch.Tensor:
     """Items a mean-reduced loss averages over: samples, or label tokens (HF's ``-100`` ignored,
-    labels shifted by one for causal LMs)."""
+    labels shifted by one for causal LMs) -- an ``int`` for labels on the host, a 0-d tensor on
+    their device otherwise (:func:`fxpar.runtime.batch_checks.label_tokens`)."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if weighting == "tokens" and isinstance(labels, torch.Tensor) and labels.dim() >= 2:
         return checks.label_tokens(labels, causal)
@@ -49,6 +50,15 @@ def slice_rows(batch: Any, start: int, stop: int) -> Any:
 def split_microbatches(batch: Any, size: int, n: int) -> list[Any]:
     """``n`` micro-batches of ``size`` rows (the last may be shorter or empty)."""
     return [slice_rows(batch, i * size, (i + 1) * size) for i in range(n)]
+
+
+def on_host(batch: Any) -> bool:
+    """Every tensor of ``batch`` is in host memory (its counts are read without a device sync)."""
+    if isinstance(batch, Mapping):
+        return all(on_host(v) for v in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return all(on_host(v) for v in batch)
+    return not isinstance(batch, torch.Tensor) or checks.on_host(batch)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -169,6 +169,24 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to(CPU)
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """The values of device tensor ``t`` on the host, marked ``fxpar_host`` (reading them is no
+    device sync).  The one sanctioned device-to-host copy inside a step -- an MoE layer's routing
+    counts, the fp16 loss-scale verdict -- counted as such by :mod:`fxpar.runtime.step_audit`;
+    on a GPU it waits for the device (on the CPU the copy is a clone)."""
+    out = t.detach().to(CPU, copy=True)
+    out.fxpar_host = True
+    return out
+
+
+def host_tensor(values: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A tensor made on the host for host-side bookkeeping (a control message, a count a host
+    group sums), marked ``fxpar_host`` like :func:`host_copy`'s: the host reads it freely."""
+    out = torch.as_tensor(values, dtype=dtype, device=CPU)
+    out.fxpar_host = True
+    return out
+
+
 def broadcast_state(module: torch.nn.Module, src: int, group: Any, device: torch.device) -> None:
     """Every parameter and buffer of ``module`` takes rank ``src``'s values, one tensor at a
     time through ``device`` (a tensor still on the host is staged through a device buffer of

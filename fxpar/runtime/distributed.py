@@ -213,6 +213,20 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
     return dist.new_group(ranks=ranks, **kwargs)
 
 
+def host_group(group: Any = None) -> Any:
+    """A process group over ``group``'s ranks (None: the whole job) that moves *host* tensors:
+    ``group`` itself when its backend is gloo, else a new gloo group over its ranks.  Host-side
+    bookkeeping (label counts made on the host, a pipeline stage's control messages) travels on
+    it, so it never waits for a device.  Collective: every rank of ``group`` calls it at the same
+    point (the first time it is needed)."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
 def wait_work(work: Any, device: Any = None) -> None:
     """Wait for an asynchronous collective (``async_op=True``) at most the job's collective
     timeout, whatever the timeout of the group it runs on: ``work.wait(timeout=...)``, which

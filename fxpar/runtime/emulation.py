@@ -76,6 +76,8 @@ class SegmentClock:
         self._cuda = getattr(device, "type", None) == "cuda"
         self._segment_start: Any = None
         self._events: list[tuple[Any, Any]] = []
+        #: the same, since the last take_events() (None until a reader first takes them)
+        self._fresh: list[tuple[Any, Any]] | None = None
         self._device_total_s = 0.0
 
     @classmethod
@@ -102,7 +104,10 @@ class SegmentClock:
             self.emulation_s += slept
             self.busy_total_s += seg + slept
             if self._segment_start is not None:
-                self._events.append((self._segment_start, self._mark()))
+                pair = (self._segment_start, self._mark())
+                self._events.append(pair)
+                if self._fresh is not None:
+                    self._fresh.append(pair)
                 self._segment_start = None
 
     def collective(self, fn: Callable[[], Any]) -> Any:
@@ -114,6 +119,12 @@ class SegmentClock:
         if self._cuda and self.active:
             self._segment_start = self._mark()
         return out
+
+    def take_events(self) -> list[tuple[Any, Any]]:
+        """The CUDA event pairs of the compute segments recorded since the last call, handed to a
+        caller that reads them once complete (the step monitor, a step late); nothing waits."""
+        events, self._fresh = self._fresh or [], []
+        return events
 
     def device_busy_s(self) -> float:
         """Busy seconds since the clock was made: the CUDA events' elapsed times on a GPU (waits

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import ConfigError
+from fxpar.runtime.device import host_copy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +70,7 @@ class DynamicLossScaler:
             bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().to(bad.dtype))
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        found = bool(bad.item())
+        found = bool(host_copy(bad).tolist())   # the step's one device read, as GradScaler's
         if found:
             for p in params:
                 p.grad = None

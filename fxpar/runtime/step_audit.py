@@ -22,8 +22,10 @@ context manager; while it is active
   ``fxpar_host``) are not host reads, nor are reads of tensors the runtime made on the host for
   host-side bookkeeping (:func:`fxpar.runtime.device.host_tensor`).
 
-Each host read and dynamic shape keeps the innermost fxpar (or test) frame that caused it, so a
-failing "no host reads" assertion says where.
+Each host read and dynamic shape keeps the innermost frame outside torch that caused it, so a
+failing "no host reads" assertion says where, and is counted as fxpar's (that frame is in the
+``fxpar`` package) or as the model's own (transformers' mask code reads a value, a user's
+module may): the goal is fxpar's count, which the plain model does not make.
 """
 
 from __future__ import annotations
@@ -45,15 +47,16 @@ DYNAMIC_SHAPE_OPS = frozenset({"aten.nonzero.default", "aten.masked_select.defau
                                "aten.bincount.default", "aten.histc.default"})
 
 
-def _where() -> str:
-    """The innermost frame of fxpar, the tests or the benchmarks on the stack (file:line function)."""
+def _where() -> tuple[bool, str]:
+    """Who caused the op: the innermost frame on the stack outside torch and this module --
+    ``(True, "file:line function")`` when it is fxpar's, ``(False, ...)`` when it is the model's
+    own code (transformers', a user's module): a read the plain model makes too."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename.replace("\\", "/")
-        if "/fxpar/runtime/step_audit.py" in path:
+        if "/fxpar/runtime/step_audit.py" in path or "/torch/" in path or path.startswith("<"):
             continue
-        if any(part in path for part in ("/fxpar/", "/tests/", "/benchmarks/")):
-            return f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
-    return "<outside fxpar>"
+        return "/fxpar/" in path, f"{path.rsplit('/', 2)[-2]}/{path.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+    return False, "<torch>"
 
 
 def _is_host(t: Any) -> bool:
@@ -64,8 +67,11 @@ def _is_host(t: Any) -> bool:
 class StepCost:
     """What the audited code did (module docstring)."""
 
-    host_reads: list[str] = field(default_factory=list)
-    dynamic_shapes: list[str] = field(default_factory=list)
+    host_reads: list[str] = field(default_factory=list)        # by fxpar's code
+    dynamic_shapes: list[str] = field(default_factory=list)    # by fxpar's code
+    #: the same made by the model's own code (what its plain training step makes too)
+    model_reads: list[str] = field(default_factory=list)
+    model_dynamic_shapes: list[str] = field(default_factory=list)
     syncs: list[str] = field(default_factory=list)
     d2h_copies: int = 0
     ops: int = 0
@@ -74,7 +80,17 @@ class StepCost:
     def summary(self) -> dict[str, Any]:
         return {"host_reads": len(self.host_reads), "dynamic_shapes": len(self.dynamic_shapes),
                 "syncs": len(self.syncs), "d2h_copies": self.d2h_copies, "ops": self.ops,
-                "first_reads": self.host_reads[:5], "first_dynamic": self.dynamic_shapes[:5]}
+                "model_reads": len(self.model_reads), "model_dynamic_shapes": len(self.model_dynamic_shapes),
+                "first_reads": self.host_reads[:5], "first_dynamic": self.dynamic_shapes[:5],
+                "first_model_reads": self.model_reads[:2]}
+
+    def read(self, what: str) -> None:
+        ours, where = _where()
+        (self.host_reads if ours else self.model_reads).append(f"{what} at {where}")
+
+    def dynamic(self, what: str) -> None:
+        ours, where = _where()
+        (self.dynamic_shapes if ours else self.model_dynamic_shapes).append(f"{what} at {where}")
 
 
 class _Mode(dispatch_recorder_base()):  # type: ignore[misc]
@@ -89,9 +105,9 @@ class _Mode(dispatch_recorder_base()):  # type: ignore[misc]
         self.cost.op_counts[name] += 1
         if name == "aten._local_scalar_dense.default":
             if not _is_host(args[0]):
-                self.cost.host_reads.append(f"{name} {list(args[0].shape)} at {_where()}")
+                self.cost.read(f"{name} {list(args[0].shape)}")
         elif name in DYNAMIC_SHAPE_OPS or _dynamic(name, args, kwargs):
-            self.cost.dynamic_shapes.append(f"{name} at {_where()}")
+            self.cost.dynamic(name)
         return func(*args, **kwargs)
 
 
@@ -131,13 +147,13 @@ class StepAudit:
         def tolist(original: Any) -> Any:
             def wrapped(t: torch.Tensor, *a: Any, **k: Any) -> Any:
                 if not _is_host(t):
-                    cost.host_reads.append(f"Tensor.tolist {list(t.shape)} at {_where()}")
+                    cost.read(f"Tensor.tolist {list(t.shape)}")
                 return original(t, *a, **k)
             return wrapped
 
         def counted_sync(original: Any) -> Any:
             def wrapped(*a: Any, **k: Any) -> Any:
-                cost.syncs.append(f"synchronize at {_where()}")
+                cost.syncs.append(f"synchronize at {_where()[1]}")
                 return original(*a, **k)
             return wrapped
 

@@ -15,7 +15,7 @@ the loss is the mean ``L = (1/N) Σ_j ℓ_j``.  A rank cuts its rows into micro-
 
 and, the gradient being linear, the SUM (never the mean) of the local gradients over the ranks
 that hold different rows is ``∇L``.  ``N`` is counted on the global batch, or with
-``step(rows, local=True)`` summed over those ranks (:meth:`StepModule._sum_items`).  A
+``step(rows, local=True)`` summed over those ranks (:meth:`StepModule._items_group`).  A
 micro-batch with ``N_m = 0`` (every label -100) contributes nothing, and its own mean would be
 0/0 = NaN: it is skipped, or -- where every rank must join every collective of the forward and
 backward (expert parallelism) -- run with the zero loss ``0 · Σ outputs`` instead.
@@ -45,14 +45,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 
 from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.allreduce import GradientBuckets
 from fxpar.runtime.batches import count_items, slice_rows, split_microbatches, to_device
-from fxpar.runtime.device import module_device, plan_rank_device
-from fxpar.runtime.distributed import is_comm_failure, peer_failures
+from fxpar.runtime.device import host_tensor, module_device, plan_rank_device
+from fxpar.runtime.distributed import host_group, is_comm_failure, peer_failures, wait_work
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
 from fxpar.runtime.optim import make_optimizer
@@ -65,6 +66,8 @@ LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "tokens")
 #: what a kind does with a micro-batch of no items: "skip" it, or run it with a zero loss
 #: ("zero_loss": every rank must take part in every collective of every micro-batch)
 EmptyMicrobatches = Literal["skip", "zero_loss"]
+#: :meth:`StepModule._items_group` of a rank whose rows are the whole batch
+ALONE = object()
 #: Errors a model's forward raises on a batch it cannot take (wrapped with the batch's layout).
 _FORWARD_ERRORS = (TypeError, ValueError, IndexError, KeyError, RuntimeError)
 
@@ -129,7 +132,7 @@ class StepModule(torch.nn.Module):
     - ``_summed()``: the parameters summed over the ranks with other rows and their group (the
       loop's bucketed all-reduce; default: none), or ``_sync_gradients(loss_sum)``: a sync of its
       own after the last backward;
-    - ``_sum_items(count)``: sum ``N`` over the ranks with other rows (``local=True``; default: alone);
+    - ``_items_group()``: the group ``N`` is summed over (``local=True``; default: alone);
     - ``batch_rows()``: this rank's rows of the global batch (default: its plan share);
     - ``_last_backward()``: a context around the last micro-batch's backward (default none);
     - ``_check_batch(batch, local)``: extra batch checks (call ``super()``);
@@ -170,6 +173,7 @@ class StepModule(torch.nn.Module):
         #: fp16 plans: the dynamic loss scale every rank agrees on (None: no scaling)
         self.loss_scaler: DynamicLossScaler | None = scaler_for(plan.dtype)
         self._grad_buckets: GradientBuckets | None = None
+        self._control: Any = None   # the host group of item counts (:meth:`_host_group`)
         #: dtypes of the traced inputs, for the batch checks ({}: unknown)
         self._input_specs: dict[str, checks.InputSpec] = {}
         vocab = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -236,40 +240,61 @@ class StepModule(torch.nn.Module):
                                       comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds)
         return loss
 
-    def _total_items(self, batch: Any, local: bool, device: torch.device) -> int:
-        """``N``: counted on the global batch, or summed by :meth:`_sum_items` (``local``)."""
+    def _total_items(self, batch: Any, local: bool, device: torch.device) -> int | torch.Tensor:
+        """``N``: counted on the global batch, or summed over the ranks with other rows
+        (``local``: :meth:`_items_group`; a count made on the host is summed on a host group, so
+        ``N`` stays an ``int``; one made on the device stays a tensor there, never read back)."""
         if not local:
             total = count_items(batch, self.loss_weighting, self.causal)
         elif self.loss_weighting == "samples":
             total = self.plan.global_batch   # the rows were checked against each rank's share
         else:
-            count = torch.tensor([count_items(batch, self.loss_weighting, self.causal)],
-                                 dtype=torch.int64, device=device)
-            with peer_failures(f"{self._where(local)}: item count all-reduce", self.rank):
-                self._sum_items(count)
-            total = int(count.item())
-        if total <= 0:
+            mine = count_items(batch, self.loss_weighting, self.causal)
+            host = isinstance(mine, int)
+            count = host_tensor([mine]) if host else mine.reshape(1).to(torch.int64)
+            group = self._items_group()
+            if group is not ALONE and self.plan.world_size > 1:
+                with peer_failures(f"{self._where(local)}: item count all-reduce", self.rank):
+                    wait_work(dist.all_reduce(count, group=self._host_group(group) if host else group,
+                                              async_op=True), count.device)
+            total = int(count.tolist()[0]) if host else count[0]
+        if isinstance(total, int) and total <= 0:
             raise PlanError(f"{self._where(local)}: the batch has no items to train on: every label "
                             "is -100 (ignored) on every rank; give at least one real label")
         return total
 
-    def _microbatches(self, rows: Any) -> list[tuple[Any, int]]:
-        """``(micro-batch, items)`` in order; empty ones left out where the kind skips them."""
+    def _host_group(self, group: Any) -> Any:
+        """A gloo group over ``group``'s ranks for host-side counts (``group`` itself when it is
+        gloo's; made once, at the same step on every rank, under NCCL)."""
+        if self._control is None:
+            self._control = host_group(group)
+        return self._control
+
+    def _microbatches(self, rows: Any) -> list[tuple[Any, int | torch.Tensor]]:
+        """``(micro-batch, items)`` in order; empty ones left out where the kind skips them (and
+        their count was made on the host: a count on the device is never read, module docstring)."""
         rp = self.plan.ranks[self.rank]
         if not rp.batch_share:
             return []
         runs = [(mb, count_items(mb, self.loss_weighting, self.causal))
                 for mb in split_microbatches(rows, rp.micro_batch_size, rp.num_microbatches)]
-        return [(mb, n) for mb, n in runs if n or self.empty_microbatches == "zero_loss"]
+        return [(mb, n) for mb, n in runs
+                if not isinstance(n, int) or n or self.empty_microbatches == "zero_loss"]
 
-    def _run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns ``Σ_m (N_m / N) · L_m`` (detached)."""
+    def _run(self, runs: list[tuple[Any, int | torch.Tensor]], total: int | torch.Tensor,
+             device: torch.device) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns ``Σ_m (N_m / N) · L_m`` (detached).
+        A micro-batch counted on the device runs whatever its count: an empty one's mean (0/0)
+        is replaced by 0 on the device, and the loss's backward of no items is zero."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for j, (mb, items) in enumerate(runs):
             mb = to_device(mb, device)
             with autocast_for(self.plan.dtype, self.module):  # fp16/bf16 plans: mixed precision
                 output = self._forward(mb)
-                loss = self.loss_fn(output, mb).float() if items else None
+                if isinstance(items, int):
+                    loss = self.loss_fn(output, mb).float() if items else None
+                else:
+                    loss = torch.where(items > 0, self.loss_fn(output, mb).float(), 0.0)
             weighted = loss * (items / total) if loss is not None else zero_loss(output)
             # the output (a causal LM's B·S·V logits) is not kept through the backward: autograd
             # holds what the loss needs (its own log-softmax copy)
@@ -336,9 +361,10 @@ class StepModule(torch.nn.Module):
         buckets = self._buckets()
         return buckets.finish(loss_sum) if buckets is not None else loss_sum
 
-    def _sum_items(self, count: torch.Tensor) -> None:
-        """Sum this rank's item ``count`` (int64, in place) over the ranks that hold other rows
-        (one per distinct row set); by default the rank is alone."""
+    def _items_group(self) -> Any:
+        """The group over which item counts are summed (``local=True``): one rank per distinct row
+        set (None: the whole job); :data:`ALONE` (default): the rank's rows are the batch."""
+        return ALONE
 
     def _last_backward(self) -> contextlib.AbstractContextManager[Any]:
         """A context around the last micro-batch's backward: the buckets of :meth:`_summed` launch
@@ -369,6 +395,6 @@ class StepModule(torch.nn.Module):
             raise PlanError(f"{where}: the batch has no 'labels' ({checks.describe(batch)}); the model "
                             "computes its loss from them, as in example_inputs: add labels, or give "
                             "fxpar.auto(..., loss_fn=lambda output, batch: ...)")
-        checks.check_token_ids(batch, self._vocab_size, where)
+        checks.check_token_ids(batch if local else self.shard_batch(batch), self._vocab_size, where)
         if not local:
             checks.check_labels_present(batch, where, causal=self.causal)

@@ -28,7 +28,7 @@ from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.distributed import peer_failures
-from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
+from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
 
 class DataParallelModule(StepModule):
@@ -90,9 +90,8 @@ class DataParallelModule(StepModule):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
-    def _sum_items(self, count: torch.Tensor) -> None:
-        if self._distributed:
-            dist.all_reduce(count, group=self.group)
+    def _items_group(self) -> Any:
+        return self.group if self._distributed else ALONE
 
     def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
         """Every parameter, over the module's group: the step loop's buckets, launched during the

@@ -8,10 +8,12 @@ backward sends the gradients the other way.  The counts, capacity and dispatch m
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,7 +21,11 @@ import torch.nn.functional as F
 from fxpar.codegen.common.shards import slice_parameter
 from fxpar.compat import expert_gate_is_default
 from fxpar.errors import PlanError
+from fxpar.runtime.device import host_copy, host_tensor
 from fxpar.runtime.emulation import SegmentClock as _Clock
+
+#: the public grouped GEMM (torch >= 2.10); None: :func:`grouped_linear` pads and uses ``bmm``
+GROUPED_MM = getattr(F, "grouped_mm", None)
 
 EXPERT_PARAMS: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
@@ -115,13 +121,14 @@ class ExpertParallelExperts(torch.nn.Module):
                 self.register_parameter(p, local)
         self.last_routed = 0    # assignments routed by all ranks in the last forward
         self.last_dropped = 0   # of which dropped by the capacity limit
+        self._capacity = 0      # C of the last forward (a capacity factor)
 
     def extra_repr(self) -> str:
         return (f"experts [{self.lo}, {self.hi}) of {self.num_experts}, split {list(self.split)}, "
                 f"capacity_factor {self.capacity_factor}")
 
     def _counts(self, local: torch.Tensor) -> torch.Tensor:
-        """c[s, e] for every rank ``s`` (all-gathered, int64)."""
+        """c[s, e] for every rank ``s`` (all-gathered on the device, int64)."""
         world = len(self.split)
         if world == 1:
             return local.unsqueeze(0)
@@ -130,54 +137,102 @@ class ExpertParallelExperts(torch.nn.Module):
         self.clock.collective(run) if self.clock is not None and self.clock.active else run()
         return torch.stack(parts)
 
-    def kept_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """kept[s, e]: all of ``counts`` without a capacity factor, else the first ``C`` per expert."""
+    def kept_counts(self, counts: Any) -> Any:
+        """kept[s, e]: all of ``counts`` without a capacity factor, else the first ``C`` per expert
+        (``C`` of the last routing).  ``counts`` is the host's NumPy copy (it sizes the transfers)
+        or the device's tensor (it indexes the rows): the same arithmetic on either."""
         if self.capacity_factor is None:
             return counts
-        cap = math.ceil(self.capacity_factor * int(counts.sum()) / self.num_experts)
-        before = torch.cumsum(counts, 0) - counts
-        return torch.clamp(cap - before, min=0).minimum(counts)
+        before = (np.cumsum(counts, 0) if isinstance(counts, np.ndarray) else torch.cumsum(counts, 0)) - counts
+        if isinstance(counts, np.ndarray):
+            return np.minimum(np.clip(self._capacity - before, 0, None), counts)
+        return torch.clamp(self._capacity - before, min=0).minimum(counts)
 
-    def _mlp(self, x: torch.Tensor, j: int) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[j]).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[j])
+    def _mlp(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """Every local expert's MLP on its rows (``x`` grouped by expert, ``per_expert`` rows
+        each) as two grouped GEMMs (:func:`grouped_linear`)."""
+        gate, up = grouped_linear(x, self.gate_up_proj, per_expert).chunk(2, dim=-1)
+        return grouped_linear(self.act_fn(gate) * up, self.down_proj, per_expert)
+
+    def _route(self, e_flat: torch.Tensor) -> tuple[Any, ...]:
+        """The routing of one forward: the all-gathered counts read to the host once (the layer's
+        one device-to-host copy: the all-to-all's sizes and the grouped GEMM's must be known
+        there), and on the device the kept assignments sorted by expert (``slots``) and the
+        permutation that groups the received rows by local expert (``perm``) and its inverse --
+        every shape known from the host counts, none read from data."""
+        E, W = self.num_experts, len(self.split)
+        local = torch.zeros(E, dtype=torch.int64, device=e_flat.device).scatter_add_(0, e_flat, torch.ones_like(e_flat))
+        counts_dev = self._counts(local)
+        counts = host_copy(counts_dev).numpy()
+        if self.capacity_factor is not None:
+            self._capacity = math.ceil(self.capacity_factor * int(counts.sum()) / E)
+        kept, kept_dev = self.kept_counts(counts), self.kept_counts(counts_dev)
+        self.last_routed, self.last_dropped = int(counts.sum()), int((counts - kept).sum())
+        send = [int(kept[self.rank, lo:hi].sum()) for lo, hi in self.ranges]
+        mine = kept[:, self.lo:self.hi]                     # rows from rank s per local expert
+        recv, per_expert = [int(n) for n in mine.sum(1)], [int(n) for n in mine.sum(0)]
+        order = torch.sort(e_flat, stable=True).indices    # by expert, then token order
+        n_kept = int(kept[self.rank].sum())
+        if n_kept == e_flat.numel():
+            slots = order
+        else:   # the first kept[r, e] of each expert's run: kept ones first by a stable sort
+            e_sorted = e_flat[order]
+            first = torch.cumsum(counts_dev[self.rank], 0) - counts_dev[self.rank]
+            pos = torch.arange(e_flat.numel(), device=e_flat.device) - first[e_sorted]
+            dropped = (pos >= kept_dev[self.rank][e_sorted]).to(torch.int8)
+            slots = order[torch.sort(dropped, stable=True).indices[:n_kept]]
+        row_expert = torch.repeat_interleave(torch.arange(self.hi - self.lo, device=e_flat.device).repeat(W),
+                                             kept_dev[:, self.lo:self.hi].reshape(-1), output_size=sum(recv))
+        perm = torch.sort(row_expert, stable=True).indices  # group rows by local expert
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return slots, send, recv, per_expert, perm, inv
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, H = hidden.shape
         k = top_k_index.shape[-1]
         clock = self.clock if self.clock is not None and self.clock.active else None
         with torch.no_grad():
-            e_flat = top_k_index.reshape(-1)
-            counts = self._counts(torch.bincount(e_flat, minlength=self.num_experts).to(torch.int64))
-            kept = self.kept_counts(counts)
-            self.last_routed, self.last_dropped = int(counts.sum()), int((counts - kept).sum())
-            order = torch.sort(e_flat, stable=True).indices       # by expert, then token order
-            e_sorted = e_flat[order]
-            first = torch.cumsum(counts[self.rank], 0) - counts[self.rank]
-            pos = torch.arange(e_flat.numel(), device=e_flat.device) - first[e_sorted]
-            slots = order[pos < kept[self.rank][e_sorted]]         # kept assignments, by expert
-            send = [int(kept[self.rank, lo:hi].sum()) for lo, hi in self.ranges]
-            recv = [int(kept[s, self.lo:self.hi].sum()) for s in range(len(self.split))]
-            mine = kept[:, self.lo:self.hi]                        # rows from rank s per local expert
-            row_expert = torch.repeat_interleave(
-                torch.arange(self.hi - self.lo, device=mine.device).repeat(len(self.split)), mine.reshape(-1))
-            perm = torch.sort(row_expert, stable=True).indices    # group rows by local expert
-            inv = torch.empty_like(perm)
-            inv[perm] = torch.arange(perm.numel(), device=perm.device)
-            per_expert = mine.sum(0).tolist()
+            slots, send, recv, per_expert, perm, inv = self._route(top_k_index.reshape(-1))
         rows = _AllToAll.apply(hidden[slots // k], send, recv, self.group, clock)
         grouped = rows[perm]
-        outs, start = [], 0
-        for j, n in enumerate(per_expert):
-            if n:
-                outs.append(self._mlp(grouped[start:start + n], j))
-            start += n
-        y = torch.cat(outs) if outs else grouped   # (0, H), still on the graph: every rank must
-        #                                           run both backward all-to-alls
+        y = self._mlp(grouped, per_expert)   # (0, H) where no row came, still on the graph: every
+        #                                      rank must run both backward all-to-alls
         back = _AllToAll.apply(y[inv], recv, send, self.group, clock)
         slot_out = back.new_zeros((T * k, H)).index_copy(0, slots, back)
         weighted = slot_out * top_k_weights.reshape(-1, 1)
         return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, per_group: list[int]) -> torch.Tensor:
+    """``cat_j F.linear(x_j, weight[j])`` for ``x`` cut into runs of ``per_group`` rows, as one
+    grouped GEMM: ``torch.nn.functional.grouped_mm`` where the installed torch has it, else one
+    ``bmm`` over the runs padded to the longest (the rows gathered by index, the padding zero).
+    Under autocast both operands take autocast's dtype, as ``F.linear``'s would (``grouped_mm``
+    is not on autocast's list)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        low = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(low), weight.to(low)
+    if GROUPED_MM is not None and _aligned(x, weight):
+        offs = host_tensor(list(itertools.accumulate(per_group)), torch.int32).to(x.device, non_blocking=True)
+        return GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
+    return _padded_bmm(x, weight, per_group)
+
+
+def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``grouped_mm``'s layout rule: every stride of both operands 16-byte aligned."""
+    return all((d * t.element_size()) % 16 == 0 for t in (x, weight) for d in t.shape[-1:])
+
+
+def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, per_group: list[int]) -> torch.Tensor:
+    """The fallback of :func:`grouped_linear`: runs padded to the longest, one ``bmm``."""
+    G, longest = len(per_group), max(per_group, default=0)
+    index = host_tensor([g * longest + i for g, n in enumerate(per_group) for i in range(n)]).to(
+        x.device, non_blocking=True)
+    padded = x.new_zeros((G * longest, x.shape[-1])).index_copy(0, index, x)
+    out = torch.bmm(padded.view(G, longest, -1), weight.transpose(1, 2))
+    return out.reshape(G * longest, -1).index_select(0, index)
 
 
 def shard_experts(model: torch.nn.Module, split: Sequence[int], rank: int, *, group: Any = None,

@@ -68,7 +68,7 @@ from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.device import broadcast_state
-from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
+from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
 
 class ExpertParallelModule(StepModule):
@@ -128,9 +128,8 @@ class ExpertParallelModule(StepModule):
         return [m for m in self.module.modules() if isinstance(m, ExpertParallelExperts)]
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
-    def _sum_items(self, count: torch.Tensor) -> None:
-        if self.world > 1:
-            dist.all_reduce(count, group=self.group)
+    def _items_group(self) -> Any:
+        return self.group if self.world > 1 else ALONE
 
     def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
         """SUM of the replicated parameters' gradients (the step loop's buckets, launched during

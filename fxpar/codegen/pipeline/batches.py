@@ -15,11 +15,12 @@ from fxpar.runtime import batch_checks as checks
 
 def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected: int, local: bool,
                          specs: dict[str, checks.InputSpec], vocab_size: int | None, causal: bool,
-                         micro_rows: int) -> None:
+                         micro_rows: int, own_rows: tuple[int, int] | None = None) -> None:
     """A PlanError (``where`` names the call) unless ``batch`` is a dict of the traced inputs
     ``names`` with ``expected`` samples (``local``: this pipeline's share, else the global
-    batch), like the traced example (``specs``), of token ids below ``vocab_size`` and with
-    label tokens in each micro-batch of ``micro_rows`` samples."""
+    batch), like the traced example (``specs``); its values -- token ids below ``vocab_size``,
+    label tokens in each micro-batch of ``micro_rows`` samples -- are checked on the host, on
+    this pipeline's rows of it (``own_rows``: ``(start, stop)``; None: all)."""
     if not isinstance(batch, Mapping):
         raise PlanError(f"{where}: the batch has type {type(batch).__name__}; a pipeline takes a "
                         f"dict with the traced inputs {list(names)}")
@@ -34,7 +35,9 @@ def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected:
                         f"{whose} is {expected}; feed batches of {expected} samples"
                         + (f", or re-plan with global_batch={rows}" if rows and not local else ""))
     checks.check_like_example(batch, specs, where, exact_shapes=True, require_keys=True)
-    checks.check_token_ids(batch, vocab_size, where)
-    starts = range(0, expected, micro_rows) if micro_rows else ()
-    checks.check_labels_present(batch, where, causal=causal,
-                                chunks=[(s, min(s + micro_rows, expected)) for s in starts])
+    lo, hi = own_rows if own_rows is not None else (0, expected)
+    mine = {k: (v[lo:hi] if hasattr(v, "shape") and len(v.shape) else v) for k, v in batch.items()}
+    checks.check_token_ids(mine, vocab_size, where)
+    starts = range(0, hi - lo, micro_rows) if micro_rows else ()
+    checks.check_labels_present(mine, where, causal=causal,
+                                chunks=[(s, min(s + micro_rows, hi - lo)) for s in starts])

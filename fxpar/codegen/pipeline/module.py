@@ -346,7 +346,7 @@ class PipelineParallelModule(torch.nn.Module):
         where = "PipelineParallelModule.step" + ("(local=True)" if local else "")
         size = self.plan.stages[0].data_split[self.pipeline_index] // max(1, self.plan.num_microbatches)
         check_pipeline_batch(batch, where, self.input_names, expected, local, self._input_specs,
-                             self._vocab_size, self._causal, size)
+                             self._vocab_size, self._causal, size, (0, expected) if local else self.batch_rows())
 
     def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;

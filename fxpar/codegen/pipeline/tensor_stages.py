@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import PlanError
-from fxpar.runtime.distributed import new_group
+from fxpar.runtime.device import host_tensor
+from fxpar.runtime.distributed import host_group, new_group
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
@@ -114,15 +115,18 @@ def make_groups(layout: PipelineLayout, rank: int) -> PipelineGroups:
 
 
 class StageLink:
-    """The lead's messages to its followers over the stage's tensor-parallel group."""
+    """The lead's messages to its followers over the stage's tensor-parallel group: each message's
+    header (what the follower runs next) on a host group (:func:`fxpar.runtime.distributed.host_group`:
+    a host tensor, read without waiting for the device), its tensors on the stage's group."""
 
     def __init__(self, group: Any, lead: int, device: torch.device) -> None:
         self.group, self.lead, self.device = group, lead, device
+        self.control = host_group(group)
 
     def _header(self, op: int | None = None) -> int:
-        h = torch.tensor([op or 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(h, src=self.lead, group=self.group)
-        return int(h.item())
+        h = host_tensor([op or 0])
+        dist.broadcast(h, src=self.lead, group=self.control)
+        return int(h.tolist()[0])
 
     def send(self, op: int, tensors: Sequence[torch.Tensor] = ()) -> None:
         self._header(op)

@@ -59,7 +59,7 @@ from fxpar.runtime.device import to_host
 from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
 from fxpar.runtime.precision import TORCH_DTYPES
-from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
+from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
 
 class ShardedDataParallelModule(StepModule):
@@ -283,9 +283,8 @@ class ShardedDataParallelModule(StepModule):
         with self._probe.watching():
             return super()._forward(mb)
 
-    def _sum_items(self, count: torch.Tensor) -> None:
-        if self._distributed:
-            wait_work(dist.all_reduce(count, group=self.group, async_op=True), count.device)
+    def _items_group(self) -> Any:
+        return self.group if self._distributed else ALONE
 
     def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The gradients are already in the shards (reduce-scattered each round); the loss is

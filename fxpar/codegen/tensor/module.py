@@ -67,7 +67,7 @@ from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.runtime.step_loop import LossFn, LossWeighting, StepModule
+from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.structure import supports_vocab_parallel
 
@@ -152,9 +152,9 @@ class TensorParallelModule(StepModule):
                             "a dict of tensors the HF model accepts (input_ids, labels, ...)")
         super()._check_batch(batch, local)
 
-    def _sum_items(self, count: torch.Tensor) -> None:
-        if self.layout.replicas > 1:  # one rank per replica: the rows differ across replicas only
-            dist.all_reduce(count, group=self.dp_group)
+    def _items_group(self) -> Any:
+        """One rank per replica: the rows differ across replicas only."""
+        return self.dp_group if self.layout.replicas > 1 else ALONE
 
     def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
         """``g ← Σ_replicas g`` over this position's DP group for every parameter (shards at one
