@@ -54,19 +54,22 @@ def _plan(kind: str, model: torch.nn.Module, cluster, batch: int, data: dict) ->
     return None  # data parallel: fxpar.auto's own plan (strategies=["data_parallel"])
 
 
+def _setup(kind: str, steps: int) -> tuple[torch.nn.Module, list[dict], fxpar.Cluster, fxpar.Plan | None]:
+    """``kind``'s model, ``steps`` global batches of 8 (some labels padded), the cluster and plan."""
+    family, layers = KINDS[kind]
+    model = _model(family, layers)
+    data = [example_inputs(model, 8, 16, seed=1 + s) for s in range(steps)]
+    for b in data:
+        b["labels"][0, :5] = -100
+    cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
+    return model, data, cluster, _plan(kind, model, cluster, 8, data[0])
+
+
 def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) -> dict:
     """Set up ``kind`` and train ``steps`` steps under a :class:`CollectiveAudit`; with
     ``explicit_device`` the rank's device is passed to ``fxpar.auto(device=...)`` explicitly."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = rank_device()
-    family, layers = KINDS[kind]
-    model = _model(family, layers)
-    batch = 8
-    data = [example_inputs(model, batch, 16, seed=1 + s) for s in range(steps)]
-    for b in data:
-        b["labels"][0, :5] = -100
-    cluster = fxpar.Cluster.emulated([1.0] * world)
-    plan = _plan(kind, model, cluster, batch, data[0])
+    rank, device = dist.get_rank(), rank_device()
+    model, data, cluster, plan = _setup(kind, steps)
     with CollectiveAudit(device) as audit:
         pm = fxpar.auto(model, cluster, data[0], plan=plan, device=device if explicit_device else None,
                         strategies=["data_parallel"] if plan is None else None)
@@ -89,22 +92,15 @@ def step_cost_of_kind(kind: str, steps: int = 3, dtype: str = "fp32", shard_stag
     device-to-host copies, ops) and the MoE layers and micro-batches for the expected copies."""
     from fxpar.runtime.step_audit import StepAudit
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    family, layers = KINDS[kind]
-    model = _model(family, layers)
-    batch = 8
-    data = [example_inputs(model, batch, 16, seed=1 + s) for s in range(steps)]
-    for b in data:
-        b["labels"][0, :5] = -100
-    cluster = fxpar.Cluster.emulated([1.0] * world)
-    plan = _plan(kind, model, cluster, batch, data[0])
+    rank = dist.get_rank()
+    model, data, cluster, plan = _setup(kind, steps)
     if kind == "sharded_data_parallel":
         plan = sharded_data_parallel_plan(cluster, batch_split=[5, 3], state_split=[1, 3], shard_stage=shard_stage,
                                           micro_batch_size=3)
     if plan is None:
         from .workers import dp_only_plan
 
-        plan = dp_only_plan(model, cluster, data[0], batch)
+        plan = dp_only_plan(model, cluster, data[0], 8)
     plan = dataclasses.replace(plan, dtype=dtype)
     pm = fxpar.auto(model, cluster, data[0], plan=plan, emulate=False)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
