@@ -49,6 +49,18 @@ def test_two_pipelines_at_different_speeds_with_uneven_batches(pool4, family):
     assert [r["rows"] for r in by_rank] == [(0, 6), (0, 6), (6, 8), (6, 8)]
     assert [r["micro_batch"] for r in by_rank] == [3, 3, 1, 1]
     assert by_rank[0]["slept_s"] == 0.0 and by_rank[3]["slept_s"] > 0.0  # the emulated slow replica waits
+    _check_overlap(by_rank)
+
+
+def _check_overlap(by_rank) -> None:
+    """Each stage's sum across the pipelines starts inside its own last backward, so the last
+    stage's starts before the first stage's last backward does (that backward needs the last
+    stage's gradient): wall clocks of one machine, compared across its processes."""
+    for r in by_rank:
+        assert r["launched_in_backward"] >= 1, r
+    for first, last in [(by_rank[0], by_rank[1]), (by_rank[2], by_rank[3])]:
+        assert (first["stage"], last["stage"]) == (0, 1)
+        assert last["launch_times"][0] < first["armed_at"], (last["launch_times"], first["armed_at"])
 
 
 def test_stage_major_replicas_with_uneven_batches(pool4):

@@ -246,3 +246,69 @@ def test_collectives_match_across_ranks(pool2, shard_stage):
     gathers = [v for k, v in first["groups"].items() if k.startswith("all:")]
     per_round = 3 + 1 if shard_stage == 3 else 0              # rest, 2 blocks forward, 1 block backward
     assert sum(op.startswith("all_gather") for op, _ in gathers[0]) == (3 if shard_stage == 2 else 3 * per_round)
+
+
+class _WideBlock(torch.nn.Module):
+    """A block of ``n`` linear layers (``2n`` parameters)."""
+
+    def __init__(self, width: int, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, per_block: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_WideBlock(8, per_block) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("shard_stage", [2, 3])
+def test_a_units_collectives_cost_the_same_ops_whatever_its_parameter_count(shard_stage):
+    """Packing and unpacking a unit's all-gather and reduce-scatter dispatch the same tensor ops
+    for a block of 2 parameters as for one of 16 (persistent buffers, one ``cat`` / one
+    ``split_with_sizes_copy``: no per-parameter copy), and the second and third steps allocate
+    the same buffers (the same op counts, no fresh ``empty`` or ``zeros``)."""
+    from fxpar.codegen.sharded.module import ShardedDataParallelModule
+    from fxpar.runtime.step_audit import StepAudit
+
+    counts = {}
+    for per_block in (1, 8):
+        torch.manual_seed(0)
+        plan = sharded_data_parallel_plan(Cluster.emulated([1.0]), batch_split=[4], state_split=[1],
+                                          shard_stage=shard_stage)
+        pm = ShardedDataParallelModule(_Net(per_block), plan, 0, emulate=False,
+                                       loss_fn=lambda out, batch: out)
+        unit = pm._units[1]
+        assert len(unit.tensors) == 2 * per_block
+        steps = []
+        for _ in range(3):
+            audit = StepAudit()
+            originals = {n: getattr(unit, n) for n in ("launch_gather", "finish_gather", "launch_reduce",
+                                                       "finish_reduce")}
+            for name, fn in originals.items():
+                def counted(*a, fn=fn, **k):
+                    with audit:
+                        return fn(*a, **k)
+                setattr(unit, name, counted)
+            pm.step(torch.randn(4, 8))
+            for name, fn in originals.items():
+                setattr(unit, name, fn)
+            steps.append(dict(audit.cost.op_counts))
+            for p in pm.parameters():
+                p.grad = None
+        assert steps[1] == steps[2], steps          # steady: the same ops each step
+        counts[per_block] = steps[2]
+    assert counts[1] == counts[8], counts
+    ops = counts[8]
+    assert not {op for op in ops if "empty" in op or "zeros" in op}, ops
+    assert ops.get("aten.split_with_sizes_copy.out", 0) >= 1 and ops.get("aten.cat.out", 0) >= 1, ops

@@ -38,6 +38,8 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
     out = {"rank": rank, "stage": pm.stage_index, "pipeline": pm.pipeline_index, "rows": pm.batch_rows(),
            "micro_batch": plan.ranks[rank].micro_batch_size, "steps": train_and_compare(pm, reference, data)}
     out["slept_s"] = pm.emulator.slept_s
+    out["launched_in_backward"] = pm._replica_sum.launched_in_backward
+    out["armed_at"], out["launch_times"] = pm._replica_sum.armed_at, pm._replica_sum.buckets.last_launch_times
     return out
 
 

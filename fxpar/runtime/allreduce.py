@@ -31,6 +31,7 @@ collective first, so a slow rank reaches each bucket's collective as late as a s
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -127,6 +128,7 @@ class GradientBuckets:
         self.buckets: list[list[torch.nn.Parameter]] = [b.params for b in self._buckets]
         self._bucket_of = {id(p): k for k, b in enumerate(self._buckets) for p in b.params}
         self.last_launched_in_backward = 0
+        self.last_launch_times: list[float] = []
         self._handles: list[Any] = []
         self._reset()
 
@@ -136,6 +138,9 @@ class GradientBuckets:
         self._next = 0
         self._works: list[Any] = []
         self.launched_in_backward = 0   # buckets whose all-reduce started before the backward ended
+        #: wall-clock time (``time.time()``, comparable across the processes of one machine) of
+        #: each launch of the current step
+        self.launch_times: list[float] = []
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +181,7 @@ class GradientBuckets:
 
     def _launch(self, k: int) -> None:
         self._works.append(self._buckets[k].launch())
+        self.launch_times.append(time.time())
 
     def _launch_ready(self) -> None:
         if self._next < len(self._buckets) and self._pending[self._next] == 0:
@@ -206,5 +212,6 @@ class GradientBuckets:
         for b in self._buckets:
             b.finish()
         self.last_launched_in_backward = self.launched_in_backward
+        self.last_launch_times = self.launch_times
         self._reset()
         return loss[0].to(torch.float32) if loss is not None else None

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fxpar.errors import PlanError
 from fxpar.runtime import batch_checks as checks
 
@@ -41,3 +44,21 @@ def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected:
     starts = range(0, hi - lo, micro_rows) if micro_rows else ()
     checks.check_labels_present(mine, where, causal=causal,
                                 chunks=[(s, min(s + micro_rows, hi - lo)) for s in starts])
+
+
+def item_weights(batch: Mapping[str, torch.Tensor], lo: int, hi: int, *, by_tokens: bool, causal: bool,
+                 device: torch.device, sum_group: Any = None) -> torch.Tensor:
+    """``n_i / N`` per sample of rows ``[lo, hi)`` (:mod:`fxpar.codegen.pipeline.module`'s weighting):
+    ``n_i`` its label tokens (``by_tokens``: HF models) or 1, ``N`` summed over ``batch`` (and over
+    ``sum_group``: the pipelines' stage group when each rank holds its pipeline's rows only).
+    Counted where the batch is (tensor ops: nothing is read back) and moved to ``device``."""
+    labels = batch.get("labels")
+    if by_tokens and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
+        used = labels[..., 1:] if causal else labels
+        items = (used != checks.IGNORE_INDEX).flatten(1).sum(1).to(device, torch.float64)
+    else:
+        items = torch.ones(len(next(iter(batch.values()))), dtype=torch.float64, device=device)
+    total = items.sum()
+    if sum_group is not None:
+        dist.all_reduce(total, group=sum_group)
+    return (items[lo:hi] / total).to(torch.float32)

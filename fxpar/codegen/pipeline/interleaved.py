@@ -122,9 +122,12 @@ class InterleavedPipelineModule(PipelineParallelModule):
                     for i, o in example_values(modules, tuple(one[n] for n in self.input_names))]
         # this rank's stages only (a weight two of them read: one tensor)
         place_stages(list(self.stage_modules), model, self._canonical, self.device, source)
+        # one sum across the pipelines for all of them, armed by the first stage: its last
+        # backward is the rank's last (each later stage's ends before it, in every schedule)
+        self._replica_sum = self._make_replica_sum()
         for j, mod in zip(self.stage_indices, self.stage_modules):
             mod.checkpointing = wants_checkpointing(self.plan, j)
-            wrap_stage(mod, self.clock, self.emulator, None)
+            wrap_stage(mod, self.clock, self.emulator, None, on_forward=self._arming() if j == self.stage_index else None)
         return examples
 
     def _multi_schedule(self, schedule_class: type, examples: list[tuple[tuple, tuple]], stage_rank: list[int],

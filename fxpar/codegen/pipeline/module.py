@@ -47,12 +47,13 @@ import torch.distributed as dist
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
+from fxpar.codegen.pipeline.replica_sum import ReplicaSum, replica_sum
 from fxpar.codegen.pipeline.replicas import (
     broadcast_first_pipeline,
     owner_groups,
-    sum_across_pipelines,
+    summed_entries,
 )
-from fxpar.codegen.pipeline.batches import check_pipeline_batch
+from fxpar.codegen.pipeline.batches import check_pipeline_batch, item_weights
 from fxpar.codegen.pipeline.eager import cut_stages
 from fxpar.codegen.pipeline.export import host_stand_ins, meta_stage_tensors, shape_on_meta, stage_stand_ins
 from fxpar.codegen.pipeline.stage_setup import (
@@ -90,7 +91,6 @@ from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
-from fxpar.runtime.batch_checks import IGNORE_INDEX
 from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
@@ -188,7 +188,8 @@ class PipelineParallelModule(torch.nn.Module):
         self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
-        wrap_stage(self.module, self.clock, self.emulator, self._link)
+        self._replica_sum = self._make_replica_sum()
+        wrap_stage(self.module, self.clock, self.emulator, self._link, on_forward=self._arming())
         stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
         return stage_in, stage_out
@@ -221,6 +222,15 @@ class PipelineParallelModule(torch.nn.Module):
         last = self.stage_index == len(plan.stages) - 1
         shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks),
                     embedding=self.stage_index == 0, head=last, expert_shares=experts)
+
+    def _make_replica_sum(self) -> ReplicaSum | None:
+        """The sum of this rank's gradients across the pipelines (None with one pipeline)."""
+        return replica_sum(self.plan, summed_entries(self.named_original_parameters(), self._owners,
+                                                     self._stage_replicas), self.clock)
+
+    def _arming(self) -> Any:
+        """What the rank's first stage calls with each forward's outputs (:meth:`ReplicaSum.saw_forward`)."""
+        return self._replica_sum.saw_forward if self._replica_sum is not None else None
 
     # ---- training -------------------------------------------------------------------------
     def named_original_parameters(self):
@@ -255,6 +265,8 @@ class PipelineParallelModule(torch.nn.Module):
         what = "step" if train else "eval_loss"
         with peer_failures(f"{type(self).__name__}.{what} ({self._where()})", self.rank):
             weights = self._item_weights(batch, lo, hi, local)
+            if train and self._replica_sum is not None:
+                self._replica_sum.begin_step()
             # contiguous: torch 2.11's stages check the inputs' strides against the example's,
             # and a batch sliced by the user (ids[:, :-1]) is a strided view
             self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True).contiguous()
@@ -282,19 +294,9 @@ class PipelineParallelModule(torch.nn.Module):
         return loss * self._scale if torch.is_grad_enabled() else loss
 
     def _item_weights(self, batch: dict[str, torch.Tensor], lo: int, hi: int, local: bool) -> torch.Tensor:
-        """``n_i / N`` per sample of this pipeline's rows (module docstring): ``n_i`` its label
-        tokens (HF models) or 1, ``N`` summed over the global batch (over the pipelines'
-        stage group when ``local``: each rank then holds its pipeline's rows only)."""
-        labels = batch.get("labels")
-        if self._by_tokens and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
-            used = labels[..., 1:] if self._causal else labels
-            items = (used != IGNORE_INDEX).flatten(1).sum(1).to(self.device, torch.float64)
-        else:
-            items = torch.ones(len(next(iter(batch.values()))), dtype=torch.float64, device=self.device)
-        total = items.sum()
-        if local and self.plan.pipelines > 1:
-            dist.all_reduce(total, group=self.dp_group)
-        return (items[lo:hi] / total).to(torch.float32)
+        """``n_i / N`` per sample of this pipeline's rows (:func:`fxpar.codegen.pipeline.batches.item_weights`)."""
+        return item_weights(batch, lo, hi, by_tokens=self._by_tokens, causal=self._causal, device=self.device,
+                            sum_group=self.dp_group if local and self.plan.pipelines > 1 else None)
 
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
         """The stage modules (mixed precision: exported under the autocast of the device the
@@ -327,7 +329,7 @@ class PipelineParallelModule(torch.nn.Module):
         ``losses``."""
         S = len(self.plan.stages)
         if not self.is_lead:
-            follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock)
+            follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock, self._arming())
             return
         target = weights
         run = self.schedule.step if train else self.schedule.eval
@@ -365,9 +367,12 @@ class PipelineParallelModule(torch.nn.Module):
         return clip_by_global_norm(counted, params, max_norm, self.pipe_group)
 
     def _sync_gradients(self) -> None:
+        """Across the pipelines (SUM: the weights hold 1/N; the buckets launched during the last
+        backward), then tied weights across this pipeline's stages (sums commute: each stage's
+        replicas sum their own part first)."""
+        if self._replica_sum is not None:
+            self._replica_sum.finish()
         sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
-        if self.plan.pipelines > 1:  # SUM: the weights hold 1/N
-            sum_across_pipelines(self.named_original_parameters(), self._owners, self._stage_replicas)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The full model's parameters under their original FQNs, on rank ``dst`` (None

@@ -53,21 +53,19 @@ def _exchanges(named: Iterable[tuple[str, torch.nn.Parameter]], by_block: dict[s
         yield p, (by_block.get(block, stage) if block is not None else stage)
 
 
-def sum_across_pipelines(named: Iterable[tuple[str, torch.nn.Parameter]], by_block: dict[str, Any],
-                         stage: tuple[int, Any]) -> None:
-    """``∇W ← Σ_pipelines ∇W`` for every parameter of this rank (the loss weights already hold
-    ``1/N``): a block's parameters in its owners' group, the others in ``stage`` ((ranks, group)
-    of this stage across the pipelines)."""
-    for p, (_, group) in _exchanges(named, by_block, stage):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
+def summed_entries(named: Iterable[tuple[str, torch.nn.Parameter]], by_block: dict[str, Any],
+                   stage: tuple[int, Any]) -> list[tuple[torch.nn.Parameter, Any]]:
+    """``(parameter, group)`` for ``∇W ← Σ_pipelines ∇W`` of every parameter of this rank (the loss
+    weights already hold ``1/N``), in the exchange order: a block's parameters in its owners'
+    group, the others in ``stage`` ((ranks, group) of this stage across the pipelines).  The sum
+    is :class:`fxpar.codegen.pipeline.replica_sum.ReplicaSum`'s."""
+    return [(p, group) for p, (_, group) in _exchanges(named, by_block, stage)]
 
 
 def broadcast_first_pipeline(named: Iterable[tuple[str, torch.nn.Parameter]], by_block: dict[str, Any],
                              stage: tuple[int, Any]) -> None:
     """Every pipeline starts from the first one's weights: each parameter from its owner in
-    pipeline 0, over the same groups as :func:`sum_across_pipelines`."""
+    pipeline 0, over the same groups as :func:`summed_entries`."""
     with torch.no_grad():
         for p, (ranks, group) in _exchanges(named, by_block, stage):
             dist.broadcast(p.data, src=ranks[0], group=group)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,10 +163,12 @@ class LeadExit(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link: StageLink | None) -> None:
+def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link: StageLink | None,
+               on_forward: Callable[[Sequence[Any]], None] | None = None) -> None:
     """Replace ``module.forward`` so that it tells the followers (``link``: a tensor-parallel
     stage's lead), times the compute with the emulation ``clock``, and marks the outputs so the
-    backward does both too (its end, when every parameter has its gradient, stops the clock)."""
+    backward does both too (its end, when every parameter has its gradient, stops the clock);
+    ``on_forward`` sees the outputs the schedule gets (the replica sum counts forwards)."""
     inner = module.forward
 
     def forward(*args):
@@ -178,11 +180,13 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link
         clock.stop()
         outs = out if isinstance(out, tuple) else (out,)
         keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if not grad or not keep or (link is None and not emulator.active):
-            return out
-        marked = iter(LeadExit.apply(link, clock, *(outs[i] for i in keep)))
-        outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
-        return outs if isinstance(out, tuple) else outs[0]
+        if grad and keep and (link is not None or emulator.active):
+            marked = iter(LeadExit.apply(link, clock, *(outs[i] for i in keep)))
+            outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
+            out = outs if isinstance(out, tuple) else outs[0]
+        if on_forward is not None:
+            on_forward(outs)
+        return out
 
     module.forward = forward
     params = [p for _, p in module.named_original_parameters() if p.requires_grad]  # not a frozen one
@@ -205,9 +209,10 @@ def example_values(modules: Any, inputs: tuple) -> list[tuple[tuple, tuple]]:
     return out
 
 
-def follow(link: StageLink, forward: Any, inputs_like: Sequence[torch.Tensor], clock: SegmentClock) -> None:
+def follow(link: StageLink, forward: Any, inputs_like: Sequence[torch.Tensor], clock: SegmentClock,
+           on_forward: Callable[[Sequence[Any]], None] | None = None) -> None:
     """A follower's side of one schedule run (module docstring): replay the lead's forwards and
-    backwards until ``DONE``."""
+    backwards until ``DONE`` (``on_forward``: as :func:`wrap_stage`'s)."""
     pending: deque[list[torch.Tensor]] = deque()
     while True:
         op = link.receive_header()
@@ -225,6 +230,8 @@ def follow(link: StageLink, forward: Any, inputs_like: Sequence[torch.Tensor], c
             if grad:
                 outs = out if isinstance(out, tuple) else (out,)
                 pending.append([o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+                if on_forward is not None:
+                    on_forward(outs)
         elif op == BWD:
             if not pending:
                 raise PlanError("pipeline stage follower: a backward arrived before its forward")
