@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from fxpar.plan import Plan
 from fxpar.planning import measured_graph
 from fxpar.predict import Pricing
 from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
+from fxpar.runtime.compile import CompileOptions, compile_options
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
@@ -94,7 +95,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
          group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8,
          device: torch.device | str | None = None, checkpoint: str | Path | None = None,
-         strategies: Sequence[str] | None = None, adapt: bool | Adapt = False):
+         strategies: Sequence[str] | None = None, adapt: bool | Adapt = False,
+         compile: bool | str | Mapping[str, Any] | CompileOptions = False):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -115,25 +117,23 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     slices) its plan gives it; meant for a model built on the ``meta`` device.
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
-    Returns a :class:`DataParallelModule` or, for a pipeline, tensor-parallel, expert-parallel or
-    sharded data-parallel plan, a :class:`~fxpar.codegen.pipeline.module.PipelineParallelModule`,
-    :class:`~fxpar.codegen.tensor.module.TensorParallelModule`,
-    :class:`~fxpar.codegen.expert.module.ExpertParallelModule` or
-    :class:`~fxpar.codegen.sharded.module.ShardedDataParallelModule` — all with the same API:
+    Returns the plan kind's module (:func:`fxpar.build.build_module`), all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
     ``adapt=True`` / :class:`fxpar.adapt.Adapt`: an adaptive module (:mod:`fxpar.adapt`).
+    ``compile``: ``torch.compile`` each block, as torchtitan does: True (inductor), a backend
+    name or ``{"backend", "fullgraph", "mode"}`` (:mod:`fxpar.runtime.compile`).
 
-    Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`, or
-    ``timeout=`` of ``init_process_group``): a rank that dies then makes the others' ``step``
-    raise :class:`~fxpar.errors.RuntimeSetupError` within that time instead of waiting for
-    torch's default of 30 minutes.  Bad options raise :class:`~fxpar.errors.ConfigError`
-    naming the keyword and the value (see :mod:`fxpar.api_checks`).
+    Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`): a rank
+    that dies then makes the others' ``step`` raise :class:`~fxpar.errors.RuntimeSetupError`
+    within it, not torch's default of 30 minutes.  Bad options raise
+    :class:`~fxpar.errors.ConfigError` naming the keyword and the value (:mod:`fxpar.api_checks`).
     """
     _check_auto_args(model, device, global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                      max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn, loss_weighting=loss_weighting,
                      emulate=emulate, max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies,
                      adapt=adapt)
+    compiling = compile_options(compile)   # a bad value, or inductor without a compiler: before tracing
     cluster = _as_cluster(cluster)
     rank = _check_world(cluster, group)
     example_inputs, global_batch = _example_batch(model, cluster, example_inputs, plan, global_batch, seq_len, loss_fn)
@@ -142,7 +142,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
                                max_tensor_parallel=max_tensor_parallel, strategies=strategies)
     device = _checked_rank_device(model, plan, rank, device, group=group, loss_fn=loss_fn,
                                   loss_weighting=loss_weighting, example_inputs=example_inputs)
-    build_options = dict(group=group, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    build_options = dict(group=group, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, compile=compiling)
     workload = Workload(global_batch=plan.global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                         max_microbatches=max_microbatches)
     return _rank_module(model, plan, pricing, rank=rank, device=device, example_inputs=example_inputs,

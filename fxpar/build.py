@@ -18,16 +18,28 @@ from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.codegen.sharded.module import ShardedDataParallelModule
 from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.plan import Plan
+from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.tracing.analyze_model import remember_example
 
 
 def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
                  checkpoint: str | Path | Any | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
-                 emulate: bool) -> torch.nn.Module:
-    """This rank's module for ``plan`` (the plan kind picks the class).  ``checkpoint``: a HF
-    folder, a :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose
-    values a reshard fills), or None."""
+                 emulate: bool, compile: CompileOptions | None = None) -> torch.nn.Module:
+    """This rank's module for ``plan`` (the plan kind picks the class), its regions compiled when
+    ``compile`` says (:mod:`fxpar.runtime.compile`).  ``checkpoint``: a HF folder, a
+    :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose values a
+    reshard fills), or None."""
+    module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
+                    loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+    if compile is not None:
+        module.compile_regions(compile)
+    return module
+
+
+def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
+           checkpoint: str | Path | Any | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
+           emulate: bool) -> torch.nn.Module:
     common = {"emulate": emulate, "device": device, "checkpoint": checkpoint}
     if plan.strategy in ("tensor_parallel", "pipeline") and example_inputs is not None:
         remember_example(model, example_inputs)  # tensor parallelism exports a non-HF model on it

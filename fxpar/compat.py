@@ -59,6 +59,12 @@ transformers (checked against 5.23):
   base class (:func:`dispatch_recorder_base`) runs the probe and the step audit's counters
   (:mod:`fxpar.runtime.host_reads`).
 
+- ``torch._dynamo.utils.counters`` and ``torch._dynamo.exc.TorchDynamoException``: how many graph
+  breaks and graphs ``torch.compile`` made (a plan's compiled regions list their breaks and a
+  test checks that nothing recompiles after the second step: :mod:`fxpar.runtime.compile`), and
+  whether an error came from compiling (a region that cannot compile is named in a ConfigError).
+  torch has no public counter or base class for either (checked against torch 2.11 and 2.13).
+
 - ``torch._subclasses.fake_tensor.FakeTensorMode``: runs ops on tensors that have a device and
   shapes but no values.  A bf16 / fp16 pipeline of a meta model needs its stage boundaries'
   shapes and dtypes *under the host's autocast* (the meta device has none), without computing
@@ -194,6 +200,26 @@ def fake_host_mode() -> Any:
 def is_dtype_cast(func: Any) -> bool:
     """``func`` is ``aten._to_copy.default``: a cast (autocast's, ``Tensor.to``'s)."""
     return func is torch.ops.aten._to_copy.default
+
+
+def dynamo_counters() -> Any:
+    """dynamo's counters (``counters["graph_break"]``: breaks by reason; ``counters["stats"]``:
+    ``unique_graphs``, ``calls_captured``)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """``exc`` (or what it wraps) was raised by torch.compile's tracing or a backend compiler."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, TorchDynamoException):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
 
 
 def dispatch_recorder_base() -> type:

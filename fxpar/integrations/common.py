@@ -23,7 +23,8 @@ def parallelize(model: torch.nn.Module, config: FxparConfig, example_inputs: Any
         raise ConfigError(f"fxpar: model has type {type(model).__name__}; expected a torch.nn.Module")
     return auto(model, config.resolve_cluster(), example_inputs, global_batch=batch,
                 plan=config.load_plan(), emulate=config.emulate, strategies=config.strategies,
-                max_tensor_parallel=config.max_tensor_parallel, adapt=config.adapt_options(), **workload)
+                max_tensor_parallel=config.max_tensor_parallel, adapt=config.adapt_options(), compile=config.compile,
+                **workload)
 
 
 def rank_rows(pmodel: Any) -> tuple[int, int]:

@@ -20,6 +20,8 @@ found through ``--fxpar-config`` / ``FXPAR_CONFIG`` (or passed as a mapping)::
       warmup_steps: 2            # steps ignored after start and after each re-balance
       window: 3                  # median over this many steps
     emulate: true                # sleep to emulate relative speeds (CPU only)
+    compile: false               # torch.compile each block: true (inductor), a backend name
+                                 # ("aot_eager"), or {backend, fullgraph, mode}
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
+from fxpar.runtime.compile import compile_options
 from fxpar.workload import Workload
 
 CONFIG_ENV = "FXPAR_CONFIG"
@@ -81,6 +84,9 @@ class FxparConfig:
     #: re-plan every family from measured speeds and move the live state (:mod:`fxpar.adapt`):
     #: true, or a mapping of :data:`ADAPT_KEYS`; it supersedes ``rebalance`` (which then stays off)
     adapt: bool | Mapping[str, Any] = False
+    #: torch.compile each block (``fxpar.auto``'s ``compile``): false, true, a backend name or a
+    #: mapping of backend / fullgraph / mode (:mod:`fxpar.runtime.compile`)
+    compile: bool | str | Mapping[str, Any] = False
     source: str = "<fxpar config>"
 
     def __post_init__(self) -> None:
@@ -105,6 +111,7 @@ class FxparConfig:
                               "must be a positive integer")
         if not isinstance(self.emulate, bool):
             raise ConfigError(f"{self.source}: emulate = {self.emulate!r}: must be true or false")
+        compile_options(self.compile, f"{self.source}: compile")   # a clear error for a bad value
         if not isinstance(self.adapt, (bool, Mapping)) or isinstance(self.adapt, Mapping) and set(self.adapt) - ADAPT_KEYS:
             raise ConfigError(f"{self.source}: adapt = {self.adapt!r}: must be true, false or a mapping of "
                               f"{sorted(ADAPT_KEYS)}")

@@ -51,18 +51,18 @@ from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.allreduce import GradientBuckets
+from fxpar.runtime.compile import CompileOptions, RegionalCompile, explained
 from fxpar.runtime.batches import count_items, slice_rows, split_microbatches, to_device
 from fxpar.runtime.device import host_tensor, module_device, plan_rank_device
 from fxpar.runtime.distributed import host_group, is_comm_failure, peer_failures, wait_work
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
+from fxpar.runtime.losses import LOSS_WEIGHTINGS, LossFn, LossWeighting, check_loss_options, default_loss, zero_loss
 from fxpar.runtime.optim import make_optimizer
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime.precision import TORCH_DTYPES, autocast_for
+from fxpar.tracing.structure import block_paths
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-LossWeighting = Literal["auto", "samples", "tokens"]
-LOSS_WEIGHTINGS: tuple[str, ...] = ("auto", "samples", "tokens")
 #: what a kind does with a micro-batch of no items: "skip" it, or run it with a zero loss
 #: ("zero_loss": every rank must take part in every collective of every micro-batch)
 EmptyMicrobatches = Literal["skip", "zero_loss"]
@@ -80,47 +80,6 @@ class StepTiming:
     emulation_s: float    # sleep added to emulate a slower device
     comm_s: float         # collectives: inside forward/backward and the gradient sync
     total_s: float
-
-
-# ---- losses ----------------------------------------------------------------------------------
-def default_loss(output: Any, batch: Any) -> torch.Tensor:
-    """The model's own loss: ``output.loss``, ``output["loss"]`` or a scalar output."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
-        loss = output
-    if loss is None:
-        raise PlanError(
-            "ParallelModule.step: the model's output has no `loss`; pass labels in the batch "
-            "(HF models) or give fxpar.auto(..., loss_fn=lambda output, batch: ...)")
-    return loss
-
-
-def zero_loss(output: Any) -> torch.Tensor | None:
-    """``0 · Σ t.sum()`` over the non-scalar floating tensors of ``output`` that need gradients
-    (None if there are none): its backward runs every collective of the backward with zero
-    gradients, whatever a loss function would make of a micro-batch with no items (0/0)."""
-    def tensors(x: Any) -> list[torch.Tensor]:
-        if isinstance(x, Mapping):
-            return [t for v in x.values() for t in tensors(v)]
-        if isinstance(x, (tuple, list)):
-            return [t for v in x for t in tensors(v)]
-        return [x] if isinstance(x, torch.Tensor) and x.dim() and x.requires_grad \
-            and x.is_floating_point() else []
-    parts = [t.float().sum() * 0.0 for t in tensors(output)]
-    return torch.stack(parts).sum() if parts else None
-
-
-def check_loss_options(where: str, loss_fn: Any, loss_weighting: Any) -> None:
-    """``loss_fn`` is None or callable, ``loss_weighting`` one of :data:`LOSS_WEIGHTINGS`."""
-    if not isinstance(loss_weighting, str) or loss_weighting not in LOSS_WEIGHTINGS:
-        raise ConfigError(f"{where}: loss_weighting = {loss_weighting!r}: accepted values are "
-                          f"{', '.join(LOSS_WEIGHTINGS)} ('tokens' weights ranks by label tokens, "
-                          "'samples' by rows, 'auto' picks tokens for HF models)")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ConfigError(f"{where}: loss_fn = {loss_fn!r:.60} is not callable; pass a function "
-                          "(output, batch) -> scalar loss tensor, or None")
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -145,6 +104,8 @@ class StepModule(torch.nn.Module):
     hf_use_cache: ClassVar[bool] = True
     #: gradient bucket size of the overlapped all-reduce (set before the first step to change)
     bucket_bytes: int = GRADIENT_BUCKET_BYTES
+    #: compiled blocks are whole graphs (:mod:`fxpar.runtime.compile`; expert parallelism: no)
+    compile_fullgraph: ClassVar[bool] = True
 
     module: torch.nn.Module
     plan: Plan
@@ -174,6 +135,8 @@ class StepModule(torch.nn.Module):
         self.loss_scaler: DynamicLossScaler | None = scaler_for(plan.dtype)
         self._grad_buckets: GradientBuckets | None = None
         self._control: Any = None   # the host group of item counts (:meth:`_host_group`)
+        #: the compiled blocks (:meth:`compile_regions`)
+        self.compiled: RegionalCompile | None = None
         #: dtypes of the traced inputs, for the batch checks ({}: unknown)
         self._input_specs: dict[str, checks.InputSpec] = {}
         vocab = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -238,7 +201,16 @@ class StepModule(torch.nn.Module):
                     self.loss_scaler.unscale_and_check(self.module.parameters(), device, self._scaler_group())
         self.last_timing = StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
                                       comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds)
+        self.plan = explained(self.plan, self.compiled)   # the compiled regions' graph breaks, once
         return loss
+
+    # ---- torch.compile -------------------------------------------------------------------------
+    def compile_regions(self, options: CompileOptions) -> None:
+        """Compile every repeated block's forward (:mod:`fxpar.runtime.compile`); the first step
+        that runs them adds their graph breaks to ``plan.explain``."""
+        self.compiled = RegionalCompile(options)
+        self.compiled.compile_blocks(self.module, block_paths(self.module), fullgraph=self.compile_fullgraph)
+
 
     def _total_items(self, batch: Any, local: bool, device: torch.device) -> int | torch.Tensor:
         """``N``: counted on the global batch, or summed over the ranks with other rows

@@ -188,7 +188,10 @@ class ExpertParallelExperts(torch.nn.Module):
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         return slots, send, recv, per_expert, perm, inv
 
+    @torch.compiler.disable(recursive=True)
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The dispatch, the experts and the combine; never compiled (``torch.compile`` of the
+        block around it breaks its graph here: the all-to-all's sizes are read on the host)."""
         T, H = hidden.shape
         k = top_k_index.shape[-1]
         clock = self.clock if self.clock is not None and self.clock.active else None

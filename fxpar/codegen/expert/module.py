@@ -77,6 +77,7 @@ class ExpertParallelModule(StepModule):
 
     empty_microbatches = "zero_loss"   # every rank joins every micro-batch's all-to-alls
     hf_use_cache = False
+    compile_fullgraph = False          # the routing counts are read on the host inside each MoE block
 
     def __init__(self, model: torch.nn.Module, plan_or_split: Plan | Sequence[int], rank: int, *,
                  batch_shares: Sequence[int] | None = None, group: Any = None,

@@ -35,6 +35,7 @@ from fxpar.codegen.pipeline.stage_setup import (
     wants_checkpointing,
 )
 from fxpar.codegen.pipeline.ties import TiedParam, alias_groups, canonical_names
+from fxpar.codegen.pipeline.replica_sum import counting
 from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.errors import PlanError
@@ -127,7 +128,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self._replica_sum = self._make_replica_sum()
         for j, mod in zip(self.stage_indices, self.stage_modules):
             mod.checkpointing = wants_checkpointing(self.plan, j)
-            wrap_stage(mod, self.clock, self.emulator, None, on_forward=self._arming() if j == self.stage_index else None)
+            wrap_stage(mod, self.clock, self.emulator, None, on_forward=counting(self._replica_sum) if j == self.stage_index else None)
         return examples
 
     def _multi_schedule(self, schedule_class: type, examples: list[tuple[tuple, tuple]], stage_rank: list[int],
@@ -182,6 +183,9 @@ class InterleavedPipelineModule(PipelineParallelModule):
 
     def _where(self) -> str:
         return f"stages {self.stage_indices}"
+
+    def _stages(self) -> list[tuple[int, torch.nn.Module]]:
+        return list(zip(self.stage_indices, self.stage_modules))
 
     def _run_schedule(self, inputs: tuple, losses: list, train: bool, weights: torch.Tensor) -> None:
         S = len(self.plan.stages)

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
-from fxpar.codegen.pipeline.replica_sum import ReplicaSum, replica_sum
+from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
+from fxpar.codegen.pipeline.stage_setup import compile_stages
 from fxpar.codegen.pipeline.replicas import (
     broadcast_first_pipeline,
     owner_groups,
@@ -95,6 +96,7 @@ from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.optim import make_optimizer
+from fxpar.runtime.compile import CompileOptions, RegionalCompile, explained
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.runtime.step_loop import LossWeighting, check_loss_options
 from fxpar.tracing.structure import block_paths
@@ -144,6 +146,7 @@ class PipelineParallelModule(torch.nn.Module):
         self.device = plan_rank_device(plan, rank, device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         self.loss_scaler = scaler_for(plan.dtype)
+        self.compiled: RegionalCompile | None = None   # the compiled stages (compile_regions)
         self._original = [model]  # a list: not registered as a submodule (config, names)
         return source
 
@@ -189,7 +192,7 @@ class PipelineParallelModule(torch.nn.Module):
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
         self._replica_sum = self._make_replica_sum()
-        wrap_stage(self.module, self.clock, self.emulator, self._link, on_forward=self._arming())
+        wrap_stage(self.module, self.clock, self.emulator, self._link, on_forward=counting(self._replica_sum))
         stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
         return stage_in, stage_out
@@ -228,10 +231,6 @@ class PipelineParallelModule(torch.nn.Module):
         return replica_sum(self.plan, summed_entries(self.named_original_parameters(), self._owners,
                                                      self._stage_replicas), self.clock)
 
-    def _arming(self) -> Any:
-        """What the rank's first stage calls with each forward's outputs (:meth:`ReplicaSum.saw_forward`)."""
-        return self._replica_sum.saw_forward if self._replica_sum is not None else None
-
     # ---- training -------------------------------------------------------------------------
     def named_original_parameters(self):
         return self.module.named_original_parameters()
@@ -247,7 +246,9 @@ class PipelineParallelModule(torch.nn.Module):
         """1F1B over this pipeline's share of ``batch`` (the global batch; with ``local=True``
         only this pipeline's rows, ``batch_rows()``); returns the global loss on every rank.
         The caller runs the optimizer step."""
-        return self._run(batch, local, train=True)
+        loss = self._run(batch, local, train=True)
+        self.plan = explained(self.plan, self.compiled)   # the compiled stages' graph breaks, once
+        return loss
 
     def eval_loss(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
         """The loss of ``batch`` (same rows as :meth:`step`) by a forward-only pass of the
@@ -329,7 +330,7 @@ class PipelineParallelModule(torch.nn.Module):
         ``losses``."""
         S = len(self.plan.stages)
         if not self.is_lead:
-            follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock, self._arming())
+            follow(self._link, self.module.forward_plain, self._stage_inputs, self.clock, counting(self._replica_sum))
             return
         target = weights
         run = self.schedule.step if train else self.schedule.eval
@@ -350,6 +351,13 @@ class PipelineParallelModule(torch.nn.Module):
         check_pipeline_batch(batch, where, self.input_names, expected, local, self._input_specs,
                              self._vocab_size, self._causal, size, (0, expected) if local else self.batch_rows())
 
+    def compile_regions(self, options: CompileOptions) -> None:
+        """Compile this rank's stages' compute (:func:`fxpar.codegen.pipeline.stage_setup.compile_stages`)."""
+        self.compiled = compile_stages(self._stages(), options)
+
+    def _stages(self) -> list[tuple[int, torch.nn.Module]]:
+        return [(self.stage_index, self.module)]
+
     def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
         :func:`fxpar.runtime.optim.make_optimizer`)."""
@@ -367,31 +375,25 @@ class PipelineParallelModule(torch.nn.Module):
         return clip_by_global_norm(counted, params, max_norm, self.pipe_group)
 
     def _sync_gradients(self) -> None:
-        """Across the pipelines (SUM: the weights hold 1/N; the buckets launched during the last
-        backward), then tied weights across this pipeline's stages (sums commute: each stage's
-        replicas sum their own part first)."""
+        """Across the pipelines (:mod:`~fxpar.codegen.pipeline.replica_sum`), then tied weights
+        across this pipeline's stages (sums commute: each stage's replicas sum their part first)."""
         if self._replica_sum is not None:
             self._replica_sum.finish()
         sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The full model's parameters under their original FQNs, on rank ``dst`` (None
-        elsewhere), from the first pipeline's stages: load it into the original model class and
-        call ``save_pretrained``.  Tied names are all present; the shards of a tensor-parallel
-        stage are concatenated in offset order along their split dimension."""
+        """The full model's parameters under their original FQNs on rank ``dst`` (None elsewhere),
+        from the first pipeline's stages (:func:`fxpar.codegen.pipeline.stage_state.gather_stages`)."""
         return gather_stages(self.named_original_parameters(), self.pipeline_index == 0, self._canonical,
                              self._aliases, dst)
 
     def checkpoint_layout(self) -> list[Any]:
-        """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook): a
-        whole tensor of its stage, or a tensor-parallel shard at its offset."""
+        """The box of every original parameter this rank holds: its stage's tensors, whole or shards."""
         return stage_boxes(self.named_original_parameters(), self._canonical, self._first_tie_stage, self._tie_owner)
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """A HF ``save_pretrained`` folder written from the stages: each rank streams the tensors
-        of its stage (the first pipeline's copy, tied weights once; a tensor-parallel stage's
-        tensors assembled by one of its ranks) into a file of its own, rank 0 adds the index and
-        ``config.json`` (:mod:`fxpar.checkpoint.hf_save`; no rank builds the model).  Collective."""
+        """A HF ``save_pretrained`` folder written from the stages, each rank its own file
+        (:mod:`fxpar.checkpoint.hf_save`: the first pipeline's copy, tied weights once).  Collective."""
         save_sharded(self, self._original[0], output_dir, **kwargs)
 
     def forward(self, *args: Any) -> Any:

@@ -90,4 +90,10 @@ def replica_sum(plan: Plan, entries: Sequence[tuple[torch.nn.Parameter, Any]], c
     return ReplicaSum(entries, clock, plan.num_microbatches, reduce)
 
 
-__all__ = ["ReplicaSum", "replica_sum"]
+def counting(summed: ReplicaSum | None) -> Any:
+    """What a stage calls with each forward's outputs (:meth:`ReplicaSum.saw_forward`; None
+    without a sum across pipelines)."""
+    return summed.saw_forward if summed is not None else None
+
+
+__all__ = ["ReplicaSum", "counting", "replica_sum"]

@@ -32,6 +32,7 @@ from fxpar.codegen.tensor.families import (
 from fxpar.compat import pipeline_stage_class
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan, StagePlan
+from fxpar.runtime.compile import CompileOptions, RegionalCompile
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 
 
@@ -140,3 +141,16 @@ def tp_shares(stage: StagePlan, pipeline: int, width: int, kv: int) -> tuple[lis
     experts = (list(stage.expert_split[pipeline * width:][: width])
                if stage.expert_split is not None else None)
     return shares, experts
+
+
+def compile_stages(stages: Sequence[tuple[int, torch.nn.Module]], options: CompileOptions) -> RegionalCompile:
+    """Each stage's compute compiled (:mod:`fxpar.runtime.compile`): an exported stage's graph
+    (its ``piece``) as one region, whole; an eager stage's blocks with graph breaks allowed."""
+    compiled = RegionalCompile(options)
+    for index, stage in stages:
+        piece = getattr(stage, "piece", None)
+        if piece is not None:
+            piece.forward = compiled.compile(f"stage {index}", piece.forward, fullgraph=True)
+        else:
+            stage._blocks = compiled.compile(f"stage {index} blocks", stage._blocks, fullgraph=False)
+    return compiled

@@ -58,6 +58,7 @@ from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import to_host
 from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
+from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.precision import TORCH_DTYPES
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
@@ -88,6 +89,8 @@ class ShardedDataParallelModule(StepModule):
         self._low = TORCH_DTYPES[policy.param_dtype] if policy.param_dtype != "fp32" else None
         #: watches the first step's forward for the parameters autocast casts (policy cast "autocast")
         self._probe: CastProbe | None = None
+        self._compile_later: CompileOptions | None = None
+        self.explain_precision = ""
         if self._low is not None:
             if policy.cast == "all":
                 self._set_wire([True] * len(self.tensors))
@@ -154,6 +157,18 @@ class ShardedDataParallelModule(StepModule):
         cast = probe.decide(flags)
         self._set_wire(cast)
         self.explain_precision = probe.describe(cast)
+        if self._compile_later is not None:   # compiled from the step after the probe's
+            super().compile_regions(self._compile_later)
+            self._compile_later = None
+
+    def compile_regions(self, options: CompileOptions) -> None:
+        """As the other kinds (each block's forward: the gathers around it stay eager); while the
+        first step's cast probe watches the forward (a dispatch mode, which dynamo does not
+        trace), the blocks run eagerly and are compiled once it is done."""
+        if self._probe is None:
+            super().compile_regions(options)
+        else:
+            self._compile_later = options
 
     def _gather_all(self) -> None:
         """Every unit gathered and registered in fp32 (evaluation, state gathers)."""

@@ -55,9 +55,9 @@ def _keep_key(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _tp_copy_backward(ctx: Any, grad: torch.Tensor):
-    grad = grad.contiguous().clone()
-    _all_reduce(grad, ctx.group_key)
-    return grad, None
+    # the all-reduce as the opaque op ``tp_reduce``, not a traced ``dist`` call: a compiled
+    # block's backward graph then holds no process group (torch.compile copies that graph)
+    return tp_reduce(grad, ctx.group_key), None
 
 
 tp_copy.register_autograd(_tp_copy_backward, setup_context=_keep_key)

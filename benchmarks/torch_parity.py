@@ -1,0 +1,300 @@
+"""fxpar's runtime against torch's own, card for card: the same model, batch and split on 2 gloo
+CPU ranks (one core each, equal speeds: nothing is emulated), fp32 and bf16.
+
+    python -m benchmarks.torch_parity [--rounds 3] [--steps 4] [--quick] [--dtypes fp32 bf16] [--out DIR]
+    python -m benchmarks --suite torch_parity [--quick]
+
+Pairs (fxpar arm / torch arm): uneven data parallelism at an even split / DDP; ZeRO-3 / FSDP2
+(``fully_shard`` per block and root, ``reshard_after_forward=True``); ZeRO-2 / FSDP2 with
+``reshard_after_forward=False``; tensor parallelism (key/value heads 2:2) / ``parallelize_module`` with
+``ColwiseParallel`` / ``RowwiseParallel`` on every block's projections; and data parallelism with
+every block compiled (``torch.compile``, inductor, each block on its own as torchtitan's
+``apply_compile``) / DDP over the same compiled blocks, beside the plain model compiled alike.  bf16: every arm under CPU
+autocast; FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; fxpar's
+ZeRO arms under their default policy (``cast="autocast"``: the parameters autocast casts gathered
+in bf16) and ZeRO-3 also under ``cast="all"`` (FSDP2's rule).  fxpar's arms run the path uneven
+plans take (its ragged layouts, at an even split).  A ``plain`` arm runs the model alone on each
+rank's rows: what every other arm's extra ops and reads are counted against.
+
+Each arm runs in fresh processes (FSDP2's device mesh slows what runs after it in-process), the
+arms' order alternating from round to round.  Per arm and rank: two warm-up steps (fxpar's
+first step probes which parameters autocast casts), ``steps`` timed steps (forward, backward,
+gradient sync, AdamW step; no instrumentation), then one step under each instrument:
+
+- bytes: torch's profiler's backend events (``gloo:*``), converted by one formula per collective
+  kind (:mod:`fxpar.profiling.wire_bytes`);
+- host reads, data-dependent shapes, syncs and dispatched ops of the forward + backward + sync
+  (:mod:`fxpar.runtime.step_audit`); an arm's extra ops are its ops minus the plain arm's;
+- the tensor peak (:class:`fxpar.profiling.tensor_peak.TensorPeak`, one window).
+
+Ratios are fxpar's median step over torch's in the same round; the table gives their median and
+the range over the rounds.  Every figure is computed; this machine's timing is only compared
+within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import finish
+from fxpar.api import auto
+from fxpar.cluster import Cluster
+from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.dtype_policy import DtypePolicy
+from fxpar.plan import Plan
+from fxpar.profiling.tensor_peak import TensorPeak, training_state
+from fxpar.profiling.wire_bytes import collective_events, wire_bytes
+from fxpar.runtime import WorkerPool
+from fxpar.runtime.step_audit import StepAudit
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.tracing.structure import block_path
+
+MODEL = ModelSpec(name="llama-parity", hf_config=dict(
+    model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, vocab_size=2048, max_position_embeddings=256))
+BATCH, SEQ, WORLD = 8, 128, 2
+MIB = 2 ** 20
+#: fxpar arm -> its torch counterpart
+PAIRS = {"fxpar DP": "torch DDP", "fxpar ZeRO-3": "torch FSDP2", "fxpar ZeRO-3 cast all": "torch FSDP2",
+         "fxpar ZeRO-2": "torch FSDP2 no reshard", "fxpar TP": "torch TP",
+         "fxpar DP compiled": "torch DDP compiled"}
+ARMS = ("plain", "torch DDP", "fxpar DP", "torch FSDP2", "fxpar ZeRO-3", "fxpar ZeRO-3 cast all",
+        "torch FSDP2 no reshard", "fxpar ZeRO-2", "torch TP", "fxpar TP", "plain compiled",
+        "torch DDP compiled", "fxpar DP compiled")
+#: the compiled arms' backend: inductor, each block compiled on its own (torchtitan's apply_compile)
+BACKEND = "inductor"
+WARMUP = 2
+
+
+# ---- the arms (inside the ranks) ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Arm:
+    """One arm on this rank: ``train(batch)`` runs forward, backward and the gradient sync,
+    ``optimizer`` the step after it; ``resident`` what the rank holds between steps."""
+
+    train: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    resident: Callable[[], list[torch.Tensor]]
+    padding_bytes: int | None = None
+
+
+def _autocast(dtype: str) -> Any:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's half of the global batch (torch's even split)."""
+    lo = dist.get_rank() * BATCH // WORLD
+    return {k: v[lo:lo + BATCH // WORLD] for k, v in batch.items()}
+
+
+def _plans(model: torch.nn.Module, dtype: str) -> dict[str, Plan]:
+    cluster = Cluster.emulated([1.0] * WORLD)
+    z = {stage: sharded_data_parallel_plan(cluster, batch_split=[BATCH // WORLD] * WORLD, state_split=[1] * WORLD,
+                                           shard_stage=stage, model=MODEL.name, seq_len=SEQ, dtype=dtype)
+         for stage in (2, 3)}
+    dp = dataclasses.replace(z[3], strategy="data_parallel",
+                             stages=(dataclasses.replace(z[3].stages[0], state_split=None, shard_stage=0),))
+    tp = dataclasses.replace(tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[2, 2]), dtype=dtype)
+    every = dataclasses.replace(z[3], dtype_policy=DtypePolicy(param_dtype="bf16", cast="all")) if dtype == "bf16" else z[3]
+    return {"fxpar DP": dp, "fxpar ZeRO-3": z[3], "fxpar ZeRO-2": z[2], "fxpar TP": tp, "fxpar ZeRO-3 cast all": every}
+
+
+def _fxpar(model: torch.nn.Module, plan: Plan, example: dict[str, torch.Tensor], compiled: bool) -> Arm:
+    pm = auto(model, Cluster.emulated([1.0] * WORLD), example, plan=plan, emulate=False,
+              compile=BACKEND if compiled else False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    units = getattr(pm, "_units", None)
+    padding = sum(u.train.gather.layout.padding_bytes for u in units) // len(units) if units else None
+    kept = lambda: [f for u in (units or []) for f in u.train.fulls]   # ZeRO-2 keeps its full tensors
+    return Arm(train=pm.step, optimizer=opt, resident=lambda: training_state(pm, opt) + kept(), padding_bytes=padding)
+
+
+def _torch(model: torch.nn.Module, arm: str, dtype: str) -> Arm:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    if arm.endswith("compiled"):   # each block on its own, the way fxpar's compiled arms are
+        for path in {b for b in (block_path(n) for n, _ in model.named_modules()) if b}:
+            block = model.get_submodule(path)
+            block.forward = torch.compile(block.forward, backend=BACKEND, fullgraph=True)
+    if arm.startswith("torch DDP"):
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    elif arm.startswith("torch FSDP2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
+            else MixedPrecisionPolicy()
+        reshard = arm == "torch FSDP2"
+        blocks = {b for b in (block_path(n) for n, _ in model.named_modules()) if b}
+        for name, module in model.named_modules():
+            if name in blocks:
+                fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        wrapped = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    elif arm == "torch TP":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                     "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, plan)
+        wrapped = model
+    else:
+        wrapped = model
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    rows = (lambda b: b) if arm == "torch TP" else _rows
+
+    def train(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with _autocast(dtype):
+            loss = wrapped(**rows(batch), use_cache=False).loss
+        loss.float().backward()
+        return loss.detach()
+
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    return Arm(train=train, optimizer=opt, resident=lambda: [local(t) for t in training_state(wrapped, opt)])
+
+
+def _build(arm: str, dtype: str) -> tuple[Arm, list[dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = build_model(MODEL, device="cpu", seed=0, attn_implementation="sdpa").train()
+    batches = [example_inputs(model, BATCH, SEQ, seed=100 + i) for i in range(8)]
+    for b in batches:
+        b["labels"][0, : SEQ // 4] = -100
+    if arm.startswith("fxpar"):
+        plan = _plans(model, dtype)[arm.removesuffix(" compiled")]
+        return _fxpar(model, plan, batches[0], arm.endswith("compiled")), batches
+    return _torch(model, arm, dtype), batches
+
+
+def _step(arm: Arm, batch: dict[str, torch.Tensor]) -> None:
+    arm.train(batch)
+    arm.optimizer.step()
+    arm.optimizer.zero_grad(set_to_none=True)
+
+
+def arm_worker(arm_name: str, dtype: str, steps: int) -> dict[str, Any]:
+    """One arm on this rank (module docstring): timed steps, then bytes, costs and peak."""
+    torch.set_num_threads(1)
+    arm, batches = _build(arm_name, dtype)
+    pick = lambda i: batches[i % len(batches)]
+    for i in range(WARMUP):
+        _step(arm, pick(i))
+    dist.barrier()
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        _step(arm, pick(WARMUP + i))
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        _step(arm, pick(0))
+    sent = wire_bytes(collective_events(prof.events()), WORLD)
+    dist.barrier()
+    with StepAudit() as cost:
+        arm.train(pick(1))
+    arm.optimizer.step()
+    arm.optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    with TensorPeak(arm.resident()) as peak:
+        _step(arm, pick(2))
+    dist.barrier()
+    return {"rank": dist.get_rank(), "times": times, "bytes": sent, "cost": cost.summary(),
+            "all_reads": len(cost.host_reads) + len(cost.model_reads),
+            "all_dynamic": len(cost.dynamic_shapes) + len(cost.model_dynamic_shapes),
+            "peak_bytes": peak.peak_bytes, "padding_bytes": arm.padding_bytes}
+
+
+# ---- the run (parent process) --------------------------------------------------------------------------
+def run_arm(arm: str, dtype: str, steps: int) -> list[dict[str, Any]]:
+    with WorkerPool(WORLD, env={"TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}) as pool:
+        return pool.run(arm_worker, arm, dtype, steps, timeout=1800)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def summarize(results: dict[tuple[str, str], list[list[dict[str, Any]]]], dtypes: list[str]
+              ) -> tuple[list[str], list[list[Any]], list[dict[str, Any]]]:
+    """Rows per (dtype, fxpar arm): its figures and its torch counterpart's, and the ratios over
+    the rounds.  ``results[(dtype, arm)]``: one list of per-rank dicts per round."""
+    head = ["dtype", "arm", "torch arm", "MiB sent/rank/step fxpar", "torch", "bytes ratio", "padding KiB/unit",
+            "fxpar host reads", "syncs", "extra ops fxpar", "extra ops torch", "step ratio median [range]",
+            "rounds", "peak MiB fxpar", "peak MiB torch", "peak ratio"]
+    rows, runs = [], []
+    for dtype in dtypes:
+        for mine, theirs in PAIRS.items():
+            a, b = results.get((dtype, mine)), results.get((dtype, theirs))
+            if not a or not b or (mine == "fxpar ZeRO-3 cast all" and dtype == "fp32"):
+                continue
+            plain = results.get((dtype, "plain compiled" if mine.endswith("compiled") else "plain"))
+            plain_ops = statistics.median(r[0]["cost"]["ops"] for r in plain) if plain else None
+            ratios = [statistics.median(x[0]["times"]) / statistics.median(y[0]["times"]) for x, y in zip(a, b)]
+            sent_a, sent_b = a[-1][0]["bytes"]["total"], b[-1][0]["bytes"]["total"]
+            ops_a, ops_b = a[-1][0]["cost"]["ops"], b[-1][0]["cost"]["ops"]
+            peak_a = max(r["peak_bytes"] for r in a[-1])
+            peak_b = max(r["peak_bytes"] for r in b[-1])
+            reads = max(r["cost"]["host_reads"] for r in a[-1])
+            syncs = max(r["cost"]["syncs"] for r in a[-1])
+            pad = a[-1][0]["padding_bytes"]
+            entry = {"dtype": dtype, "arm": mine, "torch": theirs, "bytes_fxpar": sent_a, "bytes_torch": sent_b,
+                     "bytes_ratio": sent_a / sent_b if sent_b else None, "host_reads": reads, "syncs": syncs,
+                     "extra_ops_fxpar": None if plain_ops is None else ops_a - plain_ops,
+                     "extra_ops_torch": None if plain_ops is None else ops_b - plain_ops,
+                     "step_ratios": ratios, "peak_fxpar": peak_a, "peak_torch": peak_b,
+                     "by_kind_fxpar": a[-1][0]["bytes"], "by_kind_torch": b[-1][0]["bytes"], "padding_bytes": pad,
+                     "vs_plain": None if not plain else [statistics.median(x[0]["times"]) / statistics.median(y[0]["times"])
+                                                         for x, y in zip(a, plain)]}
+            runs.append(entry)
+            rows.append([dtype, mine, theirs, f"{sent_a / MIB:.2f}", f"{sent_b / MIB:.2f}",
+                         "-" if not sent_b else f"{sent_a / sent_b:.3f}", "-" if pad is None else f"{pad / 1024:.2f}",
+                         reads, syncs, entry["extra_ops_fxpar"], entry["extra_ops_torch"], _spread(ratios), len(ratios),
+                         f"{peak_a / MIB:.1f}", f"{peak_b / MIB:.1f}", f"{peak_a / peak_b:.3f}"])
+    return head, rows, runs
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every arm, in alternating order")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per arm and round")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--quick", action="store_true", help="1 round of 2 timed steps, fp32 only")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead of benchmarks/results")
+    args = ap.parse_args(argv)
+    rounds, steps, dtypes = (1, 2, ["fp32"]) if args.quick else (args.rounds, args.steps, args.dtypes)
+    results: dict[tuple[str, str], list[list[dict[str, Any]]]] = {}
+    started = time.perf_counter()
+    for k in range(rounds):
+        for dtype in dtypes:
+            order = args.arms if k % 2 == 0 else list(reversed(args.arms))
+            for arm in order:
+                t0 = time.perf_counter()
+                results.setdefault((dtype, arm), []).append(run_arm(arm, dtype, steps))
+                print(f"round {k + 1}/{rounds} {dtype} {arm}: "
+                      f"{statistics.median(results[(dtype, arm)][-1][0]['times']):.3f} s/step "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    head, rows, runs = summarize(results, dtypes)
+    raw = {f"{d}|{a}": v for (d, a), v in results.items()}
+    return finish("torch_parity", title="fxpar's runtime against torch's own (gloo CPU ranks, equal speeds)",
+                  caption=f"fxpar vs torch on the same model, batch and split: 2 gloo CPU ranks (1 thread each), "
+                          f"{MODEL.name} ({BATCH}x{SEQ} tokens), {rounds} round(s) of {steps} timed steps "
+                          f"({time.perf_counter() - started:.0f} s in all). Bytes from torch's profiler; reads, "
+                          f"syncs and ops from fxpar.runtime.step_audit; ratios fxpar / torch:",
+                  head=head, rows=rows, quick=args.quick, out=args.out, runs=runs, raw=raw,
+                  settings={"rounds": rounds, "steps": steps, "dtypes": dtypes, "model": MODEL.hf_config,
+                            "batch": BATCH, "seq": SEQ})
+
+
+if __name__ == "__main__":
+    main()
