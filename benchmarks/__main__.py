@@ -14,6 +14,8 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
     real_gpu  predicted vs measured step time and memory of real GPU runs (shared/validation)
     collectives the collectives each plan kind issues per step, audited for NCCL validity
+    torch_parity fxpar's runtime against DDP, FSDP2 and torch TP on the same model and split:
+              bytes, host reads, extra ops, step and memory ratios (equal speeds, measured)
 
 Writes one JSON per suite and ``benchmarks/results/report-<machine>-<date>.md`` (tables +
 plots).  ``--quick`` runs every suite with fewer cases and steps (under 10 minutes here);
@@ -35,7 +37,7 @@ from benchmarks.common import RESULTS, machine, result_path
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
           "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "sharded": "sharded_emulated", "fidelity": "fidelity", "memory": "memory_fidelity", "rebalance": "rebalance",
           "real_gpu": "real_gpu", "collectives": "collective_audit",
-          "adapt": "adapt"}
+          "adapt": "adapt", "torch_parity": "torch_parity"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
@@ -49,7 +51,8 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "rebalance": "Online re-balancing under the HF Trainer (measured, emulated speeds)",
           "real_gpu": "Validation on measured GPU runs (../shared/validation): predicted vs measured",
           "collectives": "Collectives per training step by plan kind (collective audit, gloo)",
-          "adapt": "Adapting while training under a straggler (measured, emulated speeds)"}
+          "adapt": "Adapting while training under a straggler (measured, emulated speeds)",
+          "torch_parity": "fxpar's runtime against torch's own (DDP, FSDP2, TP; gloo CPU ranks, equal speeds)"}
 
 
 def _latest(name: str, quick: bool, folder=RESULTS) -> dict | None:

@@ -358,6 +358,9 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
     adapting = _latest("adapt", folder, False)
     if adapting:
         parts += readme_sections.adapt(adapting)
+    parity = _latest("torch_parity", folder, False)
+    if parity:
+        parts += readme_sections.torch_parity(parity)
     parts += readme_sections.gpu_checks([json.loads(p.read_text()) for p in _files("gpu_check", folder, None)])
     return "\n".join(parts)
 

@@ -160,3 +160,27 @@ def adapt(a: dict) -> list[str]:
                   f"first step {e['resume_s']:.1f} s after the change (checkpoint load {e['load_s']:.2f} s; a step "
                   f"took {e['step_s']:.2f} s including the example's delay)."]
     return lines
+
+
+def torch_parity(tp: dict) -> list[str]:
+    """fxpar's runtime against DDP, FSDP2 and torch's TP on the same model, batch and split."""
+    m, s = tp["machine"], tp.get("settings", {})
+    runs = tp.get("runs", [])
+    worst_bytes = max((r["bytes_ratio"] for r in runs if r.get("bytes_ratio")), default=None)
+    reads = sum(r["host_reads"] or 0 for r in runs)
+    lines = ["", f"fxpar's runtime card for card with torch's own (`python -m benchmarks --suite torch_parity`, "
+             f"{m['date']}, torch {m['torch']}, {m['cores']} CPU cores, gloo ranks of one thread each at equal "
+             f"speeds, nothing emulated): the same model ({s.get('model', {}).get('num_hidden_layers', '?')} Llama "
+             f"blocks, hidden {s.get('model', {}).get('hidden_size', '?')}), the same {s.get('batch', '?')}x"
+             f"{s.get('seq', '?')} batch and split, {s.get('rounds', '?')} rounds of {s.get('steps', '?')} timed "
+             "steps (AdamW included), each arm in fresh processes, the arms' order alternating. Bytes sent per rank "
+             "come from torch's profiler's gloo events (one formula per collective kind, "
+             "`fxpar/profiling/wire_bytes.py`); host reads, syncs and ops from `fxpar/runtime/step_audit.py` (extra "
+             "ops: the arm's minus the plain model's on the same rows); the step ratio is fxpar's median over "
+             "torch's in the same round, with its range over the rounds; peaks are live tensor bytes "
+             "(`TensorPeak`). 'cast all' is fxpar's dtype policy with FSDP2's rule (every parameter gathered in "
+             "the low precision), the default 'autocast' rule gathering only what autocast casts (exact against "
+             "one process under autocast; embeddings, norms and the residual stream stay fp32)."]
+    if worst_bytes is not None:
+        lines[-1] += (f" Largest bytes ratio {worst_bytes:.3f}; fxpar host reads in all audited steps: {reads}.")
+    return lines + ["", table(tp)]

@@ -12,19 +12,23 @@ every block compiled (``torch.compile``, inductor, each block on its own as torc
 ``apply_compile``) / DDP over the same compiled blocks, beside the plain model compiled alike.  bf16: every arm under CPU
 autocast; FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; fxpar's
 ZeRO arms under their default policy (``cast="autocast"``: the parameters autocast casts gathered
-in bf16) and ZeRO-3 also under ``cast="all"`` (FSDP2's rule).  fxpar's arms run the path uneven
+in bf16) and also under ``cast="all"`` (FSDP2's rule).  fxpar's arms run the path uneven
 plans take (its ragged layouts, at an even split).  A ``plain`` arm runs the model alone on each
 rank's rows: what every other arm's extra ops and reads are counted against.
 
-Each arm runs in fresh processes (FSDP2's device mesh slows what runs after it in-process), the
-arms' order alternating from round to round.  Per arm and rank: two warm-up steps (fxpar's
+Each arm runs in fresh processes, the arms' order alternating from round to round; the other arm
+of its pair is built and warmed beside it, torch's first, in every process of the pair, so the
+two sides are timed in processes set up alike (what a process set up first -- its allocations,
+imports, a device mesh -- shifts every later step in it by several percent, more than the
+runtimes differ).  Per arm and rank: two warm-up steps (fxpar's
 first step probes which parameters autocast casts), ``steps`` timed steps (forward, backward,
 gradient sync, AdamW step; no instrumentation), then one step under each instrument:
 
 - bytes: torch's profiler's backend events (``gloo:*``), converted by one formula per collective
   kind (:mod:`fxpar.profiling.wire_bytes`);
 - host reads, data-dependent shapes, syncs and dispatched ops of the forward + backward + sync
-  (:mod:`fxpar.runtime.step_audit`); an arm's extra ops are its ops minus the plain arm's;
+  (:mod:`fxpar.runtime.step_audit`); an arm's extra ops are its ops minus the plain arm's (the
+  compiled arms are not audited: dynamo runs no compiled graph under a dispatch mode);
 - the tensor peak (:class:`fxpar.profiling.tensor_peak.TensorPeak`, one window).
 
 Ratios are fxpar's median step over torch's in the same round; the table gives their median and
@@ -65,10 +69,11 @@ BATCH, SEQ, WORLD = 8, 128, 2
 MIB = 2 ** 20
 #: fxpar arm -> its torch counterpart
 PAIRS = {"fxpar DP": "torch DDP", "fxpar ZeRO-3": "torch FSDP2", "fxpar ZeRO-3 cast all": "torch FSDP2",
-         "fxpar ZeRO-2": "torch FSDP2 no reshard", "fxpar TP": "torch TP",
+         "fxpar ZeRO-2": "torch FSDP2 no reshard", "fxpar ZeRO-2 cast all": "torch FSDP2 no reshard",
+         "fxpar TP": "torch TP",
          "fxpar DP compiled": "torch DDP compiled"}
 ARMS = ("plain", "torch DDP", "fxpar DP", "torch FSDP2", "fxpar ZeRO-3", "fxpar ZeRO-3 cast all",
-        "torch FSDP2 no reshard", "fxpar ZeRO-2", "torch TP", "fxpar TP", "plain compiled",
+        "torch FSDP2 no reshard", "fxpar ZeRO-2", "fxpar ZeRO-2 cast all", "torch TP", "fxpar TP", "plain compiled",
         "torch DDP compiled", "fxpar DP compiled")
 #: the compiled arms' backend: inductor, each block compiled on its own (torchtitan's apply_compile)
 BACKEND = "inductor"
@@ -105,8 +110,10 @@ def _plans(model: torch.nn.Module, dtype: str) -> dict[str, Plan]:
     dp = dataclasses.replace(z[3], strategy="data_parallel",
                              stages=(dataclasses.replace(z[3].stages[0], state_split=None, shard_stage=0),))
     tp = dataclasses.replace(tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[2, 2]), dtype=dtype)
-    every = dataclasses.replace(z[3], dtype_policy=DtypePolicy(param_dtype="bf16", cast="all")) if dtype == "bf16" else z[3]
-    return {"fxpar DP": dp, "fxpar ZeRO-3": z[3], "fxpar ZeRO-2": z[2], "fxpar TP": tp, "fxpar ZeRO-3 cast all": every}
+    every = {k: dataclasses.replace(z[k], dtype_policy=DtypePolicy(param_dtype="bf16", cast="all")) if dtype == "bf16"
+             else z[k] for k in (2, 3)}
+    return {"fxpar DP": dp, "fxpar ZeRO-3": z[3], "fxpar ZeRO-2": z[2], "fxpar TP": tp,
+            "fxpar ZeRO-3 cast all": every[3], "fxpar ZeRO-2 cast all": every[2]}
 
 
 def _fxpar(model: torch.nn.Module, plan: Plan, example: dict[str, torch.Tensor], compiled: bool) -> Arm:
@@ -182,13 +189,27 @@ def _step(arm: Arm, batch: dict[str, torch.Tensor]) -> None:
     arm.optimizer.zero_grad(set_to_none=True)
 
 
+def partner(arm: str) -> str | None:
+    """The arm built beside ``arm`` in its processes (its pair's other side), or None."""
+    if arm in PAIRS:
+        return PAIRS[arm]
+    return next((mine for mine, theirs in PAIRS.items() if theirs == arm and "cast all" not in mine), None)
+
+
 def arm_worker(arm_name: str, dtype: str, steps: int) -> dict[str, Any]:
-    """One arm on this rank (module docstring): timed steps, then bytes, costs and peak."""
+    """One arm on this rank (module docstring): timed steps, then bytes, costs and peak.  Its
+    pair's other arm is built and stepped beside it first, torch's before fxpar's whatever is
+    timed, so both arms of a pair are timed in processes set up alike."""
     torch.set_num_threads(1)
-    arm, batches = _build(arm_name, dtype)
+    other = partner(arm_name)
+    built: dict[str, Arm] = {}
+    for name in sorted([arm_name] + ([other] if other else []), key=lambda n: not n.startswith("torch")):
+        built[name], batches = _build(name, dtype)
     pick = lambda i: batches[i % len(batches)]
     for i in range(WARMUP):
-        _step(arm, pick(i))
+        for a in built.values():
+            _step(a, pick(i))
+    arm = built[arm_name]
     dist.barrier()
     times = []
     for i in range(steps):
@@ -200,17 +221,21 @@ def arm_worker(arm_name: str, dtype: str, steps: int) -> dict[str, Any]:
         _step(arm, pick(0))
     sent = wire_bytes(collective_events(prof.events()), WORLD)
     dist.barrier()
-    with StepAudit() as cost:
-        arm.train(pick(1))
-    arm.optimizer.step()
-    arm.optimizer.zero_grad(set_to_none=True)
+    audit = StepAudit()
+    if arm_name.endswith("compiled"):   # dynamo runs no graph under a dispatch mode: not audited
+        _step(arm, pick(1))
+        cost = None
+    else:
+        with audit as cost:
+            arm.train(pick(1))
+        arm.optimizer.step()
+        arm.optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     with TensorPeak(arm.resident()) as peak:
         _step(arm, pick(2))
     dist.barrier()
-    return {"rank": dist.get_rank(), "times": times, "bytes": sent, "cost": cost.summary(),
-            "all_reads": len(cost.host_reads) + len(cost.model_reads),
-            "all_dynamic": len(cost.dynamic_shapes) + len(cost.model_dynamic_shapes),
+    return {"rank": dist.get_rank(), "times": times, "bytes": sent, "cost": cost.summary() if cost else None,
+            "all_reads": None if cost is None else len(cost.host_reads) + len(cost.model_reads),
             "peak_bytes": peak.peak_bytes, "padding_bytes": arm.padding_bytes}
 
 
@@ -218,6 +243,10 @@ def arm_worker(arm_name: str, dtype: str, steps: int) -> dict[str, Any]:
 def run_arm(arm: str, dtype: str, steps: int) -> list[dict[str, Any]]:
     with WorkerPool(WORLD, env={"TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}) as pool:
         return pool.run(arm_worker, arm, dtype, steps, timeout=1800)
+
+
+def _or(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def _spread(values: list[float]) -> str:
@@ -235,22 +264,24 @@ def summarize(results: dict[tuple[str, str], list[list[dict[str, Any]]]], dtypes
     for dtype in dtypes:
         for mine, theirs in PAIRS.items():
             a, b = results.get((dtype, mine)), results.get((dtype, theirs))
-            if not a or not b or (mine == "fxpar ZeRO-3 cast all" and dtype == "fp32"):
+            if not a or not b or (mine.endswith("cast all") and dtype == "fp32"):
                 continue
             plain = results.get((dtype, "plain compiled" if mine.endswith("compiled") else "plain"))
-            plain_ops = statistics.median(r[0]["cost"]["ops"] for r in plain) if plain else None
+            plain_ops = statistics.median(r[0]["cost"]["ops"] for r in plain) if plain and plain[0][0]["cost"] else None
             ratios = [statistics.median(x[0]["times"]) / statistics.median(y[0]["times"]) for x, y in zip(a, b)]
             sent_a, sent_b = a[-1][0]["bytes"]["total"], b[-1][0]["bytes"]["total"]
-            ops_a, ops_b = a[-1][0]["cost"]["ops"], b[-1][0]["cost"]["ops"]
+            ops_a = a[-1][0]["cost"]["ops"] if a[-1][0]["cost"] else None
+            ops_b = b[-1][0]["cost"]["ops"] if b[-1][0]["cost"] else None
             peak_a = max(r["peak_bytes"] for r in a[-1])
             peak_b = max(r["peak_bytes"] for r in b[-1])
-            reads = max(r["cost"]["host_reads"] for r in a[-1])
-            syncs = max(r["cost"]["syncs"] for r in a[-1])
+            audited = all(r["cost"] for r in a[-1])
+            reads = max(r["cost"]["host_reads"] for r in a[-1]) if audited else None
+            syncs = max(r["cost"]["syncs"] for r in a[-1]) if audited else None
             pad = a[-1][0]["padding_bytes"]
             entry = {"dtype": dtype, "arm": mine, "torch": theirs, "bytes_fxpar": sent_a, "bytes_torch": sent_b,
                      "bytes_ratio": sent_a / sent_b if sent_b else None, "host_reads": reads, "syncs": syncs,
-                     "extra_ops_fxpar": None if plain_ops is None else ops_a - plain_ops,
-                     "extra_ops_torch": None if plain_ops is None else ops_b - plain_ops,
+                     "extra_ops_fxpar": None if plain_ops is None or ops_a is None else int(ops_a - plain_ops),
+                     "extra_ops_torch": None if plain_ops is None or ops_b is None else int(ops_b - plain_ops),
                      "step_ratios": ratios, "peak_fxpar": peak_a, "peak_torch": peak_b,
                      "by_kind_fxpar": a[-1][0]["bytes"], "by_kind_torch": b[-1][0]["bytes"], "padding_bytes": pad,
                      "vs_plain": None if not plain else [statistics.median(x[0]["times"]) / statistics.median(y[0]["times"])
@@ -258,7 +289,8 @@ def summarize(results: dict[tuple[str, str], list[list[dict[str, Any]]]], dtypes
             runs.append(entry)
             rows.append([dtype, mine, theirs, f"{sent_a / MIB:.2f}", f"{sent_b / MIB:.2f}",
                          "-" if not sent_b else f"{sent_a / sent_b:.3f}", "-" if pad is None else f"{pad / 1024:.2f}",
-                         reads, syncs, entry["extra_ops_fxpar"], entry["extra_ops_torch"], _spread(ratios), len(ratios),
+                         _or(reads), _or(syncs), _or(entry["extra_ops_fxpar"]), _or(entry["extra_ops_torch"]),
+                         _spread(ratios), len(ratios),
                          f"{peak_a / MIB:.1f}", f"{peak_b / MIB:.1f}", f"{peak_a / peak_b:.3f}"])
     return head, rows, runs
 
@@ -277,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     for k in range(rounds):
         for dtype in dtypes:
-            order = args.arms if k % 2 == 0 else list(reversed(args.arms))
+            arms = [a for a in args.arms if dtype == "bf16" or not a.endswith("cast all")]
+            order = arms if k % 2 == 0 else list(reversed(arms))
             for arm in order:
                 t0 = time.perf_counter()
                 results.setdefault((dtype, arm), []).append(run_arm(arm, dtype, steps))

@@ -17,7 +17,7 @@ import torch
 
 from fxpar.runtime import WorkerPool
 
-from .workers_gpu import UNIT_ROUNDOFF, one_gpu_family
+from .workers_gpu import UNIT_ROUNDOFF, one_gpu_family, sync_free_steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")]
@@ -40,3 +40,12 @@ def test_one_gpu_family_matches_eager_autocast(one_gpu_rank, family: str, stage:
     assert r["strategy"] == family and r["grad_devices"] == ["cuda:0"], r
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=4 * u), r
     assert r["worst"] <= 8 * u, r
+
+
+@pytest.mark.parametrize("family,stage", FAMILIES, ids=["dp", "zero2", "zero3", "pipeline"])
+def test_a_steady_step_never_waits_for_the_gpu(one_gpu_rank, family: str, stage: int | None) -> None:
+    """Issue #36 item 2 on the device: the third step of every one-GPU family in bf16 under
+    ``torch.cuda.set_sync_debug_mode("error")`` (host batches, as a DataLoader gives them); the
+    CPU proof for every family and world size is ``tests/test_step_audit.py``."""
+    [r] = one_gpu_rank.run(sync_free_steps, family, stage, "bf16")
+    assert r["strategy"] == family and r["loss"] > 0, r

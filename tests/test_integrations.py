@@ -446,3 +446,65 @@ def test_accelerate_sharded_data_parallel_matches_and_state_round_trips(tmp_path
 
     state = read_model_state(tmp_path / "ckpt" / "fxpar")   # ragged 1:3 row shards reassembled
     _assert_trajectory(state, ref_weights)
+
+
+
+class _Event:
+    """A CUDA event's interface on the CPU (this machine has no GPU), recording how it is read."""
+
+    def __init__(self, log: list[str], t: float) -> None:
+        self.log, self.t, self.ready = log, t, False
+
+    def query(self) -> bool:
+        return self.ready
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize" if not self.ready else "already done")
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_the_step_monitor_never_waits_for_the_device():
+    """Re-balancing off: 25 steps make no sync and gather the ranks' records every
+    ``gather_every`` steps (none per step).  On a GPU a step's CUDA events are read a step late:
+    with stand-in events that complete when the next step begins, no event is waited for."""
+    from fxpar.integrations.config import RebalanceConfig
+    from fxpar.integrations.monitor import StepMonitor
+    from fxpar.runtime.step_audit import StepAudit
+
+    class Module:
+        plan = None
+        device = torch.device("cpu")
+
+    monitor = StepMonitor(Module(), rebalance=RebalanceConfig(enabled=False), gather_every=10)
+    gathered = []
+    with StepAudit() as cost:
+        for step in range(1, 26):
+            monitor.begin()
+            gathered.append(monitor.end(step) is not None)
+    assert not cost.syncs and cost.host_reads == [], cost.summary()
+    assert [s for s, g in zip(range(1, 26), gathered) if g] == [10, 20]
+    assert [r.step for r in monitor.history] == list(range(1, 21))
+
+    log: list[str] = []
+    made: list[_Event] = []
+
+    class OnGpu(StepMonitor):   # the CUDA path, its events stood in for
+        @property
+        def _cuda(self) -> bool:
+            return True
+
+        def _event(self) -> _Event:
+            made.append(_Event(log, float(len(made))))
+            return made[-1]
+
+    monitor = OnGpu(Module(), rebalance=RebalanceConfig(enabled=False), gather_every=3)
+    for step in range(1, 7):
+        for e in made:       # the device finished what was queued before this step
+            e.ready = True
+        monitor.begin()
+        monitor.end(step)
+    assert log and set(log) == {"already done"}, log            # nothing waited for
+    assert [r.step for r in monitor.history] == [1, 2, 3, 4, 5]  # gathered at 3 and 6, a step late
+    assert all(r.step_s == 1.0 for r in monitor.history)           # end.t - start.t of the stand-ins

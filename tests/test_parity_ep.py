@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fxpar.errors import PlanError
 from tests.parity import check_gradients, check_loss, check_step, check_trajectory, expect
@@ -165,3 +166,31 @@ def test_single_rank_matches_model_exactly():
     grads = dict(reference.named_parameters())
     gaps = gradient_gaps(((n, p.grad, grads[n].grad) for n, p in pm.module.named_parameters()), reference)
     expect(check_loss(loss, ref.detach()), check_gradients(gaps))
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_linear_equals_a_loop_over_experts(monkeypatch, grouped: bool) -> None:
+    """The experts' GEMMs as one grouped GEMM (``F.grouped_mm``) or, where torch lacks it, one
+    padded ``bmm``: both equal a loop of ``F.linear`` over the experts (outputs and gradients),
+    also with an expert that gets no row; under autocast both operands take autocast's dtype."""
+    import torch.nn.functional as F
+
+    from fxpar.codegen.expert import experts
+
+    if not grouped:
+        monkeypatch.setattr(experts, "GROUPED_MM", None)
+    gen = torch.Generator().manual_seed(0)
+    per = [3, 0, 5, 2]
+    x = torch.randn(sum(per), 16, generator=gen, requires_grad=True)
+    w = torch.randn(len(per), 24, 16, generator=gen, requires_grad=True)
+    up = torch.randn(sum(per), 24, generator=gen)
+    out = experts.grouped_linear(x, w, per)
+    (out * up).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = torch.cat([F.linear(part, w2[j]) for j, part in enumerate(x2.split(per))])
+    (ref * up).sum().backward()
+    tol = 64 * torch.finfo(torch.float32).eps
+    for got, want in ((out, ref), (w.grad, w2.grad), (x.grad, x2.grad)):
+        assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())), (got - want).abs().max()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts.grouped_linear(x, w, per).dtype == torch.bfloat16

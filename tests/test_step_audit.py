@@ -48,7 +48,9 @@ def _check(results: list[dict], copies_per_rank) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["data_parallel", "sharded_data_parallel", "tensor_parallel", "pipeline"])
+@pytest.mark.parametrize("kind", ["data_parallel", "sharded_data_parallel",
+                                  pytest.param("tensor_parallel", marks=pytest.mark.full),
+                                  pytest.param("pipeline", marks=pytest.mark.full)])
 def test_no_host_read_in_a_steady_step(pool2, kind: str) -> None:
     _check(pool2.run(step_cost_of_kind, kind), lambda r: 0)
 

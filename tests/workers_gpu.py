@@ -92,3 +92,26 @@ def one_gpu_family(family: str, stage: int | None, dtype: str) -> dict:
         worst = max(worst, diff / max(float(g_ref.double().norm()), 1e-12))
     return {"strategy": pm.plan.strategy, "loss": float(loss), "ref_loss": float(ref_loss), "worst": worst,
             "grad_devices": sorted(devices)}
+
+
+def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) -> dict:
+    """One rank, one GPU: ``family`` trained ``steps`` steps on host batches (as a DataLoader
+    gives them), the last under ``torch.cuda.set_sync_debug_mode("error")``: any operation that
+    makes the host wait for the GPU (an ``item``, a read of a device value, a data-dependent
+    shape, a synchronising copy) raises.  Returns the last step's loss (read after the mode is
+    reset)."""
+    model = tiny_model("gpt2")
+    data = [global_batch(model, 4, 32, seed=s) for s in range(steps)]
+    pm = fxpar.auto(model, fxpar.Cluster.detect(), data[0], plan=_one_gpu_plan(model, data[0], dtype, family, stage))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
+    for k, b in enumerate(data):
+        if k == steps - 1:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = pm.step(b)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"strategy": pm.plan.strategy, "loss": float(loss)}

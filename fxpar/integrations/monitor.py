@@ -167,9 +167,10 @@ class StepMonitor:
         else:
             parts = [table]
         self._gathered_upto = max(self._gathered_upto, upto)
+        tables = [p.numpy() for p in parts]   # host tensors, read on the host
         for i, row in enumerate(rows):
-            self.history.append(StepRecord(step=int(row[0]), busy_s=tuple(float(p[i, 1]) for p in parts),
-                                           step_s=max(float(p[i, 2]) for p in parts)))
+            self.history.append(StepRecord(step=int(row[0]), busy_s=tuple(float(t[i, 1]) for t in tables),
+                                           step_s=max(float(t[i, 2]) for t in tables)))
         return self.history[-1] if rows else None
 
     def metrics(self, rec: StepRecord | None = None) -> dict[str, float]:

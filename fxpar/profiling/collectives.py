@@ -39,6 +39,9 @@ ALPHA_INTRA_S = 5e-6
 ALPHA_INTER_S = 15e-6
 #: gradient bucket of the overlapped data-parallel all-reduce (torch DDP's default, 25 MiB)
 GRADIENT_BUCKET_BYTES = 25 * 2**20
+#: the first bucket's cap (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``): the last layers' gradients,
+#: ready first in the backward, start their all-reduce early
+FIRST_BUCKET_BYTES = 2**20
 
 
 @dataclass(frozen=True, slots=True)

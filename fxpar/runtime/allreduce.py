@@ -4,8 +4,10 @@ buffers: every data-parallel sum of the runtime (data parallelism, the replicas 
 tensor-parallel or expert-parallel plan, a pipeline stage's replicas) is one of these.
 
 Buckets: the summed parameters in the order given (data parallelism: *reverse* registration
-order, the order backward tends to finish them), cut into buckets of at most
-``GRADIENT_BUCKET_BYTES`` of one dtype and one process group.  Each bucket is one flat buffer
+order, the order backward tends to finish them), cut into buckets of one dtype and one process
+group, of at most ``FIRST_BUCKET_BYTES`` for the first (the last layers' gradients, ready first:
+its all-reduce starts early in the backward) and ``GRADIENT_BUCKET_BYTES`` for the others --
+DDP's two defaults.  Each bucket is one flat buffer
 made once, and every parameter's ``.grad`` is a view of it (DDP's ``gradient_as_bucket_view``):
 the backward accumulates into the bucket in place, and the all-reduce sums the bucket in place
 -- no copy in, no copy out, no buffer allocated per step.  A bucket summed in another dtype than
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.profiling.collectives import FIRST_BUCKET_BYTES, GRADIENT_BUCKET_BYTES
 from fxpar.runtime.distributed import wait_work
 from fxpar.runtime.emulation import SegmentClock
 
@@ -104,7 +106,8 @@ class GradientBuckets:
 
     def __init__(self, params: Sequence[torch.nn.Parameter] = (), group: Any = None, clock: SegmentClock | None = None,
                  bucket_bytes: int = GRADIENT_BUCKET_BYTES, *, reduce_dtype: torch.dtype | None = None,
-                 entries: Sequence[tuple[torch.nn.Parameter, Any]] | None = None, reverse: bool = True) -> None:
+                 entries: Sequence[tuple[torch.nn.Parameter, Any]] | None = None, reverse: bool = True,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> None:
         if entries is None:
             ordered = [p for p in params if p.requires_grad]
             entries = [(p, group) for p in (reversed(ordered) if reverse else ordered)]
@@ -117,7 +120,8 @@ class GradientBuckets:
             if not p.requires_grad:
                 continue
             nbytes = p.numel() * p.element_size()
-            if current and ((g, p.dtype, p.device) != key or size + nbytes > bucket_bytes):
+            cap = min(first_bucket_bytes, bucket_bytes) if not self._buckets else bucket_bytes
+            if current and ((g, p.dtype, p.device) != key or size + nbytes > cap):
                 self._buckets.append(_Bucket(current, key[0], reduce_dtype))
                 current, size = [], 0
             current.append(p)

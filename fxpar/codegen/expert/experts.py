@@ -224,8 +224,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, per_group: list[int]) 
 
 
 def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """``grouped_mm``'s layout rule: every stride of both operands 16-byte aligned."""
-    return all((d * t.element_size()) % 16 == 0 for t in (x, weight) for d in t.shape[-1:])
+    """Where ``grouped_mm`` runs these operands: every stride 16-byte aligned, and on a GPU only
+    bf16 on compute capability 8.0 or newer (torch's documented rule; the CPU takes fp32 too)."""
+    if not all((d * t.element_size()) % 16 == 0 for t in (x, weight) for d in t.shape[-1:]):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (x.device.type == "cuda" and x.dtype == weight.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
 def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, per_group: list[int]) -> torch.Tensor:

@@ -7,14 +7,21 @@ over ``w``; 0-d parameters: :func:`fxpar.runtime.ragged.scalar_owner`), of its g
 its optimizer state.  ``pmodel.parameters()`` yields only those row shards (under the original
 FQNs), so ``torch.optim.AdamW(pmodel.parameters())`` holds ``Σ_p n_{r,p}/n_p`` of the state.
 
-- ``shard_stage=2`` (gradients + optimizer state): every rank all-gathers the full parameters at
-  the start of each step (the shards changed in the optimizer step) and keeps them for the step;
+- ``shard_stage=2`` (gradients + optimizer state): every rank launches the all-gather of every
+  unit at the start of each step (the shards changed in the optimizer step), waits for each as
+  its block's forward begins (the gathers of the later blocks overlap the earlier blocks'
+  compute) and keeps them for the step;
 - ``shard_stage=3`` (parameters too): a unit (a transformer block; the rest of the model is one
   more unit, held for the whole micro-batch) is all-gathered right before its forward, freed after
   it, gathered again before its backward (a gradient hook on the block's outputs) and freed after
   its gradients are reduced; the next block's all-gather is started before the current block
   computes (prefetch, forward and backward).  Live full parameters: the rest, the block computing
   and the one in flight.
+
+Precision (:mod:`fxpar.dtype_policy`).  A bf16 / fp16 plan gathers the parameters its policy
+names in that dtype (``cast="autocast"``: those autocast casts, found by watching the first
+step's forward, :mod:`fxpar.codegen.sharded.probe`; ``"all"``: every one) and reduce-scatters
+in its ``reduce_dtype``; the shards stay fp32 masters.
 
 Gradients.  Each micro-batch back-propagates ``(N_m/N)·L_m`` (:mod:`fxpar.runtime.step_loop`);
 the full gradients of a unit are reduce-scattered (SUM) into the ranks' row shards as soon as
