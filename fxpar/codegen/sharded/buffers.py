@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from fxpar.runtime.ragged import PackedLayout, Pending, _all_gather, _reduce_scatter
+from fxpar.runtime import ragged
+from fxpar.runtime.ragged import PackedLayout, Pending
 
 
 class Flat:
@@ -126,7 +127,7 @@ class GatherBuffers:
         if not distributed or self.layout.rows.world == 1 or self.send.numel() == 0:
             out.copy_(self.send)   # one rank (a plan of one, or nothing to move)
             return Pending(None, out)
-        return Pending(_all_gather(out, self.send, group), out)
+        return Pending(ragged._all_gather(out, self.send, group), out)   # looked up per call (tests patch it)
 
     def finish(self, pending: Pending) -> None:
         """Wait, allocate the flat full tensors and copy every rank's rows in (one op)."""
@@ -237,7 +238,7 @@ class ReduceBuffers:
         if not distributed or world == 1 or self.out.numel() == 0:
             self.out.copy_(send[:self.out.numel()])
             return Pending(None, self.out)
-        return Pending(_reduce_scatter(self.out, send, group), self.out)
+        return Pending(ragged._reduce_scatter(self.out, send, group), self.out)
 
     # ---- this rank's rows -----------------------------------------------------------------------
     def prepare_shard_grads(self, shards: Sequence[torch.nn.Parameter]) -> None:

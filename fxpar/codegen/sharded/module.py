@@ -45,6 +45,7 @@ takes rank 0's values tensor by tensor (broadcast through the device, each rank 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,7 @@ class ShardedDataParallelModule(StepModule):
         cast = probe.decide(flags)
         self._set_wire(cast)
         self.explain_precision = probe.describe(cast)
+        self.plan = dataclasses.replace(self.plan, explain=self.plan.explain + (self.explain_precision,))
         if self._compile_later is not None:   # compiled from the step after the probe's
             super().compile_regions(self._compile_later)
             self._compile_later = None

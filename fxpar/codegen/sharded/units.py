@@ -106,7 +106,10 @@ class Mode:
                         for region in self.gather.layout.regions]
 
     def sources_current(self, tensors: list[ShardedTensor]) -> bool:
-        return all(v.data_ptr() == tensors[i].local.data_ptr() or not v.numel()
+        """Every pack source still views its shard's storage (read without dispatching an op)."""
+        def storage(t: ShardedTensor) -> torch.Tensor:
+            return t.device_copy if t.device_copy is not None else t.shard
+        return all(v.data_ptr() == storage(tensors[i]).data_ptr() or not v.numel()
                    for region, views in zip(self.gather.layout.regions, self.sources) for i, v in zip(region, views))
 
 
