@@ -79,12 +79,25 @@ def checksum(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in (params[0], params[-1])))
 
 
+def compile_blocks(model: torch.nn.Module) -> None:
+    """Each repeated block's forward compiled on its own (inductor, whole graphs), as torchtitan's
+    ``apply_compile`` and ``fxpar.auto(..., compile=True)`` do."""
+    from fxpar.tracing.structure import block_paths
+
+    for path in block_paths(model):
+        block = model.get_submodule(path)
+        block.forward = torch.compile(block.forward, fullgraph=True)
+
+
 class PlainLoop:
-    """The plain HF loop: the model on the device, autocast for bf16, AdamW, ``loss.backward()``."""
+    """The plain HF loop: the model on the device, autocast for bf16, AdamW, ``loss.backward()``;
+    ``compiled``: its blocks compiled (:func:`compile_blocks`)."""
 
     def __init__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: str,
-                 device: torch.device) -> None:
+                 device: torch.device, compiled: bool = False) -> None:
         self.model, self.batch, self.dtype, self.device = model.to(device), batch, dtype, device
+        if compiled:
+            compile_blocks(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters())
 
     def forward_backward(self) -> torch.Tensor:
@@ -102,6 +115,36 @@ class PlainLoop:
 
     def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
         return self.model.named_parameters()
+
+
+class Fsdp2Loop(PlainLoop):
+    """torch FSDP2 on the one rank: ``fully_shard`` on every block and the root, bf16 parameters
+    and fp32 reductions for a bf16 arm (``MixedPrecisionPolicy``), under the same autocast as
+    the plain loop; its gradients read as local tensors (the one shard is the whole)."""
+
+    def __init__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: str,
+                 device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from fxpar.tracing.structure import block_paths
+
+        init_distributed(timeout_s=120)
+        mesh = init_device_mesh(device.type, (1,))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
+                  else MixedPrecisionPolicy())
+        model = model.to(device)
+        for path in block_paths(model):
+            fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        super().__init__(model, batch, dtype, device)
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        for name, p in self.model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if p.grad is not None and hasattr(p.grad, "to_local"):
+                local.grad = p.grad.to_local()
+            yield name, local
 
 
 class FxparLoop:
@@ -160,7 +203,8 @@ def fxpar_loop(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module, b
     init_distributed(timeout_s=120)
     cluster = cluster_for(device)
     family, dtype, seq = spec["family"], spec["dtype"], spec["seq"]
-    options = dict(seq_len=seq, dtype=dtype, optimizer="adamw")
+    options = dict(seq_len=seq, dtype=dtype, optimizer="adamw", compile=family.endswith("-compiled"))
+    family = family.removesuffix("-compiled")
     start = time.perf_counter()
     if family in ("zero2", "zero3"):
         plan = sharded_plan(spec, mspec, model, batch, cluster, record)
@@ -271,8 +315,10 @@ def train_arm(spec: dict[str, Any], record: dict[str, Any], save: Callable[[], N
     save()
     predict_args = None
     loop: PlainLoop | FxparLoop
-    if spec["family"] == "plain":
-        loop = PlainLoop(model, batch, spec["dtype"], device)
+    if spec["family"] in ("plain", "plain-compiled"):
+        loop = PlainLoop(model, batch, spec["dtype"], device, compiled=spec["family"] == "plain-compiled")
+    elif spec["family"] == "fsdp2":
+        loop = Fsdp2Loop(model, batch, spec["dtype"], device)
     else:
         loop, predict_args = fxpar_loop(spec, mspec, model, batch, record, device)
     save()

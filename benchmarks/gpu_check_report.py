@@ -108,7 +108,11 @@ def arm_row(name: str, arm: dict[str, Any], cmp: dict[str, Any]) -> list[str]:
     if arm.get("skipped"):
         return [name, "-", "skipped", "", "", "", "", "", "", "", "", "", ""]
     plan = arm.get("plan") or {}
-    kind = plan.get("strategy", "plain HF loop" if name.endswith("/plain") else "-")
+    family = name.rsplit("/", 1)[-1]
+    kind = plan.get("strategy", {"plain": "plain HF loop", "plain-compiled": "plain HF loop",
+                                 "fsdp2": "torch FSDP2"}.get(family, "-"))
+    if family.endswith("-compiled"):
+        kind += ", compiled"
     if plan.get("shard_stage"):
         kind = f"ZeRO-{plan['shard_stage']}"
     if plan.get("num_microbatches", 1) > 1:

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: the one seed of every model's initial weights (``fxpar.tracing.hf.build_model``) and of the batch
 MODEL_SEED, BATCH_SEED = 0, 1234
 #: plan families one GPU can run, by arm name; ``plain`` is the HF loop every other arm is held to
-FAMILIES = ("plain", "dp", "zero2", "zero3", "pipeline")
+#: the arms of each model and precision: the plain loop first (every other arm's reference), fxpar's
+#: one-GPU families, torch FSDP2 on the one rank (ZeRO-2/3's counterpart), and the plain loop and
+#: data parallelism with every block compiled (inductor)
+FAMILIES = ("plain", "dp", "zero2", "zero3", "pipeline", "fsdp2", "plain-compiled", "dp-compiled")
 MODELS = ("llama", "gpt2")
 DTYPES = ("bf16", "fp32")
 #: packages the check needs (the solvers, the model zoo, the HF stack, the test runner);

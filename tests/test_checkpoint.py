@@ -205,7 +205,8 @@ def saved_experts(pool2, tmp_path_factory) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("target", list(EP_TARGETS))
+@pytest.mark.parametrize("target", [pytest.param(t, marks=pytest.mark.full) if t == "DP 3 ranks" else t
+                                    for t in EP_TARGETS])   # the 3-rank cell: full tier (quick-tier time)
 def test_expert_parallel_checkpoint_loads_under_another_plan(request, saved_experts, matrix, target):
     kind, arg, ranks = EP_TARGETS[target]
     if ranks == 1:

@@ -61,8 +61,8 @@ def test_one_process_compiled(kind: str) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["data_parallel",
-                                  pytest.param("sharded_data_parallel", marks=pytest.mark.full),
+@pytest.mark.full     # quick-tier time; the quick tier compiles DP and ZeRO-3 in one process
+@pytest.mark.parametrize("kind", ["data_parallel", "sharded_data_parallel",
                                   pytest.param("zero2", marks=pytest.mark.full),
                                   pytest.param("tensor_parallel", marks=pytest.mark.full),
                                   pytest.param("pipeline", marks=pytest.mark.full)])

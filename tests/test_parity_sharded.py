@@ -84,6 +84,7 @@ def test_two_ranks(pool2, case):
     assert sum(r["shard_numel"] for r in results) == results[0]["full_numel"] + mirrors
 
 
+@pytest.mark.full   # quick-tier time: 3 ranks; the 2-rank cases cover micro-batches and checkpointing
 def test_three_ranks_micro_batches_idle_rank_and_checkpointing(pool3):
     # rank 2 trains nothing but holds half the state; 5 micro-batches of 1 on ranks 0 and 1
     results = pool3.run(w.sharded_parity, "llama", [3, 2, 0], [1, 2, 3], 3, micro_batch_size=1,
