@@ -25,6 +25,8 @@ MODEL_SEED, BATCH_SEED = 0, 1234
 #: one-GPU families, torch FSDP2 on the one rank (ZeRO-2/3's counterpart), and the plain loop and
 #: data parallelism with every block compiled (inductor)
 FAMILIES = ("plain", "dp", "zero2", "zero3", "pipeline", "fsdp2", "plain-compiled", "dp-compiled")
+#: the arms that run torch's own loops (no fxpar plan): the plain loop, FSDP2, the compiled plain loop
+TORCH_FAMILIES = ("plain", "fsdp2", "plain-compiled")
 MODELS = ("llama", "gpt2")
 DTYPES = ("bf16", "fp32")
 #: packages the check needs (the solvers, the model zoo, the HF stack, the test runner);
