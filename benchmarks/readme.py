@@ -361,6 +361,9 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
     parity = _latest("torch_parity", folder, False)
     if parity:
         parts += readme_sections.torch_parity(parity)
+    regret = _latest("plan_regret", folder, False)
+    if regret:
+        parts += readme_sections.plan_regret(regret)
     parts += readme_sections.gpu_checks([json.loads(p.read_text()) for p in _files("gpu_check", folder, None)])
     return "\n".join(parts)
 

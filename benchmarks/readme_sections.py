@@ -184,3 +184,29 @@ def torch_parity(tp: dict) -> list[str]:
     if worst_bytes is not None:
         lines[-1] += (f" Largest bytes ratio {worst_bytes:.3f}; fxpar host reads in all audited steps: {reads}.")
     return lines + ["", table(tp)]
+
+
+def plan_regret(pr: dict) -> list[str]:
+    """The planner's pick against every family, timed (issue #37's plan-regret table)."""
+    m, summary = pr["machine"], pr.get("summary", {})
+    ranks = len(pr["results"][0]["case"]["speeds"]) if pr.get("results") else "?"
+
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{100 * v:.0f}%"
+
+    def ratio(v: Any) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = ["", f"Is the planner's pick the fastest plan when every family is timed? (`python -m benchmarks --suite "
+             f"plan_regret`, {m['date']}, torch {m['torch']}, {m['cores']} CPU cores; {ranks} gloo ranks of one thread, "
+             f"**emulated** speeds; {pr.get('rounds', '?')} rounds of {pr.get('steps', '?')} timed steps, AdamW in every "
+             "step, fresh ranks per round, the arm order reversed every other round.) Every arm is priced before "
+             f"any timing, with this machine's calibration ({pr.get('calibration', {}).get('calibration', '?')}) "
+             "and, for comparison, by the catalog alone ('catalog error'; `choice_catalog` is the planner's pick "
+             "without calibration). Regret is the choice's measured step over the fastest arm's, none when within "
+             f"the measured spread. Max regret of the calibrated choice: {ratio(summary.get('max_regret'))} "
+             f"(catalog pick: {ratio(summary.get('max_regret_catalog'))}); mean |prediction error| "
+             f"{pct(summary.get('mean_abs_prediction_error'))} (catalog "
+             f"{pct(summary.get('mean_abs_prediction_error_catalog'))})."]
+    return lines + ["", table(pr)]
+

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar import api_checks
+from fxpar import api_checks, calibrate
 from fxpar.adapt import Adapt, AdaptiveModule, AdaptPolicy, Planning
 from fxpar.adapt.switch import meta_template
 from fxpar.build import build_module
@@ -19,6 +19,7 @@ from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.planning import measured_graph
 from fxpar.predict import Pricing
+from fxpar.profiling.database import ProfileDB, with_calibration
 from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
 from fxpar.runtime.compile import CompileOptions, compile_options
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
@@ -62,7 +63,8 @@ def _one_sample(example_inputs: Any, meta: bool = False) -> Any:
 
 
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
-              *, max_tensor_parallel: int = 8, strategies: Sequence[str] | None = None) -> Plan:
+              *, max_tensor_parallel: int = 8, strategies: Sequence[str] | None = None,
+              calibration: ProfileDB | None = None) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``.
 
     ``max_tensor_parallel`` caps the width of tensor-parallel pipeline stages (inside a node;
@@ -70,17 +72,20 @@ def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, wor
     BERT, MoE experts; ``LayerInfo.tensor_parallel``).  ``strategies``: the plan families
     searched (:data:`fxpar.solvers.planner.FAMILIES`; None: all).  On a machine with CUDA, a
     measured profile of its GPU cached by ``fxpar profile --device cuda`` prices the plan
-    (:func:`fxpar.planning.measured_graph`); the plan's ``cost_source`` names what priced it."""
+    (:func:`fxpar.planning.measured_graph`); a ``calibration`` (:mod:`fxpar.calibrate`) gives the
+    rates, links and optimizer of its device type; the plan's ``cost_source`` names what priced it."""
     return plan_and_pricing(model, cluster, example_inputs, workload, max_tensor_parallel=max_tensor_parallel,
-                            strategies=strategies)[0]
+                            strategies=strategies, calibration=calibration)[0]
 
 
 def plan_and_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
-                     *, max_tensor_parallel: int = 8,
-                     strategies: Sequence[str] | None = None) -> tuple[Plan, Pricing]:
+                     *, max_tensor_parallel: int = 8, strategies: Sequence[str] | None = None,
+                     calibration: ProfileDB | None = None) -> tuple[Plan, Pricing]:
     """:func:`make_plan`'s plan and what priced it (:class:`fxpar.predict.Pricing`)."""
     strategies = api_checks.check_strategies(strategies)
     graph, profiles = measured_graph(model, example_inputs, workload, cluster)
+    if calibration is not None:
+        profiles = with_calibration(profiles, calibration)
     if graph is None:
         first = next(model.parameters(), None)
         graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
@@ -96,7 +101,8 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
          loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8,
          device: torch.device | str | None = None, checkpoint: str | Path | None = None,
          strategies: Sequence[str] | None = None, adapt: bool | Adapt = False,
-         compile: bool | str | Mapping[str, Any] | CompileOptions = False):
+         compile: bool | str | Mapping[str, Any] | CompileOptions = False,
+         calibration: bool | str | Path | ProfileDB | None = None):
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -120,26 +126,26 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     Returns the plan kind's module (:func:`fxpar.build.build_module`), all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
-    ``adapt=True`` / :class:`fxpar.adapt.Adapt`: an adaptive module (:mod:`fxpar.adapt`).
-    ``compile``: ``torch.compile`` each block, as torchtitan does: True (inductor), a backend
-    name or ``{"backend", "fullgraph", "mode"}`` (:mod:`fxpar.runtime.compile`).
+    ``adapt=True`` / :class:`fxpar.adapt.Adapt`: an adaptive module (:mod:`fxpar.adapt`).  ``compile``:
+    ``torch.compile`` each block, as torchtitan does: True (inductor), a backend name or ``{"backend",
+    "fullgraph", "mode"}`` (:mod:`fxpar.runtime.compile`).  ``calibration``: :func:`fxpar.calibrate.for_group`.
 
-    Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`): a rank
-    that dies then makes the others' ``step`` raise :class:`~fxpar.errors.RuntimeSetupError`
-    within it, not torch's default of 30 minutes.  Bad options raise
-    :class:`~fxpar.errors.ConfigError` naming the keyword and the value (:mod:`fxpar.api_checks`).
+    Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`): a rank that dies
+    then makes the others' ``step`` raise :class:`~fxpar.errors.RuntimeSetupError` within it, not torch's
+    default of 30 minutes.  Bad options raise :class:`~fxpar.errors.ConfigError` naming the keyword and the
+    value (:mod:`fxpar.api_checks`).
     """
     _check_auto_args(model, device, global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                      max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn, loss_weighting=loss_weighting,
                      emulate=emulate, max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies,
                      adapt=adapt)
-    compiling = compile_options(compile)   # a bad value, or inductor without a compiler: before tracing
+    compiling, _ = compile_options(compile), calibrate.setting(calibration)   # bad values: before tracing
     cluster = _as_cluster(cluster)
     rank = _check_world(cluster, group)
     example_inputs, global_batch = _example_batch(model, cluster, example_inputs, plan, global_batch, seq_len, loss_fn)
     plan, pricing = _auto_plan(model, cluster, example_inputs, plan, rank, group, global_batch=global_batch,
                                seq_len=seq_len, dtype=dtype, optimizer=optimizer, max_microbatches=max_microbatches,
-                               max_tensor_parallel=max_tensor_parallel, strategies=strategies)
+                               max_tensor_parallel=max_tensor_parallel, strategies=strategies, calibration=calibration)
     device = _checked_rank_device(model, plan, rank, device, group=group, loss_fn=loss_fn,
                                   loss_weighting=loss_weighting, example_inputs=example_inputs)
     build_options = dict(group=group, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, compile=compiling)
@@ -213,15 +219,18 @@ def _example_batch(model: torch.nn.Module, cluster: Cluster, example_inputs: Any
 def _auto_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, plan: Plan | None, rank: int,
                group: Any, *, global_batch: int | None, seq_len: int | None, dtype: str, optimizer: str,
                max_microbatches: int | None, max_tensor_parallel: int,
-               strategies: Sequence[str] | None) -> tuple[Plan, Pricing | None]:
+               strategies: Sequence[str] | None, calibration: Any = None) -> tuple[Plan, Pricing | None]:
     """``auto``'s plan: solved on rank 0 and broadcast (with what priced it), or the given one
     checked against the cluster and the model (priced, or not, by whoever made it: None)."""
     pricing = None  # a given plan: priced (or not) by whoever made it
     if plan is None:
         workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             optimizer=optimizer, max_microbatches=max_microbatches)
+        chosen = calibrate.setting(calibration)
+        measured = None if chosen == "off" else calibrate.for_group(
+            cluster, chosen, _calibration_device(group), group, progress=_say if rank == 0 else lambda _: None)
         plan, pricing = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel,
-                                       strategies)
+                                       strategies, measured)
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
@@ -282,8 +291,21 @@ def default_example_inputs(model: torch.nn.Module, cluster: Cluster, global_batc
                              task=task, device=where)
 
 
+def _calibration_device(group: Any) -> torch.device:
+    """The device a calibration measures on this rank: its GPU under NCCL, else the CPU."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if torch.cuda.is_available() and (not distributed or dist.get_backend(group) == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _say(message: str) -> None:
+    print(f"[fxpar] {message}", flush=True)
+
+
 def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8,
-                   strategies: Sequence[str] | None = None) -> tuple[Plan, Pricing | None]:
+                   strategies: Sequence[str] | None = None,
+                   calibration: ProfileDB | None = None) -> tuple[Plan, Pricing | None]:
     """Rank 0 traces and solves; every rank gets the plan (or rank 0's error, raised alike),
     rank 0 also what priced it."""
     payload: list[Any] = [None]
@@ -291,7 +313,8 @@ def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_te
     if rank == 0:
         try:
             plan, pricing = plan_and_pricing(model, cluster, example_inputs, workload,
-                                             max_tensor_parallel=max_tensor_parallel, strategies=strategies)
+                                             max_tensor_parallel=max_tensor_parallel, strategies=strategies,
+                                             calibration=calibration)
             payload[0] = ("ok", plan.to_json(indent=None))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payload[0] = ("error", exc)

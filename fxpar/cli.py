@@ -1,5 +1,5 @@
 """The ``fxpar`` command line: ``fxpar plan``, ``fxpar simulate`` (predict a given plan),
-``fxpar profile`` and ``fxpar demo``.
+``fxpar profile``, ``fxpar calibrate`` (this machine's rates, links and overlap) and ``fxpar demo``.
 
 Errors that the user can fix (bad files, flags, memory) print one clear message and exit 2;
 a plan that does not fit exits 3.  Nothing is written when a command fails.
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from fxpar import calibrate
 from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import FRAMEWORK_CALIBRATION
 from fxpar.codegen.emit import emit
@@ -28,7 +29,7 @@ from fxpar.planning import plan_model, trace_spec
 from fxpar.predict import predict
 from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
 from fxpar.profiling import CostModel, local_cache
-from fxpar.profiling.database import PROFILE_DIR_ENV, load_profiles
+from fxpar.profiling.database import PROFILE_DIR_ENV, load_profiles, with_calibration
 from fxpar.scenario import load_scenario
 from fxpar.sim import simulate
 from fxpar.sim.plot import plot_timeline
@@ -92,27 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Automatic parallelization for heterogeneous GPU clusters."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="plan a model on a cluster (no weights are allocated)",
-                       description="Plan a model on a cluster. Either --scenario FILE, or "
-                                   "--cluster FILE with --model MODEL.")
-    p.add_argument("--scenario", type=Path, help="scenario YAML/JSON (cluster + model + workload)")
-    p.add_argument("--cluster", type=Path, help="cluster YAML/JSON (a scenario's cluster part)")
-    p.add_argument("--model", help="preset name, path to a HF config.json, or module:function")
-    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq-lm", "image-classification"))
-    p.add_argument("--batch", type=_positive, help="global batch (default: the scenario's, else 8)")
-    p.add_argument("--seq", type=_positive, help="sequence length (default: the scenario's, else 512)")
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="training precision")
-    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), help="optimizer (state bytes)")
-    p.add_argument("--max-microbatches", type=_positive, help="cap on gradient-accumulation steps")
-    p.add_argument("--json", type=Path, dest="json_out", help="write the plan as JSON here")
-    p.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile "
-                   "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
-    p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
-    p.add_argument("--emit", type=Path, help="write what each rank runs (stage code, parameters) here")
-    p.add_argument("--strategies", type=_strategies, default=FAMILIES, metavar="LIST",
-                   help=f"comma-separated plan families to search (default: all of {','.join(FAMILIES)})")
-    p.add_argument("--explain", action="store_true",
-                   help="print the candidates considered, the baselines and the solver's bound")
+    _add_plan(sub)
+    _add_calibrate(sub)
 
     f = sub.add_parser("profile", help="measure per-op costs (or collectives) on this device")
     f.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -148,6 +130,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="plan a model on a cluster (no weights are allocated)",
+                       description="Plan a model on a cluster. Either --scenario FILE, or "
+                                   "--cluster FILE with --model MODEL.")
+    p.add_argument("--scenario", type=Path, help="scenario YAML/JSON (cluster + model + workload)")
+    p.add_argument("--cluster", type=Path, help="cluster YAML/JSON (a scenario's cluster part)")
+    p.add_argument("--model", help="preset name, path to a HF config.json, or module:function")
+    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq-lm", "image-classification"))
+    p.add_argument("--batch", type=_positive, help="global batch (default: the scenario's, else 8)")
+    p.add_argument("--seq", type=_positive, help="sequence length (default: the scenario's, else 512)")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="training precision")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), help="optimizer (state bytes)")
+    p.add_argument("--max-microbatches", type=_positive, help="cap on gradient-accumulation steps")
+    p.add_argument("--json", type=Path, dest="json_out", help="write the plan as JSON here")
+    p.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile "
+                   "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
+    p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
+    p.add_argument("--emit", type=Path, help="write what each rank runs (stage code, parameters) here")
+    p.add_argument("--strategies", type=_strategies, default=FAMILIES, metavar="LIST",
+                   help=f"comma-separated plan families to search (default: all of {','.join(FAMILIES)})")
+    p.add_argument("--explain", action="store_true",
+                   help="print the candidates considered, the baselines and the solver's bound")
+    p.add_argument("--calibrate", nargs="?", const="auto", default="off", metavar="FILE",
+                   help="price CPU ranks with this machine's calibration (cached; measured first with "
+                        "spawned gloo ranks when there is none), or with FILE from `fxpar calibrate --out`")
+
+
+def _add_calibrate(sub) -> None:
+    c = sub.add_parser("calibrate", help="measure this machine's compute rates, optimizer, collectives and "
+                                          "overlap (cached; fxpar.auto and fxpar plan --calibrate use it)",
+                       description="Measure what the cost model assumes, on this machine: matrix-product and "
+                                   "memory rates, the per-op launch cost, the optimizer step, each collective's "
+                                   "alpha-beta on gloo ranks spawned here (one thread each) and whether "
+                                   "communication overlaps compute.  Cached per machine, torch version, backend "
+                                   "and world size.")
+    c.add_argument("--world", type=_positive, default=2, help="gloo ranks to measure the collectives on (default 2)")
+    c.add_argument("--force", action="store_true", help="measure again even when a calibration is cached")
+    c.add_argument("--out", type=Path, help="also write the calibration (a profile database JSON) here")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     _check_outputs(args)
@@ -171,6 +193,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"{workload.global_batch}, seq {workload.seq_len}, {workload.dtype}, {workload.optimizer}")
 
     profiles = _profiles(args.profiles, cluster, workload)
+    calibration = calibrate.for_planning(cluster, args.calibrate, progress=_progress)
+    if calibration is not None:
+        _progress(calibration.calibration)
+        profiles = with_calibration(profiles, calibration)
     plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles,
                       strategies=args.strategies)
     print(plan.table())
@@ -193,6 +219,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tmp.write_text(plan.to_json())
         tmp.replace(args.json_out)
         _progress(f"wrote {args.json_out}")
+    _progress(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    key = calibrate.spawned_key(args.world)
+    db = None if args.force else calibrate.load_cached(key)
+    if db is not None:
+        _progress(f"cached calibration {calibrate.cache_path(key)} (measure again with --force)")
+    else:
+        _progress(f"calibrating {key}")
+        db = calibrate.calibrate_spawned(args.world, progress=_progress)
+        where = calibrate.store(db, key)
+        _progress(f"cached in {where}" if where else "the cache folder is not writable: not cached")
+    print(calibrate.describe(db))
+    if args.out is not None:
+        _writable_file("--out", args.out)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+        tmp.write_text(json.dumps(db.to_dict(), indent=1))
+        tmp.replace(args.out)
+        _progress(f"wrote {args.out}")
     _progress(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -324,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile,
+        return {"plan": _cmd_plan, "demo": _cmd_demo, "profile": _cmd_profile, "calibrate": _cmd_calibrate,
                 "simulate": _cmd_simulate}[args.command](args)
     except InfeasibleError as exc:
         print(f"fxpar: no plan fits: {exc}", file=sys.stderr)

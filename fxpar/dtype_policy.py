@@ -92,6 +92,11 @@ class DtypePolicy:
         """Bytes per element of a gradient summed in ``reduce_dtype``."""
         return ITEMSIZE[self.reduce_dtype]
 
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per element of a master weight (what ZeRO-1 gathers after the update)."""
+        return ITEMSIZE[self.master_dtype]
+
     def describe(self) -> str:
         """One line for ``plan.explain`` and tables."""
         which = "autocast-cast parameters" if self.cast == "autocast" else "all parameters"

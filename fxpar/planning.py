@@ -103,7 +103,8 @@ def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
                strategies: tuple[str, ...] = FAMILIES) -> Plan:
     """Trace (on meta) and solve among ``strategies``: the CLI's ``fxpar plan``."""
     check_inputs(cluster, workload)
-    used = {g.type.name for g in cluster.groups()} & set(profiles or {})
+    used = {t for t in {g.type.name for g in cluster.groups()} & set(profiles or {})
+            if any(not key.startswith("optimizer|") for key in profiles[t].ops)}   # op entries, not a calibration alone
     graph = trace_spec(model, workload, progress=progress,
                        op_keys=bool(used) and isinstance(model, ModelSpec))
     if used:

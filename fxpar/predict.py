@@ -223,8 +223,8 @@ def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Pred
     (kinds, b), m, t = layout.replica(q), layout.num_microbatches, prices.table
     tp = [0.0] * len(run.busy_s)
     for st, kind in zip(layout.stages, kinds):
-        parts = tp_allreduce_s(prices.intra_bytes_per_s[kind], st.width,
-                               t.boundary_bytes[st.start:st.end] * b) * (np.arange(st.start, st.end) > 0)
+        parts = tp_allreduce_s(prices.intra_bytes_per_s[kind], st.width, t.boundary_bytes[st.start:st.end] * b,
+                               prices.measured_links.get("all_reduce")) * (np.arange(st.start, st.end) > 0)
         tp[st.position] += 4 * float(parts.sum()) * m
     busy_s = run.replicas[q].busy_s
     busiest = max(range(len(busy_s)), key=lambda d: busy_s[d])

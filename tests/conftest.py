@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# no test depends on this machine's timing: fxpar.auto prices by the catalog unless a test hands it
+# a calibration (fxpar.calibrate); spawned ranks inherit the setting
+os.environ["FXPAR_CALIBRATION"] = "off"
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT.parent / "shared" / "scenarios"
 

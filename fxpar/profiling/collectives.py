@@ -16,6 +16,9 @@ Other collectives of ``S`` bytes (the full tensor) over ``n`` devices, bottlenec
 ``B`` (intra-node link inside one node, the node NIC across nodes):
 
     all-gather, reduce-scatter   (n − 1)/n · S / (η B) + (n − 1) α          (ring)
+    reduce-scatter under gloo    the all-reduce of the whole input S (gloo has no
+                                 reduce-scatter of its own: torch runs an all-reduce, then keeps
+                                 the rank's part; :mod:`fxpar.profiling.wire_bytes` counts it so)
     all-to-all                   (n − 1)/n · S / (η B) + (n − 1) α          (pairwise)
     tree all-reduce              2 · S / (η B) + 2 ⌈log₂ n⌉ α                (double binary tree)
     point-to-point               S / (η B) + α
@@ -25,6 +28,15 @@ Other collectives of ``S`` bytes (the full tensor) over ``n`` devices, bottlenec
 ``t = α + S_bus / β`` with ``S_bus`` = 2(n−1)/n·S for all-reduce, (n−1)/n·S for the others.
 
 ``α`` values are estimates (U): 5 µs per hop inside a node, 15 µs across nodes.
+
+The backend follows the devices (:data:`BACKENDS`): gloo for CPU ranks, NCCL for GPUs.  CPU
+ranks run a collective on the core that computes (gloo's thread competes with the step's), so a
+CPU rank's communication does not overlap its compute unless a calibration measured that it
+does (:meth:`fxpar.profiling.CostModel.overlaps_communication`).
+
+Data parallelism's gradient all-reduce runs in the buckets the runtime fills
+(:func:`gradient_buckets`: DDP's scheme, a first bucket of at most ``FIRST_BUCKET_BYTES`` then
+``GRADIENT_BUCKET_BYTES`` each); every bucket is one call and pays its own latency.
 """
 
 from __future__ import annotations
@@ -44,6 +56,31 @@ GRADIENT_BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
 
 
+#: the process-group backend of a device vendor (``fxpar.runtime.distributed`` starts these)
+BACKENDS: dict[str, str] = {"cpu": "gloo"}
+DEFAULT_BACKEND = "nccl"
+
+
+def backend_of(vendors) -> str:
+    """The backend a group of devices of ``vendors`` runs on: gloo when any is a CPU, else NCCL."""
+    found = {BACKENDS.get(v, DEFAULT_BACKEND) for v in vendors}
+    return "gloo" if "gloo" in found else DEFAULT_BACKEND
+
+
+def gradient_buckets(nbytes: float, first: float = FIRST_BUCKET_BYTES,
+                     rest: float = GRADIENT_BUCKET_BYTES) -> list[float]:
+    """The sizes of the all-reduce calls of ``nbytes`` of gradients as the runtime buckets them
+    (:mod:`fxpar.runtime.allreduce`): at most ``first``, then ``rest`` each, the last shorter."""
+    if nbytes <= 0:
+        return []
+    out = [min(float(nbytes), float(first))]
+    left = float(nbytes) - out[0]
+    while left > 0:
+        out.append(min(left, float(rest)))
+        left -= out[-1]
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class RingShape:
     """Who takes part in a collective: devices per node and the slowest links."""
@@ -51,6 +88,7 @@ class RingShape:
     devices_per_node: tuple[int, ...]
     intra_bytes_per_s: tuple[float, ...]   # slowest intra-node link of each node
     node_bytes_per_s: float                # NIC bandwidth of a node
+    backend: str = DEFAULT_BACKEND          # "gloo" (CPU ranks) or "nccl"
 
     @property
     def num_nodes(self) -> int:
@@ -68,7 +106,8 @@ def ring_shape(cluster, ranks: Sequence[int] | None = None) -> RingShape:
     nodes = sorted(per_node)
     intra = tuple(min(d.intra_node_gbps for d in devices if d.node == n) * 1e9 for n in nodes)
     return RingShape(devices_per_node=tuple(per_node[n] for n in nodes),
-                     intra_bytes_per_s=intra, node_bytes_per_s=cluster.inter_node_bytes_per_s())
+                     intra_bytes_per_s=intra, node_bytes_per_s=cluster.inter_node_bytes_per_s(),
+                     backend=backend_of(d.type.vendor for d in devices))
 
 
 def _bottleneck(shape: RingShape) -> tuple[float, float]:
@@ -123,7 +162,9 @@ def allgather_time(shape: RingShape, nbytes: float) -> float:
 
 
 def reduce_scatter_time(shape: RingShape, nbytes: float) -> float:
-    """Reduce-scatter of an ``nbytes`` input."""
+    """Reduce-scatter of an ``nbytes`` input (under gloo the all-reduce of it: module docstring)."""
+    if shape.backend == "gloo":
+        return allreduce_time(shape, nbytes)
     return _one_pass(shape, nbytes)
 
 
@@ -148,7 +189,7 @@ def measured_time(link, kind: str, world: int, nbytes: float) -> float:
     """Time from a measured :class:`LinkCost` for ``kind`` over ``world`` devices."""
     if world <= 1 or nbytes <= 0:
         return 0.0
-    return link.alpha_s + BUS_FACTOR[kind](world) * nbytes / link.bus_bytes_per_s
+    return link.seconds(BUS_FACTOR[kind](world) * nbytes)
 
 
 def allreduce_lower_bound(shape: RingShape, nbytes: float) -> float:

@@ -14,7 +14,16 @@ File layout: ``DIR/<device type>.json``::
 
     {"format": 1, "device_type": "cpu", "device_name": "...", "torch": "2.13.0",
      "ops": {KEY: {"fwd": [a, c], "bwd": [a, c], "count": n}},
-     "links": {"all_reduce": {"alpha_s": ..., "bus_bytes_per_s": ..., "world": 2}, ...}}
+     "links": {"all_reduce": {"alpha_s": ..., "bus_bytes_per_s": ..., "world": 2}, ...},
+     "rates": {"matmul_flops": {"fp32": ..., "bf16": ...}, "memory_bytes_per_s": ...,
+               "op_overhead_s": ..., "overlap": false, "sharded_call_s": ..., "pipeline_op_s": ...},
+     "calibration": "what measured it, where, how long"}
+
+``rates`` (optional; written by ``fxpar calibrate``, :mod:`fxpar.calibrate`) replace the
+catalog's figures for the nodes no op entry covers: achieved FLOP/s of matrix products per
+precision (attention at the catalog's fraction of it), achieved memory bandwidth, seconds per
+launched op, whether communication overlaps compute on the device, and fxpar's own runtime
+costs per sharded collective call and per pipeline schedule op.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
+
+import numpy as np
 
 from fxpar.errors import ConfigError
 
@@ -48,11 +59,25 @@ class OpCost:
 
 @dataclass(frozen=True, slots=True)
 class LinkCost:
-    """Measured α-β of one collective: ``t = alpha_s + bus_bytes / bus_bytes_per_s``."""
+    """Measured α-β of one collective: ``t = alpha_s + bus_bytes / bus_bytes_per_s``; with
+    ``points`` (``(bus bytes, seconds)`` as measured, ascending) the time is read off them instead
+    — linear between two points, the first point's time below it, the α-β line's slope beyond the
+    last — since a backend switches algorithms between sizes (gloo's all-reduce here: 0.46 ms at
+    4 KiB, 2.8 ms at 1 MiB, 3.1 ms at 4 MiB), which no single line follows."""
 
     alpha_s: float
     bus_bytes_per_s: float
     world: int
+    points: tuple[tuple[float, float], ...] = ()
+
+    def seconds(self, bus_bytes: float) -> float:
+        """Seconds of a collective of ``bus_bytes`` bus bytes (class docstring)."""
+        if not self.points:
+            return self.alpha_s + bus_bytes / self.bus_bytes_per_s
+        xs, ys = zip(*self.points)
+        if bus_bytes >= xs[-1]:
+            return ys[-1] + (bus_bytes - xs[-1]) / self.bus_bytes_per_s
+        return float(np.interp(bus_bytes, xs, ys))
 
 
 @dataclass(frozen=True)
@@ -64,16 +89,41 @@ class ProfileDB:
     torch_version: str = ""
     ops: Mapping[str, OpCost] = field(default_factory=dict)
     links: Mapping[str, LinkCost] = field(default_factory=dict)
+    #: achieved FLOP/s of matrix products per precision ("fp32", "bf16", ...; calibration)
+    matmul_flops: Mapping[str, float] = field(default_factory=dict)
+    #: achieved memory bytes/s of pointwise work (None: the catalog's)
+    memory_bytes_per_s: float | None = None
+    #: seconds per launched op, forward or backward (None: the roofline's estimate)
+    op_overhead_s: float | None = None
+    #: whether communication runs beside compute on this device (None: by vendor)
+    overlap: bool | None = None
+    #: fxpar's runtime costs per sharded collective call and per pipeline schedule op
+    #: (:mod:`fxpar.calibrate.runtime_probe`; None: not measured, priced as 0)
+    sharded_call_s: float | None = None
+    pipeline_op_s: float | None = None
+    #: one line on what measured the rates and links (``fxpar calibrate``); "" for a plain profile
+    calibration: str = ""
     #: the file it was read from ("" when built in memory); not part of the data
     source: str = field(default="", compare=False)
+
+    @property
+    def rates(self) -> dict:
+        """The calibrated rates as the file stores them (module docstring; {} when none)."""
+        out = {"matmul_flops": dict(sorted(self.matmul_flops.items())), "memory_bytes_per_s": self.memory_bytes_per_s,
+               "op_overhead_s": self.op_overhead_s, "overlap": self.overlap, "sharded_call_s": self.sharded_call_s,
+               "pipeline_op_s": self.pipeline_op_s}
+        return {k: v for k, v in out.items() if v not in (None, {})}
 
     def to_dict(self) -> dict:
         return {"format": PROFILE_FORMAT, "device_type": self.device_type,
                 "device_name": self.device_name, "torch": self.torch_version,
                 "ops": {k: {"fwd": list(v.fwd), "bwd": list(v.bwd), "count": v.count}
                         for k, v in sorted(self.ops.items())},
-                "links": {k: {"alpha_s": v.alpha_s, "bus_bytes_per_s": v.bus_bytes_per_s,
-                              "world": v.world} for k, v in sorted(self.links.items())}}
+                "links": {k: {"alpha_s": v.alpha_s, "bus_bytes_per_s": v.bus_bytes_per_s, "world": v.world,
+                              **({"points": [list(pt) for pt in v.points]} if v.points else {})}
+                          for k, v in sorted(self.links.items())},
+                **({"rates": self.rates} if self.rates else {}),
+                **({"calibration": self.calibration} if self.calibration else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping, *, source: str = "<profile>") -> "ProfileDB":
@@ -84,9 +134,21 @@ class ProfileDB:
             ops = {k: OpCost(fwd=tuple(map(float, v["fwd"])), bwd=tuple(map(float, v["bwd"])),
                              count=int(v.get("count", 1))) for k, v in d.get("ops", {}).items()}
             links = {k: LinkCost(alpha_s=float(v["alpha_s"]), bus_bytes_per_s=float(v["bus_bytes_per_s"]),
-                                 world=int(v["world"])) for k, v in d.get("links", {}).items()}
+                                 world=int(v["world"]), points=_points(v.get("points", ()), f"links.{k}.points"))
+                     for k, v in d.get("links", {}).items()}
+            rates = d.get("rates", {})
+            overlap = rates.get("overlap")
+            if overlap is not None and not isinstance(overlap, bool):
+                raise ValueError(f"rates.overlap = {overlap!r} is not true or false")
             return cls(device_type=str(d["device_type"]), device_name=str(d.get("device_name", "")),
-                       torch_version=str(d.get("torch", "")), ops=ops, links=links)
+                       torch_version=str(d.get("torch", "")), ops=ops, links=links,
+                       matmul_flops={str(k): _positive(v, f"rates.matmul_flops.{k}")
+                                     for k, v in rates.get("matmul_flops", {}).items()},
+                       memory_bytes_per_s=_positive_or_none(rates.get("memory_bytes_per_s"), "rates.memory_bytes_per_s"),
+                       op_overhead_s=_positive_or_none(rates.get("op_overhead_s"), "rates.op_overhead_s", zero=True),
+                       overlap=overlap, calibration=str(d.get("calibration", "")),
+                       sharded_call_s=_positive_or_none(rates.get("sharded_call_s"), "rates.sharded_call_s", zero=True),
+                       pipeline_op_s=_positive_or_none(rates.get("pipeline_op_s"), "rates.pipeline_op_s", zero=True))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -97,7 +159,14 @@ class ProfileDB:
         """This database with ``other``'s entries added (other wins on equal keys)."""
         return ProfileDB(device_type=self.device_type, device_name=other.device_name or self.device_name,
                          torch_version=other.torch_version or self.torch_version,
-                         ops={**self.ops, **other.ops}, links={**self.links, **other.links})
+                         ops={**self.ops, **other.ops}, links={**self.links, **other.links},
+                         matmul_flops={**self.matmul_flops, **other.matmul_flops},
+                         memory_bytes_per_s=_first(other.memory_bytes_per_s, self.memory_bytes_per_s),
+                         op_overhead_s=_first(other.op_overhead_s, self.op_overhead_s),
+                         overlap=_first(other.overlap, self.overlap),
+                         sharded_call_s=_first(other.sharded_call_s, self.sharded_call_s),
+                         pipeline_op_s=_first(other.pipeline_op_s, self.pipeline_op_s),
+                         calibration=other.calibration or self.calibration)
 
     def save(self, directory: str | Path) -> Path:
         """Write (merging with an existing file) to ``directory/<device_type>.json``."""
@@ -108,6 +177,38 @@ class ProfileDB:
         tmp.write_text(json.dumps(db.to_dict(), indent=1))
         tmp.replace(path)
         return path
+
+
+def with_calibration(profiles: Mapping[str, ProfileDB] | None, calibration: ProfileDB | None) -> dict[str, ProfileDB]:
+    """``profiles`` with a calibration (``fxpar calibrate``) merged into its device type's entry:
+    a measured profile's op entries stay, the calibration adds its rates, links and optimizer."""
+    out = dict(profiles or {})
+    if calibration is not None:
+        mine = out.get(calibration.device_type)
+        out[calibration.device_type] = calibration if mine is None else calibration.merged(mine)
+    return out
+
+
+def _points(values, name: str) -> tuple[tuple[float, float], ...]:
+    out = tuple((_positive(x, name, zero=True), _positive(t, name, zero=True)) for x, t in values)
+    if any(b[0] <= a[0] for a, b in zip(out, out[1:])):
+        raise ValueError(f"{name}: the sizes must ascend")
+    return out
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _positive(value, name: str, zero: bool = False) -> float:
+    number = float(value)
+    if not (number > 0 or (zero and number == 0)) or number != number or number == float("inf"):
+        raise ValueError(f"{name} = {value!r} is not a positive number")
+    return number
+
+
+def _positive_or_none(value, name: str, zero: bool = False) -> float | None:
+    return None if value is None else _positive(value, name, zero)
 
 
 def load_profile(path: str | Path) -> ProfileDB:

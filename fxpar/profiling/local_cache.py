@@ -128,6 +128,11 @@ def profiles_description(profiles: Mapping[str, ProfileDB] | None, cluster: Any,
     parts = []
     for t in used:
         db = profiles[t]
-        share = "" if cost is None else f", {100 * cost.sample_cost(groups[t]).measured_fraction:.0f}% of ops measured"
-        parts.append(describe(t, db.torch_version or "unknown torch", dtype + share, db.source or None))
+        fraction = 0.0 if cost is None else cost.sample_cost(groups[t]).measured_fraction
+        if db.calibration and not fraction:  # rates, links and optimizer only: the calibration priced it
+            parts.append(f"{t}: roofline at rates {db.calibration}")
+            continue
+        share = "" if cost is None else f", {100 * fraction:.0f}% of ops measured"
+        parts.append(describe(t, db.torch_version or "unknown torch", dtype + share, db.source or None)
+                     + (f" (rest at rates {db.calibration})" if db.calibration else ""))
     return "; ".join(parts) + ("" if len(used) == len(groups) else f"; {ROOFLINE} elsewhere")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxpar.dtype_policy import DtypePolicy
 from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
 from fxpar.tracing.graph import ModelGraph, OpClass
@@ -118,18 +119,15 @@ class CostModel:
         key = (dtype_obj.name, float(device.speed))
         if key in self._node_cache:
             return self._node_cache[key]
-        peak = dtype_obj.peak_tflops(self.compute_dtype) * 1e12
-        eta = np.where(self._is_attn, dtype_obj.matmul_efficiency * ATTENTION_EFFICIENCY_FACTOR,
-                       dtype_obj.matmul_efficiency)
-        rate = eta * peak
-        bw = dtype_obj.memory_efficiency * dtype_obj.memory_gbps * 1e9
+        db = self.profiles.get(dtype_obj.name)
+        matmul, bw, overhead = self._rates(dtype_obj, db)
+        rate = np.where(self._is_attn, matmul * ATTENTION_EFFICIENCY_FACTOR, matmul)
         real = ~self._is_view
         fwd_c = np.where(real, np.maximum(self._fwd / rate, self._bytes / bw), 0.0)
         bwd_c = np.where(real & self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._bytes / bw), 0.0)
-        fwd_a = np.where(real, OP_OVERHEAD_S, 0.0)
-        bwd_a = np.where(real & self._needs_bwd, OP_OVERHEAD_S, 0.0)
+        fwd_a = np.where(real, overhead, 0.0)
+        bwd_a = np.where(real & self._needs_bwd, overhead, 0.0)
         measured = np.zeros(len(fwd_c), dtype=bool)
-        db = self.profiles.get(dtype_obj.name)
         if db is not None and self._keys:
             # measured nodes replace their roofline estimate; views count too (they cost
             # dispatch time on a real device); nodes missing from the database keep roofline
@@ -143,6 +141,21 @@ class CostModel:
                            measured=measured)
         self._node_cache[key] = result
         return result
+
+    def _rates(self, device_type, db: ProfileDB | None) -> tuple[float, float, float]:
+        """(matrix-product FLOP/s, memory bytes/s, seconds per op) on ``device_type``: a
+        calibration's measured rates where its profile has them (``fxpar calibrate``), else the
+        catalog's peak times its efficiency and the roofline's per-op estimate."""
+        catalog = device_type.matmul_efficiency * device_type.peak_tflops(self.compute_dtype) * 1e12
+        matmul = catalog
+        bw = device_type.memory_efficiency * device_type.memory_gbps * 1e9
+        overhead = OP_OVERHEAD_S
+        if db is not None:
+            measured = db.matmul_flops.get(self.compute_dtype)
+            matmul = measured if measured else catalog
+            bw = db.memory_bytes_per_s or bw
+            overhead = db.op_overhead_s if db.op_overhead_s is not None else overhead
+        return matmul, bw, overhead
 
     def sample_cost(self, device) -> SampleCost:
         """The whole model's affine cost on ``device`` (sums of :meth:`node_costs`)."""
@@ -206,7 +219,59 @@ class CostModel:
         return 2.0 * largest / float(self.graph.batch_size)
 
     def gradient_bytes(self) -> int:
+        """Gradient bytes of one replica as memory holds them (:mod:`fxpar.profiling.memory`)."""
         return memory.gradient_bytes(self.param_count, self.optimizer, self.dtype)
+
+    # ---- what crosses the wire ---------------------------------------------------------------
+    def policy(self, policy: DtypePolicy | None = None) -> DtypePolicy:
+        """``policy``, or the default dtype policy of this cost model's dtype (what the planner's
+        plans run with)."""
+        return policy if policy is not None else DtypePolicy.for_dtype(self.dtype)
+
+    def gradient_wire_bytes(self, policy: DtypePolicy | None = None) -> float:
+        """Bytes of the gradients data parallelism sums each step, as the runtime sends them:
+        every parameter in the policy's ``reduce_dtype`` (fp32 by default in every precision, as
+        DDP sums the fp32 gradients of an autocast model)."""
+        return float(self.param_count * self.policy(policy).reduce_bytes)
+
+    def gather_itemsizes(self, policy: DtypePolicy | None = None) -> dict[str, int]:
+        """Per parameter (FQN), the bytes per element sharded data parallelism all-gathers it in:
+        ``param_dtype`` for the parameters the policy casts (``cast="all"``: every one;
+        ``"autocast"``: those only matrix products read, as autocast casts them), fp32 for the rest
+        (:mod:`fxpar.dtype_policy`)."""
+        policy = self.policy(policy)
+        low = policy.param_bytes
+        if policy.cast == "all" or low == 4:
+            return {p.fqn: low for p in self.graph.params}
+        readers: dict[str, set[OpClass]] = {}
+        for n in self.graph.nodes:
+            for fqn in n.param_fqns:
+                readers.setdefault(fqn, set()).add(n.op_class)
+        products = {OpClass.MATMUL, OpClass.MOE_EXPERTS, OpClass.VIEW}
+        out = {}
+        for p in self.graph.params:
+            classes = set().union(*(readers.get(name, set()) for name in (p.fqn, *p.aliases)))
+            cast = bool(classes - {OpClass.VIEW}) and classes <= products
+            out[p.fqn] = low if cast else 4
+        return out
+
+    def overlaps_communication(self, ranks=None) -> bool:
+        """Whether communication runs beside compute on these devices: a measured answer from the
+        devices' calibration (``ProfileDB.overlap``) where there is one; otherwise GPUs do (NCCL's
+        own stream) and CPU ranks do not (gloo's thread shares the core that computes;
+        :mod:`fxpar.profiling.collectives`)."""
+        devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
+        answers = []
+        for d in devices:
+            db = self.profiles.get(d.type.name)
+            measured = None if db is None else getattr(db, "overlap", None)
+            answers.append(measured if measured is not None else d.type.vendor != "cpu")
+        return all(answers)
+
+    def gradient_allreduce_s(self, policy: DtypePolicy | None = None, ranks=None) -> float:
+        """The gradient all-reduce as the runtime issues it, every bucket one call
+        (:func:`fxpar.profiling.collectives.gradient_buckets`), one after another."""
+        return sum(self.allreduce_s(b, ranks) for b in collectives.gradient_buckets(self.gradient_wire_bytes(policy)))
 
     # ---- communication -------------------------------------------------------------------
     def measured_link(self, kind: str, ranks=None):
@@ -217,6 +282,19 @@ class CostModel:
             return None
         db = self.profiles.get(types.pop())
         return None if db is None else db.links.get(kind)
+
+    def runtime_overhead(self, name: str, ranks=None) -> float:
+        """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``) of these devices
+        when they are of one calibrated type, else 0 (:mod:`fxpar.calibrate.runtime_probe`)."""
+        devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
+        types = {d.type.name for d in devices}
+        db = self.profiles.get(types.pop()) if len(types) == 1 else None
+        return float(getattr(db, name, None) or 0.0)
+
+    def measured_links(self, ranks=None) -> dict:
+        """Every measured collective of these devices (kind -> LinkCost), as :meth:`measured_link`."""
+        return {kind: link for kind in collectives.BUS_FACTOR
+                if (link := self.measured_link(kind, ranks)) is not None}
 
     def allreduce_s(self, nbytes: float, ranks=None) -> float:
         link = self.measured_link("all_reduce", ranks)

@@ -95,6 +95,7 @@ def build_problem(cost, global_batch: int, max_microbatches: int | None = None) 
     saved_x = sum(n.saved_bytes for n, m in zip(graph.nodes, mask) if m) / b
     state = lambda n: memory.model_state_bytes(n, cost.optimizer, cost.dtype)
     grads = memory.gradient_bytes(P, cost.optimizer, cost.dtype)
+    wire_grads = P * cost.policy().reduce_bytes   # as the runtime sums them (reduce dtype)
     return EPProblem(
         groups=tuple(groups), nodes=tuple(tuple(nodes[j]) for j in order),
         intra_s_per_byte=tuple(1 / (eta * min(cluster.device(r).intra_node_gbps for r in nodes[j]) * 1e9)
@@ -106,6 +107,6 @@ def build_problem(cost, global_batch: int, max_microbatches: int | None = None) 
         activation_bytes_per_sample=(cost.activation_bytes_per_sample() - saved_x
                                      + cost.transient_bytes_per_sample()),
         expert_activation_bytes_per_sample=saved_x, replicated_params=P, expert_params=expert_total // E,
-        allreduce_s=cost.allreduce_s(grads) if N > 1 else 0.0, max_microbatches=max_microbatches,
+        allreduce_s=cost.allreduce_s(wire_grads) if N > 1 else 0.0, max_microbatches=max_microbatches,
         grad_bytes_per_param=memory.state_bytes_per_param(cost.optimizer, cost.dtype)[1],
         exchange_bytes=grads if N > 1 else 0.0, workspace_bytes_per_sample=cost.transient_bytes_per_sample())

@@ -32,26 +32,39 @@ last backward ends (``e_j``, as codegen runs it), so all are done at
 
 A tensor-parallel stage of width ``u`` all-reduces ``β·b`` bytes of activations 2 times
 forward and 2 times backward per block, on its node's link (:func:`tp_allreduce_s`).
+
+Where the devices' calibration measured a collective (``measured``: kind -> LinkCost, from
+:meth:`fxpar.profiling.CostModel.measured_links`), that measurement replaces the formula: a
+position's exchange across the pipelines is ``measured_time(kind, P, S_j)`` (positions on
+distinct ranks exchange at once: the slowest counts), a hop moves at the measured
+point-to-point bandwidth, a tensor-parallel all-reduce is the measured all-reduce.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fxpar.profiling import collectives
+from fxpar.profiling.database import LinkCost
 
 
-def tp_allreduce_s(intra_bytes_per_s: float, width: int, nbytes: np.ndarray) -> np.ndarray:
-    """One all-reduce of ``nbytes[i]`` over a width-``width`` tensor-parallel group on one node."""
+def tp_allreduce_s(intra_bytes_per_s: float, width: int, nbytes: np.ndarray,
+                   measured: LinkCost | None = None) -> np.ndarray:
+    """One all-reduce of ``nbytes[i]`` over a width-``width`` tensor-parallel group on one node
+    (``measured``: the calibrated all-reduce, module docstring)."""
     if width <= 1:
         return np.zeros_like(nbytes)
     shape = collectives.RingShape((width,), (intra_bytes_per_s,), 1.0)
     values, index = np.unique(nbytes, return_inverse=True)  # blocks share one boundary size
-    return np.array([collectives.allreduce_time(shape, float(x)) for x in values])[index.reshape(-1)]
+    if measured is not None:
+        times = [collectives.measured_time(measured, "all_reduce", width, float(x)) for x in values]
+    else:
+        times = [collectives.allreduce_time(shape, float(x)) for x in values]
+    return np.array(times)[index.reshape(-1)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +75,18 @@ class LinkCosts:
     widths: tuple[int, ...]
     intra: tuple[float, ...]                # B_in of each position's devices
     nic: float
+    measured: Mapping[str, LinkCost] = field(default_factory=dict)   # calibrated collectives by kind
+
+    @property
+    def hop_latency_s(self) -> float:
+        """The fixed seconds of one hop: the calibrated point-to-point α (0 for the formula's
+        hops, which price bandwidth only)."""
+        return self.measured["p2p"].alpha_s if "p2p" in self.measured else 0.0
 
     def hop_bytes_per_s(self, j: int, k: int) -> float:
         """Effective bandwidth of the hop from position ``j`` to position ``k`` (all pipelines)."""
+        if "p2p" in self.measured:
+            return self.measured["p2p"].bus_bytes_per_s
         eta = collectives.LINK_EFFICIENCY
         leaving = Counter(a for a, b in zip(self.nodes[j], self.nodes[k]) if a != b)
         rate = eta * min(self.intra[j], self.intra[k])
@@ -96,9 +118,20 @@ class LinkCosts:
         return (max(p[0] for p in parts) + max(load.values(), default=0.0) / (collectives.LINK_EFFICIENCY * self.nic)
                 + max(p[2] for p in parts))
 
+    def _measured_each(self, per_stage_bytes: Sequence[float], passes: int) -> list[float] | None:
+        """Per position its calibrated exchange across the pipelines (None: not measured)."""
+        kind = "all_reduce" if passes == 2 else "all_gather"
+        link = self.measured.get(kind)
+        if link is None:
+            return None
+        return [collectives.measured_time(link, kind, len(self.nodes[j]), float(b)) for j, b in enumerate(per_stage_bytes)]
+
     def _exchange(self, per_stage_bytes: Sequence[float], passes: int) -> float:
         if len(self.nodes[0]) <= 1:
             return 0.0
+        each = self._measured_each(per_stage_bytes, passes)
+        if each is not None:
+            return max(each, default=0.0)
         return self._together(self._parts(per_stage_bytes, passes))
 
     def allreduce_s(self, per_stage_bytes: Sequence[float]) -> float:
@@ -114,6 +147,9 @@ class LinkCosts:
         own as its last backward ends (``ends[j]``; module docstring)."""
         if len(self.nodes[0]) <= 1:
             return max(ends)
+        each = self._measured_each(per_stage_bytes, 2)
+        if each is not None:
+            return max(end + t for end, t in zip(ends, each))
         parts = self._parts(per_stage_bytes, 2)
         eta_nic = collectives.LINK_EFFICIENCY * self.nic
         alone = max(end + intra + max(nic.values(), default=0.0) / eta_nic + alpha

@@ -48,11 +48,12 @@ optimizer state):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from fxpar.profiling.memory import state_bytes_per_param
+from fxpar.dtype_policy import DtypePolicy
 from fxpar.sim.interleaved import lockstep_order, replay
 from fxpar.sim.links import LinkCosts, tp_allreduce_s
 from fxpar.sim.pipeline_sim import simulate_stages
@@ -83,6 +84,14 @@ class PipelinePrices:
     #: fresh tensors per transfer, so only the in-flight micro-batches' buffers are alive (what
     #: Megatron-LM does); absent: fxpar's runtime, one buffer per micro-batch
     receive_in_flight: Mapping[str, bool] = field(default_factory=dict)
+    #: the devices overlap communication with compute (GPUs); CPU ranks do not, so a stage's sum
+    #: across pipelines waits for the last backward (:meth:`fxpar.profiling.CostModel.overlaps_communication`)
+    overlap: bool = True
+    #: the devices' calibrated collectives (kind -> LinkCost; :mod:`fxpar.sim.links`)
+    measured_links: Mapping[str, Any] = field(default_factory=dict)
+    #: the runtime's own seconds per schedule op (a micro-batch's forward or backward on a stage;
+    #: :mod:`fxpar.calibrate.runtime_probe`; 0 uncalibrated)
+    op_overhead_s: float = 0.0
 
 
 def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
@@ -102,7 +111,9 @@ def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
                           node_bytes_per_s=cluster.inter_node_bytes_per_s(), optimizer=cost.optimizer,
                           dtype=cost.dtype, compute_scale=dict(compute_scale or {}),
                           segment_overhead_s=dict(segment_overhead_s or {}),
-                          receive_in_flight=dict(receive_in_flight or {}))
+                          receive_in_flight=dict(receive_in_flight or {}),
+                          overlap=cost.overlaps_communication(), measured_links=cost.measured_links(),
+                          op_overhead_s=cost.runtime_overhead("pipeline_op_s"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +200,8 @@ def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float
     """(f_j, b_j) of one stage per micro-batch of ``b`` samples (module docstring)."""
     t, k, i, e = prices.table, st.kind, st.start, st.end
     scale = (t.sharded_fraction / st.width + (1 - t.sharded_fraction))[i:e]
-    tp = tp_allreduce_s(prices.intra_bytes_per_s[k], st.width, t.boundary_bytes[i:e] * b) * (np.arange(i, e) > 0)
+    tp = tp_allreduce_s(prices.intra_bytes_per_s[k], st.width, t.boundary_bytes[i:e] * b,
+                        prices.measured_links.get("all_reduce")) * (np.arange(i, e) > 0)
     ks, over = prices.compute_scale.get(k, 1.0), prices.segment_overhead_s.get(k, 0.0)
     fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale * ks + over / 3
     total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale * ks + over).sum()) + 4 * float(tp.sum())
@@ -197,7 +209,7 @@ def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float
         blocks = (np.arange(i, e) > 0) & (np.arange(i, e) < t.size - 1)
         total += float(np.where(blocks, fwd_parts, 0.0).sum())
     fwd = float(fwd_parts.sum()) + 2 * float(tp.sum())
-    return fwd, max(total - fwd, 0.0)
+    return fwd + prices.op_overhead_s, max(total - fwd, 0.0) + prices.op_overhead_s
 
 
 def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int, pipelines: int,
@@ -211,8 +223,9 @@ def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int,
 
 def _hops(prices: PipelinePrices, layout: PipelineLayout, b: int) -> list[float]:
     t, S = prices.table, len(layout.stages)
+    latency = layout.links.hop_latency_s
     return [float(t.boundary_bytes[st.end - 1]) * b
-            / layout.links.hop_bytes_per_s(st.position, layout.stages[j + 1].position) if j + 1 < S else 0.0
+            / layout.links.hop_bytes_per_s(st.position, layout.stages[j + 1].position) + latency if j + 1 < S else 0.0
             for j, st in enumerate(layout.stages)]
 
 
@@ -273,7 +286,8 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
         """Per stage or position, the largest value of any replica."""
         return tuple(max(values) for values in zip(*(getattr(r, name) for r in reps)))
 
-    w_bytes, g_bytes, _ = state_bytes_per_param(prices.optimizer, prices.dtype)
+    wire = DtypePolicy.for_dtype(prices.dtype)  # what the runtime sends: fp32 sums, fp32 masters gathered
+    w_bytes, g_bytes = wire.master_bytes, wire.reduce_bytes
     params = [0.0] * W   # the largest replica's, where the pipelines cut differently
     for p in range(layout.pipelines if layout.replica_ranges else 1):
         held = [0.0] * W
@@ -281,7 +295,7 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
             held[st.position] += float(prices.table.local_params(st.width)[i:e].sum())
         params = [max(a, x) for a, x in zip(params, held)]
     opt = worst("optimizer_s")
-    starts = ends if layout.overlap_grad_allreduce else [makespan] * len(ends)
+    starts = ends if layout.overlap_grad_allreduce and prices.overlap else [makespan] * len(ends)
     exposed = layout.links.allreduce_done_s(starts, [n * g_bytes for n in params]) - makespan
     gather = layout.links.allgather_s([n * w_bytes for n in params]) if layout.zero else 0.0
     return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,

@@ -91,7 +91,7 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
     links = LinkCosts(nodes=tuple(tuple(cluster.device(slot[0]).node for slot in row) for row in slots),
                       widths=tuple(len(row[0]) for row in slots),
                       intra=tuple(min(prices.intra_bytes_per_s[kind[slot[0]]] for slot in row) for row in slots),
-                      nic=float(prices.node_bytes_per_s))
+                      nic=float(prices.node_bytes_per_s), measured=dict(prices.measured_links))
     m = max(plan.num_microbatches, 1)
     replica_kinds = tuple(tuple(kind[slots[d][p][0]] for d in positions) for p in range(plan.pipelines))
     split = plan.stages[0].data_split if plan.stages else ()

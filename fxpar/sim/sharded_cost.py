@@ -19,7 +19,11 @@ Notation (rank ``r`` of ``N``; state weights ``ω`` from the plan's ``state_spli
              the step loop drops the model output before the backward)
     d        = 1 block prefetched (:data:`PREFETCH`)
 
-Collectives of a unit (all-gather of ``w·N·ŝ_u`` bytes, reduce-scatter of ``g·N·ŝ_u``): the
+Collectives of a unit, in the bytes the runtime sends (``ŵ_u`` the unit's mean bytes per element
+as gathered: ``param_dtype`` for the parameters the plan's dtype policy casts, fp32 for the rest,
+:meth:`fxpar.profiling.CostModel.gather_itemsizes`; ``ĝ`` the policy's ``reduce_dtype`` bytes):
+all-gather of ``ŵ_u·N·ŝ_u`` bytes, reduce-scatter of ``ĝ·N·ŝ_u`` (under gloo the all-reduce of
+that input, :func:`fxpar.profiling.collectives.reduce_scatter_time`).  Each is the
 cheaper of a flat ring over the slowest hop (:func:`fxpar.profiling.collectives.allgather_time`,
 or the measured link) and a hierarchical one (``n_j`` ranks on node ``j`` of ``k``; ``c`` the
 padded per-rank bytes; η link efficiency) — :func:`collective_s`:
@@ -30,7 +34,9 @@ padded per-rank bytes; η link efficiency) — :func:`collective_s`:
 (inside node ``j`` a rank receives its node's ``n_j − 1`` parts and its share of what the NIC
 brought in; through the NIC comes every other node's part once)
 
-so the time follows the largest shard, and mixed nodes pay their NIC once per remote byte.
+so the time follows the largest shard, and mixed nodes pay their NIC once per remote byte.  Each
+call also pays the runtime's own calibrated seconds per call (packing, unpacking, hooks;
+:mod:`fxpar.calibrate.runtime_probe`; 0 uncalibrated).
 
 Memory of rank ``r`` (:func:`memory_per_rank`; ``m_r`` its largest micro-batch, ``z_r`` 1 when it
 offloads the optimizer), the largest of the moments of a round (:class:`MemoryPhases`; checked
@@ -88,6 +94,7 @@ import numpy as np
 
 from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import CPU_OPTIMIZER_PARAMS_PER_S, host_link_bytes_per_s
+from fxpar.dtype_policy import DtypePolicy
 from fxpar.plan import Plan, ragged_rows
 from fxpar.profiling import CostModel, collectives
 from fxpar.profiling.database import LinkCost
@@ -121,6 +128,10 @@ class ShardedPrices:
     measured_gather: LinkCost | None = None      # a measured all-gather link, or None
     measured_scatter: LinkCost | None = None
     scatter_copies: int = 0                      # k: copies the backend makes of a reduce-scatter input
+    gather_itemsize: tuple[float, ...] = ()      # per unit: ŵ_u, mean bytes per element as gathered
+    reduce_itemsize: float = 4.0                 # ĝ: bytes per gradient element as reduced
+    overlap: bool = True                         # collectives run beside compute (GPUs), not on its core
+    call_overhead_s: float = 0.0                 # the runtime's own seconds per collective call (calibrated)
 
     @property
     def world(self) -> int:
@@ -149,8 +160,21 @@ def cpu_optimizer_rate(optimizer: str, dtype: str) -> float:
     return CPU_OPTIMIZER_PARAMS_PER_S * adam / optimizer_traffic_bytes_per_param(optimizer, dtype)
 
 
-def sharded_prices(cost: CostModel) -> ShardedPrices:
-    """:class:`ShardedPrices` of a CostModel."""
+def unit_gather_itemsizes(graph: ModelGraph, sizes: dict[str, int]) -> tuple[float, ...]:
+    """Per collective unit (:func:`unit_params`' order): the mean bytes per element its
+    parameters are all-gathered in, weighted by their elements (``sizes``: per FQN)."""
+    elements = [0.0] * (len(graph.layers) + 1)
+    nbytes = [0.0] * (len(graph.layers) + 1)
+    for p in graph.params:
+        u = 0 if p.layer is None else p.layer + 1
+        elements[u] += p.numel
+        nbytes[u] += p.numel * sizes.get(p.fqn, 4)
+    return tuple(b / e if e else 4.0 for b, e in zip(nbytes, elements))
+
+
+def sharded_prices(cost: CostModel, policy: DtypePolicy | None = None) -> ShardedPrices:
+    """:class:`ShardedPrices` of a CostModel, its collectives in the bytes ``policy`` sends (None:
+    the default policy of the cost model's dtype)."""
     cluster = cost.cluster
     groups = cluster.groups()
     kind = {r: g.key for g in groups for r in g.ranks}
@@ -171,7 +195,10 @@ def sharded_prices(cost: CostModel) -> ShardedPrices:
         cpu_params_per_s=cpu_optimizer_rate(cost.optimizer, cost.dtype),
         shape=collectives.ring_shape(cluster), measured_gather=cost.measured_link("all_gather"),
         measured_scatter=cost.measured_link("reduce_scatter"),
-        scatter_copies=1 if all(d.type.vendor == "cpu" for d in devices) else 0)
+        scatter_copies=1 if all(d.type.vendor == "cpu" for d in devices) else 0,
+        gather_itemsize=unit_gather_itemsizes(cost.graph, cost.gather_itemsizes(policy)),
+        reduce_itemsize=float(cost.policy(policy).reduce_bytes), overlap=cost.overlaps_communication(),
+        call_overhead_s=cost.runtime_overhead("sharded_call_s"))
 
 
 def unit_shards(prices: ShardedPrices, weights: Sequence[int]) -> np.ndarray:
@@ -204,17 +231,20 @@ def collective_s(prices: ShardedPrices, per_rank_bytes: float, kind: str = "all_
         return 0.0
     link = prices.measured_gather if kind == "all_gather" else prices.measured_scatter
     if link is not None:
-        return collectives.measured_time(link, kind, n, n * per_rank_bytes)
+        return collectives.measured_time(link, kind, n, n * per_rank_bytes) + prices.call_overhead_s
+    if kind == "reduce_scatter" and prices.shape.backend == "gloo":  # the all-reduce of the input
+        return collectives.reduce_scatter_time(prices.shape, n * per_rank_bytes) + prices.call_overhead_s
     flat = collectives.allgather_time(prices.shape, n * per_rank_bytes)
-    return min(flat, hierarchical_s(prices.shape, per_rank_bytes))
+    return min(flat, hierarchical_s(prices.shape, per_rank_bytes)) + prices.call_overhead_s
 
 
 def unit_collectives(prices: ShardedPrices, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per unit: the all-gather of its weights and the reduce-scatter of its gradients (s)."""
-    w, g, _ = prices.bytes_wgo
+    """Per unit: the all-gather of its weights and the reduce-scatter of its gradients (s), in the
+    bytes the runtime sends (``ŵ_u``, ``ĝ``: module docstring)."""
     top = shards.max(axis=1)
-    gather = np.array([collective_s(prices, w * float(s), "all_gather") for s in top])
-    scatter = np.array([collective_s(prices, g * float(s), "reduce_scatter") for s in top])
+    wire = prices.gather_itemsize or (float(prices.bytes_wgo[0]),) * len(top)
+    gather = np.array([collective_s(prices, w * float(s), "all_gather") for w, s in zip(wire, top)])
+    scatter = np.array([collective_s(prices, prices.reduce_itemsize * float(s), "reduce_scatter") for s in top])
     return gather, scatter
 
 

@@ -18,6 +18,13 @@ every rank is there) and ``RS`` the reduce-scatter issued when every rank has fi
     ch = max(ch, issue_k) + AG_k ;  start_rk = max(t_r, ch)  [then the previous RS: ch = max(ch, e_{k−1}) + RS_{k−1}]
     t_r = start_rk + T_r,i_k ;  issue_{k+1} = max_r start_rk ;  e_k = max_r t_r
 
+Where the devices do not overlap communication with compute (CPU ranks: gloo runs on the core
+that computes; :meth:`fxpar.profiling.CostModel.overlaps_communication`) every collective stops
+every rank's compute instead, as it is issued (``serial``):
+
+    gather before k:   t_r = max(max_r t_r, ch) + AG_k = ch        (for every r)
+    scatter after k:   t_r = max_r t_r + RS_k = ch                 (for every r)
+
 Every round ``j = 1..J`` (``J = max_r`` micro-batches; a rank with fewer joins with empty ones)
 runs a forward pass ``pre, b_0 … b_{L−1}, post`` and a backward pass ``post, b_{L−1} … b_0, pre``:
 
@@ -81,9 +88,12 @@ def unit_times(prices: ShardedPrices, m: np.ndarray, ckpt: np.ndarray) -> tuple[
 
 
 def run_pass(t: np.ndarray, ch: float, times: np.ndarray, order: list[int], gathers: list[float],
-             scatters: list[float]) -> tuple[np.ndarray, float]:
+             scatters: list[float], serial: bool = False) -> tuple[np.ndarray, float]:
     """One pass over the segments ``order`` (module docstring): ``gathers[k]`` before step ``k``,
-    ``scatters[k]`` after it (0: none).  Returns the ranks' clocks and the channel."""
+    ``scatters[k]`` after it (0: none); ``serial``: each collective stops every rank's compute.
+    Returns the ranks' clocks and the channel."""
+    if serial:
+        return serial_pass(t, ch, times, order, gathers, scatters)
     issue, pending = float(t.max()), None
     for k, seg in enumerate(order):
         start = t
@@ -98,6 +108,20 @@ def run_pass(t: np.ndarray, ch: float, times: np.ndarray, order: list[int], gath
             pending = (float(t.max()), scatters[k])
     if pending is not None:
         ch = max(ch, pending[0]) + pending[1]
+    return t, ch
+
+
+def serial_pass(t: np.ndarray, ch: float, times: np.ndarray, order: list[int], gathers: list[float],
+                scatters: list[float]) -> tuple[np.ndarray, float]:
+    """:func:`run_pass` where collectives share the cores that compute (module docstring)."""
+    for k, seg in enumerate(order):
+        if gathers[k] > 0:
+            ch = max(float(t.max()), ch) + gathers[k]
+            t = np.full_like(t, ch)
+        t = t + times[:, seg]
+        if scatters[k] > 0:
+            ch = max(float(t.max()), ch) + scatters[k]
+            t = np.full_like(t, ch)
     return t, ch
 
 
@@ -116,8 +140,8 @@ def rounds(prices: ShardedPrices, sizes: np.ndarray, ckpt: np.ndarray, gather: n
     for j in range(sizes.shape[1]):
         F, B = unit_times(prices, sizes[:, j], ckpt)
         busy += F.sum(axis=1) + B.sum(axis=1)
-        t, ch = run_pass(t, ch, F, fwd, fwd_gathers, [0.0] * len(fwd))
-        t, ch = run_pass(t, ch, B, bwd, bwd_gathers[:len(bwd)], bwd_scatters)
+        t, ch = run_pass(t, ch, F, fwd, fwd_gathers, [0.0] * len(fwd), serial=not prices.overlap)
+        t, ch = run_pass(t, ch, B, bwd, bwd_gathers[:len(bwd)], bwd_scatters, serial=not prices.overlap)
     return t, ch, busy
 
 

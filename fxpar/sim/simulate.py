@@ -10,12 +10,17 @@ in :mod:`fxpar.sim.sharded_sim` and :mod:`fxpar.sim.sharded_cost`).
 Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
 
     compute_r = Σ_j [ (F_f + F_c·m_j) + (B_f + B_c·m_j) ] / s_r          (cost model, affine)
-    comm      = the gradient all-reduce in K buckets of ≤ 25 MiB (codegen's overlapped scheme,
-                :mod:`fxpar.runtime.allreduce`): bucket k is ready on rank r a fraction
-                (k+1)/K into r's last backward b_r, ready_k = max_r (compute_r − b_r + (k+1)/K·b_r);
-                buckets go one after another on the link:
-                end_k = max(ready_k, end_{k−1}) + AR(G/K);  comm = end_{K−1} − max_r compute_r
-                (a plan with ``overlap_grad_allreduce=False``: comm = AR(G), after the compute)
+    comm      = the gradient all-reduce of G bytes (every parameter in the plan's reduce dtype,
+                :meth:`~fxpar.profiling.CostModel.gradient_wire_bytes`) in the runtime's buckets
+                g_0..g_{K−1} (:func:`fxpar.profiling.collectives.gradient_buckets`: 1 MiB, then
+                25 MiB each; :mod:`fxpar.runtime.allreduce`), each one call.  Where the devices
+                overlap communication with compute (GPUs; :meth:`~fxpar.profiling.CostModel.overlaps_communication`)
+                bucket k is ready on rank r a fraction c_k = (g_0 + … + g_k)/G into r's last
+                backward b_r, ready_k = max_r (compute_r − b_r + c_k·b_r); buckets go one after
+                another on the link:
+                end_k = max(ready_k, end_{k−1}) + AR(g_k);  comm = end_{K−1} − max_r compute_r
+                (CPU ranks, or a plan with ``overlap_grad_allreduce=False``: comm = Σ_k AR(g_k),
+                after the compute)
     opt_r     = optimizer step (cost model), after the all-reduce
     step      = max_r compute_r + comm + max_r opt_r,   idle_r = step − compute_r − comm − opt_r
     peak_r    = :func:`fxpar.profiling.memory.step_peak_bytes` with r = 1 in flight:
@@ -27,12 +32,10 @@ The solver's ``predicted_step_s`` is this simulator's answer, for every strategy
 
 from __future__ import annotations
 
-import math
-
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel, memory
-from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.profiling.collectives import gradient_buckets
 from fxpar.sim.expert_costs import build_problem
 from fxpar.sim.expert_sim import EPProblem, evaluate
 from fxpar.sim.pipeline_cost import pipeline_prices
@@ -61,7 +64,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     if plan.strategy == "expert_parallel":
         return _simulate_expert(plan, cost)
     if plan.strategy == "sharded_data_parallel":
-        return simulate_sharded(plan, sharded_prices(cost))
+        return simulate_sharded(plan, sharded_prices(cost, plan.precision))
     cluster = cost.cluster
     events: list[TimelineEvent] = []
     busy, peaks = [], []
@@ -85,10 +88,10 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     compute = max(busy)
     if plan.world_size <= 1:
         comm = 0.0
-    elif plan.overlap_grad_allreduce:
-        comm = overlapped_allreduce_s(cost, busy, last_bwd)
-    else:  # the whole gradient after the slowest rank's last backward
-        comm = cost.allreduce_s(cost.gradient_bytes())
+    elif plan.overlap_grad_allreduce and cost.overlaps_communication():
+        comm = overlapped_allreduce_s(cost, busy, last_bwd, plan)
+    else:  # every bucket after the slowest rank's last backward
+        comm = cost.gradient_allreduce_s(plan.precision)
     opt = [cost.optimizer_s(cluster.device(rp.rank)) for rp in plan.ranks]
     for r, b in enumerate(busy):
         if compute - b > 0:
@@ -106,15 +109,15 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
                      events=tuple(events))
 
 
-def overlapped_allreduce_s(cost: CostModel, busy: list[float], last_bwd: list[float]) -> float:
+def overlapped_allreduce_s(cost: CostModel, busy: list[float], last_bwd: list[float], plan: Plan) -> float:
     """The gradient all-reduce's time after the slowest rank's compute ends (module docstring)."""
-    grad = cost.gradient_bytes()
-    K = max(1, math.ceil(grad / GRADIENT_BUCKET_BYTES))
-    per_bucket = cost.allreduce_s(grad / K)
-    end = 0.0
-    for k in range(K):
-        ready = max(t - b + (k + 1) / K * b for t, b in zip(busy, last_bwd))
-        end = max(ready, end) + per_bucket
+    buckets = gradient_buckets(cost.gradient_wire_bytes(plan.precision))
+    total = max(sum(buckets), 1.0)
+    end, done = 0.0, 0.0
+    for size in buckets:
+        done += size
+        ready = max(t - b + done / total * b for t, b in zip(busy, last_bwd))
+        end = max(ready, end) + cost.allreduce_s(size)
     return max(end - max(busy), 0.0)
 
 

@@ -4,12 +4,10 @@ run beats under its simulator, whichever strategy it uses (:func:`lower_bound_s`
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from fxpar.profiling import CostModel
-from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
+from fxpar.profiling.collectives import gradient_buckets
 from fxpar.sim.expert_costs import expert_node_mask
 from fxpar.sim.segments import segment_of_nodes
 from fxpar.sim.sharded_cost import collective_s, cpu_optimizer_rate, sharded_prices
@@ -57,11 +55,13 @@ def lower_bound_s(cost, batch: int, *, data_parallel_only: bool, host_optimizer:
     hides hops behind compute.  Where data parallelism is the only strategy that applies
     (``data_parallel_only``), every plan is data parallel, so the compute term is the tighter
     ``B / Σ_i (1/t_i)`` (each sample's whole model on one device), every rank runs the full
-    optimizer step (``max_i o_i``), and the last gradient bucket (``G/K`` bytes of ``G``,
-    ``K = ⌈G / 25 MiB⌉``) is only ready when the last backward ends, so its all-reduce
-    (``AR(G/K)``, the smaller of the cost model's and the physical bound) can never be hidden:
+    optimizer step (``max_i o_i``), and the last gradient bucket (``g_{K−1}`` of the runtime's
+    buckets, :func:`fxpar.profiling.collectives.gradient_buckets`) is only ready when the last
+    backward ends, so its all-reduce (``AR(g_{K−1})``, the smaller of the cost model's and the
+    physical bound) can never be hidden; on devices that do not overlap communication with
+    compute (CPU ranks) no bucket is hidden, and the term is the sum over every bucket:
 
-        LB = B / Σ_i (1/t_i) + min(AR(G/K), AR_phys(G/K)) + max_i o_i     (data parallel only)
+        LB = B / Σ_i (1/t_i) + min(AR(g_{K−1}), AR_phys(g_{K−1})) + max_i o_i     (data parallel only)
         LB = Σ_u min_k λ_k·B·c_uk + min_k o_k / N                         (otherwise)
     With sharded data parallelism among them (``families``): the compute term + the smaller of
     the two families' tails (:func:`sharded_tail_s`).
@@ -108,16 +108,17 @@ def sharded_tail_s(cost: CostModel) -> float:
     the rest of the model has no parameters)."""
     prices = sharded_prices(cost)
     rest = sum(r * c for r, c in prices.params[0])
-    return collective_s(prices, prices.bytes_wgo[1] * rest / prices.world, "reduce_scatter")
+    return collective_s(prices, prices.reduce_itemsize * rest / prices.world, "reduce_scatter")
 
 
 def last_bucket_s(cost) -> float:
-    """The all-reduce of data parallelism's last gradient bucket (0 on one rank)."""
+    """The all-reduce data parallelism leaves exposed at least (0 on one rank): its last gradient
+    bucket where communication overlaps compute, every bucket where it does not (CPU ranks)."""
     if cost.cluster.world_size <= 1:
         return 0.0
-    grad = cost.gradient_bytes()
-    per_bucket = grad / max(1, math.ceil(grad / GRADIENT_BUCKET_BYTES))
-    return min(cost.allreduce_s(per_bucket), cost.allreduce_lower_bound_s(per_bucket))
+    buckets = gradient_buckets(cost.gradient_wire_bytes())
+    exposed = buckets[-1:] if cost.overlaps_communication() else buckets
+    return sum(min(cost.allreduce_s(b), cost.allreduce_lower_bound_s(b)) for b in exposed)
 
 
 def unit_costs(cost) -> np.ndarray:

@@ -31,18 +31,17 @@ is found exactly by bisection on the bottleneck ``τ`` with a greedy feasibility
 takes the longest prefix whose time ≤ τ and memory fits) — :func:`best_cuts`.  The outer
 search (:func:`search`) enumerates ``P`` (common divisors of the per-kind device counts), the
 stage width per kind, the stage order (larger memory first / faster first), ``m`` and
-checkpointing; everything is per device *kind*, never per device, so 1024 GPUs cost the same
-as 32.
-"""
+checkpointing; everything is per device *kind*, never per device (1024 GPUs cost as 32)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from fxpar.dtype_policy import DtypePolicy
 from fxpar.profiling import collectives
 from fxpar.profiling.memory import state_bytes_per_param
 from fxpar.sim.links import LinkCosts, tp_allreduce_s
@@ -97,6 +96,9 @@ class PipelineContext:
     node_bytes_per_s: float
     num_nodes: int
     optimizer_s_per_param: dict     # kind -> seconds per parameter of an optimizer step
+    measured_links: dict = field(default_factory=dict)   # calibrated collectives (kind -> LinkCost)
+    overlap: bool = True            # the devices overlap communication with compute
+    op_overhead_s: float = 0.0      # the runtime's seconds per schedule op (calibrated; pipeline_cost)
 
 
 _TABLES: dict = {}   # (id(table), ...) -> (table, arrays): the search builds the same tables often
@@ -126,7 +128,8 @@ def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool
         if ckpt:  # recompute every block's forward during the backward
             blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
             seg_time = seg_time + np.where(blocks, (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale, 0.0)
-        tp = tp_allreduce_s(ctx.kinds[kind_key].intra_bytes_per_s, u, t.boundary_bytes * b) * (np.arange(t.size) > 0)
+        tp = tp_allreduce_s(ctx.kinds[kind_key].intra_bytes_per_s, u, t.boundary_bytes * b,
+                            ctx.measured_links.get("all_reduce")) * (np.arange(t.size) > 0)
         seg_time = seg_time + 4 * tp
         fwd = (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale + 2 * tp
         return np.concatenate([[0.0], np.cumsum(seg_time)]), np.concatenate([[0.0], np.cumsum(fwd)])
@@ -158,17 +161,20 @@ class _StageCost:
         self.state, self.act_sum, self.act_max = _memory_tables(ctx, spec.width, per_param, ckpt)
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
-        if hop_bytes_per_s is None:  # placement unknown: the hop crosses nodes
-            hop_bytes_per_s = collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s)
-        self.hop = _memo(ctx, ("hop", b, hop_bytes_per_s), lambda: ctx.table.boundary_bytes * b / hop_bytes_per_s)
-        self.ckpt = ckpt
+        p2p = ctx.measured_links.get("p2p")   # a calibrated hop (fxpar.sim.links); placement unknown: it crosses nodes
+        crossing = collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s)
+        hop_bytes_per_s = hop_bytes_per_s or (p2p.bus_bytes_per_s if p2p else crossing)
+        latency = p2p.alpha_s if p2p else 0.0
+        self.hop = _memo(ctx, ("hop", b, hop_bytes_per_s, latency),
+                         lambda: ctx.table.boundary_bytes * b / hop_bytes_per_s + latency)
+        self.ckpt, self.op = ckpt, ctx.op_overhead_s
 
     def stage_time(self, i: int, j: int) -> float:
-        return self.time[j] - self.time[i] + (self.hop[j - 1] if j < len(self.hop) else 0.0)
+        return self.time[j] - self.time[i] + (self.hop[j - 1] if j < len(self.hop) else 0.0) + 2 * self.op
 
     def forward_time(self, i: int, j: int) -> float:
         """The forward part of :meth:`stage_time` (the first forward under checkpointing)."""
-        return self.fwd[j] - self.fwd[i]
+        return self.fwd[j] - self.fwd[i] + self.op
 
     def memory(self, i: int, j: int) -> float:
         act = self.act_sum[j] - self.act_sum[i]
@@ -178,7 +184,7 @@ class _StageCost:
 
     def longest(self, i: int, tau: float, n: int) -> int:
         """Largest j > i with stage_time(i, j) ≤ tau and memory fitting (i if none)."""
-        j = min(int(np.searchsorted(self.time, self.time[i] + tau, side="right")) - 1, n)
+        j = min(int(np.searchsorted(self.time, self.time[i] + tau - 2 * self.op, side="right")) - 1, n)
         lo, hi = i, j  # memory(i, ·) never decreases: the largest fitting end, by bisection
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -294,7 +300,7 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     costs = [options[k] for options, k in zip(alts, chosen)]
     t = [c.stage_time(i, j) for c, i, j in zip(costs, cuts, cuts[1:])]
     t_pipe = (m - 1) * max(t) + sum(t)
-    w_bytes, g_bytes, _ = state_bytes_per_param(ctx.optimizer, ctx.dtype)
+    w_bytes, g_bytes = DtypePolicy.for_dtype(ctx.dtype).master_bytes, DtypePolicy.for_dtype(ctx.dtype).reduce_bytes
     local = [float(ctx.table.local_params(spec.width)[i:j].sum()) for spec, i, j in zip(stages, cuts, cuts[1:])]
     # stage j's last backward ends when the drain has passed the stages after it
     back = [t_j - c.forward_time(i, j) for t_j, c, i, j in zip(t, costs, cuts, cuts[1:])]
@@ -389,4 +395,6 @@ def build_context(graph, cost, cluster, workload) -> PipelineContext:
     return PipelineContext(table=table, kinds=kinds, global_batch=workload.global_batch,
                            optimizer=workload.optimizer, dtype=workload.dtype,
                            node_bytes_per_s=prices.node_bytes_per_s,
-                           num_nodes=cluster.num_nodes, optimizer_s_per_param=dict(prices.optimizer_s_per_param))
+                           num_nodes=cluster.num_nodes, optimizer_s_per_param=dict(prices.optimizer_s_per_param),
+                           measured_links=dict(prices.measured_links), overlap=prices.overlap,
+                           op_overhead_s=prices.op_overhead_s)

@@ -46,7 +46,8 @@ def prices_of(ctx: PipelineContext) -> PipelinePrices:
     takes them from :func:`fxpar.sim.pipeline_cost.pipeline_prices`)."""
     return PipelinePrices(table=ctx.table, intra_bytes_per_s={k: v.intra_bytes_per_s for k, v in ctx.kinds.items()},
                           optimizer_s_per_param=ctx.optimizer_s_per_param, node_bytes_per_s=ctx.node_bytes_per_s,
-                          optimizer=ctx.optimizer, dtype=ctx.dtype)
+                          optimizer=ctx.optimizer, dtype=ctx.dtype, overlap=ctx.overlap,
+                          measured_links=ctx.measured_links, op_overhead_s=ctx.op_overhead_s)
 
 
 def layout_of_config(ctx: PipelineContext, cfg: PipelineConfig) -> PipelineLayout:

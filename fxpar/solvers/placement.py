@@ -78,4 +78,4 @@ def build_links(ctx, pipelines: int, stages: Sequence, layout: str) -> LinkCosts
     return LinkCosts(nodes=tuple(tuple(where[s.kind][r.start] for r in row) for s, row in zip(stages, slots)),
                      widths=tuple(s.width for s in stages),
                      intra=tuple(float(ctx.kinds[s.kind].intra_bytes_per_s) for s in stages),
-                     nic=float(ctx.node_bytes_per_s))
+                     nic=float(ctx.node_bytes_per_s), measured=dict(ctx.measured_links))

@@ -115,7 +115,7 @@ def build_dp_problem(cost: CostModel, cluster, workload: Workload) -> dp.DPProbl
     return dp.DPProblem(
         groups=groups, global_batch=workload.global_batch, state_bytes=cost.state_bytes() + bucket,
         activation_bytes_per_sample=cost.activation_bytes_per_sample() + cost.transient_bytes_per_sample(),
-        allreduce_s=cost.allreduce_s(grad), max_microbatches=workload.max_microbatches)
+        allreduce_s=cost.gradient_allreduce_s(), max_microbatches=workload.max_microbatches)
 
 
 def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: tuple[str, ...], *,

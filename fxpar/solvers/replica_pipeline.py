@@ -203,7 +203,7 @@ def shape_layout(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[b
                    for j, ((i, k), c) in enumerate(zip(pairwise(cuts), ckpt)))
     links = LinkCosts(nodes=tuple(tuple(p.cluster.device(rs[j * u]).node for _, rs in shape.pipes) for j in range(S)),
                       widths=(u,) * S, intra=(min(ctx.kinds[k].intra_bytes_per_s for k in kinds),) * S,
-                      nic=float(ctx.node_bytes_per_s))
+                      nic=float(ctx.node_bytes_per_s), measured=dict(ctx.measured_links))
     return PipelineLayout(stages=stages, links=links, pipelines=len(kinds), num_microbatches=m,
                           micro_batch=split[0] // m, zero=False, schedule="1F1B",
                           replica_kinds=tuple((k,) * S for k in kinds) if len(set(kinds)) > 1 else (),

@@ -182,15 +182,17 @@ def even_fsdp(p: Problems, prices: ShardedPrices) -> Plan | None:
 def comm_lines(prices: ShardedPrices, stage: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """``(C0, C1), (A0, A1)``: one round's collectives and the once-per-step gather as lines in
     φ̂, through φ̂ = 1/N and 1 (LP data, :mod:`fxpar.solvers.families.sharded_lp`)."""
-    w, g, _ = prices.bytes_wgo
+    g = prices.reduce_itemsize
+    wire = prices.gather_itemsize or (float(prices.bytes_wgo[0]),) * len(prices.params)
     sizes = [sum(r * c for r, c in unit) for unit in prices.params]
-    gathered = sizes + sizes[1:-1]                # ZeRO-3: every unit forward, blocks but the last backward
+    units = [(w * s, s) for w, s in zip(wire, sizes)]   # (gathered bytes, elements) per unit
+    gathered = units + units[1:-1]                # ZeRO-3: every unit forward, blocks but the last backward
 
     def at(frac: float) -> tuple[float, float]:
         scatter = sum(collective_s(prices, g * frac * s, "reduce_scatter") for s in sizes)
         if stage == 3:
-            return scatter + sum(collective_s(prices, w * frac * s, "all_gather") for s in gathered), 0.0
-        return scatter, sum(collective_s(prices, w * frac * s, "all_gather") for s in sizes)
+            return scatter + sum(collective_s(prices, frac * b, "all_gather") for b, _ in gathered), 0.0
+        return scatter, sum(collective_s(prices, frac * b, "all_gather") for b, _ in units)
 
     lo, hi = 1.0 / prices.world, 1.0
     (c_lo, a_lo), (c_hi, a_hi) = at(lo), at(hi)
@@ -222,7 +224,8 @@ def lp_data(p: Problems, prices: ShardedPrices, cfg: Config) -> ShardedLPData:
         opt_s=np.array([offload_s(p, prices, cfg, r) if cfg.offload[r] else prices.full_opt_s[r] for r in first]),
         state_coef=(w + g + (1 - off) * o) * P, buffer_coef=buffer,
         end_coef=((w if cfg.stage == 3 else 0.0) + g) * N * rest + at_end,
-        fixed_bytes=w * P if cfg.stage == 2 else 0.0, comm=comm, after=after, batch=p.workload.global_batch)
+        fixed_bytes=w * P if cfg.stage == 2 else 0.0, comm=comm, after=after, batch=p.workload.global_batch,
+        overlap=prices.overlap)
 
 
 def offload_s(p: Problems, prices: ShardedPrices, cfg: Config, rank: int) -> float:

@@ -27,6 +27,8 @@ device), ``T`` (compute / communication makespan), ``T_o`` (optimizer).
                 Σ_g n_g x_g = B                                              (add_batch_row)
                 t_g x_g + J f_g ≤ T                                          (add_makespan_rows)
                 J·(C0 + C1 φ̂) ≤ T   (collectives overlap compute)            (add_comm_row)
+                (devices that do not overlap them, CPU ranks: J·(C0 + C1 φ̂) joins the objective
+                instead, the collectives stop the compute)
                 O_g φ_g ≤ T_o                                                (add_optimizer_rows)
                 ZeRO-3: (w + g + (1 − z_g) o)·P φ_g + (w (U_0 + (1 + d) U_b)·N + D)·φ̂ + a_g x_g / J ≤ M_g − ε_g
                 ZeRO-2: (w + g + (1 − z_g) o)·P φ_g + D·φ̂ + a_g x_g / J ≤ M_g − ε_g − w·P
@@ -69,6 +71,7 @@ class ShardedLPData:
     after: tuple[float, float]  # A0, A1
     batch: int
     end_coef: float = 0.0       # bytes per unit φ̂ when the round's last reduce-scatter starts (module docstring)
+    overlap: bool = True        # collectives overlap compute (else they add to the step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +127,13 @@ def solve_state_lp(data: ShardedLPData) -> ShardedLPSolution | None:
                               "after": (data.after[0] / scale, data.after[1] / scale)})
     cons = add_state_rows(phi, top, data.counts) + add_batch_row(x, data.counts, data.batch)
     cons += add_makespan_rows(x, T, data.sample_s / scale, data.fixed_s * data.rounds / scale)
-    cons += add_comm_row(top, T, scaled) + add_optimizer_rows(phi, T_o, scaled)
-    cons += add_memory_rows(phi, top, x, scaled) + [x >= 1]
-    problem = cp.Problem(cp.Minimize(T + T_o + scaled.after[0] + scaled.after[1] * top), cons)
+    cons += add_optimizer_rows(phi, T_o, scaled) + add_memory_rows(phi, top, x, scaled) + [x >= 1]
+    objective = T + T_o + scaled.after[0] + scaled.after[1] * top
+    if data.overlap:
+        cons += add_comm_row(top, T, scaled)
+    else:
+        objective = objective + data.rounds * (scaled.comm[0] + scaled.comm[1] * top)
+    problem = cp.Problem(cp.Minimize(objective), cons)
     backend = "HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0]
     try:
         problem.solve(solver=backend)

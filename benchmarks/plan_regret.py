@@ -1,0 +1,332 @@
+"""Is the planner's pick the fastest plan when every family is timed?  (gloo CPU ranks, **emulated**
+speeds; issue #37 item 4.)
+
+Two ranks, one per core of this machine, relative speeds emulated as DESIGN says.  Every case
+runs the same arm set, fixed here and never narrowed per case (an arm a case cannot run is
+recorded with the planner's reason):
+
+- ``dp``, ``pipeline``, ``ep`` (MoE models): the planner restricted to that family
+  (``strategies=[...]``);
+- ``zero2``, ``zero3``: the planner restricted to sharded data parallelism, its batch and state
+  split run at shard stage 2 and at stage 3 (``sharded_data_parallel_plan``);
+- ``tp``: one tensor-parallel group of both ranks, key/value heads split evenly, the batch whole
+  (``tensor_parallel_plan``), where the model's blocks split;
+- ``choice``: the planner with its default options (every family) — what a user gets.
+
+Every plan is priced **before** any timing, by the cost model with this machine's calibration
+(:mod:`fxpar.calibrate`: measured once, cached; its figures are in the JSON) and, for comparison,
+by the catalog alone (``choice_catalog``: the planner's pick without calibration, timed as an
+arm of its own when it differs).  A step is ``pmodel.step(batch)`` + AdamW's step + zero_grad,
+the ranks aligned by a barrier before each step; its time is the slowest rank's wall clock.
+Each (case, round) starts fresh ranks; rounds reverse the arm order.  Per arm: the median step
+over rounds (each round's median of its steps) and the spread (max − min of the round medians).
+The fastest arm is the smallest median; an arm whose median is within the fastest arm's spread
+(and its own) ties.  **Regret** = measured(choice) / fastest measured, 1.00 on a tie.
+Prediction error = predicted / measured − 1 per arm.
+
+``python -m benchmarks --suite plan_regret [--quick]`` or ``python -m benchmarks.plan_regret``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from benchmarks.common import finish
+from fxpar import calibrate
+from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.errors import FxparError
+from fxpar.plan import Plan
+from fxpar.profiling import CostModel
+from fxpar.profiling.database import ProfileDB, with_calibration
+from fxpar.runtime import WorkerPool
+from fxpar.runtime.pool import WorkerError
+from fxpar.sim import simulate
+from fxpar.solvers import plan as solve_plan
+from fxpar.tracing import trace
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+from fxpar.workload import Workload
+
+ARMS = ("dp", "zero2", "zero3", "pipeline", "tp", "ep", "choice")
+#: the planner's families per arm (None: every family, the planner's default)
+FAMILY_OF = {"dp": ("data_parallel",), "zero2": ("sharded_data_parallel",), "zero3": ("sharded_data_parallel",),
+             "pipeline": ("pipeline",), "ep": ("expert_parallel",), "choice": None}
+_LLAMA = dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SMALL = dict(_LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=4, vocab_size=256)
+MEDIUM = dict(_LLAMA, hidden_size=256, intermediate_size=688, num_hidden_layers=4, vocab_size=4096,
+              num_attention_heads=8, num_key_value_heads=4)
+WIDE = dict(_LLAMA, hidden_size=512, intermediate_size=2048, num_hidden_layers=2, vocab_size=256,
+            num_attention_heads=8, num_key_value_heads=2)
+VOCAB = dict(_LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=32000)
+MOE = dict(model_type="mixtral", hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=256,
+           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+           max_position_embeddings=256)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    config: dict
+    batch: int
+    seq: int
+    dtype: str = "fp32"
+    speeds: tuple[float, ...] = (1.0, 1.0)
+    memory_gib: float | None = None      # per-rank cap (None: the catalog CPU's)
+    why: str = ""
+
+
+CASES = (
+    Case("small, equal speeds", SMALL, 16, 32, why="the adapt benchmark's model: sharded DP was picked"),
+    Case("small, speeds 1 : 0.5", SMALL, 16, 32, speeds=(1.0, 0.5), why="a slow card"),
+    Case("small, bf16", SMALL, 16, 32, dtype="bf16", why="bf16 collectives as sent"),
+    Case("medium, speeds 1 : 0.5", MEDIUM, 16, 64, speeds=(1.0, 0.5), why="compute-heavier, slow card"),
+    Case("small, DP does not fit", SMALL, 16, 32, memory_gib=0.012, why="a cap under the replicated state (DP does not fit)"),
+    Case("MoE, equal speeds", MOE, 16, 32, why="experts: EP is an arm"),
+    Case("wide blocks, batch 4", WIDE, 4, 64, why="tensor-parallel friendly: few samples, wide products"),
+    Case("32k vocabulary", VOCAB, 8, 32, why="communication-heavy: 8M of 9M parameters in the embeddings"),
+)
+
+
+def _cluster(case: Case) -> fxpar.Cluster:
+    kwargs = {} if case.memory_gib is None else {"memory_gib": case.memory_gib}
+    return fxpar.Cluster.emulated(list(case.speeds), one_node=True, **kwargs)
+
+
+def _model(case: Case) -> torch.nn.Module:
+    return build_model(ModelSpec(hf_config=dict(case.config)), device="cpu", seed=0,
+                       attn_implementation="eager").train()
+
+
+def _batch(model: torch.nn.Module, case: Case) -> dict[str, torch.Tensor]:
+    return example_inputs(model, case.batch, case.seq, seed=1)
+
+
+# ---- planning (parent process, before any timing) ----------------------------------------------------
+def _priced(plan: Plan, cost: CostModel) -> float:
+    return float(simulate(plan, cost).step_s)
+
+
+def _sharded(base: Plan, cluster: fxpar.Cluster, stage: int, case: Case) -> Plan:
+    return sharded_data_parallel_plan(cluster, batch_split=base.batch_shares, state_split=base.stages[0].state_split,
+                                      shard_stage=stage, model=base.model, seq_len=case.seq, dtype=case.dtype)
+
+
+def plan_arms(case: Case, calibration: ProfileDB | None) -> dict[str, Any]:
+    """Every arm's plan and predictions (module docstring), and the catalog's pick."""
+    model = _model(case)
+    batch = _batch(model, case)
+    graph = trace(model, {k: v[:1] for k, v in batch.items()})
+    cluster = _cluster(case)
+    workload = Workload(global_batch=case.batch, seq_len=case.seq, dtype=case.dtype, optimizer="adamw")
+    profiles = with_calibration(None, calibration)
+    cost = CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw", profiles=profiles)
+    catalog = CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw")
+    arms: dict[str, Any] = {}
+    for arm in ARMS:
+        try:
+            if arm == "tp":
+                kv = int(case.config.get("num_key_value_heads", case.config["num_attention_heads"]))
+                plan = tensor_parallel_plan(model, cluster, global_batch=case.batch, seq_len=case.seq,
+                                            kv_shares=[kv // cluster.world_size] * cluster.world_size)
+                plan = dataclasses.replace(plan, dtype=case.dtype, optimizer="adamw")
+            else:
+                families = FAMILY_OF[arm]
+                plan = solve_plan(graph, cluster, workload, profiles=profiles,
+                                  **({"strategies": families} if families else {}))
+                if arm in ("zero2", "zero3"):
+                    plan = _sharded(plan, cluster, 2 if arm == "zero2" else 3, case)
+            arms[arm] = {"plan": plan.to_json(indent=None), "summary": plan_line(plan),
+                         "predicted_s": _priced(plan, cost), "predicted_catalog_s": _priced(plan, catalog)}
+        except (FxparError, ValueError) as exc:
+            arms[arm] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}"}
+    picked = solve_plan(graph, cluster, workload)   # the catalog's pick, every family
+    arms["choice_catalog"] = {"plan": picked.to_json(indent=None), "summary": plan_line(picked),
+                              "predicted_s": _priced(picked, cost), "predicted_catalog_s": _priced(picked, catalog)}
+    return arms
+
+
+def plan_line(plan: Plan) -> str:
+    """A short name of a plan for the table: ZeRO's stage and batch split; a pipeline's stages,
+    pipelines, tensor-parallel widths, schedule and micro-batches; other families' batch split."""
+    shares = "/".join(str(s) for s in plan.batch_shares)
+    micro = plan.ranks[0].num_microbatches
+    if plan.strategy == "sharded_data_parallel":
+        return f"ZeRO-{plan.stages[0].shard_stage} [{shares}] x{micro} mb"
+    if plan.strategy != "pipeline":
+        return f"{plan.strategy} [{shares}] x{micro} mb"
+    widths = "/".join(str(st.tensor_parallel) for st in plan.stages)
+    return (f"pipeline {len(plan.stages)} stage(s) (TP {widths}) x{plan.pipelines} pipeline(s), "
+            f"{plan.schedule}, {plan.num_microbatches} mb")
+
+
+def same_plan(a: str, b: str) -> bool:
+    """Whether two plans (JSON) run the same: equal but for what priced them."""
+    strip = ("lower_bound_s", "explain", "baselines", "solver", "cost_source")
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in strip and not k.startswith("predicted")}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(json.loads(a)) == clean(json.loads(b))
+
+
+def mark_repeats(arms: dict[str, Any]) -> None:
+    """``same_as``: the choices whose plan is a family arm's (or the calibrated choice's) plan are
+    not timed again; they read that arm's measurement."""
+    for key, among in (("choice", [a for a in ARMS if a != "choice"]),
+                       ("choice_catalog", [a for a in ARMS if a != "choice"] + ["choice"])):
+        mine = arms.get(key, {})
+        if "plan" not in mine:
+            continue
+        for arm in among:
+            other = arms.get(arm, {})
+            if "plan" in other and not other.get("same_as") and same_plan(mine["plan"], other["plan"]):
+                mine["same_as"] = arm
+                break
+
+
+# ---- timing (spawned ranks) ------------------------------------------------------------------------
+def arm_steps(case: Case, plan_json: str, warmup: int, steps: int) -> list[float]:
+    """One arm on this rank: the wall seconds of each timed step (module docstring)."""
+    model = _model(case)
+    batch = _batch(model, case)
+    pm = fxpar.auto(model, _cluster(case), batch, plan=Plan.from_json(plan_json), dtype=case.dtype,
+                    seq_len=case.seq, optimizer="adamw")
+    opt = fxpar.make_optimizer(pm, torch.optim.AdamW, lr=1e-4)
+    walls = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        pm.step(batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            walls.append(time.perf_counter() - start)
+    return walls
+
+
+def time_case(case: Case, arms: dict[str, Any], rounds: int, warmup: int, steps: int) -> dict[str, list[float]]:
+    """Per arm, each round's median step (the slowest rank's walls)."""
+    runnable = [a for a, v in arms.items() if "plan" in v and not v.get("same_as")]
+    medians: dict[str, list[float]] = {a: [] for a in runnable}
+    for r in range(rounds):
+        order = runnable if r % 2 == 0 else runnable[::-1]
+        with WorkerPool(len(case.speeds), env={"TRANSFORMERS_VERBOSITY": "error", "FXPAR_CALIBRATION": "off"}) as pool:
+            for arm in order:
+                try:
+                    per_rank = pool.run(arm_steps, case, arms[arm]["plan"], warmup, steps, timeout=900)
+                except WorkerError as exc:  # the arm's plan does not run: recorded, the others go on
+                    arms[arm]["run_error"] = " ".join(str(exc).split())[:300]
+                    print(f"  round {r + 1}: {arm:15s} failed: {arms[arm]['run_error'][:120]}", flush=True)
+                    continue
+                slowest = [max(ws) for ws in zip(*per_rank)]
+                medians[arm].append(statistics.median(slowest))
+                print(f"  round {r + 1}: {arm:15s} {1e3 * medians[arm][-1]:8.1f} ms", flush=True)
+    return medians
+
+
+def summarize(case: Case, arms: dict[str, Any], medians: dict[str, list[float]]) -> dict[str, Any]:
+    """Per arm: measured median and spread, prediction errors; the case's fastest, ties, regret."""
+    for arm, v in arms.items():
+        source = v.get("same_as", arm)
+        if medians.get(source):
+            m = medians[source]
+            v.update(measured_s=statistics.median(m), spread_s=max(m) - min(m), rounds_s=m)
+            v["error"] = v.get("error")
+            v["prediction_error"] = v["predicted_s"] / v["measured_s"] - 1
+            v["prediction_error_catalog"] = v["predicted_catalog_s"] / v["measured_s"] - 1
+    timed = {a: v for a, v in arms.items() if "measured_s" in v and not a.startswith("choice")}
+    fastest = min(timed, key=lambda a: timed[a]["measured_s"])
+    best = timed[fastest]
+
+    def ties(v: dict) -> bool:
+        return v["measured_s"] - best["measured_s"] <= max(best["spread_s"], v["spread_s"])
+
+    out = {"fastest": fastest, "fastest_s": best["measured_s"]}
+    for key in ("choice", "choice_catalog"):
+        v = arms[key]
+        if "measured_s" in v:
+            out[f"regret_{key}"] = 1.0 if ties(v) else v["measured_s"] / best["measured_s"]
+            out[f"raw_ratio_{key}"] = v["measured_s"] / best["measured_s"]
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 cases, 1 round, 3 steps")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cases", help="comma-separated case indices (default: all)")
+    args = ap.parse_args(argv)
+    cases = CASES[:3] if args.quick else CASES
+    if args.cases:
+        cases = tuple(CASES[int(i)] for i in args.cases.split(","))
+    rounds, steps = (1, 3) if args.quick else (args.rounds, args.steps)
+    start = time.perf_counter()
+    print("calibrating (cached after the first run) ...", flush=True)
+    t0 = time.perf_counter()
+    cal = calibrate.for_planning(fxpar.Cluster.emulated([1.0, 1.0]), "auto", progress=print)
+    calibration_s = time.perf_counter() - t0
+    print(calibrate.describe(cal))
+    results, rows = [], []
+    for case in cases:
+        print(f"\n{case.name}: planning every arm", flush=True)
+        arms = plan_arms(case, cal)
+        mark_repeats(arms)
+        for arm, v in arms.items():
+            print(f"  {arm:15s} {v.get('summary', v.get('error'))}: predicted {_ms(v.get('predicted_s'))} ms "
+                  f"(catalog {_ms(v.get('predicted_catalog_s'))})", flush=True)
+        medians = time_case(case, arms, rounds, args.warmup, steps)
+        verdict = summarize(case, arms, medians)
+        results.append({"case": dataclasses.asdict(case), "arms": arms, **verdict})
+        for arm in ARMS + ("choice_catalog",):
+            v = arms[arm]
+            rows.append([case.name, arm, v.get("summary", v.get("error", ""))[:64], _ms(v.get("predicted_s")),
+                         _ms(v.get("measured_s")), _ms(v.get("spread_s")),
+                         "-" if v.get("prediction_error") is None else f"{100 * v['prediction_error']:+.0f}%",
+                         "-" if v.get("prediction_error_catalog") is None else f"{100 * v['prediction_error_catalog']:+.0f}%",
+                         "fastest" if arm == verdict["fastest"] else (
+                             f"regret {verdict.get('regret_' + arm, 0):.2f}" if arm.startswith("choice") and
+                             f"regret_{arm}" in verdict else "")])
+    errors = [abs(v["prediction_error"]) for r in results for a, v in r["arms"].items()
+              if v.get("prediction_error") is not None and not v.get("same_as")]
+    errors_catalog = [abs(v["prediction_error_catalog"]) for r in results for a, v in r["arms"].items()
+                      if v.get("prediction_error_catalog") is not None and not v.get("same_as")]
+    regrets = [r.get("regret_choice") for r in results if r.get("regret_choice") is not None]
+    regrets_catalog = [r.get("regret_choice_catalog") for r in results if r.get("regret_choice_catalog") is not None]
+    summary = {"max_regret": max(regrets, default=None), "max_regret_catalog": max(regrets_catalog, default=None),
+               "mean_abs_prediction_error": statistics.fmean(errors) if errors else None,
+               "mean_abs_prediction_error_catalog": statistics.fmean(errors_catalog) if errors_catalog else None}
+    caption = (f"Plan regret, 2 gloo CPU ranks (emulated speeds), {rounds} round(s) x {steps} steps, AdamW in every "
+               f"step; predicted with this machine's calibration ({cal.calibration}); catalog = without it.  "
+               f"Max regret of the planner's choice {summary['max_regret']:.2f} (catalog pick: "
+               f"{summary['max_regret_catalog']:.2f}); mean |prediction error| "
+               f"{100 * (summary['mean_abs_prediction_error'] or 0):.0f}% (catalog "
+               f"{100 * (summary['mean_abs_prediction_error_catalog'] or 0):.0f}%); {time.perf_counter() - start:.0f} s")
+    return finish("plan_regret", title="Plan regret: the planner's pick against every family, timed", caption=caption,
+                  head=["case", "arm", "plan", "predicted ms", "measured ms", "spread ms", "pred. error",
+                        "catalog error", "verdict"],
+                  rows=rows, quick=args.quick, results=results, summary=summary,
+                  calibration=cal.to_dict(), calibration_s=calibration_s, rounds=rounds, steps=steps)
+
+
+if __name__ == "__main__":
+    main()

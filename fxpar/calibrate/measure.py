@@ -1,0 +1,276 @@
+"""The measurements of a calibration (:mod:`fxpar.calibrate`'s docstring says what and how)."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fxpar.calibrate.cache import machine_name
+from fxpar.calibrate.runtime_probe import probe_overheads
+from fxpar.cluster import Cluster
+from fxpar.errors import ConfigError
+from fxpar.profiling import CostModel
+from fxpar.profiling.database import LinkCost, OpCost, ProfileDB
+from fxpar.profiling.local_cache import local_gpu_type
+from fxpar.profiling.measure_comm import measure_collectives
+from fxpar.profiling.roofline import optimizer_key
+from fxpar.runtime.pool import run_ranks
+from fxpar.tracing import trace
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+#: message sizes of the collectives' fit (bytes)
+LINK_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+#: matrix products timed: M × K times K × N
+MATMUL_SHAPES = ((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024))
+POINTWISE_ELEMENTS = 1 << 23
+CHAIN_OPS = 200
+OPTIMIZER_PARAMS = (1 << 20, 1 << 22)
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Achieved FLOP/s of matrix products (module docstring): the harmonic mean over the shapes."""
+    times, flops = 0.0, 0.0
+    for m, k, n in MATMUL_SHAPES:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        times += _timed(lambda: torch.mm(a, b), device)
+        flops += 2.0 * m * k * n
+    return flops / times
+
+
+def memory_rate(device: torch.device) -> float:
+    """Bytes/s of ``c = a + b`` on fp32 tensors (two reads, one write per element)."""
+    a, b = (torch.randn(POINTWISE_ELEMENTS, device=device) for _ in range(2))
+    c = torch.empty_like(a)
+    return 12.0 * POINTWISE_ELEMENTS / _timed(lambda: torch.add(a, b, out=c), device)
+
+
+def op_overhead(device: torch.device) -> float:
+    """Seconds of one launched op with autograd: a chain of ``CHAIN_OPS`` tiny multiplications,
+    forward then backward, per op and pass."""
+    x = torch.ones(1, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(CHAIN_OPS):
+            y = y * 1.0
+        y.backward()
+
+    return _timed(chain, device) / (2 * CHAIN_OPS)
+
+
+def optimizer_costs(device: torch.device) -> dict[str, OpCost]:
+    """``optimizer|adam|…`` and ``optimizer|sgd|…`` entries: ``a + c·P`` seconds per step, fitted
+    through two parameter counts (fp32 master weights in every precision)."""
+    out: dict[str, OpCost] = {}
+    for name, make in (("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-4)),
+                       ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9))):
+        points = []
+        for count in OPTIMIZER_PARAMS:
+            params = [torch.nn.Parameter(torch.randn(count // 16, device=device)) for _ in range(16)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt = make(params)
+            points.append((float(count), _timed(opt.step, device, repeats=3)))
+        (p1, t1), (p2, t2) = points
+        slope = max((t2 - t1) / (p2 - p1), 1e-15)
+        cost = OpCost(fwd=(max(t1 - slope * p1, 0.0), slope), bwd=(0.0, 0.0))
+        for dtype in ("fp32", "bf16", "fp16"):
+            out[optimizer_key(name, dtype)] = cost
+    return out
+
+
+def low_precisions(device: torch.device) -> tuple[tuple[str, torch.dtype], ...]:
+    """The precisions whose products are timed: fp32 and bf16 everywhere, fp16 on a GPU."""
+    out = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
+    if device.type == "cuda":
+        out.append(("fp16", torch.float16))
+    return tuple(out)
+
+
+def measure_device(device: torch.device, progress: Progress = _quiet) -> dict[str, Any]:
+    """This rank's compute figures (module docstring), plain numbers."""
+    rates = {name: matmul_rate(device, dtype) for name, dtype in low_precisions(device)}
+    progress("matrix products: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
+    memory = memory_rate(device)
+    overhead = op_overhead(device)
+    progress(f"memory {memory / 1e9:.1f} GB/s; {overhead * 1e6:.1f} us per launched op")
+    ops = optimizer_costs(device)
+    adam = ops[optimizer_key("adamw", "fp32")]
+    progress(f"AdamW step {adam.fwd[1] * 1e9:.2f} ns per parameter + {adam.fwd[0] * 1e3:.2f} ms")
+    return {"matmul": rates, "memory": memory, "overhead": overhead, "ops": ops}
+
+
+#: the reference model whose forward + backward corrects the op-class rates (none of the benchmarks')
+REFERENCE = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+REFERENCE_BATCHES, REFERENCE_SEQ = (2, 8), 64
+
+
+def reference_correction(db: ProfileDB, device: torch.device) -> ProfileDB:
+    """``db`` with its rates corrected on a whole model (module docstring of :mod:`fxpar.calibrate`):
+    the reference model's forward + backward timed at two batch sizes gives ``a + c·B``; priced
+    with ``db`` it is ``A + C·B``; the per-op seconds scale by ``a / A`` and the rates divide by
+    ``c / C`` (each bounded to a factor of 10), so the whole model prices as measured."""
+    model = build_model(ModelSpec(hf_config=REFERENCE), device="cpu", seed=0, attn_implementation="eager").to(device)
+    times = []
+    for b in REFERENCE_BATCHES:
+        batch = {k: v.to(device) for k, v in example_inputs(model, b, REFERENCE_SEQ, seed=1).items()}
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+
+        times.append(_timed(step, device))
+    (b1, b2), (t1, t2) = REFERENCE_BATCHES, times
+    per_sample = max((t2 - t1) / (b2 - b1), 1e-12)
+    fixed = max(t1 - per_sample * b1, 0.0)
+    graph = trace(model.cpu(), {k: v[:1] for k, v in example_inputs(model, 1, REFERENCE_SEQ, seed=1).items()})
+    priced = CostModel(graph, Cluster.emulated([1.0]), profiles={db.device_type: db}).sample_cost(
+        Cluster.emulated([1.0]).device(0)) if db.device_type == "cpu" else None
+    if priced is None or priced.total_s <= 0:
+        return db
+    k_fixed = float(np.clip(fixed / max(priced.fixed_s, 1e-12), 0.1, 10.0))
+    k_rate = float(np.clip(per_sample / priced.total_s, 0.1, 10.0))
+    return replace(db, op_overhead_s=(db.op_overhead_s or 0.0) * k_fixed,
+                   matmul_flops={k: v / k_rate for k, v in db.matmul_flops.items()},
+                   memory_bytes_per_s=(db.memory_bytes_per_s or 0.0) / k_rate or None)
+
+
+def overlap_fraction(device: torch.device, group: Any = None) -> float:
+    """``h`` of the module docstring on the group: how much of an all-reduce in flight hides
+    behind compute (1: all of it, 0: none)."""
+    payload = torch.ones(1 << 20, device=device)   # 4 MiB
+    a = torch.randn(512, 512, device=device)
+
+    def reduce() -> None:
+        dist.all_reduce(payload, group=group)
+
+    t_a = _timed(reduce, device, repeats=3)
+    one = _timed(lambda: torch.mm(a, a), device, repeats=3)
+    count = max(1, int(round(t_a / max(one, 1e-9))))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work = dist.all_reduce(payload, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    t_c = _timed(compute, device, repeats=3)
+    t_b = _timed(both, device, repeats=3)
+    return float(np.clip((t_c + t_a - t_b) / max(min(t_c, t_a), 1e-12), 0.0, 1.0))
+
+
+def device_type_name(device: torch.device) -> str:
+    """The catalog type this device calibrates: ``cpu``, or the GPU's catalog name."""
+    if device.type != "cuda":
+        return "cpu"
+    name = local_gpu_type()
+    if name is None:
+        raise ConfigError(f"fxpar calibrate: the GPU {torch.cuda.get_device_name(device)!r} is not in the catalog; "
+                          "describe it under device_types: in a cluster file and profile it with `fxpar profile`")
+    return name
+
+
+def calibrate_group(device: torch.device, group: Any = None, progress: Progress = _quiet) -> ProfileDB:
+    """Measure on every rank of the running group (a collective call); every rank returns rank
+    0's calibration.  Without a process group, the compute only (no links, overlap unknown)."""
+    start = time.perf_counter()
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    rank = dist.get_rank(group) if distributed else 0
+    say = progress if rank == 0 else _quiet
+    figures = measure_device(device, say)
+    links: dict[str, LinkCost] = {}
+    overlap = None
+    if world > 1:
+        links = measure_collectives(LINK_SIZES, repeats=5, progress=say, group=group, device=device)
+        hidden = overlap_fraction(device, group)
+        overlap = hidden >= 0.5
+        say(f"overlap: {100 * hidden:.0f}% of an all-reduce hides behind compute -> "
+            f"{'overlaps' if overlap else 'does not overlap'}")
+    backend = dist.get_backend(group) if distributed else "none"
+    db = ProfileDB(device_type=device_type_name(device), device_name=machine_name(device),
+                   torch_version=torch.__version__, ops=figures["ops"], links=links,
+                   matmul_flops=figures["matmul"], memory_bytes_per_s=figures["memory"],
+                   op_overhead_s=figures["overhead"], overlap=overlap)
+    before = db
+    db = reference_correction(db, device)
+    say(f"a whole model corrects them: {before.op_overhead_s * 1e6:.1f} -> {db.op_overhead_s * 1e6:.1f} us per op, "
+        + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in db.matmul_flops.items()))
+    if world > 1:
+        runtime = probe_overheads(db, device, group)
+        say(f"fxpar's runtime: {runtime['sharded_call_s'] * 1e6:.0f} us per sharded collective call, "
+            f"{runtime['pipeline_op_s'] * 1e6:.0f} us per pipeline schedule op")
+        db = replace(db, **runtime)
+    seconds = time.perf_counter() - start
+    db = replace(db, calibration=(f"calibrated on {machine_name(device)}, {backend} x{world}, "
+                                  f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, "
+                                  f"{date.today().isoformat()}, in {seconds:.1f} s"))
+    if distributed:
+        box = [db.to_dict()]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        db = ProfileDB.from_dict(box[0], source="calibration")
+    return db
+
+
+def _spawned(progress_file: str) -> dict:
+    """One spawned rank of :func:`calibrate_spawned` (module-level for the worker pool)."""
+    lines: list[str] = []
+    db = calibrate_group(torch.device("cpu"), progress=lines.append)
+    if lines:
+        Path(progress_file).write_text("\n".join(lines))
+    return db.to_dict()
+
+
+def calibrate_spawned(world: int, progress: Progress = _quiet) -> ProfileDB:
+    """Calibrate CPU ranks: ``world`` gloo processes on this machine, one thread each (what
+    ``fxpar`` emulated ranks run as)."""
+    if world < 1:
+        raise ConfigError(f"fxpar calibrate: --world {world}; give 1 or more ranks")
+    with tempfile.TemporaryDirectory() as tmp:
+        note = str(Path(tmp) / "progress.txt")
+        if world == 1:
+            torch.set_num_threads(1)
+            db = calibrate_group(torch.device("cpu"), progress=progress)
+        else:
+            db = ProfileDB.from_dict(run_ranks(_spawned, world, note, timeout=600)[0], source="calibration")
+            for line in (Path(note).read_text().splitlines() if Path(note).is_file() else []):
+                progress(line)
+    return db
