@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -300,7 +301,7 @@ def _calibration_device(group: Any) -> torch.device:
 
 
 def _say(message: str) -> None:
-    print(f"[fxpar] {message}", flush=True)
+    print(f"fxpar: {message}", file=sys.stderr, flush=True)
 
 
 def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8,

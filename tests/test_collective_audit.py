@@ -47,6 +47,7 @@ def test_every_kind_runs_with_an_explicit_device(pool2, kind: str) -> None:
     _check(results, kind)
 
 
+@pytest.mark.full  # 3 ranks; the quick tier audits the other plan kinds (its 300 s budget)
 def test_pipeline_tp_collectives_are_nccl_valid(pool3) -> None:
     _check(pool3.run(audit_plan_kind, "pipeline_tp"), "pipeline_tp")
 
