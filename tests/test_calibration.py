@@ -242,6 +242,24 @@ def test_calibrated_runtime_costs_are_priced(small):
     assert b.step_s - a.step_s == pytest.approx(calls * 1e-3, rel=1e-9)
 
 
+def test_a_link_measured_on_other_ranks_prices_nothing(small):
+    """Links measured on 2 ranks do not price a 4-rank group: the formula does."""
+    _, _, graph = small
+    two, four = Cluster.emulated([1.0] * 2), Cluster.emulated([1.0] * 4)
+    profiles = with_calibration(None, fixed_calibration())
+    assert CostModel(graph, two, profiles=profiles).measured_link("all_reduce") is not None
+    cost4 = CostModel(graph, four, profiles=profiles)
+    assert cost4.measured_link("all_reduce") is None and cost4.measured_links() == {}
+    assert cost4.allreduce_s(1e6) == CostModel(graph, four).allreduce_s(1e6)
+
+
+def test_an_unreadable_calibration_file_is_named(tmp_path):
+    bad = tmp_path / "cal.json"
+    bad.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="cal.json"):
+        calibrate.for_group(Cluster.emulated([1.0]), str(bad), torch.device("cpu"))
+
+
 def test_calibration_settings_are_checked(tmp_path, monkeypatch):
     assert calibrate.setting("off") == "off" and calibrate.setting(False) == "off"
     assert calibrate.setting(True) == "auto"
@@ -296,6 +314,24 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
                               str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "roofline at rates calibrated on" in planned.stdout
+
+
+def _probe_on_rank(calibration: dict) -> dict:
+    from fxpar.calibrate.runtime_probe import probe_overheads
+
+    return probe_overheads(ProfileDB.from_dict(calibration), torch.device("cpu"))
+
+
+@pytest.mark.full
+def test_the_runtime_probe_runs_on_three_ranks(pool3):
+    """The probe builds its plans for any group size (a pipeline of one-rank stages over at least
+    as many blocks, micro-batches that divide the batch) and every rank gets the same figures."""
+    cal = dataclasses.replace(fixed_calibration(), links={
+        k: dataclasses.replace(v, world=3) for k, v in fixed_calibration().links.items()})
+    results = pool3.run(_probe_on_rank, cal.to_dict())
+    assert results[0] == results[1] == results[2]
+    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s"}
+    assert all(v is not None and v >= 0 for v in results[0].values())
 
 
 def test_the_test_suite_never_calibrates():

@@ -404,7 +404,6 @@ def _in_order_reference(steps: int, *, clip: float | None, weight_decay: float):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, eval_loss
 
 
-@pytest.mark.full  # quick tier: the Trainer's DP and pipeline runs stay (its 300 s budget)
 def test_trainer_sharded_data_parallel_matches_single_process(tmp_path):
     """Uneven ZeRO-3 (state 1:3, batch 8:4, checkpointing on rank 1) through FxparTrainer: the
     Trainer's optimizer holds only each rank's row shards; 3 steps' losses and the evaluation

@@ -39,7 +39,8 @@ def _check(results) -> None:
     _check_steps(results)
 
 
-@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.full), "llama"])
+# full suite: the quick tier keeps the stage-major, interleaved and own-cut replica pipelines (its 300 s budget)
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.full), pytest.param("llama", marks=pytest.mark.full)])
 def test_two_pipelines_at_different_speeds_with_uneven_batches(pool4, family):
     # pipeline 0 (ranks 0, 1) at speed 1 trains 6 samples, pipeline 1 (ranks 2, 3) at 0.5 and
     # 0.25 trains 2: micro-batches of 3 and 1

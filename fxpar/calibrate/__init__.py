@@ -111,26 +111,41 @@ def for_group(cluster: Cluster, value: Any, device: torch.device, group: Any = N
     """The calibration that prices ``cluster`` in a running job (``fxpar.auto``; a collective
     call): ``value`` resolved by :func:`setting`; for ``"auto"`` the cached one of this machine,
     measured on the group first where rank 0 has none.  None where it is off or the cluster has
-    no device of this machine's type."""
-    decided, given = _given(value)
-    if decided:
-        return given
-    if not applies(cluster, device):
-        return None
+    no device of this machine's type.  Rank 0 decides and every rank follows its answer (a file
+    only rank 0 can read, a GPU only rank 0 can name: no rank leaves the others waiting)."""
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
     key = cache_key(device, dist.get_backend(group) if distributed else "none", world)
-    cached = load_cached(key) if not distributed or dist.get_rank(group) == 0 else None
-    box = [cached.to_dict() if cached is not None else None]
+    box: list[Any] = [None]
+    if not distributed or dist.get_rank(group) == 0:
+        box[0] = _decide(cluster, value, device, key)
     if distributed:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if box[0] is not None:
-        return ProfileDB.from_dict(box[0], source=str(cache_path(key)))
+    answer, payload = box[0]
+    if answer == "error":
+        raise ConfigError(payload)
+    if answer == "use":
+        return None if payload is None else ProfileDB.from_dict(payload, source="calibration")
     progress(f"calibrating this machine ({key}): once, then cached in {cache_path(key)}")
     db = calibrate_group(device, group, progress)
     if not distributed or dist.get_rank(group) == 0:
         store(db, key)
     return db
+
+
+def _decide(cluster: Cluster, value: Any, device: torch.device, key: str) -> tuple[str, Any]:
+    """Rank 0's answer for :func:`for_group`: ("use", a calibration as a dict or None),
+    ("measure", None) or ("error", the message)."""
+    try:
+        decided, given = _given(value)
+    except ConfigError as exc:
+        return "error", str(exc)
+    if decided:
+        return "use", None if given is None else given.to_dict()
+    if not applies(cluster, device):
+        return "use", None
+    cached = load_cached(key)
+    return ("use", cached.to_dict()) if cached is not None else ("measure", None)
 
 
 def for_planning(cluster: Cluster, value: Any, progress: Progress = _quiet) -> ProfileDB | None:

@@ -208,6 +208,15 @@ def device_type_name(device: torch.device) -> str:
     return name
 
 
+def _type_or_blank(device: torch.device) -> str:
+    """:func:`device_type_name`, or "" for a GPU the catalog does not know: a rank never raises
+    between the group's collectives (``fxpar.calibrate.for_group`` checks rank 0's before any)."""
+    try:
+        return device_type_name(device)
+    except ConfigError:
+        return ""
+
+
 def calibrate_group(device: torch.device, group: Any = None, progress: Progress = _quiet) -> ProfileDB:
     """Measure on every rank of the running group (a collective call); every rank returns rank
     0's calibration.  Without a process group, the compute only (no links, overlap unknown)."""
@@ -226,7 +235,7 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
         say(f"overlap: {100 * hidden:.0f}% of an all-reduce hides behind compute -> "
             f"{'overlaps' if overlap else 'does not overlap'}")
     backend = dist.get_backend(group) if distributed else "none"
-    db = ProfileDB(device_type=device_type_name(device), device_name=machine_name(device),
+    db = ProfileDB(device_type=_type_or_blank(device), device_name=machine_name(device),
                    torch_version=torch.__version__, ops=figures["ops"], links=links,
                    matmul_flops=figures["matmul"], memory_bytes_per_s=figures["memory"],
                    op_overhead_s=figures["overhead"], overlap=overlap)
@@ -236,8 +245,9 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
         + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in db.matmul_flops.items()))
     if world > 1:
         runtime = probe_overheads(db, device, group)
-        say(f"fxpar's runtime: {runtime['sharded_call_s'] * 1e6:.0f} us per sharded collective call, "
-            f"{runtime['pipeline_op_s'] * 1e6:.0f} us per pipeline schedule op")
+        say("fxpar's runtime: " + ", ".join("not measured" if v is None else f"{v * 1e6:.0f} us per {what}"
+                                            for v, what in ((runtime["sharded_call_s"], "sharded collective call"),
+                                                            (runtime["pipeline_op_s"], "pipeline schedule op"))))
         db = replace(db, **runtime)
     seconds = time.perf_counter() - start
     db = replace(db, calibration=(f"calibrated on {machine_name(device)}, {backend} x{world}, "
@@ -267,8 +277,12 @@ def calibrate_spawned(world: int, progress: Progress = _quiet) -> ProfileDB:
     with tempfile.TemporaryDirectory() as tmp:
         note = str(Path(tmp) / "progress.txt")
         if world == 1:
-            torch.set_num_threads(1)
-            db = calibrate_group(torch.device("cpu"), progress=progress)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                db = calibrate_group(torch.device("cpu"), progress=progress)
+            finally:
+                torch.set_num_threads(threads)
         else:
             db = ProfileDB.from_dict(run_ranks(_spawned, world, note, timeout=600)[0], source="calibration")
             for line in (Path(note).read_text().splitlines() if Path(note).is_file() else []):

@@ -3,20 +3,21 @@ per collective call of a sharded unit (packing the shards, unpacking the gathere
 hooks that launch and wait) and per schedule op of a pipeline stage (a micro-batch's forward or
 backward on one stage: its send and receive bookkeeping and the schedule's own Python).
 
-Measured on the calibration's group (every rank) with a probe model that is none of the
-benchmarks' (:data:`PROBE`: a 4-block Llama, hidden 64, vocabulary 128, at 2 samples of 16
-tokens per rank), each plan built by hand; ``STEPS`` rounds after ``WARMUP`` step every plan once
-in turn (AdamW included, the ranks aligned before each step, the slowest rank's wall).  With
-``D_x`` the median over rounds of plan ``x``'s step minus data parallelism's in the same round and
-``P`` the priced steps (the cost model with the calibration measured so far), data parallelism is
-the reference, so what the cost model misses of the model's own compute cancels, and so does a
-slow moment of a shared machine:
+Measured on the calibration's group (every rank, ``W`` of them) with a probe model that is none
+of the benchmarks' (:data:`PROBE`: a Llama of ``max(4, W)`` blocks, hidden 64, vocabulary 128, at 2
+samples of 16 tokens per rank), each plan built by hand: data parallelism, ZeRO-3 and a pipeline of
+``S = W`` one-rank stages and ``m = W`` micro-batches (1F1B needs ``m ≥ S``).  ``STEPS`` rounds after ``WARMUP`` step
+every plan once in turn (AdamW included, the ranks aligned before each step, the slowest rank's
+wall).  With ``D_x`` the median over rounds of plan ``x``'s step minus data parallelism's in the
+same round and ``P`` the priced steps (the cost model with the calibration measured so far, on a
+cluster of the calibrated device type), data parallelism is the reference, so what the cost model
+misses of the model's own compute cancels, and so does a slow moment of a shared machine:
 
-    sharded_call_s = max(0, (D_z − (P_z − P_dp)) / C_z)       C_z: ZeRO-3's collective calls per step
-    pipeline_op_s  = max(0, (D_pp − (P_pp − P_dp)) / (2·S·m))  S stages, m micro-batches
+    sharded_call_s = max(0, (D_z − (P_z − P_dp)) / ∂P_z)      pipeline_op_s = max(0, (D_pp − (P_pp − P_dp)) / ∂P_pp)
 
-(ZeRO-3 of ``L`` blocks calls ``L + 1`` gathers forward, ``L − 1`` backward and ``L + 1``
-reduce-scatters per micro-batch; the pipeline has ``S = W`` stages of one rank and ``m = 4``.)
+``∂P`` is how many seconds the priced step grows per second of the overhead (the simulator priced
+with the overhead at 1 ms, less without it, over 1 ms): the calls or ops on the step's critical
+path, as the simulator prices them.  A plan the probe cannot build leaves both unmeasured (None).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from fxpar.build import build_module
 from fxpar.cluster import Cluster
 from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.errors import FxparError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
@@ -45,7 +48,9 @@ from fxpar.workload import Workload
 
 PROBE = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=128,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-SAMPLES_PER_RANK, SEQ, MICRO_BATCHES = 2, 16, 4
+SAMPLES_PER_RANK, SEQ = 2, 16
+#: the overhead the sensitivity ``∂P`` is priced with (module docstring)
+NUDGE_S = 1e-3
 WARMUP, STEPS = 3, 12
 
 
@@ -76,30 +81,47 @@ def _paired_steps(model: torch.nn.Module, plans: dict[str, Plan], batch: dict, d
     return {name: statistics.median(a - b for a, b in zip(rows[name], rows["dp"])) for name in plans}
 
 
-def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = None) -> dict[str, float]:
+def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = None) -> dict[str, float | None]:
     """``{"sharded_call_s", "pipeline_op_s"}`` measured on the running group (a collective call;
     module docstring).  ``calibration``: the rates and links measured so far (they price ``P``)."""
     world = dist.get_world_size(group)
-    model = build_model(ModelSpec(hf_config=PROBE), device="cpu", seed=0, attn_implementation="eager").train()
+    model = build_model(ModelSpec(hf_config=dict(PROBE, num_hidden_layers=max(4, world))), device="cpu", seed=0,
+                        attn_implementation="eager").train()
     batch = example_inputs(model, SAMPLES_PER_RANK * world, SEQ, seed=1)
     graph = trace(model, {k: v[:1] for k, v in batch.items()})
-    cluster = Cluster.emulated([1.0] * world, one_node=True)
-    cost = CostModel(graph, cluster, optimizer="adamw", profiles={calibration.device_type: calibration})
+    cluster = _cluster(calibration.device_type, world)
     workload = Workload(global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ, optimizer="adamw")
-    layers = len(graph.layers)
-    plans = {
-        "dp": solve_plan(graph, cluster, workload, strategies=("data_parallel",)),
-        "zero3": sharded_data_parallel_plan(cluster, batch_split=[SAMPLES_PER_RANK] * world, state_split=[1] * world,
-                                            shard_stage=3, model=graph.model_name, seq_len=SEQ),
-        "pipeline": pipeline_plan(model, cluster, global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
-                                  blocks_per_stage=_even(layers, world), num_microbatches=MICRO_BATCHES),
-    }
+    try:
+        plans = {
+            "dp": solve_plan(graph, cluster, workload, strategies=("data_parallel",)),
+            "zero3": sharded_data_parallel_plan(cluster, batch_split=[SAMPLES_PER_RANK] * world,
+                                                state_split=[1] * world, shard_stage=3, model=graph.model_name,
+                                                seq_len=SEQ),
+            "pipeline": pipeline_plan(model, cluster, global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
+                                      blocks_per_stage=_even(len(graph.layers), world), num_microbatches=world),
+        }
+    except FxparError:   # every rank alike (the same model and cluster): nothing measured
+        return {"sharded_call_s": None, "pipeline_op_s": None}
     over_dp = _paired_steps(model, plans, batch, device, group)
-    priced = {name: simulate(plan, cost).step_s for name, plan in plans.items()}
-    unpriced = {name: over_dp[name] - (priced[name] - priced["dp"]) for name in plans}
-    calls = (layers + 1) + (layers - 1) + (layers + 1)
-    return {"sharded_call_s": max(0.0, unpriced["zero3"] / calls),
-            "pipeline_op_s": max(0.0, unpriced["pipeline"] / (2 * world * MICRO_BATCHES))}
+
+    def priced(plan: Plan, **nudge: float) -> float:
+        db = replace(calibration, **nudge)
+        return simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles={db.device_type: db})).step_s
+
+    out: dict[str, float | None] = {}
+    for name, key in (("zero3", "sharded_call_s"), ("pipeline", "pipeline_op_s")):
+        base = priced(plans[name], sharded_call_s=0.0, pipeline_op_s=0.0)
+        slope = (priced(plans[name], **{"sharded_call_s": 0.0, "pipeline_op_s": 0.0, key: NUDGE_S}) - base) / NUDGE_S
+        unpriced = over_dp[name] - (base - priced(plans["dp"], sharded_call_s=0.0, pipeline_op_s=0.0))
+        out[key] = max(0.0, unpriced / slope) if slope > 0 else None
+    return out
+
+
+def _cluster(device_type: str, world: int) -> Cluster:
+    """``world`` devices of the calibrated type on one node (CPU ranks: emulated at speed 1)."""
+    if device_type in ("cpu", ""):
+        return Cluster.emulated([1.0] * world, one_node=True)
+    return Cluster.from_dict({"inter_node_gbps": 100, "nodes": [{"gpu": device_type, "count": world}]})
 
 
 def _even(blocks: int, stages: int) -> list[int]:

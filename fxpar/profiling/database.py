@@ -219,6 +219,9 @@ def load_profile(path: str | Path) -> ProfileDB:
         raise ConfigError(f"profile {file}: no such file") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"profile {file}: malformed JSON at line {exc.lineno}: {exc.msg}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"profile {file}: cannot be read as a JSON profile ({type(exc).__name__}: {exc}); "
+                          "pass a file written by `fxpar profile` or `fxpar calibrate --out`") from None
     return replace(ProfileDB.from_dict(data, source=str(file)), source=str(file))
 
 

@@ -281,7 +281,9 @@ class CostModel:
         if len(types) != 1:
             return None
         db = self.profiles.get(types.pop())
-        return None if db is None else db.links.get(kind)
+        link = None if db is None else db.links.get(kind)
+        # a link measured on another number of ranks says nothing of this group's (ranks=None: the cluster)
+        return link if link is not None and link.world == len(devices) else None
 
     def runtime_overhead(self, name: str, ranks=None) -> float:
         """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``) of these devices
@@ -292,7 +294,8 @@ class CostModel:
         return float(getattr(db, name, None) or 0.0)
 
     def measured_links(self, ranks=None) -> dict:
-        """Every measured collective of these devices (kind -> LinkCost), as :meth:`measured_link`."""
+        """Every measured collective of these devices (kind -> LinkCost), as :meth:`measured_link`
+        (measured on as many ranks as these devices)."""
         return {kind: link for kind in collectives.BUS_FACTOR
                 if (link := self.measured_link(kind, ranks)) is not None}
 

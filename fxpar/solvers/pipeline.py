@@ -304,7 +304,7 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     local = [float(ctx.table.local_params(spec.width)[i:j].sum()) for spec, i, j in zip(stages, cuts, cuts[1:])]
     # stage j's last backward ends when the drain has passed the stages after it
     back = [t_j - c.forward_time(i, j) for t_j, c, i, j in zip(t, costs, cuts, cuts[1:])]
-    ends = [t_pipe - sum(back[:j]) for j in range(S)]
+    ends = [t_pipe - sum(back[:j]) if ctx.overlap else t_pipe for j in range(S)]   # CPU ranks: after the makespan
     ar = links.allreduce_done_s(ends, [n_j * g_bytes for n_j in local]) - t_pipe  # the part not hidden
     share = 1.0 / pipelines if zero else 1.0  # ZeRO-1: each pipeline updates 1/P of the parameters
     opt = max(ctx.optimizer_s_per_param[spec.kind] * n_j * share for spec, n_j in zip(stages, local))
