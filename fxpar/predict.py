@@ -52,8 +52,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import numpy as np
-
 from fxpar.cluster import Device
 from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan
@@ -61,9 +59,9 @@ from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
 from fxpar.sim import simulate
-from fxpar.sim.links import tp_allreduce_s
 from fxpar.sim.pipeline_cost import pipeline_prices
-from fxpar.sim.pipeline_plan import layout_of, price_plan, simulate_pipeline
+from fxpar.sim.pipeline_plan import as_pipeline, layout_of, price_plan, simulate_pipeline
+from fxpar.sim.segments import tp_seconds
 from fxpar.solvers.rebalance import UNPRICED
 from fxpar.tracing import ModelGraph
 from fxpar.workload import Workload
@@ -183,7 +181,7 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
     cost = cost_model(plan, graph, cluster, profiles)
     calib = dict(calibration or {})
     prices = None
-    if plan.strategy == "pipeline":
+    if plan.strategy in ("pipeline", "tensor_parallel"):
         kinds = {g.key: g.type.name for g in cluster.groups()}
         prices = pipeline_prices(cost, compute_scale={k: float(calib[t]["compute_scale"]) for k, t in kinds.items()
                                                       if "compute_scale" in calib.get(t, {})},
@@ -191,7 +189,9 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
                                                      if "segment_overhead_s" in calib.get(t, {})},
                                  receive_in_flight={k: bool(calib[t]["receive_in_flight"]) for k, t in kinds.items()
                                                     if "receive_in_flight" in calib.get(t, {})})
-        sim = simulate_pipeline(plan, prices, cluster)
+        sim = simulate_pipeline(as_pipeline(plan, prices), prices, cluster)
+        if plan.strategy == "tensor_parallel":  # each rank's memory its shard's
+            sim = replace(sim, peak_memory_bytes=simulate(plan, cost).peak_memory_bytes)
     else:
         sim = simulate(plan, cost)
     driver = tuple(int(m + float(calib.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
@@ -199,7 +199,7 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
     common = dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
                   peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver)
     if prices is not None:
-        return _pipeline_parts(plan, prices, cluster, common)
+        return _pipeline_parts(as_pipeline(plan, prices), prices, cluster, common)
     if plan.strategy == "sharded_data_parallel":  # exposed all-gathers + reduce-scatters in gather_s
         return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=0.0,
                           alltoall_s=0.0, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
@@ -223,9 +223,8 @@ def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Pred
     (kinds, b), m, t = layout.replica(q), layout.num_microbatches, prices.table
     tp = [0.0] * len(run.busy_s)
     for st, kind in zip(layout.stages, kinds):
-        parts = tp_allreduce_s(prices.intra_bytes_per_s[kind], st.width, t.boundary_bytes[st.start:st.end] * b,
-                               prices.measured_links.get("all_reduce")) * (np.arange(st.start, st.end) > 0)
-        tp[st.position] += 4 * float(parts.sum()) * m
+        fwd, bwd = tp_seconds(t, prices.network, kind, st.width, b)
+        tp[st.position] += float((fwd + bwd)[st.start:st.end].sum()) * m
     busy_s = run.replicas[q].busy_s
     busiest = max(range(len(busy_s)), key=lambda d: busy_s[d])
     busy = busy_s[busiest]

@@ -42,7 +42,7 @@ SMALL = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hid
 def fixed_calibration(*, overlap: bool = False, alpha_s: float = 5e-4, bus: float = 1e9) -> ProfileDB:
     """A calibration with stated numbers (not measured): 50 GFLOP/s products in fp32 and bf16,
     20 GB/s memory, 3 µs per op, AdamW 4 ns per parameter, every collective α + bytes / ``bus``."""
-    links = {kind: LinkCost(alpha_s=alpha_s, bus_bytes_per_s=bus, world=2) for kind in collectives.BUS_FACTOR}
+    links = {kind: LinkCost(alpha_s=alpha_s, bus_bytes_per_s=bus, world=2) for kind in collectives.LINK_KINDS}
     ops = {optimizer_key(o, d): OpCost(fwd=(1e-4, 4e-9), bwd=(0.0, 0.0)) for o in ("adamw", "sgd")
            for d in ("fp32", "bf16", "fp16")}
     return ProfileDB(device_type="cpu", device_name="fixed", torch_version="test", ops=ops, links=links,
@@ -299,7 +299,7 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
     db = ProfileDB.from_dict(json.loads(out.read_text()))
     assert db.device_type == "cpu" and set(db.matmul_flops) >= {"fp32", "bf16"}
     assert all(v > 0 for v in db.matmul_flops.values()) and db.memory_bytes_per_s > 0 and db.op_overhead_s > 0
-    assert set(db.links) == set(collectives.BUS_FACTOR) and all(link.world == 2 for link in db.links.values())
+    assert set(db.links) == set(collectives.LINK_KINDS) and all(link.world == 2 for link in db.links.values())
     assert isinstance(db.overlap, bool) and "gloo x2" in db.calibration
     assert db.sharded_call_s is not None and db.sharded_call_s >= 0 and db.pipeline_op_s is not None
     assert all(len(link.points) == 7 for link in db.links.values())

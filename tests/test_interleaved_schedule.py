@@ -51,7 +51,9 @@ def test_planner_offers_an_interleaved_candidate():
                                                 for f in ("cost_a", "cost_c", "fwd_a", "fwd_c")})
     ctx = dataclasses.replace(base, table=table,
                               kinds={rename[k]: dataclasses.replace(v, key=rename[k]) for k, v in base.kinds.items()},
-                              optimizer_s_per_param={rename[k]: v for k, v in base.optimizer_s_per_param.items()})
+                              optimizer_s_per_param={rename[k]: v for k, v in base.optimizer_s_per_param.items()},
+                              network=dataclasses.replace(base.network, intra={rename[k]: v for k, v in
+                                                                                base.network.intra.items()}))
     cfg = evaluate(ctx, 1, (StageSpec("cpu", 1), StageSpec("cpu@0.5", 1)), 4, False)
     found = candidates(ctx, cfg, cluster, "m", fxpar.Workload(global_batch=4), 1.0)
     assert [len(p.stages) for p in found] == [3, 4]

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from fxpar.profiling.network import Network
 from fxpar.sim.pipeline_sim import one_f_one_b_order, simulate_1f1b
 from fxpar.sim.segments import SegmentTable
 from fxpar.solvers.pipeline import (
@@ -33,10 +34,11 @@ def _table(n: int, fast_c: float = 1.0, slow_c: float = 2.0, params: float = 1e6
 
 
 def _ctx(table: SegmentTable, *, fast_mem: float = 80 * GIB, counts=(1, 1), batch: int = 8) -> PipelineContext:
-    kinds = {"fast": KindInfo("fast", counts[0], counts[0], int(fast_mem), 1e11, 2.0),
-             "slow": KindInfo("slow", counts[1], counts[1], 80 * GIB, 1e11, 1.0)}
+    kinds = {"fast": KindInfo("fast", counts[0], counts[0], int(fast_mem), 2.0),
+             "slow": KindInfo("slow", counts[1], counts[1], 80 * GIB, 1.0)}
     return PipelineContext(table=table, kinds=kinds, global_batch=batch, optimizer="adam", dtype="fp32",
-                           node_bytes_per_s=1e10, num_nodes=2, optimizer_s_per_param={"fast": 0.0, "slow": 0.0})
+                           network=Network(intra={"fast": 1e11, "slow": 1e11}, nic=1e10), num_nodes=2,
+                           optimizer_s_per_param={"fast": 0.0, "slow": 0.0})
 
 
 def test_cuts_proportional_to_speed():
@@ -129,9 +131,10 @@ def _two_node_ctx(params: float, boundary: float, nic: float = 1e9) -> PipelineC
     """4 devices of one kind, 2 per node, an intra-node link of 1e11 B/s and a slow NIC."""
     table = dataclasses.replace(_table(4, params=params), boundary_bytes=np.full(4, boundary),
                                 sharded_fraction=np.zeros(4))  # tensor parallelism would not help
-    kinds = {"fast": KindInfo("fast", 4, 2, 80 * GIB, 1e11, 1.0, nodes=(0, 0, 1, 1))}
+    kinds = {"fast": KindInfo("fast", 4, 2, 80 * GIB, 1.0, nodes=(0, 0, 1, 1))}
     return PipelineContext(table=table, kinds=kinds, global_batch=8, optimizer="sgd", dtype="fp32",
-                           node_bytes_per_s=nic, num_nodes=2, optimizer_s_per_param={"fast": 0.0})
+                           network=Network(intra={"fast": 1e11}, nic=nic), num_nodes=2,
+                           optimizer_s_per_param={"fast": 0.0})
 
 
 def test_layouts_deal_slots_pipeline_or_stage_first():
@@ -182,8 +185,8 @@ def test_big_activations_keep_a_pipeline_inside_a_node():
     from fxpar.profiling.collectives import LINK_EFFICIENCY
     from fxpar.solvers.placement import build_links
 
-    assert build_links(ctx, 2, stages, "stage-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e9 / 2)
-    assert build_links(ctx, 2, stages, "pipeline-major").hop_bytes_per_s(0, 1) == pytest.approx(LINK_EFFICIENCY * 1e11)
+    assert build_links(ctx, 2, stages, "stage-major").hop(0, 1).bytes_per_s == pytest.approx(LINK_EFFICIENCY * 1e9 / 2)
+    assert build_links(ctx, 2, stages, "pipeline-major").hop(0, 1).bytes_per_s == pytest.approx(LINK_EFFICIENCY * 1e11)
     assert search(ctx).layout == "pipeline-major"
 
 

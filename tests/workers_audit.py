@@ -4,6 +4,7 @@ rule violations (module level, so they pickle by reference)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -116,3 +117,30 @@ def step_cost_of_kind(kind: str, steps: int = 3, dtype: str = "fp32", shard_stag
     moe = sum(1 for m in pm.modules() if type(m).__name__ == "ExpertParallelExperts")
     return {"rank": rank, "module": type(pm).__name__, "cost": cost.summary(), "moe_layers": moe,
             "microbatches": pm.plan.ranks[rank].num_microbatches, "loss": float(loss)}
+
+
+def sent_by_kind(kind: str, dtype: str = "fp32", steps: int = 2, shard_stage: int = 3) -> dict:
+    """``kind`` on this job's ranks in ``dtype``: ``steps`` steps, then one under torch's profiler;
+    returns every backend collective event of that step (kind, bytes the rank contributed) and
+    the plan as JSON (what the pricing is given)."""
+    from fxpar.profiling.wire_bytes import collective_events
+
+    model, data, cluster, plan = _setup(kind, steps + 1)
+    if plan is None:
+        from .workers import dp_only_plan
+
+        plan = dp_only_plan(model, cluster, data[0], 8)
+    if kind == "sharded_data_parallel":
+        plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard_stage=shard_stage),))
+    plan = dataclasses.replace(plan, dtype=dtype)
+    pm = fxpar.auto(model, cluster, data[0], plan=plan, emulate=False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    for k, b in enumerate(data):
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        with profile if k == steps else contextlib.nullcontext():
+            pm.step(b)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    events = collective_events(profile.events())
+    return {"rank": dist.get_rank(), "plan": pm.plan.to_json(indent=None),
+            "events": [(e.kind, e.nbytes) for e in events]}

@@ -32,6 +32,7 @@ from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
 from fxpar.predict import predict
+from fxpar.profiling.network import network_of
 from fxpar.solvers import plan as solve_plan
 from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.graph import ModelGraph
@@ -113,7 +114,7 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     keep = predict(current, graph, cluster, profiles=profiles).step_s
     best = predict(new, graph, cluster, profiles=profiles).step_s
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
-    migrate = replan_s + build_s + state_bytes(new, graph) / cluster.inter_node_bytes_per_s()
+    migrate = replan_s + build_s + network_of(cluster).migration_s(state_bytes(new, graph))
     same = new.to_json(indent=None) == current.to_json(indent=None) or plan_kind(new) == plan_kind(current)
     gain = keep - best
     if same:

@@ -25,7 +25,9 @@ Other collectives of ``S`` bytes (the full tensor) over ``n`` devices, bottlenec
 
 ``allreduce_time`` takes the cheaper of ring and tree.  A measured link (``fxpar profile
 --collectives``, :class:`~fxpar.profiling.database.LinkCost`) replaces the formula:
-``t = α + S_bus / β`` with ``S_bus`` = 2(n−1)/n·S for all-reduce, (n−1)/n·S for the others.
+``t = α + S_bus / β`` with ``S_bus`` the bytes a rank sends (:func:`bus_bytes`: 2(n−1)/n·S for
+all-reduce, (n−1)/n·S for the others, S for a hop; the runtime's sends are counted by the same
+formula, :func:`fxpar.profiling.wire_bytes.bytes_sent`).
 
 ``α`` values are estimates (U): 5 µs per hop inside a node, 15 µs across nodes.
 
@@ -41,10 +43,14 @@ Data parallelism's gradient all-reduce runs in the buckets the runtime fills
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Sequence
+
+from fxpar.profiling.wire_bytes import bytes_sent
 
 LINK_EFFICIENCY = 0.8
 ALPHA_INTRA_S = 5e-6
@@ -145,6 +151,7 @@ def allreduce_time(shape: RingShape, nbytes: float) -> float:
     """The cheaper of ring (hierarchical) and tree all-reduce."""
     if shape.world <= 1 or nbytes <= 0:
         return 0.0
+    record("all_reduce", nbytes, shape.world)
     return min(ring_allreduce_time(shape, nbytes), tree_allreduce_time(shape, nbytes))
 
 
@@ -158,6 +165,7 @@ def _one_pass(shape: RingShape, nbytes: float) -> float:
 
 def allgather_time(shape: RingShape, nbytes: float) -> float:
     """All-gather producing ``nbytes`` on every device."""
+    record("all_gather", nbytes, shape.world)
     return _one_pass(shape, nbytes)
 
 
@@ -165,31 +173,79 @@ def reduce_scatter_time(shape: RingShape, nbytes: float) -> float:
     """Reduce-scatter of an ``nbytes`` input (under gloo the all-reduce of it: module docstring)."""
     if shape.backend == "gloo":
         return allreduce_time(shape, nbytes)
+    record("reduce_scatter", nbytes, shape.world)
     return _one_pass(shape, nbytes)
 
 
 def alltoall_time(shape: RingShape, nbytes: float) -> float:
     """All-to-all where every device sends ``nbytes`` in total."""
+    record("all_to_all", nbytes, shape.world)
     return _one_pass(shape, nbytes)
 
 
 def p2p_time(nbytes: float, *, same_node: bool, intra_bytes_per_s: float, node_bytes_per_s: float) -> float:
     if nbytes <= 0:
         return 0.0
+    record("send", nbytes, 2)
     bw, alpha = (intra_bytes_per_s, ALPHA_INTRA_S) if same_node else (node_bytes_per_s, ALPHA_INTER_S)
     return nbytes / (LINK_EFFICIENCY * bw) + alpha
 
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-              "p2p": lambda n: 1.0}
+# ---- what was priced, as the runtime's sends are counted ------------------------------------------
+_RECORDS: list[tuple[str, float]] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, float]]]:
+    """Every collective priced inside the block, as ``(kind, bytes a rank contributes)``: what
+    torch's profiler records of the runtime's calls (:func:`fxpar.profiling.wire_bytes.collective_events`;
+    an all-gather's contribution is ``1/world`` of its full tensor, a hop is a ``"send"``), so a
+    test can hold the bytes priced to the bytes sent.  Not thread-safe; nests."""
+    global _RECORDS
+    outer, _RECORDS = _RECORDS, []
+    try:
+        yield _RECORDS
+    finally:
+        _RECORDS = outer
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Probes of the formulas inside the block (not collectives a plan issues) are not recorded."""
+    global _RECORDS
+    outer, _RECORDS = _RECORDS, None
+    try:
+        yield
+    finally:
+        _RECORDS = outer
+
+
+def record(kind: str, nbytes: float, world: int) -> None:
+    """Note one priced collective of ``kind`` whose full tensor is ``nbytes`` over ``world``
+    ranks (:func:`recording`)."""
+    if _RECORDS is not None and world > 1 and nbytes > 0:
+        _RECORDS.append((kind, float(nbytes) / world if kind == "all_gather" else float(nbytes)))
+
+
+#: the collectives a calibration measures (:class:`~fxpar.profiling.database.LinkCost` per kind)
+LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def bus_bytes(kind: str, nbytes: float, world: int) -> float:
+    """Bytes one rank sends for a collective of ``kind`` whose full tensor is ``nbytes`` over
+    ``world`` ranks: :func:`fxpar.profiling.wire_bytes.bytes_sent`, the one formula per kind the
+    runtime's sends are counted by (it takes a rank's contribution: an all-gather's is ``1/world``
+    of the full tensor)."""
+    contribution = nbytes / world if kind == "all_gather" else nbytes
+    return bytes_sent("send" if kind == "p2p" else kind, contribution, world)
 
 
 def measured_time(link, kind: str, world: int, nbytes: float) -> float:
     """Time from a measured :class:`LinkCost` for ``kind`` over ``world`` devices."""
     if world <= 1 or nbytes <= 0:
         return 0.0
-    return link.seconds(BUS_FACTOR[kind](world) * nbytes)
+    record("send" if kind == "p2p" else kind, nbytes, world)
+    return link.seconds(bus_bytes(kind, nbytes, world))
 
 
 def allreduce_lower_bound(shape: RingShape, nbytes: float) -> float:
@@ -202,3 +258,45 @@ def allreduce_lower_bound(shape: RingShape, nbytes: float) -> float:
     k = shape.num_nodes
     inter = 2 * (k - 1) / k * nbytes / shape.node_bytes_per_s if k > 1 else 0.0
     return max(intra, inter)
+
+
+def gather_lower_bound(shape: RingShape, per_rank_bytes: float) -> float:
+    """Physical lower bound of an all-gather (or reduce-scatter) of ``per_rank_bytes`` from each
+    of the ranks of ``shape``: across nodes every node's NIC brings in the other nodes' parts,
+    ``(n − g_min)·s / B_nic``; on one node a device receives the ``n − 1`` others' parts over its
+    link, ``(n − 1)·s / max B_in`` (full links, no latency; gloo's reduce-scatter, an all-reduce,
+    moves more)."""
+    n = shape.world
+    if n <= 1 or per_rank_bytes <= 0:
+        return 0.0
+    if shape.num_nodes > 1:
+        return (n - min(shape.devices_per_node)) * per_rank_bytes / shape.node_bytes_per_s
+    return (n - 1) * per_rank_bytes / max(shape.intra_bytes_per_s)
+
+
+def scatter_lower_bound(shape: RingShape, per_rank_bytes: float) -> float:
+    """Physical lower bound of a reduce-scatter of ``per_rank_bytes`` into each rank of ``shape``:
+    :func:`gather_lower_bound`, or under gloo the all-reduce of the whole input it runs
+    (:func:`allreduce_lower_bound`)."""
+    if shape.backend == "gloo":
+        return allreduce_lower_bound(shape, shape.world * per_rank_bytes)
+    return gather_lower_bound(shape, per_rank_bytes)
+
+
+def link_rate_bound(link) -> float:
+    """The most bus bytes per second a measured :class:`LinkCost` ever prices: its slope, or a
+    measured point's bytes over its seconds (between two points the rate is the larger end's)."""
+    return max([link.bus_bytes_per_s] + [x / y for x, y in link.points if y > 0])
+
+
+def fastest_bytes_per_s(cluster, measured=None) -> float:
+    """The most bytes per second one transfer between devices of ``cluster`` moves, wherever a
+    plan puts it: the fastest intra-node link or (several nodes) the NIC at full bandwidth, or a
+    calibrated collective (``measured``: kind -> LinkCost) where faster.  Every price in this
+    module is at least its bus bytes over this (η ≤ 1, α ≥ 0): a bound for any placement."""
+    devices = cluster.devices
+    rates = [max(d.intra_node_gbps for d in devices) * 1e9]
+    if len({d.node for d in devices}) > 1:
+        rates.append(cluster.inter_node_bytes_per_s())
+    rates += [link_rate_bound(link) for link in (measured or {}).values()]
+    return max(rates)

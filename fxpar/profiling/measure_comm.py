@@ -5,7 +5,7 @@ every rank synchronised by a barrier first); a least-squares fit of ``t = α + S
 the sizes (each residual relative to its time, so the small sizes set α and the large ones β)
 gives the :class:`~fxpar.profiling.database.LinkCost` (α ≥ 0), kept with the measured points
 it is read off (a backend's algorithm changes between sizes); ``S_bus`` the bus
-factor (:data:`fxpar.profiling.collectives.BUS_FACTOR`) times the collective's full tensor ``S``
+factor (:func:`fxpar.profiling.collectives.bus_bytes`) times the collective's full tensor ``S``
 as the pricing passes it: the all-gather's output and the reduce-scatter's input (``world``
 times the tensor each rank contributes or keeps), the all-reduce's, all-to-all's and
 point-to-point's tensor itself.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import RuntimeSetupError
-from fxpar.profiling.collectives import BUS_FACTOR
+from fxpar.profiling.collectives import bus_bytes
 from fxpar.profiling.database import LinkCost
 
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
@@ -85,7 +85,7 @@ def measure_collectives(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5
                     torch.cuda.synchronize(device)
                 samples.append(time.perf_counter() - start)
             full = t.numel() * 4 * (world if kind in FULL_IS_WORLD_PARTS else 1)
-            xs.append(BUS_FACTOR[kind](world) * full)
+            xs.append(bus_bytes(kind, full, world))
             ys.append(statistics.median(samples))
         x, y = np.array(xs), np.array(ys)
         slope, alpha = np.polyfit(x, y, 1, w=1.0 / y)   # relative residuals: small sizes fix α, large ones β

@@ -31,6 +31,7 @@ import numpy as np
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
+from fxpar.profiling.network import Network, network_of
 from fxpar.tracing.graph import ModelGraph, OpClass
 
 ATTENTION_EFFICIENCY_FACTOR = 0.75
@@ -296,8 +297,13 @@ class CostModel:
     def measured_links(self, ranks=None) -> dict:
         """Every measured collective of these devices (kind -> LinkCost), as :meth:`measured_link`
         (measured on as many ranks as these devices)."""
-        return {kind: link for kind in collectives.BUS_FACTOR
+        return {kind: link for kind in collectives.LINK_KINDS
                 if (link := self.measured_link(kind, ranks)) is not None}
+
+    def network(self) -> Network:
+        """The cluster's links with the devices' calibrated collectives: what every plan family's
+        communication is priced from (:mod:`fxpar.profiling.network`)."""
+        return network_of(self.cluster, self.measured_links())
 
     def allreduce_s(self, nbytes: float, ranks=None) -> float:
         link = self.measured_link("all_reduce", ranks)

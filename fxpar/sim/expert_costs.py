@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fxpar.profiling import collectives, memory
+from fxpar.profiling import memory
 from fxpar.sim.expert_sim import PASSES, EPGroup, EPProblem
 from fxpar.tracing.graph import OpClass
 
@@ -89,20 +89,18 @@ def build_problem(cost, global_batch: int, max_microbatches: int | None = None) 
     nodes: dict[int, list[int]] = {}
     for d in cluster.devices:
         nodes.setdefault(d.node, []).append(d.rank)
-    eta, order = collectives.LINK_EFFICIENCY, sorted(nodes)
-    shape = collectives.ring_shape(cluster)
-    t1, t2 = collectives.alltoall_time(shape, 2.0 ** 30), collectives.alltoall_time(shape, 2.0 ** 31)
+    order, network = sorted(nodes), cost.network()
+    a2a_alpha, _ = network.alltoall_parts()
+    intra_s_per_byte, nic_s_per_byte = network.expert_links([nodes[j] for j in order])
     saved_x = sum(n.saved_bytes for n, m in zip(graph.nodes, mask) if m) / b
     state = lambda n: memory.model_state_bytes(n, cost.optimizer, cost.dtype)
     grads = memory.gradient_bytes(P, cost.optimizer, cost.dtype)
     wire_grads = P * cost.policy().reduce_bytes   # as the runtime sums them (reduce dtype)
     return EPProblem(
         groups=tuple(groups), nodes=tuple(tuple(nodes[j]) for j in order),
-        intra_s_per_byte=tuple(1 / (eta * min(cluster.device(r).intra_node_gbps for r in nodes[j]) * 1e9)
-                               for j in order),
-        nic_s_per_byte=1 / (eta * cluster.inter_node_bytes_per_s()) if len(order) > 1 else 0.0,
+        intra_s_per_byte=intra_s_per_byte, nic_s_per_byte=nic_s_per_byte,
         global_batch=global_batch, num_experts=E, routed_bytes_per_sample=D,
-        a2a_fixed_s=layers * (PASSES * max(2 * t1 - t2, 0.0) + collectives.allgather_time(shape, 8.0 * N * E)),
+        a2a_fixed_s=layers * (PASSES * a2a_alpha + network.allgather_s(8.0 * N * E)),
         state_bytes=state(P) + (grads if N > 1 else 0), expert_state_bytes=state(expert_total // E),
         activation_bytes_per_sample=(cost.activation_bytes_per_sample() - saved_x
                                      + cost.transient_bytes_per_sample()),

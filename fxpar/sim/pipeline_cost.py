@@ -11,13 +11,14 @@ in a width-``u`` group), saved activations ``α_i`` and boundary bytes ``β_i`` 
 on kind ``k_j`` in tensor-parallel groups of ``u_j``, at position ``π(j)`` of its pipeline (1F1B
 and GPipe: ``π(j) = j``; interleaved: a position holds several stages).
 
-Per stage and micro-batch (``σ_i = φ_i/u + 1 − φ_i``; ``TP_i`` one all-reduce of ``β_i·b`` bytes
-on the group's node, 2 forward and 2 backward per block, :func:`fxpar.sim.links.tp_allreduce_s`):
+Per stage and micro-batch (``σ_i = φ_i/u + 1 − φ_i``; ``TF_i``, ``TB_i`` segment ``i``'s
+tensor-parallel all-reduces forward and backward on the group's node,
+:func:`fxpar.sim.segments.tp_seconds`):
 
-    f_j = Σ_i (fa_ik + fc_ik·b)·σ_i + 2 Σ_i TP_i
-    b_j = Σ_i (a_ik + c_ik·b)·σ_i + 4 Σ_i TP_i − f_j   (+ Σ_blocks (fa_ik + fc_ik·b)·σ_i when
-                                                          the stage checkpoints: forward again)
-    h_j = β_{e_j − 1}·b / (hop bandwidth π(j) → π(j+1))   (:class:`fxpar.sim.links.LinkCosts`)
+    f_j = Σ_i (fa_ik + fc_ik·b)·σ_i + Σ_i TF_i
+    b_j = Σ_i (a_ik + c_ik·b)·σ_i + Σ_i (TF_i + TB_i) − f_j   (+ Σ_blocks (fa_ik + fc_ik·b)·σ_i
+                                                          when the stage checkpoints: forward again)
+    h_j = β_{e_j − 1}·b / (hop bandwidth π(j) → π(j+1))   (:class:`fxpar.profiling.network.LinkCosts`)
 
 The schedule's event simulation (:mod:`fxpar.sim.pipeline_sim` for 1F1B / GPipe,
 :mod:`fxpar.sim.interleaved` for interleaved stages) gives the makespan ``T_pipe`` and when each
@@ -48,17 +49,16 @@ optimizer state):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.sim.interleaved import lockstep_order, replay
-from fxpar.sim.links import LinkCosts, tp_allreduce_s
+from fxpar.profiling.network import LinkCosts, Network
 from fxpar.sim.pipeline_sim import simulate_stages
 from fxpar.sim.rank_memory import stage_peak_bytes
-from fxpar.sim.segments import SegmentTable, build_segments
+from fxpar.sim.segments import SegmentTable, build_segments, tp_seconds
 
 ACT_REPLICATED = 0.3
 SCHEDULES = ("1F1B", "GPipe", "interleaved")
@@ -69,9 +69,8 @@ class PipelinePrices:
     """The cost model's numbers a pipeline's price reads, per device kind (group key)."""
 
     table: SegmentTable
-    intra_bytes_per_s: Mapping[str, float]
+    network: Network                # the links every hop and collective is priced on
     optimizer_s_per_param: Mapping[str, float]
-    node_bytes_per_s: float
     optimizer: str
     dtype: str
     #: per device kind, calibrated for a framework (:data:`fxpar.cluster.catalog.FRAMEWORK_CALIBRATION`;
@@ -87,8 +86,6 @@ class PipelinePrices:
     #: the devices overlap communication with compute (GPUs); CPU ranks do not, so a stage's sum
     #: across pipelines waits for the last backward (:meth:`fxpar.profiling.CostModel.overlaps_communication`)
     overlap: bool = True
-    #: the devices' calibrated collectives (kind -> LinkCost; :mod:`fxpar.sim.links`)
-    measured_links: Mapping[str, Any] = field(default_factory=dict)
     #: the runtime's own seconds per schedule op (a micro-batch's forward or backward on a stage;
     #: :mod:`fxpar.calibrate.runtime_probe`; 0 uncalibrated)
     op_overhead_s: float = 0.0
@@ -97,22 +94,17 @@ class PipelinePrices:
 def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
                     segment_overhead_s: Mapping[str, float] | None = None,
                     receive_in_flight: Mapping[str, bool] | None = None) -> PipelinePrices:
-    """:class:`PipelinePrices` of a CostModel: its segment table and, per device kind, the intra-node
-    link and optimizer seconds per parameter of the kind's first device."""
+    """:class:`PipelinePrices` of a CostModel: its segment table, its network and, per device kind,
+    the optimizer seconds per parameter of the kind's first device."""
     cluster = cost.cluster
     groups = cluster.groups()
-    intra, opt = {}, {}
-    for g in groups:
-        first = cluster.device(g.ranks[0])
-        intra[g.key] = float(first.intra_node_gbps) * 1e9
-        opt[g.key] = cost.optimizer_s(first) / max(cost.param_count, 1)
+    opt = {g.key: cost.optimizer_s(cluster.device(g.ranks[0])) / max(cost.param_count, 1) for g in groups}
     return PipelinePrices(table=build_segments(cost.graph, cost, {g.key: g for g in groups}),
-                          intra_bytes_per_s=intra, optimizer_s_per_param=opt,
-                          node_bytes_per_s=cluster.inter_node_bytes_per_s(), optimizer=cost.optimizer,
+                          network=cost.network(), optimizer_s_per_param=opt, optimizer=cost.optimizer,
                           dtype=cost.dtype, compute_scale=dict(compute_scale or {}),
                           segment_overhead_s=dict(segment_overhead_s or {}),
                           receive_in_flight=dict(receive_in_flight or {}),
-                          overlap=cost.overlaps_communication(), measured_links=cost.measured_links(),
+                          overlap=cost.overlaps_communication(),
                           op_overhead_s=cost.runtime_overhead("pipeline_op_s"))
 
 
@@ -200,15 +192,14 @@ def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float
     """(f_j, b_j) of one stage per micro-batch of ``b`` samples (module docstring)."""
     t, k, i, e = prices.table, st.kind, st.start, st.end
     scale = (t.sharded_fraction / st.width + (1 - t.sharded_fraction))[i:e]
-    tp = tp_allreduce_s(prices.intra_bytes_per_s[k], st.width, t.boundary_bytes[i:e] * b,
-                        prices.measured_links.get("all_reduce")) * (np.arange(i, e) > 0)
+    tp_fwd, tp_bwd = (x[i:e] for x in tp_seconds(t, prices.network, k, st.width, b))
     ks, over = prices.compute_scale.get(k, 1.0), prices.segment_overhead_s.get(k, 0.0)
     fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale * ks + over / 3
-    total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale * ks + over).sum()) + 4 * float(tp.sum())
+    total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale * ks + over).sum()) + float((tp_fwd + tp_bwd).sum())
     if st.checkpointing:  # every block's forward again during the backward
         blocks = (np.arange(i, e) > 0) & (np.arange(i, e) < t.size - 1)
         total += float(np.where(blocks, fwd_parts, 0.0).sum())
-    fwd = float(fwd_parts.sum()) + 2 * float(tp.sum())
+    fwd = float(fwd_parts.sum()) + float(tp_fwd.sum())
     return fwd + prices.op_overhead_s, max(total - fwd, 0.0) + prices.op_overhead_s
 
 
@@ -223,10 +214,8 @@ def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int,
 
 def _hops(prices: PipelinePrices, layout: PipelineLayout, b: int) -> list[float]:
     t, S = prices.table, len(layout.stages)
-    latency = layout.links.hop_latency_s
-    return [float(t.boundary_bytes[st.end - 1]) * b
-            / layout.links.hop_bytes_per_s(st.position, layout.stages[j + 1].position) + latency if j + 1 < S else 0.0
-            for j, st in enumerate(layout.stages)]
+    return [float(layout.links.hop(st.position, layout.stages[j + 1].position).seconds(float(t.boundary_bytes[st.end - 1]) * b))
+            if j + 1 < S else 0.0 for j, st in enumerate(layout.stages)]
 
 
 def _schedule(layout: PipelineLayout, fwd, bwd, hops) -> tuple[list[float], list[float], list]:

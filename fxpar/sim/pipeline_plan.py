@@ -26,7 +26,6 @@ from dataclasses import replace
 
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
-from fxpar.sim.links import LinkCosts
 from fxpar.sim.pipeline_cost import (
     PipelineLayout,
     PipelinePrices,
@@ -54,6 +53,21 @@ def stage_ranges(plan: Plan, prices: PipelinePrices, pipeline: int = 0) -> list[
         raise PlanError(f"plan for {plan.model}: its stages' modules do not cut the model's segments "
                         f"{list(table.names)} into {S} contiguous stages (segment owners {owner})")
     return [(owner.index(j), len(owner) - owner[::-1].index(j)) for j in range(S)]
+
+
+def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
+    """A ``tensor_parallel`` plan as the pipeline simulator prices it: one stage over every
+    segment, each replica (``data_split`` entry) a pipeline of one position as wide as the
+    tensor-parallel group.  The runtime runs the same work and collectives: each block's two
+    all-reduces forward and two backward per micro-batch in the group, the replicas' gradient sum
+    after the backward (uneven ``tensor_split``: priced as an even split)."""
+    if plan.strategy != "tensor_parallel":
+        return plan
+    st = plan.stages[0]
+    modules = tuple(m for mods in prices.table.modules for m in mods)
+    return replace(plan, strategy="pipeline", schedule="1F1B", pipelines=len(st.data_split),
+                   num_microbatches=max(plan.ranks[0].num_microbatches, 1),
+                   stages=(replace(st, modules=modules, tensor_parallel=len(st.ranks) // len(st.data_split)),))
 
 
 def _kind_of(cluster) -> dict[int, str]:
@@ -88,10 +102,9 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
                               checkpointing=bool(st.activation_checkpointing or plan.activation_checkpointing),
                               position=d)
                    for st, d, (i, e) in zip(plan.stages, positions, ranges))
-    links = LinkCosts(nodes=tuple(tuple(cluster.device(slot[0]).node for slot in row) for row in slots),
-                      widths=tuple(len(row[0]) for row in slots),
-                      intra=tuple(min(prices.intra_bytes_per_s[kind[slot[0]]] for slot in row) for row in slots),
-                      nic=float(prices.node_bytes_per_s), measured=dict(prices.measured_links))
+    links = prices.network.placement(nodes=[[cluster.device(slot[0]).node for slot in row] for row in slots],
+                                     widths=[len(row[0]) for row in slots],
+                                     stage_kinds=[[kind[slot[0]] for slot in row] for row in slots])
     m = max(plan.num_microbatches, 1)
     replica_kinds = tuple(tuple(kind[slots[d][p][0]] for d in positions) for p in range(plan.pipelines))
     split = plan.stages[0].data_split if plan.stages else ()

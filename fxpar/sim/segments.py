@@ -6,6 +6,18 @@ affine compute cost (``a`` per micro-batch, ``c`` per sample, forward + backward
 segment the parameters, saved activations per sample, the hidden-state bytes per sample that
 leave it (what a pipeline hop sends), and the fraction of its time that tensor parallelism
 divides (everything inside attention / MLP / experts submodules, embeddings, products).
+
+Tensor parallelism's all-reduces per sample (``tp_messages``, what codegen's ``tp_copy`` /
+``tp_reduce`` send; ``β_j`` the hidden state a segment sends on, in fp32 as the residual stream
+stays under autocast; ``r`` = 1/2 in bf16 / fp16, where autocast makes the row-parallel outputs
+half precision, else 1):
+
+    block       forward  β_j·r, β_j·r   (attention and MLP outputs)    backward  β_j, β_j (their inputs)
+    pre         forward  β_0            (a vocabulary-parallel embedding's partial lookups)
+    post        forward  3 × 4·seq      (a vocabulary-parallel loss: max, sum of exponentials,
+                                         the label's logit per token)   backward  β_L (the head's input)
+
+(``pre`` / ``post`` only where the embedding / head is split by vocabulary.)
 """
 
 from __future__ import annotations
@@ -38,6 +50,15 @@ class SegmentTable:
     #: per segment, the largest output of a node that needs a gradient, bytes per sample (the
     #: backward workspace is twice it: that output's gradient and its input's; None: unknown)
     out_bytes: np.ndarray | None = None
+    #: per segment, (forward, backward) bytes per sample of each tensor-parallel all-reduce
+    #: (module docstring; None: two each way of ``boundary_bytes`` in every segment but ``pre``)
+    tp_messages: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
+
+    def tp_message_bytes(self) -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
+        """``tp_messages``, or its default (see the field)."""
+        if self.tp_messages is not None:
+            return self.tp_messages
+        return (((), ()),) + tuple(((float(b),) * 2, (float(b),) * 2) for b in self.boundary_bytes[1:])
 
     @property
     def size(self) -> int:
@@ -180,9 +201,29 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             tot = np.bincount(seg_of, weights=c, minlength=n_seg)
             part = np.bincount(seg_of, weights=np.where(sharded, c, 0.0), minlength=n_seg)
             frac = np.divide(part, tot, out=np.zeros(n_seg), where=tot > 0)
+    vocab = set(graph.vocab_parallel_modules)
+    half = 0.5 if cost.dtype in ("bf16", "fp16") else 1.0
+    blocks = tuple(((float(boundary[j]) * half,) * 2, (float(boundary[j]),) * 2) for j in range(1, n_layers + 1))
+    pre = ((float(boundary[0]),), ()) if vocab & pre_modules else ((), ())
+    post = ((4.0 * (graph.seq_len or 1),) * 3, (float(boundary[n_layers]),)) if vocab & post_modules else ((), ())
     names = ("pre",) + tuple(layer.path for layer in graph.layers) + ("post",)
     modules = ((tuple(sorted(pre_modules)),) + tuple((layer.path,) for layer in graph.layers)
                + (tuple(sorted(post_modules)),))
     return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
                         boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
-                        fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max)
+                        fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max,
+                        tp_messages=(pre,) + blocks + (post,))
+
+
+def tp_seconds(table: SegmentTable, network, kind: str, width: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment: its tensor-parallel all-reduces' seconds forward and backward for a
+    micro-batch of ``b`` samples on a width-``width`` group of ``kind`` (module docstring; each
+    priced by :meth:`fxpar.profiling.network.Network.tp_allreduce_s`; zeros for ``width`` 1)."""
+    messages = table.tp_message_bytes()
+    sizes = np.array([float(x) * b for fwd, bwd in messages for x in fwd + bwd])
+    times = list(network.tp_allreduce_s(kind, width, sizes)) if len(sizes) else []
+    fwd, bwd, k = np.zeros(len(messages)), np.zeros(len(messages)), 0
+    for j, (f, bw) in enumerate(messages):
+        fwd[j], bwd[j] = sum(times[k:k + len(f)]), sum(times[k + len(f):k + len(f) + len(bw)])
+        k += len(f) + len(bw)
+    return fwd, bwd

@@ -23,16 +23,8 @@ Collectives of a unit, in the bytes the runtime sends (``ŵ_u`` the unit's mean 
 as gathered: ``param_dtype`` for the parameters the plan's dtype policy casts, fp32 for the rest,
 :meth:`fxpar.profiling.CostModel.gather_itemsizes`; ``ĝ`` the policy's ``reduce_dtype`` bytes):
 all-gather of ``ŵ_u·N·ŝ_u`` bytes, reduce-scatter of ``ĝ·N·ŝ_u`` (under gloo the all-reduce of
-that input, :func:`fxpar.profiling.collectives.reduce_scatter_time`).  Each is the
-cheaper of a flat ring over the slowest hop (:func:`fxpar.profiling.collectives.allgather_time`,
-or the measured link) and a hierarchical one (``n_j`` ranks on node ``j`` of ``k``; ``c`` the
-padded per-rank bytes; η link efficiency) — :func:`collective_s`:
-
-    hier = max_j (N − n_j)·c / (η B_nic) + (k − 1) α_net
-           + max_j (n_j − 1)(1 + (N − n_j)/n_j)·c / (η B_in,j) + (n_j − 1) α_in
-
-(inside node ``j`` a rank receives its node's ``n_j − 1`` parts and its share of what the NIC
-brought in; through the NIC comes every other node's part once)
+that input), each priced by the network (:meth:`fxpar.profiling.network.Network.shard_collective_s`:
+the cheaper of a flat ring and two levels, or the calibrated link) — :func:`collective_s`.
 
 so the time follows the largest shard, and mixed nodes pay their NIC once per remote byte.  Each
 call also pays the runtime's own calibrated seconds per call (packing, unpacking, hooks;
@@ -77,11 +69,12 @@ Host bytes of an offloading rank (:func:`offload_host_bytes`): ``S_r·(o + 4 + 4
 (moments and fp32 master, an fp32 gradient buffer, in fp32 training a master copy of the weights).
 
 Optimizer of rank ``r`` (:func:`optimizer_s`): on the device ``O_k·S_r / P`` (``O_k`` the cost
-model's full step); offloaded, gradients down and weights up the host link ``L_r`` and the
-node's CPU rate ``R`` (:data:`fxpar.cluster.catalog.CPU_OPTIMIZER_PARAMS_PER_S`, Adam-equivalent)
+model's full step); offloaded, gradients down and weights up the host link
+(:meth:`fxpar.profiling.network.Network.host_copy_s`, ``H_r(x)`` for ``x`` bytes) and the node's
+CPU rate ``R`` (:data:`fxpar.cluster.catalog.CPU_OPTIMIZER_PARAMS_PER_S`, Adam-equivalent)
 shared by the ``q_n`` offloading ranks of node ``n``:
 
-    (g + w)·S_r / (η L_r) + q_n·S_r / R
+    H_r((g + w)·S_r) + q_n·S_r / R
 """
 
 from __future__ import annotations
@@ -93,11 +86,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxpar.cluster import Cluster
-from fxpar.cluster.catalog import CPU_OPTIMIZER_PARAMS_PER_S, host_link_bytes_per_s
+from fxpar.cluster.catalog import CPU_OPTIMIZER_PARAMS_PER_S
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.plan import Plan, ragged_rows
-from fxpar.profiling import CostModel, collectives
-from fxpar.profiling.database import LinkCost
+from fxpar.profiling import CostModel
+from fxpar.profiling.network import Network
 from fxpar.profiling.memory import (
     optimizer_traffic_bytes_per_param,
     state_bytes_per_param,
@@ -122,11 +115,8 @@ class ShardedPrices:
     mixed: bool                                  # fp16/bf16 training (fp32 master in o)
     act_bytes: tuple[float, float]               # a(c): per sample, without / with checkpointing
     full_opt_s: tuple[float, ...]                # per rank: the full optimizer step on its device
-    host_link: tuple[float, ...]                 # per rank: host link bytes/s
     cpu_params_per_s: float                      # one node's CPU optimizer rate (this optimizer)
-    shape: collectives.RingShape                 # all ranks
-    measured_gather: LinkCost | None = None      # a measured all-gather link, or None
-    measured_scatter: LinkCost | None = None
+    network: Network                             # the links the collectives and host copies run on
     scatter_copies: int = 0                      # k: copies the backend makes of a reduce-scatter input
     gather_itemsize: tuple[float, ...] = ()      # per unit: ŵ_u, mean bytes per element as gathered
     reduce_itemsize: float = 4.0                 # ĝ: bytes per gradient element as reduced
@@ -191,10 +181,7 @@ def sharded_prices(cost: CostModel, policy: DtypePolicy | None = None) -> Sharde
         act_bytes=(cost.activation_bytes_per_sample(checkpointing=False) + transient,
                    cost.activation_bytes_per_sample(checkpointing=True) + transient),
         full_opt_s=tuple(cost.optimizer_s(d) for d in devices),
-        host_link=tuple(host_link_bytes_per_s(d.type) for d in devices),
-        cpu_params_per_s=cpu_optimizer_rate(cost.optimizer, cost.dtype),
-        shape=collectives.ring_shape(cluster), measured_gather=cost.measured_link("all_gather"),
-        measured_scatter=cost.measured_link("reduce_scatter"),
+        cpu_params_per_s=cpu_optimizer_rate(cost.optimizer, cost.dtype), network=cost.network(),
         scatter_copies=1 if all(d.type.vendor == "cpu" for d in devices) else 0,
         gather_itemsize=unit_gather_itemsizes(cost.graph, cost.gather_itemsizes(policy)),
         reduce_itemsize=float(cost.policy(policy).reduce_bytes), overlap=cost.overlaps_communication(),
@@ -213,29 +200,9 @@ def unit_shards(prices: ShardedPrices, weights: Sequence[int]) -> np.ndarray:
     return out
 
 
-def hierarchical_s(shape: collectives.RingShape, per_rank_bytes: float) -> float:
-    """All-gather / reduce-scatter in two levels (module docstring), ``per_rank_bytes`` padded."""
-    n, eta = shape.world, collectives.LINK_EFFICIENCY
-    intra = max(((g - 1) + (g - 1) * (n - g) / g) * per_rank_bytes / (eta * b) + (g - 1) * collectives.ALPHA_INTRA_S
-                for g, b in zip(shape.devices_per_node, shape.intra_bytes_per_s))
-    if shape.num_nodes <= 1:
-        return intra
-    nic = max(n - g for g in shape.devices_per_node) * per_rank_bytes / (eta * shape.node_bytes_per_s)
-    return intra + nic + (shape.num_nodes - 1) * collectives.ALPHA_INTER_S
-
-
 def collective_s(prices: ShardedPrices, per_rank_bytes: float, kind: str = "all_gather") -> float:
     """One padded all-gather (``kind="all_gather"``) or reduce-scatter of ``per_rank_bytes`` per rank."""
-    n = prices.world
-    if n <= 1 or per_rank_bytes <= 0:
-        return 0.0
-    link = prices.measured_gather if kind == "all_gather" else prices.measured_scatter
-    if link is not None:
-        return collectives.measured_time(link, kind, n, n * per_rank_bytes) + prices.call_overhead_s
-    if kind == "reduce_scatter" and prices.shape.backend == "gloo":  # the all-reduce of the input
-        return collectives.reduce_scatter_time(prices.shape, n * per_rank_bytes) + prices.call_overhead_s
-    flat = collectives.allgather_time(prices.shape, n * per_rank_bytes)
-    return min(flat, hierarchical_s(prices.shape, per_rank_bytes)) + prices.call_overhead_s
+    return prices.network.shard_collective_s(kind, per_rank_bytes, prices.call_overhead_s)
 
 
 def unit_collectives(prices: ShardedPrices, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -339,8 +306,8 @@ def optimizer_s(prices: ShardedPrices, shards: np.ndarray, offload: Sequence[boo
     out = np.array(prices.full_opt_s) * mine / total
     for r, z in enumerate(offload):
         if z:
-            link = collectives.LINK_EFFICIENCY * prices.host_link[r]
-            out[r] = (g + w) * mine[r] / link + sharing[prices.node_of[r]] * mine[r] / prices.cpu_params_per_s
+            out[r] = (prices.network.host_copy_s(r, (g + w) * mine[r])
+                      + sharing[prices.node_of[r]] * mine[r] / prices.cpu_params_per_s)
     return out
 
 

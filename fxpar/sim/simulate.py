@@ -32,6 +32,8 @@ The solver's ``predicted_step_s`` is this simulator's answer, for every strategy
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel, memory
@@ -39,7 +41,7 @@ from fxpar.profiling.collectives import gradient_buckets
 from fxpar.sim.expert_costs import build_problem
 from fxpar.sim.expert_sim import EPProblem, evaluate
 from fxpar.sim.pipeline_cost import pipeline_prices
-from fxpar.sim.pipeline_plan import simulate_pipeline
+from fxpar.sim.pipeline_plan import as_pipeline, simulate_pipeline
 from fxpar.sim.rank_memory import dp_held_bytes, tensor_parallel_peaks
 from fxpar.sim.sharded_cost import sharded_prices
 from fxpar.sim.sharded_sim import simulate_sharded
@@ -65,6 +67,8 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         return _simulate_expert(plan, cost)
     if plan.strategy == "sharded_data_parallel":
         return simulate_sharded(plan, sharded_prices(cost, plan.precision))
+    if plan.strategy == "tensor_parallel":
+        return _simulate_tensor_parallel(plan, cost)
     cluster = cost.cluster
     events: list[TimelineEvent] = []
     busy, peaks = [], []
@@ -101,12 +105,20 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         events.append(TimelineEvent(r, "optimizer", compute + comm, compute + comm + opt[r]))
     step = compute + comm + max(opt)
     busy = [b + o for b, o in zip(busy, opt)]
-    if plan.strategy == "tensor_parallel":  # each rank holds its shard (fxpar.sim.rank_memory)
-        peaks = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
-                                                                     rp.num_microbatches) for rp in plan.ranks])
     return SimResult(step_s=step, compute_s=compute, comm_s=comm, busy_s=tuple(busy),
                      idle_s=tuple(step - b - comm for b in busy), peak_memory_bytes=tuple(peaks),
                      events=tuple(events))
+
+
+def _simulate_tensor_parallel(plan: Plan, cost: CostModel) -> SimResult:
+    """Tensor parallelism: timed as the one-stage pipeline it runs
+    (:func:`fxpar.sim.pipeline_plan.as_pipeline`), each rank's memory its shard's
+    (:func:`fxpar.sim.rank_memory.tensor_parallel_peaks`)."""
+    prices = pipeline_prices(cost)
+    sim = simulate_pipeline(as_pipeline(plan, prices), prices, cost.cluster)
+    peaks = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
+                                                                 rp.num_microbatches) for rp in plan.ranks])
+    return replace(sim, peak_memory_bytes=tuple(peaks))
 
 
 def overlapped_allreduce_s(cost: CostModel, busy: list[float], last_bwd: list[float], plan: Plan) -> float:

@@ -64,7 +64,8 @@ import numpy as np
 
 from fxpar.errors import ConfigError, InfeasibleError
 from fxpar.plan import SolverReport
-from fxpar.profiling import collectives, memory
+from fxpar.profiling import memory
+from fxpar.profiling.network import network_of
 from fxpar.sim.expert_sim import PASSES
 
 
@@ -251,7 +252,7 @@ def build_expert_problem(cluster, *, num_experts: int, top_k: int, tokens_per_st
     twice that backward, so ``e_g = 18·h·i · (A/E) · layers / (η·peak·speed)`` with
     ``A = tokens·k``; ``m = 3·h·i·layers`` parameters × state bytes (profiling.memory);
     ``K = A·h·bytes·layers·4``.  The all-to-all per byte and latency come from
-    :func:`fxpar.profiling.collectives.alltoall_time` on the whole cluster (its slope is per
+    :meth:`fxpar.profiling.network.Network.alltoall_parts` on the whole cluster (its slope is per
     byte of the whole send buffer, of which ``(n−1)/n`` leaves the device); across nodes a
     device shares its node's NIC with the node's other devices.  ``token_shares`` default to
     device speeds (as data parallelism would split the batch).
@@ -266,11 +267,9 @@ def build_expert_problem(cluster, *, num_experts: int, top_k: int, tokens_per_st
     params = 3 * hidden_size * intermediate_size * moe_layers
     expert_bytes = params * sum(memory.state_bytes_per_param(optimizer, dtype))
     flops = 18 * hidden_size * intermediate_size * moe_layers * assignments / num_experts
-    shape = collectives.ring_shape(cluster)
-    probe = float(2 ** 30)
-    t1, t2 = collectives.alltoall_time(shape, probe), collectives.alltoall_time(shape, 2 * probe)
-    per_byte = (t2 - t1) / probe * (world / (world - 1)) if world > 1 else 0.0
-    fixed = (t1 - (t2 - t1)) * PASSES * moe_layers if world > 1 else 0.0
+    alpha, slope = network_of(cluster).alltoall_parts()
+    per_byte = slope * (world / (world - 1)) if world > 1 else 0.0
+    fixed = alpha * PASSES * moe_layers
     per_node: dict[int, int] = {}
     for d in cluster.devices:
         per_node[d.node] = per_node.get(d.node, 0) + 1

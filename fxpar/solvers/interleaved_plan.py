@@ -23,6 +23,7 @@ import numpy as np
 
 from fxpar.errors import PlanError
 from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
+from fxpar.profiling.network import NO_HOP
 from fxpar.sim.pipeline_plan import slots_of
 from fxpar.solvers.pipeline import (
     PipelineConfig,
@@ -80,7 +81,7 @@ def _placed(ctx, cfg, positions):
     specs = [StageSpec(cfg.stages[d].kind, 1) for d in positions]
     links = build_links(ctx, cfg.pipelines, cfg.stages, cfg.layout)  # positions sit as cfg's stages
     costs = [_StageCost(ctx, spec, b, S - s, cfg.pipelines, False, cfg.zero,
-                        links.hop_bytes_per_s(positions[s], positions[s + 1]) if s + 1 < S else float("inf"))
+                        links.hop(positions[s], positions[s + 1]) if s + 1 < S else NO_HOP)
              for s, spec in enumerate(specs)]
     cuts = _cuts(costs, positions, t.size)
     if cuts is None:

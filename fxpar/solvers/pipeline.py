@@ -37,16 +37,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from fxpar.dtype_policy import DtypePolicy
-from fxpar.profiling import collectives
 from fxpar.profiling.memory import state_bytes_per_param
-from fxpar.sim.links import LinkCosts, tp_allreduce_s
+from fxpar.profiling.network import NO_HOP, Hop, LinkCosts, Network
 from fxpar.sim.pipeline_cost import ACT_REPLICATED, pipeline_prices
-from fxpar.sim.segments import SegmentTable
+from fxpar.sim.segments import SegmentTable, tp_seconds
 from fxpar.solvers.placement import LAYOUTS, PIPELINE_MAJOR, build_links, same_nodes
 
 
@@ -56,7 +55,6 @@ class KindInfo:
     count: int                  # devices of this kind in the cluster
     per_node: int               # devices of this kind per node
     memory_bytes: int
-    intra_bytes_per_s: float
     speed_rank: float           # larger = faster (used for the stage order)
     nodes: tuple[int, ...] = () # node of each device, in cluster order (() : per_node per node)
 
@@ -93,10 +91,9 @@ class PipelineContext:
     global_batch: int
     optimizer: str
     dtype: str
-    node_bytes_per_s: float
+    network: Network                # the links every hop and collective is priced on
     num_nodes: int
     optimizer_s_per_param: dict     # kind -> seconds per parameter of an optimizer step
-    measured_links: dict = field(default_factory=dict)   # calibrated collectives (kind -> LinkCost)
     overlap: bool = True            # the devices overlap communication with compute
     op_overhead_s: float = 0.0      # the runtime's seconds per schedule op (calibrated; pipeline_cost)
 
@@ -128,10 +125,9 @@ def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool
         if ckpt:  # recompute every block's forward during the backward
             blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
             seg_time = seg_time + np.where(blocks, (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale, 0.0)
-        tp = tp_allreduce_s(ctx.kinds[kind_key].intra_bytes_per_s, u, t.boundary_bytes * b,
-                            ctx.measured_links.get("all_reduce")) * (np.arange(t.size) > 0)
-        seg_time = seg_time + 4 * tp
-        fwd = (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale + 2 * tp
+        tp_fwd, tp_bwd = tp_seconds(t, ctx.network, kind_key, u, b)
+        seg_time = seg_time + tp_fwd + tp_bwd
+        fwd = (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale + tp_fwd
         return np.concatenate([[0.0], np.cumsum(seg_time)]), np.concatenate([[0.0], np.cumsum(fwd)])
     return _memo(ctx, ("time", kind_key, u, b, ckpt), make)
 
@@ -153,7 +149,7 @@ class _StageCost:
     """Prefix sums that give a stage's time and memory for any segment range in O(1)."""
 
     def __init__(self, ctx: PipelineContext, spec: StageSpec, b: int, in_flight: int,
-                 pipelines: int, ckpt: bool, zero: bool = True, hop_bytes_per_s: float | None = None) -> None:
+                 pipelines: int, ckpt: bool, zero: bool = True, hop: Hop | None = None) -> None:
         kind = ctx.kinds[spec.kind]
         self.time, self.fwd = _time_tables(ctx, spec.kind, spec.width, b, ckpt)
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
@@ -161,12 +157,8 @@ class _StageCost:
         self.state, self.act_sum, self.act_max = _memory_tables(ctx, spec.width, per_param, ckpt)
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
-        p2p = ctx.measured_links.get("p2p")   # a calibrated hop (fxpar.sim.links); placement unknown: it crosses nodes
-        crossing = collectives.LINK_EFFICIENCY * min(kind.intra_bytes_per_s, ctx.node_bytes_per_s)
-        hop_bytes_per_s = hop_bytes_per_s or (p2p.bus_bytes_per_s if p2p else crossing)
-        latency = p2p.alpha_s if p2p else 0.0
-        self.hop = _memo(ctx, ("hop", b, hop_bytes_per_s, latency),
-                         lambda: ctx.table.boundary_bytes * b / hop_bytes_per_s + latency)
+        hop = hop or ctx.network.crossing_hop(spec.kind)   # placement unknown: it may cross nodes
+        self.hop = _memo(ctx, ("hop", b, hop), lambda: hop.seconds(ctx.table.boundary_bytes * b))
         self.ckpt, self.op = ckpt, ctx.op_overhead_s
 
     def stage_time(self, i: int, j: int) -> float:
@@ -259,7 +251,7 @@ def stage_costs(ctx: PipelineContext, cfg_like: tuple, links: LinkCosts, ckpt_op
     pipelines, stages, m, b, zero = cfg_like
     S = len(stages)
     return [tuple(_StageCost(ctx, spec, b, min(S - j, m), pipelines, c, zero,
-                             links.hop_bytes_per_s(j, j + 1) if j + 1 < S else float("inf"))
+                             links.hop(j, j + 1) if j + 1 < S else NO_HOP)
                   for c in ckpt_options)
             for j, spec in enumerate(stages)]
 
@@ -390,11 +382,10 @@ def build_context(graph, cost, cluster, workload) -> PipelineContext:
         kinds[g.key] = KindInfo(key=g.key, count=len(g.ranks), per_node=per_node,
                                 memory_bytes=int(g.memory_bytes),
                                 nodes=tuple(cluster.device(r).node for r in g.ranks),
-                                intra_bytes_per_s=prices.intra_bytes_per_s[g.key],
                                 speed_rank=1.0 / max(float(table.cost_c[g.key].sum()), 1e-30))
     return PipelineContext(table=table, kinds=kinds, global_batch=workload.global_batch,
                            optimizer=workload.optimizer, dtype=workload.dtype,
-                           node_bytes_per_s=prices.node_bytes_per_s,
+                           network=prices.network,
                            num_nodes=cluster.num_nodes, optimizer_s_per_param=dict(prices.optimizer_s_per_param),
-                           measured_links=dict(prices.measured_links), overlap=prices.overlap,
+                           overlap=prices.overlap,
                            op_overhead_s=prices.op_overhead_s)

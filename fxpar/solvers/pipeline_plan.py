@@ -44,10 +44,9 @@ def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
 def prices_of(ctx: PipelineContext) -> PipelinePrices:
     """The simulator's prices from the search's context (the same numbers: :func:`build_context`
     takes them from :func:`fxpar.sim.pipeline_cost.pipeline_prices`)."""
-    return PipelinePrices(table=ctx.table, intra_bytes_per_s={k: v.intra_bytes_per_s for k, v in ctx.kinds.items()},
-                          optimizer_s_per_param=ctx.optimizer_s_per_param, node_bytes_per_s=ctx.node_bytes_per_s,
+    return PipelinePrices(table=ctx.table, network=ctx.network, optimizer_s_per_param=ctx.optimizer_s_per_param,
                           optimizer=ctx.optimizer, dtype=ctx.dtype, overlap=ctx.overlap,
-                          measured_links=ctx.measured_links, op_overhead_s=ctx.op_overhead_s)
+                          op_overhead_s=ctx.op_overhead_s)
 
 
 def layout_of_config(ctx: PipelineContext, cfg: PipelineConfig) -> PipelineLayout:

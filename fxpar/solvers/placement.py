@@ -15,8 +15,8 @@ Which is faster depends on the links: on 10 Gb/s Ethernet, an all-reduce of a st
 across nodes costs far more than the pipeline's activations.  The search tries both.
 
 What a placement costs on the links (hops, the stage all-reduces, the ZeRO-1 all-gather) is
-the simulator's :class:`fxpar.sim.links.LinkCosts`; :func:`build_links` gives it the nodes of a
-configuration's slots.
+the simulator's :class:`fxpar.profiling.network.LinkCosts`; :func:`build_links` gives it the nodes
+of a configuration's slots.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from fxpar.sim.links import LinkCosts
+from fxpar.profiling.network import LinkCosts
 
 PIPELINE_MAJOR = "pipeline-major"
 STAGE_MAJOR = "stage-major"
@@ -71,11 +71,9 @@ def same_nodes(ctx, pipelines: int, stages: Sequence) -> bool:
 
 
 def build_links(ctx, pipelines: int, stages: Sequence, layout: str) -> LinkCosts:
-    """The link costs of a configuration's placement (:class:`fxpar.sim.links.LinkCosts`): each
+    """The link costs of a configuration's placement (:class:`fxpar.profiling.network.LinkCosts`): each
     slot's node from its kind's devices, each stage's intra-node link from its kind."""
     where = kind_nodes(ctx)
     slots = slot_indices(stages, pipelines, layout)
-    return LinkCosts(nodes=tuple(tuple(where[s.kind][r.start] for r in row) for s, row in zip(stages, slots)),
-                     widths=tuple(s.width for s in stages),
-                     intra=tuple(float(ctx.kinds[s.kind].intra_bytes_per_s) for s in stages),
-                     nic=float(ctx.node_bytes_per_s), measured=dict(ctx.measured_links))
+    return ctx.network.placement(nodes=[[where[s.kind][r.start] for r in row] for s, row in zip(stages, slots)],
+                                 widths=[s.width for s in stages], stage_kinds=[[s.kind] for s in stages])

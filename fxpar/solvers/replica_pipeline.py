@@ -39,9 +39,8 @@ from itertools import pairwise
 
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
-from fxpar.profiling import collectives
 from fxpar.profiling.memory import state_bytes_per_param
-from fxpar.sim.links import LinkCosts
+from fxpar.profiling.network import NO_HOP
 from fxpar.sim.pipeline_cost import PipelineLayout, PipelineRun, StageSlice, price
 from fxpar.solvers.pipeline import (
     PipelineContext,
@@ -153,9 +152,9 @@ def _gcd(a: int, b: int) -> int:
 def kind_cuts(ctx: PipelineContext, kind: str, u: int, S: int, b: int, m: int, P: int) -> tuple | None:
     """(cuts, checkpointing per stage) of a pipeline of ``S`` stages on ``kind`` alone, micro-batches
     of ``b``: exact min-max cuts under memory, a stage checkpointing only where it must."""
-    hop = collectives.LINK_EFFICIENCY * ctx.kinds[kind].intra_bytes_per_s
+    hop = ctx.network.node_hop(kind)
     alts = [tuple(_StageCost(ctx, StageSpec(kind, u), b, min(S - j, m), P, ckpt, False,
-                             hop if j + 1 < S else float("inf")) for ckpt in (False, True))
+                             hop if j + 1 < S else NO_HOP) for ckpt in (False, True))
             for j in range(S)]
     found = best_cuts_with_choice(alts, ctx.table.size)
     return None if found is None else (found[0], tuple(bool(k) for k in found[1]))
@@ -201,9 +200,8 @@ def shape_layout(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[b
     kinds = tuple(k for k, _ in shape.pipes)
     stages = tuple(StageSlice(kind=kinds[0], width=u, start=i, end=k, checkpointing=c, position=j)
                    for j, ((i, k), c) in enumerate(zip(pairwise(cuts), ckpt)))
-    links = LinkCosts(nodes=tuple(tuple(p.cluster.device(rs[j * u]).node for _, rs in shape.pipes) for j in range(S)),
-                      widths=(u,) * S, intra=(min(ctx.kinds[k].intra_bytes_per_s for k in kinds),) * S,
-                      nic=float(ctx.node_bytes_per_s), measured=dict(ctx.measured_links))
+    links = ctx.network.placement(nodes=[[p.cluster.device(rs[j * u]).node for _, rs in shape.pipes] for j in range(S)],
+                                  widths=(u,) * S, stage_kinds=(kinds,) * S)
     return PipelineLayout(stages=stages, links=links, pipelines=len(kinds), num_microbatches=m,
                           micro_batch=split[0] // m, zero=False, schedule="1F1B",
                           replica_kinds=tuple((k,) * S for k in kinds) if len(set(kinds)) > 1 else (),

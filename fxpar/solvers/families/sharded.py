@@ -33,7 +33,6 @@ import numpy as np
 
 from fxpar.plan import Plan
 from fxpar.plan_checks import SHARD_STAGES
-from fxpar.profiling import collectives
 from fxpar.sim.sharded_cost import (
     PREFETCH,
     ShardedPrices,
@@ -235,5 +234,5 @@ def offload_s(p: Problems, prices: ShardedPrices, cfg: Config, rank: int) -> flo
     group = next(gr for gr in p.cluster.groups() if rank in gr.ranks)
     sharing = max(sum(1 for q, z in enumerate(cfg.offload) if z and prices.node_of[q] == prices.node_of[r])
                   for r in group.ranks)
-    link = collectives.LINK_EFFICIENCY * prices.host_link[rank]
-    return prices.param_count * ((g + w) / link + sharing / prices.cpu_params_per_s)
+    return (prices.network.host_copy_s(rank, (g + w) * prices.param_count)
+            + prices.param_count * sharing / prices.cpu_params_per_s)
