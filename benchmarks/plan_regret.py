@@ -8,10 +8,15 @@ recorded with the planner's reason):
 - ``dp``, ``pipeline``, ``ep`` (MoE models): the planner restricted to that family
   (``strategies=[...]``);
 - ``zero2``, ``zero3``: the planner restricted to sharded data parallelism, its batch and state
-  split run at shard stage 2 and at stage 3 (``sharded_data_parallel_plan``);
+  split, micro-batches, checkpointing and offload run at shard stage 2 and at stage 3
+  (``sharded_data_parallel_plan``);
 - ``tp``: one tensor-parallel group of both ranks, key/value heads split evenly, the batch whole
   (``tensor_parallel_plan``), where the model's blocks split;
 - ``choice``: the planner with its default options (every family) — what a user gets.
+
+An arm built outside the solver (``tp``, the re-staged ZeRO arms) must fit the case's memory cap
+by its predicted peak, as the solver's plans do; one that does not is recorded as not fitting
+(the ranks cannot enforce a cap, so timing it would time what a capped device could not run).
 
 Every plan is priced **before** any timing, by the cost model with this machine's calibration
 (:mod:`fxpar.calibrate`: measured once, cached; its figures are in the JSON) and, for comparison,
@@ -117,8 +122,25 @@ def _priced(plan: Plan, cost: CostModel) -> float:
 
 
 def _sharded(base: Plan, cluster: fxpar.Cluster, stage: int, case: Case) -> Plan:
+    """The sharded family's plan at ZeRO stage ``stage``, with its micro-batches, checkpointing and
+    offload (what makes it fit a memory cap)."""
     return sharded_data_parallel_plan(cluster, batch_split=base.batch_shares, state_split=base.stages[0].state_split,
-                                      shard_stage=stage, model=base.model, seq_len=case.seq, dtype=case.dtype)
+                                      shard_stage=stage, model=base.model, seq_len=case.seq, dtype=case.dtype,
+                                      micro_batch_size=max(r.micro_batch_size for r in base.ranks),
+                                      activation_checkpointing=[r.activation_checkpointing for r in base.ranks],
+                                      offload_optimizer=[r.offload_optimizer for r in base.ranks])
+
+
+def _check_fits(plan: Plan, graph, cluster: fxpar.Cluster, profiles) -> None:
+    """A plan built by hand (TP) or re-staged (ZeRO) must fit the case's memory cap as the solver's
+    plans do: the ranks cannot enforce a cap, so a plan over it would time what a capped device
+    could not run."""
+    peaks = fxpar.predict(plan, graph, cluster, profiles=profiles).peak_memory_bytes
+    over = [(r, p) for r, p in enumerate(peaks) if p > cluster.device(r).memory_bytes]
+    if over:
+        r, p = over[0]
+        raise fxpar.errors.InfeasibleError(f"does not fit: rank {r} needs {p / 2**20:.1f} MiB, the cap is "
+                                           f"{cluster.device(r).memory_bytes / 2**20:.1f} MiB")
 
 
 def plan_arms(case: Case, calibration: ProfileDB | None) -> dict[str, Any]:
@@ -145,6 +167,7 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> dict[str, Any]:
                                   **({"strategies": families} if families else {}))
                 if arm in ("zero2", "zero3"):
                     plan = _sharded(plan, cluster, 2 if arm == "zero2" else 3, case)
+            _check_fits(plan, graph, cluster, profiles)
             arms[arm] = {"plan": plan.to_json(indent=None), "summary": plan_line(plan),
                          "predicted_s": _priced(plan, cost), "predicted_catalog_s": _priced(plan, catalog)}
         except (FxparError, ValueError) as exc:

@@ -28,15 +28,18 @@ replicas):
     nic_jn  = w_j · 2(k_j − 1)/k_j · S_j                  (bytes through node n's NIC, k_j > 1)
     alpha_j = 2(k_j − 1)·α_net
 
-all positions at once: ``max_j intra_j + max_n Σ_j nic_jn / (η B_nic) + max_j alpha_j`` (rings
-that share a NIC share its bandwidth); the ZeRO-1 all-gather of the updated weights is the same
+the gradient all-reduce runs in the runtime's buckets (:func:`fxpar.profiling.collectives.gradient_buckets`,
+as data parallelism's), so its latencies count once per bucket (``c_j`` buckets of ``S_j``: the
+``α`` terms above times ``c_j``).  All positions at once: ``max_j intra_j + max_n Σ_j nic_jn /
+(η B_nic) + max_j alpha_j`` (rings that share a NIC share its bandwidth); the ZeRO-1 all-gather of the updated weights is the same
 with factors ``(g − 1)/g`` and ``(k − 1)/k``.  Position ``j`` starts its all-reduce as its own
 last backward ends (``e_j``, as codegen runs it), so all are done at
 
     max( max_j (e_j + intra_j + max_n nic_jn / (η B_nic) + alpha_j),  min_j e_j + all at once )
 
 A calibrated all-reduce or all-gather replaces a position's exchange by
-``measured(kind, P, S_j)`` (positions on distinct ranks exchange at once: the slowest counts).
+``measured(kind, P, S_j)`` (summed over the buckets for the all-reduce; positions on distinct
+ranks exchange at once: the slowest counts).
 
 **Tensor-parallel stages**: a width-``u`` stage all-reduces ``β·b`` bytes of activations 2 times
 forward and 2 times backward per block, on its node's link (:meth:`Network.tp_allreduce_s`).
@@ -119,16 +122,26 @@ class LinkCosts:
         eta = collectives.LINK_EFFICIENCY
         parts = []
         for j, nbytes in enumerate(per_stage_bytes):
-            collectives.record("all_reduce" if passes == 2 else "all_gather", nbytes, len(self.nodes[j]))
+            calls = self._calls(nbytes, passes, len(self.nodes[j]))
             per_node = Counter(self.nodes[j])
             k = len(per_node)
-            intra = max((passes * (g - 1) / g * nbytes / (eta * self.intra[j]) + passes * (g - 1) * collectives.ALPHA_INTRA_S
+            intra = max((passes * (g - 1) / g * nbytes / (eta * self.intra[j])
+                         + calls * passes * (g - 1) * collectives.ALPHA_INTRA_S
                          for g in per_node.values() if g > 1), default=0.0) if nbytes > 0 else 0.0
             nic = ({n: self.widths[j] * passes * (k - 1) / k * nbytes for n in per_node}
                    if k > 1 and nbytes > 0 else {})
-            alpha = passes * (k - 1) * collectives.ALPHA_INTER_S if k > 1 and nbytes > 0 else 0.0
+            alpha = calls * passes * (k - 1) * collectives.ALPHA_INTER_S if k > 1 and nbytes > 0 else 0.0
             parts.append((intra, nic, alpha))
         return parts
+
+    @staticmethod
+    def _calls(nbytes: float, passes: int, world: int) -> int:
+        """The calls of one position's exchange: the all-reduce's buckets, one all-gather (each
+        recorded, :func:`fxpar.profiling.collectives.recording`)."""
+        sizes = collectives.gradient_buckets(nbytes) if passes == 2 else [nbytes]
+        for size in sizes:
+            collectives.record("all_reduce" if passes == 2 else "all_gather", size, world)
+        return len(sizes)
 
     def _together(self, parts) -> float:
         """Every position's exchange at once: the slowest node-internal phase, the busiest
@@ -145,7 +158,9 @@ class LinkCosts:
         link = self.measured.get(kind)
         if link is None:
             return None
-        return [collectives.measured_time(link, kind, len(self.nodes[j]), float(b)) for j, b in enumerate(per_stage_bytes)]
+        return [sum(collectives.measured_time(link, kind, len(self.nodes[j]), size)
+                    for size in (collectives.gradient_buckets(float(b)) if passes == 2 else [float(b)]))
+                for j, b in enumerate(per_stage_bytes)]
 
     def _exchange(self, per_stage_bytes: Sequence[float], passes: int) -> float:
         if len(self.nodes[0]) <= 1:
@@ -159,9 +174,16 @@ class LinkCosts:
         """All positions' gradient all-reduce across the pipelines at once (``S_j`` per device)."""
         return self._exchange(per_stage_bytes, 2)
 
-    def allgather_s(self, per_stage_bytes: Sequence[float]) -> float:
-        """ZeRO-1: all positions' all-gather of the updated weights across the pipelines."""
-        return self._exchange(per_stage_bytes, 1)
+    def allgather_s(self, per_stage_bytes: Sequence[float], calls: Sequence[int] | None = None) -> float:
+        """ZeRO-1: all positions' all-gather of the updated weights across the pipelines; the
+        runtime (torch's ``ZeroRedundancyOptimizer``) broadcasts them one parameter at a time, so
+        position ``j``'s ``calls[j]`` broadcasts move the bytes of one all-gather and pay
+        ``calls[j] − 1`` more calls' fixed cost (one all-gather of a byte each)."""
+        base = self._exchange(per_stage_bytes, 1)
+        if not calls or len(self.nodes[0]) <= 1:
+            return base
+        fixed = [self._exchange([float(j == i) for j in range(len(per_stage_bytes))], 1) for i in range(len(calls))]
+        return base + max((n - 1) * f for n, f in zip(calls, fixed))
 
     def allreduce_done_s(self, ends: Sequence[float], per_stage_bytes: Sequence[float]) -> float:
         """When every position's gradient all-reduce has finished, position ``j`` starting its

@@ -32,7 +32,8 @@ all-reduce of a position is priced with its largest replica's parameters.
 Then, as codegen runs it, each position all-reduces
 its gradients across the pipelines from ``e_d`` (``G_d = Σ_{j at d} n_j(u_j)·grad bytes``), each
 pipeline updates its parameters (``1/P`` of them under ZeRO-1) and, under ZeRO-1, all-gathers
-the updated weights (``W_d`` weight bytes):
+the updated weights (``W_d`` weight bytes, one broadcast per parameter tensor:
+:meth:`fxpar.profiling.network.LinkCosts.allgather_s`):
 
     step = AR_done(e, G) + max_{d,p} o_{k_dp}·Σ_{j at d} n_j(u_j)·(1/P)^z + z·AG(W)
 
@@ -277,16 +278,18 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
 
     wire = DtypePolicy.for_dtype(prices.dtype)  # what the runtime sends: fp32 sums, fp32 masters gathered
     w_bytes, g_bytes = wire.master_bytes, wire.reduce_bytes
-    params = [0.0] * W   # the largest replica's, where the pipelines cut differently
+    params, calls = [0.0] * W, [0] * W   # the largest replica's, where the pipelines cut differently
     for p in range(layout.pipelines if layout.replica_ranges else 1):
-        held = [0.0] * W
+        held, tensors = [0.0] * W, [0] * W
         for st, (i, e) in zip(layout.stages, layout.ranges(p)):
             held[st.position] += float(prices.table.local_params(st.width)[i:e].sum())
+            tensors[st.position] += prices.table.tensors(i, e)
         params = [max(a, x) for a, x in zip(params, held)]
+        calls = [max(a, x) for a, x in zip(calls, tensors)]
     opt = worst("optimizer_s")
     starts = ends if layout.overlap_grad_allreduce and prices.overlap else [makespan] * len(ends)
     exposed = layout.links.allreduce_done_s(starts, [n * g_bytes for n in params]) - makespan
-    gather = layout.links.allgather_s([n * w_bytes for n in params]) if layout.zero else 0.0
+    gather = layout.links.allgather_s([n * w_bytes for n in params], calls) if layout.zero else 0.0
     return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,
                        exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,
                        fwd_s=worst("fwd_s"), bwd_s=worst("bwd_s"), hop_s=worst("hop_s"), busy_s=worst("busy_s"),

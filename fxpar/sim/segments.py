@@ -53,6 +53,12 @@ class SegmentTable:
     #: per segment, (forward, backward) bytes per sample of each tensor-parallel all-reduce
     #: (module docstring; None: two each way of ``boundary_bytes`` in every segment but ``pre``)
     tp_messages: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
+    #: parameter tensors per segment (ZeRO-1 broadcasts each one: one call apiece; None: one)
+    param_tensors: np.ndarray | None = None
+
+    def tensors(self, start: int, end: int) -> int:
+        """Parameter tensors of segments ``[start, end)`` (at least one)."""
+        return 1 if self.param_tensors is None else max(int(self.param_tensors[start:end].sum()), 1)
 
     def tp_message_bytes(self) -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
         """``tp_messages``, or its default (see the field)."""
@@ -173,6 +179,7 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
     if n_layers:  # what leaves the embeddings is the hidden state the first block reads
         boundary[0] = max(boundary[0], boundary[1])
     params = np.zeros(n_seg)
+    tensors = np.zeros(n_seg)
     split_params = np.zeros(n_seg)
     whole = kept_whole(graph)
     pre_modules: set[str] = set()
@@ -184,6 +191,7 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             seg = min(users) if users else 0
             (pre_modules if seg == 0 else post_modules).add(p.module_path)
         params[seg] += p.numel
+        tensors[seg] += 1
         if split_parameter(p, graph, whole):
             split_params[seg] += p.numel
     sharded = np.array([_tensor_parallel(n, graph, whole) for n in graph.nodes])
@@ -212,7 +220,7 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
     return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
                         boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
                         fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max,
-                        tp_messages=(pre,) + blocks + (post,))
+                        tp_messages=(pre,) + blocks + (post,), param_tensors=tensors)
 
 
 def tp_seconds(table: SegmentTable, network, kind: str, width: int, b: int) -> tuple[np.ndarray, np.ndarray]:

@@ -300,7 +300,8 @@ def evaluate(ctx: PipelineContext, pipelines: int, stages: tuple[StageSpec, ...]
     ar = links.allreduce_done_s(ends, [n_j * g_bytes for n_j in local]) - t_pipe  # the part not hidden
     share = 1.0 / pipelines if zero else 1.0  # ZeRO-1: each pipeline updates 1/P of the parameters
     opt = max(ctx.optimizer_s_per_param[spec.kind] * n_j * share for spec, n_j in zip(stages, local))
-    gather = links.allgather_s([n_j * w_bytes for n_j in local]) if zero else 0.0
+    calls = [ctx.table.tensors(i, j) for i, j in zip(cuts, cuts[1:])]
+    gather = links.allgather_s([n_j * w_bytes for n_j in local], calls) if zero else 0.0
     mem = tuple(int(c.memory(i, j)) for c, i, j in zip(costs, cuts, cuts[1:]))
     return PipelineConfig(pipelines=pipelines, stages=stages, num_microbatches=m, micro_batch=b,
                           checkpointing=any(c.ckpt for c in costs),
