@@ -209,18 +209,25 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
             tot = np.bincount(seg_of, weights=c, minlength=n_seg)
             part = np.bincount(seg_of, weights=np.where(sharded, c, 0.0), minlength=n_seg)
             frac = np.divide(part, tot, out=np.zeros(n_seg), where=tot > 0)
-    vocab = set(graph.vocab_parallel_modules)
-    half = 0.5 if cost.dtype in ("bf16", "fp16") else 1.0
-    blocks = tuple(((float(boundary[j]) * half,) * 2, (float(boundary[j]),) * 2) for j in range(1, n_layers + 1))
-    pre = ((float(boundary[0]),), ()) if vocab & pre_modules else ((), ())
-    post = ((4.0 * (graph.seq_len or 1),) * 3, (float(boundary[n_layers]),)) if vocab & post_modules else ((), ())
     names = ("pre",) + tuple(layer.path for layer in graph.layers) + ("post",)
     modules = ((tuple(sorted(pre_modules)),) + tuple((layer.path,) for layer in graph.layers)
                + (tuple(sorted(post_modules)),))
     return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
                         boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
                         fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max,
-                        tp_messages=(pre,) + blocks + (post,), param_tensors=tensors)
+                        tp_messages=_tp_messages(graph, cost.dtype, boundary, pre_modules, post_modules),
+                        param_tensors=tensors)
+
+
+def _tp_messages(graph: ModelGraph, dtype: str, boundary: np.ndarray, pre: set[str], post: set[str]):
+    """``SegmentTable.tp_messages`` (module docstring): per segment, the forward and backward
+    all-reduces' bytes per sample."""
+    vocab, n = set(graph.vocab_parallel_modules), len(graph.layers)
+    half = 0.5 if dtype in ("bf16", "fp16") else 1.0
+    blocks = tuple(((float(boundary[j]) * half,) * 2, (float(boundary[j]),) * 2) for j in range(1, n + 1))
+    first = ((float(boundary[0]),), ()) if vocab & pre else ((), ())
+    last = ((4.0 * (graph.seq_len or 1),) * 3, (float(boundary[n]),)) if vocab & post else ((), ())
+    return (first,) + blocks + (last,)
 
 
 def tp_seconds(table: SegmentTable, network, kind: str, width: int, b: int) -> tuple[np.ndarray, np.ndarray]:
