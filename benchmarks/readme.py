@@ -190,8 +190,9 @@ def _plan(plan: dict) -> list[str]:
             s["vs_best_even"] = min(evens) / s["predicted_step_s"] if evens else None
     out = ["", "Predicted step time for every scenario in `../shared/scenarios` under fxpar's cost model. Every "
            "baseline is predicted by the same model and simulator (`python -m benchmarks.plan_scenarios`). "
-           "`x LB` is the step over the lower bound (`fxpar/solvers/bounds.py`: every model segment spread "
-           "over the device kinds at their own speeds, plus the optimizer; no plan fxpar could run is "
+           "`x LB` is the step over the lower bound (`fxpar/solvers/bounds.py`: the least, over the families "
+           "that can run a plan, of the model's work spread over the device kinds at their own speeds, the "
+           "communication none of the family's plans can hide and the optimizer; no plan fxpar could run is "
            "faster). Every baseline was a candidate, so fxpar is never slower than one. 'vs best even' compares against the better of even DP and the best even "
            "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", table(plan)]
     ceiling_note = ("`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can gain "
@@ -230,7 +231,9 @@ def _plan(plan: dict) -> list[str]:
             link = f", {s['inter_node_gbps']:g} Gb/s between machines" if s.get("inter_node_gbps") and s.get("nodes", 2) > 1 else ""
             items.append(f"{s['scenario']} ({_x(s['predicted_step_s'] / s['lower_bound_s'])} LB{link})")
         out += ([""] if not missed else []) + [
-            f"{'- ' if missed else ''}Furthest above the compute-only lower bound, which has no communication term: "
+            f"{'- ' if missed else ''}Furthest above the lower bound (its communication term is the least every "
+            "applicable family exposes: where pipelines apply, one hop, so pipeline bubbles and the links a "
+            "placement crosses stay outside it): "
             f"{_join(items)}."]
     return out
 

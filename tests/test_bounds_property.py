@@ -215,6 +215,6 @@ def test_the_former_bound_fails_these_instances_and_the_new_one_holds(instance):
     p = build_problems(graph_of(model), build_cluster(cluster), workload, strategies)
     former = (workload.global_batch / sum(g.count / g.sample_s for g in p.dp.groups)
               + p.cost.allreduce_lower_bound_s(p.cost.gradient_bytes()))
-    assert plan.strategy == "data_parallel" and p.lower_bound_with_allreduce
+    assert plan.strategy == "data_parallel" and [f for f, _ in p.lower_bound_by_family] == ["data_parallel"]
     assert plan.predicted_step_s < 0.95 * former
     assert plan.lower_bound_s <= plan.predicted_step_s

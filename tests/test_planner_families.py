@@ -32,7 +32,7 @@ def _plan(step: float, model: str = "m") -> Plan:
 
 
 def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
-    return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_with_allreduce=False,
+    return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_by_family=(),
                            strategies=("data_parallel", "pipeline"),
                            graph=SimpleNamespace(model_name="m", params=(), attn_implementation="sdpa", recorded=""),
                            cluster=fxpar.Cluster.emulated([1.0, 1.0]), pipeline=pipeline)

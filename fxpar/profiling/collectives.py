@@ -300,3 +300,9 @@ def fastest_bytes_per_s(cluster, measured=None) -> float:
         rates.append(cluster.inter_node_bytes_per_s())
     rates += [link_rate_bound(link) for link in (measured or {}).values()]
     return max(rates)
+
+
+def nic_bytes_per_s(cluster, measured=None) -> float:
+    """The most bytes per second one node's NIC moves (a calibrated collective's rate where
+    faster): what crossing between nodes is priced at, at least."""
+    return max([cluster.inter_node_bytes_per_s()] + [link_rate_bound(link) for link in (measured or {}).values()])

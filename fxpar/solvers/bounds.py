@@ -4,169 +4,206 @@ run beats under its simulator, whichever strategy it uses (:func:`lower_bound_s`
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
-from fxpar.profiling import CostModel
-from fxpar.profiling.collectives import gradient_buckets
-from fxpar.sim.expert_costs import expert_node_mask
-from fxpar.sim.segments import segment_of_nodes
-from fxpar.sim.sharded_cost import collective_s, cpu_optimizer_rate, sharded_prices
+from fxpar.profiling import CostModel, collectives
+from fxpar.sim.expert_costs import build_problem
+from fxpar.sim.expert_sim import EPProblem
+from fxpar.sim.segments import build_segments
+from fxpar.sim.sharded_cost import cpu_optimizer_rate, sharded_prices, unit_collectives
+from fxpar.solvers.bound_work import compute_weights
+
+#: the families a plan of ``Plan.strategy`` belongs to for its bound (a tensor-parallel plan,
+#: outside the planner's families, is priced as the one-stage pipeline it runs: :func:`fxpar.sim.simulate`)
+BOUNDED: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "expert_parallel",
+                            "sharded_data_parallel")
 
 
-def lower_bound_s(cost, batch: int, *, data_parallel_only: bool, host_optimizer: bool = False,
-                  families: tuple[str, ...] = ("data_parallel",)) -> float:
-    """A lower bound on the predicted step of every plan fxpar could emit for ``batch`` samples.
+def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer: bool = False) -> float:
+    """A lower bound on the predicted step of every plan of ``families`` fxpar could emit for
+    ``batch`` samples: the least of the families' bounds (:func:`family_bounds_s`).
 
-    Notation: devices of kind ``k`` (interchangeable: same type, speed, memory) number ``N_k``;
-    ``N = Σ_k N_k``; ``o_k`` is a full optimizer step on kind ``k``; ``B`` the global batch.  A
-    *unit* ``u`` is the finest piece of work any fxpar plan places on one kind: a segment of the
-    model (``pre``, one block, ``post``: pipelines cut between them, tensor parallelism splits a
-    stage's segments among devices of one kind) and, for a MoE model, a segment's expert part
-    apart from the rest (expert parallelism places experts, not samples).  ``c_uk`` is the unit's
-    seconds per sample on kind ``k`` (the sum of its nodes' forward + backward per-sample costs;
-    the per-micro-batch part only adds).
+    Notation: ``N_k`` devices of kind ``k``, ``N = Σ_k N_k``; ``o_k`` a full optimizer step on
+    kind ``k``; ``B`` the global batch; ``t_i`` device ``i``'s seconds per sample; ``b_d`` device
+    ``d``'s busy seconds.  ``V``: the most bytes per second one transfer moves wherever a plan
+    puts it (:func:`fxpar.profiling.collectives.fastest_bytes_per_s`); ``AR``, ``AG``, ``RS``: the
+    smaller of the cost model's price of a collective over all ranks and its physical bound
+    (full links, no latency).  Every plan uses every rank in its precision's default dtype policy.
 
-    **Compute.**  Every plan runs every unit's work for all ``B`` samples on some devices (data
-    parallelism whole samples, pipelines whole segments, tensor parallelism pieces of a unit that
-    add up to at least the unit, expert parallelism a unit's experts or its samples), and
-    recomputation only adds.  So the makespan of any plan is at least the optimum of the
-    fractional assignment LP (``y_uk``: the fraction of unit ``u``'s work done on kind ``k``)
+    **Compute** (:mod:`fxpar.solvers.bound_work`): for the work LP's weights ``λ_k`` (``Σ_k λ_k
+    N_k = 1``), ``max_d b_d ≥ Σ_d λ_d b_d ≥ T_LP = Σ_u min_k λ_k·B·c_uk`` whatever the plan (every
+    unit ``u`` of the model runs for all ``B`` samples; tensor parallelism and recomputation only
+    add); a plan whose devices run whole samples has ``max_d b_d ≥ T_DP = B / Σ_i (1/t_i)``.
+    **Optimizer**: a data-parallel rank steps the whole model (``max_k o_k``); otherwise the
+    slowest device at least ``min_k o_k / N`` (a sharded rank may offload, ``host_optimizer``:
+    ``o* = min(min_k o_k, Ψ/R)``, ``Ψ`` parameters, ``R`` the host CPU's rate).
 
-        T* = min T   s.t.  Σ_k y_uk = 1 (every u),  Σ_u B·c_uk·y_uk ≤ N_k·T (every k),  y ≥ 0
+    **Communication**, the least each family's plans cannot hide (CPU ranks overlap none: it adds):
 
-    (reference §3, "refinement for mixed speed ratios").  Its dual gives the bound reported: for
-    any weights ``λ_k ≥ 0`` with ``Σ_k λ_k N_k = 1``,
+    - data parallel: the gradient buckets ``g_0..g_{K−1}`` all-reduce one after another, the last
+      once the last backward ends: ``max(T_DP + AR(g_{K−1}), Σ_k AR(g_k)) + max_k o_k`` (CPU ranks
+      ``T_DP + Σ_k AR(g_k) + max_k o_k``);
+    - sharded (ZeRO-2/3): every unit's all-gather and reduce-scatter at least once, at its mean
+      shard at least, one after another on one channel; ZeRO-3 gathers the rest (unit 0) before
+      any compute, ZeRO-2 every unit after it, and the rest's reduce-scatter follows the last
+      backward: ``max(T_DP + AG_0 + RS_0, Σ_u (AG_u + RS_u)) + o*/N`` (CPU ranks: the sum);
+    - pipeline (and tensor parallel, priced as the one-stage pipeline it runs): the makespan is
+      at least ``Σ_d λ_d (b_d + w_d) ≥ T_LP + Σ_d λ_d w_d``, ``w_d`` any idle seconds before
+      ``d``'s last op.  With two stages or more, stage 1's rank waits for stage 0's first hop,
+      at least ``β_min/V`` (the thinnest cut's bytes, one sample): ``H = λ_min·β_min/V``.  With
+      one stage of width ``u ≥ 2`` every rank's busy seconds hold the tensor-parallel all-reduces of
+      each sample of its replica, ``m`` bytes per sample in all (``SegmentTable.tp_message_bytes``):
+      ``TP = 2·λ_min·B·m / V``; of width 1, ``N`` replicas all-reduce the gradient ``G`` after the
+      last backward: ``T_LP + min(H, TP, AR(G)) + min_k o_k/N``;
+    - expert parallel: the phases add, ``max R + max X + max A + AR(G_rep) + max O``.  A rank with
+      batch and expert fractions ``φ_r``, ``ξ_r`` moves at least ``K·φ_r(1 − ξ_r)/(2V)`` in the
+      all-to-alls (``K = B·D``, ``D`` one sample's routed bytes), so ``max A ≥ K(1 − Σ_r φ_r ξ_r)
+      /(2VN) ≥ κ(1 − μ)``, ``κ = K/(2VN)``, ``μ = min(max φ, max ξ)``, while ``max R + max X ≥
+      max(T_LP, μ·B·(c + c'))`` (``c``, ``c'`` the least replicated and expert seconds per sample):
+      ``min_{μ ∈ [1/N, 1]} [max(T_LP, μ·B·(c + c')) + κ(1 − μ)] + AR(G_rep) + min_k o_k/N``.  On
+      ``k > 1`` nodes of at most ``n`` ranks the same with node fractions ``Φ_j``, ``X_j/E``
+      (node ``j``'s NIC, ``B_nic``, carries ``K·Φ_j(1 − X_j/E)``): ``κ = K/(k·B_nic)``,
+      ``μ ∈ [1/k, 1]`` and ``μ·B·(c + c')/n``; the larger of the two.
 
-        T* ≥ Σ_u min_k λ_k·B·c_uk                                        (weak duality)
-
-    :func:`compute_bound_s` finds ``λ`` with the LP and evaluates the right-hand side exactly, so
-    the number holds whatever the LP solver's tolerance.  Where every unit has the same speed
-    ratio between kinds it is ``B / Σ_i (1/t_i)``: the work over the summed device rates.
-
-    **Optimizer.**  Every schedule fxpar runs steps the optimizer after the last backward, and
-    the devices together update at least every parameter once (ZeRO-1 splits the update across
-    pipelines, tensor parallelism the split parameters), so the slowest device spends at least
-    ``min_k o_k / N``.  Where sharded data parallelism may offload the optimizer to the host
-    (``host_optimizer``), a rank may update its shard at the host CPU's rate ``R`` instead
-    (:data:`fxpar.cluster.catalog.CPU_OPTIMIZER_PARAMS_PER_S`, Adam-equivalent), so the term is
-    ``min(min_k o_k, Ψ / R) / N`` (``Ψ`` parameters; the host link's transfers only add).
-
-    **Communication.**  None in general: a pipeline need not all-reduce whole gradients and
-    hides hops behind compute.  Where data parallelism is the only strategy that applies
-    (``data_parallel_only``), every plan is data parallel, so the compute term is the tighter
-    ``B / Σ_i (1/t_i)`` (each sample's whole model on one device), every rank runs the full
-    optimizer step (``max_i o_i``), and the last gradient bucket (``g_{K−1}`` of the runtime's
-    buckets, :func:`fxpar.profiling.collectives.gradient_buckets`) is only ready when the last
-    backward ends, so its all-reduce (``AR(g_{K−1})``, the smaller of the cost model's and the
-    physical bound) can never be hidden; on devices that do not overlap communication with
-    compute (CPU ranks) no bucket is hidden, and the term is the sum over every bucket:
-
-        LB = B / Σ_i (1/t_i) + min(AR(g_{K−1}), AR_phys(g_{K−1})) + max_i o_i     (data parallel only)
-        LB = Σ_u min_k λ_k·B·c_uk + min_k o_k / N                         (otherwise)
-    With sharded data parallelism among them (``families``): the compute term + the smaller of
-    the two families' tails (:func:`sharded_tail_s`).
+    The minimum runs over the families that can emit a plan
+    (:func:`fxpar.solvers.problems.bound_families`: data parallelism where it fits memory,
+    pipelines where the model has blocks, expert parallelism for a MoE model, sharded on more
+    than one rank), so memory that rules data parallelism out leaves the others' communication
+    in the bound; with none, ``T_LP + o*/N``.  Every formula and calibrated link prices a hop,
+    an all-to-all or a collective at no less than its bytes over ``V``, whatever the placement.
     """
-    opt, fastest_opt = _optimizer_steps_s(cost, host_optimizer)
-    if data_parallel_only:
-        return _data_parallel_only_s(cost, batch, opt, fastest_opt, families)
-    return compute_bound_s(cost, batch) + fastest_opt / cost.cluster.world_size
+    return min(family_bounds_s(cost, batch, families, host_optimizer).values())
 
 
-def _optimizer_steps_s(cost: CostModel, host_optimizer: bool) -> tuple[list[float], float]:
-    """``o_k`` per device kind (in group order) and the fastest full step, ``min_k o_k`` or, with
-    ``host_optimizer``, ``min(min_k o_k, Ψ / R)`` (:func:`lower_bound_s`, **Optimizer**)."""
+@dataclass(frozen=True, slots=True)
+class Work:
+    """The compute and optimizer terms the families' bounds start from (:func:`lower_bound_s`)."""
+
+    spread_s: float        # T_LP
+    whole_s: float         # T_DP
+    least_weight: float    # λ_min
+    optimizer_s: tuple[float, ...]   # o_k per device kind
+    fastest_opt_s: float   # o*: min_k o_k, or min(min_k o_k, Ψ/R) with host_optimizer
+    world: int
+
+
+def _work(cost: CostModel, batch: int, host_optimizer: bool) -> Work:
+    """:class:`Work` of ``cost`` for ``batch`` samples."""
     cluster = cost.cluster
+    per_sample, lam = compute_weights(cost)
+    rate = sum(len(g.ranks) / cost.sample_cost(g).total_s for g in cluster.groups())
     opt = [cost.optimizer_s(cluster.device(g.ranks[0])) for g in cluster.groups()]
     host = [cost.param_count / cpu_optimizer_rate(cost.optimizer, cost.dtype)] if host_optimizer else []
-    return opt, min(opt + host)
+    spread = float(batch * np.min(per_sample * lam, axis=1).sum()) if len(per_sample) else 0.0
+    return Work(spread_s=spread, whole_s=batch / rate, least_weight=float(lam.min()), optimizer_s=tuple(opt),
+                fastest_opt_s=min(opt + host), world=cluster.world_size)
 
 
-def _data_parallel_only_s(cost: CostModel, batch: int, opt: list[float], fastest_opt: float,
-                          families: tuple[str, ...]) -> float:
-    """:func:`lower_bound_s` where data parallelism is the only strategy: ``B / Σ_i (1/t_i)`` plus
-    the smaller tail of the families offered (data parallel: ``min(AR(G/K), AR_phys(G/K)) + max_i o_i``;
-    sharded: :func:`sharded_tail_s` ``+ min(min_k o_k, Ψ/R) / N``; none: 0)."""
-    cluster = cost.cluster
-    rate = sum(len(g.ranks) / cost.sample_cost(g).total_s for g in cluster.groups())
-    tails = [last_bucket_s(cost) + max(opt)] if "data_parallel" in families else []
-    if "sharded_data_parallel" in families and cluster.world_size > 1:
-        tails.append(sharded_tail_s(cost) + fastest_opt / cluster.world_size)
-    return batch / rate + min(tails, default=0.0)
+def family_bounds_s(cost, batch: int, families: tuple[str, ...], host_optimizer: bool = False) -> dict[str, float]:
+    """Per family of ``families`` that applies (:data:`BOUNDED`; expert parallelism on a MoE
+    model, sharded data parallelism on more than one rank), the least step of its plans
+    (:func:`lower_bound_s`); where none applies, ``{"none": T_LP + o*/N}``."""
+    w = _work(cost, batch, host_optimizer)
+    out: dict[str, float] = {}
+    for family in (f for f in BOUNDED if f in families):
+        if family == "data_parallel":
+            out[family] = data_parallel_bound_s(cost, w)
+        elif family in ("pipeline", "tensor_parallel"):
+            out[family] = w.spread_s + pipeline_communication_s(cost, batch, w) + min(w.optimizer_s) / w.world
+        elif family == "sharded_data_parallel" and w.world > 1:
+            out[family] = sharded_bound_s(cost, w)
+        elif family == "expert_parallel" and isinstance(ep := build_problem(cost, batch), EPProblem):
+            out[family] = expert_bound_s(cost, ep, w)
+    return out or {"none": w.spread_s + w.fastest_opt_s / w.world}
 
 
-def sharded_tail_s(cost: CostModel) -> float:
-    """The least reduce-scatter a sharded plan's last backward leaves exposed.
+def bucket_allreduces_s(cost) -> list[float]:
+    """``AR(g_k)`` of every gradient bucket the data-parallel runtime sends (none on one rank)."""
+    if cost.cluster.world_size <= 1:
+        return []
+    buckets = collectives.gradient_buckets(cost.gradient_wire_bytes())
+    price = {b: least_allreduce_s(cost, b) for b in set(buckets)}  # at most three sizes
+    return [price[b] for b in buckets]
 
-    Sharded data parallelism (more than one rank) runs whole samples, so its compute is at least
-    ``B / Σ_i (1/t_i)``, but each rank updates only its shard (at least ``min(min_k o_k, Ψ/R)/N``
-    for the slowest), and the reduce-scatter of the rest of the model (unit 0: every parameter
-    outside the blocks) is issued when every rank has finished the last segment of its last
-    backward (ZeRO-2 and ZeRO-3, :mod:`fxpar.sim.sharded_sim`); it carries at least ``1/N`` of
-    the unit's gradients per rank (the largest shard is at least the mean, and the time grows
-    with the bytes).  So such a plan takes at least
-    ``B / Σ_i (1/t_i) + RS(g·U_0/N) + min(min_k o_k, Ψ/R)/N``; this is ``RS(g·U_0/N)`` (0 where
-    the rest of the model has no parameters)."""
-    prices = sharded_prices(cost)
-    rest = sum(r * c for r, c in prices.params[0])
-    return collective_s(prices, prices.reduce_itemsize * rest / prices.world, "reduce_scatter")
+
+def least_allreduce_s(cost, nbytes: float) -> float:
+    """``AR(x)``: the smaller of the cost model's all-reduce over all ranks and its physical bound."""
+    return min(cost.allreduce_s(nbytes), cost.allreduce_lower_bound_s(nbytes))
 
 
 def last_bucket_s(cost) -> float:
     """The all-reduce data parallelism leaves exposed at least (0 on one rank): its last gradient
     bucket where communication overlaps compute, every bucket where it does not (CPU ranks)."""
-    if cost.cluster.world_size <= 1:
+    prices = bucket_allreduces_s(cost)
+    return sum(prices[-1:] if cost.overlaps_communication() else prices)
+
+
+def data_parallel_bound_s(cost, w: Work) -> float:
+    """``max(T_DP + AR(g_{K−1}), Σ_k AR(g_k)) + max_k o_k`` (:func:`lower_bound_s`; without overlap
+    :func:`last_bucket_s` is every bucket, so the first term is the larger)."""
+    return max(w.whole_s + last_bucket_s(cost), sum(bucket_allreduces_s(cost))) + max(w.optimizer_s)
+
+
+def shard_collectives_s(cost) -> tuple[np.ndarray, np.ndarray]:
+    """``AG_u``, ``RS_u`` per collective unit (unit 0 the rest of the model, then the blocks): the
+    smaller of the simulator's price at the mean shard (every padded shard is at least the mean)
+    and the physical bound (:func:`fxpar.profiling.collectives.gather_lower_bound`,
+    :func:`~fxpar.profiling.collectives.scatter_lower_bound`)."""
+    prices = sharded_prices(cost)
+    n = prices.world
+    mean = np.array([sum(r * c for r, c in unit) for unit in prices.params], dtype=float) / n
+    gather, scatter = unit_collectives(prices, np.repeat(mean[:, None], n, axis=1))
+    shape = collectives.ring_shape(cost.cluster)
+    wire = prices.gather_itemsize or (float(prices.bytes_wgo[0]),) * len(mean)
+    ag = [min(t, collectives.gather_lower_bound(shape, x * s)) for t, x, s in zip(gather, wire, mean)]
+    rs = [min(t, collectives.scatter_lower_bound(shape, prices.reduce_itemsize * s)) for t, s in zip(scatter, mean)]
+    return np.array(ag), np.array(rs)
+
+
+def sharded_bound_s(cost, w: Work) -> float:
+    """``max(T_DP + AG_0 + RS_0, Σ_u (AG_u + RS_u)) + o*/N``, on CPU ranks the sum of the two
+    (:func:`lower_bound_s`)."""
+    ag, rs = shard_collectives_s(cost)
+    channel = float(ag.sum() + rs.sum())
+    exposed = w.whole_s + channel if not cost.overlaps_communication() else max(
+        w.whole_s + float(ag[0] + rs[0]), channel)
+    return exposed + w.fastest_opt_s / w.world
+
+
+def pipeline_communication_s(cost, batch: int, w: Work) -> float:
+    """``min(H, TP, AR(G))`` (:func:`lower_bound_s`; 0 on one rank: one stage, no replicas)."""
+    if w.world <= 1:
         return 0.0
-    buckets = gradient_buckets(cost.gradient_wire_bytes())
-    exposed = buckets[-1:] if cost.overlaps_communication() else buckets
-    return sum(min(cost.allreduce_s(b), cost.allreduce_lower_bound_s(b)) for b in exposed)
+    table = build_segments(cost.graph, cost, {g.key: g for g in cost.cluster.groups()})
+    fastest = collectives.fastest_bytes_per_s(cost.cluster, cost.measured_links())
+    beta = table.boundary_bytes
+    hop = w.least_weight * float(beta[:-1].min()) / fastest if table.size > 1 else math.inf
+    tensor = 2 * w.least_weight * batch * sum(x for fwd, bwd in table.tp_message_bytes() for x in fwd + bwd) / fastest
+    replicas = least_allreduce_s(cost, float(table.params.sum()) * cost.policy().reduce_bytes)
+    return min(hop, tensor, replicas)
 
 
-def unit_costs(cost) -> np.ndarray:
-    """``c_uk``: seconds per sample of each unit (rows) on each device kind (columns)."""
-    groups = cost.cluster.groups()
-    unit = segment_of_nodes(cost.graph) * 2
-    mask = expert_node_mask(cost.graph)
-    if mask is not None:
-        unit = unit + mask.astype(int)
-    size = int(unit.max()) + 1 if len(unit) else 0
-    return np.stack([np.bincount(unit, weights=cost.node_costs(g).fwd_c + cost.node_costs(g).bwd_c, minlength=size)
-                     for g in groups], axis=1)
+def expert_bound_s(cost, ep: EPProblem, w: Work) -> float:
+    """``min_μ [max(T_LP, μ·B·(c + c')) + κ(1 − μ)] + AR(G_rep) + min_k o_k/N``, or its form by
+    nodes where larger (:func:`lower_bound_s`)."""
+    measured = cost.measured_links()
+    routed, whole = ep.global_batch * ep.routed_bytes_per_sample, ep.global_batch * (
+        min(g.sample_s for g in ep.groups) + min(g.expert_sample_s for g in ep.groups))
+    kappa = routed / (2 * collectives.fastest_bytes_per_s(cost.cluster, measured) * w.world)
+    exchange = least_exchange_s(w.spread_s, whole, kappa, w.world)
+    nodes = [len(ranks) for ranks in ep.nodes]
+    if len(nodes) > 1:  # node j's NIC carries Φ_j(1 − X_j/E)·K at least
+        kappa = routed / (len(nodes) * collectives.nic_bytes_per_s(cost.cluster, measured))
+        exchange = max(exchange, least_exchange_s(w.spread_s, whole / max(nodes), kappa, len(nodes)))
+    grads = least_allreduce_s(cost, ep.replicated_params * cost.policy().reduce_bytes)
+    return exchange + grads + min(w.optimizer_s) / w.world
 
 
-def compute_bound_s(cost, batch: int) -> float:
-    """``max_λ Σ_u min_k λ_k·B·c_uk`` (:func:`lower_bound_s`), evaluated exactly at the LP's ``λ``."""
-    counts = np.array([len(g.ranks) for g in cost.cluster.groups()], dtype=float)
-    per_sample = unit_costs(cost)
-    per_sample = per_sample[per_sample.max(axis=1) > 0] if len(per_sample) else per_sample
-    if len(per_sample) == 0:
-        return 0.0
-    if len(counts) == 1:
-        return float(batch * per_sample.sum() / counts[0])
-    return certified(per_sample, counts, dual_weights(per_sample, counts), batch)
-
-
-def certified(per_sample: np.ndarray, counts: np.ndarray, weights: np.ndarray, batch: int) -> float:
-    """The dual objective ``Σ_u min_k λ_k·B·c_uk`` at ``λ`` scaled onto ``Σ_k λ_k N_k = 1``."""
-    lam = np.maximum(weights, 0.0)
-    if not lam.any():
-        lam = 1.0 / per_sample.sum(axis=0)  # proportional to each kind's rate: B / Σ_i (1/t_i)
-    lam = lam / float(lam @ counts)
-    return float(batch * np.min(per_sample * lam, axis=1).sum())
-
-
-def dual_weights(per_sample: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``λ`` maximising the dual (zeros where the LP fails: the caller then uses the
-    rate-proportional weights, still a valid bound)."""
-    import cvxpy as cp  # as data_parallel: cvxpy loads on first use
-
-    scale = float(per_sample.max())
-    lam, u = cp.Variable(per_sample.shape[1], nonneg=True), cp.Variable(per_sample.shape[0])
-    cons = [u <= per_sample[:, k] / scale * lam[k] for k in range(per_sample.shape[1])] + [counts @ lam == 1]
-    problem = cp.Problem(cp.Maximize(cp.sum(u)), cons)
-    try:
-        problem.solve(solver="HIGHS" if "HIGHS" in cp.installed_solvers() else None)
-    except cp.error.SolverError:
-        return np.zeros(per_sample.shape[1])
-    if problem.status not in ("optimal", "optimal_inaccurate") or lam.value is None:
-        return np.zeros(per_sample.shape[1])
-    return np.asarray(lam.value, dtype=float)
+def least_exchange_s(spread_s: float, whole_s: float, kappa: float, parts: int) -> float:
+    """``min_{μ ∈ [1/parts, 1]} max(spread_s, μ·whole_s) + κ(1 − μ)``: convex and piecewise linear
+    in ``μ``, so its least is at an end or where ``μ·whole_s`` meets ``spread_s``."""
+    turn = min(max(spread_s / whole_s, 1 / parts), 1.0) if whole_s > 0 else 1.0
+    return min(max(spread_s, mu * whole_s) + kappa * (1 - mu) for mu in (1 / parts, turn, 1.0))

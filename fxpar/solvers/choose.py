@@ -75,14 +75,18 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
         explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
                                                if value is None else
                        f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
-    explain.append(f"lower bound {p.lower_bound_s:.4g} s: " + (
-        "work over the summed device rates + the last gradient bucket's all-reduce + the optimizer "
-        "(data parallelism only" + ("; or sharded data parallelism's last reduce-scatter + its optimizer "
-                                    "share, whichever is smaller)" if "sharded_data_parallel" in p.strategies
-                                    else ")") if p.lower_bound_with_allreduce else
-        "work over the summed device rates, node by node + the optimizer (valid for every "
-        "strategy; no communication term)"))
+    explain.append(bound_line(p.lower_bound_s, p.lower_bound_by_family))
     return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
+
+
+def bound_line(bound_s: float, by_family: tuple[tuple[str, float], ...]) -> str:
+    """The explain line of the lower bound (:func:`fxpar.solvers.bounds.lower_bound_s`): what it
+    counts and each family's own bound."""
+    families = ", ".join(f"{name} {value:.4g} s" for name, value in by_family if name != "none")
+    if not families:
+        return f"lower bound {bound_s:.4g} s: work over the summed device rates + the optimizer (no family applies)"
+    return (f"lower bound {bound_s:.4g} s: the least of each family's work over the device rates + the "
+            f"communication none of its plans hides + the optimizer ({families})")
 
 
 def recorded_line(graph: ModelGraph) -> str:

@@ -10,13 +10,12 @@
     build_context      → PipelineContext: the segment table and the device kinds (when pipelines
                          are asked for and the model has repeated blocks)
     build_problem      → EPProblem (MoE models, more than one rank), or a reason it cannot run
-    lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the work LP's bound (work over
-                       the summed device rates, node by node) + the optimizer; where data
-                       parallelism is the only strategy that applies, B / Σ_i (1/t_i) + the last
-                       gradient bucket's all-reduce + the optimizer (sharded data parallelism
-                       among the strategies: the smaller of that and its own tail, the last
-                       reduce-scatter + its optimizer share; the optimizer term allowing the
-                       host CPU's rate where ranks may offload)
+    lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the least, over the families
+                       that can emit a plan (:func:`bound_families`: data parallelism where it
+                       fits memory, pipelines where the model has blocks, expert parallelism for
+                       a MoE model, sharded data parallelism on more than one rank), of each
+                       family's compute + the communication none of its plans hides + the
+                       optimizer (the host CPU's rate where sharded ranks may offload)
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from fxpar.sim.expert_sim import EPProblem
 from fxpar.sim.sharded_cost import may_offload
 from fxpar.solvers import data_parallel as dp
 from fxpar.solvers.baselines import dp_fits
-from fxpar.solvers.bounds import lower_bound_s
+from fxpar.solvers.bounds import family_bounds_s
 from fxpar.solvers.pipeline import PipelineContext, build_context
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
@@ -55,7 +54,7 @@ class Problems:
     #                                      exported graph that loses gradients (graph.lost_gradients)
     ep: EPProblem | str | None           # None: dense model or one rank; str: why EP cannot run
     lower_bound_s: float
-    lower_bound_with_allreduce: bool
+    lower_bound_by_family: tuple[tuple[str, float], ...]   # each bounded family's least step
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +133,23 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
            if "pipeline" in strategies and len(graph.layers) >= 1 and not graph.lost_gradients else None)
     ep = (build_problem(cost, workload.global_batch, workload.max_microbatches)
           if "expert_parallel" in strategies and cluster.world_size > 1 else None)
-    sharded = "sharded_data_parallel" in strategies and cluster.world_size > 1
-    with_allreduce = dp_only or (ctx is None and not isinstance(ep, EPProblem))
+    fits = dp_fits(problem) and workload.global_batch >= cluster.world_size
+    families = bound_families(strategies, cluster, dp_fits=fits, pipeline=ctx, ep=ep)
+    offload = "sharded_data_parallel" in families and any(may_offload(cluster, g.ranks) for g in cluster.groups())
+    by_family = family_bounds_s(cost, workload.global_batch, families, host_optimizer=offload)
     return Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
-                    dp=problem, dp_fits=dp_fits(problem) and workload.global_batch >= cluster.world_size,
-                    pipeline=ctx, ep=ep,
-                    lower_bound_s=lower_bound_s(
-                        cost, workload.global_batch, data_parallel_only=with_allreduce,
-                        host_optimizer=sharded and any(may_offload(cluster, g.ranks) for g in cluster.groups()),
-                        families=tuple(s for s in strategies if s in ("data_parallel", "sharded_data_parallel"))),
-                    lower_bound_with_allreduce=with_allreduce)
+                    dp=problem, dp_fits=fits, pipeline=ctx, ep=ep,
+                    lower_bound_s=min(by_family.values()),   # bounds.lower_bound_s, its terms kept
+                    lower_bound_by_family=tuple(by_family.items()))
+
+
+def bound_families(strategies: tuple[str, ...], cluster, *, dp_fits: bool, pipeline: PipelineContext | None,
+                   ep: EPProblem | str | None) -> tuple[str, ...]:
+    """The families that can emit a plan, the lower bound's minimum runs over
+    (:func:`fxpar.solvers.bounds.lower_bound_s`): data parallelism asked for and fitting memory,
+    pipelines with a context, expert parallelism with a problem, sharded data parallelism asked
+    for on more than one rank."""
+    can = {"data_parallel": "data_parallel" in strategies and dp_fits, "pipeline": pipeline is not None,
+           "expert_parallel": isinstance(ep, EPProblem),
+           "sharded_data_parallel": "sharded_data_parallel" in strategies and cluster.world_size > 1}
+    return tuple(family for family, ok in can.items() if ok)
