@@ -205,7 +205,9 @@ def plan_regret(pr: dict) -> list[str]:
              "and, for comparison, by the catalog alone ('catalog error'; `choice_catalog` is the planner's pick "
              "without calibration). Regret is the choice's measured step over the fastest arm's, none when within "
              f"the measured spread. Max regret of the calibrated choice: {ratio(summary.get('max_regret'))} "
-             f"(catalog pick: {ratio(summary.get('max_regret_catalog'))}); mean |prediction error| "
+             f"(catalog pick: {ratio(summary.get('max_regret_catalog'))}; without the spread allowance: "
+             f"{ratio(max((r.get('raw_ratio_choice') or 0.0 for r in pr.get('results', [])), default=None))}); "
+             "mean |prediction error| "
              f"{pct(summary.get('mean_abs_prediction_error'))} (catalog "
              f"{pct(summary.get('mean_abs_prediction_error_catalog'))})."]
     return lines + ["", table(pr)]
