@@ -12,7 +12,7 @@ from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.checkpoint.reshard import Holding, intersect, plan_transfers, volume
 from fxpar.errors import CheckpointError, ConfigError
 from tests.parity import check_loss, check_trajectory, expect
-from tests.workers_adapt import switch_parity
+from tests.workers_adapt import decision_error_is_a_keep, switch_parity
 
 #: the issue's bound on the AdamW trajectory gap after a switch (‖w − w_ref‖ / ‖w_ref − w₀‖)
 SWITCH_TRAJECTORY_GAP = 1e-3
@@ -274,3 +274,12 @@ def test_the_clock_times_gpu_segments_with_cuda_events():
     torch.cuda.synchronize(device)
     expected = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
     assert clock.device_busy_s() == pytest.approx(expected) and expected > 0
+
+@pytest.mark.full
+def test_an_error_in_rank_0s_decision_is_a_keep_on_every_rank(pool2):
+    """Issue #39, item 5: an error that is not fxpar's while rank 0 decides reaches every rank as
+    a "keep" naming it, instead of leaving the others at the decision's broadcast."""
+    events = pool2.run(decision_error_is_a_keep)
+    for event in events:
+        assert event["kind"] == "decision" and not event["switch"], event
+        assert "ValueError: a solver bug" in event["reason"], event

@@ -120,3 +120,20 @@ def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     out["events"] = pm.events
     return out
+
+
+def decision_error_is_a_keep() -> dict[str, Any]:
+    """Rank 0's decision raises an error that is not fxpar's: every rank gets a "keep" that names
+    it (no rank is left waiting at the decision's broadcast)."""
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    data = global_batch(model, BATCH, SEQ, seed=1)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data, global_batch=BATCH,
+                    strategies=["data_parallel"], adapt=True)
+
+    def broken(factors):
+        raise ValueError("a solver bug")
+
+    if dist.get_rank() == 0:
+        pm._decide = broken
+    pm._consider((1.0, 0.5))
+    return pm.events[-1]

@@ -185,8 +185,11 @@ class AdaptiveModule(torch.nn.Module):
         if self.rank == 0:
             try:
                 payload[0] = self._decide(factors)
-            except FxparError as exc:  # e.g. no plan fits the derated cluster: keep this one
-                payload[0] = Decision(switch=False, reason=f"re-planning failed ({exc})", factors=tuple(factors),
+            except Exception as exc:  # noqa: BLE001 -- any error here must reach every rank as a
+                # "keep" (e.g. no plan fits the derated cluster), or the others wait at the broadcast
+                # below until the group's timeout
+                why = str(exc) if isinstance(exc, FxparError) else f"{type(exc).__name__}: {exc}"
+                payload[0] = Decision(switch=False, reason=f"re-planning failed ({why})", factors=tuple(factors),
                                       keep_step_s=float("nan"), new_step_s=float("nan"), migrate_s=float("nan"),
                                       horizon_steps=0, replan_s=0.0, old_kind=plan_kind(self.plan),
                                       new_kind="-", plan=None)
