@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +178,25 @@ def _adaptive(module: torch.nn.Module, adapt: Any, template: torch.nn.Module, pr
     keeps the graph and cost model it re-plans from."""
     planning = Planning(graph=pricing.graph if pricing else None, cluster=cluster, workload=workload,
                         profiles=pricing.profiles if pricing else None)
-    options = adapt if isinstance(adapt, Adapt) else Adapt(policy=policy)
+    options = adapt_options(adapt, policy)
     return AdaptiveModule(module, planning=planning, template=template, example_inputs=example_inputs,
                           build_options=build_options, device=device, rank=rank, options=options)
+
+
+def adapt_options(adapt: Any, auto_policy: AdaptPolicy) -> Adapt:
+    """The :class:`Adapt` a re-plan follows: the user's (``adapt=True``: the defaults), its policy
+    within what ``auto`` was asked for (``auto_policy``: its ``strategies=`` and
+    ``max_tensor_parallel=``): the families both allow, the smaller tensor-parallel cap."""
+    options = adapt if isinstance(adapt, Adapt) else Adapt()
+    mine, asked = options.policy, auto_policy.strategies
+    strategies = mine.strategies if asked is None else (
+        asked if mine.strategies is None else tuple(s for s in mine.strategies if s in asked))
+    if strategies == ():
+        raise ConfigError(f"fxpar.auto: adapt's AdaptPolicy.strategies {list(mine.strategies or ())} and auto's "
+                          f"strategies= {list(asked or ())} share no family; re-planning could offer nothing. "
+                          "Give them a family in common, or leave one of them out")
+    return replace(options, policy=replace(mine, strategies=strategies, max_tensor_parallel=min(
+        mine.max_tensor_parallel, auto_policy.max_tensor_parallel)))
 
 
 def _check_adapt(adapt: Any, plan: Plan | None) -> None:
@@ -199,6 +216,10 @@ def _check_auto_args(model: Any, device: torch.device | str | None, *, group: An
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
     api_checks.check_options(group=group, **options)
+    if adapt:   # adapt's policy within auto's strategies (a ConfigError where they share none)
+        strategies = options.get("strategies")
+        adapt_options(adapt, AdaptPolicy(strategies=tuple(strategies) if strategies else None,
+                                         max_tensor_parallel=options["max_tensor_parallel"]))
     if device is not None:
         rank_device(device, group=group)  # a bad device option fails before any tracing
     check_model_devices(model)

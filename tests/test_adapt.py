@@ -283,3 +283,19 @@ def test_an_error_in_rank_0s_decision_is_a_keep_on_every_rank(pool2):
     for event in events:
         assert event["kind"] == "decision" and not event["switch"], event
         assert "ValueError: a solver bug" in event["reason"], event
+
+
+def test_adapt_replans_within_autos_strategies_and_tensor_parallel_cap():
+    """Issue #39, item 5: a user's Adapt honours auto's strategies= and max_tensor_parallel=
+    (the families both allow, the smaller cap), and the two sharing no family is a clear error."""
+    from fxpar.adapt import Adapt, AdaptPolicy
+    from fxpar.api import adapt_options
+
+    asked = AdaptPolicy(strategies=("data_parallel", "pipeline"), max_tensor_parallel=2)
+    assert adapt_options(True, asked).policy.strategies == ("data_parallel", "pipeline")
+    mine = Adapt(policy=AdaptPolicy(strategies=("pipeline", "expert_parallel"), min_gain=0.2))
+    merged = adapt_options(mine, asked).policy
+    assert merged.strategies == ("pipeline",) and merged.max_tensor_parallel == 2 and merged.min_gain == 0.2
+    assert adapt_options(mine, AdaptPolicy()).policy.strategies == ("pipeline", "expert_parallel")
+    with pytest.raises(ConfigError, match="share no family"):
+        adapt_options(Adapt(policy=AdaptPolicy(strategies=("expert_parallel",))), asked)
