@@ -225,3 +225,13 @@ def is_compile_error(exc: BaseException) -> bool:
 def dispatch_recorder_base() -> type:
     """``TorchDispatchMode``, the base class of :mod:`fxpar.tracing.recorded`'s op recorder."""
     return TorchDispatchMode
+
+
+def live_process_groups() -> int:
+    """How many process groups this process holds alive (the default one included).  torch has
+    no public count (its group *counter* only grows); ``distributed_c10d._world.pg_map`` maps
+    each live group to its backend and loses an entry at ``destroy_process_group``.  For tests
+    and leak checks only."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)

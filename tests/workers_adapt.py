@@ -137,3 +137,45 @@ def decision_error_is_a_keep() -> dict[str, Any]:
         pm._decide = broken
     pm._consider((1.0, 0.5))
     return pm.events[-1]
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage this process holds (after a collection)."""
+    import gc
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        except (RuntimeError, ReferenceError):
+            continue
+    return sum(seen.values())
+
+
+def leaks_over_switches(switches: int = 10) -> dict[str, Any]:
+    """Switch a data-parallel start to "pp", then alternate "sharded" / "pp" (``switches`` in
+    all), one AdamW step after each; the live process groups and tensor bytes after every switch."""
+    from fxpar.compat import live_process_groups
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    template = meta_template(model)
+    data = global_batch(model, BATCH, SEQ, seed=1)
+    cluster = fxpar.Cluster.emulated([1.0, 0.6][:world])
+    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"])
+    del model
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    out: dict[str, Any] = {"rank": rank, "groups": [], "bytes": []}
+    for k in range(switches):
+        plan = _plan("pp" if k % 2 == 0 else "sharded", template, cluster, world)
+        pm, _ = switch_module(pm, opt, plan, template, rank=rank, example_inputs=data, device=torch.device("cpu"),
+                              build_options=dict(group=None, loss_fn=None, loss_weighting="auto", emulate=False))
+        pm.step(data)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        out["groups"].append(live_process_groups())
+        out["bytes"].append(_live_tensor_bytes())
+    return out

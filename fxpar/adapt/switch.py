@@ -13,6 +13,9 @@
    tensors.  ZeRO-1 optimizers (``ZeroRedundancyOptimizer``) are refused.
 4. **RNG.**  The host and CUDA generators are saved before and restored after, so the run
    goes on with the random stream it had (dropout masks, sampling routers).
+5. **Release.**  The old module's process groups (those its build made,
+   :func:`fxpar.runtime.distributed.group_scope`) are destroyed once the state has moved, so
+   switching back and forth leaves no communicator of a replaced plan alive.
 
 ``migrate_s`` counts all of it: from the last old step to the first new one.
 """
@@ -36,6 +39,7 @@ from fxpar.checkpoint.reshard_move import reshard
 from fxpar.codegen.common.materialize import Uninitialised
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
+from fxpar.runtime.distributed import release_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +117,7 @@ def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         _regroup(optimizer, new_layout, groups)
     stats = reshard(old_layout, old_view, new_layout, optimizer, device)  # type: ignore[arg-type]
     _set_rng_state(rng)
+    release_groups(getattr(old, "fxpar_groups", []))   # the old plan's communicators: nothing runs on them now
     done = time.perf_counter()
     held = sum(lp.param.numel() * lp.param.element_size() for lp in new_layout.params)
     if optimizer is not None:

@@ -210,7 +210,37 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
     timeout = collective_timeout()
     if timeout is not None:
         kwargs.setdefault("timeout", timeout)
-    return dist.new_group(ranks=ranks, **kwargs)
+    group = dist.new_group(ranks=ranks, **kwargs)
+    for made in _SCOPES:
+        made.append(group)
+    return group
+
+
+_SCOPES: list[list[Any]] = []
+
+
+@contextlib.contextmanager
+def group_scope() -> Iterator[list[Any]]:
+    """Every process group :func:`new_group` makes inside the block, in creation order: what a
+    plan's build owns, released with it (:func:`release_groups`) when a switch replaces it."""
+    made: list[Any] = []
+    _SCOPES.append(made)
+    try:
+        yield made
+    finally:
+        _SCOPES.remove(made)
+
+
+def release_groups(groups: list[Any]) -> None:
+    """Destroy ``groups`` (a replaced plan's, :func:`group_scope`) on this rank, so no
+    communicator of a plan that no longer runs stays alive; every rank releases the same ones,
+    as it made them.  A group this rank is not a member of is nothing to destroy."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+    groups.clear()
 
 
 def host_group(group: Any = None) -> Any:
