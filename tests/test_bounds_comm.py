@@ -246,6 +246,7 @@ def test_each_familys_bound_holds_for_pinned_hand_plans(instance):
     check_hand_plan(instance)
 
 
+@pytest.mark.full  # the quick tier keeps the pinned plans of every family (its 300 s budget)
 def test_each_familys_bound_holds_for_random_hand_plans():
     start = time.perf_counter()
     _few()

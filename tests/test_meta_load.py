@@ -79,7 +79,7 @@ def _check(results: list[dict], ranks: int) -> None:
 @multirank
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.full)],  # quick: one file
                          ids=["single-file", "sharded-index"])
-@pytest.mark.parametrize("kind", ["dp", "pp", "pp_tp", "ep"])
+@pytest.mark.parametrize("kind", ["dp", pytest.param("pp", marks=pytest.mark.full), "pp_tp", "ep"])  # quick: pp_tp covers pp
 def test_checkpoint_parity(kind, sharded, tmp_path, request):
     family, layers, ranks = CASES[kind]
     pool = request.getfixturevalue(f"pool{ranks}")

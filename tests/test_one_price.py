@@ -121,7 +121,7 @@ def _comm(pred) -> float:
     return pred.tensor_parallel_s + pred.allreduce_s + pred.gather_s + pred.alltoall_s + pred.hop_s
 
 
-@pytest.mark.parametrize("device", ["gpu", "cpu"])
+@pytest.mark.parametrize("device", [pytest.param("gpu", marks=pytest.mark.full), "cpu"])  # quick: the CPU cluster
 def test_twice_the_bandwidth_halves_every_familys_communication(device, monkeypatch):
     """No latency (α = 0) and no overlap (the GPU's profile says so; CPU ranks have none): every
     family's communication is bytes over bandwidths, in sums and maxima, so it halves exactly."""
