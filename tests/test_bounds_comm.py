@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
@@ -248,9 +247,7 @@ def test_each_familys_bound_holds_for_pinned_hand_plans(instance):
 
 @pytest.mark.full  # the quick tier keeps the pinned plans of every family (its 300 s budget)
 def test_each_familys_bound_holds_for_random_hand_plans():
-    start = time.perf_counter()
     _few()
-    assert time.perf_counter() - start < 60
 
 
 @pytest.mark.full  # 400 random hand plans (~15 s)
