@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -193,17 +192,8 @@ def plan_line(plan: Plan) -> str:
 
 
 def same_plan(a: str, b: str) -> bool:
-    """Whether two plans (JSON) run the same: equal but for what priced them."""
-    strip = ("lower_bound_s", "explain", "baselines", "solver", "cost_source")
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if k not in strip and not k.startswith("predicted")}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    return clean(json.loads(a)) == clean(json.loads(b))
+    """Whether two plans (JSON) run the same: equal but for what priced them (:meth:`Plan.layout`)."""
+    return Plan.from_json(a).same_layout(Plan.from_json(b))
 
 
 def mark_repeats(arms: dict[str, Any]) -> None:

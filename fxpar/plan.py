@@ -133,6 +133,10 @@ class CollectiveChoice:
         check_collective(self)
 
 
+#: plan fields that say what priced or explains a plan, not what it runs (:meth:`Plan.layout`)
+_NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cost_source", "measured_speeds"})
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A complete parallel plan with its predictions; see the module docstring."""
@@ -227,6 +231,20 @@ class Plan:
         start = self.batch_offsets()[rank]
         stop = start + self.ranks[rank].batch_share
         return _slice_batch(batch, start, stop, self.global_batch)
+
+    def layout(self) -> dict[str, Any]:
+        """What the plan *runs* (its family, splits, cuts, widths, state split, micro-batches,
+        schedule, offload, dtype policy), as plain data: :meth:`to_dict` without what priced or
+        explains it (predictions, bounds, baselines, solver report, cost source, explanations)."""
+        def clean(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: clean(v) for k, v in value.items() if k not in _NOT_LAYOUT and not k.startswith("predicted")}
+            return [clean(v) for v in value] if isinstance(value, (list, tuple)) else value
+        return clean(self.to_dict(timings=False))
+
+    def same_layout(self, other: "Plan") -> bool:
+        """Whether two plans run alike (:meth:`layout`), whatever priced them."""
+        return self.layout() == other.layout()
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_dict(self, *, timings: bool = True) -> dict[str, Any]:

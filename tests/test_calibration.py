@@ -242,6 +242,28 @@ def test_calibrated_runtime_costs_are_priced(small):
     assert b.step_s - a.step_s == pytest.approx(calls * 1e-3, rel=1e-9)
 
 
+def test_a_calibrated_expert_call_cost_is_priced_per_synchronising_call():
+    """Each MoE layer's count all-gather and its four all-to-alls (dispatch and combine, forward
+    and backward) cost the calibrated ``expert_call_s`` once per micro-batch."""
+    from fxpar.codegen.hand_plans import expert_parallel_plan
+
+    config = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  vocab_size=128, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                  num_experts_per_tok=2, max_position_embeddings=64)
+    model = build_model(ModelSpec(hf_config=config), device="cpu", seed=0, attn_implementation="eager")
+    batch = example_inputs(model, 8, 16, seed=1)
+    graph = trace(model, {k: v[:1] for k, v in batch.items()})
+    cluster = Cluster.emulated([1.0, 1.0])
+    plain = with_calibration(None, fixed_calibration())
+    costly = with_calibration(None, dataclasses.replace(fixed_calibration(), expert_call_s=1e-3))
+    for micro in (1, 2):
+        plan = expert_parallel_plan(model, cluster, global_batch=8, seq_len=16, expert_split=[2, 2],
+                                    batch_shares=[4, 4], num_microbatches=micro)
+        a = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=plain))
+        b = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=costly))
+        assert b.step_s - a.step_s == pytest.approx(micro * 2 * 5 * 1e-3, rel=1e-9)
+
+
 def test_a_link_measured_on_other_ranks_prices_nothing(small):
     """Links measured on 2 ranks do not price a 4-rank group: the formula does."""
     _, _, graph = small
@@ -302,6 +324,7 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
     assert set(db.links) == set(collectives.LINK_KINDS) and all(link.world == 2 for link in db.links.values())
     assert isinstance(db.overlap, bool) and "gloo x2" in db.calibration
     assert db.sharded_call_s is not None and db.sharded_call_s >= 0 and db.pipeline_op_s is not None
+    assert db.expert_call_s is not None and db.expert_call_s >= 0
     assert all(len(link.points) == 7 for link in db.links.values())
     assert db.ops[optimizer_key("adamw", "fp32")].fwd[1] > 0
     cached = list((tmp_path / "cache" / "fxpar" / "calibration").glob("*.json"))
@@ -330,7 +353,7 @@ def test_the_runtime_probe_runs_on_three_ranks(pool3):
         k: dataclasses.replace(v, world=3) for k, v in fixed_calibration().links.items()})
     results = pool3.run(_probe_on_rank, cal.to_dict())
     assert results[0] == results[1] == results[2]
-    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s"}
+    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s", "expert_call_s"}
     assert all(v is not None and v >= 0 for v in results[0].values())
 
 

@@ -184,9 +184,11 @@ def describe(db: ProfileDB) -> str:
                      f"({link.world} ranks)")
     if db.overlap is not None:
         lines.append(f"communication {'overlaps' if db.overlap else 'does not overlap'} compute")
-    if db.sharded_call_s is not None and db.pipeline_op_s is not None:
-        lines.append(f"fxpar's runtime: {db.sharded_call_s * 1e6:.0f} us per sharded collective call, "
-                     f"{db.pipeline_op_s * 1e6:.0f} us per pipeline schedule op")
+    runtime = [f"{v * 1e6:.0f} us per {what}" for v, what in (
+        (db.sharded_call_s, "sharded collective call"), (db.pipeline_op_s, "pipeline schedule op"),
+        (db.expert_call_s, "expert-parallel call")) if v is not None]
+    if runtime:
+        lines.append("fxpar's runtime: " + ", ".join(runtime))
     return "\n".join(lines)
 
 

@@ -247,7 +247,8 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
         runtime = probe_overheads(db, device, group)
         say("fxpar's runtime: " + ", ".join("not measured" if v is None else f"{v * 1e6:.0f} us per {what}"
                                             for v, what in ((runtime["sharded_call_s"], "sharded collective call"),
-                                                            (runtime["pipeline_op_s"], "pipeline schedule op"))))
+                                                            (runtime["pipeline_op_s"], "pipeline schedule op"),
+                                                            (runtime["expert_call_s"], "expert-parallel call"))))
         db = replace(db, **runtime)
     seconds = time.perf_counter() - start
     db = replace(db, calibration=(f"calibrated on {machine_name(device)}, {backend} x{world}, "

@@ -1,7 +1,9 @@
 """The fixed costs of fxpar's own runtimes that no op and no collective of the cost model covers:
 per collective call of a sharded unit (packing the shards, unpacking the gathered bytes, the
-hooks that launch and wait) and per schedule op of a pipeline stage (a micro-batch's forward or
-backward on one stage: its send and receive bookkeeping and the schedule's own Python).
+hooks that launch and wait), per schedule op of a pipeline stage (a micro-batch's forward or
+backward on one stage: its send and receive bookkeeping and the schedule's own Python) and per
+synchronising call of an expert-parallel layer (the count all-gather and its host read, each
+dispatch or combine all-to-all: on ranks sharing cores, the wait for the slowest rank at each).
 
 Measured on the calibration's group (every rank, ``W`` of them) with a probe model that is none
 of the benchmarks' (:data:`PROBE`: a Llama of ``max(4, W)`` blocks, hidden 64, vocabulary 128, at 2
@@ -14,6 +16,10 @@ cluster of the calibrated device type), data parallelism is the reference, so wh
 misses of the model's own compute cancels, and so does a slow moment of a shared machine:
 
     sharded_call_s = max(0, (D_z − (P_z − P_dp)) / ∂P_z)      pipeline_op_s = max(0, (D_pp − (P_pp − P_dp)) / ∂P_pp)
+    expert_call_s  = max(0, (D_ep − (P_ep − P_dp)) / ∂P_ep)
+
+Expert parallelism is probed the same way on a MoE probe (:data:`MOE_PROBE`: a Mixtral of 2 blocks,
+``2 W`` experts, top 2, at the same samples per rank), against data parallelism of that model.
 
 ``∂P`` is how many seconds the priced step grows per second of the overhead (the simulator priced
 with the overhead at 1 ms, less without it, over 1 ms): the calls or ops on the step's critical
@@ -33,7 +39,7 @@ import torch.distributed as dist
 
 from fxpar.build import build_module
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import FxparError
 from fxpar.plan import Plan
@@ -48,7 +54,11 @@ from fxpar.workload import Workload
 
 PROBE = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=128,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+MOE_PROBE = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
 SAMPLES_PER_RANK, SEQ = 2, 16
+#: the overheads this probe measures (ProfileDB fields), with the plan that shows each
+MEASURED = {"sharded_call_s": "zero3", "pipeline_op_s": "pipeline", "expert_call_s": "ep"}
 #: the overhead the sensitivity ``∂P`` is priced with (module docstring)
 NUDGE_S = 1e-3
 WARMUP, STEPS = 3, 12
@@ -82,37 +92,63 @@ def _paired_steps(model: torch.nn.Module, plans: dict[str, Plan], batch: dict, d
 
 
 def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = None) -> dict[str, float | None]:
-    """``{"sharded_call_s", "pipeline_op_s"}`` measured on the running group (a collective call;
-    module docstring).  ``calibration``: the rates and links measured so far (they price ``P``)."""
+    """:data:`MEASURED`'s overheads measured on the running group (a collective call; module
+    docstring).  ``calibration``: the rates and links measured so far (they price ``P``)."""
     world = dist.get_world_size(group)
-    model = build_model(ModelSpec(hf_config=dict(PROBE, num_hidden_layers=max(4, world))), device="cpu", seed=0,
-                        attn_implementation="eager").train()
-    batch = example_inputs(model, SAMPLES_PER_RANK * world, SEQ, seed=1)
-    graph = trace(model, {k: v[:1] for k, v in batch.items()})
     cluster = _cluster(calibration.device_type, world)
-    workload = Workload(global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ, optimizer="adamw")
-    try:
-        plans = {
-            "dp": solve_plan(graph, cluster, workload, strategies=("data_parallel",)),
-            "zero3": sharded_data_parallel_plan(cluster, batch_split=[SAMPLES_PER_RANK] * world,
+    out: dict[str, float | None] = dict.fromkeys(MEASURED)
+    dense = _probe_model(dict(PROBE, num_hidden_layers=max(4, world)), world)
+    moe = _probe_model(dict(MOE_PROBE, num_local_experts=2 * world), world)
+    for (model, batch, graph), arms in ((dense, _dense_arms), (moe, _expert_arms)):
+        try:
+            plans = {"dp": solve_plan(graph, cluster, Workload(global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
+                                                               optimizer="adamw"), strategies=("data_parallel",)),
+                     **arms(model, graph, cluster)}
+        except FxparError:   # every rank alike (the same model and cluster): these stay unmeasured
+            continue
+        over_dp = _paired_steps(model, plans, batch, device, group)
+        out.update(_per_unit(calibration, graph, cluster, plans, over_dp))
+    return out
+
+
+def _probe_model(config: dict, world: int) -> tuple[torch.nn.Module, dict, Any]:
+    model = build_model(ModelSpec(hf_config=config), device="cpu", seed=0, attn_implementation="eager").train()
+    batch = example_inputs(model, SAMPLES_PER_RANK * world, SEQ, seed=1)
+    return model, batch, trace(model, {k: v[:1] for k, v in batch.items()})
+
+
+def _dense_arms(model: torch.nn.Module, graph: Any, cluster: Cluster) -> dict[str, Plan]:
+    world = cluster.world_size
+    return {"zero3": sharded_data_parallel_plan(cluster, batch_split=[SAMPLES_PER_RANK] * world,
                                                 state_split=[1] * world, shard_stage=3, model=graph.model_name,
                                                 seq_len=SEQ),
             "pipeline": pipeline_plan(model, cluster, global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
-                                      blocks_per_stage=_even(len(graph.layers), world), num_microbatches=world),
-        }
-    except FxparError:   # every rank alike (the same model and cluster): nothing measured
-        return {"sharded_call_s": None, "pipeline_op_s": None}
-    over_dp = _paired_steps(model, plans, batch, device, group)
+                                      blocks_per_stage=_even(len(graph.layers), world), num_microbatches=world)}
+
+
+def _expert_arms(model: torch.nn.Module, graph: Any, cluster: Cluster) -> dict[str, Plan]:
+    world = cluster.world_size
+    return {"ep": expert_parallel_plan(model, cluster, global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
+                                       expert_split=[2] * world, batch_shares=[SAMPLES_PER_RANK] * world)}
+
+
+def _per_unit(calibration: ProfileDB, graph: Any, cluster: Cluster, plans: dict[str, Plan],
+              over_dp: dict[str, float]) -> dict[str, float | None]:
+    """Each measured arm's overhead per unit (module docstring): what data parallelism's step
+    leaves unpriced, over the units on the priced step's critical path."""
+    zero = dict.fromkeys(MEASURED, 0.0)
 
     def priced(plan: Plan, **nudge: float) -> float:
-        db = replace(calibration, **nudge)
+        db = replace(calibration, **{**zero, **nudge})
         return simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles={db.device_type: db})).step_s
 
     out: dict[str, float | None] = {}
-    for name, key in (("zero3", "sharded_call_s"), ("pipeline", "pipeline_op_s")):
-        base = priced(plans[name], sharded_call_s=0.0, pipeline_op_s=0.0)
-        slope = (priced(plans[name], **{"sharded_call_s": 0.0, "pipeline_op_s": 0.0, key: NUDGE_S}) - base) / NUDGE_S
-        unpriced = over_dp[name] - (base - priced(plans["dp"], sharded_call_s=0.0, pipeline_op_s=0.0))
+    for key, name in MEASURED.items():
+        if name not in plans:
+            continue
+        base = priced(plans[name])
+        slope = (priced(plans[name], **{key: NUDGE_S}) - base) / NUDGE_S
+        unpriced = over_dp[name] - (base - priced(plans["dp"]))
         out[key] = max(0.0, unpriced / slope) if slope > 0 else None
     return out
 

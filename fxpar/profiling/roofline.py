@@ -287,8 +287,9 @@ class CostModel:
         return link if link is not None and link.world == len(devices) else None
 
     def runtime_overhead(self, name: str, ranks=None) -> float:
-        """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``) of these devices
-        when they are of one calibrated type, else 0 (:mod:`fxpar.calibrate.runtime_probe`)."""
+        """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``, ``"expert_call_s"``)
+        of these devices when they are of one calibrated type, else 0
+        (:mod:`fxpar.calibrate.runtime_probe`)."""
         devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
         types = {d.type.name for d in devices}
         db = self.profiles.get(types.pop()) if len(types) == 1 else None

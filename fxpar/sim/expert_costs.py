@@ -100,7 +100,8 @@ def build_problem(cost, global_batch: int, max_microbatches: int | None = None) 
         groups=tuple(groups), nodes=tuple(tuple(nodes[j]) for j in order),
         intra_s_per_byte=intra_s_per_byte, nic_s_per_byte=nic_s_per_byte,
         global_batch=global_batch, num_experts=E, routed_bytes_per_sample=D,
-        a2a_fixed_s=layers * (PASSES * a2a_alpha + network.allgather_s(8.0 * N * E)),
+        a2a_fixed_s=layers * (PASSES * a2a_alpha + network.allgather_s(8.0 * N * E)
+                              + (PASSES + 1) * cost.runtime_overhead("expert_call_s")),
         state_bytes=state(P) + (grads if N > 1 else 0), expert_state_bytes=state(expert_total // E),
         activation_bytes_per_sample=(cost.activation_bytes_per_sample() - saved_x
                                      + cost.transient_bytes_per_sample()),

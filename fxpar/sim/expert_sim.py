@@ -19,7 +19,9 @@ Data (per device group ``g`` = type, speed, memory; from the CostModel by
     a, a'         activation bytes per sample: replicated part (+ backward workspace), expert part
     D             bytes one sample moves through all all-to-alls of a step: its assignments ×
                   hidden × itemsize × MoE layers × 4 (dispatch + combine, forward + backward)
-    α             per micro-batch: 4 all-to-all latencies + 1 count all-gather per MoE layer
+    α             per micro-batch: 4 all-to-all latencies + 1 count all-gather per MoE layer,
+                  and the runtime's calibrated cost of each of these 5 synchronising calls
+                  (``expert_call_s``, :mod:`fxpar.calibrate.runtime_probe`)
     β_j, β_nic    seconds per byte of node j's intra-node link (per device) and of a node's NIC
     AR            all-reduce of the replicated gradients only (expert gradients stay local)
     B, E, k       global batch, experts per layer, micro-batches (the same k on every rank)
