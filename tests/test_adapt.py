@@ -11,6 +11,7 @@ import torch
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.checkpoint.reshard import Holding, intersect, plan_transfers, volume
 from fxpar.errors import CheckpointError, ConfigError
+from fxpar.solvers import plan as solve_plan
 from tests.parity import check_loss, check_trajectory, expect
 from tests.workers_adapt import decision_error_is_a_keep, leaks_over_switches, switch_parity
 
@@ -245,12 +246,34 @@ def test_the_clock_accumulates_busy_time_across_steps_and_segments():
     from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 
     clock = SegmentClock(SpeedEmulator(1.0))
+    x = torch.randn(256, 256)
     for _ in range(2):
         clock.start()
+        for _ in range(20):
+            x = torch.tanh(x @ x)
         clock.collective(lambda: None)
         clock.stop()
     assert clock.device_busy_s() == clock.busy_total_s > 0
-    assert clock.busy_total_s >= clock.compute_s
+
+
+def test_a_cpu_ranks_busy_time_is_its_cpu_time_not_time_it_was_descheduled():
+    """Issue #39, item 1: on a CPU the clock's busy time is the process's CPU time in the compute
+    segments (plus the emulated sleep), so a rank that waits for a core shared with other ranks is
+    not seen as a slower device; the emulated sleep still counts."""
+    import time
+
+    from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+
+    clock = SegmentClock(SpeedEmulator(1.0))
+    clock.start()
+    time.sleep(0.05)            # off the core, as a descheduled rank is
+    clock.stop()
+    assert clock.compute_s >= 0.05 and clock.busy_total_s < 0.01
+    slow = SegmentClock(SpeedEmulator(0.5))
+    slow.start()
+    time.sleep(0.02)
+    slow.stop()
+    assert slow.emulation_s >= 0.02 and slow.busy_total_s >= slow.emulation_s
 
 
 @pytest.mark.gpu
@@ -310,3 +333,111 @@ def test_switching_back_and_forth_leaks_no_process_group(pool2):
     refers to): not asserted until that leak is found (the closing note of 2026-11-28)."""
     for r in pool2.run(leaks_over_switches, 10):
         assert r["groups"][9] == r["groups"][1], r["groups"]
+
+
+@pytest.mark.full
+@pytest.mark.multirank
+def test_a_switch_that_measures_slower_is_rolled_back_with_parity(pool2):
+    """Issue #39, items 1 and 2: ``pm.switch_to`` a pipeline runs the decision's path (after the
+    optimizer's step); the pipeline's modeled step (0.3 s) is more than ``min_gain`` over the
+    0.1 s measured before, so once the detector has calibrated on it (2 steps) it is rolled back
+    to data parallelism.  Every step's loss equals one process's and the weights stay on its
+    trajectory through both switches."""
+    from tests.workers_adapt import rollback_run
+
+    for r in pool2.run(rollback_run, 12, 5):
+        assert r["kinds"] == ["data_parallel"] * 5 + ["pipeline"] * 2 + ["data_parallel"] * 5, r["kinds"]
+        kinds = [e["kind"] for e in r["events"]]
+        assert kinds == ["switch", "trial", "rollback"], r["events"]
+        trial = r["events"][1]
+        # the modeled walls plus the optimizer's measured step
+        assert trial["rolled_back"] and 0.1 <= trial["step_before_s"] < 0.3 <= trial["measured_step_s"]
+        for k, (loss, ref) in enumerate(r["losses"]):
+            expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
+        expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")
+        assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
+
+
+def _small_planning():
+    from fxpar.tracing import trace
+    from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+    from tests.workers_adapt import CONFIG
+
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager")
+    batch = example_inputs(model, 8, 16, seed=1)
+    return model, trace(model, {k: v[:1] for k, v in batch.items()})
+
+
+def test_plans_are_compared_by_layout_not_by_a_short_name():
+    """Issue #39, item 1: two pipelines with other cuts share a ``plan_kind`` but not a layout;
+    what priced or explains a plan is not part of it."""
+    import dataclasses
+
+    import fxpar
+    from fxpar.adapt.decide import plan_kind
+    from fxpar.codegen.hand_plans import pipeline_plan
+
+    model, _ = _small_planning()
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    a = pipeline_plan(model, cluster, global_batch=8, blocks_per_stage=[2, 2], num_microbatches=2)
+    b = pipeline_plan(model, cluster, global_batch=8, blocks_per_stage=[3, 1], num_microbatches=2)
+    assert plan_kind(a) == plan_kind(b) and not a.same_layout(b)
+    priced = dataclasses.replace(a, predicted_step_s=1.5, explain=("another reason",), cost_source="a profile")
+    assert priced.same_layout(a) and priced != a
+
+
+def test_the_running_plans_error_reprices_every_plan_per_component():
+    """Issue #39, item 1: within the margin nothing is corrected; beyond it the compute and the
+    rest are scaled by the running plan's measured error, so the running plan's corrected step is
+    its measured step, and a plan with no rest is scaled as a whole."""
+    import dataclasses
+
+    import fxpar
+    from fxpar.adapt.decide import Correction, MeasuredStep, correction
+
+    _, graph = _small_planning()
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    plan = solve_plan(graph, cluster, fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw"),
+                      strategies=["data_parallel"])
+    keep = fxpar.predict(plan, graph, cluster)
+    compute = keep.compute_s + keep.optimizer_s
+    assert 0 < compute < keep.step_s
+    assert correction(keep, MeasuredStep(keep.step_s * 1.05, compute), 0.1) == Correction()
+    assert correction(keep, None, 0.1) == Correction()
+    measured = MeasuredStep(step_s=keep.step_s * 1.5, compute_s=compute * 1.2)
+    fix = correction(keep, measured, 0.1)
+    assert fix.compute == pytest.approx(1.2) and fix.step_s(keep) == pytest.approx(measured.step_s, rel=1e-12)
+    assert fix.rest == pytest.approx((measured.step_s - measured.compute_s) / (keep.step_s - compute))
+    no_rest = dataclasses.replace(keep, step_s=compute)
+    whole = correction(no_rest, MeasuredStep(step_s=compute * 1.3, compute_s=compute), 0.1)
+    assert whole == Correction(compute=pytest.approx(1.3), rest=1.0)
+
+
+def test_a_rolled_back_layout_is_not_offered_again_at_those_speeds():
+    """Issue #39, item 1 (hysteresis): the plan a switch rolled back is kept out of the decision."""
+    import fxpar
+    from fxpar.adapt.decide import AdaptPolicy, decide
+
+    _, graph = _small_planning()
+    job = fxpar.Cluster.emulated([1.0, 1.0])
+    workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw")
+    current = solve_plan(graph, job, workload, strategies=["data_parallel"])
+    slowed = job.derated([1.0, 0.4])
+    policy = AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6)
+    first = decide(current, graph, slowed, workload, policy, steps_left=None)
+    assert first.switch and first.plan is not None
+    again = decide(current, graph, slowed, workload, policy, steps_left=None, refused=[first.plan])
+    assert not again.switch and "rolled back" in again.reason
+
+
+@pytest.mark.full
+@pytest.mark.multirank
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_no_switch_in_200_steps_where_nothing_changes(request, ranks):
+    """Issue #39, item 1: on equal ranks whose speeds never change, timed for real on this
+    machine (4 ranks share its 2 cores), 200 steps with adapting on switch nothing."""
+    from tests.workers_adapt import noise_only_run
+
+    for r in request.getfixturevalue(f"pool{ranks}").run(noise_only_run, 200):
+        switches = [e for e in r["events"] if e["kind"] in ("switch", "rollback")]
+        assert switches == [], r["events"]

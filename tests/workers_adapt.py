@@ -107,12 +107,22 @@ def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib
                     detector=DetectorSettings(min_steps=3, calibration_steps=2), timeline=SpeedTimeline(tuple(speeds_at)),
                     total_steps=steps)
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=strategies, adapt=options)
+    return {"rank": rank, **_adapt_beside_reference(pm, reference, data)}
+
+
+def _adapt_beside_reference(pm: Any, reference: torch.nn.Module, data: list[dict],
+                            before_step: Any = None) -> dict[str, Any]:
+    """AdamW steps of an adaptive module on ``data`` (its optimizer tracked) beside one process
+    on the same batches; ``before_step(k)`` runs before step ``k``.  Per step the loss and the
+    reference's and the plan's family; the events."""
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": []}
-    for k in range(steps):
-        loss = pm.step(data[k])
-        ref_loss = reference(**data[k], use_cache=False).loss
+    out: dict[str, Any] = {"losses": [], "kinds": []}
+    for k, batch in enumerate(data):
+        if before_step is not None:
+            before_step(k)
+        loss = pm.step(batch)
+        ref_loss = reference(**batch, use_cache=False).loss
         ref_loss.backward()
         out["losses"].append((float(loss.detach()), float(ref_loss.detach())))
         out["kinds"].append(pm.plan.strategy)
@@ -179,3 +189,46 @@ def leaks_over_switches(switches: int = 10) -> dict[str, Any]:
         out["groups"].append(live_process_groups())
         out["bytes"].append(_live_tensor_bytes())
     return out
+
+
+def rollback_run(steps: int = 12, switch_at: int = 5) -> dict[str, Any]:
+    """Adapting data parallelism on 2 equal ranks with a modeled step wall (0.1 s under data
+    parallelism, 0.3 s under anything else): ``pm.switch_to`` a pipeline before ``switch_at``;
+    the pipeline measures slower than the steps before it, so it is rolled back.  Per step the
+    plan's family and the loss against one process on the same batches; the events; the
+    trajectory gaps at the end."""
+    from fxpar.adapt import Adapt, DetectorSettings
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    reference, template = copy.deepcopy(model), meta_template(model)
+    initial = snapshot(reference)
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    options = Adapt(detector=DetectorSettings(min_steps=3, calibration_steps=2), verbose=False)
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"], adapt=options)
+    pm.measure_busy = lambda step: 0.05
+    pm.measure_wall = lambda step, plan: 0.1 if plan.strategy == "data_parallel" else 0.3
+    pipeline = _plan("pp", template, cluster, world)
+    out = {"rank": rank, **_adapt_beside_reference(
+        pm, reference, data, lambda k: pm.switch_to(pipeline) if k == switch_at else None)}
+    out["weights"] = trajectory_gaps(_boxes(pm.parallel_module, dict(reference.named_parameters()), initial))
+    return out
+
+
+def noise_only_run(steps: int = 200) -> dict[str, Any]:
+    """Adapting on equal ranks whose speeds never change, timed for real (this machine's noise
+    only: ranks sharing cores, the operating system): ``steps`` AdamW steps; the events."""
+    from fxpar.adapt import Adapt
+
+    rank = dist.get_rank()
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(4)]
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data[0], global_batch=BATCH,
+                    adapt=Adapt(verbose=False))
+    opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    for k in range(steps):
+        pm.step(data[k % 4])
+        opt.step(); opt.zero_grad(set_to_none=True)
+    return {"rank": rank, "events": pm.events, "plan": pm.plan.strategy}

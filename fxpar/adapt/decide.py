@@ -11,14 +11,30 @@ factors ``f`` (:meth:`fxpar.Cluster.derated`):
                                             holds under P_new — an upper bound on what it receives;
                                             link: the slowest link, the inter-node bandwidth)
 
-Switch when the plan differs and both
+**Measured, then corrected.**  The running plan's step is measured (:class:`MeasuredStep`: the
+slowest rank's wall with the optimizer step, and the busiest rank's compute, optimizer included).
+Where it misses the prediction by more than ``AdaptPolicy.measured_margin`` (10%), every plan is
+re-priced by the running plan's error, per component (:class:`Correction`): with ``C`` a
+prediction's compute (``compute_s + optimizer_s``) and ``R = step_s − C`` the rest
+(communication, bubbles, waits), and ``C_m``, ``R_m = step_m − C_m`` the measured ones,
 
-    T_keep − T_new ≥ min_gain · T_keep          (hysteresis: a small gain never switches, so two
+    k_C = C_m / C_keep,   k_R = R_m / R_keep     (R_keep = 0: k_C = step_m / C_keep, k_R = 1)
+    T'(plan) = k_C · C(plan) + k_R · R(plan)
+
+so ``T'_keep`` is the measured step and a candidate's parts are scaled as the running plan's
+were.  The decision says what it corrected.
+
+Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
+splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the
+layout differs, it is not one a switch rolled back at these speeds (``refused``), and both
+
+    T'_keep − T'_new ≥ min_gain · T'_keep       (hysteresis: a small gain never switches, so two
                                                  plans of nearly equal speed never alternate)
-    (T_keep − T_new) · H > M                    (H: the steps left, or the user's horizon)
+    (T'_keep − T'_new) · H > M                  (H: the steps left, or the user's horizon)
 
 hold.  Every decision is a :class:`Decision` with its numbers; :meth:`Decision.explain` is the
-line the adaptive module prints and logs.
+line the adaptive module prints and logs.  A switch whose new plan then *measures* slower than
+the step it left is rolled back (:mod:`fxpar.adapt.module`).
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ from typing import Any
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
-from fxpar.predict import predict
+from fxpar.predict import Prediction, predict
 from fxpar.profiling.network import network_of
 from fxpar.solvers import plan as solve_plan
 from fxpar.solvers.planner import FAMILIES
@@ -50,12 +66,55 @@ class AdaptPolicy:
     switch: bool = True
     strategies: tuple[str, ...] | None = None
     max_tensor_parallel: int = 8
+    #: the running plan's measured step may miss its prediction by this fraction before the
+    #: candidates are re-priced with its error (module docstring)
+    measured_margin: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"AdaptPolicy.min_gain = {self.min_gain!r}: expected a fraction in [0, 1)")
+        if not 0 <= self.measured_margin < 1:
+            raise ConfigError(f"AdaptPolicy.measured_margin = {self.measured_margin!r}: expected a fraction in [0, 1)")
         if self.horizon_steps is not None and (not isinstance(self.horizon_steps, int) or self.horizon_steps < 1):
             raise ConfigError(f"AdaptPolicy.horizon_steps = {self.horizon_steps!r}: expected an int >= 1 or None")
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredStep:
+    """The running plan's step as measured (module docstring): the slowest rank's wall seconds
+    with the optimizer step, and the busiest rank's compute seconds, optimizer included."""
+
+    step_s: float
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Correction:
+    """The running plan's measured error per component (module docstring: ``k_C``, ``k_R``)."""
+
+    compute: float = 1.0
+    rest: float = 1.0
+
+    @property
+    def none(self) -> bool:
+        return self.compute == 1.0 and self.rest == 1.0
+
+    def step_s(self, p: Prediction) -> float:
+        """``T'``: the prediction's compute and rest scaled by the measured error."""
+        compute = p.compute_s + p.optimizer_s
+        return self.compute * compute + self.rest * (p.step_s - compute)
+
+
+def correction(keep: Prediction, measured: MeasuredStep | None, margin: float) -> Correction:
+    """The running plan's error where it exceeds ``margin`` (module docstring), else none."""
+    if measured is None or keep.step_s <= 0 or abs(measured.step_s / keep.step_s - 1) <= margin:
+        return Correction()
+    compute = keep.compute_s + keep.optimizer_s
+    rest = keep.step_s - compute
+    if rest <= 1e-12 * keep.step_s or compute <= 0:
+        return Correction(compute=measured.step_s / keep.step_s, rest=1.0)
+    return Correction(compute=measured.compute_s / compute,
+                      rest=max(measured.step_s - measured.compute_s, 0.0) / rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +132,18 @@ class Decision:
     old_kind: str
     new_kind: str
     plan: Plan | None                   # the new plan when switching
+    measured_step_s: float | None = None    # the running plan's, when measured
+    correction: tuple[float, float] = (1.0, 1.0)   # (k_C, k_R) applied to both steps
 
     def explain(self) -> str:
         """One line: old plan → new plan, predicted steps, the migration estimate, the verdict."""
         speeds = ", ".join(f"{f:.2f}" for f in self.factors)
-        return (f"fxpar adapt: speeds x[{speeds}]: keep {self.old_kind} {self.keep_step_s * 1e3:.1f} ms/step, "
+        measured = "" if self.measured_step_s is None else f" (measured {self.measured_step_s * 1e3:.1f} ms"
+        if measured:
+            measured += (")" if self.correction == (1.0, 1.0) else
+                         f"; steps re-priced by its error: compute x{self.correction[0]:.2f}, "
+                         f"rest x{self.correction[1]:.2f})")
+        return (f"fxpar adapt: speeds x[{speeds}]{measured}: keep {self.old_kind} {self.keep_step_s * 1e3:.1f} ms/step, "
                 f"best {self.new_kind} {self.new_step_s * 1e3:.1f} ms/step, migration ~{self.migrate_s:.2f} s "
                 f"over {self.horizon_steps} steps: {'SWITCH' if self.switch else 'keep'} ({self.reason})")
 
@@ -103,22 +169,26 @@ def state_bytes(plan: Plan, graph: ModelGraph) -> int:
 
 
 def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workload, policy: AdaptPolicy, *,
-           steps_left: int | None, build_s: float = 0.0,
-           profiles: Mapping[str, Any] | None = None) -> Decision:
-    """Re-solve for ``cluster`` (already derated) and say whether to switch (module docstring)."""
+           steps_left: int | None, build_s: float = 0.0, profiles: Mapping[str, Any] | None = None,
+           measured: MeasuredStep | None = None, refused: Sequence[Plan] = ()) -> Decision:
+    """Re-solve for ``cluster`` (already derated) and say whether to switch (module docstring);
+    ``measured``: the running plan's step at these speeds; ``refused``: layouts a switch rolled
+    back at these speeds."""
     start = time.perf_counter()
     strategies = policy.strategies if policy.strategies is not None else FAMILIES
     new = solve_plan(graph, cluster, workload, strategies=strategies,
                      max_tensor_parallel=policy.max_tensor_parallel, profiles=profiles)
     replan_s = time.perf_counter() - start
-    keep = predict(current, graph, cluster, profiles=profiles).step_s
-    best = predict(new, graph, cluster, profiles=profiles).step_s
+    keep_p = predict(current, graph, cluster, profiles=profiles)
+    fix = correction(keep_p, measured, policy.measured_margin)
+    keep, best = fix.step_s(keep_p), fix.step_s(predict(new, graph, cluster, profiles=profiles))
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
     migrate = replan_s + build_s + network_of(cluster).migration_s(state_bytes(new, graph))
-    same = new.to_json(indent=None) == current.to_json(indent=None) or plan_kind(new) == plan_kind(current)
     gain = keep - best
-    if same:
+    if new.same_layout(current):
         switch, reason = False, "the best plan for these speeds is the current one"
+    elif any(new.same_layout(p) for p in refused):
+        switch, reason = False, "the best plan was rolled back at these speeds (it measured slower)"
     elif gain < policy.min_gain * keep:
         switch, reason = False, f"gain {gain / keep:.1%} < min_gain {policy.min_gain:.0%}"
     elif gain * horizon <= migrate:
@@ -129,7 +199,8 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
         switch, reason = True, f"saving {gain * horizon:.2f} s over {horizon} steps > migration"
     return Decision(switch=switch, reason=reason, factors=(), keep_step_s=keep, new_step_s=best, migrate_s=migrate,
                     horizon_steps=horizon, replan_s=replan_s, old_kind=plan_kind(current), new_kind=plan_kind(new),
-                    plan=new if switch else None)
+                    plan=new if switch else None, measured_step_s=None if measured is None else measured.step_s,
+                    correction=(fix.compute, fix.rest))
 
 
 def with_factors(decision: Decision, factors: Sequence[float]) -> Decision:

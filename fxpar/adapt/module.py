@@ -6,36 +6,44 @@ Per :meth:`AdaptiveModule.step`:
    between, so no gradient is lost): :func:`fxpar.adapt.switch.switch_module`;
 2. under emulation with a :class:`~fxpar.adapt.speeds.SpeedTimeline`, the rank's emulator takes
    the timeline's speed for this step (the plan never sees it);
-3. the current module's ``step``; every rank's busy time this step (the module clock's
-   ``busy_total_s`` difference) and wall time are all-gathered (one small collective on the
-   rank's device);
+3. the current module's ``step``; the rank records its busy time this step (the module clock's
+   ``busy_total_s`` difference), its wall time and its last optimizer step's time (hooks of the
+   tracked optimizer); every ``DetectorSettings.gather_every`` steps one small all-gather shares
+   the records since the last (on the rank's device), and every rank reads them in step order:
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves
-   (:func:`fxpar.adapt.decide.decide`, from the cached graph) and broadcasts the decision.  The
-   cluster the plans are made for is the job's cluster derated by the product of the factors
-   believed now (``derate``: the factors measured against the current plan's calibration, times
-   the speeds that plan was made for).  A switch calibrates the detector again; a decision to keep
-   the plan makes the measured factors the detector's new baseline.
+   (:func:`fxpar.adapt.decide.decide`, from the cached graph, with the running plan's measured
+   step over the steps that showed the change) and broadcasts the decision.  The cluster the
+   plans are made for is the job's cluster derated by the product of the factors believed now
+   (``derate``: the factors measured against the current plan's calibration, times the speeds
+   that plan was made for).  A switch calibrates the detector again; a decision to keep the plan
+   makes the measured factors the detector's new baseline.
+5. **Rollback.**  Once the detector has calibrated on a switch's new plan (its first
+   ``calibration_steps`` steps), their median measured step (slowest rank, optimizer included)
+   is compared with the step measured before the switch: more than ``min_gain`` slower, and the
+   old plan comes back by the same switch path; the rolled-back layout is refused at speeds
+   within the detector's threshold of these, so two plans never alternate.
 
-``events`` keeps every decision and switch with its numbers (what :mod:`benchmarks.adapt`
-writes); rank 0 prints one line per decision and per switch.
+``events`` keeps every decision, switch and rollback with its numbers (what
+:mod:`benchmarks.adapt` writes); rank 0 prints one line per decision and per switch.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpar.adapt.decide import AdaptPolicy, Decision, decide, plan_kind, with_factors
+from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import switch_module
 from fxpar.cluster import Cluster
-from fxpar.errors import FxparError, RuntimeSetupError
+from fxpar.errors import ConfigError, FxparError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
@@ -80,15 +88,25 @@ class AdaptiveModule(torch.nn.Module):
         self.derate = [1.0] * self.world        # the speeds believed now, x the job's cluster
         self._plan_derate = [1.0] * self.world  # ... and when the current plan started
         self.steps, self.events = 0, []
+        self._read_step = 0   # the step whose gathered numbers are being read
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None
+        self._pending_kind = "switch"           # or "rollback"
         self._replan_wall_s = 0.0
         self._last_busy = self._clock_busy()
         self.last_step_s: list[float] = []
         self.last_busy_s: list[float] = []
+        self._opt_start, self._opt_s = 0.0, 0.0   # the tracked optimizer's last step
+        self._records: list[list[float]] = []      # this rank's (busy, wall, optimizer) not yet shared
+        self._measured: list[MeasuredStep] = []    # every step of the current plan, all ranks
+        #: after a switch: the plan it left and the step measured before it (module docstring, 5)
+        self._trial: tuple[Plan, float] | None = None
+        self._refused: list[tuple[Plan, tuple[float, ...]]] = []   # rolled back, at these speeds
         #: ``step -> busy seconds`` of this rank; None (default): measured, from the module's clock
         #: (tests inject a model of the hardware instead of this machine's timing)
         self.measure_busy: Callable[[int], float] | None = None
+        #: ``(step, plan) -> wall seconds`` of this rank's step; None (default): measured
+        self.measure_wall: Callable[[int, Plan], float] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -106,8 +124,16 @@ class AdaptiveModule(torch.nn.Module):
         the Trainer's and Accelerate's loaders) reads them for the new plan."""
         if self.optimizer is not optimizer:
             self.optimizer = optimizer
-            optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.apply_pending())
+            optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self._optimizer_started())
+            optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self._optimizer_done())
         return optimizer
+
+    def _optimizer_started(self) -> None:
+        self._opt_start = time.perf_counter()
+
+    def _optimizer_done(self) -> None:
+        self._opt_s = time.perf_counter() - self._opt_start
+        self.apply_pending()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The current module's forward (evaluation; training runs :meth:`step`)."""
@@ -126,6 +152,17 @@ class AdaptiveModule(torch.nn.Module):
             return getattr(self._modules["module"], name)
 
     # ------------------------------------------------------------------------- the step
+
+    def switch_to(self, plan: Plan) -> None:
+        """Switch to ``plan`` by the path a decision takes: after the tracked optimizer's next
+        step (or at the next ``step()``), the state moved in memory, the new plan measured over
+        the detector's calibration steps and rolled back if it is slower than the steps before
+        (module docstring, 5).  Call it on every rank alike, at the same step."""
+        if not isinstance(plan, Plan):
+            raise ConfigError(f"switch_to: expected an fxpar.Plan, got {type(plan).__name__}")
+        if plan.world_size != self.world:
+            raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
+        self._pending, self._pending_kind = plan, "switch"
 
     def apply_pending(self) -> bool:
         """Switch now if a switch was decided (call after the optimizer step, before the next
@@ -153,12 +190,31 @@ class AdaptiveModule(torch.nn.Module):
         mine, self._last_busy = busy - self._last_busy, busy
         if self.measure_busy is not None:
             mine = float(self.measure_busy(self.steps))
-        self.last_busy_s, self.last_step_s = self._gather([mine, wall])
-        factors = self.detector.observe(self.last_busy_s)
-        if factors is not None:
-            self._consider(factors)
+        if self.measure_wall is not None:
+            wall = float(self.measure_wall(self.steps, self.plan))
+        self._records.append([mine, wall, self._opt_s])
         self.steps += 1
+        if len(self._records) >= self.options.detector.gather_every:
+            self._read(self._gather_records())
         return loss
+
+    def _read(self, steps: Sequence[tuple[list[float], list[float], list[float]]]) -> None:
+        """Every rank's (busy, wall, optimizer) of each step since the last gather, in step
+        order: the rollback check, then the detector; a decision ends the reading (the steps
+        after it ran the plan the decision was about)."""
+        for i, (busy, walls, optimizer) in enumerate(steps):
+            self._read_step = self.steps - len(steps) + i   # the step these numbers are of
+            self.last_busy_s, self.last_step_s = busy, walls
+            self._measured.append(MeasuredStep(step_s=max(w + o for w, o in zip(walls, optimizer)),
+                                               compute_s=max(b + o for b, o in zip(busy, optimizer))))
+            factors = self.detector.observe(busy)
+            if self._trial is not None and self.detector.reference is not None:
+                self._check_trial()
+                if self._pending is not None:
+                    return
+            if factors is not None:
+                self._consider(factors)
+                return
 
     def _clock_busy(self) -> float:
         """Busy seconds of the current module since it was built (its clock: CUDA events on a GPU)."""
@@ -167,13 +223,54 @@ class AdaptiveModule(torch.nn.Module):
         return float(busy()) if callable(busy) else 0.0
 
     def _gather(self, values: list[float]) -> tuple[list[float], list[float]]:
-        """Every rank's ``values`` (busy, wall), as two per-rank lists."""
-        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        """Every rank's ``values`` (two numbers), as two per-rank lists."""
+        rows = self._all_gather([values])
+        return [r[0][0] for r in rows], [r[0][1] for r in rows]
+
+    def _all_gather(self, rows: list[list[float]]) -> list[list[list[float]]]:
+        """Every rank's ``rows`` (the same number on every rank), per rank: one collective."""
         if self.world == 1:
-            return [values[0]], [values[1]]
+            return [rows]
+        mine = torch.tensor(rows, dtype=torch.float64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(out, mine)
-        return [float(t[0]) for t in out], [float(t[1]) for t in out]
+        return [t.tolist() for t in out]
+
+    def _gather_records(self) -> list[tuple[list[float], list[float], list[float]]]:
+        """The records since the last gather, per step: (busy, wall, optimizer) of every rank."""
+        per_rank, self._records = self._all_gather(self._records), []
+        return [tuple([rows[i][j] for rows in per_rank] for j in range(3)) for i in range(len(per_rank[0]))]
+
+    def _measured_step(self) -> MeasuredStep | None:
+        """The running plan's step over the detector's last ``min_steps`` steps (medians)."""
+        recent = self._measured[-self.options.detector.min_steps:]
+        if not recent:
+            return None
+        return MeasuredStep(step_s=statistics.median(m.step_s for m in recent),
+                            compute_s=statistics.median(m.compute_s for m in recent))
+
+    def _check_trial(self) -> None:
+        """The rollback rule (module docstring, 5), once the new plan's calibration is done."""
+        assert self._trial is not None
+        before, before_s = self._trial
+        self._trial = None
+        now_s = statistics.median(m.step_s for m in self._measured)
+        slower = now_s > (1 + self.options.policy.min_gain) * before_s
+        self.events.append({"step": self._read_step, "kind": "trial", "plan": plan_kind(self.plan),
+                            "measured_step_s": now_s, "step_before_s": before_s, "rolled_back": slower})
+        if not slower:
+            return
+        self._refused.append((self.plan, tuple(self.derate)))
+        self._pending, self._pending_kind = before, "rollback"
+        if self.options.verbose and self.rank == 0:
+            print(f"fxpar adapt: {plan_kind(self.plan)} measured {now_s * 1e3:.1f} ms/step against "
+                  f"{before_s * 1e3:.1f} before the switch: rolling back to {plan_kind(before)}", flush=True)
+
+    def _refused_here(self) -> list[Plan]:
+        """The rolled-back layouts whose speeds are within the detector's threshold of now."""
+        t = self.options.detector.threshold
+        return [plan for plan, speeds in self._refused
+                if all(abs(d / s - 1) <= t for d, s in zip(self.derate, speeds))]
 
     # ------------------------------------------------------------------------- decide and switch
 
@@ -197,21 +294,23 @@ class AdaptiveModule(torch.nn.Module):
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
         self._replan_wall_s = time.perf_counter() - start  # every rank waits for rank 0's solve
-        self.events.append({"step": self.steps, "kind": "decision", **_decision_dict(decision)})
+        self.events.append({"step": self._read_step, "kind": "decision", **_decision_dict(decision)})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
-        self._pending = decision.plan if decision.switch else None
+        self._pending, self._pending_kind = (decision.plan if decision.switch else None), "switch"
         if self._pending is None:
             self.detector.accept(factors)
+            self._measured = []   # the steps since this decision measure the plan at these speeds
 
     def _decide(self, factors: tuple[float, ...]) -> Decision:
         p = self.planning
         if p.graph is None:
             raise RuntimeError("fxpar adapt: rank 0 holds no model graph to re-plan from")
-        left = None if self.options.total_steps is None else max(self.options.total_steps - self.steps - 1, 1)
+        left = None if self.options.total_steps is None else max(self.options.total_steps - self._read_step - 1, 1)
         last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"), 0.0)
         decision = with_factors(decide(self.plan, p.graph, p.cluster.derated(self.derate), p.workload,
-                                       self.options.policy, steps_left=left, build_s=last_build, profiles=p.profiles),
+                                       self.options.policy, steps_left=left, build_s=last_build, profiles=p.profiles,
+                                       measured=self._measured_step(), refused=self._refused_here()),
                                 factors)
         if decision.plan is None:
             return decision
@@ -219,7 +318,8 @@ class AdaptiveModule(torch.nn.Module):
         return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
 
     def _switch(self, plan: Plan) -> None:
-        old_kind = plan_kind(self.plan)
+        old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self._pending_kind
+        measured_before = self._measured_step()
         hardware = getattr(getattr(self.module, "emulator", None), "speed", None)
         self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
                                             example_inputs=self._example, device=self.device,
@@ -227,13 +327,15 @@ class AdaptiveModule(torch.nn.Module):
         emulator = getattr(self.module, "emulator", None)
         if emulator is not None and hardware is not None:  # the device is the same: the plan's
             emulator.speed = hardware                      # (derated) speed must not change it
-        self._pending, self._last_busy = None, self._clock_busy()
+        self._pending, self._pending_kind, self._last_busy = None, "switch", self._clock_busy()
         self._plan_derate = list(self.derate)
         self.detector.restart()
+        self._measured, self._records = [], []
+        self._trial = (old_plan, measured_before.step_s) if kind == "switch" and measured_before else None
         slowest = self._gather([report.migrate_s, float(report.stats.received_bytes)])
         # migrate_s: everything between the last old step and the first new one: the re-plan
         # (every rank waited for it), the new module's build and the state's move
-        event = {"step": self.steps, "kind": "switch", "from": old_kind, "to": plan_kind(plan),
+        event = {"step": self.steps, "kind": kind, "from": old_kind, "to": plan_kind(plan),
                  "migrate_s": self._replan_wall_s + max(slowest[0]), "replan_s": self._replan_wall_s,
                  "build_s": report.build_s, "move_s": report.move_s,
                  "bytes_moved_per_rank": slowest[1], "state_bytes": report.state_bytes,

@@ -60,11 +60,14 @@ class DetectorSettings:
     threshold: float = 0.2
     min_steps: int = 5
     calibration_steps: int = 3
+    #: the ranks share their per-step times once every this many steps (one all-gather of the
+    #: steps since the last; the detector then reads them in step order)
+    gather_every: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
             raise ConfigError(f"threshold = {self.threshold!r}: expected a fraction in (0, 1), e.g. 0.2")
-        for name in ("min_steps", "calibration_steps"):
+        for name in ("min_steps", "calibration_steps", "gather_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)!r}: expected an int >= 1")
 

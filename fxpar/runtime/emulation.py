@@ -71,8 +71,12 @@ class SegmentClock:
         self.compute_s = self.emulation_s = self.comm_s = 0.0
         self._last = 0.0
         #: compute + emulated sleep since the clock was made, never reset (a pipeline restarts the
-        #: per-step figures at every segment): what :mod:`fxpar.adapt` reads busy time from
+        #: per-step figures at every segment): what :mod:`fxpar.adapt` reads busy time from.  The
+        #: compute is the process's CPU time in the segments (``time.process_time``), not their
+        #: wall time: a CPU rank descheduled by another process on its core (ranks sharing cores)
+        #: did no less work, and is not seen as a slower device
         self.busy_total_s = 0.0
+        self._last_cpu = 0.0
         self._cuda = getattr(device, "type", None) == "cuda"
         self._segment_start: Any = None
         self._events: list[tuple[Any, Any]] = []
@@ -93,16 +97,16 @@ class SegmentClock:
     def start(self) -> None:
         self.active = True
         self.compute_s = self.emulation_s = self.comm_s = 0.0
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
         self._segment_start = self._mark() if self._cuda else None
 
     def _close_segment(self) -> None:
         if self.active:
-            seg = time.perf_counter() - self._last
+            seg, cpu = time.perf_counter() - self._last, time.process_time() - self._last_cpu
             slept = self.emulator.stretch(seg)
             self.compute_s += seg
             self.emulation_s += slept
-            self.busy_total_s += seg + slept
+            self.busy_total_s += cpu + slept
             if self._segment_start is not None:
                 pair = (self._segment_start, self._mark())
                 self._events.append(pair)
@@ -114,7 +118,7 @@ class SegmentClock:
         self._close_segment()
         t0 = time.perf_counter()
         out = fn()
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
         self.comm_s += self._last - t0
         if self._cuda and self.active:
             self._segment_start = self._mark()
