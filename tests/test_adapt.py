@@ -155,7 +155,8 @@ def _busy(n: int, speeds: list[float], noise: float, rng: random.Random) -> list
 
 def test_detector_finds_a_persistent_slowdown_after_min_steps_and_ignores_spikes():
     rng = random.Random(0)
-    detector = SpeedDetector(world=4, settings=DetectorSettings(threshold=0.2, min_steps=5, calibration_steps=3))
+    settings = DetectorSettings(threshold=0.2, min_steps=5, calibration_steps=3, warmup_steps=0, min_seconds=0)
+    detector = SpeedDetector(world=4, settings=settings)
     for busy in _busy(3, [1, 1, 1, 1], 0.05, rng):
         assert detector.observe(busy) is None
     spike = [1.0, 1.0, 4.0, 1.0]  # one slow step, then normal again
@@ -168,8 +169,21 @@ def test_detector_finds_a_persistent_slowdown_after_min_steps_and_ignores_spikes
     assert all(f == pytest.approx(1.0, rel=0.1) for i, f in enumerate(found[4]) if i != 2)
 
 
+def test_detector_skips_the_warm_up_and_needs_min_seconds_of_a_change():
+    """Issue #39, item 1: the first ``warmup_steps`` of a plan are not its reference, and at
+    10 ms a step a change must last ``min_seconds`` = 0.2 s (20 steps), not ``min_steps`` (5)."""
+    settings = DetectorSettings(min_steps=5, calibration_steps=2, warmup_steps=2, min_seconds=0.2)
+    detector = SpeedDetector(world=2, settings=settings)
+    for busy in ([2.0, 2.0], [2.0, 2.0], [1.0, 1.0], [1.0, 1.0]):   # two slow warm-up steps
+        assert detector.observe(busy, 0.01) is None
+    assert detector.reference == (1.0, 1.0)
+    found = [detector.observe([1.0, 2.0], 0.01) for _ in range(20)]
+    assert found[:19] == [None] * 19 and found[19] == pytest.approx((1.0, 0.5))
+    assert detector.steps_needed() == 20
+
+
 def test_detector_sees_no_change_when_every_rank_slows_alike():
-    detector = SpeedDetector(world=3)
+    detector = SpeedDetector(world=3, settings=DetectorSettings(calibration_steps=3, warmup_steps=0, min_seconds=0))
     for _ in range(3):
         detector.observe([1.0, 2.0, 1.0])
     assert all(detector.observe([3.0, 6.0, 3.0]) is None for _ in range(10))
@@ -178,7 +192,8 @@ def test_detector_sees_no_change_when_every_rank_slows_alike():
 def test_after_a_keep_decision_only_a_further_change_counts():
     """accept(): the slowdown the plan was kept for no longer triggers; the recovery does,
     and its estimate is relative to the calibration (back to 1)."""
-    detector = SpeedDetector(world=4, settings=DetectorSettings(min_steps=3, calibration_steps=2))
+    settings = DetectorSettings(min_steps=3, calibration_steps=2, warmup_steps=0, min_seconds=0)
+    detector = SpeedDetector(world=4, settings=settings)
     for _ in range(2):
         detector.observe([1.0] * 4)
     slowed = [1.0, 1.0, 1 / 0.3, 1.0]
@@ -296,7 +311,9 @@ def test_the_clock_times_gpu_segments_with_cuda_events():
     assert len(pairs) == 2
     torch.cuda.synchronize(device)
     expected = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
-    assert clock.device_busy_s() == pytest.approx(expected) and expected > 0
+    # without a wait it counts what the device finished (everything, after the synchronize)
+    assert clock.device_busy_s(wait=False) == pytest.approx(expected) and expected > 0
+    assert clock.device_busy_s() == pytest.approx(expected)
 
 @pytest.mark.full
 def test_an_error_in_rank_0s_decision_is_a_keep_on_every_rank(pool2):

@@ -168,7 +168,9 @@ def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trai
     memory; the loss curve, the evaluation loss and the saved weights equal the single-process
     Trainer's."""
     cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],
-                        adapt={"calibration_steps": 1, "min_steps": 2, "horizon_steps": 100})
+                        adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
+                               "min_seconds": 0,
+                               "horizon_steps": 100})
     _torchrun("tests/trainer_adapt_injected.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq",
                                                   str(SEQ), "--slow-down", "1:0.25:2", "--out", "run.json",
                                                   "--output-dir", "saved", "--eval"], {}, tmp_path)

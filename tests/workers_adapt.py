@@ -206,7 +206,8 @@ def rollback_run(steps: int = 12, switch_at: int = 5) -> dict[str, Any]:
     initial = snapshot(reference)
     data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
     cluster = fxpar.Cluster.emulated([1.0] * world)
-    options = Adapt(detector=DetectorSettings(min_steps=3, calibration_steps=2), verbose=False)
+    detector = DetectorSettings(min_steps=3, calibration_steps=2, warmup_steps=0, gather_every=1, min_seconds=0)
+    options = Adapt(detector=detector, verbose=False)
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"], adapt=options)
     pm.measure_busy = lambda step: 0.05
     pm.measure_wall = lambda step, plan: 0.1 if plan.strategy == "data_parallel" else 0.3

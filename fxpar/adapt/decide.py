@@ -143,7 +143,8 @@ class Decision:
             measured += (")" if self.correction == (1.0, 1.0) else
                          f"; steps re-priced by its error: compute x{self.correction[0]:.2f}, "
                          f"rest x{self.correction[1]:.2f})")
-        return (f"fxpar adapt: speeds x[{speeds}]{measured}: keep {self.old_kind} {self.keep_step_s * 1e3:.1f} ms/step, "
+        return (f"fxpar adapt: speeds x[{speeds}]{measured}: "
+                f"keep {self.old_kind} {self.keep_step_s * 1e3:.1f} ms/step, "
                 f"best {self.new_kind} {self.new_step_s * 1e3:.1f} ms/step, migration ~{self.migrate_s:.2f} s "
                 f"over {self.horizon_steps} steps: {'SWITCH' if self.switch else 'keep'} ({self.reason})")
 

@@ -18,8 +18,8 @@ Per :meth:`AdaptiveModule.step`:
    (``derate``: the factors measured against the current plan's calibration, times the speeds
    that plan was made for).  A switch calibrates the detector again; a decision to keep the plan
    makes the measured factors the detector's new baseline.
-5. **Rollback.**  Once the detector has calibrated on a switch's new plan (its first
-   ``calibration_steps`` steps), their median measured step (slowest rank, optimizer included)
+5. **Rollback.**  Once the detector has calibrated on a switch's new plan (the
+   ``calibration_steps`` steps after its warm-up), their median measured step (slowest rank, optimizer included)
    is compared with the step measured before the switch: more than ``min_gain`` slower, and the
    old plan comes back by the same switch path; the rolled-back layout is refused at speeds
    within the detector's threshold of these, so two plans never alternate.
@@ -207,7 +207,7 @@ class AdaptiveModule(torch.nn.Module):
             self.last_busy_s, self.last_step_s = busy, walls
             self._measured.append(MeasuredStep(step_s=max(w + o for w, o in zip(walls, optimizer)),
                                                compute_s=max(b + o for b, o in zip(busy, optimizer))))
-            factors = self.detector.observe(busy)
+            factors = self.detector.observe(busy, self._measured[-1].step_s)
             if self._trial is not None and self.detector.reference is not None:
                 self._check_trial()
                 if self._pending is not None:
@@ -217,10 +217,11 @@ class AdaptiveModule(torch.nn.Module):
                 return
 
     def _clock_busy(self) -> float:
-        """Busy seconds of the current module since it was built (its clock: CUDA events on a GPU)."""
+        """Busy seconds of the current module since it was built (its clock: on a GPU the CUDA
+        events the device has finished, read without a sync)."""
         clock = getattr(self.module, "clock", None)
         busy = getattr(clock, "device_busy_s", None)
-        return float(busy()) if callable(busy) else 0.0
+        return float(busy(wait=False)) if callable(busy) else 0.0
 
     def _gather(self, values: list[float]) -> tuple[list[float], list[float]]:
         """Every rank's ``values`` (two numbers), as two per-rank lists."""
@@ -254,7 +255,7 @@ class AdaptiveModule(torch.nn.Module):
         assert self._trial is not None
         before, before_s = self._trial
         self._trial = None
-        now_s = statistics.median(m.step_s for m in self._measured)
+        now_s = statistics.median(m.step_s for m in self._measured[-self.options.detector.calibration_steps:])
         slower = now_s > (1 + self.options.policy.min_gain) * before_s
         self.events.append({"step": self._read_step, "kind": "trial", "plan": plan_kind(self.plan),
                             "measured_step_s": now_s, "step_before_s": before_s, "rolled_back": slower})

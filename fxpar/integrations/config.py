@@ -43,7 +43,8 @@ CONFIG_ENV = "FXPAR_CONFIG"
 
 
 #: the keys of an ``adapt:`` mapping (:class:`~fxpar.adapt.DetectorSettings`, :class:`~fxpar.adapt.AdaptPolicy`)
-ADAPT_KEYS = frozenset({"threshold", "min_steps", "calibration_steps", "min_gain", "horizon_steps"})
+ADAPT_KEYS = frozenset({"threshold", "min_steps", "min_seconds", "calibration_steps", "warmup_steps", "gather_every",
+                        "min_gain", "horizon_steps"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,7 +122,8 @@ class FxparConfig:
         if self.adapt is False:
             return False
         given = {} if self.adapt is True else dict(self.adapt)
-        detector = DetectorSettings(**{k: given[k] for k in ("threshold", "min_steps", "calibration_steps")
+        detector = DetectorSettings(**{k: given[k] for k in ("threshold", "min_steps", "min_seconds",
+                                                             "calibration_steps", "warmup_steps", "gather_every")
                                        if k in given})
         policy = AdaptPolicy(strategies=self.strategies, max_tensor_parallel=self.max_tensor_parallel,
                              **{k: given[k] for k in ("min_gain", "horizon_steps") if k in given})

@@ -72,9 +72,10 @@ class SegmentClock:
         self._last = 0.0
         #: compute + emulated sleep since the clock was made, never reset (a pipeline restarts the
         #: per-step figures at every segment): what :mod:`fxpar.adapt` reads busy time from.  The
-        #: compute is the process's CPU time in the segments (``time.process_time``), not their
-        #: wall time: a CPU rank descheduled by another process on its core (ranks sharing cores)
-        #: did no less work, and is not seen as a slower device
+        #: compute is the calling thread's CPU time in the segments (``time.thread_time``), not
+        #: their wall time: a CPU rank descheduled by another process on its core (ranks sharing
+        #: cores) did no less work, and is not seen as a slower device; the backend's own threads
+        #: (gloo's, reducing gradient buckets during the backward) are not compute
         self.busy_total_s = 0.0
         self._last_cpu = 0.0
         self._cuda = getattr(device, "type", None) == "cuda"
@@ -97,12 +98,12 @@ class SegmentClock:
     def start(self) -> None:
         self.active = True
         self.compute_s = self.emulation_s = self.comm_s = 0.0
-        self._last, self._last_cpu = time.perf_counter(), time.process_time()
+        self._last, self._last_cpu = time.perf_counter(), time.thread_time()
         self._segment_start = self._mark() if self._cuda else None
 
     def _close_segment(self) -> None:
         if self.active:
-            seg, cpu = time.perf_counter() - self._last, time.process_time() - self._last_cpu
+            seg, cpu = time.perf_counter() - self._last, time.thread_time() - self._last_cpu
             slept = self.emulator.stretch(seg)
             self.compute_s += seg
             self.emulation_s += slept
@@ -118,7 +119,7 @@ class SegmentClock:
         self._close_segment()
         t0 = time.perf_counter()
         out = fn()
-        self._last, self._last_cpu = time.perf_counter(), time.process_time()
+        self._last, self._last_cpu = time.perf_counter(), time.thread_time()
         self.comm_s += self._last - t0
         if self._cuda and self.active:
             self._segment_start = self._mark()
@@ -130,15 +131,21 @@ class SegmentClock:
         events, self._fresh = self._fresh or [], []
         return events
 
-    def device_busy_s(self) -> float:
-        """Busy seconds since the clock was made: the CUDA events' elapsed times on a GPU (waits
-        for the last one), :attr:`busy_total_s` elsewhere."""
+    def device_busy_s(self, wait: bool = True) -> float:
+        """Busy seconds since the clock was made: the CUDA events' elapsed times on a GPU,
+        :attr:`busy_total_s` elsewhere.  ``wait``: wait for the last segment's event (a host
+        sync); False: count the segments the device has finished, the rest at a later call (what
+        :mod:`fxpar.adapt` reads every step: no sync, a segment counted a step late at most)."""
         if not self._cuda:
             return self.busy_total_s
         if self._events:
-            self._events[-1][1].synchronize()
-            self._device_total_s += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-            self._events = []
+            if wait:
+                self._events[-1][1].synchronize()
+                done = len(self._events)
+            else:
+                done = next((i for i, (_, end) in enumerate(self._events) if not end.query()), len(self._events))
+            self._device_total_s += sum(a.elapsed_time(b) for a, b in self._events[:done]) / 1e3
+            self._events = self._events[done:]
         return self._device_total_s
 
     def stop(self) -> None:
