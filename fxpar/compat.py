@@ -98,6 +98,18 @@ def pipeline_action(stage: int, kind: str, microbatch: int) -> Any:
     return _Action(stage, computation, microbatch)
 
 
+def set_stage_ranks(stage: Any, chain: list[int]) -> None:
+    """Tell a torch ``PipelineStage`` which rank of its group runs each stage: stage ``j`` on the
+    global rank ``chain[j]``.  torch assumes stage ``j`` is group rank ``j % group size``, and a
+    group numbers its ranks in ascending global order (``new_group`` sorts them), so a chain
+    that is not ascending (a placement putting stage 0 on rank 1) sends to the wrong peers and
+    fails torch's p2p warm-up vote.  The mapping is the stage's ``stage_index_to_group_rank``
+    attribute, which torch's multi-stage schedules set the same way; single-stage schedules
+    (1F1B, GPipe) take no mapping, hence this setter."""
+    order = sorted(chain)
+    stage.stage_index_to_group_rank = {j: order.index(r) for j, r in enumerate(chain)}
+
+
 def set_stage_mapping(schedule: Any, actions: dict[int, list[Any]]) -> None:
     """Let a ``PipelineScheduleMulti`` derive (and validate) its stage -> rank mapping from
     ``actions``."""

@@ -458,3 +458,49 @@ def test_no_switch_in_200_steps_where_nothing_changes(request, ranks):
     for r in request.getfixturevalue(f"pool{ranks}").run(noise_only_run, 200):
         switches = [e for e in r["events"] if e["kind"] in ("switch", "rollback")]
         assert switches == [], r["events"]
+
+
+@pytest.mark.full
+@pytest.mark.multirank
+def test_the_fp16_loss_scale_carries_over_a_switch(pool2):
+    """Issue #39, item 5: the scale an fp16 run has reached (and its clean-step count) moves to
+    the new plan's module instead of restarting at 2^16; the next clean step counts on from it."""
+    from tests.workers_adapt import loss_scale_over_a_switch
+
+    for r in pool2.run(loss_scale_over_a_switch):
+        assert r["carried"] == {"scale": 1024.0, "clean_steps": 7, "skipped_steps": 3}, r
+        assert r["after"] == {"scale": 1024.0, "clean_steps": 8, "skipped_steps": 3}, r
+
+
+def test_optimizer_state_that_cannot_move_is_refused_by_type_and_by_shape():
+    """Issue #39, item 5: factored (Adafactor) and ZeRO-1 optimizers are refused by type, and
+    state not shaped like its parameter once it exists, naming the optimizer and the state."""
+    from fxpar.adapt.switch import check_movable
+
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    check_movable(torch.optim.AdamW([w]))
+    if hasattr(torch.optim, "Adafactor"):
+        with pytest.raises(ConfigError, match="Adafactor keeps factored"):
+            check_movable(torch.optim.Adafactor([w]))
+    odd = torch.optim.SGD([w], lr=0.1)
+    odd.state[w]["row_sums"] = torch.zeros(4)
+    with pytest.raises(ConfigError, match=r"SGD holds state 'row_sums' of shape \(4,\) for a parameter of shape \(4, 3\)"):
+        check_movable(odd)
+    odd.state[w] = {"step": torch.tensor(3.0), "momentum_buffer": torch.zeros(4, 3)}
+    check_movable(odd)
+
+
+@pytest.mark.full
+def test_track_refuses_an_optimizer_whose_state_cannot_move():
+    import fxpar
+    from tests.workers import global_batch, tiny_model
+
+    class AdamW8bit(torch.optim.AdamW):   # named as bitsandbytes' quantized optimizers are
+        pass
+
+    model = tiny_model("llama")
+    batch = global_batch(model, 4, 8, seed=1)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), batch, adapt=True)
+    with pytest.raises(ConfigError, match="AdamW8bit keeps quantized state"):
+        pm.track(AdamW8bit(pm.parameters()))
+    assert pm.optimizer is None

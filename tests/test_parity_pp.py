@@ -45,6 +45,16 @@ def test_gpipe_schedule(pool2, family):
     _check(pool2.run(pp_parity, family, [1, 1], 4, 1, 8, 16, 2, None, False, "GPipe"), 2)
 
 
+@pytest.mark.full
+def test_stages_placed_out_of_rank_order(pool3):
+    """Stage 0 on rank 2, stage 1 on rank 0, stage 2 on rank 1 (a placement the solver makes when
+    the fast card is not rank 0): torch's stage must be told which rank runs each stage, or its
+    p2p warm-up fails (found by the adapt benchmark switching to such a pipeline)."""
+    results = pool3.run(pp_parity, "llama", [1, 1, 1], 4, 1, 8, 16, 2, 3, stage_ranks=[2, 0, 1])
+    assert {r["rank"]: r["stage"] for r in results} == {2: 0, 0: 1, 1: 2}
+    _check(results, 3)
+
+
 def test_activation_checkpointing_is_exact(pool2):
     _check(pool2.run(pp_parity, "llama", [1, 1], 2, 1, 8, 16, 2, None, True), 2)
 

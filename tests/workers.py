@@ -151,10 +151,12 @@ def pipeline_case(cfg: dict, world: int, batch: int, seq: int, steps: int, **pla
 
 def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipelines: int = 1,
               batch: int = 8, seq: int = 16, steps: int = 2, layers: int | None = None,
-              checkpointing: bool = False, schedule: str = "1F1B", layout: str = "pipeline-major") -> dict:
+              checkpointing: bool = False, schedule: str = "1F1B", layout: str = "pipeline-major",
+              stage_ranks: list[int] | None = None) -> dict:
     """Pipeline plan vs single process (AdamW, lr 1e-2): per step the loss and the gradients of
     this rank's stage (``tests/parity.step_record``), then the trajectory gap of the stage's
-    weights (``weights``)."""
+    weights (``weights``).  ``stage_ranks``: one pipeline's stage ``j`` on rank ``stage_ranks[j]``
+    (a placement whose chain is not in rank order)."""
     from fxpar.codegen.pipeline.module import PipelineParallelModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -164,6 +166,9 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     model, reference, plan, data = pipeline_case(
         cfg, world, batch, seq, steps, blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
         pipelines=pipelines, activation_checkpointing=checkpointing, schedule=schedule, layout=layout)
+    if stage_ranks is not None:
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, ranks=(r,))
+                                                      for st, r in zip(plan.stages, stage_ranks)))
     pm = PipelineParallelModule(model, plan, rank, data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)

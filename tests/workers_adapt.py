@@ -233,3 +233,27 @@ def noise_only_run(steps: int = 200) -> dict[str, Any]:
         pm.step(data[k % 4])
         opt.step(); opt.zero_grad(set_to_none=True)
     return {"rank": rank, "events": pm.events, "plan": pm.plan.strategy}
+
+
+def loss_scale_over_a_switch() -> dict[str, Any]:
+    """An fp16 data-parallel plan whose loss scale has moved (backed off to 1024 with 7 clean
+    steps) switches to an fp16 pipeline: the new module's scaler, before and after a step."""
+    import dataclasses
+
+    world = dist.get_world_size()
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    template = meta_template(model)
+    data = global_batch(model, BATCH, SEQ, seed=1)
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"],
+                    dtype="fp16")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm.step(data); opt.step(); opt.zero_grad(set_to_none=True)
+    pm.loss_scaler.load_state_dict({"scale": 1024.0, "clean_steps": 7, "skipped_steps": 3})
+    plan = dataclasses.replace(_plan("pp", template, cluster, world), dtype="fp16")
+    new, _ = switch_module(pm, opt, plan, template, rank=dist.get_rank(), example_inputs=data,
+                           device=torch.device("cpu"),
+                           build_options=dict(group=None, loss_fn=None, loss_weighting="auto", emulate=False))
+    carried = new.loss_scaler.state_dict()
+    new.step(data)
+    return {"carried": carried, "after": new.loss_scaler.state_dict()}

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
-from fxpar.adapt.switch import switch_module
+from fxpar.adapt.switch import check_movable, switch_module
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, FxparError, RuntimeSetupError
 from fxpar.plan import Plan
@@ -122,6 +122,7 @@ class AdaptiveModule(torch.nn.Module):
         switch then runs right after its next ``step()`` (a post-step hook), before the next
         batch's rows are read: a loop that feeds each rank its rows (``step(rows, local=True)``,
         the Trainer's and Accelerate's loaders) reads them for the new plan."""
+        check_movable(optimizer)
         if self.optimizer is not optimizer:
             self.optimizer = optimizer
             optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self._optimizer_started())
@@ -162,6 +163,7 @@ class AdaptiveModule(torch.nn.Module):
             raise ConfigError(f"switch_to: expected an fxpar.Plan, got {type(plan).__name__}")
         if plan.world_size != self.world:
             raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
+        self._check_optimizer()
         self._pending, self._pending_kind = plan, "switch"
 
     def apply_pending(self) -> bool:
@@ -275,8 +277,25 @@ class AdaptiveModule(torch.nn.Module):
 
     # ------------------------------------------------------------------------- decide and switch
 
+    def _check_optimizer(self) -> None:
+        """:func:`check_movable` on every rank, agreed: a ConfigError on every rank alike when
+        any rank's optimizer state cannot move (before anything moves)."""
+        why = ""
+        if self.optimizer is not None:
+            try:
+                check_movable(self.optimizer)
+            except ConfigError as exc:
+                why = str(exc)
+        if self.world > 1:
+            whys = [""] * self.world
+            dist.all_gather_object(whys, why)
+            why = next((w for w in whys if w), "")
+        if why:
+            raise ConfigError(why)
+
     def _consider(self, factors: tuple[float, ...]) -> None:
         """Rank 0 re-plans for the derated cluster; every rank gets the decision."""
+        self._check_optimizer()
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         payload: list[Any] = [None]
         start = time.perf_counter()

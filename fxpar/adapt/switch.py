@@ -10,7 +10,11 @@
 3. **Optimizer.**  The user's optimizer object stays the one they step: its ``param_groups``
    get the new module's parameters (each parameter in the group its FQN was in before, on any
    rank; group settings such as the learning rate unchanged) and its ``state`` the moved
-   tensors.  ZeRO-1 optimizers (``ZeroRedundancyOptimizer``) are refused.
+   tensors.  State moves with its parameter's boxes, so every optimizer-state tensor must be
+   shaped like its parameter (Adam's moments) or 0-d (its step): :func:`check_movable` refuses
+   ZeRO-1's ``ZeroRedundancyOptimizer``, factored state (``Adafactor``) and quantized state (8-bit
+   optimizers) by type, and any other state of another shape once it exists, before anything
+   moves.  An fp16 plan's loss scale carries over to the new module.
 4. **RNG.**  The host and CUDA generators are saved before and restored after, so the run
    goes on with the random stream it had (dropout masks, sampling routers).
 5. **Release.**  The old module's process groups (those its build made,
@@ -97,14 +101,33 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(state[1])
 
 
+#: optimizer types whose state cannot move with its parameters' boxes (module docstring, 3)
+UNMOVABLE = {"ZeroRedundancyOptimizer": "shards its state by its own rule",
+             "Adafactor": "keeps factored (row and column) state"}
+
+
+def check_movable(optimizer: torch.optim.Optimizer) -> None:
+    """A ConfigError naming the optimizer when its state cannot move to a new plan (module
+    docstring, 3): by type, then by the shape of the state it holds now."""
+    name = type(optimizer).__name__
+    why = UNMOVABLE.get(name) or ("keeps quantized state" if "8bit" in name.lower() else None)
+    if why is None:
+        why = next((f"holds state {k!r} of shape {tuple(v.shape)} for a parameter of shape {tuple(p.shape)}"
+                    for group in optimizer.param_groups for p in group["params"]
+                    for k, v in optimizer.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape), None)
+    if why is not None:
+        raise ConfigError(f"fxpar adapt: the optimizer {name} {why}, which cannot move to a new plan; adapt with "
+                          "an optimizer whose state is shaped like its parameters (torch.optim.AdamW, SGD, ...)")
+
+
 def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan,
                   template: torch.nn.Module, *, rank: int, example_inputs: Any, device: torch.device,
                   build_options: dict[str, Any]) -> tuple[torch.nn.Module, SwitchReport]:
     """The module of ``plan`` on this rank, holding ``old``'s values and, in ``optimizer``
     (changed in place), its state (module docstring).  Collective over the default group."""
-    if optimizer is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        raise ConfigError("fxpar adapt: a ZeroRedundancyOptimizer cannot be moved to a new plan; build a plain "
-                          "optimizer (torch.optim.AdamW(pmodel.parameters())) for an adaptive run")
+    if optimizer is not None:
+        check_movable(optimizer)
     start, rng = time.perf_counter(), _rng_state()
     old_layout = describe(old)
     groups = _group_of_fqn(old_layout, optimizer) if optimizer is not None else {}
@@ -116,6 +139,9 @@ def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     if optimizer is not None:
         _regroup(optimizer, new_layout, groups)
     stats = reshard(old_layout, old_view, new_layout, optimizer, device)  # type: ignore[arg-type]
+    scalers = [getattr(m, "loss_scaler", None) for m in (old, new)]
+    if all(sc is not None for sc in scalers):    # fp16 to fp16: the scale the run has reached
+        scalers[1].load_state_dict(scalers[0].state_dict())
     _set_rng_state(rng)
     release_groups(getattr(old, "fxpar_groups", []))   # the old plan's communicators: nothing runs on them now
     done = time.perf_counter()
