@@ -27,26 +27,30 @@ class HookClock:
     def __init__(self, emulator: SpeedEmulator) -> None:
         self.emulator = emulator
         self.active = False
-        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self.compute_s = self.emulation_s = self.comm_s = self.cpu_s = 0.0
         self.collectives = 0
-        self._mark = 0.0
+        self._mark = self._mark_cpu = 0.0
         self._comm_from: float | None = None
 
     def start(self) -> None:
         self.active = True
-        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self.compute_s = self.emulation_s = self.comm_s = self.cpu_s = 0.0
         self.collectives = 0
         self._comm_from = None
-        self._mark = time.perf_counter()
+        self._mark, self._mark_cpu = time.perf_counter(), time.thread_time()
 
     def before_collective(self) -> None:
         if not self.active:
             return
         seg = time.perf_counter() - self._mark
         self.compute_s += seg
-        self.emulation_s += self.emulator.stretch(seg)
+        # stretched by its CPU time, as SegmentClock does (fxpar.runtime.emulation's docstring)
+        cpu = time.thread_time() - self._mark_cpu
+        self.cpu_s += cpu
+        self.emulation_s += self.emulator.stretch(cpu)
         self.collectives += 1
         self._comm_from = self._mark = time.perf_counter()
+        self._mark_cpu = time.thread_time()
 
     def after_collective(self) -> None:
         if not self.active:
@@ -55,7 +59,7 @@ class HookClock:
         if self._comm_from is not None:
             self.comm_s += now - self._comm_from
             self._comm_from = None
-        self._mark = now
+        self._mark, self._mark_cpu = now, time.thread_time()
 
     def stop(self) -> None:
         """End of the step's backward: what ran since the last collective began is waiting on
@@ -66,7 +70,7 @@ class HookClock:
 
     def timing(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "emulation_s": self.emulation_s, "comm_s": self.comm_s,
-                "collectives": float(self.collectives)}
+                "cpu_s": self.cpu_s, "collectives": float(self.collectives)}
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -102,7 +102,7 @@ def emulation_timing(speeds: list[float]) -> dict:
     pm = fxpar.auto(model, cluster, data, global_batch=8, strategies=["data_parallel"])
     pm.step(data)
     t = pm.last_timing
-    return {"rank": rank, "speed": speeds[rank], "compute_s": t.compute_s,
+    return {"rank": rank, "speed": speeds[rank], "compute_s": t.compute_s, "cpu_s": t.cpu_s,
             "emulation_s": t.emulation_s, "total_s": t.total_s}
 
 

@@ -119,7 +119,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
         out["weights"] = trajectory_gaps((n, state[n], p, initial[n]) for n, p in reference.named_parameters())
     t = pm.last_timing
     out["timing"] = {"compute_s": t.compute_s, "emulation_s": t.emulation_s, "comm_s": t.comm_s,
-                     "total_s": t.total_s}
+                     "total_s": t.total_s, "cpu_s": t.cpu_s}
     return out
 
 

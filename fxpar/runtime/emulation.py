@@ -1,6 +1,10 @@
 """Emulated heterogeneity: a rank of relative speed ``s < 1`` sleeps ``(1/s − 1)`` times the
 compute it just did, so CPU ranks behave like a fast and a slow card (DESIGN, "Running without
-GPUs").  Every figure measured this way is labelled *emulated* where it is reported.
+GPUs").  The compute of a segment is the computing thread's CPU time in it (``time.thread_time``),
+not its wall time: a segment that also waited (a pipeline stage blocked on a peer, a core shared
+with another rank or with the backend's thread) did no more work, and a slow device's extra time
+is proportional to its work.  Every figure measured this way is labelled *emulated* where it is
+reported.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class SegmentClock:
     def __init__(self, emulator: SpeedEmulator, device: Any = None) -> None:
         self.emulator = emulator
         self.active = False
-        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self.compute_s = self.emulation_s = self.comm_s = self.cpu_s = 0.0
         self._last = 0.0
         #: compute + emulated sleep since the clock was made, never reset (a pipeline restarts the
         #: per-step figures at every segment): what :mod:`fxpar.adapt` reads busy time from.  The
@@ -97,15 +101,16 @@ class SegmentClock:
 
     def start(self) -> None:
         self.active = True
-        self.compute_s = self.emulation_s = self.comm_s = 0.0
+        self.compute_s = self.emulation_s = self.comm_s = self.cpu_s = 0.0
         self._last, self._last_cpu = time.perf_counter(), time.thread_time()
         self._segment_start = self._mark() if self._cuda else None
 
     def _close_segment(self) -> None:
         if self.active:
             seg, cpu = time.perf_counter() - self._last, time.thread_time() - self._last_cpu
-            slept = self.emulator.stretch(seg)
+            slept = self.emulator.stretch(cpu)
             self.compute_s += seg
+            self.cpu_s += cpu
             self.emulation_s += slept
             self.busy_total_s += cpu + slept
             if self._segment_start is not None:

@@ -77,9 +77,10 @@ class StepTiming:
     """Wall-clock parts of the last step on this rank (seconds)."""
 
     compute_s: float      # forward + backward, real
-    emulation_s: float    # sleep added to emulate a slower device
+    emulation_s: float    # sleep added to emulate a slower device: (1/s − 1) × cpu_s
     comm_s: float         # collectives: inside forward/backward and the gradient sync
     total_s: float
+    cpu_s: float = 0.0    # the computing thread's CPU time in compute_s (what the emulation stretches)
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -200,7 +201,8 @@ class StepModule(torch.nn.Module):
                 if self.loss_scaler is not None:  # the verdict is agreed over every rank
                     self.loss_scaler.unscale_and_check(self.module.parameters(), device, self._scaler_group())
         self.last_timing = StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
-                                      comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds)
+                                      comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds,
+                                      cpu_s=self.clock.cpu_s)
         self.plan = explained(self.plan, self.compiled)   # the compiled regions' graph breaks, once
         return loss
 

@@ -128,7 +128,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self._replica_sum = self._make_replica_sum()
         for j, mod in zip(self.stage_indices, self.stage_modules):
             mod.checkpointing = wants_checkpointing(self.plan, j)
-            wrap_stage(mod, self.clock, self.emulator, None, on_forward=counting(self._replica_sum) if j == self.stage_index else None)
+            wrap_stage(mod, self.clock, None, on_forward=counting(self._replica_sum) if j == self.stage_index else None)
         return examples
 
     def _multi_schedule(self, schedule_class: type, examples: list[tuple[tuple, tuple]], stage_rank: list[int],

@@ -193,7 +193,7 @@ class PipelineParallelModule(torch.nn.Module):
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
         self._replica_sum = self._make_replica_sum()
-        wrap_stage(self.module, self.clock, self.emulator, self._link, on_forward=counting(self._replica_sum))
+        wrap_stage(self.module, self.clock, self._link, on_forward=counting(self._replica_sum))
         stage_in, stage_out = on_device(stage_in, self.device), on_device(stage_out, self.device)
         self._stage_inputs = stage_in
         return stage_in, stage_out

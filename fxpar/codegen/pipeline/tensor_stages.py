@@ -163,7 +163,7 @@ class LeadExit(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link: StageLink | None,
+def wrap_stage(module: torch.nn.Module, clock: SegmentClock, link: StageLink | None,
                on_forward: Callable[[Sequence[Any]], None] | None = None) -> None:
     """Replace ``module.forward`` so that it tells the followers (``link``: a tensor-parallel
     stage's lead), times the compute with the emulation ``clock``, and marks the outputs so the
@@ -180,7 +180,9 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, emulator: Any, link
         clock.stop()
         outs = out if isinstance(out, tuple) else (out,)
         keep = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if grad and keep and (link is not None or emulator.active):
+        # always marked, at full speed too: the clock's busy time (what adapting reads a rank's
+        # speed from) must cover the backward at every speed, or a rank slowed to 0.3 looked 0.12
+        if grad and keep:
             marked = iter(LeadExit.apply(link, clock, *(outs[i] for i in keep)))
             outs = tuple(next(marked) if i in keep else o for i, o in enumerate(outs))
             out = outs if isinstance(out, tuple) else outs[0]
