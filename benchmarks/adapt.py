@@ -1,6 +1,6 @@
 """Adapting while training under a straggler (gloo CPU ranks, **emulated** speeds).
 
-On 4 ranks, rank 2 slows from 1.0 to 0.3 at step 20 and recovers at step 60 (a
+On 4 ranks, rank 2 slows from 1.0 to 0.3 at step 20 and recovers at step 100 (a
 :class:`fxpar.adapt.SpeedTimeline` the plans never see); the same on 2 ranks (rank 1), where
 each rank has a core of this 2-core machine to itself (``SETUPS``).  Two scenarios: data parallelism fits
 (ample memory), and it does not (a per-rank memory cap under which the planner must shard or
@@ -13,10 +13,20 @@ infeasible).  Arms, every one under the same timeline and emulation:
 - ``adapt``: re-planning over every family;
 - ``fresh``: planned for the slowed speeds from the start, rank 2 at 0.3 throughout (the target).
 
-Per arm the mean step (slowest rank's wall time) before, during and after the straggler; for
-``adapt`` the time to detect (step times from the slowdown to the decision), re-plan, migrate,
-and the bytes moved per rank against the state each rank holds.  Last, a 4 → 3 node loss under
-elastic torchrun (:mod:`benchmarks.elastic`): the steps lost and the time to resume.
+A step is what a user waits for: ``pmodel.step`` + the optimizer's step + ``zero_grad``, timed
+on each rank by this harness (no collective of its own), the slowest rank's per step; a switch
+runs in the optimizer's post-step hook, so the step that migrates carries the migration, and a
+phase's mean spreads it over the phase.  Per arm the mean step before, during and after the
+straggler; for ``adapt`` the time to detect (step times from the slowdown to the decision),
+re-plan, migrate (split into planning, building, moving and the rest: committing), the bytes
+moved per rank against the state each rank holds, and per switch the **steps lost**: the wall
+time from the start of the step that decided to the end of the first new-plan step, in steps
+of the old plan's pace (the median of its 5 steps before), minus the steps done in it.
+
+**Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with adapting on and off,
+``OVERHEAD_ROUNDS`` rounds alternating the order, ``OVERHEAD_STEPS`` steps each; the ratio of the
+median steps.  Last, a 4 → 3 node loss under elastic torchrun (:mod:`benchmarks.elastic`): the
+steps lost and the time to resume.
 ``python -m benchmarks --suite adapt [--quick]`` or ``python -m benchmarks.adapt``.
 """
 
@@ -27,6 +37,7 @@ import copy
 import dataclasses
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +62,13 @@ BATCH, SEQ, SLOW_SPEED = 16, 32, 0.3
 #: so a sleeping straggler frees CPU for the others and its emulated slowdown is diluted), and 2
 #: ranks, one per core (the emulation as DESIGN describes it)
 SETUPS = ((4, 2), (2, 1))
-#: the detector the benchmark runs: a wider threshold than the default 0.2, for the noise of
-#: ranks that share 2 cores
-DETECTOR = DetectorSettings(threshold=0.3, min_steps=5, calibration_steps=3)
+#: the detector the benchmark runs: the defaults (warm-up, calibration, a change lasting 5 steps
+#: and 1 s) but a wider threshold than 0.2, for the noise of ranks that share 2 cores
+DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
 #: the elastic example's sleep per step (the node is lost while steps run)
 ELASTIC_DELAY_S = 0.1
+OVERHEAD_RANKS, OVERHEAD_ROUNDS, OVERHEAD_STEPS, OVERHEAD_WARMUP = 2, 4, 40, 5
 
 
 def _model() -> torch.nn.Module:
@@ -85,12 +97,51 @@ def arm_run(arm: str, memory_gib: float, phases: tuple[int, int, int], slow_rank
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     walls, kinds = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         pm.step(data)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        walls.append(max(pm.last_step_s))
+        walls.append(time.perf_counter() - start)
         kinds.append(pm.plan.strategy)
     return {"walls": walls, "kinds": kinds, "events": pm.events}
+
+
+def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's run with each step's wall the slowest rank's."""
+    return {**per_rank[0], "walls": [max(ws) for ws in zip(*(r["walls"] for r in per_rank))]}
+
+
+def overhead_run(adapt: bool, steps: int) -> list[float]:
+    """Equal speeds, data parallelism, adapting on or off: this rank's step walls (module docstring)."""
+    model = _model()
+    data = example_inputs(model, BATCH, SEQ, seed=1)
+    cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
+    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, strategies=["data_parallel"],
+                    adapt=Adapt(verbose=False) if adapt else None)
+    opt = (pm.track if adapt else (lambda o: o))(torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    walls = []
+    for _ in range(OVERHEAD_WARMUP + steps):
+        start = time.perf_counter()
+        pm.step(data)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        walls.append(time.perf_counter() - start)
+    if adapt and any(e["kind"] in ("switch", "rollback") for e in pm.events):
+        raise RuntimeError(f"adapting switched plans at equal speeds: {pm.events}")
+    return walls[OVERHEAD_WARMUP:]
+
+
+def overhead(pool: WorkerPool) -> dict[str, Any]:
+    """Adapting on against off at equal speeds (module docstring)."""
+    medians: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(OVERHEAD_ROUNDS):
+        for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            walls = [max(ws) for ws in zip(*pool.run(overhead_run, arm == "on", OVERHEAD_STEPS))]
+            medians[arm].append(statistics.median(walls))
+            print(f"  overhead round {r + 1}: adapt {arm:3s} {1e3 * medians[arm][-1]:.2f} ms", flush=True)
+    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
+    return {"ranks": pool.world_size, "on_s": on, "off_s": off, "ratio": on / off, "rounds": medians,
+            "spread": max(medians["off"]) / min(medians["off"])}
 
 
 def dp_fits(memory_gib: float, world: int) -> bool:
@@ -112,16 +163,37 @@ def _mean(values: list[float]) -> float | None:
 def _summary(run: dict[str, Any], phases: tuple[int, int, int]) -> dict[str, Any]:
     slow_at, recover_at, steps = phases
     w = run["walls"]
-    switches = [e for e in run["events"] if e["kind"] == "switch"]
+    switches = [e for e in run["events"] if e["kind"] in ("switch", "rollback")]
     decisions = [e for e in run["events"] if e["kind"] == "decision" and slow_at <= e["step"] < recover_at]
     first = decisions[0] if decisions else None
+    moved = next((e for e in switches if e["step"] > slow_at), None)
     return {"before_s": _mean(w[2:slow_at]), "during_s": _mean(w[slow_at:recover_at]), "after_s": _mean(w[recover_at:]),
             "detect_s": sum(w[slow_at:first["step"] + 1]) if first else None,
             "replan_s": first["replan_s"] if first else None,
-            "migrate_s": next((e["migrate_s"] for e in switches if e["step"] > slow_at), None),
-            "bytes_moved_per_rank": next((e["bytes_moved_per_rank"] for e in switches if e["step"] > slow_at), None),
-            "state_bytes_per_rank": next((e["state_bytes"] for e in switches if e["step"] > slow_at), None),
+            "migrate_s": moved["migrate_s"] if moved else None,
+            "migrate_split_s": _split(moved) if moved else None,
+            "bytes_moved_per_rank": moved["bytes_moved_per_rank"] if moved else None,
+            "state_bytes_per_rank": moved["state_bytes"] if moved else None,
+            "steps_lost": [_steps_lost(w, run["events"], e) for e in switches],
             "switches": [(e["step"], e["from"], e["to"]) for e in switches], "kinds": sorted(set(run["kinds"]))}
+
+
+def _split(switch: dict[str, Any]) -> dict[str, float]:
+    """A switch's ``migrate_s`` in parts: planning, building, moving, and the rest (committing)."""
+    parts = {"planning": switch["replan_s"], "building": switch["build_s"], "moving": switch["move_s"]}
+    return {**parts, "committing": max(switch["migrate_s"] - sum(parts.values()), 0.0)}
+
+
+def _steps_lost(walls: list[float], events: list[dict[str, Any]], switch: dict[str, Any]) -> float | None:
+    """Steps lost to ``switch`` (module docstring): from the step that decided it (a rollback:
+    the step whose measurement triggered it) to the first new-plan step, against the old pace."""
+    first_new = switch["step"]
+    before = [e for e in events if e["kind"] in ("decision", "trial") and e["step"] < first_new]
+    if not before or first_new >= len(walls):
+        return None
+    decided = before[-1]["step"]
+    pace = statistics.median(walls[max(decided - 5, 0):decided] or walls[decided:decided + 1])
+    return sum(walls[decided:first_new + 1]) / pace - (first_new - decided + 1)
 
 
 def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, int, int],
@@ -135,7 +207,7 @@ def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, 
             out[arm] = None
             continue
         print(f"--- {name}: {arm}", flush=True)
-        out[arm] = _summary(pool.run(arm_run, arm, memory_gib, phases, slow_rank)[0], phases)
+        out[arm] = _summary(_slowest(pool.run(arm_run, arm, memory_gib, phases, slow_rank)), phases)
     out["keep_plan_step_s"] = out["keep"]["during_s"]
     out["rebalance_step_s"] = out["rebalance"]["during_s"] if out["rebalance"] else None
     out["adapt_step_s"] = out["adapt"]["during_s"]
@@ -157,6 +229,8 @@ def _row(s: dict[str, Any]) -> list[Any]:
             f"{s['detect_s']:.2f}" if s["detect_s"] is not None else "-",
             f"{s['replan_s']:.2f}" if s["replan_s"] is not None else "-",
             f"{s['migrate_s']:.2f} ({s['migrate_s'] / s['adapt_step_s']:.1f} steps)" if s["migrate_s"] is not None else "-",
+            " / ".join(f"{1e3 * v:.0f}" for v in a["migrate_split_s"].values()) if a["migrate_split_s"] else "-",
+            ", ".join("-" if x is None else f"{x:.1f}" for x in a["steps_lost"]) or "-",
             f"{moved / 2**20:.2f} / {(s['state_bytes_per_rank'] or 0) / 2**20:.2f}",
             "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
 
@@ -195,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results")
     args = ap.parse_args(argv)
-    phases = (10, 30, 40) if args.quick else (20, 60, 80)
+    phases = (10, 50, 60) if args.quick else (20, 100, 120)
     caps = [0.02, 0.015, 0.012, 0.01, 0.008]
     runs = []
     for world, slow_rank in SETUPS:
@@ -203,16 +277,22 @@ def main(argv: list[str] | None = None) -> dict:
         with WorkerPool(world, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
             runs += [scenario(pool, "dp fits", 8.0, phases, slow_rank),
                      scenario(pool, "dp does not fit", tight, phases, slow_rank)]
+    with WorkerPool(OVERHEAD_RANKS, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+        print(f"--- overhead: adapting on / off at equal speeds, {OVERHEAD_RANKS} ranks", flush=True)
+        cost = overhead(pool)
+    print(f"adapting on / off at equal speeds: {cost['ratio']:.3f} ({1e3 * cost['on_s']:.2f} / "
+          f"{1e3 * cost['off_s']:.2f} ms; off's spread over rounds {cost['spread']:.3f})", flush=True)
     elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
     head = ["scenario", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
             "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
-            "MiB moved / held per rank", "switches"]
+            "plan / build / move / commit ms", "steps lost per switch", "MiB moved / held per rank", "switches"]
     caption = (f"Adapting while training (llama 4x128, batch {BATCH}, seq {SEQ}, gloo CPU ranks on 2 cores, EMULATED "
                f"speeds): rank 2 of 4 (rank 1 of 2) slows to {SLOW_SPEED} at step {phases[0]} and recovers at step "
-               f"{phases[1]}; mean step of the slowest rank while the straggler lasts")
+               f"{phases[1]}; mean step of the slowest rank while the straggler lasts, optimizer and migration "
+               f"included. Adapting on / off at equal speeds ({OVERHEAD_RANKS} ranks, DP): {cost['ratio']:.3f}")
     return finish("adapt", title="Adapting while training under a straggler (measured, emulated speeds)",
                   caption=caption, head=head, rows=[_row(s) for s in runs], quick=args.quick, runs=runs,
-                  elastic=elastic,
+                  elastic=elastic, overhead=cost,
                   phases=list(phases), slow_speed=SLOW_SPEED, detector=dataclasses.asdict(DETECTOR), out=args.out)
 
 

@@ -148,8 +148,14 @@ def adapt(a: dict) -> list[str]:
              f"the straggler slows to {a['slow_speed']} from step {a['phases'][0]} to "
              f"{a['phases'][1]} of {a['phases'][2]}; 'keep' runs the first plan throughout, 'DP rebalance' re-plans "
              "data-parallel shares only, 'adapt' every family, 'fresh plan' is made for the slowed speeds from the "
-             f"start; milliseconds are the mean step while the straggler lasts (detector: threshold "
-             f"{d.get('threshold')}, {d.get('min_steps')} steps):", "", table(a)]
+             "start; milliseconds are the slowest rank's mean step (optimizer included; the step that switches "
+             "carries the migration) while the straggler lasts (detector: threshold "
+             f"{d.get('threshold')}, a change lasting {d.get('min_steps')} steps and {d.get('min_seconds', 0)} s, "
+             f"{d.get('warmup_steps', 0)} warm-up and {d.get('calibration_steps')} reference steps per plan)."
+             + (f" At equal speeds, adapting on / off (data parallelism, {len(a['overhead']['rounds']['on'])} "
+                f"alternating rounds): {a['overhead']['ratio']:.3f} "
+                f"({1e3 * a['overhead']['on_s']:.2f} / {1e3 * a['overhead']['off_s']:.2f} ms)."
+                if a.get("overhead") else ""), "", table(a)]
     for what, e in (a.get("elastic") or {}).items():
         if "error" in e:
             lines += ["", f"A node {what} under elastic torchrun: not measured in this run ({e['error'][:200]})."]
