@@ -79,7 +79,8 @@ def _check(results: list[dict], ranks: int) -> None:
 @multirank
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.full)],  # quick: one file
                          ids=["single-file", "sharded-index"])
-@pytest.mark.parametrize("kind", ["dp", pytest.param("pp", marks=pytest.mark.full), "pp_tp", "ep"])  # quick: pp_tp covers pp
+@pytest.mark.parametrize("kind", ["dp", pytest.param("pp", marks=pytest.mark.full),  # quick: dp and ep (8 s for pp_tp)
+                                  pytest.param("pp_tp", marks=pytest.mark.full), "ep"])
 def test_checkpoint_parity(kind, sharded, tmp_path, request):
     family, layers, ranks = CASES[kind]
     pool = request.getfixturevalue(f"pool{ranks}")

@@ -64,6 +64,7 @@ def _check_overlap(by_rank) -> None:
         assert last["launch_times"][0] < first["armed_at"], (last["launch_times"], first["armed_at"])
 
 
+@pytest.mark.full  # 13 s on 4 ranks; replicas stay quick in test_pipelines_with_their_own_stage_cuts
 def test_stage_major_replicas_with_uneven_batches(pool4):
     # a stage's replicas side by side (stage 0 = ranks 0, 1), the slow pipeline holding more samples
     results = pool4.run(replica_pp_parity, "gpt2", [1.0, 0.5, 1.0, 0.5], [2, 6], 2, 8, 16, 2, "stage-major")

@@ -66,6 +66,7 @@ def test_two_stages_of_two_ranks_1f1b(pool4):
     _check(results)
 
 
+@pytest.mark.full  # 1.9 s; mixed widths stay quick in test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head
 def test_mixed_widths_gpipe_with_tied_embeddings(pool3):
     # stage 0 on two ranks (TP 2), stage 1 on one; the tied embedding / head is summed across
     # the stages' leads and handed to the follower.  SGD: its update is linear in the gradient,
@@ -148,6 +149,7 @@ def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
     assert results[0]["slept_s"] == 0.0 and results[2]["slept_s"] > 0.0  # the slow ranks were stretched
 
 
+@pytest.mark.full  # an error path, 2.8 s on 3 ranks
 def test_tp_stage_of_an_unsupported_family_is_refused_on_every_rank(pool3):
     messages = pool3.run(unsupported_tp_stage_refused)
     assert all("no attention fxpar can shard" in m and "max_tensor_parallel=1" in m for m in messages), messages

@@ -137,8 +137,10 @@ class WorkerPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 3.0   # one wait for all ranks (their results are in; a
+        for p in self._procs:               # rank stuck tearing its group down is then killed)
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
         for p in self._procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -88,7 +88,7 @@ from fxpar.codegen.pipeline.tensor_stages import (
 )
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.codegen.tensor.shard import counted_gradient
-from fxpar.compat import fake_host_mode, set_stage_ranks
+from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
@@ -127,8 +127,7 @@ class PipelineParallelModule(torch.nn.Module):
         self.pipe_stage = self.schedule = None
         if self.is_lead:  # followers replay the lead's schedule (tensor_stages.py)
             self.pipe_stage = torch_stage(self.module, self.stage_index, len(plan.stages), self.device,
-                                          stage_in, stage_out, self.pp_group)
-            set_stage_ranks(self.pipe_stage, self.chain)
+                                          stage_in, stage_out, self.pp_group, self.chain)
             schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B
             self.schedule = schedule_class(self.pipe_stage, n_microbatches=plan.num_microbatches,
                                            loss_fn=self._scaled_loss, scale_grads=False)

@@ -29,7 +29,7 @@ from fxpar.codegen.tensor.families import (
     shardable_blocks,
     split_sizes,
 )
-from fxpar.compat import pipeline_stage_class
+from fxpar.compat import pipeline_stage_class, set_stage_ranks
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan, StagePlan
 from fxpar.runtime.compile import CompileOptions, RegionalCompile
@@ -100,12 +100,15 @@ def place_stages(stages: Sequence[Any], model: torch.nn.Module, canonical: dict[
 
 
 def torch_stage(module: torch.nn.Module, stage: int, num_stages: int, device: torch.device,
-                stage_in: tuple, stage_out: tuple, group: Any) -> Any:
+                stage_in: tuple, stage_out: tuple, group: Any, chain: list[int] | None = None) -> Any:
     """The torch ``PipelineStage`` running ``module`` as stage ``stage`` (its p2p buffers shaped
-    like the boundary example values ``stage_in`` / ``stage_out``) over ``group``."""
-    return pipeline_stage_class()(module, stage, num_stages, device, input_args=stage_in,
-                                  output_args=stage_out[0] if len(stage_out) == 1 else stage_out,
-                                  group=group)
+    like the boundary example values ``stage_in`` / ``stage_out``) over ``group``; ``chain``: the
+    global rank of each stage, where a single-stage schedule runs it (:func:`set_stage_ranks`)."""
+    out = pipeline_stage_class()(module, stage, num_stages, device, input_args=stage_in,
+                                 output_args=stage_out[0] if len(stage_out) == 1 else stage_out, group=group)
+    if chain is not None:
+        set_stage_ranks(out, chain)
+    return out
 
 
 def check_tp_stages(model: torch.nn.Module, wide: dict[int, list[str]], widest: int) -> int:
