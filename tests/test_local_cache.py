@@ -127,6 +127,7 @@ def test_cost_source_survives_json_and_old_plans_load(fake_h200, capsys):
         Plan.from_dict({**old, "cost_source": 3})
 
 
+@pytest.mark.full  # 2.5 s; `fxpar plan` with the cached profile stays quick above
 def test_fxpar_make_plan_prices_a_user_s_model_with_the_cached_profile(fake_h200):
     """``fxpar.auto`` / ``make_plan`` on a HF model the user built: with a cached profile of the
     local GPU, the model's config is traced keyed for it and the plan says so; without, the

@@ -85,6 +85,7 @@ def test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head(pool3):
     _check(results)
 
 
+@pytest.mark.full  # 2.8 s; uneven heads stay quick in test_parity_tp.py, TP stages in this file's 1F1B test
 def test_uneven_heads_inside_a_pipeline_stage(pool3):
     # stage 0 splits 4 KV groups 3:1 (a fast and a slow card in one group), stage 1 is whole;
     # the vocab-parallel embedding follows the same 3:1 (192/64 rows)
@@ -103,6 +104,7 @@ def test_whole_projection_qk_norms_across_an_uneven_stage(pool3):
     _check(results, n_params=results[0]["n_params"])
 
 
+@pytest.mark.full  # 2.2 s; uneven experts stay quick in test_parity_ep.py
 def test_uneven_experts_inside_a_pipeline_stage(pool3):
     # Mixtral, stage 0 on two ranks: attention heads 1:1, the 4 experts placed 3 + 1 (expert
     # parallelism inside the stage); stage 1 whole.  Losses include the routed experts' work.
@@ -170,7 +172,8 @@ def test_zero_sharded_optimizer_on_two_pipelines(pool4, tmp_path):
     expect(check_gradients(results[0]["ckpt_state"], kind="Adam first moments"))
 
 
-@pytest.mark.parametrize(("widths", "pool"), [([1, 1], "pool2"), ([2, 1], "pool3")])
+@pytest.mark.parametrize(("widths", "pool"), [([1, 1], "pool2"),
+                                              pytest.param([2, 1], "pool3", marks=pytest.mark.full)])  # quick: [1, 1]
 def test_bf16_pipeline_runs_mixed_precision_like_one_process(widths, pool, request):
     """dtype bf16: every stage is exported and run under autocast (fp32 master weights and
     gradients).  bf16 rounding depends on how the batch is cut into micro-batches, so the
