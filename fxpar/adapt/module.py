@@ -98,7 +98,7 @@ class AdaptiveModule(torch.nn.Module):
         self.last_busy_s: list[float] = []
         self._opt_start, self._opt_s = 0.0, 0.0   # the tracked optimizer's last step
         self._records: list[list[float]] = []      # this rank's (busy, wall, optimizer) not yet shared
-        self._measured: list[MeasuredStep] = []    # every step of the current plan, all ranks
+        self._measured: list[MeasuredStep] = []    # the current plan's last steps, all ranks
         #: after a switch: the plan it left and the step measured before it (module docstring, 5)
         self._trial: tuple[Plan, float] | None = None
         self._refused: list[tuple[Plan, tuple[float, ...]]] = []   # rolled back, at these speeds
@@ -209,6 +209,8 @@ class AdaptiveModule(torch.nn.Module):
             self.last_busy_s, self.last_step_s = busy, walls
             self._measured.append(MeasuredStep(step_s=max(w + o for w, o in zip(walls, optimizer)),
                                                compute_s=max(b + o for b, o in zip(busy, optimizer))))
+            keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
+            del self._measured[:-keep]   # only the last steps are read: bounded on a long run
             factors = self.detector.observe(busy, self._measured[-1].step_s)
             if self._trial is not None and self.detector.reference is not None:
                 self._check_trial()

@@ -128,6 +128,7 @@ class SpeedDetector:
                 self.reference = tuple(statistics.median(c[r] for c in self._calibration) for r in range(self.world))
             return None
         self._history.append(tuple(self.reference[r] / busy[r] for r in range(self.world)))
+        del self._history[:-self.steps_needed()]   # only the last n steps are read
         return self._persistent()
 
     def steps_needed(self) -> int:
