@@ -19,7 +19,7 @@ from fxpar.codegen.sharded.module import ShardedDataParallelModule
 from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.plan import Plan
 from fxpar.runtime.compile import CompileOptions
-from fxpar.runtime.distributed import group_scope
+from fxpar.runtime.distributed import owned_scope
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.tracing.analyze_model import remember_example
 
@@ -31,10 +31,10 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
     ``compile`` says (:mod:`fxpar.runtime.compile`).  ``checkpoint``: a HF folder, a
     :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose values a
     reshard fills), or None."""
-    with group_scope() as groups:
+    with owned_scope() as owned:
         module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
                         loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
-    module.fxpar_groups = groups   # the process groups this build made (released by a switch)
+    module.fxpar_owned = owned   # the process groups and hooks this build made (released by a switch)
     if compile is not None:
         module.compile_regions(compile)
     return module

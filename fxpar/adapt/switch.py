@@ -17,9 +17,10 @@
    moves.  An fp16 plan's loss scale carries over to the new module.
 4. **RNG.**  The host and CUDA generators are saved before and restored after, so the run
    goes on with the random stream it had (dropout masks, sampling routers).
-5. **Release.**  The old module's process groups (those its build made,
-   :func:`fxpar.runtime.distributed.group_scope`) are destroyed once the state has moved, so
-   switching back and forth leaves no communicator of a replaced plan alive.
+5. **Release.**  The old module's process groups and the hooks torch would keep alive (those
+   its build made, :func:`fxpar.runtime.distributed.owned_scope`) are destroyed once the state
+   has moved, so switching back and forth leaves no communicator and no tensor of a replaced
+   plan alive.
 
 ``migrate_s`` counts all of it: from the last old step to the first new one.
 """
@@ -43,7 +44,7 @@ from fxpar.checkpoint.reshard_move import reshard
 from fxpar.codegen.common.materialize import Uninitialised
 from fxpar.errors import ConfigError
 from fxpar.plan import Plan
-from fxpar.runtime.distributed import release_groups
+from fxpar.runtime.distributed import release_owned
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,7 @@ def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     if all(sc is not None for sc in scalers):    # fp16 to fp16: the scale the run has reached
         scalers[1].load_state_dict(scalers[0].state_dict())
     _set_rng_state(rng)
-    release_groups(getattr(old, "fxpar_groups", []))   # the old plan's communicators: nothing runs on them now
+    release_owned(getattr(old, "fxpar_owned", []))   # the old plan's communicators and hooks: nothing runs on them now
     done = time.perf_counter()
     held = sum(lp.param.numel() * lp.param.element_size() for lp in new_layout.params)
     if optimizer is not None:

@@ -220,9 +220,10 @@ _SCOPES: list[list[Any]] = []
 
 
 @contextlib.contextmanager
-def group_scope() -> Iterator[list[Any]]:
-    """Every process group :func:`new_group` makes inside the block, in creation order: what a
-    plan's build owns, released with it (:func:`release_groups`) when a switch replaces it."""
+def owned_scope() -> Iterator[list[Any]]:
+    """What a plan's build makes inside the block and must give back when a switch replaces the
+    plan, in creation order: every process group :func:`new_group` makes and every autograd hook
+    handle passed to :func:`own`.  Released with :func:`release_owned`."""
     made: list[Any] = []
     _SCOPES.append(made)
     try:
@@ -231,16 +232,30 @@ def group_scope() -> Iterator[list[Any]]:
         _SCOPES.remove(made)
 
 
-def release_groups(groups: list[Any]) -> None:
-    """Destroy ``groups`` (a replaced plan's, :func:`group_scope`) on this rank, so no
-    communicator of a plan that no longer runs stays alive; every rank releases the same ones,
-    as it made them.  A group this rank is not a member of is nothing to destroy."""
+def own(handle: Any) -> Any:
+    """Record a hook's removable ``handle`` with the build being made (:func:`owned_scope`), for
+    hooks torch keeps alive from C++ whatever Python still refers to -- a
+    ``torch.autograd.graph.register_multi_grad_hook`` on parameters keeps them, their gradient
+    nodes and what its function refers to for the life of the process until removed.  Returns
+    ``handle``."""
+    for made in _SCOPES:
+        made.append(handle)
+    return handle
+
+
+def release_owned(owned: list[Any]) -> None:
+    """Give back what a replaced plan's build made (:func:`owned_scope`) on this rank: remove its
+    hooks and destroy its process groups, so no communicator, hook or tensor of a plan that no
+    longer runs stays alive; every rank releases the same groups, as it made them.  A group this
+    rank is not a member of is nothing to destroy."""
     import torch.distributed as dist
 
-    for group in groups:
-        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(group)
-    groups.clear()
+    for item in owned:
+        if isinstance(item, dist.ProcessGroup):
+            dist.destroy_process_group(item)
+        elif item is not None and item is not dist.GroupMember.NON_GROUP_MEMBER:
+            item.remove()   # a hook handle (:func:`own`)
+    owned.clear()
 
 
 def host_group(group: Any = None) -> Any:

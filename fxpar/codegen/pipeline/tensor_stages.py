@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from fxpar.errors import PlanError
 from fxpar.runtime.device import host_tensor
-from fxpar.runtime.distributed import host_group, new_group
+from fxpar.runtime.distributed import host_group, new_group, own
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
@@ -193,7 +193,7 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, link: StageLink | N
     module.forward = forward
     params = [p for _, p in module.named_original_parameters() if p.requires_grad]  # not a frozen one
     if params:
-        torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all")
+        own(torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all"))
 
 
 def example_values(modules: Any, inputs: tuple) -> list[tuple[tuple, tuple]]:

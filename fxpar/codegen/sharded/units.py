@@ -36,6 +36,7 @@ import torch
 
 from fxpar.codegen.sharded.buffers import GatherBuffers, ReduceBuffers
 from fxpar.errors import ConfigError
+from fxpar.runtime.grad_hooks import register_weak_post_accumulate_grad_hook
 from fxpar.runtime.ragged import PackedLayout, Pending, RaggedLayout
 
 FP32 = torch.float32
@@ -97,7 +98,7 @@ class Mode:
         self.bind_sources(tensors)
         for full in self.fulls:
             if full.requires_grad:
-                full.register_post_accumulate_grad_hook(unit.on_grad)
+                register_weak_post_accumulate_grad_hook(full, unit.on_grad)
 
     def bind_sources(self, tensors: list[ShardedTensor]) -> None:
         """This rank's elements of each tensor (none of a 0-d mirror another rank owns)."""
