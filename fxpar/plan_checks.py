@@ -363,3 +363,8 @@ def _check_pipeline_ranks(p: Any) -> None:
         if sum(st.data_split) != p.global_batch:
             raise PlanError(f"plan.stages[{st.index}]: data_split sums to {sum(st.data_split)}, "
                             f"not global_batch {p.global_batch}")
+    if p.schedule == "1F1B" and p.num_microbatches < len(p.stages):
+        raise PlanError(f"plan: a 1F1B pipeline of {len(p.stages)} stages needs at least {len(p.stages)} "
+                        f"micro-batches (each stage holds one in flight before its first backward); it has "
+                        f"num_microbatches = {p.num_microbatches}. Raise num_microbatches or use "
+                        "schedule 'GPipe'")

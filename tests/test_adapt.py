@@ -62,6 +62,76 @@ def test_switches_between_expert_interleaved_and_sharded_layouts(pool2, case):
         assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
 
 
+#: issue #39, item 2's switch matrix: (ranks, model config, {step: target}, steps, dtype); each
+#: chain starts under uneven data parallelism (:func:`tests.workers_adapt._plan` names the targets)
+SWITCH_CHAINS = {
+    "2 ranks: DP -> ZeRO-2 -> DP -> PP -> PP re-cut -> ZeRO-3 -> ZeRO-3 re-split -> offloaded ZeRO-3":
+        (2, None, {2: "zero2", 4: "dp", 6: "pp", 8: "pp-recut", 10: "sharded", 12: "sharded-resplit",
+                   14: "sharded-offload"}, 17, "fp32"),
+    "2 ranks: uneven TP 3:1 -> DP (4 KV groups)":
+        (2, {"num_attention_heads": 4, "num_key_value_heads": 4}, {2: "tp-3:1", 5: "dp"}, 8, "fp32"),
+    "2 ranks: Mixtral EP 3:1 -> EP 1:3 -> DP":
+        (2, "mixtral", {2: "ep", 4: "ep-resplit", 6: "dp"}, 9, "fp32"),
+    "3 ranks: DP -> PP -> PP x TP -> PP re-cut -> ZeRO-3 -> DP":
+        (3, None, {2: "pp", 4: "pp-tp", 6: "pp-recut", 8: "sharded", 10: "dp"}, 13, "fp32"),
+    "4 ranks: DP -> PP x TP -> PP -> ZeRO-3 -> ZeRO-2 -> DP":
+        (4, None, {2: "pp-tp", 4: "pp", 6: "sharded-resplit", 8: "zero2", 10: "dp"}, 13, "fp32"),
+    "2 ranks, bf16: DP -> PP -> ZeRO-3 -> DP": (2, None, {2: "pp", 4: "sharded", 6: "dp"}, 10, "bf16"),
+    "2 ranks, fp16: DP -> PP -> ZeRO-3 -> DP": (2, None, {2: "pp", 4: "sharded", 6: "dp"}, 10, "fp16"),
+}
+
+
+@pytest.mark.full
+@pytest.mark.multirank
+@pytest.mark.parametrize("chain", list(SWITCH_CHAINS))
+def test_every_switch_of_the_matrix_keeps_the_single_process_trajectory(request, chain):
+    """Issue #39, item 2: each chain of :data:`SWITCH_CHAINS` (2, 3 and 4 ranks; pipelines with
+    other cuts and tensor-parallel stages, ZeRO-2 and ZeRO-3 with other state splits and an
+    offloaded optimizer, uneven TP and EP as sources with optimizer state, and back to DP) keeps
+    every step's loss equal to one process's on the same batches and the AdamW weights on its
+    trajectory, optimizer state moved at every switch.  bf16 and fp16 chains (every plan of that
+    dtype) against one process under the host's autocast: the loss by the autocast rule of the
+    mixed-precision parity tests and the weights within its gradient bound (their updates follow
+    the gradients); the fp16 loss scale carries over every switch (its clean steps count on)."""
+    from tests.parity import AUTOCAST_GRAD_RTOL, AUTOCAST_LOSS_RTOL, LOSS_RTOL
+    from tests.workers import TINY_CONFIGS
+    from tests.workers_adapt import CONFIG
+
+    ranks, config, switches, steps, dtype = SWITCH_CHAINS[chain]
+    if config == "mixtral":
+        config = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=4)
+    elif config is not None:
+        config = dict(CONFIG, **config)
+    results = request.getfixturevalue(f"pool{ranks}").run(switch_parity, switches, steps, 1e-3, config, dtype)
+    for r in results:
+        assert len(r["switches"]) == len(switches)
+        for k, (loss, ref) in enumerate(r["losses"]):
+            expect(check_loss(loss, ref, AUTOCAST_LOSS_RTOL if dtype != "fp32" else LOSS_RTOL),
+                   context=f"{chain}: rank {r['rank']} step {k}")
+        if dtype == "fp32":
+            expect(check_trajectory(r["weights"]), context=f"{chain}: rank {r['rank']}")
+        assert r["weights"].gap < (SWITCH_TRAJECTORY_GAP if dtype == "fp32" else AUTOCAST_GRAD_RTOL), r["weights"]
+        assert r["n_state"] > 0
+        if dtype == "fp16":
+            assert r["loss_scale"]["clean_steps"] == steps and r["loss_scale"]["skipped_steps"] == 0, r["loss_scale"]
+    assert sum(s["received"] + s["local"] for r in results for s in r["switches"]) > 0
+
+
+@pytest.mark.multirank
+def test_a_pipeline_to_zero3_switch_moves_state_with_parity(pool2):
+    """Issue #39, item 2's quick-tier switch: uneven DP -> a 2-stage pipeline -> uneven ZeRO-3,
+    where each rank receives the rows it now owns of the other stage's blocks and their AdamW
+    state; every step's loss equals one process's and the weights stay on its trajectory (the
+    full tier runs :data:`SWITCH_CHAINS`)."""
+    for r in pool2.run(switch_parity, {1: "pp", 2: "sharded"}, 4):
+        assert r["kinds"] == ["data_parallel", "pipeline", "sharded_data_parallel", "sharded_data_parallel"]
+        assert r["switches"][1]["received"] > 0 and r["n_state"] > 0
+        for k, (loss, ref) in enumerate(r["losses"]):
+            expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
+        expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")
+        assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
+
+
 # ----------------------------------------------------------------------------- transfer planning
 
 def _holding(fqn: str, shape: tuple[int, ...], boxes, write: bool = True) -> Holding:

@@ -84,3 +84,21 @@ def test_unknown_model_names_the_choices(tmp_path, capsys):
     assert main(["plan", "--cluster", str(cluster), "--model", "llama-999b"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "llama-999b" in err and "llama-7b" in err
+
+
+def test_a_1f1b_pipeline_with_fewer_micro_batches_than_stages_is_refused_by_the_plan():
+    """torch's 1F1B schedule refuses fewer micro-batches than stages from deep inside its
+    constructor, at build time; the plan says so where it is made, with what to change."""
+    import fxpar
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.errors import PlanError
+    from fxpar.tracing.hf import ModelSpec, build_model
+    from tests.workers_adapt import CONFIG
+
+    model = build_model(ModelSpec(hf_config=CONFIG), device="meta", seed=0)
+    with pytest.raises(PlanError, match="3 stages needs at least 3 micro-batches.*num_microbatches = 2.*GPipe"):
+        pipeline_plan(model, fxpar.Cluster.emulated([1.0] * 3), global_batch=8, blocks_per_stage=[2, 1, 1],
+                      num_microbatches=2)
+    gpipe = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * 3), global_batch=8, blocks_per_stage=[2, 1, 1],
+                          num_microbatches=2, schedule="GPipe")
+    assert gpipe.num_microbatches == 2

@@ -77,6 +77,7 @@ def test_mixed_widths_gpipe_with_tied_embeddings(pool3):
     _check(results, n_params=39)
 
 
+@pytest.mark.full   # quick sibling: test_two_stages_of_two_ranks_1f1b (a tensor-parallel stage in 1F1B)
 def test_one_wide_stage_then_narrow_with_checkpointing_and_tied_head(pool3):
     # the last stage's vocab-parallel head shares its weight with stage 0's whole embedding:
     # the tied gradient is summed on full-size tensors and cut back into each side's rows

@@ -36,6 +36,7 @@ def test_gpt2_fused_shards_checkpoint(pool2, tmp_path):
     expect(check_trajectory(results[0]["checkpoint"]))   # the weights after one SGD step, read back
 
 
+@pytest.mark.full   # quick sibling: test_parity_pp_tp.py::test_two_stages_of_two_ranks_1f1b (llama)
 def test_gpt2_pipeline_with_a_tensor_parallel_stage(pool3):
     # GPT-2 (tied embedding / head) in 2 stages, the first on 2 ranks: SGD, both steps exact
     results = pool3.run(pp_tp_parity, [2, 1], [2, 2], 2, 1, "1F1B", True, False, 2, 8, 16, "sgd", "gpt2")

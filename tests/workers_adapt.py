@@ -22,21 +22,51 @@ BATCH, SEQ = 8, 16
 CONFIG = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
 
 
-def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int) -> fxpar.Plan:
-    """The hand plan of a switch target: "pp" (2 stages of 2 blocks, 2 micro-batches),
-    "sharded" (ZeRO-3, uneven batch and state), "tp" (one KV group per rank), "interleaved"
-    (4 one-block stages over 2 ranks), "ep" (a Mixtral's 4 experts split 3:1)."""
-    if kind == "pp":
-        return pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=[2, 2], num_microbatches=2)
-    if kind == "sharded":
-        return sharded_data_parallel_plan(cluster, batch_split=[5, 3], state_split=[3, 1], shard_stage=3)
-    if kind == "tp":
-        return tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[1, 1])
+#: the switch tests' emulated speeds, the first ``world`` of them
+SPEEDS = [1.0, 0.6, 0.8, 0.5]
+#: per world size: the blocks of a pipeline per stage ("pp", and "pp-recut" with other cuts),
+#: the samples and state rows per rank of uneven ZeRO ("sharded"; "sharded-resplit" reverses the
+#: state split), and the widths of a pipeline's tensor-parallel stages ("pp-tp", 2 blocks each)
+_SPLITS = {
+    2: dict(pp=[2, 2], recut=[3, 1], batch=[5, 3], state=[3, 1], pp_tp=None),
+    3: dict(pp=[2, 1, 1], recut=[1, 1, 2], batch=[3, 3, 2], state=[2, 1, 1], pp_tp=[2, 1]),
+    4: dict(pp=[1, 1, 1, 1], recut=None, batch=[2, 2, 2, 2], state=[3, 1, 1, 1], pp_tp=[2, 2]),
+}
+
+
+def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int,
+          start: fxpar.Plan | None = None) -> fxpar.Plan:
+    """The hand plan of a switch target on ``world`` ranks (:data:`_SPLITS`): "dp" (the run's
+    starting plan, uneven data parallelism), "pp" (2 micro-batches, 4 for 3 or 4 stages), "pp-recut" (other cuts),
+    "pp-tp" (a pipeline whose stages are tensor-parallel groups), "sharded" (ZeRO-3, uneven
+    batch and state), "sharded-resplit" (another state split), "zero2", "sharded-offload"
+    (ZeRO-3 with rank 0's optimizer on the host), "tp" (one KV group per rank), "tp-3:1" (a
+    model with 4 KV groups split 3:1), "interleaved" (4 one-block stages over 2 ranks), "ep" (a
+    Mixtral's 4 experts split 3:1), "ep-resplit" (1:3)."""
+    split = _SPLITS[world]
+    if kind == "dp":
+        assert start is not None and start.strategy == "data_parallel"
+        return start
+    if kind in ("pp", "pp-recut"):
+        blocks = split["pp"] if kind == "pp" else split["recut"]
+        return pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=blocks,
+                             num_microbatches=2 if len(blocks) <= 2 else 4)
+    if kind == "pp-tp":
+        return pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=[2, 2], num_microbatches=2,
+                             tensor_parallel=split["pp_tp"])
+    if kind.startswith("sharded") or kind == "zero2":
+        state = split["state"][::-1] if kind == "sharded-resplit" else split["state"]
+        offload = [True] + [False] * (world - 1) if kind == "sharded-offload" else None
+        return sharded_data_parallel_plan(cluster, batch_split=split["batch"], state_split=state,
+                                          shard_stage=2 if kind == "zero2" else 3, offload_optimizer=offload)
+    if kind in ("tp", "tp-3:1"):
+        return tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[1, 1] if kind == "tp" else [3, 1])
     if kind == "interleaved":  # 4 stages of one block, rank 0 runs stages 0 and 2
         return interleaved_plan(model, cluster, global_batch=BATCH, blocks_per_stage=[1, 1, 1, 1],
                                 stage_ranks=[0, 1, 0, 1], num_microbatches=2)
-    if kind == "ep":  # uneven experts: 3 on rank 0, 1 on rank 1
-        return expert_parallel_plan(model, cluster, global_batch=BATCH, expert_split=[3, 1], batch_shares=[5, 3])
+    if kind in ("ep", "ep-resplit"):  # uneven experts: 3 on rank 0, 1 on rank 1 (or 1 and 3)
+        return expert_parallel_plan(model, cluster, global_batch=BATCH,
+                                    expert_split=[3, 1] if kind == "ep" else [1, 3], batch_shares=[5, 3])
     raise ValueError(kind)
 
 
@@ -51,10 +81,16 @@ def _boxes(pm: torch.nn.Module, reference: dict, initial: dict) -> list:
     return out
 
 
-def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None) -> dict[str, Any]:
+def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None,
+                  dtype: str = "fp32") -> dict[str, Any]:
     """Train ``steps`` AdamW steps starting under uneven data parallelism, switching to
     ``switches[k]`` before step ``k``; per step the loss and the reference's (one process, same
-    batches), at the end the trajectory gaps of every box this rank holds."""
+    batches; under the host's autocast to ``dtype`` where it is "bf16" or "fp16", every plan
+    then of that dtype), at the end the trajectory gaps of every box this rank holds."""
+    import contextlib
+    import dataclasses
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=config or CONFIG), device="cpu", seed=0,
@@ -62,14 +98,16 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
     reference, template = copy.deepcopy(model), meta_template(model)
     initial = snapshot(reference)
     data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
-    cluster = fxpar.Cluster.emulated([1.0, 0.6][:world])
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, strategies=["data_parallel"])
+    cluster = fxpar.Cluster.emulated(SPEEDS[:world])
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, strategies=["data_parallel"],
+                    dtype=dtype)
+    start = pm.plan
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": [], "switches": []}
     for k in range(steps):
         if k in switches:
-            plan = _plan(switches[k], template, cluster, world)
+            plan = dataclasses.replace(_plan(switches[k], template, cluster, world, start), dtype=dtype)
             pm, report = switch_module(pm, opt, plan, template, rank=rank, example_inputs=data[0],
                                        device=torch.device("cpu"),
                                        build_options=dict(group=None, loss_fn=None, loss_weighting="auto",
@@ -78,8 +116,9 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
                                     "received": report.stats.received_bytes, "local": report.stats.local_bytes,
                                     "state_bytes": report.state_bytes, "migrate_s": report.migrate_s})
         loss = pm.step(data[k])
-        ref_loss = reference(**data[k], use_cache=False).loss
-        ref_loss.backward()
+        with torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext():
+            ref_loss = reference(**data[k], use_cache=False).loss
+        ref_loss.float().backward()
         out["losses"].append((float(loss), float(ref_loss)))
         out["kinds"].append(pm.plan.strategy)
         opt.step(); opt.zero_grad(set_to_none=True)
@@ -87,6 +126,7 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
     ref_params = dict(reference.named_parameters())
     out["weights"] = trajectory_gaps(_boxes(pm, ref_params, initial))
     out["n_state"] = sum(len(s) for s in opt.state.values())
+    out["loss_scale"] = getattr(pm, "loss_scaler", None) and pm.loss_scaler.state_dict()
     return out
 
 
@@ -175,7 +215,7 @@ def leaks_over_switches(switches: int = 10) -> dict[str, Any]:
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
     template = meta_template(model)
     data = global_batch(model, BATCH, SEQ, seed=1)
-    cluster = fxpar.Cluster.emulated([1.0, 0.6][:world])
+    cluster = fxpar.Cluster.emulated(SPEEDS[:world])
     pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"])
     del model
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
