@@ -132,6 +132,42 @@ def test_a_pipeline_to_zero3_switch_moves_state_with_parity(pool2):
         assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
 
 
+#: speeds that change three times on 2 ranks: rank 1 slows to 0.3 at step 8, recovers as rank 0
+#: slows at step 24, which recovers at step 40
+THREE_CHANGES = [(8, 1, 0.3), (24, 1, 1.0), (24, 0, 0.3), (40, 0, 1.0)]
+
+
+@pytest.mark.full
+@pytest.mark.multirank
+def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
+    """Issue #39, item 2: ``fxpar.auto(..., adapt=...)`` on 2 ranks whose emulated speeds change
+    three times, timed for real; the decider itself chooses the switches -- within
+    ``AdaptPolicy.strategies`` (uneven ZeRO re-split for the new speeds) and under a memory cap
+    data parallelism does not fit (ZeRO and pipelines with other cuts).  At least three switches
+    in all, every one after a decision; every step's loss equals one process's on the same
+    batches and the AdamW weights stay on its trajectory, whatever the plan of each step."""
+    from tests.workers_adapt import adaptive_run
+
+    cases = {"ZeRO only": (16.0, ["sharded_data_parallel"]),
+             "0.004 GiB per rank": (0.004, ["data_parallel", "sharded_data_parallel", "pipeline"])}
+    switches = 0
+    for case, (memory_gib, strategies) in cases.items():
+        results = pool2.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies)
+        for r in results:
+            kinds = [e["kind"] for e in r["events"]]
+            for i, kind in enumerate(kinds):
+                if kind == "switch":
+                    assert kinds[i - 1] == "decision", (case, r["events"])
+            for k, (loss, ref) in enumerate(r["losses"]):
+                expect(check_loss(loss, ref), context=f"{case}: rank {r['rank']} step {k} ({r['kinds'][k]})")
+            expect(check_trajectory(r["weights"]), context=f"{case}: rank {r['rank']}")
+            assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
+        assert results[0]["events"] == results[1]["events"] or [e["kind"] for e in results[0]["events"]] == [
+            e["kind"] for e in results[1]["events"]]
+        switches += sum(e["kind"] == "switch" for e in results[0]["events"])
+    assert switches >= 3, switches
+
+
 # ----------------------------------------------------------------------------- transfer planning
 
 def _holding(fqn: str, shape: tuple[int, ...], boxes, write: bool = True) -> Holding:

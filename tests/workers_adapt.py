@@ -131,23 +131,29 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
 
 
 def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib: float,
-                 strategies: list[str]) -> dict[str, Any]:
-    """``fxpar.auto(..., adapt=...)`` on a 4-block Llama with emulated speeds that change
-    (``speeds_at``: (from step, rank, speed)); the events, the plan kinds per step, and the
-    losses against one process on the same batches."""
+                 strategies: list[str], config: dict | None = None) -> dict[str, Any]:
+    """``fxpar.auto(..., adapt=...)`` on a 4-block Llama (or ``config``) with emulated speeds
+    that change (``speeds_at``: (from step, rank, speed)) and a detector that reads every step
+    (no warm-up, no minimum seconds: steps are short here): the events, the plan families per
+    step, the losses against one process on the same batches, and the trajectory gaps at the end."""
     from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    model = build_model(ModelSpec(hf_config=config or CONFIG), device="cpu", seed=0,
+                        attn_implementation="eager").train()
     reference = copy.deepcopy(model)
+    initial = snapshot(reference)
     data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
     cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size(), memory_gib=memory_gib)
-    options = Adapt(policy=AdaptPolicy(strategies=tuple(strategies), horizon_steps=1000),
-                    detector=DetectorSettings(min_steps=3, calibration_steps=2), timeline=SpeedTimeline(tuple(speeds_at)),
-                    total_steps=steps)
+    detector = DetectorSettings(min_steps=3, calibration_steps=3, warmup_steps=2, gather_every=1, min_seconds=0)
+    options = Adapt(policy=AdaptPolicy(strategies=tuple(strategies), horizon_steps=1000), detector=detector,
+                    timeline=SpeedTimeline(tuple(speeds_at)), total_steps=steps, verbose=False)
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=strategies, adapt=options)
-    return {"rank": rank, **_adapt_beside_reference(pm, reference, data)}
+    out = {"rank": rank, **_adapt_beside_reference(pm, reference, data)}
+    out["weights"] = trajectory_gaps(_boxes(pm.parallel_module, dict(reference.named_parameters()), initial))
+    out["layouts"] = [e.get("new") for e in pm.events if e["kind"] in ("switch", "rollback")]
+    return out
 
 
 def _adapt_beside_reference(pm: Any, reference: torch.nn.Module, data: list[dict],
