@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -85,15 +86,23 @@ def plan_and_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: A
                      calibration: ProfileDB | None = None) -> tuple[Plan, Pricing]:
     """:func:`make_plan`'s plan and what priced it (:class:`fxpar.predict.Pricing`)."""
     strategies = api_checks.check_strategies(strategies)
+    pricing = pricing_for(model, cluster, example_inputs, workload, calibration)
+    plan = solve_plan(pricing.graph, cluster, workload, max_tensor_parallel=max_tensor_parallel,
+                      strategies=strategies, profiles=pricing.profiles)
+    return plan, pricing
+
+
+def pricing_for(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
+                calibration: ProfileDB | None = None) -> Pricing:
+    """What plans of ``model`` are priced with on ``cluster`` (:func:`make_plan`'s sources): the
+    graph traced on one sample (or the cached measured profile's), and the profiles."""
     graph, profiles = measured_graph(model, example_inputs, workload, cluster)
     if calibration is not None:
         profiles = with_calibration(profiles, calibration)
     if graph is None:
         first = next(model.parameters(), None)
         graph = trace(model, _one_sample(example_inputs, meta=first is not None and first.is_meta))
-    plan = solve_plan(graph, cluster, workload, max_tensor_parallel=max_tensor_parallel, strategies=strategies,
-                      profiles=profiles)
-    return plan, Pricing(graph=graph, cluster=cluster, profiles=profiles)
+    return Pricing(graph=graph, cluster=cluster, profiles=profiles)
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
@@ -161,23 +170,41 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
 def _rank_module(model: torch.nn.Module, plan: Plan, pricing: Pricing | None, *, rank: int, device: torch.device,
                  example_inputs: Any, checkpoint: Any, build_options: dict[str, Any],
                  adapt: tuple[Any, Cluster, Workload, AdaptPolicy]) -> torch.nn.Module:
-    """``auto``'s last step: this rank's module, inside an adaptive one when ``adapt[0]`` asks."""
+    """``auto``'s last step: this rank's module, inside an adaptive one when ``adapt[0]`` asks
+    (from a given plan too: then rank 0 traces what re-planning prices with)."""
     template = meta_template(model) if adapt[0] else None  # before codegen changes the model
+    given = bool(adapt[0]) and pricing is None and rank == 0   # rank 0 holds a solved plan's pricing
+    if given:   # only rank 0 re-plans (its graph, workload and decisions)
+        adapt = (adapt[0], adapt[1], replace(adapt[2], dtype=plan.dtype, optimizer=plan.optimizer), adapt[3])
+        pricing = _given_plan_pricing(model, adapt[1], example_inputs, adapt[2])
     module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, **build_options)
     module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
     if template is None:
         return module
     return _adaptive(module, adapt[0], template, pricing, adapt[2], adapt[1], rank=rank, device=device,
-                     example_inputs=example_inputs, build_options=build_options, policy=adapt[3])
+                     example_inputs=example_inputs, build_options=build_options, policy=adapt[3], given=given)
+
+
+def _given_plan_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any,
+                        workload: Workload) -> Pricing | None:
+    """Rank 0's :func:`pricing_for` a run that adapts from a given plan; a model that does not
+    trace is a warning, not an error (the plan runs; every decision is then a "keep" that says
+    why, on every rank: :mod:`fxpar.adapt.module`)."""
+    try:
+        return pricing_for(model, cluster, example_inputs, workload)
+    except Exception as exc:  # noqa: BLE001 -- the given plan runs whatever tracing makes of the model
+        warnings.warn(f"fxpar.auto: adapting from the given plan, but the model did not trace ({exc}); "
+                      "the plan runs and is never re-planned", stacklevel=3)
+        return None
 
 
 def _adaptive(module: torch.nn.Module, adapt: Any, template: torch.nn.Module, pricing: Pricing | None,
               workload: Workload, cluster: Cluster, *, rank: int, device: torch.device, example_inputs: Any,
-              build_options: dict[str, Any], policy: AdaptPolicy) -> AdaptiveModule:
+              build_options: dict[str, Any], policy: AdaptPolicy, given: bool = False) -> AdaptiveModule:
     """``module`` inside an :class:`~fxpar.adapt.AdaptiveModule` (``auto``'s ``adapt``); rank 0
     keeps the graph and cost model it re-plans from."""
     planning = Planning(graph=pricing.graph if pricing else None, cluster=cluster, workload=workload,
-                        profiles=pricing.profiles if pricing else None)
+                        profiles=pricing.profiles if pricing else None, given=given)
     options = adapt_options(adapt, policy)
     return AdaptiveModule(module, planning=planning, template=template, example_inputs=example_inputs,
                           build_options=build_options, device=device, rank=rank, options=options)
@@ -199,20 +226,17 @@ def adapt_options(adapt: Any, auto_policy: AdaptPolicy) -> Adapt:
         mine.max_tensor_parallel, auto_policy.max_tensor_parallel)))
 
 
-def _check_adapt(adapt: Any, plan: Plan | None) -> None:
-    """A ConfigError, on every rank alike, for a bad ``adapt`` or one with a given plan."""
+def _check_adapt(adapt: Any) -> None:
+    """A ConfigError, on every rank alike, for a bad ``adapt``."""
     if not (isinstance(adapt, bool) or adapt is None or isinstance(adapt, Adapt)):
         raise ConfigError(f"fxpar.auto: adapt = {adapt!r}; pass True, False or a fxpar.adapt.Adapt")
-    if adapt and plan is not None:
-        raise ConfigError("fxpar.auto: adapt needs fxpar to make the plan (it re-plans from that trace); "
-                          "leave out plan=")
 
 
 def _check_auto_args(model: Any, device: torch.device | str | None, *, group: Any, adapt: Any,
                      **options: Any) -> None:
     """``auto``'s first step: a ConfigError for a model that is no ``nn.Module`` or a bad option,
     before any tracing (``options``: :func:`fxpar.api_checks.check_options`'s keywords)."""
-    _check_adapt(adapt, options.get("plan"))
+    _check_adapt(adapt)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
     api_checks.check_options(group=group, **options)

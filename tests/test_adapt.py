@@ -168,6 +168,31 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
     assert switches >= 3, switches
 
 
+@pytest.mark.full
+@pytest.mark.multirank
+@pytest.mark.parametrize("replace_given", [False, True])
+def test_adapting_from_a_hand_plan_replaces_it_only_when_allowed(pool2, replace_given):
+    """Issue #39, items 1 and 2: ``fxpar.auto(plan=<a hand ZeRO-3 plan>, adapt=...)`` adapts
+    from the user's plan.  By default every decision is logged and none switches away from it
+    (it names ``AdaptPolicy.replace_given_plan``); with ``replace_given_plan=True`` the decider
+    replaces it as the speeds change.  Either way every step equals one process's."""
+    from tests.workers_adapt import adaptive_run
+
+    for r in pool2.run(adaptive_run, THREE_CHANGES, 40, 16.0, ["data_parallel", "sharded_data_parallel"], None,
+                       "sharded", replace_given):
+        decisions = [e for e in r["events"] if e["kind"] == "decision"]
+        switched = [e for e in r["events"] if e["kind"] == "switch"]
+        assert decisions, r["events"]
+        if replace_given:
+            assert switched and r["kinds"][0] == "sharded_data_parallel", r["events"]
+        else:
+            assert not switched and set(r["kinds"]) == {"sharded_data_parallel"}, r["events"]
+            assert any("replace_given_plan=True" in e["reason"] for e in decisions), decisions
+        for k, (loss, ref) in enumerate(r["losses"]):
+            expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k} ({r['kinds'][k]})")
+        expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")
+
+
 # ----------------------------------------------------------------------------- transfer planning
 
 def _holding(fqn: str, shape: tuple[int, ...], boxes, write: bool = True) -> Holding:
@@ -323,8 +348,8 @@ def test_bad_adapt_options_are_clear_errors():
     from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 
     plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0]), batch_split=[4], state_split=[1])
-    with pytest.raises(ConfigError, match="leave out plan="):
-        fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, plan=plan, adapt=True)
+    given = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, plan=plan, adapt=True)  # a hand plan adapts
+    assert given.plan.layout() == plan.layout() and given.planning.given and given.planning.graph is not None
     with pytest.raises(ConfigError, match="min_gain"):
         AdaptPolicy(min_gain=1.5)
     with pytest.raises(ConfigError, match="threshold"):

@@ -131,11 +131,14 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
 
 
 def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib: float,
-                 strategies: list[str], config: dict | None = None) -> dict[str, Any]:
+                 strategies: list[str], config: dict | None = None, given: str | None = None,
+                 replace_given: bool = False) -> dict[str, Any]:
     """``fxpar.auto(..., adapt=...)`` on a 4-block Llama (or ``config``) with emulated speeds
     that change (``speeds_at``: (from step, rank, speed)) and a detector that reads every step
-    (no warm-up, no minimum seconds: steps are short here): the events, the plan families per
-    step, the losses against one process on the same batches, and the trajectory gaps at the end."""
+    (a short warm-up, no minimum seconds: steps are short here), from the plan it makes or from
+    the hand plan ``given`` (:func:`_plan`'s kinds; ``replace_given``: the policy may replace
+    it): the events, the plan families per step, the losses against one process on the same
+    batches, and the trajectory gaps at the end."""
     from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
 
     rank = dist.get_rank()
@@ -147,9 +150,11 @@ def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib
     data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
     cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size(), memory_gib=memory_gib)
     detector = DetectorSettings(min_steps=3, calibration_steps=3, warmup_steps=2, gather_every=1, min_seconds=0)
-    options = Adapt(policy=AdaptPolicy(strategies=tuple(strategies), horizon_steps=1000), detector=detector,
+    options = Adapt(policy=AdaptPolicy(strategies=tuple(strategies), horizon_steps=1000,
+                                       replace_given_plan=replace_given), detector=detector,
                     timeline=SpeedTimeline(tuple(speeds_at)), total_steps=steps, verbose=False)
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=strategies, adapt=options)
+    plan = None if given is None else _plan(given, meta_template(model), cluster, dist.get_world_size())
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=strategies, adapt=options, plan=plan)
     out = {"rank": rank, **_adapt_beside_reference(pm, reference, data)}
     out["weights"] = trajectory_gaps(_boxes(pm.parallel_module, dict(reference.named_parameters()), initial))
     out["layouts"] = [e.get("new") for e in pm.events if e["kind"] in ("switch", "rollback")]

@@ -69,6 +69,9 @@ class AdaptPolicy:
     #: the running plan's measured step may miss its prediction by this fraction before the
     #: candidates are re-priced with its error (module docstring)
     measured_margin: float = 0.1
+    #: a run started from a plan the user gave (``fxpar.auto(plan=...)``): False (default) logs
+    #: each decision and never switches away from it; True lets adapting replace it
+    replace_given_plan: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_gain < 1:

@@ -70,6 +70,8 @@ class Planning:
     cluster: Cluster
     workload: Workload
     profiles: Any = None
+    #: the first plan was the user's (``fxpar.auto(plan=...)``): see ``AdaptPolicy.replace_given_plan``
+    given: bool = False
 
 
 class AdaptiveModule(torch.nn.Module):
@@ -336,6 +338,10 @@ class AdaptiveModule(torch.nn.Module):
                                 factors)
         if decision.plan is None:
             return decision
+        if p.given and not self.options.policy.replace_given_plan:
+            return replace(decision, switch=False, plan=None, reason=(
+                f"{decision.reason}, but the plan was given (fxpar.auto's plan=); "
+                "AdaptPolicy(replace_given_plan=True) lets adapting replace it"))
         # the new plan says why it replaced the old one (plan.explain)
         return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
 

@@ -44,7 +44,7 @@ CONFIG_ENV = "FXPAR_CONFIG"
 
 #: the keys of an ``adapt:`` mapping (:class:`~fxpar.adapt.DetectorSettings`, :class:`~fxpar.adapt.AdaptPolicy`)
 ADAPT_KEYS = frozenset({"threshold", "min_steps", "min_seconds", "calibration_steps", "warmup_steps", "gather_every",
-                        "min_gain", "horizon_steps"})
+                        "min_gain", "horizon_steps", "replace_given_plan"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,7 +126,7 @@ class FxparConfig:
                                                              "calibration_steps", "warmup_steps", "gather_every")
                                        if k in given})
         policy = AdaptPolicy(strategies=self.strategies, max_tensor_parallel=self.max_tensor_parallel,
-                             **{k: given[k] for k in ("min_gain", "horizon_steps") if k in given})
+                             **{k: given[k] for k in ("min_gain", "horizon_steps", "replace_given_plan") if k in given})
         return Adapt(policy=policy, detector=detector)
 
     def resolve_cluster(self):
