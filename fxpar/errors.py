@@ -40,3 +40,8 @@ class RuntimeSetupError(FxparError, RuntimeError):
 
 class CheckpointError(FxparError, RuntimeError):
     """A checkpoint directory is missing, incomplete, or does not fit the model or optimizer."""
+
+
+class MoveDoesNotFit(CheckpointError):
+    """A move of live state to another plan that does not fit some rank's memory, refused on
+    every rank alike before anything moved (the old plan keeps running)."""

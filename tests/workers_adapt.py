@@ -308,3 +308,93 @@ def loss_scale_over_a_switch() -> dict[str, Any]:
     carried = new.loss_scaler.state_dict()
     new.step(data)
     return {"carried": carried, "after": new.loss_scaler.state_dict()}
+
+
+def chunked_move(capacity_cut: float) -> dict[str, Any]:
+    """Uneven DP -> a 2-stage pipeline -> uneven ZeRO-3 (whose move sends each rank the other
+    stage's rows and their AdamW state), twice from the same start: once with the plans' memory,
+    once with this rank's capacity in the ZeRO-3 plan cut to the first move's predicted peak
+    minus ``capacity_cut`` of its buffers.  Per run: the rounds, the predicted peak of the move,
+    and the peak the allocator saw around it (:class:`fxpar.profiling.tensor_peak.TensorPeak`,
+    the two modules' parameters and the old state as its base, as the prediction counts them)."""
+    import dataclasses
+
+    import fxpar.adapt.switch as switch
+    from fxpar.profiling.tensor_peak import TensorPeak
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    real_reshard, seen = switch.reshard, {}
+
+    def measured_reshard(old, old_view, new, optimizer, device, capacity=None):
+        state = [v for st in old_view.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        with TensorPeak([lp.param for lp in old.params] + state + [lp.param for lp in new.params]) as peak:
+            stats = real_reshard(old, old_view, new, optimizer, device, capacity)
+        seen.update(peak=peak.peak_bytes, base=peak.base_bytes, end=peak.end_bytes)
+        return stats
+
+    switch.reshard = measured_reshard
+    runs: list[dict[str, Any]] = []
+    try:
+        for cut in (None, capacity_cut):
+            torch.manual_seed(0)
+            model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+            template = meta_template(model)
+            data = global_batch(model, BATCH, SEQ, seed=1)
+            cluster = fxpar.Cluster.emulated(SPEEDS[:world])
+            pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"])
+            del model
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+            options = dict(group=None, loss_fn=None, loss_weighting="auto", emulate=False)
+            for kind in ("pp", "sharded"):
+                plan = _plan(kind, template, cluster, world)
+                if kind == "sharded" and cut is not None:
+                    first = runs[0]
+                    cap = int(first["predicted"] - cut * first["buffers"])
+                    plan = dataclasses.replace(plan, ranks=tuple(dataclasses.replace(r, memory_capacity_bytes=cap)
+                                                                 for r in plan.ranks))
+                pm.step(data)
+                opt.step(); opt.zero_grad(set_to_none=True)
+                pm, report = switch_module(pm, opt, plan, template, rank=rank, example_inputs=data,
+                                           device=torch.device("cpu"), build_options=options)
+            s = report.stats
+            runs.append({"rounds": s.rounds, "predicted": s.predicted_peak_bytes, "buffers": s.sent_bytes + s.received_bytes,
+                         "received": s.received_bytes, **seen})
+            runs[-1]["loss"] = float(pm.step(data))   # the moved state trains
+            opt.step(); opt.zero_grad(set_to_none=True)
+    finally:
+        switch.reshard = real_reshard
+    # a move that cannot fit (1 kB per rank) is refused on every rank; the ZeRO-3 module trains on
+    tiny = dataclasses.replace(_plan("pp", template, cluster, world), ranks=tuple(
+        dataclasses.replace(r, memory_capacity_bytes=1000) for r in _plan("pp", template, cluster, world).ranks))
+    refused = ""
+    try:
+        switch_module(pm, opt, tiny, template, rank=rank, example_inputs=data, device=torch.device("cpu"),
+                      build_options=options)
+    except Exception as exc:  # noqa: BLE001 -- the test checks its type and message
+        refused = f"{type(exc).__name__}: {exc}"
+    after = float(pm.step(data))
+    opt.step()
+    return {"rank": rank, "runs": runs, "refused": refused, "after": after, "kind": pm.plan.strategy,
+            "n_state": sum(len(st) for st in opt.state.values()), "n_params": sum(len(g["params"]) for g in opt.param_groups)}
+
+
+def refused_switch_run(steps: int = 4) -> dict[str, Any]:
+    """Adapting data parallelism on 2 ranks: ``pm.switch_to`` a pipeline whose ranks have 1 kB of
+    memory before step 1; the move is refused on every rank, the events say so, and the run goes
+    on under data parallelism beside one process on the same batches."""
+    import dataclasses
+
+    from fxpar.adapt import Adapt
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    reference, template = copy.deepcopy(model), meta_template(model)
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0] * world)
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"],
+                    adapt=Adapt(verbose=False))
+    plan = _plan("pp", template, cluster, world)
+    tiny = dataclasses.replace(plan, ranks=tuple(dataclasses.replace(r, memory_capacity_bytes=1000) for r in plan.ranks))
+    return {"rank": rank, **_adapt_beside_reference(pm, reference, data,
+                                                    lambda k: pm.switch_to(tiny) if k == 1 else None)}

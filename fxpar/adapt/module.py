@@ -43,7 +43,7 @@ from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import check_movable, switch_module
 from fxpar.cluster import Cluster
-from fxpar.errors import ConfigError, FxparError, RuntimeSetupError
+from fxpar.errors import ConfigError, FxparError, MoveDoesNotFit, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
@@ -345,13 +345,27 @@ class AdaptiveModule(torch.nn.Module):
         # the new plan says why it replaced the old one (plan.explain)
         return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
 
+    def _refuse(self, plan: Plan, kind: str, why: str) -> None:
+        """A switch whose move cannot fit some rank's memory (:class:`MoveDoesNotFit`, raised on
+        every rank before anything moved): the old plan keeps running, and that layout is not
+        offered again at these speeds."""
+        self._pending, self._pending_kind = None, "switch"
+        self._refused.append((plan, tuple(self.derate)))
+        self.events.append({"step": self.steps, "kind": "refused", "what": kind, "to": plan_kind(plan), "reason": why})
+        if self.options.verbose and self.rank == 0:
+            print(f"fxpar adapt: step {self.steps}: the {kind} to {plan_kind(plan)} was refused ({why})", flush=True)
+
     def _switch(self, plan: Plan) -> None:
         old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self._pending_kind
         measured_before = self._measured_step()
         hardware = getattr(getattr(self.module, "emulator", None), "speed", None)
-        self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
-                                            example_inputs=self._example, device=self.device,
-                                            build_options=self._build)
+        try:
+            self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
+                                                example_inputs=self._example, device=self.device,
+                                                build_options=self._build)
+        except MoveDoesNotFit as exc:   # on every rank alike, before anything moved: keep the plan
+            self._refuse(plan, kind, str(exc))
+            return
         emulator = getattr(self.module, "emulator", None)
         if emulator is not None and hardware is not None:  # the device is the same: the plan's
             emulator.speed = hardware                      # (derated) speed must not change it

@@ -6,7 +6,12 @@
    from a copy of this template on every rank: codegen's meta path allocates only the rank's
    shard (:mod:`fxpar.codegen.common.materialize`), from :class:`Uninitialised` (no values).
 2. **State.**  :func:`fxpar.checkpoint.reshard_move.reshard` fills the new module's parameters
-   and the optimizer state from the old module's, rank to rank, in memory.
+   and the optimizer state from the old module's, rank to rank, in memory, in rounds that fit
+   each rank's memory in the new plan (``RankPlan.memory_capacity_bytes``;
+   :mod:`fxpar.checkpoint.reshard_rounds`).  A move that cannot fit raises
+   :class:`~fxpar.errors.MoveDoesNotFit` on every rank before anything moved: the optimizer
+   gets its groups and state back, the new module's groups are released, and the old module
+   keeps running.
 3. **Optimizer.**  The user's optimizer object stays the one they step: its ``param_groups``
    get the new module's parameters (each parameter in the group its FQN was in before, on any
    rank; group settings such as the learning rate unchanged) and its ``state`` the moved
@@ -42,7 +47,7 @@ from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import ReshardStats
 from fxpar.checkpoint.reshard_move import reshard
 from fxpar.codegen.common.materialize import Uninitialised
-from fxpar.errors import ConfigError
+from fxpar.errors import ConfigError, MoveDoesNotFit
 from fxpar.plan import Plan
 from fxpar.runtime.distributed import release_owned
 
@@ -137,9 +142,18 @@ def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     built = time.perf_counter()
     new_layout = describe(new)
     old_view = SimpleNamespace(state=optimizer.state) if optimizer is not None else None
+    kept = (optimizer.param_groups, optimizer.state) if optimizer is not None else None
     if optimizer is not None:
         _regroup(optimizer, new_layout, groups)
-    stats = reshard(old_layout, old_view, new_layout, optimizer, device)  # type: ignore[arg-type]
+    capacity = plan.ranks[rank].memory_capacity_bytes or None
+    try:
+        stats = reshard(old_layout, old_view, new_layout, optimizer, device, capacity)  # type: ignore[arg-type]
+    except MoveDoesNotFit:   # raised on every rank before anything moved: the old module runs on
+        if optimizer is not None and kept is not None:
+            optimizer.param_groups, optimizer.state = kept
+        release_owned(getattr(new, "fxpar_owned", []))
+        _set_rng_state(rng)
+        raise
     scalers = [getattr(m, "loss_scaler", None) for m in (old, new)]
     if all(sc is not None for sc in scalers):    # fp16 to fp16: the scale the run has reached
         scalers[1].load_state_dict(scalers[0].state_dict())

@@ -15,14 +15,16 @@ with no file in between:
   itself when ``r ∈ H_j`` (a local copy), else the holder with the fewest bytes to send so far
   (ties: the lowest rank).  Every element of every new box is so written exactly once, and a
   replicated tensor is read from several holders, not all from one;
-- **move** (:func:`reshard`): per (sender, receiver) the regions are packed, in plan order, into
-  one byte buffer: the parameter, then each optimizer-state tensor of the parameter's shape
-  (Adam's ``exp_avg``, ``exp_avg_sq``), each segment 16-byte aligned.  One
-  ``batch_isend_irecv`` moves every buffer (point-to-point, valid under NCCL and gloo; the
-  buffers live on the rank's device).  0-d state (Adam's ``step``) travels in the metadata.
+- **move** (:func:`reshard`): in rounds that fit each rank's memory
+  (:mod:`fxpar.checkpoint.reshard_rounds`), per (sender, receiver) the round's regions are
+  packed, in plan order, into one byte buffer: the parameter, then each optimizer-state tensor
+  of the parameter's shape (Adam's ``exp_avg``, ``exp_avg_sq``), each segment 16-byte aligned.
+  One ``batch_isend_irecv`` per round moves its buffers (point-to-point, valid under NCCL and
+  gloo; the buffers live on the rank's device).  0-d state (Adam's ``step``) travels in the
+  metadata.
 
-A rank holds at most its old pieces, its new pieces and its own send and receive buffers: never
-the whole model unless one of the two layouts gives it the whole model.
+A rank holds at most its old pieces, its new pieces and one round's send and receive buffers:
+never the whole model unless one of the two layouts gives it the whole model.
 """
 
 from __future__ import annotations
@@ -67,12 +69,16 @@ class Transfer:
 
 @dataclass(frozen=True, slots=True)
 class ReshardStats:
-    """What one rank moved: bytes sent, received and copied locally, and the regions."""
+    """What one rank moved: bytes sent, received and copied locally, and the regions; the rounds
+    the move ran in and this rank's predicted peak of the move
+    (:mod:`fxpar.checkpoint.reshard_rounds`)."""
 
     sent_bytes: int
     received_bytes: int
     local_bytes: int
     transfers: int
+    rounds: int = 1
+    predicted_peak_bytes: int = 0
 
 
 # ----------------------------------------------------------------------------- box arithmetic

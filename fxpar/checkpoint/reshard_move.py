@@ -1,41 +1,43 @@
 """The move of :mod:`fxpar.checkpoint.reshard`: exchange holdings, plan, pack, send, unpack.
 
 Collective over the default process group (every rank calls :func:`reshard` with its old and new
-module's layouts).  Per (sender, receiver) one byte buffer carries, for each transfer of the plan
-in order, the parameter's region and then the region of each optimizer-state tensor shaped like
-it (the sender's state names, which the receiver knows from the exchanged holdings), each segment
-padded to 16 bytes so that the receiver can view it as its dtype.
+module's layouts).  The move runs in rounds that fit each rank's memory
+(:mod:`fxpar.checkpoint.reshard_rounds`: one round unless a capacity is given).  Per round and
+(sender, receiver) one byte buffer carries, for each of the round's pieces in order, the
+parameter's region and then the region of each optimizer-state tensor shaped like it (the
+sender's state names, which the receiver knows from the exchanged holdings), each segment
+padded to 16 bytes so that the receiver can view it as its dtype.  A buffer is allocated once at
+its final size and the regions are copied into it (no intermediate copies), and every buffer of
+a round is dropped before the next.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import Layout, LocalParam
-from fxpar.checkpoint.reshard import (
-    ALIGN,
-    Holding,
-    ReshardStats,
-    Transfer,
-    holdings,
-    plan_transfers,
-    region_view,
-    volume,
+from fxpar.checkpoint.reshard import Holding, ReshardStats, Transfer, holdings, plan_transfers, region_view, volume
+from fxpar.checkpoint.reshard_rounds import (
+    MemoryAtMove,
+    metadata_bytes,
+    new_state_bytes,
+    padded,
+    piece_bytes,
+    plan_rounds,
+    state_holder,
 )
 from fxpar.errors import CheckpointError
+from fxpar.profiling.tensor_peak import storage_bytes
 from fxpar.runtime.device import HOST
 
 
 def _dtype(name: str) -> torch.dtype:
     """``torch.float32`` from ``"torch.float32"``."""
     return getattr(torch, name.removeprefix("torch."))
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _kinds(holding: Holding) -> list[tuple[str, torch.dtype]]:
@@ -55,7 +57,7 @@ def _new_state(new: Layout, optimizer: torch.optim.Optimizer | None, old: list[d
     if optimizer is None:
         return
     for lp in new.params:
-        held = next((h[lp.fqn] for h in old if lp.fqn in h and (h[lp.fqn].state or h[lp.fqn].scalars)), None)
+        held = state_holder(lp.fqn, old)
         if held is None:
             continue
         state = {k: torch.zeros(lp.param.shape, dtype=_dtype(d), device=lp.param.device) for k, d in held.state}
@@ -66,23 +68,24 @@ def _new_state(new: Layout, optimizer: torch.optim.Optimizer | None, old: list[d
 
 def _pack(transfers: list[Transfer], me: int, peer: int, old_held: dict[str, Holding],
           old: dict[str, LocalParam], optimizer: Any, device: torch.device) -> torch.Tensor | None:
-    """The byte buffer this rank sends ``peer`` (None: nothing)."""
-    parts: list[torch.Tensor] = []
-    for t in transfers:
-        if t.src != me or t.dst != peer:
-            continue
-        for kind, _ in _kinds(old_held[t.fqn]):
+    """The byte buffer this rank sends ``peer`` (None: nothing), allocated once at its size."""
+    mine = [t for t in transfers if t.src == me and t.dst == peer]
+    if not mine:
+        return None
+    buffer = torch.zeros(sum(piece_bytes(t, old_held[t.fqn]) for t in mine), dtype=torch.uint8, device=device)
+    at = 0
+    for t in mine:
+        for kind, dtype in _kinds(old_held[t.fqn]):
             region = region_view(old[t.fqn], _tensor(old[t.fqn], optimizer, kind), (t.offsets, t.sizes))
-            flat = region.detach().reshape(-1).contiguous().view(torch.uint8)
-            pad = _padded(flat.numel()) - flat.numel()
-            parts += [flat.to(device), torch.zeros(pad, dtype=torch.uint8, device=device)]
-    return torch.cat(parts) if parts else None
+            n = volume(t.sizes) * dtype.itemsize
+            buffer[at:at + n].view(dtype).view(t.sizes).copy_(region)
+            at += padded(n)
+    return buffer
 
 
 def _recv_size(transfers: list[Transfer], me: int, peer: int, sender: dict[str, Holding]) -> int:
     """Bytes this rank receives from ``peer``."""
-    return sum(_padded(volume(t.sizes) * d.itemsize) for t in transfers if t.src == peer and t.dst == me
-               for _, d in _kinds(sender[t.fqn]))
+    return sum(piece_bytes(t, sender[t.fqn]) for t in transfers if t.src == peer and t.dst == me)
 
 
 def _unpack(buffer: torch.Tensor, transfers: list[Transfer], me: int, peer: int, sender: dict[str, Holding],
@@ -95,7 +98,7 @@ def _unpack(buffer: torch.Tensor, transfers: list[Transfer], me: int, peer: int,
         for kind, dtype in _kinds(sender[t.fqn]):
             n = volume(t.sizes) * dtype.itemsize
             values = buffer[at:at + n].view(dtype).view(t.sizes)
-            at += _padded(n)
+            at += padded(n)
             if kind == "param" or (optimizer is not None and kind in optimizer.state.get(new[t.fqn].param, {})):
                 region_view(new[t.fqn], _tensor(new[t.fqn], optimizer, kind), (t.offsets, t.sizes)).copy_(values)
 
@@ -118,12 +121,17 @@ def _copy_local(transfers: list[Transfer], me: int, old_held: dict[str, Holding]
 
 
 def reshard(old: Layout, old_optim: torch.optim.Optimizer | None, new: Layout,
-            new_optim: torch.optim.Optimizer | None, device: torch.device) -> ReshardStats:
+            new_optim: torch.optim.Optimizer | None, device: torch.device,
+            capacity_bytes: int | None = None) -> ReshardStats:
     """Fill ``new``'s parameters (and ``new_optim``'s state, created here) from ``old``'s on every
-    rank (collective over the default group; :mod:`fxpar.checkpoint.reshard`)."""
+    rank (collective over the default group; :mod:`fxpar.checkpoint.reshard`), in rounds that
+    keep this rank within ``capacity_bytes`` (None: one round).  A move that cannot fit raises
+    a CheckpointError on every rank alike before anything moves."""
     distributed = dist.is_available() and dist.is_initialized()
     me, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    mine = (holdings(old, old_optim), holdings(new, None))
+    if new_optim is None and old_optim is not None or new_optim is not None and old_optim is None:
+        raise CheckpointError("reshard: pass both optimizers or neither")
+    mine = (holdings(old, old_optim), holdings(new, None), _alive_bytes(old, old_optim, new, device), capacity_bytes)
     gathered: list[Any] = [None] * world
     if distributed:
         dist.all_gather_object(gathered, mine)
@@ -131,16 +139,32 @@ def reshard(old: Layout, old_optim: torch.optim.Optimizer | None, new: Layout,
         gathered = [mine]
     olds, news = [g[0] for g in gathered], [g[1] for g in gathered]
     transfers = plan_transfers(olds, news)
-    if new_optim is None and old_optim is not None or new_optim is not None and old_optim is None:
-        raise CheckpointError("reshard: pass both optimizers or neither")
+    memory = [MemoryAtMove(alive=g[2], new_state=new_state_bytes(g[1], olds) if new_optim is not None else 0,
+                           capacity=g[3]) for g in gathered]
+    rounds = plan_rounds(transfers, olds, memory)
+    metadata = metadata_bytes([len(pickle.dumps(g)) for g in gathered])
     _new_state(new, new_optim, olds)
     old_params, new_params = {lp.fqn: lp for lp in old.params}, {lp.fqn: lp for lp in new.params}
+    sent = received = 0
     with torch.no_grad():
         local = _copy_local(transfers, me, olds[me], old_params, new_params, old_optim,
                             new_optim if new_optim is not None else _NoState())
-        sent, received = _exchange(transfers, me, world, olds, old_params, new_params, old_optim, new_optim, device)
+        for pieces in rounds.rounds:
+            s, r = _exchange(list(pieces), me, world, olds, old_params, new_params, old_optim, new_optim, device)
+            sent, received = sent + s, received + r
     return ReshardStats(sent_bytes=sent, received_bytes=received, local_bytes=local,
-                        transfers=sum(1 for t in transfers if me in (t.src, t.dst)))
+                        transfers=sum(1 for t in transfers if me in (t.src, t.dst)), rounds=len(rounds.rounds),
+                        predicted_peak_bytes=rounds.peak_bytes[me] + metadata)
+
+
+def _alive_bytes(old: Layout, old_optim: Any, new: Layout, device: torch.device) -> int:
+    """Bytes allocated when the move starts: on a GPU the allocator's count; elsewhere the
+    storages of both layouts' parameters and the old optimizer's state, each counted once."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    state = [v for lp in old.params for v in (old_optim.state.get(lp.param, {}) if old_optim is not None else {}).values()
+             if isinstance(v, torch.Tensor)]
+    return storage_bytes([lp.param for lp in old.params] + state + [lp.param for lp in new.params])
 
 
 class _NoState:
@@ -152,7 +176,8 @@ class _NoState:
 def _exchange(transfers: list[Transfer], me: int, world: int, olds: list[dict[str, Holding]],
               old_params: dict[str, LocalParam], new_params: dict[str, LocalParam], old_optim: Any,
               new_optim: Any, device: torch.device) -> tuple[int, int]:
-    """Send and receive every peer's buffer with one ``batch_isend_irecv``; bytes sent, received."""
+    """One round: send and receive every peer's buffer of ``transfers`` (the round's pieces) with
+    one ``batch_isend_irecv``, unpack, drop the buffers; bytes sent, received."""
     ops, inbox, sent = [], {}, 0
     for peer in range(world):
         if peer == me:
@@ -166,8 +191,10 @@ def _exchange(transfers: list[Transfer], me: int, world: int, olds: list[dict[st
             inbox[peer] = torch.empty(size, dtype=torch.uint8, device=device)
             ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
             work.wait()
+        del works, ops   # the buffers' last references are this thread's (freed here, not on gloo's)
     for peer, buffer in inbox.items():
         _unpack(buffer, transfers, me, peer, olds[peer], new_params, new_optim)
     return sent, sum(b.numel() for b in inbox.values())
