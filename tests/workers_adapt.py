@@ -216,20 +216,25 @@ def _live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def leaks_over_switches(switches: int = 10) -> dict[str, Any]:
-    """Switch a data-parallel start to "pp", then alternate "sharded" / "pp" (``switches`` in
-    all), one AdamW step after each; the live process groups and tensor bytes after every switch."""
-    from fxpar.compat import live_process_groups
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _dp_start(world: int) -> tuple[Any, torch.nn.Module, dict, fxpar.Cluster, torch.optim.Optimizer]:
+    """Uneven data parallelism (:data:`SPEEDS`) on a fresh 4-block Llama and its AdamW: the
+    module, the meta template, one batch, the cluster, the optimizer."""
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
     template = meta_template(model)
     data = global_batch(model, BATCH, SEQ, seed=1)
     cluster = fxpar.Cluster.emulated(SPEEDS[:world])
     pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"])
-    del model
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    return pm, template, data, cluster, torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+
+def leaks_over_switches(switches: int = 10) -> dict[str, Any]:
+    """Switch a data-parallel start to "pp", then alternate "sharded" / "pp" (``switches`` in
+    all), one AdamW step after each; the live process groups and tensor bytes after every switch."""
+    from fxpar.compat import live_process_groups
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pm, template, data, cluster, opt = _dp_start(world)
     out: dict[str, Any] = {"rank": rank, "groups": [], "bytes": []}
     for k in range(switches):
         plan = _plan("pp" if k % 2 == 0 else "sharded", template, cluster, world)
@@ -336,14 +341,7 @@ def chunked_move(capacity_cut: float) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         for cut in (None, capacity_cut):
-            torch.manual_seed(0)
-            model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
-            template = meta_template(model)
-            data = global_batch(model, BATCH, SEQ, seed=1)
-            cluster = fxpar.Cluster.emulated(SPEEDS[:world])
-            pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"])
-            del model
-            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+            pm, template, data, cluster, opt = _dp_start(world)
             options = dict(group=None, loss_fn=None, loss_weighting="auto", emulate=False)
             for kind in ("pp", "sharded"):
                 plan = _plan(kind, template, cluster, world)
