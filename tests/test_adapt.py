@@ -133,6 +133,21 @@ def test_a_pipeline_to_zero3_switch_moves_state_with_parity(pool2):
         assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
 
 
+@pytest.mark.full
+@pytest.mark.multirank
+def test_a_switched_run_saves_and_resumes_under_another_plan(pool3, tmp_path):
+    """Issue #39, item 2: 3 ranks switch DP -> PP x TP -> uneven ZeRO-3, save a checkpoint under
+    ZeRO-3, load it into a fresh module under the starting data-parallel plan and train 3 more
+    steps: every step before and after the checkpoint equals one process's."""
+    results = pool3.run(switch_parity, {2: "pp-tp", 4: "sharded"}, 7, 1e-3, None, "fp32", str(tmp_path / "ckpt"), 3)
+    for r in results:
+        assert r["resumed_at"] == 7 and r["kinds"][-3:] == ["data_parallel"] * 3, r["kinds"]
+        for k, (loss, ref) in enumerate(r["losses"]):
+            expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k} ({r['kinds'][k]})")
+        expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")
+        assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
+
+
 #: speeds that change three times on 2 ranks: rank 1 slows to 0.3 at step 8, recovers as rank 0
 #: slows at step 24, which recovers at step 40
 THREE_CHANGES = [(8, 1, 0.3), (24, 1, 1.0), (24, 0, 0.3), (40, 0, 1.0)]

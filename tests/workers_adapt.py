@@ -82,11 +82,14 @@ def _boxes(pm: torch.nn.Module, reference: dict, initial: dict) -> list:
 
 
 def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None,
-                  dtype: str = "fp32") -> dict[str, Any]:
+                  dtype: str = "fp32", checkpoint: str | None = None, resumed_steps: int = 3) -> dict[str, Any]:
     """Train ``steps`` AdamW steps starting under uneven data parallelism, switching to
     ``switches[k]`` before step ``k``; per step the loss and the reference's (one process, same
     batches; under the host's autocast to ``dtype`` where it is "bf16" or "fp16", every plan
-    then of that dtype), at the end the trajectory gaps of every box this rank holds."""
+    then of that dtype), at the end the trajectory gaps of every box this rank holds.  With
+    ``checkpoint`` (a folder), the last plan then saves its weights and AdamW state there, a
+    fresh module under the starting plan loads them, and ``resumed_steps`` more steps run
+    beside the reference (their losses appended, the gaps taken after them)."""
     import contextlib
     import dataclasses
 
@@ -97,15 +100,16 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
                         attn_implementation="eager").train()
     reference, template = copy.deepcopy(model), meta_template(model)
     initial = snapshot(reference)
-    data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps + resumed_steps)]
     cluster = fxpar.Cluster.emulated(SPEEDS[:world])
+    fresh = copy.deepcopy(model) if checkpoint else None
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, strategies=["data_parallel"],
                     dtype=dtype)
     start = pm.plan
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": [], "switches": []}
-    for k in range(steps):
+    for k in range(steps + (resumed_steps if checkpoint else 0)):
         if k in switches:
             plan = dataclasses.replace(_plan(switches[k], template, cluster, world, start), dtype=dtype)
             pm, report = switch_module(pm, opt, plan, template, rank=rank, example_inputs=data[0],
@@ -115,6 +119,13 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
             out["switches"].append({"step": k, "to": plan.strategy, "sent": report.stats.sent_bytes,
                                     "received": report.stats.received_bytes, "local": report.stats.local_bytes,
                                     "state_bytes": report.state_bytes, "migrate_s": report.migrate_s})
+        if k == steps:   # save under the last plan, resume under the first
+            from fxpar.checkpoint import load_checkpoint, save_checkpoint
+
+            save_checkpoint(pm, opt, checkpoint, step=k)
+            pm = fxpar.auto(fresh, cluster, data[0], emulate=False, plan=start)
+            opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+            out["resumed_at"] = load_checkpoint(pm, opt, checkpoint).step
         loss = pm.step(data[k])
         with torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext():
             ref_loss = reference(**data[k], use_cache=False).loss
