@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -177,12 +178,15 @@ def _rank_module(model: torch.nn.Module, plan: Plan, pricing: Pricing | None, *,
     if given:   # only rank 0 re-plans (its graph, workload and decisions)
         adapt = (adapt[0], adapt[1], replace(adapt[2], dtype=plan.dtype, optimizer=plan.optimizer), adapt[3])
         pricing = _given_plan_pricing(model, adapt[1], example_inputs, adapt[2])
+    start = time.perf_counter()
     module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, **build_options)
+    build_s = time.perf_counter() - start   # adapting's migration estimate before a switch
     module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
     if template is None:
         return module
     return _adaptive(module, adapt[0], template, pricing, adapt[2], adapt[1], rank=rank, device=device,
-                     example_inputs=example_inputs, build_options=build_options, policy=adapt[3], given=given)
+                     example_inputs=example_inputs, build_options=build_options, policy=adapt[3], given=given,
+                     build_s=build_s)
 
 
 def _given_plan_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any,
@@ -200,11 +204,13 @@ def _given_plan_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs
 
 def _adaptive(module: torch.nn.Module, adapt: Any, template: torch.nn.Module, pricing: Pricing | None,
               workload: Workload, cluster: Cluster, *, rank: int, device: torch.device, example_inputs: Any,
-              build_options: dict[str, Any], policy: AdaptPolicy, given: bool = False) -> AdaptiveModule:
+              build_options: dict[str, Any], policy: AdaptPolicy, given: bool = False,
+              build_s: float = 0.0) -> AdaptiveModule:
     """``module`` inside an :class:`~fxpar.adapt.AdaptiveModule` (``auto``'s ``adapt``); rank 0
     keeps the graph and cost model it re-plans from."""
     planning = Planning(graph=pricing.graph if pricing else None, cluster=cluster, workload=workload,
-                        profiles=pricing.profiles if pricing else None, given=given)
+                        profiles=pricing.profiles if pricing else None, given=given,
+                        first_build_s=build_s)
     options = adapt_options(adapt, policy)
     return AdaptiveModule(module, planning=planning, template=template, example_inputs=example_inputs,
                           build_options=build_options, device=device, rank=rank, options=options)

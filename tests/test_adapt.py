@@ -471,6 +471,10 @@ def test_single_process_adaptive_module_trains_like_the_plain_one(tmp_path):
         for o in opts:
             o.step(); o.zero_grad()
     assert adaptive.plan.strategy == plain.plan.strategy and adaptive.steps == 3
+    # the migration's build estimate before any switch is the first plan's measured build
+    assert adaptive.planning.first_build_s > 0
+    decision = adaptive._decide((1.0,))
+    assert decision.migrate_s >= adaptive.planning.first_build_s
     # a checkpoint of the adaptive module is its plan module's: the model's own names
     from fxpar.checkpoint import read_model_state, save_checkpoint
 

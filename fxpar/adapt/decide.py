@@ -6,7 +6,8 @@ factors ``f`` (:meth:`fxpar.Cluster.derated`):
     T_keep = fxpar.predict(current plan, graph, cluster_f).step_s
     P_new  = solve(graph, cluster_f, workload, every family the job allows)
     T_new  = fxpar.predict(P_new, graph, cluster_f).step_s
-    M      = replan_s (measured now) + build_s (the last switch's measured build, 0 before one)
+    M      = replan_s (measured now) + build_s (the last switch's measured build; before one, the
+             first plan's)
              + max_r bytes_r / link        (bytes_r: parameter and optimizer-state bytes rank r
                                             holds under P_new — an upper bound on what it receives;
                                             link: the slowest link, the inter-node bandwidth)

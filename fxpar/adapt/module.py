@@ -72,6 +72,8 @@ class Planning:
     profiles: Any = None
     #: the first plan was the user's (``fxpar.auto(plan=...)``): see ``AdaptPolicy.replace_given_plan``
     given: bool = False
+    #: seconds the first plan's module took to build (the migration's build estimate before a switch)
+    first_build_s: float = 0.0
 
 
 class AdaptiveModule(torch.nn.Module):
@@ -331,7 +333,7 @@ class AdaptiveModule(torch.nn.Module):
         if p.graph is None:
             raise RuntimeError("fxpar adapt: rank 0 holds no model graph to re-plan from")
         left = None if self.options.total_steps is None else max(self.options.total_steps - self._read_step - 1, 1)
-        last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"), 0.0)
+        last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"), p.first_build_s)
         decision = with_factors(decide(self.plan, p.graph, p.cluster.derated(self.derate), p.workload,
                                        self.options.policy, steps_left=left, build_s=last_build, profiles=p.profiles,
                                        measured=self._measured_step(), refused=self._refused_here()),
