@@ -83,8 +83,9 @@ def _boxes(pm: torch.nn.Module, reference: dict, initial: dict) -> list:
 
 def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None,
                   dtype: str = "fp32", checkpoint: str | None = None, resumed_steps: int = 3) -> dict[str, Any]:
-    """Train ``steps`` AdamW steps starting under uneven data parallelism, switching to
-    ``switches[k]`` before step ``k``; per step the loss and the reference's (one process, same
+    """Train ``steps`` AdamW steps starting under uneven data parallelism, adapting on, switching
+    to ``switches[k]`` before step ``k`` through ``pm.switch_to`` (the path a decision takes:
+    after the tracked optimizer's step); per step the loss and the reference's (one process, same
     batches; under the host's autocast to ``dtype`` where it is "bf16" or "fp16", every plan
     then of that dtype), at the end the trajectory gaps of every box this rank holds.  With
     ``checkpoint`` (a folder), the last plan then saves its weights and AdamW state there, a
@@ -103,25 +104,23 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
     data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps + resumed_steps)]
     cluster = fxpar.Cluster.emulated(SPEEDS[:world])
     fresh = copy.deepcopy(model) if checkpoint else None
+    from fxpar.adapt import Adapt, DetectorSettings
+
+    # adapting's public path, with a detector that never calibrates: only pm.switch_to switches
+    never = Adapt(detector=DetectorSettings(warmup_steps=10**6), verbose=False)
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, strategies=["data_parallel"],
-                    dtype=dtype)
+                    dtype=dtype, adapt=never)
     start = pm.plan
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=lr))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-    out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": [], "switches": []}
+    out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": []}
     for k in range(steps + (resumed_steps if checkpoint else 0)):
         if k in switches:
-            plan = dataclasses.replace(_plan(switches[k], template, cluster, world, start), dtype=dtype)
-            pm, report = switch_module(pm, opt, plan, template, rank=rank, example_inputs=data[0],
-                                       device=torch.device("cpu"),
-                                       build_options=dict(group=None, loss_fn=None, loss_weighting="auto",
-                                                          emulate=False))
-            out["switches"].append({"step": k, "to": plan.strategy, "sent": report.stats.sent_bytes,
-                                    "received": report.stats.received_bytes, "local": report.stats.local_bytes,
-                                    "state_bytes": report.state_bytes, "migrate_s": report.migrate_s})
+            pm.switch_to(dataclasses.replace(_plan(switches[k], template, cluster, world, start), dtype=dtype))
         if k == steps:   # save under the last plan, resume under the first
             from fxpar.checkpoint import load_checkpoint, save_checkpoint
 
+            out["events"] = pm.events
             save_checkpoint(pm, opt, checkpoint, step=k)
             pm = fxpar.auto(fresh, cluster, data[0], emulate=False, plan=start)
             opt = torch.optim.AdamW(pm.parameters(), lr=lr)
@@ -135,6 +134,12 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     ref_params = dict(reference.named_parameters())
+    out.setdefault("events", getattr(pm, "events", []))
+    out["switches"] = [{"step": e["step"], "to": e["to"], "sent": e["stats"]["sent_bytes"],
+                        "received": e["stats"]["received_bytes"], "local": e["stats"]["local_bytes"],
+                        "state_bytes": e["state_bytes"], "migrate_s": e["migrate_s"]}
+                       for e in out["events"] if e["kind"] == "switch"]
+    pm = getattr(pm, "parallel_module", pm)
     out["weights"] = trajectory_gaps(_boxes(pm, ref_params, initial))
     out["n_state"] = sum(len(s) for s in opt.state.values())
     out["loss_scale"] = getattr(pm, "loss_scaler", None) and pm.loss_scaler.state_dict()
