@@ -17,7 +17,7 @@ import torch
 from fxpar.errors import ConfigError, PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks
-from fxpar.runtime.step_loop import LOSS_WEIGHTINGS
+from fxpar.runtime.losses import LOSS_WEIGHTINGS
 from fxpar.solvers.planner import FAMILIES
 from fxpar.workload import DTYPES, OPTIMIZERS
 

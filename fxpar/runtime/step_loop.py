@@ -40,7 +40,7 @@ launched during the last micro-batch's backward (:mod:`fxpar.runtime.allreduce`)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -57,7 +57,7 @@ from fxpar.runtime.device import host_tensor, module_device, plan_rank_device
 from fxpar.runtime.distributed import host_group, is_comm_failure, peer_failures, wait_work
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
-from fxpar.runtime.losses import LOSS_WEIGHTINGS, LossFn, LossWeighting, check_loss_options, default_loss, zero_loss
+from fxpar.runtime.losses import LossFn, LossWeighting, check_loss_options, default_loss, zero_loss
 from fxpar.runtime.optim import make_optimizer
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime.precision import TORCH_DTYPES, autocast_for
