@@ -42,6 +42,17 @@ class CheckpointError(FxparError, RuntimeError):
     """A checkpoint directory is missing, incomplete, or does not fit the model or optimizer."""
 
 
-class MoveDoesNotFit(CheckpointError):
+class SwitchRefused(FxparError, RuntimeError):
+    """A running job's switch to another plan, refused on every rank alike before anything
+    moved (the old plan keeps running): the new plan could not be built on some rank.
+    ``family``: the plan family whose build failed (adapting offers it no more); empty when
+    the plan was built and something else refused it."""
+
+    def __init__(self, message: str, *, family: str = "") -> None:
+        super().__init__(message)
+        self.family = family
+
+
+class MoveDoesNotFit(CheckpointError, SwitchRefused):
     """A move of live state to another plan that does not fit some rank's memory, refused on
     every rank alike before anything moved (the old plan keeps running)."""

@@ -233,6 +233,56 @@ def test_an_adaptive_switch_that_cannot_fit_is_refused_and_training_goes_on(pool
             expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
 
 
+@pytest.mark.full
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["no-export", "one-rank"])
+def test_a_switch_whose_build_fails_is_refused_on_every_rank_and_its_family_is_offered_no_more(pool2, case):
+    """Issue #39, item 5: a switch whose new plan cannot be built — a pipeline of a model that
+    does not export (every rank fails), or a build that fails on rank 1 only — is refused on
+    both ranks before anything moves, names the rank and the error, and the family leaves the
+    decisions' choices; every step's loss still equals one process's."""
+    from tests.workers_adapt import unbuildable_switch_run
+
+    family = "pipeline" if case == "no-export" else "sharded_data_parallel"
+    for r in pool2.run(unbuildable_switch_run, case):
+        assert set(r["kinds"]) == {"data_parallel"}, r["kinds"]
+        refused = [e for e in r["events"] if e["kind"] == "refused"]
+        assert len(refused) == 1, r["events"]
+        why = refused[0]["reason"]
+        assert why.startswith(f"switch refused: the {family} plan could not be built on rank "), why
+        if case == "one-rank":
+            assert "rank 1 (RuntimeError: injected on rank 1)" in why, why
+        else:
+            assert "does not export" in why, why
+        assert family in r["unbuildable"] and family not in r["families"], r
+        for k, (loss, ref) in enumerate(r["losses"]):
+            expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
+
+
+def test_a_recorded_graph_is_never_offered_a_pipeline_to_switch_to():
+    """Issue #39, item 5: a model that did not export (``ModelGraph.recorded``) has its
+    pipeline family dropped from re-planning's choices, and a family whose build failed is
+    dropped too (``Replanner.families``)."""
+    import dataclasses
+
+    from fxpar.adapt.decide import AdaptPolicy
+    from fxpar.adapt.replan import Planning, Replanner
+    from fxpar.cluster import Cluster
+    from fxpar.tracing.graph import ModelGraph
+    from fxpar.workload import Workload
+
+    graph = ModelGraph(model_name="m", batch_size=8, seq_len=None, nodes=(), params=(), layers=(), input_names=(),
+                       trace_time_s=0.0, recorded="export failed")
+    planning = Planning(graph=graph, cluster=Cluster.emulated([1.0, 1.0]), workload=Workload(global_batch=8))
+    replanner = Replanner(planning, AdaptPolicy(), threshold=0.2)
+    assert "pipeline" not in replanner.families() and "data_parallel" in replanner.families()
+    replanner.cannot_build("sharded_data_parallel", "a test")
+    assert "sharded_data_parallel" not in replanner.families()
+    exported = Replanner(dataclasses.replace(planning, graph=dataclasses.replace(graph, recorded="")),
+                         AdaptPolicy(strategies=("pipeline", "data_parallel")), threshold=0.2)
+    assert exported.families() == ("pipeline", "data_parallel")
+
+
 def _ranks_pieces(rounds) -> dict:
     covered: dict = {}
     for pieces in rounds.rounds:

@@ -211,7 +211,7 @@ def decision_error_is_a_keep() -> dict[str, Any]:
         raise ValueError("a solver bug")
 
     if dist.get_rank() == 0:
-        pm._decide = broken
+        pm.replanner._decide = lambda *args, **kwargs: broken(args)
     pm._consider((1.0, 0.5))
     return pm.events[-1]
 
@@ -392,23 +392,57 @@ def chunked_move(capacity_cut: float) -> dict[str, Any]:
             "n_state": sum(len(st) for st in opt.state.values()), "n_params": sum(len(g["params"]) for g in opt.param_groups)}
 
 
+def _adaptive_dp(config: dict, steps: int) -> tuple[Any, torch.nn.Module, torch.nn.Module, list[dict], fxpar.Cluster]:
+    """A tiny HF model of ``config`` adapting under data parallelism on the job's ranks (equal
+    speeds), one process's copy, its meta template, ``steps`` global batches and the cluster."""
+    from fxpar.adapt import Adapt
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=config), device="cpu", seed=0, attn_implementation="eager").train()
+    reference, template = copy.deepcopy(model), meta_template(model)
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"],
+                    adapt=Adapt(verbose=False))
+    return pm, reference, template, data, cluster
+
+
 def refused_switch_run(steps: int = 4) -> dict[str, Any]:
     """Adapting data parallelism on 2 ranks: ``pm.switch_to`` a pipeline whose ranks have 1 kB of
     memory before step 1; the move is refused on every rank, the events say so, and the run goes
     on under data parallelism beside one process on the same batches."""
     import dataclasses
 
-    from fxpar.adapt import Adapt
-
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
-    reference, template = copy.deepcopy(model), meta_template(model)
-    data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
-    cluster = fxpar.Cluster.emulated([1.0] * world)
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"],
-                    adapt=Adapt(verbose=False))
+    pm, reference, template, data, cluster = _adaptive_dp(CONFIG, steps)
     plan = _plan("pp", template, cluster, world)
     tiny = dataclasses.replace(plan, ranks=tuple(dataclasses.replace(r, memory_capacity_bytes=1000) for r in plan.ranks))
     return {"rank": rank, **_adapt_beside_reference(pm, reference, data,
                                                     lambda k: pm.switch_to(tiny) if k == 1 else None)}
+
+
+def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
+    """Adapting data parallelism on 2 ranks; before step 1 ``pm.switch_to`` a plan whose build
+    fails: ``case`` "no-export", a pipeline of a model that does not export (its eager stages
+    need real weights; the switch builds from the meta template), on every rank; "one-rank", a
+    ZeRO-3 plan whose build raises on rank 1 only, after the build's own collectives.  The
+    switch is refused on both ranks (no rank waits in a move), the run goes on under data
+    parallelism beside one process, and the family is offered no more."""
+    import fxpar.adapt.switch as switch
+    from benchmarks.zoo_tiny import tiny_config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pm, reference, template, data, cluster = _adaptive_dp(tiny_config("gemma3n_text") if case == "no-export"
+                                                          else CONFIG, steps)
+    plan = (pipeline_plan(template, cluster, global_batch=BATCH, blocks_per_stage=[4, 4], num_microbatches=2)
+            if case == "no-export" else _plan("sharded", template, cluster, world))
+    if case == "one-rank" and rank == 1:   # fails once its build's own collectives are done
+        real_build = switch.build_module
+
+        def failing_build(*args: Any, **kwargs: Any) -> Any:
+            real_build(*args, **kwargs)
+            raise RuntimeError("injected on rank 1")
+        switch.build_module = failing_build
+    out = _adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(plan) if k == 1 else None)
+    return {"rank": rank, **out, "unbuildable": dict(pm.replanner.unbuildable),
+            "families": pm.replanner.families()}

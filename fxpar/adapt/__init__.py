@@ -9,7 +9,8 @@ imports it, never the other way.
 """
 
 from fxpar.adapt.decide import AdaptPolicy, Decision
-from fxpar.adapt.module import Adapt, AdaptiveModule, Planning
+from fxpar.adapt.module import Adapt, AdaptiveModule
+from fxpar.adapt.replan import Planning
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 
 __all__ = ["Adapt", "AdaptPolicy", "AdaptiveModule", "Decision", "DetectorSettings", "Planning", "SpeedDetector",

@@ -12,7 +12,8 @@ Per :meth:`AdaptiveModule.step`:
    the records since the last (on the rank's device), and every rank reads them in step order:
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves
-   (:func:`fxpar.adapt.decide.decide`, from the cached graph, with the running plan's measured
+   (:class:`fxpar.adapt.replan.Replanner`: :func:`fxpar.adapt.decide.decide` among the families a
+   switch can build, from the cached graph, with the running plan's measured
    step over the steps that showed the change) and broadcasts the decision.  The cluster the
    plans are made for is the job's cluster derated by the product of the factors believed now
    (``derate``: the factors measured against the current plan's calibration, times the speeds
@@ -32,21 +33,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
+from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, plan_kind
+from fxpar.adapt.replan import Planning, Replanner
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import check_movable, switch_module
-from fxpar.cluster import Cluster
-from fxpar.errors import ConfigError, FxparError, MoveDoesNotFit, RuntimeSetupError
+from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.plan import Plan
-from fxpar.tracing.graph import ModelGraph
-from fxpar.workload import Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +61,6 @@ class Adapt:
     verbose: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Planning:
-    """What re-planning needs, cached from the first plan (rank 0 holds the graph)."""
-
-    graph: ModelGraph | None
-    cluster: Cluster
-    workload: Workload
-    profiles: Any = None
-    #: the first plan was the user's (``fxpar.auto(plan=...)``): see ``AdaptPolicy.replace_given_plan``
-    given: bool = False
-    #: seconds the first plan's module took to build (the migration's build estimate before a switch)
-    first_build_s: float = 0.0
-
-
 class AdaptiveModule(torch.nn.Module):
     """Runs ``module`` (the plan's) and switches plans as measured speeds change (module docstring)."""
 
@@ -84,6 +69,7 @@ class AdaptiveModule(torch.nn.Module):
                  options: Adapt) -> None:
         super().__init__()
         self.module, self.planning, self.options = module, planning, options
+        self.replanner = Replanner(planning, options.policy, options.detector.threshold)
         # a tuple: not registered as a sub-module (it lives on meta; .to(device) must not see it)
         self._template, self._example, self._build = (template,), example_inputs, build_options
         self.device, self.rank = device, rank
@@ -105,7 +91,6 @@ class AdaptiveModule(torch.nn.Module):
         self._measured: list[MeasuredStep] = []    # the current plan's last steps, all ranks
         #: after a switch: the plan it left and the step measured before it (module docstring, 5)
         self._trial: tuple[Plan, float] | None = None
-        self._refused: list[tuple[Plan, tuple[float, ...]]] = []   # rolled back, at these speeds
         #: ``step -> busy seconds`` of this rank; None (default): measured, from the module's clock
         #: (tests inject a model of the hardware instead of this machine's timing)
         self.measure_busy: Callable[[int], float] | None = None
@@ -269,17 +254,11 @@ class AdaptiveModule(torch.nn.Module):
                             "measured_step_s": now_s, "step_before_s": before_s, "rolled_back": slower})
         if not slower:
             return
-        self._refused.append((self.plan, tuple(self.derate)))
+        self.replanner.refuse(self.plan, self.derate)
         self._pending, self._pending_kind = before, "rollback"
         if self.options.verbose and self.rank == 0:
             print(f"fxpar adapt: {plan_kind(self.plan)} measured {now_s * 1e3:.1f} ms/step against "
                   f"{before_s * 1e3:.1f} before the switch: rolling back to {plan_kind(before)}", flush=True)
-
-    def _refused_here(self) -> list[Plan]:
-        """The rolled-back layouts whose speeds are within the detector's threshold of now."""
-        t = self.options.detector.threshold
-        return [plan for plan, speeds in self._refused
-                if all(abs(d / s - 1) <= t for d, s in zip(self.derate, speeds))]
 
     # ------------------------------------------------------------------------- decide and switch
 
@@ -305,17 +284,13 @@ class AdaptiveModule(torch.nn.Module):
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         payload: list[Any] = [None]
         start = time.perf_counter()
-        if self.rank == 0:
-            try:
-                payload[0] = self._decide(factors)
-            except Exception as exc:  # noqa: BLE001 -- any error here must reach every rank as a
-                # "keep" (e.g. no plan fits the derated cluster), or the others wait at the broadcast
-                # below until the group's timeout
-                why = str(exc) if isinstance(exc, FxparError) else f"{type(exc).__name__}: {exc}"
-                payload[0] = Decision(switch=False, reason=f"re-planning failed ({why})", factors=tuple(factors),
-                                      keep_step_s=float("nan"), new_step_s=float("nan"), migrate_s=float("nan"),
-                                      horizon_steps=0, replan_s=0.0, old_kind=plan_kind(self.plan),
-                                      new_kind="-", plan=None)
+        if self.rank == 0:   # any error there is a "keep" with its reason (Replanner.decision)
+            total = self.options.total_steps
+            last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
+                              self.planning.first_build_s)
+            payload[0] = self.replanner.decision(
+                self.plan, self.derate, factors, build_s=last_build, measured=self._measured_step(),
+                steps_left=None if total is None else max(total - self._read_step - 1, 1))
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
@@ -328,31 +303,15 @@ class AdaptiveModule(torch.nn.Module):
             self.detector.accept(factors)
             self._measured = []   # the steps since this decision measure the plan at these speeds
 
-    def _decide(self, factors: tuple[float, ...]) -> Decision:
-        p = self.planning
-        if p.graph is None:
-            raise RuntimeError("fxpar adapt: rank 0 holds no model graph to re-plan from")
-        left = None if self.options.total_steps is None else max(self.options.total_steps - self._read_step - 1, 1)
-        last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"), p.first_build_s)
-        decision = with_factors(decide(self.plan, p.graph, p.cluster.derated(self.derate), p.workload,
-                                       self.options.policy, steps_left=left, build_s=last_build, profiles=p.profiles,
-                                       measured=self._measured_step(), refused=self._refused_here()),
-                                factors)
-        if decision.plan is None:
-            return decision
-        if p.given and not self.options.policy.replace_given_plan:
-            return replace(decision, switch=False, plan=None, reason=(
-                f"{decision.reason}, but the plan was given (fxpar.auto's plan=); "
-                "AdaptPolicy(replace_given_plan=True) lets adapting replace it"))
-        # the new plan says why it replaced the old one (plan.explain)
-        return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
-
-    def _refuse(self, plan: Plan, kind: str, why: str) -> None:
-        """A switch whose move cannot fit some rank's memory (:class:`MoveDoesNotFit`, raised on
-        every rank before anything moved): the old plan keeps running, and that layout is not
-        offered again at these speeds."""
+    def _refuse(self, plan: Plan, kind: str, exc: SwitchRefused) -> None:
+        """A switch refused on every rank before anything moved (:class:`SwitchRefused`: its
+        move does not fit some rank's memory, or its plan could not be built): the old plan keeps
+        running; that layout is not offered again at these speeds, nor a family that failed to build."""
+        why = str(exc)
         self._pending, self._pending_kind = None, "switch"
-        self._refused.append((plan, tuple(self.derate)))
+        self.replanner.refuse(plan, self.derate)
+        if exc.family:
+            self.replanner.cannot_build(exc.family, why)
         self.events.append({"step": self.steps, "kind": "refused", "what": kind, "to": plan_kind(plan), "reason": why})
         if self.options.verbose and self.rank == 0:
             print(f"fxpar adapt: step {self.steps}: the {kind} to {plan_kind(plan)} was refused ({why})", flush=True)
@@ -365,8 +324,8 @@ class AdaptiveModule(torch.nn.Module):
             self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
                                                 example_inputs=self._example, device=self.device,
                                                 build_options=self._build)
-        except MoveDoesNotFit as exc:   # on every rank alike, before anything moved: keep the plan
-            self._refuse(plan, kind, str(exc))
+        except SwitchRefused as exc:   # on every rank alike, before anything moved: keep the plan
+            self._refuse(plan, kind, exc)
             return
         emulator = getattr(self.module, "emulator", None)
         if emulator is not None and hardware is not None:  # the device is the same: the plan's

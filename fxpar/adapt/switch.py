@@ -27,6 +27,13 @@
    has moved, so switching back and forth leaves no communicator and no tensor of a replaced
    plan alive.
 
+6. **Agreement.**  Every rank builds, then the ranks exchange the outcomes before anything
+   moves: a build that failed on any rank (a model whose stages cannot be cut from the meta
+   template, a plan these versions cannot run) is a :class:`~fxpar.errors.SwitchRefused` on
+   every rank, so no rank waits in a move the others never enter.  A build that fails inside one
+   of its own collectives on some ranks only (a process group the others are creating) still
+   waits for the backend's timeout: builds fail alike on every rank in every case met so far.
+
 ``migrate_s`` counts all of it: from the last old step to the first new one.
 """
 
@@ -47,7 +54,7 @@ from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import ReshardStats
 from fxpar.checkpoint.reshard_move import reshard
 from fxpar.codegen.common.materialize import Uninitialised
-from fxpar.errors import ConfigError, MoveDoesNotFit
+from fxpar.errors import ConfigError, MoveDoesNotFit, SwitchRefused
 from fxpar.plan import Plan
 from fxpar.runtime.distributed import release_owned
 
@@ -127,6 +134,31 @@ def check_movable(optimizer: torch.optim.Optimizer) -> None:
                           "an optimizer whose state is shaped like its parameters (torch.optim.AdamW, SGD, ...)")
 
 
+def _build_agreed(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, device: torch.device,
+                  build_options: dict[str, Any], rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> torch.nn.Module:
+    """The new plan's module on this rank, once every rank has built its own (one all-gather of
+    the outcomes): a build that failed anywhere is a :class:`SwitchRefused` on every rank, naming
+    the first rank that failed and why, with this rank's new groups released (module docstring, 6)."""
+    new, failure = None, ""
+    try:
+        new = build_module(meta_template(template), plan, rank, example_inputs, device=device,
+                           checkpoint=Uninitialised(), **build_options)
+    except Exception as exc:  # noqa: BLE001 -- every rank must hear of it, or the others wait in the move
+        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    failures = [failure]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [""] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    bad = next((r for r, f in enumerate(failures) if f), None)
+    if bad is None:
+        assert new is not None
+        return new
+    release_owned(getattr(new, "fxpar_owned", []) if new is not None else [])
+    _set_rng_state(rng)
+    raise SwitchRefused(f"switch refused: the {plan.strategy} plan could not be built on rank {bad} "
+                        f"({failures[bad]})", family=plan.strategy)
+
+
 def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan,
                   template: torch.nn.Module, *, rank: int, example_inputs: Any, device: torch.device,
                   build_options: dict[str, Any]) -> tuple[torch.nn.Module, SwitchReport]:
@@ -137,8 +169,7 @@ def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     start, rng = time.perf_counter(), _rng_state()
     old_layout = describe(old)
     groups = _group_of_fqn(old_layout, optimizer) if optimizer is not None else {}
-    new = build_module(meta_template(template), plan, rank, example_inputs, device=device,
-                       checkpoint=Uninitialised(), **build_options)
+    new = _build_agreed(template, plan, rank, example_inputs, device, build_options, rng)
     built = time.perf_counter()
     new_layout = describe(new)
     old_view = SimpleNamespace(state=optimizer.state) if optimizer is not None else None
