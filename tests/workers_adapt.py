@@ -446,3 +446,30 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
     out = _adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(plan) if k == 1 else None)
     return {"rank": rank, **out, "unbuildable": dict(pm.replanner.unbuildable),
             "families": pm.replanner.families()}
+
+
+def link_or_straggler_run(case: str, steps: int = 40, change_at: int = 16,
+                          link_delay_s: float = 0.03) -> dict[str, Any]:
+    """Adapting data parallelism on 2 ranks at equal speeds, with decisions logged and never
+    switching; from step ``change_at`` either rank 1's link is slow (``case`` "link": each
+    all-reduce it starts waits ``link_delay_s`` first) or rank 1 computes at 0.4 of its speed
+    ("straggler").  The decision events (speed and link factors)."""
+    from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
+
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
+    timeline = (SpeedTimeline(links=((change_at, 1, "all_reduce", link_delay_s),)) if case == "link"
+                else SpeedTimeline(((change_at, 1, 0.4),)))
+    detector = DetectorSettings(gather_every=1, min_seconds=0)   # the default windows: 4 + 5 steps, then 5
+    options = Adapt(policy=AdaptPolicy(switch=False, strategies=("data_parallel",)), detector=detector,
+                    timeline=timeline, total_steps=steps, verbose=False)
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data[0], global_batch=BATCH,
+                    strategies=["data_parallel"], adapt=options)
+    opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    comm = []
+    for batch in data:
+        pm.step(batch)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        comm.append(dict(pm.last_comm_s))
+    return {"rank": dist.get_rank(), "events": pm.events, "comm": comm}

@@ -1,7 +1,7 @@
 """Decide whether to switch plans when the measured speeds changed.
 
 From the cached trace and cost model (no re-tracing), for the cluster derated by the measured
-factors ``f`` (:meth:`fxpar.Cluster.derated`):
+factors ``f`` and the links' factor ``ℓ`` (:meth:`fxpar.Cluster.derated`):
 
     T_keep = fxpar.predict(current plan, graph, cluster_f).step_s
     P_new  = solve(graph, cluster_f, workload, every family the job allows)
@@ -138,6 +138,7 @@ class Decision:
     plan: Plan | None                   # the new plan when switching
     measured_step_s: float | None = None    # the running plan's, when measured
     correction: tuple[float, float] = (1.0, 1.0)   # (k_C, k_R) applied to both steps
+    link_factor: float = 1.0            # measured factor of every link's bandwidth (1: as planned)
 
     def explain(self) -> str:
         """One line: old plan → new plan, predicted steps, the migration estimate, the verdict."""
@@ -147,7 +148,8 @@ class Decision:
             measured += (")" if self.correction == (1.0, 1.0) else
                          f"; steps re-priced by its error: compute x{self.correction[0]:.2f}, "
                          f"rest x{self.correction[1]:.2f})")
-        return (f"fxpar adapt: speeds x[{speeds}]{measured}: "
+        links = "" if self.link_factor == 1.0 else f", links x{self.link_factor:.2f}"
+        return (f"fxpar adapt: speeds x[{speeds}]{links}{measured}: "
                 f"keep {self.old_kind} {self.keep_step_s * 1e3:.1f} ms/step, "
                 f"best {self.new_kind} {self.new_step_s * 1e3:.1f} ms/step, migration ~{self.migrate_s:.2f} s "
                 f"over {self.horizon_steps} steps: {'SWITCH' if self.switch else 'keep'} ({self.reason})")
@@ -208,6 +210,6 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
                     correction=(fix.compute, fix.rest))
 
 
-def with_factors(decision: Decision, factors: Sequence[float]) -> Decision:
-    """``decision`` recording the measured factors it was made for."""
-    return replace(decision, factors=tuple(float(f) for f in factors))
+def with_factors(decision: Decision, factors: Sequence[float], link: float = 1.0) -> Decision:
+    """``decision`` recording the measured factors (speeds, links) it was made for."""
+    return replace(decision, factors=tuple(float(f) for f in factors), link_factor=float(link))

@@ -45,6 +45,7 @@ from fxpar.adapt.replan import Planning, Replanner
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import check_movable, switch_module
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
+from fxpar.runtime.emulation import COLLECTIVE_KINDS
 from fxpar.plan import Plan
 
 
@@ -84,7 +85,10 @@ class AdaptiveModule(torch.nn.Module):
         self._pending_kind = "switch"           # or "rollback"
         self._replan_wall_s = 0.0
         self._last_busy = self._clock_busy()
+        self._last_comm = self._clock_comm()
+        self.link, self._plan_link = 1.0, 1.0   # the links' factor believed now, and when the plan started
         self.last_step_s: list[float] = []
+        self.last_comm_s: dict[str, float] = {}   # the last read step's collectives per kind (least-waiting rank)
         self.last_busy_s: list[float] = []
         self._opt_start, self._opt_s = 0.0, 0.0   # the tracked optimizer's last step
         self._records: list[list[float]] = []      # this rank's (busy, wall, optimizer) not yet shared
@@ -174,33 +178,36 @@ class AdaptiveModule(torch.nn.Module):
         emulator = getattr(self.module, "emulator", None)
         if self.options.timeline is not None and emulator is not None:
             emulator.speed = self.options.timeline.speed(self.rank, self.steps)
+            emulator.link_delay_s = self.options.timeline.link_delays(self.rank, self.steps)
         start = time.perf_counter()
         loss = self.module.step(batch, local=local)
         wall = time.perf_counter() - start
-        busy = self._clock_busy()
+        busy, comm = self._clock_busy(), self._clock_comm()
         mine, self._last_busy = busy - self._last_busy, busy
+        comm_step, self._last_comm = [c - c0 for c, c0 in zip(comm, self._last_comm)], comm
         if self.measure_busy is not None:
             mine = float(self.measure_busy(self.steps))
         if self.measure_wall is not None:
             wall = float(self.measure_wall(self.steps, self.plan))
-        self._records.append([mine, wall, self._opt_s])
+        self._records.append([mine, wall, self._opt_s, *comm_step])
         self.steps += 1
         if len(self._records) >= self.options.detector.gather_every:
             self._read(self._gather_records())
         return loss
 
-    def _read(self, steps: Sequence[tuple[list[float], list[float], list[float]]]) -> None:
-        """Every rank's (busy, wall, optimizer) of each step since the last gather, in step
-        order: the rollback check, then the detector; a decision ends the reading (the steps
-        after it ran the plan the decision was about)."""
-        for i, (busy, walls, optimizer) in enumerate(steps):
+    def _read(self, steps: Sequence[tuple[list[float], ...]]) -> None:
+        """Every rank's (busy, wall, optimizer, collectives per kind) of each step since the last
+        gather, in step order: the rollback check, then the detector; a decision ends the
+        reading (the steps after it ran the plan the decision was about)."""
+        for i, (busy, walls, optimizer, *comm) in enumerate(steps):
+            self.last_comm_s = {kind: min(per_rank) for kind, per_rank in zip(COLLECTIVE_KINDS, comm)}
             self._read_step = self.steps - len(steps) + i   # the step these numbers are of
             self.last_busy_s, self.last_step_s = busy, walls
             self._measured.append(MeasuredStep(step_s=max(w + o for w, o in zip(walls, optimizer)),
                                                compute_s=max(b + o for b, o in zip(busy, optimizer))))
             keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
             del self._measured[:-keep]   # only the last steps are read: bounded on a long run
-            factors = self.detector.observe(busy, self._measured[-1].step_s)
+            factors = self.detector.observe(busy, self._measured[-1].step_s, sum(self.last_comm_s.values()))
             if self._trial is not None and self.detector.reference is not None:
                 self._check_trial()
                 if self._pending is not None:
@@ -208,6 +215,11 @@ class AdaptiveModule(torch.nn.Module):
             if factors is not None:
                 self._consider(factors)
                 return
+
+    def _clock_comm(self) -> list[float]:
+        """Host seconds in collectives per kind (:data:`COLLECTIVE_KINDS`) since the module was built."""
+        totals = getattr(getattr(self.module, "clock", None), "comm_total_s", {})
+        return [float(totals.get(kind, 0.0)) for kind in COLLECTIVE_KINDS]
 
     def _clock_busy(self) -> float:
         """Busy seconds of the current module since it was built (its clock: on a GPU the CUDA
@@ -230,10 +242,12 @@ class AdaptiveModule(torch.nn.Module):
         dist.all_gather(out, mine)
         return [t.tolist() for t in out]
 
-    def _gather_records(self) -> list[tuple[list[float], list[float], list[float]]]:
-        """The records since the last gather, per step: (busy, wall, optimizer) of every rank."""
+    def _gather_records(self) -> list[tuple[list[float], ...]]:
+        """The records since the last gather, per step: (busy, wall, optimizer, then each
+        collective kind's seconds) of every rank."""
         per_rank, self._records = self._all_gather(self._records), []
-        return [tuple([rows[i][j] for rows in per_rank] for j in range(3)) for i in range(len(per_rank[0]))]
+        width = len(per_rank[0][0])
+        return [tuple([rows[i][j] for rows in per_rank] for j in range(width)) for i in range(len(per_rank[0]))]
 
     def _measured_step(self) -> MeasuredStep | None:
         """The running plan's step over the detector's last ``min_steps`` steps (medians)."""
@@ -282,6 +296,7 @@ class AdaptiveModule(torch.nn.Module):
         """Rank 0 re-plans for the derated cluster; every rank gets the decision."""
         self._check_optimizer()
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
+        self.link = self._plan_link * self.detector.link
         payload: list[Any] = [None]
         start = time.perf_counter()
         if self.rank == 0:   # any error there is a "keep" with its reason (Replanner.decision)
@@ -289,18 +304,19 @@ class AdaptiveModule(torch.nn.Module):
             last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
                               self.planning.first_build_s)
             payload[0] = self.replanner.decision(
-                self.plan, self.derate, factors, build_s=last_build, measured=self._measured_step(),
+                self.plan, self.derate, factors, link=self.link, build_s=last_build, measured=self._measured_step(),
                 steps_left=None if total is None else max(total - self._read_step - 1, 1))
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
         self._replan_wall_s = time.perf_counter() - start  # every rank waits for rank 0's solve
-        self.events.append({"step": self._read_step, "kind": "decision", **_decision_dict(decision)})
+        self.events.append({"step": self._read_step, "kind": "decision", **_decision_dict(decision),
+                            "comm_s_by_kind": dict(self.last_comm_s)})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
         self._pending, self._pending_kind = (decision.plan if decision.switch else None), "switch"
         if self._pending is None:
-            self.detector.accept(factors)
+            self.detector.accept(factors, self.detector.link)
             self._measured = []   # the steps since this decision measure the plan at these speeds
 
     def _refuse(self, plan: Plan, kind: str, exc: SwitchRefused) -> None:
@@ -331,7 +347,7 @@ class AdaptiveModule(torch.nn.Module):
         if emulator is not None and hardware is not None:  # the device is the same: the plan's
             emulator.speed = hardware                      # (derated) speed must not change it
         self._pending, self._pending_kind, self._last_busy = None, "switch", self._clock_busy()
-        self._plan_derate = list(self.derate)
+        self._plan_derate, self._plan_link = list(self.derate), self.link
         self.detector.restart()
         self._measured, self._records = [], []
         self._trial = (old_plan, measured_before.step_s) if kind == "switch" and measured_before else None
@@ -355,4 +371,5 @@ def _decision_dict(decision: Decision) -> dict[str, Any]:
     out = {k: getattr(decision, k) for k in ("switch", "reason", "keep_step_s", "new_step_s", "migrate_s",
                                              "horizon_steps", "replan_s", "old_kind", "new_kind")}
     out["factors"] = list(decision.factors)
+    out["link_factor"] = decision.link_factor
     return out

@@ -72,19 +72,22 @@ class Replanner:
         return tuple(f for f in asked if f not in self.unbuildable
                      and not (f == "pipeline" and graph is not None and graph.recorded))
 
-    def decision(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *,
+    def decision(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float = 1.0,
                  steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> Decision:
-        """Rank 0's decision for the cluster derated by ``speeds``; any error is a "keep"."""
+        """Rank 0's decision for the cluster derated by ``speeds`` (compute) and ``link`` (every
+        link's bandwidth); any error is a "keep"."""
         try:
-            return self._decide(current, speeds, factors, steps_left=steps_left, build_s=build_s, measured=measured)
+            return self._decide(current, speeds, factors, link=link, steps_left=steps_left, build_s=build_s,
+                                measured=measured)
         except Exception as exc:  # noqa: BLE001 -- any error here must reach every rank as a
             # "keep" (e.g. no plan fits the derated cluster), or the others wait at the broadcast
             why = str(exc) if isinstance(exc, FxparError) else f"{type(exc).__name__}: {exc}"
             return Decision(switch=False, reason=f"re-planning failed ({why})", factors=tuple(factors),
                             keep_step_s=float("nan"), new_step_s=float("nan"), migrate_s=float("nan"),
-                            horizon_steps=0, replan_s=0.0, old_kind=plan_kind(current), new_kind="-", plan=None)
+                            horizon_steps=0, replan_s=0.0, old_kind=plan_kind(current), new_kind="-", plan=None,
+                            link_factor=link)
 
-    def _decide(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *,
+    def _decide(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float,
                 steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> Decision:
         p = self.planning
         if p.graph is None:
@@ -93,9 +96,9 @@ class Replanner:
         if not families:
             raise RuntimeError(f"no family left to offer (builds failed: {self.unbuildable})")
         policy = replace(self.policy, strategies=families)
-        decision = with_factors(decide(current, p.graph, p.cluster.derated(speeds), p.workload, policy,
+        decision = with_factors(decide(current, p.graph, p.cluster.derated(speeds, link=link), p.workload, policy,
                                        steps_left=steps_left, build_s=build_s, profiles=p.profiles,
-                                       measured=measured, refused=self.refused_here(speeds)), factors)
+                                       measured=measured, refused=self.refused_here(speeds)), factors, link)
         if decision.plan is None:
             return decision
         if p.given and not self.policy.replace_given_plan:

@@ -5,7 +5,9 @@
 plan; a run that re-plans must not, or the new plan would change the very hardware it measures.
 :class:`SpeedTimeline` gives rank ``r`` at step ``k`` the speed of the last change
 ``(step ≤ k, r, s)`` (1.0 before any), and the adaptive module sets each rank's emulator from it
-before every step.  The plan never sees it.
+before every step.  The plan never sees it.  ``links`` ``(step, r, kind, seconds)`` give rank
+``r`` a slow link from ``step`` on: each collective of ``kind`` it starts is delayed by
+``seconds`` (0 restores it; :mod:`fxpar.runtime.emulation`).
 
 **Detector.**  Each step every rank's busy time ``b_r`` (compute, emulated sleep included:
 the module's ``clock``) is shared.  After a plan starts and its first ``warmup_steps`` steps
@@ -23,6 +25,21 @@ every node — moves no work between ranks, so it is no change).  The estimate o
 factor is the median of its last ``min_steps`` values of ``f_r``.  A single slow step, or
 values that cross back, never trigger.  Defaults: threshold 0.2, min_steps 5, warm-up 4,
 calibration 5.
+
+**Links.**  Each step also gives ``c``, the host seconds spent in collectives, per kind, summed
+over the kinds of each kind's least-waiting rank: ``c = Σ_k min_r c_{r,k}``.  A rank that
+computes slowly makes the others wait inside collectives, but itself arrives last and waits
+least, so ``c`` stays; a slow link makes every member wait, so ``c`` grows.  The link factor is
+``ℓ = min(c⁰ / c, 1)`` (``c⁰``: the calibration's median; a link is never faster than it was
+calibrated: fewer waits than then are noise), read like a speed, against the link factor last
+considered ``λ``; a link change is persistent when over each of the last ``n`` steps
+``ℓ / λ`` lies beyond ``1 ± threshold`` on the same side *and* ``|c − c⁰/λ|`` exceeds
+``threshold`` × the calibration's median step (a change of a few microseconds of communication
+in a step is no reason to re-plan).  Its estimate is the median of the last ``min_steps`` values.
+On a GPU the collectives' host seconds are waits for NCCL, not its work: only emulated links
+(and CPU ranks) are read this way.  On CPU ranks that share cores, a slow link also shows as
+slower compute (measured here: 0.6–0.8 of the speed while the link delays; the backend's threads
+compete for the cores), so a slow link may first be read as a straggler, then as a link.
 """
 
 from __future__ import annotations
@@ -33,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fxpar.errors import ConfigError
+from fxpar.runtime.emulation import check_link_delays
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +58,8 @@ class SpeedTimeline:
     """Emulated speed per rank and step: ``changes`` are ``(from_step, rank, speed)``."""
 
     changes: tuple[tuple[int, int, float], ...] = ()
+    #: ``(from_step, rank, collective kind, seconds per call)``: emulated slow links
+    links: tuple[tuple[int, int, str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for i, change in enumerate(self.changes):
@@ -47,6 +67,12 @@ class SpeedTimeline:
                 raise ConfigError(f"SpeedTimeline.changes[{i}] = {change!r}: expected (from_step >= 0, "
                                   "rank >= 0, speed > 0)")
         object.__setattr__(self, "changes", tuple(sorted((int(k), int(r), float(s)) for k, r, s in self.changes)))
+        for i, link in enumerate(self.links):
+            if len(link) != 4 or link[0] < 0 or link[1] < 0:
+                raise ConfigError(f"SpeedTimeline.links[{i}] = {link!r}: expected (from_step >= 0, rank >= 0, "
+                                  "collective kind, seconds >= 0)")
+            check_link_delays({link[2]: link[3]}, f"SpeedTimeline.links[{i}]")
+        object.__setattr__(self, "links", tuple(sorted((int(k), int(r), str(c), float(d)) for k, r, c, d in self.links)))
 
     def speed(self, rank: int, step: int) -> float:
         """Rank ``rank``'s emulated speed at ``step`` (1.0 before its first change)."""
@@ -55,6 +81,14 @@ class SpeedTimeline:
             if r == rank and k <= step:
                 now = s
         return now
+
+    def link_delays(self, rank: int, step: int) -> dict[str, float]:
+        """Rank ``rank``'s emulated delay per collective kind at ``step`` (kinds with none left out)."""
+        now: dict[str, float] = {}
+        for k, r, kind, delay in self.links:
+            if r == rank and k <= step:
+                now[kind] = delay
+        return {kind: d for kind, d in now.items() if d > 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +131,13 @@ class SpeedDetector:
     settings: DetectorSettings = field(default_factory=DetectorSettings)
     reference: tuple[float, ...] | None = None
     considered: tuple[float, ...] | None = None
+    #: the link factor estimated with the last change (module docstring, links): 1.0 = as calibrated
+    link: float = 1.0
+    considered_link: float = 1.0
     _calibration: list[tuple[float, ...]] = field(default_factory=list)
     _history: list[tuple[float, ...]] = field(default_factory=list)
+    _comm: list[float] = field(default_factory=list)          # c of the steps in _history
+    _reference_comm: tuple[float, float] = (0.0, 0.0)        # (c⁰, the calibration's median step)
     _skipped: int = 0
     _walls: list[float] = field(default_factory=list)
 
@@ -107,28 +146,33 @@ class SpeedDetector:
 
     def restart(self) -> None:
         """A new plan runs: skip its warm-up, then calibrate again."""
-        self.reference, self._calibration, self._history, self._skipped = None, [], [], 0
-        self.considered = (1.0,) * self.world
+        self.reference, self._calibration, self._history, self._comm, self._skipped = None, [], [], [], 0
+        self.considered, self.link, self.considered_link = (1.0,) * self.world, 1.0, 1.0
 
-    def accept(self, factors: tuple[float, ...]) -> None:
-        """The plan stays for ``factors``: only a change from them counts next."""
-        self.considered, self._history = tuple(factors), []
+    def accept(self, factors: tuple[float, ...], link: float = 1.0) -> None:
+        """The plan stays for ``factors`` (and the link factor ``link``): only a change from them counts next."""
+        self.considered, self.considered_link, self._history, self._comm = tuple(factors), float(link), [], []
 
-    def observe(self, busy: Sequence[float], step_s: float = 0.0) -> tuple[float, ...] | None:
-        """Record one step's busy times (and its wall seconds, ``step_s``); the speed factors
-        ``f`` when a change is persistent."""
+    def observe(self, busy: Sequence[float], step_s: float = 0.0, comm_s: float = 0.0) -> tuple[float, ...] | None:
+        """Record one step's busy times (its wall seconds, ``step_s``, and its collectives'
+        seconds ``c``, ``comm_s``); the speed factors ``f`` when a change of speeds or of the
+        link is persistent (the link's factor is then :attr:`link`)."""
         busy = tuple(max(float(b), 1e-9) for b in busy)
         self._walls = [*self._walls[-999:], float(step_s)]
         if self._skipped < self.settings.warmup_steps:
             self._skipped += 1
             return None
         if self.reference is None:
-            self._calibration.append(busy)
+            self._calibration.append((*busy, float(comm_s), float(step_s)))
             if len(self._calibration) >= self.settings.calibration_steps:
                 self.reference = tuple(statistics.median(c[r] for c in self._calibration) for r in range(self.world))
+                self._reference_comm = (statistics.median(c[-2] for c in self._calibration),
+                                        statistics.median(c[-1] for c in self._calibration))
             return None
         self._history.append(tuple(self.reference[r] / busy[r] for r in range(self.world)))
+        self._comm.append(float(comm_s))
         del self._history[:-self.steps_needed()]   # only the last n steps are read
+        del self._comm[:-self.steps_needed()]
         return self._persistent()
 
     def steps_needed(self) -> int:
@@ -146,6 +190,24 @@ class SpeedDetector:
         assert self.considered is not None
         rel = [[f[r] / self.considered[r] for r in range(self.world)] for f in recent]
         changed = any(all(f[r] < 1 - t for f in rel) or all(f[r] > 1 + t for f in rel) for r in range(self.world))
-        if not changed or not all(max(f) > (1 + t) * min(f) for f in rel):
+        spread = all(max(f) > (1 + t) * min(f) for f in rel)
+        links = self._link_factors(n)
+        if not (changed and spread) and links is None:
             return None
+        if links is not None:
+            self.link = statistics.median(links[-self.settings.min_steps:])
         return tuple(statistics.median(f[r] for f in recent) for r in range(self.world))
+
+    def _link_factors(self, n: int) -> list[float] | None:
+        """The last ``n`` steps' link factors ``ℓ`` when the link's change is persistent (module
+        docstring, links), else None."""
+        t, (c0, step0) = self.settings.threshold, self._reference_comm
+        comm = self._comm[-n:]
+        if len(comm) < n or c0 <= 0:
+            return None
+        expected = c0 / self.considered_link
+        ells = [min(c0 / max(c, 1e-12), 1.0) for c in comm]   # no link is faster than calibrated
+        side = [ell / self.considered_link for ell in ells]
+        beyond = all(x < 1 - t for x in side) or all(x > 1 + t for x in side)
+        large = all(abs(c - expected) > t * step0 for c in comm)
+        return ells if beyond and large else None

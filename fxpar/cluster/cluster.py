@@ -148,6 +148,10 @@ class Cluster:
     nodes: tuple[NodeSpec, ...]
     inter_node_gbps: float
     custom_types: Mapping[str, DeviceType] = field(default_factory=dict, hash=False)
+    #: measured slow-down of every link of a running job (``derated(..., link=)``, :mod:`fxpar.adapt`):
+    #: each link's bandwidth, calibrated ones too, times this (:func:`fxpar.profiling.network.network_of`);
+    #: never read from a cluster file
+    link_derate: float = 1.0
     devices: tuple[Device, ...] = field(init=False, repr=False)
     _groups: tuple[DeviceGroup, ...] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -167,6 +171,8 @@ class Cluster:
         object.__setattr__(self, "custom_types", types.MappingProxyType(custom))
         object.__setattr__(self, "inter_node_gbps", positive_number(
             self.inter_node_gbps, f"cluster {self.name!r}: inter_node_gbps"))
+        object.__setattr__(self, "link_derate", positive_number(
+            self.link_derate, f"cluster {self.name!r}: link_derate", maximum=MAX_SPEED))
         devices = _build_devices(self.name, nodes, custom)
         object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "_groups", _build_groups(devices))
@@ -192,10 +198,12 @@ class Cluster:
                               f"expected 0..{self.world_size - 1}")
         return self.devices[rank]
 
-    def derated(self, factors: Sequence[float]) -> "Cluster":
+    def derated(self, factors: Sequence[float], *, link: float = 1.0) -> "Cluster":
         """This cluster with device ``r``'s speed multiplied by ``factors[r]`` (a running job's
         measured slow-down, :mod:`fxpar.adapt`): ``σ'_r = σ_r · f_r``, for GPUs as for emulated
-        devices; types, memory and links unchanged."""
+        devices, and every link's bandwidth by ``link`` (``link_derate``); types and memory unchanged.
+        One factor for every link: a collective runs at its slowest member's pace, and the
+        measured slow-down does not say which link it is (conservative for a pipeline's hops)."""
         factors = [float(f) for f in factors]
         if len(factors) != self.world_size:
             raise ConfigError(f"Cluster.derated: {len(factors)} factors for {self.world_size} devices; "
@@ -206,7 +214,7 @@ class Cluster:
             base = node.derate or (1.0,) * node.count
             nodes.append(replace(node, derate=tuple(b * f for b, f in zip(base, own))))
             start += node.count
-        return replace(self, nodes=tuple(nodes))
+        return replace(self, nodes=tuple(nodes), link_derate=self.link_derate * float(link))
 
     def host_memory_bytes(self, node: int) -> int | None:
         """Host (CPU) memory of machine ``node`` in bytes; None where the cluster does not say."""

@@ -324,8 +324,12 @@ class Network:
 
 def network_of(cluster, measured: Mapping[str, LinkCost] | None = None) -> Network:
     """The :class:`Network` of ``cluster``: per device kind the intra-node link of its first
-    device, the NIC, every rank's host link and the calibrated collectives ``measured``."""
+    device, the NIC, every rank's host link and the calibrated collectives ``measured``; all but
+    the host links scaled by the cluster's measured ``link_derate`` (:meth:`fxpar.Cluster.derated`)."""
     intra = {g.key: float(cluster.device(g.ranks[0]).intra_node_gbps) * 1e9 for g in cluster.groups()}
-    return Network(intra=intra, nic=cluster.inter_node_bytes_per_s(), shape=collectives.ring_shape(cluster),
-                   host=tuple(host_link_bytes_per_s(d.type) for d in cluster.devices),
-                   node_of=tuple(d.node for d in cluster.devices), measured=dict(measured or {}))
+    network = Network(intra=intra, nic=cluster.inter_node_bytes_per_s(), shape=collectives.ring_shape(cluster),
+                      host=tuple(host_link_bytes_per_s(d.type) for d in cluster.devices),
+                      node_of=tuple(d.node for d in cluster.devices), measured=dict(measured or {}))
+    if cluster.link_derate == 1.0:
+        return network
+    return replace(network.scaled(cluster.link_derate), host=network.host)   # host links are no collective's

@@ -212,8 +212,10 @@ class GradientBuckets:
             group = loss_group if loss_group is not None else (self._buckets[0].group if self._buckets else None)
             self._works.append(dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group, async_op=True))
         device = loss.device if loss is not None else (self.params[0].device if self.params else None)
+        waiting = time.perf_counter()
         for w in self._works:  # bounded by the job's collective timeout (gloo)
             wait_work(w, device)
+        self.clock.waited("all_reduce", time.perf_counter() - waiting)
         for b in self._buckets:
             b.finish()
         self.last_launched_in_backward = self.launched_in_backward

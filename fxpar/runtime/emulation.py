@@ -5,12 +5,20 @@ not its wall time: a segment that also waited (a pipeline stage blocked on a pee
 with another rank or with the backend's thread) did no more work, and a slow device's extra time
 is proportional to its work.  Every figure measured this way is labelled *emulated* where it is
 reported.
+
+**Slow links.**  A rank's ``link_delay_s`` (collective kind → seconds) adds that delay to each
+collective of the kind it enters, before the call: the rank arrives late, so every member of the
+collective waits, as on a slow link (not a slow device: the delay is not compute, so busy time is
+unchanged).  The clock times each collective by kind (:attr:`SegmentClock.comm_total_s`, host
+seconds, never reset), which is what :mod:`fxpar.adapt` reads a link's slowdown from.  Pipelines'
+point-to-point sends run inside torch's schedule, outside the clock: neither delayed nor timed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,16 +27,43 @@ import torch
 from fxpar.errors import ConfigError
 
 
+#: the collective kinds the runtime's clock times (:attr:`SegmentClock.comm_total_s`)
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def check_link_delays(delays: Mapping[str, float], where: str = "link_delay_s") -> dict[str, float]:
+    """``delays`` as a plain dict, or a ConfigError naming the bad kind or value."""
+    out = {}
+    for kind, delay in dict(delays).items():
+        if kind not in COLLECTIVE_KINDS:
+            raise ConfigError(f"{where}: unknown collective kind {kind!r}; expected one of {list(COLLECTIVE_KINDS)}")
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not delay >= 0:
+            raise ConfigError(f"{where}[{kind!r}] = {delay!r}: expected seconds >= 0")
+        out[kind] = float(delay)
+    return out
+
+
 @dataclass(slots=True)
 class SpeedEmulator:
-    """Stretches measured compute intervals to emulate a device ``speed`` times as fast."""
+    """Stretches measured compute intervals to emulate a device ``speed`` times as fast, and
+    delays each collective of a kind in ``link_delay_s`` by its seconds (a slow link)."""
 
     speed: float = 1.0
     slept_s: float = field(default=0.0)
+    link_delay_s: dict[str, float] = field(default_factory=dict)
+    link_slept_s: float = field(default=0.0)
 
     def __post_init__(self) -> None:
         if not (self.speed > 0):
             raise ConfigError(f"emulated speed = {self.speed!r}: must be a positive number")
+        self.link_delay_s = check_link_delays(self.link_delay_s)
+
+    def delay(self, kind: str) -> None:
+        """Sleep the emulated link delay of one collective of ``kind`` (none by default)."""
+        extra = self.link_delay_s.get(kind, 0.0)
+        if extra > 0:
+            time.sleep(extra)
+            self.link_slept_s += extra
 
     @property
     def active(self) -> bool:
@@ -88,6 +123,8 @@ class SegmentClock:
         #: the same, since the last take_events() (None until a reader first takes them)
         self._fresh: list[tuple[Any, Any]] | None = None
         self._device_total_s = 0.0
+        #: host seconds inside collectives, per kind, since the clock was made (never reset)
+        self.comm_total_s: dict[str, float] = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
 
     @classmethod
     def untimed(cls) -> SegmentClock:
@@ -120,15 +157,26 @@ class SegmentClock:
                     self._fresh.append(pair)
                 self._segment_start = None
 
-    def collective(self, fn: Callable[[], Any]) -> Any:
+    def collective(self, fn: Callable[[], Any], kind: str = "all_reduce", *, launch: bool = True) -> Any:
+        """Close the compute segment (stretched), then run ``fn``, which starts (``launch``) or
+        waits for a collective of ``kind``, timing it; a start first sleeps the emulated link
+        delay, if any (module docstring, slow links)."""
         self._close_segment()
         t0 = time.perf_counter()
+        if launch:
+            self.emulator.delay(kind)
         out = fn()
         self._last, self._last_cpu = time.perf_counter(), time.thread_time()
         self.comm_s += self._last - t0
+        self.comm_total_s[kind] += self._last - t0
         if self._cuda and self.active:
             self._segment_start = self._mark()
         return out
+
+    def waited(self, kind: str, seconds: float) -> None:
+        """Count ``seconds`` the caller waited for collectives of ``kind`` outside
+        :meth:`collective` (the gradient sync's final wait)."""
+        self.comm_total_s[kind] += seconds
 
     def take_events(self) -> list[tuple[Any, Any]]:
         """The CUDA event pairs of the compute segments recorded since the last call, handed to a

@@ -54,7 +54,7 @@ def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group: Any, clock: _
         out.copy_(x)
         return out
     run = lambda: dist.all_to_all_single(out, x, recv, send, group=group)
-    clock.collective(run) if clock is not None else run()
+    clock.collective(run, "all_to_all") if clock is not None else run()
     return out
 
 
@@ -134,7 +134,7 @@ class ExpertParallelExperts(torch.nn.Module):
             return local.unsqueeze(0)
         parts = [torch.empty_like(local) for _ in range(world)]
         run = lambda: dist.all_gather(parts, local, group=self.group)
-        self.clock.collective(run) if self.clock is not None and self.clock.active else run()
+        self.clock.collective(run, "all_gather") if self.clock is not None and self.clock.active else run()
         return torch.stack(parts)
 
     def kept_counts(self, counts: Any) -> Any:

@@ -184,9 +184,9 @@ class ShardedDataParallelModule(StepModule):
         self._refresh_device_shards()
         for u in self._units:
             u.use(u.exact)
-        pending = [self.clock.collective(lambda u=u: u.launch_gather(self.group)) for u in self._units]
+        pending = [self.clock.collective(lambda u=u: u.launch_gather(self.group), "all_gather") for u in self._units]
         for u, p in zip(self._units, pending):
-            self.clock.collective(lambda u=u, p=p: u.finish_gather(p))
+            self.clock.collective(lambda u=u, p=p: u.finish_gather(p), "all_gather", launch=False)
         self._schedule.peak_gathered_bytes = max(self._schedule.peak_gathered_bytes, self.gathered_bytes())
 
     def _release_all(self) -> None:

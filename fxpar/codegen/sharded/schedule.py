@@ -90,13 +90,13 @@ class RoundSchedule:
         the gathers of the blocks after it."""
         for k, unit in enumerate(self.units):
             if not unit.gathered:
-                self._prefetched[k] = self.clock.collective(lambda u=unit: u.launch_gather(self.gather_group))
+                self._prefetched[k] = self.clock.collective(lambda u=unit: u.launch_gather(self.gather_group), "all_gather")
         self._note_peak()
 
     def _finish_prefetched(self, unit: Unit) -> None:
         pending = self._prefetched.pop(self._index[id(unit)], None)
         if pending is not None:
-            self.clock.collective(lambda: unit.finish_gather(pending))
+            self.clock.collective(lambda: unit.finish_gather(pending), "all_gather", launch=False)
             self._note_peak()
 
     def finish_prefetched(self) -> None:
@@ -108,7 +108,7 @@ class RoundSchedule:
     def _launch_next(self) -> None:
         rnd = self._round
         unit, _ = self.queue[rnd.next_gather]
-        rnd.gathers.append(self.clock.collective(lambda: unit.launch_gather(self.gather_group)))
+        rnd.gathers.append(self.clock.collective(lambda: unit.launch_gather(self.gather_group), "all_gather"))
         rnd.next_gather += 1
 
     def need(self, unit: Unit, phase: str) -> None:
@@ -135,7 +135,7 @@ class RoundSchedule:
             self._launch_next()
         pending = rnd.gathers[entry]
         rnd.gathers[entry] = None
-        self.clock.collective(lambda: unit.finish_gather(pending))
+        self.clock.collective(lambda: unit.finish_gather(pending), "all_gather", launch=False)
         self._prefetch(phase)
         self._note_peak()
 
@@ -189,7 +189,7 @@ class RoundSchedule:
             unit = self.reduce_order[len(rnd.reduces)]
             if not final and self.units.index(unit) not in rnd.ready:
                 return
-            pending = self.clock.collective(lambda u=unit: u.launch_reduce(self.reduce_group))
+            pending = self.clock.collective(lambda u=unit: u.launch_reduce(self.reduce_group), "reduce_scatter")
             rnd.reduces.append((unit, pending))
             if self.zero3 and unit is not self.units[0]:
                 unit.free()   # its backward is over
@@ -203,7 +203,7 @@ class RoundSchedule:
             unit, pending = rnd.reduces[k]
             rnd.finished.add(k)
             rnd.reduces[k] = (unit, None)
-            self.clock.collective(lambda: unit.finish_reduce(pending))
+            self.clock.collective(lambda: unit.finish_reduce(pending), "reduce_scatter", launch=False)
 
     # ---- rounds ---------------------------------------------------------------------------
     def begin_round(self) -> None:
@@ -227,7 +227,7 @@ class RoundSchedule:
             for k, pending in enumerate(rnd.gathers):
                 if pending is not None:
                     rnd.gathers[k] = None
-                    self.clock.collective(pending.wait)
+                    self.clock.collective(pending.wait, "all_gather", launch=False)
         for k in range(len(rnd.reduces)):
             self._finish_reduce(k)
         for unit in self.units:
