@@ -18,9 +18,11 @@ on each rank by this harness (no collective of its own), the slowest rank's per 
 runs in the optimizer's post-step hook, so the step that migrates carries the migration, and a
 phase's mean spreads it over the phase.  Per arm the mean step before, during and after the
 straggler; for ``adapt`` the time to detect (step times from the slowdown to the decision),
-re-plan, migrate (split into planning, building, moving and the rest: committing), the bytes
+re-plan (rank 0's solve, on a thread while the ranks train on), migrate (split into planning —
+the time the ranks waited for the decision —, building, moving and the rest: committing), the bytes
 moved per rank against the state each rank holds, and per switch the **steps lost**: the wall
-time from the start of the step that decided to the end of the first new-plan step, in steps
+time from the start of the step that detected the change (the decision is made from there, in
+the background) to the end of the first new-plan step, in steps
 of the old plan's pace (the median of its 5 steps before), minus the steps done in it.
 
 **Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with adapting on and off,
@@ -185,8 +187,9 @@ def _split(switch: dict[str, Any]) -> dict[str, float]:
 
 
 def _steps_lost(walls: list[float], events: list[dict[str, Any]], switch: dict[str, Any]) -> float | None:
-    """Steps lost to ``switch`` (module docstring): from the step that decided it (a rollback:
-    the step whose measurement triggered it) to the first new-plan step, against the old pace."""
+    """Steps lost to ``switch`` (module docstring): from the step that detected the change it
+    was decided for (a rollback: the step whose measurement triggered it) to the first new-plan
+    step, against the old pace."""
     first_new = switch["step"]
     before = [e for e in events if e["kind"] in ("decision", "trial") and e["step"] < first_new]
     if not before or first_new >= len(walls):

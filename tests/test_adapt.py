@@ -510,7 +510,8 @@ def test_single_process_adaptive_module_trains_like_the_plain_one(tmp_path):
     assert adaptive.plan.strategy == plain.plan.strategy and adaptive.steps == 3
     # the migration's build estimate before any switch is the first plan's measured build
     assert adaptive.planning.first_build_s > 0
-    decision = adaptive._decide((1.0,))
+    decision = adaptive.replanner.decision(adaptive.plan, [1.0], (1.0,), steps_left=None,
+                                           build_s=adaptive.planning.first_build_s, measured=None)
     assert decision.migrate_s >= adaptive.planning.first_build_s
     # a checkpoint of the adaptive module is its plan module's: the model's own names
     from fxpar.checkpoint import read_model_state, save_checkpoint

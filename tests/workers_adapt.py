@@ -212,7 +212,9 @@ def decision_error_is_a_keep() -> dict[str, Any]:
 
     if dist.get_rank() == 0:
         pm.replanner._decide = lambda *args, **kwargs: broken(args)
-    pm._consider((1.0, 0.5))
+    pm._consider((1.0, 0.5))   # rank 0 decides on a thread; every rank receives it here
+    if pm._deciding is not None:
+        pm._receive_decision()
     return pm.events[-1]
 
 
@@ -436,14 +438,17 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
                                                           else CONFIG, steps)
     plan = (pipeline_plan(template, cluster, global_batch=BATCH, blocks_per_stage=[4, 4], num_microbatches=2)
             if case == "no-export" else _plan("sharded", template, cluster, world))
-    if case == "one-rank" and rank == 1:   # fails once its build's own collectives are done
-        real_build = switch.build_module
+    real_build = switch.build_module
 
-        def failing_build(*args: Any, **kwargs: Any) -> Any:
-            real_build(*args, **kwargs)
-            raise RuntimeError("injected on rank 1")
+    def failing_build(*args: Any, **kwargs: Any) -> Any:
+        real_build(*args, **kwargs)
+        raise RuntimeError("injected on rank 1")
+    if case == "one-rank" and rank == 1:   # fails once its build's own collectives are done
         switch.build_module = failing_build
-    out = _adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(plan) if k == 1 else None)
+    try:
+        out = _adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(plan) if k == 1 else None)
+    finally:   # the pool's processes run later tests
+        switch.build_module = real_build
     return {"rank": rank, **out, "unbuildable": dict(pm.replanner.unbuildable),
             "families": pm.replanner.families()}
 

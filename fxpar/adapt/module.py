@@ -11,9 +11,10 @@ Per :meth:`AdaptiveModule.step`:
    tracked optimizer); every ``DetectorSettings.gather_every`` steps one small all-gather shares
    the records since the last (on the rank's device), and every rank reads them in step order:
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
-   values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves
-   (:class:`fxpar.adapt.replan.Replanner`: :func:`fxpar.adapt.decide.decide` among the families a
-   switch can build, from the cached graph, with the running plan's measured
+   values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves on a
+   thread while every rank trains on, and every rank receives the decision at the first gather
+   after it is made (:class:`fxpar.adapt.replan.Replanner`, :class:`~fxpar.adapt.replan.DecisionInFlight`:
+   :func:`fxpar.adapt.decide.decide` among the families a switch can build, from the cached graph, with the running plan's measured
    step over the steps that showed the change) and broadcasts the decision.  The cluster the
    plans are made for is the job's cluster derated by the product of the factors believed now
    (``derate``: the factors measured against the current plan's calibration, times the speeds
@@ -31,9 +32,10 @@ Per :meth:`AdaptiveModule.step`:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, plan_kind
-from fxpar.adapt.replan import Planning, Replanner
+from fxpar.adapt.replan import DecisionInFlight, Planning, Replanner
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
-from fxpar.adapt.switch import check_movable, switch_module
+from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
 from fxpar.plan import Plan
@@ -60,6 +62,9 @@ class Adapt:
     #: steps the job runs (the default horizon of a switch's saving); None: unknown
     total_steps: int | None = None
     verbose: bool = True
+    #: rank 0 re-plans on a thread while the ranks keep training (:class:`~fxpar.adapt.replan.DecisionInFlight`);
+    #: False: every rank waits for the decision at the step that detected the change
+    background_planning: bool = True
 
 
 class AdaptiveModule(torch.nn.Module):
@@ -82,6 +87,8 @@ class AdaptiveModule(torch.nn.Module):
         self._read_step = 0   # the step whose gathered numbers are being read
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None
+        self._deciding: DecisionInFlight | None = None
+        self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
         self._pending_kind = "switch"           # or "rollback"
         self._replan_wall_s = 0.0
         self._last_busy = self._clock_busy()
@@ -192,14 +199,17 @@ class AdaptiveModule(torch.nn.Module):
         self._records.append([mine, wall, self._opt_s, *comm_step])
         self.steps += 1
         if len(self._records) >= self.options.detector.gather_every:
-            self._read(self._gather_records())
+            steps, decided = self._gather_records()
+            self._read(steps)
+            if decided:
+                self._receive_decision()
         return loss
 
     def _read(self, steps: Sequence[tuple[list[float], ...]]) -> None:
         """Every rank's (busy, wall, optimizer, collectives per kind) of each step since the last
         gather, in step order: the rollback check, then the detector; a decision ends the
         reading (the steps after it ran the plan the decision was about)."""
-        for i, (busy, walls, optimizer, *comm) in enumerate(steps):
+        for i, (busy, walls, optimizer, *comm) in enumerate(steps):   # (no detection while deciding)
             self.last_comm_s = {kind: min(per_rank) for kind, per_rank in zip(COLLECTIVE_KINDS, comm)}
             self._read_step = self.steps - len(steps) + i   # the step these numbers are of
             self.last_busy_s, self.last_step_s = busy, walls
@@ -207,6 +217,8 @@ class AdaptiveModule(torch.nn.Module):
                                                compute_s=max(b + o for b, o in zip(busy, optimizer))))
             keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
             del self._measured[:-keep]   # only the last steps are read: bounded on a long run
+            if self._deciding is not None:
+                continue
             factors = self.detector.observe(busy, self._measured[-1].step_s, sum(self.last_comm_s.values()))
             if self._trial is not None and self.detector.reference is not None:
                 self._check_trial()
@@ -242,12 +254,15 @@ class AdaptiveModule(torch.nn.Module):
         dist.all_gather(out, mine)
         return [t.tolist() for t in out]
 
-    def _gather_records(self) -> list[tuple[list[float], ...]]:
+    def _gather_records(self) -> tuple[list[tuple[list[float], ...]], bool]:
         """The records since the last gather, per step: (busy, wall, optimizer, then each
-        collective kind's seconds) of every rank."""
-        per_rank, self._records = self._all_gather(self._records), []
-        width = len(per_rank[0][0])
-        return [tuple([rows[i][j] for rows in per_rank] for j in range(width)) for i in range(len(per_rank[0]))]
+        collective kind's seconds) of every rank; and whether rank 0's decision in flight is
+        made (a flag in its rows: every rank learns it at this same step)."""
+        decided = float(self.rank == 0 and self._deciding is not None and self._deciding.done())
+        per_rank, self._records = self._all_gather([[*row, decided] for row in self._records]), []
+        width = len(per_rank[0][0]) - 1
+        steps = [tuple([rows[i][j] for rows in per_rank] for j in range(width)) for i in range(len(per_rank[0]))]
+        return steps, self._deciding is not None and per_rank[0][0][-1] == 1.0
 
     def _measured_step(self) -> MeasuredStep | None:
         """The running plan's step over the detector's last ``min_steps`` steps (medians)."""
@@ -277,41 +292,44 @@ class AdaptiveModule(torch.nn.Module):
     # ------------------------------------------------------------------------- decide and switch
 
     def _check_optimizer(self) -> None:
-        """:func:`check_movable` on every rank, agreed: a ConfigError on every rank alike when
-        any rank's optimizer state cannot move (before anything moves)."""
-        why = ""
-        if self.optimizer is not None:
-            try:
-                check_movable(self.optimizer)
-            except ConfigError as exc:
-                why = str(exc)
-        if self.world > 1:
-            whys = [""] * self.world
-            dist.all_gather_object(whys, why)
-            why = next((w for w in whys if w), "")
-        if why:
-            raise ConfigError(why)
+        """:func:`check_movable_everywhere` (a ConfigError on every rank alike before anything moves)."""
+        check_movable_everywhere(self.optimizer, self.world)
 
     def _consider(self, factors: tuple[float, ...]) -> None:
-        """Rank 0 re-plans for the derated cluster; every rank gets the decision."""
+        """Rank 0 starts re-planning for the derated cluster (on a thread: ``Adapt.background_planning``);
+        every rank receives the decision at the same later step (:meth:`_receive_decision`)."""
         self._check_optimizer()
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         self.link = self._plan_link * self.detector.link
-        payload: list[Any] = [None]
-        start = time.perf_counter()
-        if self.rank == 0:   # any error there is a "keep" with its reason (Replanner.decision)
-            total = self.options.total_steps
-            last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
-                              self.planning.first_build_s)
-            payload[0] = self.replanner.decision(
-                self.plan, self.derate, factors, link=self.link, build_s=last_build, measured=self._measured_step(),
-                steps_left=None if total is None else max(total - self._read_step - 1, 1))
+        total = self.options.total_steps
+        last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
+                          self.planning.first_build_s)
+        # any error while deciding is a "keep" with its reason (Replanner.decision)
+        make = functools.partial(self.replanner.decision, self.plan, list(self.derate), factors, link=self.link,
+                                 build_s=last_build, measured=self._measured_step(),
+                                 steps_left=None if total is None else max(total - self._read_step - 1, 1))
+        background = self.options.background_planning and self.world > 1
+        self._deciding = DecisionInFlight(make, computes=self.rank == 0, background=background,
+                                          detected_step=self._read_step)
+        self._factors, self._comm_at_detection = tuple(factors), dict(self.last_comm_s)
+        if not background:
+            self._receive_decision()
+
+    def _receive_decision(self) -> None:
+        """Every rank gets rank 0's decision (broadcast) and acts on it; ``replan_s`` of the
+        switch is the time the ranks waited for it here (the solve itself: the decision's)."""
+        assert self._deciding is not None
+        start, deciding = time.perf_counter(), self._deciding
+        payload: list[Any] = [deciding.result()]
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
-        self._replan_wall_s = time.perf_counter() - start  # every rank waits for rank 0's solve
-        self.events.append({"step": self._read_step, "kind": "decision", **_decision_dict(decision),
-                            "comm_s_by_kind": dict(self.last_comm_s)})
+        self._deciding, factors = None, self._factors
+        self._replan_wall_s = time.perf_counter() - start
+        if self._pending is not None:   # a rollback or a user's switch_to came first
+            decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; a switch was pending")
+        self.events.append({"step": deciding.detected_step, "kind": "decision", **_decision_dict(decision),
+                            "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
         self._pending, self._pending_kind = (decision.plan if decision.switch else None), "switch"

@@ -11,11 +11,20 @@ remembers between decisions and how a decision is made.
   switch cuts from the meta template and eager stages need real weights.
 * **Errors** — any error while deciding becomes a decision to keep the plan, with the reason,
   so every rank still gets a decision (the others wait at its broadcast).
+* **In the background** (:class:`DecisionInFlight`) — rank 0 solves on a thread while every
+  rank keeps training the current plan; the solve is plain data (no collective, no torch
+  object), so it may run beside the step.  Rank 0 says at each gather of the step records
+  whether it is done (a flag in its rows), so every rank receives the decision at the same step,
+  and re-planning no longer stops training (it did for 0.17–0.36 s per decision in
+  ``benchmarks/results/adapt-cpu2-2026-11-29.json``).  A thread that competes with rank 0's step
+  for its cores slows those steps: what the adapt benchmark counts as steps lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -107,3 +116,30 @@ class Replanner:
                 "AdaptPolicy(replace_given_plan=True) lets adapting replace it"))
         # the new plan says why it replaced the old one (plan.explain)
         return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
+
+
+class DecisionInFlight:
+    """A decision being made: computed by ``make`` on the rank that ``computes`` (rank 0), on a
+    thread when ``background``, else at once (module docstring, in the background)."""
+
+    def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool, detected_step: int) -> None:
+        self.detected_step = detected_step
+        self.started = time.perf_counter()
+        self._result: list[Decision | None] = [None]
+        self._thread: threading.Thread | None = None
+        if computes and background:
+            self._thread = threading.Thread(target=lambda: self._result.__setitem__(0, make()),
+                                            name="fxpar-adapt-replan", daemon=True)
+            self._thread.start()
+        elif computes:
+            self._result[0] = make()
+
+    def done(self) -> bool:
+        """Whether the decision is made (always true where nothing is computed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self) -> Decision | None:
+        """The decision (waits for the thread); None on a rank that computes nothing."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._result[0]

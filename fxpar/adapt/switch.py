@@ -159,6 +159,23 @@ def _build_agreed(template: torch.nn.Module, plan: Plan, rank: int, example_inpu
                         f"({failures[bad]})", family=plan.strategy)
 
 
+def check_movable_everywhere(optimizer: torch.optim.Optimizer | None, world: int) -> None:
+    """:func:`check_movable` on every rank, agreed (one all-gather of the reasons): a ConfigError
+    on every rank alike when any rank's optimizer state cannot move (before anything moves)."""
+    why = ""
+    if optimizer is not None:
+        try:
+            check_movable(optimizer)
+        except ConfigError as exc:
+            why = str(exc)
+    if world > 1:
+        whys = [""] * world
+        dist.all_gather_object(whys, why)
+        why = next((w for w in whys if w), "")
+    if why:
+        raise ConfigError(why)
+
+
 def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan,
                   template: torch.nn.Module, *, rank: int, example_inputs: Any, device: torch.device,
                   build_options: dict[str, Any]) -> tuple[torch.nn.Module, SwitchReport]:
