@@ -13,6 +13,7 @@ import torch
 
 from fxpar.codegen.data.module import DataParallelModule
 from fxpar.codegen.expert.module import ExpertParallelModule
+from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.pipeline.interleaved import InterleavedPipelineModule
 from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.codegen.sharded.module import ShardedDataParallelModule
@@ -26,14 +27,16 @@ from fxpar.tracing.analyze_model import remember_example
 
 def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
                  checkpoint: str | Path | Any | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
-                 emulate: bool, compile: CompileOptions | None = None) -> torch.nn.Module:
+                 emulate: bool, compile: CompileOptions | None = None,
+                 exports: ExportCache | None = None) -> torch.nn.Module:
     """This rank's module for ``plan`` (the plan kind picks the class), its regions compiled when
     ``compile`` says (:mod:`fxpar.runtime.compile`).  ``checkpoint``: a HF folder, a
     :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose values a
-    reshard fills), or None."""
+    reshard fills), or None.  ``exports``: a pipeline's exports of this model, made once
+    (:class:`~fxpar.codegen.pipeline.export.ExportCache`: a running job's switches)."""
     with owned_scope() as owned:
         module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
-                        loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate)
+                        loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, exports=exports)
     module.fxpar_owned = owned   # the process groups and hooks this build made (released by a switch)
     if compile is not None:
         module.compile_regions(compile)
@@ -42,7 +45,7 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
 
 def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
            checkpoint: str | Path | Any | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
-           emulate: bool) -> torch.nn.Module:
+           emulate: bool, exports: ExportCache | None) -> torch.nn.Module:
     common = {"emulate": emulate, "device": device, "checkpoint": checkpoint}
     if plan.strategy in ("tensor_parallel", "pipeline") and example_inputs is not None:
         remember_example(model, example_inputs)  # tensor parallelism exports a non-HF model on it
@@ -56,6 +59,6 @@ def _build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *
         return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, **common)
     if plan.strategy == "pipeline":
         kind = InterleavedPipelineModule if plan.schedule == "interleaved" else PipelineParallelModule
-        return kind(model, plan, rank, example_inputs, loss_weighting=loss_weighting, **common)
+        return kind(model, plan, rank, example_inputs, loss_weighting=loss_weighting, exports=exports, **common)
     return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
                               example_inputs=example_inputs, **common)

@@ -103,6 +103,31 @@ def test_split_owns_lifted_constants_and_buffers():
     expect(check_loss(values.reshape(()), model(**data)[0]))   # the stages chained = the model (one process)
 
 
+def test_an_export_cache_exports_once_and_every_cut_from_it_chains_to_the_model(monkeypatch):
+    """A running job's switches cut stages from one export (``ExportCache``, issue #39 item 7):
+    two cuts of two copies of the model from the cache run one export, and each cut's stages,
+    chained, compute the model's loss (its lifted constants included); another input shape is
+    another export."""
+    import fxpar.codegen.pipeline.export as export
+    from fxpar.codegen.pipeline.eager import cut_stages
+
+    made = []
+    real = export.exported_for_split
+    monkeypatch.setattr(export, "exported_for_split", lambda *a, **k: made.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model, cache = Net(layers=3), export.ExportCache()
+    data = _batch(1)
+    for cuts in ([0, 0, 1], [0, 1, 1]):
+        stages, names = cut_stages(copy.deepcopy(model), data, cuts, 2, exports=cache)
+        values = tuple(data[n] for n in names)
+        for stage in stages:
+            values = stage(*values) if isinstance(values, tuple) else stage(values)
+        expect(check_loss(values.reshape(()), model(**data)[0]), context=f"cuts {cuts}")
+    assert len(made) == 1
+    cut_stages(copy.deepcopy(model), {k: v[:4] for k, v in data.items()}, [0, 0, 1], 2, exports=cache)
+    assert len(made) == 2
+
+
 @pytest.mark.multirank
 def test_two_stage_parity_with_lifted_constants(pool2):
     results = pool2.run(constants_pp_parity)

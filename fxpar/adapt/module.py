@@ -46,6 +46,7 @@ from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, plan_kind
 from fxpar.adapt.replan import DecisionInFlight, Planning, Replanner
 from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module
+from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
 from fxpar.plan import Plan
@@ -77,7 +78,9 @@ class AdaptiveModule(torch.nn.Module):
         self.module, self.planning, self.options = module, planning, options
         self.replanner = Replanner(planning, options.policy, options.detector.threshold)
         # a tuple: not registered as a sub-module (it lives on meta; .to(device) must not see it)
-        self._template, self._example, self._build = (template,), example_inputs, build_options
+        # every switch builds from the template: a pipeline's export of it is made once (ExportCache)
+        self._template, self._example = (template,), example_inputs
+        self._build = dict(build_options, exports=ExportCache())
         self.device, self.rank = device, rank
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.detector = SpeedDetector(world=self.world, settings=options.detector)

@@ -5,6 +5,10 @@
    its memo, so no weight is copied; buffers, small, stay real).  A new plan's module is built
    from a copy of this template on every rank: codegen's meta path allocates only the rank's
    shard (:mod:`fxpar.codegen.common.materialize`), from :class:`Uninitialised` (no values).
+   A pipeline's stages are cut from an export of the template made once per micro-batch shape
+   and precision (:class:`~fxpar.codegen.pipeline.export.ExportCache`, held by the adaptive
+   module): measured on the adapt tests' 4-block Llama, a 2-stage build took 0.97 s with its
+   export and 0.09 s from the cache (a later switch to another cut).
 2. **State.**  :func:`fxpar.checkpoint.reshard_move.reshard` fills the new module's parameters
    and the optimizer state from the old module's, rank to rank, in memory, in rounds that fit
    each rank's memory in the new plan (``RankPlan.memory_capacity_bytes``;

@@ -56,7 +56,7 @@ from fxpar.codegen.pipeline.eager_calls import (
     observe,
     unflatten,
 )
-from fxpar.codegen.pipeline.export import accepts, exported_for_split
+from fxpar.codegen.pipeline.export import ExportCache, accepts, exported_for_split
 from fxpar.codegen.pipeline.split import as_float, restore_dtype, split_stages
 from fxpar.errors import ConfigError, PlanError, TraceError
 from fxpar.runtime.device import HOST
@@ -65,13 +65,15 @@ from fxpar.tracing.structure import block_paths
 
 
 def cut_stages(model: torch.nn.Module, example: Mapping[str, Any], layer_to_stage: Sequence[int],
-               num_stages: int, autocast: torch.dtype | None = None) -> tuple[list[Any], tuple[str, ...]]:
+               num_stages: int, autocast: torch.dtype | None = None,
+               exports: ExportCache | None = None) -> tuple[list[Any], tuple[str, ...]]:
     """The stage modules and stage 0's input names: cut from the export
-    (:func:`fxpar.codegen.pipeline.split.split_stages`) when the model exports, else eager
-    stages (:func:`eager_stages`)."""
+    (:func:`fxpar.codegen.pipeline.split.split_stages`; ``exports``: made once there) when the
+    model exports, else eager stages (:func:`eager_stages`)."""
     kwargs = dict(example)
     try:
-        exported = exported_for_split(model, kwargs, autocast)
+        exported = (exports.exported(model, kwargs, autocast) if exports is not None
+                    else exported_for_split(model, kwargs, autocast))
     except TraceError as exc:
         return eager_stages(model, example, layer_to_stage, num_stages, autocast=autocast, why=str(exc))
     return split_stages(model, kwargs, layer_to_stage, num_stages, autocast=autocast, exported=exported)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.codegen.common.materialize import Source
+from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.codegen.pipeline.stage_setup import (
     check_process_group,
@@ -68,14 +69,14 @@ class InterleavedPipelineModule(PipelineParallelModule):
     """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
-                 *, emulate: bool = True, device: torch.device | str | None = None,
-                 checkpoint: str | Path | None = None, loss_weighting: LossWeighting = "auto") -> None:
+                 *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
+                 loss_weighting: LossWeighting = "auto", exports: ExportCache | None = None) -> None:
         torch.nn.Module.__init__(self)
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         check_process_group()
         pipes, stage_rank = placement(plan)
-        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting)
+        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports)
         self._place_positions(plan, rank, emulate, pipes, stage_rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)

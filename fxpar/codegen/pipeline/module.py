@@ -49,14 +49,10 @@ from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
 from fxpar.codegen.pipeline.stage_setup import compile_stages
-from fxpar.codegen.pipeline.replicas import (
-    broadcast_first_pipeline,
-    owner_groups,
-    summed_entries,
-)
+from fxpar.codegen.pipeline.replicas import broadcast_first_pipeline, owner_groups, summed_entries
 from fxpar.codegen.pipeline.batches import check_pipeline_batch, item_weights
 from fxpar.codegen.pipeline.eager import cut_stages
-from fxpar.codegen.pipeline.export import host_stand_ins, meta_stage_tensors, shape_on_meta, stage_stand_ins
+from fxpar.codegen.pipeline.export import ExportCache, host_stand_ins, meta_stage_tensors, shape_on_meta, stage_stand_ins
 from fxpar.codegen.pipeline.stage_setup import (
     check_process_group,
     check_tp_stages,
@@ -71,12 +67,7 @@ from fxpar.codegen.pipeline.stage_setup import (
     weighted_loss,
 )
 from fxpar.codegen.pipeline.stage_state import gather_stages, stage_boxes
-from fxpar.codegen.pipeline.ties import (
-    alias_groups,
-    canonical_names,
-    sync_tied,
-    tied_params,
-)
+from fxpar.codegen.pipeline.ties import alias_groups, canonical_names, sync_tied, tied_params
 from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
     PipelineLayout,
@@ -106,15 +97,15 @@ class PipelineParallelModule(torch.nn.Module):
     """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
-                 *, emulate: bool = True, device: torch.device | str | None = None,
-                 checkpoint: str | Path | None = None, loss_weighting: LossWeighting = "auto") -> None:
+                 *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
+                 loss_weighting: LossWeighting = "auto", exports: ExportCache | None = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         if plan.strategy != "pipeline":
             raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
         check_process_group()
-        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting)
+        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports)
         self._place_rank(plan, rank, emulate)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
@@ -136,10 +127,11 @@ class PipelineParallelModule(torch.nn.Module):
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _begin(self, model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None,
-               checkpoint: str | Path | None, loss_weighting: LossWeighting) -> Source | None:
+               checkpoint: str | Path | None, loss_weighting: LossWeighting, exports: ExportCache | None) -> Source | None:
         """First set-up step (both pipeline modules): the plan, rank, device, loss weighting
-        (``"auto"``: label tokens for HF models, else samples) and loss scaler; returns the
-        source of the values, checked on every rank before any collective."""
+        (``"auto"``: label tokens for HF models, else samples), loss scaler and the exports to cut
+        from (made once per running job: :class:`ExportCache`); returns the source of the values,
+        checked on every rank before any collective."""
         check_loss_options(type(self).__name__, None, loss_weighting)
         self._by_tokens = loss_weighting == "tokens" or (loss_weighting == "auto" and hasattr(model, "config"))
         self.plan, self.rank = plan, rank
@@ -147,7 +139,7 @@ class PipelineParallelModule(torch.nn.Module):
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         self.loss_scaler = scaler_for(plan.dtype)
         self.compiled: RegionalCompile | None = None   # the compiled stages (compile_regions)
-        self._original = [model]  # a list: not registered as a submodule (config, names)
+        self._original, self._exports = [model], exports  # a list: not registered as a submodule (config, names)
         return source
 
     def _place_rank(self, plan: Plan, rank: int, emulate: bool) -> None:
@@ -313,8 +305,9 @@ class PipelineParallelModule(torch.nn.Module):
                 modules, self.input_names = cut_stages(model, like_on(one, HOST), stage_of, len(self.plan.stages),
                                                        autocast=low)
             meta_stage_tensors(modules, model)
-        else:
-            modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low)
+        else:   # a stage sharded in place exports its local shapes: not the cache's
+            modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low,
+                                                   exports=None if self._sharded else self._exports)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
