@@ -283,6 +283,22 @@ def test_a_recorded_graph_is_never_offered_a_pipeline_to_switch_to():
     assert exported.families() == ("pipeline", "data_parallel")
 
 
+@pytest.mark.full
+@pytest.mark.multirank
+def test_a_switch_leaves_the_random_stream_of_the_run_as_it_was(pool2):
+    """Issue #39, item 7: with attention dropout on, a run that switches DP -> ZeRO-3 (same rows
+    per rank) before step 2 draws the same dropout masks as the run that never switched: every
+    step's loss equals the uninterrupted run's by the fp32 loss rule (a disturbed generator draws
+    other masks, a difference of the dropout's own size, ~1e-2)."""
+    from tests.workers_adapt import dropout_over_a_switch
+
+    switched, plain = pool2.run(dropout_over_a_switch, True), pool2.run(dropout_over_a_switch, False)
+    for s, p in zip(switched, plain):
+        assert s["kinds"] == ["sharded_dp [4, 4]"] and p["kinds"] == [], (s["kinds"], p["kinds"])
+        for k, (a, b) in enumerate(zip(s["losses"], p["losses"])):
+            expect(check_loss(a, b), context=f"rank {s['rank']} step {k}")
+
+
 def _ranks_pieces(rounds) -> dict:
     covered: dict = {}
     for pieces in rounds.rounds:

@@ -478,3 +478,22 @@ def link_or_straggler_run(case: str, steps: int = 40, change_at: int = 16,
         opt.step(); opt.zero_grad(set_to_none=True)
         comm.append(dict(pm.last_comm_s))
     return {"rank": dist.get_rank(), "events": pm.events, "comm": comm}
+
+
+def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2) -> dict[str, Any]:
+    """Adapting data parallelism (4 rows per rank) on a Llama with attention dropout 0.2; with
+    ``switch``, ``pm.switch_to`` ZeRO-3 with the same rows per rank before step ``switch_at``
+    (built from the template, state moved, the export and the re-plan machinery run): each
+    step's loss.  Dropout draws from the host generator, so a switch that disturbed it would
+    draw other masks from then on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pm, _, template, data, cluster = _adaptive_dp(dict(CONFIG, attention_dropout=0.2), steps)
+    opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    target = sharded_data_parallel_plan(cluster, batch_split=[BATCH // world] * world, state_split=[1] * world)
+    losses = []
+    for k, batch in enumerate(data):
+        if switch and k == switch_at:
+            pm.switch_to(target)
+        losses.append(float(pm.step(batch).detach()))
+        opt.step(); opt.zero_grad(set_to_none=True)
+    return {"rank": rank, "losses": losses, "kinds": [e["to"] for e in pm.events if e["kind"] == "switch"]}
