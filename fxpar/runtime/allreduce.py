@@ -43,7 +43,6 @@ import torch.distributed as dist
 from fxpar.profiling.collectives import FIRST_BUCKET_BYTES, GRADIENT_BUCKET_BYTES
 from fxpar.runtime.distributed import wait_work
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.runtime.grad_hooks import register_weak_post_accumulate_grad_hook
 
 
 class _Bucket:
@@ -161,7 +160,9 @@ class GradientBuckets:
         """From now on, buckets launch as their gradients become final (the last backward)."""
         self._remove_hooks()
         self._reset()  # a step that failed half-way leaves nothing behind
-        self._handles = [register_weak_post_accumulate_grad_hook(p, self._on_grad) for p in self.params]
+        # plain hooks (not fxpar.runtime.grad_hooks' weak ones): they live one backward, removed
+        # by armed()'s exit, so they never keep the buckets alive, and cost no extra call per parameter
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
