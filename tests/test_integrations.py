@@ -189,6 +189,35 @@ def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trai
 
 
 @pytest.mark.full
+def test_trainer_adapts_saves_after_the_switch_and_resumes(tmp_path, trainer_reference):
+    """Issue #39, item 2, end to end through the Trainer path (``local=True`` rows through fxpar's
+    sampler): the run of the test above switches plans at step 3, writes checkpoint-6 under the
+    new plan (each rank its shard of model and optimizer state), and a new job resumes from it
+    (planning afresh, rank 1 slow from the start) and trains steps 7-8; every step's loss equals
+    the uninterrupted run's and the single-process Trainer's."""
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],
+                        adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
+                               "min_seconds": 0, "horizon_steps": 100})
+    common = ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ), "--slow-down", "1:0.25:2"]
+    _torchrun("tests/trainer_adapt_injected.py", [*common, "--out", "run.json", "--output-dir", "saved",
+                                                  "--save-steps", "6"], {}, tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    switched = [e["step"] for e in run["events"] if e["kind"] == "switch"]
+    assert switched and switched[0] < 6, run["events"]   # the checkpoint is written under the new plan
+    ckpt = tmp_path / "saved" / "checkpoint-6"
+    assert (ckpt / "fxpar" / "fxpar_checkpoint.json").is_file()
+    _torchrun("tests/trainer_adapt_injected.py", [*common, "--out", "resumed.json", "--output-dir", "resumed",
+                                                  "--resume", str(ckpt)], {}, tmp_path)
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    ref_losses = trainer_reference[0]
+    _assert_losses(run["losses"], ref_losses)
+    assert resumed["logged_steps"] == list(range(1, STEPS + 1))
+    expect(*(check_loss(a, b) for a, b in zip(resumed["losses"][6:], run["losses"][6:])),
+           *(check_loss(a, b) for a, b in zip(resumed["losses"][6:], ref_losses[6:])),
+           context=(resumed["losses"], run["losses"]))
+
+
+@pytest.mark.full
 def test_trainer_pipeline_matches_single_process_and_resumes(tmp_path, trainer_reference):
     model = _model()
     cluster = Cluster.emulated([1.0, 0.5])
