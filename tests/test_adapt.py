@@ -299,6 +299,18 @@ def test_a_switch_leaves_the_random_stream_of_the_run_as_it_was(pool2):
             expect(check_loss(a, b), context=f"rank {s['rank']} step {k}")
 
 
+@pytest.mark.full
+@pytest.mark.multirank
+def test_a_decision_made_for_a_plan_that_was_switched_away_is_not_acted_on(pool2):
+    """Rank 0 re-plans in the background; a ``switch_to`` that runs first leaves the decision
+    logged ("another switch came first") with nothing pending: the new plan trains on."""
+    from tests.workers_adapt import decision_after_another_switch
+
+    for r in pool2.run(decision_after_another_switch):
+        assert r["kind"] == "sharded_data_parallel" and not r["pending"], r
+        assert len(r["decisions"]) == 1 and "another switch came first" in r["decisions"][0]["reason"], r
+
+
 def _ranks_pieces(rounds) -> dict:
     covered: dict = {}
     for pieces in rounds.rounds:

@@ -497,3 +497,19 @@ def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2) -> d
         losses.append(float(pm.step(batch).detach()))
         opt.step(); opt.zero_grad(set_to_none=True)
     return {"rank": rank, "losses": losses, "kinds": [e["to"] for e in pm.events if e["kind"] == "switch"]}
+
+
+def decision_after_another_switch() -> dict[str, Any]:
+    """A decision in flight (rank 0 solving on its thread) when ``pm.switch_to`` switches first:
+    the decision arrives for a plan no longer running and is logged, not acted on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pm, _, template, data, cluster = _adaptive_dp(CONFIG, 2)
+    opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    pm._consider((1.0, 0.5))   # started; its result is received below, after the switch
+    pm.switch_to(_plan("sharded", template, cluster, world))
+    pm.step(data[0]); opt.step(); opt.zero_grad(set_to_none=True)   # the switch runs after this step
+    if pm._deciding is not None:
+        pm._receive_decision()
+    pm.step(data[1])
+    return {"rank": rank, "kind": pm.plan.strategy, "pending": pm._pending is not None,
+            "decisions": [e for e in pm.events if e["kind"] == "decision"]}

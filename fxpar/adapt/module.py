@@ -101,7 +101,7 @@ class AdaptiveModule(torch.nn.Module):
         self.last_comm_s: dict[str, float] = {}   # the last read step's collectives per kind (least-waiting rank)
         self.last_busy_s: list[float] = []
         self._opt_start, self._opt_s = 0.0, 0.0   # the tracked optimizer's last step
-        self._records: list[list[float]] = []      # this rank's (busy, wall, optimizer) not yet shared
+        self._records: list[list[float]] = []      # this rank's (busy, wall, optimizer, comm...) not yet shared
         self._measured: list[MeasuredStep] = []    # the current plan's last steps, all ranks
         #: after a switch: the plan it left and the step measured before it (module docstring, 5)
         self._trial: tuple[Plan, float] | None = None
@@ -313,7 +313,7 @@ class AdaptiveModule(torch.nn.Module):
                                  steps_left=None if total is None else max(total - self._read_step - 1, 1))
         background = self.options.background_planning and self.world > 1
         self._deciding = DecisionInFlight(make, computes=self.rank == 0, background=background,
-                                          detected_step=self._read_step)
+                                          detected_step=self._read_step, for_plan=self.plan)
         self._factors, self._comm_at_detection = tuple(factors), dict(self.last_comm_s)
         if not background:
             self._receive_decision()
@@ -329,12 +329,15 @@ class AdaptiveModule(torch.nn.Module):
         decision: Decision = payload[0]
         self._deciding, factors = None, self._factors
         self._replan_wall_s = time.perf_counter() - start
-        if self._pending is not None:   # a rollback or a user's switch_to came first
-            decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; a switch was pending")
+        stale = self._pending is not None or self.plan is not deciding.for_plan   # a switch came first
+        if stale:
+            decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
         self.events.append({"step": deciding.detected_step, "kind": "decision", **_decision_dict(decision),
                             "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
+        if stale:   # the detector already reads the plan (or the switch) that came first
+            return
         self._pending, self._pending_kind = (decision.plan if decision.switch else None), "switch"
         if self._pending is None:
             self.detector.accept(factors, self.detector.link)

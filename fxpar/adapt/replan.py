@@ -122,8 +122,9 @@ class DecisionInFlight:
     """A decision being made: computed by ``make`` on the rank that ``computes`` (rank 0), on a
     thread when ``background``, else at once (module docstring, in the background)."""
 
-    def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool, detected_step: int) -> None:
-        self.detected_step = detected_step
+    def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool, detected_step: int,
+                 for_plan: Plan) -> None:
+        self.detected_step, self.for_plan = detected_step, for_plan   # the plan it decides about
         self.started = time.perf_counter()
         self._result: list[Decision | None] = [None]
         self._thread: threading.Thread | None = None
