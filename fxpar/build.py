@@ -20,7 +20,7 @@ from fxpar.codegen.sharded.module import ShardedDataParallelModule
 from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.plan import Plan
 from fxpar.runtime.compile import CompileOptions
-from fxpar.runtime.distributed import owned_scope
+from fxpar.runtime.distributed import owned_scope, release_owned
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.tracing.analyze_model import remember_example
 
@@ -35,8 +35,12 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
     reshard fills), or None.  ``exports``: a pipeline's exports of this model, made once
     (:class:`~fxpar.codegen.pipeline.export.ExportCache`: a running job's switches)."""
     with owned_scope() as owned:
-        module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
-                        loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, exports=exports)
+        try:
+            module = _build(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
+                            loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, exports=exports)
+        except BaseException:   # a build that failed part-way gives back the groups and hooks it made
+            release_owned(owned)
+            raise
     module.fxpar_owned = owned   # the process groups and hooks this build made (released by a switch)
     if compile is not None:
         module.compile_regions(compile)

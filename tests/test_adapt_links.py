@@ -48,6 +48,32 @@ def test_a_slow_link_derates_the_links_and_leaves_compute():
     assert all(detector.observe([0.004, 0.004], 0.01, 0.005) is None for _ in range(5))
 
 
+def test_a_plan_made_on_a_slow_link_sees_the_link_recover():
+    """A plan made for links derated to 0.2 calibrates on the slow link (5 ms of collectives);
+    when they recover (1 ms), the link factor reads 5 against that calibration (capped at
+    1 / 0.2, not at 1), so the job's links come back to 1."""
+    detector = SpeedDetector(world=2, settings=SETTINGS)
+    detector.restart(link_cap=1 / 0.2)
+    for _ in range(3):
+        assert detector.observe([0.004, 0.004], 0.01, 0.005) is None
+    found = [detector.observe([0.004, 0.004], 0.01, 0.001) for _ in range(3)]
+    assert found[2] is not None and 0.2 * detector.link == pytest.approx(1.0)
+
+
+def test_a_layout_refused_at_one_link_factor_is_offered_at_another():
+    from fxpar.adapt.decide import AdaptPolicy
+    from fxpar.adapt.replan import Planning, Replanner
+    from fxpar.workload import Workload
+
+    cluster = Cluster.emulated([1.0, 1.0])
+    replanner = Replanner(Planning(graph=None, cluster=cluster, workload=Workload(global_batch=8)), AdaptPolicy(),
+                          threshold=0.2)
+    plan = object()
+    replanner.refuse(plan, [1.0, 0.5], link=1.0)
+    assert replanner.refused_here([1.0, 0.5], link=1.0) == [plan]
+    assert replanner.refused_here([1.0, 0.5], link=0.3) == [] and replanner.refused_here([1.0, 1.0]) == []
+
+
 def test_a_small_change_of_communication_is_no_link_change():
     """1 ms -> 1.5 ms of collectives in a 10 ms step: beyond the threshold as a ratio, but 0.5 ms
     is below threshold x step (2 ms): noise, no decision."""

@@ -195,9 +195,9 @@ def test_trainer_adapts_saves_after_the_switch_and_resumes(tmp_path, trainer_ref
     new plan (each rank its shard of model and optimizer state), and a new job resumes from it
     (planning afresh, rank 1 slow from the start) and trains steps 7-8; every step's loss equals
     the uninterrupted run's and the single-process Trainer's."""
-    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],   # decided where detected:
                         adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
-                               "min_seconds": 0, "horizon_steps": 100})
+                               "min_seconds": 0, "horizon_steps": 100, "background_planning": False})
     common = ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ), "--slow-down", "1:0.25:2"]
     _torchrun("tests/trainer_adapt_injected.py", [*common, "--out", "run.json", "--output-dir", "saved",
                                                   "--save-steps", "6"], {}, tmp_path)

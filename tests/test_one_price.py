@@ -139,3 +139,7 @@ def test_twice_the_bandwidth_halves_every_familys_communication(device, monkeypa
         quick = _comm(fxpar.predict(plan, graphs[model], fast, profiles=profiles))
         assert slow > 0, f"{name}: no communication priced on {base}"
         assert quick == pytest.approx(slow / 2, rel=1e-9), f"{name}: {quick} s at 2x bandwidth, {slow} s at 1x"
+        # a running job's measured slow link (fxpar.adapt: Cluster.derated(link=)) prices the same way
+        derated = _comm(fxpar.predict(plan, graphs[model], base.derated([1.0] * base.world_size, link=0.5),
+                                      profiles=profiles))
+        assert derated == pytest.approx(2 * slow, rel=1e-9), f"{name}: {derated} s at a link derated to 0.5"

@@ -207,14 +207,20 @@ def decision_error_is_a_keep() -> dict[str, Any]:
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data, global_batch=BATCH,
                     strategies=["data_parallel"], adapt=True)
 
-    def broken(factors):
+    from fxpar.adapt.replan import Replanner
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("a solver bug")
 
-    if dist.get_rank() == 0:
-        pm.replanner._decide = lambda *args, **kwargs: broken(args)
-    pm._consider((1.0, 0.5))   # rank 0 decides on a thread; every rank receives it here
-    if pm._deciding is not None:
-        pm._receive_decision()
+    real = Replanner._decide
+    if dist.get_rank() == 0:   # the class: a decision runs on a snapshot of the module's replanner
+        Replanner._decide = broken
+    try:
+        pm._consider((1.0, 0.5))   # rank 0 decides on a thread; every rank receives it here
+        if pm._deciding is not None:
+            pm._receive_decision()
+    finally:   # the pool's processes run later tests
+        Replanner._decide = real
     return pm.events[-1]
 
 
@@ -427,11 +433,12 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
     """Adapting data parallelism on 2 ranks; before step 1 ``pm.switch_to`` a plan whose build
     fails: ``case`` "no-export", a pipeline of a model that does not export (its eager stages
     need real weights; the switch builds from the meta template), on every rank; "one-rank", a
-    ZeRO-3 plan whose build raises on rank 1 only, after the build's own collectives.  The
-    switch is refused on both ranks (no rank waits in a move), the run goes on under data
+    ZeRO-3 plan whose build raises on rank 1 only, after the build's own collectives ("plan-error":
+    a PlanError there, the plan's fault, not its family's).  The switch is refused on both ranks (no rank waits in a move), the run goes on under data
     parallelism beside one process, and the family is offered no more."""
     import fxpar.adapt.switch as switch
     from benchmarks.zoo_tiny import tiny_config
+    from fxpar.errors import PlanError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pm, reference, template, data, cluster = _adaptive_dp(tiny_config("gemma3n_text") if case == "no-export"
@@ -442,15 +449,16 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
 
     def failing_build(*args: Any, **kwargs: Any) -> Any:
         real_build(*args, **kwargs)
+        if case == "plan-error":
+            raise PlanError("injected on rank 1")
         raise RuntimeError("injected on rank 1")
-    if case == "one-rank" and rank == 1:   # fails once its build's own collectives are done
+    if case in ("one-rank", "plan-error") and rank == 1:   # fails once its build's own collectives are done
         switch.build_module = failing_build
     try:
         out = _adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(plan) if k == 1 else None)
     finally:   # the pool's processes run later tests
         switch.build_module = real_build
-    return {"rank": rank, **out, "unbuildable": dict(pm.replanner.unbuildable),
-            "families": pm.replanner.families()}
+    return {"rank": rank, **out, "unbuildable": dict(pm.replanner.unbuildable)}
 
 
 def link_or_straggler_run(case: str, steps: int = 40, change_at: int = 16,
@@ -507,7 +515,7 @@ def decision_after_another_switch() -> dict[str, Any]:
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     pm._consider((1.0, 0.5))   # started; its result is received below, after the switch
     pm.switch_to(_plan("sharded", template, cluster, world))
-    pm.step(data[0]); opt.step(); opt.zero_grad(set_to_none=True)   # the switch runs after this step
+    pm.step(data[0]); opt.step(); opt.zero_grad(set_to_none=True)   # the switch runs first in this step
     if pm._deciding is not None:
         pm._receive_decision()
     pm.step(data[1])

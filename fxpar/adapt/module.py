@@ -91,6 +91,7 @@ class AdaptiveModule(torch.nn.Module):
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None
         self._deciding: DecisionInFlight | None = None
+        self._switches = 0   # switches and rollbacks done (a decision started before one is stale)
         self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
         self._pending_kind = "switch"           # or "rollback"
         self._replan_wall_s = 0.0
@@ -166,7 +167,7 @@ class AdaptiveModule(torch.nn.Module):
             raise ConfigError(f"switch_to: expected an fxpar.Plan, got {type(plan).__name__}")
         if plan.world_size != self.world:
             raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
-        self._check_optimizer()
+        check_movable_everywhere(self.optimizer, self.world)
         self._pending, self._pending_kind = plan, "switch"
 
     def apply_pending(self) -> bool:
@@ -286,7 +287,7 @@ class AdaptiveModule(torch.nn.Module):
                             "measured_step_s": now_s, "step_before_s": before_s, "rolled_back": slower})
         if not slower:
             return
-        self.replanner.refuse(self.plan, self.derate)
+        self.replanner.refuse(self.plan, self.derate, self.link)
         self._pending, self._pending_kind = before, "rollback"
         if self.options.verbose and self.rank == 0:
             print(f"fxpar adapt: {plan_kind(self.plan)} measured {now_s * 1e3:.1f} ms/step against "
@@ -294,26 +295,22 @@ class AdaptiveModule(torch.nn.Module):
 
     # ------------------------------------------------------------------------- decide and switch
 
-    def _check_optimizer(self) -> None:
-        """:func:`check_movable_everywhere` (a ConfigError on every rank alike before anything moves)."""
-        check_movable_everywhere(self.optimizer, self.world)
-
     def _consider(self, factors: tuple[float, ...]) -> None:
         """Rank 0 starts re-planning for the derated cluster (on a thread: ``Adapt.background_planning``);
         every rank receives the decision at the same later step (:meth:`_receive_decision`)."""
-        self._check_optimizer()
+        check_movable_everywhere(self.optimizer, self.world)
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         self.link = self._plan_link * self.detector.link
         total = self.options.total_steps
         last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
                           self.planning.first_build_s)
         # any error while deciding is a "keep" with its reason (Replanner.decision)
-        make = functools.partial(self.replanner.decision, self.plan, list(self.derate), factors, link=self.link,
+        make = functools.partial(self.replanner.snapshot().decision, self.plan, list(self.derate), factors, link=self.link,
                                  build_s=last_build, measured=self._measured_step(),
                                  steps_left=None if total is None else max(total - self._read_step - 1, 1))
         background = self.options.background_planning and self.world > 1
         self._deciding = DecisionInFlight(make, computes=self.rank == 0, background=background,
-                                          detected_step=self._read_step, for_plan=self.plan)
+                                          detected_step=self._read_step, after_switches=self._switches)
         self._factors, self._comm_at_detection = tuple(factors), dict(self.last_comm_s)
         if not background:
             self._receive_decision()
@@ -324,12 +321,14 @@ class AdaptiveModule(torch.nn.Module):
         assert self._deciding is not None
         start, deciding = time.perf_counter(), self._deciding
         payload: list[Any] = [deciding.result()]
+        if self.rank == 0 and payload[0] is None:   # the solving thread died (not an Exception)
+            payload[0] = self.replanner.keep(self.plan, self._factors, self.link, "the re-planning thread died")
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
         self._deciding, factors = None, self._factors
         self._replan_wall_s = time.perf_counter() - start
-        stale = self._pending is not None or self.plan is not deciding.for_plan   # a switch came first
+        stale = self._pending is not None or self._switches != deciding.after_switches   # a switch came first
         if stale:
             decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
         self.events.append({"step": deciding.detected_step, "kind": "decision", **_decision_dict(decision),
@@ -349,7 +348,7 @@ class AdaptiveModule(torch.nn.Module):
         running; that layout is not offered again at these speeds, nor a family that failed to build."""
         why = str(exc)
         self._pending, self._pending_kind = None, "switch"
-        self.replanner.refuse(plan, self.derate)
+        self.replanner.refuse(plan, self.derate, self.link)
         if exc.family:
             self.replanner.cannot_build(exc.family, why)
         self.events.append({"step": self.steps, "kind": "refused", "what": kind, "to": plan_kind(plan), "reason": why})
@@ -370,9 +369,10 @@ class AdaptiveModule(torch.nn.Module):
         emulator = getattr(self.module, "emulator", None)
         if emulator is not None and hardware is not None:  # the device is the same: the plan's
             emulator.speed = hardware                      # (derated) speed must not change it
-        self._pending, self._pending_kind, self._last_busy = None, "switch", self._clock_busy()
+        self._pending, self._pending_kind, self._switches = None, "switch", self._switches + 1
+        self._last_busy, self._last_comm = self._clock_busy(), self._clock_comm()   # the new module's clock
         self._plan_derate, self._plan_link = list(self.derate), self.link
-        self.detector.restart()
+        self.detector.restart(link_cap=1.0 / self._plan_link)   # a slow link may recover from here
         self._measured, self._records = [], []
         self._trial = (old_plan, measured_before.step_s) if kind == "switch" and measured_before else None
         slowest = self._gather([report.migrate_s, float(report.stats.received_bytes)])

@@ -58,21 +58,27 @@ class Replanner:
     planning: Planning
     policy: AdaptPolicy
     threshold: float                       # the detector's: speeds within it count as the same
-    refused: list[tuple[Plan, tuple[float, ...]]] = field(default_factory=list)
+    refused: list[tuple[Plan, tuple[float, ...], float]] = field(default_factory=list)   # plan, speeds, link
     unbuildable: dict[str, str] = field(default_factory=dict)   # family -> why its build failed
 
-    def refuse(self, plan: Plan, speeds: Sequence[float]) -> None:
-        """``plan``'s layout is not offered again at speeds within the threshold of ``speeds``."""
-        self.refused.append((plan, tuple(speeds)))
+    def refuse(self, plan: Plan, speeds: Sequence[float], link: float = 1.0) -> None:
+        """``plan``'s layout is not offered again at speeds (and a link factor) within the
+        threshold of ``speeds`` (and ``link``)."""
+        self.refused.append((plan, tuple(speeds), float(link)))
+
+    def snapshot(self) -> Replanner:
+        """A copy whose lists the training thread may change while a decision reads this one."""
+        return replace(self, refused=list(self.refused), unbuildable=dict(self.unbuildable))
 
     def cannot_build(self, family: str, why: str) -> None:
         """``family`` is offered no more (its build failed at a switch)."""
         self.unbuildable.setdefault(family, why)
 
-    def refused_here(self, speeds: Sequence[float]) -> list[Plan]:
-        """The refused layouts whose speeds are within the threshold of ``speeds``."""
+    def refused_here(self, speeds: Sequence[float], link: float = 1.0) -> list[Plan]:
+        """The refused layouts whose speeds and link factor are within the threshold of these."""
         t = self.threshold
-        return [plan for plan, at in self.refused if all(abs(d / s - 1) <= t for d, s in zip(speeds, at))]
+        return [plan for plan, at, at_link in self.refused
+                if all(abs(d / s - 1) <= t for d, s in zip((*speeds, link), (*at, at_link)))]
 
     def families(self) -> tuple[str, ...]:
         """The families a decision may offer: the policy's, less those a switch cannot build."""
@@ -90,11 +96,16 @@ class Replanner:
                                 measured=measured)
         except Exception as exc:  # noqa: BLE001 -- any error here must reach every rank as a
             # "keep" (e.g. no plan fits the derated cluster), or the others wait at the broadcast
-            why = str(exc) if isinstance(exc, FxparError) else f"{type(exc).__name__}: {exc}"
-            return Decision(switch=False, reason=f"re-planning failed ({why})", factors=tuple(factors),
-                            keep_step_s=float("nan"), new_step_s=float("nan"), migrate_s=float("nan"),
-                            horizon_steps=0, replan_s=0.0, old_kind=plan_kind(current), new_kind="-", plan=None,
-                            link_factor=link)
+            return self.keep(current, factors, link, str(exc) if isinstance(exc, FxparError)
+                             else f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def keep(current: Plan, factors: Sequence[float], link: float, why: str) -> Decision:
+        """A decision to keep ``current`` because re-planning failed (``why``)."""
+        return Decision(switch=False, reason=f"re-planning failed ({why})", factors=tuple(factors),
+                        keep_step_s=float("nan"), new_step_s=float("nan"), migrate_s=float("nan"),
+                        horizon_steps=0, replan_s=0.0, old_kind=plan_kind(current), new_kind="-", plan=None,
+                        link_factor=link)
 
     def _decide(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float,
                 steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> Decision:
@@ -107,7 +118,7 @@ class Replanner:
         policy = replace(self.policy, strategies=families)
         decision = with_factors(decide(current, p.graph, p.cluster.derated(speeds, link=link), p.workload, policy,
                                        steps_left=steps_left, build_s=build_s, profiles=p.profiles,
-                                       measured=measured, refused=self.refused_here(speeds)), factors, link)
+                                       measured=measured, refused=self.refused_here(speeds, link)), factors, link)
         if decision.plan is None:
             return decision
         if p.given and not self.policy.replace_given_plan:
@@ -123,8 +134,9 @@ class DecisionInFlight:
     thread when ``background``, else at once (module docstring, in the background)."""
 
     def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool, detected_step: int,
-                 for_plan: Plan) -> None:
-        self.detected_step, self.for_plan = detected_step, for_plan   # the plan it decides about
+                 after_switches: int) -> None:
+        #: the switches the job had made when the decision started (another one makes it stale)
+        self.detected_step, self.after_switches = detected_step, after_switches
         self.started = time.perf_counter()
         self._result: list[Decision | None] = [None]
         self._thread: threading.Thread | None = None

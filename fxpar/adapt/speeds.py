@@ -30,14 +30,16 @@ calibration 5.
 over the kinds of each kind's least-waiting rank: ``c = Σ_k min_r c_{r,k}``.  A rank that
 computes slowly makes the others wait inside collectives, but itself arrives last and waits
 least, so ``c`` stays; a slow link makes every member wait, so ``c`` grows.  The link factor is
-``ℓ = min(c⁰ / c, 1)`` (``c⁰``: the calibration's median; a link is never faster than it was
-calibrated: fewer waits than then are noise), read like a speed, against the link factor last
+``ℓ = min(c⁰ / c, 1 / λ_plan)`` (``c⁰``: the calibration's median; ``λ_plan``: the link factor
+the running plan was made for, so no link reads faster than the job's own links: fewer waits
+than that are noise), read like a speed, against the link factor last
 considered ``λ``; a link change is persistent when over each of the last ``n`` steps
 ``ℓ / λ`` lies beyond ``1 ± threshold`` on the same side *and* ``|c − c⁰/λ|`` exceeds
 ``threshold`` × the calibration's median step (a change of a few microseconds of communication
 in a step is no reason to re-plan).  Its estimate is the median of the last ``min_steps`` values.
-On a GPU the collectives' host seconds are waits for NCCL, not its work: only emulated links
-(and CPU ranks) are read this way.  On CPU ranks that share cores, a slow link also shows as
+On a GPU, NCCL's launches return at once and its waits block the stream, not the host, so the
+host seconds do not grow with a slow link: links are read this way on CPU ranks (gloo) only,
+emulated or not.  On CPU ranks that share cores, a slow link also shows as
 slower compute (measured here: 0.6–0.8 of the speed while the link delays; the backend's threads
 compete for the cores), so a slow link may first be read as a straggler, then as a link.
 """
@@ -140,14 +142,18 @@ class SpeedDetector:
     _reference_comm: tuple[float, float] = (0.0, 0.0)        # (c⁰, the calibration's median step)
     _skipped: int = 0
     _walls: list[float] = field(default_factory=list)
+    _link_cap: float = 1.0   # ℓ's ceiling (restart)
 
     def __post_init__(self) -> None:
         self.considered = (1.0,) * self.world
 
-    def restart(self) -> None:
-        """A new plan runs: skip its warm-up, then calibrate again."""
+    def restart(self, link_cap: float = 1.0) -> None:
+        """A new plan runs: skip its warm-up, then calibrate again; ``link_cap``: the most the
+        links may speed up from the new calibration (1 / the link factor the plan was made for:
+        a plan made on a slow link sees it recover)."""
         self.reference, self._calibration, self._history, self._comm, self._skipped = None, [], [], [], 0
         self.considered, self.link, self.considered_link = (1.0,) * self.world, 1.0, 1.0
+        self._link_cap = float(link_cap)
 
     def accept(self, factors: tuple[float, ...], link: float = 1.0) -> None:
         """The plan stays for ``factors`` (and the link factor ``link``): only a change from them counts next."""
@@ -206,7 +212,7 @@ class SpeedDetector:
         if len(comm) < n or c0 <= 0:
             return None
         expected = c0 / self.considered_link
-        ells = [min(c0 / max(c, 1e-12), 1.0) for c in comm]   # no link is faster than calibrated
+        ells = [min(c0 / max(c, 1e-12), self._link_cap) for c in comm]   # no faster than the job's links
         side = [ell / self.considered_link for ell in ells]
         beyond = all(x < 1 - t for x in side) or all(x > 1 + t for x in side)
         large = all(abs(c - expected) > t * step0 for c in comm)

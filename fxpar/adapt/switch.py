@@ -58,7 +58,7 @@ from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import ReshardStats
 from fxpar.checkpoint.reshard_move import reshard
 from fxpar.codegen.common.materialize import Uninitialised
-from fxpar.errors import ConfigError, MoveDoesNotFit, SwitchRefused
+from fxpar.errors import ConfigError, MoveDoesNotFit, PlanError, SwitchRefused
 from fxpar.plan import Plan
 from fxpar.runtime.distributed import release_owned
 
@@ -142,25 +142,29 @@ def _build_agreed(template: torch.nn.Module, plan: Plan, rank: int, example_inpu
                   build_options: dict[str, Any], rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> torch.nn.Module:
     """The new plan's module on this rank, once every rank has built its own (one all-gather of
     the outcomes): a build that failed anywhere is a :class:`SwitchRefused` on every rank, naming
-    the first rank that failed and why, with this rank's new groups released (module docstring, 6)."""
-    new, failure = None, ""
+    the first rank that failed and why, with this rank's new groups released (module docstring, 6).
+    Its ``family`` (offered no more) is empty when the plan itself was at fault (a PlanError: a
+    malformed hand plan says nothing of its family)."""
+    new, failure = None, ("", False)   # (what failed, whether the plan itself was at fault)
     try:
         new = build_module(meta_template(template), plan, rank, example_inputs, device=device,
                            checkpoint=Uninitialised(), **build_options)
     except Exception as exc:  # noqa: BLE001 -- every rank must hear of it, or the others wait in the move
-        failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        failure = (f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                   isinstance(exc, PlanError))
     failures = [failure]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        failures = [""] * dist.get_world_size()
+        failures = [("", False)] * dist.get_world_size()
         dist.all_gather_object(failures, failure)
-    bad = next((r for r, f in enumerate(failures) if f), None)
+    bad = next((r for r, (why, _) in enumerate(failures) if why), None)
     if bad is None:
         assert new is not None
         return new
     release_owned(getattr(new, "fxpar_owned", []) if new is not None else [])
     _set_rng_state(rng)
+    plans_fault = all(fault for why, fault in failures if why)
     raise SwitchRefused(f"switch refused: the {plan.strategy} plan could not be built on rank {bad} "
-                        f"({failures[bad]})", family=plan.strategy)
+                        f"({failures[bad][0]})", family="" if plans_fault else plan.strategy)
 
 
 def check_movable_everywhere(optimizer: torch.optim.Optimizer | None, world: int) -> None:

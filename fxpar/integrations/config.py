@@ -44,7 +44,7 @@ CONFIG_ENV = "FXPAR_CONFIG"
 
 #: the keys of an ``adapt:`` mapping (:class:`~fxpar.adapt.DetectorSettings`, :class:`~fxpar.adapt.AdaptPolicy`)
 ADAPT_KEYS = frozenset({"threshold", "min_steps", "min_seconds", "calibration_steps", "warmup_steps", "gather_every",
-                        "min_gain", "horizon_steps", "replace_given_plan"})
+                        "min_gain", "horizon_steps", "replace_given_plan", "background_planning"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,7 +127,10 @@ class FxparConfig:
                                        if k in given})
         policy = AdaptPolicy(strategies=self.strategies, max_tensor_parallel=self.max_tensor_parallel,
                              **{k: given[k] for k in ("min_gain", "horizon_steps", "replace_given_plan") if k in given})
-        return Adapt(policy=policy, detector=detector)
+        background = given.get("background_planning", True)
+        if not isinstance(background, bool):
+            raise ConfigError(f"{self.source}: adapt.background_planning = {background!r}: must be true or false")
+        return Adapt(policy=policy, detector=detector, background_planning=background)
 
     def resolve_cluster(self):
         """The :class:`~fxpar.cluster.Cluster` this config names."""

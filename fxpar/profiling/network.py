@@ -213,13 +213,9 @@ class Network:
 
     def scaled(self, factor: float) -> Network:
         """The same network with every link's bandwidth times ``factor`` (calibrated ones too)."""
-        shape = replace(self.shape, intra_bytes_per_s=tuple(b * factor for b in self.shape.intra_bytes_per_s),
-                        node_bytes_per_s=self.shape.node_bytes_per_s * factor)
-        measured = {k: replace(v, bus_bytes_per_s=v.bus_bytes_per_s * factor,
-                               points=tuple((x, v.alpha_s + (y - v.alpha_s) / factor) for x, y in v.points))
-                    for k, v in self.measured.items()}
         return replace(self, intra={k: v * factor for k, v in self.intra.items()}, nic=self.nic * factor,
-                       shape=shape, host=tuple(h * factor for h in self.host), measured=measured)
+                       shape=scaled_shape(self.shape, factor), host=tuple(h * factor for h in self.host),
+                       measured={k: scaled_link(v, factor) for k, v in self.measured.items()})
 
     # -- pipelines and tensor parallelism ---------------------------------------------------------
     def tp_allreduce_s(self, kind: str, width: int, nbytes: np.ndarray) -> np.ndarray:
@@ -320,6 +316,19 @@ class Network:
     def migration_s(self, nbytes: float) -> float:
         """Moving ``nbytes`` of a plan's state through one NIC (the bound a re-plan pays)."""
         return nbytes / self.nic
+
+
+def scaled_shape(shape: collectives.RingShape, factor: float) -> collectives.RingShape:
+    """``shape`` with every link's bandwidth times ``factor``."""
+    return replace(shape, intra_bytes_per_s=tuple(b * factor for b in shape.intra_bytes_per_s),
+                   node_bytes_per_s=shape.node_bytes_per_s * factor)
+
+
+def scaled_link(link: LinkCost, factor: float) -> LinkCost:
+    """A calibrated collective ``link`` whose bandwidth is ``factor`` times as high (its fixed
+    seconds unchanged)."""
+    return replace(link, bus_bytes_per_s=link.bus_bytes_per_s * factor,
+                   points=tuple((x, link.alpha_s + (y - link.alpha_s) / factor) for x, y in link.points))
 
 
 def network_of(cluster, measured: Mapping[str, LinkCost] | None = None) -> Network:

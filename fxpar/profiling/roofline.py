@@ -31,7 +31,7 @@ import numpy as np
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
-from fxpar.profiling.network import Network, network_of
+from fxpar.profiling.network import Network, network_of, scaled_link, scaled_shape
 from fxpar.tracing.graph import ModelGraph, OpClass
 
 ATTENTION_EFFICIENCY_FACTOR = 0.75
@@ -307,11 +307,16 @@ class CostModel:
         return network_of(self.cluster, self.measured_links())
 
     def allreduce_s(self, nbytes: float, ranks=None) -> float:
+        """One all-reduce of ``nbytes`` over ``ranks`` (all by default): the calibrated one where
+        there is one, else the α-β formula; at the cluster's measured ``link_derate``."""
         link = self.measured_link("all_reduce", ranks)
         world = self.cluster.world_size if ranks is None else len(ranks)
+        slow = self.cluster.link_derate
         if link is not None:
-            return collectives.measured_time(link, "all_reduce", world, nbytes)
-        return collectives.allreduce_time(collectives.ring_shape(self.cluster, ranks), nbytes)
+            return collectives.measured_time(link if slow == 1.0 else scaled_link(link, slow), "all_reduce", world,
+                                             nbytes)
+        shape = collectives.ring_shape(self.cluster, ranks)
+        return collectives.allreduce_time(shape if slow == 1.0 else scaled_shape(shape, slow), nbytes)
 
     def allreduce_lower_bound_s(self, nbytes: float, ranks=None) -> float:
         return collectives.allreduce_lower_bound(collectives.ring_shape(self.cluster, ranks), nbytes)

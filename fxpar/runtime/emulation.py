@@ -6,10 +6,14 @@ with another rank or with the backend's thread) did no more work, and a slow dev
 is proportional to its work.  Every figure measured this way is labelled *emulated* where it is
 reported.
 
-**Slow links.**  A rank's ``link_delay_s`` (collective kind → seconds) adds that delay to each
-collective of the kind it enters, before the call: the rank arrives late, so every member of the
-collective waits, as on a slow link (not a slow device: the delay is not compute, so busy time is
-unchanged).  The clock times each collective by kind (:attr:`SegmentClock.comm_total_s`, host
+**Slow links.**  A rank's ``link_delay_s`` (collective kind → seconds) adds that delay before
+each call through :meth:`SegmentClock.collective` that starts collectives of the kind (ZeRO's
+gathers and reduce-scatters, tensor and expert parallelism's collectives, and data
+parallelism's launch of the gradient buckets ready during the backward: one delay per launch,
+whatever number of buckets it starts; the buckets the gradient sync starts after the backward,
+and the loss's all-reduce, are not delayed): the rank arrives late, so every member of the
+collective waits, as on a slow link (not a slow device: the delay is not compute, so busy time
+is unchanged).  The clock times each collective by kind (:attr:`SegmentClock.comm_total_s`, host
 seconds, never reset), which is what :mod:`fxpar.adapt` reads a link's slowdown from.  Pipelines'
 point-to-point sends run inside torch's schedule, outside the clock: neither delayed nor timed.
 """

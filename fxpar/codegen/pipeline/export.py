@@ -58,14 +58,25 @@ class ExportCache:
     def exported(self, model: torch.nn.Module, kwargs: dict[str, Any],
                  dtype: torch.dtype | None) -> tuple[torch.fx.GraphModule, str]:
         """``exported_for_split(model, kwargs, dtype)``, from the cache when made before."""
-        key = (tuple((k, tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else (k, repr(v))
-                     for k, v in sorted(kwargs.items())), dtype)
+        key = (_shapes_key(dict(sorted(kwargs.items()))), dtype)
         if key not in self._made:
             self._made[key] = exported_for_split(model, kwargs, dtype)
         elif accepts(model, "use_cache"):   # as exported_for_split does
             kwargs.setdefault("use_cache", False)
         gm, device_type = self._made[key]
         return copy.deepcopy(gm), device_type
+
+
+def _shapes_key(value: Any) -> Any:
+    """A hashable key of ``value`` that tells apart every tensor's shape, dtype and device,
+    through lists, tuples and dicts; other values by their ``repr``."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_shapes_key(v) for v in value))
+    if isinstance(value, Mapping):
+        return ("dict", tuple((k, _shapes_key(v)) for k, v in value.items()))
+    return repr(value)
 
 
 def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.device:
