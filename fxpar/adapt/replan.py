@@ -23,7 +23,6 @@ remembers between decisions and how a decision is made.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -137,7 +136,6 @@ class DecisionInFlight:
                  after_switches: int) -> None:
         #: the switches the job had made when the decision started (another one makes it stale)
         self.detected_step, self.after_switches = detected_step, after_switches
-        self.started = time.perf_counter()
         self._result: list[Decision | None] = [None]
         self._thread: threading.Thread | None = None
         if computes and background:
