@@ -79,3 +79,28 @@ def test_measured_collectives_on_gloo(pool2):
     assert set(links) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     for alpha, bw, world in links.values():
         assert alpha >= 0 and bw > 1e6 and world == 2
+
+
+def test_a_tensor_parallel_group_of_mixed_speeds_runs_at_its_slowest_member():
+    """An even split of the heads waits for the slowest rank of the group: a group of speeds 1 and
+    0.5 is priced as one of two 0.5s, whichever rank comes first (it was priced at its first rank's
+    speed).  A split that gives the slow rank fewer heads is priced at the rank with the largest
+    share over speed (3 heads at speed 1 against 1 at 0.5: the fast rank), the split itself as even."""
+    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.tracing.hf import build_model
+
+    spec = ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_key_value_heads=4))
+    model = build_model(spec)
+    workload = Workload(global_batch=8, seq_len=16)
+    graph = trace_spec(spec, workload)
+
+    def step(speeds, kv=(2, 2)) -> float:
+        cluster = Cluster.emulated(list(speeds), one_node=True)
+        plan = tensor_parallel_plan(model, cluster, global_batch=8, seq_len=16, kv_shares=list(kv))
+        return simulate(plan, CostModel(graph, cluster)).step_s
+
+    slow, fast = step([0.5, 0.5]), step([1.0, 1.0])
+    assert slow > fast
+    assert step([1.0, 0.5]) == pytest.approx(slow, rel=1e-12)
+    assert step([0.5, 1.0]) == pytest.approx(slow, rel=1e-12)
+    assert step([1.0, 0.5], kv=(3, 1)) == pytest.approx(step([1.0, 1.0], kv=(3, 1)), rel=1e-12)

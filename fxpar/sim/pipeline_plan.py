@@ -98,7 +98,14 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
     kind = _kind_of(cluster)
     positions, slots = slots_of(plan)
     ranges = stage_ranges(plan, prices)
-    stages = tuple(StageSlice(kind=kind[st.ranks[0]], width=len(slots[d][0]), start=i, end=e,
+
+    def slot_kind(st, slot: tuple[int, ...]) -> str:
+        """The kind a tensor-parallel slot runs at: its member whose share of the heads over its
+        speed is largest (with an even split, the slowest; the split itself is priced as even)."""
+        share = dict(zip(st.ranks, st.tensor_split)) if st.tensor_split else {}
+        return kind[max(slot, key=lambda r: share.get(r, 1) / cluster.device(r).speed)]
+
+    stages = tuple(StageSlice(kind=slot_kind(st, slots[d][0]), width=len(slots[d][0]), start=i, end=e,
                               checkpointing=bool(st.activation_checkpointing or plan.activation_checkpointing),
                               position=d)
                    for st, d, (i, e) in zip(plan.stages, positions, ranges))
@@ -106,7 +113,8 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
                                      widths=[len(row[0]) for row in slots],
                                      stage_kinds=[[kind[slot[0]] for slot in row] for row in slots])
     m = max(plan.num_microbatches, 1)
-    replica_kinds = tuple(tuple(kind[slots[d][p][0]] for d in positions) for p in range(plan.pipelines))
+    replica_kinds = tuple(tuple(slot_kind(st, slots[d][p]) for st, d in zip(plan.stages, positions))
+                          for p in range(plan.pipelines))
     split = plan.stages[0].data_split if plan.stages else ()
     uneven = len(set(split)) > 1
     cuts = tuple(tuple(stage_ranges(plan, prices, p)) for p in range(plan.pipelines))
