@@ -62,6 +62,11 @@ from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 
 ARMS = ("dp", "zero2", "zero3", "pipeline", "tp", "ep", "choice")
+#: the planner's picks: with the calibration corrected on the model, the machine's, the catalog's
+CHOICES = ("choice", "choice_machine", "choice_catalog")
+#: the predictions' suffixes: ``predicted_s`` (the calibration corrected on the model), the
+#: machine's calibration, the catalog alone
+PRICINGS = ("", "_machine", "_catalog")
 #: the planner's families per arm (None: every family, the planner's default)
 FAMILY_OF = {"dp": ("data_parallel",), "zero2": ("sharded_data_parallel",), "zero3": ("sharded_data_parallel",),
              "pipeline": ("pipeline",), "ep": ("expert_parallel",), "choice": None}
@@ -142,16 +147,24 @@ def _check_fits(plan: Plan, graph, cluster: fxpar.Cluster, profiles) -> None:
                                            f"{cluster.device(r).memory_bytes / 2**20:.1f} MiB")
 
 
-def plan_arms(case: Case, calibration: ProfileDB | None) -> dict[str, Any]:
-    """Every arm's plan and predictions (module docstring), and the catalog's pick."""
+def plan_arms(case: Case, calibration: ProfileDB | None) -> tuple[dict[str, Any], str]:
+    """Every arm's plan and its predictions under each pricing of :data:`PRICINGS` (module
+    docstring), the planner's picks under the machine's calibration and the catalog; and what the
+    model's own timing measured (the corrected calibration's line)."""
     model = _model(case)
     batch = _batch(model, case)
     graph = trace(model, {k: v[:1] for k, v in batch.items()})
     cluster = _cluster(case)
     workload = Workload(global_batch=case.batch, seq_len=case.seq, dtype=case.dtype, optimizer="adamw")
-    profiles = with_calibration(None, calibration)
-    cost = CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw", profiles=profiles)
-    catalog = CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw")
+    corrected = None if calibration is None else calibrate.on_model(
+        calibration, model, batch, dtype=case.dtype, world=len(case.speeds), graph=graph)
+    profiles = {"": with_calibration(None, corrected), "_machine": with_calibration(None, calibration),
+                "_catalog": None}
+    costs = {k: CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw", profiles=v) for k, v in profiles.items()}
+
+    def priced(plan: Plan) -> dict[str, float]:
+        return {f"predicted{k}_s": _priced(plan, cost) for k, cost in costs.items()}
+
     arms: dict[str, Any] = {}
     for arm in ARMS:
         try:
@@ -162,19 +175,18 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> dict[str, Any]:
                 plan = dataclasses.replace(plan, dtype=case.dtype, optimizer="adamw")
             else:
                 families = FAMILY_OF[arm]
-                plan = solve_plan(graph, cluster, workload, profiles=profiles,
+                plan = solve_plan(graph, cluster, workload, profiles=profiles[""],
                                   **({"strategies": families} if families else {}))
                 if arm in ("zero2", "zero3"):
                     plan = _sharded(plan, cluster, 2 if arm == "zero2" else 3, case)
-            _check_fits(plan, graph, cluster, profiles)
-            arms[arm] = {"plan": plan.to_json(indent=None), "summary": plan_line(plan),
-                         "predicted_s": _priced(plan, cost), "predicted_catalog_s": _priced(plan, catalog)}
+            _check_fits(plan, graph, cluster, profiles[""])
+            arms[arm] = {"plan": plan.to_json(indent=None), "summary": plan_line(plan), **priced(plan)}
         except (FxparError, ValueError) as exc:
             arms[arm] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}"}
-    picked = solve_plan(graph, cluster, workload)   # the catalog's pick, every family
-    arms["choice_catalog"] = {"plan": picked.to_json(indent=None), "summary": plan_line(picked),
-                              "predicted_s": _priced(picked, cost), "predicted_catalog_s": _priced(picked, catalog)}
-    return arms
+    for key in ("_machine", "_catalog"):   # the planner's picks without the model's own figures
+        picked = solve_plan(graph, cluster, workload, profiles=profiles[key])
+        arms["choice" + key] = {"plan": picked.to_json(indent=None), "summary": plan_line(picked), **priced(picked)}
+    return arms, "" if corrected is None else corrected.calibration
 
 
 def plan_line(plan: Plan) -> str:
@@ -197,18 +209,17 @@ def same_plan(a: str, b: str) -> bool:
 
 
 def mark_repeats(arms: dict[str, Any]) -> None:
-    """``same_as``: the choices whose plan is a family arm's (or the calibrated choice's) plan are
-    not timed again; they read that arm's measurement."""
-    for key, among in (("choice", [a for a in ARMS if a != "choice"]),
-                       ("choice_catalog", [a for a in ARMS if a != "choice"] + ["choice"])):
+    """``same_as``: the choices whose plan is a family arm's (or an earlier choice's) plan are not
+    timed again; they read that arm's measurement."""
+    earlier = [a for a in ARMS if a not in CHOICES]
+    for key in CHOICES:
         mine = arms.get(key, {})
-        if "plan" not in mine:
-            continue
-        for arm in among:
+        for arm in earlier:
             other = arms.get(arm, {})
-            if "plan" in other and not other.get("same_as") and same_plan(mine["plan"], other["plan"]):
+            if "plan" in mine and "plan" in other and not other.get("same_as") and same_plan(mine["plan"], other["plan"]):
                 mine["same_as"] = arm
                 break
+        earlier.append(key)
 
 
 # ---- timing (spawned ranks) ------------------------------------------------------------------------
@@ -252,16 +263,16 @@ def time_case(case: Case, arms: dict[str, Any], rounds: int, warmup: int, steps:
 
 
 def summarize(case: Case, arms: dict[str, Any], medians: dict[str, list[float]]) -> dict[str, Any]:
-    """Per arm: measured median and spread, prediction errors; the case's fastest, ties, regret."""
+    """Per arm: measured median and spread, prediction errors under each pricing; the case's
+    fastest, ties, and each choice's regret."""
     for arm, v in arms.items():
         source = v.get("same_as", arm)
         if medians.get(source):
             m = medians[source]
             v.update(measured_s=statistics.median(m), spread_s=max(m) - min(m), rounds_s=m)
-            v["error"] = v.get("error")
-            v["prediction_error"] = v["predicted_s"] / v["measured_s"] - 1
-            v["prediction_error_catalog"] = v["predicted_catalog_s"] / v["measured_s"] - 1
-    timed = {a: v for a, v in arms.items() if "measured_s" in v and not a.startswith("choice")}
+            for k in PRICINGS:
+                v[f"prediction_error{k}"] = v[f"predicted{k}_s"] / v["measured_s"] - 1
+    timed = {a: v for a, v in arms.items() if "measured_s" in v and a not in CHOICES}
     fastest = min(timed, key=lambda a: timed[a]["measured_s"])
     best = timed[fastest]
 
@@ -269,11 +280,28 @@ def summarize(case: Case, arms: dict[str, Any], medians: dict[str, list[float]])
         return v["measured_s"] - best["measured_s"] <= max(best["spread_s"], v["spread_s"])
 
     out = {"fastest": fastest, "fastest_s": best["measured_s"]}
-    for key in ("choice", "choice_catalog"):
+    for key in CHOICES:
         v = arms[key]
         if "measured_s" in v:
             out[f"regret_{key}"] = 1.0 if ties(v) else v["measured_s"] / best["measured_s"]
             out[f"raw_ratio_{key}"] = v["measured_s"] / best["measured_s"]
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:+.0f}%"
+
+
+def _summary(results: list[dict]) -> dict[str, float | None]:
+    """Max regret of each choice and mean |prediction error| under each pricing (arms timed once)."""
+    out: dict[str, float | None] = {}
+    for key in CHOICES:
+        regrets = [r[f"regret_{key}"] for r in results if r.get(f"regret_{key}") is not None]
+        out["max_regret" + key[len("choice"):]] = max(regrets, default=None)
+    for k in PRICINGS:
+        errors = [abs(v[f"prediction_error{k}"]) for r in results for v in r["arms"].values()
+                  if v.get(f"prediction_error{k}") is not None and not v.get("same_as")]
+        out[f"mean_abs_prediction_error{k}"] = statistics.fmean(errors) if errors else None
     return out
 
 
@@ -301,42 +329,41 @@ def main(argv: list[str] | None = None) -> dict:
     print(calibrate.describe(cal))
     results, rows = [], []
     for case in cases:
-        print(f"\n{case.name}: planning every arm", flush=True)
-        arms = plan_arms(case, cal)
+        print(f"\n{case.name}: timing the model, planning every arm", flush=True)
+        arms, model_calibration = plan_arms(case, cal)
+        print(f"  {model_calibration}", flush=True)
         mark_repeats(arms)
         for arm, v in arms.items():
             print(f"  {arm:15s} {v.get('summary', v.get('error'))}: predicted {_ms(v.get('predicted_s'))} ms "
-                  f"(catalog {_ms(v.get('predicted_catalog_s'))})", flush=True)
+                  f"(machine {_ms(v.get('predicted_machine_s'))}, catalog {_ms(v.get('predicted_catalog_s'))})",
+                  flush=True)
         medians = time_case(case, arms, rounds, args.warmup, steps)
         verdict = summarize(case, arms, medians)
-        results.append({"case": dataclasses.asdict(case), "arms": arms, **verdict})
-        for arm in ARMS + ("choice_catalog",):
+        results.append({"case": dataclasses.asdict(case), "arms": arms, "model_calibration": model_calibration,
+                        **verdict})
+        for arm in ARMS + CHOICES[1:]:
             v = arms[arm]
             rows.append([case.name, arm, v.get("summary", v.get("error", ""))[:64], _ms(v.get("predicted_s")),
-                         _ms(v.get("measured_s")), _ms(v.get("spread_s")),
-                         "-" if v.get("prediction_error") is None else f"{100 * v['prediction_error']:+.0f}%",
-                         "-" if v.get("prediction_error_catalog") is None else f"{100 * v['prediction_error_catalog']:+.0f}%",
+                         _ms(v.get("measured_s")), _ms(v.get("spread_s")), _pct(v.get("prediction_error")),
+                         _pct(v.get("prediction_error_machine")), _pct(v.get("prediction_error_catalog")),
                          "fastest" if arm == verdict["fastest"] else (
-                             f"regret {verdict.get('regret_' + arm, 0):.2f}" if arm.startswith("choice") and
-                             f"regret_{arm}" in verdict else "")])
-    errors = [abs(v["prediction_error"]) for r in results for a, v in r["arms"].items()
-              if v.get("prediction_error") is not None and not v.get("same_as")]
-    errors_catalog = [abs(v["prediction_error_catalog"]) for r in results for a, v in r["arms"].items()
-                      if v.get("prediction_error_catalog") is not None and not v.get("same_as")]
-    regrets = [r.get("regret_choice") for r in results if r.get("regret_choice") is not None]
-    regrets_catalog = [r.get("regret_choice_catalog") for r in results if r.get("regret_choice_catalog") is not None]
-    summary = {"max_regret": max(regrets, default=None), "max_regret_catalog": max(regrets_catalog, default=None),
-               "mean_abs_prediction_error": statistics.fmean(errors) if errors else None,
-               "mean_abs_prediction_error_catalog": statistics.fmean(errors_catalog) if errors_catalog else None}
+                             f"regret {verdict[f'regret_{arm}']:.2f}" if f"regret_{arm}" in verdict else "")])
+    summary = _summary(results)
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     caption = (f"Plan regret, 2 gloo CPU ranks (emulated speeds), {rounds} round(s) x {steps} steps, AdamW in every "
-               f"step; predicted with this machine's calibration ({cal.calibration}); catalog = without it.  "
-               f"Max regret of the planner's choice {summary['max_regret']:.2f} (catalog pick: "
-               f"{summary['max_regret_catalog']:.2f}); mean |prediction error| "
-               f"{100 * (summary['mean_abs_prediction_error'] or 0):.0f}% (catalog "
-               f"{100 * (summary['mean_abs_prediction_error_catalog'] or 0):.0f}%); {time.perf_counter() - start:.0f} s")
+               f"step; predicted with this machine's calibration ({cal.calibration}) corrected on each model's own "
+               f"forward + backward and optimizer step; machine = the calibration alone; catalog = neither.  Max regret "
+               f"of the planner's choice {ratio(summary['max_regret'])} (machine's pick "
+               f"{ratio(summary['max_regret_machine'])}, catalog pick {ratio(summary['max_regret_catalog'])}); mean "
+               f"|prediction error| {_pct(summary['mean_abs_prediction_error'])[1:]} (machine "
+               f"{_pct(summary['mean_abs_prediction_error_machine'])[1:]}, catalog "
+               f"{_pct(summary['mean_abs_prediction_error_catalog'])[1:]}); {time.perf_counter() - start:.0f} s")
     return finish("plan_regret", title="Plan regret: the planner's pick against every family, timed", caption=caption,
                   head=["case", "arm", "plan", "predicted ms", "measured ms", "spread ms", "pred. error",
-                        "catalog error", "verdict"],
+                        "machine error", "catalog error", "verdict"],
                   rows=rows, quick=args.quick, results=results, summary=summary,
                   calibration=cal.to_dict(), calibration_s=calibration_s, rounds=rounds, steps=steps)
 

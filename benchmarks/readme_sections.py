@@ -205,18 +205,23 @@ def plan_regret(pr: dict) -> list[str]:
     def ratio(v: Any) -> str:
         return "-" if v is None else f"{v:.2f}"
 
+    model_timed = "model_calibration" in (pr.get("results") or [{}])[0]
+    pricing = ("this machine's calibration corrected on each case's model, its forward + backward and AdamW step "
+               "timed on 2 ranks at once before any arm (`fxpar.calibrate.on_model`), 'machine error' with the "
+               "machine's calibration alone and 'catalog error' with neither" if model_timed else
+               "this machine's calibration and, for comparison, by the catalog alone ('catalog error')")
     lines = ["", f"Is the planner's pick the fastest plan when every family is timed? (`python -m benchmarks --suite "
              f"plan_regret`, {m['date']}, torch {m['torch']}, {m['cores']} CPU cores; {ranks} gloo ranks of one thread, "
              f"**emulated** speeds; {pr.get('rounds', '?')} rounds of {pr.get('steps', '?')} timed steps, AdamW in every "
              "step, fresh ranks per round, the arm order reversed every other round.) Every arm is priced before "
-             f"any timing, with this machine's calibration ({pr.get('calibration', {}).get('calibration', '?')}) "
-             "and, for comparison, by the catalog alone ('catalog error'; `choice_catalog` is the planner's pick "
-             "without calibration). Regret is the choice's measured step over the fastest arm's, none when within "
-             f"the measured spread. Max regret of the calibrated choice: {ratio(summary.get('max_regret'))} "
-             f"(catalog pick: {ratio(summary.get('max_regret_catalog'))}; without the spread allowance: "
+             f"any timing, with {pricing} (calibration: {pr.get('calibration', {}).get('calibration', '?')}); "
+             "`choice_machine` and `choice_catalog` are the planner's picks under those. Regret is the choice's "
+             "measured step over the fastest arm's, none when within the measured spread. Max regret of the "
+             f"choice: {ratio(summary.get('max_regret'))} (machine's pick: {ratio(summary.get('max_regret_machine'))}, "
+             f"catalog pick: {ratio(summary.get('max_regret_catalog'))}; without the spread allowance: "
              f"{ratio(max((r.get('raw_ratio_choice') or 0.0 for r in pr.get('results', [])), default=None))}); "
-             "mean |prediction error| "
-             f"{pct(summary.get('mean_abs_prediction_error'))} (catalog "
+             f"mean |prediction error| {pct(summary.get('mean_abs_prediction_error'))} (machine "
+             f"{pct(summary.get('mean_abs_prediction_error_machine'))}, catalog "
              f"{pct(summary.get('mean_abs_prediction_error_catalog'))})."]
     return lines + ["", table(pr)]
 

@@ -32,6 +32,7 @@ from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
+from tests.conftest import SCENARIOS
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the adapt benchmark's model, where the catalog-priced planner picked sharded DP at equal speeds
@@ -332,7 +333,9 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
     second = subprocess.run([sys.executable, "-m", "fxpar", "calibrate", "--world", "2"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and "cached calibration" in second.stderr
-    scenario = ROOT.parent / "shared" / "scenarios" / "cpu-emulated-2.yaml"
+    scenario = SCENARIOS / "cpu-emulated-2.yaml"
+    if not scenario.is_file():
+        pytest.skip(f"the calibration was checked; the plan half needs {scenario} (the repo's ../shared is missing)")
     planned = subprocess.run([sys.executable, "-m", "fxpar", "plan", "--scenario", str(scenario), "--calibrate",
                               str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]

@@ -12,7 +12,7 @@ warm-up; :func:`measure_device` on every rank, the collectives on the group):
   reference model (a 2-block Llama, hidden 256, none of the benchmarks') timed forward +
   backward at 2 and 8 samples corrects them: the per-op seconds by its fixed part over the
   priced one, the rates by its per-sample part over the priced one
-  (:func:`fxpar.calibrate.measure.reference_correction`; a model's ops cost more than a chain of
+  (:func:`fxpar.calibrate.model_fit.reference_correction`; a model's ops cost more than a chain of
   tiny multiplications: HF's modules, autograd nodes with several inputs);
 - **the optimizer step**: AdamW and SGD with momentum (torch's defaults) on two parameter counts,
   fitted as ``a + c·P`` seconds (the profile's ``optimizer|…`` entries);
@@ -27,6 +27,13 @@ warm-up; :func:`measure_device` on every rank, the collectives on the group):
   compute alone, ``t_a`` the all-reduce alone and ``t_b`` both (the all-reduce launched
   asynchronously, the compute run, then waited on), the hidden fraction is
   ``h = (t_c + t_a − t_b) / min(t_c, t_a)``; communication overlaps when ``h ≥ 1/2``.
+
+On request, :func:`on_model` corrects a calibration on the model being planned itself, its
+forward + backward timed at two micro-batch sizes and its optimizer step on its own parameters,
+on as many CPU ranks at once as the job has (:mod:`fxpar.calibrate.model_fit`: the caches and
+memory bandwidth a model's weights, gradients and optimizer state miss, which no isolated kernel
+shows).  It is a profile of that model, not of the machine, so it is not cached;
+``python -m benchmarks --suite plan_regret`` prices with it and reports the error without it.
 
 The result is a :class:`~fxpar.profiling.database.ProfileDB` of the device type (its ``rates``,
 ``links`` and optimizer ``ops``), data the pricing reads like any profile
@@ -52,6 +59,7 @@ import torch.distributed as dist
 
 from fxpar.calibrate.cache import cache_key, cache_path, load_cached, spawned_key, store
 from fxpar.calibrate.measure import calibrate_group, calibrate_spawned, device_type_name, measure_device
+from fxpar.calibrate.model_fit import on_model
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.profiling.database import ProfileDB, load_profile
@@ -193,6 +201,6 @@ def describe(db: ProfileDB) -> str:
 
 
 __all__ = ["CALIBRATION_ENV", "applies", "cache_key", "cache_path", "calibrate_group", "calibrate_spawned",
-           "describe", "for_group", "for_planning", "load_cached", "measure_device", "setting", "spawned_key",
+           "describe", "for_group", "for_planning", "load_cached", "measure_device", "on_model", "setting", "spawned_key",
            "store"]
 

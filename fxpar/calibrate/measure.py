@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -16,17 +15,14 @@ import torch
 import torch.distributed as dist
 
 from fxpar.calibrate.cache import machine_name
+from fxpar.calibrate.model_fit import reference_correction, timed
 from fxpar.calibrate.runtime_probe import probe_overheads
-from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
-from fxpar.profiling import CostModel
 from fxpar.profiling.database import LinkCost, OpCost, ProfileDB
 from fxpar.profiling.local_cache import local_gpu_type
 from fxpar.profiling.measure_comm import measure_collectives
 from fxpar.profiling.roofline import optimizer_key
 from fxpar.runtime.pool import run_ranks
-from fxpar.tracing import trace
-from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
 #: message sizes of the collectives' fit (bytes)
 LINK_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
@@ -42,31 +38,13 @@ def _quiet(_: str) -> None:
     pass
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
-    """Median seconds of ``fn`` after one warm-up call."""
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     """Achieved FLOP/s of matrix products (module docstring): the harmonic mean over the shapes."""
     times, flops = 0.0, 0.0
     for m, k, n in MATMUL_SHAPES:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        times += _timed(lambda: torch.mm(a, b), device)
+        times += timed(lambda: torch.mm(a, b), device)
         flops += 2.0 * m * k * n
     return flops / times
 
@@ -75,7 +53,7 @@ def memory_rate(device: torch.device) -> float:
     """Bytes/s of ``c = a + b`` on fp32 tensors (two reads, one write per element)."""
     a, b = (torch.randn(POINTWISE_ELEMENTS, device=device) for _ in range(2))
     c = torch.empty_like(a)
-    return 12.0 * POINTWISE_ELEMENTS / _timed(lambda: torch.add(a, b, out=c), device)
+    return 12.0 * POINTWISE_ELEMENTS / timed(lambda: torch.add(a, b, out=c), device)
 
 
 def op_overhead(device: torch.device) -> float:
@@ -89,7 +67,7 @@ def op_overhead(device: torch.device) -> float:
             y = y * 1.0
         y.backward()
 
-    return _timed(chain, device) / (2 * CHAIN_OPS)
+    return timed(chain, device) / (2 * CHAIN_OPS)
 
 
 def optimizer_costs(device: torch.device) -> dict[str, OpCost]:
@@ -104,7 +82,7 @@ def optimizer_costs(device: torch.device) -> dict[str, OpCost]:
             for p in params:
                 p.grad = torch.randn_like(p)
             opt = make(params)
-            points.append((float(count), _timed(opt.step, device, repeats=3)))
+            points.append((float(count), timed(opt.step, device, repeats=3)))
         (p1, t1), (p2, t2) = points
         slope = max((t2 - t1) / (p2 - p1), 1e-15)
         cost = OpCost(fwd=(max(t1 - slope * p1, 0.0), slope), bwd=(0.0, 0.0))
@@ -134,42 +112,6 @@ def measure_device(device: torch.device, progress: Progress = _quiet) -> dict[st
     return {"matmul": rates, "memory": memory, "overhead": overhead, "ops": ops}
 
 
-#: the reference model whose forward + backward corrects the op-class rates (none of the benchmarks')
-REFERENCE = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-REFERENCE_BATCHES, REFERENCE_SEQ = (2, 8), 64
-
-
-def reference_correction(db: ProfileDB, device: torch.device) -> ProfileDB:
-    """``db`` with its rates corrected on a whole model (module docstring of :mod:`fxpar.calibrate`):
-    the reference model's forward + backward timed at two batch sizes gives ``a + c·B``; priced
-    with ``db`` it is ``A + C·B``; the per-op seconds scale by ``a / A`` and the rates divide by
-    ``c / C`` (each bounded to a factor of 10), so the whole model prices as measured."""
-    model = build_model(ModelSpec(hf_config=REFERENCE), device="cpu", seed=0, attn_implementation="eager").to(device)
-    times = []
-    for b in REFERENCE_BATCHES:
-        batch = {k: v.to(device) for k, v in example_inputs(model, b, REFERENCE_SEQ, seed=1).items()}
-
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()
-
-        times.append(_timed(step, device))
-    (b1, b2), (t1, t2) = REFERENCE_BATCHES, times
-    per_sample = max((t2 - t1) / (b2 - b1), 1e-12)
-    fixed = max(t1 - per_sample * b1, 0.0)
-    graph = trace(model.cpu(), {k: v[:1] for k, v in example_inputs(model, 1, REFERENCE_SEQ, seed=1).items()})
-    priced = CostModel(graph, Cluster.emulated([1.0]), profiles={db.device_type: db}).sample_cost(
-        Cluster.emulated([1.0]).device(0)) if db.device_type == "cpu" else None
-    if priced is None or priced.total_s <= 0:
-        return db
-    k_fixed = float(np.clip(fixed / max(priced.fixed_s, 1e-12), 0.1, 10.0))
-    k_rate = float(np.clip(per_sample / priced.total_s, 0.1, 10.0))
-    return replace(db, op_overhead_s=(db.op_overhead_s or 0.0) * k_fixed,
-                   matmul_flops={k: v / k_rate for k, v in db.matmul_flops.items()},
-                   memory_bytes_per_s=(db.memory_bytes_per_s or 0.0) / k_rate or None)
-
-
 def overlap_fraction(device: torch.device, group: Any = None) -> float:
     """``h`` of the module docstring on the group: how much of an all-reduce in flight hides
     behind compute (1: all of it, 0: none)."""
@@ -179,8 +121,8 @@ def overlap_fraction(device: torch.device, group: Any = None) -> float:
     def reduce() -> None:
         dist.all_reduce(payload, group=group)
 
-    t_a = _timed(reduce, device, repeats=3)
-    one = _timed(lambda: torch.mm(a, a), device, repeats=3)
+    t_a = timed(reduce, device, repeats=3)
+    one = timed(lambda: torch.mm(a, a), device, repeats=3)
     count = max(1, int(round(t_a / max(one, 1e-9))))
 
     def compute() -> None:
@@ -192,8 +134,8 @@ def overlap_fraction(device: torch.device, group: Any = None) -> float:
         compute()
         work.wait()
 
-    t_c = _timed(compute, device, repeats=3)
-    t_b = _timed(both, device, repeats=3)
+    t_c = timed(compute, device, repeats=3)
+    t_b = timed(both, device, repeats=3)
     return float(np.clip((t_c + t_a - t_b) / max(min(t_c, t_a), 1e-12), 0.0, 1.0))
 
 

@@ -1,0 +1,257 @@
+"""A calibration corrected on a whole model: the machine's rates made to price one model's
+forward + backward and optimizer step as this machine runs them.
+
+The machine's figures (:mod:`fxpar.calibrate.measure`) are rates of isolated products, pointwise
+ops and tiny-op chains.  A model's ops run among others: weights and gradients that miss the
+caches, fresh allocations, HF's modules.  So the calibration is corrected on a whole model
+timed at two micro-batch sizes ``b₁ < b₂`` (median of repeated forward + backward after a
+warm-up), which gives the affine cost the pricing assumes (:mod:`fxpar.profiling.roofline`):
+
+    t(b) = a + c·b,   c = (t(b₂) − t(b₁)) / (b₂ − b₁),   a = max(t(b₁) − c·b₁, 0)
+
+Priced with the calibration it is ``A + C·b``; the per-op seconds scale by ``a / A`` and the
+rates (matrix products and memory) divide by ``c / C``, each factor bounded to ``[1/10, 10]``,
+so the corrected calibration prices that model's ``t(b)`` exactly.  The optimizer step is timed
+on the model's own parameters (gradients set) and its per-parameter cost scaled so that the
+calibration's ``a + c·P`` gives it at the model's ``P``.
+
+:func:`reference_correction` corrects on a fixed reference model (part of every calibration,
+cached); :func:`on_model` on the model being planned (not cached: a model's figures, measured on
+request, e.g. by ``python -m benchmarks --suite plan_regret``).  :func:`corrected` is the pure
+step, from timings to the corrected calibration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from fxpar.cluster import Cluster
+from fxpar.errors import ConfigError
+from fxpar.profiling import CostModel
+from fxpar.profiling.database import OpCost, ProfileDB
+from fxpar.profiling.roofline import optimizer_key
+from fxpar.runtime.pool import run_ranks
+from fxpar.tracing import trace
+from fxpar.tracing.graph import ModelGraph
+from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+#: the bound on each correction factor (module docstring)
+MAX_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class ModelTiming:
+    """What :func:`time_model` measured: forward + backward seconds at each micro-batch size, and
+    one optimizer step on the model's parameters (None: not timed)."""
+
+    batches: tuple[int, int]
+    seconds: tuple[float, float]
+    optimizer: str = "adamw"
+    optimizer_s: float | None = None
+
+    @property
+    def per_sample_s(self) -> float:
+        (b1, b2), (t1, t2) = self.batches, self.seconds
+        return max((t2 - t1) / (b2 - b1), 1e-12)
+
+    @property
+    def fixed_s(self) -> float:
+        return max(self.seconds[0] - self.per_sample_s * self.batches[0], 0.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _precision(device: torch.device, dtype: str):
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    return torch.autocast(device_type=device.type, dtype=low) if low is not None else torch.autocast(
+        device_type=device.type, enabled=False)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ConfigError("calibrating on the model: its forward returns no scalar loss; pass labels in the "
+                          "example inputs (or have forward return the loss first)")
+    return loss
+
+
+def time_model(model: torch.nn.Module, make_batch: Callable[[int], Mapping[str, Any]], batches: tuple[int, int],
+               device: torch.device, *, dtype: str = "fp32", optimizer: str | None = "adamw",
+               repeats: int = 7) -> ModelTiming:
+    """Forward + backward of ``model`` on ``make_batch(b)`` for each ``b`` of ``batches`` under the
+    plan's precision, the two sizes alternating (``repeats`` each after a warm-up: a drift of the
+    machine's speed moves both), and (``optimizer``) torch's optimizer of that name stepping on
+    the gradients of the last backward (module docstring).  The model's gradients are left cleared."""
+    runs = []
+    for b in batches:
+        batch = make_batch(b)
+
+        def step(batch=batch) -> None:
+            model.zero_grad(set_to_none=True)
+            with _precision(device, dtype):
+                loss = _loss(model(**batch))
+            loss.backward()
+
+        runs.append(step)
+    samples: list[list[float]] = [[], []]
+    for i in range(repeats + 1):
+        for j, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            if i:   # the first round warms up
+                samples[j].append(time.perf_counter() - start)
+    opt_s = None
+    if optimizer is not None:
+        make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(optimizer)
+        if make is None:
+            raise ConfigError(f"calibrating on the model: optimizer {optimizer!r}; give adamw, adam or sgd")
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [p.detach().clone() for p in params]
+        opt = make(params, **({"momentum": 0.9, "lr": 1e-3} if optimizer == "sgd" else {}))
+        opt_s = timed(opt.step, device, repeats=5)
+        with torch.no_grad():   # the model as it was
+            for p, s in zip(params, saved):
+                p.copy_(s)
+    model.zero_grad(set_to_none=True)
+    return ModelTiming(batches=(int(batches[0]), int(batches[1])),
+                       seconds=(statistics.median(samples[0]), statistics.median(samples[1])),
+                       optimizer=optimizer or "adamw", optimizer_s=opt_s)
+
+
+def corrected(db: ProfileDB, graph: ModelGraph, timing: ModelTiming, *, dtype: str = "fp32") -> ProfileDB:
+    """``db`` corrected so that it prices ``graph`` (traced from the timed model) as ``timing``
+    measured it (module docstring): pure, from plain figures."""
+    cluster = Cluster.emulated([1.0])
+    cost = CostModel(graph, cluster, dtype=dtype, optimizer=timing.optimizer, profiles={db.device_type: db})
+    priced = cost.sample_cost(cluster.device(0))
+    if priced.total_s <= 0:
+        return db
+    k_fixed = float(np.clip(timing.fixed_s / max(priced.fixed_s, 1e-12), 1 / MAX_FACTOR, MAX_FACTOR))
+    k_rate = float(np.clip(timing.per_sample_s / priced.total_s, 1 / MAX_FACTOR, MAX_FACTOR))
+    out = replace(db, op_overhead_s=(db.op_overhead_s or 0.0) * k_fixed,
+                  matmul_flops={k: v / k_rate for k, v in db.matmul_flops.items()},
+                  memory_bytes_per_s=(db.memory_bytes_per_s or 0.0) / k_rate or None)
+    return _optimizer_corrected(out, cost.param_count, timing)
+
+
+def _optimizer_corrected(db: ProfileDB, params: int, timing: ModelTiming) -> ProfileDB:
+    """The optimizer entries of ``timing.optimizer`` with their per-parameter cost scaled so that
+    ``a + c·params`` is the measured step (module docstring; unchanged where not timed)."""
+    if timing.optimizer_s is None or params <= 0:
+        return db
+    ops = dict(db.ops)
+    for dtype in ("fp32", "bf16", "fp16"):
+        key = optimizer_key(timing.optimizer, dtype)
+        cost = ops.get(key)
+        if cost is None or cost.fwd[1] <= 0:
+            continue
+        slope = max(timing.optimizer_s - cost.fwd[0], 0.0) / params
+        k = float(np.clip(slope / cost.fwd[1], 1 / MAX_FACTOR, MAX_FACTOR))
+        ops[key] = OpCost(fwd=(cost.fwd[0], cost.fwd[1] * k), bwd=cost.bwd, count=cost.count)
+    return replace(db, ops=ops)
+
+
+def _rows(inputs: Mapping[str, Any], b: int) -> dict[str, Any]:
+    """``inputs`` with ``b`` rows: its first rows, repeated where it has fewer."""
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            reps = -(-b // v.shape[0])
+            out[k] = v.repeat(reps, *([1] * (v.dim() - 1)))[:b] if reps > 1 else v[:b]
+        else:
+            out[k] = v
+    return out
+
+
+def _timed_here(model: torch.nn.Module, inputs: Mapping[str, Any], batches: tuple[int, int], dtype: str,
+                optimizer: str | None, threads: int | None) -> ModelTiming:
+    """:func:`time_model` of ``model`` on ``inputs``' rows, with ``threads`` CPU threads (module-level:
+    spawned ranks run it)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    was_training, before = model.training, torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        model.train()
+        return time_model(model, lambda b: _rows(inputs, b), batches, device, dtype=dtype, optimizer=optimizer)
+    finally:
+        torch.set_num_threads(before)
+        model.train(was_training)
+
+
+def on_model(db: ProfileDB, model: torch.nn.Module, inputs: Mapping[str, Any], *, dtype: str = "fp32",
+             optimizer: str | None = "adamw", batches: tuple[int, int] | None = None, world: int = 1,
+             graph: ModelGraph | None = None) -> ProfileDB:
+    """``db`` corrected on ``model`` itself (module docstring), on ``inputs`` (example keyword
+    inputs with labels; rows repeated or cut to each micro-batch size).  ``batches``: the two
+    sizes (default 1 and the example's rows, at least 2, at most 8).  ``world`` 1 times it here
+    with one CPU thread, as fxpar's emulated ranks run; more times a copy on each of ``world``
+    spawned CPU ranks at once (the ranks of a job share the machine's caches and memory
+    bandwidth) and takes the slowest rank's figures, what a step waits for.  The model's mode is
+    kept; its gradients are left cleared."""
+    if not isinstance(inputs, Mapping):
+        raise ConfigError("calibrating on the model: its example inputs must be keyword inputs (a dict with labels)")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ConfigError("calibrating on the model: its parameters are on 'meta'; materialise it first")
+    rows = max((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), default=1)
+    b1, b2 = batches or (1, min(max(rows, 2), 8))
+    if not 0 < b1 < b2:
+        raise ConfigError(f"calibrating on the model: batches {(b1, b2)}; give two sizes 0 < b1 < b2")
+    if world > 1:
+        timings = run_ranks(_timed_here, world, model, dict(inputs), (b1, b2), dtype, optimizer, 1, timeout=600)
+        timing = ModelTiming(batches=(b1, b2), seconds=tuple(max(t.seconds[i] for t in timings) for i in (0, 1)),
+                             optimizer=timings[0].optimizer,
+                             optimizer_s=None if optimizer is None else max(t.optimizer_s for t in timings))
+    else:
+        timing = _timed_here(model, inputs, (b1, b2), dtype, optimizer, 1)
+    graph = graph if graph is not None else trace(model, _rows(inputs, 1))
+    out = corrected(db, graph, timing, dtype=dtype)
+    note = (f"; corrected on {type(model).__name__} on {world} rank(s) (forward + backward "
+            f"{1e3 * timing.seconds[0]:.1f} / {1e3 * timing.seconds[1]:.1f} ms at {b1} / {b2} samples"
+            + (f", {timing.optimizer} step {1e3 * timing.optimizer_s:.1f} ms)" if timing.optimizer_s else ")"))
+    return replace(out, calibration=(db.calibration or "calibration") + note)
+
+
+#: the reference model whose forward + backward corrects every calibration (none of the benchmarks')
+REFERENCE = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+REFERENCE_BATCHES, REFERENCE_SEQ = (2, 8), 64
+
+
+def reference_correction(db: ProfileDB, device: torch.device) -> ProfileDB:
+    """``db`` corrected on the reference model (:data:`REFERENCE`, timed at
+    :data:`REFERENCE_BATCHES` samples of :data:`REFERENCE_SEQ` tokens; module docstring); the
+    optimizer keeps its own measurement.  CPU calibrations only (a GPU's is returned as is)."""
+    if db.device_type != "cpu":
+        return db
+    model = build_model(ModelSpec(hf_config=REFERENCE), device="cpu", seed=0, attn_implementation="eager").to(device)
+    timing = time_model(model, lambda b: {k: v.to(device) for k, v in example_inputs(
+        model, b, REFERENCE_SEQ, seed=1).items()}, REFERENCE_BATCHES, device, optimizer=None)
+    graph = trace(model.cpu(), {k: v[:1] for k, v in example_inputs(model, 1, REFERENCE_SEQ, seed=1).items()})
+    return corrected(db, graph, timing)
