@@ -207,7 +207,7 @@ def plan_regret(pr: dict) -> list[str]:
 
     model_timed = "model_calibration" in (pr.get("results") or [{}])[0]
     pricing = ("this machine's calibration corrected on each case's model, its forward + backward and AdamW step "
-               "timed on 2 ranks at once before any arm (`fxpar.calibrate.on_model`), 'machine error' with the "
+               f"timed on {ranks} ranks at once before any arm (`fxpar.calibrate.on_model`), 'machine error' with the "
                "machine's calibration alone and 'catalog error' with neither" if model_timed else
                "this machine's calibration and, for comparison, by the catalog alone ('catalog error')")
     lines = ["", f"Is the planner's pick the fastest plan when every family is timed? (`python -m benchmarks --suite "

@@ -231,7 +231,7 @@ def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Pred
     return Prediction(compute_s=busy - tp[busiest], tensor_parallel_s=tp[busiest],
                       bubble_s=max(run.makespan_s - busy, 0.0), allreduce_s=run.exposed_allreduce_s,
                       alltoall_s=0.0, optimizer_s=run.optimizer_s, gather_s=run.gather_s,
-                      hop_s=float(sum(run.hop_s)), **common)
+                      hop_s=float(sum(run.hop_s) + sum(run.back_hop_s)), **common)
 
 
 def priced_plan(plan: Plan, graph: Any, cluster: Any, profiles: Mapping[str, ProfileDB] | None = None) -> Plan:

@@ -30,9 +30,6 @@ FAMILIES = {"data_parallel": ("data_parallel", 3), "zero2": ("sharded_data_paral
             "pipeline": ("pipeline", 3), "expert_parallel": ("expert_parallel", 3)}
 #: family -> (what the runtime sends that is not priced call by call, which of its events)
 NOT_PRICED_PER_CALL = {
-    "pipeline": ("the stage's other inputs sent beside the hidden state (the attention mask, position "
-                 "ids): the hop prices the hidden state only",
-                 lambda kind, nbytes, priced: kind == "send" and (kind, nbytes) not in priced),
     "expert_parallel": ("the all-to-all's sizes follow the routing: priced as the expected volume, not "
                         "per call", lambda kind, nbytes, priced: kind == "all_to_all"),
 }

@@ -122,6 +122,8 @@ def test_shallow_trace_extended_equals_the_full_trace(family):
     assert unnamed(fast) == unnamed(full)
     assert fast.vocab_parallel_modules == full.vocab_parallel_modules
     assert fast.summary() == full.summary()
+    cuts = lambda g: [[dataclasses.replace(t, name="") for t in cut] for cut in g.cuts]  # noqa: E731
+    assert len(full.cuts) == 8 and cuts(fast) == cuts(full)   # what each pipeline cut sends
 
 
 def test_layers_that_differ_are_traced_in_full():
@@ -176,3 +178,26 @@ def test_layerdrop_zero_exports_in_training_mode_and_the_mode_is_restored():
     both = _LayerDropAndDropout(0.0).train()
     ep = export_model(both, (torch.randn(2, 4),))
     assert any("dropout" in str(n.target) for n in ep.graph.nodes) and both.layerdrop == 0.0
+
+
+@pytest.mark.parametrize("family, attn", [("llama", "eager"),   # quick; the others in the full suite
+                                          pytest.param("llama", "sdpa", marks=pytest.mark.full),
+                                          pytest.param("gpt2", "eager", marks=pytest.mark.full)])
+def test_a_pipeline_cut_sends_what_the_stage_split_sends(family, attn):
+    """Traced at batch 1, each cut's tensors — their bytes for a micro-batch of 3 and which need a
+    gradient — are what the pipeline split's stage hands on at 3 samples (the hidden state, the
+    mask, the rotary tables, the labels: one send each, integers as float32)."""
+    from fxpar.codegen.pipeline.split import as_float, split_stages
+
+    cfg = dict(TINY_CONFIGS[family], **({"n_layer": 4} if family == "gpt2" else {"num_hidden_layers": 4}))
+    model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation=attn).train()
+    batch = example_inputs(model, 3, 16, seed=1)
+    graph = trace(model, {k: v[:1] for k, v in batch.items()})
+    assert len(graph.cuts) == 5
+    for cut, layer_to_stage in ((1, [1, 1, 1, 1]), (2, [0, 1, 1, 1]), (3, [0, 0, 1, 1]), (4, [0, 0, 0, 1])):
+        stages, inputs = split_stages(model, batch, layer_to_stage, 2)
+        sent = stages[0](*(batch[n] for n in inputs))
+        sent = sent if isinstance(sent, tuple) else (sent,)
+        ours = sorted((t.nbytes(3), t.grad) for t in graph.cuts[cut - 1])
+        assert ours == sorted((float(as_float(x).numel() * as_float(x).element_size()), x.requires_grad)
+                              for x in sent), (cut, graph.cuts[cut - 1])

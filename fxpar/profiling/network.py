@@ -85,11 +85,17 @@ class Hop:
     bytes_per_s: float
     alpha_s: float = 0.0
 
-    def seconds(self, nbytes):
-        """Seconds to move ``nbytes`` (a number or an array: the search's tables, not recorded)."""
-        if np.ndim(nbytes) == 0 and math.isfinite(self.bytes_per_s):
+    def seconds(self, nbytes, *, record: bool = True):
+        """Seconds to move ``nbytes`` (a number or an array: the search's tables, not recorded;
+        ``record=False``: a number the search prices, not recorded either)."""
+        if record and np.ndim(nbytes) == 0 and math.isfinite(self.bytes_per_s):
             collectives.record("send", nbytes, 2)
         return nbytes / self.bytes_per_s + self.alpha_s
+
+    def messages_s(self, sizes: Sequence[float], *, record: bool = True) -> float:
+        """Seconds to send each of ``sizes`` (bytes) in turn, one transfer apiece: a pipeline cut's
+        tensors (:meth:`fxpar.sim.segments.SegmentTable.hop_messages`)."""
+        return float(sum(self.seconds(float(n), record=record) for n in sizes))
 
 
 #: no hop at all (after a pipeline's last stage)

@@ -148,10 +148,12 @@ def simulate_ends(order: dict[int, list[Action | None]], stage_rank: list[int], 
 
 
 def replay(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: list[float],
-           bwd: list[float], hop: list[float]):
+           bwd: list[float], hop: list[float], back: list[float] | None = None):
     """Per rank (rank order) the end of its last action and its busy seconds, and the events
     ``(stage, "fwd" | "bwd", start, end, micro-batch, arrival of its inputs)`` of ``order``
-    replayed with real durations."""
+    replayed with real durations (``hop``: after each stage forward; ``back``: the gradients
+    back to each stage, where they differ)."""
+    back = hop if back is None else back
     finish: dict[Action, float] = {}
     free = {r: 0.0 for r in order}
     busy = {r: 0.0 for r in order}
@@ -167,7 +169,7 @@ def replay(order: dict[int, list[Action | None]], stage_rank: list[int], fwd: li
                 deps = _deps(acts[0], S)
                 if any(d not in finish for d in deps):
                     break
-                arrival = max([0.0] + [finish[d] + (hop[d[1] if d[0] == "F" else s] if stage_rank[d[1]] != r else 0.0)
+                arrival = max([0.0] + [finish[d] + ((hop[d[1]] if d[0] == "F" else back[s]) if stage_rank[d[1]] != r else 0.0)
                                        for d in deps])
                 start = max(free[r], arrival)
                 took = fwd[s] if kind == "F" else bwd[s]

@@ -18,7 +18,12 @@ tensor-parallel all-reduces forward and backward on the group's node,
     f_j = Σ_i (fa_ik + fc_ik·b)·σ_i + Σ_i TF_i
     b_j = Σ_i (a_ik + c_ik·b)·σ_i + Σ_i (TF_i + TB_i) − f_j   (+ Σ_blocks (fa_ik + fc_ik·b)·σ_i
                                                           when the stage checkpoints: forward again)
-    h_j = β_{e_j − 1}·b / (hop bandwidth π(j) → π(j+1))   (:class:`fxpar.profiling.network.LinkCosts`)
+    h_j = Σ_{t sent by cut e_j − 1} (α + x_t(b) / B_{π(j) → π(j+1)})     forward
+    g_j = Σ_{t of those that need a gradient} (α + x_t(b) / B_{π(j+1) → π(j)})   back
+
+(one point-to-point transfer per tensor the cut sends, ``x_t(b)`` its bytes for ``b`` samples:
+:meth:`fxpar.sim.segments.SegmentTable.hop_messages`; ``α`` and ``B`` the hop's,
+:class:`fxpar.profiling.network.LinkCosts`)
 
 The schedule's event simulation (:mod:`fxpar.sim.pipeline_sim` for 1F1B / GPipe,
 :mod:`fxpar.sim.interleaved` for interleaved stages) gives the makespan ``T_pipe`` and when each
@@ -162,6 +167,7 @@ class ReplicaRun:
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     hop_s: tuple[float, ...]
+    back_hop_s: tuple[float, ...]
     ends_s: tuple[float, ...]
     busy_s: tuple[float, ...]
     optimizer_s: tuple[float, ...]
@@ -181,6 +187,7 @@ class PipelineRun:
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     hop_s: tuple[float, ...]        # after each stage (0 after the last)
+    back_hop_s: tuple[float, ...]   # the gradients back to each stage from the next (0 for the last)
     busy_s: tuple[float, ...]       # per position: forward + backward seconds
     position_optimizer_s: tuple[float, ...]
     memory_bytes: tuple[int, ...]   # per device of each position
@@ -213,23 +220,33 @@ def stage_memory(prices: PipelinePrices, st: StageSlice, in_flight: int, b: int,
                             receive_in_flight=prices.receive_in_flight.get(st.kind, False))
 
 
-def _hops(prices: PipelinePrices, layout: PipelineLayout, b: int) -> list[float]:
-    t, S = prices.table, len(layout.stages)
-    return [float(layout.links.hop(st.position, layout.stages[j + 1].position).seconds(float(t.boundary_bytes[st.end - 1]) * b))
-            if j + 1 < S else 0.0 for j, st in enumerate(layout.stages)]
+def _hops(prices: PipelinePrices, layout: PipelineLayout, stages: list[StageSlice], b: int
+          ) -> tuple[list[float], list[float]]:
+    """Per stage, the seconds of the cut after it: its tensors forward and their gradients back
+    (:meth:`fxpar.sim.segments.SegmentTable.hop_messages`, one transfer each; 0 after the last)."""
+    fwd, back = [], []
+    for j, st in enumerate(stages):
+        if j + 1 == len(stages):
+            fwd.append(0.0)
+            back.append(0.0)
+            continue
+        sent, grads = prices.table.hop_messages(st.end - 1, b)
+        fwd.append(layout.links.hop(st.position, stages[j + 1].position).messages_s(sent))
+        back.append(layout.links.hop(stages[j + 1].position, st.position).messages_s(grads))
+    return fwd, back
 
 
-def _schedule(layout: PipelineLayout, fwd, bwd, hops) -> tuple[list[float], list[float], list]:
+def _schedule(layout: PipelineLayout, fwd, bwd, hops, back) -> tuple[list[float], list[float], list]:
     """Per position: the end of its last op and its busy seconds; the events."""
     m, W = layout.num_microbatches, len(layout.links.nodes)
     if layout.schedule == "interleaved":
         stage_rank = [st.position for st in layout.stages]
         timed = all(f > 0 for f in fwd) and all(b > 0 for b in bwd)  # the order codegen runs (no hops)
         order = lockstep_order(stage_rank, W, m, fwd if timed else None, bwd if timed else None)
-        return replay(order, stage_rank, fwd, bwd, hops)
+        return replay(order, stage_rank, fwd, bwd, hops, back)
     if layout.schedule not in SCHEDULES:
         raise ValueError(f"schedule {layout.schedule!r}: expected one of {SCHEDULES}")
-    _, busy, events = simulate_stages(fwd, bwd, hops, m, layout.schedule)
+    _, busy, events = simulate_stages(fwd, bwd, hops, m, layout.schedule, back=back)
     ends = [0.0] * W
     for e in events:
         ends[e[0]] = max(ends[e[0]], e[3])
@@ -246,8 +263,8 @@ def price_replica(prices: PipelinePrices, layout: PipelineLayout, kinds: tuple[s
               for st, k, (i, e) in zip(layout.stages, kinds, ranges)]
     times = [stage_seconds(prices, st, b) for st in stages]
     fwd, bwd = [f for f, _ in times], [x for _, x in times]
-    hops = _hops(prices, layout, b)
-    ends, busy, events = _schedule(layout, fwd, bwd, hops)
+    hops, back = _hops(prices, layout, stages, b)
+    ends, busy, events = _schedule(layout, fwd, bwd, hops, back)
     memory, opt = [0.0] * W, [0.0] * W
     for j, st in enumerate(stages):
         local = float(prices.table.local_params(st.width)[st.start:st.end].sum())
@@ -255,7 +272,7 @@ def price_replica(prices: PipelinePrices, layout: PipelineLayout, kinds: tuple[s
         in_flight = m if layout.schedule == "GPipe" else min(S - j, m)
         memory[st.position] += stage_memory(prices, st, in_flight, b, P, layout.zero, microbatches=m,
                                             first=j == 0, last=j == S - 1)
-    return ReplicaRun(fwd_s=tuple(fwd), bwd_s=tuple(bwd), hop_s=tuple(hops), ends_s=tuple(ends),
+    return ReplicaRun(fwd_s=tuple(fwd), bwd_s=tuple(bwd), hop_s=tuple(hops), back_hop_s=tuple(back), ends_s=tuple(ends),
                       busy_s=tuple(busy), optimizer_s=tuple(opt), memory_bytes=tuple(memory), events=tuple(events))
 
 
@@ -292,6 +309,6 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
     gather = layout.links.allgather_s([n * w_bytes for n in params], calls) if layout.zero else 0.0
     return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,
                        exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,
-                       fwd_s=worst("fwd_s"), bwd_s=worst("bwd_s"), hop_s=worst("hop_s"), busy_s=worst("busy_s"),
+                       fwd_s=worst("fwd_s"), bwd_s=worst("bwd_s"), hop_s=worst("hop_s"), back_hop_s=worst("back_hop_s"), busy_s=worst("busy_s"),
                        position_optimizer_s=opt, memory_bytes=tuple(int(x) for x in worst("memory_bytes")),
                        events=reps[slowest].events, replicas=reps)

@@ -156,7 +156,7 @@ def simulate_pipeline(plan: Plan, prices: PipelinePrices, cluster) -> SimResult:
     for rep in {id(r): r for r in run.replicas}.values():  # each distinct schedule, on its pipelines' ranks
         pipes = [p for p, other in enumerate(run.replicas) if other is rep]
         stage_ranks = [tuple(r for p in pipes for r in slots[st.position][p]) for st in layout.stages]
-        events += pipeline_events(stage_ranks, rep.events, list(rep.hop_s))
+        events += pipeline_events(stage_ranks, rep.events, list(rep.hop_s), list(rep.back_hop_s))
     where = _positions(slots)
     t0, t1 = run.makespan_s, run.makespan_s + run.exposed_allreduce_s
     for r in range(plan.world_size):

@@ -8,7 +8,8 @@ Stage ``j`` of ``S``, ``m`` micro-batches:
     GPipe  every forward, then every backward.
 
 ``F(j, k)`` waits for ``F(j−1, k)`` plus the hop ``h_{j−1}`` (its activations arriving), ``B(j, k)``
-for ``F(j, k)`` and ``B(j+1, k)`` plus the hop ``h_j`` (the gradient coming back); a stage runs one
+for ``F(j, k)`` and ``B(j+1, k)`` plus the hop ``g_j`` (the gradients coming back: fewer tensors
+than go forward, the ones that need a gradient); a stage runs one
 op at a time, in its order:
 
     start(op) = max(free_j, arrival(op)),   end(op) = start(op) + (f_j or b_j)
@@ -45,7 +46,7 @@ def gpipe_order(stage: int, stages: int, m: int) -> list[tuple[str, int]]:
 ORDERS = {"1F1B": one_f_one_b_order, "GPipe": gpipe_order}
 
 
-def _arrival(kind: str, j: int, k: int, S: int, done: dict, hop: list[float]) -> float | None:
+def _arrival(kind: str, j: int, k: int, S: int, done: dict, hop: list[float], back: list[float]) -> float | None:
     """When the inputs of op (kind, j, k) are there; None while a dependency has not run."""
     if kind == "F":
         if j == 0:
@@ -58,12 +59,14 @@ def _arrival(kind: str, j: int, k: int, S: int, done: dict, hop: list[float]) ->
     if j == S - 1:
         return own
     dep = done.get(("B", j + 1, k))
-    return None if dep is None else max(own, dep + hop[j])
+    return None if dep is None else max(own, dep + back[j])
 
 
 def simulate_stages(fwd: list[float], bwd: list[float], hop: list[float], m: int,
-                    schedule: str = "1F1B") -> tuple[float, list[float], list[Event]]:
-    """(makespan, busy per stage, events) of ``schedule`` (module docstring)."""
+                    schedule: str = "1F1B", *, back: list[float] | None = None) -> tuple[float, list[float], list[Event]]:
+    """(makespan, busy per stage, events) of ``schedule`` (module docstring); ``back``: the
+    hops of the gradients coming back, where they differ from ``hop``."""
+    back = hop if back is None else back
     S = len(fwd)
     orders = [ORDERS[schedule](j, S, m) for j in range(S)]
     pos, free = [0] * S, [0.0] * S
@@ -76,7 +79,7 @@ def simulate_stages(fwd: list[float], bwd: list[float], hop: list[float], m: int
             if pos[j] >= len(orders[j]):
                 continue
             kind, k = orders[j][pos[j]]
-            ready = _arrival(kind, j, k, S, done, hop)
+            ready = _arrival(kind, j, k, S, done, hop, back)
             if ready is None:
                 continue
             start = max(ready, free[j])
@@ -99,17 +102,19 @@ def simulate_1f1b(fwd: list[float], bwd: list[float], hop: list[float], m: int
     return makespan, busy, [e[:5] for e in events]
 
 
-def pipeline_events(stage_ranks: list[tuple[int, ...]], events, hops: list[float] | None = None
-                    ) -> list[TimelineEvent]:
+def pipeline_events(stage_ranks: list[tuple[int, ...]], events, hops: list[float] | None = None,
+                    back: list[float] | None = None) -> list[TimelineEvent]:
     """Expand stage events to every rank of the stage (``stage_ranks[j]``: the ranks of the
     replicas that run this schedule; replicas that differ are expanded one call each).
     With ``hops`` (the seconds after each stage), a ``hop`` event shows the part of a wait that
-    is the transfer: up to ``h`` seconds before the op's inputs arrived, after its rank was free."""
+    is the transfer: up to ``h`` seconds before the op's inputs arrived, after its rank was free
+    (``back``: the backward's, where they differ)."""
+    back = hops if back is None else back
     out, free = [], {}
     S = len(stage_ranks)
     for j, kind, start, end, k, *arrival in sorted(events, key=lambda e: (e[2], e[0])):
         h = 0.0 if hops is None else (hops[j - 1] if kind == "fwd" and j > 0 else
-                                      hops[j] if kind == "bwd" and j < S - 1 else 0.0)
+                                      back[j] if kind == "bwd" and j < S - 1 else 0.0)
         for r in stage_ranks[j]:
             before = free.get(r, 0.0)
             if arrival and h > 0 and arrival[0] > before:

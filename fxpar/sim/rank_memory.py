@@ -151,8 +151,10 @@ def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str
                                                      its backward, as torch pipelining does)
           = Σ_i β_i                                  under activation checkpointing
         t = 2·max_i out_i·share (+ max_i α_i·share: the block recomputed, checkpointing)
-        H = m·b·(β_{i−1}·[not first] + β_{e−1}·[not last])   per-micro-batch receive buffers
-                                                     (activations in, gradients back), with
+        H = m·(x_{i−1}(b)·[not first] + y_{e−1}(b)·[not last])   per-micro-batch receive buffers
+                                                     (every tensor cut i − 1 sends in, the
+                                                     gradients cut e − 1 sends back:
+                                                     ``SegmentTable.hop_messages``), with
                                                      m = min(microbatches, r) where the framework
                                                      receives into fresh tensors per transfer
                                                      (``receive_in_flight``: Megatron-LM's
@@ -172,9 +174,9 @@ def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str
         work += float((table.act_bytes[i:e] * act_share).max(initial=0.0))
     else:
         act = float((table.act_bytes[i:e] * act_share).sum()) + send
-    recv = (0.0 if first else float(table.boundary_bytes[i - 1])) + send
+    recv = (0.0 if first else sum(table.hop_messages(i - 1, b)[0])) + (0.0 if last else sum(table.hop_messages(e - 1, b)[1]))
     return memory.step_peak_bytes(weights=w * n, grads=g * n, optimizer_state=o * n / (pipelines if zero else 1),
                                   sizes=[b] * max(microbatches, 1), in_flight=in_flight, activation_per_sample=act,
                                   workspace_per_sample=work, exchange=g * n if pipelines > 1 else 0.0,
                                   buffers=(min(max(microbatches, 1), max(in_flight, 1)) if receive_in_flight
-                                           else max(microbatches, 1)) * b * recv)
+                                           else max(microbatches, 1)) * recv)

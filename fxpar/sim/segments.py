@@ -4,7 +4,8 @@ the first repeated block), one segment per block, ``post`` (final norm, head, lo
 Stage cuts are made between segments.  Per segment and device kind the table holds the
 affine compute cost (``a`` per micro-batch, ``c`` per sample, forward + backward), and per
 segment the parameters, saved activations per sample, the hidden-state bytes per sample that
-leave it (what a pipeline hop sends), and the fraction of its time that tensor parallelism
+leave it, every tensor a pipeline cut after it sends (the hidden state and what later segments
+read beside it: the mask, rotary tables, labels; ``hop_messages``), and the fraction of its time that tensor parallelism
 divides (everything inside attention / MLP / experts submodules, embeddings, products).
 
 Tensor parallelism's all-reduces per sample (``tp_messages``, what codegen's ``tp_copy`` /
@@ -28,7 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from fxpar.profiling import CostModel
-from fxpar.tracing.graph import ModelGraph, OpClass
+from fxpar.tracing.graph import CutTensor, ModelGraph, OpClass
 
 _SHARDED = (OpClass.MATMUL, OpClass.ATTENTION, OpClass.MOE_EXPERTS)
 
@@ -55,6 +56,19 @@ class SegmentTable:
     tp_messages: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
     #: parameter tensors per segment (ZeRO-1 broadcasts each one: one call apiece; None: one)
     param_tensors: np.ndarray | None = None
+    #: per segment, the values it sends to the next when a pipeline cuts after it
+    #: (:attr:`fxpar.tracing.graph.ModelGraph.cuts`; the last sends none); None: unknown, the
+    #: hidden state (``boundary_bytes``) alone, both ways
+    sends: tuple[tuple[CutTensor, ...], ...] | None = None
+
+    def hop_messages(self, j: int, b: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The bytes of each tensor a cut after segment ``j`` sends for a micro-batch of ``b``
+        samples: (forward, the gradients coming back)."""
+        if self.sends is None:
+            x = float(self.boundary_bytes[j]) * b
+            return (x,), (x,)
+        cut = self.sends[j] if j < len(self.sends) else ()
+        return tuple(t.nbytes(b) for t in cut), tuple(t.nbytes(b) for t in cut if t.grad)
 
     def tensors(self, start: int, end: int) -> int:
         """Parameter tensors of segments ``[start, end)`` (at least one)."""
@@ -216,7 +230,7 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
                         boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
                         fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max,
                         tp_messages=_tp_messages(graph, cost.dtype, boundary, pre_modules, post_modules),
-                        param_tensors=tensors)
+                        param_tensors=tensors, sends=graph.cuts + ((),) if len(graph.cuts) == n_seg - 1 else None)
 
 
 def _tp_messages(graph: ModelGraph, dtype: str, boundary: np.ndarray, pre: set[str], post: set[str]):

@@ -158,7 +158,8 @@ class _StageCost:
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
         hop = hop or ctx.network.crossing_hop(spec.kind)   # placement unknown: it may cross nodes
-        self.hop = _memo(ctx, ("hop", b, hop), lambda: hop.seconds(ctx.table.boundary_bytes * b))
+        self.hop = _memo(ctx, ("hop", b, hop), lambda: np.array(   # what each cut sends forward
+            [hop.messages_s(ctx.table.hop_messages(j, b)[0], record=False) for j in range(ctx.table.size)]))
         self.ckpt, self.op = ckpt, ctx.op_overhead_s
 
     def stage_time(self, i: int, j: int) -> float:

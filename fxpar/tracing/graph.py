@@ -87,6 +87,24 @@ class LayerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class CutTensor:
+    """One value a pipeline cut sends to the next stage (:mod:`fxpar.tracing.cuts`)."""
+
+    name: str              # the node that makes it (a model input's placeholder name for an input)
+    per_sample: float      # elements per sample (0 for a value that does not grow with the batch)
+    fixed: float           # elements per micro-batch that do not grow with it
+    dtype: str             # as sent: floating as computed, integers and booleans as float32
+    grad: bool             # its gradient comes back in the backward
+
+    def nbytes(self, samples: float) -> float:
+        """Bytes sent for a micro-batch of ``samples``."""
+        return (self.per_sample * samples + self.fixed) * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True)
 class WorkloadSummary:
     """Per-sample totals of a ModelGraph: the only model facts the DP solver needs."""
 
@@ -132,6 +150,10 @@ class ModelGraph:
     #: (:mod:`fxpar.tracing.recorded`; the export's error): no exported program, so no tensor- or
     #: expert-parallel plan (pipelines run eager stages, :mod:`fxpar.codegen.pipeline.eager`)
     recorded: str = ""
+    #: per pipeline cut ``k`` (after segment ``k``: ``pre``, then each block), the values it sends
+    #: (:mod:`fxpar.tracing.cuts`); empty when unknown (a recorded graph): the pricing then takes
+    #: the hidden state alone, both ways
+    cuts: tuple[tuple[CutTensor, ...], ...] = ()
 
     @property
     def param_count(self) -> int:
@@ -162,7 +184,10 @@ class ModelGraph:
         nodes = tuple(n if n.amp_saved_bytes < 0 and not n.amp_dtype else
                       dataclasses.replace(n, saved_bytes=n.amp_saved_bytes if n.amp_saved_bytes >= 0 else n.saved_bytes,
                                           dtype=n.amp_dtype or n.dtype) for n in self.nodes)
-        return dataclasses.replace(self, nodes=nodes)
+        amp = {n.name: n.amp_dtype for n in self.nodes if n.amp_dtype}
+        cuts = tuple(tuple(dataclasses.replace(t, dtype=amp[t.name]) if t.name in amp and t.dtype in _DTYPE_BYTES
+                           else t for t in cut) for cut in self.cuts)
+        return dataclasses.replace(self, nodes=nodes, cuts=cuts)
 
     def summary(self) -> WorkloadSummary:
         """Per-sample totals (FLOPs and activation bytes scale linearly with the batch)."""

@@ -107,4 +107,8 @@ def extend(graph: ModelGraph, layers: int) -> ModelGraph | None:
     params = list(graph.params[:at]) + params[len(graph.params):] + list(graph.params[at:])
     if any(n.layer is not None and n.layer not in range(layers) for n in nodes):
         return None
-    return dataclasses.replace(graph, nodes=nodes, params=tuple(params), layers=tuple(infos), exported=None)
+    cuts = graph.cuts   # after pre, the first blocks, each middle block as block 1, the last block
+    if cuts:
+        cuts = cuts[:SHALLOW_LAYERS] + (cuts[SHALLOW_LAYERS - 1],) * (layers - SHALLOW_LAYERS) + cuts[SHALLOW_LAYERS:]
+    return dataclasses.replace(graph, nodes=nodes, params=tuple(params), layers=tuple(infos), exported=None,
+                               cuts=cuts)

@@ -26,6 +26,7 @@ import torch
 from fxpar.compat import attn_implementation
 from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
+from fxpar.tracing.cuts import cut_sends
 from fxpar.tracing.export import ExampleInputs, batch_and_seq, export_program, split_inputs
 from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.graph import ModelGraph, OpClass, OpNode
@@ -132,9 +133,12 @@ def _exported_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
     graph = ep.graph
     param_of_placeholder: dict[str, str] = {}
+    user_inputs: set[str] = set()
     for spec in ep.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.PARAMETER:
             param_of_placeholder[spec.arg.name] = str(spec.target)
+        elif spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
+            user_inputs.add(spec.arg.name)
     requires_grad_params = {n for n, p in model.named_parameters(remove_duplicate=False)
                             if p.requires_grad}
 
@@ -165,7 +169,8 @@ def _exported_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         nodes=tuple(nodes), params=params, layers=layers,
         input_names=tuple(kwargs.keys()) if kwargs else tuple(f"arg{i}" for i in range(len(args))),
         trace_time_s=elapsed, exported=ep, vocab_parallel_modules=vocab_parallel_modules(model),
-        attn_implementation=attn_implementation(model), tp_analysis=tp, lost_gradients=lost_gradients(ep))
+        attn_implementation=attn_implementation(model), tp_analysis=tp, lost_gradients=lost_gradients(ep),
+        cuts=cut_sends(graph, layer_of, user_inputs, batch, needs_grad))
 
 
 def _annotate(node: torch.fx.Node, layer_of: dict[str, int], needs_grad: dict[str, bool],
