@@ -156,8 +156,14 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> tuple[dict[str, Any]
     graph = trace(model, {k: v[:1] for k, v in batch.items()})
     cluster = _cluster(case)
     workload = Workload(global_batch=case.batch, seq_len=case.seq, dtype=case.dtype, optimizer="adamw")
-    corrected = None if calibration is None else calibrate.on_model(
-        calibration, model, batch, dtype=case.dtype, world=len(case.speeds), graph=graph)
+    corrected, note = calibration, ""
+    if calibration is not None:
+        try:
+            corrected = calibrate.on_model(calibration, model, batch, dtype=case.dtype, world=len(case.speeds),
+                                           graph=graph)
+            note = corrected.calibration
+        except (FxparError, WorkerError) as exc:   # priced with the machine's calibration alone, and said
+            note = f"not corrected on the model ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
     profiles = {"": with_calibration(None, corrected), "_machine": with_calibration(None, calibration),
                 "_catalog": None}
     costs = {k: CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw", profiles=v) for k, v in profiles.items()}
@@ -186,7 +192,7 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> tuple[dict[str, Any]
     for key in ("_machine", "_catalog"):   # the planner's picks without the model's own figures
         picked = solve_plan(graph, cluster, workload, profiles=profiles[key])
         arms["choice" + key] = {"plan": picked.to_json(indent=None), "summary": plan_line(picked), **priced(picked)}
-    return arms, "" if corrected is None else corrected.calibration
+    return arms, note
 
 
 def plan_line(plan: Plan) -> str:

@@ -13,7 +13,8 @@ The step's parts add up to the step (seconds, the slowest position's view):
         compute          forward + backward of the busiest position, less its TP all-reduces
         tensor_parallel  that position's tensor-parallel all-reduces (all micro-batches)
         bubble           the schedule's makespan minus that position's busy time (pipeline
-                         fill / drain and waits on hops; ``hop_s`` is one micro-batch's hops)
+                         fill / drain and waits on hops; ``hop_s`` is one micro-batch's hops,
+                         forward and the gradients back)
         allreduce        the gradient all-reduce after the last backward (exposed part)
         optimizer        the slowest position's update; gather: ZeRO-1's all-gather
     data parallel:  step = compute + allreduce + optimizer   (compute: the slowest rank)
@@ -80,7 +81,7 @@ class Prediction:
     alltoall_s: float
     optimizer_s: float
     gather_s: float
-    hop_s: float                          # one micro-batch's hops along a pipeline (in bubble)
+    hop_s: float                          # one micro-batch's hops along a pipeline, both ways (in bubble)
     busy_s: tuple[float, ...]             # per rank
     idle_s: tuple[float, ...]             # per rank
     peak_memory_bytes: tuple[int, ...]    # per rank, what the program allocates

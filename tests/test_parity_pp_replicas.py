@@ -84,6 +84,8 @@ def test_the_planners_pipeline_per_node_kind_runs_exactly(pool4):
     _check_steps(results)
 
 
+@pytest.mark.full  # 10.6 s on 4 ranks; the quick tier keeps interleaved stages in test_parity_interleaved.py's
+# test_fast_rank_holds_stages_0_and_2 and uneven replicas in test_pipelines_with_their_own_stage_cuts
 def test_interleaved_pipelines_with_uneven_batches(pool4):
     # each pipeline's first rank holds stages 0 and 2; pipeline 0 trains 6 samples, pipeline 1 two
     results = pool4.run(replica_interleaved_parity, [6, 2])

@@ -100,63 +100,102 @@ def _loss(out: Any) -> torch.Tensor:
     return loss
 
 
+def _forward_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    try:
+        out = model(**batch)
+    except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+        raise ConfigError(f"calibrating on the model: its forward on the example inputs failed "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); pass the keyword inputs "
+                          "the model takes, with labels") from None
+    return _loss(out)
+
+
+class _Saved:
+    """What timing changes on a model, to put back: its parameters, buffers and gradients, each
+    module's mode."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tensors = {k: t.detach().clone() for k, t in (*model.named_parameters(), *model.named_buffers())}
+        self.grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
+        self.modes = {m: m.training for m in model.modules()}
+
+    def restore(self, model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for k, t in (*model.named_parameters(), *model.named_buffers()):
+                t.copy_(self.tensors[k])
+        for k, p in model.named_parameters():
+            p.grad = self.grads[k]
+        for m, training in self.modes.items():
+            m.training = training
+
+
 def time_model(model: torch.nn.Module, make_batch: Callable[[int], Mapping[str, Any]], batches: tuple[int, int],
                device: torch.device, *, dtype: str = "fp32", optimizer: str | None = "adamw",
                repeats: int = 7) -> ModelTiming:
-    """Forward + backward of ``model`` on ``make_batch(b)`` for each ``b`` of ``batches`` under the
-    plan's precision, the two sizes alternating (``repeats`` each after a warm-up: a drift of the
-    machine's speed moves both), and (``optimizer``) torch's optimizer of that name stepping on
-    the gradients of the last backward (module docstring).  The model's gradients are left cleared."""
-    runs = []
-    for b in batches:
-        batch = make_batch(b)
-
-        def step(batch=batch) -> None:
-            model.zero_grad(set_to_none=True)
-            with _precision(device, dtype):
-                loss = _loss(model(**batch))
-            loss.backward()
-
-        runs.append(step)
-    samples: list[list[float]] = [[], []]
-    for i in range(repeats + 1):
-        for j, run in enumerate(runs):
-            start = time.perf_counter()
-            run()
-            _sync(device)
-            if i:   # the first round warms up
-                samples[j].append(time.perf_counter() - start)
-    opt_s = None
-    if optimizer is not None:
-        make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(optimizer)
-        if make is None:
-            raise ConfigError(f"calibrating on the model: optimizer {optimizer!r}; give adamw, adam or sgd")
-        params = [p for p in model.parameters() if p.requires_grad]
-        saved = [p.detach().clone() for p in params]
-        opt = make(params, **({"momentum": 0.9, "lr": 1e-3} if optimizer == "sgd" else {}))
-        opt_s = timed(opt.step, device, repeats=5)
-        with torch.no_grad():   # the model as it was
-            for p, s in zip(params, saved):
-                p.copy_(s)
-    model.zero_grad(set_to_none=True)
-    return ModelTiming(batches=(int(batches[0]), int(batches[1])),
-                       seconds=(statistics.median(samples[0]), statistics.median(samples[1])),
+    """Forward + backward of ``model`` in training mode on ``make_batch(b)`` for each ``b`` of
+    ``batches`` under the plan's precision, the two sizes alternating (``repeats`` each after a
+    warm-up: a drift of the machine's speed moves both), and (``optimizer``) torch's optimizer of
+    that name stepping on the gradients of the last backward (module docstring).  The model is
+    left as it was (parameters, buffers, gradients, modes) and so are the random streams."""
+    make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, None: None}
+    if optimizer not in make:
+        raise ConfigError(f"calibrating on the model: optimizer {optimizer!r}; give adamw, adam or sgd")
+    saved = _Saved(model)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model.train()
+            seconds = _fwd_bwd_seconds(model, [make_batch(b) for b in batches], device, dtype, repeats)
+            opt_s = None
+            if optimizer is not None:
+                params = [p for p in model.parameters() if p.requires_grad]
+                opt = make[optimizer](params, **({"momentum": 0.9, "lr": 1e-3} if optimizer == "sgd" else {}))
+                opt_s = timed(opt.step, device, repeats=5)
+    finally:
+        saved.restore(model)
+    return ModelTiming(batches=(int(batches[0]), int(batches[1])), seconds=seconds,
                        optimizer=optimizer or "adamw", optimizer_s=opt_s)
 
 
+def _fwd_bwd_seconds(model: torch.nn.Module, runs: list[Mapping[str, Any]], device: torch.device, dtype: str,
+                     repeats: int) -> tuple[float, float]:
+    """The median forward + backward seconds of each batch of ``runs``, alternating, after one
+    warm-up round (:func:`time_model`)."""
+    samples: list[list[float]] = [[] for _ in runs]
+    for i in range(repeats + 1):
+        for j, batch in enumerate(runs):
+            start = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            with _precision(device, dtype):
+                loss = _forward_loss(model, batch)
+            loss.backward()
+            _sync(device)
+            if i:   # the first round warms up
+                samples[j].append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def _cpu_only(db: ProfileDB) -> None:
+    if db.device_type != "cpu":
+        raise ConfigError(f"calibrating on the model: a calibration of {db.device_type!r}; only CPU ranks' "
+                          "calibrations are corrected on a model (the model is timed on this machine's CPU)")
+
+
 def corrected(db: ProfileDB, graph: ModelGraph, timing: ModelTiming, *, dtype: str = "fp32") -> ProfileDB:
-    """``db`` corrected so that it prices ``graph`` (traced from the timed model) as ``timing``
-    measured it (module docstring): pure, from plain figures."""
+    """``db`` (a CPU calibration) corrected so that it prices ``graph`` (traced from the timed
+    model) as ``timing`` measured it (module docstring): pure, from plain figures.  The rates it
+    corrects are the ones the pricing uses (a rate the calibration lacks, its catalog value)."""
+    _cpu_only(db)
     cluster = Cluster.emulated([1.0])
     cost = CostModel(graph, cluster, dtype=dtype, optimizer=timing.optimizer, profiles={db.device_type: db})
     priced = cost.sample_cost(cluster.device(0))
     if priced.total_s <= 0:
         return db
+    matmul, bandwidth, overhead = cost.rates(cluster.device(0))
     k_fixed = float(np.clip(timing.fixed_s / max(priced.fixed_s, 1e-12), 1 / MAX_FACTOR, MAX_FACTOR))
     k_rate = float(np.clip(timing.per_sample_s / priced.total_s, 1 / MAX_FACTOR, MAX_FACTOR))
-    out = replace(db, op_overhead_s=(db.op_overhead_s or 0.0) * k_fixed,
-                  matmul_flops={k: v / k_rate for k, v in db.matmul_flops.items()},
-                  memory_bytes_per_s=(db.memory_bytes_per_s or 0.0) / k_rate or None)
+    out = replace(db, op_overhead_s=overhead * k_fixed,
+                  matmul_flops={k: v / k_rate for k, v in {**db.matmul_flops, cost.compute_dtype: matmul}.items()},
+                  memory_bytes_per_s=bandwidth / k_rate)
     return _optimizer_corrected(out, cost.param_count, timing)
 
 
@@ -194,15 +233,13 @@ def _timed_here(model: torch.nn.Module, inputs: Mapping[str, Any], batches: tupl
     """:func:`time_model` of ``model`` on ``inputs``' rows, with ``threads`` CPU threads (module-level:
     spawned ranks run it)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    was_training, before = model.training, torch.get_num_threads()
+    before = torch.get_num_threads()
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        model.train()
         return time_model(model, lambda b: _rows(inputs, b), batches, device, dtype=dtype, optimizer=optimizer)
     finally:
         torch.set_num_threads(before)
-        model.train(was_training)
 
 
 def on_model(db: ProfileDB, model: torch.nn.Module, inputs: Mapping[str, Any], *, dtype: str = "fp32",
@@ -213,13 +250,16 @@ def on_model(db: ProfileDB, model: torch.nn.Module, inputs: Mapping[str, Any], *
     sizes (default 1 and the example's rows, at least 2, at most 8).  ``world`` 1 times it here
     with one CPU thread, as fxpar's emulated ranks run; more times a copy on each of ``world``
     spawned CPU ranks at once (the ranks of a job share the machine's caches and memory
-    bandwidth) and takes the slowest rank's figures, what a step waits for.  The model's mode is
-    kept; its gradients are left cleared."""
+    bandwidth) and takes the slowest rank's figures, what a step waits for.  The model is left as
+    it was (:func:`time_model`).  CPU calibrations only."""
     if not isinstance(inputs, Mapping):
         raise ConfigError("calibrating on the model: its example inputs must be keyword inputs (a dict with labels)")
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ConfigError("calibrating on the model: its parameters are on 'meta'; materialise it first")
+    _cpu_only(db)
     rows = max((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0), default=1)
+    if batches is not None and len(batches) != 2:
+        raise ConfigError(f"calibrating on the model: batches {batches!r}; give two sizes 0 < b1 < b2")
     b1, b2 = batches or (1, min(max(rows, 2), 8))
     if not 0 < b1 < b2:
         raise ConfigError(f"calibrating on the model: batches {(b1, b2)}; give two sizes 0 < b1 < b2")

@@ -12,8 +12,10 @@ pipelines of ``S`` positions; slot ``(j, p)`` (position ``j`` of pipeline ``p``)
 devices on node ``n_jp``.  Costs (``η`` link efficiency, ``B_in`` a position's intra-node link,
 ``B_nic`` a node's NIC):
 
-hop ``j → j'`` per micro-batch of ``b`` samples, boundary ``β`` bytes per sample, all
-pipelines at once; pipeline ``p`` crosses from node ``n`` or stays inside it:
+hop ``j → j'`` of one tensor a cut sends, ``x`` bytes for a micro-batch
+(:meth:`fxpar.sim.segments.SegmentTable.hop_messages`: ``β·b`` for the hidden state; every
+tensor of the cut is one transfer, :meth:`Hop.messages_s`), all pipelines at once; pipeline ``p``
+crosses from node ``n`` or stays inside it (``β·b`` below stands for ``x``):
 
     h = max_p { β·b / (η·min(B_in,j, B_in,j'))    same node
               { c_n · β·b / (η·B_nic)              across nodes, c_n = pipelines whose hop

@@ -143,6 +143,11 @@ class CostModel:
         self._node_cache[key] = result
         return result
 
+    def rates(self, device) -> tuple[float, float, float]:
+        """(matrix-product FLOP/s at the job's precision, memory bytes/s, seconds per launched op)
+        the pricing uses on ``device``'s type (:meth:`_rates`), before its speed."""
+        return self._rates(device.type, self.profiles.get(device.type.name))
+
     def _rates(self, device_type, db: ProfileDB | None) -> tuple[float, float, float]:
         """(matrix-product FLOP/s, memory bytes/s, seconds per op) on ``device_type``: a
         calibration's measured rates where its profile has them (``fxpar calibrate``), else the

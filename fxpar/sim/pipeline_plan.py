@@ -6,9 +6,10 @@ Everything is read from the plan and the cluster, nothing from the plan's stored
 
 - each stage's segments: the segment table's modules it lists, in order (the embeddings go with
   the first stage and the head with the last where a hand-written plan lists blocks only);
-- its device kind: the group of its first rank; its width: ``tensor_parallel``; checkpointing:
-  its own flag or the plan's;
-- each replica (pipeline ``p``): its stages' kinds, the groups of the replica's first ranks (so a
+- its device kind: the group of the member of its (first) slot with the largest share of the
+  heads over its speed, the slowest with an even split (the split itself is priced as even); its
+  width: ``tensor_parallel``; checkpointing: its own flag or the plan's;
+- each replica (pipeline ``p``): its stages' kinds, each slot's as above (so a
   stage's replicas on different GPU kinds are each priced at their own speed), and its micro-batch
   ``data_split[p] / num_microbatches``, and its stages' segments where the pipelines cut the model
   differently (``replica_modules``); a position's intra-node link: the slowest of its replicas';

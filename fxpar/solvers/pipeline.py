@@ -9,7 +9,7 @@ micro-batch, ``m`` micro-batches, ``B = P·m·b``.
 
 The search ranks configurations by a closed formula ``T``; its best are then priced by the
 simulator (:func:`fxpar.sim.pipeline_cost.price`, which holds the stage time ``t_j = f_j + b_j
-+ h_j``, the memory ``M_j`` and the link costs this formula shares, and runs the schedule's
++ h_j + g_j``, the hops forward and back of the cut after the stage, the memory ``M_j`` and the link costs this formula shares, and runs the schedule's
 events).  The formula (``e_j`` the end of stage ``j``'s last backward, ``f_i`` the forward part:
 the drain still has to pass the stages before it):
 
@@ -158,8 +158,8 @@ class _StageCost:
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
         hop = hop or ctx.network.crossing_hop(spec.kind)   # placement unknown: it may cross nodes
-        self.hop = _memo(ctx, ("hop", b, hop), lambda: np.array(   # what each cut sends forward
-            [hop.messages_s(ctx.table.hop_messages(j, b)[0], record=False) for j in range(ctx.table.size)]))
+        self.hop = _memo(ctx, ("hop", b, hop), lambda: np.array(   # what each cut sends, both ways
+            [sum(hop.messages_s(x, record=False) for x in ctx.table.hop_messages(j, b)) for j in range(ctx.table.size)]))
         self.ckpt, self.op = ckpt, ctx.op_overhead_s
 
     def stage_time(self, i: int, j: int) -> float:

@@ -7,11 +7,15 @@ one tensor per point-to-point send: beside the hidden state, a HF decoder's stag
 attention mask, the rotary tables and the labels on to the stage that computes the loss.  The
 backward sends back the gradient of each value that needs one.  Segments are the segment
 table's (:func:`fxpar.sim.segments.segment_of_nodes`): ``pre`` before the first block, one per
-block, ``post`` after; cut ``k`` lies after segment ``k``.
+block, ``post`` after; cut ``k`` lies after segment ``k``.  (An operation between two blocks
+that belongs to neither counts here in the block before it, where the split runs it; the cost
+table counts it in ``post``.)
 
 A value grows with the micro-batch when its leading dimension is the traced batch; traced at
 batch 1 (as planning traces), every value is taken to, but those of a rotary-embedding module
-(``…rotary_emb``: HF computes them from the positions alone, one table per micro-batch).  Values
+(``…rotary_emb``: HF computes them from the positions alone, one table per micro-batch).  Another
+value that does not grow (a position bias of shape ``(1, …)`` read by later blocks) is then
+priced as if it did, ``b`` times over: the static trace at batch 1 cannot tell.  Values
 travel as the runtime sends them: floating as computed, integers and booleans as float32.
 """
 
@@ -33,19 +37,22 @@ def _module_path(node: torch.fx.Node) -> str:
 
 def _segments(graph: torch.fx.Graph, layer_of: dict[str, int], inputs: set[str]) -> dict[str, int]:
     """The segment of every node that makes a value a stage could send: the model's inputs in
-    ``pre``, operations by their block (module docstring)."""
+    ``pre``, operations by their block; an operation outside the blocks runs in ``pre`` before
+    the first block, in the stage of the block before it between two blocks (as the split cuts),
+    in ``post`` after the last (module docstring)."""
+    block_of = {node.name: layer_of.get(block_path(_module_path(node)) or "") for node in graph.nodes
+                if node.op == "call_function"}
+    last = max((i for i, node in enumerate(graph.nodes) if block_of.get(node.name) is not None), default=-1)
     seg: dict[str, int] = {}
-    seen_block, last = False, len(layer_of) + 1
-    for node in graph.nodes:
+    current = 0
+    for i, node in enumerate(graph.nodes):
         if node.op == "placeholder" and node.name in inputs:
             seg[node.name] = 0
         elif node.op == "call_function":
-            blk = block_path(_module_path(node))
-            if blk is not None and blk in layer_of:
-                seg[node.name] = layer_of[blk] + 1
-                seen_block = True
-            else:
-                seg[node.name] = last if seen_block else 0
+            layer = block_of[node.name]
+            if layer is not None:
+                current = layer + 1
+            seg[node.name] = current if i <= last else len(layer_of) + 1
     return seg
 
 

@@ -185,7 +185,7 @@ class ModelGraph:
                       dataclasses.replace(n, saved_bytes=n.amp_saved_bytes if n.amp_saved_bytes >= 0 else n.saved_bytes,
                                           dtype=n.amp_dtype or n.dtype) for n in self.nodes)
         amp = {n.name: n.amp_dtype for n in self.nodes if n.amp_dtype}
-        cuts = tuple(tuple(dataclasses.replace(t, dtype=amp[t.name]) if t.name in amp and t.dtype in _DTYPE_BYTES
+        cuts = tuple(tuple(dataclasses.replace(t, dtype=amp[t.name]) if amp.get(t.name) in _DTYPE_BYTES
                            else t for t in cut) for cut in self.cuts)
         return dataclasses.replace(self, nodes=nodes, cuts=cuts)
 
