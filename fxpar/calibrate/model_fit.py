@@ -33,10 +33,11 @@ import numpy as np
 import torch
 
 from fxpar.cluster import Cluster
-from fxpar.errors import ConfigError
+from fxpar.errors import ConfigError, PlanError
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import OpCost, ProfileDB
 from fxpar.profiling.roofline import optimizer_key
+from fxpar.runtime.losses import default_loss
 from fxpar.runtime.pool import run_ranks
 from fxpar.tracing import trace
 from fxpar.tracing.graph import ModelGraph
@@ -91,12 +92,14 @@ def _precision(device: torch.device, dtype: str):
 
 
 def _loss(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, (tuple, list)) and out:
-        loss = out[0]
+    """The model's own loss as the step loop reads it (:func:`fxpar.runtime.losses.default_loss`)."""
+    try:
+        loss = default_loss(out, None)
+    except PlanError:
+        loss = None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ConfigError("calibrating on the model: its forward returns no scalar loss; pass labels in the "
-                          "example inputs (or have forward return the loss first)")
+                          "example inputs (or have forward return the loss)")
     return loss
 
 

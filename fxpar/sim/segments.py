@@ -29,7 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from fxpar.profiling import CostModel
-from fxpar.tracing.graph import CutTensor, ModelGraph, OpClass
+from fxpar.tracing.graph import CutTensor, ModelGraph, OpClass, float_bytes
 
 _SHARDED = (OpClass.MATMUL, OpClass.ATTENTION, OpClass.MOE_EXPERTS)
 
@@ -89,10 +89,6 @@ class SegmentTable:
         its share of the split ones, all of the replicated ones."""
         split = self.params if self.sharded_params is None else self.sharded_params
         return split / width + (self.params - split)
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
 
 
 @dataclass(frozen=True)
@@ -186,10 +182,10 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
     for i, node in enumerate(graph.nodes):
         act[seg_of[i]] += node.saved_bytes / b
         if node.requires_grad and node.op_class is not OpClass.VIEW:
-            out = sum(float(np.prod(sh)) for sh in node.out_shapes) * _itemsize(node.dtype) / b
+            out = sum(float(np.prod(sh)) for sh in node.out_shapes) * float_bytes(node.dtype) / b
             out_max[seg_of[i]] = max(out_max[seg_of[i]], out)
         if node.out_shapes and node.op_class is not OpClass.VIEW and node.dtype.startswith(("float", "bfloat")):
-            boundary[seg_of[i]] = float(np.prod(node.out_shapes[0])) * _itemsize(node.dtype) / b
+            boundary[seg_of[i]] = float(np.prod(node.out_shapes[0])) * float_bytes(node.dtype) / b
     if n_layers:  # what leaves the embeddings is the hidden state the first block reads
         boundary[0] = max(boundary[0], boundary[1])
     params = np.zeros(n_seg)

@@ -98,10 +98,15 @@ class CutTensor:
 
     def nbytes(self, samples: float) -> float:
         """Bytes sent for a micro-batch of ``samples``."""
-        return (self.per_sample * samples + self.fixed) * _DTYPE_BYTES.get(self.dtype, 4)
+        return (self.per_sample * samples + self.fixed) * float_bytes(self.dtype)
 
 
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_FLOAT_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def float_bytes(dtype: str) -> int:
+    """Bytes per element of a floating dtype named as the graph names it (4 for any other)."""
+    return _FLOAT_BYTES.get(dtype, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +190,7 @@ class ModelGraph:
                       dataclasses.replace(n, saved_bytes=n.amp_saved_bytes if n.amp_saved_bytes >= 0 else n.saved_bytes,
                                           dtype=n.amp_dtype or n.dtype) for n in self.nodes)
         amp = {n.name: n.amp_dtype for n in self.nodes if n.amp_dtype}
-        cuts = tuple(tuple(dataclasses.replace(t, dtype=amp[t.name]) if amp.get(t.name) in _DTYPE_BYTES
+        cuts = tuple(tuple(dataclasses.replace(t, dtype=amp[t.name]) if amp.get(t.name) in _FLOAT_BYTES
                            else t for t in cut) for cut in self.cuts)
         return dataclasses.replace(self, nodes=nodes, cuts=cuts)
 
