@@ -71,27 +71,35 @@ def scenarios_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def pool2():
+def _pools():
+    """The session's worker pools, stopped together at its end (:func:`fxpar.runtime.pool.close_all`)."""
+    from fxpar.runtime.pool import close_all
+
+    pools: list = []
+    yield pools
+    close_all(pools)
+
+
+def _pool(pools: list, n: int):
     from fxpar.runtime import WorkerPool
 
-    with WorkerPool(2, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-        yield pool
+    pools.append(WorkerPool(n, env={"TRANSFORMERS_VERBOSITY": "error"}))
+    return pools[-1]
 
 
 @pytest.fixture(scope="session")
-def pool3():
-    from fxpar.runtime import WorkerPool
-
-    with WorkerPool(3, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-        yield pool
+def pool2(_pools):
+    return _pool(_pools, 2)
 
 
 @pytest.fixture(scope="session")
-def pool4():
-    from fxpar.runtime import WorkerPool
+def pool3(_pools):
+    return _pool(_pools, 3)
 
-    with WorkerPool(4, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-        yield pool
+
+@pytest.fixture(scope="session")
+def pool4(_pools):
+    return _pool(_pools, 4)
 
 
 def cvxpy_variable_sizes(monkeypatch) -> list[int]:

@@ -124,7 +124,7 @@ def _meta_constant_blocks_pipelines(family: str, layers: int) -> str | None:
 
 
 @multirank
-@pytest.mark.parametrize("kind", ["dp", "pp", "pp_tp"])
+@pytest.mark.parametrize("kind", ["dp", pytest.param("pp", marks=pytest.mark.full), "pp_tp"])  # pp: pp_tp's sibling
 def test_seeded_init_is_the_same_under_every_plan(kind, request):
     family, layers, ranks = CASES[kind]
     if kind != "dp" and (why := _meta_constant_blocks_pipelines(family, layers)):

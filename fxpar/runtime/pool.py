@@ -132,13 +132,19 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        close_all([self])
+
+    def _ask_to_stop(self) -> None:
         for q in getattr(self, "_tasks", []):
             try:
                 q.put(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 3.0   # one wait for all ranks (their results are in; a
-        for p in self._procs:               # rank stuck tearing its group down is then killed)
+
+    def _reap(self, deadline: float) -> None:
+        """Join the ranks until ``deadline`` (their results are in; a rank stuck tearing its
+        group down is then killed) and remove the rendezvous folder."""
+        for p in self._procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.0))
         for p in self._procs:
             if p.is_alive():
@@ -154,6 +160,16 @@ class WorkerPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def close_all(pools: list["WorkerPool"], grace_s: float = 3.0) -> None:
+    """Stop every pool of ``pools``: all their ranks are asked to stop at once, then reaped
+    within one shared ``grace_s`` (a test session's pools tear down together, not one by one)."""
+    for pool in pools:
+        pool._ask_to_stop()
+    deadline = time.monotonic() + grace_s
+    for pool in pools:
+        pool._reap(deadline)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
