@@ -134,7 +134,7 @@ class _Saved:
 
 def time_model(model: torch.nn.Module, make_batch: Callable[[int], Mapping[str, Any]], batches: tuple[int, int],
                device: torch.device, *, dtype: str = "fp32", optimizer: str | None = "adamw",
-               repeats: int = 7) -> ModelTiming:
+               repeats: int = 11) -> ModelTiming:
     """Forward + backward of ``model`` in training mode on ``make_batch(b)`` for each ``b`` of
     ``batches`` under the plan's precision, the two sizes alternating (``repeats`` each after a
     warm-up: a drift of the machine's speed moves both), and (``optimizer``) torch's optimizer of
@@ -152,7 +152,7 @@ def time_model(model: torch.nn.Module, make_batch: Callable[[int], Mapping[str, 
             if optimizer is not None:
                 params = [p for p in model.parameters() if p.requires_grad]
                 opt = make[optimizer](params, **({"momentum": 0.9, "lr": 1e-3} if optimizer == "sgd" else {}))
-                opt_s = timed(opt.step, device, repeats=5)
+                opt_s = timed(opt.step, device, repeats=repeats)
     finally:
         saved.restore(model)
     return ModelTiming(batches=(int(batches[0]), int(batches[1])), seconds=seconds,
