@@ -5,7 +5,7 @@ Prints a table and writes JSON.
 
     python -m benchmarks.plan_scenarios [--scenarios DIR] [--out DIR]
 
-Besides the table, the JSON keeps what the README's sentences about these scenarios need: each
+Besides the table, the JSON keeps what the results page's sentences about these scenarios need: each
 cluster's device mix, memory and network bandwidth, the model's gradient bytes, the predicted
 split of the step into compute and communication, and the goal the speedups are read against.
 """

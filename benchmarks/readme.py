@@ -1,8 +1,8 @@
-"""Regenerate the README's results section from the latest full-run JSON files.
+"""Regenerate the results page (``docs/results.md``) from the latest full-run JSON files.
 
     python -m benchmarks.readme [--print] [--results DIR] [--quick]
 
-Replaces everything between ``<!-- results:begin -->`` and ``<!-- results:end -->``.  Every
+Replaces everything between ``<!-- results:begin -->`` and ``<!-- results:end -->`` there.  Every
 figure in that section, in the tables and in the sentences around them, is computed here from
 the stored results (``benchmarks/results/*.json``); none is typed.  A sentence whose figure
 needs a field that an older result file lacks is written without that figure.
@@ -21,7 +21,11 @@ from benchmarks import readme_sections
 from benchmarks.common import RESULTS
 from benchmarks.readme_sections import table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+#: the page the results section lives in (its links are relative to it)
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+#: the README, whose one results table (:func:`headline`) sits between its headline markers
+README = PAGE.parents[1] / "README.md"
+HEAD_BEGIN, HEAD_END = "<!-- headline:begin -->", "<!-- headline:end -->"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
@@ -111,6 +115,13 @@ def _dp(dp: dict, cores: Any, folder: Path) -> list[str]:
            f"{methods} (`python -m benchmarks.dp_emulated`). Each figure is the median of warmed-up steps, "
            "with min and max in the JSON. fxpar and DDP alternate in the same worker processes; FSDP2 runs in "
            "fresh ones, because its device mesh slows whatever runs after it in a process:", "", table(dp)]
+    prose = _dp_caveats(runs, cores, folder)
+    return out + (["", " ".join(prose)] if prose else []) + _fairness(dp)
+
+
+def _dp_caveats(runs: list[dict], cores: Any, folder: Path) -> list[str]:
+    """What to read the data-parallel rows with: speedups above the ideal (a rank that sleeps frees
+    a core of this machine) and the run-to-run noise of the equal-speed rows."""
     above = [r for r in runs if r["speedup"] > r["ideal_speedup"] and min(r["speeds"]) < 1]
     prose = []
     if above:
@@ -126,7 +137,7 @@ def _dp(dp: dict, cores: Any, folder: Path) -> list[str]:
     if noise:
         prose.append("The equal-speed rows, where every method does the same work, show the run-to-run noise: "
                      + "; ".join(noise) + ".")
-    return out + (["", " ".join(prose)] if prose else []) + _fairness(dp)
+    return prose
 
 
 def _equal_speed_noise(folder: Path) -> list[str]:
@@ -324,7 +335,7 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
         parts += _plan(plan)
     if scal:
         parts += ["", "Planner solve time, tracing excluded (`python -m benchmarks.planner_scaling`):", "",
-                  table(scal), "", f"![planner scaling](benchmarks/results/{Path(scal['plot']).name})"]
+                  table(scal), "", f"![planner scaling](../benchmarks/results/{Path(scal['plot']).name})"]
     if fid:
         parts += _fidelity(fid, folder)
     if ep_tp:
@@ -371,24 +382,45 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
     return "\n".join(parts)
 
 
+def headline(folder: Path = RESULTS) -> str:
+    """The README's one results table: the newest full data-parallel run, fxpar against torch DDP
+    and FSDP2 at emulated speeds (empty without one)."""
+    dp = _latest("dp_emulated", folder, False)
+    if dp is None:
+        return ""
+    m = dp["machine"]
+    return "\n".join([f"Training step of {_models(dp['runs'])}: fxpar's uneven plan against torch DDP and torch "
+                      f"FSDP2 at their even split, gloo ranks on a {m['cores']}-core CPU machine, torch {m['torch']}, "
+                      f"{m['date']} (`python -m benchmarks.dp_emulated`). **The speeds are emulated**: a rank of speed s "
+                      "sleeps (1/s − 1) times each compute segment, in every arm alike; 'ideal' is the speedup of a "
+                      "perfect split over the even one, and the last column the largest gradient difference from "
+                      "one process:", "", table(dp), "", " ".join(_dp_caveats(dp["runs"], m["cores"], folder))])
+
+
+def _splice(path: Path, begin: str, end: str, body: str) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of ``path`` by ``body``."""
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(head + begin + "\n" + body + "\n" + end + tail)
+    print(f"updated {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--print", action="store_true", help="print the section instead of writing README.md")
+    ap.add_argument("--print", action="store_true", help="print the section instead of writing docs/results.md")
     ap.add_argument("--results", type=Path, default=RESULTS, help="read the results from this folder")
     ap.add_argument("--quick", action="store_true", help="use the quick runs (with --print: a preview)")
     args = ap.parse_args(argv)
     if args.print:
         print(section(args.results, args.quick))
         return
-    text = README.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{README}: no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + section(args.results, args.quick) + "\n" + END + tail)
-    print(f"updated {README}")
+    _splice(PAGE, BEGIN, END, section(args.results, args.quick))
+    _splice(README, HEAD_BEGIN, HEAD_END, headline(args.results))
 
 
 if __name__ == "__main__":

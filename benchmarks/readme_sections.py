@@ -1,4 +1,4 @@
-"""README sections of the newer suites (sharded DP under memory caps, tensor-memory fidelity, the
+"""Results-page sections of the newer suites (sharded DP under memory caps, tensor-memory fidelity, the
 HF zoo): each a pure function of one stored result (``benchmarks/results/*.json``) that returns
 Markdown lines; :mod:`benchmarks.readme` puts them in the results section.  Every figure is read
 or computed from the JSON, none typed.

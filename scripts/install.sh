@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs fxpar (editable) and what it needs.
 #   bash scripts/install.sh                # the package; an installed torch is kept
-#   bash scripts/install.sh --test         # the package and the test tools
+#   bash scripts/install.sh --test         # the package and the test and documentation tools
 #   bash scripts/install.sh --test --lowest  # every dependency at the lowest version fxpar
 #                                          # declares (scripts/lowest-versions.txt; CI's quick tier)
 #   bash scripts/install.sh --test --newest  # every dependency at the newest the index serves
@@ -28,7 +28,7 @@ case "$mode" in
     echo "fxpar install: the lowest declared versions (scripts/lowest-versions.txt)"
     grep -v '^#' scripts/lowest-versions.txt | grep -v '^$' > /tmp/fxpar-lowest.$$.txt
     if [ -z "$extra" ]; then  # the test tools' pins only with --test
-      grep -v -E '^(pytest|hypothesis|matplotlib)==' /tmp/fxpar-lowest.$$.txt > /tmp/fxpar-lowest.$$.b && mv /tmp/fxpar-lowest.$$.b /tmp/fxpar-lowest.$$.txt
+      grep -v -E '^(pytest|hypothesis|matplotlib|sphinx|myst-parser)==' /tmp/fxpar-lowest.$$.txt > /tmp/fxpar-lowest.$$.b && mv /tmp/fxpar-lowest.$$.b /tmp/fxpar-lowest.$$.txt
     fi
     pip_install -r /tmp/fxpar-lowest.$$.txt
     rm -f /tmp/fxpar-lowest.$$.txt

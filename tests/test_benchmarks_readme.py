@@ -1,4 +1,5 @@
-"""The README's results section is computed from the stored results, never typed.
+"""The results page (``docs/results.md``) and the README's table are computed from the stored
+results, never typed.
 
 - ``benchmarks.readme.section()`` builds from the committed JSON (older files lack some fields:
   the sentences that need them are written without those figures);
@@ -45,7 +46,7 @@ def test_readme_prose_types_no_figures():
                 text = text.replace(name, "")
             if re.search(r"\d", text):
                 typed.append(f"{path.name}:{line}: {text[:80]!r}")
-    assert not typed, "figures typed into the README prose (compute them from the JSON):\n" + "\n".join(typed)
+    assert not typed, "figures typed into the results prose (compute them from the JSON):\n" + "\n".join(typed)
 
 
 def test_section_builds_from_the_stored_results():

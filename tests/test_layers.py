@@ -2,7 +2,7 @@
 layer or lower ones (module-level *and* function-level imports), there are no import cycles,
 and a function-level import of fxpar's own code says why it is lazy.
 
-Layers, lowest first (README "Layout" draws them):
+Layers, lowest first (``docs/layout.md`` draws them):
 
     errors, compat → workload, plan → cluster → tracing → profiling → sim → solvers
       → runtime → checkpoint → codegen → planning, models, scenario, api_checks, build
@@ -216,23 +216,21 @@ def test_the_layer_check_catches_an_upward_import(module: str, target: str) -> N
     assert layer_of(target) > layer_of(module)
 
 
-def test_the_readme_layout_names_every_package() -> None:
-    """The README's "Layout" section names every package of fxpar (as ``fxpar/x`` or, inside
-    its parent's entry, ``name/``), so a new or moved package cannot leave it stale."""
-    text = (PACKAGE.parent / "README.md").read_text()
-    layout = text[text.index("## Layout"):]
-    layout = layout[: layout.find("\n## ", 1) if "\n## " in layout[1:] else len(layout)]
+def test_the_layout_page_names_every_package() -> None:
+    """The code layout page (``docs/layout.md``) names every package of fxpar (as ``fxpar/x`` or,
+    inside its parent's entry, ``name/``), so a new or moved package cannot leave it stale."""
+    layout = (PACKAGE.parent / "docs" / "layout.md").read_text()
     packages = sorted(p.parent.relative_to(PACKAGE.parent) for p in PACKAGE.rglob("__init__.py"))
     missing = [str(p) for p in packages if p.parts[1:] and f"`{p.as_posix()}`" not in layout
                and f"`{p.name}/`" not in layout]
-    assert not missing, f"README 'Layout' does not name these packages: {missing}"
+    assert not missing, f"docs/layout.md does not name these packages: {missing}"
 
 
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 
 def test_modules_and_functions_stay_small() -> None:
-    """The README's size rule: no module of fxpar over 400 lines, no function over 60 (from its
+    """The size rule (``docs/layout.md``): no module of fxpar over 400 lines, no function over 60 (from its
     ``def`` to its last line, docstring included, as ``../shared/tools/structure.py`` counts)."""
     big, long = [], []
     for module, path in _all_modules().items():
@@ -244,5 +242,5 @@ def test_modules_and_functions_stay_small() -> None:
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {lines} lines")
-    assert not big and not long, ("split these by extracting named steps (README 'Layout'):\n"
+    assert not big and not long, ("split these by extracting named steps (docs/layout.md):\n"
                                   + "\n".join(big + long))

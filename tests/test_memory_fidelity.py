@@ -112,7 +112,7 @@ TINYLLAMA_RATIOS = dict(model_type="llama", hidden_size=256, intermediate_size=7
                         num_attention_heads=32, num_key_value_heads=4, vocab_size=4000)
 
 
-@pytest.mark.full  # 3.5 s; the quick tier's budget (README)
+@pytest.mark.full  # 3.5 s; the quick tier's budget (docs/testing.md)
 def test_bf16_autocast_step_peak_of_tinyllama_ratios():
     """A steady-state bf16 mixed-precision AdamW step (fp32 master weights, forward under CPU
     autocast, fxpar's own step loop): the predicted peak, from the trace of the user's fp32

@@ -283,7 +283,7 @@ def test_meta_model_in_a_bf16_pipeline_equals_the_real_model(pool2, tmp_path):
 def test_pipeline_rank_memory(pool4):
     """8 Llama blocks on 4 pipeline ranks (2 blocks per stage) from a meta model: each rank
     holds at most 40% of the whole model's parameters, gradients and AdamW state (bytes of the
-    tensors it holds, numel x element size); the figures are printed for the README."""
+    tensors it holds, numel x element size); the figures are printed for the docs."""
     if why := _meta_constant_blocks_pipelines("llama", 8):
         pytest.skip(why)
     results = pool4.run(pipeline_memory)

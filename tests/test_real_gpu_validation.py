@@ -73,7 +73,7 @@ def test_own_runs_are_priced_against_allocated_bytes():
     json.dumps(rows)
 
 
-@pytest.mark.full  # 2.7 s; the quick tier's budget (README)
+@pytest.mark.full  # 2.7 s; the quick tier's budget (docs/testing.md)
 def test_catalog_constants_predict_every_shared_run():
     """``--constants catalog`` on the shared runs: the stored constants, as stored, price every
     run (no fit); memory errors exactly where the run's memory is valid."""

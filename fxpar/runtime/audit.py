@@ -214,7 +214,7 @@ def calls_from_dicts(rows: Sequence[dict[str, Any]]) -> list[CollectiveCall]:
 
 
 def summarize(calls: Sequence[CollectiveCall], phase: str = "step") -> dict[str, int]:
-    """Calls per operation in ``phase`` (the README's per-step collective table)."""
+    """Calls per operation in ``phase`` (the per-step collective table of ``docs/results.md``)."""
     counts: dict[str, int] = {}
     for call in calls:
         if call.phase == phase:
