@@ -43,7 +43,7 @@ def main() -> None:
     # local rank); a cluster of GPUs: NCCL, one process per GPU.  It prints which.
     init_distributed(cluster=None if config.cluster == "detect" else config.resolve_cluster())
     accelerator = Accelerator(cpu=torch.distributed.get_backend() == "gloo")
-    batch = config.workload.get("global_batch", 8)
+    batch = config.options.global_batch or 8
     model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
     data = TokenDataset(batch * args.steps, args.seq, model.config.vocab_size)
     loader = DataLoader(data, batch_size=batch, shuffle=False, collate_fn=default_data_collator)

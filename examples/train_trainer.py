@@ -59,7 +59,7 @@ def main() -> None:
     # gloo (GPUs hidden) for emulated CPU ranks, NCCL for a cluster of GPUs; it prints which
     init_distributed(cluster=None if config.cluster == "detect" else config.resolve_cluster())
     on_cpu = dist.get_backend() == "gloo"
-    batch = int(config.workload.get("global_batch", 8))
+    batch = int(config.options.global_batch or 8)
     model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
     data = TokenDataset(batch * args.steps, args.seq, model.config.vocab_size)
     example = default_data_collator([data[i] for i in range(batch)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,14 +20,14 @@ from fxpar.build import build_module
 from fxpar.cluster import Cluster
 from fxpar.codegen.data.module import DataParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
+from fxpar.options import Options
 from fxpar.plan import Plan
 from fxpar.planning import measured_graph
 from fxpar.predict import Pricing
 from fxpar.profiling.database import ProfileDB, with_calibration
 from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
-from fxpar.runtime.compile import CompileOptions, compile_options
+from fxpar.runtime.compile import compile_options
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
-from fxpar.runtime.step_loop import LossWeighting
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
 from fxpar.tracing.hf import build_meta_model, hf_task
@@ -107,14 +107,7 @@ def pricing_for(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, w
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
-         global_batch: int | None = None, seq_len: int | None = None, dtype: str = "fp32",
-         optimizer: str = "adam", max_microbatches: int | None = None, plan: Plan | None = None,
-         group: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         loss_weighting: LossWeighting = "auto", emulate: bool = True, max_tensor_parallel: int = 8,
-         device: torch.device | str | None = None, checkpoint: str | Path | None = None,
-         strategies: Sequence[str] | None = None, adapt: bool | Adapt = False,
-         compile: bool | str | Mapping[str, Any] | CompileOptions = False,
-         calibration: bool | str | Path | ProfileDB | None = None):
+         plan: Plan | None = None, config: Options | None = None, **overrides: Any) -> torch.nn.Module:
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -123,70 +116,62 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     its size.  A HF model (``PreTrainedModel``) needs none: fxpar builds the example batch from
     its config (:func:`default_example_inputs`: ``global_batch`` defaults to
     ``DEFAULT_SAMPLES_PER_DEVICE`` × devices, ``seq_len`` to ``DEFAULT_SEQ_LEN`` capped by the
-    model's positions).  Pass ``plan=`` to skip solving (a hand-written or saved plan), or
-    ``strategies=`` to limit the families the planner searches (e.g. ``["data_parallel"]``;
-    default: data parallel, pipelines with tensor-parallel stages, expert parallel, sharded
-    data parallel).
+    model's positions).  Pass ``plan=`` to skip solving (a hand-written or saved plan).
 
-    ``device``: this rank's device (default :func:`fxpar.runtime.device.rank_device`, from
-    the plan: ``cuda:LOCAL_RANK`` for a GPU rank on a machine with CUDA under NCCL or without a
-    process group, the CPU for an emulated CPU rank or a gloo group).  ``checkpoint``: a HF ``save_pretrained``
-    folder (or ``.safetensors`` file) whose weights this rank loads, only the tensors (or
-    slices) its plan gives it; meant for a model built on the ``meta`` device.
+    ``config``: the options (:class:`fxpar.Options`: the workload, the forms searched,
+    calibration, device, loss, emulation, compilation, a checkpoint to load, adapting); each
+    keyword of ``overrides`` sets the option of that name (``auto(model, cluster, dtype="bf16")``),
+    over ``config`` where both give it.  An unknown name or a bad value is a
+    :class:`~fxpar.errors.ConfigError` that names it (:mod:`fxpar.options`, :mod:`fxpar.api_checks`).
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
     Returns the plan kind's module (:func:`fxpar.build.build_module`), all with the same API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
-    ``adapt=True`` / :class:`fxpar.adapt.Adapt`: an adaptive module (:mod:`fxpar.adapt`).  ``compile``:
-    ``torch.compile`` each block, as torchtitan does: True (inductor), a backend name or ``{"backend",
-    "fullgraph", "mode"}`` (:mod:`fxpar.runtime.compile`).  ``calibration``: :func:`fxpar.calibrate.for_group`.
-
     Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`): a rank that dies
     then makes the others' ``step`` raise :class:`~fxpar.errors.RuntimeSetupError` within it, not torch's
-    default of 30 minutes.  Bad options raise :class:`~fxpar.errors.ConfigError` naming the keyword and the
-    value (:mod:`fxpar.api_checks`).
+    default of 30 minutes.
     """
-    _check_auto_args(model, device, global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                     max_microbatches=max_microbatches, plan=plan, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                     emulate=emulate, max_tensor_parallel=max_tensor_parallel, group=group, strategies=strategies,
-                     adapt=adapt)
-    compiling, _ = compile_options(compile), calibrate.setting(calibration)   # bad values: before tracing
+    if config is not None and not isinstance(config, Options):
+        raise ConfigError(f"fxpar.auto: config has type {type(config).__name__}; pass a fxpar.Options "
+                          "(or give the options as keywords)")
+    opts = (config or Options()).overridden(overrides)
+    _check_auto_args(model, opts, plan)
+    compiling, _ = compile_options(opts.compile), calibrate.setting(opts.calibration)   # before tracing
     cluster = _as_cluster(cluster)
-    rank = _check_world(cluster, group)
-    example_inputs, global_batch = _example_batch(model, cluster, example_inputs, plan, global_batch, seq_len, loss_fn)
-    plan, pricing = _auto_plan(model, cluster, example_inputs, plan, rank, group, global_batch=global_batch,
-                               seq_len=seq_len, dtype=dtype, optimizer=optimizer, max_microbatches=max_microbatches,
-                               max_tensor_parallel=max_tensor_parallel, strategies=strategies, calibration=calibration)
-    device = _checked_rank_device(model, plan, rank, device, group=group, loss_fn=loss_fn,
-                                  loss_weighting=loss_weighting, example_inputs=example_inputs)
-    build_options = dict(group=group, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, compile=compiling)
-    workload = Workload(global_batch=plan.global_batch, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                        max_microbatches=max_microbatches)
+    rank = _check_world(cluster, opts.group)
+    example_inputs, global_batch = _example_batch(model, cluster, example_inputs, plan, opts.global_batch,
+                                                  opts.seq_len, opts.loss_fn)
+    opts = replace(opts, global_batch=global_batch)
+    plan, pricing = _auto_plan(model, cluster, example_inputs, plan, rank, opts)
+    device = _checked_rank_device(model, plan, rank, opts, example_inputs=example_inputs)
+    build_options = dict(group=opts.group, loss_fn=opts.loss_fn, loss_weighting=opts.loss_weighting,
+                         emulate=opts.emulate, compile=compiling)
     return _rank_module(model, plan, pricing, rank=rank, device=device, example_inputs=example_inputs,
-                        checkpoint=checkpoint, build_options=build_options, adapt=(adapt, cluster, workload, AdaptPolicy(
-                            strategies=tuple(strategies) if strategies else None, max_tensor_parallel=max_tensor_parallel)))
+                        build_options=build_options, cluster=cluster, opts=opts)
 
 
 def _rank_module(model: torch.nn.Module, plan: Plan, pricing: Pricing | None, *, rank: int, device: torch.device,
-                 example_inputs: Any, checkpoint: Any, build_options: dict[str, Any],
-                 adapt: tuple[Any, Cluster, Workload, AdaptPolicy]) -> torch.nn.Module:
-    """``auto``'s last step: this rank's module, inside an adaptive one when ``adapt[0]`` asks
+                 example_inputs: Any, build_options: dict[str, Any], cluster: Cluster,
+                 opts: Options) -> torch.nn.Module:
+    """``auto``'s last step: this rank's module, inside an adaptive one when ``opts.adapt`` asks
     (from a given plan too: then rank 0 traces what re-planning prices with)."""
-    template = meta_template(model) if adapt[0] else None  # before codegen changes the model
-    given = bool(adapt[0]) and pricing is None and rank == 0   # rank 0 holds a solved plan's pricing
+    template = meta_template(model) if opts.adapt else None  # before codegen changes the model
+    workload = opts.workload(plan.global_batch)
+    given = bool(opts.adapt) and pricing is None and rank == 0   # rank 0 holds a solved plan's pricing
     if given:   # only rank 0 re-plans (its graph, workload and decisions)
-        adapt = (adapt[0], adapt[1], replace(adapt[2], dtype=plan.dtype, optimizer=plan.optimizer), adapt[3])
-        pricing = _given_plan_pricing(model, adapt[1], example_inputs, adapt[2])
+        workload = replace(workload, dtype=plan.dtype, optimizer=plan.optimizer)
+        pricing = _given_plan_pricing(model, cluster, example_inputs, workload)
     start = time.perf_counter()
-    module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, **build_options)
+    module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=opts.checkpoint,
+                          **build_options)
     build_s = time.perf_counter() - start   # adapting's migration estimate before a switch
     module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
     if template is None:
         return module
-    return _adaptive(module, adapt[0], template, pricing, adapt[2], adapt[1], rank=rank, device=device,
-                     example_inputs=example_inputs, build_options=build_options, policy=adapt[3], given=given,
-                     build_s=build_s)
+    return _adaptive(module, opts.adapt, template, pricing, workload, cluster, rank=rank, device=device,
+                     example_inputs=example_inputs, build_options=build_options, policy=opts.adapt_policy(),
+                     given=given, build_s=build_s)
 
 
 def _given_plan_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any,
@@ -232,26 +217,17 @@ def adapt_options(adapt: Any, auto_policy: AdaptPolicy) -> Adapt:
         mine.max_tensor_parallel, auto_policy.max_tensor_parallel)))
 
 
-def _check_adapt(adapt: Any) -> None:
-    """A ConfigError, on every rank alike, for a bad ``adapt``."""
-    if not (isinstance(adapt, bool) or adapt is None or isinstance(adapt, Adapt)):
-        raise ConfigError(f"fxpar.auto: adapt = {adapt!r}; pass True, False or a fxpar.adapt.Adapt")
-
-
-def _check_auto_args(model: Any, device: torch.device | str | None, *, group: Any, adapt: Any,
-                     **options: Any) -> None:
-    """``auto``'s first step: a ConfigError for a model that is no ``nn.Module`` or a bad option,
-    before any tracing (``options``: :func:`fxpar.api_checks.check_options`'s keywords)."""
-    _check_adapt(adapt)
+def _check_auto_args(model: Any, opts: Options, plan: Any) -> None:
+    """``auto``'s first step: a ConfigError for a model that is no ``nn.Module``, a plan that is
+    no :class:`Plan`, or options that do not go together, before any tracing (each option's own
+    value is checked when the :class:`Options` is made)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
-    api_checks.check_options(group=group, **options)
-    if adapt:   # adapt's policy within auto's strategies (a ConfigError where they share none)
-        strategies = options.get("strategies")
-        adapt_options(adapt, AdaptPolicy(strategies=tuple(strategies) if strategies else None,
-                                         max_tensor_parallel=options["max_tensor_parallel"]))
-    if device is not None:
-        rank_device(device, group=group)  # a bad device option fails before any tracing
+    api_checks.check_plan_option(plan)
+    if opts.adapt:   # adapt's policy within auto's strategies (a ConfigError where they share none)
+        adapt_options(opts.adapt, opts.adapt_policy())
+    if opts.device is not None:
+        rank_device(opts.device, group=opts.group)  # a bad device option fails before any tracing
     check_model_devices(model)
 
 
@@ -269,20 +245,16 @@ def _example_batch(model: torch.nn.Module, cluster: Cluster, example_inputs: Any
 
 
 def _auto_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, plan: Plan | None, rank: int,
-               group: Any, *, global_batch: int | None, seq_len: int | None, dtype: str, optimizer: str,
-               max_microbatches: int | None, max_tensor_parallel: int,
-               strategies: Sequence[str] | None, calibration: Any = None) -> tuple[Plan, Pricing | None]:
+               opts: Options) -> tuple[Plan, Pricing | None]:
     """``auto``'s plan: solved on rank 0 and broadcast (with what priced it), or the given one
     checked against the cluster and the model (priced, or not, by whoever made it: None)."""
     pricing = None  # a given plan: priced (or not) by whoever made it
     if plan is None:
-        workload = Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                            optimizer=optimizer, max_microbatches=max_microbatches)
-        chosen = calibrate.setting(calibration)
+        group, chosen = opts.group, calibrate.setting(opts.calibration)
         measured = None if chosen == "off" else calibrate.for_group(
             cluster, chosen, _calibration_device(group), group, progress=_say if rank == 0 else lambda _: None)
-        plan, pricing = _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel,
-                                       strategies, measured)
+        plan, pricing = _plan_on_rank0(model, cluster, example_inputs, opts.workload(), rank, group,
+                                       opts.max_tensor_parallel, opts.strategies, measured)
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
@@ -291,16 +263,15 @@ def _auto_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, pl
     return plan, pricing
 
 
-def _checked_rank_device(model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None, *,
-                         group: Any, loss_fn: Any, loss_weighting: LossWeighting,
+def _checked_rank_device(model: torch.nn.Module, plan: Plan, rank: int, opts: Options, *,
                          example_inputs: Any) -> torch.device:
     """``auto``'s placement step: this rank's device for ``plan``, checked against the plan's
     device kind and the model's tensors, then the options checked against the plan."""
-    device = plan_rank_device(plan, rank, device, group=group)
+    device = plan_rank_device(plan, rank, opts.device, group=opts.group)
     check_device_kind(plan.ranks[rank].device, device, rank)
     check_model_devices(model, device)
-    api_checks.check_options_for_plan(plan, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                                      example_inputs=example_inputs)
+    api_checks.check_options_for_plan(plan, group=opts.group, loss_fn=opts.loss_fn,
+                                      loss_weighting=opts.loss_weighting, example_inputs=example_inputs)
     return device
 
 

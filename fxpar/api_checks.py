@@ -46,9 +46,9 @@ def choice_option(name: str, value: Any, accepted: tuple[str, ...], hint: str = 
 
 
 def check_options(*, global_batch: Any, seq_len: Any, dtype: Any, optimizer: Any,
-                  max_microbatches: Any, plan: Any, loss_fn: Any, loss_weighting: Any,
+                  max_microbatches: Any, loss_fn: Any, loss_weighting: Any,
                   emulate: Any, max_tensor_parallel: Any, group: Any, strategies: Any = None) -> None:
-    """The scalar keywords of ``fxpar.auto``: types and ranges."""
+    """The scalar options of ``fxpar.auto`` (:class:`fxpar.options.Options`): types and ranges."""
     check_strategies(strategies)
     positive_int_option("global_batch", global_batch,
                         hint=" (samples per optimizer step over all ranks; None: example_inputs' rows)")
@@ -66,13 +66,17 @@ def check_options(*, global_batch: Any, seq_len: Any, dtype: Any, optimizer: Any
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"fxpar.auto: loss_fn = {loss_fn!r:.60}: must be a function "
                           "(output, batch) -> scalar loss tensor, or None (the model's own loss)")
+    _check_group(group)
+
+
+def check_plan_option(plan: Any) -> None:
+    """``fxpar.auto``'s ``plan``: a :class:`~fxpar.plan.Plan` or None."""
     if plan is not None and not isinstance(plan, Plan):
         load = (f"; load a saved plan with fxpar.Plan.from_json(Path({str(plan)!r}).read_text())"
                 if isinstance(plan, (str, Path)) else
                 "; build one with fxpar.Plan.from_dict(d)" if isinstance(plan, Mapping) else "")
         raise ConfigError(f"fxpar.auto: plan has type {type(plan).__name__} ({plan!r:.60}); pass a "
                           f"fxpar.Plan or None (solve one){load}")
-    _check_group(group)
 
 
 def check_strategies(strategies: Any) -> tuple[str, ...]:

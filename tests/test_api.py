@@ -41,6 +41,27 @@ def test_auto_argument_errors(tmp_path):
         fxpar.auto(torch.nn.Linear(4, 4), fxpar.Cluster.emulated([1.0]))
 
 
+def test_auto_takes_its_options_as_one_config_or_as_keywords_over_it():
+    """``fxpar.auto(model, cluster, example_inputs=None, *, plan=None, config=None, **overrides)``:
+    at most 7 parameters; a keyword sets the option of that name over ``config``; an unknown name
+    or a bad value is a ConfigError that names it."""
+    import inspect
+
+    assert len(inspect.signature(fxpar.auto).parameters) <= 7
+    model = tiny_model("gpt2")
+    data = global_batch(model, 4, 16)
+    opts = fxpar.Options(global_batch=4, dtype="bf16", strategies=["data_parallel"])
+    assert opts.strategies == ("data_parallel",) and opts.overridden({"dtype": "fp32"}).dtype == "fp32"
+    pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, config=opts, dtype="fp32", calibration="off")
+    assert (pm.plan.dtype, pm.plan.strategy, pm.plan.global_batch) == ("fp32", "data_parallel", 4)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['dtyp'\]; accepted: \[.*'dtype'"):
+        fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, dtyp="bf16")
+    with pytest.raises(ConfigError, match="dtype = 'fp8'"):
+        fxpar.Options(dtype="fp8")
+    with pytest.raises(ConfigError, match="config has type dict"):
+        fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, config={"dtype": "bf16"})
+
+
 def test_strategies_limit_the_families_searched():
     """``strategies=`` names the plan families the planner may choose; a wrong name or an empty
     list is a ConfigError naming the keyword, before any tracing."""

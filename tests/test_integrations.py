@@ -50,7 +50,7 @@ def _torchrun(script: str, args: list[str], env: dict[str, str], tmp: Path, npro
 def _write_config(tmp: Path, **extra) -> Path:
     import yaml
 
-    cfg = {"workload": {"global_batch": BATCH, "seq_len": SEQ, "optimizer": "adamw"}, **extra}
+    cfg = {"global_batch": BATCH, "seq_len": SEQ, "optimizer": "adamw", **extra}
     path = tmp / "fxpar.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -332,12 +332,33 @@ def test_config_errors_name_the_key(tmp_path):
         config_from_mapping({"cluster": "a.yaml", "speeds": [1, 1]})
     with pytest.raises(ConfigError, match="workload has unknown keys"):
         config_from_mapping({"workload": {"batch": 3}})
+    with pytest.raises(ConfigError, match=r"<dict>: dtype = 'fp8'"):
+        config_from_mapping({"dtype": "fp8"})
+    with pytest.raises(ConfigError, match="cannot be set in a file"):
+        config_from_mapping({"loss_fn": "mine"})
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("speeds: [1, 0")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_the_config_file_keys_are_the_options_and_workload_still_reads_with_a_warning():
+    from fxpar import Options
+    from fxpar.options import yaml_keys
+
+    config = config_from_mapping({"speeds": [1, 1], "global_batch": 8, "dtype": "bf16", "strategies": ["pipeline"],
+                                  "adapt": {"min_gain": 0.2}})
+    assert config.options.global_batch == 8 and config.options.dtype == "bf16"
+    assert config.options.strategies == ("pipeline",)
+    assert config.options.adapt.policy.strategies == ("pipeline",) and config.options.adapt.policy.min_gain == 0.2
+    assert set(yaml_keys()) | {"group", "loss_fn"} == {f for f in Options.__dataclass_fields__}
+    with pytest.warns(FutureWarning, match="'workload:' mapping is deprecated"):
+        old = config_from_mapping({"workload": {"global_batch": 8, "seq_len": 16}})
+    assert (old.options.global_batch, old.options.seq_len) == (8, 16)
+    with pytest.raises(ConfigError, match="both at the top level and under workload"), pytest.warns(FutureWarning):
+        config_from_mapping({"global_batch": 4, "workload": {"global_batch": 8}})
 
 
 def test_plugin_reads_environment(monkeypatch, tmp_path):
@@ -349,7 +370,7 @@ def test_plugin_reads_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FXPAR_REBALANCE", "false")
     config = FxparPlugin().to_config()
     assert config.speeds == (1.0, 0.25) and config.rebalance.enabled is False
-    assert config.workload["global_batch"] == BATCH
+    assert config.options.global_batch == BATCH
     monkeypatch.setenv("FXPAR_GLOBAL_BATCH", "x")
     with pytest.raises(ConfigError, match="FXPAR_GLOBAL_BATCH"):
         FxparPlugin()

@@ -38,7 +38,7 @@ LAYERS: dict[str, int] = {
     "fxpar.codegen": 9,
     "fxpar.planning": 10, "fxpar.models": 10, "fxpar.scenario": 10, "fxpar.synthetic": 10,
     "fxpar.api_checks": 10, "fxpar.predict": 10, "fxpar.cpu_rate": 10, "fxpar.calibrate": 10, "fxpar.build": 10,
-    "fxpar.adapt": 11, "fxpar.api": 11,
+    "fxpar.adapt": 11, "fxpar.api": 11, "fxpar.options": 11,
     "fxpar.integrations": 12, "fxpar.profile_cmd": 12, "fxpar.demo": 12, "fxpar.demo_report": 12,
     "fxpar.demo_emulation": 12,
     "fxpar.cli": 13, "fxpar.__main__": 13, "fxpar": 13,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,23 +97,20 @@ class FxparPlugin:
     def to_config(self) -> FxparConfig:
         """The merged configuration: the plugin's fields override the config file's."""
         base = load_config(self.config_file) if self.config_file else config_from_mapping({}, source="FxparPlugin")
-        d: dict[str, Any] = {"cluster": base.cluster, "speeds": base.speeds, "workload": dict(base.workload),
-                             "plan": base.plan, "strategies": base.strategies,
-                             "max_tensor_parallel": base.max_tensor_parallel,
-                             "emulate": base.emulate, "adapt": base.adapt}
-        rebalance = base.rebalance
+        d: dict[str, Any] = {"cluster": base.cluster, "speeds": base.speeds, "plan": base.plan}
+        rebalance, options = base.rebalance, base.options
         if self.cluster is not None:
             d["cluster"], d["speeds"] = self.cluster, None
         if self.speeds is not None:
             d["cluster"], d["speeds"] = None, tuple(self.speeds)
         if self.global_batch is not None:
-            d["workload"]["global_batch"] = self.global_batch
+            options = replace(options, global_batch=self.global_batch)
         if self.plan_file is not None:
             d["plan"] = self.plan_file
         if self.rebalance is not None:
             rebalance = RebalanceConfig(enabled=self.rebalance, threshold=rebalance.threshold,
                                         warmup_steps=rebalance.warmup_steps, window=rebalance.window)
-        return FxparConfig(**d, rebalance=rebalance, source=base.source)
+        return FxparConfig(**d, rebalance=rebalance, options=options, source=base.source)
 
 
 def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -122,24 +119,24 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     """Parallelize ``model`` with fxpar and prepare the optimizer and dataloader for this rank.
 
     ``dataloader`` yields global batches (its ``batch_size`` is the global batch unless the
-    config sets ``workload.global_batch``).  Returns ``(pmodel, optimizer, dataloader)``."""
+    config sets ``global_batch``).  Returns ``(pmodel, optimizer, dataloader)``."""
     plugin = plugin or FxparPlugin()
     config = plugin.to_config()
     if not isinstance(dataloader, DataLoader):
         raise ConfigError(f"fxpar prepare: dataloader has type {type(dataloader).__name__}; pass a "
                           "torch.utils.data.DataLoader over a map-style dataset")
-    batch = config.workload.get("global_batch") or dataloader.batch_size
+    batch = config.options.global_batch or dataloader.batch_size
     if not batch:
         raise ConfigError("fxpar prepare: cannot tell the global batch: give the DataLoader a "
-                          "batch_size or set workload.global_batch / FXPAR_GLOBAL_BATCH")
+                          "batch_size or set global_batch (fxpar.yaml) / FXPAR_GLOBAL_BATCH")
     if example_inputs is None:
         example_inputs = next(iter(DataLoader(dataloader.dataset, batch_size=batch,
                                               collate_fn=dataloader.collate_fn)))
     pmodel = parallelize(model, config, example_inputs, global_batch=batch)
     pmodel = accelerator.prepare_model(pmodel, device_placement=False, evaluation_mode=True)
-    rebalance = RebalanceConfig(enabled=False) if config.adapt else config.rebalance  # adapt re-plans instead
+    rebalance = RebalanceConfig(enabled=False) if config.adapting else config.rebalance  # adapt re-plans instead
     pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=rebalance,
-                                       max_microbatches=config.workload.get("max_microbatches"))
+                                       max_microbatches=config.options.max_microbatches)
     if optimizer is not None:
         optimizer = zero_wrap(_rebuild_optimizer(optimizer, pmodel), pmodel)
         if callable(getattr(pmodel, "track", None)):  # fxpar.adapt: a switch moves this optimizer's state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,18 +14,16 @@ from fxpar.integrations.config import FxparConfig
 
 def parallelize(model: torch.nn.Module, config: FxparConfig, example_inputs: Any, *,
                 global_batch: int | None = None) -> Any:
-    """``fxpar.auto`` with the cluster, workload and plan named by ``config``.
+    """``fxpar.auto`` with the cluster, plan and options named by ``config``.
 
-    ``global_batch`` (samples per optimizer step over all ranks) comes from
-    ``config.workload.global_batch``, else the argument, else ``example_inputs``' size."""
-    workload = dict(config.workload)
-    batch = workload.pop("global_batch", None) or global_batch
+    ``global_batch`` (samples per optimizer step over all ranks) comes from the config's
+    ``global_batch``, else the argument, else ``example_inputs``' size."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar: model has type {type(model).__name__}; expected a torch.nn.Module")
-    return auto(model, config.resolve_cluster(), example_inputs, global_batch=batch,
-                plan=config.load_plan(), emulate=config.emulate, strategies=config.strategies,
-                max_tensor_parallel=config.max_tensor_parallel, adapt=config.adapt_options(), compile=config.compile,
-                **workload)
+    options = config.options
+    if options.global_batch is None and global_batch is not None:
+        options = replace(options, global_batch=global_batch)
+    return auto(model, config.resolve_cluster(), example_inputs, plan=config.load_plan(), config=options)
 
 
 def rank_rows(pmodel: Any) -> tuple[int, int]:

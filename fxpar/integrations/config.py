@@ -5,46 +5,50 @@ found through ``--fxpar-config`` / ``FXPAR_CONFIG`` (or passed as a mapping)::
 
     cluster: cluster.yaml        # a cluster or scenario file, "detect", or an inline mapping
     speeds: [1.0, 0.5]           # instead of cluster: emulated CPU ranks (labelled emulated)
-    workload:
-      global_batch: 16           # samples per optimizer step over all ranks
-      seq_len: 128
-      dtype: fp32
-      optimizer: adamw
-      max_microbatches: null
     plan: plan.json              # optional: a saved plan instead of solving
-    strategies: [data_parallel]  # optional: the plan families the planner searches (default: all)
-    max_tensor_parallel: 8        # widest tensor-parallel stage the solver may use (within a node)
     rebalance:
       enabled: true
       threshold: 0.1             # re-balance when the predicted step is 10% faster
       warmup_steps: 2            # steps ignored after start and after each re-balance
       window: 3                  # median over this many steps
+    # fxpar.auto's options (fxpar.Options), by the same names:
+    global_batch: 16             # samples per optimizer step over all ranks
+    seq_len: 128
+    dtype: fp32
+    optimizer: adamw
+    max_microbatches: null
+    strategies: [data_parallel]  # optional: the parallel forms the planner searches (default: all)
+    max_tensor_parallel: 8       # widest tensor-parallel stage the solver may use (within a node)
     emulate: true                # sleep to emulate relative speeds (CPU only)
     compile: false               # torch.compile each block: true (inductor), a backend name
                                  # ("aot_eager"), or {backend, fullgraph, mode}
+    adapt: false                 # re-plan while training: true, or a mapping (options.ADAPT_KEYS)
+
+Until the next release a ``workload:`` mapping of ``global_batch``, ``seq_len``, ``dtype``,
+``optimizer`` and ``max_microbatches`` is still read, with a FutureWarning: those keys now sit at
+the top level, as the options they are.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
+from fxpar.options import PYTHON_ONLY, Options, options_from_mapping, yaml_keys
 from fxpar.plan import Plan
-from fxpar.runtime.compile import compile_options
 from fxpar.workload import Workload
 
 CONFIG_ENV = "FXPAR_CONFIG"
-
-
-#: the keys of an ``adapt:`` mapping (:class:`~fxpar.adapt.DetectorSettings`, :class:`~fxpar.adapt.AdaptPolicy`)
-ADAPT_KEYS = frozenset({"threshold", "min_steps", "min_seconds", "calibration_steps", "warmup_steps", "gather_every",
-                        "min_gain", "horizon_steps", "replace_given_plan", "background_planning"})
+#: the keys that are not :class:`~fxpar.options.Options` (where the job runs, what it re-balances)
+OWN_KEYS = ("cluster", "speeds", "plan", "rebalance")
+#: the deprecated ``workload:`` mapping's keys (now top-level options)
+WORKLOAD_KEYS = tuple(f.name for f in fields(Workload))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,23 +75,15 @@ class RebalanceConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FxparConfig:
-    """Everything the Trainer / Accelerate integrations need to parallelize a model."""
+    """Everything the Trainer / Accelerate integrations need to parallelize a model: where the
+    job runs (``cluster`` or ``speeds``), a saved ``plan``, ``rebalance``, and
+    :func:`fxpar.auto`'s ``options``."""
 
     cluster: str | Mapping[str, Any] | None = None
     speeds: tuple[float, ...] | None = None
-    workload: Mapping[str, Any] = field(default_factory=dict)
     plan: str | None = None
-    #: plan families the planner searches (``fxpar.auto``'s ``strategies``); None: every family
-    strategies: tuple[str, ...] | None = None
-    max_tensor_parallel: int = 8
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
-    emulate: bool = True
-    #: re-plan every family from measured speeds and move the live state (:mod:`fxpar.adapt`):
-    #: true, or a mapping of :data:`ADAPT_KEYS`; it supersedes ``rebalance`` (which then stays off)
-    adapt: bool | Mapping[str, Any] = False
-    #: torch.compile each block (``fxpar.auto``'s ``compile``): false, true, a backend name or a
-    #: mapping of backend / fullgraph / mode (:mod:`fxpar.runtime.compile`)
-    compile: bool | str | Mapping[str, Any] = False
+    options: Options = field(default_factory=Options)
     source: str = "<fxpar config>"
 
     def __post_init__(self) -> None:
@@ -100,37 +96,11 @@ class FxparConfig:
                 isinstance(s, bool) or not isinstance(s, (int, float)) or s <= 0 for s in self.speeds)):
             raise ConfigError(f"{self.source}: speeds = {list(self.speeds)!r}: expected a list of "
                               "positive relative speeds such as [1.0, 0.5]")
-        if not isinstance(self.workload, Mapping):
-            raise ConfigError(f"{self.source}: workload must be a mapping (global_batch, seq_len, ...)")
-        unknown = set(self.workload) - {f.name for f in fields(Workload)}
-        if unknown:
-            raise ConfigError(f"{self.source}: workload has unknown keys {sorted(unknown)}; accepted: "
-                              f"{[f.name for f in fields(Workload)]}")
-        if isinstance(self.max_tensor_parallel, bool) or not isinstance(self.max_tensor_parallel, int) \
-                or self.max_tensor_parallel < 1:
-            raise ConfigError(f"{self.source}: max_tensor_parallel = {self.max_tensor_parallel!r}: "
-                              "must be a positive integer")
-        if not isinstance(self.emulate, bool):
-            raise ConfigError(f"{self.source}: emulate = {self.emulate!r}: must be true or false")
-        compile_options(self.compile, f"{self.source}: compile")   # a clear error for a bad value
-        if not isinstance(self.adapt, (bool, Mapping)) or isinstance(self.adapt, Mapping) and set(self.adapt) - ADAPT_KEYS:
-            raise ConfigError(f"{self.source}: adapt = {self.adapt!r}: must be true, false or a mapping of "
-                              f"{sorted(ADAPT_KEYS)}")
 
-    def adapt_options(self) -> Adapt | bool:
-        """``fxpar.auto``'s ``adapt``: False, or the :class:`~fxpar.adapt.Adapt` this config gives."""
-        if self.adapt is False:
-            return False
-        given = {} if self.adapt is True else dict(self.adapt)
-        detector = DetectorSettings(**{k: given[k] for k in ("threshold", "min_steps", "min_seconds",
-                                                             "calibration_steps", "warmup_steps", "gather_every")
-                                       if k in given})
-        policy = AdaptPolicy(strategies=self.strategies, max_tensor_parallel=self.max_tensor_parallel,
-                             **{k: given[k] for k in ("min_gain", "horizon_steps", "replace_given_plan") if k in given})
-        background = given.get("background_planning", True)
-        if not isinstance(background, bool):
-            raise ConfigError(f"{self.source}: adapt.background_planning = {background!r}: must be true or false")
-        return Adapt(policy=policy, detector=detector, background_planning=background)
+    @property
+    def adapting(self) -> bool:
+        """Whether the job re-plans while training (it then supersedes ``rebalance``)."""
+        return bool(self.options.adapt)
 
     def resolve_cluster(self):
         """The :class:`~fxpar.cluster.Cluster` this config names."""
@@ -161,34 +131,55 @@ class FxparConfig:
 
 
 def config_from_mapping(d: Mapping[str, Any], *, source: str = "<dict>") -> FxparConfig:
-    """Validate a parsed ``fxpar.yaml`` mapping."""
+    """Validate a parsed ``fxpar.yaml`` mapping (module docstring)."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(d).__name__}")
-    known = {f.name for f in fields(FxparConfig)} - {"source"}
-    unknown = set(d) - known
+    options_from_mapping({k: v for k, v in d.items() if k in PYTHON_ONLY}, source=source)   # names them
+    known = sorted({*OWN_KEYS, *yaml_keys(), "workload"})
+    unknown = set(d) - set(known)
     if unknown:
-        raise ConfigError(f"{source}: unknown keys {sorted(unknown)}; accepted: {sorted(known)}")
-    kwargs = dict(d)
-    if "speeds" in kwargs and kwargs["speeds"] is not None:
-        if not isinstance(kwargs["speeds"], (list, tuple)):
-            raise ConfigError(f"{source}: speeds = {kwargs['speeds']!r}: expected a list such as [1.0, 0.5]")
-        kwargs["speeds"] = tuple(kwargs["speeds"])
-    if isinstance(kwargs.get("strategies"), list):
-        kwargs["strategies"] = tuple(kwargs["strategies"])
-    rb = kwargs.get("rebalance")
-    if rb is not None:
-        if isinstance(rb, bool):
-            rb = {"enabled": rb}
-        if not isinstance(rb, Mapping):
-            raise ConfigError(f"{source}: rebalance must be a mapping or true/false")
-        bad = set(rb) - {f.name for f in fields(RebalanceConfig)}
-        if bad:
-            raise ConfigError(f"{source}: rebalance has unknown keys {sorted(bad)}; accepted: "
-                              f"{[f.name for f in fields(RebalanceConfig)]}")
-        kwargs["rebalance"] = RebalanceConfig(**rb)
-    if kwargs.get("workload") is None:
-        kwargs.pop("workload", None)
-    return FxparConfig(**kwargs, source=source)
+        raise ConfigError(f"{source}: unknown keys {sorted(unknown)}; accepted: {known}")
+    own = {k: d[k] for k in OWN_KEYS if k in d}
+    options = {k: v for k, v in d.items() if k not in OWN_KEYS and k != "workload"}
+    options.update(_deprecated_workload(d.get("workload"), options, source))
+    if own.get("speeds") is not None:
+        if not isinstance(own["speeds"], (list, tuple)):
+            raise ConfigError(f"{source}: speeds = {own['speeds']!r}: expected a list such as [1.0, 0.5]")
+        own["speeds"] = tuple(own["speeds"])
+    if own.get("rebalance") is not None:
+        own["rebalance"] = _rebalance(own["rebalance"], source)
+    else:
+        own.pop("rebalance", None)
+    return FxparConfig(**own, options=options_from_mapping(options, source=source), source=source)
+
+
+def _rebalance(rb: Any, source: str) -> RebalanceConfig:
+    if isinstance(rb, bool):
+        rb = {"enabled": rb}
+    if not isinstance(rb, Mapping):
+        raise ConfigError(f"{source}: rebalance must be a mapping or true/false")
+    bad = set(rb) - {f.name for f in fields(RebalanceConfig)}
+    if bad:
+        raise ConfigError(f"{source}: rebalance has unknown keys {sorted(bad)}; accepted: "
+                          f"{[f.name for f in fields(RebalanceConfig)]}")
+    return RebalanceConfig(**rb)
+
+
+def _deprecated_workload(workload: Any, options: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """A ``workload:`` mapping's keys, read for one more release with a FutureWarning."""
+    if workload is None:
+        return {}
+    if not isinstance(workload, Mapping):
+        raise ConfigError(f"{source}: workload must be a mapping ({', '.join(WORKLOAD_KEYS)})")
+    unknown = set(workload) - set(WORKLOAD_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: workload has unknown keys {sorted(unknown)}; accepted: {list(WORKLOAD_KEYS)}")
+    warnings.warn(f"{source}: the 'workload:' mapping is deprecated; put {sorted(workload)} at the top level "
+                  "(they are fxpar.auto's options, fxpar.Options)", FutureWarning, stacklevel=3)
+    both = sorted(set(workload) & set(options))
+    if both:
+        raise ConfigError(f"{source}: {both} given both at the top level and under workload; keep the top level")
+    return dict(workload)
 
 
 def load_config(path: str | os.PathLike | None = None) -> FxparConfig:

@@ -107,8 +107,8 @@ class FxparTrainer(Trainer):
         if args is not None and args.gradient_accumulation_steps != 1:
             raise ConfigError(f"FxparTrainer: gradient_accumulation_steps = "
                               f"{args.gradient_accumulation_steps}; fxpar's plan does the micro-"
-                              "batching (workload.max_microbatches); set it to 1 and put the whole "
-                              "optimizer-step batch in workload.global_batch")
+                              "batching (max_microbatches); set it to 1 and put the whole "
+                              "optimizer-step batch in global_batch")
         self.fxpar_max_grad_norm = float(args.max_grad_norm) if args is not None else 1.0
         if args is not None:  # fxpar clips by the whole model's norm (training_step)
             args = copy.copy(args)
