@@ -1,5 +1,5 @@
 """What crosses the cuts of a pipeline split (:mod:`fxpar.codegen.pipeline.split`): the model's
-loss, what each stage receives and sends (:class:`StageSpec`, in names of the split's parent
+loss, what each stage receives and sends (:class:`StageBoundary`, in names of the split's parent
 graph) and the example value and dtype of every value a piece hands on."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fxpar.errors import TraceError
 
 
 @dataclass(frozen=True)
-class StageSpec:
+class StageBoundary:
     """What stage ``index`` receives and sends (value names of the parent graph)."""
 
     index: int
@@ -55,7 +55,7 @@ def _flat_outputs(gm: torch.fx.GraphModule) -> list:
 
 
 def stage_specs(tensor_inputs: tuple[str, ...], reads: list[list[str]], produced: list[list[str]],
-                 params: set[str], constants: set[str], loss_name: str) -> list[StageSpec]:
+                 params: set[str], constants: set[str], loss_name: str) -> list[StageBoundary]:
     """Each stage's inputs (the previous stage's outputs; stage 0: the batch's tensors), outputs
     (what it holds that a later stage reads; the last: the loss) and the ``params`` (parameters,
     buffers) it reads; neither those nor ``constants`` travel between stages."""
@@ -67,7 +67,7 @@ def stage_specs(tensor_inputs: tuple[str, ...], reads: list[list[str]], produced
         later = {r for j in range(i + 1, num_stages) for r in reads[j] if r not in fixed}
         outputs = (loss_name,) if i == num_stages - 1 else tuple(v for v in avail_after if v in later)
         stage_params = tuple(dict.fromkeys(r for r in reads[i] if r in params))
-        specs.append(StageSpec(index=i, inputs=stage_inputs[i], outputs=outputs, params=stage_params))
+        specs.append(StageBoundary(index=i, inputs=stage_inputs[i], outputs=outputs, params=stage_params))
         stage_inputs.append(outputs)
         available = list(outputs)
     return specs

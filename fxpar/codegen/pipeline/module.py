@@ -70,7 +70,7 @@ from fxpar.codegen.pipeline.stage_state import gather_stages, stage_boxes
 from fxpar.codegen.pipeline.ties import alias_groups, canonical_names, sync_tied, tied_params
 from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
-    PipelineLayout,
+    PipelinePlacement,
     StageLink,
     example_values,
     follow,
@@ -145,7 +145,7 @@ class PipelineParallelModule(torch.nn.Module):
     def _place_rank(self, plan: Plan, rank: int, emulate: bool) -> None:
         """This rank's place in the layout (stage, pipeline, tensor-parallel position), its
         groups, its pipeline's chain and its speed clock."""
-        self.layout = PipelineLayout.of(plan)
+        self.layout = PipelinePlacement.of(plan)
         self.stage_index, self.pipeline_index, self.tp_position = self.layout.where(rank)
         self.tp_width = self.layout.widths[self.stage_index]
         self.is_lead = self.tp_position == 0

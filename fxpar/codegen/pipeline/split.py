@@ -46,7 +46,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
-from fxpar.codegen.pipeline.boundaries import StageSpec, loss_name, piece_outputs, stage_specs, value_dtypes
+from fxpar.codegen.pipeline.boundaries import StageBoundary, loss_name, piece_outputs, stage_specs, value_dtypes
 from fxpar.codegen.pipeline.export import exported_for_split, float_histc_inputs
 from fxpar.compat import retarget_autocast_region
 from fxpar.errors import PlanError, TraceError
@@ -57,7 +57,7 @@ class StageModule(torch.nn.Module):
     """One pipeline stage: runs its piece of the graph on the values it receives and returns
     the values the next stage needs (the last stage returns the loss)."""
 
-    def __init__(self, piece: torch.fx.GraphModule, spec: StageSpec, piece_args: Sequence[str],
+    def __init__(self, piece: torch.fx.GraphModule, spec: StageBoundary, piece_args: Sequence[str],
                  tensors: Mapping[str, torch.Tensor], constants: Mapping[str, Any],
                  produced: Sequence[str]) -> None:
         super().__init__()

@@ -43,7 +43,7 @@ FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
-class PipelineLayout:
+class PipelinePlacement:
     """Rank placement of a pipeline plan (module docstring)."""
 
     pipelines: int
@@ -51,7 +51,7 @@ class PipelineLayout:
     stage_ranks: tuple[tuple[int, ...], ...]    # stages[j].ranks
 
     @classmethod
-    def of(cls, plan: Any) -> "PipelineLayout":
+    def of(cls, plan: Any) -> "PipelinePlacement":
         P = plan.pipelines
         widths = tuple(int(st.tensor_parallel) for st in plan.stages)
         for st, u in zip(plan.stages, widths):
@@ -101,7 +101,7 @@ class PipelineGroups:
     pipeline: Any         # every rank of this pipeline
 
 
-def make_groups(layout: PipelineLayout, rank: int) -> PipelineGroups:
+def make_groups(layout: PipelinePlacement, rank: int) -> PipelineGroups:
     stage, pipe, pos = layout.where(rank)
     chains = [new_group(layout.chain(p)) for p in range(layout.pipelines)]
     dps = {(j, t): new_group(layout.dp_ranks(j, t))
