@@ -289,3 +289,20 @@ def test_memory_caps_force_a_positive_communication_term(strategies):
         pred = fxpar.predict(q, graph("llama"), p.cluster)
         assert max(pred.peak_memory_bytes) <= p.cluster.devices[0].memory_bytes, q.strategy
         assert p.lower_bound_s <= pred.step_s * (1 + REL), q.strategy
+
+
+def test_the_pipeline_hop_term_counts_every_tensor_a_cut_sends():
+    """A Llama cut sends its mask, rotary tables and labels beside the hidden state: the bound's
+    thinnest cut holds them all (more than the hidden state alone), and still no more than what
+    any cut's hop sends for one sample."""
+    from fxpar.sim.segments import build_segments
+    from fxpar.solvers.bounds import thinnest_cut_bytes
+
+    cluster = build_cluster(("cpu", 10.0, ((1.0, 0.5),)))
+    cost = CostModel(graph("llama"), cluster, dtype="fp32", optimizer="adamw")
+    table = build_segments(cost.graph, cost, {g.key: g for g in cluster.groups()})
+    hidden = float(table.boundary_bytes[:-1].min())
+    beta = thinnest_cut_bytes(table)
+    assert beta > hidden
+    assert all(beta <= sum(table.hop_messages(j, 1)[0]) + 1e-9 for j in range(table.size - 1))
+

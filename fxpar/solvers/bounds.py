@@ -53,7 +53,9 @@ def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer
     - pipeline (and tensor parallel, priced as the one-stage pipeline it runs): the makespan is
       at least ``Σ_d λ_d (b_d + w_d) ≥ T_LP + Σ_d λ_d w_d``, ``w_d`` any idle seconds before
       ``d``'s last op.  With two stages or more, stage 1's rank waits for stage 0's first hop,
-      at least ``β_min/V`` (the thinnest cut's bytes, one sample): ``H = λ_min·β_min/V``.  With
+      at least ``β_min/V`` (the thinnest cut's bytes for one sample: every tensor the cut sends,
+      :meth:`~fxpar.sim.segments.SegmentTable.hop_messages`, at least the hidden state):
+      ``H = λ_min·β_min/V``.  With
       one stage of width ``u ≥ 2`` every rank's busy seconds hold the tensor-parallel all-reduces of
       each sample of its replica, ``m`` bytes per sample in all (``SegmentTable.tp_message_bytes``):
       ``TP = 2·λ_min·B·m / V``; of width 1, ``N`` replicas all-reduce the gradient ``G`` after the
@@ -179,11 +181,17 @@ def pipeline_communication_s(cost, batch: int, w: Work) -> float:
         return 0.0
     table = build_segments(cost.graph, cost, {g.key: g for g in cost.cluster.groups()})
     fastest = collectives.fastest_bytes_per_s(cost.cluster, cost.measured_links())
-    beta = table.boundary_bytes
-    hop = w.least_weight * float(beta[:-1].min()) / fastest if table.size > 1 else math.inf
+    hop = w.least_weight * thinnest_cut_bytes(table) / fastest if table.size > 1 else math.inf
     tensor = 2 * w.least_weight * batch * sum(x for fwd, bwd in table.tp_message_bytes() for x in fwd + bwd) / fastest
     replicas = least_allreduce_s(cost, float(table.params.sum()) * cost.policy().reduce_bytes)
     return min(hop, tensor, replicas)
+
+
+def thinnest_cut_bytes(table) -> float:
+    """``β_min`` (:func:`lower_bound_s`): the least bytes one sample sends forward over any cut
+    between segments, each cut's every tensor (at least its hidden state); inf with one segment."""
+    cuts = [max(sum(table.hop_messages(j, 1)[0]), float(table.boundary_bytes[j])) for j in range(table.size - 1)]
+    return min(cuts, default=math.inf)
 
 
 def expert_bound_s(cost, ep: EPProblem, w: Work) -> float:
