@@ -28,6 +28,7 @@ from fxpar.plan import Plan
 from fxpar.planning import plan_model, trace_spec
 from fxpar.predict import predict
 from fxpar.profile_cmd import maybe_init_process_group, profile_collectives, profile_ops
+from fxpar.rank_layout import RankLayout
 from fxpar.profiling import CostModel, local_cache
 from fxpar.profiling.database import PROFILE_DIR_ENV, load_profiles, with_calibration
 from fxpar.scenario import load_scenario
@@ -205,6 +206,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for line in plan.explain:
             print(f"  {line}")
         print(f"  predicted / lower bound = {plan.predicted_step_s / plan.lower_bound_s:.3f}")
+        print("\nwhere each rank sits:\n  " + "\n  ".join(RankLayout(plan).lines()))
         if plan.solver is not None:
             sv = plan.solver
             print(f"  share LP: {sv.backend} {sv.status}, objective {sv.objective_s:.4g} s, "

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fxpar.codegen.common.shards import slice_parameter
 from fxpar.compat import expert_gate_is_default
 from fxpar.errors import PlanError
+from fxpar.rank_layout import expert_ranges
 from fxpar.runtime.device import host_copy, host_tensor
 from fxpar.runtime.emulation import SegmentClock as _Clock
 
@@ -55,15 +56,6 @@ def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group: Any, clock: _
         return out
     run = lambda: dist.all_to_all_single(out, x, recv, send, group=group)
     clock.collective(run, "all_to_all") if clock is not None else run()
-    return out
-
-
-def expert_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
-    """Contiguous ``[lo, hi)`` expert ranges, one per rank, from per-rank counts."""
-    out, lo = [], 0
-    for n in split:
-        out.append((lo, lo + int(n)))
-        lo += int(n)
     return out
 
 

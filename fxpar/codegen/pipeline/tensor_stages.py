@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import PlanError
+from fxpar.rank_layout import member
 from fxpar.runtime.device import host_tensor
 from fxpar.runtime.distributed import host_group, new_group, own
 from fxpar.runtime.emulation import SegmentClock
@@ -49,6 +50,7 @@ class PipelinePlacement:
     pipelines: int
     widths: tuple[int, ...]                     # tensor-parallel width of each stage
     stage_ranks: tuple[tuple[int, ...], ...]    # stages[j].ranks
+    stages: tuple[Any, ...] = ()                # the plan's stages
 
     @classmethod
     def of(cls, plan: Any) -> "PipelinePlacement":
@@ -58,14 +60,14 @@ class PipelinePlacement:
             if len(st.ranks) != P * u:
                 raise PlanError(f"pipeline plan: stage {st.index} lists {len(st.ranks)} ranks, but "
                                 f"{P} pipelines x tensor_parallel {u} need {P * u}")
-        return cls(pipelines=P, widths=widths, stage_ranks=tuple(tuple(st.ranks) for st in plan.stages))
+        return cls(pipelines=P, widths=widths, stage_ranks=tuple(tuple(st.ranks) for st in plan.stages),
+                   stages=tuple(plan.stages))
 
     def where(self, rank: int) -> tuple[int, int, int]:
-        """``(stage, pipeline, position)`` of ``rank``."""
-        for j, ranks in enumerate(self.stage_ranks):
-            if rank in ranks:
-                i = ranks.index(rank)
-                return j, i // self.widths[j], i % self.widths[j]
+        """``(stage, pipeline, position)`` of ``rank`` (:func:`fxpar.rank_layout.member`)."""
+        for j, st in enumerate(self.stages):
+            if rank in st.ranks:
+                return (j, *member(st, rank))
         raise PlanError(f"rank {rank} belongs to no pipeline stage of the plan")
 
     def tp_ranks(self, stage: int, pipeline: int) -> list[int]:

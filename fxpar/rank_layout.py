@@ -1,0 +1,141 @@
+"""Where each rank of a plan sits: one answer, from the plan alone, for every parallel form.
+
+A plan lists each stage's ranks *replica-major*: stage ``j`` of tensor-parallel width ``u``
+(``StagePlan.tensor_parallel``) holds ``stages[j].ranks[p·u + t]`` at position ``t`` of its
+replica ``p`` (:func:`member`).  Every form is such a listing: data parallelism and sharded data
+parallelism are one stage of width 1 (each rank its own replica), tensor parallelism one stage as
+wide as its group (one replica per group), expert parallelism one stage of width 1 whose
+``expert_split`` gives each rank its experts, a pipeline ``S`` stages whose replicas are its
+pipelines (an interleaved pipeline puts a rank in several stages, at one position of one
+pipeline).  Per-position splits (``tensor_split``, and ``expert_split`` inside a pipeline stage)
+have ``u`` entries; per-rank ones (``state_split``, the expert split of an expert-parallel plan)
+one per listed rank.
+
+:class:`RankLayout` answers, for every rank: its device kind, stages, replica (pipeline),
+position, tensor-parallel group, replica group (the ranks holding the same stage and position in
+every replica: its gradients' sum), pipeline, expert range, key/value head groups, batch share and
+sharded-state weight; ``fxpar plan --explain`` prints it (:meth:`RankLayout.lines`).  Pure data:
+no torch, no process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fxpar.errors import PlanError
+
+
+def member(stage: Any, rank: int) -> tuple[int, int]:
+    """``(replica, position)`` of ``rank`` in ``stage`` (module docstring); a PlanError if the
+    stage does not hold it."""
+    if rank not in stage.ranks:
+        raise PlanError(f"rank {rank} belongs to no rank of stage {stage.index} ({list(stage.ranks)})")
+    return divmod(stage.ranks.index(rank), max(int(stage.tensor_parallel), 1))
+
+
+def _replica_ranks(stage: Any, replica: int) -> tuple[int, ...]:
+    u = max(int(stage.tensor_parallel), 1)
+    return tuple(stage.ranks[replica * u:(replica + 1) * u])
+
+
+def expert_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` expert ranges, one per entry, from per-entry counts."""
+    out, lo = [], 0
+    for n in split:
+        out.append((lo, lo + int(n)))
+        lo += int(n)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """One rank's place in a plan (module docstring)."""
+
+    rank: int
+    device: str
+    stages: tuple[int, ...]             # the stages it runs (several in an interleaved pipeline)
+    replica: int                        # its replica of those stages (its pipeline)
+    position: int                       # its place in its tensor-parallel group (0: the lead)
+    tensor_group: tuple[int, ...]       # its tensor-parallel group (itself alone at width 1)
+    replica_group: tuple[int, ...]      # its stage and position in every replica
+    pipeline: tuple[int, ...]           # every rank of its replica of the whole model
+    experts: tuple[int, int] | None     # [start, stop) of the experts it holds, where split
+    heads: int | None                   # its key/value head groups, where the plan splits them
+    batch_share: int
+    state_weight: int | None            # its weight of the sharded state, where sharded
+
+
+class RankLayout:
+    """Every rank's :class:`RankPlace` in ``plan``."""
+
+    def __init__(self, plan: Any) -> None:
+        self.places: tuple[RankPlace, ...] = tuple(self._place(plan, r) for r in range(plan.world_size))
+
+    def where(self, rank: int) -> RankPlace:
+        if not 0 <= rank < len(self.places):
+            raise PlanError(f"rank {rank}: the plan has ranks 0..{len(self.places) - 1}")
+        return self.places[rank]
+
+    @staticmethod
+    def _place(plan: Any, rank: int) -> RankPlace:
+        mine = [st for st in plan.stages if rank in st.ranks]
+        if not mine:
+            raise PlanError(f"rank {rank} belongs to no stage of the plan")
+        first = mine[0]
+        replica, position = member(first, rank)
+        index = first.ranks.index(rank)
+        pipeline = sorted({r for st in plan.stages for r in _replica_ranks(st, replica)})
+        return RankPlace(
+            rank=rank, device=plan.ranks[rank].device, stages=tuple(st.index for st in mine), replica=replica,
+            position=position, tensor_group=_replica_ranks(first, replica),
+            replica_group=tuple(first.ranks[p * max(first.tensor_parallel, 1) + position]
+                                for p in range(len(first.ranks) // max(first.tensor_parallel, 1))),
+            pipeline=tuple(pipeline), experts=_experts(first, index, position), heads=_heads(first, index, position),
+            batch_share=int(plan.ranks[rank].batch_share),
+            state_weight=None if first.state_split is None else int(first.state_split[index]))
+
+    def lines(self, limit: int = 24) -> list[str]:
+        """The layout as a table, one row per rank (``fxpar plan --explain``); of more than
+        ``limit`` ranks, the first and the last ``limit // 2``."""
+        head = ("rank", "device", "stage", "replica", "position", "TP group", "replica group", "pipeline",
+                "experts", "heads", "share", "state")
+        half = limit // 2
+        shown = self.places if len(self.places) <= limit else (*self.places[:half], *self.places[-half:])
+        rows = [(str(p.rank), p.device, ",".join(map(str, p.stages)), str(p.replica), str(p.position),
+                 _span(p.tensor_group), _span(p.replica_group), _span(p.pipeline),
+                 "-" if p.experts is None else f"{p.experts[0]}-{p.experts[1] - 1}" if p.experts[1] > p.experts[0]
+                 else "none", "-" if p.heads is None else str(p.heads), str(p.batch_share),
+                 "-" if p.state_weight is None else str(p.state_weight)) for p in shown]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        body = [line(r) for r in rows]
+        if len(shown) < len(self.places):
+            body.insert(half, f"... {len(self.places) - limit} more ranks ...")
+        return [line(head), line(tuple("-" * w for w in widths))] + body
+
+
+def _experts(stage: Any, index: int, position: int) -> tuple[int, int] | None:
+    """The rank's experts: a per-position split (``u`` entries) ranges over its tensor-parallel
+    group, a per-rank one over the stage's ranks (expert parallelism) or, in a group, over the
+    group's own entries."""
+    split = stage.expert_split
+    if split is None:
+        return None
+    u = max(int(stage.tensor_parallel), 1)
+    if u > 1 and len(split) == len(stage.ranks):
+        split = split[index - position:index - position + u]
+    return expert_ranges(split)[position if len(split) == u else index]
+
+
+def _heads(stage: Any, index: int, position: int) -> int | None:
+    split = stage.tensor_split
+    return None if split is None else int(split[index if len(split) == len(stage.ranks) else position])
+
+
+def _span(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))

@@ -1,0 +1,86 @@
+"""One answer to "where does this rank sit" (:mod:`fxpar.rank_layout`), for every parallel form,
+from the plan alone; the pipeline runtime's placement reads the same rule."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import fxpar
+from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.codegen.pipeline.tensor_stages import PipelinePlacement
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.errors import PlanError
+from fxpar.rank_layout import RankLayout
+from fxpar.tracing.hf import ModelSpec, build_model
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=128,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+MIXTRAL = dict(LLAMA, model_type="mixtral", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+@functools.cache
+def model(config: str):
+    return build_model(ModelSpec(hf_config=LLAMA if config == "llama" else MIXTRAL), device="meta",
+                       attn_implementation="eager")
+
+
+def test_data_and_sharded_parallelism_make_every_rank_its_own_replica():
+    cluster = fxpar.Cluster.emulated([1.0, 0.5, 0.5])
+    plan = sharded_data_parallel_plan(cluster, batch_split=[4, 2, 2], state_split=[2, 1, 1])
+    places = RankLayout(plan).places
+    assert [p.replica for p in places] == [0, 1, 2] and all(p.position == 0 for p in places)
+    assert [p.tensor_group for p in places] == [(0,), (1,), (2,)]
+    assert all(p.replica_group == (0, 1, 2) for p in places)
+    assert [(p.batch_share, p.state_weight) for p in places] == [(4, 2), (2, 1), (2, 1)]
+
+
+def test_tensor_parallel_groups_and_their_replicas():
+    cluster = fxpar.Cluster.emulated([1.0] * 4)
+    plan = tensor_parallel_plan(model("llama"), cluster, global_batch=4, kv_shares=[3, 1], replicas=2)
+    places = RankLayout(plan).places
+    assert [(p.replica, p.position) for p in places] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [p.tensor_group for p in places] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [p.replica_group for p in places] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [p.heads for p in places] == [3, 1, 3, 1]
+
+
+def test_expert_parallelism_gives_each_rank_its_expert_range():
+    plan = expert_parallel_plan(model("mixtral"), fxpar.Cluster.emulated([1.0, 0.5]), global_batch=4,
+                                expert_split=[3, 1])
+    assert [p.experts for p in RankLayout(plan).places] == [(0, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("widths", [[2, 1], [1, 2]])
+def test_a_pipeline_of_tensor_parallel_stages_agrees_with_the_runtime_placement(widths):
+    cluster = fxpar.Cluster.emulated([1.0] * 6)
+    plan = pipeline_plan(model("llama"), cluster, global_batch=4, blocks_per_stage=[2, 2], num_microbatches=2,
+                         pipelines=2, tensor_parallel=widths)
+    layout, runtime = RankLayout(plan), PipelinePlacement.of(plan)
+    for rank in range(6):
+        p = layout.where(rank)
+        stage, pipe, pos = runtime.where(rank)
+        assert (p.stages, p.replica, p.position) == ((stage,), pipe, pos)
+        assert list(p.tensor_group) == runtime.tp_ranks(stage, pipe)
+        assert list(p.replica_group) == runtime.dp_ranks(stage, pos)
+        assert list(p.pipeline) == runtime.pipeline_ranks(pipe)
+    with pytest.raises(PlanError, match="rank 6"):
+        layout.where(6)
+
+
+def test_an_interleaved_rank_runs_several_stages_and_explain_prints_the_layout():
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    plan = interleaved_plan(model("llama"), cluster, global_batch=4, blocks_per_stage=[1, 1, 1, 1],
+                            stage_ranks=[0, 1, 0, 1], num_microbatches=2)
+    layout = RankLayout(plan)
+    assert [p.stages for p in layout.places] == [(0, 2), (1, 3)]
+    assert all(p.pipeline == (0, 1) for p in layout.places)
+    lines = layout.lines()
+    assert lines[0].split()[:3] == ["rank", "device", "stage"] and lines[2].split()[2] == "0,2"
+
+
+def test_a_large_layout_prints_its_first_and_last_ranks():
+    plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0] * 40), batch_split=[1] * 40, state_split=[1] * 40)
+    lines = RankLayout(plan).lines(limit=24)
+    assert len(lines) == 2 + 24 + 1 and "16 more ranks" in lines[14]
