@@ -104,3 +104,34 @@ def test_a_tensor_parallel_group_of_mixed_speeds_runs_at_its_slowest_member():
     assert step([1.0, 0.5]) == pytest.approx(slow, rel=1e-12)
     assert step([0.5, 1.0]) == pytest.approx(slow, rel=1e-12)
     assert step([1.0, 0.5], kv=(3, 1)) == pytest.approx(step([1.0, 1.0], kv=(3, 1)), rel=1e-12)
+
+
+def test_an_uneven_tensor_parallel_split_is_priced_at_its_critical_members_share():
+    """A 3:1 split of the heads (and, in proportion, the MLP columns) makes its larger member do
+    3/4 of the divided work: slower than 2:2 on equal speeds, faster than 2:2 where the second
+    rank runs at half speed (its 1/4 at 0.5 takes less than the fast rank's 3/4).  The slot is
+    priced at scale ``f·(3/4) + (1 − f)`` (``f`` the divided fraction), not as an even split."""
+    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.sim.pipeline_cost import pipeline_prices
+    from fxpar.sim.pipeline_plan import as_pipeline, layout_of
+    from fxpar.tracing.hf import build_model
+
+    spec = ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_key_value_heads=4))
+    model = build_model(spec)
+    graph = trace_spec(spec, Workload(global_batch=8, seq_len=16))
+
+    def plan_and_cost(speeds, kv):
+        cluster = Cluster.emulated(list(speeds), one_node=True)
+        return tensor_parallel_plan(model, cluster, global_batch=8, seq_len=16, kv_shares=list(kv)), \
+            CostModel(graph, cluster), cluster
+
+    def step(speeds, kv) -> float:
+        plan, cost, _ = plan_and_cost(speeds, kv)
+        return simulate(plan, cost).step_s
+
+    assert step([1.0, 1.0], (3, 1)) > step([1.0, 1.0], (2, 2))
+    assert step([1.0, 0.5], (3, 1)) < step([1.0, 0.5], (2, 2))
+    plan, cost, cluster = plan_and_cost([1.0, 0.5], (3, 1))
+    prices = pipeline_prices(cost)
+    layout, _ = layout_of(as_pipeline(plan, prices), prices, cluster)
+    assert layout.stages[0].share == pytest.approx(0.75) and layout.stages[0].kind == "cpu"

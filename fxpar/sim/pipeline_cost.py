@@ -124,6 +124,9 @@ class StageSlice:
     end: int
     checkpointing: bool
     position: int
+    #: the fraction of the divided work (``SegmentTable.sharded_fraction``) its slowest member
+    #: does: ``1/width`` for an even split, ``share_r / Σ share`` for an uneven one (None: even)
+    share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +202,8 @@ class PipelineRun:
 def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float, float]:
     """(f_j, b_j) of one stage per micro-batch of ``b`` samples (module docstring)."""
     t, k, i, e = prices.table, st.kind, st.start, st.end
-    scale = (t.sharded_fraction / st.width + (1 - t.sharded_fraction))[i:e]
+    share = 1.0 / st.width if st.share is None else st.share
+    scale = (t.sharded_fraction * share + (1 - t.sharded_fraction))[i:e]
     tp_fwd, tp_bwd = (x[i:e] for x in tp_seconds(t, prices.network, k, st.width, b))
     ks, over = prices.compute_scale.get(k, 1.0), prices.segment_overhead_s.get(k, 0.0)
     fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale * ks + over / 3

@@ -100,15 +100,20 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
     positions, slots = slots_of(plan)
     ranges = stage_ranges(plan, prices)
 
+    def critical(st, slot: tuple[int, ...]) -> tuple[str, float | None]:
+        """A tensor-parallel slot's pace: its member whose share of the divided work over its speed
+        is largest (with an even split, the slowest), at that member's kind and share (None: even)."""
+        split = st.mlp_split or st.tensor_split
+        share = dict(zip(st.ranks, _per_rank(split, len(st.ranks)))) if split else {}
+        r = max(slot, key=lambda x: share.get(x, 1) / cluster.device(x).speed)
+        return kind[r], (share[r] / sum(share[x] for x in slot) if share else None)
+
     def slot_kind(st, slot: tuple[int, ...]) -> str:
-        """The kind a tensor-parallel slot runs at: its member whose share of the heads over its
-        speed is largest (with an even split, the slowest; the split itself is priced as even)."""
-        share = dict(zip(st.ranks, st.tensor_split)) if st.tensor_split else {}
-        return kind[max(slot, key=lambda r: share.get(r, 1) / cluster.device(r).speed)]
+        return critical(st, slot)[0]
 
     stages = tuple(StageSlice(kind=slot_kind(st, slots[d][0]), width=len(slots[d][0]), start=i, end=e,
                               checkpointing=bool(st.activation_checkpointing or plan.activation_checkpointing),
-                              position=d)
+                              position=d, share=critical(st, slots[d][0])[1])
                    for st, d, (i, e) in zip(plan.stages, positions, ranges))
     links = prices.network.placement(nodes=[[cluster.device(slot[0]).node for slot in row] for row in slots],
                                      widths=[len(row[0]) for row in slots],
@@ -127,6 +132,11 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
                           replica_kinds=replica_kinds if len(set(replica_kinds)) > 1 else (),
                           micro_batches=tuple(n // m for n in split) if uneven else (),
                           replica_ranges=cuts if len(set(cuts)) > 1 else ()), slots
+
+
+def _per_rank(split: tuple[int, ...], ranks: int) -> tuple[int, ...]:
+    """A stage's split with one entry per listed rank (a per-position split repeats per replica)."""
+    return tuple(split) if len(split) == ranks else tuple(split) * (ranks // len(split))
 
 
 def price_plan(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineRun, SimResult]:
