@@ -17,7 +17,7 @@ from fxpar.runtime.audit import (
     check_orders,
     summarize,
 )
-from tests.workers_audit import KINDS, audit_plan_kind
+from tests.multirank.workers_audit import KINDS, audit_plan_kind
 
 STEPS = 2
 WORLD = {"pipeline_tp": 3}

@@ -10,7 +10,7 @@ complete background checkpoint.  Measured: the steps lost (last step done before
 step resumed from), the time from the kill to the first step of the new job, and every step's loss
 against one process on the same batches.  With ``grow`` a fourth node joins a running 3-node job
 instead: torchrun's agents see it waiting, stop their workers and restart all four, which re-plan
-for 4 ranks and resume from the newest checkpoint.  Used by ``tests/test_elastic.py`` and by the
+for 4 ranks and resume from the newest checkpoint.  Used by ``tests/multirank/test_elastic.py`` and by the
 ``adapt`` benchmark suite.
 """
 

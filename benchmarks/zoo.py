@@ -218,7 +218,7 @@ WORKERS = {"dp": dp_worker, "pp": pp_worker, "tp": tp_worker}
 
 def traced_dp_worker(model_type: str) -> dict:
     """Trace, plan (rank 0: the full planner for 2 ranks of speeds 1.0 / 0.5) and data-parallel
-    parity in one call (``tests/test_zoo.py``: one pool round trip per type)."""
+    parity in one call (``tests/multirank/test_zoo.py``: one pool round trip per type)."""
     out: dict[str, Any] = {"rank": dist.get_rank()}
     if dist.get_rank() == 0:
         model = build(model_type)

@@ -1,6 +1,6 @@
 """Sphinx configuration of fxpar's documentation.
 
-Build (warnings are errors; ``tests/test_docs.py`` runs the same)::
+Build (warnings are errors; ``tests/project/test_docs.py`` runs the same)::
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 

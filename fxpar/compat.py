@@ -72,7 +72,7 @@ transformers (checked against 5.23):
   (:func:`fake_host_mode`).  ``torch.export`` uses the same class; it has no public name
   (checked against torch 2.11 and 2.13).
 
-The private names are reached through these functions only (``tests/test_private_names.py``
+The private names are reached through these functions only (``tests/project/test_private_names.py``
 scans the rest of the package).
 """
 

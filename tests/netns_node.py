@@ -1,4 +1,4 @@
-"""One "node" of tests/test_two_nodes.py, run by torchrun inside a network namespace.
+"""One "node" of tests/multirank/test_two_nodes.py, run by torchrun inside a network namespace.
 
 Joins the job with :func:`fxpar.runtime.init_distributed`, describes it with
 ``fxpar.Cluster.detect()`` (written to ``<out>/detect-rank<r>.json``), trains a tiny MLP with

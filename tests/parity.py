@@ -4,7 +4,7 @@ global batch, in fp32.  Every bound is a multiple of fp32's unit roundoff
     eps = torch.finfo(torch.float32).eps = 2**-23 ≈ 1.19e-7
 
 chosen from the size of the sums a parallel plan reorders, never from one machine's run, and
-held at least 10x below the gap of a real bug (``tests/test_parity_rules.py`` plants such bugs
+held at least 10x below the gap of a real bug (``tests/graph/test_parity_rules.py`` plants such bugs
 and checks each rule fails them; every run's own gaps sit far below the bounds).
 
 What a parallel plan changes is the *order* of floating-point sums: data parallelism and
@@ -56,7 +56,7 @@ EPS = float(torch.finfo(torch.float32).eps)
 #: noise changes Adam's update — and there the loss is flat to first order, so the same bound
 #: holds at every step.  A real bug moves the loss by a sample's share of it: a sample dropped or
 #: counted twice, or two ranks' token weights swapped, changes it by ~1e-3 relative — 120–160x the
-#: bound in ``tests/test_parity_rules.py`` (a tiny Mixtral's smallest such gap, 3e-4, is 40x).
+#: bound in ``tests/graph/test_parity_rules.py`` (a tiny Mixtral's smallest such gap, 3e-4, is 40x).
 LOSS_RTOL = 64 * EPS
 
 #: Gradients: per parameter ``‖g − g_ref‖₂ ≤ GRAD_RTOL · (‖g_ref‖₂ + GRAD_FLOOR·‖G_ref‖₂·√(m/M))``,

@@ -1,5 +1,5 @@
 """``examples/train_trainer.py`` under ``adapt:`` with every rank's busy time *injected* (run by
-torchrun from tests/test_integrations.py).
+torchrun from tests/multirank/test_integrations.py).
 
 The test checks that the adaptive module reacts to what it measures, not to how this machine's
 timing came out: each rank reports ``predicted_busy_s / speed``, what a device of its current

@@ -1,5 +1,5 @@
 """``examples/train_trainer.py`` with the step monitor's busy times *injected* (run by torchrun
-from tests/test_integrations.py).
+from tests/multirank/test_integrations.py).
 
 The re-balancing test checks that the callback reacts to what it measures, not how this
 machine's timing came out: each rank reports ``share × SECONDS_PER_SAMPLE / speed``, what a

@@ -1,7 +1,7 @@
 """Codegen: from a traced graph and a :class:`~fxpar.plan.Plan` to this rank's ``nn.Module``.
 
 One sub-package per parallel form, over what several forms share.  Inside codegen, imports go
-down this order only (``tests/test_layers.py`` checks it), and two forms of one level never
+down this order only (``tests/project/test_layers.py`` checks it), and two forms of one level never
 import each other:
 
 1. ``common``   — shard marks, materialising a rank's shard, gradient buckets, gradient norms;

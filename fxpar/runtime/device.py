@@ -1,7 +1,7 @@
 """Each rank's device, decided in one place, and the checks that the rank is what its plan says.
 
 :func:`rank_device` is the only function in ``fxpar/codegen``, ``fxpar/runtime`` and
-``fxpar/integrations`` that names the CPU device (``tests/test_devices.py`` scans for others):
+``fxpar/integrations`` that names the CPU device (``tests/graph/test_devices.py`` scans for others):
 
 1. an explicit ``device`` (``fxpar.auto(..., device=...)``) wins;
 2. a rank the plan gives a CPU device type (``Cluster.emulated``, ``gpu: cpu`` in a cluster

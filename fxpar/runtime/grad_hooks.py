@@ -6,7 +6,7 @@ metadata holds too, and Python's cycle collector does not see that reference (to
 an object holding the tensor -- a sharded unit and its full parameters -- then makes a cycle
 that is never collected: every buffer of the object lives
 as long as the process, and each plan an adapting run replaces stays in memory (2.9 MB per
-switch to a small ZeRO-3 plan before this, ``tests/test_adapt.py``'s leak test).  The hook
+switch to a small ZeRO-3 plan before this, ``tests/multirank/test_adapt.py``'s leak test).  The hook
 registered here reaches its owner through a weak reference, so the owner goes when its module
 goes, and its tensors with it.  Hooks that live one backward (data parallelism's gradient
 buckets remove theirs when it ends) need none of this.

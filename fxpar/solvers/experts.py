@@ -6,7 +6,7 @@ expert-parallel family chooses shares and experts together by :func:`fxpar.solve
 
 * the reference its x-step (:func:`fxpar.solvers.expert_plan._x_step`, experts for fixed shares) is
   checked against: with no all-to-all and no optimizer time both minimise ``max_g e_g·u_g`` under the
-  same count and memory rows, and ``tests/test_solver_experts.py`` asserts they reach the same
+  same count and memory rows, and ``tests/planning/test_solver_experts.py`` asserts they reach the same
   makespan (and that this MILP's is the brute-force optimum).  The x-step's data map onto these
   symbols as ``e_g = k f'_g + B c'_g/E``, ``m = m' + a' Σ_q ⌈s_q/k⌉/E``, ``R_g = S + a max_{r∈g} ⌈s_r/k⌉``
   (its own ``m'``, ``a``, ``a'``, ``S``: :mod:`fxpar.sim.expert_sim`);

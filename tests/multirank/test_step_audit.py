@@ -1,0 +1,74 @@
+"""No host sync in a steady step (issue #36 item 2), proved on the CPU by counting.
+
+A step that reads a device value on the host (``item``, ``int``, ``float``, ``bool``,
+``__index__``, ``tolist``), sizes an output by data (mask indexing, ``nonzero``,
+``repeat_interleave`` without ``output_size``, ``bincount``, ``unique``) or calls ``synchronize``
+stalls a GPU rank's host until the device catches up.  :class:`fxpar.runtime.step_audit.StepAudit`
+counts each of them during the third step of every plan family on gloo ranks (the first steps'
+one-off work -- the cast probe, building buckets -- is done by then) and attributes each to
+fxpar's code or to the model's own (transformers' mask code makes one read per forward that the
+plain model makes too).  fxpar's count must be zero, but for the device-to-host copies the
+runtime declares (:func:`fxpar.runtime.device.host_copy`): one per MoE layer and micro-batch
+(expert parallelism's routing counts) and one per fp16 step (the loss-scale verdict, as
+``GradScaler`` has).  The same on a GPU is ``tests/gpu/test_gpu_one.py``'s sync-debug test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpar.runtime.device as device
+from fxpar.runtime.step_audit import StepAudit
+
+from .workers_audit import step_cost_of_kind
+
+
+def test_the_audit_sees_every_kind_of_read() -> None:
+    t = torch.tensor([1, 2, 3])
+    with StepAudit() as cost:
+        t[0].item(), int(t[1]), float(t[2]), bool(t[0]), t.tolist(), [0, 1, 2, 3][t[1]]
+        t[t > 1], torch.repeat_interleave(t, t), torch.nonzero(t), torch.bincount(t)
+        torch.repeat_interleave(t, t, output_size=6)               # sized on the host: fine
+        copied = device.host_copy(t)                                # a declared device-to-host copy
+        copied.tolist(), device.host_tensor([4, 5]).tolist()        # host tensors: free to read
+    # made here, outside the fxpar package: counted as the model's own (what a plain loop makes)
+    assert len(cost.model_reads) == 6 and not cost.host_reads, cost.model_reads
+    assert len(cost.model_dynamic_shapes) == 4 and not cost.dynamic_shapes, cost.model_dynamic_shapes
+    assert all("test_step_audit.py" in r for r in cost.model_reads + cost.model_dynamic_shapes)
+    assert cost.d2h_copies == 1
+    assert cost.ops > 10 and cost.op_counts["aten._local_scalar_dense.default"] == 5
+
+
+def _check(results: list[dict], copies_per_rank) -> None:
+    for r in results:
+        c = r["cost"]
+        assert c["host_reads"] == 0 and c["dynamic_shapes"] == 0 and c["syncs"] == 0, (r["module"], c)
+        assert c["d2h_copies"] == copies_per_rank(r), (r["module"], c)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["data_parallel", "sharded_data_parallel",
+                                  pytest.param("tensor_parallel", marks=pytest.mark.full),
+                                  pytest.param("pipeline", marks=pytest.mark.full)])
+def test_no_host_read_in_a_steady_step(pool2, kind: str) -> None:
+    _check(pool2.run(step_cost_of_kind, kind), lambda r: 0)
+
+
+@pytest.mark.multirank
+def test_expert_parallelism_reads_its_routing_once_per_layer_and_micro_batch(pool2) -> None:
+    _check(pool2.run(step_cost_of_kind, "expert_parallel"), lambda r: r["moe_layers"] * r["microbatches"])
+
+
+@pytest.mark.multirank
+@pytest.mark.full
+@pytest.mark.parametrize("kind,dtype,stage", [("sharded_data_parallel", "fp32", 2), ("sharded_data_parallel", "bf16", 3),
+                                              ("interleaved", "fp32", 3), ("data_parallel", "fp16", 3)])
+def test_no_host_read_more_plans(pool2, kind: str, dtype: str, stage: int) -> None:
+    _check(pool2.run(step_cost_of_kind, kind, 3, dtype, stage), lambda r: 1 if dtype == "fp16" else 0)
+
+
+@pytest.mark.multirank
+@pytest.mark.full
+def test_no_host_read_pipeline_tp(pool3) -> None:
+    _check(pool3.run(step_cost_of_kind, "pipeline_tp"), lambda r: 0)
