@@ -111,10 +111,11 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
     def slot_kind(st, slot: tuple[int, ...]) -> str:
         return critical(st, slot)[0]
 
-    stages = tuple(StageSlice(kind=slot_kind(st, slots[d][0]), width=len(slots[d][0]), start=i, end=e,
+    paces = [critical(st, slots[d][0]) for st, d in zip(plan.stages, positions)]
+    stages = tuple(StageSlice(kind=pace, width=len(slots[d][0]), start=i, end=e,
                               checkpointing=bool(st.activation_checkpointing or plan.activation_checkpointing),
-                              position=d, share=critical(st, slots[d][0])[1])
-                   for st, d, (i, e) in zip(plan.stages, positions, ranges))
+                              position=d, share=share)
+                   for st, d, (i, e), (pace, share) in zip(plan.stages, positions, ranges, paces))
     links = prices.network.placement(nodes=[[cluster.device(slot[0]).node for slot in row] for row in slots],
                                      widths=[len(row[0]) for row in slots],
                                      stage_kinds=[[kind[slot[0]] for slot in row] for row in slots])
