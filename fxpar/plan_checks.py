@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fxpar.errors import PlanError
+from fxpar.forms import NAMES, part
 
 REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
-STRATEGIES: tuple[str, ...] = ("data_parallel", "pipeline", "tensor_parallel", "expert_parallel",
-                                "sharded_data_parallel")
+#: the accepted ``strategy`` values: the parallel forms' names (:data:`fxpar.forms.NAMES`)
+STRATEGIES: tuple[str, ...] = NAMES
 #: sharding stages of a ``sharded_data_parallel`` plan: 2 shards gradients and optimizer state
 #: (ZeRO-2), 3 shards the parameters too (ZeRO-3 / FSDP: a block is all-gathered around its
 #: forward and backward)
@@ -226,98 +227,37 @@ def _check_stages(p: Any) -> None:
         if outside:
             raise PlanError(f"plan.stages[{i}].ranks = {list(st.ranks)}: rank(s) {outside} are not in the "
                             f"plan's {world} ranks (0..{world - 1}); fix the stage or add the ranks")
-        if p.strategy == "pipeline":
-            if len(st.data_split) != p.pipelines:
-                raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: a pipeline plan "
-                                f"with pipelines = {p.pipelines} needs one entry per pipeline")
-            if len(st.ranks) != p.pipelines * st.tensor_parallel:
-                raise PlanError(f"plan.stages[{i}].ranks = {list(st.ranks)}: pipelines {p.pipelines} x "
-                                f"tensor_parallel {st.tensor_parallel} needs "
-                                f"{p.pipelines * st.tensor_parallel} ranks")
-            _check_replicas(p, i, st)
-        elif st.replica_devices is not None or st.replica_modules is not None:
-            name = "replica_devices" if st.replica_devices is not None else "replica_modules"
-            raise PlanError(f"plan.stages[{i}].{name} = {list(getattr(st, name))}: only a pipeline "
-                            f"plan has stage replicas, this plan is {p.strategy!r}; leave it null")
-        elif p.strategy == "data_parallel" and sum(st.data_split) != p.global_batch:
-            raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: the shares sum to "
-                            f"{sum(st.data_split)}, not global_batch {p.global_batch}; they must add up "
-                            "to the global batch")
-        elif p.strategy == "tensor_parallel" and st.tensor_split is not None and (
-                len(st.tensor_split) != len(st.ranks) or min(st.tensor_split, default=0) < 1):
-            raise PlanError(f"plan.stages[{i}].tensor_split = {list(st.tensor_split)}: needs one entry "
-                            f">= 1 per rank of the stage ({len(st.ranks)} ranks)")
-
-
-def _check_replicas(p: Any, i: int, st: Any) -> None:
-    """A pipeline stage's replicas: ``replica_devices[q]`` is the ``RankPlan.device`` of every
-    rank of replica ``q`` (ranks ``[q·u, (q+1)·u)`` of the stage, ``u = tensor_parallel``); every
-    stage splits the batch alike; where the pipelines' batches differ, pipeline ``q``'s
-    ``data_split[q]`` is ``num_microbatches`` micro-batches of ``data_split[q] / num_microbatches``
-    samples and its ranks say so (``batch_share``, ``micro_batch_size``, ``num_microbatches``)."""
-    u, where = st.tensor_parallel, f"plan.stages[{i}]"
-    first = p.stages[0].data_split
-    if st.data_split != first:
-        raise PlanError(f"{where}.data_split = {list(st.data_split)}: every stage of a pipeline trains the same "
-                        f"samples, so it must equal stages[0].data_split = {list(first)}")
-    if st.replica_devices is not None:
-        if len(st.replica_devices) != p.pipelines:
-            raise PlanError(f"{where}.replica_devices = {list(st.replica_devices)}: a pipeline plan with "
-                            f"pipelines = {p.pipelines} needs one device kind per pipeline")
-        for q, kind in enumerate(st.replica_devices):
-            wrong = [r for r in st.ranks[q * u:(q + 1) * u] if r < len(p.ranks) and p.ranks[r].device != kind]
-            if wrong:
-                raise PlanError(f"{where}.replica_devices[{q}] = {kind!r}, but rank {wrong[0]} of that replica "
-                                f"is a {p.ranks[wrong[0]].device!r} (ranks[{wrong[0]}].device); make them agree")
-    if st.replica_modules is not None and (len(st.replica_modules) != p.pipelines or u != 1
-                                           or p.schedule not in ("1F1B", "GPipe")):
-        raise PlanError(f"{where}.replica_modules: pipelines with their own stage cuts need one module list "
-                        f"per pipeline ({p.pipelines}), stages of tensor_parallel 1 and a 1F1B or GPipe "
-                        f"schedule (got {len(st.replica_modules)} lists, tensor_parallel {u}, "
-                        f"schedule {p.schedule!r})")
-    if len(set(st.data_split)) <= 1:
-        return
-    m = p.num_microbatches
-    for q, rows in enumerate(st.data_split):
-        if rows % m or rows == 0:
-            raise PlanError(f"{where}.data_split[{q}] = {rows}: pipeline {q}'s samples must split into "
-                            f"num_microbatches = {m} equal micro-batches (at least one sample each)")
-        for r in st.ranks[q * u:(q + 1) * u]:
-            rp = p.ranks[r] if r < len(p.ranks) else None
-            if rp is not None and (rp.batch_share, rp.micro_batch_size, rp.num_microbatches) != (rows, rows // m, m):
-                raise PlanError(f"plan.ranks[{r}]: batch_share {rp.batch_share}, micro_batch_size "
-                                f"{rp.micro_batch_size}, num_microbatches {rp.num_microbatches}; in pipeline {q} "
-                                f"({where}.data_split[{q}] = {rows}) they must be {rows}, {rows // m}, {m}")
+        part(p.strategy, "spec").check_stage(p, i, st)
 
 
 def check_strategy(p: Any) -> None:
     """The rules of a ``Plan`` that depend on its strategy, after :func:`check_plan`: a known
     strategy and schedule, ranks listed in order with micro-batches that cover their shares, each
     strategy's split, and shares (or stages) that account for the whole batch and every rank."""
-    if p.strategy not in STRATEGIES:
-        raise PlanError(f"plan.strategy = {p.strategy!r}: accepted values are {STRATEGIES}")
+    spec = part(p.strategy, "spec")   # an unknown strategy: PlanError naming the accepted ones
     if not p.ranks:
         raise PlanError("plan.ranks is empty: a plan needs at least one rank")
     _check_rank_batches(p)
     if p.schedule not in SCHEDULES:
         raise PlanError(f"plan.schedule = {p.schedule!r}: accepted values are {SCHEDULES}")
-    if p.strategy == "tensor_parallel":
-        if len(p.stages) != 1 or p.stages[0].tensor_split is None:
-            raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
-        return
-    if p.strategy == "expert_parallel":
-        st = p.stages[0] if len(p.stages) == 1 else None
-        if st is None or st.expert_split is None or len(st.expert_split) != len(p.ranks):
-            raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
-    if p.strategy == "sharded_data_parallel":
-        _check_state_split(p)
-    if p.strategy in ("data_parallel", "expert_parallel", "sharded_data_parallel"):
-        total = sum(r.batch_share for r in p.ranks)
-        if total != p.global_batch:
-            raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
-                            f"{p.global_batch}; they must be equal")
-        return
-    _check_pipeline_ranks(p)
+    spec.check(p)
+
+
+def check_batch_total(p: Any) -> None:
+    """The ranks' batch shares add up to the global batch (a form whose every rank trains its
+    own share)."""
+    total = sum(r.batch_share for r in p.ranks)
+    if total != p.global_batch:
+        raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
+                        f"{p.global_batch}; they must be equal")
+
+
+def no_replicas(p: Any, i: int, st: Any) -> None:
+    """Stage ``i`` of a plan whose form has no stage replicas leaves them null."""
+    if st.replica_devices is not None or st.replica_modules is not None:
+        name = "replica_devices" if st.replica_devices is not None else "replica_modules"
+        raise PlanError(f"plan.stages[{i}].{name} = {list(getattr(st, name))}: only a pipeline "
+                        f"plan has stage replicas, this plan is {p.strategy!r}; leave it null")
 
 
 def _check_rank_batches(p: Any) -> None:
@@ -333,38 +273,3 @@ def _check_rank_batches(p: Any) -> None:
             raise PlanError(
                 f"plan.ranks[{i}]: micro_batch_size {r.micro_batch_size} x num_microbatches "
                 f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
-
-
-def _check_state_split(p: Any) -> None:
-    """A sharded data-parallel plan: one stage with a state weight per rank (not all zero) and a
-    sharding stage of ``SHARD_STAGES``."""
-    st = p.stages[0] if len(p.stages) == 1 else None
-    if st is None or st.state_split is None or len(st.state_split) != len(p.ranks) \
-            or sum(st.state_split) <= 0:
-        raise PlanError("a sharded_data_parallel plan has one stage with a state_split per rank "
-                        "(whole-number weights, not all zero)")
-    if st.shard_stage not in SHARD_STAGES:
-        raise PlanError(f"plan.stages[0].shard_stage = {st.shard_stage}: a sharded_data_parallel "
-                        f"plan shards at stage {SHARD_STAGES[0]} (gradients + optimizer) or "
-                        f"{SHARD_STAGES[1]} (parameters too)")
-
-
-def _check_pipeline_ranks(p: Any) -> None:
-    """A pipeline plan: every rank in exactly one stage (at least one where the schedule is
-    interleaved), and every stage's ``data_split`` summing to the global batch."""
-    world = len(p.ranks)
-    owned = sorted(r for st in p.stages for r in st.ranks)
-    if p.schedule == "interleaved":  # a rank may hold several stages
-        if sorted(set(owned)) != list(range(world)):
-            raise PlanError("plan: every rank must hold at least one stage of the interleaved pipeline")
-    elif owned != list(range(world)):
-        raise PlanError("plan: every rank must belong to exactly one pipeline stage")
-    for st in p.stages:
-        if sum(st.data_split) != p.global_batch:
-            raise PlanError(f"plan.stages[{st.index}]: data_split sums to {sum(st.data_split)}, "
-                            f"not global_batch {p.global_batch}")
-    if p.schedule == "1F1B" and p.num_microbatches < len(p.stages):
-        raise PlanError(f"plan: a 1F1B pipeline of {len(p.stages)} stages needs at least {len(p.stages)} "
-                        f"micro-batches (each stage holds one in flight before its first backward); it has "
-                        f"num_microbatches = {p.num_microbatches}. Raise num_microbatches or use "
-                        "schedule 'GPipe'")

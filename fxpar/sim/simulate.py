@@ -1,51 +1,23 @@
 """``simulate(plan, cost) -> SimResult``: predicted step time, per-device busy/idle time, peak
 memory and a timeline, for any plan the codegen can run, recomputed from the plan and the cost
-model (never from the plan's stored predictions): data parallelism (below), pipelines (1F1B,
-GPipe and interleaved schedules with their hops, stage all-reduces and ZeRO-1 exchange:
-:func:`fxpar.sim.pipeline_plan.simulate_pipeline`, the math in :mod:`fxpar.sim.pipeline_cost`)
-expert parallelism (phases of :func:`fxpar.sim.expert_sim.evaluate`, shown per rank as one
-block each) and sharded data parallelism (:func:`fxpar.sim.sharded_sim.simulate_sharded`, the math
-in :mod:`fxpar.sim.sharded_sim` and :mod:`fxpar.sim.sharded_cost`).
+model (never from the plan's stored predictions), by the plan's parallel form's ``price`` phase
+(:func:`fxpar.forms.part`): data parallelism (:mod:`fxpar.forms.data.price`, the math there),
+pipelines (1F1B, GPipe and interleaved schedules with their hops, stage all-reduces and ZeRO-1
+exchange: :func:`fxpar.sim.pipeline_plan.simulate_pipeline`, the math in
+:mod:`fxpar.sim.pipeline_cost`), tensor parallelism (the one-stage pipeline it runs), expert
+parallelism (phases of :func:`fxpar.sim.expert_sim.evaluate`) and sharded data parallelism
+(:func:`fxpar.sim.sharded_sim.simulate_sharded`, the math in :mod:`fxpar.sim.sharded_sim` and
+:mod:`fxpar.sim.sharded_cost`).
 
-Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
-
-    compute_r = Σ_j [ (F_f + F_c·m_j) + (B_f + B_c·m_j) ] / s_r          (cost model, affine)
-    comm      = the gradient all-reduce of G bytes (every parameter in the plan's reduce dtype,
-                :meth:`~fxpar.profiling.CostModel.gradient_wire_bytes`) in the runtime's buckets
-                g_0..g_{K−1} (:func:`fxpar.profiling.collectives.gradient_buckets`: 1 MiB, then
-                25 MiB each; :mod:`fxpar.runtime.allreduce`), each one call.  Where the devices
-                overlap communication with compute (GPUs; :meth:`~fxpar.profiling.CostModel.overlaps_communication`)
-                bucket k is ready on rank r a fraction c_k = (g_0 + … + g_k)/G into r's last
-                backward b_r, ready_k = max_r (compute_r − b_r + c_k·b_r); buckets go one after
-                another on the link:
-                end_k = max(ready_k, end_{k−1}) + AR(g_k);  comm = end_{K−1} − max_r compute_r
-                (CPU ranks, or a plan with ``overlap_grad_allreduce=False``: comm = Σ_k AR(g_k),
-                after the compute)
-    opt_r     = optimizer step (cost model), after the all-reduce
-    step      = max_r compute_r + comm + max_r opt_r,   idle_r = step − compute_r − comm − opt_r
-    peak_r    = :func:`fxpar.profiling.memory.step_peak_bytes` with r = 1 in flight:
-                W + O + max( max_j (G·[j ≥ 1] + (a + t)·m_j),  G + X ),  X = G on > 1 rank
-                (the flattened buckets), a / t saved activations / backward workspace per sample
-
-The solver's ``predicted_step_s`` is this simulator's answer, for every strategy.
+The solver's ``predicted_step_s`` is this simulator's answer, for every form.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from fxpar.errors import PlanError
+from fxpar.forms import part
 from fxpar.plan import Plan
-from fxpar.profiling import CostModel, memory
-from fxpar.profiling.collectives import gradient_buckets
-from fxpar.sim.expert_costs import build_problem
-from fxpar.sim.expert_sim import EPProblem, evaluate
-from fxpar.sim.pipeline_cost import pipeline_prices
-from fxpar.sim.pipeline_plan import as_pipeline, simulate_pipeline
-from fxpar.sim.rank_memory import dp_held_bytes, tensor_parallel_peaks
-from fxpar.sim.sharded_cost import sharded_prices
-from fxpar.sim.sharded_sim import simulate_sharded
-from fxpar.sim.timeline import SimResult, TimelineEvent
+from fxpar.profiling import CostModel
+from fxpar.sim.timeline import SimResult
 
 
 def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
@@ -60,94 +32,5 @@ def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
-    """Predict ``plan`` under ``cost`` (see the module docstring)."""
-    if plan.strategy == "pipeline":
-        return simulate_pipeline(plan, pipeline_prices(cost), cost.cluster)
-    if plan.strategy == "expert_parallel":
-        return _simulate_expert(plan, cost)
-    if plan.strategy == "sharded_data_parallel":
-        return simulate_sharded(plan, sharded_prices(cost, plan.precision))
-    if plan.strategy == "tensor_parallel":
-        return _simulate_tensor_parallel(plan, cost)
-    cluster = cost.cluster
-    events: list[TimelineEvent] = []
-    busy, peaks = [], []
-    held = dp_held_bytes(cost, plan.world_size)
-    act = cost.activation_bytes_per_sample()
-    work = cost.transient_bytes_per_sample()
-    last_bwd = []
-    for rp in plan.ranks:
-        sc = cost.sample_cost(cluster.device(rp.rank))
-        t, b = 0.0, 0.0
-        sizes = micro_batch_sizes(rp.batch_share, rp.micro_batch_size, rp.num_microbatches)
-        for j, m in enumerate(sizes):
-            f = sc.fwd_fixed_s + sc.fwd_s * m
-            b = sc.bwd_fixed_s + sc.bwd_s * m
-            events.append(TimelineEvent(rp.rank, "fwd", t, t + f, j))
-            events.append(TimelineEvent(rp.rank, "bwd", t + f, t + f + b, j))
-            t += f + b
-        busy.append(t)
-        last_bwd.append(b)
-        peaks.append(memory.step_peak_bytes(sizes=sizes, activation_per_sample=act, workspace_per_sample=work, **held))
-    compute = max(busy)
-    if plan.world_size <= 1:
-        comm = 0.0
-    elif plan.overlap_grad_allreduce and cost.overlaps_communication():
-        comm = overlapped_allreduce_s(cost, busy, last_bwd, plan)
-    else:  # every bucket after the slowest rank's last backward
-        comm = cost.gradient_allreduce_s(plan.precision)
-    opt = [cost.optimizer_s(cluster.device(rp.rank)) for rp in plan.ranks]
-    for r, b in enumerate(busy):
-        if compute - b > 0:
-            events.append(TimelineEvent(r, "idle", b, compute))
-        if comm > 0:
-            events.append(TimelineEvent(r, "all_reduce", compute, compute + comm))
-        events.append(TimelineEvent(r, "optimizer", compute + comm, compute + comm + opt[r]))
-    step = compute + comm + max(opt)
-    busy = [b + o for b, o in zip(busy, opt)]
-    return SimResult(step_s=step, compute_s=compute, comm_s=comm, busy_s=tuple(busy),
-                     idle_s=tuple(step - b - comm for b in busy), peak_memory_bytes=tuple(peaks),
-                     events=tuple(events))
-
-
-def _simulate_tensor_parallel(plan: Plan, cost: CostModel) -> SimResult:
-    """Tensor parallelism: timed as the one-stage pipeline it runs
-    (:func:`fxpar.sim.pipeline_plan.as_pipeline`), each rank's memory its shard's
-    (:func:`fxpar.sim.rank_memory.tensor_parallel_peaks`)."""
-    prices = pipeline_prices(cost)
-    sim = simulate_pipeline(as_pipeline(plan, prices), prices, cost.cluster)
-    peaks = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
-                                                                 rp.num_microbatches) for rp in plan.ranks])
-    return replace(sim, peak_memory_bytes=tuple(peaks))
-
-
-def overlapped_allreduce_s(cost: CostModel, busy: list[float], last_bwd: list[float], plan: Plan) -> float:
-    """The gradient all-reduce's time after the slowest rank's compute ends (module docstring)."""
-    buckets = gradient_buckets(cost.gradient_wire_bytes(plan.precision))
-    total = max(sum(buckets), 1.0)
-    end, done = 0.0, 0.0
-    for size in buckets:
-        done += size
-        ready = max(t - b + done / total * b for t, b in zip(busy, last_bwd))
-        end = max(ready, end) + cost.allreduce_s(size)
-    return max(end - max(busy), 0.0)
-
-
-def _simulate_expert(plan: Plan, cost: CostModel) -> SimResult:
-    """Expert parallelism: replicated part, experts, all-to-all, all-reduce, optimizer (each
-    phase ends when its slowest rank does; the layers' phases are summed into one block)."""
-    problem = build_problem(cost, plan.global_batch)
-    if not isinstance(problem, EPProblem):
-        raise PlanError(f"an expert_parallel plan for {plan.model}: {problem or 'the model has no MoE experts'}")
-    ev = evaluate(problem, plan.batch_shares, plan.stages[0].expert_split, max(plan.ranks[0].num_microbatches, 1))
-    events: list[TimelineEvent] = []
-    a, b, c = ev.replicated_s, ev.replicated_s + ev.expert_s, ev.replicated_s + ev.expert_s + ev.alltoall_s
-    for r, (rep, exp, opt) in enumerate(ev.phases):
-        events += [TimelineEvent(r, "replicated", 0.0, rep), TimelineEvent(r, "experts", a, a + exp),
-                   TimelineEvent(r, "all_to_all", b, c), TimelineEvent(r, "all_reduce", c, c + ev.allreduce_s),
-                   TimelineEvent(r, "optimizer", c + ev.allreduce_s, c + ev.allreduce_s + opt)]
-        events += [TimelineEvent(r, "idle", lo, hi) for lo, hi in ((rep, a), (a + exp, b)) if hi > lo]
-    comm = ev.alltoall_s + ev.allreduce_s
-    return SimResult(step_s=ev.step_s, compute_s=ev.replicated_s + ev.expert_s, comm_s=comm, busy_s=ev.busy_s,
-                     idle_s=tuple(ev.step_s - b - comm for b in ev.busy_s),
-                     peak_memory_bytes=ev.memory_bytes, events=tuple(events))
+    """Predict ``plan`` under ``cost``: its form's ``simulate`` (see the module docstring)."""
+    return part(plan.strategy, "price").simulate(plan, cost)

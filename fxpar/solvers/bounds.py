@@ -9,17 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxpar.forms import NAMES, part
 from fxpar.profiling import CostModel, collectives
-from fxpar.sim.expert_costs import build_problem
-from fxpar.sim.expert_sim import EPProblem
 from fxpar.sim.segments import build_segments
-from fxpar.sim.sharded_cost import cpu_optimizer_rate, sharded_prices, unit_collectives
+from fxpar.sim.sharded_cost import cpu_optimizer_rate
 from fxpar.solvers.bound_work import compute_weights
 
-#: the families a plan of ``Plan.strategy`` belongs to for its bound (a tensor-parallel plan,
-#: outside the planner's families, is priced as the one-stage pipeline it runs: :func:`fxpar.sim.simulate`)
-BOUNDED: tuple[str, ...] = ("data_parallel", "tensor_parallel", "pipeline", "expert_parallel",
-                            "sharded_data_parallel")
 
 
 def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer: bool = False) -> float:
@@ -105,20 +100,15 @@ def _work(cost: CostModel, batch: int, host_optimizer: bool) -> Work:
 
 
 def family_bounds_s(cost, batch: int, families: tuple[str, ...], host_optimizer: bool = False) -> dict[str, float]:
-    """Per family of ``families`` that applies (:data:`BOUNDED`; expert parallelism on a MoE
-    model, sharded data parallelism on more than one rank), the least step of its plans
-    (:func:`lower_bound_s`); where none applies, ``{"none": T_LP + o*/N}``."""
+    """Per parallel form of ``families`` that applies (its ``bound`` phase, :mod:`fxpar.forms`:
+    expert parallelism on a MoE model, sharded data parallelism on more than one rank), the least
+    step of its plans (:func:`lower_bound_s`); where none applies, ``{"none": T_LP + o*/N}``."""
     w = _work(cost, batch, host_optimizer)
     out: dict[str, float] = {}
-    for family in (f for f in BOUNDED if f in families):
-        if family == "data_parallel":
-            out[family] = data_parallel_bound_s(cost, w)
-        elif family in ("pipeline", "tensor_parallel"):
-            out[family] = w.spread_s + pipeline_communication_s(cost, batch, w) + min(w.optimizer_s) / w.world
-        elif family == "sharded_data_parallel" and w.world > 1:
-            out[family] = sharded_bound_s(cost, w)
-        elif family == "expert_parallel" and isinstance(ep := build_problem(cost, batch), EPProblem):
-            out[family] = expert_bound_s(cost, ep, w)
+    for family in (f for f in NAMES if f in families):
+        bound = part(family, "bound").bound_s(cost, batch, w)
+        if bound is not None:
+            out[family] = bound
     return out or {"none": w.spread_s + w.fastest_opt_s / w.world}
 
 
@@ -143,38 +133,6 @@ def last_bucket_s(cost) -> float:
     return sum(prices[-1:] if cost.overlaps_communication() else prices)
 
 
-def data_parallel_bound_s(cost, w: Work) -> float:
-    """``max(T_DP + AR(g_{K−1}), Σ_k AR(g_k)) + max_k o_k`` (:func:`lower_bound_s`; without overlap
-    :func:`last_bucket_s` is every bucket, so the first term is the larger)."""
-    return max(w.whole_s + last_bucket_s(cost), sum(bucket_allreduces_s(cost))) + max(w.optimizer_s)
-
-
-def shard_collectives_s(cost) -> tuple[np.ndarray, np.ndarray]:
-    """``AG_u``, ``RS_u`` per collective unit (unit 0 the rest of the model, then the blocks): the
-    smaller of the simulator's price at the mean shard (every padded shard is at least the mean)
-    and the physical bound (:func:`fxpar.profiling.collectives.gather_lower_bound`,
-    :func:`~fxpar.profiling.collectives.scatter_lower_bound`)."""
-    prices = sharded_prices(cost)
-    n = prices.world
-    mean = np.array([sum(r * c for r, c in unit) for unit in prices.params], dtype=float) / n
-    gather, scatter = unit_collectives(prices, np.repeat(mean[:, None], n, axis=1))
-    shape = collectives.ring_shape(cost.cluster)
-    wire = prices.gather_itemsize or (float(prices.bytes_wgo[0]),) * len(mean)
-    ag = [min(t, collectives.gather_lower_bound(shape, x * s)) for t, x, s in zip(gather, wire, mean)]
-    rs = [min(t, collectives.scatter_lower_bound(shape, prices.reduce_itemsize * s)) for t, s in zip(scatter, mean)]
-    return np.array(ag), np.array(rs)
-
-
-def sharded_bound_s(cost, w: Work) -> float:
-    """``max(T_DP + AG_0 + RS_0, Σ_u (AG_u + RS_u)) + o*/N``, on CPU ranks the sum of the two
-    (:func:`lower_bound_s`)."""
-    ag, rs = shard_collectives_s(cost)
-    channel = float(ag.sum() + rs.sum())
-    exposed = w.whole_s + channel if not cost.overlaps_communication() else max(
-        w.whole_s + float(ag[0] + rs[0]), channel)
-    return exposed + w.fastest_opt_s / w.world
-
-
 def pipeline_communication_s(cost, batch: int, w: Work) -> float:
     """``min(H, TP, AR(G))`` (:func:`lower_bound_s`; 0 on one rank: one stage, no replicas)."""
     if w.world <= 1:
@@ -192,26 +150,3 @@ def thinnest_cut_bytes(table) -> float:
     between segments, each cut's every tensor (at least its hidden state); inf with one segment."""
     cuts = [max(sum(table.hop_messages(j, 1)[0]), float(table.boundary_bytes[j])) for j in range(table.size - 1)]
     return min(cuts, default=math.inf)
-
-
-def expert_bound_s(cost, ep: EPProblem, w: Work) -> float:
-    """``min_μ [max(T_LP, μ·B·(c + c')) + κ(1 − μ)] + AR(G_rep) + min_k o_k/N``, or its form by
-    nodes where larger (:func:`lower_bound_s`)."""
-    measured = cost.measured_links()
-    routed, whole = ep.global_batch * ep.routed_bytes_per_sample, ep.global_batch * (
-        min(g.sample_s for g in ep.groups) + min(g.expert_sample_s for g in ep.groups))
-    kappa = routed / (2 * collectives.fastest_bytes_per_s(cost.cluster, measured) * w.world)
-    exchange = least_exchange_s(w.spread_s, whole, kappa, w.world)
-    nodes = [len(ranks) for ranks in ep.nodes]
-    if len(nodes) > 1:  # node j's NIC carries Φ_j(1 − X_j/E)·K at least
-        kappa = routed / (len(nodes) * collectives.nic_bytes_per_s(cost.cluster, measured))
-        exchange = max(exchange, least_exchange_s(w.spread_s, whole / max(nodes), kappa, len(nodes)))
-    grads = least_allreduce_s(cost, ep.replicated_params * cost.policy().reduce_bytes)
-    return exchange + grads + min(w.optimizer_s) / w.world
-
-
-def least_exchange_s(spread_s: float, whole_s: float, kappa: float, parts: int) -> float:
-    """``min_{μ ∈ [1/parts, 1]} max(spread_s, μ·whole_s) + κ(1 − μ)``: convex and piecewise linear
-    in ``μ``, so its least is at an end or where ``μ·whole_s`` meets ``spread_s``."""
-    turn = min(max(spread_s / whole_s, 1 / parts), 1.0) if whole_s > 0 else 1.0
-    return min(max(spread_s, mu * whole_s) + kappa * (1 - mu) for mu in (1 / parts, turn, 1.0))

@@ -46,6 +46,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
+from fxpar.forms import SEARCHED
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.local_cache import profiles_description
@@ -58,9 +59,10 @@ from fxpar.solvers.problems import build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
-#: the plan families the planner searches (tensor parallelism comes inside pipelines: a stage of
-#: one pipeline over a tensor-parallel group is the pure TP plan)
-FAMILIES: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel", "sharded_data_parallel")
+#: the parallel forms the planner searches, in its order (:data:`fxpar.forms.SEARCHED`; tensor
+#: parallelism comes inside pipelines: a stage of one pipeline over a tensor-parallel group is the
+#: pure TP plan)
+FAMILIES: tuple[str, ...] = SEARCHED
 
 
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,

@@ -11,8 +11,10 @@ Layers, lowest first (``docs/layout.md`` draws them):
 
 Inside a layer, sub-layers (``SUBLAYERS``): codegen's sub-packages in the order its
 ``__init__`` gives (common → tensor → hand plans → one module per plan family → emit), the
-tracer over its tensor-parallel analysis, the planner over its families.  Two parts of one
-sub-layer above the base never import each other (the plan families are independent).
+tracer over its tensor-parallel analysis, the planner over its families, each parallel form's
+folder over the forms' registry.  Two parts of one sub-layer above the base never import each
+other (the plan families are independent).  A form's phase module sits at its phase's layer
+(``FORM_PHASES``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
 #: module prefix -> layer (the longest matching prefix wins)
 LAYERS: dict[str, int] = {
     "fxpar.errors": 0, "fxpar.compat": 0,
-    "fxpar.workload": 1, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_json": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
+    "fxpar.workload": 1, "fxpar.forms": 1, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_json": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
     "fxpar.cluster": 2,
     "fxpar.tracing": 3,
     "fxpar.profiling": 4,
@@ -49,7 +51,13 @@ SUBLAYERS: dict[str, dict[str, int]] = {
                       "data": 3, "expert": 3, "sharded": 3, "pipeline": 3, "emit": 4},
     "fxpar.tracing": {"tensor_parallel": 1, "trace": 2, "hf": 2, "analyze_model": 3},
     "fxpar.solvers": {"families": 1, "choose": 1, "planner": 2},
+    # each form's folder above the registry; two forms never import each other
+    "fxpar.forms": {"data": 1, "pipeline": 1, "expert": 1, "sharded": 1, "tensor": 1},
 }
+#: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``) -> its layer: a form's
+#: rules of a plan are plain data, its pricing sits with the simulator, its bound with the solvers,
+#: its application with codegen
+FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "apply": 9}
 LAZY_MARK = "# lazy:"
 
 
@@ -59,6 +67,9 @@ def _module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 4 and parts[1] == "forms" and parts[3] in FORM_PHASES:
+        return FORM_PHASES[parts[3]]
     best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
     if best is None:
         raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/project/test_layers.py")

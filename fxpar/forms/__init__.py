@@ -1,0 +1,86 @@
+"""The parallel forms, one registry line each, and the protocol each one implements.
+
+A *parallel form* (data, sharded/ZeRO, expert, pipeline, tensor; ``docs/glossary.md``) is what a
+plan's ``strategy`` names.  Each form lives in one folder, ``fxpar/forms/<folder>/``, with one
+module per *phase* it takes part in; the phases find a form's module by its folder and the
+phase's name (:func:`part`), so a new form is its folder plus one line in :data:`FORMS`
+(``docs/extending.md`` walks through one).  The phases, each at its layer of the data flow
+(``docs/layout.md``) and each with the functions it must define (:data:`PHASES`):
+
+    spec    (plain data, imports no torch)   check(plan)        the form's rules of a Plan, after
+                                                                :func:`fxpar.plan_checks.check_plan`
+                                             check_stage(plan, i, stage)   one stage's rules
+                                             summary(plan)      the lines ``Plan.table()`` adds
+    price   (the simulator, imports no torch) simulate(plan, cost)   -> :class:`fxpar.sim.SimResult`
+    bound   (the solvers, imports no torch)  bound_s(cost, batch, work)   the least step of any of
+                                                                its plans, or None where it has none
+                                                                (:func:`fxpar.solvers.bounds.lower_bound_s`)
+    apply   (codegen)                        build(model, plan, rank, example_inputs, **how)
+                                                                -> this rank's module
+                                             emit(plan, model, example_inputs, out)  the files
+                                                                ``fxpar plan --emit`` writes
+
+Where a phase is not listed, that phase still tells the forms apart by name (the planner's
+search, predictions, checkpoint layouts, adapting); ``tests/project/test_forms.py``
+counts the form-name literals left outside this package and holds that count from rising.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from fxpar.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Form:
+    """One parallel form: the name a plan's ``strategy`` carries, its folder under
+    ``fxpar/forms/``, and what the plan table and the planner need to know of it."""
+    name: str            #: the plan's ``strategy`` value (plan files, the CLI, ``strategies=``)
+    folder: str          #: ``fxpar/forms/<folder>/`` holds its phases
+    title: str           #: a few words for people
+    communication: str   #: what its step exchanges, as the plan table prints it
+    searched: bool       #: the planner searches it as a family of its own (tensor parallelism
+                         #: is searched inside pipelines: one stage over a TP group)
+
+
+#: the forms, in the order the planner offers them (the first found wins a tie)
+FORMS: tuple[Form, ...] = (
+    Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True),
+    Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True),
+    Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True),
+    Form("sharded_data_parallel", "sharded", "sharded data parallelism (ZeRO-2/3)",
+         "all-gather + reduce-scatter", True),
+    Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False),
+)
+
+#: phase -> the functions its module defines (the module docstring says what each does)
+PHASES: dict[str, tuple[str, ...]] = {
+    "spec": ("check", "check_stage", "summary"),
+    "price": ("simulate",),
+    "bound": ("bound_s",),
+    "apply": ("build", "emit"),
+}
+
+NAMES: tuple[str, ...] = tuple(f.name for f in FORMS)
+#: the forms the planner searches, in its order
+SEARCHED: tuple[str, ...] = tuple(f.name for f in FORMS if f.searched)
+
+
+def form(name: str) -> Form:
+    """The form a plan's ``strategy`` names; a :class:`~fxpar.errors.PlanError` naming the
+    accepted values for anything else."""
+    for f in FORMS:
+        if f.name == name:
+            return f
+    raise PlanError(f"plan.strategy = {name!r}: accepted values are {NAMES}")
+
+
+def part(name: str, phase: str) -> ModuleType:
+    """Form ``name``'s module for ``phase`` (``fxpar.forms.<folder>.<phase>``), imported on first
+    use.  A caller asks only for a phase at or below its own layer (``tests/project/test_forms.py``)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r}: expected one of {tuple(PHASES)}")
+    return importlib.import_module(f"fxpar.forms.{form(name).folder}.{phase}")

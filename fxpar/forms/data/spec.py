@@ -1,0 +1,27 @@
+"""Data parallelism's rules of a plan (:mod:`fxpar.forms`, phase ``spec``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fxpar.errors import PlanError
+from fxpar.plan_checks import check_batch_total, no_replicas
+
+
+def check(p: Any) -> None:
+    """Every rank trains its own share: the shares add up to the global batch."""
+    check_batch_total(p)
+
+
+def check_stage(p: Any, i: int, st: Any) -> None:
+    """The one stage's ``data_split`` is the ranks' shares of the global batch; no replicas."""
+    no_replicas(p, i, st)
+    if sum(st.data_split) != p.global_batch:
+        raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: the shares sum to "
+                        f"{sum(st.data_split)}, not global_batch {p.global_batch}; they must add up "
+                        "to the global batch")
+
+
+def summary(p: Any) -> list[str]:
+    """Nothing beyond the rank rows."""
+    return []

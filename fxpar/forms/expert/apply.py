@@ -1,0 +1,40 @@
+"""Expert parallelism applied: this rank's :class:`~fxpar.codegen.expert.module.ExpertParallelModule`
+(:mod:`fxpar.forms`, phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the
+groups and hooks the build makes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpar.codegen.emit import write_json
+from fxpar.codegen.expert.module import ExpertParallelModule
+from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.plan import Plan
+from fxpar.runtime.step_loop import LossWeighting
+
+
+def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
+          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
+          exports: ExportCache | None) -> torch.nn.Module:
+    """The model with this rank's experts, the rest replicated."""
+    return ExpertParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
+                                emulate=emulate, device=device, checkpoint=checkpoint)
+
+
+def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
+         out: Path) -> list[Path]:
+    """``rank_<r>.json``: the rank's rows, its experts ``[lo, hi)`` of every MoE layer (the rest of
+    the model is replicated; tokens reach their experts by all-to-all)."""
+    split, offsets, written = plan.stages[0].expert_split, plan.batch_offsets(), []
+    for r in plan.ranks:
+        lo = sum(split[: r.rank])
+        written.append(write_json(out / f"rank_{r.rank}.json", {
+            "rank": r.rank, "device": r.device, "batch_share": r.batch_share,
+            "batch_offset": offsets[r.rank], "micro_batch_size": r.micro_batch_size,
+            "num_microbatches": r.num_microbatches, "experts": [lo, lo + split[r.rank]],
+            "runs": "the model with every MoE layer's experts cut to [lo, hi); routed tokens "
+                    "travel to their experts' ranks and back by all_to_all_single"}))
+    return written

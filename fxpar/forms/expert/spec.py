@@ -1,0 +1,30 @@
+"""Expert parallelism's rules of a plan (:mod:`fxpar.forms`, phase ``spec``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fxpar.errors import PlanError
+from fxpar.plan_checks import check_batch_total, no_replicas
+
+
+def check(p: Any) -> None:
+    """One stage with an ``expert_split`` (experts per rank), and shares adding up to the batch."""
+    st = p.stages[0] if len(p.stages) == 1 else None
+    if st is None or st.expert_split is None or len(st.expert_split) != len(p.ranks):
+        raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
+    check_batch_total(p)
+
+
+def check_stage(p: Any, i: int, st: Any) -> None:
+    """No replicas."""
+    no_replicas(p, i, st)
+
+
+def summary(p: Any) -> list[str]:
+    """The experts each rank holds (every MoE layer alike) and the micro-batches."""
+    if not p.stages or p.stages[0].expert_split is None:
+        return []
+    split = p.stages[0].expert_split
+    shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
+    return [f"experts per rank (every MoE layer): {shown}; {p.num_microbatches} micro-batch(es)"]

@@ -1,0 +1,69 @@
+"""Pipeline parallelism applied: this rank's stage module (interleaved or not) (:mod:`fxpar.forms`,
+phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the groups and hooks the
+build makes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpar.codegen.emit import positions, shard_copy, write_json
+from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.codegen.pipeline.interleaved import InterleavedPipelineModule
+from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.pipeline.stage_setup import layer_to_stage
+from fxpar.plan import Plan
+from fxpar.runtime.step_loop import LossWeighting
+from fxpar.tracing.analyze_model import remember_example
+from fxpar.tracing.structure import block_paths
+
+
+def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
+          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
+          exports: ExportCache | None) -> torch.nn.Module:
+    """This rank's stage(s) of the pipeline, exported on ``example_inputs`` (or from ``exports``)."""
+    if example_inputs is not None:
+        remember_example(model, example_inputs)  # a stage's tensor parallelism exports a non-HF model on it
+    kind = InterleavedPipelineModule if plan.schedule == "interleaved" else PipelineParallelModule
+    return kind(model, plan, rank, example_inputs, loss_weighting=loss_weighting, exports=exports,
+                emulate=emulate, device=device, checkpoint=checkpoint)
+
+
+def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
+         out: Path) -> list[Path]:
+    """``stage_<j>.py``: the stage's generated FX code (its piece of the exported graph);
+    ``stage_<j>.json``: the values it receives and sends, the parameters it owns (original FQNs)
+    and the ranks that run it.  A tensor-parallel stage also gets ``stage_<j>_position_<t>.py``,
+    the code of each position's shard, and its JSON lists the positions."""
+    if model is None or example_inputs is None:
+        raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
+    blocks, written = block_paths(model), []
+    stage_of = layer_to_stage(plan, blocks)
+    modules, _ = split_stages(model, example_inputs, stage_of, len(plan.stages))
+    for st, mod in zip(plan.stages, modules):
+        code = out / f"stage_{st.index}.py"
+        code.write_text(f"# fxpar stage {st.index} of {len(plan.stages)}: {st.device}, ranks {list(st.ranks)}\n"
+                        f"# receives {list(mod.spec.inputs)}\n# sends {list(mod.spec.outputs)}\n"
+                        + mod.piece.code)
+        meta = {"stage": st.index, "ranks": list(st.ranks), "device": st.device,
+                "tensor_parallel": st.tensor_parallel, "receives": list(mod.spec.inputs),
+                "sends": list(mod.spec.outputs), "parameters": list(mod.spec.params),
+                "activation_checkpointing": plan.activation_checkpointing or st.activation_checkpointing}
+        written.append(code)
+        if st.tensor_parallel > 1:
+            own = {b for b, j in zip(blocks, stage_of) if j == st.index}
+            meta["positions"] = []
+            for t, shares in enumerate(positions(model, st.tensor_parallel, st.tensor_split)):
+                sharded = shard_copy(model, shares, t, own)
+                piece = split_stages(sharded, example_inputs, stage_of, len(plan.stages))[0][st.index]
+                path = out / f"stage_{st.index}_position_{t}.py"
+                path.write_text(f"# fxpar stage {st.index}, tensor-parallel position {t} of "
+                                f"{st.tensor_parallel} ({shares[t]} key/value head groups)\n" + piece.piece.code)
+                meta["positions"].append({"position": t, "kv_heads": shares[t], "code": path.name,
+                                          "ranks": list(st.ranks[t::st.tensor_parallel])})
+                written.append(path)
+        written.append(write_json(out / f"stage_{st.index}.json", meta))
+    return written

@@ -1,0 +1,57 @@
+"""Sharded data parallelism applied: this rank's
+:class:`~fxpar.codegen.sharded.module.ShardedDataParallelModule` (:mod:`fxpar.forms`, phase
+``apply``; called by :func:`fxpar.build.build_module`, which owns the groups and hooks the build
+makes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpar.codegen.emit import write_json
+from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.codegen.sharded.module import ShardedDataParallelModule
+from fxpar.plan import Plan
+from fxpar.runtime.ragged import owned_rows
+from fxpar.runtime.step_loop import LossWeighting
+
+
+def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
+          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
+          exports: ExportCache | None) -> torch.nn.Module:
+    """The model with this rank's share of its state (ZeRO-2/3)."""
+    return ShardedDataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
+                                     example_inputs=example_inputs, emulate=emulate, device=device,
+                                     checkpoint=checkpoint)
+
+
+def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
+         out: Path) -> list[Path]:
+    """``rank_<r>.json``: the rank's rows of the batch, its state weight, the sharding stage,
+    whether it recomputes blocks and offloads its optimizer, and (with the model) its rows
+    ``[lo, hi)`` of every parameter (:func:`fxpar.runtime.ragged.owned_rows`) with the fraction
+    of the model's elements they hold."""
+    stage, offsets = plan.stages[0], plan.batch_offsets()
+    params = dict(model.named_parameters()) if model is not None else {}
+    total = sum(p.numel() for p in params.values())
+    written = []
+    for r in plan.ranks:
+        rows = {n: list(owned_rows(tuple(p.shape), stage.state_split)[r.rank]) + [p.shape[0] if p.dim() else 1]
+                for n, p in params.items()}
+        held = sum((hi - lo) * (p.numel() // max(1, of)) for (lo, hi, of), p in zip(rows.values(), params.values()))
+        data = {"rank": r.rank, "device": r.device, "batch_share": r.batch_share, "batch_offset": offsets[r.rank],
+                "micro_batch_size": r.micro_batch_size, "num_microbatches": r.num_microbatches,
+                "state_weight": stage.state_split[r.rank], "state_split": list(stage.state_split),
+                "shard_stage": stage.shard_stage, "activation_checkpointing": r.activation_checkpointing,
+                "offload_optimizer": r.offload_optimizer,
+                "runs": "the model with each parameter's rows [lo, hi) of `rows` held as its shard (with its "
+                        "gradient and optimizer state); " + ("blocks all-gathered around their forward and "
+                        "backward" if stage.shard_stage == 3 else "full parameters all-gathered each step")
+                        + ", gradients reduce-scattered into the shards"}
+        if model is not None:
+            data["rows"] = {n: v for n, v in rows.items()}
+            data["state_fraction"] = held / total if total else 0.0
+        written.append(write_json(out / f"rank_{r.rank}.json", data))
+    return written

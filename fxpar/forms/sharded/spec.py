@@ -1,0 +1,64 @@
+"""Sharded data parallelism's rules of a plan (:mod:`fxpar.forms`, phase ``spec``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fxpar.errors import PlanError
+from fxpar.plan_checks import SHARD_STAGES, check_batch_total, no_replicas
+
+
+def check(p: Any) -> None:
+    """One stage with a ``state_split`` and a sharding stage; shares adding up to the batch."""
+    _check_state_split(p)
+    check_batch_total(p)
+
+
+def check_stage(p: Any, i: int, st: Any) -> None:
+    """No replicas."""
+    no_replicas(p, i, st)
+
+
+def summary(p: Any) -> list[str]:
+    """The sharding stage, each rank's state share and who checkpoints / offloads."""
+    return [_sharded_line(p)] if p.stages and p.stages[0].state_split is not None else []
+
+
+def _check_state_split(p: Any) -> None:
+    """A sharded data-parallel plan: one stage with a state weight per rank (not all zero) and a
+    sharding stage of ``SHARD_STAGES``."""
+    st = p.stages[0] if len(p.stages) == 1 else None
+    if st is None or st.state_split is None or len(st.state_split) != len(p.ranks) \
+            or sum(st.state_split) <= 0:
+        raise PlanError("a sharded_data_parallel plan has one stage with a state_split per rank "
+                        "(whole-number weights, not all zero)")
+    if st.shard_stage not in SHARD_STAGES:
+        raise PlanError(f"plan.stages[0].shard_stage = {st.shard_stage}: a sharded_data_parallel "
+                        f"plan shards at stage {SHARD_STAGES[0]} (gradients + optimizer) or "
+                        f"{SHARD_STAGES[1]} (parameters too)")
+
+
+def _sharded_line(plan: Any) -> str:
+    """The sharding stage, each rank's state share and who checkpoints / offloads."""
+    st, ranks = plan.stages[0], plan.ranks
+    total = sum(st.state_split or ()) or 1
+    shares = [f"{100 * w / total:.1f}" for w in st.state_split or ()]
+    shown = "/".join(shares) if len(shares) <= 16 else f"{min(shares)}-{max(shares)}"
+    ckpt = [r.rank for r in ranks if r.activation_checkpointing]
+    off = [r.rank for r in ranks if r.offload_optimizer]
+    return (f"ZeRO-{st.shard_stage}, model state % per rank: {shown}; activation checkpointing: ranks "
+            f"{_which(ckpt, len(ranks))}; optimizer offloaded: ranks {_which(off, len(ranks))}")
+
+
+def _which(ranks: Sequence[int], world: int) -> str:
+    return "none" if not ranks else "all" if len(ranks) == world else _ranges(ranks)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, list(ranks[1:]) + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

@@ -1,0 +1,58 @@
+"""Tensor parallelism applied: this rank's :class:`~fxpar.codegen.tensor.module.TensorParallelModule`
+(:mod:`fxpar.forms`, phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the
+groups and hooks the build makes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpar.codegen.emit import shard_copy, write_json
+from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.tensor.layout import tp_layout
+from fxpar.codegen.tensor.module import TensorParallelModule
+from fxpar.plan import Plan
+from fxpar.runtime.step_loop import LossWeighting
+from fxpar.tracing.analyze_model import remember_example
+from fxpar.tracing.structure import block_paths
+
+
+def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
+          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
+          exports: ExportCache | None) -> torch.nn.Module:
+    """This rank's slice of every divided layer; a non-HF model is exported on ``example_inputs``."""
+    if example_inputs is not None:
+        remember_example(model, example_inputs)
+    return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting,
+                                emulate=emulate, device=device, checkpoint=checkpoint)
+
+
+def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
+         out: Path) -> list[Path]:
+    """``position_<t>.py``: the exported graph of the model as position ``t`` of every
+    tensor-parallel group holds it (local weight shapes, ``fxpar.tp_copy`` / ``fxpar.tp_reduce``
+    where the group communicates); ``rank_<r>.json``: which replica, position, key/value heads and
+    rows rank ``r`` has."""
+    if model is None or example_inputs is None:
+        raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
+    blocks = block_paths(model)
+    layout = tp_layout(plan)
+    written = []
+    for t in range(layout.width):
+        sharded = shard_copy(model, list(layout.kv_shares), t, None)
+        whole = split_stages(sharded, example_inputs, [0] * len(blocks), 1)[0][0]
+        path = out / f"position_{t}.py"
+        path.write_text(f"# fxpar tensor-parallel position {t} of {layout.width} "
+                        f"({layout.kv_shares[t]} key/value head groups)\n" + whole.piece.code)
+        written.append(path)
+    for r in plan.ranks:
+        replica, t = layout.replica(r.rank), layout.position(r.rank)
+        lo, hi = layout.row_range(replica)
+        written.append(write_json(out / f"rank_{r.rank}.json", {
+            "rank": r.rank, "device": r.device, "replica": replica, "position": t,
+            "kv_heads": layout.kv_shares[t], "rows": [lo, hi], "code": f"position_{t}.py",
+            "tensor_parallel_group": layout.tp_ranks(replica), "data_parallel_group": layout.dp_ranks(t)}))
+    return written

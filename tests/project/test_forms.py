@@ -1,0 +1,127 @@
+"""The parallel forms' registry (:mod:`fxpar.forms`): every form has its folder with one module per
+phase, each defining the phase's functions; each phase module sits at its layer (spec, price and
+bound import no torch); a phase is asked for only from its layer or above; and the form-name
+literals and ``.strategy`` comparisons left outside the registry are counted, a count that may
+only go down (``docs/extending.md`` lists where they remain)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+from fxpar.errors import PlanError
+from fxpar.forms import FORMS, NAMES, PHASES, SEARCHED, form, part
+from tests.project.test_layers import FORM_PHASES, layer_of
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
+FORMS_DIR = PACKAGE / "forms"
+#: phases whose modules must not import torch (DESIGN: the solver sees plain data)
+TORCH_FREE = ("spec", "price", "bound")
+#: lines outside fxpar/forms holding a form's name as a string literal, and comparisons of a
+#: ``.strategy``; before the registry (2026-11-29): 102 lines in 37 files, 50 comparisons.
+#: Lower these when a phase moves into the forms' folders; they may never rise.
+LITERAL_LINES_AT_MOST = 67
+STRATEGY_COMPARISONS_AT_MOST = 26
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def _outside_forms() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if FORMS_DIR not in p.parents]
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def test_the_registry_names_each_form_once_with_its_folder() -> None:
+    assert len(set(NAMES)) == len(NAMES) and len({f.folder for f in FORMS}) == len(FORMS)
+    assert set(SEARCHED) <= set(NAMES) and SEARCHED
+    folders = {p.name for p in FORMS_DIR.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {f.folder for f in FORMS}, "a folder under fxpar/forms is a form of FORMS, and each form has one"
+    assert set(FORM_PHASES) == set(PHASES), "tests/project/test_layers.py gives every phase its layer"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_form_has_every_phase_with_its_functions(name: str) -> None:
+    folder = FORMS_DIR / form(name).folder
+    files = {p.stem for p in folder.glob("*.py")}
+    assert files == {"__init__", *PHASES}, f"fxpar/forms/{form(name).folder} holds one module per phase"
+    for phase, functions in PHASES.items():
+        module = part(name, phase)
+        missing = [fn for fn in functions if not callable(getattr(module, fn, None))]
+        assert not missing, f"{module.__name__} must define {missing} (fxpar.forms.PHASES)"
+
+
+@pytest.mark.parametrize("path", sorted(FORMS_DIR.glob("*/*.py")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_plain_data_phases_import_no_torch(path: Path) -> None:
+    if path.stem not in TORCH_FREE:
+        return
+    tree = ast.parse(path.read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n == "torch" or n.startswith("torch.")], f"{path} imports torch"
+
+
+def _part_calls(path: Path) -> list[tuple[str, int]]:
+    """``(phase, line)`` of every ``part(..., "<phase>")`` call in ``path``."""
+    out = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "part" \
+                and len(node.args) == 2 and isinstance(node.args[1], ast.Constant):
+            out.append((node.args[1].value, node.lineno))
+    return out
+
+
+def test_a_phase_is_asked_for_only_from_its_layer_or_above() -> None:
+    wrong, calls = [], 0
+    for path in _outside_forms():
+        for phase, line in _part_calls(path):
+            calls += 1
+            if phase not in FORM_PHASES:
+                wrong.append(f"{path}:{line}: no phase {phase!r}")
+            elif layer_of(_module(path)) < FORM_PHASES[phase]:
+                wrong.append(f"{path}:{line}: layer {layer_of(_module(path))} asks for {phase!r} "
+                             f"(layer {FORM_PHASES[phase]})")
+    assert calls >= len(PHASES) and not wrong, wrong
+
+
+def test_an_unknown_form_is_a_plan_error_naming_the_accepted_ones() -> None:
+    with pytest.raises(PlanError, match="plan.strategy = 'zero_bubble'.*data_parallel"):
+        part("zero_bubble", "price")
+    with pytest.raises(ValueError, match="phase 'train'"):
+        part("data_parallel", "train")
+
+
+def _literal_lines() -> dict[str, int]:
+    out = {}
+    for path in _outside_forms():
+        lines = {n.lineno for n in ast.walk(_tree(path))
+                 if isinstance(n, ast.Constant) and n.value in NAMES}
+        if lines:
+            out[str(path.relative_to(PACKAGE.parent))] = len(lines)
+    return out
+
+
+def _strategy_comparisons() -> int:
+    count = 0
+    for path in _outside_forms():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(x, ast.Attribute) and x.attr == "strategy" for x in [node.left, *node.comparators]):
+                count += 1
+    return count
+
+
+def test_form_names_outside_the_registry_only_go_down() -> None:
+    lines = _literal_lines()
+    assert sum(lines.values()) <= LITERAL_LINES_AT_MOST, (
+        f"{sum(lines.values())} lines outside fxpar/forms name a parallel form (at most "
+        f"{LITERAL_LINES_AT_MOST}): ask the form's phase (fxpar.forms.part) instead; {lines}")
+    assert _strategy_comparisons() <= STRATEGY_COMPARISONS_AT_MOST, "compare no plan.strategy: ask its form"
