@@ -45,6 +45,9 @@ PipelinePrices`), ``driver_memory_bytes`` the driver-level memory; ``receive_in_
 fitted: what the framework does) says the framework holds pipeline receive buffers for the
 in-flight micro-batches only (:func:`fxpar.sim.rank_memory.stage_peak_bytes`).  Without it the
 prediction is :func:`fxpar.sim.simulate`'s, exactly.
+
+Each parallel form's prediction is its ``predict`` phase (:mod:`fxpar.forms`), from the shared
+parts below.
 """
 
 from __future__ import annotations
@@ -55,13 +58,14 @@ from typing import Any
 
 from fxpar.cluster import Device
 from fxpar.errors import ConfigError, PlanError
+from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
-from fxpar.sim import simulate
-from fxpar.sim.pipeline_cost import pipeline_prices
-from fxpar.sim.pipeline_plan import as_pipeline, layout_of, price_plan, simulate_pipeline
+from fxpar.sim.pipeline_cost import PipelinePrices, pipeline_prices
+from fxpar.sim.pipeline_plan import layout_of, price_plan
+from fxpar.sim.timeline import SimResult
 from fxpar.sim.segments import tp_seconds
 from fxpar.solvers.rebalance import UNPRICED
 from fxpar.tracing import ModelGraph
@@ -179,44 +183,44 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
         raise ConfigError(f"predict: the plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
                           f"{cluster.world_size} devices")
     graph = _graph(plan, model_or_graph)
-    cost = cost_model(plan, graph, cluster, profiles)
-    calib = dict(calibration or {})
-    prices = None
-    if plan.strategy in ("pipeline", "tensor_parallel"):
-        kinds = {g.key: g.type.name for g in cluster.groups()}
-        prices = pipeline_prices(cost, compute_scale={k: float(calib[t]["compute_scale"]) for k, t in kinds.items()
-                                                      if "compute_scale" in calib.get(t, {})},
-                                 segment_overhead_s={k: float(calib[t]["segment_overhead_s"]) for k, t in kinds.items()
-                                                     if "segment_overhead_s" in calib.get(t, {})},
-                                 receive_in_flight={k: bool(calib[t]["receive_in_flight"]) for k, t in kinds.items()
-                                                    if "receive_in_flight" in calib.get(t, {})})
-        sim = simulate_pipeline(as_pipeline(plan, prices), prices, cluster)
-        if plan.strategy == "tensor_parallel":  # each rank's memory its shard's
-            sim = replace(sim, peak_memory_bytes=simulate(plan, cost).peak_memory_bytes)
-    else:
-        sim = simulate(plan, cost)
-    driver = tuple(int(m + float(calib.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
+    return part(plan.strategy, "predict").predict(plan, cost_model(plan, graph, cluster, profiles),
+                                                  dict(calibration or {}))
+
+
+def calibrated_pipeline_prices(cost: CostModel, calibration: Mapping[str, Mapping[str, Any]]) -> PipelinePrices:
+    """The pipeline prices of ``cost`` with a framework's per-kind ``compute_scale``,
+    ``segment_overhead_s`` and ``receive_in_flight`` (module docstring)."""
+    kinds = {g.key: g.type.name for g in cost.cluster.groups()}
+
+    def per_kind(name: str, kind: type) -> dict[str, Any]:
+        return {k: kind(calibration[t][name]) for k, t in kinds.items() if name in calibration.get(t, {})}
+
+    return pipeline_prices(cost, compute_scale=per_kind("compute_scale", float),
+                           segment_overhead_s=per_kind("segment_overhead_s", float),
+                           receive_in_flight=per_kind("receive_in_flight", bool))
+
+
+def common_fields(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The fields every form's :class:`Prediction` shares: the step, per-rank busy, idle and
+    memory, and the driver-level memory (the calibration's ``driver_memory_bytes`` added)."""
+    driver = tuple(int(m + float(calibration.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
                    for r, m in enumerate(sim.peak_memory_bytes))
-    common = dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
-                  peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver)
-    if prices is not None:
-        return _pipeline_parts(as_pipeline(plan, prices), prices, cluster, common)
-    if plan.strategy == "sharded_data_parallel":  # exposed all-gathers + reduce-scatters in gather_s
-        return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=0.0,
-                          alltoall_s=0.0, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
-                          gather_s=sim.comm_s, hop_s=0.0, **common)
-    if plan.strategy == "expert_parallel":
-        a2a = sum(e.end_s - e.start_s for e in sim.events if e.rank == 0 and e.kind == "all_to_all")
-        ar = sim.comm_s - a2a
-        return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=ar,
-                          alltoall_s=a2a, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
-                          gather_s=0.0, hop_s=0.0, **common)
-    return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=sim.comm_s,
-                      alltoall_s=0.0, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
-                      gather_s=0.0, hop_s=0.0, **common)
+    return dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
+                peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver)
 
 
-def _pipeline_parts(plan: Plan, prices, cluster, common: dict[str, Any]) -> Prediction:
+def flat_prediction(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping[str, Mapping[str, Any]], *,
+                    allreduce_s: float = 0.0, alltoall_s: float = 0.0, gather_s: float = 0.0) -> Prediction:
+    """A step of one phase after another (no pipeline): compute, the exchanges given, and the
+    optimizer as what is left of the step."""
+    return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=allreduce_s,
+                      alltoall_s=alltoall_s, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
+                      gather_s=gather_s, hop_s=0.0, **common_fields(plan, sim, cluster, calibration))
+
+
+def pipeline_parts(plan: Plan, prices: PipelinePrices, cluster: Any, common: dict[str, Any]) -> Prediction:
+    """A pipeline plan's parts, the slowest pipeline replica's busiest position's view (module
+    docstring)."""
     run, _ = price_plan(plan, prices, cluster)
     layout, _ = layout_of(plan, prices, cluster)
     # the slowest pipeline replica's view (pipelines may differ in device kinds and batch)

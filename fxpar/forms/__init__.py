@@ -19,9 +19,11 @@ phase's name (:func:`part`), so a new form is its folder plus one line in :data:
                                                                 -> this rank's module
                                              emit(plan, model, example_inputs, out)  the files
                                                                 ``fxpar plan --emit`` writes
+    predict (fxpar.predict)                  predict(plan, cost, calibration)  -> its step's parts
+                                                                (:class:`fxpar.predict.Prediction`)
 
 Where a phase is not listed, that phase still tells the forms apart by name (the planner's
-search, predictions, checkpoint layouts, adapting); ``tests/project/test_forms.py``
+search, checkpoint layouts, adapting); ``tests/project/test_forms.py``
 counts the form-name literals left outside this package and holds that count from rising.
 """
 
@@ -62,6 +64,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "price": ("simulate",),
     "bound": ("bound_s",),
     "apply": ("build", "emit"),
+    "predict": ("predict",),
 }
 
 NAMES: tuple[str, ...] = tuple(f.name for f in FORMS)

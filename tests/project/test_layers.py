@@ -56,8 +56,8 @@ SUBLAYERS: dict[str, dict[str, int]] = {
 }
 #: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``) -> its layer: a form's
 #: rules of a plan are plain data, its pricing sits with the simulator, its bound with the solvers,
-#: its application with codegen
-FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "apply": 9}
+#: its application with codegen, its prediction's parts with fxpar.predict
+FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "apply": 9, "predict": 10}
 LAZY_MARK = "# lazy:"
 
 

@@ -1,0 +1,23 @@
+"""Tensor parallelism's prediction (:mod:`fxpar.forms`, phase ``predict``): the one-stage
+pipeline it runs (:func:`fxpar.sim.pipeline_plan.as_pipeline`), each rank's memory its shard's."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from fxpar.plan import Plan
+from fxpar.predict import Prediction, calibrated_pipeline_prices, common_fields, pipeline_parts
+from fxpar.profiling import CostModel
+from fxpar.sim import simulate
+from fxpar.sim.pipeline_plan import as_pipeline, simulate_pipeline
+
+
+def predict(plan: Plan, cost: CostModel, calibration: Mapping[str, Mapping[str, Any]]) -> Prediction:
+    """As the one-stage pipeline, with the tensor-parallel simulation's per-rank memory."""
+    prices = calibrated_pipeline_prices(cost, calibration)
+    pipeline = as_pipeline(plan, prices)
+    sim = replace(simulate_pipeline(pipeline, prices, cost.cluster),
+                  peak_memory_bytes=simulate(plan, cost).peak_memory_bytes)
+    return pipeline_parts(pipeline, prices, cost.cluster, common_fields(plan, sim, cost.cluster, calibration))
