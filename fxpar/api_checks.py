@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fxpar.errors import ConfigError, PlanError
+from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks
 from fxpar.runtime.losses import LOSS_WEIGHTINGS
@@ -98,11 +99,11 @@ def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighti
     example batch to cut the model; tensor-parallel and pipeline plans build their process
     groups over the whole job, so ``group`` is for data and expert parallel plans only."""
     kind = "interleaved pipeline" if plan.schedule == "interleaved" else plan.strategy.replace("_", " ")
-    if group is not None and plan.strategy in ("tensor_parallel", "pipeline"):
+    if group is not None and form(plan.strategy).whole_job_groups:
         raise ConfigError(f"fxpar.auto: group = {group!r:.60} with a {kind} plan: its process groups span "
                           "the whole job; pass group=None (group= is honoured by data and expert "
                           "parallel plans)")
-    if plan.strategy != "pipeline":
+    if not form(plan.strategy).cuts_model:
         return
     if loss_fn is not None:
         raise ConfigError(f"fxpar.auto: loss_fn with a {kind} plan: the last stage computes the model's "

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.forms import NAMES, part
+from fxpar.forms import NAMES, form, part
 
 REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
 #: the accepted ``strategy`` values: the parallel forms' names (:data:`fxpar.forms.NAMES`)
@@ -201,7 +201,7 @@ def _check_measured(p: Any) -> None:
         return
     items = _sequence(p.measured_speeds, "plan", "measured_speeds", "positive numbers (samples/s)")
     speeds = tuple(_real(v, "plan", f"measured_speeds[{i}]", strict=True) for i, v in enumerate(items))
-    if p.strategy != "data_parallel" or len(speeds) != len(p.ranks):
+    if not form(p.strategy).rebalances or len(speeds) != len(p.ranks):
         raise _fail("plan", "measured_speeds", p.measured_speeds,
                     f"one speed per rank ({len(p.ranks)}) of a data_parallel plan, or null")
     _set(p, measured_speeds=speeds)

@@ -58,7 +58,7 @@ from typing import Any
 
 from fxpar.cluster import Device
 from fxpar.errors import ConfigError, PlanError
-from fxpar.forms import part
+from fxpar.forms import form, part
 from fxpar.plan import Plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
@@ -244,8 +244,9 @@ def priced_plan(plan: Plan, graph: Any, cluster: Any, profiles: Mapping[str, Pro
     ``predicted_step_s = p.step_s``, compute ``p.compute_s``, communication ``p.allreduce_s``
     (the all-reduce's choice too), per rank busy ``p.busy_s[r]`` and memory
     ``p.peak_memory_bytes[r]`` (data-parallel plans)."""
-    if plan.strategy != "data_parallel":
-        raise PlanError(f"priced: re-pricing is for data_parallel plans, not {plan.strategy!r}")
+    if not form(plan.strategy).rebalances:
+        raise PlanError(f"priced: re-pricing is for plans whose shares re-balance (data_parallel), "
+                        f"not {plan.strategy!r}")
     p = predict(plan, graph, cluster, profiles=profiles)
     ranks = tuple(replace(rp, predicted_busy_s=p.busy_s[r], predicted_memory_bytes=p.peak_memory_bytes[r])
                   for r, rp in enumerate(plan.ranks))

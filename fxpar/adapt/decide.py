@@ -47,6 +47,7 @@ from typing import Any
 
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
+from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
 from fxpar.profiling.network import network_of
@@ -156,23 +157,15 @@ class Decision:
 
 
 def plan_kind(plan: Plan) -> str:
-    """A short name of a plan: its strategy, stages and splits."""
-    if plan.strategy == "pipeline":
-        return f"pipeline {len(plan.stages)} stages x{plan.pipelines}"
-    if plan.strategy == "sharded_data_parallel":
-        return f"sharded_dp {list(plan.stages[0].data_split)}"
-    return f"{plan.strategy} {list(plan.batch_shares)}"
+    """A short name of a plan: its form, stages and splits (its form's ``label``)."""
+    return part(plan.strategy, "spec").label(plan)
 
 
 def state_bytes(plan: Plan, graph: ModelGraph) -> int:
     """Upper bound on the parameter and optimizer-state bytes one rank holds under ``plan``:
-    the whole model's (parameters + Adam's two moments, fp32) over the plan's fewest holders."""
-    total = 3 * 4 * graph.param_count
-    if plan.strategy == "sharded_data_parallel":
-        return -(-total // plan.world_size)
-    if plan.strategy == "pipeline":
-        return -(-total // max(len(plan.stages), 1))
-    return total
+    the whole model's (parameters + Adam's two moments, fp32) over the plan's fewest holders
+    (its form's ``state_holders``)."""
+    return -(-3 * 4 * graph.param_count // part(plan.strategy, "spec").state_holders(plan))
 
 
 def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workload, policy: AdaptPolicy, *,

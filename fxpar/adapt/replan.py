@@ -30,6 +30,7 @@ from typing import Any
 from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
+from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.graph import ModelGraph
@@ -84,7 +85,8 @@ class Replanner:
         asked = self.policy.strategies if self.policy.strategies is not None else FAMILIES
         graph = self.planning.graph
         return tuple(f for f in asked if f not in self.unbuildable
-                     and not (f == "pipeline" and graph is not None and graph.recorded))
+                     # a recorded model's stages run eagerly, and eager stages refuse the meta template
+                     and not (form(f).cuts_model and graph is not None and graph.recorded))
 
     def decision(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float = 1.0,
                  steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> Decision:

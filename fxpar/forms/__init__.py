@@ -11,6 +11,9 @@ phase's name (:func:`part`), so a new form is its folder plus one line in :data:
                                                                 :func:`fxpar.plan_checks.check_plan`
                                              check_stage(plan, i, stage)   one stage's rules
                                              summary(plan)      the lines ``Plan.table()`` adds
+                                             label(plan)        a short name of the plan (logs)
+                                             state_holders(plan)  the fewest ranks that share the
+                                                                model state (adapting's move)
     price   (the simulator, imports no torch) simulate(plan, cost)   -> :class:`fxpar.sim.SimResult`
     bound   (the solvers, imports no torch)  bound_s(cost, batch, work)   the least step of any of
                                                                 its plans, or None where it has none
@@ -46,21 +49,31 @@ class Form:
     communication: str   #: what its step exchanges, as the plan table prints it
     searched: bool       #: the planner searches it as a family of its own (tensor parallelism
                          #: is searched inside pipelines: one stage over a TP group)
+    recorded: bool = False       #: a recorded graph (a model that does not export) can have it:
+                                 #: its codegen runs the model's own forward, or eager stages
+    rebalances: bool = False     #: its shares are re-solved from measured speeds while training
+                                 #: (``measured_speeds``, :mod:`fxpar.solvers.rebalance`)
+    whole_job_groups: bool = False   #: its process groups span the whole job (no ``group=``)
+    cuts_model: bool = False     #: it cuts the model into stages: trains on the model's own loss
+                                 #: and needs a dict example batch to cut it
 
 
 #: the forms, in the order the planner offers them (the first found wins a tie)
 FORMS: tuple[Form, ...] = (
-    Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True),
-    Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True),
+    Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True,
+         recorded=True, rebalances=True),
+    Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
+         recorded=True, whole_job_groups=True, cuts_model=True),
     Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True),
     Form("sharded_data_parallel", "sharded", "sharded data parallelism (ZeRO-2/3)",
-         "all-gather + reduce-scatter", True),
-    Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False),
+         "all-gather + reduce-scatter", True, recorded=True),
+    Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False,
+         whole_job_groups=True),
 )
 
 #: phase -> the functions its module defines (the module docstring says what each does)
 PHASES: dict[str, tuple[str, ...]] = {
-    "spec": ("check", "check_stage", "summary"),
+    "spec": ("check", "check_stage", "summary", "label", "state_holders"),
     "price": ("simulate",),
     "bound": ("bound_s",),
     "apply": ("build", "emit"),
@@ -70,6 +83,8 @@ PHASES: dict[str, tuple[str, ...]] = {
 NAMES: tuple[str, ...] = tuple(f.name for f in FORMS)
 #: the forms the planner searches, in its order
 SEARCHED: tuple[str, ...] = tuple(f.name for f in FORMS if f.searched)
+#: the forms a recorded graph can have (:func:`fxpar.solvers.problems.strategies_for`)
+RECORDED: tuple[str, ...] = tuple(f.name for f in FORMS if f.recorded)
 
 
 def form(name: str) -> Form:

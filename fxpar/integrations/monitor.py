@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.forms import form
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.plan import Plan
 from fxpar.predict import priced_plan
@@ -104,7 +105,7 @@ class StepMonitor:
         if hasattr(clock, "take_events"):
             clock.take_events()   # from now on the clock keeps its compute segments' events for end()
         strategy = getattr(getattr(self.pmodel, "plan", None), "strategy", None)
-        if self.rebalance.enabled and strategy not in (None, "data_parallel"):
+        if self.rebalance.enabled and strategy is not None and not form(strategy).rebalances:
             _LOG.info("fxpar: the plan is %s: online re-balancing re-solves data-parallel shares only, "
                       "so this plan's shares stay fixed (strategies: [data_parallel] to re-balance)", strategy)
 
@@ -146,7 +147,7 @@ class StepMonitor:
         self._since_change += 1
         cfg = self.rebalance
         waited = self._since_change - cfg.warmup_steps
-        self._decide_now = (cfg.enabled and self.plan.strategy == "data_parallel" and hasattr(self.pmodel, "set_plan")
+        self._decide_now = (cfg.enabled and form(self.plan.strategy).rebalances and hasattr(self.pmodel, "set_plan")
                             and waited >= cfg.window and waited % cfg.window == 0)
         if self._decide_now or (self.gather_every and step % self.gather_every == 0):
             return self._gather(step - (1 if self._cuda else 0))

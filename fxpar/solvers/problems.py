@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, InfeasibleError, PlanError
+from fxpar.forms import RECORDED
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
@@ -73,7 +74,7 @@ class Candidates:
 #: experts from) can have: those whose codegen runs the model's own forward, and pipelines, whose
 #: stages then run the model's own modules eagerly (:mod:`fxpar.codegen.pipeline.eager`),
 #: tensor-parallel in the blocks whose attention was read block by block (the graph's layers say)
-RECORDED_FAMILIES: tuple[str, ...] = ("data_parallel", "pipeline", "sharded_data_parallel")
+RECORDED_FAMILIES: tuple[str, ...] = RECORDED   # the forms marked ``recorded`` in fxpar.forms
 
 
 def strategies_for(graph: ModelGraph, strategies: tuple[str, ...]) -> tuple[str, ...]:

@@ -25,3 +25,13 @@ def check_stage(p: Any, i: int, st: Any) -> None:
 def summary(p: Any) -> list[str]:
     """Nothing beyond the rank rows."""
     return []
+
+
+def label(p: Any) -> str:
+    """A short name of the plan: its form and splits."""
+    return f"{p.strategy} {list(p.batch_shares)}"
+
+
+def state_holders(p: Any) -> int:
+    """The fewest ranks among which the model state is divided: Every rank holds the whole model state."""
+    return 1

@@ -28,3 +28,13 @@ def summary(p: Any) -> list[str]:
     split = p.stages[0].expert_split
     shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
     return [f"experts per rank (every MoE layer): {shown}; {p.num_microbatches} micro-batch(es)"]
+
+
+def label(p: Any) -> str:
+    """A short name of the plan: its form and splits."""
+    return f"{p.strategy} {list(p.batch_shares)}"
+
+
+def state_holders(p: Any) -> int:
+    """The fewest ranks among which the model state is divided: The replicated part is whole on every rank (counted as whole)."""
+    return 1

@@ -30,6 +30,17 @@ def summary(p: Any) -> list[str]:
     return _pipeline_lines(p)
 
 
+def label(p: Any) -> str:
+    """A short name of the plan: its form and splits."""
+    return f"pipeline {len(p.stages)} stages x{p.pipelines}"
+
+
+def state_holders(p: Any) -> int:
+    """The fewest ranks among which the model state is divided: Each stage holds its modules' state."""
+    return max(len(p.stages), 1)
+
+
+
 def _check_replicas(p: Any, i: int, st: Any) -> None:
     """A pipeline stage's replicas: ``replica_devices[q]`` is the ``RankPlan.device`` of every
     rank of replica ``q`` (ranks ``[q·u, (q+1)·u)`` of the stage, ``u = tensor_parallel``); every

@@ -24,6 +24,17 @@ def summary(p: Any) -> list[str]:
     return [_sharded_line(p)] if p.stages and p.stages[0].state_split is not None else []
 
 
+def label(p: Any) -> str:
+    """A short name of the plan: its form and splits."""
+    return f"sharded_dp {list(p.stages[0].data_split)}"
+
+
+def state_holders(p: Any) -> int:
+    """The fewest ranks among which the model state is divided: Every rank holds its share of the state."""
+    return p.world_size
+
+
+
 def _check_state_split(p: Any) -> None:
     """A sharded data-parallel plan: one stage with a state weight per rank (not all zero) and a
     sharding stage of ``SHARD_STAGES``."""
