@@ -15,6 +15,9 @@ phase's name (:func:`part`), so a new form is its folder plus one line in :data:
                                              state_holders(plan)  the fewest ranks that share the
                                                                 model state (adapting's move)
     price   (the simulator, imports no torch) simulate(plan, cost)   -> :class:`fxpar.sim.SimResult`
+    search  (the solvers, imports no torch;  candidates(problems, found, max_tensor_parallel)
+             searched forms only)                 -> its plans, explain lines and baselines
+                                                                (``found``: the forms searched before)
     bound   (the solvers, imports no torch)  bound_s(cost, batch, work)   the least step of any of
                                                                 its plans, or None where it has none
                                                                 (:func:`fxpar.solvers.bounds.lower_bound_s`)
@@ -26,7 +29,7 @@ phase's name (:func:`part`), so a new form is its folder plus one line in :data:
                                                                 (:class:`fxpar.predict.Prediction`)
 
 Where a phase is not listed, that phase still tells the forms apart by name (the planner's
-search, checkpoint layouts, adapting); ``tests/project/test_forms.py``
+problems, checkpoint layouts, hand-written plans); ``tests/project/test_forms.py``
 counts the form-name literals left outside this package and holds that count from rising.
 """
 
@@ -76,6 +79,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "spec": ("check", "check_stage", "summary", "label", "state_holders"),
     "price": ("simulate",),
     "bound": ("bound_s",),
+    "search": ("candidates",),
     "apply": ("build", "emit"),
     "predict": ("predict",),
 }

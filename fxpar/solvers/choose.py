@@ -1,7 +1,8 @@
 """The choice among the families' candidates and what the plan reports about it.
 
     fastest = min_{plan ∈ candidates} predicted_step_s
-    best    = the first plan, in FAMILY_ORDER (data parallelism, then pipelines, then expert
+    best    = the first plan, in FAMILY_ORDER (the registry's order of the searched forms,
+              :data:`fxpar.forms.SEARCHED`: data parallelism, then pipelines, then expert
               parallelism, then sharded data parallelism; within a family, as found), with
               predicted_step_s ≤ fastest · (1 + REL_TOL)
 
@@ -24,27 +25,32 @@ among the strategies asked for; every one is the step of a plan that was a candi
     even_fsdp                  sharded data parallelism (ZeRO-3) with even state and batch shares
                                (:mod:`fxpar.solvers.families.sharded`), where that family is asked for
 
-The explain lines are the families' own, in family order, then one per baseline with fxpar's
+Each family's baselines come by name in its :class:`~fxpar.solvers.problems.Candidates`; the rules
+above read the names, never the families'.  The explain lines are the families' own, in family order, then one per baseline with fxpar's
 speed-up over it, then the lower bound and what it counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from fxpar.errors import InfeasibleError
+from fxpar.forms import SEARCHED
 from fxpar.plan import Plan
 from fxpar.solvers.baselines import min_or_none
 from fxpar.solvers.host_memory import with_host_memory
 from fxpar.solvers.problems import Candidates, Problems
 from fxpar.tracing.graph import ModelGraph
 
-#: a family that offers nothing (the default where a caller names no sharded family)
+#: a family that offers nothing
 NO_CANDIDATES = Candidates()
 #: predicted steps closer than this (relative) are equal; the simpler family then wins
 REL_TOL = 1e-9
-#: the order in which equal predictions prefer the families (simplest first)
-FAMILY_ORDER: tuple[str, ...] = ("data_parallel", "pipeline", "expert_parallel", "sharded_data_parallel")
+#: the order in which equal predictions prefer the families (simplest first): the registry's
+FAMILY_ORDER: tuple[str, ...] = SEARCHED
+#: the baselines every plan reports (None where not found), before any a family adds (even_ep, even_fsdp)
+FIXED_BASELINES: tuple[str, ...] = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
 
 
 def fastest_simplest(plans: list[Plan]) -> Plan:
@@ -53,15 +59,15 @@ def fastest_simplest(plans: list[Plan]) -> Plan:
     return next(q for q in plans if q.predicted_step_s <= fastest * (1.0 + REL_TOL))
 
 
-def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
-           sharded: Candidates = NO_CANDIDATES) -> Plan:
-    """The fastest candidate, with the baselines and every family's reasoning in its ``explain``;
-    :class:`InfeasibleError` where no family offers a plan."""
-    families = (dp, pipeline, ep, sharded)
+def choose(p: Problems, found: Mapping[str, Candidates]) -> Plan:
+    """The fastest candidate of the families ``found`` (form name -> its candidates), with the
+    baselines and every family's reasoning in its ``explain``; :class:`InfeasibleError` where no
+    family offers a plan."""
+    families = [found[name] for name in FAMILY_ORDER if name in found]
     plans = [plan for family in families for plan in family.plans]
     explain = [line for family in families for line in family.explain]
     if not plans:
-        raise nothing_fits(p, dp.error, explain)
+        raise nothing_fits(p, next((f.error for f in families if f.error is not None), None), explain)
     best = fastest_simplest(plans)
     attention = getattr(p.graph, "attn_implementation", None)
     if attention not in (None, "sdpa"):
@@ -70,7 +76,7 @@ def choose(p: Problems, *, dp: Candidates, pipeline: Candidates, ep: Candidates,
                        "scores kept for backward")
     if p.graph.recorded:
         explain.append(recorded_line(p.graph))
-    baselines = combine_baselines(best.strategy, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
+    baselines = combine_baselines(best.strategy, found)
     for name, value in baselines:
         explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
                                                if value is None else
@@ -114,19 +120,21 @@ def _recorded_tensor_parallel(graph: ModelGraph) -> str:
             "(fxpar.tracing.tensor_parallel.by_block says why per block)")
 
 
-def combine_baselines(strategy: str, *, dp: Candidates, pipeline: Candidates,
-                      ep: Candidates, sharded: Candidates = NO_CANDIDATES) -> tuple[tuple[str, float | None], ...]:
-    """The plan's baselines from the families' figures (module docstring); ``strategy``: the
-    chosen plan's, whose family's Whale rule is ``whale_rules``."""
-    d, pipe, e = dict(dp.baselines), dict(pipeline.baselines), dict(ep.baselines)
-    even, prop = d.get("even_dp"), d.get("proportional_dp")
-    family = {"data_parallel": d, "pipeline": pipe, "expert_parallel": e}.get(strategy, {})
-    out = (("even_dp", even), ("proportional_dp", prop),
-           ("megatron_even", min_or_none(even, pipe.get("megatron_even"))),
-           ("whale_rules", family.get("whale_rules")))
-    fsdp = dict(sharded.baselines)
-    return (out + ((("even_ep", e["even_ep"]),) if "even_ep" in e else ())
-            + ((("even_fsdp", fsdp["even_fsdp"]),) if "even_fsdp" in fsdp else ()))
+def combine_baselines(strategy: str, found: Mapping[str, Candidates]) -> tuple[tuple[str, float | None], ...]:
+    """The plan's baselines from the families' figures (module docstring): ``FIXED_BASELINES``,
+    then any other a family gives, in family order; ``strategy``: the chosen plan's form, whose
+    ``whale_rules`` is reported."""
+    merged: dict[str, float | None] = {}
+    for name in FAMILY_ORDER:
+        for baseline, value in found[name].baselines if name in found else ():
+            if baseline != "whale_rules":
+                merged.setdefault(baseline, value)
+    chosen = dict(found[strategy].baselines) if strategy in found else {}
+    even = merged.get("even_dp")
+    out = (("even_dp", even), ("proportional_dp", merged.get("proportional_dp")),
+           ("megatron_even", min_or_none(even, merged.get("megatron_even"))),
+           ("whale_rules", chosen.get("whale_rules")))
+    return out + tuple((name, value) for name, value in merged.items() if name not in FIXED_BASELINES)
 
 
 def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[str]) -> InfeasibleError:

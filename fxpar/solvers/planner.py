@@ -11,7 +11,8 @@ choose the fastest, report:
    (:func:`fxpar.solvers.bounds.lower_bound_s`: the work LP's bound over the device kinds + the
    optimizer; where data parallelism is the only strategy, ``B / Σ_i (1/t_i)`` + the last
    gradient bucket's all-reduce + the optimizer).
-2. Candidates, one family each, every plan carrying the simulator's predictions
+2. Candidates, one family each (each form's ``search`` phase, :mod:`fxpar.forms`, in the
+   registry's order, each seeing what the forms before it found), every plan carrying the simulator's predictions
    (:func:`fxpar.sim.simulate`; for pipelines :func:`fxpar.sim.pipeline_cost.price`, the event
    simulation of the schedule with its hops; :func:`fxpar.sim.expert_sim.evaluate`):
 
@@ -46,16 +47,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
-from fxpar.forms import SEARCHED
+from fxpar.forms import SEARCHED, part
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.local_cache import profiles_description
 from fxpar.solvers.choose import choose
-from fxpar.solvers.families.data_parallel import dp_candidates
-from fxpar.solvers.families.expert import ep_candidates
-from fxpar.solvers.families.pipeline import pipeline_candidates
-from fxpar.solvers.families.sharded import sharded_candidates
-from fxpar.solvers.problems import build_problems
+from fxpar.solvers.problems import Candidates, build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
@@ -76,11 +73,10 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     reasoning go into the plan; MoE models get one more baseline, ``even_ep``."""
     start = time.perf_counter()
     problems = build_problems(graph, cluster, workload, strategies, allow_tf32=allow_tf32, profiles=profiles)
-    dp = dp_candidates(problems)
-    pipeline = pipeline_candidates(problems, max_tensor_parallel, data_parallel_fits=bool(dp.plans))
-    ep = ep_candidates(problems)
-    sharded = sharded_candidates(problems)
-    best = choose(problems, dp=dp, pipeline=pipeline, ep=ep, sharded=sharded)
+    found: dict[str, Candidates] = {}
+    for name in SEARCHED:   # each form's search phase, in the registry's order (ties: the first found)
+        found[name] = part(name, "search").candidates(problems, found, max_tensor_parallel)
+    best = choose(problems, found)
     # what priced the plan, read off the one CostModel that priced it (fxpar.predict rebuilds it)
     return replace(best, solve_time_s=time.perf_counter() - start,
                    allow_tf32=problems.cost.compute_dtype == "tf32",

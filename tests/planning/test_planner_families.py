@@ -40,12 +40,12 @@ def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
 
 def test_choice_is_the_fastest_first_found_with_every_family_reasoning():
     first, tie, slow = _plan(1.0, "first"), _plan(1.0, "tie"), _plan(2.0)
-    best = choose(_problems(), dp=Candidates(plans=(slow, first), explain=("dp",),
-                                             baselines=(("even_dp", 3.0), ("proportional_dp", 2.5),
-                                                        ("whale_rules", 2.4))),
-                  pipeline=Candidates(plans=(tie,), explain=("pipe",),
-                                      baselines=(("megatron_even", 1.5), ("whale_rules", 1.2))),
-                  ep=Candidates(explain=("ep",)))
+    best = choose(_problems(), {"data_parallel": Candidates(plans=(slow, first), explain=("dp",),
+                                                            baselines=(("even_dp", 3.0), ("proportional_dp", 2.5),
+                                                                       ("whale_rules", 2.4))),
+                                "pipeline": Candidates(plans=(tie,), explain=("pipe",),
+                                                       baselines=(("megatron_even", 1.5), ("whale_rules", 1.2))),
+                                "expert_parallel": Candidates(explain=("ep",))})
     assert best.model == "first"
     # whale_rules is Whale's rule for the chosen plan's family (data parallelism here)
     assert best.baselines == (("even_dp", 3.0), ("proportional_dp", 2.5), ("megatron_even", 1.5),
@@ -58,20 +58,23 @@ def test_whale_rules_is_the_rule_of_the_chosen_family():
     dp = Candidates(baselines=(("even_dp", None), ("proportional_dp", None), ("whale_rules", None)))
     pipe = Candidates(baselines=(("megatron_even", 1.5), ("whale_rules", 1.2)))
     ep = Candidates(baselines=(("even_ep", 4.0), ("whale_rules", 3.0)))
-    assert combine_baselines("pipeline", dp=dp, pipeline=pipe, ep=ep) == (
+    found = {"data_parallel": dp, "pipeline": pipe, "expert_parallel": ep}
+    assert combine_baselines("pipeline", found) == (
         ("even_dp", None), ("proportional_dp", None), ("megatron_even", 1.5), ("whale_rules", 1.2),
         ("even_ep", 4.0))
-    assert dict(combine_baselines("expert_parallel", dp=dp, pipeline=pipe, ep=ep))["whale_rules"] == 3.0
-    assert dict(combine_baselines("data_parallel", dp=dp, pipeline=pipe, ep=ep))["whale_rules"] is None
+    assert dict(combine_baselines("expert_parallel", found))["whale_rules"] == 3.0
+    assert dict(combine_baselines("data_parallel", found))["whale_rules"] is None
 
 
 def test_nothing_fits_raises_data_parallelism_s_shortfalls():
     error = InfeasibleError("data parallelism does not fit", shortfalls={"T4": 2 ** 30})
     with pytest.raises(InfeasibleError, match="No pipeline") as info:
-        choose(_problems(pipeline=object()), dp=Candidates(error=error), pipeline=Candidates(), ep=Candidates())
+        choose(_problems(pipeline=object()), {"data_parallel": Candidates(error=error), "pipeline": Candidates(),
+                                              "expert_parallel": Candidates()})
     assert info.value.shortfalls == {"T4": 2 ** 30}
     with pytest.raises(InfeasibleError, match="no plan among the strategies"):
-        choose(_problems(), dp=Candidates(), pipeline=Candidates(), ep=Candidates(explain=("ep: no",)))
+        choose(_problems(), {"data_parallel": Candidates(), "pipeline": Candidates(),
+                             "expert_parallel": Candidates(explain=("ep: no",))})
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +111,8 @@ def test_predictions_equal_but_for_the_last_bits_prefer_the_simpler_family():
     assert FAMILY_ORDER[0] == "data_parallel" and REL_TOL == 1e-9
     dp, pipe = _plan(0.07551730574527638, "dp"), _plan(0.075517305745276, "pipe")  # pipe: the pipeline family's
     assert pipe.predicted_step_s < dp.predicted_step_s
-    assert choose(_problems(), dp=Candidates(plans=(dp,)), pipeline=Candidates(plans=(pipe,)),
-                  ep=Candidates()).model == "dp"
+    assert choose(_problems(), {"data_parallel": Candidates(plans=(dp,)), "pipeline": Candidates(plans=(pipe,)),
+                                "expert_parallel": Candidates()}).model == "dp"
     faster = replace(pipe, predicted_step_s=dp.predicted_step_s * (1 - 1e-6))  # beyond the tolerance
     assert fastest_simplest([dp, faster]).model == "pipe"
 

@@ -55,9 +55,9 @@ SUBLAYERS: dict[str, dict[str, int]] = {
     "fxpar.forms": {"data": 1, "pipeline": 1, "expert": 1, "sharded": 1, "tensor": 1},
 }
 #: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``) -> its layer: a form's
-#: rules of a plan are plain data, its pricing sits with the simulator, its bound with the solvers,
+#: rules of a plan are plain data, its pricing sits with the simulator, its bound and search with the solvers,
 #: its application with codegen, its prediction's parts with fxpar.predict
-FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "apply": 9, "predict": 10}
+FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "search": 6, "apply": 9, "predict": 10}
 LAZY_MARK = "# lazy:"
 
 

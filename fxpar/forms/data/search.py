@@ -1,0 +1,15 @@
+"""Data parallelism's search: the share LP and the rules (:mod:`fxpar.forms`, phase ``search``; the planner asks each searched form in
+registry order, :func:`fxpar.solvers.planner.plan`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fxpar.solvers.families.data_parallel import dp_candidates
+from fxpar.solvers.problems import Candidates, Problems
+
+
+def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
+    """The share LP's plan and the even, FLOP-proportional and Whale shares, each simulated
+    (:func:`fxpar.solvers.families.data_parallel.dp_candidates`)."""
+    return dp_candidates(problems)
