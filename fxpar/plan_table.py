@@ -1,8 +1,9 @@
 """``Plan.table()``: a :class:`~fxpar.plan.Plan` as plain text.
 
-Owns the rendering only: the summary lines of each strategy (pipeline stages, sharding,
-experts), one row per rank (the first and last twelve of a large plan), the prediction against
-the lower bound, the baselines, the exchanges and the solver's report.  It reads a plan's fields
+Owns the rendering only: the title, then the lines the plan's form adds (its ``spec.summary``,
+:mod:`fxpar.forms`: pipeline stages, sharding, experts), one row per rank (the first and last
+twelve of a large plan), the prediction against the lower bound, the baselines, the exchanges
+and the solver's report.  It reads a plan's fields
 and never imports :mod:`fxpar.plan` (which imports it).
 """
 

@@ -65,8 +65,8 @@ from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
 from fxpar.sim.pipeline_cost import PipelinePrices, pipeline_prices
 from fxpar.sim.pipeline_plan import layout_of, price_plan
-from fxpar.sim.timeline import SimResult
 from fxpar.sim.segments import tp_seconds
+from fxpar.sim.timeline import SimResult
 from fxpar.solvers.rebalance import UNPRICED
 from fxpar.tracing import ModelGraph
 from fxpar.workload import Workload
@@ -200,7 +200,8 @@ def calibrated_pipeline_prices(cost: CostModel, calibration: Mapping[str, Mappin
                            receive_in_flight=per_kind("receive_in_flight", bool))
 
 
-def common_fields(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def common_fields(plan: Plan, sim: SimResult, cluster: Any,
+                  calibration: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The fields every form's :class:`Prediction` shares: the step, per-rank busy, idle and
     memory, and the driver-level memory (the calibration's ``driver_memory_bytes`` added)."""
     driver = tuple(int(m + float(calibration.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))

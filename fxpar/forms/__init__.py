@@ -3,9 +3,10 @@
 A *parallel form* (data, sharded/ZeRO, expert, pipeline, tensor; ``docs/glossary.md``) is what a
 plan's ``strategy`` names.  Each form lives in one folder, ``fxpar/forms/<folder>/``, with one
 module per *phase* it takes part in; the phases find a form's module by its folder and the
-phase's name (:func:`part`), so a new form is its folder plus one line in :data:`FORMS`
-(``docs/extending.md`` walks through one).  The phases, each at its layer of the data flow
-(``docs/layout.md``) and each with the functions it must define (:data:`PHASES`):
+phase's name (:func:`part`), so a new form is its folder plus one line in :data:`FORMS`, and
+the places that still name forms (``docs/extending.md`` lists them and walks through adding
+one).  The phases, each at its layer of the data flow (``docs/layout.md``) and each with the
+functions it must define (:data:`PHASES`):
 
     spec    (plain data, imports no torch)   check(plan)        the form's rules of a Plan, after
                                                                 :func:`fxpar.plan_checks.check_plan`
@@ -102,7 +103,8 @@ def form(name: str) -> Form:
 
 def part(name: str, phase: str) -> ModuleType:
     """Form ``name``'s module for ``phase`` (``fxpar.forms.<folder>.<phase>``), imported on first
-    use.  A caller asks only for a phase at or below its own layer (``tests/project/test_forms.py``)."""
+    use. A caller asks only for a phase at or below its own layer
+    (``tests/project/test_forms.py``)."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r}: expected one of {tuple(PHASES)}")
     return importlib.import_module(f"fxpar.forms.{form(name).folder}.{phase}")

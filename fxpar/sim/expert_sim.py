@@ -1,7 +1,7 @@
 """The predicted step of expert parallelism for MoE models: batch shares *and* experts per device,
 priced as plain numbers (:func:`evaluate`).  The solver that chooses them is
 :mod:`fxpar.solvers.expert_plan`; the data come from a CostModel by
-:func:`fxpar.sim.expert_costs.build_problem`; :func:`fxpar.sim.simulate` turns the phases into a
+:func:`fxpar.sim.expert_costs.build_problem`; :func:`fxpar.forms.expert.price.simulate` turns the phases into a
 timeline.
 
 Every rank holds the replicated part (attention, norms, router, embeddings, head), trains on its

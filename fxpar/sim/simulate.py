@@ -20,17 +20,6 @@ from fxpar.profiling import CostModel
 from fxpar.sim.timeline import SimResult
 
 
-def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
-    """The micro-batches codegen runs: ``count`` slices of ``size``, the last one shorter."""
-    out, left = [], share
-    for _ in range(count):
-        m = min(size, left)
-        if m > 0:
-            out.append(m)
-        left -= m
-    return out
-
-
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
     """Predict ``plan`` under ``cost``: its form's ``simulate`` (see the module docstring)."""
     return part(plan.strategy, "price").simulate(plan, cost)

@@ -1,7 +1,8 @@
 """What every simulator returns: a step's per-rank timeline (:class:`TimelineEvent`) and its
-figures (:class:`SimResult`).  Shared by :mod:`fxpar.sim.simulate` (data and expert parallelism,
-the dispatch on the plan's strategy), :mod:`fxpar.sim.pipeline_plan` and
-:mod:`fxpar.sim.pipeline_sim` (pipelines), which import it from here."""
+figures (:class:`SimResult`); and the micro-batches a rank's share runs as
+(:func:`micro_batch_sizes`).  Shared by the forms' ``price`` phases (:mod:`fxpar.forms.data.price`,
+:mod:`fxpar.forms.expert.price`), :mod:`fxpar.sim.pipeline_plan` and :mod:`fxpar.sim.pipeline_sim`
+(pipelines), which import it from here."""
 
 from __future__ import annotations
 
@@ -32,3 +33,14 @@ class SimResult:
     @property
     def utilization(self) -> tuple[float, ...]:
         return tuple(b / self.step_s if self.step_s > 0 else 0.0 for b in self.busy_s)
+
+
+def micro_batch_sizes(share: int, size: int, count: int) -> list[int]:
+    """The micro-batches codegen runs: ``count`` slices of ``size``, the last one shorter."""
+    out, left = [], share
+    for _ in range(count):
+        m = min(size, left)
+        if m > 0:
+            out.append(m)
+        left -= m
+    return out

@@ -16,7 +16,6 @@ from fxpar.sim.sharded_cost import cpu_optimizer_rate
 from fxpar.solvers.bound_work import compute_weights
 
 
-
 def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer: bool = False) -> float:
     """A lower bound on the predicted step of every plan of ``families`` fxpar could emit for
     ``batch`` samples: the least of the families' bounds (:func:`family_bounds_s`).

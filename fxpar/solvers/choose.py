@@ -25,8 +25,9 @@ among the strategies asked for; every one is the step of a plan that was a candi
     even_fsdp                  sharded data parallelism (ZeRO-3) with even state and batch shares
                                (:mod:`fxpar.solvers.families.sharded`), where that family is asked for
 
-Each family's baselines come by name in its :class:`~fxpar.solvers.problems.Candidates`; the rules
-above read the names, never the families'.  The explain lines are the families' own, in family order, then one per baseline with fxpar's
+Each family's baselines come by name in its :class:`~fxpar.solvers.problems.Candidates`; the
+rules above read the baselines' names, never the families'.  The explain lines are the families'
+own, in family order, then one per baseline with fxpar's
 speed-up over it, then the lower bound and what it counts.
 """
 
@@ -43,8 +44,6 @@ from fxpar.solvers.host_memory import with_host_memory
 from fxpar.solvers.problems import Candidates, Problems
 from fxpar.tracing.graph import ModelGraph
 
-#: a family that offers nothing
-NO_CANDIDATES = Candidates()
 #: predicted steps closer than this (relative) are equal; the simpler family then wins
 REL_TOL = 1e-9
 #: the order in which equal predictions prefer the families (simplest first): the registry's
@@ -138,8 +137,8 @@ def combine_baselines(strategy: str, found: Mapping[str, Candidates]) -> tuple[t
 
 
 def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[str]) -> InfeasibleError:
-    """The error when no family offers a plan: data parallelism's (with its shortfalls) if it
-    has one, else every family's reason."""
+    """The error when no family offers a plan: the first family's error (data parallelism's, with
+    its shortfalls: the one family that gives one) if any, else every family's reason."""
     if dp_error is None:
         return InfeasibleError(f"no plan among the strategies {p.strategies} applies to "
                                f"{p.graph.model_name} or fits: " + ("; ".join(explain) or "nothing to try"))

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fxpar.errors import PlanError
+from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.solvers.data_parallel import integer_shares, micro_batches
 
@@ -81,7 +82,7 @@ def measured_sample_seconds(plan: Plan, busy_s: Sequence[float]) -> list[float]:
 def propose_shares(plan: Plan, busy_s: Sequence[float], *, threshold: float = 0.1,
                    max_microbatches: int | None = None) -> RebalanceDecision:
     """The re-balanced shares for ``plan`` given each rank's measured busy seconds."""
-    if plan.strategy != "data_parallel":
+    if not form(plan.strategy).rebalances:
         raise PlanError(f"re-balance: batch shares are re-solved for data_parallel plans, not "
                         f"{plan.strategy!r} (stage cuts are fixed for the run)")
     t = measured_sample_seconds(plan, busy_s)

@@ -1,6 +1,6 @@
 """The parallel forms' registry (:mod:`fxpar.forms`): every form has its folder with one module per
-phase, each defining the phase's functions; each phase module sits at its layer (spec, price and
-bound import no torch); a phase is asked for only from its layer or above; and the form-name
+phase, each defining the phase's functions; each phase module sits at its layer (spec, price,
+bound and search import no torch); a phase is asked for only from its layer or above; and the form-name
 literals and ``.strategy`` comparisons left outside the registry are counted, a count that may
 only go down (``docs/extending.md`` lists where they remain)."""
 
@@ -23,8 +23,8 @@ TORCH_FREE = ("spec", "price", "bound", "search")
 #: lines outside fxpar/forms holding a form's name as a string literal, and comparisons of a
 #: ``.strategy``; before the registry (2026-11-29): 102 lines in 37 files, 50 comparisons.
 #: Lower these when a phase moves into the forms' folders; they may never rise.
-LITERAL_LINES_AT_MOST = 49
-STRATEGY_COMPARISONS_AT_MOST = 13
+LITERAL_LINES_AT_MOST = 48
+STRATEGY_COMPARISONS_AT_MOST = 12
 
 
 def _module(path: Path) -> str:

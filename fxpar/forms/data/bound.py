@@ -12,6 +12,7 @@ def bound_s(cost, batch: int, w: Work) -> float:
 
 
 def data_parallel_bound_s(cost, w: Work) -> float:
-    """``max(T_DP + AR(g_{K−1}), Σ_k AR(g_k)) + max_k o_k`` (:func:`lower_bound_s`; without overlap
-    :func:`last_bucket_s` is every bucket, so the first term is the larger)."""
+    """``max(T_DP + AR(g_{K−1}), Σ_k AR(g_k)) + max_k o_k``
+    (:func:`fxpar.solvers.bounds.lower_bound_s`; without overlap
+    :func:`fxpar.solvers.bounds.last_bucket_s` is every bucket, so the first term is the larger)."""
     return max(w.whole_s + last_bucket_s(cost), sum(bucket_allreduces_s(cost))) + max(w.optimizer_s)

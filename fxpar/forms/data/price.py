@@ -27,8 +27,7 @@ from fxpar.plan import Plan
 from fxpar.profiling import CostModel, memory
 from fxpar.profiling.collectives import gradient_buckets
 from fxpar.sim.rank_memory import dp_held_bytes
-from fxpar.sim.simulate import micro_batch_sizes
-from fxpar.sim.timeline import SimResult, TimelineEvent
+from fxpar.sim.timeline import SimResult, TimelineEvent, micro_batch_sizes
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:

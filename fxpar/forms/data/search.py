@@ -1,5 +1,5 @@
-"""Data parallelism's search: the share LP and the rules (:mod:`fxpar.forms`, phase ``search``; the planner asks each searched form in
-registry order, :func:`fxpar.solvers.planner.plan`)."""
+"""Data parallelism's search: the share LP and the rules (:mod:`fxpar.forms`, phase ``search``; the
+planner asks each searched form in registry order, :func:`fxpar.solvers.planner.plan`)."""
 
 from __future__ import annotations
 

@@ -1,3 +1,3 @@
 """Expert parallelism: a MoE model's experts divided among the ranks (uneven counts), the rest
-replicated; tokens travel to their experts by all-to-all.  Phases: :mod:`.spec`, :mod:`.price`,
-:mod:`.apply`."""
+replicated; tokens travel to their experts by all-to-all. Phases: :mod:`.spec`, :mod:`.price`,
+:mod:`.bound`, :mod:`.search`, :mod:`.apply`, :mod:`.predict`."""

@@ -17,7 +17,7 @@ def bound_s(cost, batch: int, w: Work) -> float | None:
 
 def expert_bound_s(cost, ep: EPProblem, w: Work) -> float:
     """``min_μ [max(T_LP, μ·B·(c + c')) + κ(1 − μ)] + AR(G_rep) + min_k o_k/N``, or its form by
-    nodes where larger (:func:`lower_bound_s`)."""
+    nodes where larger (:func:`fxpar.solvers.bounds.lower_bound_s`)."""
     measured = cost.measured_links()
     routed, whole = ep.global_batch * ep.routed_bytes_per_sample, ep.global_batch * (
         min(g.sample_s for g in ep.groups) + min(g.expert_sample_s for g in ep.groups))

@@ -1,5 +1,6 @@
-"""Expert parallelism's search: shares and experts per device (:mod:`fxpar.forms`, phase ``search``; the planner asks each searched form in
-registry order, :func:`fxpar.solvers.planner.plan`)."""
+"""Expert parallelism's search: shares and experts per device (:mod:`fxpar.forms`, phase
+``search``; the planner asks each searched form in registry order,
+:func:`fxpar.solvers.planner.plan`)."""
 
 from __future__ import annotations
 

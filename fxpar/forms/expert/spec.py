@@ -36,5 +36,6 @@ def label(p: Any) -> str:
 
 
 def state_holders(p: Any) -> int:
-    """The fewest ranks among which the model state is divided: The replicated part is whole on every rank (counted as whole)."""
+    """The fewest ranks among which the model state is divided: The replicated part is whole on
+    every rank (counted as whole)."""
     return 1

@@ -1,5 +1,6 @@
-"""Pipeline parallelism's search: stage cuts, TP widths, schedules, replicas (:mod:`fxpar.forms`, phase ``search``; the planner asks each searched form in
-registry order, :func:`fxpar.solvers.planner.plan`)."""
+"""Pipeline parallelism's search: stage cuts, TP widths, schedules, replicas (:mod:`fxpar.forms`,
+phase ``search``; the planner asks each searched form in registry order,
+:func:`fxpar.solvers.planner.plan`)."""
 
 from __future__ import annotations
 

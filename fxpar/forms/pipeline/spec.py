@@ -40,7 +40,6 @@ def state_holders(p: Any) -> int:
     return max(len(p.stages), 1)
 
 
-
 def _check_replicas(p: Any, i: int, st: Any) -> None:
     """A pipeline stage's replicas: ``replica_devices[q]`` is the ``RankPlan.device`` of every
     rank of replica ``q`` (ranks ``[q·u, (q+1)·u)`` of the stage, ``u = tensor_parallel``); every

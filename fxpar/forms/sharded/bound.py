@@ -17,7 +17,7 @@ def bound_s(cost, batch: int, w: Work) -> float | None:
 
 def sharded_bound_s(cost, w: Work) -> float:
     """``max(T_DP + AG_0 + RS_0, Σ_u (AG_u + RS_u)) + o*/N``, on CPU ranks the sum of the two
-    (:func:`lower_bound_s`)."""
+    (:func:`fxpar.solvers.bounds.lower_bound_s`)."""
     ag, rs = shard_collectives_s(cost)
     channel = float(ag.sum() + rs.sum())
     exposed = w.whole_s + channel if not cost.overlaps_communication() else max(

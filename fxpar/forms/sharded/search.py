@@ -1,5 +1,6 @@
-"""Sharded data parallelism's search: state by memory, batch by speed (:mod:`fxpar.forms`, phase ``search``; the planner asks each searched form in
-registry order, :func:`fxpar.solvers.planner.plan`)."""
+"""Sharded data parallelism's search: state by memory, batch by speed (:mod:`fxpar.forms`, phase
+``search``; the planner asks each searched form in registry order,
+:func:`fxpar.solvers.planner.plan`)."""
 
 from __future__ import annotations
 
@@ -11,5 +12,6 @@ from fxpar.solvers.problems import Candidates, Problems
 
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """ZeRO-2/3 plans from the state-and-batch LP per sharding stage, checkpointing, offload and
-    micro-batch rounds, and ``even_fsdp`` (:func:`fxpar.solvers.families.sharded.sharded_candidates`)."""
+    micro-batch rounds, and ``even_fsdp``
+    (:func:`fxpar.solvers.families.sharded.sharded_candidates`)."""
     return sharded_candidates(problems)

@@ -34,7 +34,6 @@ def state_holders(p: Any) -> int:
     return p.world_size
 
 
-
 def _check_state_split(p: Any) -> None:
     """A sharded data-parallel plan: one stage with a state weight per rank (not all zero) and a
     sharding stage of ``SHARD_STAGES``."""

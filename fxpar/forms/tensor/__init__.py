@@ -1,3 +1,3 @@
 """Tensor parallelism: one stage over a tensor-parallel group, each layer's heads and MLP columns
-divided (unevenly where the split says); the planner reaches it inside pipelines.  Phases:
-:mod:`.spec`, :mod:`.price`, :mod:`.apply`."""
+divided (unevenly where the split says); the planner reaches it inside pipelines. Phases:
+:mod:`.spec`, :mod:`.price`, :mod:`.bound`, :mod:`.apply`, :mod:`.predict`."""

@@ -1,5 +1,5 @@
-"""Tensor parallelism's lower bound, the one-stage pipeline's it runs (:mod:`fxpar.forms`, phase ``bound``): the math in
-:func:`fxpar.solvers.bounds.lower_bound_s`."""
+"""Tensor parallelism's lower bound, that of the one-stage pipeline it runs (:mod:`fxpar.forms`,
+phase ``bound``): the math in :func:`fxpar.solvers.bounds.lower_bound_s`."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ from fxpar.profiling import CostModel
 from fxpar.sim.pipeline_cost import pipeline_prices
 from fxpar.sim.pipeline_plan import as_pipeline, simulate_pipeline
 from fxpar.sim.rank_memory import tensor_parallel_peaks
-from fxpar.sim.simulate import micro_batch_sizes
-from fxpar.sim.timeline import SimResult
+from fxpar.sim.timeline import SimResult, micro_batch_sizes
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:

@@ -33,5 +33,6 @@ def label(p: Any) -> str:
 
 
 def state_holders(p: Any) -> int:
-    """The fewest ranks among which the model state is divided: Counted as whole (an upper bound: each position holds its shard)."""
+    """The fewest ranks among which the model state is divided: Counted as whole (an upper bound:
+    each position holds its shard)."""
     return 1
