@@ -11,7 +11,7 @@ from fxpar.errors import ConfigError, FxparError, InfeasibleError, PlanError, Tr
 from fxpar.options import Options
 from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
-from fxpar.runtime.optim import make_optimizer
+from fxpar.runtime.contract import make_optimizer
 from fxpar.workload import Workload
 
 __version__ = "0.1.0"

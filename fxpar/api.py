@@ -18,7 +18,6 @@ from fxpar.adapt import Adapt, AdaptiveModule, AdaptPolicy, Planning
 from fxpar.adapt.switch import meta_template
 from fxpar.build import build_module
 from fxpar.cluster import Cluster
-from fxpar.codegen.data.module import DataParallelModule
 from fxpar.errors import ConfigError, RuntimeSetupError
 from fxpar.options import Options
 from fxpar.plan import Plan
@@ -27,6 +26,7 @@ from fxpar.predict import Pricing
 from fxpar.profiling.database import ProfileDB, with_calibration
 from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
 from fxpar.runtime.compile import compile_options
+from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
@@ -34,7 +34,6 @@ from fxpar.tracing.hf import build_meta_model, hf_task
 from fxpar.tracing.hf import example_inputs as hf_example_inputs
 from fxpar.workload import Workload
 
-ParallelModule = DataParallelModule
 #: fxpar.auto's example batch for a HF model given without one: samples per device, tokens
 DEFAULT_SAMPLES_PER_DEVICE = 4
 DEFAULT_SEQ_LEN = 512
@@ -107,7 +106,7 @@ def pricing_for(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, w
 
 
 def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: Any = None, *,
-         plan: Plan | None = None, config: Options | None = None, **overrides: Any) -> torch.nn.Module:
+         plan: Plan | None = None, config: Options | None = None, **overrides: Any) -> ParallelModule:
     """Parallelize ``model`` for ``cluster`` and return the module this rank runs.
 
     Call on every rank of an initialised process group (``torch.distributed``); rank 0 traces
@@ -153,7 +152,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
 
 def _rank_module(model: torch.nn.Module, plan: Plan, pricing: Pricing | None, *, rank: int, device: torch.device,
                  example_inputs: Any, build_options: dict[str, Any], cluster: Cluster,
-                 opts: Options) -> torch.nn.Module:
+                 opts: Options) -> ParallelModule:
     """``auto``'s last step: this rank's module, inside an adaptive one when ``opts.adapt`` asks
     (from a given plan too: then rank 0 traces what re-planning prices with)."""
     template = meta_template(model) if opts.adapt else None  # before codegen changes the model
@@ -349,7 +348,7 @@ def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_te
     return Plan.from_json(value), pricing
 
 
-def from_pretrained(name_or_path: str | Path, cluster: Cluster | str | Path, **auto_options: Any) -> torch.nn.Module:
+def from_pretrained(name_or_path: str | Path, cluster: Cluster | str | Path, **auto_options: Any) -> ParallelModule:
     """A HF model from a local ``save_pretrained`` folder, parallelized for ``cluster`` without
     any rank holding the whole model: the model is built on the ``meta`` device from the
     folder's ``config.json``, planned, and each rank loads only the tensors (or slices) its

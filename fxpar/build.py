@@ -16,6 +16,7 @@ from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.runtime.compile import CompileOptions
+from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.distributed import owned_scope, release_owned
 from fxpar.runtime.step_loop import LossWeighting
 
@@ -23,7 +24,7 @@ from fxpar.runtime.step_loop import LossWeighting
 def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
                  checkpoint: str | Path | Any | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
                  emulate: bool, compile: CompileOptions | None = None,
-                 exports: ExportCache | None = None) -> torch.nn.Module:
+                 exports: ExportCache | None = None) -> ParallelModule:
     """This rank's module for ``plan`` (its form's ``build``), its regions compiled when
     ``compile`` says (:mod:`fxpar.runtime.compile`).  ``checkpoint``: a HF folder, a
     :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose values a
@@ -37,7 +38,7 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
         except BaseException:   # a build that failed part-way gives back the groups and hooks it made
             release_owned(owned)
             raise
-    module.fxpar_owned = owned   # the process groups and hooks this build made (released by a switch)
+    module.owned = owned   # the process groups and hooks this build made (released by a switch)
     if compile is not None:
         module.compile_regions(compile)
     return module

@@ -32,24 +32,13 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fxpar.checkpoint.layout import LocalParam, describe
+from fxpar.checkpoint.layout import DescribedModule, Layout, LocalParam, describe, is_distributed
 from fxpar.errors import ConfigError
 from fxpar.runtime.device import HOST
 from fxpar.runtime.distributed import new_group
 
 
-class _Staged(torch.nn.Module):
-    """A rank's staged pieces: a module that describes them as its checkpoint layout."""
-
-    def __init__(self, params: list[LocalParam], group: Any, plan: Any) -> None:
-        super().__init__()
-        self._params, self.group, self.plan = params, group, plan
-
-    def checkpoint_layout(self) -> list[LocalParam]:
-        return self._params
-
-
-def _stage(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> tuple[_Staged, Any]:
+def _stage(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> tuple[DescribedModule, Any]:
     """Host copies of this rank's parameters and optimizer state, and an optimizer-shaped holder."""
     layout = describe(pmodel)
     copies = {id(lp.param): lp.param.detach().to(HOST, copy=True) for lp in layout.params}
@@ -61,7 +50,8 @@ def _stage(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any
     held.state = {copies[id(p)]: {k: v.detach().to(HOST, copy=True) if isinstance(v, torch.Tensor) else v
                                   for k, v in st.items()}
                   for p, st in optimizer.state.items() if id(p) in copies}
-    return _Staged(params, group, getattr(pmodel, "plan", None)), held
+    staged = Layout(kind=layout.kind, params=tuple(params), group=group, distributed=is_distributed(group))
+    return DescribedModule(staged), held
 
 
 class BackgroundCheckpointer:
@@ -89,15 +79,14 @@ class BackgroundCheckpointer:
             return False
         self.wait()
         start = time.perf_counter()
-        staged, held = _stage(getattr(self.pmodel, "module", self.pmodel) if _adaptive(self.pmodel) else self.pmodel,
-                              self.optimizer, self.group)
+        staged, held = _stage(self.pmodel, self.optimizer, self.group)
         self.stage_s.append(time.perf_counter() - start)
         self._thread = threading.Thread(target=self._write, args=(staged, held, step), daemon=False,
                                         name=f"fxpar-checkpoint-{step}")
         self._thread.start()
         return True
 
-    def _write(self, staged: _Staged, held: Any, step: int) -> None:
+    def _write(self, staged: DescribedModule, held: Any, step: int) -> None:
         try:
             save_checkpoint(staged, held, self.root / f"step-{step:06d}", step=step,
                             distributed=self.group is not None)
@@ -127,10 +116,6 @@ class BackgroundCheckpointer:
         self.wait()
 
 
-def _adaptive(pmodel: Any) -> bool:
-    return callable(getattr(pmodel, "apply_pending", None))
-
-
 def resume(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | None, root: str | Path) -> dict[str, Any]:
     """Load the newest complete checkpoint under ``root`` (any plan, any world size) into
     ``pmodel`` / ``optimizer``; what was found: ``step`` (0: none), ``saved_by``,
@@ -140,7 +125,6 @@ def resume(pmodel: torch.nn.Module, optimizer: torch.optim.Optimizer | None, roo
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if found is None:
         return {"step": 0, "saved_by": None, "saved_world_size": None, "world_size": world, "resume_s": 0.0}
-    target = pmodel.module if _adaptive(pmodel) else pmodel
-    meta = load_checkpoint(target, optimizer, found)
+    meta = load_checkpoint(pmodel, optimizer, found)   # an adaptive module: its plan's (describe)
     return {"step": int(meta.step or 0), "saved_by": meta.saved_by, "saved_world_size": meta.world_size,
             "world_size": world, "path": str(found), "resume_s": time.perf_counter() - start}

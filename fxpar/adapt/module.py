@@ -37,7 +37,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,10 @@ class Adapt:
 
 
 class AdaptiveModule(torch.nn.Module):
-    """Runs ``module`` (the plan's) and switches plans as measured speeds change (module docstring)."""
+    """Runs ``module`` (the plan's) and switches plans as measured speeds change (module docstring);
+    a :class:`fxpar.runtime.contract.ParallelModule` whose other members are the current module's."""
+
+    adaptive: ClassVar[bool] = True
 
     def __init__(self, module: torch.nn.Module, *, planning: Planning, template: torch.nn.Module,
                  example_inputs: Any, build_options: dict[str, Any], device: torch.device, rank: int,
@@ -186,8 +189,8 @@ class AdaptiveModule(torch.nn.Module):
                 "register the optimizer with pmodel.track(optimizer) (the switch then runs after its step), "
                 "or call pmodel.apply_pending() after the optimizer step, or pass the global batch")
         self.apply_pending()
-        emulator = getattr(self.module, "emulator", None)
-        if self.options.timeline is not None and emulator is not None:
+        emulator = self.module.emulator
+        if self.options.timeline is not None:
             emulator.speed = self.options.timeline.speed(self.rank, self.steps)
             emulator.link_delay_s = self.options.timeline.link_delays(self.rank, self.steps)
         start = time.perf_counter()
@@ -234,15 +237,13 @@ class AdaptiveModule(torch.nn.Module):
 
     def _clock_comm(self) -> list[float]:
         """Host seconds in collectives per kind (:data:`COLLECTIVE_KINDS`) since the module was built."""
-        totals = getattr(getattr(self.module, "clock", None), "comm_total_s", {})
+        totals = self.module.clock.comm_total_s
         return [float(totals.get(kind, 0.0)) for kind in COLLECTIVE_KINDS]
 
     def _clock_busy(self) -> float:
         """Busy seconds of the current module since it was built (its clock: on a GPU the CUDA
         events the device has finished, read without a sync)."""
-        clock = getattr(self.module, "clock", None)
-        busy = getattr(clock, "device_busy_s", None)
-        return float(busy(wait=False)) if callable(busy) else 0.0
+        return float(self.module.clock.device_busy_s(wait=False))
 
     def _gather(self, values: list[float]) -> tuple[list[float], list[float]]:
         """Every rank's ``values`` (two numbers), as two per-rank lists."""
@@ -358,7 +359,7 @@ class AdaptiveModule(torch.nn.Module):
     def _switch(self, plan: Plan) -> None:
         old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self._pending_kind
         measured_before = self._measured_step()
-        hardware = getattr(getattr(self.module, "emulator", None), "speed", None)
+        hardware = self.module.emulator.speed
         try:
             self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
                                                 example_inputs=self._example, device=self.device,
@@ -366,9 +367,7 @@ class AdaptiveModule(torch.nn.Module):
         except SwitchRefused as exc:   # on every rank alike, before anything moved: keep the plan
             self._refuse(plan, kind, exc)
             return
-        emulator = getattr(self.module, "emulator", None)
-        if emulator is not None and hardware is not None:  # the device is the same: the plan's
-            emulator.speed = hardware                      # (derated) speed must not change it
+        self.module.emulator.speed = hardware   # the device is the same: the plan's (derated) speed must not change it
         self._pending, self._pending_kind, self._switches = None, "switch", self._switches + 1
         self._last_busy, self._last_comm = self._clock_busy(), self._clock_comm()   # the new module's clock
         self._plan_derate, self._plan_link = list(self.derate), self.link

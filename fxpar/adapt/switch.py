@@ -60,6 +60,7 @@ from fxpar.checkpoint.reshard_move import reshard
 from fxpar.codegen.common.materialize import Uninitialised
 from fxpar.errors import ConfigError, MoveDoesNotFit, PlanError, SwitchRefused
 from fxpar.plan import Plan
+from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.distributed import release_owned
 
 
@@ -139,7 +140,7 @@ def check_movable(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _build_agreed(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, device: torch.device,
-                  build_options: dict[str, Any], rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> torch.nn.Module:
+                  build_options: dict[str, Any], rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> ParallelModule:
     """The new plan's module on this rank, once every rank has built its own (one all-gather of
     the outcomes): a build that failed anywhere is a :class:`SwitchRefused` on every rank, naming
     the first rank that failed and why, with this rank's new groups released (module docstring, 6).
@@ -160,7 +161,7 @@ def _build_agreed(template: torch.nn.Module, plan: Plan, rank: int, example_inpu
     if bad is None:
         assert new is not None
         return new
-    release_owned(getattr(new, "fxpar_owned", []) if new is not None else [])
+    release_owned(new.owned if new is not None else [])
     _set_rng_state(rng)
     plans_fault = all(fault for why, fault in failures if why)
     raise SwitchRefused(f"switch refused: the {plan.strategy} plan could not be built on rank {bad} "
@@ -184,9 +185,9 @@ def check_movable_everywhere(optimizer: torch.optim.Optimizer | None, world: int
         raise ConfigError(why)
 
 
-def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan,
+def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, plan: Plan,
                   template: torch.nn.Module, *, rank: int, example_inputs: Any, device: torch.device,
-                  build_options: dict[str, Any]) -> tuple[torch.nn.Module, SwitchReport]:
+                  build_options: dict[str, Any]) -> tuple[ParallelModule, SwitchReport]:
     """The module of ``plan`` on this rank, holding ``old``'s values and, in ``optimizer``
     (changed in place), its state (module docstring).  Collective over the default group."""
     if optimizer is not None:
@@ -207,14 +208,13 @@ def switch_module(old: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     except MoveDoesNotFit:   # raised on every rank before anything moved: the old module runs on
         if optimizer is not None and kept is not None:
             optimizer.param_groups, optimizer.state = kept
-        release_owned(getattr(new, "fxpar_owned", []))
+        release_owned(new.owned)
         _set_rng_state(rng)
         raise
-    scalers = [getattr(m, "loss_scaler", None) for m in (old, new)]
-    if all(sc is not None for sc in scalers):    # fp16 to fp16: the scale the run has reached
-        scalers[1].load_state_dict(scalers[0].state_dict())
+    if old.loss_scaler is not None and new.loss_scaler is not None:  # fp16 to fp16: the scale the run has reached
+        new.loss_scaler.load_state_dict(old.loss_scaler.state_dict())
     _set_rng_state(rng)
-    release_owned(getattr(old, "fxpar_owned", []))   # the old plan's communicators and hooks: nothing runs on them now
+    release_owned(old.owned)   # the old plan's communicators and hooks: nothing runs on them now
     done = time.perf_counter()
     held = sum(lp.param.numel() * lp.param.element_size() for lp in new_layout.params)
     if optimizer is not None:

@@ -45,7 +45,7 @@ from fxpar.errors import FxparError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
-from fxpar.runtime.optim import make_optimizer
+from fxpar.runtime.contract import make_optimizer
 from fxpar.sim import simulate
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace

@@ -1,45 +1,33 @@
 """Which piece of which original parameter this rank holds, for every fxpar parallel module.
 
-A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever the plan:
+A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever the plan.
+Every fxpar parallel module (:class:`fxpar.runtime.contract.ParallelModule`) says what it holds
+with ``checkpoint_layout()``: :class:`LocalParam` entries, each the box of the full tensor it
+holds.  Each form's module writes its own (a replica's whole tensors, a pipeline stage's
+tensors, a tensor-parallel shard's ragged slices, an expert split's rows of every ``(E, ...)``
+tensor, a ZeRO shard's rows over the plan's ``state_split``), so this module names no form and
+imports no codegen: checkpoint sits below codegen in the layer order.  A wrapper that runs one
+of them (:class:`fxpar.adapt.AdaptiveModule`) names it as ``parallel_module``, and is
+described as that module.
 
-- a plain ``nn.Module`` and :class:`~fxpar.codegen.data.module.DataParallelModule` hold full
-  replicas (``named_parameters()``; a tied weight appears once, under its first name);
-- :class:`~fxpar.codegen.pipeline.module.PipelineParallelModule` holds the full tensors of
-  its stage (``named_original_parameters()``), a subset of the FQNs;
-- :class:`~fxpar.codegen.tensor.module.TensorParallelModule` holds *ragged* slices (rows of
-  ``q/k/v/gate/up_proj``, columns of ``o/down_proj``, any split sizes) and says so itself;
-- :class:`~fxpar.codegen.expert.module.ExpertParallelModule` holds the rows ``[lo, hi)`` of
-  every ``(E, ...)`` expert tensor (its experts, from the plan's ``expert_split``) and replicas
-  of the rest;
-- :class:`~fxpar.codegen.sharded.module.ShardedDataParallelModule` (``plan.strategy ==
-  "sharded_data_parallel"``) holds the rows ``[lo, hi)`` of *every* parameter that
-  ``fxpar.plan.ragged_rows`` gives it over the plan's ``state_split``, and its optimizer's state
-  for them; it says so with ``checkpoint_layout()`` (row boxes at offset ``lo``; an empty shard
-  and the mirror of a 0-d parameter another rank owns are not written), so its checkpoints load
-  under data parallelism, another state split or sharding stage, and the other way round.
-
-Modules are recognised by what they are (``plan.strategy``, ``checkpoint_layout()``,
-``named_original_parameters()``), never by importing codegen: checkpoint sits below codegen in
-the layer order.  A wrapper that runs one of them (:class:`fxpar.adapt.AdaptiveModule`) names
-it as ``parallel_module``, and is described as that module.
-
-A module describes itself with a ``checkpoint_layout()`` method returning :class:`LocalParam`
-entries (the box of the full tensor it holds); that takes precedence over the rules above and
-is the hook for every sharded form.  A parameter marked ``fxpar_sharded`` that no layout
-describes is refused (saved as a whole tensor it would be silently wrong).  Boxes held by
-several ranks (replicas) are written once.
+Any other module is a replica of itself (``named_parameters()``; a tied weight appears once,
+under its first name), unless it has a ``checkpoint_layout()`` method of its own (the hook for
+a user's own sharded module).  A parameter marked ``fxpar_sharded`` that no layout describes
+is refused (saved as a whole tensor it would be silently wrong).  Boxes held by several ranks
+(replicas) are written once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxpar.errors import CheckpointError
+from fxpar.runtime.contract import ParallelModule
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +102,27 @@ class Layout:
 
 
 def process_group(pmodel: Any, distributed: bool | None = None) -> tuple[Any, bool]:
-    """``(group, distributed)`` for ``pmodel``: the data-parallel module's own group (None: the
-    default one) and whether collectives are needed (an initialised group of > 1 rank)."""
-    group = getattr(pmodel, "group", None) if hasattr(pmodel, "plan") else None  # fxpar modules
-    if distributed is None:
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    return group, bool(distributed)
+    """``(group, distributed)`` for ``pmodel``: a parallel module's own group (None: the default
+    one) and whether collectives are needed (an initialised group of > 1 rank)."""
+    if isinstance(pmodel, DescribedModule):
+        group = pmodel.layout.group
+        return group, pmodel.layout.distributed if distributed is None else bool(distributed)
+    group = pmodel.group if isinstance(pmodel, ParallelModule) else None
+    return group, is_distributed(group) if distributed is None else bool(distributed)
+
+
+def is_distributed(group: Any) -> bool:
+    """Whether ``group`` (None: the default one) is an initialised group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+class DescribedModule(torch.nn.Module):
+    """Pieces already described: a module whose :class:`Layout` is ``layout`` (the host copies
+    a background checkpoint writes, :mod:`fxpar.adapt.elastic`)."""
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__()
+        self.layout = layout
 
 
 def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Layout:
@@ -128,25 +131,20 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
     if not isinstance(pmodel, torch.nn.Module):
         raise CheckpointError(f"checkpoint: the model has type {type(pmodel).__name__}; pass the "
                               "torch.nn.Module fxpar.auto returned (or a plain model)")
-    inner = getattr(pmodel, "parallel_module", None)  # a wrapper (fxpar.adapt): the plan's module
-    if isinstance(inner, torch.nn.Module) and inner is not pmodel:
-        return describe(inner, distributed=distributed)
+    if isinstance(pmodel, DescribedModule):
+        group, distributed = process_group(pmodel, distributed)
+        return replace(pmodel.layout, distributed=distributed)
+    if isinstance(pmodel, ParallelModule):
+        inner = pmodel.parallel_module  # a wrapper (fxpar.adapt): the plan's module
+        if inner is not pmodel:
+            return describe(inner, distributed=distributed)
+        group, distributed = process_group(pmodel, distributed)
+        return Layout(kind=pmodel.plan.strategy, params=_unique(pmodel.checkpoint_layout()), group=group,
+                      distributed=distributed)
     group, distributed = process_group(pmodel, distributed)
-    custom = getattr(pmodel, "checkpoint_layout", None)
+    custom = getattr(pmodel, "checkpoint_layout", None)  # a user's own module describing its shards
     if callable(custom):
-        kind = getattr(getattr(pmodel, "plan", None), "strategy", None) or type(pmodel).__name__
-        return Layout(kind=str(kind), params=_unique(custom()), group=group, distributed=distributed)
-    if callable(getattr(pmodel, "named_original_parameters", None)):
-        aliases: dict[str, list[str]] = getattr(pmodel, "_aliases", None) or {}  # tied weights
-        params = _unique(LocalParam(fqn=aliases.get(fqn, [fqn])[0], param=p)
-                         for fqn, p in pmodel.named_original_parameters())
-        return Layout(kind="pipeline", params=params, group=group, distributed=distributed)
-    experts = _expert_parallel(pmodel)
-    if experts is not None:
-        return Layout(kind="expert_parallel", params=experts, group=group, distributed=distributed)
-    if _strategy(pmodel) == "data_parallel":  # a replica: the wrapped model's parameters
-        params = _unique(LocalParam(fqn=n, param=p) for n, p in pmodel.module.named_parameters())
-        return Layout(kind="data_parallel", params=_whole(params), group=group, distributed=distributed)
+        return Layout(kind=type(pmodel).__name__, params=_unique(custom()), group=group, distributed=distributed)
     params = _unique(LocalParam(fqn=n, param=p) for n, p in pmodel.named_parameters())
     return Layout(kind="module", params=_whole(params), group=group, distributed=distributed)
 
@@ -161,33 +159,6 @@ def _whole(params: tuple[LocalParam, ...]) -> tuple[LocalParam, ...]:
             "not say where they sit; give it a checkpoint_layout() method returning "
             "fxpar.checkpoint.LocalParam entries with ShardSpec boxes")
     return params
-
-
-def _strategy(pmodel: torch.nn.Module) -> str | None:
-    """The plan kind of an fxpar parallel module (``pmodel.plan.strategy``); None otherwise."""
-    return getattr(getattr(pmodel, "plan", None), "strategy", None) if hasattr(pmodel, "module") else None
-
-
-def _expert_parallel(pmodel: torch.nn.Module) -> tuple[LocalParam, ...] | None:
-    """Expert parallelism: every expert tensor ``(E, ...)`` (marked ``fxpar_sharded`` along
-    dimension 0) holds the rows ``[o_r, o_r + n_r)`` of rank ``r``'s experts, with ``n`` the
-    plan's ``expert_split`` and ``o_r = Σ_{s<r} n_s``; everything else is a replica.  None for
-    any other module."""
-    if _strategy(pmodel) != "expert_parallel":
-        return None
-    split = [int(n) for n in pmodel.plan.stages[0].expert_split]
-    lo, experts = sum(split[: pmodel.rank]), sum(split)
-    out = []
-    for name, p in pmodel.module.named_parameters():
-        if not getattr(p, "fxpar_sharded", False):
-            out.append(LocalParam(fqn=name, param=p))
-            continue
-        if getattr(p, "fxpar_shard_dim", None) != 0 or p.shape[0] != split[pmodel.rank]:
-            raise CheckpointError(f"checkpoint: expert tensor {name} of shape {list(p.shape)} is not "
-                                  f"rank {pmodel.rank}'s {split[pmodel.rank]} experts of {split}")
-        out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
-            global_shape=(experts, *p.shape[1:]), offsets=(lo,) + (0,) * (p.dim() - 1))))
-    return _unique(out)
 
 
 def _unique(entries: Iterable[LocalParam]) -> tuple[LocalParam, ...]:

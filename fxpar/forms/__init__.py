@@ -26,6 +26,8 @@ functions it must define (:data:`PHASES`):
                                                                 -> this rank's module
                                              emit(plan, model, example_inputs, out)  the files
                                                                 ``fxpar plan --emit`` writes
+                                             MODULES            the classes build returns, each a
+                                                                :class:`fxpar.runtime.contract.ParallelModule`
     predict (fxpar.predict)                  predict(plan, cost, calibration)  -> its step's parts
                                                                 (:class:`fxpar.predict.Prediction`)
 

@@ -138,9 +138,8 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     pmodel.fxpar_monitor = StepMonitor(pmodel, rebalance=rebalance,
                                        max_microbatches=config.options.max_microbatches)
     if optimizer is not None:
-        optimizer = zero_wrap(_rebuild_optimizer(optimizer, pmodel), pmodel)
-        if callable(getattr(pmodel, "track", None)):  # fxpar.adapt: a switch moves this optimizer's state
-            pmodel.track(optimizer)
+        optimizer = zero_wrap(_rebuild_optimizer(optimizer, pmodel), pmodel.plan, pmodel.dp_group)
+        pmodel.track(optimizer)  # fxpar.adapt: a switch moves this optimizer's state
     sampler = ShareBatchSampler(len(dataloader.dataset), pmodel.plan.global_batch,
                                 lambda: rank_rows(pmodel),
                                 shuffle=isinstance(dataloader.sampler, RandomSampler))

@@ -10,6 +10,7 @@ import torch
 from fxpar.api import auto
 from fxpar.errors import ConfigError
 from fxpar.integrations.config import FxparConfig
+from fxpar.runtime.contract import ParallelModule
 
 
 def parallelize(model: torch.nn.Module, config: FxparConfig, example_inputs: Any, *,
@@ -28,8 +29,7 @@ def parallelize(model: torch.nn.Module, config: FxparConfig, example_inputs: Any
 
 def rank_rows(pmodel: Any) -> tuple[int, int]:
     """The rows of each global batch this rank loads (all of them for a plain module)."""
-    rows = getattr(pmodel, "batch_rows", None)
-    if rows is None:
+    if not isinstance(pmodel, ParallelModule):
         raise ConfigError(f"{type(pmodel).__name__} is not an fxpar parallel module; build it with "
                           "fxpar.auto(...) or fxpar.integrations.parallelize(...)")
-    return rows()
+    return pmodel.batch_rows()

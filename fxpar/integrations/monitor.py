@@ -40,7 +40,8 @@ from fxpar.forms import form
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.plan import Plan
 from fxpar.predict import priced_plan
-from fxpar.runtime.device import host_tensor, module_device
+from fxpar.runtime.contract import ParallelModule
+from fxpar.runtime.device import host_tensor
 from fxpar.runtime.distributed import host_group
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
 
@@ -81,7 +82,7 @@ class _Local:
 class StepMonitor:
     """Collects per-rank step times and decides re-balances; see the module docstring."""
 
-    pmodel: Any
+    pmodel: ParallelModule
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     max_microbatches: int | None = None
     #: this rank's busy seconds for a step (``step -> seconds``), called in :meth:`end` in place
@@ -101,18 +102,15 @@ class StepMonitor:
     _host: Any = None            # the gloo group of the gathers (:func:`fxpar.runtime.distributed.host_group`)
 
     def __post_init__(self) -> None:
-        clock = getattr(self.pmodel, "clock", None)
-        if hasattr(clock, "take_events"):
-            clock.take_events()   # from now on the clock keeps its compute segments' events for end()
-        strategy = getattr(getattr(self.pmodel, "plan", None), "strategy", None)
-        if self.rebalance.enabled and strategy is not None and not form(strategy).rebalances:
+        self.pmodel.clock.take_events()   # from now on the clock keeps its compute segments' events for end()
+        if self.rebalance.enabled and not form(strategy := self.plan.strategy).rebalances:
             _LOG.info("fxpar: the plan is %s: online re-balancing re-solves data-parallel shares only, "
                       "so this plan's shares stay fixed (strategies: [data_parallel] to re-balance)", strategy)
 
     @property
     def device(self) -> torch.device:
-        """The rank's device (the module's own ``device``, else where its parameters are)."""
-        return getattr(self.pmodel, "device", None) or module_device(self.pmodel)
+        """The rank's device."""
+        return self.pmodel.device
 
     @property
     def _cuda(self) -> bool:
@@ -131,7 +129,7 @@ class StepMonitor:
         """Record the step just finished (call on every rank, after the optimizer step); returns
         the newest gathered record when this step gathered (module docstring), else None."""
         wall = time.perf_counter() - self._start
-        timing = getattr(self.pmodel, "last_timing", None)
+        timing = self.pmodel.last_timing
         if self.measure_busy is not None:  # injected measurement
             busy: float | None = float(self.measure_busy(step))
         elif self._cuda:
@@ -140,14 +138,13 @@ class StepMonitor:
             busy = (timing.compute_s + timing.emulation_s) if timing is not None else wall
         record = _Local(step=step, busy_s=busy, wall_s=wall)
         if self._cuda:
-            clock = getattr(self.pmodel, "clock", None)
             record.events = (self._start_event, self._event())
-            record.segments = clock.take_events() if hasattr(clock, "take_events") else []
+            record.segments = self.pmodel.clock.take_events()
         self._local.append(record)
         self._since_change += 1
         cfg = self.rebalance
         waited = self._since_change - cfg.warmup_steps
-        self._decide_now = (cfg.enabled and form(self.plan.strategy).rebalances and hasattr(self.pmodel, "set_plan")
+        self._decide_now = (cfg.enabled and form(self.plan.strategy).rebalances
                             and waited >= cfg.window and waited % cfg.window == 0)
         if self._decide_now or (self.gather_every and step % self.gather_every == 0):
             return self._gather(step - (1 if self._cuda else 0))
@@ -195,7 +192,7 @@ class StepMonitor:
         """A re-balanced plan priced at its measured speeds by what priced the original
         (``pmodel.pricing``, rank 0 of a plan ``fxpar.auto`` solved), so its stored step is
         ``fxpar.predict``'s; unpriced (and saying so) where the module has none (a given plan)."""
-        pricing = getattr(self.pmodel, "pricing", None)
+        pricing = self.pmodel.pricing
         return plan if pricing is None else priced_plan(plan, pricing.graph, pricing.cluster, pricing.profiles)
 
     def maybe_rebalance(self, step: int) -> Plan | None:

@@ -57,6 +57,7 @@ from fxpar.integrations.config import RebalanceConfig
 from fxpar.integrations.monitor import StepMonitor
 from fxpar.integrations.sampler import ShareBatchSampler, collate_or_empty
 from fxpar.runtime.optim import zero_wrap
+from fxpar.runtime.contract import ParallelModule
 
 
 class FxparCallback(TrainerCallback):
@@ -69,8 +70,7 @@ class FxparCallback(TrainerCallback):
         self.pending: dict[str, float] = {}
 
     def attach(self, pmodel: Any, max_microbatches: int | None = None) -> None:
-        adaptive = callable(getattr(pmodel, "apply_pending", None))  # fxpar.adapt re-plans instead
-        rebalance = RebalanceConfig(enabled=False) if adaptive else self.rebalance
+        rebalance = RebalanceConfig(enabled=False) if pmodel.adaptive else self.rebalance  # fxpar.adapt re-plans instead
         self.monitor = StepMonitor(pmodel, rebalance=rebalance, max_microbatches=max_microbatches)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -100,7 +100,7 @@ class FxparTrainer(Trainer):
     """A ``Trainer`` for a module built by ``fxpar.auto`` / ``fxpar.integrations.parallelize``."""
 
     def __init__(self, model: Any = None, args: Any = None, *pos: Any, shuffle: bool = True, **kw: Any) -> None:
-        if model is None or not hasattr(model, "batch_rows") or not hasattr(model, "plan"):
+        if not isinstance(model, ParallelModule):
             raise ConfigError("FxparTrainer: model must be the module fxpar.auto(...) or "
                               "fxpar.integrations.parallelize(...) returned (parallelize before "
                               "creating the Trainer)")
@@ -145,10 +145,8 @@ class FxparTrainer(Trainer):
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, as ZeRO-1 across pipelines where the plan chose it."""
         optimizer = super().create_optimizer(model)
-        self.optimizer = zero_wrap(optimizer, self.model)
-        track = getattr(self.model, "track", None)
-        if callable(track):  # fxpar.adapt: a plan switch moves this optimizer's state
-            track(_torch_optimizer(self.optimizer))
+        self.optimizer = zero_wrap(optimizer, self.model.plan, self.model.dp_group)
+        self.model.track(_torch_optimizer(self.optimizer))  # fxpar.adapt: a plan switch moves its state
         return self.optimizer
 
     def get_train_dataloader(self) -> DataLoader:
@@ -199,14 +197,11 @@ class FxparTrainer(Trainer):
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
-        """Evaluation forward of the user's model (DP replica; TP/EP forwards run their
-        collectives, so every rank of the group evaluates the same rows).  A sharded
-        data-parallel module holds row shards only: its own forward gathers the full
-        parameters (collective; every rank evaluates the same rows)."""
-        model = _current(model)
-        sharded = getattr(getattr(model, "plan", None), "strategy", None) == "sharded_data_parallel"
-        inner = model if sharded else getattr(model, "module", model)
-        outputs = inner(**inputs)
+        """Evaluation forward of the parallel module: the user's model's (DP replica; TP/EP
+        forwards run their collectives, so every rank of the group evaluates the same rows; a
+        sharded data-parallel module's forward gathers the full parameters, a collective, so
+        every rank evaluates the same rows)."""
+        outputs = _current(model)(**inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         return (loss, outputs) if return_outputs else loss
 
@@ -267,7 +262,7 @@ class _ResumeFxparState(TrainerCallback):
 
 def _current(pmodel: Any) -> Any:
     """The plan's module inside an adaptive one (:class:`fxpar.adapt.AdaptiveModule`), else ``pmodel``."""
-    return pmodel.module if callable(getattr(pmodel, "apply_pending", None)) else pmodel
+    return pmodel.parallel_module
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -277,6 +272,4 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def _inner_model(pmodel: Any) -> torch.nn.Module:
     """The user's model inside a parallel module (a pipeline keeps it for saving only)."""
-    pmodel = _current(pmodel)
-    original = getattr(pmodel, "_original", None)
-    return original[0] if original else getattr(pmodel, "module", pmodel)
+    return pmodel.original_model

@@ -16,23 +16,27 @@ from typing import Any
 import torch
 
 from fxpar.errors import ConfigError
+from fxpar.plan import Plan
 
 
-def make_optimizer(pmodel: torch.nn.Module, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
-    """``optimizer_class(pmodel's trainable parameters, **kwargs)``, as ZeRO-1 where the plan
-    says (module docstring).  Use it instead of building the optimizer by hand so the memory
-    the plan predicted is the memory used."""
+def optimizer_for(params: list[torch.nn.Parameter], plan: Plan | None, dp_group: Any, optimizer_class: type,
+                  **kwargs: Any) -> torch.optim.Optimizer:
+    """``optimizer_class(params, **kwargs)``, as ZeRO-1 over ``dp_group`` where ``plan`` says
+    (module docstring); a parallel module's ``make_optimizer`` calls it with its own plan and
+    group (:class:`fxpar.runtime.contract.ParallelModuleBase`)."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise ConfigError(f"make_optimizer: optimizer_class = {optimizer_class!r}; pass a torch.optim."
                           "Optimizer subclass such as torch.optim.AdamW")
-    params = [p for p in pmodel.parameters() if p.requires_grad]
-    plan = getattr(pmodel, "plan", None)
-    group = getattr(pmodel, "dp_group", None)
-    if plan is not None and plan.zero_sharded_optimizer and plan.pipelines > 1 and group is not None:
+    if _zero(plan, dp_group):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_group, **kwargs)
     return optimizer_class(params, **kwargs)
+
+
+def _zero(plan: Plan | None, dp_group: Any) -> bool:
+    """Whether ``plan`` shards the optimizer state over ``dp_group`` (ZeRO-1 across pipelines)."""
+    return plan is not None and plan.zero_sharded_optimizer and plan.pipelines > 1 and dp_group is not None
 
 
 def local_optimizer(optimizer: Any) -> Any:
@@ -42,13 +46,12 @@ def local_optimizer(optimizer: Any) -> Any:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
-def zero_wrap(optimizer: torch.optim.Optimizer, pmodel: torch.nn.Module) -> torch.optim.Optimizer:
-    """``optimizer`` (fresh, over ``pmodel``'s parameters) re-built as ZeRO-1 with the same
-    class, parameter groups and settings when the plan asks for it; else unchanged.  For
-    trainers that build their own optimizer (``FxparTrainer``, ``fxpar.integrations.prepare``)."""
-    plan = getattr(pmodel, "plan", None)
-    group = getattr(pmodel, "dp_group", None)
-    if plan is None or not plan.zero_sharded_optimizer or plan.pipelines <= 1 or group is None:
+def zero_wrap(optimizer: torch.optim.Optimizer, plan: Plan, dp_group: Any) -> torch.optim.Optimizer:
+    """``optimizer`` (fresh, over a parallel module's parameters) re-built as ZeRO-1 over
+    ``dp_group`` with the same class, parameter groups and settings when ``plan`` asks for it;
+    else unchanged.  For trainers that build their own optimizer (``FxparTrainer``,
+    ``fxpar.integrations.prepare``): ``zero_wrap(optimizer, pmodel.plan, pmodel.dp_group)``."""
+    if not _zero(plan, dp_group):
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -63,7 +66,7 @@ def zero_wrap(optimizer: torch.optim.Optimizer, pmodel: torch.nn.Module) -> torc
     params = first.pop("params")
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in first.items() if k in accepted}  # group-only keys stay out
-    zero = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=group, **settings)
+    zero = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=dp_group, **settings)
     for g in rest:
         zero.add_param_group(g)
     return zero

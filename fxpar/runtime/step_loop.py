@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -51,14 +50,14 @@ from fxpar.errors import ConfigError, FxparError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.allreduce import GradientBuckets
+from fxpar.runtime.contract import ParallelModuleBase, StepTiming
 from fxpar.runtime.compile import CompileOptions, RegionalCompile, explained
-from fxpar.runtime.batches import count_items, slice_rows, split_microbatches, to_device
+from fxpar.runtime.batches import count_items, split_microbatches, to_device
 from fxpar.runtime.device import host_tensor, module_device, plan_rank_device
 from fxpar.runtime.distributed import host_group, is_comm_failure, peer_failures, wait_work
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
 from fxpar.runtime.losses import LossFn, LossWeighting, check_loss_options, default_loss, zero_loss
-from fxpar.runtime.optim import make_optimizer
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime.precision import TORCH_DTYPES, autocast_for
 from fxpar.tracing.structure import block_paths
@@ -72,19 +71,8 @@ ALONE = object()
 _FORWARD_ERRORS = (TypeError, ValueError, IndexError, KeyError, RuntimeError)
 
 
-@dataclass(frozen=True, slots=True)
-class StepTiming:
-    """Wall-clock parts of the last step on this rank (seconds)."""
-
-    compute_s: float      # forward + backward, real
-    emulation_s: float    # sleep added to emulate a slower device: (1/s − 1) × cpu_s
-    comm_s: float         # collectives: inside forward/backward and the gradient sync
-    total_s: float
-    cpu_s: float = 0.0    # the computing thread's CPU time in compute_s (what the emulation stretches)
-
-
 # ---- the loop --------------------------------------------------------------------------------
-class StepModule(torch.nn.Module):
+class StepModule(ParallelModuleBase):
     """Base of the per-rank modules trained by one step loop (module docstring).  A kind calls
     :meth:`_setup_step` in its ``__init__`` (before sharding: its collectives report to
     ``self.clock``) and supplies:
@@ -156,21 +144,6 @@ class StepModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-    def batch_rows(self) -> tuple[int, int]:
-        """``(start, stop)``: the rows of the global batch this rank trains on (per-rank samplers
-        load only these and call ``step(rows, local=True)``)."""
-        start = self.plan.batch_offsets()[self.rank]
-        return start, start + self.plan.ranks[self.rank].batch_share
-
-    def shard_batch(self, batch: Any) -> Any:
-        """This rank's rows of a global batch."""
-        return slice_rows(batch, *self.batch_rows())
-
-    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
-        :func:`fxpar.runtime.optim.make_optimizer`)."""
-        return make_optimizer(self, optimizer_class, **kwargs)
 
     # ---- one training step -------------------------------------------------------------------
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
@@ -289,7 +262,7 @@ class StepModule(torch.nn.Module):
     def _scaler_group(self) -> Any:
         """The ranks that share the loss-scale verdict: the module's own group (data and expert
         parallel plans may run on a subgroup), else the whole job."""
-        return getattr(self, "group", None)
+        return self.group
 
     def _forward(self, mb: Any) -> Any:
         """The model's output on one micro-batch; a forward that rejects it is a ConfigError."""

@@ -523,11 +523,13 @@ def test_the_step_monitor_never_waits_for_the_device():
     with stand-in events that complete when the next step begins, no event is waited for."""
     from fxpar.integrations.config import RebalanceConfig
     from fxpar.integrations.monitor import StepMonitor
+    from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
     from fxpar.runtime.step_audit import StepAudit
 
-    class Module:
-        plan = None
+    class Module:   # the members of fxpar.runtime.contract.ParallelModule the monitor reads
+        plan, last_timing = None, None
         device = torch.device("cpu")
+        clock = SegmentClock(SpeedEmulator(1.0), device)
 
     monitor = StepMonitor(Module(), rebalance=RebalanceConfig(enabled=False), gather_every=10)
     gathered = []

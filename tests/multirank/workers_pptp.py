@@ -286,7 +286,7 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
     )
 
     wrapped = zero_wrap(torch.optim.AdamW([{"params": list(pm.parameters())[:3], "weight_decay": 0.0},
-                                           {"params": list(pm.parameters())[3:]}], lr=1e-3), pm)
+                                           {"params": list(pm.parameters())[3:]}], lr=1e-3), pm.plan, pm.dp_group)
     for b in data:
         pm.step(b); opt.step(); opt.zero_grad()
         reference(**b, use_cache=False).loss.backward(); ref_opt.step(); ref_opt.zero_grad()

@@ -139,9 +139,15 @@ def test_the_training_monitor_prices_its_re_balanced_plan_like_predict():
     graph = trace_spec(PRESETS["gpt2-tiny"], WORKLOAD)
     plan = solve(graph, cluster, WORKLOAD, strategies=("data_parallel",))
 
-    class Module:  # what the monitor reads of a parallel module
+    import torch
+
+    from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+
+    class Module:  # the members of fxpar.runtime.contract.ParallelModule the monitor reads
         def __init__(self) -> None:
             self.plan, self.pricing = plan, Pricing(graph=graph, cluster=cluster)
+            self.device, self.last_timing = torch.device("cpu"), None
+            self.clock = SegmentClock(SpeedEmulator(1.0), self.device)
 
         def set_plan(self, new: Plan) -> None:
             self.plan = new

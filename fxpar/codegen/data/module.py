@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
@@ -77,6 +78,10 @@ class DataParallelModule(StepModule):
         """A HF ``save_pretrained`` folder of the replica, its tensors spread over the ranks' files
         (:mod:`fxpar.checkpoint.hf_save`; ``max_shard_size`` accepted).  Collective: call everywhere."""
         save_sharded(self, self.module, output_dir, **kwargs)
+
+    def checkpoint_layout(self) -> list[LocalParam]:
+        """Every parameter of the replica, whole (each tied weight under its first name)."""
+        return [LocalParam(fqn=n, param=p) for n, p in self.module.named_parameters()]
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The replica's parameters (original FQNs) on rank ``dst``; None elsewhere."""

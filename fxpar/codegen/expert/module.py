@@ -60,12 +60,13 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.checkpoint.layout import LocalParam, ShardSpec
 from fxpar.cluster import Cluster
 from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, group_size, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
-from fxpar.errors import PlanError, RuntimeSetupError
+from fxpar.errors import CheckpointError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
@@ -147,6 +148,24 @@ class ExpertParallelModule(StepModule):
                    if p.grad is not None and (n in self._expert_names or self.rank == 0))
         return clip_by_global_norm(counted, self.module.parameters(), max_norm, self.group,
                                    reduce=self.world > 1)
+
+    def checkpoint_layout(self) -> list[LocalParam]:
+        """Every expert tensor ``(E, ...)`` holds the rows ``[o_r, o_r + n_r)`` of this rank's
+        experts, with ``n`` the plan's ``expert_split`` and ``o_r = Σ_{s<r} n_s``; everything
+        else is a replica."""
+        split = [int(n) for n in self.plan.stages[0].expert_split]
+        lo, experts = sum(split[: self.rank]), sum(split)
+        out = []
+        for name, p in self.module.named_parameters():
+            if name not in self._expert_names:
+                out.append(LocalParam(fqn=name, param=p))
+                continue
+            if p.shape[0] != split[self.rank]:
+                raise CheckpointError(f"checkpoint: expert tensor {name} of shape {list(p.shape)} is not "
+                                      f"rank {self.rank}'s {split[self.rank]} experts of {split}")
+            out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
+                global_shape=(experts, *p.shape[1:]), offsets=(lo,) + (0,) * (p.dim() - 1))))
+        return out
 
     # ---- the full model on one rank --------------------------------------------------------
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:

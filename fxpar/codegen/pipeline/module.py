@@ -86,14 +86,14 @@ from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
-from fxpar.runtime.optim import make_optimizer
+from fxpar.runtime.contract import ParallelModuleBase
 from fxpar.runtime.compile import CompileOptions, RegionalCompile, explained
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.runtime.step_loop import LossWeighting, check_loss_options
 from fxpar.tracing.structure import block_paths
 
 
-class PipelineParallelModule(torch.nn.Module):
+class PipelineParallelModule(ParallelModuleBase):
     """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
@@ -224,6 +224,11 @@ class PipelineParallelModule(torch.nn.Module):
                                                      self._stage_replicas), self.clock)
 
     # ---- training -------------------------------------------------------------------------
+    @property
+    def original_model(self) -> torch.nn.Module:
+        """The user's model, kept whole for its class and config (and for saving)."""
+        return self._original[0]
+
     def named_original_parameters(self):
         return self.module.named_original_parameters()
 
@@ -350,11 +355,6 @@ class PipelineParallelModule(torch.nn.Module):
 
     def _stages(self) -> list[tuple[int, torch.nn.Module]]:
         return [(self.stage_index, self.module)]
-
-    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
-        :func:`fxpar.runtime.optim.make_optimizer`)."""
-        return make_optimizer(self, optimizer_class, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the *whole* model's gradient: squares summed over every rank of

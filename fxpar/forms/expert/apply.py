@@ -16,6 +16,10 @@ from fxpar.plan import Plan
 from fxpar.runtime.step_loop import LossWeighting
 
 
+#: the classes :func:`build` returns (each a :class:`fxpar.runtime.contract.ParallelModule`)
+MODULES: tuple[type, ...] = (ExpertParallelModule,)
+
+
 def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
           checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
           exports: ExportCache | None) -> torch.nn.Module:

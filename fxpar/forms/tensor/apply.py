@@ -20,6 +20,10 @@ from fxpar.tracing.analyze_model import remember_example
 from fxpar.tracing.structure import block_paths
 
 
+#: the classes :func:`build` returns (each a :class:`fxpar.runtime.contract.ParallelModule`)
+MODULES: tuple[type, ...] = (TensorParallelModule,)
+
+
 def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
           checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
           exports: ExportCache | None) -> torch.nn.Module:

@@ -1,0 +1,181 @@
+"""What fxpar's own code reads off a parallel module: the :class:`ParallelModule` protocol.
+
+``fxpar.auto`` returns one module per rank: a form's module (``fxpar.codegen.<form>.module``,
+built by the form's apply phase) or, with ``adapt=``, an :class:`fxpar.adapt.AdaptiveModule`
+that runs one and switches it.  Checkpoints (:func:`fxpar.checkpoint.describe`), adapting, the
+Trainer and Accelerate integrations, the step monitor and the optimizer helpers read these
+members and nothing else, so a new form's module is complete when it has them (a test checks
+every module fxpar builds, and that fxpar's code does not probe them with ``hasattr``).
+
+:class:`ParallelModuleBase` gives the members whose meaning is the same for every form once:
+defaults for the optional ones, ``shard_batch``, ``make_optimizer``, ``track`` and ``set_plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from fxpar.errors import PlanError
+from fxpar.plan import Plan
+from fxpar.runtime.batches import slice_rows
+from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.loss_scale import DynamicLossScaler
+from fxpar.runtime.optim import optimizer_for
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Wall-clock parts of the last step on this rank (seconds)."""
+
+    compute_s: float      # forward + backward, real
+    emulation_s: float    # sleep added to emulate a slower device: (1/s − 1) × cpu_s
+    comm_s: float         # collectives: inside forward/backward and the gradient sync
+    total_s: float
+    cpu_s: float = 0.0    # the computing thread's CPU time in compute_s (what the emulation stretches)
+
+
+@runtime_checkable
+class ParallelModule(Protocol):
+    """The per-rank module of a plan, as fxpar's own code uses it (module docstring)."""
+
+    #: the plan this module runs (a switch or re-balancing replaces it)
+    plan: Plan
+    #: this rank's index in the plan
+    rank: int
+    #: the model piece this rank runs (a replica, its shard, its stage)
+    module: torch.nn.Module
+    #: the process group over the ranks that hold the model (None: the whole job); checkpoints
+    #: and the loss-scale verdict use it
+    group: Any
+    #: the ranks holding the same parameters in other replicas or pipelines (ZeRO-1's group);
+    #: None where there are none
+    dp_group: Any
+    #: the emulated speed of this rank (:mod:`fxpar.runtime.emulation`; 1.0: real speed)
+    emulator: SpeedEmulator
+    #: the compute segments and collectives of the step (busy time, events on CUDA)
+    clock: SegmentClock
+    #: fp16 plans: the dynamic loss scale (None: no scaling)
+    loss_scaler: DynamicLossScaler | None
+    #: the parts of the last step (None: not measured, or no step yet)
+    last_timing: StepTiming | None
+    #: rank 0 of a plan ``fxpar.auto`` solved: what priced it (:class:`fxpar.predict.Pricing`),
+    #: which re-prices re-balanced plans; None elsewhere
+    pricing: Any
+    #: the process groups and hooks the build of this module made (a plan switch releases them)
+    owned: Any
+    #: True for a module that switches plans itself (:class:`fxpar.adapt.AdaptiveModule`)
+    adaptive: bool
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes."""
+
+    @property
+    def parallel_module(self) -> torch.nn.Module:
+        """The current plan's module (itself, except inside an adaptive module)."""
+
+    @property
+    def original_model(self) -> torch.nn.Module:
+        """The user's model this module was built from (its class, config and labels; the
+        form's changes made in place)."""
+
+    def batch_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the rows of the global batch this rank trains on."""
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's rows of a global batch."""
+
+    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
+        """One training step (forward, backward, gradient sync); the global loss on every rank."""
+
+    def set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan`` at a step boundary where only the batch shares change; a PlanError
+        where this module cannot (rebuild it: checkpoints move the state)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm; returns that norm.  Collective."""
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The full model's parameters under their original names on rank ``dst``.  Collective."""
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """A HF ``save_pretrained`` folder of the whole model.  Collective."""
+
+    def checkpoint_layout(self) -> list[Any]:
+        """The box of every original parameter this rank holds
+        (:class:`fxpar.checkpoint.LocalParam` entries)."""
+
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters, as the plan says."""
+
+    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Register the optimizer whose state a plan switch moves; returns it."""
+
+    def compile_regions(self, options: Any) -> None:
+        """Compile the rank's repeated blocks (:mod:`fxpar.runtime.compile`)."""
+
+
+class ParallelModuleBase(torch.nn.Module):
+    """The members of :class:`ParallelModule` that every form's module shares (module docstring);
+    a form's module derives from it and sets the others in its ``__init__``."""
+
+    #: see :class:`ParallelModule`
+    adaptive: ClassVar[bool] = False
+    group: Any = None
+    dp_group: Any = None
+    pricing: Any = None
+    owned: Any = ()
+    last_timing: StepTiming | None = None
+
+    plan: Plan
+    rank: int
+
+    @property
+    def parallel_module(self) -> torch.nn.Module:
+        return self
+
+    @property
+    def original_model(self) -> torch.nn.Module:
+        """The user's model: the one the form changed in place and runs (``module``; a
+        pipeline keeps it beside its stages)."""
+        return self.module
+
+    def batch_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the rows of the global batch this rank trains on (per-rank samplers
+        load only these and call ``step(rows, local=True)``; default: its plan share)."""
+        start = self.plan.batch_offsets()[self.rank]
+        return start, start + self.plan.ranks[self.rank].batch_share
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's rows of a global batch (:meth:`batch_rows`)."""
+        return slice_rows(batch, *self.batch_rows())
+
+    def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
+        :func:`fxpar.runtime.optim.make_optimizer`)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return optimizer_for(params, self.plan, self.dp_group, optimizer_class, **kwargs)
+
+    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Nothing to register: this module never switches plans by itself (an adaptive one
+        moves the optimizer's state at a switch)."""
+        return optimizer
+
+    def set_plan(self, plan: Plan) -> None:
+        """A module whose form does not re-balance keeps its plan (its form's module overrides
+        this where only the shares change)."""
+        raise PlanError(f"set_plan: a {self.plan.strategy} module cannot switch plans in place; rebuild it "
+                        "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")
+
+
+def make_optimizer(pmodel: torch.nn.Module, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+    """``optimizer_class`` over ``pmodel``'s trainable parameters: a parallel module's own
+    (ZeRO-1 where its plan says: :func:`fxpar.runtime.optim.optimizer_for`), else the plain one.
+    Use it instead of building the optimizer by hand so the memory the plan predicted is the
+    memory used."""
+    if isinstance(pmodel, ParallelModule):
+        return pmodel.make_optimizer(optimizer_class, **kwargs)
+    return optimizer_for([p for p in pmodel.parameters() if p.requires_grad], None, None, optimizer_class, **kwargs)

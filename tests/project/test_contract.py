@@ -1,0 +1,116 @@
+"""The parallel module's declared contract (:mod:`fxpar.runtime.contract`, issue #38 item 2).
+
+Every class a form's apply phase builds, and the adaptive module that runs them, has every
+member of :class:`~fxpar.runtime.contract.ParallelModule`; fxpar's own code reads those members
+directly, never probing for them with ``hasattr`` / ``getattr(..., default)``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpar.adapt.module import AdaptiveModule
+from fxpar.forms import NAMES, part
+from fxpar.runtime.contract import ParallelModule, ParallelModuleBase
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
+MEMBERS = frozenset(set(ParallelModule.__annotations__)
+                    | {n for n, v in vars(ParallelModule).items()
+                       if not n.startswith("_") and (callable(v) or isinstance(v, property))})
+
+#: probes of a member's name that target something other than a parallel module, and why
+NOT_ON_A_PARALLEL_MODULE = {
+    ("checkpoint/hf_save.py", "save_pretrained"): "the user's HF config",
+    ("checkpoint/hf.py", "save_pretrained"): "the user's HF model",
+    ("checkpoint/weights.py", "save_pretrained"): "the user's HF model",
+    ("tracing/hf.py", "save_pretrained"): "the user's HF model",
+    ("checkpoint/layout.py", "checkpoint_layout"): "a user's own (non-fxpar) module describing its shards",
+}
+
+
+def _built_classes() -> list[type]:
+    return [cls for name in NAMES for cls in part(name, "apply").MODULES]
+
+
+def _assigned_on_self(cls: type) -> set[str]:
+    """Names a class (or a base) assigns as ``self.<name> = ...`` anywhere in its methods."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (torch.nn.Module, object) or not klass.__module__.startswith("fxpar"):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        names.add(t.attr)
+    return names
+
+
+def test_the_contract_lists_what_fxpar_reads() -> None:
+    """The members checkpoints, adapting, the monitor and the integrations read."""
+    assert {"plan", "rank", "group", "dp_group", "clock", "emulator", "loss_scaler", "last_timing", "pricing",
+            "owned", "adaptive", "device", "parallel_module", "original_model", "batch_rows", "shard_batch",
+            "step", "set_plan", "clip_grad_norm_", "gather_state_dict", "save_pretrained",
+            "checkpoint_layout", "make_optimizer", "track", "compile_regions"} <= MEMBERS
+
+
+@pytest.mark.parametrize("cls", _built_classes(), ids=lambda c: c.__name__)
+def test_every_module_a_form_builds_has_every_member(cls: type) -> None:
+    assert issubclass(cls, ParallelModuleBase), f"{cls.__name__} derives from ParallelModuleBase"
+    missing = sorted(m for m in MEMBERS if not hasattr(cls, m) and m not in _assigned_on_self(cls))
+    assert not missing, f"{cls.__name__} lacks {missing} of fxpar.runtime.contract.ParallelModule"
+
+
+def test_the_adaptive_module_is_one_and_answers_for_its_plans_module() -> None:
+    """It defines what is its own and hands every other member to the current module."""
+    own = {m for m in MEMBERS if hasattr(AdaptiveModule, m) or m in _assigned_on_self(AdaptiveModule)}
+    assert {"adaptive", "plan", "parallel_module", "track", "step", "rank", "device"} <= own
+    assert AdaptiveModule.adaptive and "__getattr__" in vars(AdaptiveModule)
+
+
+def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None:
+    from tests.graph.test_step_loop import _plan   # a one-rank data-parallel plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    plan = _plan([4], 2)
+    pmodel = part("data_parallel", "apply").build(
+        model, plan, 0, torch.zeros(4, 4), device=torch.device("cpu"), checkpoint=None, group=None, loss_fn=None,
+        loss_weighting="samples", emulate=False, exports=None)
+    assert isinstance(pmodel, ParallelModule) and not isinstance(model, ParallelModule)
+    assert pmodel.parallel_module is pmodel and pmodel.original_model is model and not pmodel.adaptive
+    optimizer = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    assert pmodel.track(optimizer) is optimizer
+    assert [lp.fqn for lp in pmodel.checkpoint_layout()] == [n for n, _ in model.named_parameters()]
+
+
+def _probes() -> list[tuple[str, str, int]]:
+    """``(file, member, line)`` of every ``hasattr(x, m)`` / ``getattr(x, m, default)`` on a
+    member's name under fxpar/."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            probe = (node.func.id == "hasattr" and len(node.args) == 2) or (
+                node.func.id == "getattr" and len(node.args) == 3)
+            name = node.args[1] if probe else None
+            if isinstance(name, ast.Constant) and name.value in MEMBERS:
+                found.append((str(path.relative_to(PACKAGE)), name.value, node.lineno))
+    return found
+
+
+def test_fxpar_reads_the_contract_and_never_probes_it() -> None:
+    probes = [(f, m, line) for f, m, line in _probes() if (f, m) not in NOT_ON_A_PARALLEL_MODULE]
+    assert not probes, ("read these members directly (fxpar.runtime.contract.ParallelModule declares them), "
+                        f"or say in NOT_ON_A_PARALLEL_MODULE what else is probed: {probes}")
+    stale = set(NOT_ON_A_PARALLEL_MODULE) - {(f, m) for f, m, _ in _probes()}
+    assert not stale, f"NOT_ON_A_PARALLEL_MODULE lists probes that are gone: {sorted(stale)}"
