@@ -22,6 +22,7 @@ from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime.batches import slice_rows
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
+from fxpar.runtime.grad_norm import NormTerms, clip_by_global_norm
 from fxpar.runtime.loss_scale import DynamicLossScaler
 from fxpar.runtime.optim import optimizer_for
 
@@ -163,6 +164,19 @@ class ParallelModuleBase(torch.nn.Module):
         """Nothing to register: this module never switches plans by itself (an adaptive one
         moves the optimizer's state at a switch)."""
         return optimizer
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every gradient by the whole model's gradient norm; returns that norm (fp32, on the
+        device; nothing read to the host).  Collective where the module's ``_norm_terms`` sum
+        over ranks (:mod:`fxpar.runtime.grad_norm`)."""
+        return clip_by_global_norm(self._norm_terms(), max_norm, self.device)
+
+    def _norm_terms(self) -> NormTerms:
+        """What this rank adds to the norm and scales (:class:`~fxpar.runtime.grad_norm.NormTerms`).
+        Default: a whole replica whose gradients are already the global ones: all counted,
+        nothing summed (``torch.nn.utils.clip_grad_norm_`` itself)."""
+        params = list(self.parameters())
+        return NormTerms(counted=[p.grad for p in params if p.grad is not None], params=params, reduce=False)
 
     def set_plan(self, plan: Plan) -> None:
         """A module whose form does not re-balance keeps its plan (its form's module overrides

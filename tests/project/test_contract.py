@@ -114,3 +114,17 @@ def test_fxpar_reads_the_contract_and_never_probes_it() -> None:
                         f"or say in NOT_ON_A_PARALLEL_MODULE what else is probed: {probes}")
     stale = set(NOT_ON_A_PARALLEL_MODULE) - {(f, m) for f, m, _ in _probes()}
     assert not stale, f"NOT_ON_A_PARALLEL_MODULE lists probes that are gone: {sorted(stale)}"
+
+
+#: classes defining each of these themselves, among the parallel modules (issue #38 item 2 asks
+#: for one each; the adaptive module's step wraps its plan's).  They may only go down.
+IMPLEMENTATIONS_AT_MOST = {"clip_grad_norm_": 1, "step": 4, "gather_state_dict": 5, "save_pretrained": 5}
+
+
+def test_one_implementation_of_what_every_form_shares() -> None:
+    classes = {ParallelModuleBase, AdaptiveModule, *_built_classes()}
+    classes |= {base for cls in list(classes) for base in cls.__mro__ if issubclass(base, ParallelModuleBase)}
+    for name, most in IMPLEMENTATIONS_AT_MOST.items():
+        defining = sorted(c.__name__ for c in classes if name in vars(c))
+        assert len(defining) <= most, f"{name} is written in {defining}: at most {most} (and going down)"
+    assert [c.__name__ for c in classes if "clip_grad_norm_" in vars(c)] == ["ParallelModuleBase"]

@@ -89,11 +89,6 @@ class DataParallelModule(StepModule):
             return None
         return {n: p.detach().clone() for n, p in self.module.named_parameters(remove_duplicate=False)}
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the (already all-reduced, identical) gradients to ``max_norm``; returns the norm."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
     def _items_group(self) -> Any:
         return self.group if self._distributed else ALONE

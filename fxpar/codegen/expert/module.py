@@ -62,12 +62,12 @@ import torch.distributed as dist
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
 from fxpar.cluster import Cluster
-from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, group_size, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.errors import CheckpointError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
+from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
@@ -141,13 +141,12 @@ class ExpertParallelModule(StepModule):
             return None
         return [p for n, p in self.module.named_parameters() if n not in self._expert_names], self.group
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the whole model's gradient norm: expert rows' squares summed over the ranks,
-        replicated (identical) gradients counted once; returns that norm."""
-        counted = (p.grad for n, p in self.module.named_parameters()
-                   if p.grad is not None and (n in self._expert_names or self.rank == 0))
-        return clip_by_global_norm(counted, self.module.parameters(), max_norm, self.group,
-                                   reduce=self.world > 1)
+    def _norm_terms(self) -> NormTerms:
+        """Expert rows' squares summed over the ranks, replicated (identical) gradients counted
+        once (:meth:`clip_grad_norm_`)."""
+        counted = [p.grad for n, p in self.module.named_parameters()
+                   if p.grad is not None and (n in self._expert_names or self.rank == 0)]
+        return NormTerms(counted, list(self.module.parameters()), self.group, reduce=self.world > 1)
 
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every expert tensor ``(E, ...)`` holds the rows ``[o_r, o_r + n_r)`` of this rank's

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
-from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
 from fxpar.codegen.pipeline.stage_setup import compile_stages
@@ -83,6 +82,7 @@ from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
@@ -356,16 +356,15 @@ class PipelineParallelModule(ParallelModuleBase):
     def _stages(self) -> list[tuple[int, torch.nn.Module]]:
         return [(self.stage_index, self.module)]
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the *whole* model's gradient: squares summed over every rank of
+    def _norm_terms(self) -> NormTerms:
+        """The *whole* model's norm (:meth:`clip_grad_norm_`): squares summed over every rank of
         this pipeline (a tied parameter counted once, on its first stage; a replicated parameter
-        of a tensor-parallel stage once, on its lead; shards on every rank); returns that norm."""
+        of a tensor-parallel stage once, on its lead; shards on every rank)."""
         named = list(self.named_original_parameters())
-        params = [p for _, p in named]
-        counted = (counted_gradient(p) for fqn, p in named if p.grad is not None  # replicated K/V rows once
+        counted = [counted_gradient(p) for fqn, p in named if p.grad is not None  # replicated K/V rows once
                    and (self.is_lead or getattr(p, "fxpar_sharded", False))
-                   and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner)
-        return clip_by_global_norm(counted, params, max_norm, self.pipe_group)
+                   and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner]
+        return NormTerms(counted, [p for _, p in named], self.pipe_group)
 
     def _sync_gradients(self) -> None:
         """Across the pipelines (:mod:`~fxpar.codegen.pipeline.replica_sum`), then tied weights

@@ -55,7 +55,6 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
-from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks, reduce_group
 from fxpar.codegen.sharded.schedule import RoundSchedule
@@ -63,6 +62,7 @@ from fxpar.codegen.sharded.units import ShardedTensor, Unit
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
+from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import to_host
 from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
@@ -266,15 +266,13 @@ class ShardedDataParallelModule(StepModule):
         finally:
             self._layout_on_device = False
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the whole model's gradient norm: ``‖g‖² = Σ_ranks Σ_{own rows} g²`` (every
-        element is owned once), all-reduced; every shard is scaled by ``min(1, max_norm/(‖g‖+1e-6))``
-        on its device, with no read to the host (:func:`fxpar.codegen.common.grad_norm.clip_by_global_norm`)."""
+    def _norm_terms(self) -> NormTerms:
+        """``‖g‖² = Σ_ranks Σ_{own rows} g²`` (every element is owned once, a 0-d parameter by its
+        owner), all-reduced; every shard is scaled on its device (:meth:`clip_grad_norm_`)."""
         owned = [t.shard.grad for t in self.tensors if t.shard.grad is not None
                  and (t.full.dim() or owned_rows((), self.state_weights)[self.rank][1])]
-        return clip_by_global_norm(owned, [t.shard for t in self.tensors], max_norm,
-                                   self.group if self._distributed else None, reduce=self._distributed,
-                                   device=self.device)
+        return NormTerms(owned, [t.shard for t in self.tensors], self.group if self._distributed else None,
+                         reduce=self._distributed)
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
     def _run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:

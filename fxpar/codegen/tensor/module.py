@@ -50,7 +50,6 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam
-from fxpar.codegen.common.grad_norm import clip_by_global_norm
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import assemble, shard_spec
 from fxpar.codegen.tensor.collectives import register_group
@@ -65,6 +64,7 @@ from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.codegen.tensor.verify import verify_local_heads
 from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
+from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
@@ -162,16 +162,15 @@ class TensorParallelModule(StepModule):
         loop's buckets, launched during the last backward."""
         return (list(self.module.parameters()), self.dp_group) if self.layout.replicas > 1 else None
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the whole model's gradient norm ``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)``:
-        shards' squares summed over this rank's TP group, replicated parameters counted once
-        (position 0), and so are replicated key/value rows inside a shard (``counted_gradient``:
-        on the rank owning that head's first query head); gradients are already identical
-        across replicas.  Returns the norm."""
-        counted = (counted_gradient(p) for p in self.module.parameters()
-                   if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0))
-        return clip_by_global_norm(counted, self.module.parameters(), max_norm, self.tp_group,
-                                   reduce=self.world > 1 and self.layout.width > 1)
+    def _norm_terms(self) -> NormTerms:
+        """``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)`` (:meth:`clip_grad_norm_`): shards' squares
+        summed over this rank's TP group, replicated parameters counted once (position 0), and
+        so are replicated key/value rows inside a shard (``counted_gradient``: on the rank owning
+        that head's first query head); gradients are already identical across replicas."""
+        counted = [counted_gradient(p) for p in self.module.parameters()
+                   if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0)]
+        return NormTerms(counted, list(self.module.parameters()), self.tp_group,
+                         reduce=self.world > 1 and self.layout.width > 1)
 
     # ---- the full model ----------------------------------------------------------------------
     def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
