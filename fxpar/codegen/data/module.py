@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam
+from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
@@ -32,7 +32,7 @@ from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
 
-class DataParallelModule(StepModule):
+class DataParallelModule(FormModule, StepModule):
     """The per-rank module of a data-parallel plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *,
@@ -73,11 +73,6 @@ class DataParallelModule(StepModule):
                             f"of {self.plan.world_size} ranks, got {plan.strategy!r} with "
                             f"{plan.world_size}")
         self.plan = plan
-
-    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """A HF ``save_pretrained`` folder of the replica, its tensors spread over the ranks' files
-        (:mod:`fxpar.checkpoint.hf_save`; ``max_shard_size`` accepted).  Collective: call everywhere."""
-        save_sharded(self, self.module, output_dir, **kwargs)
 
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every parameter of the replica, whole (each tied weight under its first name)."""

@@ -59,9 +59,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
 from fxpar.cluster import Cluster
+from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, group_size, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
@@ -72,7 +72,7 @@ from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
 
-class ExpertParallelModule(StepModule):
+class ExpertParallelModule(FormModule, StepModule):
     """This rank's module of an ``expert_parallel`` plan (or of a bare expert split with
     ``batch_shares``); ``step(global_batch)`` trains one step and returns the global loss."""
 
@@ -176,12 +176,6 @@ class ExpertParallelModule(StepModule):
         """Every parameter's gradient under its original FQN and full shape, on rank ``dst``."""
         return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
                              for n, p in self.module.named_parameters()}, dst)
-
-    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """A HF ``save_pretrained`` folder written from the ranks' pieces: replicated tensors
-        spread over the ranks' files, each expert tensor assembled by one rank from the others'
-        rows (:mod:`fxpar.checkpoint.hf_save`; no rank builds the model).  Collective."""
-        save_sharded(self, self.module, output_dir, **kwargs)
 
     def _gather(self, local: Mapping[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor] | None:
         split = self.plan.stages[0].expert_split

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
 from fxpar.codegen.pipeline.stage_setup import compile_stages
@@ -86,14 +86,13 @@ from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
-from fxpar.runtime.contract import ParallelModuleBase
 from fxpar.runtime.compile import CompileOptions, RegionalCompile, explained
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.runtime.step_loop import LossWeighting, check_loss_options
 from fxpar.tracing.structure import block_paths
 
 
-class PipelineParallelModule(ParallelModuleBase):
+class PipelineParallelModule(FormModule):
     """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
@@ -382,11 +381,6 @@ class PipelineParallelModule(ParallelModuleBase):
     def checkpoint_layout(self) -> list[Any]:
         """The box of every original parameter this rank holds: its stage's tensors, whole or shards."""
         return stage_boxes(self.named_original_parameters(), self._canonical, self._first_tie_stage, self._tie_owner)
-
-    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """A HF ``save_pretrained`` folder written from the stages, each rank its own file
-        (:mod:`fxpar.checkpoint.hf_save`: the first pipeline's copy, tied weights once).  Collective."""
-        save_sharded(self, self._original[0], output_dir, **kwargs)
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)

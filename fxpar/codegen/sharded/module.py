@@ -53,8 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
+from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks, reduce_group
 from fxpar.codegen.sharded.schedule import RoundSchedule
@@ -71,7 +71,7 @@ from fxpar.runtime.precision import TORCH_DTYPES
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 
 
-class ShardedDataParallelModule(StepModule):
+class ShardedDataParallelModule(FormModule, StepModule):
     """The per-rank module of a ``sharded_data_parallel`` plan (module docstring)."""
 
     def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *, group: Any = None,
@@ -255,14 +255,14 @@ class ShardedDataParallelModule(StepModule):
                 return None
             return {name: to_host(t.full.detach()).clone() for t in self.tensors for name in t.names}
 
-    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """A HF ``save_pretrained`` folder assembled from the ranks' row shards
-        (:mod:`fxpar.checkpoint.hf_save`; offloaded shards travel through their device copies).
-        Collective."""
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        """:meth:`save_pretrained` reads the row shards through their device copies (offloaded
+        shards too: NCCL sends from the device)."""
         self._refresh_device_shards()
         self._layout_on_device = True
         try:
-            save_sharded(self, self.module, output_dir, **kwargs)
+            yield
         finally:
             self._layout_on_device = False
 

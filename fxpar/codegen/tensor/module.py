@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.checkpoint.layout import LocalParam
+from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import assemble, shard_spec
 from fxpar.codegen.tensor.collectives import register_group
@@ -109,7 +109,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     return count
 
 
-class TensorParallelModule(StepModule):
+class TensorParallelModule(FormModule, StepModule):
     """This rank's shard of a ``tensor_parallel`` plan (``R`` replicas × TP width ``W``, see
     ``layout.py``); ``step(global_batch)`` trains one step and returns the global loss."""
 
@@ -197,12 +197,6 @@ class TensorParallelModule(StepModule):
             return None
         group = [parts[k] for k in self.layout.tp_ranks(replica)]
         return {name: assemble([part[name] for part in group if name in part]) for name in group[0]}
-
-    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
-        """A HF ``save_pretrained`` folder written from the ranks' slices: each tensor assembled
-        by one rank from the boxes of one replica and streamed into that rank's file
-        (:mod:`fxpar.checkpoint.hf_save`; no rank builds the model).  Collective."""
-        save_sharded(self, self.module, output_dir, **kwargs)
 
     def checkpoint_layout(self) -> list[Any]:
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook):
