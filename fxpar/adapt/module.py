@@ -48,6 +48,7 @@ from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
 from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
+from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
 from fxpar.plan import Plan
 
@@ -68,6 +69,7 @@ class Adapt:
     background_planning: bool = True
 
 
+@ParallelModule.register   # nominal isinstance: its members are the current module's (__getattr__)
 class AdaptiveModule(torch.nn.Module):
     """Runs ``module`` (the plan's) and switches plans as measured speeds change (module docstring);
     a :class:`fxpar.runtime.contract.ParallelModule` whose other members are the current module's."""

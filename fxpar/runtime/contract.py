@@ -40,7 +40,8 @@ class StepTiming:
 
 @runtime_checkable
 class ParallelModule(Protocol):
-    """The per-rank module of a plan, as fxpar's own code uses it (module docstring)."""
+    """The per-rank module of a plan, as fxpar's own code uses it (module docstring).  fxpar's
+    own modules are registered with it (:class:`ParallelModuleBase`)."""
 
     #: the plan this module runs (a switch or re-balancing replaces it)
     plan: Plan
@@ -119,9 +120,15 @@ class ParallelModule(Protocol):
         """Compile the rank's repeated blocks (:mod:`fxpar.runtime.compile`)."""
 
 
+@ParallelModule.register
 class ParallelModuleBase(torch.nn.Module):
     """The members of :class:`ParallelModule` that every form's module shares (module docstring);
-    a form's module derives from it and sets the others in its ``__init__``."""
+    a form's module derives from it and sets the others in its ``__init__``.
+
+    Registered with the protocol, so that ``isinstance(x, ParallelModule)`` is nominal for fxpar's
+    modules: a protocol's structural check reads each member statically from Python 3.12 on
+    (``inspect.getattr_static``), which sees neither a submodule ``nn.Module`` keeps in
+    ``_modules`` (``module``) nor what a wrapper hands on by ``__getattr__``."""
 
     #: see :class:`ParallelModule`
     adaptive: ClassVar[bool] = False

@@ -93,6 +93,21 @@ def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None
     assert [lp.fqn for lp in pmodel.checkpoint_layout()] == [n for n, _ in model.named_parameters()]
 
 
+def test_fxpar_modules_are_parallel_modules_by_registration() -> None:
+    """``isinstance`` must not depend on reading the members: from Python 3.12 a protocol's check
+    reads them statically, which misses ``module`` (kept in ``_modules``) and what the adaptive
+    module hands on.  Modules with no member set yet are still parallel modules."""
+    bare = []
+    for cls in _built_classes():
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        bare.append(module)
+    adaptive = AdaptiveModule.__new__(AdaptiveModule)
+    torch.nn.Module.__init__(adaptive)
+    adaptive.module = bare[0]
+    assert all(isinstance(m, ParallelModule) for m in [*bare, adaptive])
+
+
 def _probes() -> list[tuple[str, str, int]]:
     """``(file, member, line)`` of every ``hasattr(x, m)`` / ``getattr(x, m, default)`` on a
     member's name under fxpar/."""
