@@ -132,8 +132,7 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
         raise CheckpointError(f"checkpoint: the model has type {type(pmodel).__name__}; pass the "
                               "torch.nn.Module fxpar.auto returned (or a plain model)")
     if isinstance(pmodel, DescribedModule):
-        group, distributed = process_group(pmodel, distributed)
-        return replace(pmodel.layout, distributed=distributed)
+        return replace(pmodel.layout, distributed=process_group(pmodel, distributed)[1])
     if isinstance(pmodel, ParallelModule):
         inner = pmodel.parallel_module  # a wrapper (fxpar.adapt): the plan's module
         if inner is not pmodel:

@@ -8,7 +8,8 @@ members and nothing else, so a new form's module is complete when it has them (a
 every module fxpar builds, and that fxpar's code does not probe them with ``hasattr``).
 
 :class:`ParallelModuleBase` gives the members whose meaning is the same for every form once:
-defaults for the optional ones, ``shard_batch``, ``make_optimizer``, ``track`` and ``set_plan``.
+defaults for the optional ones, ``batch_rows``, ``shard_batch``, ``make_optimizer``, ``track``,
+``set_plan`` and ``clip_grad_norm_`` (each form says what it counts: ``_norm_terms``).
 """
 
 from __future__ import annotations

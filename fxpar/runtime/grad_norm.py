@@ -14,7 +14,6 @@ never waits for the device).  With nothing to sum over (``reduce=False``) this i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,20 +35,11 @@ def clip_by_global_norm(terms: NormTerms, max_norm: float, device: torch.device)
     """Clip ``terms.params``' gradients by the global norm of ``terms.counted`` summed over
     ``terms.group`` (module docstring).  Returns the norm (fp32, on ``device``)."""
     grads = [g.detach() for g in terms.counted]
+    norm = (torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(device, torch.float32) if grads
+            else torch.zeros((), dtype=torch.float32, device=device))
     if terms.reduce and dist.is_available() and dist.is_initialized():
-        local = _norm(grads, device)
-        squares = local.to(torch.float64).square()
+        squares = norm.to(torch.float64).square()
         dist.all_reduce(squares, group=terms.group)
         norm = squares.sqrt().to(torch.float32)
-    else:
-        norm = _norm(grads, device).to(torch.float32)
     torch.nn.utils.clip_grads_with_norm_(terms.params, max_norm, norm)
     return norm
-
-
-def _norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The 2-norm of ``grads`` on ``device`` (0 for none)."""
-    grads = list(grads)
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(device)
