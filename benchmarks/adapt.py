@@ -65,7 +65,8 @@ BATCH, SEQ, SLOW_SPEED = 16, 32, 0.3
 #: ranks, one per core (the emulation as DESIGN describes it)
 SETUPS = ((4, 2), (2, 1))
 #: the detector the benchmark runs: the defaults (warm-up, calibration, a change lasting 5 steps
-#: and 1 s) but a wider threshold than 0.2, for the noise of ranks that share 2 cores
+#: and 1 s) but a wider threshold than 0.2 on the 2-rank rows; where 4 ranks share 2 cores the
+#: detector's own floor applies (``shared_cores_threshold``, 0.5)
 DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
 #: the elastic example's sleep per step (the node is lost while steps run)

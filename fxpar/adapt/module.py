@@ -35,38 +35,24 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, plan_kind
+from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.replan import DecisionInFlight, Planning, Replanner
-from fxpar.adapt.speeds import DetectorSettings, SpeedDetector, SpeedTimeline
+from fxpar.adapt.settings import Adapt
+from fxpar.adapt.speeds import SpeedDetector
 from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.contract import ParallelModule
+from fxpar.runtime.device import ranks_share_cores
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
 from fxpar.plan import Plan
-
-
-@dataclass(frozen=True, slots=True)
-class Adapt:
-    """``fxpar.auto(..., adapt=Adapt(...))``: when and how to adapt (``adapt=True``: defaults)."""
-
-    policy: AdaptPolicy = field(default_factory=AdaptPolicy)
-    detector: DetectorSettings = field(default_factory=DetectorSettings)
-    #: emulation only: per-rank speeds over the steps (:class:`SpeedTimeline`)
-    timeline: SpeedTimeline | None = None
-    #: steps the job runs (the default horizon of a switch's saving); None: unknown
-    total_steps: int | None = None
-    verbose: bool = True
-    #: rank 0 re-plans on a thread while the ranks keep training (:class:`~fxpar.adapt.replan.DecisionInFlight`);
-    #: False: every rank waits for the decision at the step that detected the change
-    background_planning: bool = True
 
 
 @ParallelModule.register   # nominal isinstance: its members are the current module's (__getattr__)
@@ -80,6 +66,7 @@ class AdaptiveModule(torch.nn.Module):
                  example_inputs: Any, build_options: dict[str, Any], device: torch.device, rank: int,
                  options: Adapt) -> None:
         super().__init__()
+        options = replace(options, detector=options.detector.on_host(ranks_share_cores(device)))
         self.module, self.planning, self.options = module, planning, options
         self.replanner = Replanner(planning, options.policy, options.detector.threshold)
         # a tuple: not registered as a sub-module (it lives on meta; .to(device) must not see it)

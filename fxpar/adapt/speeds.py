@@ -26,6 +26,15 @@ factor is the median of its last ``min_steps`` values of ``f_r``.  A single slow
 values that cross back, never trigger.  Defaults: threshold 0.2, min_steps 5, warm-up 4,
 calibration 5.
 
+**Ranks that share cores** (emulation on a host with more ranks × threads than cores,
+:func:`fxpar.runtime.device.ranks_share_cores`) are not independent devices: how the OS packs
+them changes each one's CPU time per unit of work for seconds at a time, and moving rows
+between them changes that packing (measured on this project's 2-core machine, 4 equal ranks,
+200 steps, nothing changed: in one run of six every rank read slower, at 0.64-0.92 of its
+calibration, for more than a second, and re-balancing moved rows to the least-packed ranks).
+There the threshold is at least ``shared_cores_threshold`` (0.5): a straggler slower than half
+speed is seen, a milder one is not.
+
 **Links.**  Each step also gives ``c``, the host seconds spent in collectives, per kind, summed
 over the kinds of each kind's least-waiting rank: ``c = Σ_k min_r c_{r,k}``.  A rank that
 computes slowly makes the others wait inside collectives, but itself arrives last and waits
@@ -49,7 +58,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fxpar.errors import ConfigError
 from fxpar.runtime.emulation import check_link_delays
@@ -112,10 +121,13 @@ class DetectorSettings:
     #: to ``gather_every − 1`` steps later, and no step but every ``gather_every``-th pays a
     #: collective
     gather_every: int = 4
+    #: the threshold's floor where ranks share cores (module docstring)
+    shared_cores_threshold: float = 0.5
 
     def __post_init__(self) -> None:
-        if not 0 < self.threshold < 1:
-            raise ConfigError(f"threshold = {self.threshold!r}: expected a fraction in (0, 1), e.g. 0.2")
+        for name in ("threshold", "shared_cores_threshold"):
+            if not 0 < getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)!r}: expected a fraction in (0, 1), e.g. 0.2")
         for name in ("min_steps", "calibration_steps", "gather_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)!r}: expected an int >= 1")
@@ -123,6 +135,13 @@ class DetectorSettings:
             raise ConfigError(f"min_seconds = {self.min_seconds!r}: expected seconds >= 0")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps = {self.warmup_steps!r}: expected an int >= 0")
+
+
+    def on_host(self, shares_cores: bool) -> DetectorSettings:
+        """These settings for ranks that do (or do not) share cores (module docstring)."""
+        if not shares_cores or self.threshold >= self.shared_cores_threshold:
+            return self
+        return replace(self, threshold=self.shared_cores_threshold)
 
 
 @dataclass

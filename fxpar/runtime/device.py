@@ -23,6 +23,7 @@ collectives, DCP and the pipelining schedules' ``batch_isend_irecv`` use the rig
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -226,3 +227,24 @@ def check_model_devices(model: torch.nn.Module, device: torch.device | None = No
         raise ConfigError(
             f"the model is on {found[0]}, but this rank runs on {device} (cuda:LOCAL_RANK); build the "
             "model on the CPU (fxpar moves each rank's part to its GPU) or on this rank's GPU")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def ranks_share_cores(device: torch.device) -> bool:
+    """Whether this CPU rank's host runs more compute threads than it has cores: the job's ranks
+    on this host (host names all-gathered once, so every rank must call it) times torch's
+    threads per rank, against :func:`usable_cores`.  False on a GPU and without a process group.
+    Ranks that share cores are not independent devices: how the OS packs them changes each
+    one's CPU time per unit of work (:class:`fxpar.adapt.speeds.DetectorSettings`)."""
+    if device.type != "cpu" or not (dist.is_available() and dist.is_initialized()):
+        return False
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts.count(socket.gethostname()) * torch.get_num_threads() > usable_cores()

@@ -315,6 +315,20 @@ def noise_only_run(steps: int = 200) -> dict[str, Any]:
     return {"rank": rank, "events": pm.events, "plan": pm.plan.strategy}
 
 
+def shared_cores() -> dict[str, Any]:
+    """``ranks_share_cores`` on this rank's CPU with torch's threads at 1 and at every core."""
+    from fxpar.runtime.device import ranks_share_cores, usable_cores
+
+    threads, cpu = torch.get_num_threads(), torch.device("cpu")
+    try:
+        torch.set_num_threads(1)
+        one = ranks_share_cores(cpu)
+        torch.set_num_threads(usable_cores())
+        return {"cores": usable_cores(), "one_thread": one, "all_threads": ranks_share_cores(cpu)}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def loss_scale_over_a_switch() -> dict[str, Any]:
     """An fp16 data-parallel plan whose loss scale has moved (backed off to 1024 with 7 clean
     steps) switches to an fp16 pipeline: the new module's scaler, before and after a step."""

@@ -1,0 +1,26 @@
+"""What a user sets for adapting: :class:`Adapt` (``fxpar.auto(..., adapt=Adapt(...))``), made
+of the switch rule's policy (:mod:`fxpar.adapt.decide`) and the detector's settings and the
+emulation's timeline (:mod:`fxpar.adapt.speeds`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fxpar.adapt.decide import AdaptPolicy
+from fxpar.adapt.speeds import DetectorSettings, SpeedTimeline
+
+
+@dataclass(frozen=True, slots=True)
+class Adapt:
+    """``fxpar.auto(..., adapt=Adapt(...))``: when and how to adapt (``adapt=True``: defaults)."""
+
+    policy: AdaptPolicy = field(default_factory=AdaptPolicy)
+    detector: DetectorSettings = field(default_factory=DetectorSettings)
+    #: emulation only: per-rank speeds over the steps (:class:`SpeedTimeline`)
+    timeline: SpeedTimeline | None = None
+    #: steps the job runs (the default horizon of a switch's saving); None: unknown
+    total_steps: int | None = None
+    verbose: bool = True
+    #: rank 0 re-plans on a thread while the ranks keep training (:class:`~fxpar.adapt.replan.DecisionInFlight`);
+    #: False: every rank waits for the decision at the step that detected the change
+    background_planning: bool = True
