@@ -145,3 +145,16 @@ def test_one_implementation_of_what_every_form_shares() -> None:
         assert len(defining) <= most, f"{name} is written in {defining}: at most {most} (and going down)"
     assert [c.__name__ for c in classes if "clip_grad_norm_" in vars(c)] == ["ParallelModuleBase"]
     assert [c.__name__ for c in classes if "save_pretrained" in vars(c)] == ["FormModule"]
+
+
+def test_no_class_bypasses_its_bases_init() -> None:
+    """Issue #38 item 2: every module is made through its ``__init__`` chain (``super().__init__``);
+    no class of fxpar calls a base's ``__init__`` by name (the interleaved pipeline module did,
+    skipping the 1F1B module's and re-setting its fields: it now gives only the build step)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__"
+                    and not (isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", "") == "super")):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, f"a base's __init__ called by name (use super().__init__): {found}"

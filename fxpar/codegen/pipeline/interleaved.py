@@ -16,17 +16,14 @@ process on the global batch whatever each pipeline's share and each sample's ``-
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxpar.codegen.common.materialize import Source
-from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.codegen.pipeline.stage_setup import (
-    check_process_group,
     layer_to_stage,
     micro_example,
     on_device,
@@ -42,7 +39,6 @@ from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime.distributed import new_group
-from fxpar.runtime.step_loop import LossWeighting
 from fxpar.sim.interleaved import check_placement, lockstep_order
 from fxpar.tracing.structure import block_paths
 
@@ -66,17 +62,15 @@ def placement(plan: Plan) -> tuple[list[list[int]], list[int]]:
 
 
 class InterleavedPipelineModule(PipelineParallelModule):
-    """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step."""
+    """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step.  Made
+    as the 1F1B module is (its ``__init__``); only :meth:`_build` differs."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
-                 *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
-                 loss_weighting: LossWeighting = "auto", exports: ExportCache | None = None) -> None:
-        torch.nn.Module.__init__(self)
+    def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any], emulate: bool,
+               source: Source | None) -> None:
+        """This rank's stages (several, non-adjacent) and the multi-stage schedule."""
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-        check_process_group()
         pipes, stage_rank = placement(plan)
-        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports)
         self._place_positions(plan, rank, emulate, pipes, stage_rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)

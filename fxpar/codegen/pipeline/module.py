@@ -99,12 +99,18 @@ class PipelineParallelModule(FormModule):
                  *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
                  loss_weighting: LossWeighting = "auto", exports: ExportCache | None = None) -> None:
         super().__init__()
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
         if plan.strategy != "pipeline":
-            raise PlanError(f"PipelineParallelModule needs a pipeline plan, got {plan.strategy!r}")
+            raise PlanError(f"{type(self).__name__} needs a pipeline plan, got {plan.strategy!r}")
         check_process_group()
         source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports)
+        self._build(model, plan, rank, example_inputs, emulate, source)
+
+    def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any], emulate: bool,
+               source: Source | None) -> None:
+        """This rank's stage and its 1F1B or GPipe schedule (the set-up after :meth:`_begin`;
+        the interleaved module builds its stages and multi-stage schedule instead)."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
         self._place_rank(plan, rank, emulate)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
