@@ -177,6 +177,7 @@ class StepModule(ParallelModuleBase):
                                       comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds,
                                       cpu_s=self.clock.cpu_s)
         self.plan = explained(self.plan, self.compiled)   # the compiled regions' graph breaks, once
+        self._after_step()
         return loss
 
     # ---- torch.compile -------------------------------------------------------------------------
@@ -307,6 +308,9 @@ class StepModule(ParallelModuleBase):
         different rows; returns the global loss.  Default: the buckets of :meth:`_summed`."""
         buckets = self._buckets()
         return buckets.finish(loss_sum) if buckets is not None else loss_sum
+
+    def _after_step(self) -> None:
+        """What a kind records of the step just run (default: nothing)."""
 
     def _items_group(self) -> Any:
         """The group over which item counts are summed (``local=True``): one rank per distinct row

@@ -119,17 +119,15 @@ class ExpertParallelModule(FormModule, StepModule):
     def is_expert_parameter(self, name: str) -> bool:
         return name in self._expert_names
 
-    def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
-        """The shared step (:meth:`StepModule.step`): tokens go to their experts' ranks inside the
-        forward and backward, then the replicated gradients are SUM-all-reduced."""
-        loss = super().step(batch, local=local)
-        self.last_dropped = [m.last_dropped for m in self._ep_modules()]
-        return loss
-
     def _ep_modules(self) -> list[ExpertParallelExperts]:
         return [m for m in self.module.modules() if isinstance(m, ExpertParallelExperts)]
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
+    def _after_step(self) -> None:
+        """Tokens went to their experts' ranks inside the forward and backward: the assignments
+        each MoE block dropped in the last micro-batch."""
+        self.last_dropped = [m.last_dropped for m in self._ep_modules()]
+
     def _items_group(self) -> Any:
         return self.group if self.world > 1 else ALONE
 
