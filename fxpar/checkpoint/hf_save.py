@@ -1,4 +1,5 @@
-"""``save_pretrained`` of a parallel module from the ranks' own pieces: no rank builds the model.
+"""``save_pretrained`` of a parallel module from the ranks' own pieces: no rank builds the model
+(and :func:`gather_state_dict`, the same assembly with every tensor sent to one rank).
 
 Every fxpar module describes what it holds (:func:`fxpar.checkpoint.layout.describe`: whole
 tensors, tensor-parallel boxes, expert rows, a pipeline stage's tensors; tied copies marked as
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.layout import Layout, ShardSpec, describe
+from fxpar.checkpoint.layout import Layout, LocalParam, ShardSpec, describe
 from fxpar.checkpoint.weights import INDEX_FILE, SINGLE_FILE
 from fxpar.errors import CheckpointError, ConfigError
 from fxpar.runtime.device import CPU, to_host
@@ -98,8 +99,10 @@ def _natural(key: str) -> tuple:
     return tuple((0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", key))
 
 
-def _assign(tables: list[dict[str, tuple]]) -> list[_Job]:
-    """The same writer assignment on every rank (module docstring, step 1)."""
+def _assign(tables: list[dict[str, tuple]], dst: int | None = None, replica: int = 0) -> list[_Job]:
+    """The same writer assignment on every rank (module docstring, step 1); ``dst``: every
+    tensor to that rank (:func:`gather_state_dict`), each piece from the ``replica``-th rank (in
+    rank order) of those that hold it."""
     holders: dict[str, list[_Piece]] = {}
     meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for rank, table in enumerate(tables):
@@ -114,7 +117,9 @@ def _assign(tables: list[dict[str, tuple]]) -> list[_Job]:
         shape, dtype = meta[name]
         pieces = holders[name]
         whole = [p.rank for p in pieces if p.shard is None]
-        if whole:
+        if dst is not None:
+            job = _Job(name, shape, dtype, dst, _copy(name, pieces, replica, dst))
+        elif whole:
             writer = min(whole, key=lambda r: (load[r], r))
             job = _Job(name, shape, dtype, writer, ())
         else:
@@ -131,9 +136,26 @@ def _assign(tables: list[dict[str, tuple]]) -> list[_Job]:
                                       f"{math.prod(shape)} elements (shape {list(shape)}); the module's "
                                       "checkpoint_layout() does not describe a partition of the tensor")
             job = _Job(name, shape, dtype, writer, tuple(unique.values()))
-        load[writer] += job.nbytes
+        load[job.writer] += job.nbytes
         jobs.append(job)
     return jobs
+
+
+def _copy(name: str, pieces: list[_Piece], replica: int, dst: int) -> tuple[_Piece, ...]:
+    """The pieces ``dst`` assembles ``name`` from: the ``replica``-th holder (in rank order) of
+    the whole tensor (none where that is ``dst``), else of each box."""
+    ordered = sorted(pieces, key=lambda p: p.rank)
+    copies: dict[tuple, list[_Piece]] = {}
+    for p in ordered:
+        copies.setdefault(p.key(), []).append(p)
+    whole = [p for p in ordered if p.shard is None]
+    held = [whole] if whole else list(copies.values())
+    fewest = min(len(c) for c in held)
+    if replica >= fewest:
+        raise CheckpointError(f"gather_state_dict: replica = {replica}, but {name} is held by {fewest} rank(s) "
+                              "(copies are numbered from 0 in rank order)")
+    chosen = tuple(c[replica] for c in held)
+    return () if whole and chosen[0].rank == dst else chosen
 
 
 def _files(jobs: list[_Job], world: int, max_bytes: int | None) -> tuple[dict[str, str], list[tuple[int, str, list[_Job]]]]:
@@ -208,7 +230,10 @@ def _write_config(model: torch.nn.Module, out: Path) -> None:
         generation.save_pretrained(str(out))
 
 
-def _place(full: torch.Tensor, local: torch.Tensor, shard: ShardSpec) -> None:
+def _place(full: torch.Tensor, local: torch.Tensor, shard: ShardSpec | None) -> None:
+    if shard is None:   # a whole copy another rank holds
+        full.copy_(local)
+        return
     for box, sizes, _ in shard.boxes(tuple(local.shape)):
         view = full
         for d, (o, n) in enumerate(zip(box, sizes)):
@@ -232,15 +257,7 @@ def save_pretrained(pmodel: torch.nn.Module, model: torch.nn.Module, output_dir:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"save_pretrained: {out} is a file; pass a folder")
     group, distributed = layout.group, layout.distributed
-    world = dist.get_world_size(group) if distributed else 1
-    rank = dist.get_rank(group) if distributed else 0
-    mine = {lp.fqn: lp for lp in layout.params if lp.write}
-    table = {name: (tuple(lp.global_shape), lp.param.dtype, tuple(lp.param.shape), lp.shard)
-             for name, lp in mine.items()}
-    tables: list[Any] = [table]
-    if distributed:
-        tables = [None] * world
-        dist.all_gather_object(tables, table, group=group)
+    world, rank, mine, tables = _described(layout)
     jobs = _assign(tables)
     weight_map, files = _files(jobs, world, limit)
     if rank == 0:
@@ -259,6 +276,46 @@ def save_pretrained(pmodel: torch.nn.Module, model: torch.nn.Module, output_dir:
         dist.barrier(group=group)
 
 
+def _described(layout: Layout) -> tuple[int, int, dict[str, LocalParam], list[dict[str, tuple]]]:
+    """``(world, rank, the pieces this rank writes by name, every rank's table of them)``: the
+    tables (name -> whole shape, dtype, local shape, box; metadata only) all-gathered."""
+    group, distributed = layout.group, layout.distributed
+    world = dist.get_world_size(group) if distributed else 1
+    rank = dist.get_rank(group) if distributed else 0
+    mine = {lp.fqn: lp for lp in layout.params if lp.write}
+    table = {name: (tuple(lp.global_shape), lp.param.dtype, tuple(lp.param.shape), lp.shard)
+             for name, lp in mine.items()}
+    tables: list[Any] = [table]
+    if distributed:
+        tables = [None] * world
+        dist.all_gather_object(tables, table, group=group)
+    return world, rank, mine, tables
+
+
+def gather_state_dict(pmodel: torch.nn.Module, dst: int = 0, *, replica: int = 0,
+                      aliases: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor] | None:
+    """The whole model's parameters on the host of rank ``dst`` of ``pmodel``'s group (None on
+    the others), assembled as :func:`save_pretrained` assembles them (module docstring) but
+    every tensor on ``dst``, one at a time; each whole tensor or box from the ``replica``-th of
+    the ranks holding a copy (in rank order: a check that replicas agree); ``aliases``: canonical
+    name -> every name of the same tensor (tied weights under each).  Collective."""
+    layout = describe(pmodel)
+    group = layout.group if layout.distributed else None
+    world, rank, mine, tables = _described(layout)
+    if not 0 <= dst < world:
+        raise ConfigError(f"gather_state_dict: dst = {dst!r}: expected a rank of the module's group, 0..{world - 1}")
+    out: dict[str, torch.Tensor] | None = {} if rank == dst else None
+    device = next((lp.param.device for lp in layout.params), CPU)
+    for job in _assign(tables, dst, replica):
+        if out is not None:
+            full = _assemble(job, mine, rank, group, device)
+            for name in (aliases or {}).get(job.name, [job.name]):
+                out[name] = full if job.pieces else full.clone()
+        elif any(p.rank == rank for p in job.pieces):
+            dist.send(mine[job.name].param.detach().contiguous(), group_dst=dst, group=group)
+    return out
+
+
 def _exchange(layout: Layout, jobs: list[_Job], files: list[tuple[int, str, list[_Job]]],
               mine: dict[str, Any], rank: int, out: Path) -> None:
     """Step 2 of the module docstring: every rank walks the jobs in the same order; a writer
@@ -275,7 +332,7 @@ def _exchange(layout: Layout, jobs: list[_Job], files: list[tuple[int, str, list
                         stream.close()
                     name, chunk = next(my_files)
                     stream, left = _Stream(out / name, chunk), len(chunk)
-                stream.write(job.name, _assemble(job, mine, rank, group))
+                stream.write(job.name, _assemble(job, mine, rank, group, mine[job.name].param.device))
                 left -= 1
             elif any(p.rank == rank for p in job.pieces):
                 local = mine[job.name].param.detach().contiguous()
@@ -285,16 +342,15 @@ def _exchange(layout: Layout, jobs: list[_Job], files: list[tuple[int, str, list
             stream.close()
 
 
-def _assemble(job: _Job, mine: dict[str, Any], rank: int, group: Any) -> torch.Tensor:
-    """The whole tensor on the host: this rank's, or placed together from the pieces."""
-    own = mine[job.name]
+def _assemble(job: _Job, mine: dict[str, Any], rank: int, group: Any, device: torch.device) -> torch.Tensor:
+    """The whole tensor on the host: this rank's, or placed together from the pieces (received
+    on ``device``, as NCCL needs)."""
     if not job.pieces:
-        return to_host(own.param.detach())
+        return to_host(mine[job.name].param.detach())
     full = torch.empty(job.shape, dtype=job.dtype, device=CPU)
-    device = own.param.device
     for piece in job.pieces:
         if piece.rank == rank:
-            local = to_host(own.param.detach())
+            local = to_host(mine[job.name].param.detach())
         else:
             buf = torch.empty(piece.local_shape, dtype=job.dtype, device=device)
             dist.recv(buf, group_src=piece.rank, group=group)

@@ -93,6 +93,29 @@ def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None
     assert [lp.fqn for lp in pmodel.checkpoint_layout()] == [n for n, _ in model.named_parameters()]
 
 
+def test_the_one_gather_gives_copies_under_every_name_and_refuses_a_missing_copy() -> None:
+    """``gather_state_dict`` (one implementation, on the layout): a tied weight under each of its
+    names, values equal to the module's and not views of them; a replica or rank the module does
+    not have is a clear error."""
+    from fxpar.errors import CheckpointError, ConfigError
+    from tests.graph.test_step_loop import _plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight   # tied
+    pmodel = part("data_parallel", "apply").build(
+        model, _plan([4], 2), 0, torch.zeros(4, 4), device=torch.device("cpu"), checkpoint=None, group=None,
+        loss_fn=None, loss_weighting="samples", emulate=False, exports=None)
+    full = pmodel.gather_state_dict()
+    assert sorted(full) == sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(full[n], p) for n, p in model.named_parameters(remove_duplicate=False))
+    full["0.weight"].zero_()
+    assert model[0].weight.abs().sum() > 0
+    with pytest.raises(CheckpointError, match="replica = 1, but 0.bias is held by 1 rank"):
+        pmodel.gather_state_dict(replica=1)
+    with pytest.raises(ConfigError, match="dst = 2"):
+        pmodel.gather_state_dict(dst=2)
+
+
 def test_fxpar_modules_are_parallel_modules_by_registration() -> None:
     """``isinstance`` must not depend on reading the members: from Python 3.12 a protocol's check
     reads them statically, which misses ``module`` (kept in ``_modules``) and what the adaptive
@@ -134,7 +157,7 @@ def test_fxpar_reads_the_contract_and_never_probes_it() -> None:
 
 #: classes defining each of these themselves, among the parallel modules (issue #38 item 2 asks
 #: for one each; the adaptive module's step wraps its plan's).  They may only go down.
-IMPLEMENTATIONS_AT_MOST = {"clip_grad_norm_": 1, "save_pretrained": 1, "step": 3, "gather_state_dict": 5}
+IMPLEMENTATIONS_AT_MOST = {"clip_grad_norm_": 1, "save_pretrained": 1, "step": 3, "gather_state_dict": 1}
 
 
 def test_one_implementation_of_what_every_form_shares() -> None:
@@ -145,6 +168,7 @@ def test_one_implementation_of_what_every_form_shares() -> None:
         assert len(defining) <= most, f"{name} is written in {defining}: at most {most} (and going down)"
     assert [c.__name__ for c in classes if "clip_grad_norm_" in vars(c)] == ["ParallelModuleBase"]
     assert [c.__name__ for c in classes if "save_pretrained" in vars(c)] == ["FormModule"]
+    assert [c.__name__ for c in classes if "gather_state_dict" in vars(c)] == ["FormModule"]
 
 
 def test_no_class_bypasses_its_bases_init() -> None:

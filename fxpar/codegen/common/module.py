@@ -1,5 +1,6 @@
 """The base of every form's module: :class:`~fxpar.runtime.contract.ParallelModuleBase` and the
-members that need the checkpoint layer above the runtime (``save_pretrained``).
+members that need the checkpoint layer above the runtime (``save_pretrained``,
+``gather_state_dict``: both assemble the whole model from the ranks' ``checkpoint_layout()``).
 
 A form's module derives from :class:`FormModule` first and, where the step loop runs it, from
 :class:`~fxpar.runtime.step_loop.StepModule` after it.
@@ -10,6 +11,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+
+from fxpar.checkpoint.hf_save import gather_state_dict as gather_pieces
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.runtime.contract import ParallelModuleBase
 
@@ -25,6 +29,24 @@ class FormModule(ParallelModuleBase):
         with self._saving():
             save_sharded(self, self.original_model, output_dir, **kwargs)
 
+    def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters under every original name (tied weights under each), on
+        the host of rank ``dst`` of the module's group; None on the others.  Assembled from the
+        ranks' ``checkpoint_layout()`` as :meth:`save_pretrained` is, each piece from the
+        ``replica``-th of the ranks that hold a copy of it (in rank order: replicas can be
+        compared).  Collective (:func:`fxpar.checkpoint.hf_save.gather_state_dict`)."""
+        with self._saving():
+            return gather_pieces(self, dst, replica=replica, aliases=self._tied_names())
+
     def _saving(self) -> contextlib.AbstractContextManager[Any]:
-        """A context around :meth:`save_pretrained` (a form whose layout moves for the save)."""
+        """A context around :meth:`save_pretrained` and :meth:`gather_state_dict` (a form whose
+        layout moves for them)."""
         return contextlib.nullcontext()
+
+    def _tied_names(self) -> dict[str, list[str]]:
+        """The name a layout gives each tied tensor -> all its names (default: the ties of
+        ``original_model`` by identity; a form whose module no longer holds them says so)."""
+        names: dict[int, list[str]] = {}
+        for fqn, p in self.original_model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(fqn)
+        return {group[0]: group for group in names.values()}

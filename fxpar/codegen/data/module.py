@@ -78,12 +78,6 @@ class DataParallelModule(FormModule, StepModule):
         """Every parameter of the replica, whole (each tied weight under its first name)."""
         return [LocalParam(fqn=n, param=p) for n, p in self.module.named_parameters()]
 
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The replica's parameters (original FQNs) on rank ``dst``; None elsewhere."""
-        if self._distributed and dist.get_rank(self.group) != dst:
-            return None
-        return {n: p.detach().clone() for n, p in self.module.named_parameters(remove_duplicate=False)}
-
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
     def _items_group(self) -> Any:
         return self.group if self._distributed else ALONE

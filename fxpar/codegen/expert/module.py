@@ -165,11 +165,6 @@ class ExpertParallelModule(FormModule, StepModule):
         return out
 
     # ---- the full model on one rank --------------------------------------------------------
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The original model's full state dict (expert tensors reassembled in expert order) on
-        rank ``dst``; None elsewhere.  Collective: every rank calls it."""
-        return self._gather(self.module.state_dict(), dst)
-
     def gather_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Every parameter's gradient under its original FQN and full shape, on rank ``dst``."""
         return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()

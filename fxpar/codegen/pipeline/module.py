@@ -65,7 +65,7 @@ from fxpar.codegen.pipeline.stage_setup import (
     wants_checkpointing,
     weighted_loss,
 )
-from fxpar.codegen.pipeline.stage_state import gather_stages, stage_boxes
+from fxpar.codegen.pipeline.stage_state import stage_boxes
 from fxpar.codegen.pipeline.ties import alias_groups, canonical_names, sync_tied, tied_params
 from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
@@ -378,11 +378,9 @@ class PipelineParallelModule(FormModule):
             self._replica_sum.finish()
         sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
 
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The full model's parameters under their original FQNs on rank ``dst`` (None elsewhere),
-        from the first pipeline's stages (:func:`fxpar.codegen.pipeline.stage_state.gather_stages`)."""
-        return gather_stages(self.named_original_parameters(), self.pipeline_index == 0, self._canonical,
-                             self._aliases, dst)
+    def _tied_names(self) -> dict[str, list[str]]:
+        """Each tied weight's canonical name -> all its names (read before sharding could untie them)."""
+        return {self._canonical[fqn]: names for fqn, names in self._aliases.items()}
 
     def checkpoint_layout(self) -> list[Any]:
         """The box of every original parameter this rank holds: its stage's tensors, whole or shards."""

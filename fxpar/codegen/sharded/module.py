@@ -63,7 +63,6 @@ from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
-from fxpar.runtime.device import to_host
 from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
 from fxpar.runtime.compile import CompileOptions
@@ -247,13 +246,9 @@ class ShardedDataParallelModule(FormModule, StepModule):
             out.append(LocalParam(fqn=t.names[0], param=tensor, shard=spec, write=hi > lo))
         return out
 
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The full parameters under every original FQN, on the host of rank ``dst`` (None
-        elsewhere).  Collective."""
-        with self.full_parameters():
-            if self._distributed and dist.get_rank(self.group) != dst:
-                return None
-            return {name: to_host(t.full.detach()).clone() for t in self.tensors for name in t.names}
+    def _tied_names(self) -> dict[str, list[str]]:
+        """Each flat tensor's first name -> all its names (the module holds shards, not the ties)."""
+        return {t.names[0]: list(t.names) for t in self.tensors}
 
     @contextlib.contextmanager
     def _saving(self) -> Iterator[None]:

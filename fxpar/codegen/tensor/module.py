@@ -173,13 +173,6 @@ class TensorParallelModule(FormModule, StepModule):
                          reduce=self.world > 1 and self.layout.width > 1)
 
     # ---- the full model ----------------------------------------------------------------------
-    def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
-        """The unsharded parameters under their original FQNs on rank ``dst`` (None elsewhere),
-        from ``replica``'s ranks: shards concatenated in position order along their split
-        dimension.  Collective: every rank calls it."""
-        return self._gather({n: p.detach() for n, p in self.module.named_parameters(remove_duplicate=False)},
-                            dst, replica)
-
     def gather_gradients(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
         """Every parameter's full gradient (original FQNs) from ``replica``'s ranks, on ``dst``."""
         return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
