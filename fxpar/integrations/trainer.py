@@ -191,7 +191,7 @@ class FxparTrainer(Trainer):
         """The loss only (``prediction_loss_only`` is implied for pipelines: no rank holds the
         whole model's logits)."""
         model = _current(model)
-        if hasattr(model, "eval_loss"):
+        if not model.whole_outputs:
             return model.eval_loss(inputs, local=True).detach(), None, None
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 

@@ -9,7 +9,7 @@ every module fxpar builds, and that fxpar's code does not probe them with ``hasa
 
 :class:`ParallelModuleBase` gives the members whose meaning is the same for every form once:
 defaults for the optional ones, ``batch_rows``, ``shard_batch``, ``make_optimizer``, ``track``,
-``set_plan`` and ``clip_grad_norm_`` (each form says what it counts: ``_norm_terms``).
+``set_plan``, ``eval_loss`` (a form whose outputs are whole needs none) and ``clip_grad_norm_`` (each form says what it counts: ``_norm_terms``).
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ class ParallelModule(Protocol):
     owned: Any
     #: True for a module that switches plans itself (:class:`fxpar.adapt.AdaptiveModule`)
     adaptive: bool
+    #: False where no rank's forward gives the whole model's outputs (a pipeline stage's): it
+    #: is evaluated by :meth:`eval_loss`, a loss and no logits
+    whole_outputs: bool
 
     @property
     def device(self) -> torch.device:
@@ -101,8 +104,9 @@ class ParallelModule(Protocol):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm; returns that norm.  Collective."""
 
-    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The full model's parameters under their original names on rank ``dst``.  Collective."""
+    def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """The full model's parameters under their original names on rank ``dst`` (each piece
+        from the ``replica``-th rank holding a copy).  Collective."""
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """A HF ``save_pretrained`` folder of the whole model.  Collective."""
@@ -116,6 +120,10 @@ class ParallelModule(Protocol):
 
     def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register the optimizer whose state a plan switch moves; returns it."""
+
+    def eval_loss(self, batch: Any, *, local: bool = False) -> torch.Tensor:
+        """A module without :attr:`whole_outputs`: the loss of ``batch`` (rows as for ``step``)
+        without gradients, the same on every rank.  Collective."""
 
     def compile_regions(self, options: Any) -> None:
         """Compile the rank's repeated blocks (:mod:`fxpar.runtime.compile`)."""
@@ -133,6 +141,7 @@ class ParallelModuleBase(torch.nn.Module):
 
     #: see :class:`ParallelModule`
     adaptive: ClassVar[bool] = False
+    whole_outputs: ClassVar[bool] = True
     group: Any = None
     dp_group: Any = None
     pricing: Any = None
@@ -161,6 +170,12 @@ class ParallelModuleBase(torch.nn.Module):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's rows of a global batch (:meth:`batch_rows`)."""
         return slice_rows(batch, *self.batch_rows())
+
+    def eval_loss(self, batch: Any, *, local: bool = False) -> torch.Tensor:
+        """Only a module without :attr:`whole_outputs` evaluates by a loss alone; this one's
+        forward gives the whole model's outputs (evaluate through it)."""
+        raise PlanError(f"eval_loss: a {self.plan.strategy} module's forward gives the whole model's outputs "
+                        "(whole_outputs is True): evaluate by calling it, as the Trainer does")
 
     def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;

@@ -39,7 +39,7 @@ tensor-parallel stage, the first pipeline's for the others.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,9 @@ from fxpar.tracing.structure import block_paths
 
 class PipelineParallelModule(FormModule):
     """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
+
+    #: a stage's forward gives its boundary values, not the model's outputs: :meth:`eval_loss`
+    whole_outputs: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                  *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
