@@ -136,7 +136,6 @@ class DetectorSettings:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps = {self.warmup_steps!r}: expected an int >= 0")
 
-
     def on_host(self, shares_cores: bool) -> DetectorSettings:
         """These settings for ranks that do (or do not) share cores (module docstring)."""
         if not shares_cores or self.threshold >= self.shared_cores_threshold:

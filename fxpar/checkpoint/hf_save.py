@@ -145,11 +145,11 @@ def _copy(name: str, pieces: list[_Piece], replica: int, dst: int) -> tuple[_Pie
     """The pieces ``dst`` assembles ``name`` from: the ``replica``-th holder (in rank order) of
     the whole tensor (none where that is ``dst``), else of each box."""
     ordered = sorted(pieces, key=lambda p: p.rank)
+    whole = [p for p in ordered if p.shard is None]
     copies: dict[tuple, list[_Piece]] = {}
     for p in ordered:
         copies.setdefault(p.key(), []).append(p)
-    whole = [p for p in ordered if p.shard is None]
-    held = [whole] if whole else list(copies.values())
+    held = [whole] if whole else list(copies.values())   # the copies of the tensor, or of each box
     fewest = min(len(c) for c in held)
     if replica >= fewest:
         raise CheckpointError(f"gather_state_dict: replica = {replica}, but {name} is held by {fewest} rank(s) "
@@ -309,8 +309,10 @@ def gather_state_dict(pmodel: torch.nn.Module, dst: int = 0, *, replica: int = 0
     for job in _assign(tables, dst, replica):
         if out is not None:
             full = _assemble(job, mine, rank, group, device)
+            if not job.pieces:   # this rank's own tensor: a copy, not a view of the parameter
+                full = full.clone()
             for name in (aliases or {}).get(job.name, [job.name]):
-                out[name] = full if job.pieces else full.clone()
+                out[name] = full
         elif any(p.rank == rank for p in job.pieces):
             dist.send(mine[job.name].param.detach().contiguous(), group_dst=dst, group=group)
     return out
