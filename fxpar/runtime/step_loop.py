@@ -1,9 +1,12 @@
-"""One training step for every per-rank module kind (data, tensor and expert parallel).
+"""One training step for every per-rank module kind (data, sharded, tensor, expert parallel and
+the pipelines).
 
 The micro-batch loop, the loss weighting, mixed precision, speed emulation and the step's
 timing live here once; each kind is a :class:`StepModule` and supplies only what differs
 (its rows, the group its item counts sum over, its gradient sync; the hooks are listed on
-the class).
+the class).  A pipeline replaces the micro-batch loop by its schedule
+(:meth:`StepModule._forward_backward`: :mod:`fxpar.codegen.pipeline.module`, which weights
+each micro-batch by the same rule).
 
 Weighting (the definition of correct in DESIGN: the loss and every gradient equal one process
 on the whole global batch).  With ``N`` items in the global batch -- samples, or for HF models
@@ -77,6 +80,8 @@ class StepModule(ParallelModuleBase):
     :meth:`_setup_step` in its ``__init__`` (before sharding: its collectives report to
     ``self.clock``) and supplies:
 
+    - ``_forward_backward(batch, local)``: the forward and backward of the rank's rows (default:
+      the micro-batch loop; a pipeline: its schedule);
     - ``_summed()``: the parameters summed over the ranks with other rows and their group (the
       loop's bucketed all-reduce; default: none), or ``_sync_gradients(loss_sum)``: a sync of its
       own after the last backward;
@@ -150,35 +155,52 @@ class StepModule(ParallelModuleBase):
         """Forward + backward of this rank's rows of the global ``batch`` (``local=True``:
         ``batch`` is already those rows, :meth:`batch_rows`), each micro-batch's mean loss
         weighted by ``N_m / N``, then the kind's gradient sync.  Returns the global loss ``L``
-        on every rank; the caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+        on every rank; the caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
+        The one step of every form: a kind supplies :meth:`_forward_backward` (a pipeline: its
+        schedule) and :meth:`_sync_gradients`."""
         where = self._where(local)
         self._check_batch(batch, local)
-        device = self.device
         with timed() as wall:
-            total = self._total_items(batch, local, device)
-            runs = self._microbatches(batch if local else self.shard_batch(batch))
-            buckets = self._buckets()
-            if buckets is not None:
-                buckets.prepare()
-            self.clock.start()
-            try:  # kinds whose collectives run inside the forward / backward (sharded, EP, TP)
-                with peer_failures(f"{where}: a collective of the forward or backward", self.rank):
-                    loss_sum = self._run(runs, total, device)
-            finally:
-                self.clock.stop()
-            for p in self.module.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            with peer_failures(f"{where}: a collective of the forward or backward", self.rank):
+                loss_sum = self._forward_backward(batch, local)
             with timed() as sync, peer_failures(f"{where}: gradient all-reduce", self.rank):
                 loss = self._sync_gradients(loss_sum)
                 if self.loss_scaler is not None:  # the verdict is agreed over every rank
-                    self.loss_scaler.unscale_and_check(self.module.parameters(), device, self._scaler_group())
-        self.last_timing = StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
-                                      comm_s=self.clock.comm_s + sync.seconds, total_s=wall.seconds,
-                                      cpu_s=self.clock.cpu_s)
+                    self.loss_scaler.unscale_and_check(self._scaled_parameters(), self.device, self._scaler_group())
+        self.last_timing = self._step_timing(wall.seconds, sync.seconds)
         self.plan = explained(self.plan, self.compiled)   # the compiled regions' graph breaks, once
         self._after_step()
         return loss
+
+    def _forward_backward(self, batch: Any, local: bool) -> torch.Tensor:
+        """The micro-batch loop over this rank's rows, timed by the clock (collectives of the
+        sharded, EP and TP kinds run inside); returns ``Σ_m (N_m / N) · L_m`` with every trainable
+        parameter's ``.grad`` set (zeros where none flowed: every rank joins the sync)."""
+        device = self.device
+        total = self._total_items(batch, local, device)
+        runs = self._microbatches(batch if local else self.shard_batch(batch))
+        buckets = self._buckets()
+        if buckets is not None:
+            buckets.prepare()
+        self.clock.start()
+        try:
+            loss_sum = self._run(runs, total, device)
+        finally:
+            self.clock.stop()
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return loss_sum
+
+    def _step_timing(self, wall_s: float, sync_s: float) -> StepTiming | None:
+        """The parts of the step just run, from the clock (None where the clock does not time
+        the whole step)."""
+        return StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
+                          comm_s=self.clock.comm_s + sync_s, total_s=wall_s, cpu_s=self.clock.cpu_s)
+
+    def _scaled_parameters(self) -> Any:
+        """The parameters whose gradients an fp16 plan's loss scale multiplied."""
+        return self.module.parameters()
 
     # ---- torch.compile -------------------------------------------------------------------------
     def compile_regions(self, options: CompileOptions) -> None:

@@ -32,12 +32,14 @@ def test_fp16_matches_one_process_with_grad_scaler(pool2, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["data_parallel", "pipeline"])
 def test_overflow_skips_the_step_on_every_rank(pool2, kind: str) -> None:
     """A scale of 2^120 overflows fp16 gradients: every rank skips (no gradient left for the
-    optimizer) and halves the scale, as GradScaler does."""
+    optimizer) and halves the scale, as GradScaler does; the loss it reports is still the
+    step's (divided by the scale the step ran with, not the halved one)."""
     results = pool2.run(fp16_parity, kind, 2.0 ** 120, 1)
     for r in results:
         s = r["steps"][0]
         assert s["skipped"] and s["ref_skipped"] and s["n_grads"] == 0, s
         assert s["scale"] == s["ref_scale"] == 2.0 ** 119, s
+        expect(check_loss(s["loss"], s["ref_loss"], AUTOCAST_LOSS_RTOL), context=(kind, r["rank"]))
 
 
 def test_scaler_rules() -> None:

@@ -176,7 +176,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
                     seen.add(id(p))
                     yield fqn, p
 
-    def _where(self) -> str:
+    def _position(self) -> str:
         return f"stages {self.stage_indices}"
 
     def _stages(self) -> list[tuple[int, torch.nn.Module]]:

@@ -1,14 +1,13 @@
-"""Pipeline-parallel execution of a ``pipeline`` plan (``Schedule1F1B`` or ``ScheduleGPipe``, as
-the plan says, on ``PipelineStage``).
+"""Pipeline-parallel execution of a ``pipeline`` plan: ``Schedule1F1B`` or ``ScheduleGPipe`` on
+``PipelineStage``, run by the one step loop (:class:`~fxpar.runtime.step_loop.StepModule`).
 
 Rank layout comes from the plan (``tensor_stages.py``): stage ``j`` of pipeline ``p`` runs on
 ``plan.stages[j].ranks[p·u_j : (p+1)·u_j]``, a tensor-parallel group of width ``u_j`` whose
 first rank runs the schedule and whose others replay it.  Groups: the point-to-point chain of
 each pipeline, one per (stage, position) across the ``P`` pipelines (data parallelism), one per
 tensor-parallel stage, one per pipeline, one per weight tied across stages
-(``ties.py``).  Mixed precision: the stages are exported under the autocast of the
-device the model is on and run under the autocast of this rank's device
-(:mod:`fxpar.codegen.pipeline.split`).
+(``ties.py``).  Mixed precision: the stages are exported under the autocast of the device
+the model is on and run under this rank's device's (:mod:`fxpar.codegen.pipeline.split`).
 
 Correctness: with ``N`` items in the global batch (label tokens ``labels[..., 1:] != -100``
 for HF causal LMs, labels ``!= -100`` for other HF models, else samples; ``loss_weighting``
@@ -86,13 +85,13 @@ from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.loss_scale import scaler_for
-from fxpar.runtime.compile import CompileOptions, RegionalCompile, explained
+from fxpar.runtime.compile import CompileOptions, RegionalCompile
 from fxpar.runtime.precision import AUTOCAST_DTYPES
-from fxpar.runtime.step_loop import LossWeighting, check_loss_options
+from fxpar.runtime.step_loop import LossWeighting, StepModule, check_loss_options
 from fxpar.tracing.structure import block_paths
 
 
-class PipelineParallelModule(FormModule):
+class PipelineParallelModule(FormModule, StepModule):
     """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
 
     #: a stage's forward gives its boundary values, not the model's outputs: :meth:`eval_loss`
@@ -247,48 +246,66 @@ class PipelineParallelModule(FormModule):
         start = sum(split[: self.pipeline_index])
         return start, start + split[self.pipeline_index]
 
-    def step(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
-        """1F1B over this pipeline's share of ``batch`` (the global batch; with ``local=True``
-        only this pipeline's rows, ``batch_rows()``); returns the global loss on every rank.
-        The caller runs the optimizer step."""
-        loss = self._run(batch, local, train=True)
-        self.plan = explained(self.plan, self.compiled)   # the compiled stages' graph breaks, once
-        return loss
-
     def eval_loss(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
         """The loss of ``batch`` (same rows as :meth:`step`) by a forward-only pass of the
         schedule, without gradients; the same value on every rank."""
-        with torch.no_grad():
-            return self._run(batch, local, train=False)
+        self._check_batch(batch, local)
+        with torch.no_grad(), peer_failures(f"{type(self).__name__}.eval_loss ({self._position()})", self.rank):
+            return self._global_loss(self._losses(batch, local, train=False))
 
-    def _run(self, batch: dict[str, torch.Tensor], local: bool, *, train: bool) -> torch.Tensor:
-        lo, hi = self.batch_rows()
-        expected = hi - lo if local else self.plan.global_batch
-        self._check_batch(batch, local, expected)
-        if local:
-            lo, hi = 0, expected
+    # ---- the step loop's hooks (:class:`~fxpar.runtime.step_loop.StepModule`) --------------
+    def _forward_backward(self, batch: dict[str, torch.Tensor], local: bool) -> torch.Tensor:
+        """One schedule run over this pipeline's rows of ``batch`` (1F1B, GPipe or interleaved,
+        as the plan says); returns this rank's ``Σ_mb (N_mb / N) · L_mb`` (the last stage's)."""
+        return self._losses(batch, local, train=True)
+
+    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Across the pipelines (:mod:`~fxpar.codegen.pipeline.replica_sum`), then tied weights
+        across this pipeline's stages (sums commute: each stage's replicas sum their part first);
+        returns the global loss."""
+        if self._replica_sum is not None:
+            self._replica_sum.finish()
+        sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
+        return self._global_loss(loss_sum)
+
+    def _step_timing(self, wall_s: float, sync_s: float) -> None:
+        return None   # not measured: the stages restart the clock at every compute segment
+
+    def _scaled_parameters(self) -> Any:
+        return (p for _, p in self.named_original_parameters())
+
+    def _where(self, local: bool) -> str:
+        return f"{type(self).__name__}.step{'(local=True)' if local else ''} ({self._position()})"
+
+    # ---- one schedule run ---------------------------------------------------------------
+    def _losses(self, batch: dict[str, torch.Tensor], local: bool, *, train: bool) -> torch.Tensor:
+        """This rank's weighted loss sum over one schedule run (zero but on the last stage), its
+        fp16 loss scale divided out."""
+        lo, hi = self._rows(local)
         losses: list[torch.Tensor] = []
-        what = "step" if train else "eval_loss"
-        with peer_failures(f"{type(self).__name__}.{what} ({self._where()})", self.rank):
-            weights = self._item_weights(batch, lo, hi, local)
-            if train and self._replica_sum is not None:
-                self._replica_sum.begin_step()
-            # contiguous: torch 2.11's stages check the inputs' strides against the example's,
-            # and a batch sliced by the user (ids[:, :-1]) is a strided view
-            self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True).contiguous()
-                                     for n in self.input_names), losses, train, weights)
-            if train:
-                self._sync_gradients()
-                if self.loss_scaler is not None:  # fp16: unscale, one inf/NaN verdict for every rank
-                    self.loss_scaler.unscale_and_check((p for _, p in self.named_original_parameters()),
-                                                       self.device)
-            scale = self._scale if train else 1.0
-            loss = (torch.stack([l.detach().float() for l in losses]).sum() / scale if losses
-                    else torch.zeros((), device=self.device))
-            dist.broadcast(loss, src=self.chain[-1], group=self.pipe_group)
-            if self.plan.pipelines > 1:
-                dist.all_reduce(loss, group=self.dp_group)
+        weights = item_weights(batch, lo, hi, by_tokens=self._by_tokens, causal=self._causal, device=self.device,
+                               sum_group=self.dp_group if local and self.plan.pipelines > 1 else None)  # n_i / N
+        if train and self._replica_sum is not None:
+            self._replica_sum.begin_step()
+        # contiguous: torch 2.11's stages check the inputs' strides against the example's,
+        # and a batch sliced by the user (ids[:, :-1]) is a strided view
+        self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True).contiguous()
+                                 for n in self.input_names), losses, train, weights)
+        scale = self._scale if train else 1.0
+        return (torch.stack([l.detach().float() for l in losses]).sum() / scale if losses
+                else torch.zeros((), device=self.device))
+
+    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss sum on every stage, summed over the pipelines: ``L``."""
+        dist.broadcast(loss, src=self.chain[-1], group=self.pipe_group)
+        if self.plan.pipelines > 1:
+            dist.all_reduce(loss, group=self.dp_group)
         return loss
+
+    def _rows(self, local: bool) -> tuple[int, int]:
+        """This pipeline's rows in the batch ``step`` gets (``local``: the batch is those rows)."""
+        lo, hi = self.batch_rows()
+        return (0, hi - lo) if local else (lo, hi)
 
     @property
     def _scale(self) -> float:
@@ -298,11 +315,6 @@ class PipelineParallelModule(FormModule):
         """The schedule's loss_fn: :func:`weighted_loss`, times the fp16 loss scale in training."""
         loss = weighted_loss(output, target)
         return loss * self._scale if torch.is_grad_enabled() else loss
-
-    def _item_weights(self, batch: dict[str, torch.Tensor], lo: int, hi: int, local: bool) -> torch.Tensor:
-        """``n_i / N`` per sample of this pipeline's rows (:func:`fxpar.codegen.pipeline.batches.item_weights`)."""
-        return item_weights(batch, lo, hi, by_tokens=self._by_tokens, causal=self._causal, device=self.device,
-                            sum_group=self.dp_group if local and self.plan.pipelines > 1 else None)
 
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
         """The stage modules (mixed precision: exported under the autocast of the device the
@@ -327,7 +339,7 @@ class PipelineParallelModule(FormModule):
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         return modules
 
-    def _where(self) -> str:
+    def _position(self) -> str:
         return f"stage {self.stage_index}"
 
     def _run_schedule(self, inputs: tuple, losses: list, train: bool, weights: torch.Tensor) -> None:
@@ -349,13 +361,15 @@ class PipelineParallelModule(FormModule):
         if self._link is not None:
             self._link.send(DONE)
 
-    def _check_batch(self, batch: Any, local: bool, expected: int) -> None:
+    def _check_batch(self, batch: Any, local: bool) -> None:
         """Clear errors, before any send or receive, for a batch the stages cannot take (every
         rank of the pipeline checks the same batch, so all raise alike; none waits forever)."""
         where = "PipelineParallelModule.step" + ("(local=True)" if local else "")
+        lo, hi = self._rows(local)
+        expected = hi - lo if local else self.plan.global_batch
         size = self.plan.stages[0].data_split[self.pipeline_index] // max(1, self.plan.num_microbatches)
         check_pipeline_batch(batch, where, self.input_names, expected, local, self._input_specs,
-                             self._vocab_size, self._causal, size, (0, expected) if local else self.batch_rows())
+                             self._vocab_size, self._causal, size, (lo, hi))
 
     def compile_regions(self, options: CompileOptions) -> None:
         """Compile this rank's stages' compute (:func:`fxpar.codegen.pipeline.stage_setup.compile_stages`)."""
@@ -373,13 +387,6 @@ class PipelineParallelModule(FormModule):
                    and (self.is_lead or getattr(p, "fxpar_sharded", False))
                    and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner]
         return NormTerms(counted, [p for _, p in named], self.pipe_group)
-
-    def _sync_gradients(self) -> None:
-        """Across the pipelines (:mod:`~fxpar.codegen.pipeline.replica_sum`), then tied weights
-        across this pipeline's stages (sums commute: each stage's replicas sum their part first)."""
-        if self._replica_sum is not None:
-            self._replica_sum.finish()
-        sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
 
     def _tied_names(self) -> dict[str, list[str]]:
         """Each tied weight's canonical name -> all its names (read before sharding could untie them)."""
