@@ -16,18 +16,27 @@ def nbytes(t: torch.Tensor) -> int:
     return int(t.numel()) * t.element_size()
 
 
+def tie_groups(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Every parameter tensor's canonical name -> all its names, in ``named_parameters`` order
+    (the canonical name is the first; a tied weight has several).  fxpar's one reading of ties:
+    read it before a form's sharding can untie anything."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in by_tensor.values()}
+
+
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name -> the canonical name of its tensor (:func:`tie_groups`)."""
+    return {name: first for first, names in tie_groups(model).items() for name in names}
+
+
 def param_infos(model: torch.nn.Module, layer_of: dict[str, int]) -> tuple[ParamInfo, ...]:
     """Every parameter tensor once (its first name canonical, tied names as aliases), with the
     index of the block it sits in (``layer_of``: block path -> index)."""
-    by_tensor: dict[int, list[str]] = {}
-    tensors: dict[int, torch.nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(name)
-        tensors[id(p)] = p
     infos = []
-    for key, names in by_tensor.items():
-        p = tensors[key]
-        fqn = names[0]
+    for fqn, names in tie_groups(model).items():
+        p = model.get_parameter(fqn)
         module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
         blk = block_path(module)
         infos.append(ParamInfo(

@@ -16,6 +16,7 @@ import torch
 from fxpar.checkpoint.hf_save import gather_state_dict as gather_pieces
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
 from fxpar.runtime.contract import ParallelModuleBase
+from fxpar.tracing.model_facts import tie_groups
 
 
 class FormModule(ParallelModuleBase):
@@ -46,7 +47,4 @@ class FormModule(ParallelModuleBase):
     def _tied_names(self) -> dict[str, list[str]]:
         """The name a layout gives each tied tensor -> all its names (default: the ties of
         ``original_model`` by identity; a form whose module no longer holds them says so)."""
-        names: dict[int, list[str]] = {}
-        for fqn, p in self.original_model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(fqn)
-        return {group[0]: group for group in names.values()}
+        return tie_groups(self.original_model)

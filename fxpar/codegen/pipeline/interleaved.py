@@ -32,7 +32,7 @@ from fxpar.codegen.pipeline.stage_setup import (
     torch_stage,
     wants_checkpointing,
 )
-from fxpar.codegen.pipeline.ties import TiedParam, alias_groups, canonical_names
+from fxpar.codegen.pipeline.ties import TiedParam
 from fxpar.codegen.pipeline.replica_sum import counting
 from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
@@ -40,6 +40,7 @@ from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime.distributed import new_group
 from fxpar.sim.interleaved import check_placement, lockstep_order
+from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
 
 
@@ -74,8 +75,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self._place_positions(plan, rank, emulate, pipes, stage_rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
-        self._canonical = canonical_names(model)
-        self._aliases = alias_groups(self._canonical)
+        self._canonical, self._ties = canonical_names(model), tie_groups(model)
         modules = self._split(model, one, layer_to_stage(plan, blocks))
         examples = self._own_stages(model, modules, one, source)
         self._tied, self._first_tie_stage = self._tie_groups(modules, stage_rank, pipes)

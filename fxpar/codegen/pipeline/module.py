@@ -65,7 +65,7 @@ from fxpar.codegen.pipeline.stage_setup import (
     weighted_loss,
 )
 from fxpar.codegen.pipeline.stage_state import stage_boxes
-from fxpar.codegen.pipeline.ties import alias_groups, canonical_names, sync_tied, tied_params
+from fxpar.codegen.pipeline.ties import sync_tied, tied_params
 from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
     PipelinePlacement,
@@ -88,6 +88,7 @@ from fxpar.runtime.loss_scale import scaler_for
 from fxpar.runtime.compile import CompileOptions, RegionalCompile
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.runtime.step_loop import LossWeighting, StepModule, check_loss_options
+from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
 
 
@@ -173,8 +174,7 @@ class PipelineParallelModule(FormModule, StepModule):
         self._blocks, self._stage_of = blocks, stage_of
         self._owners = owner_groups(plan, blocks, cuts, self.layout.chain)  # collective
         self._stage_replicas = (tuple(self.layout.dp_ranks(self.stage_index, self.tp_position)), self.dp_group)
-        self._canonical = canonical_names(model)  # before sharding can untie anything
-        self._aliases = alias_groups(self._canonical)
+        self._canonical, self._ties = canonical_names(model), tie_groups(model)  # before sharding unties any
         self._sharded = self.layout.tensor_parallel
         return stage_of
 
@@ -390,7 +390,7 @@ class PipelineParallelModule(FormModule, StepModule):
 
     def _tied_names(self) -> dict[str, list[str]]:
         """Each tied weight's canonical name -> all its names (read before sharding could untie them)."""
-        return {self._canonical[fqn]: names for fqn, names in self._aliases.items()}
+        return self._ties
 
     def checkpoint_layout(self) -> list[Any]:
         """The box of every original parameter this rank holds: its stage's tensors, whole or shards."""

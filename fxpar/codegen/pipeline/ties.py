@@ -37,23 +37,6 @@ class TiedParam:
     group: Any                   # the leads of the stages that read it (None on a follower)
 
 
-def canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    """Every parameter name -> the first name of the same tensor (call before any sharding)."""
-    first: dict[int, str] = {}
-    out = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        out[fqn] = first.setdefault(id(p), fqn)
-    return out
-
-
-def alias_groups(canonical: dict[str, str]) -> dict[str, list[str]]:
-    """Every parameter name -> all names of the same tensor (tied weights under every name)."""
-    groups: dict[str, list[str]] = {}
-    for fqn, first in canonical.items():
-        groups.setdefault(first, []).append(fqn)
-    return {fqn: groups[first] for fqn, first in canonical.items()}
-
-
 def tied_params(modules, canonical: dict[str, str], layout, stage: int, pipeline: int,
                 is_lead: bool) -> tuple[list[TiedParam], dict[str, int]]:
     """This rank's tied weights and ``{canonical name: first stage}`` of every tied weight.
