@@ -34,7 +34,8 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -293,13 +294,18 @@ def _described(layout: Layout) -> tuple[int, int, dict[str, LocalParam], list[di
 
 
 def gather_state_dict(pmodel: torch.nn.Module, dst: int = 0, *, replica: int = 0,
-                      aliases: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor] | None:
+                      aliases: dict[str, list[str]] | None = None,
+                      values: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
     """The whole model's parameters on the host of rank ``dst`` of ``pmodel``'s group (None on
     the others), assembled as :func:`save_pretrained` assembles them (module docstring) but
     every tensor on ``dst``, one at a time; each whole tensor or box from the ``replica``-th of
     the ranks holding a copy (in rank order: a check that replicas agree); ``aliases``: canonical
-    name -> every name of the same tensor (tied weights under each).  Collective."""
+    name -> every name of the same tensor (tied weights under each); ``values``: what is gathered
+    of each tensor of the layout, shaped like it (default: the tensor; its gradient, for
+    ``gather_gradients``).  Collective."""
     layout = describe(pmodel)
+    if values is not None:
+        layout = replace(layout, params=tuple(replace(lp, param=values(lp.param)) for lp in layout.params))
     group = layout.group if layout.distributed else None
     world, rank, mine, tables = _described(layout)
     if not 0 <= dst < world:

@@ -108,6 +108,9 @@ class ParallelModule(Protocol):
         """The full model's parameters under their original names on rank ``dst`` (each piece
         from the ``replica``-th rank holding a copy).  Collective."""
 
+    def gather_gradients(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """The same of every parameter's gradient (zeros where none).  Collective."""
+
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """A HF ``save_pretrained`` folder of the whole model.  Collective."""
 

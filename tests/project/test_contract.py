@@ -158,7 +158,8 @@ def test_fxpar_reads_the_contract_and_never_probes_it() -> None:
 #: classes defining each of these themselves, among the parallel modules (issue #38 item 2 asks
 #: for one each; the adaptive module's step wraps its plan's; a pipeline's schedule runs inside the
 #: step loop's).  They may only go down.
-IMPLEMENTATIONS_AT_MOST = {"clip_grad_norm_": 1, "save_pretrained": 1, "step": 2, "gather_state_dict": 1}
+IMPLEMENTATIONS_AT_MOST = {"clip_grad_norm_": 1, "save_pretrained": 1, "step": 2, "gather_state_dict": 1,
+                           "gather_gradients": 1}
 
 
 def test_one_implementation_of_what_every_form_shares() -> None:
@@ -171,6 +172,7 @@ def test_one_implementation_of_what_every_form_shares() -> None:
     assert [c.__name__ for c in classes if "clip_grad_norm_" in vars(c)] == ["ParallelModuleBase"]
     assert [c.__name__ for c in classes if "save_pretrained" in vars(c)] == ["FormModule"]
     assert [c.__name__ for c in classes if "gather_state_dict" in vars(c)] == ["FormModule"]
+    assert [c.__name__ for c in classes if "gather_gradients" in vars(c)] == ["FormModule"]
 
 
 def test_no_class_bypasses_its_bases_init() -> None:

@@ -39,6 +39,16 @@ class FormModule(ParallelModuleBase):
         with self._saving():
             return gather_pieces(self, dst, replica=replica, aliases=self._tied_names())
 
+    def gather_gradients(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
+        """Every parameter's gradient (zeros where it has none) whole, under every original name,
+        on the host of rank ``dst``; None on the others: :meth:`gather_state_dict` of the gradients
+        of the layout's tensors (a shard's gradient is the same box of the whole gradient).  For
+        tests and debugging: it moves the whole model to one rank.  Collective."""
+        def gradient(t: torch.Tensor) -> torch.Tensor:   # on the device: NCCL sends from it
+            return (t.grad if t.grad is not None else torch.zeros_like(t)).detach().to(self.device)
+
+        return gather_pieces(self, dst, replica=replica, aliases=self._tied_names(), values=gradient)
+
     def _saving(self) -> contextlib.AbstractContextManager[Any]:
         """A context around :meth:`save_pretrained` and :meth:`gather_state_dict` (a form whose
         layout moves for them)."""

@@ -9,7 +9,6 @@ or ``[gate | up]`` tensor); ``fxpar_shard_offset`` is the first piece's offset.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import torch
 
@@ -90,17 +89,3 @@ def cut(full: torch.Tensor, local_shape: tuple[int, ...], spec: ShardSpec | None
     for box, sizes, _ in spec.boxes(tuple(local_shape)):
         spec.piece(out, box).copy_(box_view(full, box, sizes))
     return out
-
-
-def assemble(pieces: Iterable[tuple[torch.Tensor, ShardSpec | None]]) -> torch.Tensor:
-    """The full tensor from ``(local tensor, its ShardSpec)`` pairs: a whole tensor among them
-    is the answer; shards (possibly overlapping, from differently split copies of one tied
-    weight, which hold equal values) are placed into their boxes."""
-    pieces = list(pieces)
-    for local, spec in pieces:
-        if spec is None:
-            return local
-    full = torch.empty(pieces[0][1].global_shape, dtype=pieces[0][0].dtype, device=pieces[0][0].device)
-    for local, spec in pieces:
-        place(full, local, spec)
-    return full

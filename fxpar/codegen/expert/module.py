@@ -52,7 +52,7 @@ without a checkpoint takes rank 0's weights (broadcast tensor by tensor) before 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,31 +163,6 @@ class ExpertParallelModule(FormModule, StepModule):
             out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
                 global_shape=(experts, *p.shape[1:]), offsets=(lo,) + (0,) * (p.dim() - 1))))
         return out
-
-    # ---- the full model on one rank --------------------------------------------------------
-    def gather_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """Every parameter's gradient under its original FQN and full shape, on rank ``dst``."""
-        return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
-                             for n, p in self.module.named_parameters()}, dst)
-
-    def _gather(self, local: Mapping[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor] | None:
-        split = self.plan.stages[0].expert_split
-        out: dict[str, torch.Tensor] = {}
-        for name, t in local.items():
-            t = t.detach()
-            if name not in self._expert_names or self.world == 1:
-                out[name] = t.clone()
-            elif self.rank != dst:
-                if t.numel():
-                    dist.send(t.contiguous(), dst=dst, group=self.group)
-            else:
-                parts = [t if src == dst else t.new_empty((split[src], *t.shape[1:]))
-                         for src in range(self.world)]
-                for src, buf in enumerate(parts):
-                    if src != dst and buf.numel():
-                        dist.recv(buf, src=src, group=self.group)
-                out[name] = torch.cat(parts).clone()
-        return out if self.rank == dst else None
 
 
 def _check_plan(plan: Plan, rank: int) -> None:

@@ -46,12 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
-from fxpar.codegen.common.shards import assemble, shard_spec
+from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.tensor.collectives import register_group
 from fxpar.codegen.tensor.families import (
     check_shares,
@@ -173,24 +172,6 @@ class TensorParallelModule(FormModule, StepModule):
                          reduce=self.world > 1 and self.layout.width > 1)
 
     # ---- the full model ----------------------------------------------------------------------
-    def gather_gradients(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
-        """Every parameter's full gradient (original FQNs) from ``replica``'s ranks, on ``dst``."""
-        return self._gather({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
-                             for n, p in self.module.named_parameters(remove_duplicate=False)}, dst, replica)
-
-    def _gather(self, local: Mapping[str, torch.Tensor], dst: int, replica: int) -> dict[str, torch.Tensor] | None:
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        mine = {n: (t.clone(), shard_spec(params[n])) for n, t in local.items()}
-        if self.world == 1:
-            return {n: t for n, (t, _) in mine.items()}
-        send = mine if self.replica == replica else {}
-        parts: list[Any] | None = [None] * self.world if self.rank == dst else None
-        dist.gather_object(send, parts, dst=dst)
-        if parts is None:
-            return None
-        group = [parts[k] for k in self.layout.tp_ranks(replica)]
-        return {name: assemble([part[name] for part in group if name in part]) for name in group[0]}
-
     def checkpoint_layout(self) -> list[Any]:
         """Which box of every original parameter this rank holds (``fxpar.checkpoint`` hook):
         shards at their offset inside their replica's TP group; replicas of a box are written
