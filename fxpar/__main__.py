@@ -1,3 +1,5 @@
+"""``python -m fxpar``: the command line (:func:`fxpar.cli.main`)."""
+
 import sys
 
 from fxpar.cli import main

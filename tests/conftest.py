@@ -36,6 +36,15 @@ def pytest_report_header(config) -> str:
             "whole suite)")
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The size report (:mod:`tests.project.sizes`: long modules and functions with their ideas),
+    once per session, for the reviewer; no size fails the suite."""
+    from tests.project.sizes import lines
+
+    for line in lines():
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """The quick tier deselects the tests marked ``full`` unless ``FXPAR_FULL`` is set (a marker
     expression given with ``-m`` decides alone).  A test parametrized with a ``model_type`` the
