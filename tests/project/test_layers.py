@@ -31,7 +31,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
 #: module prefix -> layer (the longest matching prefix wins)
 LAYERS: dict[str, int] = {
     "fxpar.errors": 0, "fxpar.compat": 0,
-    "fxpar.workload": 1, "fxpar.forms": 1, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_json": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
+    "fxpar.workload": 1, "fxpar.forms": 1, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
     "fxpar.cluster": 2,
     "fxpar.tracing": 3,
     "fxpar.profiling": 4,

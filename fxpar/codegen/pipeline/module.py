@@ -43,7 +43,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
 from fxpar.codegen.pipeline.stage_setup import compile_stages
@@ -64,7 +66,6 @@ from fxpar.codegen.pipeline.stage_setup import (
     wants_checkpointing,
     weighted_loss,
 )
-from fxpar.codegen.pipeline.stage_state import stage_boxes
 from fxpar.codegen.pipeline.ties import sync_tied, tied_params
 from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
@@ -393,8 +394,15 @@ class PipelineParallelModule(FormModule, StepModule):
         return self._ties
 
     def checkpoint_layout(self) -> list[Any]:
-        """The box of every original parameter this rank holds: its stage's tensors, whole or shards."""
-        return stage_boxes(self.named_original_parameters(), self._canonical, self._first_tie_stage, self._tie_owner)
+        """The box of every original parameter this rank holds (a whole tensor of its stage, or a
+        tensor-parallel shard at its offset), written by the rank whose stage is the tied weight's
+        first (``_first_tie_stage``; an untied weight by its holder)."""
+        out = []
+        for fqn, p in self.named_original_parameters():
+            name = self._canonical.get(fqn, fqn)
+            write = self._first_tie_stage.get(name, self._tie_owner) == self._tie_owner
+            out.append(LocalParam(fqn=name, param=p, shard=shard_spec(p), write=write))
+        return out
 
     def forward(self, *args: Any) -> Any:
         return self.module(*args)
