@@ -56,8 +56,10 @@ def report(package: Path = PACKAGE) -> tuple[list[Entry], list[Entry]]:
 def lines(package: Path = PACKAGE) -> list[str]:
     """The report as text."""
     modules, functions = report(package)
-    out = [f"size report: {len(modules)} modules over {MODULE_GUIDE} lines, {len(functions)} functions "
-           f"over {FUNCTION_GUIDE} (a guide: each should be one idea; tests/project/sizes.py)"]
+    count = lambda n, what: f"{n} {what}{'' if n == 1 else 's'}"   # noqa: E731
+    out = [f"size report: {count(len(modules), 'module')} over {MODULE_GUIDE} lines, "
+           f"{count(len(functions), 'function')} over {FUNCTION_GUIDE} (a guide: each should be one idea; "
+           "tests/project/sizes.py)"]
     out += [f"  {e.lines:5d}  {e.where}: {e.idea[:100]}" for e in [*modules, *functions]]
     return out
 
