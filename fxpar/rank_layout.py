@@ -35,11 +35,6 @@ def member(stage: Any, rank: int) -> tuple[int, int]:
     return divmod(stage.ranks.index(rank), max(int(stage.tensor_parallel), 1))
 
 
-def _replica_ranks(stage: Any, replica: int) -> tuple[int, ...]:
-    u = max(int(stage.tensor_parallel), 1)
-    return tuple(stage.ranks[replica * u:(replica + 1) * u])
-
-
 def expert_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
     """Contiguous ``[lo, hi)`` expert ranges, one per entry, from per-entry counts."""
     out, lo = [], 0
@@ -68,9 +63,14 @@ class RankPlace:
 
 
 class RankLayout:
-    """Every rank's :class:`RankPlace` in ``plan``."""
+    """Every rank's :class:`RankPlace` in ``plan``, and the rank sets the runtime makes its process
+    groups of (a stage's tensor-parallel groups, its replica groups, each replica's chain of
+    stage leads and its ranks), from the plan's stages alone."""
 
     def __init__(self, plan: Any) -> None:
+        #: each stage's ranks (replica-major, module docstring) and tensor-parallel width
+        self.stage_ranks: tuple[tuple[int, ...], ...] = tuple(tuple(st.ranks) for st in plan.stages)
+        self.widths: tuple[int, ...] = tuple(max(int(st.tensor_parallel), 1) for st in plan.stages)
         self.places: tuple[RankPlace, ...] = tuple(self._place(plan, r) for r in range(plan.world_size))
 
     def where(self, rank: int) -> RankPlace:
@@ -78,21 +78,51 @@ class RankLayout:
             raise PlanError(f"rank {rank}: the plan has ranks 0..{len(self.places) - 1}")
         return self.places[rank]
 
-    @staticmethod
-    def _place(plan: Any, rank: int) -> RankPlace:
-        mine = [st for st in plan.stages if rank in st.ranks]
+    @property
+    def replicas(self) -> int:
+        """How many replicas the first stage has (a pipeline plan's pipelines; every stage of a
+        pipeline has as many: ``fxpar.forms.pipeline.spec``)."""
+        return len(self.stage_ranks[0]) // self.widths[0]
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether any stage is wider than one rank."""
+        return max(self.widths) > 1
+
+    def tensor_group(self, stage: int, replica: int) -> tuple[int, ...]:
+        """Stage ``stage``'s ranks in replica ``replica`` (its tensor-parallel group)."""
+        u = self.widths[stage]
+        return self.stage_ranks[stage][replica * u:(replica + 1) * u]
+
+    def lead(self, stage: int, replica: int) -> int:
+        """The rank at position 0 of :meth:`tensor_group` (it runs the stage's schedule)."""
+        return self.tensor_group(stage, replica)[0]
+
+    def chain(self, replica: int) -> tuple[int, ...]:
+        """The leads of replica ``replica``'s stages, in stage order (a pipeline's point-to-point chain)."""
+        return tuple(self.lead(j, replica) for j in range(len(self.widths)))
+
+    def replica_group(self, stage: int, position: int) -> tuple[int, ...]:
+        """The ranks at ``position`` of stage ``stage`` in every replica (their gradients' sum)."""
+        u = self.widths[stage]
+        return tuple(self.stage_ranks[stage][p * u + position] for p in range(len(self.stage_ranks[stage]) // u))
+
+    def pipeline(self, replica: int) -> tuple[int, ...]:
+        """Every rank of replica ``replica`` of the whole model, sorted."""
+        return tuple(sorted({r for j in range(len(self.widths)) for r in self.tensor_group(j, replica)}))
+
+    def _place(self, plan: Any, rank: int) -> RankPlace:
+        mine = [j for j, st in enumerate(plan.stages) if rank in st.ranks]
         if not mine:
             raise PlanError(f"rank {rank} belongs to no stage of the plan")
-        first = mine[0]
+        j, first = mine[0], plan.stages[mine[0]]
         replica, position = member(first, rank)
         index = first.ranks.index(rank)
-        pipeline = sorted({r for st in plan.stages for r in _replica_ranks(st, replica)})
         return RankPlace(
-            rank=rank, device=plan.ranks[rank].device, stages=tuple(st.index for st in mine), replica=replica,
-            position=position, tensor_group=_replica_ranks(first, replica),
-            replica_group=tuple(first.ranks[p * max(first.tensor_parallel, 1) + position]
-                                for p in range(len(first.ranks) // max(first.tensor_parallel, 1))),
-            pipeline=tuple(pipeline), experts=_experts(first, index, position), heads=_heads(first, index, position),
+            rank=rank, device=plan.ranks[rank].device, stages=tuple(plan.stages[i].index for i in mine),
+            replica=replica, position=position, tensor_group=self.tensor_group(j, replica),
+            replica_group=self.replica_group(j, position), pipeline=self.pipeline(replica),
+            experts=_experts(first, index, position), heads=_heads(first, index, position),
             batch_share=int(plan.ranks[rank].batch_share),
             state_weight=None if first.state_split is None else int(first.state_split[index]))
 

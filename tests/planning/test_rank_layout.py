@@ -9,7 +9,6 @@ import pytest
 
 import fxpar
 from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.pipeline.tensor_stages import PipelinePlacement
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.rank_layout import RankLayout
@@ -53,18 +52,25 @@ def test_expert_parallelism_gives_each_rank_its_expert_range():
 
 
 @pytest.mark.parametrize("widths", [[2, 1], [1, 2]])
-def test_a_pipeline_of_tensor_parallel_stages_agrees_with_the_runtime_placement(widths):
+def test_a_pipeline_of_tensor_parallel_stages_places_each_rank_by_its_stage_listing(widths):
+    """The run-time queries (the pipeline module makes its groups of them) agree with each rank's
+    place, and with the plan's replica-major listing read directly."""
     cluster = fxpar.Cluster.emulated([1.0] * 6)
     plan = pipeline_plan(model("llama"), cluster, global_batch=4, blocks_per_stage=[2, 2], num_microbatches=2,
                          pipelines=2, tensor_parallel=widths)
-    layout, runtime = RankLayout(plan), PipelinePlacement.of(plan)
+    layout = RankLayout(plan)
+    assert layout.replicas == 2 and layout.widths == tuple(widths) and layout.tensor_parallel
     for rank in range(6):
         p = layout.where(rank)
-        stage, pipe, pos = runtime.where(rank)
-        assert (p.stages, p.replica, p.position) == ((stage,), pipe, pos)
-        assert list(p.tensor_group) == runtime.tp_ranks(stage, pipe)
-        assert list(p.replica_group) == runtime.dp_ranks(stage, pos)
-        assert list(p.pipeline) == runtime.pipeline_ranks(pipe)
+        (stage,) = p.stages
+        u = widths[stage]
+        listed = plan.stages[stage].ranks
+        assert listed[p.replica * u + p.position] == rank
+        assert p.tensor_group == layout.tensor_group(stage, p.replica) == tuple(listed[p.replica * u:(p.replica + 1) * u])
+        assert p.replica_group == layout.replica_group(stage, p.position) == (listed[p.position], listed[u + p.position])
+        assert p.pipeline == layout.pipeline(p.replica)
+        assert layout.chain(p.replica) == tuple(plan.stages[j].ranks[p.replica * widths[j]] for j in range(2))
+        assert (layout.lead(stage, p.replica) == rank) == (p.position == 0)
     with pytest.raises(PlanError, match="rank 6"):
         layout.where(6)
 

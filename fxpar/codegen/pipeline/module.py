@@ -1,7 +1,7 @@
 """Pipeline-parallel execution of a ``pipeline`` plan: ``Schedule1F1B`` or ``ScheduleGPipe`` on
 ``PipelineStage``, run by the one step loop (:class:`~fxpar.runtime.step_loop.StepModule`).
 
-Rank layout comes from the plan (``tensor_stages.py``): stage ``j`` of pipeline ``p`` runs on
+Rank layout comes from the plan (:class:`fxpar.rank_layout.RankLayout`): stage ``j`` of pipeline ``p`` runs on
 ``plan.stages[j].ranks[p·u_j : (p+1)·u_j]``, a tensor-parallel group of width ``u_j`` whose
 first rank runs the schedule and whose others replay it.  Groups: the point-to-point chain of
 each pipeline, one per (stage, position) across the ``P`` pipelines (data parallelism), one per
@@ -69,7 +69,6 @@ from fxpar.codegen.pipeline.stage_setup import (
 from fxpar.codegen.pipeline.ties import sync_tied, tied_params
 from fxpar.codegen.pipeline.tensor_stages import (
     DONE,
-    PipelinePlacement,
     StageLink,
     example_values,
     follow,
@@ -81,6 +80,7 @@ from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
@@ -154,14 +154,15 @@ class PipelineParallelModule(FormModule, StepModule):
     def _place_rank(self, plan: Plan, rank: int, emulate: bool) -> None:
         """This rank's place in the layout (stage, pipeline, tensor-parallel position), its
         groups, its pipeline's chain and its speed clock."""
-        self.layout = PipelinePlacement.of(plan)
-        self.stage_index, self.pipeline_index, self.tp_position = self.layout.where(rank)
+        self.layout = RankLayout(plan)
+        place = self.layout.where(rank)
+        self.stage_index, self.pipeline_index, self.tp_position = place.stages[0], place.replica, place.position
         self.tp_width = self.layout.widths[self.stage_index]
         self.is_lead = self.tp_position == 0
         groups = make_groups(self.layout, rank)  # every rank creates every group, in order
         self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
         self.pipe_group = groups.pipeline
-        self.chain = self.layout.chain(self.pipeline_index)
+        self.chain = list(self.layout.chain(self.pipeline_index))
         self.emulator, self.clock = rank_clock(plan, rank, emulate, self.device)
         self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index), self.device)
                       if self.tp_width > 1 else None)
@@ -174,7 +175,7 @@ class PipelineParallelModule(FormModule, StepModule):
         stage_of = cuts[self.pipeline_index]
         self._blocks, self._stage_of = blocks, stage_of
         self._owners = owner_groups(plan, blocks, cuts, self.layout.chain)  # collective
-        self._stage_replicas = (tuple(self.layout.dp_ranks(self.stage_index, self.tp_position)), self.dp_group)
+        self._stage_replicas = (self.layout.replica_group(self.stage_index, self.tp_position), self.dp_group)
         self._canonical, self._ties = canonical_names(model), tie_groups(model)  # before sharding unties any
         self._sharded = self.layout.tensor_parallel
         return stage_of

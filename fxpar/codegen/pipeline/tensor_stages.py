@@ -1,10 +1,10 @@
-"""Where every rank sits in a pipeline plan whose stages may be tensor-parallel, and how the
-ranks of one tensor-parallel stage run its schedule together.
+"""How the ranks of one tensor-parallel pipeline stage run its schedule together, and the
+pipeline's process groups.
 
-Layout.  ``P`` pipelines, stage ``j`` of width ``u_j`` (``stages[j].tensor_parallel``): the
-stage's ranks are listed pipeline-major, ``stages[j].ranks[p·u_j + t]`` = position ``t`` of
-stage ``j`` in pipeline ``p``.  Widths may differ between stages (the planner gives each device
-kind its own tensor-parallel width).
+Layout (:class:`fxpar.rank_layout.RankLayout` answers it).  ``P`` pipelines, stage ``j`` of width
+``u_j`` (``stages[j].tensor_parallel``): the stage's ranks are listed pipeline-major,
+``stages[j].ranks[p·u_j + t]`` = position ``t`` of stage ``j`` in pipeline ``p``.  Widths may
+differ between stages (the planner gives each device kind its own tensor-parallel width).
 
 Lead and followers.  Position 0 of a stage (its *lead*) is the stage's member of the pipeline's
 point-to-point chain and runs ``torch.distributed.pipelining``'s schedule; positions ``t > 0``
@@ -35,62 +35,12 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import PlanError
-from fxpar.rank_layout import member
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.device import host_tensor
 from fxpar.runtime.distributed import host_group, new_group, own
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
-
-
-@dataclass(frozen=True, slots=True)
-class PipelinePlacement:
-    """Rank placement of a pipeline plan (module docstring)."""
-
-    pipelines: int
-    widths: tuple[int, ...]                     # tensor-parallel width of each stage
-    stage_ranks: tuple[tuple[int, ...], ...]    # stages[j].ranks
-    stages: tuple[Any, ...] = ()                # the plan's stages
-
-    @classmethod
-    def of(cls, plan: Any) -> "PipelinePlacement":
-        P = plan.pipelines
-        widths = tuple(int(st.tensor_parallel) for st in plan.stages)
-        for st, u in zip(plan.stages, widths):
-            if len(st.ranks) != P * u:
-                raise PlanError(f"pipeline plan: stage {st.index} lists {len(st.ranks)} ranks, but "
-                                f"{P} pipelines x tensor_parallel {u} need {P * u}")
-        return cls(pipelines=P, widths=widths, stage_ranks=tuple(tuple(st.ranks) for st in plan.stages),
-                   stages=tuple(plan.stages))
-
-    def where(self, rank: int) -> tuple[int, int, int]:
-        """``(stage, pipeline, position)`` of ``rank`` (:func:`fxpar.rank_layout.member`)."""
-        for j, st in enumerate(self.stages):
-            if rank in st.ranks:
-                return (j, *member(st, rank))
-        raise PlanError(f"rank {rank} belongs to no pipeline stage of the plan")
-
-    def tp_ranks(self, stage: int, pipeline: int) -> list[int]:
-        u = self.widths[stage]
-        return list(self.stage_ranks[stage][pipeline * u:(pipeline + 1) * u])
-
-    def lead(self, stage: int, pipeline: int) -> int:
-        return self.tp_ranks(stage, pipeline)[0]
-
-    def chain(self, pipeline: int) -> list[int]:
-        """The leads of ``pipeline``'s stages, in stage order (its point-to-point chain)."""
-        return [self.lead(j, pipeline) for j in range(len(self.widths))]
-
-    def dp_ranks(self, stage: int, position: int) -> list[int]:
-        u = self.widths[stage]
-        return [self.stage_ranks[stage][p * u + position] for p in range(self.pipelines)]
-
-    def pipeline_ranks(self, pipeline: int) -> list[int]:
-        return sorted(r for j in range(len(self.widths)) for r in self.tp_ranks(j, pipeline))
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return max(self.widths) > 1
 
 
 @dataclass(slots=True)
@@ -103,14 +53,16 @@ class PipelineGroups:
     pipeline: Any         # every rank of this pipeline
 
 
-def make_groups(layout: PipelinePlacement, rank: int) -> PipelineGroups:
-    stage, pipe, pos = layout.where(rank)
-    chains = [new_group(layout.chain(p)) for p in range(layout.pipelines)]
-    dps = {(j, t): new_group(layout.dp_ranks(j, t))
+def make_groups(layout: RankLayout, rank: int) -> PipelineGroups:
+    """This rank's groups, of the rank sets :class:`~fxpar.rank_layout.RankLayout` gives."""
+    place = layout.where(rank)
+    stage, pipe, pos = place.stages[0], place.replica, place.position
+    chains = [new_group(list(layout.chain(p))) for p in range(layout.replicas)]
+    dps = {(j, t): new_group(list(layout.replica_group(j, t)))
            for j, u in enumerate(layout.widths) for t in range(u)}
-    tps = {(j, p): new_group(layout.tp_ranks(j, p))
-           for j, u in enumerate(layout.widths) if u > 1 for p in range(layout.pipelines)}
-    pipes = ([new_group(layout.pipeline_ranks(p)) for p in range(layout.pipelines)]
+    tps = {(j, p): new_group(list(layout.tensor_group(j, p)))
+           for j, u in enumerate(layout.widths) if u > 1 for p in range(layout.replicas)}
+    pipes = ([new_group(list(layout.pipeline(p))) for p in range(layout.replicas)]
              if layout.tensor_parallel else chains)
     return PipelineGroups(chain=chains[pipe] if pos == 0 else None, dp=dps[(stage, pos)],
                           tp=tps.get((stage, pipe)), pipeline=pipes[pipe])

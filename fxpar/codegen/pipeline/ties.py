@@ -55,7 +55,7 @@ def tied_params(modules, canonical: dict[str, str], layout, stage: int, pipeline
         if len(stages) < 2:
             continue
         first[name] = stages[0]
-        groups = [new_group([layout.chain(p)[j] for j in stages]) for p in range(layout.pipelines)]
+        groups = [new_group([layout.chain(p)[j] for j in stages]) for p in range(layout.replicas)]
         if stage in stages:
             ties.append(TiedParam(name, mine[name], stages[0], groups[pipeline] if is_lead else None))
     return ties, first
