@@ -82,7 +82,9 @@ def _texts(value: Any, where: str, name: str) -> tuple[str, ...]:
     return tuple(_text(v, where, f"{name}[{i}]") for i, v in enumerate(items))
 
 
-def _set(obj: Any, **values: Any) -> None:
+def set_fields(obj: Any, **values: Any) -> None:
+    """Normalise fields of a frozen plan part in place, while it is being checked (its
+    ``__post_init__``): nothing else has seen it yet."""
     for name, value in values.items():
         object.__setattr__(obj, name, value)
 
@@ -90,20 +92,20 @@ def _set(obj: Any, **values: Any) -> None:
 def check_rank(r: Any) -> None:
     """Types and ranges of a ``RankPlan`` (normalised in place)."""
     where = f"rank {r.rank!r}"
-    _set(r, rank=_int(r.rank, where, "rank", 0), device=_text(r.device, where, "device"),
+    set_fields(r, rank=_int(r.rank, where, "rank", 0), device=_text(r.device, where, "device"),
          node=_int(r.node, where, "node", 0), speed=_real(r.speed, where, "speed", strict=True),
          predicted_busy_s=_real(r.predicted_busy_s, where, "predicted_busy_s"))
     for name in ("batch_share", "micro_batch_size", "num_microbatches", "predicted_memory_bytes",
                  "memory_capacity_bytes", "predicted_host_bytes"):
-        _set(r, **{name: _int(getattr(r, name), where, name, 0)})
+        set_fields(r, **{name: _int(getattr(r, name), where, name, 0)})
     for name in ("activation_checkpointing", "offload_optimizer"):
-        _set(r, **{name: _flag(getattr(r, name), where, name)})
+        set_fields(r, **{name: _flag(getattr(r, name), where, name)})
 
 
 def check_stage(s: Any) -> None:
     """Types and ranges of a ``StagePlan`` (normalised in place)."""
     where = f"stage {s.index!r}"
-    _set(s, index=_int(s.index, where, "index", 0), modules=_texts(s.modules, where, "modules"),
+    set_fields(s, index=_int(s.index, where, "index", 0), modules=_texts(s.modules, where, "modules"),
          ranks=_ints(s.ranks, where, "ranks", 0), data_split=_ints(s.data_split, where, "data_split", 0),
          device=_text(s.device, where, "device"),
          tensor_parallel=_int(s.tensor_parallel, where, "tensor_parallel", 1),
@@ -113,21 +115,21 @@ def check_stage(s: Any) -> None:
          shard_stage=_int(s.shard_stage, where, "shard_stage", 0))
     for name in ("tensor_split", "expert_split", "mlp_split", "state_split"):
         if getattr(s, name) is not None:
-            _set(s, **{name: _ints(getattr(s, name), where, name, 0)})
+            set_fields(s, **{name: _ints(getattr(s, name), where, name, 0)})
     if s.replica_devices is not None:
         kinds = _texts(s.replica_devices, where, "replica_devices")
         if not kinds or not all(kinds):
             raise _fail(where, "replica_devices", s.replica_devices, "a device kind (non-empty text) per pipeline")
-        _set(s, replica_devices=kinds)
+        set_fields(s, replica_devices=kinds)
     if s.replica_modules is not None:
         items = _sequence(s.replica_modules, where, "replica_modules", "module lists, one per pipeline")
-        _set(s, replica_modules=tuple(_texts(m, where, f"replica_modules[{q}]") for q, m in enumerate(items)))
+        set_fields(s, replica_modules=tuple(_texts(m, where, f"replica_modules[{q}]") for q, m in enumerate(items)))
 
 
 def check_solver(s: Any) -> None:
     """Types of a ``SolverReport`` (normalised in place)."""
     where = "solver"
-    _set(s, name=_text(s.name, where, "name"), backend=_text(s.backend, where, "backend"),
+    set_fields(s, name=_text(s.name, where, "name"), backend=_text(s.backend, where, "backend"),
          status=_text(s.status, where, "status"),
          objective_s=_real(s.objective_s, where, "objective_s", minimum=None),
          integer_s=_real(s.integer_s, where, "integer_s", minimum=None),
@@ -151,7 +153,7 @@ def check_collective(c: Any) -> None:
             raise _fail(where, f"alternatives[{i}]", pair, "a (method, seconds or null) pair")
         name = _text(pair[0], where, f"alternatives[{i}] method")
         alternatives.append((name, None if pair[1] is None else _real(pair[1], where, f"alternatives[{name!r}]")))
-    _set(c, exchange=_text(c.exchange, where, "exchange"), method=method,
+    set_fields(c, exchange=_text(c.exchange, where, "exchange"), method=method,
          predicted_s=_real(c.predicted_s, where, "predicted_s"), alternatives=tuple(alternatives))
 
 
@@ -161,26 +163,26 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
     on the strategy (stage numbering, ranks in range, per-strategy split lengths)."""
     where = "plan"
     for name in ("strategy", "model", "cluster", "dtype", "optimizer", "schedule", "cost_source"):
-        _set(p, **{name: _text(getattr(p, name), where, name)})
-    _set(p, global_batch=_int(p.global_batch, where, "global_batch", 1),
+        set_fields(p, **{name: _text(getattr(p, name), where, name)})
+    set_fields(p, global_batch=_int(p.global_batch, where, "global_batch", 1),
          pipelines=_int(p.pipelines, where, "pipelines", 1),
          num_microbatches=_int(p.num_microbatches, where, "num_microbatches", 1),
          version=_int(p.version, where, "version", 1),
          solve_time_s=_real(p.solve_time_s, where, "solve_time_s"),
          explain=_texts(p.explain, where, "explain"))
     if p.seq_len is not None:
-        _set(p, seq_len=_int(p.seq_len, where, "seq_len", 1))
+        set_fields(p, seq_len=_int(p.seq_len, where, "seq_len", 1))
     for name in ("predicted_step_s", "predicted_compute_s", "predicted_comm_s", "lower_bound_s"):
-        _set(p, **{name: _real(getattr(p, name), where, name)})
+        set_fields(p, **{name: _real(getattr(p, name), where, name)})
     for name in ("emulated", "activation_checkpointing", "zero_sharded_optimizer", "overlap_grad_allreduce",
                  "allow_tf32"):
-        _set(p, **{name: _flag(getattr(p, name), where, name)})
+        set_fields(p, **{name: _flag(getattr(p, name), where, name)})
     for name, kind in (("ranks", rank_type), ("stages", stage_type)):
         items = tuple(_sequence(getattr(p, name), where, name, kind.__name__))
         for i, item in enumerate(items):
             if not isinstance(item, kind):
                 raise _fail(where, f"{name}[{i}]", item, f"a {kind.__name__}")
-        _set(p, **{name: items})
+        set_fields(p, **{name: items})
     if p.solver is not None and not isinstance(p.solver, solver_type):
         raise _fail(where, "solver", p.solver, f"a {solver_type.__name__} or null")
     if collective_type is not None:
@@ -188,8 +190,8 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
         for i, item in enumerate(items):
             if not isinstance(item, collective_type):
                 raise _fail(where, f"collectives[{i}]", item, f"a {collective_type.__name__}")
-        _set(p, collectives=items)
-    _set(p, baselines=_baselines(p.baselines))
+        set_fields(p, collectives=items)
+    set_fields(p, baselines=_baselines(p.baselines))
     _check_measured(p)
     _check_stages(p)
 
@@ -204,7 +206,7 @@ def _check_measured(p: Any) -> None:
     if not form(p.strategy).rebalances or len(speeds) != len(p.ranks):
         raise _fail("plan", "measured_speeds", p.measured_speeds,
                     f"one speed per rank ({len(p.ranks)}) of a data_parallel plan, or null")
-    _set(p, measured_speeds=speeds)
+    set_fields(p, measured_speeds=speeds)
 
 
 def _baselines(value: Any) -> tuple[tuple[str, float | None], ...]:

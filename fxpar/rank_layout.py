@@ -35,6 +35,37 @@ def member(stage: Any, rank: int) -> tuple[int, int]:
     return divmod(stage.ranks.index(rank), max(int(stage.tensor_parallel), 1))
 
 
+def check_stage_positions(positions: Sequence[int], ranks: int) -> None:
+    """An interleaved pipeline's stage → position map (:meth:`RankLayout.stage_positions`): every
+    position ``0..ranks-1`` holds a stage and adjacent stages sit on different positions; a
+    PlanError otherwise."""
+    positions = list(positions)
+    if sorted(set(positions)) != list(range(ranks)):
+        raise PlanError(f"stage placement {positions} must use every rank 0..{ranks - 1}")
+    for s in range(1, len(positions)):
+        if positions[s] == positions[s - 1]:
+            raise PlanError(f"stages {s - 1} and {s} are both on rank {positions[s]}: adjacent "
+                            "stages of an interleaved pipeline must sit on different ranks (merge them)")
+
+
+def check_interleaved(plan: Any) -> None:
+    """An interleaved plan's stages are one rank per pipeline (width 1), the pipelines own disjoint
+    ranks and place their stages alike (:meth:`RankLayout.stage_positions` is the same for every
+    pipeline), and that placement passes :func:`check_stage_positions`; a PlanError naming what
+    breaks."""
+    P = plan.pipelines
+    if any(st.tensor_parallel != 1 or len(st.ranks) != P for st in plan.stages):
+        raise PlanError("an interleaved plan runs stages of tensor-parallel width 1, one rank per pipeline")
+    pipes = [sorted({st.ranks[p] for st in plan.stages}) for p in range(P)]
+    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in plan.stages) for p in range(P)}
+    if len(patterns) != 1 or any(set(pipes[p]) & set(pipes[q]) for p in range(P) for q in range(p)):
+        raise PlanError("interleaved plan: every pipeline must own its own ranks and place its stages alike")
+    try:
+        check_stage_positions(next(iter(patterns)), len(pipes[0]))
+    except PlanError as exc:
+        raise PlanError(f"interleaved plan: {exc}") from None
+
+
 def expert_ranges(split: Sequence[int]) -> list[tuple[int, int]]:
     """Contiguous ``[lo, hi)`` expert ranges, one per entry, from per-entry counts."""
     out, lo = [], 0
@@ -110,6 +141,13 @@ class RankLayout:
     def pipeline(self, replica: int) -> tuple[int, ...]:
         """Every rank of replica ``replica`` of the whole model, sorted."""
         return tuple(sorted({r for j in range(len(self.widths)) for r in self.tensor_group(j, replica)}))
+
+    def stage_positions(self, replica: int) -> tuple[int, ...]:
+        """Each stage's position in :meth:`pipeline` ``(replica)`` (its lead's index there): an
+        interleaved pipeline's stage → rank map, the same for every pipeline
+        (:func:`check_interleaved`)."""
+        ranks = self.pipeline(replica)
+        return tuple(ranks.index(self.lead(j, replica)) for j in range(len(self.widths)))
 
     def _place(self, plan: Any, rank: int) -> RankPlace:
         mine = [j for j, st in enumerate(plan.stages) if rank in st.ranks]

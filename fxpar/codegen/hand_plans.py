@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from fxpar.codegen.tensor.families import split_sizes
-from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
 from fxpar.tracing.analyze_model import analyze_model
@@ -156,8 +155,7 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
                 explain=_by_block_note(model))
-    tp_layout(plan)  # the replicas' splits agree
-    return plan
+    return plan  # Plan's checks: the replicas' splits agree (fxpar.forms.tensor.spec)
 
 
 def _by_block_note(model: torch.nn.Module) -> tuple[str, ...]:

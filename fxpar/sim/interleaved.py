@@ -24,16 +24,9 @@ hop between ranks): an action starts when its rank is free and its inputs have a
 
 from __future__ import annotations
 
+from fxpar.rank_layout import check_stage_positions
+
 Action = tuple[str, int, int]          # ("F" | "B", stage, micro-batch)
-
-
-def check_placement(stage_rank: list[int], ranks: int) -> None:
-    if sorted(set(stage_rank)) != list(range(ranks)):
-        raise ValueError(f"stage placement {stage_rank} must use every rank 0..{ranks - 1}")
-    for s in range(1, len(stage_rank)):
-        if stage_rank[s] == stage_rank[s - 1]:
-            raise ValueError(f"stages {s - 1} and {s} are both on rank {stage_rank[s]}: adjacent "
-                             "stages of an interleaved pipeline must sit on different ranks (merge them)")
 
 
 def _deps(action: Action, S: int) -> list[Action]:
@@ -49,7 +42,7 @@ def rank_orders(stage_rank: list[int], ranks: int, m: int, fwd: list[float], bwd
     stages' real durations: the rank that can start soonest goes next; among the actions ready
     by then it prefers a backward (lowest micro-batch), else a forward (lowest micro-batch,
     then the later stage); stage ``s`` keeps at most ``S − s`` micro-batches in flight."""
-    check_placement(stage_rank, ranks)
+    check_stage_positions(stage_rank, ranks)
     S = len(stage_rank)
     mine = {r: [s for s in range(S) if stage_rank[s] == r] for r in range(ranks)}
     finish: dict[Action, float] = {}

@@ -19,7 +19,7 @@ import pytest
 
 import fxpar
 from fxpar.codegen.hand_plans import tensor_parallel_plan
-from fxpar.codegen.tensor.layout import tp_layout
+from fxpar.rank_layout import RankLayout
 from fxpar.errors import PlanError
 from tests.parity import check_gradients, check_loss, check_norm, check_step, check_trajectory, expect, norm_rtol
 from tests.workers import tiny_model, tp_parity
@@ -96,12 +96,17 @@ def test_tp_dp_plan_fields_and_errors():
     cluster = fxpar.Cluster.emulated([1.0, 1.0, 1.0, 0.5])
     plan = tensor_parallel_plan(model, cluster, global_batch=14, kv_shares=[1, 1], replicas=2)
     assert fxpar.Plan.from_json(plan.to_json()) == plan
-    layout = tp_layout(plan)
-    assert (layout.replicas, layout.width, layout.kv_shares, layout.rows) == (2, 2, (1, 1), (8, 6))
+    layout = RankLayout(plan)
+    assert (layout.replicas, layout.widths, plan.stages[0].data_split) == (2, (2,), (8, 6))
     assert plan.batch_shares == (8, 8, 6, 6) and plan.stages[0].tensor_split == (1, 1, 1, 1)
-    assert layout.dp_ranks(1) == [1, 3] and layout.tp_ranks(1) == [2, 3]
+    assert layout.replica_group(0, 1) == (1, 3) and layout.tensor_group(0, 1) == (2, 3)
+    assert [(p.replica, p.position, p.heads) for p in layout.places] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
     old = tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[1, 1, 1, 1])  # the old call
-    assert tp_layout(old).replicas == 1 and tp_layout(old).width == 4
+    assert RankLayout(old).replicas == 1 and RankLayout(old).widths == (4,)
+    data = old.to_dict()
+    data["stages"][0]["tensor_parallel"] = 1
+    unset = fxpar.Plan.from_dict(data)
+    assert unset.stages[0].tensor_parallel == 4  # a v1 plan's unset width: one group of every rank
     with pytest.raises(PlanError, match="same split"):
         tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[2, 1, 1, 2], replicas=2)
     with pytest.raises(PlanError, match="sum to global_batch"):

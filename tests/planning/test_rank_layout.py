@@ -3,6 +3,7 @@ from the plan alone; the pipeline runtime's placement reads the same rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -82,8 +83,48 @@ def test_an_interleaved_rank_runs_several_stages_and_explain_prints_the_layout()
     layout = RankLayout(plan)
     assert [p.stages for p in layout.places] == [(0, 2), (1, 3)]
     assert all(p.pipeline == (0, 1) for p in layout.places)
+    assert layout.stage_positions(0) == (0, 1, 0, 1)
     lines = layout.lines()
     assert lines[0].split()[:3] == ["rank", "device", "stage"] and lines[2].split()[2] == "0,2"
+
+
+def test_two_interleaved_pipelines_place_their_stages_alike_or_the_plan_is_refused():
+    cluster = fxpar.Cluster.emulated([1.0, 0.5, 1.0, 0.5])
+    plan = interleaved_plan(model("llama"), cluster, global_batch=4, blocks_per_stage=[1, 1, 1, 1],
+                            stage_ranks=[0, 1, 0, 1], num_microbatches=2, pipelines=2)
+    layout = RankLayout(plan)
+    assert layout.stage_positions(0) == layout.stage_positions(1) == (0, 1, 0, 1)
+    assert [p.pipeline for p in layout.places] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert layout.replica_group(0, 0) == (0, 2) and layout.replica_group(1, 0) == (1, 3)
+    crossed = [dataclasses.replace(st, ranks=(st.ranks[0], 5 - st.ranks[1])) for st in plan.stages]
+    with pytest.raises(PlanError, match="place its stages alike"):
+        dataclasses.replace(plan, stages=tuple(crossed))
+
+
+def test_a_plans_process_groups_are_the_layouts_rank_sets_once_per_kind():
+    """What :class:`~fxpar.codegen.common.groups.PlanGroups` makes (every rank alike, in order) is
+    the layout's rank sets, a set made once per kind; asking for a group never made names the
+    call that makes it."""
+    from fxpar.codegen.common.groups import PlanGroups
+    from fxpar.errors import RuntimeSetupError
+
+    plan = pipeline_plan(model("llama"), fxpar.Cluster.emulated([1.0] * 6), global_batch=4,
+                         blocks_per_stage=[2, 2], num_microbatches=2, pipelines=2, tensor_parallel=[2, 1])
+    assert [st.ranks for st in plan.stages] == [(0, 1, 3, 4), (2, 5)]   # pipeline p: ranks 3p .. 3p+2
+    groups = PlanGroups(RankLayout(plan))
+    assert groups.rank_sets("tensor") == [(0, 1), (3, 4), (2,), (5,)]
+    assert groups.rank_sets("replica") == [(0, 3), (1, 4), (2, 5)]
+    assert groups.rank_sets("chain") == [(0, 2), (3, 5)]
+    assert groups.rank_sets("whole_replica") == [(0, 1, 2), (3, 4, 5)]
+    inter = interleaved_plan(model("llama"), fxpar.Cluster.emulated([1.0, 0.5, 1.0, 0.5]), global_batch=4,
+                             blocks_per_stage=[1, 1, 1, 1], stage_ranks=[0, 1, 0, 1], num_microbatches=2, pipelines=2)
+    sets = PlanGroups(RankLayout(inter)).rank_sets("replica")
+    assert sets == [(0, 2), (1, 3), (0, 2), (1, 3)]   # two stages per position: made once each
+    with pytest.raises(RuntimeSetupError, match=r"make\('tensor'\)"):
+        groups.tensor(0, 0)
+    assert len(groups.rank_sets("chain")) == 2
+    with pytest.raises(ValueError, match="kind 'stage'"):
+        groups.rank_sets("stage")
 
 
 def test_a_large_layout_prints_its_first_and_last_ranks():

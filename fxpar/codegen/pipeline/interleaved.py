@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.materialize import Source
 from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.codegen.pipeline.stage_setup import (
@@ -36,30 +37,12 @@ from fxpar.codegen.pipeline.ties import TiedParam
 from fxpar.codegen.pipeline.replica_sum import counting
 from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
-from fxpar.errors import PlanError
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.distributed import new_group
-from fxpar.sim.interleaved import check_placement, lockstep_order
+from fxpar.sim.interleaved import lockstep_order
 from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
-
-
-def placement(plan: Plan) -> tuple[list[list[int]], list[int]]:
-    """``(pipeline ranks (sorted) per pipeline, stage -> position in its pipeline)``; a
-    PlanError when the pipelines do not share one pattern."""
-    P = plan.pipelines
-    if any(st.tensor_parallel != 1 or len(st.ranks) != P for st in plan.stages):
-        raise PlanError("an interleaved plan runs stages of tensor-parallel width 1, one rank per pipeline")
-    pipes = [sorted({st.ranks[p] for st in plan.stages}) for p in range(P)]
-    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in plan.stages) for p in range(P)}
-    if len(patterns) != 1 or any(set(pipes[p]) & set(pipes[q]) for p in range(P) for q in range(p)):
-        raise PlanError("interleaved plan: every pipeline must own its own ranks and place its stages alike")
-    stage_rank = list(next(iter(patterns)))
-    try:
-        check_placement(stage_rank, len(pipes[0]))
-    except ValueError as exc:
-        raise PlanError(f"interleaved plan: {exc}") from None
-    return pipes, stage_rank
 
 
 class InterleavedPipelineModule(PipelineParallelModule):
@@ -71,7 +54,9 @@ class InterleavedPipelineModule(PipelineParallelModule):
         """This rank's stages (several, non-adjacent) and the multi-stage schedule."""
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-        pipes, stage_rank = placement(plan)
+        self.layout = RankLayout(plan)  # the plan's checks passed its placement (check_interleaved)
+        pipes = [list(self.layout.pipeline(p)) for p in range(plan.pipelines)]
+        stage_rank = list(self.layout.stage_positions(0))
         self._place_positions(plan, rank, emulate, pipes, stage_rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
@@ -91,19 +76,17 @@ class InterleavedPipelineModule(PipelineParallelModule):
                          stage_rank: list[int]) -> None:
         """This rank's pipeline, position and stages, its groups (a chain per pipeline, one per
         position across the pipelines), its pipeline's chain and its speed clock."""
-        S, P = len(plan.stages), plan.pipelines
-        self.pipeline_index = next(p for p in range(P) if rank in pipes[p])
+        S, place = len(plan.stages), self.layout.where(rank)
+        self.pipeline_index, self.stage_indices = place.replica, list(place.stages)
         self.position = pipes[self.pipeline_index].index(rank)
-        self.stage_indices = [j for j in range(S) if stage_rank[j] == self.position]
         self.stage_index = self.stage_indices[0]
         self.tp_group = self.tp_position = None
         self._owners: dict = {}  # the pipelines share their cuts: one group per position
         self.is_lead, self._sharded, self._link = True, False, None
-        groups = [new_group(r) for r in pipes]  # every rank creates every group, in order
-        dp = [new_group([pipes[p][k] for p in range(P)]) for k in range(len(pipes[0]))]
-        self.pp_group = self.pipe_group = groups[self.pipeline_index]
-        self.dp_group = dp[self.position]
-        self._stage_replicas = (tuple(pipes[p][self.position] for p in range(P)), self.dp_group)
+        groups = PlanGroups(self.layout).make("whole_replica", "replica")  # every rank makes every group, in order
+        self.pp_group = self.pipe_group = groups.whole_replica(self.pipeline_index)
+        self.dp_group = groups.replica(self.stage_index, 0)
+        self._stage_replicas = (self.layout.replica_group(self.stage_index, 0), self.dp_group)
         self.chain = [pipes[self.pipeline_index][stage_rank[j]] for j in range(S)]
         self.emulator, self.clock = rank_clock(plan, rank, emulate, self.device)
 

@@ -34,10 +34,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.common.groups import PlanGroups
 from fxpar.errors import PlanError
 from fxpar.rank_layout import RankLayout
 from fxpar.runtime.device import host_tensor
-from fxpar.runtime.distributed import host_group, new_group, own
+from fxpar.runtime.distributed import host_group, own
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
@@ -54,18 +55,18 @@ class PipelineGroups:
 
 
 def make_groups(layout: RankLayout, rank: int) -> PipelineGroups:
-    """This rank's groups, of the rank sets :class:`~fxpar.rank_layout.RankLayout` gives."""
+    """This rank's groups (:class:`~fxpar.codegen.common.groups.PlanGroups`: every rank makes each
+    replica's chain, every (stage, position)'s replica group and, with tensor-parallel stages,
+    every stage's tensor-parallel groups and each replica's whole ranks; without, those are its
+    chain)."""
     place = layout.where(rank)
     stage, pipe, pos = place.stages[0], place.replica, place.position
-    chains = [new_group(list(layout.chain(p))) for p in range(layout.replicas)]
-    dps = {(j, t): new_group(list(layout.replica_group(j, t)))
-           for j, u in enumerate(layout.widths) for t in range(u)}
-    tps = {(j, p): new_group(list(layout.tensor_group(j, p)))
-           for j, u in enumerate(layout.widths) if u > 1 for p in range(layout.replicas)}
-    pipes = ([new_group(list(layout.pipeline(p))) for p in range(layout.replicas)]
-             if layout.tensor_parallel else chains)
-    return PipelineGroups(chain=chains[pipe] if pos == 0 else None, dp=dps[(stage, pos)],
-                          tp=tps.get((stage, pipe)), pipeline=pipes[pipe])
+    groups = PlanGroups(layout).make("chain", "replica")
+    if layout.tensor_parallel:
+        groups.make("tensor", "whole_replica")
+    return PipelineGroups(chain=groups.chain(pipe) if pos == 0 else None, dp=groups.replica(stage, pos),
+                          tp=groups.tensor(stage, pipe) if layout.widths[stage] > 1 else None,
+                          pipeline=groups.whole_replica(pipe) if layout.tensor_parallel else groups.chain(pipe))
 
 
 class StageLink:

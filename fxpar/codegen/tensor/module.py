@@ -20,8 +20,9 @@ cannot express ragged shards, so none is used here; ``collectives.py``):
 Everything else (embeddings, norms, head) is replicated and receives identical gradients on
 every rank of the group.  Parameter names are unchanged; shapes are the local slices.
 
-TP × DP (layout and process groups: ``layout.py``): ``R`` replicas, each a group of ``W``
-ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples in the shared step loop
+TP × DP (the plan's rules: :func:`fxpar.forms.tensor.spec.check`; where a rank sits:
+:class:`fxpar.rank_layout.RankLayout`; its groups: :class:`fxpar.codegen.common.groups.PlanGroups`):
+``R`` replicas, each a group of ``W`` ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples in the shared step loop
 (:mod:`fxpar.runtime.step_loop`, which gives the weighting math: each micro-batch
 back-propagates ``(N_m / N) · L_m``).  What differs from data parallelism: every rank of a
 tensor-parallel group runs the same rows (so ``N`` sums over one rank per replica, the
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from fxpar.checkpoint.layout import LocalParam
+from fxpar.codegen.common.groups import PlanGroups, check_job
 from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import shard_spec
@@ -58,11 +60,11 @@ from fxpar.codegen.tensor.families import (
     head_layout,
     shard_module_tree,
 )
-from fxpar.codegen.tensor.layout import make_groups, tp_layout
 from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.codegen.tensor.verify import verify_local_heads
 from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
@@ -110,7 +112,7 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
 
 class TensorParallelModule(FormModule, StepModule):
     """This rank's shard of a ``tensor_parallel`` plan (``R`` replicas × TP width ``W``, see
-    ``layout.py``); ``step(global_batch)`` trains one step and returns the global loss."""
+    the module docstring); ``step(global_batch)`` trains one step and returns the global loss."""
 
     hf_use_cache = False
 
@@ -119,21 +121,26 @@ class TensorParallelModule(FormModule, StepModule):
                  broadcast_parameters: bool = True, device: torch.device | str | None = None,
                  checkpoint: str | Path | None = None) -> None:
         super().__init__()
-        self.layout = tp_layout(plan)
+        if plan.strategy != "tensor_parallel":
+            raise PlanError(f"TensorParallelModule needs a tensor_parallel plan, got {plan.strategy!r}")
         if not 0 <= rank < plan.world_size:
             raise PlanError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+        self.layout = RankLayout(plan)
         # emulation stretches each compute segment before the next TP collective (self.clock)
         self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
                          device=device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
-        self.replica, self.position = self.layout.replica(rank), self.layout.position(rank)
-        self.tp_group, self.dp_group = make_groups(self.layout, rank)
+        place = self.layout.where(rank)
+        self.replica, self.position, self.width = place.replica, place.position, self.layout.widths[0]
+        self.tp_group, self.dp_group = self._make_groups(plan)
         self.world = plan.world_size
         if source is None and broadcast_parameters and self.world > 1:  # a real model: rank 0's weights
             broadcast_state(model, 0, None, self.device)
         own_loss = loss_fn is None  # a custom loss needs the full logits: no vocab-parallel head
-        self.blocks = shard_model(model, self.layout.kv_shares, self.position, self.tp_group, self.clock,
-                                  embedding=own_loss, head=own_loss, mlp_shares=self.layout.mlp_shares)
+        stage = plan.stages[0]
+        mlp = None if stage.mlp_split is None else stage.mlp_split[:self.width]
+        self.blocks = shard_model(model, stage.tensor_split[:self.width], self.position, self.tp_group, self.clock,
+                                  embedding=own_loss, head=own_loss, mlp_shares=mlp)
         if source is not None:  # this position's slices and the replicated rest, from the source
             materialize(module_slots(model), self.device, source, model)
         else:
@@ -142,7 +149,18 @@ class TensorParallelModule(FormModule, StepModule):
     def batch_rows(self) -> tuple[int, int]:
         """``(start, stop)``: the rows of the global batch this rank's replica trains on (every
         rank of a tensor-parallel group loads the same rows)."""
-        return self.layout.row_range(self.replica)
+        rows = self.plan.stages[0].data_split
+        start = sum(rows[:self.replica])
+        return start, start + rows[self.replica]
+
+    def _make_groups(self, plan: Any) -> tuple[Any, Any]:
+        """``(tp_group, dp_group)`` of this rank: with one replica, the job's default group and no
+        data-parallel group (None, None); otherwise every rank makes every replica's tensor-parallel
+        group, then every position's group across the replicas (:class:`PlanGroups`)."""
+        if not check_job(plan.world_size) or self.layout.replicas == 1:
+            return None, None
+        groups = PlanGroups(self.layout).make("tensor", "replica")
+        return groups.tensor(0, self.replica), groups.replica(0, self.position)
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
     def _check_batch(self, batch: Any, local: bool) -> None:
@@ -169,7 +187,7 @@ class TensorParallelModule(FormModule, StepModule):
         counted = [counted_gradient(p) for p in self.module.parameters()
                    if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0)]
         return NormTerms(counted, list(self.module.parameters()), self.tp_group,
-                         reduce=self.world > 1 and self.layout.width > 1)
+                         reduce=self.world > 1 and self.width > 1)
 
     # ---- the full model ----------------------------------------------------------------------
     def checkpoint_layout(self) -> list[Any]:

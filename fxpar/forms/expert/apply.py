@@ -13,6 +13,7 @@ from fxpar.codegen.emit import write_json
 from fxpar.codegen.expert.module import ExpertParallelModule
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.step_loop import LossWeighting
 
 
@@ -32,13 +33,13 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
          out: Path) -> list[Path]:
     """``rank_<r>.json``: the rank's rows, its experts ``[lo, hi)`` of every MoE layer (the rest of
     the model is replicated; tokens reach their experts by all-to-all)."""
-    split, offsets, written = plan.stages[0].expert_split, plan.batch_offsets(), []
+    layout, offsets, written = RankLayout(plan), plan.batch_offsets(), []
     for r in plan.ranks:
-        lo = sum(split[: r.rank])
+        experts = layout.where(r.rank).experts
         written.append(write_json(out / f"rank_{r.rank}.json", {
             "rank": r.rank, "device": r.device, "batch_share": r.batch_share,
             "batch_offset": offsets[r.rank], "micro_batch_size": r.micro_batch_size,
-            "num_microbatches": r.num_microbatches, "experts": [lo, lo + split[r.rank]],
+            "num_microbatches": r.num_microbatches, "experts": list(experts),
             "runs": "the model with every MoE layer's experts cut to [lo, hi); routed tokens "
                     "travel to their experts' ranks and back by all_to_all_single"}))
     return written

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fxpar.errors import PlanError
+from fxpar.rank_layout import check_interleaved
 
 
 def check(p: Any) -> None:
@@ -89,6 +90,7 @@ def _check_pipeline_ranks(p: Any) -> None:
     if p.schedule == "interleaved":  # a rank may hold several stages
         if sorted(set(owned)) != list(range(world)):
             raise PlanError("plan: every rank must hold at least one stage of the interleaved pipeline")
+        check_interleaved(p)
     elif owned != list(range(world)):
         raise PlanError("plan: every rank must belong to exactly one pipeline stage")
     for st in p.stages:

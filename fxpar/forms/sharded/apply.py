@@ -14,6 +14,7 @@ from fxpar.codegen.emit import write_json
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.sharded.module import ShardedDataParallelModule
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.ragged import owned_rows
 from fxpar.runtime.step_loop import LossWeighting
 
@@ -37,7 +38,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     whether it recomputes blocks and offloads its optimizer, and (with the model) its rows
     ``[lo, hi)`` of every parameter (:func:`fxpar.runtime.ragged.owned_rows`) with the fraction
     of the model's elements they hold."""
-    stage, offsets = plan.stages[0], plan.batch_offsets()
+    stage, offsets, layout = plan.stages[0], plan.batch_offsets(), RankLayout(plan)
     params = dict(model.named_parameters()) if model is not None else {}
     total = sum(p.numel() for p in params.values())
     written = []
@@ -47,7 +48,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
         held = sum((hi - lo) * (p.numel() // max(1, of)) for (lo, hi, of), p in zip(rows.values(), params.values()))
         data = {"rank": r.rank, "device": r.device, "batch_share": r.batch_share, "batch_offset": offsets[r.rank],
                 "micro_batch_size": r.micro_batch_size, "num_microbatches": r.num_microbatches,
-                "state_weight": stage.state_split[r.rank], "state_split": list(stage.state_split),
+                "state_weight": layout.where(r.rank).state_weight, "state_split": list(stage.state_split),
                 "shard_stage": stage.shard_stage, "activation_checkpointing": r.activation_checkpointing,
                 "offload_optimizer": r.offload_optimizer,
                 "runs": "the model with each parameter's rows [lo, hi) of `rows` held as its shard (with its "

@@ -12,9 +12,9 @@ import torch
 from fxpar.codegen.emit import shard_copy, write_json
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.pipeline.split import split_stages
-from fxpar.codegen.tensor.layout import tp_layout
 from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.tracing.analyze_model import remember_example
 from fxpar.tracing.structure import block_paths
@@ -43,20 +43,21 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     if model is None or example_inputs is None:
         raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
     blocks = block_paths(model)
-    layout = tp_layout(plan)
+    layout = RankLayout(plan)
+    width, kv_shares, split = layout.widths[0], plan.stages[0].tensor_split, plan.stages[0].data_split
     written = []
-    for t in range(layout.width):
-        sharded = shard_copy(model, list(layout.kv_shares), t, None)
+    for t in range(width):
+        sharded = shard_copy(model, list(kv_shares[:width]), t, None)
         whole = split_stages(sharded, example_inputs, [0] * len(blocks), 1)[0][0]
         path = out / f"position_{t}.py"
-        path.write_text(f"# fxpar tensor-parallel position {t} of {layout.width} "
-                        f"({layout.kv_shares[t]} key/value head groups)\n" + whole.piece.code)
+        path.write_text(f"# fxpar tensor-parallel position {t} of {width} "
+                        f"({kv_shares[t]} key/value head groups)\n" + whole.piece.code)
         written.append(path)
     for r in plan.ranks:
-        replica, t = layout.replica(r.rank), layout.position(r.rank)
-        lo, hi = layout.row_range(replica)
+        place = layout.where(r.rank)
+        t, lo = place.position, sum(split[:place.replica])
         written.append(write_json(out / f"rank_{r.rank}.json", {
-            "rank": r.rank, "device": r.device, "replica": replica, "position": t,
-            "kv_heads": layout.kv_shares[t], "rows": [lo, hi], "code": f"position_{t}.py",
-            "tensor_parallel_group": layout.tp_ranks(replica), "data_parallel_group": layout.dp_ranks(t)}))
+            "rank": r.rank, "device": r.device, "replica": place.replica, "position": t,
+            "kv_heads": place.heads, "rows": [lo, lo + split[place.replica]], "code": f"position_{t}.py",
+            "tensor_parallel_group": list(place.tensor_group), "data_parallel_group": list(place.replica_group)}))
     return written

@@ -5,13 +5,64 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import no_replicas
+from fxpar.plan_checks import no_replicas, set_fields
 
 
 def check(p: Any) -> None:
-    """One stage, with a ``tensor_split`` (each rank's share of every divided layer)."""
+    """One stage over ranks ``0..N-1`` with a ``tensor_split`` (each rank's share of every divided
+    layer), holding ``R = len(data_split)`` replicas of ``W = N / R`` ranks each, replica-major
+    (:mod:`fxpar.rank_layout`): ``tensor_parallel = W`` (``1`` with ``R = 1`` is read as unset and
+    normalised to ``W``);
+    every replica splits the heads (and ``mlp_split``) alike, so the ranks at one position hold
+    the same slice and their gradients sum; ``data_split`` gives each replica its samples, and
+    every rank of a replica trains on them with the same micro-batching."""
     if len(p.stages) != 1 or p.stages[0].tensor_split is None:
         raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
+    stage, world = p.stages[0], len(p.ranks)
+    split = stage.tensor_split
+    if len(split) != world or tuple(stage.ranks) != tuple(range(world)):
+        raise PlanError(f"a tensor_parallel plan needs stages[0].ranks = 0..{world - 1} and a "
+                        f"tensor_split with one entry per rank, got ranks {list(stage.ranks)} and "
+                        f"tensor_split {list(split)}")
+    replicas = len(stage.data_split)
+    if replicas < 1 or world % replicas:
+        raise PlanError(f"stages[0].data_split = {list(stage.data_split)}: one entry per replica, and "
+                        f"{world} ranks must divide into {replicas} equal tensor-parallel groups")
+    width = world // replicas
+    if stage.tensor_parallel == 1 and replicas == 1:
+        set_fields(stage, tensor_parallel=width)   # unset in a v1 plan: one group of every rank
+    if stage.tensor_parallel != width:
+        raise PlanError(f"stages[0].tensor_parallel = {stage.tensor_parallel} but {world} ranks in "
+                        f"{replicas} replica(s) (len(data_split)) make groups of {width}; make them agree")
+    if sum(stage.data_split) != p.global_batch:
+        raise PlanError(f"stages[0].data_split = {list(stage.data_split)} sums to {sum(stage.data_split)}, "
+                        f"not global_batch {p.global_batch}: give every replica its samples")
+    _check_replicas_alike(stage, "tensor_split", split, width)
+    if stage.mlp_split is not None:
+        _check_replicas_alike(stage, "mlp_split", stage.mlp_split, width)
+    for rp in p.ranks:
+        rep = rp.rank // width
+        first = p.ranks[rep * width]
+        if rp.batch_share != stage.data_split[rep] or (rp.micro_batch_size, rp.num_microbatches) != (
+                first.micro_batch_size, first.num_microbatches):
+            raise PlanError(f"plan.ranks[{rp.rank}]: batch_share {rp.batch_share} in {rp.num_microbatches} x "
+                            f"{rp.micro_batch_size}; every rank of replica {rep} must train on its "
+                            f"{stage.data_split[rep]} samples (data_split[{rep}]) with the micro-batching "
+                            f"of rank {first.rank} ({first.num_microbatches} x {first.micro_batch_size})")
+
+
+def _check_replicas_alike(stage: Any, field: str, split: Any, width: int) -> None:
+    """Every replica's ``width`` entries of ``split`` equal replica 0's (ranks at one position hold
+    the same slice, whose gradients are summed across replicas), and each is >= 1."""
+    first = tuple(split[:width])
+    if len(split) != len(stage.ranks) or min(split) < 1:
+        raise PlanError(f"stages[0].{field} = {list(split)}: one share >= 1 per rank, the same in every replica")
+    for r in range(1, len(split) // width):
+        mine = tuple(split[r * width:(r + 1) * width])
+        if mine != first:
+            raise PlanError(f"stages[0].{field} = {list(split)}: replica {r} splits as {list(mine)}, replica 0 "
+                            f"as {list(first)}; every replica needs the same split (its ranks at one "
+                            "position hold the same slice, whose gradients are summed across replicas)")
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
