@@ -48,16 +48,16 @@ def check_stage_positions(positions: Sequence[int], ranks: int) -> None:
                             "stages of an interleaved pipeline must sit on different ranks (merge them)")
 
 
-def check_interleaved(plan: Any) -> None:
-    """An interleaved plan's stages are one rank per pipeline (width 1), the pipelines own disjoint
-    ranks and place their stages alike (:meth:`RankLayout.stage_positions` is the same for every
-    pipeline), and that placement passes :func:`check_stage_positions`; a PlanError naming what
-    breaks."""
-    P = plan.pipelines
-    if any(st.tensor_parallel != 1 or len(st.ranks) != P for st in plan.stages):
+def check_interleaved(stages: Sequence[Any], pipelines: int) -> None:
+    """An interleaved plan's ``stages`` are one rank per pipeline (width 1), its ``pipelines`` own
+    disjoint ranks and place their stages alike (:meth:`RankLayout.stage_positions` is the same
+    for every pipeline), and that placement passes :func:`check_stage_positions`; a PlanError
+    naming what breaks."""
+    P = pipelines
+    if any(st.tensor_parallel != 1 or len(st.ranks) != P for st in stages):
         raise PlanError("an interleaved plan runs stages of tensor-parallel width 1, one rank per pipeline")
-    pipes = [sorted({st.ranks[p] for st in plan.stages}) for p in range(P)]
-    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in plan.stages) for p in range(P)}
+    pipes = [sorted({st.ranks[p] for st in stages}) for p in range(P)]
+    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in stages) for p in range(P)}
     if len(patterns) != 1 or any(set(pipes[p]) & set(pipes[q]) for p in range(P) for q in range(p)):
         raise PlanError("interleaved plan: every pipeline must own its own ranks and place its stages alike")
     try:

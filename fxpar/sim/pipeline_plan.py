@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fxpar.errors import PlanError
+from fxpar.rank_layout import RankLayout
 from fxpar.plan import Plan
 from fxpar.sim.pipeline_cost import (
     PipelineLayout,
@@ -86,12 +87,9 @@ def slots_of(plan: Plan) -> tuple[list[int], list[list[tuple[int, ...]]]]:
                 raise PlanError(f"plan stage {st.index}: {len(st.ranks)} ranks do not split into {P} pipelines")
             slots.append([tuple(st.ranks[p * u:(p + 1) * u]) for p in range(P)])
         return list(range(len(plan.stages))), slots
-    pipes = [sorted({st.ranks[p] for st in plan.stages}) for p in range(P)]
-    patterns = {tuple(pipes[p].index(st.ranks[p]) for st in plan.stages) for p in range(P)}
-    if len(patterns) != 1:
-        raise PlanError("interleaved plan: every pipeline must place its stages alike")
-    positions = list(next(iter(patterns)))
-    return positions, [[(pipes[p][d],) for p in range(P)] for d in range(len(pipes[0]))]
+    layout = RankLayout(plan)   # the plan's checks passed its placement (fxpar.rank_layout.check_interleaved)
+    pipes = [layout.pipeline(p) for p in range(P)]
+    return list(layout.stage_positions(0)), [[(pipes[p][d],) for p in range(P)] for d in range(len(pipes[0]))]
 
 
 def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayout, list]:

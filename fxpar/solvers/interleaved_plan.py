@@ -24,7 +24,7 @@ import numpy as np
 from fxpar.errors import PlanError
 from fxpar.plan import CollectiveChoice, Plan, RankPlan, StagePlan
 from fxpar.profiling.network import NO_HOP
-from fxpar.sim.pipeline_plan import slots_of
+from fxpar.rank_layout import check_interleaved
 from fxpar.solvers.pipeline import (
     PipelineConfig,
     PipelineContext,
@@ -116,15 +116,15 @@ def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s)
                               batch_share=per_pipe, micro_batch_size=b, num_microbatches=m,
                               predicted_busy_s=0.0, predicted_memory_bytes=0,
                               memory_capacity_bytes=int(dev.memory_bytes)))
+    try:
+        check_interleaved(stages, cfg.pipelines)
+    except PlanError:  # the pipelines' ranks do not sort into one stage pattern: codegen cannot run it
+        return None
     draft = Plan(strategy="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
                  seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
                  stages=tuple(stages), ranks=tuple(ranks), predicted_step_s=0.0, predicted_compute_s=0.0,
                  predicted_comm_s=0.0, lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
                  pipelines=cfg.pipelines, num_microbatches=m, schedule="interleaved", zero_sharded_optimizer=cfg.zero)
-    try:
-        slots_of(draft)
-    except PlanError:  # the pipelines' ranks do not sort into one stage pattern: codegen cannot run it
-        return None
     plan, _ = with_predictions(draft, ctx, cluster)
     name = "all-reduce + ZeRO-1" if cfg.zero else "all-reduce"
     exchange = (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines", method=name,

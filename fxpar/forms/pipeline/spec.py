@@ -90,7 +90,7 @@ def _check_pipeline_ranks(p: Any) -> None:
     if p.schedule == "interleaved":  # a rank may hold several stages
         if sorted(set(owned)) != list(range(world)):
             raise PlanError("plan: every rank must hold at least one stage of the interleaved pipeline")
-        check_interleaved(p)
+        check_interleaved(p.stages, p.pipelines)
     elif owned != list(range(world)):
         raise PlanError("plan: every rank must belong to exactly one pipeline stage")
     for st in p.stages:
