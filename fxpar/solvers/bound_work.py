@@ -18,6 +18,7 @@ import numpy as np
 
 from fxpar.sim.expert_costs import expert_node_mask
 from fxpar.sim.segments import segment_of_nodes
+from fxpar.solvers.lp_backend import lp_backend
 
 
 def unit_costs(cost) -> np.ndarray:
@@ -62,7 +63,7 @@ def dual_weights(per_sample: np.ndarray, counts: np.ndarray) -> np.ndarray:
     cons = [u <= per_sample[:, k] / scale * lam[k] for k in range(per_sample.shape[1])] + [counts @ lam == 1]
     problem = cp.Problem(cp.Maximize(cp.sum(u)), cons)
     try:
-        problem.solve(solver="HIGHS" if "HIGHS" in cp.installed_solvers() else None)
+        problem.solve(solver=lp_backend())
     except cp.error.SolverError:
         return np.zeros(per_sample.shape[1])
     if problem.status not in ("optimal", "optimal_inaccurate") or lam.value is None:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxpar.errors import InfeasibleError
+from fxpar.solvers.lp_backend import lp_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +145,7 @@ def solve_shares_lp(problem: DPProblem) -> tuple[np.ndarray, float, str, str]:
     cons = add_makespan_rows(x, T, t / scale, f / scale) + add_batch_row(x, n, problem.global_batch)
     cons += add_memory_rows(x, problem)
     prob = cp.Problem(cp.Minimize(T), cons)
-    backend = "HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0]
+    backend = lp_backend()
     prob.solve(solver=backend)
     if prob.status not in ("optimal", "optimal_inaccurate"):
         total_cap = sum(g.count * problem.share_cap(g) for g in groups)

@@ -44,6 +44,7 @@ import numpy as np
 
 from fxpar.sim.expert_sim import EPEval, EPProblem, evaluate, valid_share
 from fxpar.solvers.experts import add_count_rows
+from fxpar.solvers.lp_backend import lp_backend
 
 ROUNDS = 3
 
@@ -82,7 +83,7 @@ def even_split(p: EPProblem) -> EPEval | None:
 def _backend():
     import cvxpy as cp
 
-    return cp, ("HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0])
+    return cp, lp_backend()
 
 
 def _node_rows(p: EPProblem, key_of) -> list[tuple[tuple[int, ...], float]]:

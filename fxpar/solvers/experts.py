@@ -67,6 +67,7 @@ from fxpar.plan import SolverReport
 from fxpar.profiling import memory
 from fxpar.profiling.network import network_of
 from fxpar.sim.expert_sim import PASSES
+from fxpar.solvers.lp_backend import lp_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +209,7 @@ def _solve(problem: ExpertProblem, integer: bool) -> tuple[np.ndarray, np.ndarra
     cons = add_count_rows(X, u, l, n, problem.num_experts) + add_memory_rows(u, problem)
     cons += add_makespan_rows(t, u, cu, problem, scale) + add_makespan_rows(t, l, cl, problem, scale)
     prob = cp.Problem(cp.Minimize(t), cons)
-    backend = "HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0]
+    backend = lp_backend()
     prob.solve(solver=backend)
     if prob.status not in ("optimal", "optimal_inaccurate"):
         raise InfeasibleError(f"expert placement: the solver found no placement of {problem.num_experts} "

@@ -45,11 +45,13 @@ checkpointing, more rounds, offload); :func:`solve_state_lp` returns None then.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from fxpar.solvers.data_parallel import add_batch_row, add_makespan_rows
+from fxpar.solvers.lp_backend import lp_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,19 +89,18 @@ def add_state_rows(phi, top, counts):
     return [counts @ phi == 1, phi <= top]
 
 
-def add_comm_row(top, T, data: ShardedLPData):
-    c0, c1 = data.comm
-    return [data.rounds * (c0 + c1 * top) <= T]
+def add_comm_row(top, T, lp: "_StateLP"):
+    return [lp.comm0 + lp.comm1 * top <= T]
 
 
-def add_optimizer_rows(phi, T_o, data: ShardedLPData):
-    return [cp_mul(data.opt_s, phi) <= T_o]
+def add_optimizer_rows(phi, T_o, lp: "_StateLP"):
+    return [cp_mul(lp.opt_s, phi) <= T_o]
 
 
-def add_memory_rows(phi, top, x, data: ShardedLPData):
-    state = cp_mul(data.state_coef, phi)
-    use = state + data.buffer_coef * top + cp_mul(data.act / data.rounds, x)
-    return [use <= data.memory - data.fixed_bytes, state + data.end_coef * top <= data.memory - data.fixed_bytes]
+def add_memory_rows(phi, top, x, lp: "_StateLP"):
+    state = cp_mul(lp.state_coef, phi)
+    use = state + lp.buffer_coef * top + cp_mul(lp.act_per_round, x)
+    return [use <= lp.room, state + lp.end_coef * top <= lp.room]
 
 
 def cp_mul(a, x):
@@ -107,40 +108,71 @@ def cp_mul(a, x):
     return cp.multiply(a, x)
 
 
+class _StateLP:
+    """The LP (module docstring) for ``k`` device groups, collectives overlapped or not, with its
+    data as cvxpy parameters: made and canonicalised once per process, then solved again with new
+    values (cvxpy's parametrised programs: the canonicalisation, most of a small LP's time, is
+    kept).  Seconds are in units of the slowest sample, bytes in GiB (:meth:`solve`)."""
+
+    def __init__(self, k: int, overlap: bool) -> None:
+        import cvxpy as cp  # lazy: cvxpy loads on first use (as in data_parallel)
+
+        vector, scalar = (lambda: cp.Parameter(k)), (lambda: cp.Parameter())
+        self.counts, self.batch, self.sample_s, self.fixed_s = vector(), scalar(), vector(), vector()
+        self.opt_s, self.state_coef, self.act_per_round, self.room = vector(), vector(), vector(), vector()
+        self.buffer_coef, self.end_coef = scalar(), scalar()
+        self.comm0, self.comm1, self.after0, self.after1 = scalar(), scalar(), scalar(), scalar()
+        self.phi, self.top = cp.Variable(k, nonneg=True), cp.Variable(nonneg=True)
+        self.x, T, T_o = cp.Variable(k, nonneg=True), cp.Variable(nonneg=True), cp.Variable(nonneg=True)
+        cons = add_state_rows(self.phi, self.top, self.counts) + add_batch_row(self.x, self.counts, self.batch)
+        cons += add_makespan_rows(self.x, T, self.sample_s, self.fixed_s)
+        cons += add_optimizer_rows(self.phi, T_o, self) + add_memory_rows(self.phi, self.top, self.x, self)
+        cons += [self.x >= 1]
+        objective = T + T_o + self.after0 + self.after1 * self.top
+        if overlap:
+            cons += add_comm_row(self.top, T, self)
+        else:   # the collectives stop the compute: they join the step
+            objective = objective + self.comm0 + self.comm1 * self.top
+        self.problem = cp.Problem(cp.Minimize(objective), cons)
+
+    def solve(self, data: ShardedLPData) -> ShardedLPSolution | None:
+        import cvxpy as cp  # lazy: cvxpy loads on first use (as in data_parallel)
+
+        scale = float(max(data.sample_s.max(), 1e-12))   # seconds in units of the slowest sample
+        gib, rounds = 2.0 ** 30, data.rounds
+        values = {self.counts: data.counts, self.batch: data.batch, self.sample_s: data.sample_s / scale,
+                  self.fixed_s: data.fixed_s * rounds / scale, self.opt_s: data.opt_s / scale,
+                  self.state_coef: data.state_coef / gib, self.act_per_round: data.act / gib / rounds,
+                  self.room: (data.memory - data.fixed_bytes) / gib, self.buffer_coef: data.buffer_coef / gib,
+                  self.end_coef: data.end_coef / gib, self.comm0: rounds * data.comm[0] / scale,
+                  self.comm1: rounds * data.comm[1] / scale, self.after0: data.after[0] / scale,
+                  self.after1: data.after[1] / scale}
+        for parameter, value in values.items():
+            parameter.value = np.asarray(value, dtype=float) if parameter.ndim else float(value)
+        backend = lp_backend()
+        try:
+            self.problem.solve(solver=backend)
+        except cp.error.SolverError:
+            return None
+        if self.problem.status not in ("optimal", "optimal_inaccurate") or self.phi.value is None:
+            return None
+        return ShardedLPSolution(state=np.maximum(np.asarray(self.phi.value, dtype=float), 0.0),
+                                 batch=np.maximum(np.asarray(self.x.value, dtype=float), 0.0),
+                                 objective_s=float(self.problem.value) * scale, status=self.problem.status,
+                                 backend=backend)
+
+
+_LPS: dict[tuple[int, bool], _StateLP] = {}
+_LPS_LOCK = threading.Lock()
+
+
 def solve_state_lp(data: ShardedLPData) -> ShardedLPSolution | None:
     """The LP's optimum (module docstring); None where the configuration does not fit."""
-    import cvxpy as cp  # lazy: cvxpy loads on first use (as in data_parallel)
-
     if np.any(data.memory - data.fixed_bytes <= 0):
         return None
-    k = len(data.counts)
-    scale = float(max(data.sample_s.max(), 1e-12))   # seconds in units of the slowest sample
-    gib = 2.0 ** 30
-    phi, top = cp.Variable(k, nonneg=True), cp.Variable(nonneg=True)
-    x, T, T_o = cp.Variable(k, nonneg=True), cp.Variable(nonneg=True), cp.Variable(nonneg=True)
-    scaled = ShardedLPData(**{**{f: getattr(data, f) for f in data.__dataclass_fields__},
-                              "memory": data.memory / gib, "fixed_bytes": data.fixed_bytes / gib,
-                              "act": data.act / gib, "state_coef": data.state_coef / gib,
-                              "buffer_coef": data.buffer_coef / gib,
-                              "end_coef": data.end_coef / gib, "opt_s": data.opt_s / scale,
-                              "comm": (data.comm[0] / scale, data.comm[1] / scale),
-                              "after": (data.after[0] / scale, data.after[1] / scale)})
-    cons = add_state_rows(phi, top, data.counts) + add_batch_row(x, data.counts, data.batch)
-    cons += add_makespan_rows(x, T, data.sample_s / scale, data.fixed_s * data.rounds / scale)
-    cons += add_optimizer_rows(phi, T_o, scaled) + add_memory_rows(phi, top, x, scaled) + [x >= 1]
-    objective = T + T_o + scaled.after[0] + scaled.after[1] * top
-    if data.overlap:
-        cons += add_comm_row(top, T, scaled)
-    else:
-        objective = objective + data.rounds * (scaled.comm[0] + scaled.comm[1] * top)
-    problem = cp.Problem(cp.Minimize(objective), cons)
-    backend = "HIGHS" if "HIGHS" in cp.installed_solvers() else cp.installed_solvers()[0]
-    try:
-        problem.solve(solver=backend)
-    except cp.error.SolverError:
-        return None
-    if problem.status not in ("optimal", "optimal_inaccurate") or phi.value is None:
-        return None
-    return ShardedLPSolution(state=np.maximum(np.asarray(phi.value, dtype=float), 0.0),
-                             batch=np.maximum(np.asarray(x.value, dtype=float), 0.0),
-                             objective_s=float(problem.value) * scale, status=problem.status, backend=backend)
+    key = (len(data.counts), bool(data.overlap))
+    with _LPS_LOCK:   # one problem per shape, its parameters set then solved: one solve at a time
+        lp = _LPS.get(key)
+        if lp is None:
+            lp = _LPS[key] = _StateLP(*key)
+        return lp.solve(data)
