@@ -137,9 +137,10 @@ def adapt_from_mapping(value: Any, *, strategies: tuple[str, ...] | None, max_te
         return value
     if not isinstance(value, Mapping) or set(value) - ADAPT_KEYS:
         raise ConfigError(f"{source}: adapt = {value!r}: must be true, false or a mapping of {sorted(ADAPT_KEYS)}")
-    background = value.get("background_planning", True)
-    if not isinstance(background, bool):
-        raise ConfigError(f"{source}: adapt.background_planning = {background!r}: must be true or false")
+    background = value.get("background_planning", "process")
+    if background not in (True, False, "process", "thread"):
+        raise ConfigError(f"{source}: adapt.background_planning = {background!r}: must be process, thread, "
+                          "true (= process) or false")
     detector = DetectorSettings(**{k: value[k] for k in _DETECTOR_KEYS if k in value})
     policy = AdaptPolicy(strategies=strategies, max_tensor_parallel=max_tensor_parallel,
                          **{k: value[k] for k in _POLICY_KEYS if k in value})

@@ -286,7 +286,8 @@ class AdaptiveModule(torch.nn.Module):
     # ------------------------------------------------------------------------- decide and switch
 
     def _consider(self, factors: tuple[float, ...]) -> None:
-        """Rank 0 starts re-planning for the derated cluster (on a thread: ``Adapt.background_planning``);
+        """Rank 0 starts re-planning for the derated cluster (in a process or on a thread:
+        ``Adapt.background_planning``);
         every rank receives the decision at the same later step (:meth:`_receive_decision`)."""
         check_movable_everywhere(self.optimizer, self.world)
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
@@ -298,7 +299,7 @@ class AdaptiveModule(torch.nn.Module):
         make = functools.partial(self.replanner.snapshot().decision, self.plan, list(self.derate), factors, link=self.link,
                                  build_s=last_build, measured=self._measured_step(),
                                  steps_left=None if total is None else max(total - self._read_step - 1, 1))
-        background = self.options.background_planning and self.world > 1
+        background = self.options.planning_mode if self.world > 1 else False
         self._deciding = DecisionInFlight(make, computes=self.rank == 0, background=background,
                                           detected_step=self._read_step, after_switches=self._switches)
         self._factors, self._comm_at_detection = tuple(factors), dict(self.last_comm_s)
@@ -311,8 +312,8 @@ class AdaptiveModule(torch.nn.Module):
         assert self._deciding is not None
         start, deciding = time.perf_counter(), self._deciding
         payload: list[Any] = [deciding.result()]
-        if self.rank == 0 and payload[0] is None:   # the solving thread died (not an Exception)
-            payload[0] = self.replanner.keep(self.plan, self._factors, self.link, "the re-planning thread died")
+        if self.rank == 0 and payload[0] is None:   # the solving thread or process died (not an Exception)
+            payload[0] = self.replanner.keep(self.plan, self._factors, self.link, deciding.failure)
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
         decision: Decision = payload[0]
@@ -322,7 +323,8 @@ class AdaptiveModule(torch.nn.Module):
         if stale:
             decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
         self.events.append({"step": deciding.detected_step, "kind": "decision", **_decision_dict(decision),
-                            "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection})
+                            "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection,
+                            "planned_in": deciding.where if self.rank == 0 else None})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
         if stale:   # the detector already reads the plan (or the switch) that came first

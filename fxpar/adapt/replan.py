@@ -11,17 +11,24 @@ remembers between decisions and how a decision is made.
   switch cuts from the meta template and eager stages need real weights.
 * **Errors** — any error while deciding becomes a decision to keep the plan, with the reason,
   so every rank still gets a decision (the others wait at its broadcast).
-* **In the background** (:class:`DecisionInFlight`) — rank 0 solves on a thread while every
+* **In the background** (:class:`DecisionInFlight`) — rank 0 solves in a forked process (on
+  Linux; elsewhere, or with ``Adapt(background_planning="thread")``, on a thread) while every
   rank keeps training the current plan; the solve is plain data (no collective, no torch
   object), so it may run beside the step.  Rank 0 says at each gather of the step records
   whether it is done (a flag in its rows), so every rank receives the decision at the same step,
   and re-planning no longer stops training (it did for 0.17–0.36 s per decision in
-  ``benchmarks/results/adapt-cpu2-2026-11-29.json``).  A thread that competes with rank 0's step
-  for its cores slows those steps: what the adapt benchmark counts as steps lost.
+  ``benchmarks/results/adapt-cpu2-2026-11-29.json``).  A solve that competes with rank 0's step
+  slows those steps: what the adapt benchmark counts as steps lost.  On a thread it competes for
+  the GIL as well as a core, which made the steps it overlapped 2-3x slower; a process competes
+  for a core only.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import select
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -131,28 +138,125 @@ class Replanner:
 
 
 class DecisionInFlight:
-    """A decision being made: computed by ``make`` on the rank that ``computes`` (rank 0), on a
-    thread when ``background``, else at once (module docstring, in the background)."""
+    """A decision being made: computed by ``make`` on the rank that ``computes`` (rank 0); where
+    ``background`` is ``"process"``, in a forked child process (:class:`_ForkedSolve`; on a
+    thread where the platform cannot fork), where ``"thread"`` on a thread, else at once (module
+    docstring, in the background)."""
 
-    def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool, detected_step: int,
+    def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool | str, detected_step: int,
                  after_switches: int) -> None:
         #: the switches the job had made when the decision started (another one makes it stale)
         self.detected_step, self.after_switches = detected_step, after_switches
         self._result: list[Decision | None] = [None]
         self._thread: threading.Thread | None = None
-        if computes and background:
+        self._forked: _ForkedSolve | None = None
+        if computes and background == "process" and _ForkedSolve.available():
+            self._forked = _ForkedSolve(make)
+        elif computes and background:
             self._thread = threading.Thread(target=lambda: self._result.__setitem__(0, make()),
                                             name="fxpar-adapt-replan", daemon=True)
             self._thread.start()
         elif computes:
             self._result[0] = make()
 
+    @property
+    def where(self) -> str:
+        """Where the decision is computed: ``"process"``, ``"thread"`` or ``"inline"``."""
+        return "process" if self._forked is not None else "thread" if self._thread is not None else "inline"
+
+    @property
+    def failure(self) -> str:
+        """Why :meth:`result` is None on the rank that computes."""
+        if self._forked is not None and self._forked.error:
+            return self._forked.error
+        return f"the re-planning {self.where} died"
+
     def done(self) -> bool:
         """Whether the decision is made (always true where nothing is computed)."""
+        if self._forked is not None:
+            return self._forked.done()
         return self._thread is None or not self._thread.is_alive()
 
     def result(self) -> Decision | None:
-        """The decision (waits for the thread); None on a rank that computes nothing."""
+        """The decision (waits for the thread or process); None on a rank that computes nothing,
+        or where the process died before it answered."""
+        if self._forked is not None:
+            return self._forked.result()
         if self._thread is not None:
             self._thread.join()
         return self._result[0]
+
+
+class _ForkedSolve:
+    """``make()`` in a child forked from this process, its decision sent back pickled through a
+    pipe.  The child shares nothing it writes with the training process, so the solve never holds
+    the training thread's GIL (a solving *thread* did: each step it overlapped ran 2-3x slower in
+    ``benchmarks/results/adapt-cpu2-2026-11-29.json``) and uses a core only where one is free.
+    The child touches no torch object and no process group (the solve is plain data), writes
+    nothing to the terminal and leaves by ``os._exit``: none of the parent's exit handlers or
+    buffered output runs twice.  The parent drains the pipe whenever it asks :meth:`done`, so a
+    decision larger than the pipe's buffer never blocks the child."""
+
+    @staticmethod
+    def available() -> bool:
+        """Linux only: ``os.fork`` of a process with threads is safe there for a child that only
+        runs Python and numpy code and exits; elsewhere the solve runs on a thread."""
+        return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+    def __init__(self, make: Callable[[], Decision]) -> None:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child
+            status = 0
+            try:
+                os.close(read)
+                try:
+                    payload = pickle.dumps(("decision", make()))
+                except BaseException as exc:  # noqa: BLE001 -- any failure must reach the parent as a reason
+                    payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
+                with os.fdopen(write, "wb") as out:
+                    out.write(payload)
+            except BaseException:  # noqa: BLE001 -- the child must never return into the training code
+                status = 1
+            finally:
+                os._exit(status)
+        os.close(write)
+        os.set_blocking(read, False)
+        self.pid, self._read, self._chunks, self._eof = pid, read, [], False
+        self._value: Decision | None = None
+        self.error: str | None = None
+
+    def _drain(self) -> None:
+        while not self._eof:
+            try:
+                chunk = os.read(self._read, 1 << 16)
+            except BlockingIOError:
+                return
+            if chunk:
+                self._chunks.append(chunk)
+            else:
+                self._eof = True
+                os.close(self._read)
+                os.waitpid(self.pid, 0)   # reap the child (it has closed its end: it is leaving)
+                self._unpickle()
+
+    def _unpickle(self) -> None:
+        data = b"".join(self._chunks)
+        self._chunks = []
+        if not data:
+            self.error = "the re-planning process died before it answered"
+            return
+        kind, value = pickle.loads(data)
+        if kind == "decision":
+            self._value = value
+        else:
+            self.error = value
+
+    def done(self) -> bool:
+        self._drain()
+        return self._eof
+
+    def result(self) -> Decision | None:
+        while not self.done():
+            select.select([self._read], [], [], 1.0)
+        return self._value

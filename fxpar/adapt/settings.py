@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fxpar.adapt.decide import AdaptPolicy
 from fxpar.adapt.speeds import DetectorSettings, SpeedTimeline
+from fxpar.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,18 @@ class Adapt:
     #: steps the job runs (the default horizon of a switch's saving); None: unknown
     total_steps: int | None = None
     verbose: bool = True
-    #: rank 0 re-plans on a thread while the ranks keep training (:class:`~fxpar.adapt.replan.DecisionInFlight`);
-    #: False: every rank waits for the decision at the step that detected the change
-    background_planning: bool = True
+    #: rank 0 re-plans while the ranks keep training (:class:`~fxpar.adapt.replan.DecisionInFlight`):
+    #: ``"process"`` (or True) in a forked process where the platform can fork (Linux), else on a
+    #: thread; ``"thread"`` on a thread; False: every rank waits for the decision at the step that
+    #: detected the change
+    background_planning: bool | str = "process"
+
+    def __post_init__(self) -> None:
+        if self.background_planning not in (True, False, "process", "thread"):
+            raise ConfigError(f"Adapt(background_planning={self.background_planning!r}): expected "
+                              "'process', 'thread', True (= 'process') or False")
+
+    @property
+    def planning_mode(self) -> str | bool:
+        """``"process"``, ``"thread"`` or False (:attr:`background_planning`, True read as ``"process"``)."""
+        return "process" if self.background_planning is True else self.background_planning

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -306,13 +307,15 @@ def test_a_switch_leaves_the_random_stream_of_the_run_as_it_was(pool2):
 @pytest.mark.full
 @pytest.mark.multirank
 def test_a_decision_made_for_a_plan_that_was_switched_away_is_not_acted_on(pool2):
-    """Rank 0 re-plans in the background; a ``switch_to`` that runs first leaves the decision
+    """Rank 0 re-plans in the background (a forked process on Linux); a ``switch_to`` that runs first leaves the decision
     logged ("another switch came first") with nothing pending: the new plan trains on."""
     from tests.multirank.workers_adapt import decision_after_another_switch
 
     for r in pool2.run(decision_after_another_switch):
         assert r["kind"] == "sharded_data_parallel" and not r["pending"], r
         assert len(r["decisions"]) == 1 and "another switch came first" in r["decisions"][0]["reason"], r
+        forked = "process" if sys.platform.startswith("linux") else "thread"   # the default, Adapt.background_planning
+        assert r["decisions"][0]["planned_in"] == (forked if r["rank"] == 0 else None), r
 
 
 def _ranks_pieces(rounds) -> dict:

@@ -526,7 +526,7 @@ def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2) -> d
 
 
 def decision_after_another_switch() -> dict[str, Any]:
-    """A decision in flight (rank 0 solving on its thread) when ``pm.switch_to`` switches first:
+    """A decision in flight (rank 0 solving in its forked process) when ``pm.switch_to`` switches first:
     the decision arrives for a plan no longer running and is logged, not acted on."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pm, _, template, data, cluster = _adaptive_dp(CONFIG, 2)
