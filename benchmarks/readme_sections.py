@@ -141,6 +141,11 @@ def recorded_fidelity(r: dict) -> list[str]:
             table(r)]
 
 
+#: where the adapt benchmark's decisions were solved (its ``background_planning``; files before
+#: 2026-11-30 lack the field: a thread then)
+_PLANNED_IN = {"process": "in a process forked from rank 0", "thread": "on a thread of rank 0"}
+
+
 def adapt(a: dict) -> list[str]:
     """Adapting while training under a straggler, and the elastic 4 -> 3 node loss."""
     m, d = a["machine"], a.get("detector", {})
@@ -152,8 +157,8 @@ def adapt(a: dict) -> list[str]:
              "carries the migration) while the straggler lasts (detector: threshold "
              f"{d.get('threshold')}, a change lasting {d.get('min_steps')} steps and {d.get('min_seconds', 0)} s, "
              f"{d.get('warmup_steps', 0)} warm-up and {d.get('calibration_steps')} reference steps per plan); "
-             "'replan s' is rank 0's solve, run on a thread while the ranks train on, and 'plan' in the migration's "
-             "split the time the ranks then waited for the decision."
+             f"'replan s' is rank 0's solve, run {_PLANNED_IN[a.get('background_planning', 'thread')]} while the "
+             "ranks train on, and 'plan' in the migration's split the time the ranks then waited for the decision."
              + (f" At equal speeds, adapting on / off (data parallelism, {len(a['overhead']['rounds']['on'])} "
                 f"alternating rounds): {a['overhead']['ratio']:.3f} "
                 f"({1e3 * a['overhead']['on_s']:.2f} / {1e3 * a['overhead']['off_s']:.2f} ms)."

@@ -15,8 +15,8 @@ Everything is read from the plan and the cluster, nothing from the plan's stored
   differently (``replica_modules``); a position's intra-node link: the slowest of its replicas';
 - 1F1B / GPipe: stage ``j`` is position ``j``, its ranks ``P`` groups of ``u_j`` consecutive entries
   (pipeline by pipeline); interleaved: the positions are each pipeline's ranks in sorted order
-  and stage ``s`` sits at the position of its rank (codegen's rule,
-  :func:`fxpar.codegen.pipeline.interleaved.placement`);
+  and stage ``s`` sits at the position of its rank (the runtime's rule,
+  :meth:`fxpar.rank_layout.RankLayout.stage_positions`);
 - each slot's node: its first rank's; each position's intra-node link: its kind's; the NIC: the
   cluster's inter-node link.  A changed link speed therefore changes the simulated step.
 """
