@@ -33,11 +33,21 @@ def test_every_way_returns_the_decision_made(background):
 
 
 @pytest.mark.skipif(not LINUX, reason="the forked solve is Linux's; elsewhere the thread runs (above)")
-def test_a_forked_solve_runs_beside_the_caller_and_a_dead_child_is_a_reason():
-    started = time.perf_counter()
-    deciding = _deciding(lambda: time.sleep(0.5) or "done", "process")
-    assert not deciding.done() and time.perf_counter() - started < 0.4   # the caller goes on meanwhile
-    assert deciding.result() == "done"
+def _when_released(flag) -> str:
+    """The child's solve: waits until the caller creates ``flag`` (at most 60 s)."""
+    for _ in range(6000):
+        if flag.exists():
+            return "done"
+        time.sleep(0.01)
+    return "never released"
+
+
+def test_a_forked_solve_runs_beside_the_caller_and_a_dead_child_is_a_reason(tmp_path):
+    flag = tmp_path / "release"
+    deciding = _deciding(lambda: _when_released(flag), "process")
+    assert not deciding.done()   # the caller goes on while the child waits for it
+    flag.touch()
+    assert deciding.result() == "done" and deciding.done()
     died = _deciding(lambda: os._exit(3), "process")
     assert died.result() is None and "died before it answered" in died.failure
     failed = _deciding(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), "process")
