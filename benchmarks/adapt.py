@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                f"included. Adapting on / off at equal speeds ({OVERHEAD_RANKS} ranks, DP): {cost['ratio']:.3f}")
     return finish("adapt", title="Adapting while training under a straggler (measured, emulated speeds)",
                   caption=caption, head=head, rows=[_row(s) for s in runs], quick=args.quick, runs=runs,
-                  elastic=elastic, overhead=cost, background_planning=Adapt().planning_mode,
+                  elastic=elastic, overhead=cost, background_planning="planning_process" if Adapt().planning_mode == "process" else Adapt().planning_mode,
                   phases=list(phases), slow_speed=SLOW_SPEED, detector=dataclasses.asdict(DETECTOR), out=args.out)
 
 

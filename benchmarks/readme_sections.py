@@ -142,8 +142,10 @@ def recorded_fidelity(r: dict) -> list[str]:
 
 
 #: where the adapt benchmark's decisions were solved (its ``background_planning``; files before
-#: 2026-11-30 lack the field: a thread then)
-_PLANNED_IN = {"process": "in a process forked from rank 0", "thread": "on a thread of rank 0"}
+#: 2026-11-30 lack the field: a thread then; "process" was a child forked per decision until the
+#: planning process replaced it)
+_PLANNED_IN = {"planning_process": "in the job's planning process (a child interpreter rank 0 started once)",
+               "process": "in a process forked from rank 0", "thread": "on a thread of rank 0"}
 
 
 def adapt(a: dict) -> list[str]:

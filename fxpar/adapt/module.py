@@ -32,7 +32,6 @@ Per :meth:`AdaptiveModule.step`:
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
-from fxpar.adapt.replan import DecisionInFlight, Planning, Replanner
+from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
 from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module
@@ -79,6 +78,11 @@ class AdaptiveModule(torch.nn.Module):
         self.derate = [1.0] * self.world        # the speeds believed now, x the job's cluster
         self._plan_derate = [1.0] * self.world  # ... and when the current plan started
         self.steps, self.events = 0, []
+        ones = [1.0] * self.world   # the warm-up decision: the job's cluster as it is
+        warm = self.replanner.request(module.plan, ones, ones, link=1.0, steps_left=None,
+                                      build_s=planning.first_build_s, measured=None) if rank == 0 else None
+        self.background = BackgroundPlanning(planning, options.planning_mode, computes=rank == 0,
+                                             world=self.world, warm=warm)
         self._read_step = 0   # the step whose gathered numbers are being read
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None
@@ -296,12 +300,12 @@ class AdaptiveModule(torch.nn.Module):
         last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
                           self.planning.first_build_s)
         # any error while deciding is a "keep" with its reason (Replanner.decision)
-        make = functools.partial(self.replanner.snapshot().decision, self.plan, list(self.derate), factors, link=self.link,
-                                 build_s=last_build, measured=self._measured_step(),
-                                 steps_left=None if total is None else max(total - self._read_step - 1, 1))
-        background = self.options.planning_mode if self.world > 1 else False
-        self._deciding = DecisionInFlight(make, computes=self.rank == 0, background=background,
-                                          detected_step=self._read_step, after_switches=self._switches)
+        request = self.replanner.request(self.plan, list(self.derate), factors, link=self.link, build_s=last_build,
+                                         measured=self._measured_step(),
+                                         steps_left=None if total is None else max(total - self._read_step - 1, 1))
+        background = self.background.mode
+        self._deciding = self.background.start(request, computes=self.rank == 0, detected_step=self._read_step,
+                                               after_switches=self._switches)
         self._factors, self._comm_at_detection = tuple(factors), dict(self.last_comm_s)
         if not background:
             self._receive_decision()

@@ -11,10 +11,12 @@ remembers between decisions and how a decision is made.
   switch cuts from the meta template and eager stages need real weights.
 * **Errors** — any error while deciding becomes a decision to keep the plan, with the reason,
   so every rank still gets a decision (the others wait at its broadcast).
-* **In the background** (:class:`DecisionInFlight`) — rank 0 solves in a forked process (on
-  Linux; elsewhere, or with ``Adapt(background_planning="thread")``, on a thread) while every
-  rank keeps training the current plan; the solve is plain data (no collective, no torch
-  object), so it may run beside the step.  Rank 0 says at each gather of the step records
+* **In the background** (:class:`DecisionInFlight`) — rank 0 solves in the job's planning
+  process (:mod:`fxpar.adapt.planning_process`: a child interpreter started once, holding the
+  planning; each decision sends it a :class:`DecisionRequest`), or with
+  ``Adapt(background_planning="thread")`` on a thread, while every rank keeps training the
+  current plan; the solve is plain data (no collective, no torch object), so it may run beside
+  the step.  Rank 0 says at each gather of the step records
   whether it is done (a flag in its rows), so every rank receives the decision at the same step,
   and re-planning no longer stops training (it did for 0.17–0.36 s per decision in
   ``benchmarks/results/adapt-cpu2-2026-11-29.json``).  A solve that competes with rank 0's step
@@ -25,15 +27,13 @@ remembers between decisions and how a decision is made.
 
 from __future__ import annotations
 
-import os
-import pickle
-import select
-import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fxpar.adapt.planning_process import PlanningProcess
 from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
@@ -42,6 +42,9 @@ from fxpar.plan import Plan
 from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
+
+#: how long rank 0 waits for the planning process's imports and warm-up decision when adapting starts
+PROCESS_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +76,12 @@ class Replanner:
         threshold of ``speeds`` (and ``link``)."""
         self.refused.append((plan, tuple(speeds), float(link)))
 
-    def snapshot(self) -> Replanner:
-        """A copy whose lists the training thread may change while a decision reads this one."""
-        return replace(self, refused=list(self.refused), unbuildable=dict(self.unbuildable))
+    def request(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float,
+                steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> DecisionRequest:
+        """The decision :meth:`decision` would make, as data (:func:`make_decision` makes it
+        from the planning, in the planning process or here); a copy of the refused lists."""
+        return DecisionRequest(self.policy, self.threshold, tuple(self.refused), tuple(self.unbuildable.items()),
+                               current, tuple(speeds), tuple(factors), float(link), steps_left, build_s, measured)
 
     def cannot_build(self, family: str, why: str) -> None:
         """``family`` is offered no more (its build failed at a switch)."""
@@ -137,126 +143,137 @@ class Replanner:
         return replace(decision, plan=replace(decision.plan, explain=(*decision.plan.explain, decision.explain())))
 
 
-class DecisionInFlight:
-    """A decision being made: computed by ``make`` on the rank that ``computes`` (rank 0); where
-    ``background`` is ``"process"``, in a forked child process (:class:`_ForkedSolve`; on a
-    thread where the platform cannot fork), where ``"thread"`` on a thread, else at once (module
-    docstring, in the background)."""
+@dataclass(frozen=True, slots=True)
+class DecisionRequest:
+    """One decision to make (:meth:`Replanner.request`): the re-planner's state and the
+    measurements, without the planning (the graph), which the planning process keeps."""
 
-    def __init__(self, make: Callable[[], Decision], *, computes: bool, background: bool | str, detected_step: int,
-                 after_switches: int) -> None:
+    policy: AdaptPolicy
+    threshold: float
+    refused: tuple[tuple[Plan, tuple[float, ...], float], ...]
+    unbuildable: tuple[tuple[str, str], ...]
+    current: Plan
+    speeds: tuple[float, ...]
+    factors: tuple[float, ...]
+    link: float
+    steps_left: int | None
+    build_s: float
+    measured: MeasuredStep | None
+
+
+def make_decision(planning: Planning, request: DecisionRequest) -> Decision:
+    """``request``'s decision from ``planning`` (in the planning process, or in this one)."""
+    replanner = Replanner(planning, request.policy, request.threshold, list(request.refused),
+                          dict(request.unbuildable))
+    return replanner.decision(request.current, request.speeds, request.factors, link=request.link,
+                              steps_left=request.steps_left, build_s=request.build_s, measured=request.measured)
+
+
+class DecisionInFlight:
+    """A decision being made: ``fn(data, *args)`` on the rank that ``computes`` (rank 0); where
+    ``background`` is ``"process"``, in the job's planning process
+    (:class:`~fxpar.adapt.planning_process.PlanningProcess`; ``stored``: the key ``data`` is kept
+    there under, else it is sent with the call), where ``"thread"`` on a thread, else at once
+    (module docstring, in the background)."""
+
+    def __init__(self, fn: Callable[..., Any], data: Any, *args: Any, computes: bool, background: bool | str,
+                 detected_step: int, after_switches: int, stored: int | None = None) -> None:
         #: the switches the job had made when the decision started (another one makes it stale)
         self.detected_step, self.after_switches = detected_step, after_switches
-        self._result: list[Decision | None] = [None]
+        self._result: list[Any] = [None]
         self._thread: threading.Thread | None = None
-        self._forked: _ForkedSolve | None = None
-        if computes and background == "process" and _ForkedSolve.available():
-            self._forked = _ForkedSolve(make)
+        self._process: PlanningProcess | None = None
+        self._error = ""
+        if computes and background == "process":
+            self._forget, self._ticket = stored is None, 0
+            try:
+                self._process = PlanningProcess.shared()
+                self._key = self._process.keep(data) if stored is None else stored
+                self._ticket = self._process.submit(fn, self._key, args)
+            except OSError as exc:   # it ended between the check and the write: a "keep" that says so
+                self._error = f"the planning process could not be reached ({type(exc).__name__}: {exc})"
         elif computes and background:
-            self._thread = threading.Thread(target=lambda: self._result.__setitem__(0, make()),
+            self._thread = threading.Thread(target=lambda: self._result.__setitem__(0, fn(data, *args)),
                                             name="fxpar-adapt-replan", daemon=True)
             self._thread.start()
         elif computes:
-            self._result[0] = make()
+            self._result[0] = fn(data, *args)
 
     @property
     def where(self) -> str:
         """Where the decision is computed: ``"process"``, ``"thread"`` or ``"inline"``."""
-        return "process" if self._forked is not None else "thread" if self._thread is not None else "inline"
+        return "process" if self._process is not None else "thread" if self._thread is not None else "inline"
 
     @property
     def failure(self) -> str:
         """Why :meth:`result` is None on the rank that computes."""
-        if self._forked is not None and self._forked.error:
-            return self._forked.error
-        return f"the re-planning {self.where} died"
+        return self._error or f"the re-planning {self.where} died"
 
     def done(self) -> bool:
         """Whether the decision is made (always true where nothing is computed)."""
-        if self._forked is not None:
-            return self._forked.done()
+        if self._process is not None and self._ticket:
+            return self._process.answer(self._ticket) is not None
         return self._thread is None or not self._thread.is_alive()
 
-    def result(self) -> Decision | None:
+    def result(self) -> Any:
         """The decision (waits for the thread or process); None on a rank that computes nothing,
-        or where the process died before it answered."""
-        if self._forked is not None:
-            return self._forked.result()
+        or where the process failed before it answered (:attr:`failure` says why)."""
+        if self._process is not None and self._ticket:
+            kind, value = self._process.wait(self._ticket)
+            self._ticket = 0   # answered: asked again, the same result
+            if self._forget:
+                self._process.forget(self._key)
+            self._result[0], self._error = (value, "") if kind == "answer" else (None, value)
+        elif self._thread is not None:
+            self._thread.join()
+        return self._result[0]
         if self._thread is not None:
             self._thread.join()
         return self._result[0]
 
 
-class _ForkedSolve:
-    """``make()`` in a child forked from this process, its decision sent back pickled through a
-    pipe.  The child shares nothing it writes with the training process, so the solve never holds
-    the training thread's GIL (a solving *thread* did: each step it overlapped ran 2-3x slower in
-    ``benchmarks/results/adapt-cpu2-2026-11-29.json``) and uses a core only where one is free.
-    The child touches no torch object and no process group (the solve is plain data), writes
-    nothing to the terminal and leaves by ``os._exit``: none of the parent's exit handlers or
-    buffered output runs twice.  The parent drains the pipe whenever it asks :meth:`done`, so a
-    decision larger than the pipe's buffer never blocks the child."""
+class BackgroundPlanning:
+    """Where rank 0 makes its decisions (``Adapt.background_planning``; module docstring, in the
+    background): ``mode`` is ``"process"``, ``"thread"`` or False (one rank: at once).  In
+    ``"process"`` mode rank 0 sends the planning to the job's planning process when made and waits
+    for one warm-up decision there (``warm``: it imports the solvers and builds their cached
+    problems), so neither runs beside the steps the detector calibrates on; a process that cannot
+    start or answer leaves the decisions on a thread, with a warning (``fallback`` says why)."""
 
-    @staticmethod
-    def available() -> bool:
-        """Linux only: ``os.fork`` of a process with threads is safe there for a child that only
-        runs Python and numpy code and exits; elsewhere the solve runs on a thread."""
-        return sys.platform.startswith("linux") and hasattr(os, "fork")
+    def __init__(self, planning: Planning, mode: bool | str, *, computes: bool, world: int,
+                 warm: DecisionRequest | None) -> None:
+        self.planning, self.mode, self.fallback = planning, (mode if world > 1 else False), ""
+        self._process: PlanningProcess | None = None
+        self._key: int | None = None
+        #: what the planning process keeps: the planning without the graph's exported program
+        #: (codegen's; the decisions never read it, and it does not unpickle outside torch.export)
+        graph = planning.graph
+        self.sent = replace(planning, graph=replace(graph, exported=None) if graph is not None else None)
+        if computes and self.mode == "process" and warm is not None and planning.graph is not None:
+            self._start(warm)
 
-    def __init__(self, make: Callable[[], Decision]) -> None:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:   # the child
-            status = 0
-            try:
-                os.close(read)
-                try:
-                    payload = pickle.dumps(("decision", make()))
-                except BaseException as exc:  # noqa: BLE001 -- any failure must reach the parent as a reason
-                    payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
-                with os.fdopen(write, "wb") as out:
-                    out.write(payload)
-            except BaseException:  # noqa: BLE001 -- the child must never return into the training code
-                status = 1
-            finally:
-                os._exit(status)
-        os.close(write)
-        os.set_blocking(read, False)
-        self.pid, self._read, self._chunks, self._eof = pid, read, [], False
-        self._value: Decision | None = None
-        self.error: str | None = None
-
-    def _drain(self) -> None:
-        while not self._eof:
-            try:
-                chunk = os.read(self._read, 1 << 16)
-            except BlockingIOError:
-                return
-            if chunk:
-                self._chunks.append(chunk)
-            else:
-                self._eof = True
-                os.close(self._read)
-                os.waitpid(self.pid, 0)   # reap the child (it has closed its end: it is leaving)
-                self._unpickle()
-
-    def _unpickle(self) -> None:
-        data = b"".join(self._chunks)
-        self._chunks = []
-        if not data:
-            self.error = "the re-planning process died before it answered"
+    def _start(self, warm: DecisionRequest) -> None:
+        try:
+            process = PlanningProcess.shared()
+            key = process.keep(self.sent)
+            kind, why = process.wait(process.submit(make_decision, key, (warm,)), timeout=PROCESS_START_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- a planning that does not pickle, a process that cannot start
+            kind, why = "error", f"{type(exc).__name__}: {exc}"
+        if kind == "answer":
+            self._process, self._key = process, key
             return
-        kind, value = pickle.loads(data)
-        if kind == "decision":
-            self._value = value
-        else:
-            self.error = value
+        self.mode, self.fallback = "thread", str(why)
+        warnings.warn(f"fxpar adapt: the planning process did not start ({why}); rank 0 re-plans on a thread "
+                      "instead", stacklevel=4)
 
-    def done(self) -> bool:
-        self._drain()
-        return self._eof
-
-    def result(self) -> Decision | None:
-        while not self.done():
-            select.select([self._read], [], [], 1.0)
-        return self._value
+    def start(self, request: DecisionRequest, *, computes: bool, detected_step: int,
+              after_switches: int) -> DecisionInFlight:
+        """``request``'s decision, made where :attr:`mode` says (rank 0 only: ``computes``)."""
+        key = None
+        if computes and self.mode == "process":
+            process = PlanningProcess.shared()
+            if process is not self._process:   # first use, or the last process died: the planning again
+                self._process, self._key = process, process.keep(self.sent)
+            key = self._key
+        return DecisionInFlight(make_decision, self.planning, request, computes=computes, background=self.mode,
+                                detected_step=detected_step, after_switches=after_switches, stored=key)

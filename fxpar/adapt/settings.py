@@ -23,9 +23,9 @@ class Adapt:
     total_steps: int | None = None
     verbose: bool = True
     #: rank 0 re-plans while the ranks keep training (:class:`~fxpar.adapt.replan.DecisionInFlight`):
-    #: ``"process"`` (or True) in a forked process where the platform can fork (Linux), else on a
-    #: thread; ``"thread"`` on a thread; False: every rank waits for the decision at the step that
-    #: detected the change
+    #: ``"process"`` (or True) in the job's planning process (:mod:`fxpar.adapt.planning_process`;
+    #: on a thread where it cannot start); ``"thread"`` on a thread; False: every rank waits for
+    #: the decision at the step that detected the change
     background_planning: bool | str = "process"
 
     def __post_init__(self) -> None:

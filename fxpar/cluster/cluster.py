@@ -177,6 +177,12 @@ class Cluster:
         object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "_groups", _build_groups(devices))
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled by its fields (rank 0 sends its cluster to the planning process:
+        :mod:`fxpar.adapt.planning_process`); the read-only view of ``custom_types`` does not pickle."""
+        return _unpickled_cluster, (self.name, self.nodes, self.inter_node_gbps, dict(self.custom_types),
+                                    self.link_derate)
+
     @property
     def world_size(self) -> int:
         """Number of devices (ranks)."""
@@ -379,3 +385,9 @@ def _parse_node(entry: Any, where: str, custom: Mapping[str, DeviceType]) -> tup
         memory_gib=None if memory is None else positive_number(memory, f"{where}.memory_gib"),
         host_memory_gib=None if host is None else positive_number(host, f"{where}.host_memory_gib"),
     ), repeat
+
+
+def _unpickled_cluster(name: str, nodes: tuple[NodeSpec, ...], inter_node_gbps: float,
+                       custom_types: dict[str, DeviceType], link_derate: float) -> Cluster:
+    return Cluster(name=name, nodes=nodes, inter_node_gbps=inter_node_gbps, custom_types=custom_types,
+                   link_derate=link_derate)

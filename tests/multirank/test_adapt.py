@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import sys
 
 import pytest
 import torch
@@ -227,6 +226,8 @@ def test_an_adaptive_switch_that_cannot_fit_is_refused_and_training_goes_on(pool
     from tests.multirank.workers_adapt import refused_switch_run
 
     for r in pool2.run(refused_switch_run, 4):
+        # rank 0 started the planning process (the default), which took the planning: no fallback
+        assert r["planning"] == ("process", ""), r["planning"]
         assert set(r["kinds"]) == {"data_parallel"}, r["kinds"]
         refused = [e for e in r["events"] if e["kind"] == "refused"]
         assert len(refused) == 1 and "would hold" in refused[0]["reason"], r["events"]
@@ -307,15 +308,15 @@ def test_a_switch_leaves_the_random_stream_of_the_run_as_it_was(pool2):
 @pytest.mark.full
 @pytest.mark.multirank
 def test_a_decision_made_for_a_plan_that_was_switched_away_is_not_acted_on(pool2):
-    """Rank 0 re-plans in the background (a forked process on Linux); a ``switch_to`` that runs first leaves the decision
+    """Rank 0 re-plans in the background (the job's planning process); a ``switch_to`` that runs first leaves the decision
     logged ("another switch came first") with nothing pending: the new plan trains on."""
     from tests.multirank.workers_adapt import decision_after_another_switch
 
     for r in pool2.run(decision_after_another_switch):
         assert r["kind"] == "sharded_data_parallel" and not r["pending"], r
         assert len(r["decisions"]) == 1 and "another switch came first" in r["decisions"][0]["reason"], r
-        forked = "process" if sys.platform.startswith("linux") else "thread"   # the default, Adapt.background_planning
-        assert r["decisions"][0]["planned_in"] == (forked if r["rank"] == 0 else None), r
+        # the default, Adapt.background_planning
+        assert r["decisions"][0]["planned_in"] == ("process" if r["rank"] == 0 else None), r
 
 
 def _ranks_pieces(rounds) -> dict:

@@ -199,28 +199,38 @@ def _adapt_beside_reference(pm: Any, reference: torch.nn.Module, data: list[dict
     return out
 
 
+def _solver_bug(*args: Any, **kwargs: Any) -> Any:
+    raise ValueError("a solver bug")
+
+
+def _break_decisions(_data: Any, broken: bool) -> None:
+    """In the process that runs it: ``Replanner._decide`` raises (``broken``) or is itself again."""
+    from fxpar.adapt.replan import Replanner
+
+    real = vars(Replanner).get("_real_decide", Replanner._decide)
+    Replanner._real_decide = real
+    Replanner._decide = _solver_bug if broken else real
+
+
 def decision_error_is_a_keep() -> dict[str, Any]:
     """Rank 0's decision raises an error that is not fxpar's: every rank gets a "keep" that names
     it (no rank is left waiting at the decision's broadcast)."""
+    from fxpar.adapt.planning_process import PlanningProcess
+
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
     data = global_batch(model, BATCH, SEQ, seed=1)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data, global_batch=BATCH,
                     strategies=["data_parallel"], adapt=True)
-
-    from fxpar.adapt.replan import Replanner
-
-    def broken(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("a solver bug")
-
-    real = Replanner._decide
-    if dist.get_rank() == 0:   # the class: a decision runs on a snapshot of the module's replanner
-        Replanner._decide = broken
+    process = PlanningProcess.shared() if dist.get_rank() == 0 else None
+    if process is not None:   # the class, in the process that decides (rank 0's planning process)
+        assert process.wait(process.submit(_break_decisions, None, (True,)))[0] == "answer"
     try:
-        pm._consider((1.0, 0.5))   # rank 0 decides on a thread; every rank receives it here
+        pm._consider((1.0, 0.5))   # rank 0 decides in its planning process; every rank receives it here
         if pm._deciding is not None:
             pm._receive_decision()
     finally:   # the pool's processes run later tests
-        Replanner._decide = real
+        if process is not None:
+            process.wait(process.submit(_break_decisions, None, (False,)))
     return pm.events[-1]
 
 
@@ -439,8 +449,8 @@ def refused_switch_run(steps: int = 4) -> dict[str, Any]:
     pm, reference, template, data, cluster = _adaptive_dp(CONFIG, steps)
     plan = _plan("pp", template, cluster, world)
     tiny = dataclasses.replace(plan, ranks=tuple(dataclasses.replace(r, memory_capacity_bytes=1000) for r in plan.ranks))
-    return {"rank": rank, **_adapt_beside_reference(pm, reference, data,
-                                                    lambda k: pm.switch_to(tiny) if k == 1 else None)}
+    return {"rank": rank, "planning": (pm.background.mode, pm.background.fallback),
+            **_adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(tiny) if k == 1 else None)}
 
 
 def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
@@ -526,7 +536,7 @@ def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2) -> d
 
 
 def decision_after_another_switch() -> dict[str, Any]:
-    """A decision in flight (rank 0 solving in its forked process) when ``pm.switch_to`` switches first:
+    """A decision in flight (rank 0 solving in the planning process) when ``pm.switch_to`` switches first:
     the decision arrives for a plan no longer running and is logged, not acted on."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pm, _, template, data, cluster = _adaptive_dp(CONFIG, 2)
