@@ -167,6 +167,9 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
             assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
         assert results[0]["events"] == results[1]["events"] or [e["kind"] for e in results[0]["events"]] == [
             e["kind"] for e in results[1]["events"]]
+        # item 7: every rank builds the new plan, and creates its groups, at the same step
+        at = [[e["step"] for e in r["events"] if e["kind"] in ("switch", "rollback")] for r in results]
+        assert at[0] == at[1], at
         switches += sum(e["kind"] == "switch" for e in results[0]["events"])
     assert switches >= 3, switches
 

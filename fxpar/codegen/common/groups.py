@@ -26,9 +26,10 @@ from fxpar.runtime.distributed import new_group
 KINDS = ("tensor", "replica", "chain", "whole_replica")
 
 
-def check_job(world_size: int) -> bool:
-    """Whether the job is distributed, after checking it runs one process per plan rank: a
-    :class:`RuntimeSetupError` saying what to start otherwise."""
+def check_job(world_size: int, group: Any = None) -> bool:
+    """Whether the job is distributed, after checking it runs one process per plan rank (in
+    ``group``, the default group when None): a :class:`RuntimeSetupError` saying what to start
+    otherwise."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -36,9 +37,9 @@ def check_job(world_size: int) -> bool:
             raise RuntimeSetupError(f"the plan has {world_size} ranks but torch.distributed is not "
                                     "initialised; call init_process_group (e.g. under torchrun) first")
         return False
-    if dist.get_world_size() != world_size:
+    if dist.get_world_size(group) != world_size:
         raise RuntimeSetupError(f"the plan has {world_size} ranks but the process group has "
-                                f"{dist.get_world_size()}; start one process per plan rank")
+                                f"{dist.get_world_size(group)}; start one process per plan rank")
     return True
 
 

@@ -61,9 +61,10 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
 from fxpar.cluster import Cluster
+from fxpar.codegen.common.groups import check_job
 from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
-from fxpar.codegen.expert.experts import ExpertParallelExperts, group_size, shard_experts
+from fxpar.codegen.expert.experts import ExpertParallelExperts, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.errors import CheckpointError, PlanError, RuntimeSetupError
 from fxpar.plan import Plan
@@ -95,9 +96,8 @@ class ExpertParallelModule(FormModule, StepModule):
                             "the whole batch's routing, so per-rank averaging is not exact; set it "
                             "False, or pass allow_local_aux_loss=True to accept the approximation")
         self.group, self.world = group, plan.world_size
-        if self.world > 1 and group_size(group) != self.world:
-            raise RuntimeSetupError(f"the plan has {self.world} ranks but the process group has "
-                                    f"{group_size(group)}; start one process per plan rank")
+        if self.world > 1:
+            check_job(self.world, group)
         self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
                          device=device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
