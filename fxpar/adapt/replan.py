@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fxpar.adapt.planning_process import PlanningProcess
 from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
+from fxpar.adapt.planning_process import PlanningProcess
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.forms import form
@@ -225,9 +225,6 @@ class DecisionInFlight:
                 self._process.forget(self._key)
             self._result[0], self._error = (value, "") if kind == "answer" else (None, value)
         elif self._thread is not None:
-            self._thread.join()
-        return self._result[0]
-        if self._thread is not None:
             self._thread.join()
         return self._result[0]
 
