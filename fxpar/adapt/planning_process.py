@@ -5,12 +5,13 @@ re-planning calls while the ranks train (:class:`fxpar.adapt.replan.DecisionInFl
 its GIL: the steps it overlapped ran 2-3x slower (``benchmarks/results/adapt-cpu2-2026-11-29.json``).
 A child *forked* per decision does not, but each fork copied rank 0's page tables, and every page
 the training process wrote while the child lived was copied on write: +45-55 ms on the step after
-a fork of the adapt benchmark's rank (a third of a step lost per decision), more on a host holding
+a fork of the adapt benchmark's rank (about half a step lost per decision), more on a host holding
 a large model, and a fork of a process with a CUDA context or registered network memory is a
 hazard of its own.  This child is a fresh interpreter (``python -m fxpar.adapt.planning_process``):
 nothing of the training process is shared or copied; what it needs arrives pickled.
 
-**Protocol.**  Two pipes, each a stream of frames (an 8-byte length, then a pickle):
+**Protocol.**  Two pipes, each a stream of frames (an 8-byte length, then a pickle of ``(kind,
+key, value)`` with the value pickled apart, :func:`_frame`):
 
 * to the child: ``("keep", key, value)`` stores ``value`` (a :class:`~fxpar.adapt.replan.Planning`:
   the graph, sent once per adaptive module, not per decision); ``("forget", key, None)``;
@@ -21,8 +22,9 @@ nothing of the training process is shared or copied; what it needs arrives pickl
 
 The child reads its pipe on a thread from its first moment (before its imports), so the parent's
 writes never wait for it; the parent reads without blocking (:meth:`PlanningProcess.poll`), so an
-answer larger than a pipe's buffer never blocks the child.  The child leaves when its pipe closes
-(the training process ended or closed it).  It never sees a GPU (``CUDA_VISIBLE_DEVICES`` empty),
+answer larger than a pipe's buffer never blocks the child.  The child runs in a session of its
+own (a terminal's Ctrl-C goes to the training processes) and leaves when its pipe closes (the
+training process ended, however, or closed it).  It never sees a GPU (``CUDA_VISIBLE_DEVICES`` empty),
 runs one thread per library, and its standard output (HiGHS's banner) goes nowhere.
 
 **Cost.**  Starting it imports fxpar (2-4 s on this 2-core machine), once per training process;
@@ -57,6 +59,14 @@ def _frame(kind: str, key: int, value: Any) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
+def _wait_readable(fd: int, timeout: float) -> None:
+    """Wait until ``fd`` has something to read, at most ``timeout`` s (``poll``: a training
+    process may hold more than ``select``'s 1024 descriptors)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(timeout * 1000)
+
+
 def _loaded(payload: bytes) -> tuple[bool, Any]:
     """``(True, value)``, or ``(False, "Type: message")`` where it does not unpickle here."""
     try:
@@ -87,7 +97,7 @@ class PlanningProcess:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fxpar.adapt.planning_process", str(child_reads), str(child_writes)],
             pass_fds=(child_reads, child_writes), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            close_fds=True)
+            close_fds=True, start_new_session=True)   # a terminal's Ctrl-C is the job's: the child leaves at EOF
         os.close(child_reads)
         os.close(child_writes)
         self._write_fd, self._read_fd = parent_writes, parent_reads
@@ -113,7 +123,7 @@ class PlanningProcess:
         """Whether the child has finished its imports (waits at most ``timeout`` s)."""
         end = time.monotonic() + timeout
         while not self.ready and self._read_fd >= 0 and time.monotonic() < end:
-            select.select([self._read_fd], [], [], min(1.0, max(end - time.monotonic(), 0.0)))
+            _wait_readable(self._read_fd, min(1.0, max(end - time.monotonic(), 0.0)))
             self.poll()
         return self.ready
 
@@ -145,7 +155,7 @@ class PlanningProcess:
             if left is not None and left <= 0:
                 return ("error", f"the planning process did not answer within {timeout:.0f} s")
             if self._read_fd >= 0:
-                select.select([self._read_fd], [], [], min(1.0, left) if left is not None else 1.0)
+                _wait_readable(self._read_fd, min(1.0, left) if left is not None else 1.0)
         return self._answers.pop(ticket)
 
     def poll(self) -> None:
