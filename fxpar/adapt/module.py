@@ -45,12 +45,13 @@ from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
-from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module
+from fxpar.adapt.switch import check_movable, check_movable_everywhere, prepare_pipeline_export, switch_module
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.device import ranks_share_cores
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
+from fxpar.solvers.planner import FAMILIES
 from fxpar.plan import Plan
 
 
@@ -83,6 +84,12 @@ class AdaptiveModule(torch.nn.Module):
                                       build_s=planning.first_build_s, measured=None) if rank == 0 else None
         self.background = BackgroundPlanning(planning, options.planning_mode, computes=rank == 0,
                                              world=self.world, warm=warm)
+        #: seconds spent at start (while rank 0's planning process starts) on the export later
+        #: pipeline switches cut (:func:`~fxpar.adapt.switch.prepare_pipeline_export`)
+        self.prepared_export_s = prepare_pipeline_export(
+            template, example_inputs, self._build["exports"], dtype=module.plan.dtype,
+            families=options.policy.strategies if options.policy.strategies is not None else FAMILIES)
+        self.background.ready()
         self._read_step = 0   # the step whose gathered numbers are being read
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None

@@ -232,34 +232,41 @@ class DecisionInFlight:
 class BackgroundPlanning:
     """Where rank 0 makes its decisions (``Adapt.background_planning``; module docstring, in the
     background): ``mode`` is ``"process"``, ``"thread"`` or False (one rank: at once).  In
-    ``"process"`` mode rank 0 sends the planning to the job's planning process when made and waits
-    for one warm-up decision there (``warm``: it imports the solvers and builds their cached
-    problems), so neither runs beside the steps the detector calibrates on; a process that cannot
-    start or answer leaves the decisions on a thread, with a warning (``fallback`` says why)."""
+    ``"process"`` mode rank 0 sends the planning to the job's planning process when made, with one
+    warm-up decision (``warm``: it imports the solvers and builds their cached problems), and
+    :meth:`ready` waits for it, so neither runs beside the steps the detector calibrates on; a
+    process that cannot start or answer leaves the decisions on a thread, with a warning
+    (``fallback`` says why)."""
 
     def __init__(self, planning: Planning, mode: bool | str, *, computes: bool, world: int,
                  warm: DecisionRequest | None) -> None:
         self.planning, self.mode, self.fallback = planning, (mode if world > 1 else False), ""
         self._process: PlanningProcess | None = None
         self._key: int | None = None
+        self._warming = 0   # the warm-up decision's ticket until ready() has it
         #: what the planning process keeps: the planning without the graph's exported program
         #: (codegen's; the decisions never read it, and it does not unpickle outside torch.export)
         graph = planning.graph
         self.sent = replace(planning, graph=replace(graph, exported=None) if graph is not None else None)
         if computes and self.mode == "process" and warm is not None and planning.graph is not None:
-            self._start(warm)
+            try:
+                self._process = PlanningProcess.shared()
+                self._key = self._process.keep(self.sent)
+                self._warming = self._process.submit(make_decision, self._key, (warm,))
+            except Exception as exc:  # noqa: BLE001 -- a planning that does not pickle, a process that cannot start
+                self._fall_back(f"{type(exc).__name__}: {exc}")
 
-    def _start(self, warm: DecisionRequest) -> None:
-        try:
-            process = PlanningProcess.shared()
-            key = process.keep(self.sent)
-            kind, why = process.wait(process.submit(make_decision, key, (warm,)), timeout=PROCESS_START_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 -- a planning that does not pickle, a process that cannot start
-            kind, why = "error", f"{type(exc).__name__}: {exc}"
-        if kind == "answer":
-            self._process, self._key = process, key
+    def ready(self) -> None:
+        """Wait for the planning process's warm-up decision (at most ``PROCESS_START_TIMEOUT_S``)."""
+        if self._process is None or not self._warming:
             return
-        self.mode, self.fallback = "thread", str(why)
+        kind, why = self._process.wait(self._warming, timeout=PROCESS_START_TIMEOUT_S)
+        self._warming = 0
+        if kind != "answer":
+            self._fall_back(str(why))
+
+    def _fall_back(self, why: str) -> None:
+        self.mode, self.fallback, self._process, self._key = "thread", why, None, None
         warnings.warn(f"fxpar adapt: the planning process did not start ({why}); rank 0 re-plans on a thread "
                       "instead", stacklevel=4)
 

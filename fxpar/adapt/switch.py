@@ -5,10 +5,11 @@
    its memo, so no weight is copied; buffers, small, stay real).  A new plan's module is built
    from a copy of this template on every rank: codegen's meta path allocates only the rank's
    shard (:mod:`fxpar.codegen.common.materialize`), from :class:`Uninitialised` (no values).
-   A pipeline's stages are cut from an export of the template made once per micro-batch shape
-   and precision (:class:`~fxpar.codegen.pipeline.export.ExportCache`, held by the adaptive
-   module): measured on the adapt tests' 4-block Llama, a 2-stage build took 0.97 s with its
-   export and 0.09 s from the cache (a later switch to another cut).
+   A pipeline's stages are cut from one export of the template with a symbolic batch size,
+   made when adapting starts (:func:`prepare_pipeline_export`; the
+   :class:`~fxpar.codegen.pipeline.export.ExportCache` the adaptive module holds), so a switch to
+   a pipeline of any cuts and micro-batch size of 2 or more skips it: measured on the adapt
+   tests' 4-block Llama, a 2-stage build took 0.97 s with its export and 0.09 s from the cache.
 2. **State.**  :func:`fxpar.checkpoint.reshard_move.reshard` fills the new module's parameters
    and the optimizer state from the old module's, rank to rank, in memory, in rounds that fit
    each rank's memory in the new plan (``RankPlan.memory_capacity_bytes``;
@@ -57,11 +58,14 @@ from fxpar.build import build_module
 from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import ReshardStats
 from fxpar.checkpoint.reshard_move import reshard
-from fxpar.codegen.common.materialize import Uninitialised
+from fxpar.codegen.common.materialize import Uninitialised, to_meta
+from fxpar.codegen.pipeline.export import ExportCache, batch_dims
 from fxpar.errors import ConfigError, MoveDoesNotFit, PlanError, SwitchRefused
+from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.distributed import release_owned
+from fxpar.runtime.precision import AUTOCAST_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,28 @@ def meta_template(model: torch.nn.Module) -> torch.nn.Module:
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     return copy.deepcopy(model, memo)
+
+
+def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, exports: ExportCache, *,
+                            families: tuple[str, ...], dtype: str) -> float:
+    """Make, when adapting starts, the export every later pipeline switch cuts (module docstring,
+    1): with a symbolic batch size (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a
+    switch to a pipeline of any micro-batch size of 2 or more skips it.  Only where a family
+    among ``families`` cuts the model and the plans compute in fp32 (a low-precision pipeline
+    exports its stages on host stand-ins, outside the cache); an export that fails is left to the
+    switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
+    if dtype in AUTOCAST_DTYPES or not isinstance(example_inputs, dict) or not any(
+            form(f).cuts_model for f in families):
+        return 0.0
+    two = {k: (v[:2] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in example_inputs.items()}
+    if batch_dims(two) is None:   # no one batch size to make symbolic: an export per shape, at the switch
+        return 0.0
+    start = time.perf_counter()
+    try:
+        exports.exported(meta_template(template), to_meta(two), None)
+    except Exception:  # noqa: BLE001 -- the switch that needs it reports its failure, on every rank alike
+        pass
+    return time.perf_counter() - start
 
 
 def _group_of_fqn(layout: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -79,7 +79,8 @@ def on_device(inputs: Any, device: torch.device | None) -> Any:
 _NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
 
 
-def export_program(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+def export_program(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   dynamic_shapes: dict[str, Any] | None = None):
     quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [log.level for log in quiet]
     for log in quiet:  # a failed export logs whole graphs; the TraceError below says what matters
@@ -87,7 +88,7 @@ def export_program(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     captured = io.StringIO()  # a failed export prints its partial graph to stderr: keep it out
     try:
         with contextlib.redirect_stderr(captured), export_ready(model):
-            program = torch.export.export(model, args, kwargs, strict=False)
+            program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         sys.stderr.write(captured.getvalue())  # a successful export's warnings still show
         return program
     except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear error

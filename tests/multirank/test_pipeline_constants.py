@@ -104,28 +104,32 @@ def test_split_owns_lifted_constants_and_buffers():
 
 
 def test_an_export_cache_exports_once_and_every_cut_from_it_chains_to_the_model(monkeypatch):
-    """A running job's switches cut stages from one export (``ExportCache``, issue #39 item 7):
-    two cuts of two copies of the model from the cache run one export, and each cut's stages,
-    chained, compute the model's loss (its lifted constants included); another input shape is
-    another export."""
+    """A running job's switches cut stages from one export (``ExportCache``, issue #39 item 7),
+    made with a symbolic batch size: two cuts at 8 rows and a cut at 4 rows (another micro-batch
+    size) of copies of the model run one export, and each cut's stages, chained, compute the
+    model's loss (its lifted constants included); another sequence length is another export, and
+    so is one row (torch.export specialises a size of 1)."""
     import fxpar.codegen.pipeline.export as export
     from fxpar.codegen.pipeline.eager import cut_stages
 
     made = []
     real = export.exported_for_split
-    monkeypatch.setattr(export, "exported_for_split", lambda *a, **k: made.append(1) or real(*a, **k))
+    monkeypatch.setattr(export, "exported_for_split", lambda *a, **k: made.append(k.get("dynamic_shapes")) or real(*a, **k))
     torch.manual_seed(0)
     model, cache = Net(layers=3), export.ExportCache()
     data = _batch(1)
-    for cuts in ([0, 0, 1], [0, 1, 1]):
-        stages, names = cut_stages(copy.deepcopy(model), data, cuts, 2, exports=cache)
-        values = tuple(data[n] for n in names)
+    for rows, cuts in ((8, [0, 0, 1]), (8, [0, 1, 1]), (4, [0, 0, 1])):
+        some = {k: v[:rows] for k, v in data.items()}
+        stages, names = cut_stages(copy.deepcopy(model), some, cuts, 2, exports=cache)
+        values = tuple(some[n] for n in names)
         for stage in stages:
             values = stage(*values) if isinstance(values, tuple) else stage(values)
-        expect(check_loss(values.reshape(()), model(**data)[0]), context=f"cuts {cuts}")
-    assert len(made) == 1
-    cut_stages(copy.deepcopy(model), {k: v[:4] for k, v in data.items()}, [0, 0, 1], 2, exports=cache)
+        expect(check_loss(values.reshape(()), model(**some)[0]), context=f"{rows} rows, cuts {cuts}")
+    assert len(made) == 1 and made[0] is not None and cache.exports == 1   # one symbolic export
+    cut_stages(copy.deepcopy(model), {k: v[:, :6] for k, v in data.items()}, [0, 0, 1], 2, exports=cache)
     assert len(made) == 2
+    cut_stages(copy.deepcopy(model), {k: v[:1] for k, v in data.items()}, [0, 0, 1], 2, exports=cache)
+    assert len(made) == 3 and made[2] is None and cache.exports == 3   # one row: an export of its shape
 
 
 @pytest.mark.multirank

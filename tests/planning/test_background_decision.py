@@ -120,6 +120,7 @@ def test_a_real_decision_made_in_the_planning_process_is_the_one_made_here():
                                 measured=None)
     here = make_decision(planning, request)
     background = BackgroundPlanning(planning, "process", computes=True, world=2, warm=request)
+    background.ready()
     assert background.mode == "process" and not background.fallback   # started, warmed up
     there = background.start(request, computes=True, detected_step=3, after_switches=0).result()
     assert here.switch and there is not None

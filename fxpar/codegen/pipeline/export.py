@@ -3,8 +3,9 @@ tensors are on, with the assertions autocast invalidates removed (see
 :mod:`fxpar.codegen.pipeline.split`, "Mixed precision").
 
     exported_for_split(model, kwargs, dtype) -> (graph module, export device type)
-    ExportCache          the same, made once per inputs' shapes and precision (a running job's
-                         switches re-export one meta template)
+    batch_dims(kwargs)   the dynamic shapes of one symbolic batch size, where one can be said
+    ExportCache          the same, made once for every micro-batch size (else once per shape) and
+                         precision: a running job's switches cut one meta template's export
 """
 
 from __future__ import annotations
@@ -24,18 +25,19 @@ from fxpar.tracing.export import export_program, model_device
 from fxpar.tracing.grad_paths import lost_gradients
 
 
-def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
-                       dtype: torch.dtype | None) -> tuple[torch.fx.GraphModule, str]:
+def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: torch.dtype | None, *,
+                       dynamic_shapes: dict[str, Any] | None = None) -> tuple[torch.fx.GraphModule, str]:
     """``model`` exported on ``kwargs`` (``use_cache=False`` added for HF models) under
     ``dtype``'s autocast of the export tensors' device (none for fp32), its tensor-metadata
-    assertions dropped; and that device's type.  A model whose export loses gradients is a
-    PlanError, a failed export a TraceError."""
+    assertions dropped; and that device's type.  ``dynamic_shapes``: :func:`batch_dims`'s (one
+    export for every micro-batch size).  A model whose export loses gradients is a PlanError, a
+    failed export a TraceError."""
     if accepts(model, "use_cache"):  # HF models do not export with a cache
         kwargs.setdefault("use_cache", False)
     device_type = _export_device(model, kwargs).type
     try:  # the tracer's export: its noise kept out, its failure one TraceError naming the line at fault
         with _export_precision(device_type, dtype):
-            ep = export_program(model, (), dict(kwargs))
+            ep = export_program(model, (), dict(kwargs), dynamic_shapes=dynamic_shapes)
     except TraceError as exc:
         raise TraceError(f"pipeline split: {exc}") from None
     _refuse_lost_gradients(model, ep)
@@ -44,38 +46,76 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any],
     return gm, device_type
 
 
+def batch_dims(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``dynamic_shapes`` that make dimension 0 of every tensor input one symbolic batch size
+    (at least 2), or None where that cannot be said: no tensor input, inputs whose first sizes
+    differ, or a size below 2 (torch.export specialises sizes 0 and 1)."""
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim()}
+    sizes = {v.shape[0] for v in tensors.values()}
+    if len(sizes) != 1 or min(sizes) < 2:
+        return None
+    batch = torch.export.Dim("batch", min=2)
+    return {k: ({0: batch} if k in tensors else None) for k in kwargs}
+
+
 class ExportCache:
     """:func:`exported_for_split` of one model (a running job's meta template,
-    :mod:`fxpar.adapt.switch`), made once per key and handed out as copies: the export is
-    75-85% of building a pipeline stage from the template (measured: 0.86-1.29 s of a 1.3-1.7 s
-    2-stage build of the adapt benchmark's model).  The key is the inputs' names, shapes,
-    dtypes and devices and the precision; a caller whose export depends on more (a stage
-    sharded in place for tensor parallelism, host stand-ins) does not use the cache."""
+    :mod:`fxpar.adapt.switch`), made once and handed out as copies: the export is 75-85% of
+    building a pipeline stage from the template (measured: 0.86-1.29 s of a 1.3-1.7 s 2-stage
+    build of the adapt benchmark's model).  It is made with a symbolic batch size
+    (:func:`batch_dims`), so one export serves every micro-batch size of 2 or more: a switch to a
+    pipeline with other micro-batches cuts it again (the split and its stages are shape-generic;
+    ``tests/multirank/test_pipeline_constants.py`` chains stages cut at two sizes from one
+    export to the model).  A model whose batch size does not export symbolically (and a
+    micro-batch of 1) gets one export per shape, keyed by the inputs' names, shapes, dtypes and
+    devices and the precision.  A caller whose export depends on more (a stage sharded in place
+    for tensor parallelism, host stand-ins) does not use the cache."""
 
     def __init__(self) -> None:
         self._made: dict[tuple, tuple[torch.fx.GraphModule, str]] = {}
+        self._static_only = False   # a symbolic batch size failed to export once: not tried again
+        #: exports made (what the cache saves: every call but these was a copy)
+        self.exports = 0
 
     def exported(self, model: torch.nn.Module, kwargs: dict[str, Any],
                  dtype: torch.dtype | None) -> tuple[torch.fx.GraphModule, str]:
         """``exported_for_split(model, kwargs, dtype)``, from the cache when made before."""
-        key = (_shapes_key(dict(sorted(kwargs.items()))), dtype)
-        if key not in self._made:
-            self._made[key] = exported_for_split(model, kwargs, dtype)
-        elif accepts(model, "use_cache"):   # as exported_for_split does
+        if accepts(model, "use_cache"):   # as exported_for_split does
             kwargs.setdefault("use_cache", False)
-        gm, device_type = self._made[key]
+        ordered = dict(sorted(kwargs.items()))
+        exact = (_shapes_key(ordered), dtype)
+        dims = None if self._static_only else batch_dims(ordered)
+        loose = (_shapes_key(ordered, batch_free=True), dtype) if dims is not None else None
+        made = self._made.get(exact) or (self._made.get(loose) if loose is not None else None)
+        if made is None:
+            made = self._export(model, kwargs, dtype, dims, exact, loose)
+        gm, device_type = made
         return copy.deepcopy(gm), device_type
 
+    def _export(self, model: torch.nn.Module, kwargs: dict[str, Any], dtype: torch.dtype | None,
+                dims: dict[str, Any] | None, exact: tuple, loose: tuple | None) -> tuple[torch.fx.GraphModule, str]:
+        self.exports += 1
+        if loose is not None:
+            try:
+                self._made[loose] = exported_for_split(model, kwargs, dtype, dynamic_shapes=dims)
+                return self._made[loose]
+            except TraceError:   # its batch size does not export symbolically: one export per shape
+                self._static_only = True
+        self._made[exact] = exported_for_split(model, kwargs, dtype)
+        return self._made[exact]
 
-def _shapes_key(value: Any) -> Any:
-    """A hashable key of ``value`` that tells apart every tensor's shape, dtype and device,
-    through lists, tuples and dicts; other values by their ``repr``."""
+
+def _shapes_key(value: Any, batch_free: bool = False) -> Any:
+    """A hashable key of ``value`` that tells apart every tensor's shape (``batch_free``: all
+    but its first size), dtype and device, through lists, tuples and dicts; other values by
+    their ``repr``."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.device)
+        shape = tuple(value.shape)
+        return ("tensor", shape[1:] if batch_free and shape else shape, value.dtype, value.device)
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_shapes_key(v) for v in value))
+        return (type(value).__name__, tuple(_shapes_key(v, batch_free) for v in value))
     if isinstance(value, Mapping):
-        return ("dict", tuple((k, _shapes_key(v)) for k, v in value.items()))
+        return ("dict", tuple((k, _shapes_key(v, batch_free)) for k, v in value.items()))
     return repr(value)
 
 

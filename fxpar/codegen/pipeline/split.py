@@ -239,8 +239,10 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     constants = {n: kwargs[n] for n in user_inputs if n not in tensor_inputs and n in kwargs}
     # non-tensor values one piece makes and a later one reads (static ints, flags): fixed by the
     # export, so every stage gets them as constants rather than through the pipeline's p2p
-    constants.update({k: v for k, v in piece_outputs(parent).items()
-                      if not isinstance(v, torch.Tensor) and isinstance(v, (int, float, bool, str, type(None)))})
+    # (a symbolic size of an export made for every batch size: its value at this example's sizes)
+    sizes = _symbol_sizes(gm, kwargs)
+    constants.update({k: _at_sizes(v, sizes) for k, v in piece_outputs(parent).items()
+                      if isinstance(v, (int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool))})
 
     def name_of(a: torch.fx.Node) -> str:
         return getattr_target.get(a.name, a.name)
@@ -264,6 +266,30 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
         modules.append(mod)
     return modules, tensor_inputs
+
+
+def _symbol_sizes(gm: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[Any, int]:
+    """Each symbolic size of the export's inputs (:func:`~fxpar.codegen.pipeline.export.batch_dims`)
+    -> its size in ``kwargs``; empty for an export of fixed shapes."""
+    sizes: dict[Any, int] = {}
+    for node in gm.graph.nodes:
+        val, given = node.meta.get("val"), kwargs.get(node.name)
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and isinstance(given, torch.Tensor):
+            sizes.update({d.node.expr: int(n) for d, n in zip(val.shape, given.shape) if isinstance(d, torch.SymInt)})
+    return sizes
+
+
+def _at_sizes(value: Any, sizes: Mapping[Any, int]) -> Any:
+    """``value``, a symbolic int, float or bool at ``sizes``; any other value as it is."""
+    if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value
+    expr = value.node.expr.xreplace(dict(sizes))
+    cast = int if isinstance(value, torch.SymInt) else float if isinstance(value, torch.SymFloat) else bool
+    try:
+        return cast(expr)
+    except TypeError:   # a symbol left: not one of the inputs' sizes
+        raise PlanError(f"pipeline split: a value passed between stages depends on sizes other than the "
+                        f"inputs' ({value.node.expr})") from None
 
 
 def _stage_tensors(model: torch.nn.Module, gm: torch.fx.GraphModule, targets: Iterable[str]) -> dict[str, Any]:
