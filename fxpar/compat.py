@@ -28,6 +28,12 @@ is run, and nothing else in fxpar depends on them.
   literal of the export; a stage exported on the host and run on a GPU must name the GPU's
   (:func:`retarget_autocast_region`).  The name is public, the layout is torch's own
   (``torch._higher_order_ops.wrap.WrapWithAutocast``).
+- ``torch.SymInt.node.expr`` (and ``SymFloat``/``SymBool``'s): the sympy expression behind a
+  symbolic value of an export made with a symbolic batch size
+  (:class:`fxpar.codegen.pipeline.export.ExportCache`).  A value one pipeline piece makes and a
+  later one reads is given to the stages as a constant (the split); for such an export it is
+  evaluated at the example's sizes (:func:`symbolic_at`).  torch has no public way to evaluate a
+  symbolic value at given sizes outside its shape environment.
 
 transformers (checked against 5.23):
 
@@ -128,6 +134,18 @@ def is_tensor_metadata_assert(node: torch.fx.Node) -> bool:
         return False
     packet = torch.ops.aten._assert_tensor_metadata
     return node.target is packet or any(node.target is getattr(packet, name) for name in packet.overloads())
+
+
+def symbolic_expr(value: torch.SymInt) -> Any:
+    """The sympy expression of a symbolic size (compared as a key by :func:`symbolic_at`)."""
+    return value.node.expr
+
+
+def symbolic_at(value: Any, sizes: dict[Any, int]) -> int | float | bool:
+    """A symbolic int, float or bool evaluated with its symbols at ``sizes`` (keys:
+    :func:`symbolic_expr` of the inputs' symbolic sizes); a TypeError where one is left."""
+    cast = int if isinstance(value, torch.SymInt) else float if isinstance(value, torch.SymFloat) else bool
+    return cast(value.node.expr.xreplace(sizes))
 
 
 def retarget_autocast_region(node: torch.fx.Node, device_type: str) -> bool:

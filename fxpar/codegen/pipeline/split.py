@@ -48,7 +48,7 @@ from torch.fx.passes.split_module import split_module
 
 from fxpar.codegen.pipeline.boundaries import StageBoundary, loss_name, piece_outputs, stage_specs, value_dtypes
 from fxpar.codegen.pipeline.export import exported_for_split, float_histc_inputs
-from fxpar.compat import retarget_autocast_region
+from fxpar.compat import retarget_autocast_region, symbolic_at, symbolic_expr
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.structure import block_path
 
@@ -275,7 +275,8 @@ def _symbol_sizes(gm: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[A
     for node in gm.graph.nodes:
         val, given = node.meta.get("val"), kwargs.get(node.name)
         if node.op == "placeholder" and isinstance(val, torch.Tensor) and isinstance(given, torch.Tensor):
-            sizes.update({d.node.expr: int(n) for d, n in zip(val.shape, given.shape) if isinstance(d, torch.SymInt)})
+            sizes.update({symbolic_expr(d): int(n) for d, n in zip(val.shape, given.shape)
+                          if isinstance(d, torch.SymInt)})
     return sizes
 
 
@@ -283,13 +284,11 @@ def _at_sizes(value: Any, sizes: Mapping[Any, int]) -> Any:
     """``value``, a symbolic int, float or bool at ``sizes``; any other value as it is."""
     if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return value
-    expr = value.node.expr.xreplace(dict(sizes))
-    cast = int if isinstance(value, torch.SymInt) else float if isinstance(value, torch.SymFloat) else bool
     try:
-        return cast(expr)
+        return symbolic_at(value, dict(sizes))
     except TypeError:   # a symbol left: not one of the inputs' sizes
-        raise PlanError(f"pipeline split: a value passed between stages depends on sizes other than the "
-                        f"inputs' ({value.node.expr})") from None
+        raise PlanError(f"pipeline split: a value passed between stages ({value}) depends on sizes other than "
+                        "the inputs'") from None
 
 
 def _stage_tensors(model: torch.nn.Module, gm: torch.fx.GraphModule, targets: Iterable[str]) -> dict[str, Any]:
