@@ -34,6 +34,12 @@ is run, and nothing else in fxpar depends on them.
   later one reads is given to the stages as a constant (the split); for such an export it is
   evaluated at the example's sizes (:func:`symbolic_at`).  torch has no public way to evaluate a
   symbolic value at given sizes outside its shape environment.
+- ``torch.fx._lazy_graph_module._use_lazy_graph_module``: graph modules made inside it write and
+  compile their Python code only when first run or read (what ``torch.compile`` uses).  A
+  pipeline split makes one graph module per stage and their parent, and a rank runs only its
+  own stage, whose code it then changes twice (device constants, ``histc``): compiled eagerly,
+  that was 7 code generations per switch, about a third of its build
+  (:func:`lazy_graph_modules`).  Without the name (another torch) the modules compile eagerly.
 
 transformers (checked against 5.23):
 
@@ -84,6 +90,7 @@ scans the rest of the package).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -91,6 +98,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.errors import RuntimeSetupError
+
+try:  # graph modules that compile when first run (lazy_graph_modules)
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+except ImportError:
+    _use_lazy_graph_module = None
 
 
 def pipeline_action(stage: int, kind: str, microbatch: int) -> Any:
@@ -146,6 +158,12 @@ def symbolic_at(value: Any, sizes: dict[Any, int]) -> int | float | bool:
     :func:`symbolic_expr` of the inputs' symbolic sizes); a TypeError where one is left."""
     cast = int if isinstance(value, torch.SymInt) else float if isinstance(value, torch.SymFloat) else bool
     return cast(value.node.expr.xreplace(sizes))
+
+
+def lazy_graph_modules() -> Any:
+    """A context in which new ``torch.fx`` graph modules compile their code only when first run
+    or read (module docstring); a no-op where torch lacks the switch."""
+    return contextlib.nullcontext() if _use_lazy_graph_module is None else _use_lazy_graph_module(True)
 
 
 def retarget_autocast_region(node: torch.fx.Node, device_type: str) -> bool:

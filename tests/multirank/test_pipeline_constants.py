@@ -141,3 +141,94 @@ def test_two_stage_parity_with_lifted_constants(pool2):
         for k, step in enumerate(r["steps"]):
             assert step["n_grads"] >= 2
             expect(*check_step(step), context=(r["rank"], k))
+
+
+class _RegionBlock(torch.nn.Module):
+    """A block whose forward holds a nested graph in its export (a ``no_grad`` region) that
+    makes a tensor on the input's device: a device constant in the nested graph."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shift = torch.ones(x.shape[-1], device=x.device) * x.detach().mean()
+        return x + torch.tanh(self.lin(x)) + 0.0 * shift
+
+
+def _codes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    return {name: m.code for name, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule)}
+
+
+def test_cuts_share_the_cached_export_and_moving_a_stage_changes_neither_it_nor_another_cut():
+    """The export cache hands its export out uncopied (a copy was 38 ms of a 0.2 s switch build,
+    issue #39 item 7): a split only reads it, and a stage moved to its device gives itself its
+    own nested graphs before changing their device constants.  Here a meta model's export (as
+    a switch makes it) holds a nested graph with a device constant: moving one cut's stages to
+    the host leaves the export's code as it was, and a second cut still says ``meta``."""
+    from fxpar.adapt.switch import meta_template
+    from fxpar.codegen.common.materialize import to_meta
+    from fxpar.codegen.pipeline.eager import cut_stages
+    from fxpar.codegen.pipeline.export import ExportCache
+
+    model = Net(layers=3)
+    model.blocks = torch.nn.ModuleList(_RegionBlock(16) for _ in range(3))
+    cache, data = ExportCache(), to_meta(_batch(1))
+    first, _ = cut_stages(meta_template(model), dict(data), [0, 0, 1], 2, exports=cache)
+    (gm, _), = cache._made.values()
+    before = _codes(gm)
+    assert len(before) > 1 and any("meta" in code for name, code in before.items() if name)  # a nested graph on meta
+    for stage in first:
+        stage.retarget(torch.device("cpu"))
+    assert any("cpu" in code for s in first for name, code in _codes(s.piece).items() if name)
+    second, _ = cut_stages(meta_template(model), dict(data), [0, 1, 1], 2, exports=cache)
+    assert _codes(gm) == before and cache.exports == 1
+    assert all("cpu" not in code for s in second for code in _codes(s.piece).values())
+
+
+_TRACED_MODELS = {
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=3, vocab_size=128, max_position_embeddings=64),
+    "gpt2": dict(model_type="gpt2", n_head=4, n_embd=64, n_layer=3, vocab_size=128, n_positions=64),
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=3, vocab_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=64),
+    "bert": dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden_layers=3, vocab_size=128,
+                 num_attention_heads=4),
+}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else pytest.mark.full)
+                                    for f in _TRACED_MODELS])
+def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
+    """A switch's stages read their boundary values (shape, dtype, ``requires_grad`` and device of
+    what each stage receives and sends) from the cached export (``traced_example``: its values at
+    the batch's sizes and its one pass with autograd), instead of a pass over the chain on every
+    switch (issue #39 item 7).  For every stage of 2- and 3-stage cuts at 3 micro-batch sizes of
+    one export, they equal what that pass (``example_values``) finds."""
+    from fxpar.adapt.switch import meta_template
+    from fxpar.codegen.common.materialize import to_meta
+    from fxpar.codegen.pipeline.eager import cut_stages
+    from fxpar.codegen.pipeline.export import ExportCache
+    from fxpar.codegen.pipeline.tensor_stages import example_values
+    from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+    def seen(values: tuple) -> list:
+        return [(tuple(t.shape), t.dtype, t.requires_grad, t.device.type) for t in values]
+
+    model = build_model(ModelSpec(hf_config=_TRACED_MODELS[family]), device="cpu", seed=0,
+                        attn_implementation="eager").train()
+    cache, compared = ExportCache(), 0
+    for rows in (4, 2, 6):
+        data = to_meta(example_inputs(model, rows, 16, seed=1))
+        for cuts in ([0, 0, 1], [0, 1, 1], [0, 1, 2]):
+            stages, names = cut_stages(meta_template(model), dict(data), cuts, max(cuts) + 1, exports=cache)
+            passed = example_values(stages, tuple(data[n] for n in names))
+            for stage, (ins, outs) in zip(stages, passed):
+                assert stage.traced_example is not None, (rows, cuts)
+                assert [seen(part) for part in stage.traced_example] == [seen(ins), seen(outs)], (rows, cuts)
+                compared += 1
+    assert cache.exports == 1 and compared == 21
+    assert any(t.requires_grad for s in stages for t in s.traced_example[1]) \
+        and any(not t.requires_grad for s in stages for t in s.traced_example[1])   # both flags occur

@@ -76,7 +76,8 @@ def cut_stages(model: torch.nn.Module, example: Mapping[str, Any], layer_to_stag
                     else exported_for_split(model, kwargs, autocast))
     except TraceError as exc:
         return eager_stages(model, example, layer_to_stage, num_stages, autocast=autocast, why=str(exc))
-    return split_stages(model, kwargs, layer_to_stage, num_stages, autocast=autocast, exported=exported)
+    return split_stages(model, kwargs, layer_to_stage, num_stages, autocast=autocast, exported=exported,
+                        grad_flags=exports.grad_flags(exported[0]) if exports is not None else None)
 
 
 class _Stop(Exception):
@@ -119,6 +120,7 @@ class EagerStage(torch.nn.Module):
         self._model = [model]  # a list: the model is not a submodule (only the owned modules are)
         self.calls, self.index, self.bounds = calls, index, tuple(bounds)
         self.is_last = index == len(bounds) - 2
+        self.traced_example = None   # found by a pass over the chain (as StageModule's, split.py)
         self.input_names = tuple(inputs)
         self.batch_dtypes = [t.dtype for t in inputs.values()]
         self.constants = dict(constants)

@@ -11,7 +11,6 @@ tensors are on, with the assertions autocast invalidates removed (see
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any, Mapping
@@ -58,15 +57,42 @@ def batch_dims(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
     return {k: ({0: batch} if k in tensors else None) for k in kwargs}
 
 
+def grad_flags(gm: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[int, bool] | None:
+    """Whether each value of the export ``gm`` requires grad, by the ``id`` of its example value
+    (``node.meta["val"]``, which the split's pieces share), from one pass of ``gm`` on ``kwargs``
+    with autograd on: the export traces its values without that flag, which a pipeline stage's
+    boundary values need (:func:`~fxpar.codegen.pipeline.split.split_stages`).  None where an
+    input of the graph is not among ``kwargs`` by name."""
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(n.name not in kwargs for n in holders):
+        return None
+    flags: dict[int, bool] = {}
+
+    class _Record(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            val = n.meta.get("val")
+            if isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor):
+                flags[id(val)] = out.requires_grad
+            return out
+
+    with torch.enable_grad():
+        _Record(gm).run(*(kwargs[n.name] for n in holders))
+    return flags
+
+
 class ExportCache:
     """:func:`exported_for_split` of one model (a running job's meta template,
-    :mod:`fxpar.adapt.switch`), made once and handed out as copies: the export is 75-85% of
-    building a pipeline stage from the template (measured: 0.86-1.29 s of a 1.3-1.7 s 2-stage
-    build of the adapt benchmark's model).  It is made with a symbolic batch size
-    (:func:`batch_dims`), so one export serves every micro-batch size of 2 or more: a switch to a
-    pipeline with other micro-batches cuts it again (the split and its stages are shape-generic;
-    ``tests/multirank/test_pipeline_constants.py`` chains stages cut at two sizes from one
-    export to the model).  A model whose batch size does not export symbolically (and a
+    :mod:`fxpar.adapt.switch`), made once and handed out as it is, not copied (a split only reads
+    it, and a stage copies the nested graphs it changes: :meth:`StageModule.retarget
+    <fxpar.codegen.pipeline.split.StageModule.retarget>`; a copy was 38 ms of a 0.2 s switch
+    build).  The export is 75-85% of building a pipeline stage from the template (measured:
+    0.86-1.29 s of a 1.3-1.7 s 2-stage build of the adapt benchmark's model), and with it the
+    cache keeps :func:`grad_flags` (so a split reads its stages' boundaries without a pass).
+    It is made with a symbolic batch size (:func:`batch_dims`), so one export serves every
+    micro-batch size of 2 or more: a switch to a pipeline with other micro-batches cuts it again
+    (the split and its stages are shape-generic; ``tests/multirank/test_pipeline_constants.py``
+    chains stages cut at two sizes from one export to the model).  A model whose batch size does not export symbolically (and a
     micro-batch of 1) gets one export per shape, keyed by the inputs' names, shapes, dtypes and
     devices and the precision.  A caller whose export depends on more (a stage sharded in place
     for tensor parallelism, host stand-ins) does not use the cache."""
@@ -74,7 +100,8 @@ class ExportCache:
     def __init__(self) -> None:
         self._made: dict[tuple, tuple[torch.fx.GraphModule, str]] = {}
         self._static_only = False   # a symbolic batch size failed to export once: not tried again
-        #: exports made (what the cache saves: every call but these was a copy)
+        self._flags: dict[int, dict[int, bool] | None] = {}   # id of an fp32 export -> its grad_flags
+        #: exports made (what the cache saves: every call but these was served from the cache)
         self.exports = 0
 
     def exported(self, model: torch.nn.Module, kwargs: dict[str, Any],
@@ -89,20 +116,30 @@ class ExportCache:
         made = self._made.get(exact) or (self._made.get(loose) if loose is not None else None)
         if made is None:
             made = self._export(model, kwargs, dtype, dims, exact, loose)
-        gm, device_type = made
-        return copy.deepcopy(gm), device_type
+        return made
+
+    def grad_flags(self, gm: torch.fx.GraphModule) -> dict[int, bool] | None:
+        """:func:`grad_flags` of an fp32 export this cache made (found when it was made); None
+        for another."""
+        return self._flags.get(id(gm))
 
     def _export(self, model: torch.nn.Module, kwargs: dict[str, Any], dtype: torch.dtype | None,
                 dims: dict[str, Any] | None, exact: tuple, loose: tuple | None) -> tuple[torch.fx.GraphModule, str]:
         self.exports += 1
+        made = None
         if loose is not None:
             try:
-                self._made[loose] = exported_for_split(model, kwargs, dtype, dynamic_shapes=dims)
-                return self._made[loose]
+                made = self._made[loose] = exported_for_split(model, kwargs, dtype, dynamic_shapes=dims)
             except TraceError:   # its batch size does not export symbolically: one export per shape
                 self._static_only = True
-        self._made[exact] = exported_for_split(model, kwargs, dtype)
-        return self._made[exact]
+        if made is None:
+            made = self._made[exact] = exported_for_split(model, kwargs, dtype)
+        if dtype is None:
+            try:
+                self._flags[id(made[0])] = grad_flags(made[0], kwargs)
+            except Exception:  # noqa: BLE001 -- without the flags a split finds its boundaries by a pass
+                self._flags[id(made[0])] = None
+        return made
 
 
 def _shapes_key(value: Any, batch_free: bool = False) -> Any:
@@ -188,6 +225,7 @@ def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
     for sub in gm.modules():
         if not isinstance(sub, torch.fx.GraphModule):
             continue
+        before = changed
         for node in list(sub.graph.nodes):
             if node.target is not torch.ops.aten.histc.default or not isinstance(node.args[0], torch.fx.Node):
                 continue
@@ -198,7 +236,8 @@ def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
                 cast = sub.graph.call_function(torch.ops.aten.to.dtype, (node.args[0], torch.float32))
             node.args = (cast, *node.args[1:])
             changed += 1
-        sub.recompile()
+        if changed > before:
+            sub.recompile()
     return changed
 
 

@@ -199,13 +199,13 @@ class PipelineParallelModule(FormModule, StepModule):
         return stage_in, stage_out
 
     def _boundaries(self, modules: list[Any], inputs: tuple) -> tuple[tuple, tuple]:
-        """This rank's stage's example inputs and outputs.  Stages a low-precision plan exported
-        from a meta model on host stand-ins pass over the chain the same way, fake (shapes and
-        dtypes under the host's autocast, no values: :func:`fxpar.compat.fake_host_mode`)."""
-        if not self._host_exported:
-            return example_values(modules, inputs)[self.stage_index]
+        """This rank's stage's example inputs and outputs: read from the export (its
+        ``traced_example``), else from a pass over the stages up to it; on host stand-ins for a
+        low-precision plan exported from a meta model, fake (:func:`fxpar.compat.fake_host_mode`)."""
+        if (own := modules[self.stage_index].traced_example) is not None or not self._host_exported:
+            return own if own is not None else example_values(modules[: self.stage_index + 1], inputs)[-1]
         with stage_stand_ins(modules), fake_host_mode():
-            found = example_values(modules, like_on(inputs, HOST))[self.stage_index]
+            found = example_values(modules[: self.stage_index + 1], like_on(inputs, HOST))[-1]
         return tuple(tuple(shape_on_meta(t) for t in part) for part in found)
 
     def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str], *,

@@ -40,6 +40,7 @@ What the export does freeze is dealt with so:
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -48,7 +49,7 @@ from torch.fx.passes.split_module import split_module
 
 from fxpar.codegen.pipeline.boundaries import StageBoundary, loss_name, piece_outputs, stage_specs, value_dtypes
 from fxpar.codegen.pipeline.export import exported_for_split, float_histc_inputs
-from fxpar.compat import retarget_autocast_region, symbolic_at, symbolic_expr
+from fxpar.compat import lazy_graph_modules, retarget_autocast_region, symbolic_at, symbolic_expr
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.structure import block_path
 
@@ -72,6 +73,9 @@ class StageModule(torch.nn.Module):
         #: ``(device type, low dtype)``: run the piece under ``torch.autocast`` of the device it
         #: runs on (the export's until :meth:`retarget`; module docstring, mixed precision)
         self.autocast: tuple[str, torch.dtype] | None = None
+        #: ``(inputs, outputs)`` of one micro-batch, read from the export by split_stages
+        #: (:func:`_traced_examples`); None: found by a pass over the chain
+        self.traced_example: tuple[tuple, tuple] | None = None
         #: input position -> integer dtype to restore (set by split_stages for stages > 0)
         self.input_dtypes: dict[int, torch.dtype] = {}
         self._names: dict[str, str] = {}
@@ -95,6 +99,7 @@ class StageModule(torch.nn.Module):
         included; the model's autocast regions and the stage's own autocast act on ``device``'s
         type.  The tensors themselves are moved (or materialised) separately."""
         device = torch.device(device)
+        _own_nested_graphs(self.piece)
         _retarget(self.piece, device)
         if device.type == "cpu":  # a piece exported on meta took the accelerator's int32 histc
             float_histc_inputs(self.piece)
@@ -214,7 +219,8 @@ def _stage_callback(model: torch.nn.Module, layer_to_stage: Sequence[int], num_s
 def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                  layer_to_stage: Sequence[int], num_stages: int,
                  autocast: torch.dtype | None = None,
-                 exported: tuple[torch.fx.GraphModule, str] | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
+                 exported: tuple[torch.fx.GraphModule, str] | None = None,
+                 grad_flags: Mapping[int, bool] | None = None) -> tuple[list[StageModule], tuple[str, ...]]:
     """Stage modules (all of them; each rank keeps its own) and the names of stage 0's inputs.
 
     ``layer_to_stage[l]`` is the stage of repeated block ``l``; what precedes the first block
@@ -223,11 +229,12 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     are on and runs every stage under the autocast of the device it runs on (module docstring,
     mixed precision), so the stages compute what the autocast model does there.  The stages
     run where the export ran until :meth:`StageModule.retarget` moves them.  ``exported``: the
-    export already made (:func:`exported_for_split` on ``example_inputs``), else made here.
-    """
+    export already made (:func:`exported_for_split` on ``example_inputs``), else made here;
+    ``grad_flags``: its flags, whence each fp32 stage's ``traced_example`` (:func:`_traced_examples`)."""
     kwargs = dict(example_inputs)
     gm, device_type = exported if exported is not None else exported_for_split(model, kwargs, autocast)
-    parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
+    with lazy_graph_modules():   # a rank runs one piece: the others' code is never needed
+        parent = split_module(gm, model, _stage_callback(model, layer_to_stage, num_stages))
     calls = [n for n in parent.graph.nodes if n.op == "call_module"]
     if len(calls) != num_stages:
         raise PlanError(f"pipeline split produced {len(calls)} pieces for {num_stages} stages; every "
@@ -240,8 +247,8 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     # non-tensor values one piece makes and a later one reads (static ints, flags): fixed by the
     # export, so every stage gets them as constants rather than through the pipeline's p2p
     # (a symbolic size of an export made for every batch size: its value at this example's sizes)
-    sizes = _symbol_sizes(gm, kwargs)
-    constants.update({k: _at_sizes(v, sizes) for k, v in piece_outputs(parent).items()
+    sizes, values = _symbol_sizes(gm, kwargs), piece_outputs(parent)
+    constants.update({k: _at_sizes(v, sizes) for k, v in values.items()
                       if isinstance(v, (int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool))})
 
     def name_of(a: torch.fx.Node) -> str:
@@ -255,17 +262,55 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
         produced.append([u.name for u in sorted(outs, key=lambda u: u.args[1])] or [call.name])
     specs = stage_specs(tensor_inputs, reads, produced, set(params), set(constants), loss_name(parent, gm))
     dtypes = value_dtypes(parent, kwargs)
+    examples = _traced_examples(specs, kwargs, values, sizes, grad_flags if autocast is None else None)
     modules = []
     for i, call in enumerate(calls):
         piece = getattr(parent, str(call.target))
         mod = StageModule(piece, specs[i], reads[i], params, constants, produced[i])
         mod.is_last = i == num_stages - 1
         mod.autocast = (device_type, autocast) if autocast is not None else None
+        mod.traced_example = examples[i]
         if i > 0:
             mod.input_dtypes = {k: dtypes[v] for k, v in enumerate(specs[i].inputs)
                                 if dtypes.get(v) is not None and not dtypes[v].is_floating_point}
         modules.append(mod)
     return modules, tensor_inputs
+
+
+def _traced_examples(specs: Sequence[StageBoundary], kwargs: Mapping[str, Any], values: Mapping[str, Any],
+                     sizes: Mapping[Any, int], flags: Mapping[int, bool] | None) -> list[tuple[tuple, tuple] | None]:
+    """What :func:`~fxpar.codegen.pipeline.tensor_stages.example_values` finds for every stage
+    (its inputs and outputs for one micro-batch: shapes, dtypes and ``requires_grad`` as they
+    travel), read from the export instead of a pass over the chain: each value's example
+    (``values``: :func:`piece_outputs`; a batch input: ``kwargs``) at this batch's ``sizes``,
+    sent as :func:`as_float` makes it (the last stage's loss as shape (1,)), with the flag the
+    export's one pass with autograd found (``flags``).  Empty tensors on the batch's device.
+    All None without ``flags`` or where a value has no tensor example or flag (a pass finds
+    them instead)."""
+    if flags is None:
+        return [None] * len(specs)
+    device = next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+    def sent(name: str, last: bool) -> torch.Tensor | None:
+        given, val = kwargs.get(name), values.get(name)
+        if isinstance(given, torch.Tensor):
+            value, needs = given, False
+        elif isinstance(val, torch.Tensor) and id(val) in flags:
+            shape = [_at_sizes(d, sizes) if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
+            value, needs = torch.empty(shape, dtype=val.dtype, device=device), flags[id(val)]
+        else:
+            return None
+        value = value.reshape(1) if last and value.dim() == 0 else as_float(value)
+        return value.detach().requires_grad_(needs and value.is_floating_point())
+
+    found = []
+    for i, spec in enumerate(specs):
+        ins = tuple(kwargs[n] for n in spec.inputs) if i == 0 else found[-1][1]
+        outs = tuple(sent(n, i == len(specs) - 1) for n in spec.outputs)
+        if any(o is None for o in outs):
+            return [None] * len(specs)
+        found.append((ins, outs))
+    return found
 
 
 def _symbol_sizes(gm: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[Any, int]:
@@ -318,6 +363,16 @@ def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
             node.args = torch.fx.node.map_aggregate(node.args, swap)
             node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
         sub.recompile()
+
+
+def _own_nested_graphs(piece: torch.fx.GraphModule) -> None:
+    """Give ``piece`` its own copy of each nested graph (an autocast region's body), which
+    :func:`torch.fx.passes.split_module.split_module` shares with the export and so with every
+    other cut of it (:class:`~fxpar.codegen.pipeline.export.ExportCache`): changed in place by
+    :func:`_retarget` and ``float_histc_inputs``, a shared one would change them all."""
+    for name, child in list(piece.named_children()):
+        if any(isinstance(m, torch.fx.GraphModule) for m in child.modules()):
+            setattr(piece, name, copy.deepcopy(child))
 
 
 def _submodule(gm: torch.nn.Module, target: str) -> torch.nn.Module | None:
