@@ -153,6 +153,9 @@ def compile_stages(stages: Sequence[tuple[int, torch.nn.Module]], options: Compi
     for index, stage in stages:
         piece = getattr(stage, "piece", None)
         if piece is not None:
+            # the split makes pieces whose code is written at their first run (compat.lazy_graph_modules):
+            # reading ``code`` writes it now, since torch.compile cannot trace the call that would
+            piece.code  # noqa: B018
             piece.forward = compiled.compile(f"stage {index}", piece.forward, fullgraph=True)
         else:
             stage._blocks = compiled.compile(f"stage {index} blocks", stage._blocks, fullgraph=False)
