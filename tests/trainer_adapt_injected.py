@@ -4,7 +4,11 @@ torchrun from tests/multirank/test_integrations.py).
 The test checks that the adaptive module reacts to what it measures, not to how this machine's
 timing came out: each rank reports ``predicted_busy_s / speed``, what a device of its current
 emulated speed takes for its part of the current plan (the example's ``--slow-down`` callback
-changes the speed mid-run), through :attr:`fxpar.adapt.AdaptiveModule.measure_busy`.
+changes the speed mid-run), through :attr:`fxpar.adapt.AdaptiveModule.measure_busy`. Its step's
+wall time is injected the same way (:attr:`~fxpar.adapt.AdaptiveModule.measure_wall`), so the
+rollback check after a switch compares the two plans' modeled steps (the slowest rank's busy
+time), not one step of this machine's wall clock: a loaded CI machine once measured the new
+plan's first step slower than the old one's and rolled the switch back.
 Everything else is the example, unchanged.
 """
 
@@ -17,11 +21,14 @@ from trainer_injected_busy import load_example  # a sibling script: torchrun put
 
 
 def modeled_busy(pmodel):
-    """``step -> seconds`` for this rank: the current plan's prediction at its emulated speed."""
+    """``step -> seconds`` for this rank: the current plan's prediction at its emulated speed.
+    The plan predicts at the speed it was made for (``RankPlan.speed``: a re-plan's includes the
+    measured slow-down), so the prediction scales by planned / current speed."""
     rank = dist.get_rank()
 
     def busy(step: int) -> float:
-        return pmodel.plan.ranks[rank].predicted_busy_s / pmodel.emulator.speed
+        planned = pmodel.plan.ranks[rank]
+        return planned.predicted_busy_s * planned.speed / pmodel.emulator.speed
     return busy
 
 
@@ -32,6 +39,7 @@ def main() -> None:
         def attach(self, pmodel, max_microbatches=None):
             super().attach(pmodel, max_microbatches)
             pmodel.measure_busy = modeled_busy(pmodel)
+            pmodel.measure_wall = lambda step, plan: pmodel.measure_busy(step)   # the max over ranks: the slowest
 
         @property
         def events(self):
