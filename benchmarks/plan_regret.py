@@ -29,6 +29,14 @@ The fastest arm is the smallest median; an arm whose median is within the fastes
 (and its own) ties.  **Regret** = measured(choice) / fastest measured, 1.00 on a tie.
 Prediction error = predicted / measured − 1 per arm.
 
+Where an error comes from: per arm and rank, the **busy** seconds of a step as the runtime's
+clock counts them (its forward and backward compute, stretched by the emulated speed; not the
+collectives the clock times, not the optimizer step) against the price's (the rank's predicted
+busy time less its optimizer step); ``busy error`` = predicted / measured − 1 on the rank whose
+measured busy time is the largest.  A step error the busy error does not show is in
+communication, waiting or the optimizer step.  (A tensor-parallel price counts its blocking
+collectives in the busy time, the clock does not: there the busy error reads high.)
+
 ``python -m benchmarks --suite plan_regret [--quick]`` or ``python -m benchmarks.plan_regret``.
 """
 
@@ -125,6 +133,16 @@ def _priced(plan: Plan, cost: CostModel) -> float:
     return float(simulate(plan, cost).step_s)
 
 
+def _priced_busy(plan: Plan, cost: CostModel) -> list[float]:
+    """Per rank: the predicted compute of a step (its busy time less its optimizer step)."""
+    sim = simulate(plan, cost)
+    optimizer = [0.0] * len(sim.busy_s)
+    for e in sim.events:
+        if e.kind == "optimizer":
+            optimizer[e.rank] += e.end_s - e.start_s
+    return [b - o for b, o in zip(sim.busy_s, optimizer)]
+
+
 def _sharded(base: Plan, cluster: fxpar.Cluster, stage: int, case: Case) -> Plan:
     """The sharded family's plan at ZeRO stage ``stage``, with its micro-batches, checkpointing and
     offload (what makes it fit a memory cap)."""
@@ -168,8 +186,9 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> tuple[dict[str, Any]
                 "_catalog": None}
     costs = {k: CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw", profiles=v) for k, v in profiles.items()}
 
-    def priced(plan: Plan) -> dict[str, float]:
-        return {f"predicted{k}_s": _priced(plan, cost) for k, cost in costs.items()}
+    def priced(plan: Plan) -> dict[str, Any]:
+        return {**{f"predicted{k}_s": _priced(plan, cost) for k, cost in costs.items()},
+                "predicted_busy_s": _priced_busy(plan, costs[""])}
 
     arms: dict[str, Any] = {}
     for arm in ARMS:
@@ -229,15 +248,17 @@ def mark_repeats(arms: dict[str, Any]) -> None:
 
 
 # ---- timing (spawned ranks) ------------------------------------------------------------------------
-def arm_steps(case: Case, plan_json: str, warmup: int, steps: int) -> list[float]:
-    """One arm on this rank: the wall seconds of each timed step (module docstring)."""
+def arm_steps(case: Case, plan_json: str, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """One arm on this rank: the wall seconds of each timed step and its busy seconds (module
+    docstring)."""
     model = _model(case)
     batch = _batch(model, case)
     pm = fxpar.auto(model, _cluster(case), batch, plan=Plan.from_json(plan_json), dtype=case.dtype,
                     seq_len=case.seq, optimizer="adamw")
     opt = fxpar.make_optimizer(pm, torch.optim.AdamW, lr=1e-4)
-    walls = []
+    walls, busy = [], []
     for i in range(warmup + steps):
+        busy_before = pm.clock.device_busy_s(wait=True)
         dist.barrier()
         start = time.perf_counter()
         pm.step(batch)
@@ -245,13 +266,16 @@ def arm_steps(case: Case, plan_json: str, warmup: int, steps: int) -> list[float
         opt.zero_grad(set_to_none=True)
         if i >= warmup:
             walls.append(time.perf_counter() - start)
-    return walls
+            busy.append(pm.clock.device_busy_s(wait=True) - busy_before)
+    return walls, busy
 
 
 def time_case(case: Case, arms: dict[str, Any], rounds: int, warmup: int, steps: int) -> dict[str, list[float]]:
-    """Per arm, each round's median step (the slowest rank's walls)."""
+    """Per arm, each round's median step (the slowest rank's walls); each arm's median busy
+    seconds per rank over all its timed steps go to ``arms[arm]["measured_busy_s"]``."""
     runnable = [a for a, v in arms.items() if "plan" in v and not v.get("same_as")]
     medians: dict[str, list[float]] = {a: [] for a in runnable}
+    busy: dict[str, list[list[float]]] = {a: [[] for _ in case.speeds] for a in runnable}
     for r in range(rounds):
         order = runnable if r % 2 == 0 else runnable[::-1]
         with WorkerPool(len(case.speeds), env={"TRANSFORMERS_VERBOSITY": "error", "FXPAR_CALIBRATION": "off"}) as pool:
@@ -262,9 +286,14 @@ def time_case(case: Case, arms: dict[str, Any], rounds: int, warmup: int, steps:
                     arms[arm]["run_error"] = " ".join(str(exc).split())[:300]
                     print(f"  round {r + 1}: {arm:15s} failed: {arms[arm]['run_error'][:120]}", flush=True)
                     continue
-                slowest = [max(ws) for ws in zip(*per_rank)]
+                slowest = [max(ws) for ws in zip(*(walls for walls, _ in per_rank))]
                 medians[arm].append(statistics.median(slowest))
+                for r, (_, rank_busy) in enumerate(per_rank):
+                    busy[arm][r].extend(rank_busy)
                 print(f"  round {r + 1}: {arm:15s} {1e3 * medians[arm][-1]:8.1f} ms", flush=True)
+    for arm, per_rank in busy.items():
+        if all(per_rank):
+            arms[arm]["measured_busy_s"] = [statistics.median(b) for b in per_rank]
     return medians
 
 
@@ -278,6 +307,10 @@ def summarize(case: Case, arms: dict[str, Any], medians: dict[str, list[float]])
             v.update(measured_s=statistics.median(m), spread_s=max(m) - min(m), rounds_s=m)
             for k in PRICINGS:
                 v[f"prediction_error{k}"] = v[f"predicted{k}_s"] / v["measured_s"] - 1
+            measured_busy = arms[source].get("measured_busy_s")
+            if measured_busy:
+                r = max(range(len(measured_busy)), key=measured_busy.__getitem__)
+                v["busy_error"] = v["predicted_busy_s"][r] / measured_busy[r] - 1
     timed = {a: v for a, v in arms.items() if "measured_s" in v and a not in CHOICES}
     fastest = min(timed, key=lambda a: timed[a]["measured_s"])
     best = timed[fastest]
@@ -308,6 +341,9 @@ def _summary(results: list[dict]) -> dict[str, float | None]:
         errors = [abs(v[f"prediction_error{k}"]) for r in results for v in r["arms"].values()
                   if v.get(f"prediction_error{k}") is not None and not v.get("same_as")]
         out[f"mean_abs_prediction_error{k}"] = statistics.fmean(errors) if errors else None
+    busy = [abs(v["busy_error"]) for r in results for v in r["arms"].values()
+            if v.get("busy_error") is not None and not v.get("same_as")]
+    out["mean_abs_busy_error"] = statistics.fmean(busy) if busy else None
     return out
 
 
@@ -351,6 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
             v = arms[arm]
             rows.append([case.name, arm, v.get("summary", v.get("error", ""))[:64], _ms(v.get("predicted_s")),
                          _ms(v.get("measured_s")), _ms(v.get("spread_s")), _pct(v.get("prediction_error")),
+                         _pct(v.get("busy_error")),
                          _pct(v.get("prediction_error_machine")), _pct(v.get("prediction_error_catalog")),
                          "fastest" if arm == verdict["fastest"] else (
                              f"regret {verdict[f'regret_{arm}']:.2f}" if f"regret_{arm}" in verdict else "")])
@@ -366,9 +403,11 @@ def main(argv: list[str] | None = None) -> dict:
                f"{ratio(summary['max_regret_machine'])}, catalog pick {ratio(summary['max_regret_catalog'])}); mean "
                f"|prediction error| {_pct(summary['mean_abs_prediction_error'])[1:]} (machine "
                f"{_pct(summary['mean_abs_prediction_error_machine'])[1:]}, catalog "
-               f"{_pct(summary['mean_abs_prediction_error_catalog'])[1:]}); {time.perf_counter() - start:.0f} s")
+               f"{_pct(summary['mean_abs_prediction_error_catalog'])[1:]}); mean |busy error| "
+               f"{_pct(summary['mean_abs_busy_error'])[1:]} (the slowest rank's compute: module docstring); "
+               f"{time.perf_counter() - start:.0f} s")
     return finish("plan_regret", title="Plan regret: the planner's pick against every family, timed", caption=caption,
-                  head=["case", "arm", "plan", "predicted ms", "measured ms", "spread ms", "pred. error",
+                  head=["case", "arm", "plan", "predicted ms", "measured ms", "spread ms", "pred. error", "busy error",
                         "machine error", "catalog error", "verdict"],
                   rows=rows, quick=args.quick, results=results, summary=summary,
                   calibration=cal.to_dict(), calibration_s=calibration_s, rounds=rounds, steps=steps)

@@ -230,5 +230,9 @@ def plan_regret(pr: dict) -> list[str]:
              f"mean |prediction error| {pct(summary.get('mean_abs_prediction_error'))} (machine "
              f"{pct(summary.get('mean_abs_prediction_error_machine'))}, catalog "
              f"{pct(summary.get('mean_abs_prediction_error_catalog'))})."]
+    if summary.get("mean_abs_busy_error") is not None:
+        lines[-1] += (" 'busy error' compares the slowest rank's compute alone (the runtime clock's busy seconds, "
+                      "without its collectives or the optimizer step; a tensor-parallel price counts its blocking "
+                      f"collectives in it): mean |busy error| {pct(summary['mean_abs_busy_error'])}.")
     return lines + ["", table(pr)]
 
