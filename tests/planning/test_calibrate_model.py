@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import fxpar
 from fxpar.calibrate import on_model
-from fxpar.calibrate.model_fit import MAX_FACTOR, ModelTiming, corrected
+from fxpar.calibrate.model_fit import MAX_FACTOR, ModelTiming, corrected, time_model
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.profiling import CostModel
@@ -77,6 +78,33 @@ def test_on_model_times_the_model_and_leaves_it_as_it_was(tiny):
     assert sample.total_s > 0 and opt > 0
     pm = fxpar.auto(model, Cluster.emulated([1.0]), batch, calibration=db, optimizer="adamw")
     assert "corrected on LlamaForCausalLM" in pm.plan.cost_source
+
+
+def test_the_optimizer_is_timed_as_training_steps_it(tiny):
+    """Each timed optimizer step follows a backward: every parameter holds a gradient made since
+    the last ``zero_grad(set_to_none=True)``, one step per round (the warm-up's included)."""
+    model, batch, _ = tiny
+    seen: list[bool] = []
+    fresh: set[int] = set()
+
+    def after_backward(p: torch.Tensor) -> None:
+        fresh.add(id(p))
+
+    def before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        seen.append(all(id(p) in fresh for p in params))
+        fresh.clear()
+
+    hooks = [p.register_post_accumulate_grad_hook(after_backward) for p in model.parameters() if p.requires_grad]
+    handle = register_optimizer_step_pre_hook(before_step)   # every optimizer's step, torch's documented hook
+    try:
+        timing = time_model(model, lambda b: {k: v[:b] for k, v in batch.items()}, (1, 2), torch.device("cpu"),
+                            repeats=3)
+    finally:
+        handle.remove()
+        for h in hooks:
+            h.remove()
+    assert seen == [True] * 4 and timing.optimizer_s is not None and timing.optimizer_s > 0
 
 
 def test_a_rate_the_calibration_lacks_is_corrected_from_the_pricing_s_own():
