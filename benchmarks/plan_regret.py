@@ -63,7 +63,7 @@ from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB, with_calibration
 from fxpar.runtime import WorkerPool
 from fxpar.runtime.pool import WorkerError
-from fxpar.sim import simulate
+from fxpar.sim import SimResult, simulate
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
@@ -129,13 +129,8 @@ def _batch(model: torch.nn.Module, case: Case) -> dict[str, torch.Tensor]:
 
 
 # ---- planning (parent process, before any timing) ----------------------------------------------------
-def _priced(plan: Plan, cost: CostModel) -> float:
-    return float(simulate(plan, cost).step_s)
-
-
-def _priced_busy(plan: Plan, cost: CostModel) -> list[float]:
+def _busy_less_optimizer(sim: SimResult) -> list[float]:
     """Per rank: the predicted compute of a step (its busy time less its optimizer step)."""
-    sim = simulate(plan, cost)
     optimizer = [0.0] * len(sim.busy_s)
     for e in sim.events:
         if e.kind == "optimizer":
@@ -187,8 +182,9 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> tuple[dict[str, Any]
     costs = {k: CostModel(graph, cluster, dtype=case.dtype, optimizer="adamw", profiles=v) for k, v in profiles.items()}
 
     def priced(plan: Plan) -> dict[str, Any]:
-        return {**{f"predicted{k}_s": _priced(plan, cost) for k, cost in costs.items()},
-                "predicted_busy_s": _priced_busy(plan, costs[""])}
+        sims = {k: simulate(plan, cost) for k, cost in costs.items()}
+        return {**{f"predicted{k}_s": float(sim.step_s) for k, sim in sims.items()},
+                "predicted_busy_s": _busy_less_optimizer(sims[""])}
 
     arms: dict[str, Any] = {}
     for arm in ARMS:
@@ -288,8 +284,8 @@ def time_case(case: Case, arms: dict[str, Any], rounds: int, warmup: int, steps:
                     continue
                 slowest = [max(ws) for ws in zip(*(walls for walls, _ in per_rank))]
                 medians[arm].append(statistics.median(slowest))
-                for r, (_, rank_busy) in enumerate(per_rank):
-                    busy[arm][r].extend(rank_busy)
+                for rank, (_, rank_busy) in enumerate(per_rank):
+                    busy[arm][rank].extend(rank_busy)
                 print(f"  round {r + 1}: {arm:15s} {1e3 * medians[arm][-1]:8.1f} ms", flush=True)
     for arm, per_rank in busy.items():
         if all(per_rank):

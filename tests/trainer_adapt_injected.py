@@ -2,8 +2,8 @@
 torchrun from tests/multirank/test_integrations.py).
 
 The test checks that the adaptive module reacts to what it measures, not to how this machine's
-timing came out: each rank reports ``predicted_busy_s / speed``, what a device of its current
-emulated speed takes for its part of the current plan (the example's ``--slow-down`` callback
+timing came out: each rank reports ``predicted_busy_s · planned speed / speed``, what a device of
+its current emulated speed takes for its part of the current plan (the example's ``--slow-down`` callback
 changes the speed mid-run), through :attr:`fxpar.adapt.AdaptiveModule.measure_busy`. Its step's
 wall time is injected the same way (:attr:`~fxpar.adapt.AdaptiveModule.measure_wall`), so the
 rollback check after a switch compares the two plans' modeled steps (the slowest rank's busy
