@@ -135,6 +135,38 @@ def measure_links() -> dict:
     return {k: (v.alpha_s, v.bus_bytes_per_s, v.world) for k, v in links.items()}
 
 
+def measure_links_through_a_slow_moment() -> dict:
+    """Measure gloo collectives (:func:`measure_links`' sizes) on a clock that runs 1 ms per reading,
+    except that the first six timed collectives each take a second longer (a slow moment of the
+    machine): the measured points of every kind, per size."""
+    import types
+
+    import torch.distributed as dist
+
+    from fxpar.profiling import measure_comm
+
+    now, timed, reads, real = [0.0], [0], [0], dist.barrier
+
+    def barrier(*args, **kwargs):      # every timed call starts after one
+        timed[0] += 1
+        reads[0] = 0
+        return real(*args, **kwargs)
+
+    def perf_counter() -> float:
+        reads[0] += 1
+        now[0] += 1e-3 + (1.0 if reads[0] == 2 and timed[0] <= 6 else 0.0)   # the call's end
+        return now[0]
+
+    clock = measure_comm.time
+    measure_comm.time = types.SimpleNamespace(perf_counter=perf_counter)
+    dist.barrier = barrier
+    try:
+        links = measure_comm.measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=3)
+    finally:
+        measure_comm.time, dist.barrier = clock, real
+    return {"timed": timed[0], "points": {k: [t for _, t in v.points] for k, v in links.items()}}
+
+
 def pipeline_case(cfg: dict, world: int, batch: int, seq: int, steps: int, **plan_kwargs):
     """A tiny HF model built from ``cfg`` (seed 0), its single-process copy, a hand pipeline plan
     (``pipeline_plan(**plan_kwargs)``) over ``world`` emulated ranks of speed 1, and ``steps``

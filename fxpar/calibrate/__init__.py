@@ -20,8 +20,9 @@ warm-up; :func:`measure_device` on every rank, the collectives on the group):
   point-to-point on the backend and group size in use
   (:func:`fxpar.profiling.measure_comm.measure_collectives`; gloo's reduce-scatter is measured
   as what it is, an all-reduce of the input);
-- **fxpar's runtime**: its own seconds per sharded collective call and per pipeline schedule op,
-  from a probe model run as DP, ZeRO-3 and a pipeline on the group
+- **fxpar's runtime**: its own seconds per sharded collective call, pipeline schedule op,
+  expert-parallel call and tensor-parallel all-reduce, from probe models run as DP, ZeRO-3, a
+  pipeline, tensor parallelism and expert parallelism on the group
   (:mod:`fxpar.calibrate.runtime_probe`);
 - **overlap**: whether an all-reduce in flight slows the compute beside it.  With ``t_c`` the
   compute alone, ``t_a`` the all-reduce alone and ``t_b`` both (the all-reduce launched
@@ -60,6 +61,7 @@ import torch.distributed as dist
 from fxpar.calibrate.cache import cache_key, cache_path, load_cached, spawned_key, store
 from fxpar.calibrate.measure import calibrate_group, calibrate_spawned, device_type_name, measure_device
 from fxpar.calibrate.model_fit import on_model
+from fxpar.calibrate.runtime_probe import UNITS
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.profiling.database import ProfileDB, load_profile
@@ -192,9 +194,8 @@ def describe(db: ProfileDB) -> str:
                      f"({link.world} ranks)")
     if db.overlap is not None:
         lines.append(f"communication {'overlaps' if db.overlap else 'does not overlap'} compute")
-    runtime = [f"{v * 1e6:.0f} us per {what}" for v, what in (
-        (db.sharded_call_s, "sharded collective call"), (db.pipeline_op_s, "pipeline schedule op"),
-        (db.expert_call_s, "expert-parallel call")) if v is not None]
+    runtime = [f"{v * 1e6:.0f} us per {what}" for key, what in UNITS.items()
+               if (v := getattr(db, key)) is not None]
     if runtime:
         lines.append("fxpar's runtime: " + ", ".join(runtime))
     return "\n".join(lines)

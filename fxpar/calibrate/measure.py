@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from fxpar.calibrate.cache import machine_name
 from fxpar.calibrate.model_fit import reference_correction, timed
-from fxpar.calibrate.runtime_probe import probe_overheads
+from fxpar.calibrate.runtime_probe import UNITS, probe_overheads
 from fxpar.errors import ConfigError
 from fxpar.profiling.database import LinkCost, OpCost, ProfileDB
 from fxpar.profiling.local_cache import local_gpu_type
@@ -112,18 +113,19 @@ def measure_device(device: torch.device, progress: Progress = _quiet) -> dict[st
     return {"matmul": rates, "memory": memory, "overhead": overhead, "ops": ops}
 
 
-def overlap_fraction(device: torch.device, group: Any = None) -> float:
+def overlap_fraction(device: torch.device, group: Any = None, rounds: int = 5) -> float:
     """``h`` of the module docstring on the group: how much of an all-reduce in flight hides
-    behind compute (1: all of it, 0: none)."""
+    behind compute (1: all of it, 0: none).  ``t_a``, ``t_c`` and ``t_b`` are medians over
+    ``rounds`` interleaved rounds, each timing after a barrier, so a slow moment of a shared
+    machine costs one round of all three instead of one of them."""
     payload = torch.ones(1 << 20, device=device)   # 4 MiB
     a = torch.randn(512, 512, device=device)
 
     def reduce() -> None:
         dist.all_reduce(payload, group=group)
 
-    t_a = timed(reduce, device, repeats=3)
     one = timed(lambda: torch.mm(a, a), device, repeats=3)
-    count = max(1, int(round(t_a / max(one, 1e-9))))
+    count = max(1, int(round(timed(reduce, device, repeats=3) / max(one, 1e-9))))
 
     def compute() -> None:
         for _ in range(count):
@@ -134,8 +136,12 @@ def overlap_fraction(device: torch.device, group: Any = None) -> float:
         compute()
         work.wait()
 
-    t_c = timed(compute, device, repeats=3)
-    t_b = timed(both, device, repeats=3)
+    samples: dict[str, list[float]] = {"a": [], "c": [], "b": []}
+    for _ in range(rounds):
+        for key, fn in (("a", reduce), ("c", compute), ("b", both)):
+            dist.barrier(group=group)
+            samples[key].append(timed(fn, device, repeats=1))
+    t_a, t_c, t_b = (statistics.median(samples[k]) for k in "acb")
     return float(np.clip((t_c + t_a - t_b) / max(min(t_c, t_a), 1e-12), 0.0, 1.0))
 
 
@@ -187,10 +193,8 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
         + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in db.matmul_flops.items()))
     if world > 1:
         runtime = probe_overheads(db, device, group)
-        say("fxpar's runtime: " + ", ".join("not measured" if v is None else f"{v * 1e6:.0f} us per {what}"
-                                            for v, what in ((runtime["sharded_call_s"], "sharded collective call"),
-                                                            (runtime["pipeline_op_s"], "pipeline schedule op"),
-                                                            (runtime["expert_call_s"], "expert-parallel call"))))
+        say("fxpar's runtime: " + ", ".join(f"{UNITS[k]} not measured" if v is None
+                                            else f"{v * 1e6:.0f} us per {UNITS[k]}" for k, v in runtime.items()))
         db = replace(db, **runtime)
     seconds = time.perf_counter() - start
     db = replace(db, calibration=(f"calibrated on {machine_name(device)}, {backend} x{world}, "

@@ -1,14 +1,19 @@
 """The fixed costs of fxpar's own runtimes that no op and no collective of the cost model covers:
 per collective call of a sharded unit (packing the shards, unpacking the gathered bytes, the
 hooks that launch and wait), per schedule op of a pipeline stage (a micro-batch's forward or
-backward on one stage: its send and receive bookkeeping and the schedule's own Python) and per
+backward on one stage: its send and receive bookkeeping and the schedule's own Python), per
 synchronising call of an expert-parallel layer (the count all-gather and its host read, each
-dispatch or combine all-to-all: on ranks sharing cores, the wait for the slowest rank at each).
+dispatch or combine all-to-all: on ranks sharing cores, the wait for the slowest rank at each)
+and per all-reduce of a tensor-parallel group (the autograd function around it, the copy it
+reduces, and the wait for the slowest rank of the group at each: a tensor-parallel step
+synchronises its ranks 4 times per block).
 
 Measured on the calibration's group (every rank, ``W`` of them) with a probe model that is none
 of the benchmarks' (:data:`PROBE`: a Llama of ``max(4, W)`` blocks, hidden 64, vocabulary 128, at 2
-samples of 16 tokens per rank), each plan built by hand: data parallelism, ZeRO-3 and a pipeline of
-``S = W`` one-rank stages and ``m = W`` micro-batches (1F1B needs ``m ≥ S``).  ``STEPS`` rounds after ``WARMUP`` step
+samples of 16 tokens per rank), each plan built by hand: data parallelism, ZeRO-3, a pipeline of
+``S = W`` one-rank stages and ``m = W`` micro-batches (1F1B needs ``m ≥ S``) and tensor
+parallelism over all ``W`` ranks (its 4 key/value heads split as evenly as they go; more than 4
+ranks leave it unmeasured).  ``STEPS`` rounds after ``WARMUP`` step
 every plan once in turn (AdamW included, the ranks aligned before each step, the slowest rank's
 wall).  With ``D_x`` the median over rounds of plan ``x``'s step minus data parallelism's in the
 same round and ``P`` the priced steps (the cost model with the calibration measured so far, on a
@@ -16,7 +21,7 @@ cluster of the calibrated device type), data parallelism is the reference, so wh
 misses of the model's own compute cancels, and so does a slow moment of a shared machine:
 
     sharded_call_s = max(0, (D_z − (P_z − P_dp)) / ∂P_z)      pipeline_op_s = max(0, (D_pp − (P_pp − P_dp)) / ∂P_pp)
-    expert_call_s  = max(0, (D_ep − (P_ep − P_dp)) / ∂P_ep)
+    expert_call_s  = max(0, (D_ep − (P_ep − P_dp)) / ∂P_ep)    tensor_call_s = max(0, (D_tp − (P_tp − P_dp)) / ∂P_tp)
 
 Expert parallelism is probed the same way on a MoE probe (:data:`MOE_PROBE`: a Mixtral of 2 blocks,
 ``2 W`` experts, top 2, at the same samples per rank), against data parallelism of that model.
@@ -39,7 +44,8 @@ import torch.distributed as dist
 
 from fxpar.build import build_module
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan
+from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.codegen.tensor.families import split_sizes
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import FxparError
 from fxpar.plan import Plan
@@ -53,12 +59,15 @@ from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 
 PROBE = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=128,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
 MOE_PROBE = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
 SAMPLES_PER_RANK, SEQ = 2, 16
-#: the overheads this probe measures (ProfileDB fields), with the plan that shows each
-MEASURED = {"sharded_call_s": "zero3", "pipeline_op_s": "pipeline", "expert_call_s": "ep"}
+#: the overheads this probe measures (ProfileDB fields), with the plan that shows each and what
+#: one unit of it is
+MEASURED = {"sharded_call_s": "zero3", "pipeline_op_s": "pipeline", "expert_call_s": "ep", "tensor_call_s": "tp"}
+UNITS = {"sharded_call_s": "sharded collective call", "pipeline_op_s": "pipeline schedule op",
+         "expert_call_s": "expert-parallel call", "tensor_call_s": "tensor-parallel all-reduce"}
 #: the overhead the sensitivity ``∂P`` is priced with (module docstring)
 NUDGE_S = 1e-3
 WARMUP, STEPS = 3, 12
@@ -118,12 +127,16 @@ def _probe_model(config: dict, world: int) -> tuple[torch.nn.Module, dict, Any]:
 
 
 def _dense_arms(model: torch.nn.Module, graph: Any, cluster: Cluster) -> dict[str, Plan]:
-    world = cluster.world_size
-    return {"zero3": sharded_data_parallel_plan(cluster, batch_split=[SAMPLES_PER_RANK] * world,
+    world, heads = cluster.world_size, PROBE["num_key_value_heads"]
+    arms = {"zero3": sharded_data_parallel_plan(cluster, batch_split=[SAMPLES_PER_RANK] * world,
                                                 state_split=[1] * world, shard_stage=3, model=graph.model_name,
                                                 seq_len=SEQ),
             "pipeline": pipeline_plan(model, cluster, global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
                                       blocks_per_stage=_even(len(graph.layers), world), num_microbatches=world)}
+    if world <= heads:
+        arms["tp"] = tensor_parallel_plan(model, cluster, global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
+                                          kv_shares=split_sizes(heads, [1] * world))
+    return arms
 
 
 def _expert_arms(model: torch.nn.Module, graph: Any, cluster: Cluster) -> dict[str, Plan]:

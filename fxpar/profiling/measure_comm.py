@@ -1,7 +1,9 @@
 """Measure collectives on the running process group (``fxpar profile --collectives``).
 
 Each collective is timed at several message sizes (median of ``repeats`` after a warm-up,
-every rank synchronised by a barrier first); a least-squares fit of ``t = α + S_bus / β`` over
+every rank synchronised by a barrier first; the repeats are rounds over every collective and
+size, so a slow moment of a shared machine costs one sample of many sizes, not the median of
+one); a least-squares fit of ``t = α + S_bus / β`` over
 the sizes (each residual relative to its time, so the small sizes set α and the large ones β)
 gives the :class:`~fxpar.profiling.database.LinkCost` (α ≥ 0), kept with the measured points
 it is read off (a backend's algorithm changes between sizes); ``S_bus`` the bus
@@ -70,23 +72,28 @@ def measure_collectives(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5
     device = device or torch.device("cpu")
     if world < 2:
         raise RuntimeSetupError("fxpar profile --collectives needs at least 2 ranks")
-    links = {}
-    for kind, op in _ops(world, rank, group).items():
-        xs, ys = [], []
-        for size in sizes:
-            t = torch.ones(max(world, size // 4), dtype=torch.float32, device=device)
+    ops = _ops(world, rank, group)
+    tensors = {size: torch.ones(max(world, size // 4), dtype=torch.float32, device=device) for size in sizes}
+    for kind, op in ops.items():   # warm-up: every collective at every size once
+        for t in tensors.values():
             op(t)
-            samples = []
-            for _ in range(repeats):
+    samples: dict[tuple[str, int], list[float]] = {(kind, size): [] for kind in ops for size in sizes}
+    for _ in range(repeats):       # interleaved rounds: a slow moment of the machine costs one round
+        for kind, op in ops.items():
+            for size, t in tensors.items():
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 op(t)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                samples.append(time.perf_counter() - start)
+                samples[kind, size].append(time.perf_counter() - start)
+    links = {}
+    for kind in ops:
+        xs, ys = [], []
+        for size, t in tensors.items():
             full = t.numel() * 4 * (world if kind in FULL_IS_WORLD_PARTS else 1)
             xs.append(bus_bytes(kind, full, world))
-            ys.append(statistics.median(samples))
+            ys.append(statistics.median(samples[kind, size]))
         x, y = np.array(xs), np.array(ys)
         slope, alpha = np.polyfit(x, y, 1, w=1.0 / y)   # relative residuals: small sizes fix α, large ones β
         alpha = max(float(alpha), 0.0)

@@ -44,7 +44,9 @@ A calibrated all-reduce or all-gather replaces a position's exchange by
 ranks exchange at once: the slowest counts).
 
 **Tensor-parallel stages**: a width-``u`` stage all-reduces ``β·b`` bytes of activations 2 times
-forward and 2 times backward per block, on its node's link (:meth:`Network.tp_allreduce_s`).
+forward and 2 times backward per block, on its node's link (:meth:`Network.tp_allreduce_s`),
+each call plus the runtime's own seconds per call (``tp_call_s``, calibrated:
+:mod:`fxpar.calibrate.runtime_probe`).
 
 **Sharded data parallelism** (:meth:`Network.shard_collective_s`): one padded all-gather or
 reduce-scatter of ``s`` bytes per rank over all ``n`` ranks, the cheaper of a flat ring
@@ -113,6 +115,7 @@ class LinkCosts:
     intra: tuple[float, ...]                # B_in of each position's devices
     nic: float
     measured: Mapping[str, LinkCost] = field(default_factory=dict)   # calibrated collectives by kind
+    tp_call_s: float = 0.0                   # the tensor-parallel runtime's own seconds per all-reduce call
 
     def hop(self, j: int, k: int) -> Hop:
         """The hop from position ``j`` to position ``k`` (all pipelines at once)."""
@@ -218,6 +221,7 @@ class Network:
     host: tuple[float, ...] = ()             # per rank: its host link, bytes/s (one way)
     node_of: tuple[int, ...] = ()            # per rank: its node
     measured: Mapping[str, LinkCost] = field(default_factory=dict)   # calibrated collectives by kind
+    tp_call_s: float = 0.0                   # the tensor-parallel runtime's own seconds per all-reduce call
 
     def scaled(self, factor: float) -> Network:
         """The same network with every link's bandwidth times ``factor`` (calibrated ones too)."""
@@ -228,7 +232,8 @@ class Network:
     # -- pipelines and tensor parallelism ---------------------------------------------------------
     def tp_allreduce_s(self, kind: str, width: int, nbytes: np.ndarray) -> np.ndarray:
         """One all-reduce of ``nbytes[i]`` over a width-``width`` tensor-parallel group of ``kind``
-        on one node (the calibrated all-reduce where there is one)."""
+        on one node (the calibrated all-reduce where there is one), plus the runtime's seconds
+        per call (``tp_call_s``)."""
         if width <= 1:
             return np.zeros_like(nbytes)
         shape = collectives.RingShape((width,), (self.intra[kind],), 1.0)
@@ -238,7 +243,7 @@ class Network:
             times = [collectives.measured_time(measured, "all_reduce", width, float(x)) for x in values]
         else:
             times = [collectives.allreduce_time(shape, float(x)) for x in values]
-        return np.array(times)[index.reshape(-1)]
+        return np.array(times)[index.reshape(-1)] + self.tp_call_s
 
     def node_hop(self, kind: str) -> Hop:
         """A hop between two devices of ``kind`` on one node."""
@@ -339,14 +344,16 @@ def scaled_link(link: LinkCost, factor: float) -> LinkCost:
                    points=tuple((x, link.alpha_s + (y - link.alpha_s) / factor) for x, y in link.points))
 
 
-def network_of(cluster, measured: Mapping[str, LinkCost] | None = None) -> Network:
+def network_of(cluster, measured: Mapping[str, LinkCost] | None = None, *, tp_call_s: float = 0.0) -> Network:
     """The :class:`Network` of ``cluster``: per device kind the intra-node link of its first
-    device, the NIC, every rank's host link and the calibrated collectives ``measured``; all but
-    the host links scaled by the cluster's measured ``link_derate`` (:meth:`fxpar.Cluster.derated`)."""
+    device, the NIC, every rank's host link, the calibrated collectives ``measured`` and the
+    tensor-parallel runtime's seconds per call; all but the host links and that call cost scaled
+    by the cluster's measured ``link_derate`` (:meth:`fxpar.Cluster.derated`)."""
     intra = {g.key: float(cluster.device(g.ranks[0]).intra_node_gbps) * 1e9 for g in cluster.groups()}
     network = Network(intra=intra, nic=cluster.inter_node_bytes_per_s(), shape=collectives.ring_shape(cluster),
                       host=tuple(host_link_bytes_per_s(d.type) for d in cluster.devices),
-                      node_of=tuple(d.node for d in cluster.devices), measured=dict(measured or {}))
+                      node_of=tuple(d.node for d in cluster.devices), measured=dict(measured or {}),
+                      tp_call_s=tp_call_s)
     if cluster.link_derate == 1.0:
         return network
     return replace(network.scaled(cluster.link_derate), host=network.host)   # host links are no collective's

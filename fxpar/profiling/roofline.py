@@ -292,7 +292,8 @@ class CostModel:
         return link if link is not None and link.world == len(devices) else None
 
     def runtime_overhead(self, name: str, ranks=None) -> float:
-        """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``, ``"expert_call_s"``)
+        """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``, ``"expert_call_s"``,
+        ``"tensor_call_s"``)
         of these devices when they are of one calibrated type, else 0
         (:mod:`fxpar.calibrate.runtime_probe`)."""
         devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
@@ -309,7 +310,7 @@ class CostModel:
     def network(self) -> Network:
         """The cluster's links with the devices' calibrated collectives: what every plan family's
         communication is priced from (:mod:`fxpar.profiling.network`)."""
-        return network_of(self.cluster, self.measured_links())
+        return network_of(self.cluster, self.measured_links(), tp_call_s=self.runtime_overhead("tensor_call_s"))
 
     def allreduce_s(self, nbytes: float, ranks=None) -> float:
         """One all-reduce of ``nbytes`` over ``ranks`` (all by default): the calibrated one where

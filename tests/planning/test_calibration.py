@@ -265,6 +265,32 @@ def test_a_calibrated_expert_call_cost_is_priced_per_synchronising_call():
         assert b.step_s - a.step_s == pytest.approx(micro * 2 * 5 * 1e-3, rel=1e-9)
 
 
+def test_a_calibrated_tensor_parallel_call_cost_is_priced_per_all_reduce(small):
+    """Each tensor-parallel all-reduce (a block's four: attention and MLP, forward and backward;
+    the embedding's and the head's) costs the calibrated ``tensor_call_s`` once per micro-batch, on
+    a plan by hand and as the planner's pipelines price it; the figure round-trips through the calibration file."""
+    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.sim.pipeline_cost import pipeline_prices
+
+    model, _, graph = small
+    cluster = Cluster.emulated([1.0, 1.0])
+    plain = with_calibration(None, fixed_calibration())
+    costly_db = dataclasses.replace(fixed_calibration(), tensor_call_s=1e-3)
+    assert ProfileDB.from_dict(json.loads(json.dumps(costly_db.to_dict()))) == costly_db
+    costly = with_calibration(None, costly_db)
+    messages = pipeline_prices(CostModel(graph, cluster)).table.tp_message_bytes()
+    per_segment = [len(fwd) + len(bwd) for fwd, bwd in messages]
+    assert per_segment[1:-1] == [4] * SMALL["num_hidden_layers"]     # the blocks; then embedding and head
+    plan = tensor_parallel_plan(model, cluster, global_batch=16, seq_len=32, kv_shares=[1, 1])
+    a = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=plain))
+    b = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=costly))
+    assert b.step_s - a.step_s == pytest.approx(sum(per_segment) * 1e-3, rel=1e-9)
+    workload = Workload(global_batch=16, seq_len=32, optimizer="adamw")
+    chosen = solve_plan(graph, cluster, workload, profiles=costly, strategies=("pipeline",))   # TP: 1-stage pipelines
+    cost = CostModel(graph, cluster, optimizer="adamw", profiles=costly)
+    assert chosen.predicted_step_s == pytest.approx(simulate(chosen, cost).step_s, rel=1e-12)
+
+
 def test_a_link_measured_on_other_ranks_prices_nothing(small):
     """Links measured on 2 ranks do not price a 4-rank group: the formula does."""
     _, _, graph = small
@@ -326,6 +352,7 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
     assert isinstance(db.overlap, bool) and "gloo x2" in db.calibration
     assert db.sharded_call_s is not None and db.sharded_call_s >= 0 and db.pipeline_op_s is not None
     assert db.expert_call_s is not None and db.expert_call_s >= 0
+    assert db.tensor_call_s is not None and db.tensor_call_s >= 0
     assert all(len(link.points) == 7 for link in db.links.values())
     assert db.ops[optimizer_key("adamw", "fp32")].fwd[1] > 0
     cached = list((tmp_path / "cache" / "fxpar" / "calibration").glob("*.json"))
@@ -356,7 +383,7 @@ def test_the_runtime_probe_runs_on_three_ranks(pool3):
         k: dataclasses.replace(v, world=3) for k, v in fixed_calibration().links.items()})
     results = pool3.run(_probe_on_rank, cal.to_dict())
     assert results[0] == results[1] == results[2]
-    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s", "expert_call_s"}
+    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s", "expert_call_s", "tensor_call_s"}
     assert all(v is not None and v >= 0 for v in results[0].values())
 
 

@@ -13,7 +13,7 @@ from fxpar.sim.plot import plot_timeline
 from fxpar.solvers import plan as solve
 from fxpar.tracing.hf import ModelSpec
 from fxpar.workload import Workload
-from tests.workers import TINY_CONFIGS, measure_links
+from tests.workers import TINY_CONFIGS, measure_links, measure_links_through_a_slow_moment
 
 SPEC = ModelSpec(hf_config=TINY_CONFIGS["llama"])
 
@@ -79,6 +79,15 @@ def test_measured_collectives_on_gloo(pool2):
     assert set(links) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     for alpha, bw, world in links.values():
         assert alpha >= 0 and bw > 1e6 and world == 2
+
+
+def test_a_slow_moment_costs_one_round_of_the_collectives_measurement(pool2):
+    """Every collective and size is timed once per round, so six consecutive slow calls (a second
+    each, on an injected clock) land in six sizes' samples, one each, and no median reads them;
+    timed size by size, they were two sizes' whole medians."""
+    for result in pool2.run(measure_links_through_a_slow_moment):
+        assert result["timed"] == 5 * 3 * 3      # 5 collectives, 3 sizes, 3 rounds
+        assert max(max(points) for points in result["points"].values()) < 0.5, result["points"]
 
 
 def test_a_tensor_parallel_group_of_mixed_speeds_runs_at_its_slowest_member():
