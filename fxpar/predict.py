@@ -21,6 +21,8 @@ The step's parts add up to the step (seconds, the slowest position's view):
     expert parallel: step = compute + alltoall + allreduce + optimizer
     sharded data parallel: step = compute + gather + optimizer   (gather: the all-gathers and
         reduce-scatters the compute does not hide, :mod:`fxpar.sim.sharded_sim`)
+    every form: + runtime, fxpar's step loop's own seconds (calibrated,
+        :meth:`fxpar.profiling.CostModel.step_overhead_s`; 0 uncalibrated)
 
 Memory: ``peak_memory_bytes`` is what the program allocates (model state, activations in flight,
 buffers); ``driver_memory_bytes`` adds, per device kind, what a driver-level reading
@@ -85,6 +87,7 @@ class Prediction:
     alltoall_s: float
     optimizer_s: float
     gather_s: float
+    runtime_s: float                      # the step loop's own seconds (calibrated)
     hop_s: float                          # one micro-batch's hops along a pipeline, both ways (in bubble)
     busy_s: tuple[float, ...]             # per rank
     idle_s: tuple[float, ...]             # per rank
@@ -96,7 +99,7 @@ class Prediction:
         """The step's parts (they add up to ``step_s``)."""
         return {"compute": self.compute_s, "tensor_parallel": self.tensor_parallel_s,
                 "bubble": self.bubble_s, "allreduce": self.allreduce_s, "alltoall": self.alltoall_s,
-                "optimizer": self.optimizer_s, "gather": self.gather_s}
+                "optimizer": self.optimizer_s, "gather": self.gather_s, "runtime": self.runtime_s}
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -200,23 +203,25 @@ def calibrated_pipeline_prices(cost: CostModel, calibration: Mapping[str, Mappin
                            receive_in_flight=per_kind("receive_in_flight", bool))
 
 
-def common_fields(plan: Plan, sim: SimResult, cluster: Any,
-                  calibration: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def common_fields(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping[str, Mapping[str, Any]],
+                  runtime_s: float = 0.0) -> dict[str, Any]:
     """The fields every form's :class:`Prediction` shares: the step, per-rank busy, idle and
-    memory, and the driver-level memory (the calibration's ``driver_memory_bytes`` added)."""
+    memory, the driver-level memory (the calibration's ``driver_memory_bytes`` added) and the step
+    loop's own seconds ``runtime_s`` (inside ``sim.step_s``)."""
     driver = tuple(int(m + float(calibration.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
                    for r, m in enumerate(sim.peak_memory_bytes))
     return dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
-                peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver)
+                peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver, runtime_s=runtime_s)
 
 
 def flat_prediction(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping[str, Mapping[str, Any]], *,
-                    allreduce_s: float = 0.0, alltoall_s: float = 0.0, gather_s: float = 0.0) -> Prediction:
-    """A step of one phase after another (no pipeline): compute, the exchanges given, and the
-    optimizer as what is left of the step."""
+                    allreduce_s: float = 0.0, alltoall_s: float = 0.0, gather_s: float = 0.0,
+                    runtime_s: float = 0.0) -> Prediction:
+    """A step of one phase after another (no pipeline): compute, the exchanges given, the step
+    loop's own seconds and the optimizer as what is left of the step."""
     return Prediction(compute_s=sim.compute_s, tensor_parallel_s=0.0, bubble_s=0.0, allreduce_s=allreduce_s,
-                      alltoall_s=alltoall_s, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s, 0.0),
-                      gather_s=gather_s, hop_s=0.0, **common_fields(plan, sim, cluster, calibration))
+                      alltoall_s=alltoall_s, optimizer_s=max(sim.step_s - sim.compute_s - sim.comm_s - runtime_s, 0.0),
+                      gather_s=gather_s, hop_s=0.0, **common_fields(plan, sim, cluster, calibration, runtime_s))
 
 
 def pipeline_parts(plan: Plan, prices: PipelinePrices, cluster: Any, common: dict[str, Any]) -> Prediction:

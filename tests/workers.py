@@ -161,7 +161,7 @@ def measure_links_through_a_slow_moment() -> dict:
     measure_comm.time = types.SimpleNamespace(perf_counter=perf_counter)
     dist.barrier = barrier
     try:
-        links = measure_comm.measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=3)
+        links = measure_comm.measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=5)
     finally:
         measure_comm.time, dist.barrier = clock, real
     return {"timed": timed[0], "points": {k: [t for _, t in v.points] for k, v in links.items()}}

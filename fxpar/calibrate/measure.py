@@ -177,7 +177,7 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
     links: dict[str, LinkCost] = {}
     overlap = None
     if world > 1:
-        links = measure_collectives(LINK_SIZES, repeats=5, progress=say, group=group, device=device)
+        links = measure_collectives(LINK_SIZES, repeats=7, progress=say, group=group, device=device)
         hidden = overlap_fraction(device, group)
         overlap = hidden >= 0.5
         say(f"overlap: {100 * hidden:.0f}% of an all-reduce hides behind compute -> "

@@ -15,7 +15,9 @@ samples of 16 tokens per rank), each plan built by hand: data parallelism, ZeRO-
 parallelism over all ``W`` ranks (its 4 key/value heads split as evenly as they go; more than 4
 ranks leave it unmeasured).  ``STEPS`` rounds after ``WARMUP`` step
 every plan once in turn (AdamW included, the ranks aligned before each step, the slowest rank's
-wall).  With ``D_x`` the median over rounds of plan ``x``'s step minus data parallelism's in the
+wall).  With ``D_x`` the trimmed mean over rounds (:func:`fxpar.profiling.measure_comm.expected_seconds`:
+a synchronising call on CPU ranks has a fast and a slow mode, which a median picks one of) of
+plan ``x``'s step minus data parallelism's in the
 same round and ``P`` the priced steps (the cost model with the calibration measured so far, on a
 cluster of the calibrated device type), data parallelism is the reference, so what the cost model
 misses of the model's own compute cancels, and so does a slow moment of a shared machine:
@@ -29,12 +31,20 @@ Expert parallelism is probed the same way on a MoE probe (:data:`MOE_PROBE`: a M
 ``∂P`` is how many seconds the priced step grows per second of the overhead (the simulator priced
 with the overhead at 1 ms, less without it, over 1 ms): the calls or ops on the step's critical
 path, as the simulator prices them.  A plan the probe cannot build leaves both unmeasured (None).
+
+Data parallelism itself is measured against the **plain loop**: each rank steps its own copy of the
+probe model on its own samples (forward, backward, AdamW; no fxpar, no collective) in the same
+rounds.  With ``D_plain`` the same mean of the plain step minus data parallelism's and ``C_dp`` the
+gradient all-reduce the cost model prices for the data-parallel plan, what is left is fxpar's step
+loop's own seconds per step (batch checks, hook arming, bucket preparation, the ranks' alignment),
+which every form pays once per step (:meth:`fxpar.profiling.CostModel.step_overhead_s`):
+
+    step_overhead_s = max(0, −D_plain − C_dp)
 """
 
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -51,8 +61,11 @@ from fxpar.errors import FxparError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
+from fxpar.profiling.measure_comm import expected_seconds
 from fxpar.runtime.contract import make_optimizer
+from fxpar.runtime.losses import default_loss
 from fxpar.sim import simulate
+from fxpar.sim.timeline import SimResult
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
@@ -67,37 +80,49 @@ SAMPLES_PER_RANK, SEQ = 2, 16
 #: one unit of it is
 MEASURED = {"sharded_call_s": "zero3", "pipeline_op_s": "pipeline", "expert_call_s": "ep", "tensor_call_s": "tp"}
 UNITS = {"sharded_call_s": "sharded collective call", "pipeline_op_s": "pipeline schedule op",
-         "expert_call_s": "expert-parallel call", "tensor_call_s": "tensor-parallel all-reduce"}
+         "expert_call_s": "expert-parallel call", "tensor_call_s": "tensor-parallel all-reduce",
+         "step_overhead_s": "training step"}
+#: the arm that steps the model as a plain loop (module docstring)
+PLAIN = "plain"
 #: the overhead the sensitivity ``∂P`` is priced with (module docstring)
 NUDGE_S = 1e-3
-WARMUP, STEPS = 3, 12
+WARMUP, STEPS = 3, 20
 
 
 def _paired_steps(model: torch.nn.Module, plans: dict[str, Plan], batch: dict, device: torch.device,
-                  group: Any) -> dict[str, float]:
-    """Per plan, the median over ``STEPS`` rounds of its step minus data parallelism's step in the
-    same round (the slowest rank's walls): every round steps each plan once, in turn, so a slow
-    moment of a shared machine slows the plans of one round alike (module docstring)."""
-    modules = {name: build_module(copy.deepcopy(model), plan, dist.get_rank(group), batch, device=device,
+                  group: Any, *, plain: bool = False) -> dict[str, float]:
+    """Per plan (and the plain loop, :data:`PLAIN`, with ``plain``), the trimmed mean
+    (:func:`fxpar.profiling.measure_comm.expected_seconds`) over ``STEPS`` rounds of its step minus
+    data parallelism's step in the same round (the slowest rank's walls):
+    every round steps each arm once, in turn, so a slow moment of a shared machine slows the arms
+    of one round alike (module docstring)."""
+    rank = dist.get_rank(group)
+    modules = {name: build_module(copy.deepcopy(model), plan, rank, batch, device=device,
                                   checkpoint=None, group=group, loss_fn=None, loss_weighting="auto", emulate=False)
                for name, plan in plans.items()}
     optimizers = {name: make_optimizer(m, torch.optim.AdamW, lr=1e-4) for name, m in modules.items()}
-    walls: dict[str, list[float]] = {name: [] for name in plans}
+    steps = {name: module.step for name, module in modules.items()}
+    if plain:
+        own = copy.deepcopy(model).to(device)
+        rows = {k: v[rank * SAMPLES_PER_RANK:(rank + 1) * SAMPLES_PER_RANK].to(device) for k, v in batch.items()}
+        optimizers[PLAIN] = torch.optim.AdamW(own.parameters(), lr=1e-4)
+        steps[PLAIN] = lambda _batch: default_loss(own(**rows), None).backward()
+    walls: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(WARMUP + STEPS):
-        for name, module in modules.items():
+        for name, step in steps.items():
             dist.barrier(group=group)
             start = time.perf_counter()
-            module.step(batch)
+            step(batch)
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= WARMUP:
                 walls[name].append(time.perf_counter() - start)
-    table = torch.tensor([walls[name] for name in plans], dtype=torch.float64)
+    table = torch.tensor([walls[name] for name in steps], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
-    rows = dict(zip(plans, table.tolist()))
-    return {name: statistics.median(a - b for a, b in zip(rows[name], rows["dp"])) for name in plans}
+    rows_by_arm = dict(zip(steps, table.tolist()))
+    return {name: expected_seconds([a - b for a, b in zip(rows_by_arm[name], rows_by_arm["dp"])]) for name in steps}
 
 
 def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = None) -> dict[str, float | None]:
@@ -105,7 +130,7 @@ def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = N
     docstring).  ``calibration``: the rates and links measured so far (they price ``P``)."""
     world = dist.get_world_size(group)
     cluster = _cluster(calibration.device_type, world)
-    out: dict[str, float | None] = dict.fromkeys(MEASURED)
+    out: dict[str, float | None] = dict.fromkeys([*MEASURED, "step_overhead_s"])
     dense = _probe_model(dict(PROBE, num_hidden_layers=max(4, world)), world)
     moe = _probe_model(dict(MOE_PROBE, num_local_experts=2 * world), world)
     for (model, batch, graph), arms in ((dense, _dense_arms), (moe, _expert_arms)):
@@ -115,7 +140,7 @@ def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = N
                      **arms(model, graph, cluster)}
         except FxparError:   # every rank alike (the same model and cluster): these stay unmeasured
             continue
-        over_dp = _paired_steps(model, plans, batch, device, group)
+        over_dp = _paired_steps(model, plans, batch, device, group, plain=arms is _dense_arms)
         out.update(_per_unit(calibration, graph, cluster, plans, over_dp))
     return out
 
@@ -149,13 +174,18 @@ def _per_unit(calibration: ProfileDB, graph: Any, cluster: Cluster, plans: dict[
               over_dp: dict[str, float]) -> dict[str, float | None]:
     """Each measured arm's overhead per unit (module docstring): what data parallelism's step
     leaves unpriced, over the units on the priced step's critical path."""
-    zero = dict.fromkeys(MEASURED, 0.0)
+    zero = dict.fromkeys(UNITS, 0.0)
 
     def priced(plan: Plan, **nudge: float) -> float:
+        return simulated(plan, **nudge).step_s
+
+    def simulated(plan: Plan, **nudge: float) -> SimResult:
         db = replace(calibration, **{**zero, **nudge})
-        return simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles={db.device_type: db})).step_s
+        return simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles={db.device_type: db}))
 
     out: dict[str, float | None] = {}
+    if PLAIN in over_dp:
+        out["step_overhead_s"] = max(0.0, -over_dp[PLAIN] - simulated(plans["dp"]).comm_s)
     for key, name in MEASURED.items():
         if name not in plans:
             continue

@@ -17,15 +17,15 @@ File layout: ``DIR/<device type>.json``::
      "links": {"all_reduce": {"alpha_s": ..., "bus_bytes_per_s": ..., "world": 2}, ...},
      "rates": {"matmul_flops": {"fp32": ..., "bf16": ...}, "memory_bytes_per_s": ...,
                "op_overhead_s": ..., "overlap": false, "sharded_call_s": ..., "pipeline_op_s": ...,
-               "expert_call_s": ..., "tensor_call_s": ...},
+               "expert_call_s": ..., "tensor_call_s": ..., "step_overhead_s": ...},
      "calibration": "what measured it, where, how long"}
 
 ``rates`` (optional; written by ``fxpar calibrate``, :mod:`fxpar.calibrate`) replace the
 catalog's figures for the nodes no op entry covers: achieved FLOP/s of matrix products per
 precision (attention at the catalog's fraction of it), achieved memory bandwidth, seconds per
 launched op, whether communication overlaps compute on the device, and fxpar's own runtime
-costs per sharded collective call, pipeline schedule op, expert-parallel call and
-tensor-parallel all-reduce.
+costs per sharded collective call, pipeline schedule op, expert-parallel call,
+tensor-parallel all-reduce and training step.
 """
 
 from __future__ import annotations
@@ -106,6 +106,10 @@ class ProfileDB:
     pipeline_op_s: float | None = None
     expert_call_s: float | None = None
     tensor_call_s: float | None = None
+    #: fxpar's step loop: seconds per training step that no op, collective or optimizer step of
+    #: the cost model covers (batch checks, hook arming, bucket preparation, the ranks' alignment;
+    #: :mod:`fxpar.calibrate.runtime_probe`; None: not measured, priced as 0)
+    step_overhead_s: float | None = None
     #: one line on what measured the rates and links (``fxpar calibrate``); "" for a plain profile
     calibration: str = ""
     #: the file it was read from ("" when built in memory); not part of the data
@@ -117,7 +121,7 @@ class ProfileDB:
         out = {"matmul_flops": dict(sorted(self.matmul_flops.items())), "memory_bytes_per_s": self.memory_bytes_per_s,
                "op_overhead_s": self.op_overhead_s, "overlap": self.overlap, "sharded_call_s": self.sharded_call_s,
                "pipeline_op_s": self.pipeline_op_s, "expert_call_s": self.expert_call_s,
-               "tensor_call_s": self.tensor_call_s}
+               "tensor_call_s": self.tensor_call_s, "step_overhead_s": self.step_overhead_s}
         return {k: v for k, v in out.items() if v not in (None, {})}
 
     def to_dict(self) -> dict:
@@ -156,7 +160,9 @@ class ProfileDB:
                        sharded_call_s=_positive_or_none(rates.get("sharded_call_s"), "rates.sharded_call_s", zero=True),
                        pipeline_op_s=_positive_or_none(rates.get("pipeline_op_s"), "rates.pipeline_op_s", zero=True),
                        expert_call_s=_positive_or_none(rates.get("expert_call_s"), "rates.expert_call_s", zero=True),
-                       tensor_call_s=_positive_or_none(rates.get("tensor_call_s"), "rates.tensor_call_s", zero=True))
+                       tensor_call_s=_positive_or_none(rates.get("tensor_call_s"), "rates.tensor_call_s", zero=True),
+                       step_overhead_s=_positive_or_none(rates.get("step_overhead_s"), "rates.step_overhead_s",
+                                                         zero=True))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -176,6 +182,7 @@ class ProfileDB:
                          pipeline_op_s=_first(other.pipeline_op_s, self.pipeline_op_s),
                          expert_call_s=_first(other.expert_call_s, self.expert_call_s),
                          tensor_call_s=_first(other.tensor_call_s, self.tensor_call_s),
+                         step_overhead_s=_first(other.step_overhead_s, self.step_overhead_s),
                          calibration=other.calibration or self.calibration)
 
     def save(self, directory: str | Path) -> Path:

@@ -293,13 +293,19 @@ class CostModel:
 
     def runtime_overhead(self, name: str, ranks=None) -> float:
         """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``, ``"expert_call_s"``,
-        ``"tensor_call_s"``)
-        of these devices when they are of one calibrated type, else 0
+        ``"tensor_call_s"``) of these devices when they are of one calibrated type, else 0
         (:mod:`fxpar.calibrate.runtime_probe`)."""
         devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
         types = {d.type.name for d in devices}
         db = self.profiles.get(types.pop()) if len(types) == 1 else None
         return float(getattr(db, name, None) or 0.0)
+
+    def step_overhead_s(self) -> float:
+        """fxpar's step loop's seconds per training step that nothing else prices (calibrated,
+        ``ProfileDB.step_overhead_s``): the largest of the cluster's device types', since a step
+        waits for its slowest rank; 0 where none is calibrated.  Every form adds it once per step."""
+        types = {d.type.name for d in self.cluster.devices}
+        return max((float(getattr(self.profiles.get(t), "step_overhead_s", None) or 0.0) for t in types), default=0.0)
 
     def measured_links(self, ranks=None) -> dict:
         """Every measured collective of these devices (kind -> LinkCost), as :meth:`measured_link`

@@ -108,4 +108,5 @@ def build_problem(cost, global_batch: int, max_microbatches: int | None = None) 
         expert_activation_bytes_per_sample=saved_x, replicated_params=P, expert_params=expert_total // E,
         allreduce_s=cost.allreduce_s(wire_grads) if N > 1 else 0.0, max_microbatches=max_microbatches,
         grad_bytes_per_param=memory.state_bytes_per_param(cost.optimizer, cost.dtype)[1],
-        exchange_bytes=grads if N > 1 else 0.0, workspace_bytes_per_sample=cost.transient_bytes_per_sample())
+        exchange_bytes=grads if N > 1 else 0.0, workspace_bytes_per_sample=cost.transient_bytes_per_sample(),
+        step_overhead_s=cost.step_overhead_s())

@@ -34,7 +34,8 @@ ranks' per-layer times are proportional, as they are here):
     nic_j = β_nic K max(Φ_j (1 − X_j/E), (X_j/E)(1 − Φ_j))        tokens leaving / entering j
     in_r  = β_j K max(φ_r (X_j − x_r)/E, (x_r/E)(Φ_j − φ_r))       inside node j
     A_r   = k α + max(nic_j, in_r)
-    step  = max_r R_r + max_r X_r + max_r A_r + AR + max_r o_g (P + p x_r)
+    step  = max_r R_r + max_r X_r + max_r A_r + AR + max_r o_g (P + p x_r) + L
+            (L the step loop's own seconds: :meth:`fxpar.profiling.CostModel.step_overhead_s`)
     mem_r = S + m x_r + a ⌈s_r/k⌉ + a' (x_r/E) Σ_q ⌈s_q/k⌉  ≤  M_g      (the solver's bound)
     as simulated: the one peak formula (:func:`rank_peak_bytes`): gradients exist from the
     first backward on, the all-reduce buckets X only after the last, the workspace t only
@@ -89,6 +90,7 @@ class EPProblem:
     grad_bytes_per_param: float = 0.0
     exchange_bytes: float = 0.0
     workspace_bytes_per_sample: float = 0.0
+    step_overhead_s: float = 0.0            # L, the step loop's own seconds (calibrated)
 
     @property
     def world(self) -> int:
@@ -161,7 +163,7 @@ def evaluate(p: EPProblem, shares, counts, k: int) -> EPEval:
             A.append(k * p.a2a_fixed_s + max(nic, inside))
     ok = all(valid_share(s, k) for s in shares) and sum(shares) == B
     ok = ok and sum(counts) == E and all(m <= p.groups[gi[r]].memory_bytes for r, m in enumerate(mem))
-    step = max(R) + max(X) + max(A) + p.allreduce_s + max(O)
+    step = max(R) + max(X) + max(A) + p.allreduce_s + max(O) + p.step_overhead_s
     return EPEval(shares=tuple(shares), counts=tuple(counts), k=k, step_s=step, replicated_s=max(R),
                   expert_s=max(X), alltoall_s=max(A), allreduce_s=p.allreduce_s, optimizer_s=max(O),
                   busy_s=tuple(a + b + c for a, b, c in zip(R, X, O)), phases=tuple(zip(R, X, O)),

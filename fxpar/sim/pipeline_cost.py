@@ -40,7 +40,9 @@ pipeline updates its parameters (``1/P`` of them under ZeRO-1) and, under ZeRO-1
 the updated weights (``W_d`` weight bytes, one broadcast per parameter tensor:
 :meth:`fxpar.profiling.network.LinkCosts.allgather_s`):
 
-    step = AR_done(e, G) + max_{d,p} o_{k_dp}·Σ_{j at d} n_j(u_j)·(1/P)^z + z·AG(W)
+    step = AR_done(e, G) + max_{d,p} o_{k_dp}·Σ_{j at d} n_j(u_j)·(1/P)^z + z·AG(W) + L
+
+(``L`` the step loop's own seconds, calibrated: :meth:`fxpar.profiling.CostModel.step_overhead_s`)
 
 Memory per device of position ``d`` (``r_j`` micro-batches in flight: 1F1B ``min(S − j, m)``,
 GPipe ``m``, interleaved ``min(S − j, m)``; ``w, g, o`` bytes per parameter of weights, gradient,
@@ -95,6 +97,9 @@ class PipelinePrices:
     #: the runtime's own seconds per schedule op (a micro-batch's forward or backward on a stage;
     #: :mod:`fxpar.calibrate.runtime_probe`; 0 uncalibrated)
     op_overhead_s: float = 0.0
+    #: the step loop's own seconds per step (:meth:`fxpar.profiling.CostModel.step_overhead_s`;
+    #: 0 uncalibrated)
+    step_overhead_s: float = 0.0
 
 
 def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
@@ -111,7 +116,8 @@ def pipeline_prices(cost, *, compute_scale: Mapping[str, float] | None = None,
                           segment_overhead_s=dict(segment_overhead_s or {}),
                           receive_in_flight=dict(receive_in_flight or {}),
                           overlap=cost.overlaps_communication(),
-                          op_overhead_s=cost.runtime_overhead("pipeline_op_s"))
+                          op_overhead_s=cost.runtime_overhead("pipeline_op_s"),
+                          step_overhead_s=cost.step_overhead_s())
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +317,7 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
     starts = ends if layout.overlap_grad_allreduce and prices.overlap else [makespan] * len(ends)
     exposed = layout.links.allreduce_done_s(starts, [n * g_bytes for n in params]) - makespan
     gather = layout.links.allgather_s([n * w_bytes for n in params], calls) if layout.zero else 0.0
-    return PipelineRun(step_s=makespan + exposed + max(opt) + gather, makespan_s=makespan,
+    return PipelineRun(step_s=makespan + exposed + max(opt) + gather + prices.step_overhead_s, makespan_s=makespan,
                        exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,
                        fwd_s=worst("fwd_s"), bwd_s=worst("bwd_s"), hop_s=worst("hop_s"), back_hop_s=worst("back_hop_s"), busy_s=worst("busy_s"),
                        position_optimizer_s=opt, memory_bytes=tuple(int(x) for x in worst("memory_bytes")),

@@ -147,7 +147,7 @@ def price_plan(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineRun
     busy = tuple(reps[r].busy_s[where[r][0]] + reps[r].optimizer_s[where[r][0]] for r in range(plan.world_size))
     comm = run.exposed_allreduce_s + run.gather_s
     return run, SimResult(step_s=run.step_s, compute_s=run.makespan_s, comm_s=comm, busy_s=busy,
-                          idle_s=tuple(run.step_s - b - comm for b in busy),
+                          idle_s=tuple(run.step_s - prices.step_overhead_s - b - comm for b in busy),
                           peak_memory_bytes=tuple(int(reps[r].memory_bytes[where[r][0]]) for r in range(plan.world_size)),
                           events=())
 
@@ -174,5 +174,5 @@ def simulate_pipeline(plan: Plan, prices: PipelinePrices, cluster) -> SimResult:
             events.append(TimelineEvent(r, "all_reduce", t0, t1))
         events.append(TimelineEvent(r, "optimizer", t1, t1 + run.replicas[where[r][1]].optimizer_s[where[r][0]]))
         if run.gather_s > 0:
-            events.append(TimelineEvent(r, "all_gather", t1 + run.optimizer_s, run.step_s))
+            events.append(TimelineEvent(r, "all_gather", t1 + run.optimizer_s, t1 + run.optimizer_s + run.gather_s))
     return replace(figures, events=tuple(events))

@@ -122,6 +122,7 @@ class ShardedPrices:
     reduce_itemsize: float = 4.0                 # ĝ: bytes per gradient element as reduced
     overlap: bool = True                         # collectives run beside compute (GPUs), not on its core
     call_overhead_s: float = 0.0                 # the runtime's own seconds per collective call (calibrated)
+    step_overhead_s: float = 0.0                 # the step loop's own seconds per step (calibrated)
 
     @property
     def world(self) -> int:
@@ -185,7 +186,7 @@ def sharded_prices(cost: CostModel, policy: DtypePolicy | None = None) -> Sharde
         scatter_copies=1 if all(d.type.vendor == "cpu" for d in devices) else 0,
         gather_itemsize=unit_gather_itemsizes(cost.graph, cost.gather_itemsizes(policy)),
         reduce_itemsize=float(cost.policy(policy).reduce_bytes), overlap=cost.overlaps_communication(),
-        call_overhead_s=cost.runtime_overhead("sharded_call_s"))
+        call_overhead_s=cost.runtime_overhead("sharded_call_s"), step_overhead_s=cost.step_overhead_s())
 
 
 def unit_shards(prices: ShardedPrices, weights: Sequence[int]) -> np.ndarray:

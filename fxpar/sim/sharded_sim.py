@@ -37,8 +37,9 @@ runs a forward pass ``pre, b_0 … b_{L−1}, post`` and a backward pass ``post,
 
 Then (``opt_r``: :func:`fxpar.sim.sharded_cost.optimizer_s`)
 
-    step = [ZeRO-2]·Σ_u AG_u + max(ch, max_r t_r) + max_r opt_r
-    compute = max_r Σ_j Σ_i (F_ri + B_ri);  comm = step − compute − max_r opt_r
+    step = [ZeRO-2]·Σ_u AG_u + max(ch, max_r t_r) + max_r opt_r  (+ the step loop's own seconds,
+           :meth:`fxpar.profiling.CostModel.step_overhead_s`)
+    compute = max_r Σ_j Σ_i (F_ri + B_ri);  comm = step − compute − max_r opt_r  (without the loop's)
 
 Memory per rank: :func:`fxpar.sim.sharded_cost.memory_per_rank`.
 """
@@ -163,6 +164,7 @@ def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
     compute = float(busy.max())
     step = end + float(opt.max()) + after
     comm = step - compute - float(opt.max())
+    loop = prices.step_overhead_s
     peaks = tuple(int(m) for m in memory_per_rank(prices, stage.shard_stage, shards, sizes.max(axis=1, initial=0),
                                                   ckpt, np.array(offload, dtype=bool), (sizes == 0).any(axis=1)))
     events = []
@@ -172,6 +174,6 @@ def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
             events.append(TimelineEvent(r, "all_gather", float(busy[r]), end))
         events.append(TimelineEvent(r, "optimizer", end, end + float(opt[r])))
     busy_total = tuple(float(b + o) for b, o in zip(busy, opt))
-    return SimResult(step_s=step, compute_s=compute, comm_s=comm, busy_s=busy_total,
+    return SimResult(step_s=step + loop, compute_s=compute, comm_s=comm, busy_s=busy_total,
                      idle_s=tuple(step - b - comm for b in busy_total), peak_memory_bytes=peaks,
                      events=tuple(events))

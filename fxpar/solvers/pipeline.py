@@ -96,6 +96,7 @@ class PipelineContext:
     optimizer_s_per_param: dict     # kind -> seconds per parameter of an optimizer step
     overlap: bool = True            # the devices overlap communication with compute
     op_overhead_s: float = 0.0      # the runtime's seconds per schedule op (calibrated; pipeline_cost)
+    step_overhead_s: float = 0.0    # the step loop's seconds per step (calibrated; pipeline_cost)
 
 
 _TABLES: dict = {}   # (id(table), ...) -> (table, arrays): the search builds the same tables often
@@ -390,4 +391,4 @@ def build_context(graph, cost, cluster, workload) -> PipelineContext:
                            network=prices.network,
                            num_nodes=cluster.num_nodes, optimizer_s_per_param=dict(prices.optimizer_s_per_param),
                            overlap=prices.overlap,
-                           op_overhead_s=prices.op_overhead_s)
+                           op_overhead_s=prices.op_overhead_s, step_overhead_s=prices.step_overhead_s)

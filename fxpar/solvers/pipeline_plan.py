@@ -46,7 +46,7 @@ def prices_of(ctx: PipelineContext) -> PipelinePrices:
     takes them from :func:`fxpar.sim.pipeline_cost.pipeline_prices`)."""
     return PipelinePrices(table=ctx.table, network=ctx.network, optimizer_s_per_param=ctx.optimizer_s_per_param,
                           optimizer=ctx.optimizer, dtype=ctx.dtype, overlap=ctx.overlap,
-                          op_overhead_s=ctx.op_overhead_s)
+                          op_overhead_s=ctx.op_overhead_s, step_overhead_s=ctx.step_overhead_s)
 
 
 def layout_of_config(ctx: PipelineContext, cfg: PipelineConfig) -> PipelineLayout:

@@ -291,6 +291,45 @@ def test_a_calibrated_tensor_parallel_call_cost_is_priced_per_all_reduce(small):
     assert chosen.predicted_step_s == pytest.approx(simulate(chosen, cost).step_s, rel=1e-12)
 
 
+def test_the_step_loops_calibrated_cost_is_priced_once_per_step_in_every_form(small):
+    """``step_overhead_s`` adds its seconds once to every form's step — data, sharded (ZeRO-2 and
+    3), pipeline, tensor and expert parallelism — and to nothing else: per-rank busy and idle
+    time and memory are unchanged; the prediction names it as the ``runtime`` part, the parts
+    still add up to the step, and the solver's stored prediction is the simulator's."""
+    from fxpar.codegen.hand_plans import expert_parallel_plan, tensor_parallel_plan
+
+    model, _, graph = small
+    cluster = Cluster.emulated([1.0, 0.5])
+    workload = Workload(global_batch=16, seq_len=32, optimizer="adamw")
+    plain = with_calibration(None, fixed_calibration())
+    loop_db = dataclasses.replace(fixed_calibration(), step_overhead_s=7e-3)
+    assert ProfileDB.from_dict(json.loads(json.dumps(loop_db.to_dict()))) == loop_db
+    looped = with_calibration(None, loop_db)
+    plans = {s: solve_plan(graph, cluster, workload, profiles=looped, strategies=(s,))
+             for s in ("data_parallel", "sharded_data_parallel", "pipeline")}
+    plans["zero2"] = dataclasses.replace(plans["sharded_data_parallel"], stages=(dataclasses.replace(
+        plans["sharded_data_parallel"].stages[0], shard_stage=2),))
+    plans["tensor_parallel"] = tensor_parallel_plan(model, cluster, global_batch=16, seq_len=32, kv_shares=[1, 1])
+    moe = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+               max_position_embeddings=64)
+    moe_model = build_model(ModelSpec(hf_config=moe), device="cpu", seed=0, attn_implementation="eager")
+    moe_graph = trace(moe_model, {k: v[:1] for k, v in example_inputs(moe_model, 8, 16, seed=1).items()})
+    cases = [(p, graph) for p in plans.values()] + [(expert_parallel_plan(
+        moe_model, cluster, global_batch=8, seq_len=16, expert_split=[2, 2], batch_shares=[4, 4]), moe_graph)]
+    for plan, g in cases:
+        a = simulate(plan, CostModel(g, cluster, optimizer="adamw", profiles=plain))
+        b = simulate(plan, CostModel(g, cluster, optimizer="adamw", profiles=looped))
+        assert b.step_s - a.step_s == pytest.approx(7e-3, rel=1e-9), plan.strategy
+        assert b.busy_s == a.busy_s and b.peak_memory_bytes == a.peak_memory_bytes, plan.strategy
+        assert b.idle_s == pytest.approx(a.idle_s, abs=1e-12), plan.strategy
+        p = fxpar.predict(plan, g, cluster, profiles=looped)
+        assert p.runtime_s == 7e-3 and sum(p.parts.values()) == pytest.approx(p.step_s, rel=1e-12), plan.strategy
+    for plan in (plans["data_parallel"], plans["sharded_data_parallel"], plans["pipeline"]):
+        cost = CostModel(graph, cluster, optimizer="adamw", profiles=looped)
+        assert plan.predicted_step_s == pytest.approx(simulate(plan, cost).step_s, rel=1e-12), plan.strategy
+
+
 def test_a_link_measured_on_other_ranks_prices_nothing(small):
     """Links measured on 2 ranks do not price a 4-rank group: the formula does."""
     _, _, graph = small
@@ -353,6 +392,7 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
     assert db.sharded_call_s is not None and db.sharded_call_s >= 0 and db.pipeline_op_s is not None
     assert db.expert_call_s is not None and db.expert_call_s >= 0
     assert db.tensor_call_s is not None and db.tensor_call_s >= 0
+    assert db.step_overhead_s is not None and db.step_overhead_s >= 0
     assert all(len(link.points) == 7 for link in db.links.values())
     assert db.ops[optimizer_key("adamw", "fp32")].fwd[1] > 0
     cached = list((tmp_path / "cache" / "fxpar" / "calibration").glob("*.json"))
@@ -383,7 +423,7 @@ def test_the_runtime_probe_runs_on_three_ranks(pool3):
         k: dataclasses.replace(v, world=3) for k, v in fixed_calibration().links.items()})
     results = pool3.run(_probe_on_rank, cal.to_dict())
     assert results[0] == results[1] == results[2]
-    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s", "expert_call_s", "tensor_call_s"}
+    assert set(results[0]) == {"sharded_call_s", "pipeline_op_s", "expert_call_s", "tensor_call_s", "step_overhead_s"}
     assert all(v is not None and v >= 0 for v in results[0].values())
 
 

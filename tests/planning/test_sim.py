@@ -83,11 +83,23 @@ def test_measured_collectives_on_gloo(pool2):
 
 def test_a_slow_moment_costs_one_round_of_the_collectives_measurement(pool2):
     """Every collective and size is timed once per round, so six consecutive slow calls (a second
-    each, on an injected clock) land in six sizes' samples, one each, and no median reads them;
-    timed size by size, they were two sizes' whole medians."""
+    each, on an injected clock) land in six sizes' samples, one each, which the trimmed mean drops
+    (:func:`fxpar.profiling.measure_comm.expected_seconds`); timed size by size, they were two
+    sizes' every sample."""
     for result in pool2.run(measure_links_through_a_slow_moment):
-        assert result["timed"] == 5 * 3 * 3      # 5 collectives, 3 sizes, 3 rounds
+        assert result["timed"] == 5 * 3 * 5      # 5 collectives, 3 sizes, 5 rounds
         assert max(max(points) for points in result["points"].values()) < 0.5, result["points"]
+
+
+def test_the_expected_seconds_weigh_both_modes_of_a_synchronising_call():
+    """A bimodal sample (a peer's wake-up in 4 of 9 calls) gives the trimmed mean, between the
+    modes, where the median is one mode; one stall among many is dropped."""
+    from fxpar.profiling.measure_comm import expected_seconds
+
+    fast, slow = [1.0] * 5, [4.0] * 4
+    assert expected_seconds(fast + slow) == pytest.approx((1.0 * 4 + 4.0 * 3) / 7)
+    assert expected_seconds([1.0] * 9 + [100.0]) == 1.0
+    assert expected_seconds([2.0, 3.0]) == 2.5
 
 
 def test_a_tensor_parallel_group_of_mixed_speeds_runs_at_its_slowest_member():

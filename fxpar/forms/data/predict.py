@@ -15,4 +15,5 @@ from fxpar.sim import simulate
 def predict(plan: Plan, cost: CostModel, calibration: Mapping[str, Mapping[str, Any]]) -> Prediction:
     """The simulator's step, its exchange the gradient all-reduce."""
     sim = simulate(plan, cost)
-    return flat_prediction(plan, sim, cost.cluster, calibration, allreduce_s=sim.comm_s)
+    return flat_prediction(plan, sim, cost.cluster, calibration, allreduce_s=sim.comm_s,
+                           runtime_s=cost.step_overhead_s())

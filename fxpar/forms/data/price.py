@@ -15,7 +15,8 @@ Data-parallel step on rank r with micro-batches m_1..m_k (sizes from the plan):
                 (CPU ranks, or a plan with ``overlap_grad_allreduce=False``: comm = Σ_k AR(g_k),
                 after the compute)
     opt_r     = optimizer step (cost model), after the all-reduce
-    step      = max_r compute_r + comm + max_r opt_r,   idle_r = step − compute_r − comm − opt_r
+    step      = max_r compute_r + comm + max_r opt_r + L,   idle_r = step − L − compute_r − comm − opt_r
+                (L the step loop's own seconds, calibrated: :meth:`~fxpar.profiling.CostModel.step_overhead_s`)
     peak_r    = :func:`fxpar.profiling.memory.step_peak_bytes` with r = 1 in flight:
                 W + O + max( max_j (G·[j ≥ 1] + (a + t)·m_j),  G + X ),  X = G on > 1 rank
                 (the flattened buckets), a / t saved activations / backward workspace per sample
@@ -68,7 +69,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         events.append(TimelineEvent(r, "optimizer", compute + comm, compute + comm + opt[r]))
     step = compute + comm + max(opt)
     busy = [b + o for b, o in zip(busy, opt)]
-    return SimResult(step_s=step, compute_s=compute, comm_s=comm, busy_s=tuple(busy),
+    return SimResult(step_s=step + cost.step_overhead_s(), compute_s=compute, comm_s=comm, busy_s=tuple(busy),
                      idle_s=tuple(step - b - comm for b in busy), peak_memory_bytes=tuple(peaks),
                      events=tuple(events))
 

@@ -26,5 +26,5 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
         events += [TimelineEvent(r, "idle", lo, hi) for lo, hi in ((rep, a), (a + exp, b)) if hi > lo]
     comm = ev.alltoall_s + ev.allreduce_s
     return SimResult(step_s=ev.step_s, compute_s=ev.replicated_s + ev.expert_s, comm_s=comm, busy_s=ev.busy_s,
-                     idle_s=tuple(ev.step_s - b - comm for b in ev.busy_s),
+                     idle_s=tuple(ev.step_s - problem.step_overhead_s - b - comm for b in ev.busy_s),
                      peak_memory_bytes=ev.memory_bytes, events=tuple(events))

@@ -17,4 +17,5 @@ def predict(plan: Plan, cost: CostModel, calibration: Mapping[str, Mapping[str, 
     """The schedule's event simulation at the (calibrated) stage prices, and its parts."""
     prices = calibrated_pipeline_prices(cost, calibration)
     sim = simulate_pipeline(plan, prices, cost.cluster)
-    return pipeline_parts(plan, prices, cost.cluster, common_fields(plan, sim, cost.cluster, calibration))
+    return pipeline_parts(plan, prices, cost.cluster, common_fields(plan, sim, cost.cluster, calibration,
+                                                                              cost.step_overhead_s()))

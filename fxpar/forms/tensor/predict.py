@@ -20,4 +20,5 @@ def predict(plan: Plan, cost: CostModel, calibration: Mapping[str, Mapping[str, 
     pipeline = as_pipeline(plan, prices)
     sim = replace(simulate_pipeline(pipeline, prices, cost.cluster),
                   peak_memory_bytes=simulate(plan, cost).peak_memory_bytes)
-    return pipeline_parts(pipeline, prices, cost.cluster, common_fields(plan, sim, cost.cluster, calibration))
+    return pipeline_parts(pipeline, prices, cost.cluster, common_fields(plan, sim, cost.cluster, calibration,
+                                                                                  cost.step_overhead_s()))
