@@ -232,7 +232,8 @@ def _s_step(p: EPProblem, counts, k: int) -> list[int] | None:
 
 
 def _relaxation(p: EPProblem, k: int) -> tuple[float, str, str]:
-    """LP bound for ``k`` micro-batches: s, x continuous, all-to-all volume dropped."""
+    """LP bound for ``k`` micro-batches: s, x continuous, all-to-all volume dropped (the fixed
+    terms, the step loop's included, as :func:`fxpar.sim.expert_sim.evaluate` adds them)."""
     cp, backend = _backend()
     B, E, sc = p.global_batch, p.num_experts, _scale(p)
     n = np.array([len(g.ranks) for g in p.groups], dtype=float)
@@ -245,7 +246,7 @@ def _relaxation(p: EPProblem, k: int) -> tuple[float, str, str]:
         n @ s == B, n @ x == E, T[0] >= k * f + cp.multiply(c, s), T[1] >= cp.multiply(e, x),
         T[2] >= o * p.replicated_params + cp.multiply(o * p.expert_params, x)])
     prob.solve(solver=backend)
-    value = float(prob.value) * sc + k * p.a2a_fixed_s + p.allreduce_s
+    value = float(prob.value) * sc + k * p.a2a_fixed_s + p.allreduce_s + p.step_overhead_s
     return value, prob.status, backend
 
 

@@ -328,6 +328,12 @@ def test_the_step_loops_calibrated_cost_is_priced_once_per_step_in_every_form(sm
     for plan in (plans["data_parallel"], plans["sharded_data_parallel"], plans["pipeline"]):
         cost = CostModel(graph, cluster, optimizer="adamw", profiles=looped)
         assert plan.predicted_step_s == pytest.approx(simulate(plan, cost).step_s, rel=1e-12), plan.strategy
+    # the expert solver's bound moves with its step: its reported gap compares like with like
+    moe_work = Workload(global_batch=8, seq_len=16, optimizer="adamw")
+    ep = [solve_plan(moe_graph, cluster, moe_work, profiles=prof, strategies=("expert_parallel",)).solver
+          for prof in (plain, looped)]
+    assert ep[1].integer_s - ep[0].integer_s == pytest.approx(7e-3, rel=1e-6)
+    assert ep[1].objective_s - ep[0].objective_s == pytest.approx(7e-3, rel=1e-6)
 
 
 def test_a_link_measured_on_other_ranks_prices_nothing(small):
