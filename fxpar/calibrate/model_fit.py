@@ -9,9 +9,11 @@ warm-up), which gives the affine cost the pricing assumes (:mod:`fxpar.profiling
 
     t(b) = a + c·b,   c = (t(b₂) − t(b₁)) / (b₂ − b₁),   a = max(t(b₁) − c·b₁, 0)
 
-Priced with the calibration it is ``A + C·b``; the per-op seconds scale by ``a / A`` and the
-rates (matrix products and memory) divide by ``c / C``, each factor bounded to ``[1/10, 10]``,
-so the corrected calibration prices that model's ``t(b)`` exactly.  The optimizer step is timed
+Priced with the calibration it is ``A + C·b``, ``A = A_op + A_w`` (per-op seconds and the
+weight traffic, which the rates price: :mod:`fxpar.profiling.roofline`); the rates (matrix
+products and memory) divide by ``k_c = c / C``, which scales ``C`` and ``A_w`` by ``k_c``, and the
+per-op seconds scale by ``k_a = (a − k_c·A_w) / A_op``, each factor bounded to ``[1/10, 10]``, so
+the corrected calibration prices that model's ``t(b)`` exactly.  The optimizer step is timed
 on the model's own parameters as training runs it: right after each backward at ``b₂`` (its
 gradients fresh, the caches holding what the backward left, not the optimizer's own state: timed
 back to back, AdamW's step measured about a quarter faster on a small Llama here than in a
@@ -205,8 +207,9 @@ def corrected(db: ProfileDB, graph: ModelGraph, timing: ModelTiming, *, dtype: s
     if priced.total_s <= 0:
         return db
     matmul, bandwidth, overhead = cost.rates(cluster.device(0))
-    k_fixed = float(np.clip(timing.fixed_s / max(priced.fixed_s, 1e-12), 1 / MAX_FACTOR, MAX_FACTOR))
     k_rate = float(np.clip(timing.per_sample_s / priced.total_s, 1 / MAX_FACTOR, MAX_FACTOR))
+    per_op = timing.fixed_s - k_rate * priced.weights_s
+    k_fixed = float(np.clip(per_op / max(priced.fixed_s - priced.weights_s, 1e-12), 1 / MAX_FACTOR, MAX_FACTOR))
     out = replace(db, op_overhead_s=overhead * k_fixed,
                   matmul_flops={k: v / k_rate for k, v in {**db.matmul_flops, cost.compute_dtype: matmul}.items()},
                   memory_bytes_per_s=bandwidth / k_rate)

@@ -11,11 +11,22 @@ For node ``n`` on device type ``d`` at precision ``p`` with relative speed ``s``
 fraction of peak than GEMMs — reference, "one speed ratio per op class"); pointwise nodes have
 no FLOPs and are bound by memory.  The backward of a pointwise node reads the forward's inputs
 and the incoming gradient and writes the input gradient, about twice the forward's traffic.
+These are a node's seconds at the traced batch ``b`` (its FLOPs and bytes as traced).
 
-Every non-view node also pays ``OP_OVERHEAD_S`` per launch (eager dispatch + kernel launch, an
-estimate (U)), so the cost of a micro-batch of ``B`` samples is affine:
+A micro-batch of ``B`` samples is priced affine, ``a_n + c_n · B``,
+exact at ``B = b``: the bytes of the parameters a node reads (``Q(n)``: its weights, read once
+per micro-batch whatever ``B`` is) do not grow with the batch, the rest does, so
 
-    t(B) = A + C · B,   A = Σ_n overhead (+ measured a_n),   C = Σ_n t_n per sample
+    c_fwd(n) = max( F_fwd(n) / (η_c P_p),  (R(n) + W(n) − Q(n)) / (η_mem BW) ) / b
+    a_fwd(n) = overhead + max(0, t_fwd(n, d) − b · c_fwd(n))        (backward alike, 2× the bytes)
+
+A node compute-bound at ``b`` is unchanged (``a`` the overhead, ``c = t / b``); a memory-bound
+one whose traffic is mostly weights (an embedding table, a large head at one sample) pays them
+once per micro-batch, not once per sample.  Every non-view node pays ``OP_OVERHEAD_S`` per
+launch (eager dispatch + kernel launch, an estimate (U)), so the cost of a micro-batch of ``B``
+samples is affine:
+
+    t(B) = A + C · B,   A = Σ_n a_n,   C = Σ_n c_n
 
 Measured profiles (:mod:`fxpar.profiling.database`) replace the roofline node by node wherever
 the graph's batch-normalised key is in the device type's database.
@@ -47,6 +58,7 @@ class SampleCost:
     fwd_fixed_s: float = 0.0     # per micro-batch
     bwd_fixed_s: float = 0.0
     measured_fraction: float = 0.0   # share of nodes whose cost came from a measured profile
+    weights_s: float = 0.0       # of the fixed seconds, the roofline's weight traffic (module docstring)
 
     @property
     def total_s(self) -> float:
@@ -71,6 +83,7 @@ class NodeCosts:
     bwd_a: np.ndarray
     bwd_c: np.ndarray
     measured: np.ndarray      # bool: cost came from a measured profile
+    weights: np.ndarray       # of ``fwd_a + bwd_a``, the seconds of weight traffic (module docstring)
 
 
 def optimizer_key(optimizer: str, dtype: str) -> str:
@@ -106,6 +119,11 @@ class CostModel:
         self._fwd = np.array([n.fwd_flops for n in nodes], dtype=np.float64) / b
         self._bwd = np.array([n.bwd_flops for n in nodes], dtype=np.float64) / b
         self._bytes = np.array([n.bytes_read + n.bytes_written for n in nodes], np.float64) / b
+        param_bytes = {p.fqn: p.nbytes for p in graph.params}
+        weights = np.array([min(n.bytes_read, sum(param_bytes.get(f, 0) for f in n.param_fqns)) for n in nodes],
+                           dtype=np.float64)
+        self._sample_bytes = self._bytes - weights / b      # the traffic that grows with the batch
+        self._traced = b
         self._is_attn = np.array([n.op_class is OpClass.ATTENTION for n in nodes], dtype=bool)
         self._is_view = np.array([n.op_class is OpClass.VIEW for n in nodes], dtype=bool)
         self._needs_bwd = np.array([n.requires_grad for n in nodes], dtype=bool)
@@ -124,10 +142,16 @@ class CostModel:
         matmul, bw, overhead = self._rates(dtype_obj, db)
         rate = np.where(self._is_attn, matmul * ATTENTION_EFFICIENCY_FACTOR, matmul)
         real = ~self._is_view
-        fwd_c = np.where(real, np.maximum(self._fwd / rate, self._bytes / bw), 0.0)
-        bwd_c = np.where(real & self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._bytes / bw), 0.0)
-        fwd_a = np.where(real, overhead, 0.0)
-        bwd_a = np.where(real & self._needs_bwd, overhead, 0.0)
+        b = self._traced   # the roofline at the traced batch, t / b, and its part that grows with the batch
+        fwd_t = np.maximum(self._fwd / rate, self._bytes / bw)
+        bwd_t = np.maximum(self._bwd / rate, 2 * self._bytes / bw)
+        fwd_c = np.where(real, np.maximum(self._fwd / rate, self._sample_bytes / bw), 0.0)
+        bwd_c = np.where(real & self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._sample_bytes / bw), 0.0)
+        fwd_w = np.where(real, b * np.maximum(fwd_t - fwd_c, 0.0), 0.0)
+        bwd_w = np.where(real & self._needs_bwd, b * np.maximum(bwd_t - bwd_c, 0.0), 0.0)
+        fwd_a = np.where(real, overhead, 0.0) + fwd_w
+        bwd_a = np.where(real & self._needs_bwd, overhead, 0.0) + bwd_w
+        weights = fwd_w + bwd_w
         measured = np.zeros(len(fwd_c), dtype=bool)
         if db is not None and self._keys:
             # measured nodes replace their roofline estimate; views count too (they cost
@@ -137,9 +161,10 @@ class CostModel:
                 if cost is not None:
                     measured[i] = True
                     fwd_a[i], fwd_c[i], bwd_a[i], bwd_c[i] = cost.fwd[0], cost.fwd[1], cost.bwd[0], cost.bwd[1]
+                    weights[i] = 0.0
         sp = device.speed
         result = NodeCosts(fwd_a=fwd_a / sp, fwd_c=fwd_c / sp, bwd_a=bwd_a / sp, bwd_c=bwd_c / sp,
-                           measured=measured)
+                           measured=measured, weights=weights / sp)
         self._node_cache[key] = result
         return result
 
@@ -171,7 +196,8 @@ class CostModel:
             self._cache[key] = SampleCost(
                 fwd_s=float(nc.fwd_c.sum()), bwd_s=float(nc.bwd_c.sum()),
                 fwd_fixed_s=float(nc.fwd_a.sum()), bwd_fixed_s=float(nc.bwd_a.sum()),
-                measured_fraction=float(nc.measured.mean()) if len(nc.measured) else 0.0)
+                measured_fraction=float(nc.measured.mean()) if len(nc.measured) else 0.0,
+                weights_s=float(nc.weights.sum()))
         return self._cache[key]
 
     # ---- memory --------------------------------------------------------------------------

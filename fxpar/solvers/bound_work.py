@@ -7,6 +7,9 @@ The fractional assignment LP (``y_uk``: the fraction of unit ``u``'s work done o
 
 lower-bounds every plan's makespan (reference §3, "refinement for mixed speed ratios"); its dual
 gives, for any ``λ_k ≥ 0`` with ``Σ_k λ_k N_k = 1``, ``T* ≥ Σ_u min_k λ_k·B·c_uk`` (weak duality).
+Every unit also runs at least one micro-batch on some device, paying its fixed seconds ``a_uk``
+there (tensor parallelism splits them over its ranks, whose shares add to at least the whole), so
+``max_d b_d ≥ Σ_d λ_d b_d ≥ Σ_u min_k λ_k·B·c_uk + Σ_u min_k λ_k·a_uk``.
 :func:`compute_weights` finds ``λ`` with the LP and scales it onto the constraint, so the number
 evaluated at it holds whatever the LP solver's tolerance.  Where every unit has the same speed
 ratio between kinds it is ``B / Σ_i (1/t_i)``: the work over the summed device rates.
@@ -21,16 +24,20 @@ from fxpar.sim.segments import segment_of_nodes
 from fxpar.solvers.lp_backend import lp_backend
 
 
-def unit_costs(cost) -> np.ndarray:
-    """``c_uk``: seconds per sample of each unit (rows) on each device kind (columns)."""
+def unit_costs(cost, *, fixed: bool = False) -> np.ndarray:
+    """``c_uk``: seconds per sample of each unit (rows) on each device kind (columns); with
+    ``fixed``, ``a_uk``: its seconds per micro-batch."""
     groups = cost.cluster.groups()
     unit = segment_of_nodes(cost.graph) * 2
     mask = expert_node_mask(cost.graph)
     if mask is not None:
         unit = unit + mask.astype(int)
     size = int(unit.max()) + 1 if len(unit) else 0
-    return np.stack([np.bincount(unit, weights=cost.node_costs(g).fwd_c + cost.node_costs(g).bwd_c, minlength=size)
-                     for g in groups], axis=1)
+
+    def per_node(g) -> np.ndarray:
+        nc = cost.node_costs(g)
+        return nc.fwd_a + nc.bwd_a if fixed else nc.fwd_c + nc.bwd_c
+    return np.stack([np.bincount(unit, weights=per_node(g), minlength=size) for g in groups], axis=1)
 
 
 def compute_weights(cost) -> tuple[np.ndarray, np.ndarray]:
@@ -48,9 +55,17 @@ def compute_weights(cost) -> tuple[np.ndarray, np.ndarray]:
 
 
 def compute_bound_s(cost, batch: int) -> float:
-    """``T_LP = Σ_u min_k λ_k·B·c_uk`` at :func:`compute_weights`' ``λ``."""
-    per_sample, lam = compute_weights(cost)
-    return float(batch * np.min(per_sample * lam, axis=1).sum()) if len(per_sample) else 0.0
+    """``T_LP = Σ_u min_k λ_k·B·c_uk + Σ_u min_k λ_k·a_uk`` at :func:`compute_weights`' ``λ``
+    (module docstring)."""
+    return weighted_work_s(cost, batch, compute_weights(cost)[1])
+
+
+def weighted_work_s(cost, batch: int, lam: np.ndarray) -> float:
+    """``Σ_u min_k λ_k·B·c_uk + Σ_u min_k λ_k·a_uk`` for weights ``λ`` (module docstring)."""
+    per_sample, fixed = unit_costs(cost), unit_costs(cost, fixed=True)
+    if not len(per_sample):
+        return 0.0
+    return float(batch * np.min(per_sample * lam, axis=1).sum() + np.min(fixed * lam, axis=1).sum())
 
 
 def dual_weights(per_sample: np.ndarray, counts: np.ndarray) -> np.ndarray:

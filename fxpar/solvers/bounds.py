@@ -7,13 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 
 from fxpar.forms import NAMES, part
 from fxpar.profiling import CostModel, collectives
 from fxpar.sim.segments import build_segments
 from fxpar.sim.sharded_cost import cpu_optimizer_rate
-from fxpar.solvers.bound_work import compute_weights
+from fxpar.solvers.bound_work import compute_weights, weighted_work_s
 
 
 def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer: bool = False) -> float:
@@ -28,9 +27,12 @@ def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer
     (full links, no latency).  Every plan uses every rank in its precision's default dtype policy.
 
     **Compute** (:mod:`fxpar.solvers.bound_work`): for the work LP's weights ``λ_k`` (``Σ_k λ_k
-    N_k = 1``), ``max_d b_d ≥ Σ_d λ_d b_d ≥ T_LP = Σ_u min_k λ_k·B·c_uk`` whatever the plan (every
-    unit ``u`` of the model runs for all ``B`` samples; tensor parallelism and recomputation only
-    add); a plan whose devices run whole samples has ``max_d b_d ≥ T_DP = B / Σ_i (1/t_i)``.
+    N_k = 1``), ``max_d b_d ≥ Σ_d λ_d b_d ≥ T_LP = Σ_u min_k λ_k·B·c_uk + Σ_u min_k λ_k·a_uk``
+    whatever the plan (every unit ``u`` of the model runs for all ``B`` samples and at least one
+    micro-batch, ``a_uk`` its seconds per micro-batch; tensor parallelism and recomputation only
+    add); a plan whose devices run whole samples has ``max_d b_d ≥ T_DP``, the work over the
+    used devices' summed rates plus their rate-weighted fixed seconds ``A_k`` per micro-batch,
+    least over the kinds used (:func:`whole_samples_s`; ``B / Σ_i (1/t_i)`` where nothing is fixed).
     **Optimizer**: a data-parallel rank steps the whole model (``max_k o_k``); otherwise the
     slowest device at least ``min_k o_k / N`` (a sharded rank may offload, ``host_optimizer``:
     ``o* = min(min_k o_k, Ψ/R)``, ``Ψ`` parameters, ``R`` the host CPU's rate).
@@ -89,13 +91,27 @@ class Work:
 def _work(cost: CostModel, batch: int, host_optimizer: bool) -> Work:
     """:class:`Work` of ``cost`` for ``batch`` samples."""
     cluster = cost.cluster
-    per_sample, lam = compute_weights(cost)
-    rate = sum(len(g.ranks) / cost.sample_cost(g).total_s for g in cluster.groups())
+    _, lam = compute_weights(cost)
+    kinds = [(len(g.ranks), 1.0 / cost.sample_cost(g).total_s, cost.sample_cost(g).fixed_s) for g in cluster.groups()]
     opt = [cost.optimizer_s(cluster.device(g.ranks[0])) for g in cluster.groups()]
     host = [cost.param_count / cpu_optimizer_rate(cost.optimizer, cost.dtype)] if host_optimizer else []
-    spread = float(batch * np.min(per_sample * lam, axis=1).sum()) if len(per_sample) else 0.0
-    return Work(spread_s=spread, whole_s=batch / rate, least_weight=float(lam.min()), optimizer_s=tuple(opt),
-                fastest_opt_s=min(opt + host), world=cluster.world_size)
+    return Work(spread_s=weighted_work_s(cost, batch, lam), whole_s=whole_samples_s(batch, kinds),
+                least_weight=float(lam.min()), optimizer_s=tuple(opt), fastest_opt_s=min(opt + host),
+                world=cluster.world_size)
+
+
+def whole_samples_s(batch: int, kinds: list[tuple[int, float, float]]) -> float:
+    """``T_DP`` of :func:`lower_bound_s`: ``min_U (B + Σ_{k∈U} N_k r_k A_k) / Σ_{k∈U} N_k r_k`` over
+    the device kinds ``U`` a plan uses (``kinds``: ``(N_k, r_k = 1/t_k, A_k)``).  The busiest used
+    device's busy seconds are at least their mean weighted by rate, ``B / Σ_U N_k r_k`` of samples
+    plus the weighted mean of the ``A_k``; a device of kind ``k`` lowers that exactly when ``A_k``
+    is below it, so the least is over the kinds taken in order of ``A_k``."""
+    best, num, den = math.inf, float(batch), 0.0
+    for count, rate, fixed in sorted(kinds, key=lambda k: k[2]):
+        num += count * rate * fixed
+        den += count * rate
+        best = min(best, num / den)
+    return best
 
 
 def family_bounds_s(cost, batch: int, families: tuple[str, ...], host_optimizer: bool = False) -> dict[str, float]:

@@ -26,7 +26,9 @@ import fxpar
 from fxpar.errors import ConfigError, InfeasibleError
 from fxpar.models import PRESETS
 from fxpar.planning import trace_spec
+from fxpar.profiling import CostModel
 from fxpar.solvers import plan as solve
+from fxpar.solvers.bounds import bucket_allreduces_s
 from fxpar.solvers.problems import build_problems
 from fxpar.tracing import trace
 from fxpar.workload import Workload
@@ -106,15 +108,17 @@ def graph_of(model: tuple):
 
 
 PLANS: dict = {}
-#: instances the former bound (the whole all-reduce added) failed, down to 0.86 x: the simulator
+#: instances the former bound (the whole all-reduce added) fails, at 0.94 and 0.95 x: the simulator
 #: overlaps the all-reduce with the backward in 25 MiB buckets
 FORMER_FAILURES = [
-    # (CPU ranks no longer overlap the all-reduce with compute, so the emulated instance that stood
-    # here first prices the whole all-reduce exposed: two GPUs that overlap it instead)
-    (("stack", (4096, 4096, 4096, 4096), False), ("catalog", 400.0, (("RTX-4090", 1, 16), ("RTX-3090", 1, 16))),
-     Workload(global_batch=64), THREE),
-    (("stack", (512, 2048, 4096, 4096, 4096), False), ("catalog", 1.25, (("RTX-4090", 2, 16),)),
-     Workload(global_batch=41, max_microbatches=2), THREE),
+    # (CPU ranks do not overlap the all-reduce with compute, so these are GPUs that do; since a
+    # product's weights are priced once per micro-batch, not once per sample, a backward long
+    # enough to hide the all-reduce takes about a thousand samples)
+    (("stack", (4096, 4096, 4096, 4096), False),
+     ("catalog", 400.0, (("A100-SXM-80GB", 1, 300), ("V100-SXM2-16GB", 1, 300))), Workload(global_batch=1024), THREE),
+    (("stack", (512, 2048, 4096, 4096, 4096), False),
+     ("catalog", 400.0, (("A100-SXM-80GB", 1, 300), ("V100-SXM2-16GB", 1, 300))),
+     Workload(global_batch=1024, max_microbatches=2), THREE),
 ]
 
 
@@ -203,9 +207,15 @@ def test_lower_bound_of_a_linear_stack_with_overlapped_all_reduce():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096), nn.Linear(4096, 4096))
     graph = trace(model, (torch.randn(1, 4096, device="meta"),), model_name="three-linear")
-    plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=16))
+    # (the weights read once per micro-batch, compute is a third of the step: the gap left is the
+    # all-reduce priced above its physical bound, and at most one sample of the slower rank)
+    cluster = fxpar.Cluster.emulated([1.0, 0.5])
+    plan = solve(graph, cluster, Workload(global_batch=16))
+    cost = CostModel(graph, cluster)
     assert plan.lower_bound_s <= plan.predicted_step_s
-    assert plan.predicted_step_s / plan.lower_bound_s < 1.1
+    slack = cost.allreduce_s(cost.gradient_wire_bytes()) - sum(bucket_allreduces_s(cost))
+    one_sample = max(cost.sample_cost(g).total_s for g in cluster.groups())
+    assert plan.predicted_step_s - plan.lower_bound_s <= slack + one_sample
 
 
 @pytest.mark.parametrize("instance", FORMER_FAILURES)

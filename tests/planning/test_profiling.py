@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
@@ -14,6 +16,7 @@ from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel, collectives
 from fxpar.profiling.database import LinkCost, OpCost, ProfileDB, load_profiles
 from fxpar.profiling.roofline import OP_OVERHEAD_S, optimizer_key
+from fxpar.tracing import trace
 from fxpar.tracing.hf import ModelSpec
 from fxpar.workload import Workload
 from tests.workers import TINY_CONFIGS
@@ -46,6 +49,26 @@ def _cluster() -> Cluster:
         {"gpu": "A100-SXM-80GB", "count": 2}, {"gpu": "V100-SXM2-32GB", "count": 2}]})
 
 
+def test_weights_are_read_once_per_micro_batch():
+    """A 1024-wide Linear traced at one sample reads its 4 MiB of weights whatever the batch: on an
+    A100 that traffic dominates one sample, so 64 samples cost far less than 64 times one; the
+    roofline at the traced batch is kept exactly, and the weight seconds are 3 passes (read
+    forward; read and write their gradient backward) over the weights, at most."""
+    with torch.device("meta"):
+        model = nn.Linear(1024, 1024)
+    graph = trace(model, (torch.randn(1, 1024, device="meta"),), model_name="one-linear")
+    cluster = Cluster.from_dict({"nodes": [{"gpu": "A100-SXM-80GB", "count": 1}]})
+    cost = CostModel(graph, cluster)
+    sample = cost.sample_cost(cluster.device(0))
+    _, bandwidth, overhead = cost.rates(cluster.device(0))
+    weights = 4 * (1024 * 1024 + 1024)
+    assert 0.9 * 3 * weights / bandwidth <= sample.weights_s <= 3 * weights / bandwidth
+    assert sample.microbatch_s(64) < 2 * sample.microbatch_s(1)
+    (node,) = graph.nodes   # the roofline of the one product at the traced sample, unchanged
+    traced = max(node.fwd_flops / cost.rates(cluster.device(0))[0], (node.bytes_read + node.bytes_written) / bandwidth)
+    assert sample.fwd_fixed_s + sample.fwd_s == pytest.approx(overhead + traced, rel=1e-12)
+
+
 def test_keys_are_batch_normalised(graph):
     assert len(graph.op_keys) == len(graph.nodes)
     linear = [k for k, n in zip(graph.op_keys, graph.nodes) if n.target == "aten.linear.default"]
@@ -63,8 +86,9 @@ def test_fixture_profile_is_used_where_present(graph, fixture_dir):
     n = len(graph.nodes)
     assert measured.fwd_s == pytest.approx(2e-6 * n) and measured.bwd_s == pytest.approx(4e-6 * n)
     assert measured.fwd_fixed_s == pytest.approx(1e-5 * n)
-    assert roofline.fwd_fixed_s == pytest.approx(OP_OVERHEAD_S * sum(
-        1 for nd in graph.nodes if nd.op_class.value != "view"))
+    launches = sum((nd.op_class.value != "view") * (1 + nd.requires_grad) for nd in graph.nodes)
+    assert roofline.fixed_s - roofline.weights_s == pytest.approx(OP_OVERHEAD_S * launches)
+    assert measured.weights_s == 0.0 and roofline.weights_s > 0
     # the measured all-reduce link is used only when every device is of the profiled type
     only_a100 = Cluster.from_dict({"nodes": [{"gpu": "A100-SXM-80GB", "count": 4}]})
     c2 = CostModel(graph, only_a100, profiles=profiles)
