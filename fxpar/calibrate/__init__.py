@@ -1,13 +1,15 @@
 """``fxpar calibrate``: measure, on the machine that trains, what the cost model otherwise takes
 from the catalog — and cache it, so plans are priced by this machine's figures.
 
-What is measured (every figure a median or least-squares fit of repeated timings after a
-warm-up; :func:`measure_device` on every rank, the collectives on the group):
+What is measured (every figure a median, a trimmed mean where a synchronising call has a fast
+and a slow mode, or a least-squares fit, of repeated timings after a warm-up; :func:`measure_device` on every rank, the collectives on the group):
 
 - **compute per op class**: achieved FLOP/s of matrix products in fp32 and the low precisions
   the device runs (the harmonic mean over three shapes typical of a transformer block, products
   of ``M = 1024`` rows by ``K = N ∈ {256, 512, 1024}``), memory bandwidth of a pointwise op
-  (``c = a + b`` on 8 Mi fp32 elements: 12 bytes per element), and the fixed seconds of one
+  (``c = a + b`` on 8 Mi fp32 elements: 12 bytes per element), the elements per second of a
+  language model's loss (the cross entropy of 256 x 32768 logits, forward and backward: a CPU
+  computes their exponentials slower than it moves their bytes), and the fixed seconds of one
   launched op with autograd (a chain of tiny ops, forward and backward, per op); then a whole
   reference model (a 2-block Llama, hidden 256, none of the benchmarks') timed forward +
   backward at 2 and 8 samples corrects them: the per-op seconds by its fixed part over the
@@ -184,6 +186,8 @@ def describe(db: ProfileDB) -> str:
     lines.append("matrix products: " + ", ".join(f"{k} {v / 1e9:.2f} GFLOP/s" for k, v in db.matmul_flops.items()))
     if db.memory_bytes_per_s:
         lines.append(f"memory: {db.memory_bytes_per_s / 1e9:.2f} GB/s")
+    if db.softmax_elements_per_s:
+        lines.append(f"softmax: {db.softmax_elements_per_s / 1e9:.2f} G elements/s per pass")
     if db.op_overhead_s is not None:
         lines.append(f"per launched op: {db.op_overhead_s * 1e6:.1f} us")
     adam = db.ops.get(optimizer_key("adamw", "fp32"))

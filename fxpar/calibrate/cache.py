@@ -1,5 +1,5 @@
 """Where calibrations are cached: one JSON per machine (CPU model or GPU name), torch version,
-thread count, backend and world size (:mod:`fxpar.calibrate`)."""
+thread count, backend, world size and what this fxpar measures (:mod:`fxpar.calibrate`)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,15 @@ def machine_name(device: torch.device) -> str:
     return name
 
 
+#: what a calibration measures; a cached one of another version is measured again
+CALIBRATION_VERSION = 2   # 2: the softmax elements rate
+
+
 def cache_key(device: torch.device, backend: str, world: int) -> str:
-    """Machine, torch version, threads, backend, world size (module docstring)."""
+    """Machine, torch version, threads, backend, world size and :data:`CALIBRATION_VERSION`
+    (module docstring)."""
     return (f"{machine_name(device)} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-            f"{backend} x{world}")
+            f"{backend} x{world} | v{CALIBRATION_VERSION}")
 
 
 def cache_path(key: str) -> Path:

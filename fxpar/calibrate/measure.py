@@ -31,6 +31,8 @@ LINK_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 MATMUL_SHAPES = ((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024))
 POINTWISE_ELEMENTS = 1 << 23
 CHAIN_OPS = 200
+#: tokens x vocabulary of the timed loss (:func:`softmax_elements_rate`; 32 MiB of fp32 logits)
+SOFTMAX_SHAPE = (256, 32768)
 OPTIMIZER_PARAMS = (1 << 20, 1 << 22)
 Progress = Callable[[str], None]
 
@@ -55,6 +57,19 @@ def memory_rate(device: torch.device) -> float:
     a, b = (torch.randn(POINTWISE_ELEMENTS, device=device) for _ in range(2))
     c = torch.empty_like(a)
     return 12.0 * POINTWISE_ELEMENTS / timed(lambda: torch.add(a, b, out=c), device)
+
+
+def softmax_elements_rate(device: torch.device) -> float:
+    """Elements/s of a language model's loss, per pass: the cross entropy of ``SOFTMAX_SHAPE``
+    logits (rows x a vocabulary, larger than a CPU's caches), the mean of its forward and its
+    backward.  The loss is where a model's exponentials are (a large vocabulary's ``log_softmax``
+    and its gradient); the rate prices every softmax-like node (:mod:`fxpar.profiling.roofline`)."""
+    logits = torch.randn(*SOFTMAX_SHAPE, device=device, requires_grad=True)
+    labels = torch.randint(0, SOFTMAX_SHAPE[1], SOFTMAX_SHAPE[:1], device=device)
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    forward = timed(lambda: torch.nn.functional.cross_entropy(logits, labels), device)
+    backward = timed(lambda: torch.autograd.grad(loss, logits, retain_graph=True), device)
+    return logits.numel() / ((forward + backward) / 2)
 
 
 def op_overhead(device: torch.device) -> float:
@@ -106,11 +121,13 @@ def measure_device(device: torch.device, progress: Progress = _quiet) -> dict[st
     progress("matrix products: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
     memory = memory_rate(device)
     overhead = op_overhead(device)
-    progress(f"memory {memory / 1e9:.1f} GB/s; {overhead * 1e6:.1f} us per launched op")
+    softmax = softmax_elements_rate(device)
+    progress(f"memory {memory / 1e9:.1f} GB/s; softmax {softmax / 1e9:.2f} G elements/s; "
+             f"{overhead * 1e6:.1f} us per launched op")
     ops = optimizer_costs(device)
     adam = ops[optimizer_key("adamw", "fp32")]
     progress(f"AdamW step {adam.fwd[1] * 1e9:.2f} ns per parameter + {adam.fwd[0] * 1e3:.2f} ms")
-    return {"matmul": rates, "memory": memory, "overhead": overhead, "ops": ops}
+    return {"matmul": rates, "memory": memory, "softmax": softmax, "overhead": overhead, "ops": ops}
 
 
 def overlap_fraction(device: torch.device, group: Any = None, rounds: int = 5) -> float:
@@ -186,6 +203,7 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
     db = ProfileDB(device_type=_type_or_blank(device), device_name=machine_name(device),
                    torch_version=torch.__version__, ops=figures["ops"], links=links,
                    matmul_flops=figures["matmul"], memory_bytes_per_s=figures["memory"],
+                   softmax_elements_per_s=figures["softmax"],
                    op_overhead_s=figures["overhead"], overlap=overlap)
     before = db
     db = reference_correction(db, device)

@@ -11,9 +11,9 @@ warm-up), which gives the affine cost the pricing assumes (:mod:`fxpar.profiling
 
 Priced with the calibration it is ``A + C·b``, ``A = A_op + A_w`` (per-op seconds and the
 weight traffic, which the rates price: :mod:`fxpar.profiling.roofline`); the rates (matrix
-products and memory) divide by ``k_c = c / C``, which scales ``C`` and ``A_w`` by ``k_c``, and the
-per-op seconds scale by ``k_a = (a − k_c·A_w) / A_op``, each factor bounded to ``[1/10, 10]``, so
-the corrected calibration prices that model's ``t(b)`` exactly.  The optimizer step is timed
+products, memory, softmax elements) divide by ``k_c = c / C``, which scales ``C`` and ``A_w`` by
+``k_c``, and the per-op seconds scale by ``k_a = (a − k_c·A_w) / A_op``, each factor bounded to
+``[1/10, 10]``, so the corrected calibration prices that model's ``t(b)`` exactly.  The optimizer step is timed
 on the model's own parameters as training runs it: right after each backward at ``b₂`` (its
 gradients fresh, the caches holding what the backward left, not the optimizer's own state: timed
 back to back, AdamW's step measured about a quarter faster on a small Llama here than in a
@@ -210,9 +210,11 @@ def corrected(db: ProfileDB, graph: ModelGraph, timing: ModelTiming, *, dtype: s
     k_rate = float(np.clip(timing.per_sample_s / priced.total_s, 1 / MAX_FACTOR, MAX_FACTOR))
     per_op = timing.fixed_s - k_rate * priced.weights_s
     k_fixed = float(np.clip(per_op / max(priced.fixed_s - priced.weights_s, 1e-12), 1 / MAX_FACTOR, MAX_FACTOR))
+    softmax = cost.softmax_rate(cluster.device(0))
     out = replace(db, op_overhead_s=overhead * k_fixed,
                   matmul_flops={k: v / k_rate for k, v in {**db.matmul_flops, cost.compute_dtype: matmul}.items()},
-                  memory_bytes_per_s=bandwidth / k_rate)
+                  memory_bytes_per_s=bandwidth / k_rate,
+                  softmax_elements_per_s=None if softmax is None else softmax / k_rate)
     return _optimizer_corrected(out, cost.param_count, timing)
 
 

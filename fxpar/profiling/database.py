@@ -16,13 +16,14 @@ File layout: ``DIR/<device type>.json``::
      "ops": {KEY: {"fwd": [a, c], "bwd": [a, c], "count": n}},
      "links": {"all_reduce": {"alpha_s": ..., "bus_bytes_per_s": ..., "world": 2}, ...},
      "rates": {"matmul_flops": {"fp32": ..., "bf16": ...}, "memory_bytes_per_s": ...,
-               "op_overhead_s": ..., "overlap": false, "sharded_call_s": ..., "pipeline_op_s": ...,
+               "softmax_elements_per_s": ..., "op_overhead_s": ..., "overlap": false, "sharded_call_s": ..., "pipeline_op_s": ...,
                "expert_call_s": ..., "tensor_call_s": ..., "step_overhead_s": ...},
      "calibration": "what measured it, where, how long"}
 
 ``rates`` (optional; written by ``fxpar calibrate``, :mod:`fxpar.calibrate`) replace the
 catalog's figures for the nodes no op entry covers: achieved FLOP/s of matrix products per
-precision (attention at the catalog's fraction of it), achieved memory bandwidth, seconds per
+precision (attention at the catalog's fraction of it), achieved memory bandwidth, elements per
+second of a softmax over rows (exponentials: on a CPU slower than its memory traffic), seconds per
 launched op, whether communication overlaps compute on the device, and fxpar's own runtime
 costs per sharded collective call, pipeline schedule op, expert-parallel call,
 tensor-parallel all-reduce and training step.
@@ -95,6 +96,8 @@ class ProfileDB:
     matmul_flops: Mapping[str, float] = field(default_factory=dict)
     #: achieved memory bytes/s of pointwise work (None: the catalog's)
     memory_bytes_per_s: float | None = None
+    #: achieved elements/s of a (log-)softmax over rows, per pass (None: bound by memory alone)
+    softmax_elements_per_s: float | None = None
     #: seconds per launched op, forward or backward (None: the roofline's estimate)
     op_overhead_s: float | None = None
     #: whether communication runs beside compute on this device (None: by vendor)
@@ -119,6 +122,7 @@ class ProfileDB:
     def rates(self) -> dict:
         """The calibrated rates as the file stores them (module docstring; {} when none)."""
         out = {"matmul_flops": dict(sorted(self.matmul_flops.items())), "memory_bytes_per_s": self.memory_bytes_per_s,
+               "softmax_elements_per_s": self.softmax_elements_per_s,
                "op_overhead_s": self.op_overhead_s, "overlap": self.overlap, "sharded_call_s": self.sharded_call_s,
                "pipeline_op_s": self.pipeline_op_s, "expert_call_s": self.expert_call_s,
                "tensor_call_s": self.tensor_call_s, "step_overhead_s": self.step_overhead_s}
@@ -155,6 +159,8 @@ class ProfileDB:
                        matmul_flops={str(k): _positive(v, f"rates.matmul_flops.{k}")
                                      for k, v in rates.get("matmul_flops", {}).items()},
                        memory_bytes_per_s=_positive_or_none(rates.get("memory_bytes_per_s"), "rates.memory_bytes_per_s"),
+                       softmax_elements_per_s=_positive_or_none(rates.get("softmax_elements_per_s"),
+                                                                "rates.softmax_elements_per_s"),
                        op_overhead_s=_positive_or_none(rates.get("op_overhead_s"), "rates.op_overhead_s", zero=True),
                        overlap=overlap, calibration=str(d.get("calibration", "")),
                        sharded_call_s=_positive_or_none(rates.get("sharded_call_s"), "rates.sharded_call_s", zero=True),
@@ -176,6 +182,7 @@ class ProfileDB:
                          ops={**self.ops, **other.ops}, links={**self.links, **other.links},
                          matmul_flops={**self.matmul_flops, **other.matmul_flops},
                          memory_bytes_per_s=_first(other.memory_bytes_per_s, self.memory_bytes_per_s),
+                         softmax_elements_per_s=_first(other.softmax_elements_per_s, self.softmax_elements_per_s),
                          op_overhead_s=_first(other.op_overhead_s, self.op_overhead_s),
                          overlap=_first(other.overlap, self.overlap),
                          sharded_call_s=_first(other.sharded_call_s, self.sharded_call_s),

@@ -11,7 +11,11 @@ For node ``n`` on device type ``d`` at precision ``p`` with relative speed ``s``
 fraction of peak than GEMMs — reference, "one speed ratio per op class"); pointwise nodes have
 no FLOPs and are bound by memory.  The backward of a pointwise node reads the forward's inputs
 and the incoming gradient and writes the input gradient, about twice the forward's traffic.
-These are a node's seconds at the traced batch ``b`` (its FLOPs and bytes as traced).
+A (log-)softmax or a loss over logits (``SOFTMAX_ROWS``) takes an exponential of every element
+``E(n)`` of its input; where a calibration measured that rate, ``σ`` elements/s
+(``softmax_elements_per_s``: on a CPU exponentials outlast the memory traffic), each pass costs at
+least ``E(n) / σ``, forward and backward alike.  These are a node's seconds at the traced batch
+``b`` (its FLOPs, bytes and elements as traced).
 
 A micro-batch of ``B`` samples is priced affine, ``a_n + c_n · B``,
 exact at ``B = b``: the bytes of the parameters a node reads (``Q(n)``: its weights, read once
@@ -44,6 +48,7 @@ from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.network import Network, network_of, scaled_link, scaled_shape
 from fxpar.tracing.graph import ModelGraph, OpClass
+from fxpar.tracing.op_costs import SOFTMAX_ROWS
 
 ATTENTION_EFFICIENCY_FACTOR = 0.75
 OP_OVERHEAD_S = 5e-6
@@ -92,6 +97,12 @@ def optimizer_key(optimizer: str, dtype: str) -> str:
     return f"optimizer|{family}|{dtype}"
 
 
+def _op(target: str) -> str:
+    """``aten.cross_entropy_loss.default`` -> ``cross_entropy_loss`` (a traced node's target)."""
+    parts = target.split(".")
+    return parts[-2] if len(parts) >= 3 else parts[-1]
+
+
 def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}.get(dtype, 4)
 
@@ -124,6 +135,8 @@ class CostModel:
                            dtype=np.float64)
         self._sample_bytes = self._bytes - weights / b      # the traffic that grows with the batch
         self._traced = b
+        self._elements = np.array([float(np.prod(n.in_shapes[0])) if n.in_shapes and _op(n.target) in SOFTMAX_ROWS
+                                   else 0.0 for n in nodes], dtype=np.float64) / b   # per sample
         self._is_attn = np.array([n.op_class is OpClass.ATTENTION for n in nodes], dtype=bool)
         self._is_view = np.array([n.op_class is OpClass.VIEW for n in nodes], dtype=bool)
         self._needs_bwd = np.array([n.requires_grad for n in nodes], dtype=bool)
@@ -140,13 +153,16 @@ class CostModel:
             return self._node_cache[key]
         db = self.profiles.get(dtype_obj.name)
         matmul, bw, overhead = self._rates(dtype_obj, db)
+        softmax = self.softmax_rate(device)
         rate = np.where(self._is_attn, matmul * ATTENTION_EFFICIENCY_FACTOR, matmul)
         real = ~self._is_view
         b = self._traced   # the roofline at the traced batch, t / b, and its part that grows with the batch
-        fwd_t = np.maximum(self._fwd / rate, self._bytes / bw)
-        bwd_t = np.maximum(self._bwd / rate, 2 * self._bytes / bw)
-        fwd_c = np.where(real, np.maximum(self._fwd / rate, self._sample_bytes / bw), 0.0)
-        bwd_c = np.where(real & self._needs_bwd, np.maximum(self._bwd / rate, 2 * self._sample_bytes / bw), 0.0)
+        exp = self._elements / softmax if softmax else np.zeros_like(self._elements)
+        fwd_t = np.maximum.reduce([self._fwd / rate, self._bytes / bw, exp])
+        bwd_t = np.maximum.reduce([self._bwd / rate, 2 * self._bytes / bw, exp])
+        fwd_c = np.where(real, np.maximum.reduce([self._fwd / rate, self._sample_bytes / bw, exp]), 0.0)
+        bwd_c = np.where(real & self._needs_bwd, np.maximum.reduce([self._bwd / rate, 2 * self._sample_bytes / bw, exp]),
+                         0.0)
         fwd_w = np.where(real, b * np.maximum(fwd_t - fwd_c, 0.0), 0.0)
         bwd_w = np.where(real & self._needs_bwd, b * np.maximum(bwd_t - bwd_c, 0.0), 0.0)
         fwd_a = np.where(real, overhead, 0.0) + fwd_w
@@ -167,6 +183,12 @@ class CostModel:
                            measured=measured, weights=weights / sp)
         self._node_cache[key] = result
         return result
+
+    def softmax_rate(self, device) -> float | None:
+        """Elements/s of a softmax pass on ``device``'s type, where its calibration measured it
+        (module docstring), before its speed; None: priced by its memory traffic alone."""
+        db = self.profiles.get(device.type.name)
+        return db.softmax_elements_per_s if db is not None else None
 
     def rates(self, device) -> tuple[float, float, float]:
         """(matrix-product FLOP/s at the job's precision, memory bytes/s, seconds per launched op)

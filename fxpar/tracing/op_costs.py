@@ -41,6 +41,10 @@ _NORM = {"mean", "sum", "var", "var_mean", "layer_norm", "native_layer_norm", "r
          "native_batch_norm", "_native_batch_norm_legit_no_training", "amax", "logsumexp"}
 _LOSS = {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "mse_loss",
          "binary_cross_entropy_with_logits"}
+#: ops that take an exponential (or a logarithm) of every element of their first input, row by
+#: row: priced at a calibrated rate where exponentials outlast their memory traffic (a CPU)
+SOFTMAX_ROWS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "logsumexp", "cross_entropy_loss",
+                          "binary_cross_entropy_with_logits"})
 _VIEW = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "expand_as",
          "slice", "select", "unsqueeze", "squeeze", "alias", "t", "flatten", "unflatten",
          "split", "split_with_sizes", "chunk", "unbind", "narrow", "detach", "view_as",

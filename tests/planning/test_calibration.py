@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,13 +43,14 @@ SMALL = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hid
 
 def fixed_calibration(*, overlap: bool = False, alpha_s: float = 5e-4, bus: float = 1e9) -> ProfileDB:
     """A calibration with stated numbers (not measured): 50 GFLOP/s products in fp32 and bf16,
-    20 GB/s memory, 3 µs per op, AdamW 4 ns per parameter, every collective α + bytes / ``bus``."""
+    20 GB/s memory, 10⁸ softmax elements/s, 3 µs per op, AdamW 4 ns per parameter, every collective
+    α + bytes / ``bus``."""
     links = {kind: LinkCost(alpha_s=alpha_s, bus_bytes_per_s=bus, world=2) for kind in collectives.LINK_KINDS}
     ops = {optimizer_key(o, d): OpCost(fwd=(1e-4, 4e-9), bwd=(0.0, 0.0)) for o in ("adamw", "sgd")
            for d in ("fp32", "bf16", "fp16")}
     return ProfileDB(device_type="cpu", device_name="fixed", torch_version="test", ops=ops, links=links,
                      matmul_flops={"fp32": 5e10, "bf16": 5e10}, memory_bytes_per_s=2e10, op_overhead_s=3e-6,
-                     overlap=overlap, calibration="fixed numbers of tests/planning/test_calibration.py")
+                     softmax_elements_per_s=1e8, overlap=overlap, calibration="fixed numbers of tests/planning/test_calibration.py")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,24 @@ def test_the_calibrated_rates_price_every_node(small):
     else:
         raise AssertionError("no matmul node")
     assert cost.optimizer_s(cluster.device(0)) == pytest.approx(1e-4 + 4e-9 * graph.param_count)
+
+
+def test_a_loss_over_logits_is_priced_by_its_elements_where_calibrated(small):
+    """The cross entropy takes an exponential of every logit: at the calibrated softmax rate each
+    pass costs at least its elements over the rate; without that rate, its bytes over the
+    bandwidth alone (a GPU's catalog pricing is unchanged)."""
+    _, _, graph = small
+    cluster = Cluster.emulated([1.0])
+    cal = fixed_calibration()
+    (i, node), = [(i, n) for i, n in enumerate(graph.nodes) if n.target == "aten.cross_entropy_loss.default"]
+    elements = math.prod(node.in_shapes[0]) / graph.batch_size
+    priced = CostModel(graph, cluster, profiles=with_calibration(None, cal)).node_costs(cluster.device(0))
+    assert priced.fwd_c[i] == pytest.approx(elements / 1e8, rel=1e-12)
+    assert priced.bwd_c[i] == pytest.approx(elements / 1e8, rel=1e-12)
+    plain = dataclasses.replace(cal, softmax_elements_per_s=None)
+    memory = CostModel(graph, cluster, profiles=with_calibration(None, plain)).node_costs(cluster.device(0))
+    assert memory.fwd_c[i] == pytest.approx((node.bytes_read + node.bytes_written) / graph.batch_size / 2e10, rel=1e-12)
+    assert memory.fwd_c[i] < priced.fwd_c[i]
 
 
 def test_cpu_ranks_do_not_overlap_unless_measured_to(small):
@@ -393,6 +413,7 @@ def test_fxpar_calibrate_measures_two_ranks_and_caches(tmp_path):
     db = ProfileDB.from_dict(json.loads(out.read_text()))
     assert db.device_type == "cpu" and set(db.matmul_flops) >= {"fp32", "bf16"}
     assert all(v > 0 for v in db.matmul_flops.values()) and db.memory_bytes_per_s > 0 and db.op_overhead_s > 0
+    assert db.softmax_elements_per_s > 0
     assert set(db.links) == set(collectives.LINK_KINDS) and all(link.world == 2 for link in db.links.values())
     assert isinstance(db.overlap, bool) and "gloo x2" in db.calibration
     assert db.sharded_call_s is not None and db.sharded_call_s >= 0 and db.pipeline_op_s is not None
