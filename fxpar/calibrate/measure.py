@@ -134,7 +134,10 @@ def overlap_fraction(device: torch.device, group: Any = None, rounds: int = 5) -
     """``h`` of the module docstring on the group: how much of an all-reduce in flight hides
     behind compute (1: all of it, 0: none).  ``t_a``, ``t_c`` and ``t_b`` are medians over
     ``rounds`` interleaved rounds, each timing after a barrier, so a slow moment of a shared
-    machine costs one round of all three instead of one of them."""
+    machine costs one round of all three instead of one of them.  Medians, not the trimmed means
+    that price collectives (:func:`fxpar.profiling.measure_comm.expected_seconds`): ``h`` only
+    decides whether communication overlaps (``h ≥ 1/2``), and a median of each arm is that
+    decision's most stable input; no step is priced at these seconds."""
     payload = torch.ones(1 << 20, device=device)   # 4 MiB
     a = torch.randn(512, 512, device=device)
 
