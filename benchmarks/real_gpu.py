@@ -83,11 +83,12 @@ ESTIMATORS = ("SAILOR", "Metis", "Varuna", "FlashFlex")
 #: calibration groups: the kinds that share one fitted efficiency
 GROUPS = {"GH-96": "GH200", "RTX-3090": "mit", "Titan-RTX": "mit", "RTX-2080": "mit"}
 #: groups whose compute_scale is held fixed instead of fitted (none).  The mit runs are dominated
-#: by links (PCIe TP, 1 GbE) and their two time terms are nearly collinear: the free fit drives
-#: mit's compute_scale to its lower bound 0.1 and explains the step by ~45 ms per segment and
-#: micro-batch (a fixed cost, not compute).  Holding it at 1.0 (``{"mit": 1.0}``) fits 25 ms per
-#: segment instead and gives 17.6% / 29.2% mean / worst on the mit runs (LOO 22.9% / 46.2%),
-#: against 6.5% / 15.1% (LOO 8.7% / 20.6%) for the free fit (2026-11-24).
+#: by links (PCIe TP, 1 GbE) and their two time terms are nearly collinear.  While the roofline
+#: priced a product's weights once per sample, the free fit drove mit's compute_scale to its lower
+#: bound 0.1 and explained the step by ~45 ms per segment and micro-batch (2026-11-24: 6.5% / 15.1%
+#: mean / worst on the mit runs, LOO 8.7% / 20.6%; holding it at 1.0 did worse, LOO 22.9% / 46.2%).
+#: With the weights once per micro-batch (2026-11-30) it fits 0.634 and ~19 ms: 8.7% / 20.5%,
+#: LOO 11.2% / 26.8%.
 FIXED_SCALE: dict[str, float] = {}
 #: relative fp32 speed of the kinds (slowest replica of a stage)
 _FP32 = {"GH-96": 67.0, "RTX-3090": 35.6, "Titan-RTX": 16.3, "RTX-2080": 13.45}
