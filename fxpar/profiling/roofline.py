@@ -48,7 +48,7 @@ from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.network import Network, network_of, scaled_link, scaled_shape
 from fxpar.tracing.graph import ModelGraph, OpClass
-from fxpar.tracing.op_costs import SOFTMAX_ROWS
+from fxpar.tracing.op_costs import SOFTMAX_ROWS, stored_op_name
 
 ATTENTION_EFFICIENCY_FACTOR = 0.75
 OP_OVERHEAD_S = 5e-6
@@ -97,12 +97,6 @@ def optimizer_key(optimizer: str, dtype: str) -> str:
     return f"optimizer|{family}|{dtype}"
 
 
-def _op(target: str) -> str:
-    """``aten.cross_entropy_loss.default`` -> ``cross_entropy_loss`` (a traced node's target)."""
-    parts = target.split(".")
-    return parts[-2] if len(parts) >= 3 else parts[-1]
-
-
 def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}.get(dtype, 4)
 
@@ -135,7 +129,7 @@ class CostModel:
                            dtype=np.float64)
         self._sample_bytes = self._bytes - weights / b      # the traffic that grows with the batch
         self._traced = b
-        self._elements = np.array([float(np.prod(n.in_shapes[0])) if n.in_shapes and _op(n.target) in SOFTMAX_ROWS
+        self._elements = np.array([float(np.prod(n.in_shapes[0])) if n.in_shapes and stored_op_name(n.target) in SOFTMAX_ROWS
                                    else 0.0 for n in nodes], dtype=np.float64) / b   # per sample
         self._is_attn = np.array([n.op_class is OpClass.ATTENTION for n in nodes], dtype=bool)
         self._is_view = np.array([n.op_class is OpClass.VIEW for n in nodes], dtype=bool)

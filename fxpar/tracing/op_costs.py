@@ -73,6 +73,13 @@ def op_name(target: Any) -> str:
     return name.split(".")[-1] if "." in name else name
 
 
+def stored_op_name(target: str) -> str:
+    """:func:`op_name` of a target as an :class:`~fxpar.tracing.graph.OpNode` stores it, a string:
+    ``aten.cross_entropy_loss.default`` -> ``cross_entropy_loss`` (the overload dropped)."""
+    parts = target.split(".")
+    return parts[-2] if len(parts) >= 3 else parts[-1]
+
+
 # Token dispatch / combine ops of an MoE layer (sorting tokens by expert, counting, gathering).
 _ROUTING_OPS = {"topk", "sort", "argsort", "histc", "bincount", "cumsum", "index", "index_put",
                 "index_put_", "index_add", "index_add_", "scatter", "scatter_add", "scatter_add_",
