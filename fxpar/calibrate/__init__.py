@@ -5,11 +5,14 @@ What is measured (every figure a median, a trimmed mean where a synchronising ca
 and a slow mode, or a least-squares fit, of repeated timings after a warm-up; :func:`measure_device` on every rank, the collectives on the group):
 
 - **compute per op class**: achieved FLOP/s of matrix products in fp32 and the low precisions
-  the device runs (the harmonic mean over three shapes typical of a transformer block, products
-  of ``M = 1024`` rows by ``K = N ∈ {256, 512, 1024}``), memory bandwidth of a pointwise op
-  (``c = a + b`` on 8 Mi fp32 elements: 12 bytes per element), the elements per second of a
-  language model's loss (the cross entropy of 256 x 32768 logits, forward and backward: a CPU
-  computes their exponentials slower than it moves their bytes), and the fixed seconds of one
+  the device runs (the harmonic mean over three shapes typical of a transformer block, on a CPU
+  products of ``M = 1024`` rows by ``K = N ∈ {256, 512, 1024}``, on a GPU of ``M = 8192`` by
+  ``K = N ∈ {1024, 2048, 4096}``), memory bandwidth of a pointwise op (``c = a + b`` on 8 Mi
+  fp32 elements, 64 Mi on a GPU: 12 bytes per element), the elements per second of a language
+  model's loss (the cross entropy of 256 x 32768 logits, 4096 x 32768 on a GPU, forward and
+  backward: a CPU computes their exponentials slower than it moves their bytes); on a GPU each
+  timing is of 10 launches queued between two synchronisations, so that it times the kernels,
+  not a launch (:class:`fxpar.calibrate.measure.ProblemSizes`); and the fixed seconds of one
   launched op with autograd (a chain of tiny ops, forward and backward, per op); then a whole
   reference model (a 2-block Llama, hidden 256, none of the benchmarks') timed forward +
   backward at 2 and 8 samples corrects them: the per-op seconds by its fixed part over the

@@ -6,7 +6,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -27,14 +27,54 @@ from fxpar.runtime.pool import run_ranks
 
 #: message sizes of the collectives' fit (bytes)
 LINK_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
-#: matrix products timed: M × K times K × N
-MATMUL_SHAPES = ((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024))
-POINTWISE_ELEMENTS = 1 << 23
 CHAIN_OPS = 200
-#: tokens x vocabulary of the timed loss (:func:`softmax_elements_rate`; 32 MiB of fp32 logits)
-SOFTMAX_SHAPE = (256, 32768)
 OPTIMIZER_PARAMS = (1 << 20, 1 << 22)
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ProblemSizes:
+    """What the rates are timed on, per device kind: each problem as large as a training step's
+    own on that device, so that a timing is of the kernel and not of its launch.  A GPU runs a
+    CPU-sized product (2 GFLOP) in microseconds, the same order as a launch and a
+    synchronisation: timed so, the H200 measured 39 TFLOP/s of bf16 products and priced GPT-2's
+    step 4.4x slow.  On a GPU each timing is also of ``calls`` back-to-back launches between two
+    synchronisations (a training step's kernels queue the same way), divided by ``calls``."""
+
+    #: matrix products timed: M × K times K × N
+    matmul: tuple[tuple[int, int, int], ...]
+    #: fp32 elements of each operand of ``c = a + b`` (larger than the device's last cache)
+    pointwise: int
+    #: tokens x vocabulary of the timed loss (:func:`softmax_elements_rate`)
+    softmax: tuple[int, int]
+    calls: int
+
+
+#: a CPU's: products of a transformer block at 1024 rows, 32 MiB operands, 32 MiB of logits
+CPU_SIZES = ProblemSizes(matmul=((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024)),
+                         pointwise=1 << 23, softmax=(256, 32768), calls=1)
+#: a GPU's: products of 8192 tokens (a micro-batch of 8 x 1024) by hidden sizes 1024 to 4096,
+#: 256 MiB operands, 512 MiB of logits (about 1.5 GiB of device memory at most, freed after)
+GPU_SIZES = ProblemSizes(matmul=((8192, 1024, 1024), (8192, 2048, 2048), (8192, 4096, 4096)),
+                         pointwise=1 << 26, softmax=(4096, 32768), calls=10)
+
+
+def problem_sizes(device: torch.device) -> ProblemSizes:
+    return GPU_SIZES if device.type == "cuda" else CPU_SIZES
+
+
+def per_call(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of one call of ``fn``, timed as ``calls`` back-to-back calls
+    (:class:`ProblemSizes`)."""
+    calls = problem_sizes(device).calls
+    if calls == 1:
+        return timed(fn, device, repeats=repeats)
+
+    def queued() -> None:
+        for _ in range(calls):
+            fn()
+
+    return timed(queued, device, repeats=repeats) / calls
 
 
 def _quiet(_: str) -> None:
@@ -44,31 +84,34 @@ def _quiet(_: str) -> None:
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     """Achieved FLOP/s of matrix products (module docstring): the harmonic mean over the shapes."""
     times, flops = 0.0, 0.0
-    for m, k, n in MATMUL_SHAPES:
+    for m, k, n in problem_sizes(device).matmul:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        times += timed(lambda: torch.mm(a, b), device)
+        times += per_call(lambda: torch.mm(a, b), device)
         flops += 2.0 * m * k * n
     return flops / times
 
 
 def memory_rate(device: torch.device) -> float:
     """Bytes/s of ``c = a + b`` on fp32 tensors (two reads, one write per element)."""
-    a, b = (torch.randn(POINTWISE_ELEMENTS, device=device) for _ in range(2))
+    elements = problem_sizes(device).pointwise
+    a, b = (torch.randn(elements, device=device) for _ in range(2))
     c = torch.empty_like(a)
-    return 12.0 * POINTWISE_ELEMENTS / timed(lambda: torch.add(a, b, out=c), device)
+    return 12.0 * elements / per_call(lambda: torch.add(a, b, out=c), device)
 
 
 def softmax_elements_rate(device: torch.device) -> float:
-    """Elements/s of a language model's loss, per pass: the cross entropy of ``SOFTMAX_SHAPE``
-    logits (rows x a vocabulary, larger than a CPU's caches), the mean of its forward and its
-    backward.  The loss is where a model's exponentials are (a large vocabulary's ``log_softmax``
-    and its gradient); the rate prices every softmax-like node (:mod:`fxpar.profiling.roofline`)."""
-    logits = torch.randn(*SOFTMAX_SHAPE, device=device, requires_grad=True)
-    labels = torch.randint(0, SOFTMAX_SHAPE[1], SOFTMAX_SHAPE[:1], device=device)
+    """Elements/s of a language model's loss, per pass: the cross entropy of
+    :class:`ProblemSizes`' ``softmax`` logits (rows x a vocabulary, larger than the device's
+    caches), the mean of its forward and its backward.  The loss is where a model's exponentials
+    are (a large vocabulary's ``log_softmax`` and its gradient); the rate prices every
+    softmax-like node (:mod:`fxpar.profiling.roofline`)."""
+    rows, vocabulary = problem_sizes(device).softmax
+    logits = torch.randn(rows, vocabulary, device=device, requires_grad=True)
+    labels = torch.randint(0, vocabulary, (rows,), device=device)
     loss = torch.nn.functional.cross_entropy(logits, labels)
-    forward = timed(lambda: torch.nn.functional.cross_entropy(logits, labels), device)
-    backward = timed(lambda: torch.autograd.grad(loss, logits, retain_graph=True), device)
+    forward = per_call(lambda: torch.nn.functional.cross_entropy(logits, labels), device)
+    backward = per_call(lambda: torch.autograd.grad(loss, logits, retain_graph=True), device)
     return logits.numel() / ((forward + backward) / 2)
 
 

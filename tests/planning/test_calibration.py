@@ -60,6 +60,29 @@ def small():
     return model, batch, trace(model, {k: v[:1] for k, v in batch.items()})
 
 
+def test_a_gpus_rates_are_timed_on_problems_that_outlast_their_launch():
+    """On a GPU each timed problem is sized so that its kernels, at every catalog GPU's peak rate
+    and bandwidth, outlast the launch and synchronisation around them twentyfold (a CPU-sized
+    product timed on an H200 measured 39 TFLOP/s of bf16: the launch, not the kernel);
+    ``per_call`` queues that many calls between two synchronisations and divides by them."""
+    from fxpar.calibrate import measure
+    from fxpar.cluster.catalog import CATALOG
+    from fxpar.profiling.roofline import OP_OVERHEAD_S
+
+    sizes = measure.problem_sizes(torch.device("cuda"))
+    assert sizes is measure.GPU_SIZES and measure.problem_sizes(torch.device("cpu")) is measure.CPU_SIZES
+    rows, vocabulary = sizes.softmax
+    for gpu in (t for t in CATALOG.values() if t.vendor == "nvidia"):
+        peak = max(gpu.peak_tflops(d) for d in gpu.supported_dtypes()) * 1e12
+        bandwidth = gpu.memory_gbps * 1e9
+        seconds = [2.0 * m * k * n / peak for m, k, n in sizes.matmul]
+        seconds += [12.0 * sizes.pointwise / bandwidth, 4.0 * rows * vocabulary / bandwidth]
+        assert min(seconds) * sizes.calls >= 20 * OP_OVERHEAD_S, (gpu.name, seconds)
+    calls = []
+    assert measure.per_call(lambda: calls.append(1), torch.device("cpu"), repeats=3) >= 0.0
+    assert len(calls) == 4 * measure.CPU_SIZES.calls   # one warm-up and 3 timed rounds
+
+
 def test_a_calibration_round_trips_and_bad_rates_are_named(tmp_path):
     db = fixed_calibration()
     again = ProfileDB.from_dict(json.loads(json.dumps(db.to_dict())))
