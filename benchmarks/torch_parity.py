@@ -219,7 +219,7 @@ def arm_worker(arm_name: str, dtype: str, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         _step(arm, pick(0))
-    sent = wire_bytes(collective_events(prof.events()), WORLD)
+    sent = wire_bytes(collective_events(prof), WORLD)
     dist.barrier()
     audit = StepAudit()
     if arm_name.endswith("compiled"):   # dynamo runs no graph under a dispatch mode: not audited

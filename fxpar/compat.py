@@ -84,6 +84,13 @@ transformers (checked against 5.23):
   (:func:`fake_host_mode`).  ``torch.export`` uses the same class; it has no public name
   (checked against torch 2.11 and 2.13).
 
+- ``torch.profiler.profile().profiler.kineto_results.events()`` and its events' ``name()``,
+  ``shapes()`` and ``dtypes()``: the profiler's raw records.  torch 2.13's public events carry
+  their inputs' dtypes (``FunctionEvent.input_dtypes``); torch 2.11's do not, and without the
+  dtype a collective's bytes are not known (a bf16 all-reduce or a packed uint8 all-gather read
+  as fp32 is counted 2x or 4x: :func:`fxpar.profiling.wire_bytes.collective_events`).  Read only
+  where the public events lack the field (:func:`profiled_ops`).
+
 The private names are reached through these functions only (``tests/project/test_private_names.py``
 scans the rest of the package).
 """
@@ -283,3 +290,15 @@ def live_process_groups() -> int:
     from torch.distributed import distributed_c10d
 
     return len(distributed_c10d._world.pg_map)
+
+
+def profiled_ops(prof: Any) -> list[tuple[str, list[list[int]], list[str]]]:
+    """``(name, input shapes, input dtype names)`` of every op a finished ``torch.profiler.profile``
+    (``record_shapes=True``) recorded: from its public events where they carry dtypes (torch
+    2.13), else from the profiler's raw records (torch 2.11; module docstring)."""
+    events = list(prof.events())
+    if not events or hasattr(events[0], "input_dtypes"):
+        return [(e.name, [list(s) for s in (e.input_shapes or [])], list(getattr(e, "input_dtypes", None) or []))
+                for e in events]
+    return [(e.name(), [list(s) for s in e.shapes()], list(e.dtypes()))
+            for e in prof.profiler.kineto_results.events()]

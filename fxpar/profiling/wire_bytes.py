@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from fxpar.compat import profiled_ops
+
 #: bytes per element of the dtype names the profiler records
 _ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
              "unsigned char": 1, "signed char": 1, "bool": 1, "short int": 2, "c10::Float8_e4m3fn": 1,
@@ -65,18 +67,25 @@ class CollectiveEvent:
     dtype: str
 
 
-def collective_events(events: Iterable[Any]) -> list[CollectiveEvent]:
-    """The backend collective events of a profiler's ``events()`` (``record_shapes=True``)."""
+def collective_events(prof: Any) -> list[CollectiveEvent]:
+    """The backend collective events of a finished ``torch.profiler.profile``
+    (``record_shapes=True``).  An event whose input dtype the profiler did not record is an
+    error, not a guess: a wrong item size scales every byte counted."""
     out = []
-    for e in events:
-        backend, _, kind = e.name.partition(":")
+    for name, input_shapes, types in profiled_ops(prof):
+        backend, _, kind = name.partition(":")
         if backend not in ("gloo", "nccl") or not kind:
             continue
         kind = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
                 "_allgather_base": "all_gather", "alltoall": "all_to_all"}.get(kind, kind)
-        shapes = [s for s in (e.input_shapes or []) if s]
-        types = list(getattr(e, "input_types", None) or getattr(e, "input_dtypes", None) or [])
-        dtype = next((t for t in types if t in _ITEMSIZE), "float")
+        shapes = [s for s in input_shapes if s]
+        dtype = next((t for t in types if t in _ITEMSIZE), None)
+        if dtype is None:
+            if not shapes:
+                dtype = "float"   # no tensor input (a barrier): no bytes to size
+            else:
+                raise ValueError(f"collective_events: the profiler recorded {name} with input dtypes {types!r}: "
+                                 f"none of the known {', '.join(_ITEMSIZE)}; add its item size to _ITEMSIZE")
         numel = 0
         for shape in shapes[:1]:
             n = 1

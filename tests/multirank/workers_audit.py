@@ -141,6 +141,6 @@ def sent_by_kind(kind: str, dtype: str = "fp32", steps: int = 2, shard_stage: in
             pm.step(b)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    events = collective_events(profile.events())
+    events = collective_events(profile)
     return {"rank": dist.get_rank(), "plan": pm.plan.to_json(indent=None),
             "events": [(e.kind, e.nbytes) for e in events]}
