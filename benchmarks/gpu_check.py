@@ -14,13 +14,15 @@ next), within a wall-clock budget (``--budget-s``; ``--pytest-s`` of it kept for
 (c) ``fxpar.from_pretrained`` of the Llama saved in bf16 as a sharded checkpoint, its first-step
     loss against a HF forward of the same weights; after the fp32 arms, time-boxed and only if time
     is left, ``fxpar profile`` of GPT-2 and the bf16 GPT-2 plans predicted with it;
-(d) the suite's single-process tests, ``FXPAR_FULL=1 python -m pytest -v -m "not multirank" -n 8
-    -p no:cacheprovider`` (``--timeout`` where pytest-timeout is installed), killed at the budget.
+(d) the suite's single-process tests, ``FXPAR_FULL=1 python -m pytest -v -m "gpu and not multirank"
+    -n 8 -p no:cacheprovider -rfE --tb=short`` first, then ``-m "not multirank and not gpu"``
+    (``--timeout`` where pytest-timeout is installed; ``tests/gpu/test_gpu_check.py``, this check's
+    own CPU smoke run, left out), killed at the budget.
 
 A part that does not fit in what is left of the budget is skipped, and the JSON says so.  The JSON
 (default ``benchmarks/results/gpu_check.json``) is rewritten after every part, so a killed run
 keeps what it measured; the children's output goes to ``gpu_check_children.log`` beside it and
-the suite's to ``gpu_check_pytest.log``.  Without CUDA (or with ``--device cpu``) the same
+the suite's to ``gpu_check_pytest_gpu.log`` and ``gpu_check_pytest.log``.  Without CUDA (or with ``--device cpu``) the same
 parts run with tiny models on the CPU under gloo (``--tiny`` does so on a GPU).
 """
 
@@ -63,7 +65,7 @@ from benchmarks.gpu_check_setup import (
     missing,
     packages,
 )
-from benchmarks.gpu_check_suite import pytest_command, run_group, run_pytest
+from benchmarks.gpu_check_suite import SUITE_PASSES, pytest_command, run_group, run_pytest
 
 RESULT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
 PARTS = ("nccl", "from_pretrained", "profile", "pytest")
@@ -279,16 +281,18 @@ def profile(check: Check, budget: Budget) -> None:
 
 
 def run_suite(check: Check, budget: Budget) -> None:
-    """(d): the single-process tests in what is left of the budget."""
-    seconds = budget.left(reserved=False) - PARENT_MARGIN_S
-    if seconds < SUITE_MIN_S:
-        check.skip("pytest", f"budget: {max(seconds, 0):.0f} s left (raise --budget-s or --pytest-s)")
-        return
-    cmd = pytest_command(check.args.pytest_workers, min(PER_TEST_S, seconds), check.result["packages"])
-    print(f"[gpu_check] test suite for at most {seconds:.0f} s: {' '.join(cmd[1:])}", flush=True)
-    log = check.out.with_name(check.out.stem + "_pytest.log")
-    check.result["pytest"] = run_pytest(cmd, seconds, log, check.started)
-    check.save(budget)
+    """(d): the single-process tests in what is left of the budget, those marked ``gpu`` first
+    (:data:`benchmarks.gpu_check_suite.SUITE_PASSES`)."""
+    for key, marks in SUITE_PASSES:
+        seconds = budget.left(reserved=False) - PARENT_MARGIN_S
+        if seconds < SUITE_MIN_S:
+            check.skip(key, f"budget: {max(seconds, 0):.0f} s left (raise --budget-s or --pytest-s)")
+            continue
+        cmd = pytest_command(check.args.pytest_workers, min(PER_TEST_S, seconds), check.result["packages"], marks)
+        print(f"[gpu_check] test suite ({marks}) for at most {seconds:.0f} s: {' '.join(cmd[1:])}", flush=True)
+        log = check.out.with_name(f"{check.out.stem}_{key}.log")
+        check.result[key] = run_pytest(cmd, seconds, log, check.started)
+        check.save(budget)
 
 
 def preflight(check: Check, budget: Budget) -> bool:

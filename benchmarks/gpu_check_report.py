@@ -152,7 +152,7 @@ def part_lines(result: dict[str, Any]) -> list[str]:
     """The process group, the checkpoint load, the profile, the test suite and what was skipped."""
     out = []
     for key, line in (("nccl", _nccl_line), ("from_pretrained", _load_line), ("profile", _profile_line),
-                      ("pytest", _suite_line)):
+                      ("pytest_gpu", _suite_line), ("pytest", _suite_line)):
         if result.get(key):
             out.append(line(result[key], result) + _error(result[key]))
     return out + [f"skipped {s['part']}: {s['reason']}" for s in result.get("skipped", [])]

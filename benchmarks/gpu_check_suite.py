@@ -48,9 +48,20 @@ def parse_pytest(lines: list[str]) -> dict[str, Any]:
             "failed": sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))}
 
 
-def pytest_command(workers: int, per_test_s: float, have: dict[str, Any]) -> list[str]:
-    """The suite's single-process tests, one ``-v`` line per test (so a killed run still counts)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "not multirank", "-p", "no:cacheprovider"]
+#: the suite's passes, in order: the tests that need the GPU first (a run the budget kills has
+#: them), then the rest; each: (result key, marker expression)
+SUITE_PASSES = (("pytest_gpu", "gpu and not multirank"), ("pytest", "not multirank and not gpu"))
+#: left out of the suite: the CPU smoke run of this very check (minutes of tiny models, while
+#: the check itself is running the real one)
+NOT_IN_SUITE = ("tests/gpu/test_gpu_check.py",)
+
+
+def pytest_command(workers: int, per_test_s: float, have: dict[str, Any],
+                   marks: str = "not multirank") -> list[str]:
+    """The suite's single-process tests of ``marks``, one ``-v`` line per test (so a killed run
+    still counts), each failure's reason in the short summary."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", marks, "-p", "no:cacheprovider", "-rfE", "--tb=short"]
+    cmd += [f"--ignore={path}" for path in NOT_IN_SUITE]
     if have.get("xdist", {}).get("ok") and workers > 1:
         cmd += ["-n", str(workers)]
     if have.get("pytest_timeout", {}).get("ok"):
