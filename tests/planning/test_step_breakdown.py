@@ -1,0 +1,35 @@
+"""``python -m benchmarks.step_breakdown`` (where a step's time goes, measured and priced, per op
+class) runs on the CPU as it runs on a GPU: every profiled aten op lands in a class the tracer
+knows (a backward in its forward's, the optimizer apart), and every class the roofline prices
+or the profiler measured has its row."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.step_breakdown import main, op_class_of, render
+from fxpar.tracing.graph import OpClass
+
+CLASSES = {c.value for c in OpClass} | {"optimizer"}
+
+
+@pytest.mark.parametrize("aten,expected", [
+    ("aten::addmm", "matmul"), ("aten::_log_softmax_backward_data", "norm"), ("aten::nll_loss_forward", "loss"),
+    ("aten::embedding_dense_backward", "embedding"), ("aten::_scaled_dot_product_flash_attention", "attention"),
+    ("aten::_scaled_dot_product_efficient_attention_backward", "attention"), ("aten::_fused_adamw_", "optimizer"),
+    ("aten::gelu_backward", "elementwise")])
+def test_a_profiled_op_lands_in_its_forwards_class(aten, expected):
+    assert op_class_of(aten) == expected
+
+
+@pytest.mark.full   # a calibration, a trace and two profiled steps of a tiny GPT-2 (about 7 s)
+def test_the_cpu_run_measures_and_prices_every_class(tmp_path):
+    result = main(["--device", "cpu", "--model", "gpt2", "--warmup", "1", "--json", str(tmp_path / "b.json")])
+    measured, priced = result["measured"]["classes"], result["priced"]
+    assert set(measured) <= CLASSES and set(priced) == {"catalog", "calibrated"}
+    for p in priced.values():
+        assert set(p) <= CLASSES and p["matmul"] > 0 and p["optimizer"] > 0
+    assert measured["matmul"] > 0 and result["measured"]["busy_s"] == pytest.approx(sum(measured.values()))
+    table = render(result)
+    assert all(name in table for name in set(measured) | set(priced["catalog"]))
+    assert (tmp_path / "b.json").is_file()
