@@ -94,6 +94,14 @@ def one_gpu_family(family: str, stage: int | None, dtype: str) -> dict:
             "grad_devices": sorted(devices)}
 
 
+def masked_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with an attention mask of ones, as a tokenizer's DataLoader gives it.  Without
+    one, transformers' own mask code reads a device value on the host in every forward
+    (``find_packed_sequence_indices``: the plain model syncs too), and the sync-debug test would
+    catch the model instead of fxpar (``tests/multirank/test_step_audit.py`` proves both on the CPU)."""
+    return dict(batch, attention_mask=torch.ones_like(batch["input_ids"]))
+
+
 def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) -> dict:
     """One rank, one GPU: ``family`` trained ``steps`` steps on host batches (as a DataLoader
     gives them), the last under ``torch.cuda.set_sync_debug_mode("error")``: any operation that
@@ -101,7 +109,7 @@ def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) 
     shape, a synchronising copy) raises.  Returns the last step's loss (read after the mode is
     reset)."""
     model = tiny_model("gpt2")
-    data = [global_batch(model, 4, 32, seed=s) for s in range(steps)]
+    data = [masked_batch(global_batch(model, 4, 32, seed=s)) for s in range(steps)]
     pm = fxpar.auto(model, fxpar.Cluster.detect(), data[0], plan=_one_gpu_plan(model, data[0], dtype, family, stage))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
     for k, b in enumerate(data):

@@ -40,6 +40,25 @@ def test_the_audit_sees_every_kind_of_read() -> None:
     assert cost.ops > 10 and cost.op_counts["aten._local_scalar_dense.default"] == 5
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_gpu_sync_tests_batches_make_the_plain_model_read_nothing(family: str) -> None:
+    """transformers' mask code reads a device value on the host in every forward of a batch
+    without an attention mask (its packed-sequence check), in the plain model too; the batch the
+    GPU sync-debug test feeds (an attention mask of ones, as a tokenizer gives) makes the plain
+    model read nothing, so what that test catches is fxpar's."""
+    from tests.gpu.workers_gpu import masked_batch
+    from tests.workers import global_batch, tiny_model
+
+    model = tiny_model(family)
+    bare = global_batch(model, 4, 32)
+    with StepAudit() as without_mask:
+        model(**bare).loss.backward()
+    with StepAudit() as with_mask:
+        model(**masked_batch(bare)).loss.backward()
+    assert [r for r in without_mask.model_reads if "masking_utils" in r], without_mask.model_reads
+    assert not with_mask.model_reads and not with_mask.host_reads and not with_mask.model_dynamic_shapes
+
+
 def _check(results: list[dict], copies_per_rank) -> None:
     for r in results:
         c = r["cost"]

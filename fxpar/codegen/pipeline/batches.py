@@ -51,11 +51,12 @@ def item_weights(batch: Mapping[str, torch.Tensor], lo: int, hi: int, *, by_toke
     """``n_i / N`` per sample of rows ``[lo, hi)`` (:mod:`fxpar.codegen.pipeline.module`'s weighting):
     ``n_i`` its label tokens (``by_tokens``: HF models) or 1, ``N`` summed over ``batch`` (and over
     ``sum_group``: the pipelines' stage group when each rank holds its pipeline's rows only).
-    Counted where the batch is (tensor ops: nothing is read back) and moved to ``device``."""
+    Counted where the batch is (tensor ops: nothing is read back) and moved to ``device``
+    without waiting (a host batch's counts are copied to a GPU as its rows are: non-blocking)."""
     labels = batch.get("labels")
     if by_tokens and isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
         used = labels[..., 1:] if causal else labels
-        items = (used != checks.IGNORE_INDEX).flatten(1).sum(1).to(device, torch.float64)
+        items = (used != checks.IGNORE_INDEX).flatten(1).sum(1).to(device, torch.float64, non_blocking=True)
     else:
         items = torch.ones(len(next(iter(batch.values()))), dtype=torch.float64, device=device)
     total = items.sum()
