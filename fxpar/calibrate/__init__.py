@@ -19,8 +19,9 @@ and a slow mode, or a least-squares fit, of repeated timings after a warm-up; :f
   priced one, the rates by its per-sample part over the priced one
   (:func:`fxpar.calibrate.model_fit.reference_correction`; a model's ops cost more than a chain of
   tiny multiplications: HF's modules, autograd nodes with several inputs);
-- **the optimizer step**: AdamW and SGD with momentum (torch's defaults) on two parameter counts,
-  fitted as ``a + c·P`` seconds (the profile's ``optimizer|…`` entries);
+- **the optimizer step**: AdamW and SGD with momentum (torch's defaults) on two parameter counts
+  (1 and 4 Mi on a CPU, 16 and 64 Mi on a GPU), fitted as ``a + c·P`` seconds (the profile's
+  ``optimizer|…`` entries);
 - **each collective**: α-β of all-reduce, all-gather, reduce-scatter, all-to-all and
   point-to-point on the backend and group size in use
   (:func:`fxpar.profiling.measure_comm.measure_collectives`; gloo's reduce-scatter is measured

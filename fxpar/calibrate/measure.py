@@ -28,7 +28,6 @@ from fxpar.runtime.pool import run_ranks
 #: message sizes of the collectives' fit (bytes)
 LINK_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 CHAIN_OPS = 200
-OPTIMIZER_PARAMS = (1 << 20, 1 << 22)
 Progress = Callable[[str], None]
 
 
@@ -47,16 +46,21 @@ class ProblemSizes:
     pointwise: int
     #: tokens x vocabulary of the timed loss (:func:`softmax_elements_rate`)
     softmax: tuple[int, int]
+    #: the two parameter counts the optimizer's step is fitted through (:func:`optimizer_costs`)
+    optimizer: tuple[int, int]
     calls: int
 
 
 #: a CPU's: products of a transformer block at 1024 rows, 32 MiB operands, 32 MiB of logits
 CPU_SIZES = ProblemSizes(matmul=((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024)),
-                         pointwise=1 << 23, softmax=(256, 32768), calls=1)
+                         pointwise=1 << 23, softmax=(256, 32768), optimizer=(1 << 20, 1 << 22), calls=1)
 #: a GPU's: products of 8192 tokens (a micro-batch of 8 x 1024) by hidden sizes 1024 to 4096,
-#: 256 MiB operands, 512 MiB of logits (about 1.5 GiB of device memory at most, freed after)
+#: 256 MiB operands, 512 MiB of logits, optimizers of 16 Mi and 64 Mi parameters (1 GiB of fp32
+#: weights, gradients and AdamW moments; the most device memory any of them holds, freed after).
+#: At 1 and 4 Mi parameters an H200's AdamW step was all launches: the fit found 0 ns per
+#: parameter, where a step measures 21 (GPT-2 and the 1.1B Llama, ``benchmarks.step_breakdown``)
 GPU_SIZES = ProblemSizes(matmul=((8192, 1024, 1024), (8192, 2048, 2048), (8192, 4096, 4096)),
-                         pointwise=1 << 26, softmax=(4096, 32768), calls=10)
+                         pointwise=1 << 26, softmax=(4096, 32768), optimizer=(1 << 24, 1 << 26), calls=10)
 
 
 def problem_sizes(device: torch.device) -> ProblemSizes:
@@ -131,12 +135,12 @@ def op_overhead(device: torch.device) -> float:
 
 def optimizer_costs(device: torch.device) -> dict[str, OpCost]:
     """``optimizer|adam|…`` and ``optimizer|sgd|…`` entries: ``a + c·P`` seconds per step, fitted
-    through two parameter counts (fp32 master weights in every precision)."""
+    through :class:`ProblemSizes`' two parameter counts (fp32 master weights in every precision)."""
     out: dict[str, OpCost] = {}
     for name, make in (("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-4)),
                        ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9))):
         points = []
-        for count in OPTIMIZER_PARAMS:
+        for count in problem_sizes(device).optimizer:
             params = [torch.nn.Parameter(torch.randn(count // 16, device=device)) for _ in range(16)]
             for p in params:
                 p.grad = torch.randn_like(p)

@@ -84,17 +84,22 @@ def model_state_bytes(param_count: int, optimizer: str, dtype: str) -> int:
 
 
 def optimizer_traffic_bytes_per_param(optimizer: str, dtype: str) -> int:
-    """Bytes an optimizer step reads and writes per parameter (memory-bound update).
+    """Bytes torch's default optimizer step reads and writes per parameter (a memory-bound
+    update): its ``foreach`` implementation on a GPU, its per-tensor one on a CPU, the same ops
+    either way, each a pass over fp32 tensors of 4 bytes an element (the master weights under
+    autocast are fp32 too, so the precision changes nothing).
 
-    Adam: read weight, gradient, m, v and write weight, m, v (fp32: 16 + 12 = 28 bytes; mixed
-    precision reads/writes the fp32 master instead and writes the low-precision copy: ~30).
-    SGD with momentum: read weight, gradient, momentum, write weight, momentum (20 / ~22).
-    """
-    family = _family(optimizer)
-    mixed = dtype in ("fp16", "bf16")
-    if family == "adam":
-        return 30 if mixed else 28
-    return 22 if mixed else 20
+    AdamW, 80 bytes: ``p *= 1 − lr·wd`` (read p, write p: 8), ``m.lerp_(g)`` (read m, g, write m:
+    12), ``v *= β₂`` (8), ``v.addcmul_(g, g)`` (read v, g, write v: 12), ``d = sqrt(v)`` (8),
+    ``d /= c₂`` (8), ``d += ε`` (8), ``p.addcdiv_(m, d)`` (read p, m, d, write p: 16).  (The
+    fused kernel, ``fused=True``, moves 28; it is not torch's default.)
+    SGD with momentum, 32: ``b *= μ`` (8), ``b += g`` (12), ``p −= lr·b`` (12).
+
+    An H200 measured 21-22 ns per parameter in the plain HF loop's AdamW step (GPT-2 124M: 2.74 ms,
+    the 1.1B Llama: 23.3 ms; ``benchmarks.step_breakdown``, 2026-11-30): 80 bytes at 80 % of its
+    4.8 TB/s is 21 ns, the 28 of a fused step 7."""
+    del dtype   # every precision alike (docstring)
+    return 80 if _family(optimizer) == "adam" else 32
 
 
 def gradient_bytes(param_count: int, optimizer: str, dtype: str) -> int:

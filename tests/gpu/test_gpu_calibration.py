@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxpar.calibrate.measure import low_precisions, matmul_rate, memory_rate, softmax_elements_rate
+from fxpar.calibrate.measure import low_precisions, matmul_rate, memory_rate, optimizer_costs, softmax_elements_rate
 from fxpar.cluster.catalog import CATALOG
 from fxpar.profiling.local_cache import local_gpu_type
+from fxpar.profiling.roofline import optimizer_key
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")]
@@ -33,3 +34,7 @@ def test_a_gpus_calibrated_rates_reach_a_third_of_its_catalog_peak():
     assert memory >= LEAST_FRACTION * gpu.memory_gbps * 1e9, memory
     # a pass of the loss reads its logits and writes as many: no slower than a third of that traffic
     assert softmax_elements_rate(device) >= LEAST_FRACTION * gpu.memory_gbps * 1e9 / 8
+    # AdamW moves 28 bytes a parameter: its fitted seconds per parameter are at least a third of
+    # that traffic's at the catalog bandwidth (a launch-bound fit finds 0)
+    adam = optimizer_costs(device)[optimizer_key("adamw", "fp32")]
+    assert adam.fwd[1] >= LEAST_FRACTION * 28.0 / (gpu.memory_gbps * 1e9), adam

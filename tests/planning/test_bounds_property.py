@@ -108,17 +108,18 @@ def graph_of(model: tuple):
 
 
 PLANS: dict = {}
-#: instances the former bound (the whole all-reduce added) fails, at 0.94 and 0.95 x: the simulator
+#: instances the former bound (the whole all-reduce added) fails, at 0.86 and 0.88 x: the simulator
 #: overlaps the all-reduce with the backward in 25 MiB buckets
 FORMER_FAILURES = [
-    # (CPU ranks do not overlap the all-reduce with compute, so these are GPUs that do; since a
-    # product's weights are priced once per micro-batch, not once per sample, a backward long
-    # enough to hide the all-reduce takes about a thousand samples)
+    # (CPU ranks do not overlap the all-reduce with compute, so these are GPUs that do; the
+    # all-reduce the backward hides must outlast the optimizer step the former bound left out —
+    # 80 bytes a parameter at the V100's bandwidth: a 100 Gb/s link between the two nodes — and
+    # the backward must be long enough to hide it: four thousand samples)
     (("stack", (4096, 4096, 4096, 4096), False),
-     ("catalog", 400.0, (("A100-SXM-80GB", 1, 300), ("V100-SXM2-16GB", 1, 300))), Workload(global_batch=1024), THREE),
+     ("catalog", 100.0, (("A100-SXM-80GB", 1, 300), ("V100-SXM2-16GB", 1, 300))), Workload(global_batch=4096), THREE),
     (("stack", (512, 2048, 4096, 4096, 4096), False),
-     ("catalog", 400.0, (("A100-SXM-80GB", 1, 300), ("V100-SXM2-16GB", 1, 300))),
-     Workload(global_batch=1024, max_microbatches=2), THREE),
+     ("catalog", 100.0, (("A100-SXM-80GB", 1, 300), ("V100-SXM2-16GB", 1, 300))),
+     Workload(global_batch=4096, max_microbatches=2), THREE),
 ]
 
 
@@ -209,8 +210,10 @@ def test_lower_bound_of_a_linear_stack_with_overlapped_all_reduce():
     graph = trace(model, (torch.randn(1, 4096, device="meta"),), model_name="three-linear")
     # (the weights read once per micro-batch, compute is a third of the step: the gap left is the
     # all-reduce priced above its physical bound, and at most one sample of the slower rank)
+    # (data parallelism's bound and plan: the optimizer, a third of the step, makes ZeRO's plan
+    # the faster one here, whose bound has no all-reduce to compare with)
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
-    plan = solve(graph, cluster, Workload(global_batch=16))
+    plan = solve(graph, cluster, Workload(global_batch=16), strategies=("data_parallel",))
     cost = CostModel(graph, cluster)
     assert plan.lower_bound_s <= plan.predicted_step_s
     slack = cost.allreduce_s(cost.gradient_wire_bytes()) - sum(bucket_allreduces_s(cost))

@@ -63,7 +63,8 @@ def small():
 def test_a_gpus_rates_are_timed_on_problems_that_outlast_their_launch():
     """On a GPU each timed problem is sized so that its kernels, at every catalog GPU's peak rate
     and bandwidth, outlast the launch and synchronisation around them twentyfold (a CPU-sized
-    product timed on an H200 measured 39 TFLOP/s of bf16: the launch, not the kernel);
+    product timed on an H200 measured 39 TFLOP/s of bf16: the launch, not the kernel; a
+    CPU-sized optimizer, 0 ns per parameter);
     ``per_call`` queues that many calls between two synchronisations and divides by them."""
     from fxpar.calibrate import measure
     from fxpar.cluster.catalog import CATALOG
@@ -78,6 +79,10 @@ def test_a_gpus_rates_are_timed_on_problems_that_outlast_their_launch():
         seconds = [2.0 * m * k * n / peak for m, k, n in sizes.matmul]
         seconds += [12.0 * sizes.pointwise / bandwidth, 4.0 * rows * vocabulary / bandwidth]
         assert min(seconds) * sizes.calls >= 20 * OP_OVERHEAD_S, (gpu.name, seconds)
+        # AdamW moves 28 bytes a parameter (reads weight, gradient and two moments, writes three):
+        # the two counts' steps differ by at least 20 launches (the fit's slope is the traffic's)
+        low, high = sizes.optimizer
+        assert 28.0 * (high - low) / bandwidth >= 20 * OP_OVERHEAD_S, gpu.name
     calls = []
     assert measure.per_call(lambda: calls.append(1), torch.device("cpu"), repeats=3) >= 0.0
     assert len(calls) == 4 * measure.CPU_SIZES.calls   # one warm-up and 3 timed rounds
