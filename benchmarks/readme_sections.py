@@ -110,15 +110,17 @@ def gpu_checks(results: list[dict]) -> list[str]:
         return []
     out = ["", "One GPU, measured by `python -m benchmarks.gpu_check` (each arm in a fresh process from the same "
            "initial weights; 'x plain': against the plain HF loop of the same model, dtype and batch; 'pred': "
-           "the plan's prediction, catalog roofline; gaps as a fraction of the tolerance from the precision's "
-           "unit roundoff):"]
+           "the plan's prediction under its cost source, the catalog roofline for hand-written ZeRO plans and, "
+           "from 2026-11-30, a calibration of the GPU for `fxpar.auto`'s; gaps as a fraction of the tolerance "
+           "from the precision's unit roundoff):"]
     rows: list[list[str]] = []
     for r in runs:
         m, p = r.get("machine", {}), r.get("packages", {})
         measured = [name for name, arm in r["arms"].items() if "step_s" in arm]
         out.append(f"- {m.get('gpu', '?')}, {m.get('date', '?')}, {m.get('cores', '?')} CPU cores: torch "
                    f"{m.get('torch', '?')}, transformers {p.get('transformers', {}).get('version', '?')}; "
-                   f"{len(measured)} arms measured ({', '.join(sorted({n.split('/')[1] for n in measured}))})")
+                   f"{len(measured)} arms measured ({', '.join(sorted({n.split('/')[1] for n in measured}))})"
+                   + (f"; {r['note']}" if r.get("note") else ""))
         rows += [row for name, arm in r["arms"].items() if "step_s" in arm
                  for row in [arm_row(name, arm, r["comparisons"].get(name, {}))]]
     out += ["", "| " + " | ".join(HEAD) + " |", "|" + "|".join("---" for _ in HEAD) + "|"]

@@ -32,6 +32,8 @@ from benchmarks.gpu_check_setup import GPU_BATCHES, GPU_CONFIGS, TINY_BATCH, TIN
 
 #: the optimizer's ops (their own row: the roofline prices the step's optimizer apart)
 OPTIMIZER_OPS = ("_fused_adam", "_foreach_", "adam", "lerp", "addcdiv", "addcmul")
+#: the aten ops SDPA's device kernels run under (their self device time is attention's)
+ATTENTION_KERNELS = ("flash_attention", "efficient_attention", "cudnn_attention", "scaled_dot_product")
 #: suffixes that make an aten op the backward of another
 BACKWARD_SUFFIXES = ("_backward_data", "_backward_input", "_backward_weight", "_backward")
 
@@ -49,7 +51,10 @@ def op_class_of(aten_name: str) -> str:
             name = name[: -len(suffix)]
             break
     # the kernels' aten names beside the traced ones: "_scaled_dot_product_flash_attention",
-    # "nll_loss_forward", "embedding_dense" (the embedding's backward)
+    # "nll_loss_forward", "embedding_dense" (the embedding's backward); SDPA's CUDA kernels run
+    # under "_flash_attention_forward", "_efficient_attention_backward", "_cudnn_attention_..."
+    if any(name.lstrip("_").startswith(k) for k in ATTENTION_KERNELS):
+        return OpClass.ATTENTION.value
     for candidate in (name, "_" + name, name.lstrip("_"), name.removesuffix("_forward"), name.removesuffix("_dense")):
         cls = classify(candidate)
         if cls not in (OpClass.ELEMENTWISE, OpClass.OTHER):

@@ -17,7 +17,8 @@ CLASSES = {c.value for c in OpClass} | {"optimizer"}
     ("aten::addmm", "matmul"), ("aten::_log_softmax_backward_data", "norm"), ("aten::nll_loss_forward", "loss"),
     ("aten::embedding_dense_backward", "embedding"), ("aten::_scaled_dot_product_flash_attention", "attention"),
     ("aten::_scaled_dot_product_efficient_attention_backward", "attention"), ("aten::_fused_adamw_", "optimizer"),
-    ("aten::gelu_backward", "elementwise")])
+    ("aten::gelu_backward", "elementwise"), ("aten::_flash_attention_forward", "attention"),
+    ("aten::_efficient_attention_backward", "attention"), ("aten::_cudnn_attention_forward", "attention")])
 def test_a_profiled_op_lands_in_its_forwards_class(aten, expected):
     assert op_class_of(aten) == expected
 
