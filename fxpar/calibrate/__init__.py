@@ -7,7 +7,9 @@ and a slow mode, or a least-squares fit, of repeated timings after a warm-up; :f
 - **compute per op class**: achieved FLOP/s of matrix products in fp32 and the low precisions
   the device runs (the harmonic mean over three shapes typical of a transformer block, on a CPU
   products of ``M = 1024`` rows by ``K = N ∈ {256, 512, 1024}``, on a GPU of ``M = 8192`` by
-  ``K = N ∈ {1024, 2048, 4096}``), memory bandwidth of a pointwise op (``c = a + b`` on 8 Mi
+  ``K = N ∈ {1024, 2048, 4096}``, and on a GPU its 2-byte products with one dimension of 8193,
+  in each of the three places a vocabulary's is in a head's forward and backward), memory
+  bandwidth of a pointwise op (``c = a + b`` on 8 Mi
   fp32 elements, 64 Mi on a GPU: 12 bytes per element), the elements per second of a language
   model's loss (the cross entropy of 256 x 32768 logits, 4096 x 32768 on a GPU, forward and
   backward: a CPU computes their exponentials slower than it moves their bytes); on a GPU each
@@ -188,6 +190,9 @@ def describe(db: ProfileDB) -> str:
     """What a calibration measured, in lines (``fxpar calibrate``'s report)."""
     lines = [db.calibration or f"calibration of {db.device_type}"]
     lines.append("matrix products: " + ", ".join(f"{k} {v / 1e9:.2f} GFLOP/s" for k, v in db.matmul_flops.items()))
+    if db.matmul_unaligned_flops:
+        lines.append("with a dimension not a multiple of 8: "
+                     + ", ".join(f"{k} {v / 1e9:.2f} GFLOP/s" for k, v in db.matmul_unaligned_flops.items()))
     if db.memory_bytes_per_s:
         lines.append(f"memory: {db.memory_bytes_per_s / 1e9:.2f} GB/s")
     if db.softmax_elements_per_s:

@@ -42,6 +42,9 @@ class ProblemSizes:
 
     #: matrix products timed: M × K times K × N
     matmul: tuple[tuple[int, int, int], ...]
+    #: the same with one dimension that is not a multiple of 8 (a 2-byte product's rate off the
+    #: fastest kernels; none on a CPU, whose products show no such step)
+    matmul_unaligned: tuple[tuple[int, int, int], ...]
     #: fp32 elements of each operand of ``c = a + b`` (larger than the device's last cache)
     pointwise: int
     #: tokens x vocabulary of the timed loss (:func:`softmax_elements_rate`)
@@ -52,14 +55,17 @@ class ProblemSizes:
 
 
 #: a CPU's: products of a transformer block at 1024 rows, 32 MiB operands, 32 MiB of logits
-CPU_SIZES = ProblemSizes(matmul=((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024)),
+CPU_SIZES = ProblemSizes(matmul=((1024, 256, 256), (1024, 512, 512), (1024, 1024, 1024)), matmul_unaligned=(),
                          pointwise=1 << 23, softmax=(256, 32768), optimizer=(1 << 20, 1 << 22), calls=1)
 #: a GPU's: products of 8192 tokens (a micro-batch of 8 x 1024) by hidden sizes 1024 to 4096,
+#: a vocabulary-like odd size in each of a head's three products (forward, input and weight
+#: gradients: GPT-2's 50257 words made its bf16 products 0.4x their price on an H200),
 #: 256 MiB operands, 512 MiB of logits, optimizers of 16 Mi and 64 Mi parameters (1 GiB of fp32
 #: weights, gradients and AdamW moments; the most device memory any of them holds, freed after).
 #: At 1 and 4 Mi parameters an H200's AdamW step was all launches: the fit found 0 ns per
 #: parameter, where a step measures 21 (GPT-2 and the 1.1B Llama, ``benchmarks.step_breakdown``)
 GPU_SIZES = ProblemSizes(matmul=((8192, 1024, 1024), (8192, 2048, 2048), (8192, 4096, 4096)),
+                         matmul_unaligned=((8192, 1024, 8193), (8192, 8193, 1024), (8193, 8192, 1024)),
                          pointwise=1 << 26, softmax=(4096, 32768), optimizer=(1 << 24, 1 << 26), calls=10)
 
 
@@ -85,10 +91,12 @@ def _quiet(_: str) -> None:
     pass
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """Achieved FLOP/s of matrix products (module docstring): the harmonic mean over the shapes."""
+def matmul_rate(device: torch.device, dtype: torch.dtype, unaligned: bool = False) -> float:
+    """Achieved FLOP/s of matrix products (module docstring): the harmonic mean over the shapes
+    (``unaligned``: :class:`ProblemSizes`' ``matmul_unaligned``)."""
     times, flops = 0.0, 0.0
-    for m, k, n in problem_sizes(device).matmul:
+    sizes = problem_sizes(device)
+    for m, k, n in (sizes.matmul_unaligned if unaligned else sizes.matmul):
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         times += per_call(lambda: torch.mm(a, b), device)
@@ -166,6 +174,11 @@ def measure_device(device: torch.device, progress: Progress = _quiet) -> dict[st
     """This rank's compute figures (module docstring), plain numbers."""
     rates = {name: matmul_rate(device, dtype) for name, dtype in low_precisions(device)}
     progress("matrix products: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items()))
+    unaligned = ({name: matmul_rate(device, dtype, unaligned=True) for name, dtype in low_precisions(device)
+                  if dtype.itemsize == 2} if problem_sizes(device).matmul_unaligned else {})
+    if unaligned:
+        progress("with a dimension not a multiple of 8: "
+                 + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in unaligned.items()))
     memory = memory_rate(device)
     overhead = op_overhead(device)
     softmax = softmax_elements_rate(device)
@@ -174,7 +187,8 @@ def measure_device(device: torch.device, progress: Progress = _quiet) -> dict[st
     ops = optimizer_costs(device)
     adam = ops[optimizer_key("adamw", "fp32")]
     progress(f"AdamW step {adam.fwd[1] * 1e9:.2f} ns per parameter + {adam.fwd[0] * 1e3:.2f} ms")
-    return {"matmul": rates, "memory": memory, "softmax": softmax, "overhead": overhead, "ops": ops}
+    return {"matmul": rates, "matmul_unaligned": unaligned, "memory": memory, "softmax": softmax,
+            "overhead": overhead, "ops": ops}
 
 
 def overlap_fraction(device: torch.device, group: Any = None, rounds: int = 5) -> float:
@@ -252,7 +266,8 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
     backend = dist.get_backend(group) if distributed else "none"
     db = ProfileDB(device_type=_type_or_blank(device), device_name=machine_name(device),
                    torch_version=torch.__version__, ops=figures["ops"], links=links,
-                   matmul_flops=figures["matmul"], memory_bytes_per_s=figures["memory"],
+                   matmul_flops=figures["matmul"], matmul_unaligned_flops=figures["matmul_unaligned"],
+                   memory_bytes_per_s=figures["memory"],
                    softmax_elements_per_s=figures["softmax"],
                    op_overhead_s=figures["overhead"], overlap=overlap)
     before = db

@@ -213,6 +213,7 @@ def corrected(db: ProfileDB, graph: ModelGraph, timing: ModelTiming, *, dtype: s
     softmax = cost.softmax_rate(cluster.device(0))
     out = replace(db, op_overhead_s=overhead * k_fixed,
                   matmul_flops={k: v / k_rate for k, v in {**db.matmul_flops, cost.compute_dtype: matmul}.items()},
+                  matmul_unaligned_flops={k: v / k_rate for k, v in db.matmul_unaligned_flops.items()},
                   memory_bytes_per_s=bandwidth / k_rate,
                   softmax_elements_per_s=None if softmax is None else softmax / k_rate)
     return _optimizer_corrected(out, cost.param_count, timing)

@@ -15,14 +15,16 @@ File layout: ``DIR/<device type>.json``::
     {"format": 1, "device_type": "cpu", "device_name": "...", "torch": "2.13.0",
      "ops": {KEY: {"fwd": [a, c], "bwd": [a, c], "count": n}},
      "links": {"all_reduce": {"alpha_s": ..., "bus_bytes_per_s": ..., "world": 2}, ...},
-     "rates": {"matmul_flops": {"fp32": ..., "bf16": ...}, "memory_bytes_per_s": ...,
+     "rates": {"matmul_flops": {"fp32": ..., "bf16": ...}, "matmul_unaligned_flops": {"bf16": ...},
+               "memory_bytes_per_s": ...,
                "softmax_elements_per_s": ..., "op_overhead_s": ..., "overlap": false, "sharded_call_s": ..., "pipeline_op_s": ...,
                "expert_call_s": ..., "tensor_call_s": ..., "step_overhead_s": ...},
      "calibration": "what measured it, where, how long"}
 
 ``rates`` (optional; written by ``fxpar calibrate``, :mod:`fxpar.calibrate`) replace the
 catalog's figures for the nodes no op entry covers: achieved FLOP/s of matrix products per
-precision (attention at the catalog's fraction of it), achieved memory bandwidth, elements per
+precision (attention at the catalog's fraction of it; products with a dimension that is not a
+multiple of 8 at their own rate where one was measured), achieved memory bandwidth, elements per
 second of a softmax over rows (exponentials: on a CPU slower than its memory traffic), seconds per
 launched op, whether communication overlaps compute on the device, and fxpar's own runtime
 costs per sharded collective call, pipeline schedule op, expert-parallel call,
@@ -94,6 +96,9 @@ class ProfileDB:
     links: Mapping[str, LinkCost] = field(default_factory=dict)
     #: achieved FLOP/s of matrix products per precision ("fp32", "bf16", ...; calibration)
     matmul_flops: Mapping[str, float] = field(default_factory=dict)
+    #: the same of products with a dimension that is not a multiple of 8 elements (a GPU's
+    #: 2-byte products; :func:`fxpar.tracing.op_costs.unaligned_product`; {}: as aligned ones)
+    matmul_unaligned_flops: Mapping[str, float] = field(default_factory=dict)
     #: achieved memory bytes/s of pointwise work (None: the catalog's)
     memory_bytes_per_s: float | None = None
     #: achieved elements/s of a (log-)softmax over rows, per pass (None: bound by memory alone)
@@ -121,7 +126,9 @@ class ProfileDB:
     @property
     def rates(self) -> dict:
         """The calibrated rates as the file stores them (module docstring; {} when none)."""
-        out = {"matmul_flops": dict(sorted(self.matmul_flops.items())), "memory_bytes_per_s": self.memory_bytes_per_s,
+        out = {"matmul_flops": dict(sorted(self.matmul_flops.items())),
+               "matmul_unaligned_flops": dict(sorted(self.matmul_unaligned_flops.items())),
+               "memory_bytes_per_s": self.memory_bytes_per_s,
                "softmax_elements_per_s": self.softmax_elements_per_s,
                "op_overhead_s": self.op_overhead_s, "overlap": self.overlap, "sharded_call_s": self.sharded_call_s,
                "pipeline_op_s": self.pipeline_op_s, "expert_call_s": self.expert_call_s,
@@ -158,6 +165,8 @@ class ProfileDB:
                        torch_version=str(d.get("torch", "")), ops=ops, links=links,
                        matmul_flops={str(k): _positive(v, f"rates.matmul_flops.{k}")
                                      for k, v in rates.get("matmul_flops", {}).items()},
+                       matmul_unaligned_flops={str(k): _positive(v, f"rates.matmul_unaligned_flops.{k}")
+                                               for k, v in rates.get("matmul_unaligned_flops", {}).items()},
                        memory_bytes_per_s=_positive_or_none(rates.get("memory_bytes_per_s"), "rates.memory_bytes_per_s"),
                        softmax_elements_per_s=_positive_or_none(rates.get("softmax_elements_per_s"),
                                                                 "rates.softmax_elements_per_s"),
@@ -181,6 +190,7 @@ class ProfileDB:
                          torch_version=other.torch_version or self.torch_version,
                          ops={**self.ops, **other.ops}, links={**self.links, **other.links},
                          matmul_flops={**self.matmul_flops, **other.matmul_flops},
+                         matmul_unaligned_flops={**self.matmul_unaligned_flops, **other.matmul_unaligned_flops},
                          memory_bytes_per_s=_first(other.memory_bytes_per_s, self.memory_bytes_per_s),
                          softmax_elements_per_s=_first(other.softmax_elements_per_s, self.softmax_elements_per_s),
                          op_overhead_s=_first(other.op_overhead_s, self.op_overhead_s),

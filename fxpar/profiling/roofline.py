@@ -14,7 +14,10 @@ and the incoming gradient and writes the input gradient, about twice the forward
 A (log-)softmax or a loss over logits (``SOFTMAX_ROWS``) takes an exponential of every element
 ``E(n)`` of its input; where a calibration measured that rate, ``σ`` elements/s
 (``softmax_elements_per_s``: on a CPU exponentials outlast the memory traffic), each pass costs at
-least ``E(n) / σ``, forward and backward alike.  These are a node's seconds at the traced batch
+least ``E(n) / σ``, forward and backward alike.  A product with a dimension that is not a
+multiple of 8 elements (:func:`fxpar.tracing.op_costs.unaligned_product`: a 50257-word head)
+runs at ``P_u``, the calibration's ``matmul_unaligned_flops``, where it measured one (a GPU's
+2-byte products leave the tensor cores' fastest kernels); elsewhere at ``η_c P_p``.  These are a node's seconds at the traced batch
 ``b`` (its FLOPs, bytes and elements as traced).
 
 A micro-batch of ``B`` samples is priced affine, ``a_n + c_n · B``,
@@ -48,7 +51,7 @@ from fxpar.profiling import collectives, memory
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.network import Network, network_of, scaled_link, scaled_shape
 from fxpar.tracing.graph import ModelGraph, OpClass
-from fxpar.tracing.op_costs import SOFTMAX_ROWS, stored_op_name
+from fxpar.tracing.op_costs import SOFTMAX_ROWS, stored_op_name, unaligned_product
 
 ATTENTION_EFFICIENCY_FACTOR = 0.75
 OP_OVERHEAD_S = 5e-6
@@ -132,6 +135,7 @@ class CostModel:
         self._elements = np.array([float(np.prod(n.in_shapes[0])) if n.in_shapes and stored_op_name(n.target) in SOFTMAX_ROWS
                                    else 0.0 for n in nodes], dtype=np.float64) / b   # per sample
         self._is_attn = np.array([n.op_class is OpClass.ATTENTION for n in nodes], dtype=bool)
+        self._unaligned = np.array([unaligned_product(n.op_class, n.target, n.in_shapes) for n in nodes], dtype=bool)
         self._is_view = np.array([n.op_class is OpClass.VIEW for n in nodes], dtype=bool)
         self._needs_bwd = np.array([n.requires_grad for n in nodes], dtype=bool)
         self._cache: dict[tuple[str, float], SampleCost] = {}
@@ -149,6 +153,9 @@ class CostModel:
         matmul, bw, overhead = self._rates(dtype_obj, db)
         softmax = self.softmax_rate(device)
         rate = np.where(self._is_attn, matmul * ATTENTION_EFFICIENCY_FACTOR, matmul)
+        unaligned = self.unaligned_rate(device)
+        if unaligned:
+            rate = np.where(self._unaligned, unaligned, rate)
         real = ~self._is_view
         b = self._traced   # the roofline at the traced batch, t / b, and its part that grows with the batch
         exp = self._elements / softmax if softmax else np.zeros_like(self._elements)
@@ -183,6 +190,13 @@ class CostModel:
         (module docstring), before its speed; None: priced by its memory traffic alone."""
         db = self.profiles.get(device.type.name)
         return db.softmax_elements_per_s if db is not None else None
+
+    def unaligned_rate(self, device) -> float | None:
+        """FLOP/s of a product with a dimension that is not a multiple of 8 elements at the job's
+        precision on ``device``'s type, where its calibration measured it (module docstring),
+        before its speed; None: priced as an aligned one."""
+        db = self.profiles.get(device.type.name)
+        return db.matmul_unaligned_flops.get(self.compute_dtype) if db is not None else None
 
     def rates(self, device) -> tuple[float, float, float]:
         """(matrix-product FLOP/s at the job's precision, memory bytes/s, seconds per launched op)

@@ -205,6 +205,26 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 CONVOLUTIONS = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d"})
 
 
+#: a GPU's fastest 2-byte products need every matrix dimension a multiple of this many elements
+#: (rows of 16 bytes: NVIDIA's tensor-core alignment for fp16 and bf16)
+ALIGNMENT_ELEMENTS = 8
+
+
+def unaligned_product(op_class: OpClass, target: str, in_shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether a matrix product has a dimension that is not a multiple of
+    :data:`ALIGNMENT_ELEMENTS`: the inner size of its first matrix operand (its last dimension)
+    or either dimension of another operand's matrix (their last two: a linear's ``N x K`` weight,
+    a 50257-word head's among them).  A first operand's rows (a micro-batch's tokens) and batch
+    dimensions are not counted; convolutions are not products of this kind."""
+    if op_class is not OpClass.MATMUL or stored_op_name(target) in CONVOLUTIONS:
+        return False
+    matrices = [tuple(s) for s in in_shapes if len(s) >= 2]
+    if not matrices:
+        return False
+    dims = [matrices[0][-1]] + [d for shape in matrices[1:] for d in shape[-2:]]
+    return any(int(d) % ALIGNMENT_ELEMENTS for d in dims)
+
+
 def node_flops(name: str, base_cls: OpClass, cls: OpClass, shapes: list[tuple[int, ...] | None],
                out_shape: tuple[int, ...] | None, *, operand_grads: Sequence[bool], rg: bool,
                transposed: bool = False) -> tuple[int, int]:

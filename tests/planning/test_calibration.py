@@ -76,7 +76,7 @@ def test_a_gpus_rates_are_timed_on_problems_that_outlast_their_launch():
     for gpu in (t for t in CATALOG.values() if t.vendor == "nvidia"):
         peak = max(gpu.peak_tflops(d) for d in gpu.supported_dtypes()) * 1e12
         bandwidth = gpu.memory_gbps * 1e9
-        seconds = [2.0 * m * k * n / peak for m, k, n in sizes.matmul]
+        seconds = [2.0 * m * k * n / peak for m, k, n in sizes.matmul + sizes.matmul_unaligned]
         seconds += [12.0 * sizes.pointwise / bandwidth, 4.0 * rows * vocabulary / bandwidth]
         assert min(seconds) * sizes.calls >= 20 * OP_OVERHEAD_S, (gpu.name, seconds)
         # AdamW moves 28 bytes a parameter (reads weight, gradient and two moments, writes three):
@@ -86,6 +86,33 @@ def test_a_gpus_rates_are_timed_on_problems_that_outlast_their_launch():
     calls = []
     assert measure.per_call(lambda: calls.append(1), torch.device("cpu"), repeats=3) >= 0.0
     assert len(calls) == 4 * measure.CPU_SIZES.calls   # one warm-up and 3 timed rounds
+
+
+def test_a_product_with_an_odd_dimension_is_priced_at_its_calibrated_rate():
+    """A head of 1025 words (a dimension not a multiple of 8) is priced at the calibration's
+    ``matmul_unaligned_flops``, forward and backward, where it has one; the aligned product
+    before it, and every product without such a rate, at ``matmul_flops``."""
+    from fxpar.tracing.op_costs import unaligned_product
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1025))
+    graph = trace(model, (torch.randn(1, 64, 1024, device="meta"),), model_name="odd head")
+    flagged = [unaligned_product(n.op_class, n.target, n.in_shapes) for n in graph.nodes]
+    products = [i for i, n in enumerate(graph.nodes) if n.fwd_flops > 0]
+    assert [flagged[i] for i in products] == [False, True]
+    cluster = Cluster.emulated([1.0])
+    plain = fixed_calibration()
+    slow = dataclasses.replace(plain, matmul_unaligned_flops={"fp32": plain.matmul_flops["fp32"] / 4})
+    assert ProfileDB.from_dict(slow.to_dict()) == slow and plain.merged(slow) == slow   # stored and merged
+    before = CostModel(graph, cluster, profiles={"cpu": plain}).node_costs(cluster.device(0))
+    after = CostModel(graph, cluster, profiles={"cpu": slow}).node_costs(cluster.device(0))
+    aligned, odd = products
+    for part in ("fwd_c", "bwd_c"):
+        assert getattr(after, part)[aligned] == getattr(before, part)[aligned]
+        assert getattr(after, part)[odd] == pytest.approx(4 * getattr(before, part)[odd])   # compute-bound
+    bf16 = CostModel(graph, cluster, dtype="bf16", profiles={"cpu": slow}).node_costs(cluster.device(0))
+    assert bf16.fwd_c[odd] == pytest.approx(CostModel(graph, cluster, dtype="bf16", profiles={"cpu": plain})
+                                            .node_costs(cluster.device(0)).fwd_c[odd])   # no bf16 rate: aligned's
 
 
 def test_a_calibration_round_trips_and_bad_rates_are_named(tmp_path):
