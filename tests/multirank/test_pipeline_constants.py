@@ -103,6 +103,37 @@ def test_split_owns_lifted_constants_and_buffers():
     expect(check_loss(values.reshape(()), model(**data)[0]))   # the stages chained = the model (one process)
 
 
+class MaskedBlock(torch.nn.Module):
+    """A number made on the device of the tensors it meets (transformers 5.17's mask code:
+    ``torch.tensor(0.0, device=mask.device)``)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.where(h > 0, torch.tensor(0.5, device=h.device), h).sum()
+
+
+def test_a_number_a_meta_model_makes_keeps_its_value_in_the_export():
+    """A meta model's export (a running job's switches cut one) keeps a number the forward makes
+    on the device as a host constant with its value, not a meta tensor no stage could run; the
+    export run on real weights equals the model."""
+    from fxpar.adapt.switch import meta_template
+    from fxpar.codegen.pipeline.export import exported_for_split
+
+    torch.manual_seed(0)
+    model = MaskedBlock()
+    gm, device_type = exported_for_split(meta_template(model), {"x": torch.randn(4, 8, device="meta")}, None)
+    assert device_type == "meta"
+    constants = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr" and "lifted" in n.target]
+    assert [(c.device.type, c.item()) for c in constants] == [("cpu", 0.5)]
+    gm.load_state_dict(model.state_dict(), strict=False, assign=True)
+    x = torch.randn(4, 8)
+    expect(check_loss(gm(x=x), model(x)))
+
+
 def test_an_export_cache_exports_once_and_every_cut_from_it_chains_to_the_model(monkeypatch):
     """A running job's switches cut stages from one export (``ExportCache``, issue #39 item 7),
     made with a symbolic batch size: two cuts at 8 rows and a cut at 4 rows (another micro-batch

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Mapping
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fxpar.compat import is_tensor_metadata_assert
 from fxpar.errors import PlanError, TraceError
@@ -35,7 +36,7 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
         kwargs.setdefault("use_cache", False)
     device_type = _export_device(model, kwargs).type
     try:  # the tracer's export: its noise kept out, its failure one TraceError naming the line at fault
-        with _export_precision(device_type, dtype):
+        with _export_precision(device_type, dtype), _HostScalars() if device_type == "meta" else contextlib.nullcontext():
             ep = export_program(model, (), dict(kwargs), dynamic_shapes=dynamic_shapes)
     except TraceError as exc:
         raise TraceError(f"pipeline split: {exc}") from None
@@ -163,6 +164,21 @@ def _export_device(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> torch.d
     if found is not None:
         return found
     return next((v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), HOST)
+
+
+class _HostScalars(TorchFunctionMode):
+    """While a meta model exports: ``torch.tensor(<a Python number>, device="meta")`` made on the
+    host instead.  The export keeps such a tensor as a constant of the graph (transformers 5.17's
+    mask code makes ``torch.tensor(0.0, device=mask.device)``); made on meta it has no value, and
+    no stage built from the export could run (a switch to a pipeline was refused).  A host 0-d
+    tensor has its value and mixes with tensors of any device, as a Python number does."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (func is torch.tensor and args and isinstance(args[0], (bool, int, float))
+                and torch.device(kwargs.get("device") or "cpu").type == "meta"):
+            kwargs = dict(kwargs, device=HOST)
+        return func(*args, **kwargs)
 
 
 def _export_precision(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
