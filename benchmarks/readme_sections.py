@@ -110,9 +110,9 @@ def gpu_checks(results: list[dict]) -> list[str]:
         return []
     out = ["", "One GPU, measured by `python -m benchmarks.gpu_check` (each arm in a fresh process from the same "
            "initial weights; 'x plain': against the plain HF loop of the same model, dtype and batch; 'pred': "
-           "the plan's prediction under its cost source, the catalog roofline for hand-written ZeRO plans and, "
-           "from 2026-11-30, a calibration of the GPU for `fxpar.auto`'s; gaps as a fraction of the tolerance "
-           "from the precision's unit roundoff):"]
+           "the plan's prediction under its own cost source, the catalog roofline for hand-written ZeRO plans "
+           "and, in the later runs, a calibration of the GPU for `fxpar.auto`'s; gaps as a fraction of the "
+           "tolerance from the precision's unit roundoff):"]
     rows: list[list[str]] = []
     for r in runs:
         m, p = r.get("machine", {}), r.get("packages", {})
