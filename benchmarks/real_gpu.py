@@ -170,7 +170,9 @@ def build_cluster(run: dict[str, Any], *, slowest: bool = False):
 def build_plan(run: dict[str, Any], module, cluster):
     """The run's layout as a hand-written fxpar plan, with the measured framework's behaviour:
     gradient all-reduce after the schedule; TF32 as the NGC container enables it for cuBLAS
-    (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1; Turing has no TF32, the RTX-3090's equals its fp32)."""
+    (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1; Turing has no TF32, the RTX-3090's equals its fp32); its
+    Adam a fused kernel (Megatron-DeepSpeed's default, apex's or DeepSpeed's FusedAdam: an
+    assumption, the runs' files name no optimizer implementation)."""
     P, S, tp = run["dp_per_stage"][0], run["pipeline_stages"], run["tensor_parallel"]
     if any(d != P for d in run["dp_per_stage"]):
         raise ValueError(f"{run['id']}: stages with different replica counts are not supported")
@@ -180,7 +182,7 @@ def build_plan(run: dict[str, Any], module, cluster):
                          num_microbatches=m, pipelines=P, seq_len=run["seq_len"], tensor_parallel=[tp] * S)
     tf32 = all(CATALOG[k].tf32_tflops is not None for k in _kinds(run))  # torch ignores the flag without TF32
     plan = uneven_pipelines(plan, plan.stages[0].data_split)  # each stage's replica_devices, where they differ
-    return replace(plan, optimizer="adamw", overlap_grad_allreduce=False, allow_tf32=tf32)
+    return replace(plan, optimizer="fused_adamw", overlap_grad_allreduce=False, allow_tf32=tf32)
 
 
 def _kinds(run) -> set[str]:

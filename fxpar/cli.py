@@ -36,7 +36,7 @@ from fxpar.sim import simulate
 from fxpar.sim.plot import plot_timeline
 from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
-from fxpar.workload import Workload
+from fxpar.workload import OPTIMIZERS, Workload
 
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
@@ -142,7 +142,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--batch", type=_positive, help="global batch (default: the scenario's, else 8)")
     p.add_argument("--seq", type=_positive, help="sequence length (default: the scenario's, else 512)")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="training precision")
-    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), help="optimizer (state bytes)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (state bytes, the step's traffic)")
     p.add_argument("--max-microbatches", type=_positive, help="cap on gradient-accumulation steps")
     p.add_argument("--json", type=Path, dest="json_out", help="write the plan as JSON here")
     p.add_argument("--profiles", type=Path, help="directory of measured profiles (fxpar profile "

@@ -7,8 +7,8 @@ from typing import Literal
 
 from fxpar.errors import ConfigError
 
-Optimizer = Literal["adam", "adamw", "sgd"]
-OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
+Optimizer = Literal["adam", "adamw", "fused_adamw", "sgd"]
+OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "fused_adamw", "sgd")
 
 DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 
@@ -20,7 +20,9 @@ class Workload:
     global_batch: samples per optimizer step, over all ranks.
     seq_len: tokens per sample (None for non-sequence models).
     dtype: training precision; fp16/bf16 mean mixed precision with fp32 master weights.
-    optimizer: adam, adamw or sgd (decides the optimizer-state bytes).
+    optimizer: adam, adamw (torch's default implementations), fused_adamw (``AdamW(fused=True)``,
+        as Megatron's and DeepSpeed's fused Adam) or sgd (decides the optimizer-state bytes and
+        the step's memory traffic: :func:`fxpar.profiling.memory.optimizer_traffic_bytes_per_param`).
     max_microbatches: cap on gradient-accumulation steps per rank (None: as many as needed).
     """
 

@@ -199,9 +199,10 @@ def describe(db: ProfileDB) -> str:
         lines.append(f"softmax: {db.softmax_elements_per_s / 1e9:.2f} G elements/s per pass")
     if db.op_overhead_s is not None:
         lines.append(f"per launched op: {db.op_overhead_s * 1e6:.1f} us")
-    adam = db.ops.get(optimizer_key("adamw", "fp32"))
-    if adam is not None:
-        lines.append(f"AdamW: {adam.fwd[1] * 1e9:.2f} ns/parameter + {adam.fwd[0] * 1e3:.3f} ms")
+    for name, label in (("adamw", "AdamW"), ("fused_adamw", "AdamW(fused=True)")):
+        adam = db.ops.get(optimizer_key(name, "fp32"))
+        if adam is not None:
+            lines.append(f"{label}: {adam.fwd[1] * 1e9:.2f} ns/parameter + {adam.fwd[0] * 1e3:.3f} ms")
     for kind, link in sorted(db.links.items()):
         lines.append(f"{kind}: alpha {link.alpha_s * 1e6:.1f} us, {link.bus_bytes_per_s / 1e9:.2f} GB/s bus "
                      f"({link.world} ranks)")

@@ -146,6 +146,7 @@ def optimizer_costs(device: torch.device) -> dict[str, OpCost]:
     through :class:`ProblemSizes`' two parameter counts (fp32 master weights in every precision)."""
     out: dict[str, OpCost] = {}
     for name, make in (("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-4)),
+                       ("fused_adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
                        ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9))):
         points = []
         for count in problem_sizes(device).optimizer:

@@ -145,9 +145,10 @@ def time_model(model: torch.nn.Module, make_batch: Callable[[int], Mapping[str, 
     warm-up: a drift of the machine's speed moves both), and (``optimizer``) torch's optimizer of
     that name stepping on the gradients of the last backward (module docstring).  The model is
     left as it was (parameters, buffers, gradients, modes) and so are the random streams."""
-    make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, None: None}
+    make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, None: None,
+            "fused_adamw": lambda ps, **kw: torch.optim.AdamW(ps, fused=True, **kw)}
     if optimizer not in make:
-        raise ConfigError(f"calibrating on the model: optimizer {optimizer!r}; give adamw, adam or sgd")
+        raise ConfigError(f"calibrating on the model: optimizer {optimizer!r}; give adamw, fused_adamw, adam or sgd")
     saved = _Saved(model)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

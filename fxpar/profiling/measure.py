@@ -176,6 +176,7 @@ def profile_optimizers(model: torch.nn.Module, *, repeats: int = 5,
         p.grad = torch.randn_like(p) * 1e-3
     out = {}
     for name, opt in (("adamw", torch.optim.AdamW(params, lr=1e-6)),
+                      ("fused_adamw", torch.optim.AdamW(params, lr=1e-6, fused=True)),
                       ("sgd", torch.optim.SGD(params, lr=1e-6, momentum=0.9))):
         opt.step()  # creates the state
         t = _median_time(opt.step, repeats, device)

@@ -96,7 +96,7 @@ class NodeCosts:
 
 def optimizer_key(optimizer: str, dtype: str) -> str:
     """Profile-database key of an optimizer step (cost affine in the parameter count)."""
-    family = "adam" if optimizer in ("adam", "adamw") else "sgd"
+    family = {"adam": "adam", "adamw": "adam", "fused_adamw": "fused_adam"}.get(optimizer, "sgd")
     return f"optimizer|{family}|{dtype}"
 
 

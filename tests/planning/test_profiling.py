@@ -161,3 +161,32 @@ def test_fxpar_profile_cli_on_this_cpu(tmp_path):
     assert all(c.fwd[0] >= 0 and c.fwd[1] >= 0 for c in db.ops.values())
     linear = [c for k, c in db.ops.items() if k.startswith("aten.linear")]
     assert linear and all(c.fwd_s(4) > 0 for c in linear)
+
+
+def test_the_optimizer_step_is_priced_by_the_implementation_that_runs(graph):
+    """Torch's default AdamW (foreach on a GPU, per tensor on a CPU) makes 8 passes over fp32
+    tensors, 80 bytes a parameter; ``AdamW(fused=True)`` one, 28; SGD with momentum 3, 32
+    (:func:`fxpar.profiling.memory.optimizer_traffic_bytes_per_param`).  The roofline prices each at
+    the device's bandwidth; a calibration's measured entry of one implementation prices no other."""
+    from fxpar.profiling import memory
+    from fxpar.profiling.database import OpCost, ProfileDB
+    from fxpar.profiling.roofline import optimizer_key
+    from fxpar.workload import Workload
+
+    a100 = Cluster.from_dict({"nodes": [{"gpu": "A100-SXM-80GB", "count": 1}]})
+    device = a100.device(0)
+    bandwidth = device.type.memory_efficiency * device.type.memory_gbps * 1e9
+    for optimizer, traffic in (("adamw", 80), ("adam", 80), ("fused_adamw", 28), ("sgd", 32)):
+        assert Workload(global_batch=2, optimizer=optimizer).optimizer == optimizer
+        for dtype in ("fp32", "bf16"):
+            assert memory.optimizer_traffic_bytes_per_param(optimizer, dtype) == traffic
+            cost = CostModel(graph, a100, dtype=dtype, optimizer=optimizer)
+            assert cost.optimizer_s(device) == pytest.approx(traffic * graph.param_count / bandwidth)
+    assert len({optimizer_key(o, "fp32") for o in ("adamw", "fused_adamw", "sgd")}) == 3
+    measured = ProfileDB(device_type="A100-SXM-80GB", ops={optimizer_key("adamw", "fp32"): OpCost(fwd=(0.0, 1e-9),
+                                                                                               bwd=(0.0, 0.0))})
+    profiles = {"A100-SXM-80GB": measured}
+    assert CostModel(graph, a100, optimizer="adamw", profiles=profiles).optimizer_s(device) == pytest.approx(
+        1e-9 * graph.param_count)
+    assert CostModel(graph, a100, optimizer="fused_adamw", profiles=profiles).optimizer_s(device) == pytest.approx(
+        28 * graph.param_count / bandwidth)
