@@ -128,6 +128,36 @@ def priced_classes(model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype
     return dict(out)
 
 
+def calibration_against_catalog(calibration: Any, device: torch.device) -> dict[str, dict[str, float]]:
+    """Each calibrated rate beside the catalog's figure for the device's type (peak x efficiency;
+    AdamW: seconds per parameter of its 80 bytes at the catalog's bandwidth) and their ratio:
+    what a calibration that times launches instead of kernels shows at once (4 % of the peak)."""
+    from fxpar.cluster import Cluster
+    from fxpar.profiling import memory
+    from fxpar.profiling.roofline import optimizer_key
+
+    if device.type == "cuda":
+        from fxpar.profiling.local_cache import local_gpu_type
+
+        kind = local_gpu_type()
+        if kind is None:
+            return {}
+        gpu = Cluster.from_dict({"name": "this GPU", "nodes": [{"gpu": kind, "count": 1}]}).device(0).type
+    else:
+        gpu = Cluster.emulated([1.0]).device(0).type
+    bandwidth = gpu.memory_efficiency * gpu.memory_gbps * 1e9
+    pairs = {f"matmul {k} FLOP/s": (v, gpu.matmul_efficiency * gpu.peak_tflops(k) * 1e12)
+             for k, v in calibration.matmul_flops.items() if k in gpu.supported_dtypes()}
+    pairs.update({f"unaligned matmul {k} FLOP/s": (v, gpu.matmul_efficiency * gpu.peak_tflops(k) * 1e12)
+                  for k, v in calibration.matmul_unaligned_flops.items() if k in gpu.supported_dtypes()})
+    if calibration.memory_bytes_per_s:
+        pairs["memory B/s"] = (calibration.memory_bytes_per_s, bandwidth)
+    adam = calibration.ops.get(optimizer_key("adamw", "fp32"))
+    if adam is not None:
+        pairs["AdamW s/param"] = (adam.fwd[1], memory.optimizer_traffic_bytes_per_param("adamw", "fp32") / bandwidth)
+    return {k: {"measured": m, "catalog": c, "of_catalog": m / c} for k, (m, c) in pairs.items()}
+
+
 def render(result: dict[str, Any]) -> str:
     measured = result["measured"]["classes"]
     priced = result["priced"]
@@ -171,17 +201,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = build_model(ModelSpec(hf_config=config), device="cpu", seed=0, attn_implementation="sdpa").train()
     batch = example_inputs(model, rows, seq, seed=1)
     priced = {"catalog": priced_classes(model, batch, args.dtype, device, None)}
+    rates: dict[str, Any] = {}
     if not args.no_calibration:
         calibration = calibrate_group(device)
         priced["calibrated"] = priced_classes(model, batch, args.dtype, device, calibration)
+        rates = calibration_against_catalog(calibration, device)
     model.to(device)
     measured = measured_classes(model, {k: v.to(device) for k, v in batch.items()}, args.dtype, device,
                                 args.warmup)
     label = (f"{args.model} {args.dtype}, batch {rows} x {seq}, plain HF loop on "
              f"{torch.cuda.get_device_name() if cuda else 'the CPU'}, {machine()['date']}, torch {torch.__version__}")
     result = {"machine": machine(), "label": label, "model": args.model, "dtype": args.dtype, "batch": [rows, seq],
-              "measured": measured, "priced": priced}
+              "measured": measured, "priced": priced, "calibration": rates}
     print(render(result), flush=True)
+    if rates:
+        print("calibration against the catalog: " + ", ".join(
+            f"{k} {v['measured']:.4g} ({v['of_catalog']:.2f} of {v['catalog']:.4g})" for k, v in rates.items()),
+            flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))

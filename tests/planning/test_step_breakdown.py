@@ -34,3 +34,6 @@ def test_the_cpu_run_measures_and_prices_every_class(tmp_path):
     table = render(result)
     assert all(name in table for name in set(measured) | set(priced["catalog"]))
     assert (tmp_path / "b.json").is_file()
+    rates = result["calibration"]   # each calibrated figure beside the catalog's, as a ratio
+    assert {"matmul fp32 FLOP/s", "memory B/s", "AdamW s/param"} <= set(rates)
+    assert all(v["of_catalog"] == pytest.approx(v["measured"] / v["catalog"]) for v in rates.values())
