@@ -39,7 +39,7 @@ def test_two_ranks_uneven(pool2, family):
     assert shares[0] > shares[1] >= 1 and sum(shares) == 6
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.full), "gpt2"])   # llama: 6 s
 def test_three_ranks_uneven(pool3, family):
     shares = _check(pool3.run(dp_parity, family, [1.0, 0.5, 0.25], 7, 16), 3)
     # the tiny model is overhead-bound: the slowest rank may get no sample at all, and still

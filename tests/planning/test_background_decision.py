@@ -54,8 +54,8 @@ def _interrupted(_data) -> None:
     raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("background", ["process", "thread", False])
-def test_every_way_returns_the_decision_made(background):
+@pytest.mark.parametrize("background", [pytest.param("process", marks=pytest.mark.full), "thread", False])
+def test_every_way_returns_the_decision_made(background):   # a process: 2 s (quick: the real decision below)
     deciding = _deciding(_rows, "first", background, 50_000)
     assert deciding.where == ("process" if background == "process" else "thread" if background else "inline")
     answer = deciding.result()

@@ -179,6 +179,7 @@ def scratch():
         yield Path(d)
 
 
+@pytest.mark.full   # a property test over random scenario files (3 s); the named bad files stay quick (test_bad_inputs.py)
 @SETTINGS
 @given(scenario=scenario_dicts, as_json=st.booleans(), noise=st.lists(
     st.tuples(st.floats(0, 1), st.sampled_from(YAML_NOISE)), max_size=2), cut=st.none() | st.floats(0, 1))

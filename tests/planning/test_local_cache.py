@@ -110,6 +110,7 @@ def test_fxpar_plan_prices_with_the_cached_profile_and_says_so(fake_h200, capsys
     assert measured.predicted_step_s > 10 * roof.predicted_step_s
 
 
+@pytest.mark.full   # 2.5 s of CLI; the cached profile's pricing stays quick (the test above)
 def test_fxpar_plan_ignores_a_cached_profile_of_another_torch(fake_h200, capsys):
     local_cache.store(_profile("2.10.0+cu128", keyed=True), "bf16")
     text, plan = _plan_text(fake_h200, capsys)

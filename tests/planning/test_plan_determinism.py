@@ -23,7 +23,7 @@ from fxpar.scenario import load_scenario
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["cpu-emulated-2", "lab-4090-a6000"])  # data parallel, pipelines
+@pytest.mark.parametrize("name", ["cpu-emulated-2", pytest.param("lab-4090-a6000", marks=pytest.mark.full)])  # DP; pipelines (2 s)
 def test_planning_twice_gives_byte_identical_json(scenarios_dir: Path, name: str) -> None:
     scenario = load_scenario(scenarios_dir / f"{name}.yaml")
     first = plan_model(scenario.model, scenario.cluster, scenario.workload)
