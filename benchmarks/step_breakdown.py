@@ -100,23 +100,33 @@ def measured_classes(model: torch.nn.Module, batch: dict[str, torch.Tensor], dty
     return {"classes": dict(seconds), "wall_s": wall, "busy_s": busy}
 
 
+def one_device_cluster(device: torch.device) -> Any:
+    """One rank of the device's catalog type (this GPU's, or the emulated CPU); a GPU the
+    catalog does not know is a clear stop, not another type's figures."""
+    from fxpar.cluster import Cluster
+
+    if device.type != "cuda":
+        return Cluster.emulated([1.0])
+    from fxpar.profiling.local_cache import local_gpu_type
+
+    kind = local_gpu_type()
+    if kind is None:
+        raise SystemExit(f"step_breakdown: {torch.cuda.get_device_name()} is not in fxpar's catalog; nothing to "
+                         "price it with (add it under device_types: in a cluster file)")
+    return Cluster.from_dict({"name": "this GPU", "nodes": [{"gpu": kind, "count": 1}]})
+
+
 def priced_classes(model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: str, device: torch.device,
                    calibration: Any) -> dict[str, float]:
     """Seconds per class the roofline prices for the same step: one rank of the device's kind,
     the whole batch as one micro-batch; the optimizer row is the priced optimizer step."""
-    from fxpar.cluster import Cluster
     from fxpar.profiling import CostModel
     from fxpar.profiling.database import with_calibration
     from fxpar.tracing import trace
 
     rows = next(iter(batch.values())).shape[0]
     graph = trace(model, {k: v[:1].cpu() for k, v in batch.items()})
-    if device.type == "cuda":
-        from fxpar.profiling.local_cache import local_gpu_type
-
-        cluster = Cluster.from_dict({"name": "this GPU", "nodes": [{"gpu": local_gpu_type() or "H100-SXM", "count": 1}]})
-    else:
-        cluster = Cluster.emulated([1.0])
+    cluster = one_device_cluster(device)
     profiles = with_calibration({}, calibration) if calibration is not None else None
     cost = CostModel(graph, cluster, dtype=dtype, optimizer="adamw", profiles=profiles)
     one = cluster.device(0)
@@ -132,19 +142,10 @@ def calibration_against_catalog(calibration: Any, device: torch.device) -> dict[
     """Each calibrated rate beside the catalog's figure for the device's type (peak x efficiency;
     AdamW: seconds per parameter of its 80 bytes at the catalog's bandwidth) and their ratio:
     what a calibration that times launches instead of kernels shows at once (4 % of the peak)."""
-    from fxpar.cluster import Cluster
     from fxpar.profiling import memory
     from fxpar.profiling.roofline import optimizer_key
 
-    if device.type == "cuda":
-        from fxpar.profiling.local_cache import local_gpu_type
-
-        kind = local_gpu_type()
-        if kind is None:
-            return {}
-        gpu = Cluster.from_dict({"name": "this GPU", "nodes": [{"gpu": kind, "count": 1}]}).device(0).type
-    else:
-        gpu = Cluster.emulated([1.0]).device(0).type
+    gpu = one_device_cluster(device).device(0).type
     bandwidth = gpu.memory_efficiency * gpu.memory_gbps * 1e9
     pairs = {f"matmul {k} FLOP/s": (v, gpu.matmul_efficiency * gpu.peak_tflops(k) * 1e12)
              for k, v in calibration.matmul_flops.items() if k in gpu.supported_dtypes()}
