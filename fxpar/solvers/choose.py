@@ -75,7 +75,8 @@ def choose(p: Problems, found: Mapping[str, Candidates]) -> Plan:
                        "scores kept for backward")
     if p.graph.recorded:
         explain.append(recorded_line(p.graph))
-    baselines = combine_baselines(best.strategy, found)
+    offered_by = next(name for name in FAMILY_ORDER if name in found and any(q is best for q in found[name].plans))
+    baselines = combine_baselines(offered_by, found)
     for name, value in baselines:
         explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
                                                if value is None else
@@ -121,8 +122,9 @@ def _recorded_tensor_parallel(graph: ModelGraph) -> str:
 
 def combine_baselines(strategy: str, found: Mapping[str, Candidates]) -> tuple[tuple[str, float | None], ...]:
     """The plan's baselines from the families' figures (module docstring): ``FIXED_BASELINES``,
-    then any other a family gives, in family order; ``strategy``: the chosen plan's form, whose
-    ``whale_rules`` is reported."""
+    then any other a family gives, in family order; ``strategy``: the family that offered the
+    chosen plan (a tensor-parallel plan comes from the pipelines' search), whose ``whale_rules``
+    is reported."""
     merged: dict[str, float | None] = {}
     for name in FAMILY_ORDER:
         for baseline, value in found[name].baselines if name in found else ():

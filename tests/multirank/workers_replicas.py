@@ -43,6 +43,14 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
     return out
 
 
+def held_parameters(pm) -> list[tuple[str, torch.nn.Parameter]]:
+    """This rank's parameters by their names in the original model (a pipeline's stages, or a
+    tensor-parallel rank's model with its shards)."""
+    if pm.plan.strategy == "pipeline":
+        return list(pm.named_original_parameters())
+    return list(pm.original_model.named_parameters())
+
+
 def train_and_compare(pm, reference: torch.nn.Module, data: list) -> list[dict]:
     """AdamW (lr 1e-2) steps of ``pm`` and ``reference`` on the same batches; per step the losses
     and this rank's gradient gaps (``tests/parity.step_record``) and, after the step, the
@@ -57,7 +65,7 @@ def train_and_compare(pm, reference: torch.nn.Module, data: list) -> list[dict]:
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
         ref_loss.backward()
-        named = list(pm.named_original_parameters())
+        named = held_parameters(pm)
         step = step_record(loss, ref_loss, ((f, p.grad, reference_slice(p, ref_params[f].grad)) for f, p in named),
                            reference, steps_before=k)
         opt.step(); opt.zero_grad(set_to_none=True)
@@ -104,9 +112,11 @@ def planned_replica_parity(steps: int = 2) -> dict:
     graph = trace(model, {k: v[:1] for k, v in data[0].items()})
     plan = solve_plan(graph, cluster, Workload(global_batch=12, seq_len=16), strategies=("pipeline",))
     pm = fxpar.auto(model, cluster, data[0], global_batch=12, plan=plan)
-    return {"rank": dist.get_rank(), "data_split": plan.stages[0].data_split, "pipelines": plan.pipelines,
-            "rows": pm.batch_rows(), "steps": train_and_compare(pm, reference, data),
-            "sharded": sum(getattr(p, "fxpar_shard_dim", None) is not None for _, p in pm.named_original_parameters())}
+    held = held_parameters(pm)
+    return {"rank": dist.get_rank(), "data_split": plan.stages[0].data_split, "strategy": plan.strategy,
+            "width": plan.stages[0].tensor_parallel, "rows": pm.batch_rows(),
+            "steps": train_and_compare(pm, reference, data),
+            "sharded": sum(getattr(p, "fxpar_shard_dim", None) is not None for _, p in held)}
 
 
 def own_cuts_parity(cuts: list[list[int]], data_split: list[int]) -> dict:

@@ -167,8 +167,8 @@ def test_planner_prices_a_pipeline_per_node_kind_and_takes_it_when_faster(llama,
     chosen = len(set(plan.stages[0].data_split)) > 1
     assert chosen == faster
     if chosen:  # the fast node's pipeline trains more samples; stored prediction == simulate(plan)
-        split = plan.stages[0].data_split
-        assert plan.pipelines == 2 and split[0] > split[1]
+        split = plan.stages[0].data_split   # one stage per kind runs as the tensor-parallel form's replicas
+        assert len(split) == 2 and split[0] > split[1]
         again = Plan.from_json(plan.to_json())
         assert abs(simulate(again, _cost(graph, cluster)).step_s - plan.predicted_step_s) <= REL * plan.predicted_step_s
 
@@ -178,8 +178,10 @@ def test_planner_takes_the_pipeline_per_node_kind_on_a_fast_network(llama) -> No
     # its own pipeline (here one stage of tensor-parallel width 2) on a batch in proportion to
     # its speed, ahead of every identical pipeline (whose even batch waits for the slow node)
     graph, _ = llama
+    # (one stage per pipeline: offered as the tensor-parallel form with a replica per node,
+    # fxpar.forms.pipeline.search.as_tensor_form)
     plan = solve(graph, _two_kinds(0.5, 100, 1.0), WORKLOAD, strategies=("pipeline",))
-    assert plan.pipelines == 2 and plan.stages[0].data_split == (8, 4)
+    assert plan.strategy == "tensor_parallel" and plan.stages[0].data_split == (8, 4)
     for st in plan.stages:
         u = st.tensor_parallel
         assert {plan.ranks[r].node for r in st.ranks[:u]} == {0} and {plan.ranks[r].node for r in st.ranks[u:]} == {1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fxpar.errors import PlanError
@@ -87,3 +88,35 @@ def state_holders(p: Any) -> int:
     """The fewest ranks among which the model state is divided: Counted as whole (an upper bound:
     each position holds its shard)."""
     return 1
+
+
+def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
+    """The ``tensor_parallel`` plan that runs the work of ``plan``, a pipeline of one stage over
+    ranks ``0..N-1`` (``P`` pipelines of ``W = N / P`` ranks, each a tensor-parallel group), or
+    None where ``plan`` is not such a pipeline or says what this form cannot run (activation
+    checkpointing, optimizer offload, experts split, replicas by node kind, a ZeRO-1 exchange).
+
+    Both run each block's two all-reduces forward and two backward per micro-batch over the group
+    and the pipelines' gradient sum after the backward, on the same shares: the stage's ``units``
+    key/value groups split evenly (``units // W``, one more for the first ``units % W``
+    positions, as the pipeline's stage splits them), ``data_split`` and every rank's
+    micro-batching kept.  The difference is the runtime: a pipeline's tensor-parallel stage has
+    a lead that broadcasts a command and the stage's inputs to the group for every forward and
+    backward (:mod:`fxpar.codegen.pipeline.tensor_stages`), where this form's ranks each load
+    their replica's rows and run the model's own forward."""
+    if plan.strategy != "pipeline" or len(plan.stages) != 1 or plan.schedule == "interleaved":
+        return None
+    st = plan.stages[0]
+    world, width = len(plan.ranks), st.tensor_parallel
+    if (width < 2 or tuple(st.ranks) != tuple(range(world)) or len(st.data_split) != plan.pipelines
+            or st.replica_devices is not None or st.expert_split is not None or units < width
+            or plan.activation_checkpointing or st.activation_checkpointing or plan.zero_sharded_optimizer
+            or any(r.activation_checkpointing or r.offload_optimizer for r in plan.ranks)):
+        return None
+    even = [units // width + (1 if t < units % width else 0) for t in range(width)]
+    try:
+        return replace(plan, strategy="tensor_parallel", schedule="none", pipelines=1, num_microbatches=1,
+                       stages=(replace(st, modules=("",), tensor_split=tuple(even) * plan.pipelines,
+                                       mlp_split=None),))
+    except PlanError:
+        return None

@@ -240,6 +240,17 @@ class TPAnalysis:
         kv = [a.heads if a.kv_heads == 1 else a.kv_heads for b in self.blocks if b.splittable for a in b.attention]
         return min(kv) if kv else 1
 
+    def split_units(self) -> int | None:
+        """What a tensor-parallel rank holds whole, counted in the first splittable block's first
+        attention: its key/value head groups, or for multi-query attention (one key/value head,
+        which every rank then holds) its query heads; None when no block is splittable.  The
+        split of a stage with no ``tensor_split`` divides these evenly
+        (:func:`fxpar.codegen.tensor.families.head_layout` reads the same)."""
+        found = next((b.attention[0] for b in self.blocks if b.splittable), None)
+        if found is None:
+            return None
+        return found.heads if found.kv_heads == 1 else found.kv_heads
+
     def refused(self) -> tuple[BlockTP, ...]:
         return tuple(b for b in self.blocks if b.reason is not None)
 
