@@ -230,10 +230,12 @@ def same_plan(a: str, b: str) -> bool:
 
 
 def mark_repeats(arms: dict[str, Any]) -> None:
-    """``same_as``: the choices whose plan is a family arm's (or an earlier choice's) plan are not
-    timed again; they read that arm's measurement."""
-    earlier = [a for a in ARMS if a not in CHOICES]
-    for key in CHOICES:
+    """``same_as``: an arm whose plan is an earlier arm's plan (the family arms in :data:`ARMS`'
+    order, then the choices) is not timed again; it reads that arm's measurement, and counts
+    once in the mean prediction error (a pipeline arm that is one stage over every rank is the
+    tensor-parallel arm's plan: :func:`fxpar.forms.pipeline.search.as_tensor_form`)."""
+    earlier: list[str] = []
+    for key in [a for a in ARMS if a not in CHOICES] + list(CHOICES):
         mine = arms.get(key, {})
         for arm in earlier:
             other = arms.get(arm, {})

@@ -33,7 +33,7 @@ import numpy as np
 
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel, memory
-from fxpar.sim.segments import SegmentTable, _tensor_parallel, split_parameter, kept_whole
+from fxpar.sim.segments import SegmentTable, _tensor_parallel, kept_whole, on_vocab_slice, split_parameter, vocab_size
 from fxpar.tracing.graph import ModelGraph, OpClass
 
 #: tensors of the logits slice's size fxpar's vocab-parallel loss (:mod:`fxpar.codegen.tensor.vocab`)
@@ -60,17 +60,12 @@ def _attention(module_path: str, block: str) -> bool:
     return "attn" in inner.split(".")[0].lower() or "attention" in inner.split(".")[0].lower()
 
 
-def _vocab_size(graph: ModelGraph) -> int | None:
-    sizes = {p.shape[0] for p in graph.params if p.module_path in graph.vocab_parallel_modules and p.shape}
-    return sizes.pop() if len(sizes) == 1 else None
-
-
 def node_shares(graph: ModelGraph, kv: float, mlp: float, *, saved: bool = False) -> np.ndarray:
     """``φ_n``: the share of each node's tensors one tensor-parallel rank holds (module docstring).
     ``saved``: the share of what the node *saves* — the first product of a block part saves the
     part's input, which every rank holds whole (column-parallel: the input is replicated), and
     the vocab-parallel loss saves :data:`VOCAB_LOSS_SAVES` slices of the logits."""
-    vocab = _vocab_size(graph)
+    vocab = vocab_size(graph)
     whole = kept_whole(graph)
     out = np.ones(len(graph.nodes))
     part_seen: set[tuple[int, bool]] = set()
@@ -84,8 +79,7 @@ def node_shares(graph: ModelGraph, kv: float, mlp: float, *, saved: bool = False
                 out[i] = 1.0  # the column-parallel product keeps its (replicated) input
             if n.op_class is OpClass.MATMUL and n.saved_bytes:
                 part_seen.add(part)
-        elif (vocab and n.layer is None and n.op_class is not OpClass.VIEW
-              and any(s and s[-1] == vocab for s in n.out_shapes + n.in_shapes)):
+        elif on_vocab_slice(n, graph, vocab):
             out[i] = mlp * (VOCAB_LOSS_SAVES if saved else 1.0)  # the loss works on its logits slice
     return out
 

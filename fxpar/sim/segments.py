@@ -131,18 +131,39 @@ def split_parameter(p, graph: ModelGraph, whole: KeptWhole = KeptWhole()) -> boo
     return layer.tensor_parallel and _inside_block_part(p.module_path, layer.path) and p.fqn not in whole.params
 
 
-def _tensor_parallel(node, graph: ModelGraph, whole: KeptWhole = KeptWhole()) -> bool:
+def vocab_size(graph: ModelGraph) -> int | None:
+    """The rows of the vocab-parallel embedding / head (None: no vocab-parallel head, or rows
+    that disagree)."""
+    sizes = {p.shape[0] for p in graph.params if p.module_path in graph.vocab_parallel_modules and p.shape}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _vocab_split_product(node, graph: ModelGraph) -> bool:
+    """The vocab-parallel embedding's lookup or head's product itself."""
+    return node.module_path in graph.vocab_parallel_modules and node.op_class in (OpClass.MATMUL, OpClass.EMBEDDING)
+
+
+def on_vocab_slice(node, graph: ModelGraph, vocab: int | None) -> bool:
+    """A node of the vocab-parallel loss: outside the blocks, not a view, not the head's product,
+    with a tensor whose last dimension is the vocabulary (``vocab``, :func:`vocab_size`) —
+    each rank computes it on its slice of the logits (:mod:`fxpar.codegen.tensor.vocab`)."""
+    return (bool(vocab) and node.layer is None and node.op_class is not OpClass.VIEW
+            and not _vocab_split_product(node, graph)
+            and any(s and s[-1] == vocab for s in node.out_shapes + node.in_shapes))
+
+
+def _tensor_parallel(node, graph: ModelGraph, whole: KeptWhole = KeptWhole(), vocab: int | None = None) -> bool:
     """Tensor parallelism as fxpar's codegen runs it divides everything inside a block's
     attention / MLP / experts submodules (column-parallel in, row-parallel out) but the modules
     it keeps whole on every rank (``whole``: :func:`kept_whole`); the block-level norms and
     residual adds stay replicated, and so do blocks whose attention codegen does not
     recognise; the embedding and head are split by vocabulary where codegen does that
-    (``graph.vocab_parallel_modules``), else replicated."""
+    (``graph.vocab_parallel_modules``), else replicated, and so is the loss on the head's
+    logits (``vocab``: :func:`vocab_size`; :func:`on_vocab_slice`; None: the loss not counted)."""
     if node.op_class is OpClass.VIEW or node.module_path in whole.modules:
         return False
     if node.layer is None:
-        return node.module_path in graph.vocab_parallel_modules and \
-            node.op_class in (OpClass.MATMUL, OpClass.EMBEDDING)
+        return _vocab_split_product(node, graph) or on_vocab_slice(node, graph, vocab)
     if not graph.layers[node.layer].tensor_parallel:
         return False
     if node.op_class in _SHARDED:
@@ -204,7 +225,8 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
         tensors[seg] += 1
         if split_parameter(p, graph, whole):
             split_params[seg] += p.numel
-    sharded = np.array([_tensor_parallel(n, graph, whole) for n in graph.nodes])
+    vocab = vocab_size(graph)
+    sharded = np.array([_tensor_parallel(n, graph, whole, vocab) for n in graph.nodes])
     cost_a, cost_c, fwd_a, fwd_c = {}, {}, {}, {}
     frac = np.zeros(n_seg)
     for key, dev in kinds.items():
