@@ -1,5 +1,8 @@
 """Switch a running job to a new plan without a restart: build, move state, swap the optimizer.
 
+0. **In place.**  A plan that changes only the batch shares of the running module's form (a
+   data-parallel re-share; ZeRO with the same state split) is taken by the module's own
+   ``set_plan``: nothing is built, nothing moves, and the optimizer is untouched.  Otherwise:
 1. **Template.**  When adapting starts, the model is copied once with every parameter on the
    ``meta`` device (:func:`meta_template`: ``copy.deepcopy`` with the parameters pre-seeded in
    its memo, so no weight is copied; buffers, small, stay real).  A new plan's module is built
@@ -218,7 +221,11 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
     (changed in place), its state (module docstring).  Collective over the default group."""
     if optimizer is not None:
         check_movable(optimizer)
-    start, rng = time.perf_counter(), _rng_state()
+    start = time.perf_counter()
+    if _reshared_in_place(old, plan):
+        return old, SwitchReport(build_s=0.0, move_s=0.0, migrate_s=time.perf_counter() - start,
+                                 stats=ReshardStats(0, 0, 0, 0, rounds=0), state_bytes=_held_bytes(describe(old), optimizer))
+    rng = _rng_state()
     old_layout = describe(old)
     groups = _group_of_fqn(old_layout, optimizer) if optimizer is not None else {}
     new = _build_agreed(template, plan, rank, example_inputs, device, build_options, rng)
@@ -242,9 +249,28 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
     _set_rng_state(rng)
     release_owned(old.owned)   # the old plan's communicators and hooks: nothing runs on them now
     done = time.perf_counter()
-    held = sum(lp.param.numel() * lp.param.element_size() for lp in new_layout.params)
+    return new, SwitchReport(build_s=built - start, move_s=done - built, migrate_s=done - start, stats=stats,
+                             state_bytes=_held_bytes(new_layout, optimizer))
+
+
+def _reshared_in_place(old: ParallelModule, plan: Plan) -> bool:
+    """Whether ``old`` runs ``plan`` as it is, only its batch shares changed: its form's
+    ``set_plan`` takes it (a data-parallel re-share; ZeRO with the same state split), so nothing
+    is built and nothing moves.  ``set_plan`` reads only the two plans, so every rank answers
+    alike; a PlanError leaves ``old`` unchanged and the switch rebuilds."""
+    if plan.strategy != old.plan.strategy:
+        return False
+    try:
+        old.set_plan(plan)
+    except PlanError:
+        return False
+    return True
+
+
+def _held_bytes(layout: Any, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameter and optimizer-state bytes this rank holds (``layout``: :func:`describe`'s)."""
+    held = sum(lp.param.numel() * lp.param.element_size() for lp in layout.params)
     if optimizer is not None:
         held += sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim())
-    return new, SwitchReport(build_s=built - start, move_s=done - built, migrate_s=done - start, stats=stats,
-                             state_bytes=held)
+    return held

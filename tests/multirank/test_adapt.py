@@ -124,11 +124,14 @@ def test_a_zero3_re_split_moves_state_with_parity(pool2):
     with the state split reversed (1:3), where rank 1 receives the rows it now owns and their
     AdamW state from rank 0 (a pipeline target would need the newest torch's meta export, which
     the quick tier's lowest versions lack); every step's loss equals one process's and the weights stay on
-    its trajectory (the full tier runs :data:`SWITCH_CHAINS`)."""
-    results = pool2.run(switch_parity, {1: "sharded", 2: "sharded-resplit"}, 4)
-    assert results[1]["switches"][1]["received"] > 0   # rank 1's new rows were rank 0's
+    its trajectory (the full tier runs :data:`SWITCH_CHAINS`).  First a data-parallel re-share,
+    which the running module takes in place: nothing built, nothing moved."""
+    results = pool2.run(switch_parity, {1: "dp-reshare", 2: "sharded", 3: "sharded-resplit"}, 5)
+    assert results[1]["switches"][2]["received"] > 0   # rank 1's new rows were rank 0's
     for r in results:
-        assert r["kinds"] == ["data_parallel"] + ["sharded_data_parallel"] * 3 and r["n_state"] > 0
+        reshare = r["switches"][0]
+        assert reshare["build_s"] == 0.0 and reshare["sent"] == reshare["received"] == reshare["local"] == 0
+        assert r["kinds"] == ["data_parallel"] * 2 + ["sharded_data_parallel"] * 3 and r["n_state"] > 0
         for k, (loss, ref) in enumerate(r["losses"]):
             expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
         expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")

@@ -37,16 +37,16 @@ _SPLITS = {
 def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int,
           start: fxpar.Plan | None = None) -> fxpar.Plan:
     """The hand plan of a switch target on ``world`` ranks (:data:`_SPLITS`): "dp" (the run's
-    starting plan, uneven data parallelism), "pp" (2 micro-batches, 4 for 3 or 4 stages), "pp-recut" (other cuts),
+    starting plan, uneven data parallelism), "dp-reshare" (its shares reversed), "pp" (2 micro-batches, 4 for 3 or 4 stages), "pp-recut" (other cuts),
     "pp-tp" (a pipeline whose stages are tensor-parallel groups), "sharded" (ZeRO-3, uneven
     batch and state), "sharded-resplit" (another state split), "zero2", "sharded-offload"
     (ZeRO-3 with rank 0's optimizer on the host), "tp" (one KV group per rank), "tp-3:1" (a
     model with 4 KV groups split 3:1), "interleaved" (4 one-block stages over 2 ranks), "ep" (a
     Mixtral's 4 experts split 3:1), "ep-resplit" (1:3)."""
     split = _SPLITS[world]
-    if kind == "dp":
+    if kind in ("dp", "dp-reshare"):
         assert start is not None and start.strategy == "data_parallel"
-        return start
+        return start if kind == "dp" else _reshared(start)
     if kind in ("pp", "pp-recut"):
         blocks = split["pp"] if kind == "pp" else split["recut"]
         return pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=blocks,
@@ -68,6 +68,17 @@ def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int,
         return expert_parallel_plan(model, cluster, global_batch=BATCH,
                                     expert_split=[3, 1] if kind == "ep" else [1, 3], batch_shares=[5, 3])
     raise ValueError(kind)
+
+
+def _reshared(plan: fxpar.Plan) -> fxpar.Plan:
+    """``plan`` (data parallel) with its batch shares reversed, each rank's micro-batching one
+    micro-batch of its share: a switch its module takes in place (``set_plan``)."""
+    import dataclasses
+
+    shares = plan.batch_shares[::-1]
+    ranks = tuple(dataclasses.replace(r, batch_share=x, micro_batch_size=x, num_microbatches=1)
+                  for r, x in zip(plan.ranks, shares))
+    return dataclasses.replace(plan, ranks=ranks, stages=(dataclasses.replace(plan.stages[0], data_split=shares),))
 
 
 def _boxes(pm: torch.nn.Module, reference: dict, initial: dict) -> list:
@@ -137,7 +148,7 @@ def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config
     out.setdefault("events", getattr(pm, "events", []))
     out["switches"] = [{"step": e["step"], "to": e["to"], "sent": e["stats"]["sent_bytes"],
                         "received": e["stats"]["received_bytes"], "local": e["stats"]["local_bytes"],
-                        "state_bytes": e["state_bytes"], "migrate_s": e["migrate_s"]}
+                        "state_bytes": e["state_bytes"], "migrate_s": e["migrate_s"], "build_s": e["build_s"]}
                        for e in out["events"] if e["kind"] == "switch"]
     pm = getattr(pm, "parallel_module", pm)
     out["weights"] = trajectory_gaps(_boxes(pm, ref_params, initial))
