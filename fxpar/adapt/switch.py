@@ -258,8 +258,6 @@ def _reshared_in_place(old: ParallelModule, plan: Plan) -> bool:
     ``set_plan`` takes it (a data-parallel re-share; ZeRO with the same state split), so nothing
     is built and nothing moves.  ``set_plan`` reads only the two plans, so every rank answers
     alike; a PlanError leaves ``old`` unchanged and the switch rebuilds."""
-    if plan.strategy != old.plan.strategy:
-        return False
     try:
         old.set_plan(plan)
     except PlanError:

@@ -92,6 +92,11 @@ class NodeCosts:
     bwd_c: np.ndarray
     measured: np.ndarray      # bool: cost came from a measured profile
     weights: np.ndarray       # of ``fwd_a + bwd_a``, the seconds of weight traffic (module docstring)
+    #: of ``fwd_a`` / ``bwd_a``, the per-op launch seconds (the calibrated op overhead; a measured
+    #: node's intercept at most): tensor parallelism divides a node's work, never its launch
+    #: (:meth:`fxpar.sim.segments.SegmentTable.stage_seconds`); None: none counted apart
+    fwd_o: np.ndarray | None = None
+    bwd_o: np.ndarray | None = None
 
 
 def optimizer_key(optimizer: str, dtype: str) -> str:
@@ -166,8 +171,10 @@ class CostModel:
                          0.0)
         fwd_w = np.where(real, b * np.maximum(fwd_t - fwd_c, 0.0), 0.0)
         bwd_w = np.where(real & self._needs_bwd, b * np.maximum(bwd_t - bwd_c, 0.0), 0.0)
-        fwd_a = np.where(real, overhead, 0.0) + fwd_w
-        bwd_a = np.where(real & self._needs_bwd, overhead, 0.0) + bwd_w
+        fwd_o = np.where(real, overhead, 0.0)
+        bwd_o = np.where(real & self._needs_bwd, overhead, 0.0)
+        fwd_a = fwd_o + fwd_w
+        bwd_a = bwd_o + bwd_w
         weights = fwd_w + bwd_w
         measured = np.zeros(len(fwd_c), dtype=bool)
         if db is not None and self._keys:
@@ -179,9 +186,10 @@ class CostModel:
                     measured[i] = True
                     fwd_a[i], fwd_c[i], bwd_a[i], bwd_c[i] = cost.fwd[0], cost.fwd[1], cost.bwd[0], cost.bwd[1]
                     weights[i] = 0.0
+                    fwd_o[i], bwd_o[i] = min(fwd_o[i], max(fwd_a[i], 0.0)), min(bwd_o[i], max(bwd_a[i], 0.0))
         sp = device.speed
         result = NodeCosts(fwd_a=fwd_a / sp, fwd_c=fwd_c / sp, bwd_a=bwd_a / sp, bwd_c=bwd_c / sp,
-                           measured=measured, weights=weights / sp)
+                           measured=measured, weights=weights / sp, fwd_o=fwd_o / sp, bwd_o=bwd_o / sp)
         self._node_cache[key] = result
         return result
 

@@ -15,9 +15,12 @@ Per stage and micro-batch (``σ_i = φ_i/u + 1 − φ_i``; ``TF_i``, ``TB_i`` se
 tensor-parallel all-reduces forward and backward on the group's node,
 :func:`fxpar.sim.segments.tp_seconds`):
 
-    f_j = Σ_i (fa_ik + fc_ik·b)·σ_i + Σ_i TF_i
-    b_j = Σ_i (a_ik + c_ik·b)·σ_i + Σ_i (TF_i + TB_i) − f_j   (+ Σ_blocks (fa_ik + fc_ik·b)·σ_i
-                                                          when the stage checkpoints: forward again)
+    f_j = Σ_i (fa_ik − fl_ik + fc_ik·b)·σ_i + fl_ik + Σ_i TF_i
+    b_j = Σ_i (a_ik − l_ik + c_ik·b)·σ_i + l_ik + Σ_i (TF_i + TB_i) − f_j   (+ the forward's segment
+                                                          terms again when the stage checkpoints)
+
+(``l_ik``, ``fl_ik``: the segment's per-op launch seconds, all and forward, which a split does
+not divide: :meth:`fxpar.sim.segments.SegmentTable.stage_seconds`)
     h_j = Σ_{t sent by cut e_j − 1} (α + x_t(b) / B_{π(j) → π(j+1)})     forward
     g_j = Σ_{t of those that need a gradient} (α + x_t(b) / B_{π(j+1) → π(j)})   back
 
@@ -209,11 +212,11 @@ def stage_seconds(prices: PipelinePrices, st: StageSlice, b: int) -> tuple[float
     """(f_j, b_j) of one stage per micro-batch of ``b`` samples (module docstring)."""
     t, k, i, e = prices.table, st.kind, st.start, st.end
     share = 1.0 / st.width if st.share is None else st.share
-    scale = (t.sharded_fraction * share + (1 - t.sharded_fraction))[i:e]
     tp_fwd, tp_bwd = (x[i:e] for x in tp_seconds(t, prices.network, k, st.width, b))
     ks, over = prices.compute_scale.get(k, 1.0), prices.segment_overhead_s.get(k, 0.0)
-    fwd_parts = (t.fwd_a[k][i:e] + t.fwd_c[k][i:e] * b) * scale * ks + over / 3
-    total = float(((t.cost_a[k][i:e] + t.cost_c[k][i:e] * b) * scale * ks + over).sum()) + float((tp_fwd + tp_bwd).sum())
+    seg_total, seg_fwd = (x[i:e] for x in t.stage_seconds(k, b, t.sharded_fraction * share + (1 - t.sharded_fraction)))
+    fwd_parts = seg_fwd * ks + over / 3
+    total = float((seg_total * ks + over).sum()) + float((tp_fwd + tp_bwd).sum())
     if st.checkpointing:  # every block's forward again during the backward
         blocks = (np.arange(i, e) > 0) & (np.arange(i, e) < t.size - 1)
         total += float(np.where(blocks, fwd_parts, 0.0).sum())

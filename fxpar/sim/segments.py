@@ -60,6 +60,24 @@ class SegmentTable:
     #: (:attr:`fxpar.tracing.graph.ModelGraph.cuts`; the last sends none); None: unknown, the
     #: hidden state (``boundary_bytes``) alone, both ways
     sends: tuple[tuple[CutTensor, ...], ...] | None = None
+    #: kind -> per-micro-batch seconds per segment that tensor parallelism does not divide: the
+    #: per-op launches of its nodes (``NodeCosts.fwd_o + bwd_o``), and their forward part; None:
+    #: none (every second of ``cost_a`` divides as ``cost_c`` does)
+    launch_a: Mapping[str, np.ndarray] | None = None
+    launch_fwd_a: Mapping[str, np.ndarray] | None = None
+
+    def stage_seconds(self, kind: str, b: float, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment, a rank's (forward + backward, forward) seconds of a micro-batch of ``b``
+        samples where tensor parallelism leaves it ``scale`` (``σ_i = φ_i·share + 1 − φ_i``,
+        :mod:`fxpar.sim.pipeline_cost`) of each segment's work; its ops' launches (``launch_a``)
+        stay whole: a split product is still one launch on every rank of the group.
+
+            t_i = (a_i − l_i + c_i·b)·σ_i + l_i,   forward alike with its own parts"""
+        launch = self.launch_a[kind] if self.launch_a is not None else 0.0
+        fwd_launch = self.launch_fwd_a[kind] if self.launch_fwd_a is not None else 0.0
+        total = (self.cost_a[kind] - launch + self.cost_c[kind] * b) * scale + launch
+        fwd = (self.fwd_a[kind] - fwd_launch + self.fwd_c[kind] * b) * scale + fwd_launch
+        return total, fwd
 
     def hop_messages(self, j: int, b: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The bytes of each tensor a cut after segment ``j`` sends for a micro-batch of ``b``
@@ -225,30 +243,45 @@ def build_segments(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, objec
         tensors[seg] += 1
         if split_parameter(p, graph, whole):
             split_params[seg] += p.numel
-    vocab = vocab_size(graph)
-    sharded = np.array([_tensor_parallel(n, graph, whole, vocab) for n in graph.nodes])
-    cost_a, cost_c, fwd_a, fwd_c = {}, {}, {}, {}
-    frac = np.zeros(n_seg)
-    for key, dev in kinds.items():
-        nc = cost.node_costs(dev)
-        a = nc.fwd_a + nc.bwd_a
-        c = nc.fwd_c + nc.bwd_c
-        cost_a[key] = np.bincount(seg_of, weights=a, minlength=n_seg)
-        cost_c[key] = np.bincount(seg_of, weights=c, minlength=n_seg)
-        fwd_a[key] = np.bincount(seg_of, weights=nc.fwd_a, minlength=n_seg)
-        fwd_c[key] = np.bincount(seg_of, weights=nc.fwd_c, minlength=n_seg)
-        if not frac.any():
-            tot = np.bincount(seg_of, weights=c, minlength=n_seg)
-            part = np.bincount(seg_of, weights=np.where(sharded, c, 0.0), minlength=n_seg)
-            frac = np.divide(part, tot, out=np.zeros(n_seg), where=tot > 0)
+    costs, frac = _segment_costs(graph, cost, kinds, seg_of, n_seg, whole)
     names = ("pre",) + tuple(layer.path for layer in graph.layers) + ("post",)
     modules = ((tuple(sorted(pre_modules)),) + tuple((layer.path,) for layer in graph.layers)
                + (tuple(sorted(post_modules)),))
     return SegmentTable(names=names, modules=modules, params=params, act_bytes=act,
-                        boundary_bytes=boundary, sharded_fraction=frac, cost_a=cost_a, cost_c=cost_c,
-                        fwd_a=fwd_a, fwd_c=fwd_c, sharded_params=split_params, out_bytes=out_max,
+                        boundary_bytes=boundary, sharded_fraction=frac, cost_a=costs["cost_a"], cost_c=costs["cost_c"],
+                        fwd_a=costs["fwd_a"], fwd_c=costs["fwd_c"], sharded_params=split_params, out_bytes=out_max,
                         tp_messages=_tp_messages(graph, cost.dtype, boundary, pre_modules, post_modules),
-                        param_tensors=tensors, sends=graph.cuts + ((),) if len(graph.cuts) == n_seg - 1 else None)
+                        param_tensors=tensors, sends=graph.cuts + ((),) if len(graph.cuts) == n_seg - 1 else None,
+                        launch_a=costs.get("launch_a"), launch_fwd_a=costs.get("launch_fwd_a"))
+
+
+def _segment_costs(graph: ModelGraph, cost: CostModel, kinds: Mapping[str, object], seg_of: np.ndarray,
+                   n_seg: int, whole: KeptWhole) -> tuple[dict[str, dict[str, np.ndarray]], np.ndarray]:
+    """Per device kind, each segment's summed node costs (``cost_a`` / ``cost_c`` forward +
+    backward, ``fwd_a`` / ``fwd_c`` the forward, ``launch_a`` / ``launch_fwd_a`` the per-op
+    launches where the cost model counts them apart), and the fraction of each segment's
+    per-sample seconds that tensor parallelism divides (``sharded_fraction``, from the first kind)."""
+    vocab = vocab_size(graph)
+    sharded = np.array([_tensor_parallel(n, graph, whole, vocab) for n in graph.nodes])
+    out: dict[str, dict[str, np.ndarray]] = {k: {} for k in ("cost_a", "cost_c", "fwd_a", "fwd_c", "launch_a",
+                                                             "launch_fwd_a")}
+    frac = np.zeros(n_seg)
+
+    def per_segment(values: np.ndarray) -> np.ndarray:
+        return np.bincount(seg_of, weights=values, minlength=n_seg)
+
+    for key, dev in kinds.items():
+        nc = cost.node_costs(dev)
+        c = nc.fwd_c + nc.bwd_c
+        out["cost_a"][key], out["cost_c"][key] = per_segment(nc.fwd_a + nc.bwd_a), per_segment(c)
+        out["fwd_a"][key], out["fwd_c"][key] = per_segment(nc.fwd_a), per_segment(nc.fwd_c)
+        if nc.fwd_o is not None and nc.bwd_o is not None:
+            out["launch_a"][key], out["launch_fwd_a"][key] = per_segment(nc.fwd_o + nc.bwd_o), per_segment(nc.fwd_o)
+        if not frac.any():
+            tot = per_segment(c)
+            frac = np.divide(per_segment(np.where(sharded, c, 0.0)), tot, out=np.zeros(n_seg), where=tot > 0)
+    complete = {k: v for k, v in out.items() if len(v) == len(kinds)}   # launches: every kind or none
+    return complete, frac
 
 
 def _tp_messages(graph: ModelGraph, dtype: str, boundary: np.ndarray, pre: set[str], post: set[str]):

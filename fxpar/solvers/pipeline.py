@@ -122,13 +122,13 @@ def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool
     def make():
         t = ctx.table
         scale = t.sharded_fraction / u + (1 - t.sharded_fraction)
-        seg_time = (t.cost_a[kind_key] + t.cost_c[kind_key] * b) * scale
+        seg_time, fwd = t.stage_seconds(kind_key, b, scale)
         if ckpt:  # recompute every block's forward during the backward
             blocks = (np.arange(t.size) > 0) & (np.arange(t.size) < t.size - 1)
-            seg_time = seg_time + np.where(blocks, (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale, 0.0)
+            seg_time = seg_time + np.where(blocks, fwd, 0.0)
         tp_fwd, tp_bwd = tp_seconds(t, ctx.network, kind_key, u, b)
         seg_time = seg_time + tp_fwd + tp_bwd
-        fwd = (t.fwd_a[kind_key] + t.fwd_c[kind_key] * b) * scale + tp_fwd
+        fwd = fwd + tp_fwd
         return np.concatenate([[0.0], np.cumsum(seg_time)]), np.concatenate([[0.0], np.cumsum(fwd)])
     return _memo(ctx, ("time", kind_key, u, b, ckpt), make)
 

@@ -56,7 +56,8 @@ def test_every_candidate_of_every_family_stores_its_prediction():
             got = fxpar.predict(plan, graph, cluster).step_s
             assert got == pytest.approx(plan.predicted_step_s, rel=1e-9), (model, cluster_name, _kind(plan))
     assert {"data_parallel", "expert_parallel", "sharded_data_parallel", "pipeline/interleaved+replicas",
-            "pipeline/1F1B+tp", "pipeline/1F1B+replicas"} <= seen, seen
+            "pipeline/1F1B+replicas"} <= seen, seen
+    assert seen & {"pipeline/1F1B+tp", "pipeline/1F1B+tp+replicas"}, seen   # tensor-parallel stages
 
 
 def _rebalanced(graph=None, cluster=None):
