@@ -78,3 +78,12 @@ def test_the_planner_offers_the_tensor_form_with_the_pipelines_reasoning(llama):
     assert dict(plan.baselines)["whale_rules"] is not None
     again = simulate(plan, CostModel(graph, cluster, dtype=WORKLOAD.dtype, optimizer=WORKLOAD.optimizer))
     assert abs(again.step_s - plan.predicted_step_s) <= REL * plan.predicted_step_s
+
+
+def test_an_uneven_split_of_the_stage_is_kept(llama):
+    graph, model = llama
+    units = graph.tp_analysis.split_units()
+    cluster = fxpar.Cluster.emulated([1.0, 0.5], one_node=True)
+    piped = _one_stage(model, cluster, tensor_parallel=[2], tensor_splits=[[units - 1, 1]])
+    tensor = from_one_stage_pipeline(piped, units)
+    assert tensor is not None and tensor.stages[0].tensor_split == (units - 1, 1)

@@ -99,7 +99,8 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
     Both run each block's two all-reduces forward and two backward per micro-batch over the group
     and the pipelines' gradient sum after the backward, on the same shares: the stage's ``units``
     key/value groups split evenly (``units // W``, one more for the first ``units % W``
-    positions, as the pipeline's stage splits them), ``data_split`` and every rank's
+    positions, as the pipeline's stage splits them; its own ``tensor_split`` where it has one),
+    ``data_split`` and every rank's
     micro-batching kept.  The difference is the runtime: a pipeline's tensor-parallel stage has
     a lead that broadcasts a command and the stage's inputs to the group for every forward and
     backward (:mod:`fxpar.codegen.pipeline.tensor_stages`), where this form's ranks each load
@@ -113,10 +114,9 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
             or plan.activation_checkpointing or st.activation_checkpointing or plan.zero_sharded_optimizer
             or any(r.activation_checkpointing or r.offload_optimizer for r in plan.ranks)):
         return None
-    even = [units // width + (1 if t < units % width else 0) for t in range(width)]
+    even = tuple(units // width + (1 if t < units % width else 0) for t in range(width)) * plan.pipelines
     try:
         return replace(plan, strategy="tensor_parallel", schedule="none", pipelines=1, num_microbatches=1,
-                       stages=(replace(st, modules=("",), tensor_split=tuple(even) * plan.pipelines,
-                                       mlp_split=None),))
+                       stages=(replace(st, modules=("",), tensor_split=st.tensor_split or even, mlp_split=None),))
     except PlanError:
         return None
