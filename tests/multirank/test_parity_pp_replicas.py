@@ -73,17 +73,19 @@ def test_stage_major_replicas_with_uneven_batches(pool4):
 
 
 @pytest.mark.full  # the quick tier keeps the hand-written replica pipelines of this module
-def test_the_planners_pipeline_per_node_kind_runs_exactly(pool4):
-    # 2 nodes (speed 1 and 0.5): the planner gives each node its own pipeline, a tensor-parallel
-    # stage of width 2, with 8 and 4 of the 12 samples (shards compared with their slice); one
-    # stage per pipeline is offered as the tensor-parallel form with a replica per node
-    # (fxpar.forms.pipeline.search.as_tensor_form)
+def test_the_planners_pipelines_on_two_node_kinds_run_exactly(pool4):
+    # 2 nodes (speed 1 and 0.5), pipelines only: the planner's pick -- identical pipelines, a
+    # pipeline per node kind with its batch by speed, or one stage per node offered as the
+    # tensor-parallel form (fxpar.forms.pipeline.search.as_tensor_form), as the prices say
+    # (tests/planning/test_replica_pipelines.py) -- trains exactly, a replica per node (shards of
+    # a tensor-parallel group compared with their slice)
     results = pool4.run(planned_replica_parity)
-    assert {r["data_split"] for r in results} == {(8, 4)} and {r["width"] for r in results} == {2}
-    assert {r["strategy"] for r in results} == {"tensor_parallel"}
-    assert sorted(r["rows"] for r in results) == [(0, 8), (0, 8), (8, 12), (8, 12)]
+    (split,) = {r["data_split"] for r in results}
+    assert len(split) == 2 and sum(split) == 12
+    assert sorted(r["rows"] for r in results) == [(0, split[0])] * 2 + [(split[0], 12)] * 2
     for r in results:
-        assert r["sharded"] > 5 and all(step["n_grads"] > 5 for step in r["steps"])
+        assert all(step["n_grads"] > 0 for step in r["steps"])
+        assert r["width"] == 1 or r["sharded"] > 5
     _check_steps(results)
 
 

@@ -84,6 +84,7 @@ def test_tp_times_dp_sgd_stays_exact(pool4, kv, replicas, shares):
     _check_tp_dp(results, replicas)
 
 
+@pytest.mark.full  # 4.1 s; the quick tier keeps TP x DP in test_tp_times_dp_adamw_on_four_ranks and the sgd cases
 def test_tp_times_dp_saves_and_checkpoints(pool4, tmp_path):
     result = pool4.run(tp_dp_save, str(tmp_path / "hf"), str(tmp_path / "ckpt"))[0]
     assert result["n"] == 21

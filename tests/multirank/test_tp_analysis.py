@@ -151,6 +151,7 @@ def test_latent_attention_shards_the_up_projections_and_sums_the_replicated_down
         "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}
 
 
+@pytest.mark.full  # 4.0 s; the quick tier keeps the analysis of the other attention families in this module
 def test_gated_attention_outputs_are_split_with_their_heads():
     # Qwen3-Next: q_proj gives each head [query | gate]; the gate multiplies the flattened output
     att = analyze_model(_zoo_model("qwen3_next")).blocks[1].attention[0]

@@ -99,6 +99,7 @@ def _plan_text(tmp_path, capsys) -> tuple[str, Plan]:
     return capsys.readouterr().out, Plan.from_json(out.read_text())
 
 
+@pytest.mark.full  # 5.1 s; the quick tier keeps the cache lookups (found, another torch, no CUDA, bad keys)
 def test_fxpar_plan_prices_with_the_cached_profile_and_says_so(fake_h200, capsys):
     text, roof = _plan_text(fake_h200, capsys)
     assert "cost source: catalog roofline" in text and roof.cost_source == "catalog roofline"

@@ -35,7 +35,8 @@ def _one_stage(model, cluster, **kw):
                          num_microbatches=kw.pop("m", 1), seq_len=16, **kw)
 
 
-@pytest.mark.parametrize("pipelines, m", [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("pipelines, m", [(1, 1), pytest.param(1, 2, marks=pytest.mark.full),
+                                          pytest.param(2, 1, marks=pytest.mark.full)])
 def test_a_one_stage_pipeline_over_every_rank_is_the_tensor_form_at_the_same_price(llama, pipelines, m):
     graph, model = llama
     cluster = fxpar.Cluster.emulated([1.0, 0.5, 1.0, 0.5][: 2 * pipelines], one_node=True)
