@@ -10,7 +10,10 @@ infeasible).  Arms, every one under the same timeline and emulation:
 - ``keep``: fxpar's first plan, kept (``AdaptPolicy(switch=False)``: it measures, never switches);
 - ``rebalance``: re-planning restricted to data-parallel shares (what online re-balancing does;
   only where DP fits);
-- ``adapt``: re-planning over every family;
+- ``adapt``: re-planning over every family, each switch's new module prepared on a thread while
+  the old plan trains (``Adapt.prepare_in_background``, the default) where memory allows;
+- ``adapt_at_switch``: the same, its new module built at the switch (only where DP does not fit:
+  where DP fits, the switches re-share in place and build nothing);
 - ``fresh``: planned for the slowed speeds from the start, rank 2 at 0.3 throughout (the target).
 
 A step is what a user waits for: ``pmodel.step`` + the optimizer's step + ``zero_grad``, timed
@@ -93,9 +96,9 @@ def arm_run(arm: str, memory_gib: float, phases: tuple[int, int, int], slow_rank
         changes = ((slow_at, slow_rank, SLOW_SPEED), (recover_at, slow_rank, 1.0))
         cluster = fxpar.Cluster.emulated([1.0] * world, memory_gib=memory_gib)
     strategies = ("data_parallel",) if arm == "rebalance" else FAMILIES
-    policy = AdaptPolicy(strategies=strategies, switch=arm in ("adapt", "rebalance"))
+    policy = AdaptPolicy(strategies=strategies, switch=arm in ("adapt", "adapt_at_switch", "rebalance"))
     options = Adapt(policy=policy, detector=DETECTOR, timeline=SpeedTimeline(changes), total_steps=steps,
-                    verbose=dist.get_rank() == 0)
+                    verbose=dist.get_rank() == 0, prepare_in_background=arm != "adapt_at_switch")
     pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH, strategies=list(strategies), adapt=options)
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     walls, kinds = [], []
@@ -175,6 +178,7 @@ def _summary(run: dict[str, Any], phases: tuple[int, int, int]) -> dict[str, Any
             "replan_s": first["replan_s"] if first else None,
             "migrate_s": moved["migrate_s"] if moved else None,
             "migrate_split_s": _split(moved) if moved else None,
+            "prepared": [(e.get("prepared"), e.get("prepare_s"), e.get("prepared_over_steps")) for e in switches],
             "bytes_moved_per_rank": moved["bytes_moved_per_rank"] if moved else None,
             "state_bytes_per_rank": moved["state_bytes"] if moved else None,
             "steps_lost": [_steps_lost(w, run["events"], e) for e in switches],
@@ -206,8 +210,8 @@ def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, 
     fits = dp_fits(memory_gib, pool.world_size)
     out: dict[str, Any] = {"scenario": name, "ranks": pool.world_size, "slow_rank": slow_rank,
                            "memory_gib": memory_gib, "dp_fits": fits}
-    for arm in ("keep", "rebalance", "adapt", "fresh"):
-        if arm == "rebalance" and not fits:
+    for arm in ("keep", "rebalance", "adapt", "adapt_at_switch", "fresh"):
+        if (arm == "rebalance" and not fits) or (arm == "adapt_at_switch" and fits):
             out[arm] = None
             continue
         print(f"--- {name}: {arm}", flush=True)
@@ -215,6 +219,7 @@ def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, 
     out["keep_plan_step_s"] = out["keep"]["during_s"]
     out["rebalance_step_s"] = out["rebalance"]["during_s"] if out["rebalance"] else None
     out["adapt_step_s"] = out["adapt"]["during_s"]
+    out["adapt_at_switch_step_s"] = out["adapt_at_switch"]["during_s"] if out["adapt_at_switch"] else None
     out["fresh_plan_step_s"] = out["fresh"]["during_s"]
     for key in ("detect_s", "replan_s", "migrate_s", "bytes_moved_per_rank", "state_bytes_per_rank"):
         out[key] = out["adapt"][key]
@@ -235,8 +240,19 @@ def _row(s: dict[str, Any]) -> list[Any]:
             f"{s['migrate_s']:.2f} ({s['migrate_s'] / s['adapt_step_s']:.1f} steps)" if s["migrate_s"] is not None else "-",
             " / ".join(f"{1e3 * v:.0f}" for v in a["migrate_split_s"].values()) if a["migrate_split_s"] else "-",
             ", ".join("-" if x is None else f"{x:.1f}" for x in a["steps_lost"]) or "-",
+            _prepared(a) + (f" (at the switch: {_lost(s['adapt_at_switch'])} lost)" if s["adapt_at_switch"] else ""),
             f"{moved / 2**20:.2f} / {(s['state_bytes_per_rank'] or 0) / 2**20:.2f}",
             "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
+
+
+def _lost(arm: dict[str, Any]) -> str:
+    return ", ".join("-" if x is None else f"{x:.1f}" for x in arm["steps_lost"]) or "-"
+
+
+def _prepared(arm: dict[str, Any]) -> str:
+    """Where each switch's module was built: "bg <ms> over <steps>" or "at switch"."""
+    return ", ".join(f"bg {1e3 * s:.0f} ms over {n}" if where == "background" else "at switch"
+                     for where, s, n in arm["prepared"]) or "-"
 
 
 def _elastic(*, grow: bool, tries: int = 2) -> dict[str, Any]:
@@ -289,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
     head = ["scenario", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
             "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
-            "plan / build / move / commit ms", "steps lost per switch", "MiB moved / held per rank", "switches"]
+            "plan / build / move / commit ms", "steps lost per switch", "prepared", "MiB moved / held per rank", "switches"]
     caption = (f"Adapting while training (llama 4x128, batch {BATCH}, seq {SEQ}, gloo CPU ranks on 2 cores, EMULATED "
                f"speeds): rank 2 of 4 (rank 1 of 2) slows to {SLOW_SPEED} at step {phases[0]} and recovers at step "
                f"{phases[1]}; mean step of the slowest rank while the straggler lasts, optimizer and migration "

@@ -163,6 +163,9 @@ def adapt(a: dict) -> list[str]:
              f"{d.get('warmup_steps', 0)} warm-up and {d.get('calibration_steps')} reference steps per plan); "
              f"'replan s' is rank 0's solve, run {_PLANNED_IN[a.get('background_planning', 'thread')]} while the "
              "ranks train on, and 'plan' in the migration's split the time the ranks then waited for the decision."
+             + (" 'prepared': where each switch's new module was built, 'bg' on a thread while the old plan "
+                "trained (its build time and the steps it overlapped), and in brackets the steps lost by the same "
+                "arm with its module built at the switch." if any("adapt_at_switch" in r for r in a["runs"]) else "")
              + (f" At equal speeds, adapting on / off (data parallelism, {len(a['overhead']['rounds']['on'])} "
                 f"alternating rounds): {a['overhead']['ratio']:.3f} "
                 f"({1e3 * a['overhead']['on_s']:.2f} / {1e3 * a['overhead']['off_s']:.2f} ms)."

@@ -2,7 +2,7 @@
 
 Per :meth:`AdaptiveModule.step`:
 
-1. a switch decided after the previous step runs first (the caller has stepped the optimizer in
+1. a switch due after the previous step runs first (the caller has stepped the optimizer in
    between, so no gradient is lost): :func:`fxpar.adapt.switch.switch_module`;
 2. under emulation with a :class:`~fxpar.adapt.speeds.SpeedTimeline`, the rank's emulator takes
    the timeline's speed for this step (the plan never sees it);
@@ -26,6 +26,15 @@ Per :meth:`AdaptiveModule.step`:
    old plan comes back by the same switch path; the rolled-back layout is refused at speeds
    within the detector's threshold of these, so two plans never alternate.
 
+6. **Prepared while training.**  A decided switch (or a rollback) whose plan the running module
+   cannot take in place is built by a :class:`~fxpar.adapt.switch.Preparation` on a thread of
+   each rank, started at the step every rank received the decision, while the old plan trains
+   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.switch.preparation_fits`);
+   each rank's gathered rows say whether its preparation is done (gathered every step while it
+   runs), and the switch is due after the optimizer step of the first gather at which every
+   rank's is: the commit (agreement, the move, the swap).  ``pm.switch_to(plan)`` prepares alike but its switch is due at once: the
+   commit waits for the preparation after the next optimizer step.
+
 ``events`` keeps every decision, switch and rollback with its numbers (what
 :mod:`benchmarks.adapt` writes); rank 0 prints one line per decision and per switch.
 """
@@ -45,7 +54,8 @@ from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
-from fxpar.adapt.switch import check_movable, check_movable_everywhere, prepare_pipeline_export, switch_module
+from fxpar.adapt.switch import (Preparation, check_movable, check_movable_everywhere, prepare_pipeline_export,
+                                preparation_fits, switch_module, takes_in_place)
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.contract import ParallelModule
@@ -93,6 +103,11 @@ class AdaptiveModule(torch.nn.Module):
         self._read_step = 0   # the step whose gathered numbers are being read
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending: Plan | None = None
+        #: the pending plan's module being built on a thread (module docstring, 6), whether every
+        #: rank's is done (read at a gather), whether the switch is due at once (``switch_to``),
+        #: and the step it started at
+        self._preparation: Preparation | None = None
+        self._prepared_everywhere, self._due_now, self._pending_since = False, False, 0
         self._deciding: DecisionInFlight | None = None
         self._switches = 0   # switches and rollbacks done (a decision started before one is stale)
         self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
@@ -161,29 +176,49 @@ class AdaptiveModule(torch.nn.Module):
 
     # ------------------------------------------------------------------------- the step
 
-    def switch_to(self, plan: Plan) -> None:
-        """Switch to ``plan`` by the path a decision takes: after the tracked optimizer's next
-        step (or at the next ``step()``), the state moved in memory, the new plan measured over
-        the detector's calibration steps and rolled back if it is slower than the steps before
-        (module docstring, 5).  Call it on every rank alike, at the same step."""
+    def switch_to(self, plan: Plan, *, wait: bool = True) -> None:
+        """Switch to ``plan`` by the path a decision takes: its module prepared while training
+        goes on (module docstring, 6), then after an optimizer step (or at a ``step()``) the
+        state moved in memory, the new plan measured over the detector's calibration steps and
+        rolled back if it is slower than the steps before (5).  ``wait=True``: after the next
+        optimizer step, waiting there for the preparation; False: once every rank's is done, as
+        a decided switch.  Call it on every rank alike, at the same step."""
         if not isinstance(plan, Plan):
             raise ConfigError(f"switch_to: expected an fxpar.Plan, got {type(plan).__name__}")
         if plan.world_size != self.world:
             raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
         check_movable_everywhere(self.optimizer, self.world)
-        self._pending, self._pending_kind = plan, "switch"
+        self._set_pending(plan, "switch", due_now=wait)
+
+    def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool) -> None:
+        """``plan`` is the next switch's (None: none), and its module starts being prepared
+        (module docstring, 6); a preparation of an earlier pending plan is given back."""
+        if self._preparation is not None:
+            self._preparation.discard()
+        self._pending, self._pending_kind, self._preparation = plan, kind, None
+        self._prepared_everywhere, self._due_now, self._pending_since = False, due_now, self.steps
+        if (plan is not None and self.options.prepare_in_background and not takes_in_place(self.module, plan)
+                and preparation_fits(self.plan, plan, self._template[0])):
+            self._preparation = Preparation(self._template[0], plan, self.rank, self._example, self.device,
+                                            self._build)
+
+    def _switch_due(self) -> bool:
+        """Whether a pending switch runs at the next step boundary (module docstring, 6)."""
+        return self._pending is not None and (self._preparation is None or self._due_now
+                                              or self._prepared_everywhere)
 
     def apply_pending(self) -> bool:
-        """Switch now if a switch was decided (call after the optimizer step, before the next
-        batch's rows are read: the Trainer callback does); whether it switched."""
-        if self._pending is None:
+        """Switch now if a switch is due (call after the optimizer step, before the next batch's
+        rows are read: the Trainer callback does); whether it switched."""
+        if not self._switch_due():
             return False
+        assert self._pending is not None
         self._switch(self._pending)
         return True
 
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """One training step under the current plan (a pending switch first; module docstring)."""
-        if self._pending is not None and local:
+        if self._switch_due() and local:
             raise RuntimeSetupError(
                 "fxpar adapt: a plan switch is pending, and this step's rows were read for the old plan; "
                 "register the optimizer with pmodel.track(optimizer) (the switch then runs after its step), "
@@ -205,7 +240,9 @@ class AdaptiveModule(torch.nn.Module):
             wall = float(self.measure_wall(self.steps, self.plan))
         self._records.append([mine, wall, self._opt_s, *comm_step])
         self.steps += 1
-        if len(self._records) >= self.options.detector.gather_every:
+        # every step while a switch's module is prepared: it commits at the first step after
+        # every rank's is built (module docstring, 6)
+        if len(self._records) >= self.options.detector.gather_every or self._preparation is not None:
             steps, decided = self._gather_records()
             self._read(steps)
             if decided:
@@ -224,7 +261,7 @@ class AdaptiveModule(torch.nn.Module):
                                                compute_s=max(b + o for b, o in zip(busy, optimizer))))
             keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
             del self._measured[:-keep]   # only the last steps are read: bounded on a long run
-            if self._deciding is not None:
+            if self._deciding is not None or self._pending is not None:
                 continue
             factors = self.detector.observe(busy, self._measured[-1].step_s, sum(self.last_comm_s.values()))
             if self._trial is not None and self.detector.reference is not None:
@@ -264,10 +301,13 @@ class AdaptiveModule(torch.nn.Module):
         collective kind's seconds) of every rank; and whether rank 0's decision in flight is
         made (a flag in its rows: every rank learns it at this same step)."""
         decided = float(self.rank == 0 and self._deciding is not None and self._deciding.done())
-        per_rank, self._records = self._all_gather([[*row, decided] for row in self._records]), []
-        width = len(per_rank[0][0]) - 1
+        prepared = float(self._preparation is not None and self._preparation.done())
+        per_rank, self._records = self._all_gather([[*row, decided, prepared] for row in self._records]), []
+        width = len(per_rank[0][0]) - 2
         steps = [tuple([rows[i][j] for rows in per_rank] for j in range(width)) for i in range(len(per_rank[0]))]
-        return steps, self._deciding is not None and per_rank[0][0][-1] == 1.0
+        if self._preparation is not None and all(rows[0][-1] == 1.0 for rows in per_rank):
+            self._prepared_everywhere = True
+        return steps, self._deciding is not None and per_rank[0][0][-2] == 1.0
 
     def _measured_step(self) -> MeasuredStep | None:
         """The running plan's step over the detector's last ``min_steps`` steps (medians)."""
@@ -289,7 +329,7 @@ class AdaptiveModule(torch.nn.Module):
         if not slower:
             return
         self.replanner.refuse(self.plan, self.derate, self.link)
-        self._pending, self._pending_kind = before, "rollback"
+        self._set_pending(before, "rollback", due_now=False)
         if self.options.verbose and self.rank == 0:
             print(f"fxpar adapt: {plan_kind(self.plan)} measured {now_s * 1e3:.1f} ms/step against "
                   f"{before_s * 1e3:.1f} before the switch: rolling back to {plan_kind(before)}", flush=True)
@@ -340,7 +380,7 @@ class AdaptiveModule(torch.nn.Module):
             print(decision.explain(), flush=True)
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
-        self._pending, self._pending_kind = (decision.plan if decision.switch else None), "switch"
+        self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False)
         if self._pending is None:
             self.detector.accept(factors, self.detector.link)
             self._measured = []   # the steps since this decision measure the plan at these speeds
@@ -350,7 +390,7 @@ class AdaptiveModule(torch.nn.Module):
         move does not fit some rank's memory, or its plan could not be built): the old plan keeps
         running; that layout is not offered again at these speeds, nor a family that failed to build."""
         why = str(exc)
-        self._pending, self._pending_kind = None, "switch"
+        self._set_pending(None, "switch", due_now=False)
         self.replanner.refuse(plan, self.derate, self.link)
         if exc.family:
             self.replanner.cannot_build(exc.family, why)
@@ -362,15 +402,19 @@ class AdaptiveModule(torch.nn.Module):
         old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self._pending_kind
         measured_before = self._measured_step()
         hardware = self.module.emulator.speed
+        preparation, self._preparation = self._preparation, None
+        prepared_over = self.steps - self._pending_since   # steps the old plan trained while it prepared
         try:
             self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
                                                 example_inputs=self._example, device=self.device,
-                                                build_options=self._build)
+                                                build_options=self._build,
+                                                prepared=preparation.result() if preparation is not None else None)
         except SwitchRefused as exc:   # on every rank alike, before anything moved: keep the plan
             self._refuse(plan, kind, exc)
             return
         self.module.emulator.speed = hardware   # the device is the same: the plan's (derated) speed must not change it
-        self._pending, self._pending_kind, self._switches = None, "switch", self._switches + 1
+        self._set_pending(None, "switch", due_now=False)
+        self._switches += 1
         self._last_busy, self._last_comm = self._clock_busy(), self._clock_comm()   # the new module's clock
         self._plan_derate, self._plan_link = list(self.derate), self.link
         self.detector.restart(link_cap=1.0 / self._plan_link)   # a slow link may recover from here
@@ -381,7 +425,8 @@ class AdaptiveModule(torch.nn.Module):
         # (every rank waited for it), the new module's build and the state's move
         event = {"step": self.steps, "kind": kind, "from": old_kind, "to": plan_kind(plan),
                  "migrate_s": self._replan_wall_s + max(slowest[0]), "replan_s": self._replan_wall_s,
-                 "build_s": report.build_s, "move_s": report.move_s,
+                 "build_s": report.build_s, "move_s": report.move_s, "prepared": report.prepared,
+                 "prepare_s": report.prepare_s, "prepared_over_steps": prepared_over if preparation else 0,
                  "bytes_moved_per_rank": slowest[1], "state_bytes": report.state_bytes,
                  "predicted_step_s": plan.predicted_step_s, "stats": asdict(report.stats)}
         self.events.append(event)

@@ -27,6 +27,9 @@ class Adapt:
     #: on a thread where it cannot start); ``"thread"`` on a thread; False: every rank waits for
     #: the decision at the step that detected the change
     background_planning: bool | str = "process"
+    #: a switch's new module is built on a thread while the old plan trains, and the switch
+    #: commits once every rank's is built (:mod:`fxpar.adapt.module`, 6); False: built at the switch
+    prepare_in_background: bool = True
 
     def __post_init__(self) -> None:
         if self.background_planning not in (True, False, "process", "thread"):

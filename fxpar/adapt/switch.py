@@ -42,15 +42,30 @@
    of its own collectives on some ranks only (a process group the others are creating) still
    waits for the backend's timeout: builds fail alike on every rank in every case met so far.
 
-``migrate_s`` counts all of it: from the last old step to the first new one.
+**Prepared while training.**  The build (1, with the new plan's process groups and hooks) is
+:func:`prepare`; agreement (6), the move (2-3) and the release (5) are the commit.  A
+:class:`Preparation` runs :func:`prepare` on a thread of its own while the old plan trains on:
+the ranks start it at the same step, so each rank's builder makes the new groups in one order;
+nothing else makes a group while it runs (the old plan's groups all exist), and its owned scope
+is the thread's (:func:`fxpar.runtime.distributed.owned_scope`), so the old plan's steps record
+nothing in it.  A build draws no random number (it copies a template with its parameters on
+``meta`` and fills nothing: tested per form), so the run's generators, which the old plan's
+dropout draws from meanwhile, are the run's alone; the commit saves and restores them around the
+move as before (4).  While it prepares, a rank holds the new module's parameters beside the old
+plan's steps: :func:`preparation_fits` allows it in the background only where every rank's
+predicted peak under the old plan plus the parameters of its stages in the new plan fits its
+memory; elsewhere the build runs at the switch.
+
+``migrate_s`` counts what runs at the switch: from the last old step to the first new one.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,6 +83,7 @@ from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.distributed import release_owned
+from fxpar.dtype_policy import ITEMSIZE
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 
 
@@ -80,6 +96,8 @@ class SwitchReport:
     migrate_s: float
     stats: ReshardStats
     state_bytes: int            # parameter + optimizer-state bytes this rank holds after
+    prepare_s: float = 0.0      # seconds the build took where it ran (a thread's, in the background)
+    prepared: str = "at_switch"  # where the new module was built: "at_switch" or "background"
 
 
 def meta_template(model: torch.nn.Module) -> torch.nn.Module:
@@ -168,31 +186,109 @@ def check_movable(optimizer: torch.optim.Optimizer) -> None:
                           "an optimizer whose state is shaped like its parameters (torch.optim.AdamW, SGD, ...)")
 
 
-def _build_agreed(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, device: torch.device,
-                  build_options: dict[str, Any], rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> ParallelModule:
-    """The new plan's module on this rank, once every rank has built its own (one all-gather of
-    the outcomes): a build that failed anywhere is a :class:`SwitchRefused` on every rank, naming
-    the first rank that failed and why, with this rank's new groups released (module docstring, 6).
-    Its ``family`` (offered no more) is empty when the plan itself was at fault (a PlanError: a
-    malformed hand plan says nothing of its family)."""
-    new, failure = None, ("", False)   # (what failed, whether the plan itself was at fault)
+@dataclass(slots=True)
+class Prepared:
+    """A new plan's module built on this rank (:func:`prepare`), or why it could not be."""
+
+    plan: Plan
+    module: ParallelModule | None
+    failure: tuple[str, bool] = ("", False)   # (what failed, whether the plan itself was at fault)
+    build_s: float = 0.0
+    where: str = "at_switch"                   # or "background" (a :class:`Preparation`)
+
+
+def prepare(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, device: torch.device,
+            build_options: dict[str, Any]) -> Prepared:
+    """The new plan's module on this rank, built from ``template`` with no values (module
+    docstring, 1); a build that fails is returned as its reason, for :func:`agree` to tell every
+    rank.  No collective but the new plan's own ``new_group`` calls; draws no random number."""
+    start = time.perf_counter()
     try:
-        new = build_module(meta_template(template), plan, rank, example_inputs, device=device,
-                           checkpoint=Uninitialised(), **build_options)
+        module = build_module(meta_template(template), plan, rank, example_inputs, device=device,
+                              checkpoint=Uninitialised(), **build_options)
     except Exception as exc:  # noqa: BLE001 -- every rank must hear of it, or the others wait in the move
-        failure = (f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-                   isinstance(exc, PlanError))
-    failures = [failure]
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return Prepared(plan, None, (why, isinstance(exc, PlanError)), time.perf_counter() - start)
+    return Prepared(plan, module, build_s=time.perf_counter() - start)
+
+
+@dataclass(eq=False)
+class Preparation:
+    """:func:`prepare` on a thread of its own while the old plan trains (module docstring,
+    "Prepared while training"): every rank starts one at the same step."""
+
+    template: torch.nn.Module
+    plan: Plan
+    rank: int
+    example_inputs: Any
+    device: torch.device
+    build_options: dict[str, Any]
+    _result: list[Prepared] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fxpar-prepare-switch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":   # the current device is per thread
+            torch.cuda.set_device(self.device)
+        prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device, self.build_options)
+        prepared.where = "background"
+        self._result.append(prepared)
+
+    def done(self) -> bool:
+        return bool(self._result)
+
+    def result(self) -> Prepared:
+        """The prepared module (waits for the thread)."""
+        self._thread.join()
+        return self._result[0]
+
+    def discard(self) -> None:
+        """Wait for the thread and give back what its build made (a switch that will not run)."""
+        prepared = self.result()
+        if prepared.module is not None:
+            release_owned(prepared.module.owned)
+
+
+def preparation_fits(old: Plan, new: Plan, template: torch.nn.Module) -> bool:
+    """Whether every rank can hold the new module's parameters beside the old plan's steps
+    (module docstring, "Prepared while training"): its predicted peak under ``old`` plus every
+    parameter of the stages it runs in ``new`` as stored (and a low-precision plan's working copy;
+    a bound: a split inside a stage holds less) fits its memory.  Every rank reads the same two
+    plans, so every rank answers alike."""
+    extra = ITEMSIZE[new.dtype] if new.dtype in AUTOCAST_DTYPES else 0
+    named = list(template.named_parameters(remove_duplicate=False))   # a tied weight under each of its names
+
+    def held(rank: int) -> int:
+        prefixes = [m for st in new.stages if rank in st.ranks for m in st.modules]
+        mine = {id(p): p for name, p in named
+                if any(m == "" or name == m or name.startswith(m + ".") for m in prefixes)}
+        return sum(p.numel() * (p.element_size() + extra) for p in mine.values())
+
+    return all(not r.memory_capacity_bytes or r.predicted_memory_bytes + held(r.rank) <= r.memory_capacity_bytes
+               for r in old.ranks)
+
+
+def agree(prepared: Prepared, rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None) -> ParallelModule:
+    """The prepared module, once every rank has built its own (one all-gather of the outcomes):
+    a build that failed anywhere is a :class:`SwitchRefused` on every rank, naming the first rank
+    that failed and why, with this rank's new groups released (module docstring, 6).  Its
+    ``family`` (offered no more) is empty when the plan itself was at fault (a PlanError: a
+    malformed hand plan says nothing of its family)."""
+    failures = [prepared.failure]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         failures = [("", False)] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
+        dist.all_gather_object(failures, prepared.failure)
     bad = next((r for r, (why, _) in enumerate(failures) if why), None)
     if bad is None:
-        assert new is not None
-        return new
-    release_owned(new.owned if new is not None else [])
-    _set_rng_state(rng)
+        assert prepared.module is not None
+        return prepared.module
+    release_owned(prepared.module.owned if prepared.module is not None else [])
+    if rng is not None:
+        _set_rng_state(rng)
     plans_fault = all(fault for why, fault in failures if why)
+    plan = prepared.plan
     raise SwitchRefused(f"switch refused: the {plan.strategy} plan could not be built on rank {bad} "
                         f"({failures[bad][0]})", family="" if plans_fault else plan.strategy)
 
@@ -216,19 +312,23 @@ def check_movable_everywhere(optimizer: torch.optim.Optimizer | None, world: int
 
 def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, plan: Plan,
                   template: torch.nn.Module, *, rank: int, example_inputs: Any, device: torch.device,
-                  build_options: dict[str, Any]) -> tuple[ParallelModule, SwitchReport]:
+                  build_options: dict[str, Any], prepared: Prepared | None = None
+                  ) -> tuple[ParallelModule, SwitchReport]:
     """The module of ``plan`` on this rank, holding ``old``'s values and, in ``optimizer``
-    (changed in place), its state (module docstring).  Collective over the default group."""
+    (changed in place), its state (module docstring): ``prepared`` (a :class:`Preparation`'s
+    result, for ``plan``) or built now.  Collective over the default group."""
     if optimizer is not None:
         check_movable(optimizer)
     start = time.perf_counter()
-    if _reshared_in_place(old, plan):
+    if prepared is None and _reshared_in_place(old, plan):
         return old, SwitchReport(build_s=0.0, move_s=0.0, migrate_s=time.perf_counter() - start,
                                  stats=ReshardStats(0, 0, 0, 0, rounds=0), state_bytes=_held_bytes(describe(old), optimizer))
     rng = _rng_state()
     old_layout = describe(old)
     groups = _group_of_fqn(old_layout, optimizer) if optimizer is not None else {}
-    new = _build_agreed(template, plan, rank, example_inputs, device, build_options, rng)
+    if prepared is None:
+        prepared = prepare(template, plan, rank, example_inputs, device, build_options)
+    new = agree(prepared, rng)
     built = time.perf_counter()
     new_layout = describe(new)
     old_view = SimpleNamespace(state=optimizer.state) if optimizer is not None else None
@@ -249,8 +349,20 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
     _set_rng_state(rng)
     release_owned(old.owned)   # the old plan's communicators and hooks: nothing runs on them now
     done = time.perf_counter()
-    return new, SwitchReport(build_s=built - start, move_s=done - built, migrate_s=done - start, stats=stats,
-                             state_bytes=_held_bytes(new_layout, optimizer))
+    build_s = built - start if prepared.where == "at_switch" else 0.0
+    return new, SwitchReport(build_s=build_s, move_s=done - built, migrate_s=done - start, stats=stats,
+                             state_bytes=_held_bytes(new_layout, optimizer), prepare_s=prepared.build_s,
+                             prepared=prepared.where)
+
+
+def takes_in_place(old: ParallelModule, plan: Plan) -> bool:
+    """Whether ``old``'s own ``set_plan`` would take ``plan`` (:func:`_reshared_in_place`),
+    leaving ``old`` running its plan."""
+    running = old.plan
+    if not _reshared_in_place(old, plan):
+        return False
+    old.set_plan(running)
+    return True
 
 
 def _reshared_in_place(old: ParallelModule, plan: Plan) -> bool:

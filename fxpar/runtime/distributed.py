@@ -24,6 +24,7 @@ import datetime
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -211,25 +212,34 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
     if timeout is not None:
         kwargs.setdefault("timeout", timeout)
     group = dist.new_group(ranks=ranks, **kwargs)
-    for made in _SCOPES:
+    for made in _scopes():
         made.append(group)
     return group
 
 
-_SCOPES: list[list[Any]] = []
+_THREAD = threading.local()
+
+
+def _scopes() -> list[list[Any]]:
+    """The owned scopes open on this thread (:func:`owned_scope`)."""
+    if not hasattr(_THREAD, "scopes"):
+        _THREAD.scopes = []
+    return _THREAD.scopes
 
 
 @contextlib.contextmanager
 def owned_scope() -> Iterator[list[Any]]:
     """What a plan's build makes inside the block and must give back when a switch replaces the
     plan, in creation order: every process group :func:`new_group` makes and every autograd hook
-    handle passed to :func:`own`.  Released with :func:`release_owned`."""
+    handle passed to :func:`own`, on this thread (a switch builds its plan on a thread of its own
+    while the old plan trains: :class:`fxpar.adapt.switch.Preparation`).  Released with
+    :func:`release_owned`."""
     made: list[Any] = []
-    _SCOPES.append(made)
+    _scopes().append(made)
     try:
         yield made
     finally:
-        _SCOPES.remove(made)
+        _scopes().remove(made)
 
 
 def own(handle: Any) -> Any:
@@ -238,7 +248,7 @@ def own(handle: Any) -> Any:
     ``torch.autograd.graph.register_multi_grad_hook`` on parameters keeps them, their gradient
     nodes and what its function refers to for the life of the process until removed.  Returns
     ``handle``."""
-    for made in _SCOPES:
+    for made in _scopes():
         made.append(handle)
     return handle
 

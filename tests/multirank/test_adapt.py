@@ -170,9 +170,14 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
             assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
         assert results[0]["events"] == results[1]["events"] or [e["kind"] for e in results[0]["events"]] == [
             e["kind"] for e in results[1]["events"]]
-        # item 7: every rank builds the new plan, and creates its groups, at the same step
-        at = [[e["step"] for e in r["events"] if e["kind"] in ("switch", "rollback")] for r in results]
-        assert at[0] == at[1], at
+        # item 7: every rank builds the new plan, and creates its groups, at the same step, in the
+        # same place (a thread, or at the switch: the speeds measured decide the plans, and so
+        # whether their modules fit beside the old plan's steps); one built on a thread was built
+        # while the old plan trained at least one step
+        moved = [[(e["step"], e["prepared"], e["prepared_over_steps"]) for e in r["events"]
+                  if e["kind"] in ("switch", "rollback")] for r in results]
+        assert moved[0] == moved[1], moved
+        assert all(over >= 1 for _, where, over in moved[0] if where == "background"), moved
         switches += sum(e["kind"] == "switch" for e in results[0]["events"])
     assert switches >= 3, switches
 
@@ -297,18 +302,38 @@ def test_a_recorded_graph_is_never_offered_a_pipeline_to_switch_to():
 
 @pytest.mark.full
 @pytest.mark.multirank
-def test_a_switch_leaves_the_random_stream_of_the_run_as_it_was(pool2):
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_switch_leaves_the_random_stream_of_the_run_as_it_was(pool2, wait):
     """Issue #39, item 7: with attention dropout on, a run that switches DP -> ZeRO-3 (same rows
     per rank) before step 2 draws the same dropout masks as the run that never switched: every
     step's loss equals the uninterrupted run's by the fp32 loss rule (a disturbed generator draws
-    other masks, a difference of the dropout's own size, ~1e-2)."""
+    other masks, a difference of the dropout's own size, ~1e-2).  ``wait=False``: the ZeRO-3
+    module is built on a thread while the DP steps draw their masks, and the switch commits at a
+    later gather (after at least one more step), the same step on both ranks."""
     from tests.multirank.workers_adapt import dropout_over_a_switch
 
-    switched, plain = pool2.run(dropout_over_a_switch, True), pool2.run(dropout_over_a_switch, False)
+    switched = pool2.run(dropout_over_a_switch, True, 10 if not wait else 6, 2, wait)
+    plain = pool2.run(dropout_over_a_switch, False, 10 if not wait else 6)
     for s, p in zip(switched, plain):
         assert s["kinds"] == ["sharded_dp [4, 4]"] and p["kinds"] == [], (s["kinds"], p["kinds"])
+        (where, over, at), = s["prepared"]
+        assert where == "background" and (over == 0 if wait else over >= 1), s["prepared"]
         for k, (a, b) in enumerate(zip(s["losses"], p["losses"])):
             expect(check_loss(a, b), context=f"rank {s['rank']} step {k}")
+    assert switched[0]["prepared"] == switched[1]["prepared"]
+
+
+@pytest.mark.multirank
+def test_preparing_a_switch_draws_no_random_number_for_any_form(pool2):
+    """Issue #39, item 7: a switch's module is built on a thread while the old plan's dropout
+    draws from the run's generator, so the build must draw nothing: for a pipeline, ZeRO-3,
+    ZeRO-2, offloaded ZeRO, tensor parallelism, an interleaved pipeline and expert parallelism on
+    2 ranks, the host generator's state is bit-for-bit the same after the build as before."""
+    from tests.multirank.workers_adapt import preparing_draws_no_random_number
+
+    for r in pool2.run(preparing_draws_no_random_number):
+        for kind, result in r.items():
+            assert result["built"] and result["same_stream"], (kind, result)
 
 
 @pytest.mark.full
@@ -760,14 +785,20 @@ def test_a_switch_that_measures_slower_is_rolled_back_with_parity(pool2):
     """Issue #39, items 1 and 2: ``pm.switch_to`` a pipeline runs the decision's path (after the
     optimizer's step); the pipeline's modeled step (0.3 s) is more than ``min_gain`` over the
     0.1 s measured before, so once the detector has calibrated on it (2 steps) it is rolled back
-    to data parallelism.  Every step's loss equals one process's and the weights stay on its
-    trajectory through both switches."""
+    to data parallelism, its module prepared on a thread while the pipeline trains on (item 7):
+    the rollback commits at least one step after the trial.  Every step's loss equals one
+    process's and the weights stay on its trajectory through both switches."""
     from tests.multirank.workers_adapt import rollback_run
 
-    for r in pool2.run(rollback_run, 12, 5):
-        assert r["kinds"] == ["data_parallel"] * 5 + ["pipeline"] * 2 + ["data_parallel"] * 5, r["kinds"]
+    results = pool2.run(rollback_run, 12, 5)
+    for r in results:
         kinds = [e["kind"] for e in r["events"]]
         assert kinds == ["switch", "trial", "rollback"], r["events"]
+        back = r["events"][2]
+        assert back["prepared"] == "background" and back["prepared_over_steps"] >= 1, back
+        pipeline_steps = 2 + back["prepared_over_steps"]
+        assert r["kinds"] == (["data_parallel"] * 5 + ["pipeline"] * pipeline_steps
+                              + ["data_parallel"] * (7 - pipeline_steps)), r["kinds"]
         trial = r["events"][1]
         # the modeled walls plus the optimizer's measured step
         assert trial["rolled_back"] and 0.1 <= trial["step_before_s"] < 0.3 <= trial["measured_step_s"]
@@ -775,6 +806,7 @@ def test_a_switch_that_measures_slower_is_rolled_back_with_parity(pool2):
             expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
         expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")
         assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
+    assert results[0]["kinds"] == results[1]["kinds"]
 
 
 def _small_planning():

@@ -527,12 +527,13 @@ def link_or_straggler_run(case: str, steps: int = 40, change_at: int = 16,
     return {"rank": dist.get_rank(), "events": pm.events, "comm": comm}
 
 
-def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2) -> dict[str, Any]:
+def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2, wait: bool = True) -> dict[str, Any]:
     """Adapting data parallelism (4 rows per rank) on a Llama with attention dropout 0.2; with
-    ``switch``, ``pm.switch_to`` ZeRO-3 with the same rows per rank before step ``switch_at``
+    ``switch``, ``pm.switch_to(..., wait=wait)`` ZeRO-3 with the same rows per rank before step ``switch_at``
     (built from the template, state moved, the export and the re-plan machinery run): each
-    step's loss.  Dropout draws from the host generator, so a switch that disturbed it would
-    draw other masks from then on."""
+    step's loss, the switch and where its module was prepared.  Dropout draws from the host
+    generator, so a switch that disturbed it would draw other masks from then on; with
+    ``wait=False`` the module is built on a thread while the steps after ``switch_at`` draw."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pm, _, template, data, cluster = _adaptive_dp(dict(CONFIG, attention_dropout=0.2), steps)
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
@@ -540,10 +541,12 @@ def dropout_over_a_switch(switch: bool, steps: int = 6, switch_at: int = 2) -> d
     losses = []
     for k, batch in enumerate(data):
         if switch and k == switch_at:
-            pm.switch_to(target)
+            pm.switch_to(target, wait=wait)
         losses.append(float(pm.step(batch).detach()))
         opt.step(); opt.zero_grad(set_to_none=True)
-    return {"rank": rank, "losses": losses, "kinds": [e["to"] for e in pm.events if e["kind"] == "switch"]}
+    switches = [e for e in pm.events if e["kind"] == "switch"]
+    return {"rank": rank, "losses": losses, "kinds": [e["to"] for e in switches],
+            "prepared": [(e["prepared"], e["prepared_over_steps"], e["step"]) for e in switches]}
 
 
 def decision_after_another_switch() -> dict[str, Any]:
@@ -560,3 +563,34 @@ def decision_after_another_switch() -> dict[str, Any]:
     pm.step(data[1])
     return {"rank": rank, "kind": pm.plan.strategy, "pending": pm._pending is not None,
             "decisions": [e for e in pm.events if e["kind"] == "decision"]}
+
+
+def preparing_draws_no_random_number() -> dict[str, Any]:
+    """Each switch target of 2 ranks (:func:`_plan`) prepared from a meta template, as a
+    :class:`~fxpar.adapt.switch.Preparation` does on its thread while the old plan's dropout draws
+    from the run's generators: per kind, whether the host generator's state is the same after
+    the build as before, and whether the build succeeded.  The groups each build made are released."""
+    from fxpar.adapt.switch import prepare
+    from fxpar.runtime.distributed import release_owned
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager")
+    moe = build_model(ModelSpec(hf_config=TINY_CONFIGS["mixtral"]), device="cpu", seed=0,
+                      attn_implementation="eager")
+    cluster = fxpar.Cluster.emulated(SPEEDS[:world])
+    out: dict[str, Any] = {}
+    for kind in ("pp", "sharded", "zero2", "sharded-offload", "tp", "interleaved", "ep"):
+        source = moe if kind == "ep" else model
+        template = meta_template(source)
+        example = global_batch(source, BATCH, SEQ, seed=1)
+        plan = _plan(kind, template, cluster, world)
+        torch.manual_seed(123)
+        before = torch.get_rng_state()
+        prepared = prepare(template, plan, dist.get_rank(), example, torch.device("cpu"),
+                           dict(group=None, loss_fn=None, loss_weighting="auto", emulate=False))
+        out[kind] = {"same_stream": bool(torch.equal(before, torch.get_rng_state())),
+                     "built": prepared.module is not None, "failure": prepared.failure[0]}
+        if prepared.module is not None:
+            release_owned(prepared.module.owned)
+    return out
