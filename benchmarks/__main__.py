@@ -37,7 +37,8 @@ from benchmarks.common import RESULTS, machine, result_path
 SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emulated",
           "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "sharded": "sharded_emulated", "fidelity": "fidelity", "memory": "memory_fidelity", "rebalance": "rebalance",
           "real_gpu": "real_gpu", "collectives": "collective_audit",
-          "adapt": "adapt", "torch_parity": "torch_parity", "plan_regret": "plan_regret"}
+          "adapt": "adapt", "switch_prepare": "switch_prepare", "torch_parity": "torch_parity",
+          "plan_regret": "plan_regret"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
@@ -52,6 +53,7 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "real_gpu": "Validation on measured GPU runs (../shared/validation): predicted vs measured",
           "collectives": "Collectives per training step by plan kind (collective audit, gloo)",
           "adapt": "Adapting while training under a straggler (measured, emulated speeds)",
+          "switch_prepare": "A switch's module built on a thread vs at the switch (measured, emulated speeds)",
           "torch_parity": "fxpar's runtime against torch's own (DDP, FSDP2, TP; gloo CPU ranks, equal speeds)",
           "plan_regret": "Plan regret: the planner's pick against every family, timed (gloo CPU ranks, emulated speeds)"}
 
