@@ -8,7 +8,9 @@ On 2 ranks, data parallelism (adapting on, a detector that never decides) switch
   that step's optimizer step, then the state moves;
 - ``on a thread``: ``switch_to(plan, wait=False)``: the module is built on a thread of each rank
   while data parallelism trains on, and the switch commits after the first step at which every
-  rank's build is done.
+  rank's build is done; the interpreter's switch interval is
+  :data:`fxpar.adapt.switch.PREPARING_SWITCH_INTERVAL_S` while it builds (as shipped);
+- ``on a thread, 5 ms``: the same with the interpreter's default switch interval.
 
 Each at two emulated speeds of both ranks: 1.0 (the rank computes all of its step: the host is
 busy, as on this machine) and ``IDLE_SPEED`` (each compute segment is stretched by a sleep, so
@@ -17,7 +19,7 @@ DESIGN).  **Steps lost** (as :mod:`benchmarks.adapt` counts them): the wall time
 of step ``SWITCH_AT`` to the end of the first pipeline step, in steps of the data-parallel pace
 (the median of the 5 steps before), minus the steps done in it; and the time the step that
 switched stood still for the switch (``migrate_s``: agreement, build where it ran there, move).
-Every arm runs ``ROUNDS`` times, the modes alternating within a speed, in one pool of processes;
+Every arm runs ``ROUNDS`` times, the modes' order rotating within a speed, in one pool of processes;
 the table gives medians.  ``python -m benchmarks --suite switch_prepare`` or
 ``python -m benchmarks.switch_prepare``.
 """
@@ -37,6 +39,7 @@ import torch.distributed as dist
 import fxpar
 from benchmarks.common import finish
 from fxpar.adapt import Adapt, DetectorSettings, SpeedTimeline
+from fxpar.adapt import switch
 from fxpar.adapt.switch import meta_template
 from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.runtime import WorkerPool
@@ -47,15 +50,25 @@ CONFIG = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hi
 BATCH, SEQ = 16, 32
 #: the switch is asked for after step SWITCH_AT; a run ends 3 steps after its first pipeline step
 #: (at most STEPS)
-SWITCH_AT, STEPS, ROUNDS = 10, 40, 3
+SWITCH_AT, STEPS, ROUNDS = 10, 40, 5
 #: the emulated speed at which most of a step is the host waiting (a sleep per compute segment)
 IDLE_SPEED = 0.25
-MODES = ("at switch", "on a thread")
+MODES = ("at switch", "on a thread", "on a thread, 5 ms")
 
 
 def switch_run(mode: str, speed: float) -> dict[str, Any]:
     """One arm on this rank (module docstring): each step's wall, the plan family per step, the
     switch event."""
+    shipped = switch.PREPARING_SWITCH_INTERVAL_S
+    if mode == "on a thread, 5 ms":
+        switch.PREPARING_SWITCH_INTERVAL_S = None
+    try:
+        return _switch_run(mode, speed)
+    finally:
+        switch.PREPARING_SWITCH_INTERVAL_S = shipped
+
+
+def _switch_run(mode: str, speed: float) -> dict[str, Any]:
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
@@ -85,10 +98,10 @@ def switch_run(mode: str, speed: float) -> dict[str, Any]:
         walls.append(time.perf_counter() - start)
         if kinds.count("pipeline") == 3:
             break
-    switch = next((e for e in pm.events if e["kind"] == "switch"), None)
-    if switch is None:
+    event = next((e for e in pm.events if e["kind"] == "switch"), None)
+    if event is None:
         raise RuntimeError(f"no switch to the pipeline: {pm.events}")
-    return {"walls": walls, "kinds": kinds, "switch": switch}
+    return {"walls": walls, "kinds": kinds, "switch": event}
 
 
 def _lost(walls: list[float], kinds: list[str]) -> tuple[float, int]:
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     with WorkerPool(2, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         for speed in (1.0, IDLE_SPEED):
             for r in range(rounds):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                     per_rank = pool.run(switch_run, mode, speed)
                     walls = [max(ws) for ws in zip(*(x["walls"] for x in per_rank))]
                     lost, overlapped = _lost(walls, per_rank[0]["kinds"])
@@ -120,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  "migrate_s": max(x["switch"]["migrate_s"] for x in per_rank),
                                  "build_s": e["build_s"], "prepare_s": e["prepare_s"], "prepared": e["prepared"],
                                  "walls": walls})
-                    print(f"speed {speed} round {r + 1} {mode:11s}: {lost:.2f} steps lost, switch stood "
+                    print(f"speed {speed} round {r + 1} {mode:17s}: {lost:.2f} steps lost, switch stood "
                           f"{1e3 * runs[-1]['migrate_s']:.0f} ms (build {1e3 * e['prepare_s']:.0f} ms, "
                           f"{e['prepared']}), step {1e3 * runs[-1]['pace_s']:.0f} ms", flush=True)
     rows = []
@@ -136,8 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
     head = ["speed", "built", "old step ms", "build ms", "switch stood ms", "steps lost (median)",
             "steps lost per round", "old steps while building"]
     caption = (f"A switch DP -> 2-stage pipeline on 2 gloo CPU ranks (llama 4x128, batch {BATCH}, seq {SEQ}, EMULATED "
-               f"speeds), its module built at the switch or on a thread while DP trains; {rounds} round(s) per arm, "
-               f"modes alternating; speed {IDLE_SPEED}: most of each step the host sleeps (a GPU host's idle time)")
+               f"speeds), its module built at the switch or on a thread while DP trains (the interpreter's switch "
+               f"interval {switch.PREPARING_SWITCH_INTERVAL_S} s while it builds, or its default); {rounds} round(s) "
+               f"per arm, the modes' order rotating; speed {IDLE_SPEED}: most of each step the host sleeps (a GPU host's idle time)")
     return finish("switch_prepare", title="A switch's module built on a thread vs at the switch (measured, emulated speeds)",
                   caption=caption, head=head, rows=rows, quick=args.quick, runs=runs,
                   settings={"switch_at": SWITCH_AT, "steps": STEPS, "idle_speed": IDLE_SPEED, "rounds": rounds},

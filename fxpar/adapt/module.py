@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
+from fxpar.adapt.pending import PendingSwitch
 from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
@@ -102,16 +103,10 @@ class AdaptiveModule(torch.nn.Module):
         self.background.ready()
         self._read_step = 0   # the step whose gathered numbers are being read
         self.optimizer: torch.optim.Optimizer | None = None
-        self._pending: Plan | None = None
-        #: the pending plan's module being built on a thread (module docstring, 6), whether every
-        #: rank's is done (read at a gather), whether the switch is due at once (``switch_to``),
-        #: and the step it started at
-        self._preparation: Preparation | None = None
-        self._prepared_everywhere, self._due_now, self._pending_since = False, False, 0
+        self.pending = PendingSwitch()   # the next switch and its module's preparation (6)
         self._deciding: DecisionInFlight | None = None
         self._switches = 0   # switches and rollbacks done (a decision started before one is stale)
         self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
-        self._pending_kind = "switch"           # or "rollback"
         self._replan_wall_s = 0.0
         self._last_busy = self._clock_busy()
         self._last_comm = self._clock_comm()
@@ -193,32 +188,25 @@ class AdaptiveModule(torch.nn.Module):
     def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool) -> None:
         """``plan`` is the next switch's (None: none), and its module starts being prepared
         (module docstring, 6); a preparation of an earlier pending plan is given back."""
-        if self._preparation is not None:
-            self._preparation.discard()
-        self._pending, self._pending_kind, self._preparation = plan, kind, None
-        self._prepared_everywhere, self._due_now, self._pending_since = False, due_now, self.steps
-        if (plan is not None and self.options.prepare_in_background and not takes_in_place(self.module, plan)
-                and preparation_fits(self.plan, plan, self._template[0])):
-            self._preparation = Preparation(self._template[0], plan, self.rank, self._example, self.device,
-                                            self._build)
-
-    def _switch_due(self) -> bool:
-        """Whether a pending switch runs at the next step boundary (module docstring, 6)."""
-        return self._pending is not None and (self._preparation is None or self._due_now
-                                              or self._prepared_everywhere)
+        self.pending.give_back()
+        background = (plan is not None and self.options.prepare_in_background
+                      and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
+        self.pending = PendingSwitch(plan, kind, Preparation(self._template[0], plan, self.rank, self._example,
+                                                             self.device, self._build) if background else None,
+                                     due_now=due_now, since=self.steps)
 
     def apply_pending(self) -> bool:
         """Switch now if a switch is due (call after the optimizer step, before the next batch's
         rows are read: the Trainer callback does); whether it switched."""
-        if not self._switch_due():
+        if not self.pending.due:
             return False
-        assert self._pending is not None
-        self._switch(self._pending)
+        assert self.pending.plan is not None
+        self._switch(self.pending.plan)
         return True
 
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """One training step under the current plan (a pending switch first; module docstring)."""
-        if self._switch_due() and local:
+        if self.pending.due and local:
             raise RuntimeSetupError(
                 "fxpar adapt: a plan switch is pending, and this step's rows were read for the old plan; "
                 "register the optimizer with pmodel.track(optimizer) (the switch then runs after its step), "
@@ -242,7 +230,7 @@ class AdaptiveModule(torch.nn.Module):
         self.steps += 1
         # every step while a switch's module is prepared: it commits at the first step after
         # every rank's is built (module docstring, 6)
-        if len(self._records) >= self.options.detector.gather_every or self._preparation is not None:
+        if len(self._records) >= self.options.detector.gather_every or self.pending.preparation is not None:
             steps, decided = self._gather_records()
             self._read(steps)
             if decided:
@@ -261,12 +249,12 @@ class AdaptiveModule(torch.nn.Module):
                                                compute_s=max(b + o for b, o in zip(busy, optimizer))))
             keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
             del self._measured[:-keep]   # only the last steps are read: bounded on a long run
-            if self._deciding is not None or self._pending is not None:
+            if self._deciding is not None or self.pending.plan is not None:
                 continue
             factors = self.detector.observe(busy, self._measured[-1].step_s, sum(self.last_comm_s.values()))
             if self._trial is not None and self.detector.reference is not None:
                 self._check_trial()
-                if self._pending is not None:
+                if self.pending.plan is not None:
                     return
             if factors is not None:
                 self._consider(factors)
@@ -301,12 +289,11 @@ class AdaptiveModule(torch.nn.Module):
         collective kind's seconds) of every rank; and whether rank 0's decision in flight is
         made (a flag in its rows: every rank learns it at this same step)."""
         decided = float(self.rank == 0 and self._deciding is not None and self._deciding.done())
-        prepared = float(self._preparation is not None and self._preparation.done())
+        prepared = self.pending.done_flag()
         per_rank, self._records = self._all_gather([[*row, decided, prepared] for row in self._records]), []
         width = len(per_rank[0][0]) - 2
         steps = [tuple([rows[i][j] for rows in per_rank] for j in range(width)) for i in range(len(per_rank[0]))]
-        if self._preparation is not None and all(rows[0][-1] == 1.0 for rows in per_rank):
-            self._prepared_everywhere = True
+        self.pending.read_flags([rows[0][-1] for rows in per_rank])
         return steps, self._deciding is not None and per_rank[0][0][-2] == 1.0
 
     def _measured_step(self) -> MeasuredStep | None:
@@ -370,7 +357,7 @@ class AdaptiveModule(torch.nn.Module):
         decision: Decision = payload[0]
         self._deciding, factors = None, self._factors
         self._replan_wall_s = time.perf_counter() - start
-        stale = self._pending is not None or self._switches != deciding.after_switches   # a switch came first
+        stale = self.pending.plan is not None or self._switches != deciding.after_switches   # a switch came first
         if stale:
             decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
         self.events.append({"step": deciding.detected_step, "kind": "decision", **_decision_dict(decision),
@@ -381,7 +368,7 @@ class AdaptiveModule(torch.nn.Module):
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
         self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False)
-        if self._pending is None:
+        if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
             self._measured = []   # the steps since this decision measure the plan at these speeds
 
@@ -399,16 +386,15 @@ class AdaptiveModule(torch.nn.Module):
             print(f"fxpar adapt: step {self.steps}: the {kind} to {plan_kind(plan)} was refused ({why})", flush=True)
 
     def _switch(self, plan: Plan) -> None:
-        old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self._pending_kind
+        old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self.pending.kind
         measured_before = self._measured_step()
         hardware = self.module.emulator.speed
-        preparation, self._preparation = self._preparation, None
-        prepared_over = self.steps - self._pending_since   # steps the old plan trained while it prepared
+        prepared = self.pending.take()
+        prepared_over = self.steps - self.pending.since if prepared is not None else 0   # old steps meanwhile
         try:
             self.module, report = switch_module(self.module, self.optimizer, plan, self._template[0], rank=self.rank,
                                                 example_inputs=self._example, device=self.device,
-                                                build_options=self._build,
-                                                prepared=preparation.result() if preparation is not None else None)
+                                                build_options=self._build, prepared=prepared)
         except SwitchRefused as exc:   # on every rank alike, before anything moved: keep the plan
             self._refuse(plan, kind, exc)
             return
@@ -426,7 +412,7 @@ class AdaptiveModule(torch.nn.Module):
         event = {"step": self.steps, "kind": kind, "from": old_kind, "to": plan_kind(plan),
                  "migrate_s": self._replan_wall_s + max(slowest[0]), "replan_s": self._replan_wall_s,
                  "build_s": report.build_s, "move_s": report.move_s, "prepared": report.prepared,
-                 "prepare_s": report.prepare_s, "prepared_over_steps": prepared_over if preparation else 0,
+                 "prepare_s": report.prepare_s, "prepared_over_steps": prepared_over,
                  "bytes_moved_per_rank": slowest[1], "state_bytes": report.state_bytes,
                  "predicted_step_s": plan.predicted_step_s, "stats": asdict(report.stats)}
         self.events.append(event)

@@ -56,12 +56,19 @@ plan's steps: :func:`preparation_fits` allows it in the background only where ev
 predicted peak under the old plan plus the parameters of its stages in the new plan fits its
 memory; elsewhere the build runs at the switch.
 
+**The interpreter lock.**  The build is Python: while the old plan's thread computes, each time
+it leaves the lock for an operator the builder may take it, and the computing thread gets it
+back only when the interpreter's switch interval (5 ms by default) makes the builder drop it.
+While a preparation builds, the interval is :data:`PREPARING_SWITCH_INTERVAL_S`, so the old
+plan's thread waits at most that long each time (``benchmarks/switch_prepare.py`` measures both).
+
 ``migrate_s`` counts what runs at the switch: from the last old step to the first new one.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -212,6 +219,11 @@ def prepare(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: An
     return Prepared(plan, module, build_s=time.perf_counter() - start)
 
 
+#: the interpreter's switch interval while a :class:`Preparation` builds (module docstring, "The
+#: interpreter lock"); None: the interpreter's own (5 ms by default)
+PREPARING_SWITCH_INTERVAL_S: float | None = 1e-4
+
+
 @dataclass(eq=False)
 class Preparation:
     """:func:`prepare` on a thread of its own while the old plan trains (module docstring,
@@ -230,9 +242,16 @@ class Preparation:
         self._thread.start()
 
     def _run(self) -> None:
-        if self.device.type == "cuda":   # the current device is per thread
-            torch.cuda.set_device(self.device)
-        prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device, self.build_options)
+        interval = sys.getswitchinterval()
+        if PREPARING_SWITCH_INTERVAL_S is not None:
+            sys.setswitchinterval(PREPARING_SWITCH_INTERVAL_S)
+        try:
+            if self.device.type == "cuda":   # the current device is per thread
+                torch.cuda.set_device(self.device)
+            prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device,
+                               self.build_options)
+        finally:
+            sys.setswitchinterval(interval)
         prepared.where = "background"
         self._result.append(prepared)
 

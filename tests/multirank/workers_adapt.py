@@ -561,7 +561,7 @@ def decision_after_another_switch() -> dict[str, Any]:
     if pm._deciding is not None:
         pm._receive_decision()
     pm.step(data[1])
-    return {"rank": rank, "kind": pm.plan.strategy, "pending": pm._pending is not None,
+    return {"rank": rank, "kind": pm.plan.strategy, "pending": pm.pending.plan is not None,
             "decisions": [e for e in pm.events if e["kind"] == "decision"]}
 
 
