@@ -250,6 +250,8 @@ class Preparation:
                 torch.cuda.set_device(self.device)
             prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device,
                                self.build_options)
+        except BaseException as exc:  # noqa: BLE001 -- a thread that ends without a result would leave the switch pending
+            prepared = Prepared(self.plan, None, (f"{type(exc).__name__}: {str(exc)[:300]}", False))
         finally:
             sys.setswitchinterval(interval)
         prepared.where = "background"
