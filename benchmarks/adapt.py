@@ -199,9 +199,14 @@ def _steps_lost(walls: list[float], events: list[dict[str, Any]], switch: dict[s
     before = [e for e in events if e["kind"] in ("decision", "trial") and e["step"] < first_new]
     if not before or first_new >= len(walls):
         return None
-    decided = before[-1]["step"]
-    pace = statistics.median(walls[max(decided - 5, 0):decided] or walls[decided:decided + 1])
-    return sum(walls[decided:first_new + 1]) / pace - (first_new - decided + 1)
+    return steps_lost(walls, before[-1]["step"], first_new)
+
+
+def steps_lost(walls: list[float], start: int, first_new: int) -> float:
+    """The wall time of steps ``start`` .. ``first_new`` (the first new-plan step) in steps of
+    the old pace (the median of the 5 steps before ``start``), minus the steps done in it."""
+    pace = statistics.median(walls[max(start - 5, 0):start] or walls[start:start + 1])
+    return sum(walls[start:first_new + 1]) / pace - (first_new - start + 1)
 
 
 def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, int, int],

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from benchmarks.adapt import steps_lost
 from benchmarks.common import finish
 from fxpar.adapt import Adapt, DetectorSettings, SpeedTimeline
 from fxpar.adapt import switch
@@ -108,8 +109,7 @@ def _lost(walls: list[float], kinds: list[str]) -> tuple[float, int]:
     """Steps lost from step SWITCH_AT to the first pipeline step (module docstring), and the
     old-plan steps done after SWITCH_AT before it."""
     first_new = kinds.index("pipeline")
-    pace = statistics.median(walls[SWITCH_AT - 5:SWITCH_AT])
-    return sum(walls[SWITCH_AT:first_new + 1]) / pace - (first_new - SWITCH_AT + 1), first_new - SWITCH_AT - 1
+    return steps_lost(walls, SWITCH_AT, first_new), first_new - SWITCH_AT - 1
 
 
 def main(argv: list[str] | None = None) -> dict:
