@@ -9,7 +9,7 @@ On 2 ranks, data parallelism (adapting on, a detector that never decides) switch
 - ``on a thread``: ``switch_to(plan, wait=False)``: the module is built on a thread of each rank
   while data parallelism trains on, and the switch commits after the first step at which every
   rank's build is done; the interpreter's switch interval is
-  :data:`fxpar.adapt.switch.PREPARING_SWITCH_INTERVAL_S` while it builds (as shipped);
+  :data:`fxpar.adapt.prepare.PREPARING_SWITCH_INTERVAL_S` while it builds (as shipped);
 - ``on a thread, 5 ms``: the same with the interpreter's default switch interval.
 
 Each at two emulated speeds of both ranks: 1.0 (the rank computes all of its step: the host is
@@ -18,7 +18,9 @@ most of the step the host waits, as a GPU's host waits while kernels run; the em
 DESIGN).  **Steps lost** (as :mod:`benchmarks.adapt` counts them): the wall time from the start
 of step ``SWITCH_AT`` to the end of the first pipeline step, in steps of the data-parallel pace
 (the median of the 5 steps before), minus the steps done in it; and the time the step that
-switched stood still for the switch (``migrate_s``: agreement, build where it ran there, move).
+switched stood still for the switch (``migrate_s``: agreement, build where it ran there, move);
+and the first pipeline step's wall over the median of the two after it (what its first call
+costs beyond the plan's pace).
 Every arm runs ``ROUNDS`` times, the modes' order rotating within a speed, in one pool of processes;
 the table gives medians.  ``python -m benchmarks --suite switch_prepare`` or
 ``python -m benchmarks.switch_prepare``.
@@ -40,8 +42,8 @@ import fxpar
 from benchmarks.adapt import steps_lost
 from benchmarks.common import finish
 from fxpar.adapt import Adapt, DetectorSettings, SpeedTimeline
-from fxpar.adapt import switch
-from fxpar.adapt.switch import meta_template
+from fxpar.adapt import prepare
+from fxpar.adapt.prepare import meta_template
 from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.runtime import WorkerPool
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
@@ -60,13 +62,13 @@ MODES = ("at switch", "on a thread", "on a thread, 5 ms")
 def switch_run(mode: str, speed: float) -> dict[str, Any]:
     """One arm on this rank (module docstring): each step's wall, the plan family per step, the
     switch event."""
-    shipped = switch.PREPARING_SWITCH_INTERVAL_S
+    shipped = prepare.PREPARING_SWITCH_INTERVAL_S
     if mode == "on a thread, 5 ms":
-        switch.PREPARING_SWITCH_INTERVAL_S = None
+        prepare.PREPARING_SWITCH_INTERVAL_S = None
     try:
         return _switch_run(mode, speed)
     finally:
-        switch.PREPARING_SWITCH_INTERVAL_S = shipped
+        prepare.PREPARING_SWITCH_INTERVAL_S = shipped
 
 
 def _switch_run(mode: str, speed: float) -> dict[str, Any]:
@@ -81,7 +83,7 @@ def _switch_run(mode: str, speed: float) -> dict[str, Any]:
                     timeline=SpeedTimeline(tuple((0, r, speed) for r in range(world))),
                     prepare_in_background=mode != "at switch")
     # pipelines among the families: the export every pipeline switch cuts is made when adapting
-    # starts (fxpar.adapt.switch.prepare_pipeline_export); the planner's first plan is DP (checked)
+    # starts (fxpar.adapt.prepare.prepare_pipeline_export); the planner's first plan is DP (checked)
     pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH,
                     strategies=["data_parallel", "pipeline"], adapt=options)
     if pm.plan.strategy != "data_parallel":
@@ -126,9 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
                     per_rank = pool.run(switch_run, mode, speed)
                     walls = [max(ws) for ws in zip(*(x["walls"] for x in per_rank))]
                     lost, overlapped = _lost(walls, per_rank[0]["kinds"])
+                    first = per_rank[0]["kinds"].index("pipeline")
                     e = per_rank[0]["switch"]
                     runs.append({"speed": speed, "mode": mode, "round": r, "steps_lost": lost,
                                  "old_steps_while_preparing": overlapped,
+                                 "first_over_steady": walls[first] / statistics.median(walls[first + 1:first + 3]),
                                  "pace_s": statistics.median(walls[SWITCH_AT - 5:SWITCH_AT]),
                                  "migrate_s": max(x["switch"]["migrate_s"] for x in per_rank),
                                  "build_s": e["build_s"], "prepare_s": e["prepare_s"], "prepared": e["prepared"],
@@ -140,17 +144,19 @@ def main(argv: list[str] | None = None) -> dict:
     for speed in (1.0, IDLE_SPEED):
         mine = {m: [x for x in runs if x["speed"] == speed and x["mode"] == m] for m in MODES}
         med = {m: {k: statistics.median(x[k] for x in mine[m]) for k in ("steps_lost", "migrate_s", "prepare_s",
-                                                                          "pace_s")} for m in MODES}
+                                                                          "pace_s", "first_over_steady")} for m in MODES}
         for m in MODES:
             rows.append([speed, m, f"{1e3 * med[m]['pace_s']:.0f}", f"{1e3 * med[m]['prepare_s']:.0f}",
-                         f"{1e3 * med[m]['migrate_s']:.0f}", f"{med[m]['steps_lost']:.2f}",
+                         f"{1e3 * med[m]['migrate_s']:.0f}", f"{med[m]['first_over_steady']:.2f}",
+                         f"{med[m]['steps_lost']:.2f}",
                          " ".join(f"{x['steps_lost']:.2f}" for x in mine[m]),
                          max(x["old_steps_while_preparing"] for x in mine[m])])
-    head = ["speed", "built", "old step ms", "build ms", "switch stood ms", "steps lost (median)",
+    head = ["speed", "built", "old step ms", "build ms", "switch stood ms", "first new step / its next two",
+            "steps lost (median)",
             "steps lost per round", "old steps while building"]
     caption = (f"A switch DP -> 2-stage pipeline on 2 gloo CPU ranks (llama 4x128, batch {BATCH}, seq {SEQ}, EMULATED "
                f"speeds), its module built at the switch or on a thread while DP trains (the interpreter's switch "
-               f"interval {switch.PREPARING_SWITCH_INTERVAL_S} s while it builds, or its default); {rounds} round(s) "
+               f"interval {prepare.PREPARING_SWITCH_INTERVAL_S} s while it builds, or its default); {rounds} round(s) "
                f"per arm, the modes' order rotating; speed {IDLE_SPEED}: most of each step the host sleeps (a GPU host's idle time)")
     return finish("switch_prepare", title="A switch's module built on a thread vs at the switch (measured, emulated speeds)",
                   caption=caption, head=head, rows=rows, quick=args.quick, runs=runs,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fxpar import api_checks, calibrate
 from fxpar.adapt import Adapt, AdaptiveModule, AdaptPolicy, Planning
-from fxpar.adapt.switch import meta_template
+from fxpar.adapt.prepare import meta_template
 from fxpar.build import build_module
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, RuntimeSetupError

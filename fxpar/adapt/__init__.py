@@ -3,7 +3,7 @@ cached trace, and move the live parameters and optimizer state to the new layout
 
 Modules, lowest first: ``speeds`` (the emulation's speed timeline, the detector), ``decide``
 (re-plan and the switch rule), ``switch`` (build the new plan's module on ``meta``, reshard,
-swap the optimizer's parameters; a :class:`~fxpar.adapt.switch.Preparation` builds on a thread),
+swap the optimizer's parameters; a :class:`~fxpar.adapt.prepare.Preparation` builds on a thread),
 ``pending`` (the next switch and its preparation), ``settings`` (:class:`Adapt`, what a user sets), ``module`` (:class:`AdaptiveModule`, what
 ``fxpar.auto(..., adapt=True)`` returns).  It sits beside :mod:`fxpar.api`, below it: the API
 imports it, never the other way.

@@ -27,9 +27,9 @@ Per :meth:`AdaptiveModule.step`:
    within the detector's threshold of these, so two plans never alternate.
 
 6. **Prepared while training.**  A decided switch (or a rollback) whose plan the running module
-   cannot take in place is built by a :class:`~fxpar.adapt.switch.Preparation` on a thread of
+   cannot take in place is built by a :class:`~fxpar.adapt.prepare.Preparation` on a thread of
    each rank, started at the step every rank received the decision, while the old plan trains
-   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.switch.preparation_fits`);
+   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.prepare.preparation_fits`);
    each rank's gathered rows say whether its preparation is done (gathered every step while it
    runs), and the switch is due after the optimizer step of the first gather at which every
    rank's is: the commit (agreement, the move, the swap).  ``pm.switch_to(plan)`` prepares alike but its switch is due at once: the
@@ -52,11 +52,11 @@ import torch.distributed as dist
 
 from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.pending import PendingSwitch
+from fxpar.adapt.prepare import Preparation, prepare_pipeline_export, preparation_fits
 from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
-from fxpar.adapt.switch import (Preparation, check_movable, check_movable_everywhere, prepare_pipeline_export,
-                                preparation_fits, switch_module, takes_in_place)
+from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module, takes_in_place
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.contract import ParallelModule
@@ -96,7 +96,7 @@ class AdaptiveModule(torch.nn.Module):
         self.background = BackgroundPlanning(planning, options.planning_mode, computes=rank == 0,
                                              world=self.world, warm=warm)
         #: seconds spent at start (while rank 0's planning process starts) on the export later
-        #: pipeline switches cut (:func:`~fxpar.adapt.switch.prepare_pipeline_export`)
+        #: pipeline switches cut (:func:`~fxpar.adapt.prepare.prepare_pipeline_export`)
         self.prepared_export_s = prepare_pipeline_export(
             template, example_inputs, self._build["exports"], dtype=module.plan.dtype,
             families=options.policy.strategies if options.policy.strategies is not None else FAMILIES)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpar.adapt.switch import Prepared, Preparation
+from fxpar.adapt.prepare import Prepared, Preparation
 from fxpar.plan import Plan
 
 

@@ -36,62 +36,40 @@
    plan alive.
 
 6. **Agreement.**  Every rank builds, then the ranks exchange the outcomes before anything
-   moves: a build that failed on any rank (a model whose stages cannot be cut from the meta
-   template, a plan these versions cannot run) is a :class:`~fxpar.errors.SwitchRefused` on
+   moves, in the commit's one all-gather (:class:`CommitRow`: each rank's outcome, the optimizer
+   group of each parameter it holds, and what the move needs to know of it, so the move itself
+   gathers nothing more): a build that failed on any rank (a model whose stages cannot be cut
+   from the meta template, a plan these versions cannot run) is a :class:`~fxpar.errors.SwitchRefused` on
    every rank, so no rank waits in a move the others never enter.  A build that fails inside one
    of its own collectives on some ranks only (a process group the others are creating) still
    waits for the backend's timeout: builds fail alike on every rank in every case met so far.
 
-**Prepared while training.**  The build (1, with the new plan's process groups and hooks) is
-:func:`prepare`; agreement (6), the move (2-3) and the release (5) are the commit.  A
-:class:`Preparation` runs :func:`prepare` on a thread of its own while the old plan trains on:
-the ranks start it at the same step, so each rank's builder makes the new groups in one order;
-nothing else makes a group while it runs (the old plan's groups all exist), and its owned scope
-is the thread's (:func:`fxpar.runtime.distributed.owned_scope`), so the old plan's steps record
-nothing in it.  A build draws no random number (it copies a template with its parameters on
-``meta`` and fills nothing: tested per form), so the run's generators, which the old plan's
-dropout draws from meanwhile, are the run's alone; the commit saves and restores them around the
-move as before (4).  While it prepares, a rank holds the new module's parameters beside the old
-plan's steps: :func:`preparation_fits` allows it in the background only where every rank's
-predicted peak under the old plan plus the parameters of its stages in the new plan fits its
-memory; elsewhere the build runs at the switch.
-
-**The interpreter lock.**  The build is Python: while the old plan's thread computes, each time
-it leaves the lock for an operator the builder may take it, and the computing thread gets it
-back only when the interpreter's switch interval (5 ms by default) makes the builder drop it.
-While a preparation builds, the interval is :data:`PREPARING_SWITCH_INTERVAL_S`, so the old
-plan's thread waits at most that long each time (``benchmarks/switch_prepare.py`` measures both).
+**Prepared while training.**  The build (1) is :func:`fxpar.adapt.prepare.prepare`, which a
+:class:`~fxpar.adapt.prepare.Preparation` runs on a thread while the old plan trains on (that
+module says how); agreement (6), the move (2-3) and the release (5) are the commit.
 
 ``migrate_s`` counts what runs at the switch: from the last old step to the first new one.
 """
 
 from __future__ import annotations
 
-import copy
-import sys
-import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from fxpar.build import build_module
+from fxpar.adapt.prepare import Prepared, prepare
 from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import ReshardStats
-from fxpar.checkpoint.reshard_move import reshard
-from fxpar.codegen.common.materialize import Uninitialised, to_meta
-from fxpar.codegen.pipeline.export import ExportCache, batch_dims
+from fxpar.checkpoint.reshard_move import RankFacts, rank_facts, reshard
 from fxpar.errors import ConfigError, MoveDoesNotFit, PlanError, SwitchRefused
-from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.distributed import release_owned
-from fxpar.dtype_policy import ITEMSIZE
-from fxpar.runtime.precision import AUTOCAST_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,45 +85,18 @@ class SwitchReport:
     prepared: str = "at_switch"  # where the new module was built: "at_switch" or "background"
 
 
-def meta_template(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every parameter on ``meta`` (ties kept, buffers copied, no weight copied)."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    return copy.deepcopy(model, memo)
-
-
-def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, exports: ExportCache, *,
-                            families: tuple[str, ...], dtype: str) -> float:
-    """Make, when adapting starts, the export every later pipeline switch cuts (module docstring,
-    1): with a symbolic batch size (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a
-    switch to a pipeline of any micro-batch size of 2 or more skips it.  Only where a family
-    among ``families`` cuts the model and the plans compute in fp32 (a low-precision pipeline
-    exports its stages on host stand-ins, outside the cache); an export that fails is left to the
-    switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
-    if dtype in AUTOCAST_DTYPES or not isinstance(example_inputs, dict) or not any(
-            form(f).cuts_model for f in families):
-        return 0.0
-    two = {k: (v[:2] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in example_inputs.items()}
-    if batch_dims(two) is None:   # no one batch size to make symbolic: an export per shape, at the switch
-        return 0.0
-    start = time.perf_counter()
-    try:
-        exports.exported(meta_template(template), to_meta(two), None)
-    except Exception:  # noqa: BLE001 -- the switch that needs it reports its failure, on every rank alike
-        pass
-    return time.perf_counter() - start
-
-
-def _group_of_fqn(layout: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """FQN → index of the optimizer group that holds it, agreed over every rank."""
+def _my_groups(layout: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """FQN → index of the optimizer group that holds it on this rank."""
+    if optimizer is None:
+        return {}
     ids = layout.by_id()
-    mine = {ids[id(p)].fqn: g for g, group in enumerate(optimizer.param_groups)
+    return {ids[id(p)].fqn: g for g, group in enumerate(optimizer.param_groups)
             for p in group["params"] if id(p) in ids}
-    if not (dist.is_available() and dist.is_initialized()):
-        return mine
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+
+
+def _group_of_fqn(every: list[dict[str, int]]) -> dict[str, int]:
+    """FQN → the optimizer group holding it on any rank (the lowest index), from every rank's
+    :func:`_my_groups`."""
     out: dict[str, int] = {}
     for held in every:
         for fqn, g in held.items():
@@ -193,114 +144,14 @@ def check_movable(optimizer: torch.optim.Optimizer) -> None:
                           "an optimizer whose state is shaped like its parameters (torch.optim.AdamW, SGD, ...)")
 
 
-@dataclass(slots=True)
-class Prepared:
-    """A new plan's module built on this rank (:func:`prepare`), or why it could not be."""
-
-    plan: Plan
-    module: ParallelModule | None
-    failure: tuple[str, bool] = ("", False)   # (what failed, whether the plan itself was at fault)
-    build_s: float = 0.0
-    where: str = "at_switch"                   # or "background" (a :class:`Preparation`)
-
-
-def prepare(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, device: torch.device,
-            build_options: dict[str, Any]) -> Prepared:
-    """The new plan's module on this rank, built from ``template`` with no values (module
-    docstring, 1); a build that fails is returned as its reason, for :func:`agree` to tell every
-    rank.  No collective but the new plan's own ``new_group`` calls; draws no random number."""
-    start = time.perf_counter()
-    try:
-        module = build_module(meta_template(template), plan, rank, example_inputs, device=device,
-                              checkpoint=Uninitialised(), **build_options)
-    except Exception as exc:  # noqa: BLE001 -- every rank must hear of it, or the others wait in the move
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        return Prepared(plan, None, (why, isinstance(exc, PlanError)), time.perf_counter() - start)
-    return Prepared(plan, module, build_s=time.perf_counter() - start)
-
-
-#: the interpreter's switch interval while a :class:`Preparation` builds (module docstring, "The
-#: interpreter lock"); None: the interpreter's own (5 ms by default)
-PREPARING_SWITCH_INTERVAL_S: float | None = 1e-4
-
-
-@dataclass(eq=False)
-class Preparation:
-    """:func:`prepare` on a thread of its own while the old plan trains (module docstring,
-    "Prepared while training"): every rank starts one at the same step."""
-
-    template: torch.nn.Module
-    plan: Plan
-    rank: int
-    example_inputs: Any
-    device: torch.device
-    build_options: dict[str, Any]
-    _result: list[Prepared] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="fxpar-prepare-switch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        interval = sys.getswitchinterval()
-        if PREPARING_SWITCH_INTERVAL_S is not None:
-            sys.setswitchinterval(PREPARING_SWITCH_INTERVAL_S)
-        try:
-            if self.device.type == "cuda":   # the current device is per thread
-                torch.cuda.set_device(self.device)
-            prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device,
-                               self.build_options)
-        except BaseException as exc:  # noqa: BLE001 -- a thread that ends without a result would leave the switch pending
-            prepared = Prepared(self.plan, None, (f"{type(exc).__name__}: {str(exc)[:300]}", False))
-        finally:
-            sys.setswitchinterval(interval)
-        prepared.where = "background"
-        self._result.append(prepared)
-
-    def done(self) -> bool:
-        return bool(self._result)
-
-    def result(self) -> Prepared:
-        """The prepared module (waits for the thread)."""
-        self._thread.join()
-        return self._result[0]
-
-    def discard(self) -> None:
-        """Wait for the thread and give back what its build made (a switch that will not run)."""
-        prepared = self.result()
-        if prepared.module is not None:
-            release_owned(prepared.module.owned)
-
-
-def preparation_fits(old: Plan, new: Plan, template: torch.nn.Module) -> bool:
-    """Whether every rank can hold the new module's parameters beside the old plan's steps
-    (module docstring, "Prepared while training"): its predicted peak under ``old`` plus every
-    parameter of the stages it runs in ``new`` as stored (and a low-precision plan's working copy;
-    a bound: a split inside a stage holds less) fits its memory.  Every rank reads the same two
-    plans, so every rank answers alike."""
-    extra = ITEMSIZE[new.dtype] if new.dtype in AUTOCAST_DTYPES else 0
-    named = list(template.named_parameters(remove_duplicate=False))   # a tied weight under each of its names
-
-    def held(rank: int) -> int:
-        prefixes = [m for st in new.stages if rank in st.ranks for m in st.modules]
-        mine = {id(p): p for name, p in named
-                if any(m == "" or name == m or name.startswith(m + ".") for m in prefixes)}
-        return sum(p.numel() * (p.element_size() + extra) for p in mine.values())
-
-    return all(not r.memory_capacity_bytes or r.predicted_memory_bytes + held(r.rank) <= r.memory_capacity_bytes
-               for r in old.ranks)
-
-
-def agree(prepared: Prepared, rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None) -> ParallelModule:
-    """The prepared module, once every rank has built its own (one all-gather of the outcomes):
-    a build that failed anywhere is a :class:`SwitchRefused` on every rank, naming the first rank
-    that failed and why, with this rank's new groups released (module docstring, 6).  Its
-    ``family`` (offered no more) is empty when the plan itself was at fault (a PlanError: a
-    malformed hand plan says nothing of its family)."""
-    failures = [prepared.failure]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        failures = [("", False)] * dist.get_world_size()
-        dist.all_gather_object(failures, prepared.failure)
+def agree(prepared: Prepared, failures: list[tuple[str, bool]],
+          rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None) -> ParallelModule:
+    """The prepared module, once every rank has built its own (``failures``: every rank's
+    ``Prepared.failure``, gathered at the commit): a build that failed anywhere is a
+    :class:`SwitchRefused` on every rank, naming the first rank that failed and why, with this
+    rank's new groups released (module docstring, 6).  Its ``family`` (offered no more) is
+    empty when the plan itself was at fault (a PlanError: a malformed hand plan says nothing of
+    its family)."""
     bad = next((r for r, (why, _) in enumerate(failures) if why), None)
     if bad is None:
         assert prepared.module is not None
@@ -312,6 +163,26 @@ def agree(prepared: Prepared, rng: tuple[torch.Tensor, list[torch.Tensor] | None
     plan = prepared.plan
     raise SwitchRefused(f"switch refused: the {plan.strategy} plan could not be built on rank {bad} "
                         f"({failures[bad][0]})", family="" if plans_fault else plan.strategy)
+
+
+class CommitRow(NamedTuple):
+    """What one rank tells the others at a switch's commit, in its one all-gather
+    (:func:`_exchange`): how its build went, the optimizer group of each parameter it holds,
+    and what the move needs of it (None where its build failed)."""
+
+    failure: tuple[str, bool]
+    groups: dict[str, int]
+    facts: RankFacts | None
+
+
+def _exchange(row: CommitRow) -> list[CommitRow]:
+    """Every rank's :class:`CommitRow` (one ``all_gather_object``; this rank's alone without a
+    process group)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [row]
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return rows
 
 
 def check_movable_everywhere(optimizer: torch.optim.Optimizer | None, world: int) -> None:
@@ -346,19 +217,23 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
                                  stats=ReshardStats(0, 0, 0, 0, rounds=0), state_bytes=_held_bytes(describe(old), optimizer))
     rng = _rng_state()
     old_layout = describe(old)
-    groups = _group_of_fqn(old_layout, optimizer) if optimizer is not None else {}
     if prepared is None:
         prepared = prepare(template, plan, rank, example_inputs, device, build_options)
-    new = agree(prepared, rng)
-    built = time.perf_counter()
-    new_layout = describe(new)
     old_view = SimpleNamespace(state=optimizer.state) if optimizer is not None else None
+    capacity = plan.ranks[rank].memory_capacity_bytes or None
+    facts = None if prepared.layout is None else rank_facts(old_layout, old_view, prepared.layout, device,  # type: ignore[arg-type]
+                                                            capacity, prepared.held)
+    rows = _exchange(CommitRow(prepared.failure, _my_groups(old_layout, optimizer), facts))
+    new = agree(prepared, [r.failure for r in rows], rng)
+    built = time.perf_counter()
+    new_layout = prepared.layout
+    assert new_layout is not None
     kept = (optimizer.param_groups, optimizer.state) if optimizer is not None else None
     if optimizer is not None:
-        _regroup(optimizer, new_layout, groups)
-    capacity = plan.ranks[rank].memory_capacity_bytes or None
+        _regroup(optimizer, new_layout, _group_of_fqn([r.groups for r in rows]))
     try:
-        stats = reshard(old_layout, old_view, new_layout, optimizer, device, capacity)  # type: ignore[arg-type]
+        stats = reshard(old_layout, old_view, new_layout, optimizer, device, capacity,  # type: ignore[arg-type]
+                        gathered=[r.facts for r in rows])  # type: ignore[misc]
     except MoveDoesNotFit:   # raised on every rank before anything moved: the old module runs on
         if optimizer is not None and kept is not None:
             optimizer.param_groups, optimizer.state = kept

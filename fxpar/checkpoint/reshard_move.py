@@ -1,7 +1,10 @@
 """The move of :mod:`fxpar.checkpoint.reshard`: exchange holdings, plan, pack, send, unpack.
 
 Collective over the default process group (every rank calls :func:`reshard` with its old and new
-module's layouts).  The move runs in rounds that fit each rank's memory
+module's layouts).  Each rank's :class:`RankFacts` (what it holds before and after, its live
+bytes, its capacity) are all-gathered first, by :func:`reshard` or, where the caller has an
+exchange of its own at that point, by the caller (a switch's commit:
+:func:`fxpar.adapt.switch.switch_module` sends them in its one all-gather).  The move runs in rounds that fit each rank's memory
 (:mod:`fxpar.checkpoint.reshard_rounds`: one round unless a capacity is given).  Per round and
 (sender, receiver) one byte buffer carries, for each of the round's pieces in order, the
 parameter's region and then the region of each optimizer-state tensor shaped like it (the
@@ -14,7 +17,7 @@ a round is dropped before the next.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -120,27 +123,47 @@ def _copy_local(transfers: list[Transfer], me: int, old_held: dict[str, Holding]
     return copied
 
 
+class RankFacts(NamedTuple):
+    """What one rank tells the others before a move (:func:`rank_facts`)."""
+
+    old: dict[str, Holding]     # what it holds now: parameters' regions, their shaped state
+    new: dict[str, Holding]     # what it will hold (no state yet)
+    alive_bytes: int            # bytes allocated when the move starts (:func:`_alive_bytes`)
+    capacity_bytes: int | None  # its memory in the new plan (None: no limit)
+
+
+def rank_facts(old: Layout, old_optim: torch.optim.Optimizer | None, new: Layout, device: torch.device,
+               capacity_bytes: int | None = None, new_held: dict[str, Holding] | None = None) -> RankFacts:
+    """This rank's :class:`RankFacts`; ``new_held``: ``holdings(new, None)`` where the caller
+    has it already (a switch prepared on a thread)."""
+    return RankFacts(holdings(old, old_optim), holdings(new, None) if new_held is None else new_held,
+                     _alive_bytes(old, old_optim, new, device), capacity_bytes)
+
+
 def reshard(old: Layout, old_optim: torch.optim.Optimizer | None, new: Layout,
             new_optim: torch.optim.Optimizer | None, device: torch.device,
-            capacity_bytes: int | None = None) -> ReshardStats:
+            capacity_bytes: int | None = None, gathered: list[RankFacts] | None = None) -> ReshardStats:
     """Fill ``new``'s parameters (and ``new_optim``'s state, created here) from ``old``'s on every
     rank (collective over the default group; :mod:`fxpar.checkpoint.reshard`), in rounds that
-    keep this rank within ``capacity_bytes`` (None: one round).  A move that cannot fit raises
-    a CheckpointError on every rank alike before anything moves."""
+    keep this rank within ``capacity_bytes`` (None: one round).  ``gathered``: every rank's
+    :func:`rank_facts`, where the caller all-gathered them (then ``capacity_bytes`` is read from
+    them); None: gathered here.  A move that cannot fit raises a CheckpointError on every rank
+    alike before anything moves."""
     distributed = dist.is_available() and dist.is_initialized()
     me, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if new_optim is None and old_optim is not None or new_optim is not None and old_optim is None:
         raise CheckpointError("reshard: pass both optimizers or neither")
-    mine = (holdings(old, old_optim), holdings(new, None), _alive_bytes(old, old_optim, new, device), capacity_bytes)
-    gathered: list[Any] = [None] * world
-    if distributed:
-        dist.all_gather_object(gathered, mine)
-    else:
-        gathered = [mine]
-    olds, news = [g[0] for g in gathered], [g[1] for g in gathered]
+    if gathered is None:
+        mine = rank_facts(old, old_optim, new, device, capacity_bytes)
+        gathered = [mine] * world
+        if distributed:
+            dist.all_gather_object(gathered, mine)
+    if len(gathered) != world:
+        raise CheckpointError(f"reshard: facts of {len(gathered)} ranks gathered, for {world} ranks")
+    olds, news = [g.old for g in gathered], [g.new for g in gathered]
     transfers = plan_transfers(olds, news)
-    memory = [MemoryAtMove(alive=g[2], new_state=new_state_bytes(g[1], olds) if new_optim is not None else 0,
-                           capacity=g[3]) for g in gathered]
+    memory = [MemoryAtMove(alive=g.alive_bytes, new_state=new_state_bytes(g.new, olds) if new_optim is not None else 0,
+                           capacity=g.capacity_bytes) for g in gathered]
     rounds = plan_rounds(transfers, olds, memory)
     metadata = metadata_bytes([len(pickle.dumps(g)) for g in gathered])
     _new_state(new, new_optim, olds)

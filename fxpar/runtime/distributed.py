@@ -232,7 +232,7 @@ def owned_scope() -> Iterator[list[Any]]:
     """What a plan's build makes inside the block and must give back when a switch replaces the
     plan, in creation order: every process group :func:`new_group` makes and every autograd hook
     handle passed to :func:`own`, on this thread (a switch builds its plan on a thread of its own
-    while the old plan trains: :class:`fxpar.adapt.switch.Preparation`).  Released with
+    while the old plan trains: :class:`fxpar.adapt.prepare.Preparation`).  Released with
     :func:`release_owned`."""
     made: list[Any] = []
     _scopes().append(made)

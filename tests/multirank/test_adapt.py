@@ -106,6 +106,7 @@ def test_every_switch_of_the_matrix_keeps_the_single_process_trajectory(request,
     results = request.getfixturevalue(f"pool{ranks}").run(switch_parity, switches, steps, 1e-3, config, dtype)
     for r in results:
         assert len(r["switches"]) == len(switches)
+        assert all(g <= 1 for g in r["gathers"]), r["gathers"]   # one all-gather per commit at most
         for k, (loss, ref) in enumerate(r["losses"]):
             expect(check_loss(loss, ref, AUTOCAST_LOSS_RTOL if dtype != "fp32" else LOSS_RTOL),
                    context=f"{chain}: rank {r['rank']} step {k}")
@@ -125,10 +126,13 @@ def test_a_zero3_re_split_moves_state_with_parity(pool2):
     AdamW state from rank 0 (a pipeline target would need the newest torch's meta export, which
     the quick tier's lowest versions lack); every step's loss equals one process's and the weights stay on
     its trajectory (the full tier runs :data:`SWITCH_CHAINS`).  First a data-parallel re-share,
-    which the running module takes in place: nothing built, nothing moved."""
+    which the running module takes in place: nothing built, nothing moved.  A switch that builds
+    and moves commits with one all-gather (each rank's build outcome, optimizer groups and
+    holdings): the move gathers nothing more."""
     results = pool2.run(switch_parity, {1: "dp-reshare", 2: "sharded", 3: "sharded-resplit"}, 5)
     assert results[1]["switches"][2]["received"] > 0   # rank 1's new rows were rank 0's
     for r in results:
+        assert r["gathers"] == [0, 1, 1], r["gathers"]
         reshare = r["switches"][0]
         assert reshare["build_s"] == 0.0 and reshare["sent"] == reshare["received"] == reshare["local"] == 0
         assert r["kinds"] == ["data_parallel"] * 2 + ["sharded_data_parallel"] * 3 and r["n_state"] > 0

@@ -120,7 +120,7 @@ def test_a_number_a_meta_model_makes_keeps_its_value_in_the_export():
     """A meta model's export (a running job's switches cut one) keeps a number the forward makes
     on the device as a host constant with its value, not a meta tensor no stage could run; the
     export run on real weights equals the model."""
-    from fxpar.adapt.switch import meta_template
+    from fxpar.adapt.prepare import meta_template
     from fxpar.codegen.pipeline.export import exported_for_split
 
     torch.manual_seed(0)
@@ -198,7 +198,7 @@ def test_cuts_share_the_cached_export_and_moving_a_stage_changes_neither_it_nor_
     own nested graphs before changing their device constants.  Here a meta model's export (as
     a switch makes it) holds a nested graph with a device constant: moving one cut's stages to
     the host leaves the export's code as it was, and a second cut still says ``meta``."""
-    from fxpar.adapt.switch import meta_template
+    from fxpar.adapt.prepare import meta_template
     from fxpar.codegen.common.materialize import to_meta
     from fxpar.codegen.pipeline.eager import cut_stages
     from fxpar.codegen.pipeline.export import ExportCache
@@ -238,7 +238,7 @@ def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
     the batch's sizes and its one pass with autograd), instead of a pass over the chain on every
     switch (issue #39 item 7).  For every stage of 2- and 3-stage cuts at 3 micro-batch sizes of
     one export, they equal what that pass (``example_values``) finds."""
-    from fxpar.adapt.switch import meta_template
+    from fxpar.adapt.prepare import meta_template
     from fxpar.codegen.common.materialize import to_meta
     from fxpar.codegen.pipeline.eager import cut_stages
     from fxpar.codegen.pipeline.export import ExportCache
@@ -263,3 +263,32 @@ def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
     assert cache.exports == 1 and compared == 21
     assert any(t.requires_grad for s in stages for t in s.traced_example[1]) \
         and any(not t.requires_grad for s in stages for t in s.traced_example[1])   # both flags occur
+
+
+def test_a_built_stage_has_its_graph_code_generated_before_its_first_step(monkeypatch):
+    """The stages cut from an export are lazy graph modules: each generates its Python code at
+    its first call, unless :func:`fxpar.build.generate_graph_code` (run by every build, so by a
+    switch's preparing thread) has generated it.  Counted by calls of ``torch.fx.Graph.python_code``
+    during a forward through the stages: some without it (so the mechanism is real), none after."""
+    from fxpar.build import generate_graph_code
+    from fxpar.codegen.pipeline.eager import cut_stages
+
+    generated: list[int] = []
+    real = torch.fx.Graph.python_code
+    monkeypatch.setattr(torch.fx.Graph, "python_code", lambda self, *a, **k: generated.append(1) or real(self, *a, **k))
+    torch.manual_seed(0)
+    model, data = Net(layers=3), _batch(1)
+
+    def first_forward(generate: bool) -> int:
+        stages, names = cut_stages(copy.deepcopy(model), data, [0, 0, 1], 2)
+        if generate:
+            for stage in stages:
+                generate_graph_code(stage)
+        del generated[:]
+        values = tuple(data[n] for n in names)
+        for stage in stages:
+            values = stage(*values) if isinstance(values, tuple) else stage(values)
+        return len(generated)
+
+    assert first_forward(generate=False) > 0
+    assert first_forward(generate=True) == 0

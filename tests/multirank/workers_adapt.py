@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.adapt.switch import meta_template, switch_module
+from fxpar.adapt.prepare import meta_template
+from fxpar.adapt.switch import switch_module
 from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import entry_boxes, region_view
 from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
@@ -92,8 +93,39 @@ def _boxes(pm: torch.nn.Module, reference: dict, initial: dict) -> list:
     return out
 
 
-def switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None,
-                  dtype: str = "fp32", checkpoint: str | None = None, resumed_steps: int = 3) -> dict[str, Any]:
+def switch_parity(switches: dict[int, str], steps: int, *args: Any, **options: Any) -> dict[str, Any]:
+    """:func:`_switch_parity`, with the ``all_gather_object`` calls each switch made counted
+    (``"gathers"``, one count per ``switch_module`` call)."""
+    import fxpar.adapt.module as adaptive
+
+    gathers: list[int] = []
+    real_switch, real_gather = adaptive.switch_module, dist.all_gather_object
+
+    def counted_switch(*args: Any, **kwargs: Any) -> Any:
+        made = [0]
+
+        def gather(*a: Any, **k: Any) -> Any:
+            made[0] += 1
+            return real_gather(*a, **k)
+
+        dist.all_gather_object = gather
+        try:
+            return real_switch(*args, **kwargs)
+        finally:
+            dist.all_gather_object = real_gather
+            gathers.append(made[0])
+
+    adaptive.switch_module = counted_switch
+    try:
+        out = _switch_parity(switches, steps, *args, **options)
+    finally:
+        adaptive.switch_module, dist.all_gather_object = real_switch, real_gather
+    out["gathers"] = gathers
+    return out
+
+
+def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None,
+                   dtype: str = "fp32", checkpoint: str | None = None, resumed_steps: int = 3) -> dict[str, Any]:
     """Train ``steps`` AdamW steps starting under uneven data parallelism, adapting on, switching
     to ``switches[k]`` before step ``k`` through ``pm.switch_to`` (the path a decision takes:
     after the tracked optimizer's step); per step the loss and the reference's (one process, same
@@ -389,10 +421,10 @@ def chunked_move(capacity_cut: float) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     real_reshard, seen = switch.reshard, {}
 
-    def measured_reshard(old, old_view, new, optimizer, device, capacity=None):
+    def measured_reshard(old, old_view, new, optimizer, device, capacity=None, **gathered):
         state = [v for st in old_view.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         with TensorPeak([lp.param for lp in old.params] + state + [lp.param for lp in new.params]) as peak:
-            stats = real_reshard(old, old_view, new, optimizer, device, capacity)
+            stats = real_reshard(old, old_view, new, optimizer, device, capacity, **gathered)
         seen.update(peak=peak.peak_bytes, base=peak.base_bytes, end=peak.end_bytes)
         return stats
 
@@ -471,7 +503,7 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
     ZeRO-3 plan whose build raises on rank 1 only, after the build's own collectives ("plan-error":
     a PlanError there, the plan's fault, not its family's).  The switch is refused on both ranks (no rank waits in a move), the run goes on under data
     parallelism beside one process, and the family is offered no more."""
-    import fxpar.adapt.switch as switch
+    import fxpar.adapt.prepare as prepare
     from benchmarks.zoo_tiny import tiny_config
     from fxpar.errors import PlanError
 
@@ -480,7 +512,7 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
                                                           else CONFIG, steps)
     plan = (pipeline_plan(template, cluster, global_batch=BATCH, blocks_per_stage=[4, 4], num_microbatches=2)
             if case == "no-export" else _plan("sharded", template, cluster, world))
-    real_build = switch.build_module
+    real_build = prepare.build_module
 
     def failing_build(*args: Any, **kwargs: Any) -> Any:
         real_build(*args, **kwargs)
@@ -488,11 +520,11 @@ def unbuildable_switch_run(case: str, steps: int = 4) -> dict[str, Any]:
             raise PlanError("injected on rank 1")
         raise RuntimeError("injected on rank 1")
     if case in ("one-rank", "plan-error") and rank == 1:   # fails once its build's own collectives are done
-        switch.build_module = failing_build
+        prepare.build_module = failing_build
     try:
         out = _adapt_beside_reference(pm, reference, data, lambda k: pm.switch_to(plan) if k == 1 else None)
     finally:   # the pool's processes run later tests
-        switch.build_module = real_build
+        prepare.build_module = real_build
     return {"rank": rank, **out, "unbuildable": dict(pm.replanner.unbuildable)}
 
 
@@ -567,10 +599,10 @@ def decision_after_another_switch() -> dict[str, Any]:
 
 def preparing_draws_no_random_number() -> dict[str, Any]:
     """Each switch target of 2 ranks (:func:`_plan`) prepared from a meta template, as a
-    :class:`~fxpar.adapt.switch.Preparation` does on its thread while the old plan's dropout draws
+    :class:`~fxpar.adapt.prepare.Preparation` does on its thread while the old plan's dropout draws
     from the run's generators: per kind, whether the host generator's state is the same after
     the build as before, and whether the build succeeded.  The groups each build made are released."""
-    from fxpar.adapt.switch import prepare
+    from fxpar.adapt.prepare import prepare
     from fxpar.runtime.distributed import release_owned
 
     world = dist.get_world_size()

@@ -1,0 +1,186 @@
+"""What a switch builds before its commit (:mod:`fxpar.adapt.switch`, whose docstring numbers
+the steps): the model's meta template (1), the pipeline export every later pipeline switch cuts,
+and the new plan's module built on this rank, at the switch or on a thread while the old plan
+trains.
+
+**Prepared while training.**  The build (step 1 of :mod:`fxpar.adapt.switch`: the new plan's
+module with its process groups and hooks, the code of its fx graphs
+(:func:`fxpar.build.generate_graph_code`), and its layout's description) is :func:`prepare`.  A
+:class:`Preparation` runs :func:`prepare` on a thread of its own while the old plan trains on:
+the ranks start it at the same step, so each rank's builder makes the new groups in one order;
+nothing else makes a group while it runs (the old plan's groups all exist), and its owned scope
+is the thread's (:func:`fxpar.runtime.distributed.owned_scope`), so the old plan's steps record
+nothing in it.  A build draws no random number (it copies a template with its parameters on
+``meta`` and fills nothing: tested per form), so the run's generators, which the old plan's
+dropout draws from meanwhile, are the run's alone; the commit saves and restores them around the
+move (the switch's step 4).  While it prepares, a rank holds the new module's parameters beside the old
+plan's steps: :func:`preparation_fits` allows it in the background only where every rank's
+predicted peak under the old plan plus the parameters of its stages in the new plan fits its
+memory; elsewhere the build runs at the switch.
+
+**The interpreter lock.**  The build is Python: while the old plan's thread computes, each time
+it leaves the lock for an operator the builder may take it, and the computing thread gets it
+back only when the interpreter's switch interval (5 ms by default) makes the builder drop it.
+While a preparation builds, the interval is :data:`PREPARING_SWITCH_INTERVAL_S`, so the old
+plan's thread waits at most that long each time (``benchmarks/switch_prepare.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxpar.build import build_module
+from fxpar.checkpoint.layout import Layout, describe
+from fxpar.checkpoint.reshard import Holding, holdings
+from fxpar.codegen.common.materialize import Uninitialised, to_meta
+from fxpar.codegen.pipeline.export import ExportCache, batch_dims
+from fxpar.dtype_policy import ITEMSIZE
+from fxpar.errors import PlanError
+from fxpar.forms import form
+from fxpar.plan import Plan
+from fxpar.runtime.contract import ParallelModule
+from fxpar.runtime.distributed import release_owned
+from fxpar.runtime.precision import AUTOCAST_DTYPES
+
+
+def meta_template(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter on ``meta`` (ties kept, buffers copied, no weight copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, exports: ExportCache, *,
+                            families: tuple[str, ...], dtype: str) -> float:
+    """Make, when adapting starts, the export every later pipeline switch cuts
+    (:mod:`fxpar.adapt.switch`, step 1): with a symbolic batch size
+    (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a switch to a pipeline of any
+    micro-batch size of 2 or more skips it.  Only where a family
+    among ``families`` cuts the model and the plans compute in fp32 (a low-precision pipeline
+    exports its stages on host stand-ins, outside the cache); an export that fails is left to the
+    switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
+    if dtype in AUTOCAST_DTYPES or not isinstance(example_inputs, dict) or not any(
+            form(f).cuts_model for f in families):
+        return 0.0
+    two = {k: (v[:2] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in example_inputs.items()}
+    if batch_dims(two) is None:   # no one batch size to make symbolic: an export per shape, at the switch
+        return 0.0
+    start = time.perf_counter()
+    try:
+        exports.exported(meta_template(template), to_meta(two), None)
+    except Exception:  # noqa: BLE001 -- the switch that needs it reports its failure, on every rank alike
+        pass
+    return time.perf_counter() - start
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A new plan's module built on this rank (:func:`prepare`), or why it could not be."""
+
+    plan: Plan
+    module: ParallelModule | None
+    failure: tuple[str, bool] = ("", False)   # (what failed, whether the plan itself was at fault)
+    build_s: float = 0.0
+    where: str = "at_switch"                   # or "background" (a :class:`Preparation`)
+    layout: Layout | None = None               # the module's layout (:func:`describe`)
+    held: dict[str, Holding] | None = None     # what it will hold (``holdings(layout, None)``)
+
+
+def prepare(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, device: torch.device,
+            build_options: dict[str, Any]) -> Prepared:
+    """The new plan's module on this rank, built from ``template`` with no values (module
+    docstring, 1); a build that fails is returned as its reason, for :func:`agree` to tell every
+    rank.  No collective but the new plan's own ``new_group`` calls; draws no random number."""
+    start = time.perf_counter()
+    module = None
+    try:
+        module = build_module(meta_template(template), plan, rank, example_inputs, device=device,
+                              checkpoint=Uninitialised(), **build_options)
+        layout = describe(module)
+        held = holdings(layout, None)
+    except Exception as exc:  # noqa: BLE001 -- every rank must hear of it, or the others wait in the move
+        if module is not None:
+            release_owned(module.owned)
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return Prepared(plan, None, (why, isinstance(exc, PlanError)), time.perf_counter() - start)
+    return Prepared(plan, module, build_s=time.perf_counter() - start, layout=layout, held=held)
+
+
+#: the interpreter's switch interval while a :class:`Preparation` builds (module docstring, "The
+#: interpreter lock"); None: the interpreter's own (5 ms by default)
+PREPARING_SWITCH_INTERVAL_S: float | None = 1e-4
+
+
+@dataclass(eq=False)
+class Preparation:
+    """:func:`prepare` on a thread of its own while the old plan trains (module docstring,
+    "Prepared while training"): every rank starts one at the same step."""
+
+    template: torch.nn.Module
+    plan: Plan
+    rank: int
+    example_inputs: Any
+    device: torch.device
+    build_options: dict[str, Any]
+    _result: list[Prepared] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fxpar-prepare-switch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = sys.getswitchinterval()
+        if PREPARING_SWITCH_INTERVAL_S is not None:
+            sys.setswitchinterval(PREPARING_SWITCH_INTERVAL_S)
+        try:
+            if self.device.type == "cuda":   # the current device is per thread
+                torch.cuda.set_device(self.device)
+            prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device,
+                               self.build_options)
+        except BaseException as exc:  # noqa: BLE001 -- a thread that ends without a result would leave the switch pending
+            prepared = Prepared(self.plan, None, (f"{type(exc).__name__}: {str(exc)[:300]}", False))
+        finally:
+            sys.setswitchinterval(interval)
+        prepared.where = "background"
+        self._result.append(prepared)
+
+    def done(self) -> bool:
+        return bool(self._result)
+
+    def result(self) -> Prepared:
+        """The prepared module (waits for the thread)."""
+        self._thread.join()
+        return self._result[0]
+
+    def discard(self) -> None:
+        """Wait for the thread and give back what its build made (a switch that will not run)."""
+        prepared = self.result()
+        if prepared.module is not None:
+            release_owned(prepared.module.owned)
+
+
+def preparation_fits(old: Plan, new: Plan, template: torch.nn.Module) -> bool:
+    """Whether every rank can hold the new module's parameters beside the old plan's steps
+    (module docstring, "Prepared while training"): its predicted peak under ``old`` plus every
+    parameter of the stages it runs in ``new`` as stored (and a low-precision plan's working copy;
+    a bound: a split inside a stage holds less) fits its memory.  Every rank reads the same two
+    plans, so every rank answers alike."""
+    extra = ITEMSIZE[new.dtype] if new.dtype in AUTOCAST_DTYPES else 0
+    named = list(template.named_parameters(remove_duplicate=False))   # a tied weight under each of its names
+
+    def held(rank: int) -> int:
+        prefixes = [m for st in new.stages if rank in st.ranks for m in st.modules]
+        mine = {id(p): p for name, p in named
+                if any(m == "" or name == m or name.startswith(m + ".") for m in prefixes)}
+        return sum(p.numel() * (p.element_size() + extra) for p in mine.values())
+
+    return all(not r.memory_capacity_bytes or r.predicted_memory_bytes + held(r.rank) <= r.memory_capacity_bytes
+               for r in old.ranks)
