@@ -1,15 +1,17 @@
 """Switch a running job to a new plan without a restart: build, move state, swap the optimizer.
 
 0. **In place.**  A plan that changes only the batch shares of the running module's form (a
-   data-parallel re-share; ZeRO with the same state split) is taken by the module's own
-   ``set_plan``: nothing is built, nothing moves, and the optimizer is untouched.  Otherwise:
+   data-parallel re-share; ZeRO with the same state split: the module's ``refusal`` is empty) is
+   taken by its own ``set_plan``: nothing is built, nothing moves, and the optimizer is
+   untouched.  Otherwise:
 1. **Template.**  When adapting starts, the model is copied once with every parameter on the
-   ``meta`` device (:func:`meta_template`: ``copy.deepcopy`` with the parameters pre-seeded in
-   its memo, so no weight is copied; buffers, small, stay real).  A new plan's module is built
-   from a copy of this template on every rank: codegen's meta path allocates only the rank's
-   shard (:mod:`fxpar.codegen.common.materialize`), from :class:`Uninitialised` (no values).
-   A pipeline's stages are cut from one export of the template with a symbolic batch size,
-   made when adapting starts (:func:`prepare_pipeline_export`; the
+   ``meta`` device (:func:`~fxpar.adapt.prepare.meta_template`: ``copy.deepcopy`` with the
+   parameters pre-seeded in its memo, so no weight is copied; buffers, small, stay real).  A new
+   plan's module is built from a copy of this template on every rank: codegen's meta path
+   allocates only the rank's shard (:mod:`fxpar.codegen.common.materialize`), from
+   :class:`~fxpar.codegen.common.materialize.Uninitialised` (no values).  A pipeline's stages are
+   cut from one export of the template with a symbolic batch size, made when adapting starts
+   (:func:`~fxpar.adapt.prepare.prepare_pipeline_export`; the
    :class:`~fxpar.codegen.pipeline.export.ExportCache` the adaptive module holds), so a switch to
    a pipeline of any cuts and micro-batch size of 2 or more skips it: measured on the adapt
    tests' 4-block Llama, a 2-stage build took 0.97 s with its export and 0.09 s from the cache.
@@ -66,7 +68,7 @@ from fxpar.adapt.prepare import Prepared, prepare
 from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import ReshardStats
 from fxpar.checkpoint.reshard_move import RankFacts, rank_facts, reshard
-from fxpar.errors import ConfigError, MoveDoesNotFit, PlanError, SwitchRefused
+from fxpar.errors import ConfigError, MoveDoesNotFit, SwitchRefused
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.distributed import release_owned
@@ -212,7 +214,8 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
     if optimizer is not None:
         check_movable(optimizer)
     start = time.perf_counter()
-    if prepared is None and _reshared_in_place(old, plan):
+    if prepared is None and takes_in_place(old, plan):
+        old.set_plan(plan)
         return old, SwitchReport(build_s=0.0, move_s=0.0, migrate_s=time.perf_counter() - start,
                                  stats=ReshardStats(0, 0, 0, 0, rounds=0), state_bytes=_held_bytes(describe(old), optimizer))
     rng = _rng_state()
@@ -252,25 +255,11 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
 
 
 def takes_in_place(old: ParallelModule, plan: Plan) -> bool:
-    """Whether ``old``'s own ``set_plan`` would take ``plan`` (:func:`_reshared_in_place`),
-    leaving ``old`` running its plan."""
-    running = old.plan
-    if not _reshared_in_place(old, plan):
-        return False
-    old.set_plan(running)
-    return True
-
-
-def _reshared_in_place(old: ParallelModule, plan: Plan) -> bool:
     """Whether ``old`` runs ``plan`` as it is, only its batch shares changed: its form's
-    ``set_plan`` takes it (a data-parallel re-share; ZeRO with the same state split), so nothing
-    is built and nothing moves.  ``set_plan`` reads only the two plans, so every rank answers
-    alike; a PlanError leaves ``old`` unchanged and the switch rebuilds."""
-    try:
-        old.set_plan(plan)
-    except PlanError:
-        return False
-    return True
+    ``refusal`` is empty (a data-parallel re-share; ZeRO with the same state split), so nothing
+    is built and nothing moves.  It reads only the two plans and changes nothing, so every rank
+    answers alike."""
+    return not old.refusal(plan)
 
 
 def _held_bytes(layout: Any, optimizer: torch.optim.Optimizer | None) -> int:

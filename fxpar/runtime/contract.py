@@ -9,7 +9,7 @@ every module fxpar builds, and that fxpar's code does not probe them with ``hasa
 
 :class:`ParallelModuleBase` gives the members whose meaning is the same for every form once:
 defaults for the optional ones, ``batch_rows``, ``shard_batch``, ``make_optimizer``, ``track``,
-``set_plan``, ``eval_loss`` (a form whose outputs are whole needs none) and ``clip_grad_norm_`` (each form says what it counts: ``_norm_terms``).
+``set_plan`` (over each form's ``refusal``), ``eval_loss`` (a form whose outputs are whole needs none) and ``clip_grad_norm_`` (each form says what it counts: ``_norm_terms``).
 """
 
 from __future__ import annotations
@@ -97,9 +97,14 @@ class ParallelModule(Protocol):
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """One training step (forward, backward, gradient sync); the global loss on every rank."""
 
+    def refusal(self, plan: Plan) -> str:
+        """Why this module cannot take ``plan`` in place at a step boundary; empty where it can
+        (only the batch shares change).  Reads only the two plans and changes nothing, so every
+        rank answers alike."""
+
     def set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` at a step boundary where only the batch shares change; a PlanError
-        where this module cannot (rebuild it: checkpoints move the state)."""
+        (its :meth:`refusal`) where this module cannot (rebuild it: checkpoints move the state)."""
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's gradient norm; returns that norm.  Collective."""
@@ -204,11 +209,23 @@ class ParallelModuleBase(torch.nn.Module):
         params = list(self.parameters())
         return NormTerms(counted=[p.grad for p in params if p.grad is not None], params=params, reduce=False)
 
-    def set_plan(self, plan: Plan) -> None:
+    def refusal(self, plan: Plan) -> str:
         """A module whose form does not re-balance keeps its plan (its form's module overrides
         this where only the shares change)."""
-        raise PlanError(f"set_plan: a {self.plan.strategy} module cannot switch plans in place; rebuild it "
-                        "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")
+        return (f"set_plan: a {self.plan.strategy} module cannot switch plans in place; rebuild it "
+                "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")
+
+    def set_plan(self, plan: Plan) -> None:
+        """Take ``plan`` where :meth:`refusal` allows it (then :meth:`_take_plan`), else a PlanError
+        saying why."""
+        why = self.refusal(plan)
+        if why:
+            raise PlanError(why)
+        self._take_plan(plan)
+
+    def _take_plan(self, plan: Plan) -> None:
+        """Run ``plan`` from the next step (one :meth:`refusal` accepted); default: hold it."""
+        self.plan = plan
 
 
 def make_optimizer(pmodel: torch.nn.Module, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:

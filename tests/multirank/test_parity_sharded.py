@@ -209,7 +209,8 @@ def test_hand_plan_checks_and_emit(tmp_path):
 
 def test_one_process_and_set_plan():
     """One rank (no process group): the same code path with the collectives as copies; set_plan
-    takes new batch shares and refuses a change of what the rank holds."""
+    takes new batch shares and refuses a change of what the rank holds, as ``refusal`` says
+    beforehand without changing the module."""
     from fxpar.codegen.sharded.module import ShardedDataParallelModule
 
     model = w.tiny_model("llama")
@@ -225,11 +226,16 @@ def test_one_process_and_set_plan():
     grads = dict(pm.module.named_parameters())
     gaps = gradient_gaps(((n, grads[n].grad, p.grad) for n, p in reference.named_parameters()), reference)
     expect(check_loss(loss, ref.detach()), check_gradients(gaps))
-    pm.set_plan(sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], micro_batch_size=1,
-                                           activation_checkpointing=[True]))
-    assert pm._rounds == 3
+    reshare = sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], micro_batch_size=1,
+                                         activation_checkpointing=[True])
+    other_stage = sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], shard_stage=2)
+    assert pm.refusal(reshare) == "" and "state_split" in pm.refusal(other_stage)
+    assert pm.plan is plan and pm._rounds == 2   # asking changed nothing
+    pm.set_plan(reshare)
+    assert pm.plan is reshare and pm._rounds == 3
     with pytest.raises(PlanError, match="state_split"):
-        pm.set_plan(sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], shard_stage=2))
+        pm.set_plan(other_stage)
+    assert pm.plan is reshare
 
 
 @pytest.mark.parametrize("shard_stage", [2, 3])

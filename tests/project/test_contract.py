@@ -60,7 +60,7 @@ def test_the_contract_lists_what_fxpar_reads() -> None:
     """The members checkpoints, adapting, the monitor and the integrations read."""
     assert {"plan", "rank", "group", "dp_group", "clock", "emulator", "loss_scaler", "last_timing", "pricing",
             "owned", "adaptive", "device", "parallel_module", "original_model", "batch_rows", "shard_batch",
-            "step", "set_plan", "clip_grad_norm_", "gather_state_dict", "save_pretrained",
+            "step", "refusal", "set_plan", "clip_grad_norm_", "gather_state_dict", "save_pretrained",
             "checkpoint_layout", "make_optimizer", "track", "compile_regions"} <= MEMBERS
 
 

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.module import FormModule
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
-from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.device import broadcast_state
@@ -65,14 +64,13 @@ class DataParallelModule(FormModule, StepModule):
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         broadcast_state(self.module, src, self.group, self.device)
 
-    def set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan`` at a step boundary (re-balanced shares); weights, gradients and the
-        optimizer are untouched.  The new plan must be data parallel over the same ranks."""
+    def refusal(self, plan: Plan) -> str:
+        """A re-share at a step boundary (weights, gradients and the optimizer untouched) takes a
+        data-parallel plan over the same ranks."""
         if plan.strategy != "data_parallel" or plan.world_size != self.plan.world_size:
-            raise PlanError(f"set_plan: a data-parallel module can switch only to a data_parallel plan "
-                            f"of {self.plan.world_size} ranks, got {plan.strategy!r} with "
-                            f"{plan.world_size}")
-        self.plan = plan
+            return (f"set_plan: a data-parallel module can switch only to a data_parallel plan "
+                    f"of {self.plan.world_size} ranks, got {plan.strategy!r} with {plan.world_size}")
+        return ""
 
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every parameter of the replica, whole (each tied weight under its first name)."""

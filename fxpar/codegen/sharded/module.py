@@ -59,7 +59,6 @@ from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks, reduce_group
 from fxpar.codegen.sharded.schedule import RoundSchedule
 from fxpar.codegen.sharded.units import ShardedTensor, Unit
-from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
@@ -215,22 +214,25 @@ class ShardedDataParallelModule(FormModule, StepModule):
             return self.module(*args, **kwargs)
 
     # ---- state --------------------------------------------------------------------------------
-    def set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan``'s batch shares at a step boundary; its state split, sharding stage
-        and per-rank choices must be this module's (they decide what each rank holds)."""
+    def refusal(self, plan: Plan) -> str:
+        """``plan``'s batch shares are taken at a step boundary where its state split, sharding
+        stage and per-rank choices are this module's (they decide what each rank holds)."""
         old, new = self.plan, plan
         same = (new.strategy == old.strategy and new.world_size == old.world_size
                 and new.stages[0].state_split == old.stages[0].state_split
                 and new.stages[0].shard_stage == old.stages[0].shard_stage
                 and all((a.offload_optimizer, a.activation_checkpointing) == (b.offload_optimizer, b.activation_checkpointing)
                         for a, b in zip(old.ranks, new.ranks)))
-        if not same:
-            raise PlanError("set_plan: a sharded data-parallel module can switch only to a plan with the same "
-                            f"ranks ({old.world_size}), state_split {old.stages[0].state_split}, shard_stage "
-                            f"{old.stages[0].shard_stage} and per-rank checkpointing/offload; rebuild the module "
-                            "(save_checkpoint / load_checkpoint move the state) to change them")
-        busy = [r.num_microbatches for r in new.ranks if r.batch_share]
-        self.plan, self._rounds = new, max(busy) if busy else 1
+        if same:
+            return ""
+        return ("set_plan: a sharded data-parallel module can switch only to a plan with the same "
+                f"ranks ({old.world_size}), state_split {old.stages[0].state_split}, shard_stage "
+                f"{old.stages[0].shard_stage} and per-rank checkpointing/offload; rebuild the module "
+                "(save_checkpoint / load_checkpoint move the state) to change them")
+
+    def _take_plan(self, plan: Plan) -> None:
+        busy = [r.num_microbatches for r in plan.ranks if r.batch_share]
+        self.plan, self._rounds = plan, max(busy) if busy else 1
 
     def checkpoint_layout(self) -> list[LocalParam]:
         """The row box of every shard in its full parameter (:mod:`fxpar.checkpoint.layout`);
