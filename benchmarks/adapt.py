@@ -28,9 +28,11 @@ time from the start of the step that detected the change (the decision is made f
 the background) to the end of the first new-plan step, in steps
 of the old plan's pace (the median of its 5 steps before), minus the steps done in it.
 
-**Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with adapting on and off,
-``OVERHEAD_ROUNDS`` rounds alternating the order, ``OVERHEAD_STEPS`` steps each; the ratio of the
-median steps.  Last, a 4 → 3 node loss under elastic torchrun (:mod:`benchmarks.elastic`): the
+**Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with
+adapting on and off, both modules in the same processes, stepping in alternating blocks of
+``OVERHEAD_BLOCK`` steps (``OVERHEAD_PAIRS`` pairs per round, the first arm alternating; the
+machine's drift between rounds cancels within a pair), ``OVERHEAD_ROUNDS`` rounds; the median
+over the pairs of the on block's mean step over the off block's, with its quartiles.  Last, a 4 → 3 node loss under elastic torchrun (:mod:`benchmarks.elastic`): the
 steps lost and the time to resume.
 ``python -m benchmarks --suite adapt [--quick]`` or ``python -m benchmarks.adapt``.
 """
@@ -74,7 +76,9 @@ DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
 #: the elastic example's sleep per step (the node is lost while steps run)
 ELASTIC_DELAY_S = 0.1
-OVERHEAD_RANKS, OVERHEAD_ROUNDS, OVERHEAD_STEPS, OVERHEAD_WARMUP = 2, 4, 40, 5
+#: the overhead's runs: ranks, rounds (a fresh pair of modules each), pairs of blocks per round, steps per
+#: block (adapting gathers its records every 4 steps), warm-up steps per arm
+OVERHEAD_RANKS, OVERHEAD_ROUNDS, OVERHEAD_PAIRS, OVERHEAD_BLOCK, OVERHEAD_WARMUP = 2, 3, 40, 4, 5
 
 
 def _model() -> torch.nn.Module:
@@ -117,37 +121,64 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {**per_rank[0], "walls": [max(ws) for ws in zip(*(r["walls"] for r in per_rank))]}
 
 
-def overhead_run(adapt: bool, steps: int) -> list[float]:
-    """Equal speeds, data parallelism, adapting on or off: this rank's step walls (module docstring)."""
+def overhead_run(blocks: int) -> dict[str, list[list[float]]]:
+    """Equal speeds, data parallelism: a module with adapting on and one with it off, built in
+    this process from the same model, stepping in ``blocks`` pairs of blocks of
+    ``OVERHEAD_BLOCK`` steps (the arm that goes first alternating from pair to pair; a block of
+    adapting on holds one records gather); this rank's step walls per arm and block (module
+    docstring)."""
     model = _model()
     data = example_inputs(model, BATCH, SEQ, seed=1)
     cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
-    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, strategies=["data_parallel"],
-                    adapt=Adapt(verbose=False) if adapt else None)
-    opt = (pm.track if adapt else (lambda o: o))(torch.optim.AdamW(pm.parameters(), lr=1e-3))
-    walls = []
-    for _ in range(OVERHEAD_WARMUP + steps):
-        start = time.perf_counter()
-        pm.step(data)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        walls.append(time.perf_counter() - start)
-    if adapt and any(e["kind"] in ("switch", "rollback") for e in pm.events):
-        raise RuntimeError(f"adapting switched plans at equal speeds: {pm.events}")
-    return walls[OVERHEAD_WARMUP:]
+    arms = {}
+    for arm in ("off", "on"):
+        pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH, strategies=["data_parallel"],
+                        adapt=Adapt(verbose=False) if arm == "on" else None)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        arms[arm] = (pm, pm.track(opt) if arm == "on" else opt)
+
+    def steps(arm: str, n: int) -> list[float]:
+        pm, opt = arms[arm]
+        walls = []
+        for _ in range(n):
+            start = time.perf_counter()
+            pm.step(data)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            walls.append(time.perf_counter() - start)
+        return walls
+
+    for arm in ("off", "on"):
+        steps(arm, OVERHEAD_WARMUP)
+    walls: dict[str, list[list[float]]] = {"off": [], "on": []}
+    for b in range(blocks):
+        for arm in (("off", "on") if b % 2 == 0 else ("on", "off")):
+            walls[arm].append(steps(arm, OVERHEAD_BLOCK))
+    events = arms["on"][0].events
+    if any(e["kind"] in ("switch", "rollback") for e in events):
+        raise RuntimeError(f"adapting switched plans at equal speeds: {events}")
+    return walls
 
 
 def overhead(pool: WorkerPool) -> dict[str, Any]:
-    """Adapting on against off at equal speeds (module docstring)."""
+    """Adapting on against off at equal speeds (module docstring): per pair of blocks, the mean
+    step (the slowest rank's per step) with adapting on over the mean with it off; their median
+    over every round's pairs, and their quartiles."""
+    pairs: list[float] = []
     medians: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(OVERHEAD_ROUNDS):
-        for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            walls = [max(ws) for ws in zip(*pool.run(overhead_run, arm == "on", OVERHEAD_STEPS))]
-            medians[arm].append(statistics.median(walls))
-            print(f"  overhead round {r + 1}: adapt {arm:3s} {1e3 * medians[arm][-1]:.2f} ms", flush=True)
-    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
-    return {"ranks": pool.world_size, "on_s": on, "off_s": off, "ratio": on / off, "rounds": medians,
-            "spread": max(medians["off"]) / min(medians["off"])}
+        per_rank = pool.run(overhead_run, OVERHEAD_PAIRS)
+        slowest = {arm: [[max(ws) for ws in zip(*(x[arm][b] for x in per_rank))] for b in range(OVERHEAD_PAIRS)]
+                   for arm in ("off", "on")}
+        pairs += [statistics.fmean(on) / statistics.fmean(off) for on, off in zip(slowest["on"], slowest["off"])]
+        for arm in ("off", "on"):
+            medians[arm].append(statistics.median(w for block in slowest[arm] for w in block))
+        print(f"  overhead round {r + 1}: adapt off {1e3 * medians['off'][-1]:.2f} ms, on {1e3 * medians['on'][-1]:.2f} ms, "
+              f"median pair ratio so far {statistics.median(pairs):.3f}", flush=True)
+    q1, _, q3 = statistics.quantiles(pairs, n=4)
+    return {"ranks": pool.world_size, "on_s": statistics.median(medians["on"]), "off_s": statistics.median(medians["off"]),
+            "ratio": statistics.median(pairs), "pair_quartiles": [q1, q3], "pairs": len(pairs), "rounds": medians,
+            "spread": max(medians["off"]) / min(medians["off"]), "block_steps": OVERHEAD_BLOCK}
 
 
 def dp_fits(memory_gib: float, world: int) -> bool:
@@ -305,7 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     with WorkerPool(OVERHEAD_RANKS, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         print(f"--- overhead: adapting on / off at equal speeds, {OVERHEAD_RANKS} ranks", flush=True)
         cost = overhead(pool)
-    print(f"adapting on / off at equal speeds: {cost['ratio']:.3f} ({1e3 * cost['on_s']:.2f} / "
+    print(f"adapting on / off at equal speeds: {cost['ratio']:.3f} over {cost['pairs']} pairs of blocks (quartiles "
+          f"{cost['pair_quartiles'][0]:.3f}-{cost['pair_quartiles'][1]:.3f}; {1e3 * cost['on_s']:.2f} / "
           f"{1e3 * cost['off_s']:.2f} ms; off's spread over rounds {cost['spread']:.3f})", flush=True)
     elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
     head = ["scenario", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",

@@ -166,10 +166,7 @@ def adapt(a: dict) -> list[str]:
              + (" 'prepared': where each switch's new module was built, 'bg' on a thread while the old plan "
                 "trained (its build time and the steps it overlapped), and in brackets the steps lost by the same "
                 "arm with its module built at the switch." if any("adapt_at_switch" in r for r in a["runs"]) else "")
-             + (f" At equal speeds, adapting on / off (data parallelism, {len(a['overhead']['rounds']['on'])} "
-                f"alternating rounds): {a['overhead']['ratio']:.3f} "
-                f"({1e3 * a['overhead']['on_s']:.2f} / {1e3 * a['overhead']['off_s']:.2f} ms)."
-                if a.get("overhead") else ""), "", table(a)]
+             + (_overhead_line(a["overhead"]) if a.get("overhead") else ""), "", table(a)]
     for what, e in (a.get("elastic") or {}).items():
         if "error" in e:
             lines += ["", f"A node {what} under elastic torchrun: not measured in this run ({e['error'][:200]})."]
@@ -241,3 +238,14 @@ def plan_regret(pr: dict) -> list[str]:
                       f"collectives in it): mean |busy error| {pct(summary['mean_abs_busy_error'])}.")
     return lines + ["", table(pr)]
 
+
+def _overhead_line(o: dict[str, Any]) -> str:
+    """The adapt benchmark's overhead at equal speeds, as its JSON stored it (paired blocks from
+    2026-12-01 on; alternating rounds before)."""
+    if "pairs" in o:
+        q1, q3 = o["pair_quartiles"]
+        return (f" At equal speeds, adapting on / off (data parallelism, {o['pairs']} pairs of {o['block_steps']}-step "
+                f"blocks alternating in the same processes): {o['ratio']:.3f} (quartiles {q1:.3f}-{q3:.3f}; "
+                f"{1e3 * o['on_s']:.2f} / {1e3 * o['off_s']:.2f} ms).")
+    return (f" At equal speeds, adapting on / off (data parallelism, {len(o['rounds']['on'])} alternating rounds): "
+            f"{o['ratio']:.3f} ({1e3 * o['on_s']:.2f} / {1e3 * o['off_s']:.2f} ms).")
