@@ -23,6 +23,7 @@ from fxpar.cluster.catalog import FRAMEWORK_CALIBRATION
 from fxpar.codegen.emit import emit
 from fxpar.demo import run_demo
 from fxpar.errors import ConfigError, FxparError, InfeasibleError
+from fxpar.forms import form
 from fxpar.models import resolve_model
 from fxpar.plan import Plan
 from fxpar.planning import plan_model, trace_spec
@@ -308,7 +309,7 @@ def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None
 
 def _emit(plan, model, workload, directory: Path) -> None:
     module = inputs = None
-    if plan.strategy in ("pipeline", "tensor_parallel"):
+    if form(plan.strategy).emits_from_model:
         if not isinstance(model, ModelSpec):
             raise ConfigError(f"--emit of a {plan.strategy} plan needs a preset, config.json or scenario model")
         module = build_model(model, device="meta", dtype=workload.dtype)

@@ -41,8 +41,9 @@
    moves, in the commit's one all-gather (:class:`CommitRow`: each rank's outcome, the optimizer
    group of each parameter it holds, and what the move needs to know of it, so the move itself
    gathers nothing more): a build that failed on any rank (a model whose stages cannot be cut
-   from the meta template, a plan these versions cannot run) is a :class:`~fxpar.errors.SwitchRefused` on
-   every rank, so no rank waits in a move the others never enter.  A build that fails inside one
+   from the meta template, a plan these versions cannot run) is a
+   :class:`~fxpar.errors.SwitchRefused` on every rank, so no rank waits in a move the others
+   never enter.  A build that fails inside one
    of its own collectives on some ranks only (a process group the others are creating) still
    waits for the backend's timeout: builds fail alike on every rank in every case met so far.
 
@@ -224,8 +225,9 @@ def switch_module(old: ParallelModule, optimizer: torch.optim.Optimizer | None, 
         prepared = prepare(template, plan, rank, example_inputs, device, build_options)
     old_view = SimpleNamespace(state=optimizer.state) if optimizer is not None else None
     capacity = plan.ranks[rank].memory_capacity_bytes or None
-    facts = None if prepared.layout is None else rank_facts(old_layout, old_view, prepared.layout, device,  # type: ignore[arg-type]
-                                                            capacity, prepared.held)
+    facts = None
+    if prepared.layout is not None:   # a build that failed has nothing to move
+        facts = rank_facts(old_layout, old_view, prepared.layout, device, capacity, prepared.held)  # type: ignore[arg-type]
     rows = _exchange(CommitRow(prepared.failure, _my_groups(old_layout, optimizer), facts))
     new = agree(prepared, [r.failure for r in rows], rng)
     built = time.perf_counter()

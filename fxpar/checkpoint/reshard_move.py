@@ -4,14 +4,14 @@ Collective over the default process group (every rank calls :func:`reshard` with
 module's layouts).  Each rank's :class:`RankFacts` (what it holds before and after, its live
 bytes, its capacity) are all-gathered first, by :func:`reshard` or, where the caller has an
 exchange of its own at that point, by the caller (a switch's commit:
-:func:`fxpar.adapt.switch.switch_module` sends them in its one all-gather).  The move runs in rounds that fit each rank's memory
-(:mod:`fxpar.checkpoint.reshard_rounds`: one round unless a capacity is given).  Per round and
-(sender, receiver) one byte buffer carries, for each of the round's pieces in order, the
-parameter's region and then the region of each optimizer-state tensor shaped like it (the
-sender's state names, which the receiver knows from the exchanged holdings), each segment
-padded to 16 bytes so that the receiver can view it as its dtype.  A buffer is allocated once at
-its final size and the regions are copied into it (no intermediate copies), and every buffer of
-a round is dropped before the next.
+:func:`fxpar.adapt.switch.switch_module` sends them in its one all-gather).  The move runs in
+rounds that fit each rank's memory (:mod:`fxpar.checkpoint.reshard_rounds`: one round unless a
+capacity is given).  Per round and (sender, receiver) one byte buffer carries, for each of the
+round's pieces in order, the parameter's region and then the region of each optimizer-state
+tensor shaped like it (the sender's state names, which the receiver knows from the exchanged
+holdings), each segment padded to 16 bytes so that the receiver can view it as its dtype.  A
+buffer is allocated once at its final size and the regions are copied into it (no intermediate
+copies), and every buffer of a round is dropped before the next.
 """
 
 from __future__ import annotations

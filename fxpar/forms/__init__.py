@@ -62,6 +62,10 @@ class Form:
     whole_job_groups: bool = False   #: its process groups span the whole job (no ``group=``)
     cuts_model: bool = False     #: it cuts the model into stages: trains on the model's own loss
                                  #: and needs a dict example batch to cut it
+    emits_from_model: bool = False   #: ``fxpar plan --emit`` writes its files from the model's
+                                     #: modules (the CLI builds the model on ``meta`` for it)
+    forward_collective: bool = False  #: its forward runs collectives, so every rank evaluates
+                                      #: the same rows: the whole global batch (the Trainer's loader)
 
 
 #: the forms, in the order the planner offers them (the first found wins a tie)
@@ -69,12 +73,13 @@ FORMS: tuple[Form, ...] = (
     Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True,
          recorded=True, rebalances=True),
     Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
-         recorded=True, whole_job_groups=True, cuts_model=True),
-    Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True),
+         recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True),
+    Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True,
+         forward_collective=True),
     Form("sharded_data_parallel", "sharded", "sharded data parallelism (ZeRO-2/3)",
-         "all-gather + reduce-scatter", True, recorded=True),
+         "all-gather + reduce-scatter", True, recorded=True, forward_collective=True),
     Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False,
-         whole_job_groups=True),
+         whole_job_groups=True, emits_from_model=True, forward_collective=True),
 )
 
 #: phase -> the functions its module defines (the module docstring says what each does)

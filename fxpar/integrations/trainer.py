@@ -52,6 +52,7 @@ from transformers.utils import can_return_loss, find_labels
 from fxpar.checkpoint import load_checkpoint, save_checkpoint
 from fxpar.compat import set_keys_to_ignore_on_save
 from fxpar.errors import ConfigError
+from fxpar.forms import form
 from fxpar.integrations.common import rank_rows
 from fxpar.integrations.config import RebalanceConfig
 from fxpar.integrations.monitor import StepMonitor
@@ -170,19 +171,20 @@ class FxparTrainer(Trainer):
         return loss.detach().to(self.args.device)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """Data-parallel plans: the Trainer's own (sharded) loader.  Pipelines: each pipeline's
-        rows of every global batch, as in training (equal for all pipelines).  Tensor-,
-        expert- and sharded data-parallel plans: every rank evaluates the whole global batch
-        (their collectives run inside the forward, and uneven per-rank rows would make the
-        Trainer gather losses of unequal length).  A last partial global batch is dropped."""
-        strategy = self.model.plan.strategy
-        if strategy == "data_parallel":
+        """A form whose forward is whole and runs no collective (data parallelism): the
+        Trainer's own (sharded) loader.  A pipeline (no whole outputs): each pipeline's rows of
+        every global batch, as in training (equal for all pipelines).  A form whose forward runs
+        collectives (``Form.forward_collective``: tensor, expert and sharded data parallelism):
+        every rank evaluates the whole global batch (uneven per-rank rows would make the Trainer
+        gather losses of unequal length).  A last partial global batch is dropped."""
+        whole = self.model.whole_outputs
+        if whole and not form(self.model.plan.strategy).forward_collective:
             return super().get_eval_dataloader(eval_dataset)
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
         if data is None:
             raise ConfigError("FxparTrainer.evaluate: no eval_dataset; pass one to evaluate() or the Trainer")
         batch = self.fxpar_global_batch
-        rows = (lambda: rank_rows(self.model)) if strategy == "pipeline" else (lambda: (0, batch))
+        rows = (lambda: (0, batch)) if whole else (lambda: rank_rows(self.model))
         sampler = ShareBatchSampler(len(data), batch, rows, shuffle=False)
         return DataLoader(data, batch_sampler=sampler, collate_fn=collate_or_empty(self.data_collator))
 
