@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.forms import NAMES, form, part
+from fxpar.forms import FORMS, NAMES, form, part
 
 REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
 #: the accepted ``strategy`` values: the parallel forms' names (:data:`fxpar.forms.NAMES`)
@@ -240,9 +240,21 @@ def check_strategy(p: Any) -> None:
     if not p.ranks:
         raise PlanError("plan.ranks is empty: a plan needs at least one rank")
     _check_rank_batches(p)
+    _check_offload(p)
     if p.schedule not in SCHEDULES:
         raise PlanError(f"plan.schedule = {p.schedule!r}: accepted values are {SCHEDULES}")
     spec.check(p)
+
+
+def _check_offload(p: Any) -> None:
+    """``RankPlan.offload_optimizer`` only in a plan of a form that keeps a rank's optimizer on
+    the host (``Form.offloads``): any other form's runtime would ignore it, and its pricing
+    would count host memory the run never uses."""
+    off = [r.rank for r in p.ranks if r.offload_optimizer]
+    if off and not form(p.strategy).offloads:
+        offloading = [f.name for f in FORMS if f.offloads]
+        raise PlanError(f"plan.ranks[{off[0]}].offload_optimizer = true: a {p.strategy} plan keeps every rank's "
+                        f"optimizer on its device (only {offloading} plans offload it); set it to false")
 
 
 def check_batch_total(p: Any) -> None:

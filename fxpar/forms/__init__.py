@@ -66,6 +66,8 @@ class Form:
                                      #: modules (the CLI builds the model on ``meta`` for it)
     forward_collective: bool = False  #: its forward runs collectives, so every rank evaluates
                                       #: the same rows: the whole global batch (the Trainer's loader)
+    offloads: bool = False       #: a rank may keep its optimizer on the host
+                                 #: (``RankPlan.offload_optimizer``; refused for other forms)
 
 
 #: the forms, in the order the planner offers them (the first found wins a tie)
@@ -77,7 +79,7 @@ FORMS: tuple[Form, ...] = (
     Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True,
          forward_collective=True),
     Form("sharded_data_parallel", "sharded", "sharded data parallelism (ZeRO-2/3)",
-         "all-gather + reduce-scatter", True, recorded=True, forward_collective=True),
+         "all-gather + reduce-scatter", True, recorded=True, forward_collective=True, offloads=True),
     Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False,
          whole_job_groups=True, emits_from_model=True, forward_collective=True),
 )

@@ -325,9 +325,9 @@ def host_bytes_per_param(bytes_wgo: tuple[int, int, int], mixed: bool) -> int:
 
 
 def offload_host_bytes(graph: ModelGraph, plan: Plan) -> tuple[int, ...]:
-    """Per rank: host bytes of its offloaded optimizer (0 where it does not offload, or for a
-    plan that is not sharded data parallelism)."""
-    if plan.strategy != "sharded_data_parallel" or not any(r.offload_optimizer for r in plan.ranks):
+    """Per rank: host bytes of its offloaded optimizer (0 where it does not offload; a plan of a
+    form that does not offload has no rank that does: :func:`fxpar.plan_checks.check_strategy`)."""
+    if not any(r.offload_optimizer for r in plan.ranks):
         return tuple(0 for _ in plan.ranks)
     per_param = host_bytes_per_param(state_bytes_per_param(plan.optimizer, plan.dtype),
                                      plan.dtype in ("fp16", "bf16"))

@@ -115,6 +115,18 @@ def test_old_json_loads_and_measured_speeds_are_checked():
         Plan.from_dict({**old, "measured_speeds": [1.0, 0.0, 1.0, 1.0]})
 
 
+def test_an_offloaded_optimizer_outside_a_form_that_offloads_is_a_plan_error():
+    """``offload_optimizer`` only where the form keeps optimizers on the host (``Form.offloads``):
+    a data-parallel plan would ignore it at run time and be priced for host memory it never
+    uses, so it is refused when the plan is read, naming the rank and the field."""
+    plan, _, new, _, _ = _rebalanced()
+    data = json.loads(plan.to_json())
+    data["ranks"][1]["offload_optimizer"] = True
+    with pytest.raises(fxpar.PlanError, match=r"plan.ranks\[1\].offload_optimizer = true: a data_parallel plan.*"
+                                              r"sharded_data_parallel"):
+        Plan.from_dict(data)
+
+
 @pytest.mark.parametrize("dtype, tf32, stored", [("fp32", True, True), ("fp32", False, False),
                                                  ("bf16", True, False)])
 def test_allow_tf32_on_the_plan_is_the_one_that_priced_it(dtype, tf32, stored):
