@@ -107,13 +107,18 @@ def arm_run(arm: str, memory_gib: float, phases: tuple[int, int, int], slow_rank
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     walls, kinds = [], []
     for _ in range(steps):
-        start = time.perf_counter()
-        pm.step(data)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        walls.append(time.perf_counter() - start)
+        walls.append(_timed_step(pm, opt, data))
         kinds.append(pm.plan.strategy)
     return {"walls": walls, "kinds": kinds, "events": pm.events}
+
+
+def _timed_step(pm: torch.nn.Module, opt: torch.optim.Optimizer, data: Any) -> float:
+    """One training step (the module's step, the optimizer's, gradients cleared): its wall seconds."""
+    start = time.perf_counter()
+    pm.step(data)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
 def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -138,15 +143,7 @@ def overhead_run(blocks: int) -> dict[str, list[list[float]]]:
         arms[arm] = (pm, pm.track(opt) if arm == "on" else opt)
 
     def steps(arm: str, n: int) -> list[float]:
-        pm, opt = arms[arm]
-        walls = []
-        for _ in range(n):
-            start = time.perf_counter()
-            pm.step(data)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            walls.append(time.perf_counter() - start)
-        return walls
+        return [_timed_step(*arms[arm], data) for _ in range(n)]
 
     for arm in ("off", "on"):
         steps(arm, OVERHEAD_WARMUP)

@@ -215,6 +215,11 @@ class ParallelModuleBase(torch.nn.Module):
         return (f"set_plan: a {self.plan.strategy} module cannot switch plans in place; rebuild it "
                 "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")
 
+    def _same_job(self, plan: Plan) -> bool:
+        """Whether ``plan`` is of this module's form over the same ranks (what a plan taken in
+        place keeps; a form's :meth:`refusal` adds its own rules)."""
+        return plan.strategy == self.plan.strategy and plan.world_size == self.plan.world_size
+
     def set_plan(self, plan: Plan) -> None:
         """Take ``plan`` where :meth:`refusal` allows it (then :meth:`_take_plan`), else a PlanError
         saying why."""

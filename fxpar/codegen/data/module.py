@@ -67,7 +67,7 @@ class DataParallelModule(FormModule, StepModule):
     def refusal(self, plan: Plan) -> str:
         """A re-share at a step boundary (weights, gradients and the optimizer untouched) takes a
         data-parallel plan over the same ranks."""
-        if plan.strategy != self.plan.strategy or plan.world_size != self.plan.world_size:
+        if not self._same_job(plan):
             return (f"set_plan: a data-parallel module can switch only to a {self.plan.strategy} plan "
                     f"of {self.plan.world_size} ranks, got {plan.strategy!r} with {plan.world_size}")
         return ""

@@ -218,7 +218,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
         """``plan``'s batch shares are taken at a step boundary where its state split, sharding
         stage and per-rank choices are this module's (they decide what each rank holds)."""
         old, new = self.plan, plan
-        same = (new.strategy == old.strategy and new.world_size == old.world_size
+        same = (self._same_job(new)
                 and new.stages[0].state_split == old.stages[0].state_split
                 and new.stages[0].shard_stage == old.stages[0].shard_stage
                 and all((a.offload_optimizer, a.activation_checkpointing) == (b.offload_optimizer, b.activation_checkpointing)
