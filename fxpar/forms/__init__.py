@@ -19,7 +19,10 @@ functions it must define (:data:`PHASES`):
     search  (the solvers, imports no torch;  candidates(problems, found, max_tensor_parallel)
              searched forms only)                 -> its plans, explain lines and baselines
                                                                 (``found``: the forms searched before)
-    bound   (the solvers, imports no torch)  bound_s(cost, batch, work)   the least step of any of
+    bound   (the solvers, imports no torch)  applies(problems)  whether it can offer a plan for
+                                                                these problems (the lower bound's
+                                                                minimum runs over those that can)
+                                             bound_s(cost, batch, work)   the least step of any of
                                                                 its plans, or None where it has none
                                                                 (:func:`fxpar.solvers.bounds.lower_bound_s`)
     apply   (codegen)                        build(model, plan, rank, example_inputs, **how)
@@ -34,15 +37,25 @@ functions it must define (:data:`PHASES`):
 Where a phase is not listed, that phase still tells the forms apart by name (the planner's
 problems, checkpoint layouts, hand-written plans); ``tests/project/test_forms.py``
 counts the form-name literals left outside this package and holds that count from rising.
+
+A form outside this package (a plug-in) is a package with the same phase modules whose
+``__init__`` defines ``FORM``, a :class:`Form` with ``package`` set to it; the environment
+variable ``FXPAR_FORMS`` names such packages (comma-separated), read once when this registry is
+imported, so every rank of a job (each process imports fxpar) has the same forms.  They follow
+the built-in forms in :data:`FORMS`.  ``tests/toy_form`` is one (``docs/extending.md``).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
-from fxpar.errors import PlanError
+from fxpar.errors import ConfigError, PlanError
+
+#: the environment variable naming plug-in forms' packages (module docstring)
+PLUGINS_VARIABLE = "FXPAR_FORMS"
 
 
 @dataclass(frozen=True)
@@ -68,10 +81,17 @@ class Form:
                                       #: the same rows: the whole global batch (the Trainer's loader)
     offloads: bool = False       #: a rank may keep its optimizer on the host
                                  #: (``RankPlan.offload_optimizer``; refused for other forms)
+    package: str = ""            #: the package of its phase modules (a plug-in's, module
+                                 #: docstring); empty: ``fxpar.forms.<folder>``
+
+    @property
+    def modules(self) -> str:
+        """The package its phase modules live in."""
+        return self.package or f"fxpar.forms.{self.folder}"
 
 
-#: the forms, in the order the planner offers them (the first found wins a tie)
-FORMS: tuple[Form, ...] = (
+#: fxpar's own forms, in the order the planner offers them (the first found wins a tie)
+BUILT_IN: tuple[Form, ...] = (
     Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True,
          recorded=True, rebalances=True),
     Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
@@ -84,17 +104,45 @@ FORMS: tuple[Form, ...] = (
          whole_job_groups=True, emits_from_model=True, forward_collective=True),
 )
 
+
+def plugins(names: str) -> tuple[Form, ...]:
+    """The forms of the packages ``names`` lists (comma-separated, :data:`PLUGINS_VARIABLE`),
+    each its package's ``FORM``; a :class:`ConfigError` naming the package and what is wrong."""
+    out: list[Form] = []
+    for name in (n.strip() for n in names.split(",")):
+        if not name:
+            continue
+        where = f"{PLUGINS_VARIABLE}={names!r}: package {name!r}"
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"{where} does not import ({exc}); put it on the Python path or remove it "
+                              f"from {PLUGINS_VARIABLE}") from None
+        found = getattr(module, "FORM", None)
+        if not isinstance(found, Form) or found.modules != name:
+            raise ConfigError(f"{where} must define FORM, a fxpar.forms.Form whose package is {name!r} "
+                              f"(got {found!r}); docs/extending.md shows one")
+        out.append(found)
+    return tuple(out)
+
+
+#: the forms, in the order the planner offers them (the first found wins a tie): the built-in
+#: ones, then the plug-ins of :data:`PLUGINS_VARIABLE`
+FORMS: tuple[Form, ...] = BUILT_IN + plugins(os.environ.get(PLUGINS_VARIABLE, ""))
+
 #: phase -> the functions its module defines (the module docstring says what each does)
 PHASES: dict[str, tuple[str, ...]] = {
     "spec": ("check", "check_stage", "summary", "label", "state_holders"),
     "price": ("simulate",),
-    "bound": ("bound_s",),
+    "bound": ("applies", "bound_s"),
     "search": ("candidates",),
     "apply": ("build", "emit"),
     "predict": ("predict",),
 }
 
 NAMES: tuple[str, ...] = tuple(f.name for f in FORMS)
+if len(set(NAMES)) != len(NAMES):
+    raise ConfigError(f"{PLUGINS_VARIABLE}: two forms share a name in {NAMES}; give each plug-in form its own")
 #: the forms the planner searches, in its order
 SEARCHED: tuple[str, ...] = tuple(f.name for f in FORMS if f.searched)
 #: the forms a recorded graph can have (:func:`fxpar.solvers.problems.strategies_for`)
@@ -111,9 +159,9 @@ def form(name: str) -> Form:
 
 
 def part(name: str, phase: str) -> ModuleType:
-    """Form ``name``'s module for ``phase`` (``fxpar.forms.<folder>.<phase>``), imported on first
-    use. A caller asks only for a phase at or below its own layer
+    """Form ``name``'s module for ``phase`` (``fxpar.forms.<folder>.<phase>``, a plug-in's
+    ``<package>.<phase>``), imported on first use. A caller asks only for a phase at or below its own layer
     (``tests/project/test_forms.py``)."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r}: expected one of {tuple(PHASES)}")
-    return importlib.import_module(f"fxpar.forms.{form(name).folder}.{phase}")
+    return importlib.import_module(f"{form(name).modules}.{phase}")

@@ -66,8 +66,8 @@ def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer
       (node ``j``'s NIC, ``B_nic``, carries ``K·Φ_j(1 − X_j/E)``): ``κ = K/(k·B_nic)``,
       ``μ ∈ [1/k, 1]`` and ``μ·B·(c + c')/n``; the larger of the two.
 
-    The minimum runs over the families that can emit a plan
-    (:func:`fxpar.solvers.problems.bound_families`: data parallelism where it fits memory,
+    The minimum runs over the forms that can offer a plan (each form's ``applies``,
+    :func:`fxpar.solvers.problems.bound_families`: data parallelism where it fits memory,
     pipelines where the model has blocks, expert parallelism for a MoE model, sharded on more
     than one rank), so memory that rules data parallelism out leaves the others' communication
     in the bound; with none, ``T_LP + o*/N``.  Every formula and calibrated link prices a hop,

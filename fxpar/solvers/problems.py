@@ -10,22 +10,22 @@
     build_context      → PipelineContext: the segment table and the device kinds (when pipelines
                          are asked for and the model has repeated blocks)
     build_problem      → EPProblem (MoE models, more than one rank), or a reason it cannot run
-    lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the least, over the families
-                       that can emit a plan (:func:`bound_families`: data parallelism where it
-                       fits memory, pipelines where the model has blocks, expert parallelism for
-                       a MoE model, sharded data parallelism on more than one rank), of each
+    lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the least, over the forms
+                       that can offer a plan for these problems (each form's ``bound`` phase
+                       says: ``applies(problems)``; :func:`bound_families`), of each
                        family's compute + the communication none of its plans hides + the
-                       optimizer (the host CPU's rate where sharded ranks may offload)
+                       optimizer (the host CPU's rate where a form that may offload applies)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from dataclasses import dataclass, replace
 
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, InfeasibleError, PlanError
-from fxpar.forms import RECORDED
+from fxpar.forms import NAMES, RECORDED, form, part
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
@@ -135,22 +135,19 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
     ep = (build_problem(cost, workload.global_batch, workload.max_microbatches)
           if "expert_parallel" in strategies and cluster.world_size > 1 else None)
     fits = dp_fits(problem) and workload.global_batch >= cluster.world_size
-    families = bound_families(strategies, cluster, dp_fits=fits, pipeline=ctx, ep=ep)
-    offload = "sharded_data_parallel" in families and any(may_offload(cluster, g.ranks) for g in cluster.groups())
+    draft = Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
+                     dp=problem, dp_fits=fits, pipeline=ctx, ep=ep, lower_bound_s=math.inf,
+                     lower_bound_by_family=())
+    families = bound_families(draft)
+    offload = (any(form(f).offloads for f in families)
+               and any(may_offload(cluster, g.ranks) for g in cluster.groups()))
     by_family = family_bounds_s(cost, workload.global_batch, families, host_optimizer=offload)
-    return Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
-                    dp=problem, dp_fits=fits, pipeline=ctx, ep=ep,
-                    lower_bound_s=min(by_family.values()),   # bounds.lower_bound_s, its terms kept
-                    lower_bound_by_family=tuple(by_family.items()))
+    return replace(draft, lower_bound_s=min(by_family.values()),   # bounds.lower_bound_s, its terms kept
+                   lower_bound_by_family=tuple(by_family.items()))
 
 
-def bound_families(strategies: tuple[str, ...], cluster, *, dp_fits: bool, pipeline: PipelineContext | None,
-                   ep: EPProblem | str | None) -> tuple[str, ...]:
-    """The families that can emit a plan, the lower bound's minimum runs over
-    (:func:`fxpar.solvers.bounds.lower_bound_s`): data parallelism asked for and fitting memory,
-    pipelines with a context, expert parallelism with a problem, sharded data parallelism asked
-    for on more than one rank."""
-    can = {"data_parallel": "data_parallel" in strategies and dp_fits, "pipeline": pipeline is not None,
-           "expert_parallel": isinstance(ep, EPProblem),
-           "sharded_data_parallel": "sharded_data_parallel" in strategies and cluster.world_size > 1}
-    return tuple(family for family, ok in can.items() if ok)
+def bound_families(p: Problems) -> tuple[str, ...]:
+    """The forms that can offer a plan for ``p`` (each form's ``bound`` phase: ``applies``), in
+    the registry's order: the lower bound's minimum runs over them
+    (:func:`fxpar.solvers.bounds.lower_bound_s`)."""
+    return tuple(name for name in NAMES if part(name, "bound").applies(p))

@@ -6,6 +6,11 @@ from __future__ import annotations
 from fxpar.solvers.bounds import Work, bucket_allreduces_s, last_bucket_s
 
 
+def applies(p) -> bool:
+    """Asked for, and a replica with one sample fits on every rank (:class:`~fxpar.solvers.problems.Problems`)."""
+    return "data_parallel" in p.strategies and p.dp_fits
+
+
 def bound_s(cost, batch: int, w: Work) -> float:
     """The least step of a data-parallel plan."""
     return data_parallel_bound_s(cost, w)

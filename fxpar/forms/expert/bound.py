@@ -9,6 +9,12 @@ from fxpar.sim.expert_sim import EPProblem
 from fxpar.solvers.bounds import Work, least_allreduce_s
 
 
+def applies(p) -> bool:
+    """Asked for, on a MoE model over more than one rank (its problem was built:
+    :class:`~fxpar.solvers.problems.Problems`)."""
+    return isinstance(p.ep, EPProblem)
+
+
 def bound_s(cost, batch: int, w: Work) -> float | None:
     """The least step of an expert-parallel plan; None for a model without MoE experts."""
     ep = build_problem(cost, batch)

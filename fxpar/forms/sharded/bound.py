@@ -10,6 +10,11 @@ from fxpar.sim.sharded_cost import sharded_prices, unit_collectives
 from fxpar.solvers.bounds import Work
 
 
+def applies(p) -> bool:
+    """Asked for, on more than one rank (:class:`~fxpar.solvers.problems.Problems`)."""
+    return "sharded_data_parallel" in p.strategies and p.cluster.world_size > 1
+
+
 def bound_s(cost, batch: int, w: Work) -> float | None:
     """The least step of a ZeRO-2/3 plan; None on one rank (nothing to shard)."""
     return sharded_bound_s(cost, w) if w.world > 1 else None
