@@ -106,13 +106,11 @@ class StepModule(ParallelModuleBase):
     rank: int
 
     def _setup_step(self, module: torch.nn.Module, plan: Plan, rank: int, *, loss_fn: LossFn | None,
-                    loss_weighting: LossWeighting, emulate: bool, device: torch.device | str | None = None,
-                    strategy: str | None = None) -> None:
+                    loss_weighting: LossWeighting, emulate: bool, device: torch.device | str | None = None) -> None:
         """What the step loop reads: model, plan, rank, loss, weighting, the emulation clock and
         the rank's device (:func:`fxpar.runtime.device.rank_device` of ``device``), where the kind
-        places its shard.  ``strategy``: the plan kind this module runs (a PlanError otherwise)."""
-        if strategy is not None and plan.strategy != strategy:
-            raise PlanError(f"{type(self).__name__} needs a {strategy} plan, got {plan.strategy!r}")
+        places its shard (the kind checks first that the plan is of its form:
+        :func:`fxpar.codegen.common.module.check_form`)."""
         if not 0 <= rank < plan.world_size:
             raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         check_loss_options(type(self).__name__, loss_fn, loss_weighting)

@@ -93,6 +93,30 @@ def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None
     assert [lp.fqn for lp in pmodel.checkpoint_layout()] == [n for n, _ in model.named_parameters()]
 
 
+def test_a_module_refuses_another_forms_plan_naming_the_forms_module() -> None:
+    """The registry says which classes run a form's plans (``check_form``): no module names its form."""
+    from fxpar.codegen.common.module import check_form
+    from fxpar.codegen.data.module import DataParallelModule
+    from fxpar.errors import PlanError
+    from tests.graph.test_step_loop import _plan
+
+    plan = _plan([4], 2)
+    check_form(DataParallelModule, plan)
+    sharded = part("sharded_data_parallel", "apply").MODULES[0]
+    with pytest.raises(PlanError, match=f"{sharded.__name__} cannot run a data_parallel plan \\(that form's "
+                                        "module is DataParallelModule\\).*fxpar.auto"):
+        sharded(torch.nn.Linear(4, 2), plan, 0)
+    with pytest.raises(PlanError, match="plan.strategy = 'zero_bubble'"):
+        check_form(DataParallelModule, _Strategy("zero_bubble"))
+
+
+class _Strategy:
+    """Only a ``strategy`` (what ``check_form`` reads)."""
+
+    def __init__(self, strategy: str) -> None:
+        self.strategy = strategy
+
+
 def test_the_one_gather_gives_copies_under_every_name_and_refuses_a_missing_copy() -> None:
     """``gather_state_dict`` (one implementation, on the layout): a tied weight under each of its
     names, values equal to the module's and not views of them; a replica or rank the module does

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.emit import write_json
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.plan import Plan
@@ -29,6 +29,7 @@ class ReplicatedModule(FormModule, StepModule):
                  loss_weighting: LossWeighting, emulate: bool, example_inputs: Any, device: Any,
                  checkpoint: str | Path | None) -> None:
         super().__init__()
+        check_form(type(self), plan)   # the registry's answer: this class runs the toy form's plans
         self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
                          device=device)
         self.group = group

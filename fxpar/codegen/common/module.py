@@ -15,8 +15,22 @@ import torch
 
 from fxpar.checkpoint.hf_save import gather_state_dict as gather_pieces
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
+from fxpar.errors import PlanError
+from fxpar.forms import part
+from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModuleBase
 from fxpar.tracing.model_facts import tie_groups
+
+
+def check_form(module_type: type, plan: Plan) -> None:
+    """A :class:`PlanError` unless ``module_type`` is one of the classes ``plan``'s form builds
+    (its ``apply`` phase's ``MODULES``, :mod:`fxpar.forms`): a form's module runs only its own
+    form's plans (the registry says which, so no module names its form)."""
+    runs = part(plan.strategy, "apply").MODULES   # an unknown form: PlanError naming the known ones
+    if not issubclass(module_type, runs):
+        raise PlanError(f"{module_type.__name__} cannot run a {plan.strategy} plan (that form's module is "
+                        f"{' or '.join(c.__name__ for c in runs)}): build the rank's module with "
+                        "fxpar.auto(model, cluster, plan=plan), which picks it")
 
 
 class FormModule(ParallelModuleBase):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
@@ -40,8 +40,9 @@ class DataParallelModule(FormModule, StepModule):
                  broadcast_parameters: bool = True, example_inputs: Any = None,
                  device: torch.device | str | None = None, checkpoint: str | Path | None = None) -> None:
         super().__init__()
+        check_form(type(self), plan)
         self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
-                         device=device, strategy="data_parallel")
+                         device=device)
         self.group = group
         self._input_specs = checks.input_specs(example_inputs)  # dtypes of the traced inputs
         source = weights_source(module, checkpoint)  # checked on every rank, before any collective

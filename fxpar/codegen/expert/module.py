@@ -62,7 +62,7 @@ import torch.distributed as dist
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
 from fxpar.cluster import Cluster
 from fxpar.codegen.common.groups import check_job
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
@@ -166,8 +166,7 @@ class ExpertParallelModule(FormModule, StepModule):
 
 
 def _check_plan(plan: Plan, rank: int) -> None:
-    if plan.strategy != "expert_parallel":
-        raise PlanError(f"ExpertParallelModule needs an expert_parallel plan, got {plan.strategy!r}")
+    check_form(ExpertParallelModule, plan)
     if not 0 <= rank < plan.world_size:
         raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
     counts = {r.num_microbatches for r in plan.ranks}

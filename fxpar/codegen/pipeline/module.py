@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
@@ -78,7 +78,6 @@ from fxpar.codegen.pipeline.tensor_stages import (
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.compat import fake_host_mode
-from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
 from fxpar.runtime import batch_checks as checks
@@ -103,8 +102,7 @@ class PipelineParallelModule(FormModule, StepModule):
                  *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
                  loss_weighting: LossWeighting = "auto", exports: ExportCache | None = None) -> None:
         super().__init__()
-        if plan.strategy != "pipeline":
-            raise PlanError(f"{type(self).__name__} needs a pipeline plan, got {plan.strategy!r}")
+        check_form(type(self), plan)
         check_process_group()
         source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports)
         self._build(model, plan, rank, example_inputs, emulate, source)

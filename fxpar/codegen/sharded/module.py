@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks, reduce_group
 from fxpar.codegen.sharded.schedule import RoundSchedule
@@ -77,8 +77,9 @@ class ShardedDataParallelModule(FormModule, StepModule):
                  example_inputs: Any = None, device: torch.device | str | None = None,
                  checkpoint: str | Path | None = None) -> None:
         super().__init__()
+        check_form(type(self), plan)
         self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
-                         device=device, strategy="sharded_data_parallel")
+                         device=device)
         self.group = group
         self._input_specs = checks.input_specs(example_inputs)
         stage, me = plan.stages[0], plan.ranks[rank]

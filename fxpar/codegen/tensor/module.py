@@ -50,7 +50,7 @@ import torch
 
 from fxpar.checkpoint.layout import LocalParam
 from fxpar.codegen.common.groups import PlanGroups, check_job
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.tensor.collectives import register_group
@@ -121,8 +121,7 @@ class TensorParallelModule(FormModule, StepModule):
                  broadcast_parameters: bool = True, device: torch.device | str | None = None,
                  checkpoint: str | Path | None = None) -> None:
         super().__init__()
-        if plan.strategy != "tensor_parallel":
-            raise PlanError(f"TensorParallelModule needs a tensor_parallel plan, got {plan.strategy!r}")
+        check_form(type(self), plan)
         if not 0 <= rank < plan.world_size:
             raise PlanError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         self.layout = RankLayout(plan)
