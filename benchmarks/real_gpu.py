@@ -67,7 +67,7 @@ from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import CATALOG, FRAMEWORK_CALIBRATION
 from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.predict import predict
-from fxpar.solvers.replica_pipeline import uneven_pipelines
+from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 from fxpar.tracing import trace
 from fxpar.tracing.hf import build_model, example_inputs, hf_config
 from fxpar.tracing.repeat import can_shorten, depth, extend

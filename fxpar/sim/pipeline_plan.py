@@ -57,21 +57,6 @@ def stage_ranges(plan: Plan, prices: PipelinePrices, pipeline: int = 0) -> list[
     return [(owner.index(j), len(owner) - owner[::-1].index(j)) for j in range(S)]
 
 
-def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
-    """A ``tensor_parallel`` plan as the pipeline simulator prices it: one stage over every
-    segment, each replica (``data_split`` entry) a pipeline of one position as wide as the
-    tensor-parallel group.  The runtime runs the same work and collectives: each block's two
-    all-reduces forward and two backward per micro-batch in the group, the replicas' gradient sum
-    after the backward (uneven ``tensor_split``: priced as an even split)."""
-    if plan.strategy != "tensor_parallel":
-        return plan
-    st = plan.stages[0]
-    modules = tuple(m for mods in prices.table.modules for m in mods)
-    return replace(plan, strategy="pipeline", schedule="1F1B", pipelines=len(st.data_split),
-                   num_microbatches=max(plan.ranks[0].num_microbatches, 1),
-                   stages=(replace(st, modules=modules, tensor_parallel=len(st.ranks) // len(st.data_split)),))
-
-
 def _kind_of(cluster) -> dict[int, str]:
     return {r: g.key for g in cluster.groups() for r in g.ranks}
 

@@ -1,14 +1,14 @@
 """What a user would otherwise run, predicted under the same cost model and simulator.
 
-- ``even_dp``: torch DDP, the batch split evenly (:mod:`fxpar.solvers.families.data_parallel`).
+- ``even_dp``: torch DDP, the batch split evenly (:mod:`fxpar.forms.data.search_shares`).
 - ``proportional_dp``: HAP's DP-CP, batch shares proportional to each device's peak FLOP/s.
 - ``megatron_even``: the best *even* plan a homogeneous planner would choose: even DP, or
   identical pipelines with the same TP width on every stage, equal segments per stage, the
   stages in cluster order.
 - ``whale_rules``: Whale's hand rule *for the family of the chosen plan*: data parallel with
-  batch ∝ capacity, capped by memory (:func:`fxpar.solvers.families.data_parallel.whale_shares`); pipelines
+  batch ∝ capacity, capped by memory (:func:`fxpar.forms.data.search_shares.whale_shares`); pipelines
   with layers ∝ stage capacity and the large-memory devices first (:func:`pipeline_baselines`);
-  expert parallelism with batch and experts ∝ capacity (:func:`fxpar.solvers.families.expert.whale_point`).
+  expert parallelism with batch and experts ∝ capacity (:func:`fxpar.forms.expert.search_experts.whale_point`).
 
 Each is ``None`` when it does not fit in memory or its family is not among the strategies
 asked for.  Every rule is a candidate too, with the search effort fxpar's own plans get (the

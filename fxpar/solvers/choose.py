@@ -10,20 +10,20 @@ Predictions that differ by less than ``REL_TOL`` (1e-9, relative) are equal: the
 the last bits of sums taken in another order (one H200's data-parallel and one-stage pipeline
 plans: 0.07551730574527638 vs ...636 s), and the simpler family wins.  (Where data parallelism
 offers a plan, the pipeline family does not search one-stage pipelines of width one at all:
-:func:`fxpar.solvers.families.pipeline.pipeline_candidates`.)
+:func:`fxpar.forms.pipeline.search_pipelines.pipeline_candidates`.)
 
 Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
 among the strategies asked for; every one is the step of a plan that was a candidate, so
 ``predicted_step_s ≤`` every baseline:
-    even_dp, proportional_dp   the data-parallel rules (:mod:`fxpar.solvers.families.data_parallel`)
+    even_dp, proportional_dp   the data-parallel rules (:mod:`fxpar.forms.data.search_shares`)
     megatron_even              min(even_dp, the even-cut pipeline)
     whale_rules                Whale's rule for the chosen plan's family: data parallel (shares ∝
                                capacity, capped by memory), pipeline (layers ∝ capacity, large-memory
-                               devices first, :mod:`fxpar.solvers.families.pipeline`) or expert
-                               parallel (batch and experts ∝ capacity, :mod:`fxpar.solvers.families.expert`)
-    even_ep                    MoE models: even experts and batch (:mod:`fxpar.solvers.families.expert`)
+                               devices first, :mod:`fxpar.forms.pipeline.search_pipelines`) or expert
+                               parallel (batch and experts ∝ capacity, :mod:`fxpar.forms.expert.search_experts`)
+    even_ep                    MoE models: even experts and batch (:mod:`fxpar.forms.expert.search_experts`)
     even_fsdp                  sharded data parallelism (ZeRO-3) with even state and batch shares
-                               (:mod:`fxpar.solvers.families.sharded`), where that family is asked for
+                               (:mod:`fxpar.forms.sharded.search_state`), where that family is asked for
 
 Each family's baselines come by name in its :class:`~fxpar.solvers.problems.Candidates`; the
 rules above read the baselines' names, never the families'.  The explain lines are the families'

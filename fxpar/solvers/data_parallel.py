@@ -38,7 +38,7 @@ giving each sample, one at a time from zero, to the device whose finishing time 
 optimum: the micro-batch count of every group is chosen with its shares, not after them
 (e.g. speeds 1 and 0.8, ``f = 3 s``, ``c = 8``, ``B = 16``: the LP's 9/7 needs two micro-batches on
 the fast device, 15 s; the greedy gives 8/8, 13 s).  The LP's own shares, rounded as before
-(``rounded_shares``), stay a candidate: :mod:`fxpar.solvers.families.data_parallel` simulates every
+(``rounded_shares``), stay a candidate: :mod:`fxpar.forms.data.search_shares` simulates every
 candidate share vector and keeps the fastest.
 
 Memory feasibility: each rank holds a full replica, so ``S + a ≤ M_g`` is required of every

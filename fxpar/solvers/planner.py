@@ -16,22 +16,22 @@ choose the fastest, report:
    (:func:`fxpar.sim.simulate`; for pipelines :func:`fxpar.sim.pipeline_cost.price`, the event
    simulation of the schedule with its hops; :func:`fxpar.sim.expert_sim.evaluate`):
 
-   - data parallelism (:func:`fxpar.solvers.families.data_parallel.dp_candidates`): the share LP
+   - data parallelism (:func:`fxpar.forms.data.search_shares.dp_candidates`): the share LP
      ``min T s.t. t_g x_g + f_g ≤ T, Σ_g n_g x_g = B, x_g ≤ K c_g``
      (:mod:`fxpar.solvers.data_parallel`), its integer shares chosen exactly for the simulator's
      ``t_g x + ⌈x/c_g⌉ f_g``; the even, FLOP-proportional and Whale shares too; the simulator's
      fastest is the family's plan;
-   - pipelines (:func:`fxpar.solvers.families.pipeline.pipeline_candidates`): exact min-max cuts
+   - pipelines (:func:`fxpar.forms.pipeline.search_pipelines.pipeline_candidates`): exact min-max cuts
      per stage sequence, an outer search over pipelines, TP widths, kind orders, micro-batches
      and checkpointing ranked by the formula ``T`` (:mod:`fxpar.solvers.pipeline`), its best
      re-ranked by the simulator; interleaved forms; Megatron's and Whale's rule pipelines with
      the same re-ranking;
-   - expert parallelism, MoE models (:func:`fxpar.solvers.families.expert.ep_candidates`): shares and
+   - expert parallelism, MoE models (:func:`fxpar.forms.expert.search_experts.ep_candidates`): shares and
      experts per device by alternating LP / MILP steps (:mod:`fxpar.solvers.expert_plan`), the
      even split and Whale's rule among the points compared;
-   - sharded data parallelism (:func:`fxpar.solvers.families.sharded.sharded_candidates`): ZeRO-2
+   - sharded data parallelism (:func:`fxpar.forms.sharded.search_state.sharded_candidates`): ZeRO-2
      or ZeRO-3 with model state by memory and batch by speed, from the state-and-batch LP
-     (:mod:`fxpar.solvers.families.sharded_lp`) per sharding stage, checkpointing and offload
+     (:mod:`fxpar.forms.sharded.search_lp`) per sharding stage, checkpointing and offload
      level and micro-batch rounds, each plan priced by
      :func:`fxpar.sim.sharded_sim.simulate_sharded`; ``even_fsdp`` among them.
 3. Choice and report (:func:`fxpar.solvers.choose.choose`): ``argmin predicted_step_s`` (first

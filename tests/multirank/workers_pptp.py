@@ -377,7 +377,7 @@ def solver_interleaved_parity() -> dict:
     """The planner's interleaved candidate (3 stages on 2 emulated ranks, the fast one holding
     stages 0 and 2) for a real model, run by fxpar.auto: loss and gradients vs one process."""
     from fxpar.profiling import CostModel
-    from fxpar.solvers.interleaved_plan import candidates
+    from fxpar.forms.pipeline.search_interleaved import candidates
     from fxpar.solvers.pipeline import StageSpec, build_context, evaluate
     from fxpar.tracing import trace
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import fxpar
 from benchmarks.zoo import BATCH, SEED, batch, build
 from fxpar.solvers.pipeline import search_ranked
-from fxpar.solvers.pipeline_plan import to_plan
+from fxpar.forms.pipeline.search_plans import to_plan
 from fxpar.solvers.problems import build_problems
 from fxpar.tracing import trace
 from fxpar.workload import Workload

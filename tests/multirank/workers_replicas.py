@@ -23,7 +23,7 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
     on each step, and its weights after each AdamW step."""
     from fxpar.codegen.hand_plans import pipeline_plan
     from fxpar.codegen.pipeline.module import PipelineParallelModule
-    from fxpar.solvers.replica_pipeline import uneven_pipelines
+    from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
     rank = dist.get_rank()
     model = tiny_model(family)
@@ -82,7 +82,7 @@ def replica_interleaved_parity(data_split: list[int]) -> dict:
     pipelines on emulated speeds 1, 0.5 | 0.5, 0.25, pipeline ``p`` training ``data_split[p]``
     of 8 samples, against one process."""
     from fxpar.codegen.hand_plans import interleaved_plan
-    from fxpar.solvers.replica_pipeline import uneven_pipelines
+    from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
     cfg = dict(TINY_CONFIGS["gpt2"], n_layer=3)
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def own_cuts_parity(cuts: list[list[int]], data_split: list[int]) -> dict:
     ``p``'s stages own ``cuts[p]`` blocks) on emulated speeds 1, 1 | 0.5, 0.5, pipeline ``p``
     training ``data_split[p]`` of 8 samples, against one process."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.solvers.replica_pipeline import uneven_pipelines
+    from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
     cfg = dict(TINY_CONFIGS["gpt2"], n_layer=4)
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ def test_planner_offers_an_interleaved_candidate():
     import numpy as np
 
     import fxpar
-    from fxpar.solvers.interleaved_plan import candidates
+    from fxpar.forms.pipeline.search_interleaved import candidates
     from fxpar.solvers.pipeline import StageSpec, evaluate
     from tests.planning.test_pipeline_solver import _ctx, _table
 

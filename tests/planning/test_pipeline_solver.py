@@ -96,7 +96,7 @@ def test_zero_only_when_memory_needs_it():
 
 
 def test_plan_records_the_gradient_exchange_choice():
-    from fxpar.solvers.pipeline_plan import gradient_exchange
+    from fxpar.forms.pipeline.search_plans import gradient_exchange
 
     ctx = _ctx(_table(8), counts=(2, 2), batch=16, fast_mem=70e6)
     cfg = evaluate(ctx, 2, (StageSpec("fast", 1), StageSpec("slow", 1)), 8, False, cuts=(0, 4, 8))

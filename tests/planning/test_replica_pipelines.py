@@ -20,7 +20,7 @@ from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.sim import simulate
 from fxpar.solvers import plan as solve
-from fxpar.solvers.replica_pipeline import speed_split, uneven_pipelines
+from fxpar.forms.pipeline.search_replicas import speed_split, uneven_pipelines
 from fxpar.tracing.hf import build_model
 from fxpar.workload import Workload
 

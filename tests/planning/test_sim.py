@@ -134,7 +134,8 @@ def test_an_uneven_tensor_parallel_split_is_priced_at_its_critical_members_share
     priced at scale ``f·(3/4) + (1 − f)`` (``f`` the divided fraction), not as an even split."""
     from fxpar.codegen.hand_plans import tensor_parallel_plan
     from fxpar.sim.pipeline_cost import pipeline_prices
-    from fxpar.sim.pipeline_plan import as_pipeline, layout_of
+    from fxpar.forms.tensor.price import as_pipeline
+    from fxpar.sim.pipeline_plan import layout_of
     from fxpar.tracing.hf import build_model
 
     spec = ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_key_value_heads=4))

@@ -17,10 +17,10 @@ from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.scenario import load_scenario
 from fxpar.sim import simulate
-from fxpar.solvers import interleaved_plan
+from fxpar.forms.pipeline import search_interleaved as interleaved_plan
 from fxpar.solvers import plan as solve
 from fxpar.solvers.pipeline import search_ranked
-from fxpar.solvers.pipeline_plan import simulate_config, to_plan
+from fxpar.forms.pipeline.search_plans import simulate_config, to_plan
 from fxpar.solvers.problems import build_problems
 from fxpar.tracing.hf import build_model
 from fxpar.workload import Workload

@@ -16,10 +16,10 @@ from fxpar.plan import Plan
 from fxpar.planning import trace_spec
 from fxpar.predict import Pricing, cost_model, measured_cluster, priced_plan
 from fxpar.solvers import plan as solve
-from fxpar.solvers.families.data_parallel import dp_candidates
-from fxpar.solvers.families.expert import ep_candidates
-from fxpar.solvers.families.pipeline import pipeline_candidates
-from fxpar.solvers.families.sharded import sharded_candidates
+from fxpar.forms.data.search_shares import dp_candidates
+from fxpar.forms.expert.search_experts import ep_candidates
+from fxpar.forms.pipeline.search_pipelines import pipeline_candidates
+from fxpar.forms.sharded.search_state import sharded_candidates
 from fxpar.solvers.planner import FAMILIES
 from fxpar.solvers.problems import build_problems
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan

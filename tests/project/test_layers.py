@@ -11,10 +11,10 @@ Layers, lowest first (``docs/layout.md`` draws them):
 
 Inside a layer, sub-layers (``SUBLAYERS``): codegen's sub-packages in the order its
 ``__init__`` gives (common → tensor → hand plans → one module per plan family → emit), the
-tracer over its tensor-parallel analysis, the planner over its families, each parallel form's
-folder over the forms' registry.  Two parts of one sub-layer above the base never import each
-other (the plan families are independent).  A form's phase module sits at its phase's layer
-(``FORM_PHASES``).
+tracer over its tensor-parallel analysis, the planner over the solvers it composes, each
+parallel form's folder over the forms' registry.  Two parts of one sub-layer above the base never
+import each other (the forms are independent).  A form's phase module, and each module of its
+folder that serves a phase (``<phase>_<what>``), sits at its phase's layer (``FORM_PHASES``).
 """
 
 from __future__ import annotations
@@ -52,13 +52,14 @@ SUBLAYERS: dict[str, dict[str, int]] = {
     "fxpar.codegen": {"common": 0, "tensor": 1, "hand_plans": 2, "sharded_plans": 2,
                       "data": 3, "expert": 3, "sharded": 3, "pipeline": 3, "emit": 4},
     "fxpar.tracing": {"tensor_parallel": 1, "trace": 2, "hf": 2, "analyze_model": 3},
-    "fxpar.solvers": {"families": 1, "choose": 1, "planner": 2},
+    "fxpar.solvers": {"choose": 1, "planner": 2},
     # each form's folder above the registry; two forms never import each other
     "fxpar.forms": {"data": 1, "pipeline": 1, "expert": 1, "sharded": 1, "tensor": 1},
 }
-#: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``) -> its layer: a form's
-#: rules of a plan are plain data, its pricing sits with the simulator, its bound and search with the solvers,
-#: its application with codegen, its prediction's parts with fxpar.predict
+#: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``, and each module of its folder
+#: that serves the phase, ``<phase>_<what>``) -> its layer: a form's rules of a plan are plain
+#: data, its pricing sits with the simulator, its bound and search with the solvers, its
+#: application with codegen, its prediction's parts with fxpar.predict
 FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "search": 6, "apply": 9, "predict": 10}
 LAZY_MARK = "# lazy:"
 
@@ -70,8 +71,8 @@ def _module_name(path: Path) -> str:
 
 def layer_of(module: str) -> int:
     parts = module.split(".")
-    if len(parts) == 4 and parts[1] == "forms" and parts[3] in FORM_PHASES:
-        return FORM_PHASES[parts[3]]
+    if len(parts) == 4 and parts[1] == "forms" and parts[3].split("_")[0] in FORM_PHASES:
+        return FORM_PHASES[parts[3].split("_")[0]]
     best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len, default=None)
     if best is None:
         raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/project/test_layers.py")
@@ -157,7 +158,8 @@ def test_every_import_goes_down_the_sublayers() -> None:
     ("fxpar.codegen.expert.module", "fxpar.codegen.sharded.units"),
     ("fxpar.codegen.data.module", "fxpar.codegen.emit"),
     ("fxpar.tracing.tensor_parallel.analysis", "fxpar.tracing.trace"),
-    ("fxpar.solvers.families.pipeline", "fxpar.solvers.planner"),
+    ("fxpar.solvers.choose", "fxpar.solvers.planner"),
+    ("fxpar.forms.data.search", "fxpar.forms.sharded.search_lp"),
 ])
 def test_the_sublayer_check_catches_an_import_against_the_order(module: str, target: str) -> None:
     assert sideways_error(module, target)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fxpar.solvers.families.data_parallel import dp_candidates
+from fxpar.forms.data.search_shares import dp_candidates
 from fxpar.solvers.problems import Candidates, Problems
 
 
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """The share LP's plan and the even, FLOP-proportional and Whale shares, each simulated
-    (:func:`fxpar.solvers.families.data_parallel.dp_candidates`)."""
+    (:func:`fxpar.forms.data.search_shares.dp_candidates`)."""
     return dp_candidates(problems)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fxpar.solvers.families.expert import ep_candidates
+from fxpar.forms.expert.search_experts import ep_candidates
 from fxpar.solvers.problems import Candidates, Problems
 
 
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """MoE models: the alternating LP / MILP plan, the even split and Whale's rule
-    (:func:`fxpar.solvers.families.expert.ep_candidates`)."""
+    (:func:`fxpar.forms.expert.search_experts.ep_candidates`)."""
     return ep_candidates(problems)

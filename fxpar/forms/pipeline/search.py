@@ -10,7 +10,7 @@ from dataclasses import replace
 from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.sim import simulate
-from fxpar.solvers.families.pipeline import pipeline_candidates
+from fxpar.forms.pipeline.search_pipelines import pipeline_candidates
 from fxpar.solvers.problems import Candidates, Problems
 
 #: the form a one-stage pipeline over every rank runs as (:func:`as_tensor_form`)
@@ -19,7 +19,7 @@ TENSOR_FORM = "tensor_parallel"
 
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """The searched pipelines, their interleaved forms, the rule pipelines and the replica
-    pipelines (:func:`fxpar.solvers.families.pipeline.pipeline_candidates`); where data
+    pipelines (:func:`fxpar.forms.pipeline.search_pipelines.pipeline_candidates`); where data
     parallelism (searched before) offers a plan, one-stage width-one pipelines are left out; a
     one-stage pipeline over every rank is offered as the tensor-parallel form it equals
     (:func:`as_tensor_form`)."""

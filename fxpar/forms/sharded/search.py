@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fxpar.solvers.families.sharded import sharded_candidates
+from fxpar.forms.sharded.search_state import sharded_candidates
 from fxpar.solvers.problems import Candidates, Problems
 
 
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """ZeRO-2/3 plans from the state-and-batch LP per sharding stage, checkpointing, offload and
     micro-batch rounds, and ``even_fsdp``
-    (:func:`fxpar.solvers.families.sharded.sharded_candidates`)."""
+    (:func:`fxpar.forms.sharded.search_state.sharded_candidates`)."""
     return sharded_candidates(problems)

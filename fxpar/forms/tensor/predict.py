@@ -1,5 +1,5 @@
 """Tensor parallelism's prediction (:mod:`fxpar.forms`, phase ``predict``): the one-stage
-pipeline it runs (:func:`fxpar.sim.pipeline_plan.as_pipeline`), each rank's memory its shard's."""
+pipeline it runs (:func:`fxpar.forms.tensor.price.as_pipeline`), each rank's memory its shard's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from fxpar.plan import Plan
 from fxpar.predict import Prediction, calibrated_pipeline_prices, common_fields, pipeline_parts
 from fxpar.profiling import CostModel
 from fxpar.sim import simulate
-from fxpar.sim.pipeline_plan import as_pipeline, simulate_pipeline
+from fxpar.forms.tensor.price import as_pipeline
+from fxpar.sim.pipeline_plan import simulate_pipeline
 
 
 def predict(plan: Plan, cost: CostModel, calibration: Mapping[str, Mapping[str, Any]]) -> Prediction:

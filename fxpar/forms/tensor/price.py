@@ -6,18 +6,31 @@ from dataclasses import replace
 
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
-from fxpar.sim.pipeline_cost import pipeline_prices
-from fxpar.sim.pipeline_plan import as_pipeline, simulate_pipeline
+from fxpar.sim.pipeline_cost import PipelinePrices, pipeline_prices
+from fxpar.sim.pipeline_plan import simulate_pipeline
 from fxpar.sim.rank_memory import tensor_parallel_peaks
 from fxpar.sim.timeline import SimResult, micro_batch_sizes
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
     """Tensor parallelism: timed as the one-stage pipeline it runs
-    (:func:`fxpar.sim.pipeline_plan.as_pipeline`), each rank's memory its shard's
+    (:func:`as_pipeline`), each rank's memory its shard's
     (:func:`fxpar.sim.rank_memory.tensor_parallel_peaks`)."""
     prices = pipeline_prices(cost)
     sim = simulate_pipeline(as_pipeline(plan, prices), prices, cost.cluster)
     peaks = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
                                                                  rp.num_microbatches) for rp in plan.ranks])
     return replace(sim, peak_memory_bytes=tuple(peaks))
+
+
+def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
+    """A tensor-parallel plan as the pipeline simulator prices it: one stage over every segment
+    of ``prices``' table, each replica (``data_split`` entry) a pipeline of one position as wide
+    as the tensor-parallel group.  The runtime runs the same work and collectives: each block's
+    two all-reduces forward and two backward per micro-batch in the group, the replicas' gradient
+    sum after the backward (uneven ``tensor_split``: priced as an even split)."""
+    st = plan.stages[0]
+    modules = tuple(m for mods in prices.table.modules for m in mods)
+    return replace(plan, strategy="pipeline", schedule="1F1B", pipelines=len(st.data_split),
+                   num_microbatches=max(plan.ranks[0].num_microbatches, 1),
+                   stages=(replace(st, modules=modules, tensor_parallel=len(st.ranks) // len(st.data_split)),))

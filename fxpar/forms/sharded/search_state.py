@@ -11,8 +11,8 @@ stored plan):
             repeated blocks; a level is kept only where the simulator finds it faster: a group
             recomputes only where that fits more samples or fewer rounds than it costs):
           for rounds J = 1, 2, 4, … ≤ the micro-batch limit: the state-and-batch LP
-            (:mod:`fxpar.solvers.families.sharded_lp`, data from :func:`lp_data`); where it is
-            feasible, the integer plans (:func:`fxpar.solvers.families.sharded_plans.integer_plan`)
+            (:mod:`fxpar.forms.sharded.search_lp`, data from :func:`lp_data`); where it is
+            feasible, the integer plans (:func:`fxpar.forms.sharded.search_plans.integer_plan`)
             of its state fractions and of even state; after the first J with a plan that fits,
             one more (2J), then the next level
 
@@ -42,8 +42,8 @@ from fxpar.sim.sharded_cost import (
     scatter_bytes,
     sharded_prices,
 )
-from fxpar.solvers.families.sharded_lp import ShardedLPData, solve_state_lp
-from fxpar.solvers.families.sharded_plans import (
+from fxpar.forms.sharded.search_lp import ShardedLPData, solve_state_lp
+from fxpar.forms.sharded.search_plans import (
     WEIGHT_SCALE,
     Config,
     even_plan,
@@ -180,7 +180,7 @@ def even_fsdp(p: Problems, prices: ShardedPrices) -> Plan | None:
 
 def comm_lines(prices: ShardedPrices, stage: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """``(C0, C1), (A0, A1)``: one round's collectives and the once-per-step gather as lines in
-    φ̂, through φ̂ = 1/N and 1 (LP data, :mod:`fxpar.solvers.families.sharded_lp`)."""
+    φ̂, through φ̂ = 1/N and 1 (LP data, :mod:`fxpar.forms.sharded.search_lp`)."""
     g = prices.reduce_itemsize
     wire = prices.gather_itemsize or (float(prices.bytes_wgo[0]),) * len(prices.params)
     sizes = [sum(r * c for r, c in unit) for unit in prices.params]
@@ -200,7 +200,7 @@ def comm_lines(prices: ShardedPrices, stage: int) -> tuple[tuple[float, float], 
 
 
 def lp_data(p: Problems, prices: ShardedPrices, cfg: Config) -> ShardedLPData:
-    """The LP's data for ``cfg`` (:mod:`fxpar.solvers.families.sharded_lp`), per group."""
+    """The LP's data for ``cfg`` (:mod:`fxpar.forms.sharded.search_lp`), per group."""
     w, g, o = prices.bytes_wgo
     P, N = float(prices.param_count), prices.world
     sizes = [float(sum(r * c for r, c in unit)) for unit in prices.params]

@@ -8,7 +8,7 @@ micro-batch; walking the chain, stage ``s`` on device ``d`` (holding ``n_d`` sta
 longest prefix whose time on ``d``'s kind is ≤ ``τ / n_d``.  The smallest feasible ``τ``
 gives the cuts.  Memory per device: ``Σ_{s on d} (state_s + (S' − s)·b·A_s) ≤ capacity`` (1F1B's
 in-flight bound, which the lock-step schedule keeps).  The step is the simulator's
-(:func:`fxpar.solvers.pipeline_plan.with_predictions`, :mod:`fxpar.sim.pipeline_cost`): the
+(:func:`fxpar.forms.pipeline.search_plans.with_predictions`, :mod:`fxpar.sim.pipeline_cost`): the
 makespan of the lock-step action table (:mod:`fxpar.sim.interleaved`) replayed with each
 stage's forward and backward seconds and the hops, plus the gradient all-reduce across
 pipelines and the optimizer step of each device's stages.  The candidate joins the others and wins only when it predicts
@@ -31,7 +31,7 @@ from fxpar.solvers.pipeline import (
     StageSpec,
     _StageCost,
 )
-from fxpar.solvers.pipeline_plan import assign_ranks, with_predictions
+from fxpar.forms.pipeline.search_plans import assign_ranks, with_predictions
 from fxpar.solvers.placement import build_links
 
 

@@ -48,7 +48,7 @@ from fxpar.solvers.pipeline import (
     _StageCost,
     best_cuts_with_choice,
 )
-from fxpar.solvers.pipeline_plan import prices_of, with_predictions
+from fxpar.forms.pipeline.search_plans import prices_of, with_predictions
 from fxpar.solvers.problems import Candidates, Problems
 
 #: micro-batch counts tried per pipeline shape (the smallest divisors of the batch from ``S`` up)

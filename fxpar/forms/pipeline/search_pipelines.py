@@ -2,19 +2,19 @@
 
 - :func:`searched`: the formula ``T`` (:func:`fxpar.solvers.pipeline.search_ranked`) ranks the
   configurations; its :data:`RERANKED` best are re-ranked by the simulator
-  (:func:`fxpar.solvers.pipeline_plan.simulate_config`: the 1F1B event simulation with each
+  (:func:`fxpar.forms.pipeline.search_plans.simulate_config`: the 1F1B event simulation with each
   hop's latency in the schedule's dependency chain, :mod:`fxpar.sim.pipeline_cost`); the pick is
   swapped for its variant with the other gradient exchange or layout where that simulates faster
-  (:func:`best_variant`), then becomes a plan (:func:`fxpar.solvers.pipeline_plan.to_plan`);
+  (:func:`best_variant`), then becomes a plan (:func:`fxpar.forms.pipeline.search_plans.to_plan`);
 - :func:`interleaved`: the plan's positions holding more stages than devices
-  (:mod:`fxpar.solvers.interleaved_plan`), each a candidate where it beats 1F1B;
+  (:mod:`fxpar.forms.pipeline.search_interleaved`), each a candidate where it beats 1F1B;
 - :func:`rule_pipelines`: pipelines with even cuts (Megatron) and with cuts ∝ stage capacity,
   large-memory kinds first (Whale) (:func:`fxpar.solvers.baselines.pipeline_baselines`), with
   the same effort (:func:`reranked`: the formula's best re-ranked by the simulator, the faster
   variant): the pipeline halves of the ``megatron_even`` and ``whale_rules`` baselines, and
   candidates too, so the planner is never slower than a rule it can express;
 - :func:`replica_candidates`: a pipeline per node kind, the pipelines' batches in proportion to
-  their speed (:mod:`fxpar.solvers.replica_pipeline`), priced by the simulator and chosen only
+  their speed (:mod:`fxpar.forms.pipeline.search_replicas`), priced by the simulator and chosen only
   where faster than the identical pipelines.
 
 Tensor-parallel stages are tried only where codegen can split the blocks (a guarantee, and a
@@ -25,12 +25,12 @@ into the explain lines: the plan's JSON is deterministic.
 from __future__ import annotations
 
 from fxpar.plan import Plan
-from fxpar.solvers import interleaved_plan
+from fxpar.forms.pipeline import search_interleaved
 from fxpar.solvers.baselines import pipeline_baselines
 from fxpar.solvers.pipeline import PipelineConfig, PipelineContext, search_ranked
-from fxpar.solvers.pipeline_plan import simulate_config, to_plan, variants
+from fxpar.forms.pipeline.search_plans import simulate_config, to_plan, variants
 from fxpar.solvers.problems import Candidates, Problems
-from fxpar.solvers.replica_pipeline import kind_pipelines
+from fxpar.forms.pipeline.search_replicas import kind_pipelines
 
 #: pipeline configurations the formula ranks best that the 1F1B event simulation re-ranks
 RERANKED = 8
@@ -130,7 +130,7 @@ def searched(p: Problems, max_tensor_parallel: int, skip_data_parallel: bool = F
 def interleaved(p: Problems, cfg: PipelineConfig, one_f_one_b: float) -> tuple[tuple[Plan, ...], tuple[str, ...]]:
     """The interleaved plans on ``cfg``'s positions that beat its 1F1B step, and a line for each tried."""
     plans, explain = [], []
-    for inter in interleaved_plan.candidates(p.pipeline, cfg, p.cluster, p.graph.model_name, p.workload,
+    for inter in search_interleaved.candidates(p.pipeline, cfg, p.cluster, p.graph.model_name, p.workload,
                                              p.lower_bound_s):
         better = inter.predicted_step_s < one_f_one_b
         explain.append(f"interleaved, {len(inter.stages)} stages on {len(cfg.stages)} positions: "
