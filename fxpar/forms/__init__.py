@@ -16,8 +16,11 @@ functions it must define (:data:`PHASES`):
                                              state_holders(plan)  the fewest ranks that share the
                                                                 model state (adapting's move)
     price   (the simulator, imports no torch) simulate(plan, cost)   -> :class:`fxpar.sim.SimResult`
-    search  (the solvers, imports no torch;  candidates(problems, found, max_tensor_parallel)
-             searched forms only)                 -> its plans, explain lines and baselines
+    search  (the solvers, imports no torch;  problem(graph, cost, cluster, workload)  its own
+             searched forms only)               problem, built once per plan() where it is asked
+                                                for (None: it reads only what every form shares)
+                                             candidates(problems, found, max_tensor_parallel)
+                                                  -> its plans, explain lines and baselines
                                                                 (``found``: the forms searched before)
     bound   (the solvers, imports no torch)  applies(problems)  whether it can offer a plan for
                                                                 these problems (the lower bound's
@@ -135,7 +138,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "spec": ("check", "check_stage", "summary", "label", "state_holders"),
     "price": ("simulate",),
     "bound": ("applies", "bound_s"),
-    "search": ("candidates",),
+    "search": ("problem", "candidates"),
     "apply": ("build", "emit"),
     "predict": ("predict",),
 }

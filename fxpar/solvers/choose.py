@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from fxpar.errors import InfeasibleError
-from fxpar.forms import SEARCHED
+from fxpar.forms import SEARCHED, form
 from fxpar.plan import Plan
 from fxpar.solvers.baselines import min_or_none
 from fxpar.solvers.host_memory import with_host_memory
@@ -140,12 +140,14 @@ def combine_baselines(strategy: str, found: Mapping[str, Candidates]) -> tuple[t
 
 def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[str]) -> InfeasibleError:
     """The error when no family offers a plan: the first family's error (data parallelism's, with
-    its shortfalls: the one family that gives one) if any, else every family's reason."""
+    its shortfalls: the one family that gives one) if any, with a line for each form that had a
+    problem of its own to search (:meth:`~fxpar.solvers.problems.Problems.of`); else every
+    family's reason."""
     if dp_error is None:
         return InfeasibleError(f"no plan among the strategies {p.strategies} applies to "
                                f"{p.graph.model_name} or fits: " + ("; ".join(explain) or "nothing to try"))
+    searched = [form(name).title for name, own in p.own if own is not None and not isinstance(own, str)]
     sharded = [line for line in explain if line.startswith("sharded data parallel")]
-    return InfeasibleError(str(dp_error) + ("\nNo pipeline / tensor-parallel configuration "
-                                            "fits either." if p.pipeline is not None else "")
+    return InfeasibleError(str(dp_error) + "".join(f"\nNo plan of {title} fits either." for title in searched)
                            + "".join("\n" + line[0].upper() + line[1:] for line in sharded),
                            shortfalls=dp_error.shortfalls)

@@ -6,10 +6,12 @@
     strategies_for     the families asked for, less those a recorded graph cannot have
                        (:data:`RECORDED_FAMILIES`: not expert parallelism)
     CostModel          graph × cluster → per node and device kind: seconds, bytes, collectives
-    build_dp_problem   → DPProblem: the share LP's data, one group per interchangeable device kind
-    build_context      → PipelineContext: the segment table and the device kinds (when pipelines
-                         are asked for and the model has repeated blocks)
-    build_problem      → EPProblem (MoE models, more than one rank), or a reason it cannot run
+    build_dp_problem   → DPProblem: the share LP's data, one group per interchangeable device
+                         kind (every form that trains shares of the batch reads it)
+    each form's own    its search phase's ``problem`` (:mod:`fxpar.forms`), for each form asked
+                         for: the pipelines' PipelineContext (the segment table and the device
+                         kinds, where the model has repeated blocks), expert parallelism's
+                         EPProblem (MoE models on more than one rank) or why it cannot run
     lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the least, over the forms
                        that can offer a plan for these problems (each form's ``bound`` phase
                        says: ``applies(problems)``; :func:`bound_families`), of each
@@ -22,20 +24,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError, InfeasibleError, PlanError
-from fxpar.forms import NAMES, RECORDED, form, part
+from fxpar.forms import NAMES, RECORDED, SEARCHED, form, part
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
-from fxpar.sim.expert_costs import build_problem
-from fxpar.sim.expert_sim import EPProblem
 from fxpar.sim.sharded_cost import may_offload
 from fxpar.solvers import data_parallel as dp
 from fxpar.solvers.baselines import dp_fits
 from fxpar.solvers.bounds import family_bounds_s
-from fxpar.solvers.pipeline import PipelineContext, build_context
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
@@ -51,11 +51,15 @@ class Problems:
     cost: CostModel
     dp: dp.DPProblem
     dp_fits: bool                        # a replica + one sample fits everywhere, and B ≥ ranks
-    pipeline: PipelineContext | None     # None: pipelines not asked for, no repeated blocks, or an
-    #                                      exported graph that loses gradients (graph.lost_gradients)
-    ep: EPProblem | str | None           # None: dense model or one rank; str: why EP cannot run
+    own: tuple[tuple[str, Any], ...]     # (form, its own problem) of each searched form asked for
     lower_bound_s: float
     lower_bound_by_family: tuple[tuple[str, float], ...]   # each bounded family's least step
+
+    def of(self, name: str) -> Any:
+        """Form ``name``'s own problem (its search phase's ``problem``); None where it was not
+        asked for or has none (the pipelines: no repeated blocks, or an exported graph that loses
+        gradients; expert parallelism: a dense model or one rank)."""
+        return dict(self.own).get(name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +134,11 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
     cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer,
                      allow_tf32=allow_tf32, profiles=profiles)
     problem = build_dp_problem(cost, cluster, workload)
-    ctx = (build_context(graph, cost, cluster, workload)
-           if "pipeline" in strategies and len(graph.layers) >= 1 and not graph.lost_gradients else None)
-    ep = (build_problem(cost, workload.global_batch, workload.max_microbatches)
-          if "expert_parallel" in strategies and cluster.world_size > 1 else None)
+    own = tuple((name, part(name, "search").problem(graph, cost, cluster, workload))
+                for name in SEARCHED if name in strategies)
     fits = dp_fits(problem) and workload.global_batch >= cluster.world_size
     draft = Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
-                     dp=problem, dp_fits=fits, pipeline=ctx, ep=ep, lower_bound_s=math.inf,
-                     lower_bound_by_family=())
+                     dp=problem, dp_fits=fits, own=own, lower_bound_s=math.inf, lower_bound_by_family=())
     families = bound_families(draft)
     offload = (any(form(f).offloads for f in families)
                and any(may_offload(cluster, g.ranks) for g in cluster.groups()))

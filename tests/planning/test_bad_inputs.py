@@ -60,7 +60,7 @@ def test_infeasible_memory_names_device_and_shortfall(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == EXIT_INFEASIBLE and "Traceback" not in err
     assert "SMALL (ranks 0-1, 0.5 GiB each): short by" in err
-    assert "No pipeline / tensor-parallel configuration fits either" in err
+    assert "No plan of pipeline parallelism (stages, with TP and replicas) fits either" in err
 
 
 def test_missing_file_and_conflicting_flags(tmp_path, capsys):

@@ -35,7 +35,7 @@ def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
     return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_by_family=(),
                            strategies=("data_parallel", "pipeline"),
                            graph=SimpleNamespace(model_name="m", params=(), attn_implementation="sdpa", recorded=""),
-                           cluster=fxpar.Cluster.emulated([1.0, 1.0]), pipeline=pipeline)
+                           cluster=fxpar.Cluster.emulated([1.0, 1.0]), own=(("data_parallel", None), ("pipeline", pipeline)))
 
 
 def test_choice_is_the_fastest_first_found_with_every_family_reasoning():
@@ -68,7 +68,7 @@ def test_whale_rules_is_the_rule_of_the_chosen_family():
 
 def test_nothing_fits_raises_data_parallelism_s_shortfalls():
     error = InfeasibleError("data parallelism does not fit", shortfalls={"T4": 2 ** 30})
-    with pytest.raises(InfeasibleError, match="No pipeline") as info:
+    with pytest.raises(InfeasibleError, match="No plan of pipeline parallelism .* fits either") as info:
         choose(_problems(pipeline=object()), {"data_parallel": Candidates(error=error), "pipeline": Candidates(),
                                               "expert_parallel": Candidates()})
     assert info.value.shortfalls == {"T4": 2 ** 30}

@@ -72,12 +72,12 @@ def test_tiny_pipelines_and_their_interleaved_forms_predict_what_simulate_return
     cost = _cost(graph, cluster, workload)
     assert plan.strategy == "pipeline" and _same(simulate(plan, cost).step_s, plan.predicted_step_s)
     problems = build_problems(graph, cluster, workload, ("pipeline",))
-    ranked = search_ranked(problems.pipeline, max_width=1, keep=4)
+    ranked = search_ranked(problems.of("pipeline"), max_width=1, keep=4)
     for cfg in ranked:  # the solver's re-ranking prices the very layout the plan runs
-        as_plan = to_plan(cfg, problems.pipeline, cluster, graph.model_name, workload, 0.0)
-        assert _same(simulate_config(problems.pipeline, cfg).step_s, as_plan.predicted_step_s)
+        as_plan = to_plan(cfg, problems.of("pipeline"), cluster, graph.model_name, workload, 0.0)
+        assert _same(simulate_config(problems.of("pipeline"), cfg).step_s, as_plan.predicted_step_s)
         assert _same(simulate(as_plan, cost).step_s, as_plan.predicted_step_s)
-    for inter in interleaved_plan.candidates(problems.pipeline, ranked[0], cluster, graph.model_name, workload, 0.0):
+    for inter in interleaved_plan.candidates(problems.of("pipeline"), ranked[0], cluster, graph.model_name, workload, 0.0):
         sim = simulate(Plan.from_json(inter.to_json()), cost)
         assert inter.schedule == "interleaved" and _same(sim.step_s, inter.predicted_step_s)
         assert {e.kind for e in sim.events} >= {"fwd", "bwd", "optimizer"}

@@ -14,6 +14,11 @@ from fxpar.solvers.problems import Candidates, Problems
 NAME = "replicated"
 
 
+def problem(graph, cost, cluster, workload) -> None:
+    """None: it reads the share LP's problem every form shares (``Problems.dp``)."""
+    return None
+
+
 def candidates(p: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """The plan, priced by the simulator; none where the form is not asked for or a replica with
     one sample does not fit."""

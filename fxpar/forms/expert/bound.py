@@ -12,7 +12,7 @@ from fxpar.solvers.bounds import Work, least_allreduce_s
 def applies(p) -> bool:
     """Asked for, on a MoE model over more than one rank (its problem was built:
     :class:`~fxpar.solvers.problems.Problems`)."""
-    return isinstance(p.ep, EPProblem)
+    return isinstance(p.of("expert_parallel"), EPProblem)
 
 
 def bound_s(cost, batch: int, w: Work) -> float | None:

@@ -21,7 +21,7 @@ from fxpar.solvers.problems import Candidates, Problems
 def ep_candidates(p: Problems) -> Candidates:
     """The expert-parallel plan and its explain line, or why there is none; the ``even_ep``
     baseline wherever the model can run expert-parallel."""
-    problem, world = p.ep, p.cluster.world_size
+    problem, world = p.of("expert_parallel"), p.cluster.world_size
     if problem is None:
         return Candidates()
     if isinstance(problem, str):

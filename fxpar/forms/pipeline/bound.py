@@ -9,7 +9,7 @@ from fxpar.solvers.bounds import Work, pipeline_communication_s
 def applies(p) -> bool:
     """Asked for, on a model with repeated blocks whose export keeps every gradient (the pipeline
     search's context was built: :class:`~fxpar.solvers.problems.Problems`)."""
-    return p.pipeline is not None
+    return p.of("pipeline") is not None
 
 
 def bound_s(cost, batch: int, w: Work) -> float:

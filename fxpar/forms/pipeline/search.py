@@ -11,10 +11,20 @@ from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.sim import simulate
 from fxpar.forms.pipeline.search_pipelines import pipeline_candidates
+from fxpar.solvers.pipeline import PipelineContext, build_context
 from fxpar.solvers.problems import Candidates, Problems
 
 #: the form a one-stage pipeline over every rank runs as (:func:`as_tensor_form`)
 TENSOR_FORM = "tensor_parallel"
+
+
+def problem(graph, cost, cluster, workload) -> PipelineContext | None:
+    """The search's context (:func:`fxpar.solvers.pipeline.build_context`: the segment table and
+    the device kinds); None for a model without repeated blocks, or an exported graph that loses
+    gradients (``graph.lost_gradients``)."""
+    if not graph.layers or graph.lost_gradients:
+        return None
+    return build_context(graph, cost, cluster, workload)
 
 
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:

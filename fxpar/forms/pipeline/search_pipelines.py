@@ -52,7 +52,7 @@ def pipeline_candidates(p: Problems, max_tensor_parallel: int, *, data_parallel_
     configurations are left out of the search and the rule baselines alike
     (:func:`is_data_parallel_config`); where it does not, such a micro-batched pipeline may be
     the only plan that fits, and stays."""
-    if p.pipeline is None:
+    if p.of("pipeline") is None:
         lost = p.graph.lost_gradients
         why = (() if not lost else (
             f"pipelines: not considered: their stages run the exported graph, which gives no gradient to {len(lost)} "
@@ -81,7 +81,7 @@ def reranked(p: Problems, ranked: list[PipelineConfig], label: str,
     per-rank peak fits every device, in its faster variant, and its plan; a line in ``explain``
     where the simulator overrules the formula.  None when the simulation finds none fits (the
     search's memory tables approximate the simulator's peak formula)."""
-    ctx = p.pipeline
+    ctx = p.of("pipeline")
     steps = [simulate_config(ctx, c).step_s for c in ranked]
     for pick in sorted(range(len(ranked)), key=lambda i: (steps[i], i)):
         why: list[str] = []
@@ -107,7 +107,7 @@ def searched(p: Problems, max_tensor_parallel: int, skip_data_parallel: bool = F
     """The formula's best configurations re-ranked by the simulator, the pick's faster variant,
     and its interleaved forms that beat it (``skip_data_parallel``: :func:`pipeline_candidates`)."""
     width = max_tensor_parallel if any(layer.tensor_parallel for layer in p.graph.layers) else 1
-    every = search_ranked(p.pipeline, max_width=width, keep=RERANKED)
+    every = search_ranked(p.of("pipeline"), max_width=width, keep=RERANKED)
     ranked = _searchable(every, skip_data_parallel)
     if every and not ranked:
         return Candidates(explain=("pipelines: only one stage one device wide fits, which is data "
@@ -130,7 +130,7 @@ def searched(p: Problems, max_tensor_parallel: int, skip_data_parallel: bool = F
 def interleaved(p: Problems, cfg: PipelineConfig, one_f_one_b: float) -> tuple[tuple[Plan, ...], tuple[str, ...]]:
     """The interleaved plans on ``cfg``'s positions that beat its 1F1B step, and a line for each tried."""
     plans, explain = [], []
-    for inter in search_interleaved.candidates(p.pipeline, cfg, p.cluster, p.graph.model_name, p.workload,
+    for inter in search_interleaved.candidates(p.of("pipeline"), cfg, p.cluster, p.graph.model_name, p.workload,
                                              p.lower_bound_s):
         better = inter.predicted_step_s < one_f_one_b
         explain.append(f"interleaved, {len(inter.stages)} stages on {len(cfg.stages)} positions: "
@@ -145,7 +145,7 @@ def rule_pipelines(p: Problems, max_tensor_parallel: int, skip_data_parallel: bo
     its faster variant: their steps as baselines, their plans as candidates."""
     order = list(dict.fromkeys(g.key for g in p.cluster.groups()))
     mega, whale = (_searchable(r, skip_data_parallel)
-                   for r in pipeline_baselines(p.pipeline, order, max_tensor_parallel, keep=RERANKED))
+                   for r in pipeline_baselines(p.of("pipeline"), order, max_tensor_parallel, keep=RERANKED))
     plans, explain, steps = [], [], {"megatron_even": None, "whale_rules": None}
     for baseline, rule, ranked in (("megatron_even", "even-cut (Megatron)", mega),
                                    ("whale_rules", "capacity-cut (Whale)", whale)):

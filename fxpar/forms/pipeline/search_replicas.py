@@ -164,7 +164,7 @@ def shape_plan(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[boo
                split: tuple[int, ...]) -> Plan:
     """The plan of ``shape`` with these cuts, micro-batches and batch per pipeline, its
     predictions the simulator's."""
-    cluster, table, u = p.cluster, p.pipeline.table, shape.u
+    cluster, table, u = p.cluster, p.of("pipeline").table, shape.u
     types = [[cluster.device(r).type.name for r in ranks] for _, ranks in shape.pipes]
     ranks: dict[int, RankPlan] = {}
     for q, (_, rs) in enumerate(shape.pipes):
@@ -189,14 +189,14 @@ def shape_plan(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[boo
                  predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=p.lower_bound_s,
                  emulated=bool(cluster.is_emulated()), pipelines=len(shape.pipes), num_microbatches=m,
                  schedule="1F1B", activation_checkpointing=all(ckpt))
-    return with_predictions(draft, p.pipeline, cluster)[0]
+    return with_predictions(draft, p.of("pipeline"), cluster)[0]
 
 
 def shape_layout(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[bool, ...], m: int,
                  split: tuple[int, ...]) -> PipelineLayout:
     """What :func:`shape_plan`'s plan runs, as the simulator takes it
     (:func:`fxpar.sim.pipeline_plan.layout_of`, without building the plan's ranks)."""
-    ctx, u, S = p.pipeline, shape.u, len(cuts) - 1
+    ctx, u, S = p.of("pipeline"), shape.u, len(cuts) - 1
     kinds = tuple(k for k, _ in shape.pipes)
     stages = tuple(StageSlice(kind=kinds[0], width=u, start=i, end=k, checkpointing=c, position=j)
                    for j, ((i, k), c) in enumerate(zip(pairwise(cuts), ckpt)))
@@ -210,13 +210,13 @@ def shape_layout(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[b
 
 def _fits(run: PipelineRun, p: Problems, shape: Shape) -> bool:
     """Every replica's devices hold their stage's memory (:class:`~fxpar.sim.pipeline_cost.ReplicaRun`)."""
-    return all(max(rep.memory_bytes) <= p.pipeline.kinds[kind].memory_bytes
+    return all(max(rep.memory_bytes) <= p.of("pipeline").kinds[kind].memory_bytes
                for rep, (kind, _) in zip(run.replicas, shape.pipes))
 
 
 def best_for_shape(p: Problems, shape: Shape) -> Plan | None:
     """The simulator's fastest fitting plan of ``shape`` (module docstring), or None."""
-    ctx, B = p.pipeline, p.workload.global_batch
+    ctx, B = p.of("pipeline"), p.workload.global_batch
     S, P = shape.n // shape.u, len(shape.pipes)
     w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
     state = float(ctx.table.local_params(1).sum()) * (w + 2 * g + o)  # the model state, spread at best evenly
@@ -245,7 +245,7 @@ def best_for_shape(p: Problems, shape: Shape) -> Plan | None:
 def kind_pipelines(p: Problems, max_width: int, identical_s: float | None = None) -> Candidates:
     """A pipeline per node kind (module docstring): the fastest plan of each shape, with a line
     in the explain for each (compared with ``identical_s``, the identical pipelines' best step)."""
-    if p.pipeline is None:
+    if p.of("pipeline") is None:
         return Candidates()
     plans, explain, misfits = [], [], []
     for shape in shapes(p.cluster, max_width):

@@ -10,6 +10,12 @@ from fxpar.forms.sharded.search_state import sharded_candidates
 from fxpar.solvers.problems import Candidates, Problems
 
 
+def problem(graph, cost, cluster, workload) -> None:
+    """None: its search prices each configuration from the cost model
+    (:func:`fxpar.sim.sharded_cost.sharded_prices`)."""
+    return None
+
+
 def candidates(problems: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """ZeRO-2/3 plans from the state-and-batch LP per sharding stage, checkpointing, offload and
     micro-batch rounds, and ``even_fsdp``
