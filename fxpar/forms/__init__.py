@@ -37,9 +37,12 @@ functions it must define (:data:`PHASES`):
     predict (fxpar.predict)                  predict(plan, cost, calibration)  -> its step's parts
                                                                 (:class:`fxpar.predict.Prediction`)
 
-Where a phase is not listed, that phase still tells the forms apart by name (the planner's
-problems, checkpoint layouts, hand-written plans); ``tests/project/test_forms.py``
-counts the form-name literals left outside this package and holds that count from rising.
+A form's folder also holds the modules that serve one of its phases, named ``<phase>_<what>``
+and placed at that phase's layer (the pipelines' search is ``search.py`` over
+``search_pipelines.py`` and three more); nothing outside this package imports a form's modules.
+What still names a built-in form outside it (the public hand-written plans, the demo, the
+runtime probe: ``docs/extending.md``) is counted by ``tests/project/test_forms.py``, and that
+count may not rise.
 
 A form outside this package (a plug-in) is a package with the same phase modules whose
 ``__init__`` defines ``FORM``, a :class:`Form` with ``package`` set to it; the environment
@@ -163,8 +166,8 @@ def form(name: str) -> Form:
 
 def part(name: str, phase: str) -> ModuleType:
     """Form ``name``'s module for ``phase`` (``fxpar.forms.<folder>.<phase>``, a plug-in's
-    ``<package>.<phase>``), imported on first use. A caller asks only for a phase at or below its own layer
-    (``tests/project/test_forms.py``)."""
+    ``<package>.<phase>``), imported on first use. A caller asks only for a phase at or below its
+    own layer (``tests/project/test_forms.py``)."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r}: expected one of {tuple(PHASES)}")
     return importlib.import_module(f"{form(name).modules}.{phase}")

@@ -21,8 +21,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 

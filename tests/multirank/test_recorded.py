@@ -148,7 +148,8 @@ def test_a_recorded_graph_searches_tensor_parallel_stages_for_the_blocks_read_on
     assert graph.tp_analysis is not None and all(layer.tensor_parallel for layer in graph.layers)
     cluster, workload = fxpar.Cluster.emulated([1.0, 1.0], one_node=True), Workload(global_batch=BATCH)
     problems = build_problems(graph, cluster, workload, ("pipeline",))
-    wide = [c for c in search_ranked(problems.of("pipeline"), max_width=2, keep=64) if any(st.width == 2 for st in c.stages)]
+    wide = [c for c in search_ranked(problems.of("pipeline"), max_width=2, keep=64)
+            if any(st.width == 2 for st in c.stages)]
     assert wide, "no configuration with a tensor-parallel stage"
     plan = solve(graph, cluster, workload, strategies=("pipeline",))
     line = next(e for e in plan.explain if e.startswith("recorded graph"))

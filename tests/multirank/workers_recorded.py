@@ -56,7 +56,8 @@ def searched_tp_parity(model_type: str) -> dict:
         warnings.simplefilter("ignore")  # the recording's warning: tests/multirank/test_recorded.py checks it
         graph = trace(model, batch(model, 1))
     problems = build_problems(graph, cluster, workload, ("pipeline",))
-    cfg = next(c for c in search_ranked(problems.of("pipeline"), max_width=2, keep=64) if any(st.width == 2 for st in c.stages))
+    cfg = next(c for c in search_ranked(problems.of("pipeline"), max_width=2, keep=64)
+               if any(st.width == 2 for st in c.stages))
     plan = to_plan(cfg, problems.of("pipeline"), cluster, graph.model_name, workload, 0.0)
     pm = fxpar.auto(model, cluster, data, plan=plan, emulate=False)
     torch.manual_seed(SEED)

@@ -93,8 +93,8 @@ def parity(steps: int = 2) -> dict[str, Any]:
         loss = pm.step(batch)
         ref_loss = reference(**batch, use_cache=False).loss
         ref_loss.backward()
-        out["steps"].append(step_record(loss, ref_loss, ((n, p.grad, names[n].grad) for n, p in pm.module.named_parameters()),
-                                        reference, steps_before=k))
+        pairs = ((n, p.grad, names[n].grad) for n, p in pm.module.named_parameters())
+        out["steps"].append(step_record(loss, ref_loss, pairs, reference, steps_before=k))
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     out["weights"] = trajectory_gaps((n, p, names[n], initial[n]) for n, p in pm.module.named_parameters())

@@ -35,7 +35,8 @@ def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
     return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_by_family=(),
                            strategies=("data_parallel", "pipeline"),
                            graph=SimpleNamespace(model_name="m", params=(), attn_implementation="sdpa", recorded=""),
-                           cluster=fxpar.Cluster.emulated([1.0, 1.0]), own=(("data_parallel", None), ("pipeline", pipeline)))
+                           cluster=fxpar.Cluster.emulated([1.0, 1.0]),
+                           own=(("data_parallel", None), ("pipeline", pipeline)))
 
 
 def test_choice_is_the_fastest_first_found_with_every_family_reasoning():

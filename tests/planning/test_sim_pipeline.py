@@ -77,7 +77,8 @@ def test_tiny_pipelines_and_their_interleaved_forms_predict_what_simulate_return
         as_plan = to_plan(cfg, problems.of("pipeline"), cluster, graph.model_name, workload, 0.0)
         assert _same(simulate_config(problems.of("pipeline"), cfg).step_s, as_plan.predicted_step_s)
         assert _same(simulate(as_plan, cost).step_s, as_plan.predicted_step_s)
-    for inter in interleaved_plan.candidates(problems.of("pipeline"), ranked[0], cluster, graph.model_name, workload, 0.0):
+    context = problems.of("pipeline")
+    for inter in interleaved_plan.candidates(context, ranked[0], cluster, graph.model_name, workload, 0.0):
         sim = simulate(Plan.from_json(inter.to_json()), cost)
         assert inter.schedule == "interleaved" and _same(sim.step_s, inter.predicted_step_s)
         assert {e.kind for e in sim.events} >= {"fwd", "bwd", "optimizer"}

@@ -21,7 +21,8 @@ def problem(graph, cost, cluster, workload) -> None:
 
 def candidates(p: Problems, found: Mapping[str, Candidates], max_tensor_parallel: int) -> Candidates:
     """The plan, priced by the simulator; none where the form is not asked for or a replica with
-    one sample does not fit."""
+    one sample does not fit.  Each rank's micro-batch is the share LP's cap, which also counts
+    data parallelism's gradient bucket: a little smaller than this form's memory allows."""
     if NAME not in p.strategies:
         return Candidates()
     if not p.dp_fits:
