@@ -292,6 +292,19 @@ def live_process_groups() -> int:
     return len(distributed_c10d._world.pg_map)
 
 
+def named_group_count() -> int:
+    """How many process groups this process has registered by name (``_world.pg_names``, the
+    default group included).  torch names a group that its members make alone
+    (``new_group(..., use_local_synchronization=True)``) by a hash of its ranks *and this count*
+    (``distributed_c10d._hash_ranks_to_str``, torch 2.11-2.15), so members holding different
+    numbers of groups would name it differently and wait for each other until the timeout;
+    :func:`fxpar.runtime.distributed.members_group` reads it to make them agree.  No public
+    accessor exists."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_names)
+
+
 def profiled_ops(prof: Any) -> list[tuple[str, list[list[int]], list[str]]]:
     """``(name, input shapes, input dtype names)`` of every op a finished ``torch.profiler.profile``
     (``record_shapes=True``) recorded: from its public events where they carry dtypes (torch

@@ -273,13 +273,46 @@ def host_group(group: Any = None) -> Any:
     ``group`` itself when its backend is gloo, else a new gloo group over its ranks.  Host-side
     bookkeeping (label counts made on the host, a pipeline stage's control messages) travels on
     it, so it never waits for a device.  Collective: every rank of ``group`` calls it at the same
-    point (the first time it is needed)."""
+    point (the first time it is needed); over the whole job every rank makes it the ordinary way,
+    over a sub-group its ranks alone (:func:`members_group`)."""
     import torch.distributed as dist
 
     if "gloo" in str(dist.get_backend(group)).lower():
         return group
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    if group is None:
+        return new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
+    return members_group(dist.get_process_group_ranks(group), over=group, backend="gloo")
+
+
+def members_group(ranks: list[int], *, over: Any, **kwargs: Any) -> Any:
+    """A process group over ``ranks`` (global ranks) that only ``ranks`` make
+    (``use_local_synchronization``), for a group inside a process group the other ranks of the
+    job do not take part in; None on a rank not in ``ranks``.  Collective over ``over`` (a group
+    holding every rank of ``ranks``): every rank of ``over`` calls it alike.
+
+    torch names such a group by its ranks and by how many groups the calling process has
+    registered (:func:`fxpar.compat.named_group_count`), which may differ between its members (a
+    rank that belongs to groups another does not), and members that name it differently wait for
+    each other until the timeout.  So the ranks of ``over`` first exchange their counts (one
+    ``all_gather_object``), each member below the members' largest count makes one-rank groups
+    up to it, the group is made under the one name every member then computes, and the padding
+    groups are destroyed."""
+    import torch.distributed as dist
+
+    from fxpar.compat import named_group_count  # lazy: compat imports torch, which this module loads on use
+
+    counts: list[Any] = [None] * dist.get_world_size(over)
+    dist.all_gather_object(counts, (dist.get_rank(), named_group_count()), group=over)
+    if dist.get_rank() not in ranks:
+        return None
+    target = max(count for rank, count in counts if rank in ranks)
+    me = dist.get_rank()
+    padding = [dist.new_group([me], use_local_synchronization=True, backend=kwargs.get("backend"))
+               for _ in range(target - named_group_count())]
+    group = new_group(ranks=sorted(ranks), use_local_synchronization=True, **kwargs)
+    for pad in padding:
+        dist.destroy_process_group(pad)
+    return group
 
 
 def wait_work(work: Any, device: Any = None) -> None:

@@ -100,6 +100,19 @@ def test_three_ranks_state_weight_zero_and_offload(pool3):
     assert results[1]["shard_numel"] == 1   # only the mirror of the 0-d scale
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("shard_stage", [2, 3])
+def test_a_plan_inside_a_users_process_group(pool3, shard_stage):
+    """``group=``: a 2-rank plan on ranks 1 and 2 of a 3-rank job, its groups (the reduce-scatters'
+    own, :class:`fxpar.codegen.common.groups.PlanGroups` ``within`` the user's) over those ranks
+    only; every step equals one process."""
+    results = pool3.run(w.sharded_in_a_subgroup, shard_stage)
+    assert results[0]["steps"] == [] and all(len(r["steps"]) == 2 for r in results[1:])
+    for r in results[1:]:
+        for k, step in enumerate(r["steps"]):
+            expect(*check_step(step), context=(r["rank"], k))
+
+
 def test_four_ranks(pool4):
     results = pool4.run(w.sharded_parity, "llama", [3, 3, 1, 1], [1, 1, 3, 3], 3, steps=2,
                         checkpointing=[True, False, False, True])

@@ -112,12 +112,13 @@ def _ref_loss(reference: torch.nn.Module, b) -> torch.Tensor:
     return reference(b) if isinstance(b, tuple) else reference(**b, use_cache=False).loss
 
 
-def _full_grads(pm: ShardedDataParallelModule) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient reassembled from the ranks' row shards (all-gather of objects)."""
+def _full_grads(pm: ShardedDataParallelModule, group=None) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient reassembled from the ranks' row shards (all-gather of objects
+    over ``group``, None: the job)."""
     mine = {t.names[0]: (pm.owned_rows()[t.names[0]], t.shard.grad.detach().clone() if t.shard.grad is not None
                          else None, tuple(t.full.shape)) for t in pm.tensors}
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     out = {}
     for name, (_, _, shape) in mine.items():
         full = torch.zeros(shape)
@@ -173,6 +174,38 @@ def sharded_parity(family: str, batch_split: list[int], state_split: list[int], 
     out["block_bytes"] = max(u.full_bytes for u in pm._units[1:]) if len(pm._units) > 1 else 0
     out["rest_bytes"] = pm._units[0].full_bytes
     out["gathered_after_step"] = pm.gathered_bytes()
+    return out
+
+
+def sharded_in_a_subgroup(shard_stage: int, steps: int = 2) -> dict:
+    """Ranks 1 and 2 of a 3-rank job run a 2-rank sharded plan (batch 3:1, state 1:3) inside
+    their own process group (``group=``: plan rank ``r`` is the group's ``r``-th rank) while rank
+    0 runs nothing, ranks 1 and 2 holding different numbers of process groups; per step the loss and the reassembled gradients' gaps against one process
+    (``steps``), as :func:`sharded_parity`."""
+    # rank 1 belongs to a group rank 2 does not, so they hold different numbers of groups: torch
+    # would name a group they make alone differently on each (fxpar.runtime.distributed.members_group)
+    dist.new_group([0, 1])
+    group = dist.new_group([1, 2])   # every rank of the job takes part in making these
+    rank = dist.get_rank()
+    out: dict = {"rank": rank, "steps": []}
+    if rank == 0:
+        return out
+    model, reference, data = _case("llama", 4, steps)
+    plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0, 1.0]), batch_split=[3, 1], state_split=[1, 3],
+                                      shard_stage=shard_stage)
+    pm = ShardedDataParallelModule(model, plan, dist.get_rank(group), group=group, example_inputs=data[0],
+                                   emulate=False)
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=LR), torch.optim.AdamW(reference.parameters(), lr=LR)
+    names = dict(reference.named_parameters())
+    for k, b in enumerate(data):
+        loss = pm.step(b)
+        ref_loss = _ref_loss(reference, b)
+        ref_loss.backward()
+        grads = _full_grads(pm, group)
+        gaps = gradient_gaps(((n, g, names[n].grad) for n, g in grads.items()), reference, steps_before=k)
+        out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss.detach()), "grads": gaps})
+        opt.step(); opt.zero_grad(set_to_none=True)
+        ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     return out
 
 

@@ -125,6 +125,9 @@ def test_a_plans_process_groups_are_the_layouts_rank_sets_once_per_kind():
     assert len(groups.rank_sets("chain")) == 2
     with pytest.raises(ValueError, match="kind 'stage'"):
         groups.rank_sets("stage")
+    assert groups.rank_sets("reduce") == groups.rank_sets("replica")   # a second group over each
+    with pytest.raises(ValueError, match="make_sets takes one of"):
+        groups.make_sets("tensor", [(0, 1)])   # the layout's kinds come from the layout alone
 
 
 def test_a_large_layout_prints_its_first_and_last_ranks():

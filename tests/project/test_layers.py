@@ -261,3 +261,24 @@ def test_the_size_report_lists_what_passes_its_guides(tmp_path: Path) -> None:
     assert [(e.where, e.idea) for e in modules] == [(f"{tmp_path.name}/long.py", "One idea")]
     assert [(e.where, e.lines, e.idea) for e in functions] == [(f"{tmp_path.name}/long.py:4 f", FUNCTION_GUIDE + 2,
                                                                  "Does f")]
+
+
+#: the modules that may call ``new_group``: the plan's groups, the runtime's wrapper (the job's
+#: timeout; a gloo twin of a device group for host tensors), and adapting's job-wide gloo group
+#: (its health checks, which outlive every plan)
+GROUP_MAKERS = {"fxpar.codegen.common.groups", "fxpar.runtime.distributed", "fxpar.adapt.elastic"}
+
+
+def test_a_plans_process_groups_are_made_in_one_place() -> None:
+    """Every process group a plan runs on is made by
+    :class:`fxpar.codegen.common.groups.PlanGroups` (#38 item 4): no other fxpar module calls
+    ``new_group`` (torch's or fxpar's wrapper)."""
+    calls = []
+    for module, path in _all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name == "new_group" and module not in GROUP_MAKERS:
+                    calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not calls, "process groups made outside PlanGroups:\n" + "\n".join(calls)

@@ -39,7 +39,6 @@ from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
-from fxpar.runtime.distributed import new_group
 from fxpar.sim.interleaved import lockstep_order
 from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
@@ -83,7 +82,8 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.tp_group = self.tp_position = None
         self._owners: dict = {}  # the pipelines share their cuts: one group per position
         self.is_lead, self._sharded, self._link = True, False, None
-        groups = PlanGroups(self.layout).make("whole_replica", "replica")  # every rank makes every group, in order
+        #: the plan's process groups (every rank makes every group, in order)
+        self._groups = groups = PlanGroups(self.layout).make("whole_replica", "replica")
         self.pp_group = self.pipe_group = groups.whole_replica(self.pipeline_index)
         self.dp_group = groups.replica(self.stage_index, 0)
         self._stage_replicas = (self.layout.replica_group(self.stage_index, 0), self.dp_group)
@@ -144,9 +144,11 @@ class InterleavedPipelineModule(PipelineParallelModule):
             if len(positions) < 2:
                 continue
             first[name] = positions[0]
-            groups = [new_group([pipes[p][k] for k in positions]) for p in range(len(pipes))]
+            readers_in = [tuple(pipes[p][k] for k in positions) for p in range(len(pipes))]
+            self._groups.make_sets("tie", readers_in)
             if self.position in positions:
-                ties.append(TiedParam(name, mine[name], positions[0], groups[self.pipeline_index]))
+                group = self._groups.group("tie", readers_in[self.pipeline_index])
+                ties.append(TiedParam(name, mine[name], positions[0], group))
         return ties, first
 
     # ---- training -------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam
+from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
@@ -157,7 +158,9 @@ class PipelineParallelModule(FormModule, StepModule):
         self.stage_index, self.pipeline_index, self.tp_position = place.stages[0], place.replica, place.position
         self.tp_width = self.layout.widths[self.stage_index]
         self.is_lead = self.tp_position == 0
-        groups = make_groups(self.layout, rank)  # every rank creates every group, in order
+        #: the plan's process groups (every rank makes every group, in order)
+        self._groups = PlanGroups(self.layout)
+        groups = make_groups(self._groups, rank)
         self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
         self.pipe_group = groups.pipeline
         self.chain = list(self.layout.chain(self.pipeline_index))
@@ -172,7 +175,7 @@ class PipelineParallelModule(FormModule, StepModule):
         cuts = [layer_to_stage(plan, blocks, q) for q in range(plan.pipelines)]  # each pipeline's own cuts
         stage_of = cuts[self.pipeline_index]
         self._blocks, self._stage_of = blocks, stage_of
-        self._owners = owner_groups(plan, blocks, cuts, self.layout.chain)  # collective
+        self._owners = owner_groups(plan, blocks, cuts, self._groups)  # collective
         self._stage_replicas = (self.layout.replica_group(self.stage_index, self.tp_position), self.dp_group)
         self._canonical, self._ties = canonical_names(model), tie_groups(model)  # before sharding unties any
         self._sharded = self.layout.tensor_parallel
@@ -187,7 +190,7 @@ class PipelineParallelModule(FormModule, StepModule):
         # boundary shapes from one pass over the chain (meta: shapes only), before materialising
         stage_in, stage_out = self._boundaries(modules, tuple(one[n] for n in self.input_names))
         place_stages([self.module], model, self._canonical, self.device, source)  # this rank's stage only
-        self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.layout, self.stage_index,
+        self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self._groups, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
         self._replica_sum = self._make_replica_sum()

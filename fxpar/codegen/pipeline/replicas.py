@@ -4,7 +4,8 @@ pipeline owns a block, and the gradient exchange across the pipelines by paramet
 With shared cuts, stage ``j``'s replicas all-reduce their gradients in one group per stage.
 With a cut per pipeline, block ``b`` sits on stage ``σ_q(b)`` of pipeline ``q``, so its
 parameters are summed over the ranks ``(chain_q[σ_q(b)])_q`` — one group per distinct owner
-tuple, every rank creating every group in the same (sorted) order.  The parameters before the
+tuple, every rank making every group in the same (sorted) order (the plan's groups' kind
+``"owners"``: :class:`fxpar.codegen.common.groups.PlanGroups`).  The parameters before the
 first block and after the last one (embeddings, final norm, head) belong to the first and the
 last stage of every pipeline, so they keep the stage groups.  Every rank runs its all-reduces
 in the order of the parameters' names: the first unfinished all-reduce in that order has all
@@ -19,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.common.groups import PlanGroups
 from fxpar.plan import Plan, StagePlan
-from fxpar.runtime.distributed import new_group
 from fxpar.tracing.structure import block_path
 
 
@@ -34,15 +35,17 @@ def own_cuts(plan: Plan) -> bool:
     return any(st.replica_modules is not None and len(set(st.replica_modules)) > 1 for st in plan.stages)
 
 
-def owner_groups(plan: Plan, blocks: list[str], stage_of: list[list[int]], chain) -> dict[str, Any]:
-    """``{block: group of the ranks that own it, one per pipeline}`` (module docstring); ``{}``
-    where the pipelines share their cuts.  ``stage_of[q][l]``: the stage of block ``l`` in
-    pipeline ``q``; ``chain(q)``: pipeline ``q``'s ranks by stage.  Collective: every rank."""
+def owner_groups(plan: Plan, blocks: list[str], stage_of: list[list[int]], groups: PlanGroups) -> dict[str, Any]:
+    """``{block: (the ranks that own it, one per pipeline; their group)}`` (module docstring);
+    ``{}`` where the pipelines share their cuts.  ``stage_of[q][l]``: the stage of block ``l`` in
+    pipeline ``q``; the groups are made in ``groups`` (whose layout gives pipeline ``q``'s ranks
+    by stage).  Collective: every rank."""
     if not own_cuts(plan):
         return {}
+    chain = groups.layout.chain
     owners = {b: tuple(chain(q)[stage_of[q][l]] for q in range(plan.pipelines)) for l, b in enumerate(blocks)}
-    groups = {ranks: new_group(list(ranks)) for ranks in sorted(set(owners.values()))}
-    return {b: (ranks, groups[ranks]) for b, ranks in owners.items()}
+    groups.make_sets("owners", sorted(set(owners.values())))
+    return {b: (ranks, groups.group("owners", ranks)) for b, ranks in owners.items()}
 
 
 def _exchanges(named: Iterable[tuple[str, torch.nn.Parameter]], by_block: dict[str, Any], stage: tuple[int, Any]):

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from fxpar.codegen.common.groups import PlanGroups
 from fxpar.errors import PlanError
-from fxpar.rank_layout import RankLayout
 from fxpar.runtime.device import host_tensor
 from fxpar.runtime.distributed import host_group, own
 from fxpar.runtime.emulation import SegmentClock
@@ -54,14 +53,14 @@ class PipelineGroups:
     pipeline: Any         # every rank of this pipeline
 
 
-def make_groups(layout: RankLayout, rank: int) -> PipelineGroups:
-    """This rank's groups (:class:`~fxpar.codegen.common.groups.PlanGroups`: every rank makes each
-    replica's chain, every (stage, position)'s replica group and, with tensor-parallel stages,
-    every stage's tensor-parallel groups and each replica's whole ranks; without, those are its
-    chain)."""
+def make_groups(groups: PlanGroups, rank: int) -> PipelineGroups:
+    """This rank's groups, made in the plan's ``groups`` (every rank makes each replica's chain,
+    every (stage, position)'s replica group and, with tensor-parallel stages, every stage's
+    tensor-parallel groups and each replica's whole ranks; without, those are its chain)."""
+    layout = groups.layout
     place = layout.where(rank)
     stage, pipe, pos = place.stages[0], place.replica, place.position
-    groups = PlanGroups(layout).make("chain", "replica")
+    groups.make("chain", "replica")
     if layout.tensor_parallel:
         groups.make("tensor", "whole_replica")
     return PipelineGroups(chain=groups.chain(pipe) if pos == 0 else None, dp=groups.replica(stage, pos),

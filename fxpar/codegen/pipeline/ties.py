@@ -13,7 +13,8 @@ runs on full-size tensors:
 
 Which stages read which weight is decided by *canonical* names (the original model's first
 name of each tensor), identical on every rank whatever its own sharding did to its model copy,
-so every rank creates the same groups in the same order.  The first stage of ``J`` counts the
+so every rank makes the same groups in the same order (the plan's groups' kind ``"tie"``:
+:class:`fxpar.codegen.common.groups.PlanGroups`).  The first stage of ``J`` counts the
 weight in gradient norms and writes it to checkpoints.
 """
 
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.shards import place, shard_spec, take
-from fxpar.runtime.distributed import new_group
 
 
 @dataclass(slots=True)
@@ -37,10 +38,12 @@ class TiedParam:
     group: Any                   # the leads of the stages that read it (None on a follower)
 
 
-def tied_params(modules, canonical: dict[str, str], layout, stage: int, pipeline: int,
+def tied_params(modules, canonical: dict[str, str], groups: PlanGroups, stage: int, pipeline: int,
                 is_lead: bool) -> tuple[list[TiedParam], dict[str, int]]:
     """This rank's tied weights and ``{canonical name: first stage}`` of every tied weight.
-    Every rank creates every group, in the same order."""
+    Every rank makes every tie's groups (one per pipeline: its leads of the stages that read the
+    weight) in ``groups``, in the same order."""
+    layout = groups.layout
     readers: dict[str, list[int]] = {}
     mine: dict[str, torch.Tensor] = {}
     for j, m in enumerate(modules):
@@ -55,9 +58,11 @@ def tied_params(modules, canonical: dict[str, str], layout, stage: int, pipeline
         if len(stages) < 2:
             continue
         first[name] = stages[0]
-        groups = [new_group([layout.chain(p)[j] for j in stages]) for p in range(layout.replicas)]
+        readers_in = [tuple(layout.chain(p)[j] for j in stages) for p in range(layout.replicas)]
+        groups.make_sets("tie", readers_in)
         if stage in stages:
-            ties.append(TiedParam(name, mine[name], stages[0], groups[pipeline] if is_lead else None))
+            group = groups.group("tie", readers_in[pipeline]) if is_lead else None
+            ties.append(TiedParam(name, mine[name], stages[0], group))
     return ties, first
 
 

@@ -30,7 +30,6 @@ from fxpar.codegen.sharded.schedule import RoundSchedule
 from fxpar.codegen.sharded.units import ShardedTensor, Unit
 from fxpar.codegen.common.shards import cut
 from fxpar.runtime.device import HOST
-from fxpar.runtime.distributed import new_group
 from fxpar.runtime.ragged import owned_rows
 from fxpar.tracing.structure import block_path, block_paths
 
@@ -134,20 +133,6 @@ def build_units(model: torch.nn.Module, weights: tuple[int, ...], rank: int, dev
         units.append(Unit(name or "<rest of the model>", by_unit[name], weights, rank, device,
                           reduce_dtype=reduce_dtype, distributed=distributed, offload_flats=flats))
     return units
-
-
-def reduce_group(group: Any) -> Any:
-    """A second process group over ``group``'s ranks for the reduce-scatters.  Over the whole
-    job every rank creates it the ordinary way (named by torch's world-wide group counter, which
-    every rank advances alike); over a sub-group only its ranks take part (named by the hash of
-    its ranks: the counter may differ between ranks that created different sub-groups, and a
-    mismatch of names would leave the creation waiting forever).  It has the job's collective
-    timeout (:func:`fxpar.runtime.distributed.new_group`): torch would give it its backend's
-    default (gloo 30 min, NCCL 10 min), and a peer frozen before its reduce-scatter would hold
-    the other ranks that long."""
-    if group is None:
-        return new_group(ranks=list(range(dist.get_world_size())))
-    return new_group(ranks=dist.get_process_group_ranks(group), use_local_synchronization=True)
 
 
 def _tensors_of(output: Any) -> list[torch.Tensor]:

@@ -158,7 +158,7 @@ class TensorParallelModule(FormModule, StepModule):
         group, then every position's group across the replicas (:class:`PlanGroups`)."""
         if not check_job(plan.world_size) or self.layout.replicas == 1:
             return None, None
-        groups = PlanGroups(self.layout).make("tensor", "replica")
+        self._groups = groups = PlanGroups(self.layout).make("tensor", "replica")
         return groups.tensor(0, self.replica), groups.replica(0, self.position)
 
     # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
