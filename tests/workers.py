@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from fxpar.checkpoint.layout import shard_mark
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from tests.parity import gradient_gaps, snapshot, step_record, trajectory_gaps
 
@@ -22,6 +23,13 @@ TINY_CONFIGS = {
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                     max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2),
 }
+
+
+def is_slice(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a cut of its parameter along a dimension (a tensor-parallel or ZeRO slice,
+    an expert-parallel rank's experts: :class:`fxpar.checkpoint.layout.ShardMark`)."""
+    mark = shard_mark(p)
+    return mark is not None and mark.dim is not None
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:

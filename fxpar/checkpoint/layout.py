@@ -12,8 +12,8 @@ described as that module.
 
 Any other module is a replica of itself (``named_parameters()``; a tied weight appears once,
 under its first name), unless it has a ``checkpoint_layout()`` method of its own (the hook for
-a user's own sharded module).  A parameter marked ``fxpar_sharded`` that no layout describes
-is refused (saved as a whole tensor it would be silently wrong).  Boxes held by several ranks
+a user's own sharded module).  A parameter fxpar marked as its rank's own (:class:`ShardMark`)
+that no layout describes is refused (saved as a whole tensor it would be silently wrong).  Boxes held by several ranks
 (replicas) are written once.
 """
 
@@ -70,6 +70,52 @@ class ShardSpec:
             if tuple(box) == tuple(offsets):
                 return local if len(self.fused_offsets) <= 1 else local.narrow(self.fused_dim, start, sizes[self.fused_dim])
         raise CheckpointError(f"no piece of this shard sits at offsets {list(offsets)}")
+
+
+#: the one attribute fxpar's modules set on a parameter they cut or hold alone (:class:`ShardMark`)
+MARK = "fxpar_shard"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMark:
+    """What one rank's tensor of a parameter is, where it is not a copy of the whole parameter
+    that every rank of its group holds alike: the one mark fxpar puts on a parameter (attribute
+    :data:`MARK`; :func:`mark_shard`, :func:`shard_mark`).
+
+    - a slice (a tensor-parallel shard, a ZeRO shard's rows, an expert-parallel rank's experts
+      of an ``(E, ...)`` tensor): the dimension it is cut along (``dim``) and its box(es) in the
+      full parameter (``box``; None where the module's checkpoint layout places it instead);
+    - a whole tensor that one rank of its group holds (a row-parallel bias on the group's first
+      rank): no ``dim`` and no ``box``;
+    - a copy every rank holds (``own`` False) of which another rank counts some rows.
+
+    An ``own`` tensor's gradient is counted by this rank in a gradient norm, less the rows
+    ``repeated`` names ``(dim, ((local start, size), ...))``: the replicated key/value heads of a
+    grouped-query ``[q | k | v]`` slice, which another rank counts; and a module holding one must
+    describe it to checkpoints (:func:`_whole`)."""
+
+    dim: int | None = None
+    box: ShardSpec | None = None
+    repeated: tuple[int, tuple[tuple[int, int], ...]] | None = None
+    own: bool = True
+
+
+def mark_shard(param: torch.Tensor, mark: ShardMark) -> torch.Tensor:
+    """Put ``mark`` on ``param`` (replacing any); returns ``param``."""
+    setattr(param, MARK, mark)
+    return param
+
+
+def shard_mark(param: torch.Tensor) -> ShardMark | None:
+    """The mark fxpar put on ``param``; None for a copy of the whole parameter."""
+    return getattr(param, MARK, None)
+
+
+def counted_here(param: torch.Tensor) -> bool:
+    """Whether this rank holds ``param``'s values as its own (:class:`ShardMark` ``own``): it
+    counts them in gradient norms whatever its place in its group."""
+    mark = shard_mark(param)
+    return mark is not None and mark.own
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +196,8 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
 
 def _whole(params: tuple[LocalParam, ...]) -> tuple[LocalParam, ...]:
     """``params`` if they are all full tensors; a CheckpointError for a parameter fxpar marked as
-    a shard (``fxpar_sharded``) that no layout describes: saved as whole, it would be wrong."""
-    sharded = [lp.fqn for lp in params if getattr(lp.param, "fxpar_sharded", False)]
+    a shard (:func:`counted_here`) that no layout describes: saved as whole, it would be wrong."""
+    sharded = [lp.fqn for lp in params if counted_here(lp.param)]
     if sharded:
         raise CheckpointError(
             f"checkpoint: parameters {sharded[:3]} are shards of larger tensors, but the module does "

@@ -26,6 +26,7 @@ from fxpar.checkpoint import (
     read_model_state,
     save_checkpoint,
 )
+from fxpar.checkpoint.layout import ShardMark, mark_shard
 from fxpar.errors import CheckpointError
 from tests.workers import TINY_CONFIGS
 from tests.multirank.workers_ckpt import (
@@ -330,7 +331,7 @@ def test_optimizer_mismatches_are_explained(plain, tmp_path):
 
 def test_shards_without_a_layout_are_refused(tmp_path):
     model = tiny(0)
-    model.model.layers[0].mlp.up_proj.weight.fxpar_sharded = True  # a piece nobody placed
+    mark_shard(model.model.layers[0].mlp.up_proj.weight, ShardMark(dim=0))  # a piece nobody placed
     with pytest.raises(CheckpointError, match="shards of larger tensors.*checkpoint_layout"):
         save_checkpoint(model, None, tmp_path / "c")
     assert not (tmp_path / "c").exists()

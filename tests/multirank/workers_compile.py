@@ -14,7 +14,7 @@ from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 
 from ..parity import gradient_gaps
-from ..workers import global_batch, tiny_model
+from ..workers import global_batch, is_slice, tiny_model
 from .workers_ep import moe_model
 from .workers_sharded import _full_grads
 
@@ -61,7 +61,7 @@ def compiled_parity(kind: str, backend: str = "aot_eager", dtype: str = "fp32", 
         else:
             mine = dict(pm.named_original_parameters() if kind == "pipeline" else pm.module.named_parameters())
             whole = {n: p.grad for n, p in mine.items()
-                     if getattr(p, "fxpar_shard_dim", None) is None and p.grad is not None}
+                     if not is_slice(p) and p.grad is not None}
         gaps = gradient_gaps(((n, g, named[n].grad) for n, g in whole.items() if named[n].grad is not None),
                              reference)
         out["steps"].append({"loss": float(loss), "ref_loss": float(ref.detach()), "grads": gaps})

@@ -14,7 +14,7 @@ from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor
 from fxpar.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 
 from ..parity import gradient_gaps
-from ..workers import dp_only_plan, global_batch, tiny_model
+from ..workers import dp_only_plan, global_batch, is_slice, tiny_model
 from .workers_ep import moe_model
 
 
@@ -56,7 +56,7 @@ def fp16_parity(kind: str, init_scale: float = 2.0 ** 16, steps: int = 2) -> dic
         ref_skipped = not all(torch.isfinite(p.grad).all() for p in reference.parameters() if p.grad is not None)
         grads = {n: p.grad for n, p in named.items() if p.grad is not None}
         gaps = gradient_gaps(((n, g, ref_named[n].grad) for n, g in grads.items()
-                              if getattr(named[n], "fxpar_shard_dim", None) is None and ref_named[n].grad is not None),
+                              if not is_slice(named[n]) and ref_named[n].grad is not None),
                              reference)
         rel = max((g / max(n, 1e-12) for g, n in zip(gaps.gaps, gaps.norms)), default=0.0)
         out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss), "rel": rel, "grads": gaps,

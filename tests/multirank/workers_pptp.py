@@ -19,7 +19,7 @@ from tests.parity import (
     step_record,
     trajectory_gaps,
 )
-from tests.workers import TINY_CONFIGS, global_batch, pipeline_case
+from tests.workers import TINY_CONFIGS, global_batch, is_slice, pipeline_case
 
 
 def reference_slice(p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
     out = {"rank": rank, "steps": [], "sharded": sum(1 for p in pm.module.parameters()
-                                                      if getattr(p, "fxpar_shard_dim", None) is not None),
+                                                      if is_slice(p)),
            "vocab_rows": pm.module.get_input_embeddings().weight.shape[0],
            "mlp_rows": [p.shape[0] for n, p in pm.module.named_parameters() if n.endswith("mlp.gate_proj.weight")][:1]}
     for s in range(steps):
@@ -163,7 +163,7 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     pm = PipelineParallelModule(model, plan, rank, data[0])
     out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position,
            "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],
-           "sharded": sum(1 for _, p in pm.named_original_parameters() if getattr(p, "fxpar_shard_dim", None) is not None),
+           "sharded": sum(1 for _, p in pm.named_original_parameters() if is_slice(p)),
            "local_experts": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("gate_up_proj")]}
     out["steps"], weights = _train_and_compare(pm, reference, data, optimizer)
     if rank == 0:

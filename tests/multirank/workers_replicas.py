@@ -12,7 +12,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
 from tests.parity import snapshot, step_record, trajectory_gaps
-from tests.workers import TINY_CONFIGS, global_batch, tiny_model
+from tests.workers import TINY_CONFIGS, global_batch, is_slice, tiny_model
 from tests.multirank.workers_pptp import reference_slice
 
 
@@ -116,7 +116,7 @@ def planned_replica_parity(steps: int = 2) -> dict:
     return {"rank": dist.get_rank(), "data_split": plan.stages[0].data_split, "strategy": plan.strategy,
             "width": plan.stages[0].tensor_parallel, "rows": pm.batch_rows(),
             "steps": train_and_compare(pm, reference, data),
-            "sharded": sum(getattr(p, "fxpar_shard_dim", None) is not None for _, p in held)}
+            "sharded": sum(is_slice(p) for _, p in held)}
 
 
 def own_cuts_parity(cuts: list[list[int]], data_split: list[int]) -> dict:

@@ -1,10 +1,9 @@
 """Where a tensor-parallel shard sits in its full parameter, and putting shards back together.
 
-A sharded parameter carries ``fxpar_sharded``, ``fxpar_shard_dim``, ``fxpar_full_shape`` and
-``fxpar_fused_offsets`` (the offset along ``fxpar_shard_dim`` of each of its pieces, equal unless
-``fxpar_fused_sizes`` lists their sizes: one
-piece for a plain slice, ``k`` for a slice taken inside each block of a fused ``[q | k | v]``
-or ``[gate | up]`` tensor); ``fxpar_shard_offset`` is the first piece's offset.
+A sharded parameter carries one :class:`~fxpar.checkpoint.layout.ShardMark`: the dimension it
+is cut along and its :class:`~fxpar.checkpoint.layout.ShardSpec` box — one piece for a plain
+slice, ``k`` for a slice taken inside each block of a fused ``[q | k | v]`` or ``[gate | up]``
+tensor, of equal sizes unless the spec lists them.
 """
 
 from __future__ import annotations
@@ -12,51 +11,46 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.checkpoint.layout import ShardSpec
+from fxpar.checkpoint.layout import ShardMark, ShardSpec, mark_shard, shard_mark
+
+
+def slice_box(full_shape: tuple[int, ...], dim: int, pieces: tuple[tuple[int, int], ...]) -> ShardSpec:
+    """The box of the ``(offset, size)`` pieces of a parameter of ``full_shape`` along ``dim``,
+    in order (one: a plain slice)."""
+    offsets = [0] * len(full_shape)
+    offsets[dim] = pieces[0][0]
+    fused = len(pieces) > 1
+    return ShardSpec(global_shape=tuple(full_shape), offsets=tuple(offsets), fused_dim=dim if fused else None,
+                     fused_offsets=tuple(o for o, _ in pieces) if fused else (),
+                     fused_sizes=tuple(n for _, n in pieces) if fused and len({n for _, n in pieces}) > 1 else ())
+
+
+def mark_slice(p: torch.Tensor, full_shape: tuple[int, ...], dim: int,
+               pieces: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Mark ``p`` as the ``(offset, size)`` pieces of a parameter of ``full_shape`` along ``dim``
+    (:func:`slice_box`); returns ``p``."""
+    return mark_shard(p, ShardMark(dim=dim, box=slice_box(full_shape, dim, pieces)))
 
 
 def slice_parameter(full: torch.Tensor, dim: int, lo: int, hi: int, *, parts: int = 1) -> torch.nn.Parameter:
     """A new parameter holding ``full[lo:hi]`` along ``dim`` — of each of its ``parts`` equal
     blocks when the dimension is fused — marked for norms, gathering and checkpoints."""
     block = full.shape[dim] // parts
-    offsets = tuple(i * block + lo for i in range(parts))
-    data = torch.cat([full.detach().narrow(dim, o, hi - lo) for o in offsets], dim=dim)
-    p = torch.nn.Parameter(data.clone())
-    p.fxpar_sharded = True
-    p.fxpar_shard_dim = dim
-    p.fxpar_shard_offset = offsets[0]
-    p.fxpar_fused_offsets = offsets
-    p.fxpar_full_shape = tuple(full.shape)
-    return p
+    return slice_runs(full, dim, tuple((i * block + lo, hi - lo) for i in range(parts)))
 
 
 def slice_runs(full: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.nn.Parameter:
     """A new parameter holding the ``(offset, size)`` runs of ``full`` along ``dim``, in order
     (pieces of any sizes: a grouped-query ``[q | k | v]`` slice), marked like
-    :func:`slice_parameter` (``fxpar_fused_sizes`` when the pieces differ in size)."""
+    :func:`slice_parameter`."""
     data = torch.cat([full.detach().narrow(dim, o, n) for o, n in runs], dim=dim)
-    p = torch.nn.Parameter(data.clone())
-    p.fxpar_sharded = True
-    p.fxpar_shard_dim = dim
-    p.fxpar_shard_offset = runs[0][0]
-    p.fxpar_fused_offsets = tuple(o for o, _ in runs)
-    if len({n for _, n in runs}) > 1:
-        p.fxpar_fused_sizes = tuple(n for _, n in runs)
-    p.fxpar_full_shape = tuple(full.shape)
-    return p
+    return mark_slice(torch.nn.Parameter(data.clone()), tuple(full.shape), dim, runs)
 
 
 def shard_spec(p: torch.Tensor) -> ShardSpec | None:
     """The checkpoint box(es) of a sharded parameter; None for a whole one."""
-    dim = getattr(p, "fxpar_shard_dim", None)
-    if dim is None or not hasattr(p, "fxpar_full_shape"):
-        return None
-    fused = tuple(getattr(p, "fxpar_fused_offsets", (p.fxpar_shard_offset,)))
-    offsets = [0] * p.dim()
-    offsets[dim] = fused[0]
-    return ShardSpec(global_shape=tuple(p.fxpar_full_shape), offsets=tuple(offsets),
-                     fused_dim=dim if len(fused) > 1 else None, fused_offsets=fused if len(fused) > 1 else (),
-                     fused_sizes=tuple(getattr(p, "fxpar_fused_sizes", ())) if len(fused) > 1 else ())
+    mark = shard_mark(p)
+    return None if mark is None else mark.box
 
 
 def box_view(full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

@@ -30,8 +30,8 @@ loss to the owner, so the owner's local gradient already is ``∂L/∂W_e`` of t
 expert parameters need no all-reduce.  Parameter names stay those of the model; an expert
 tensor holds the rows ``[o_r, o_r + n_r)`` of the original ``(E, ·, ·)`` tensor, and
 :meth:`ExpertParallelModule.gather_state_dict` reassembles the full state dict on one rank
-(``gather_gradients`` the full gradients).  Expert tensors carry ``fxpar_sharded`` /
-``fxpar_shard_dim = 0`` like tensor-parallel shards.
+(``gather_gradients`` the full gradients).  Expert tensors carry a
+:class:`~fxpar.checkpoint.layout.ShardMark` cut along dimension 0, like tensor-parallel shards.
 
 Every rank takes part in every all-to-all (also one that owns no expert or receives no token),
 so every rank needs >= 1 sample in each of its micro-batches and all ranks the same number of
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.layout import LocalParam, ShardSpec
+from fxpar.checkpoint.layout import LocalParam, ShardMark, ShardSpec, mark_shard, shard_mark
 from fxpar.cluster import Cluster
 from fxpar.codegen.common.groups import check_job
 from fxpar.codegen.common.module import FormModule, check_form
@@ -112,8 +112,8 @@ class ExpertParallelModule(FormModule, StepModule):
         prefixes = tuple(f"{m}." for m in self.expert_modules)
         self._expert_names = {n for n, _ in model.named_parameters() if n.startswith(prefixes)}
         for n, p in model.named_parameters():
-            if n in self._expert_names:  # this rank's rows of an (E, ...) tensor, like a TP shard
-                p.fxpar_sharded, p.fxpar_shard_dim = True, 0
+            if n in self._expert_names and shard_mark(p) is None:  # this rank's rows of an (E, ...) tensor
+                mark_shard(p, ShardMark(dim=0))   # (shard_experts' slices carry their box already)
         self.last_dropped: list[int] = []   # assignments dropped per MoE block, last micro-batch
 
     def is_expert_parameter(self, name: str) -> bool:

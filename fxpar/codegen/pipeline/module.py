@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from fxpar.checkpoint.layout import LocalParam
+from fxpar.checkpoint.layout import LocalParam, counted_here
 from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.shards import shard_spec
@@ -387,7 +387,7 @@ class PipelineParallelModule(FormModule, StepModule):
         of a tensor-parallel stage once, on its lead; shards on every rank)."""
         named = list(self.named_original_parameters())
         counted = [counted_gradient(p) for fqn, p in named if p.grad is not None  # replicated K/V rows once
-                   and (self.is_lead or getattr(p, "fxpar_sharded", False))
+                   and (self.is_lead or counted_here(p))
                    and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner]
         return NormTerms(counted, [p for _, p in named], self.pipe_group)
 

@@ -1,12 +1,13 @@
 """Set-up passes of sharded data parallelism (:mod:`fxpar.codegen.sharded.module`), in order:
 
 1. :func:`build_units` — every parameter becomes a :class:`~fxpar.codegen.sharded.units.ShardedTensor`:
-   its slot is re-marked as this rank's rows (``fxpar_shard_dim = 0`` at offset ``o_r``, the
-   marks :func:`fxpar.codegen.common.shards.shard_spec` reads) and materialised from the source, so a
-   rank reads only its rows of a checkpoint or of the seeded initialisation; a real model without
-   a checkpoint takes rank 0's values (:class:`Rank0Rows`).  The full tensor is allocated on the
-   device (ZeRO-3: with no storage until gathered); an offloading rank moves its shard Parameter
-   to the host.  Parameters are grouped into units: the rest of the model first, then each block
+   its slot is re-marked as this rank's rows (cut along dimension 0 at offset ``o_r``: the
+   :class:`~fxpar.checkpoint.layout.ShardMark` that :func:`fxpar.codegen.common.shards.shard_spec`
+   reads) and materialised from the source, so a rank reads only its rows of a checkpoint or of
+   the seeded initialisation; a real model without a checkpoint takes rank 0's values
+   (:class:`Rank0Rows`).  The full tensor is allocated on the device (ZeRO-3: with no storage
+   until gathered); an offloading rank moves its shard Parameter to the host.  Parameters are
+   grouped into units: the rest of the model first, then each block
    (:func:`fxpar.tracing.structure.block_paths`) holding parameters of its own;
 2. :func:`install_block_hooks` — ZeRO-3 forward pre/post hooks on each block (gather + prefetch,
    free) and a multi-grad hook on its outputs (gather again before its backward); per-rank
@@ -28,7 +29,7 @@ from fxpar.checkpoint.weights import TensorRequest
 from fxpar.codegen.common.materialize import Slot, materialize, module_slots, weights_source
 from fxpar.codegen.sharded.schedule import RoundSchedule
 from fxpar.codegen.sharded.units import ShardedTensor, Unit
-from fxpar.codegen.common.shards import cut
+from fxpar.codegen.common.shards import cut, mark_slice
 from fxpar.runtime.device import HOST
 from fxpar.runtime.ragged import owned_rows
 from fxpar.tracing.structure import block_path, block_paths
@@ -59,8 +60,7 @@ def _mark_rows(slot: Slot, weights: tuple[int, ...], rank: int) -> None:
         return   # owned whole by one rank; every rank reads the value (a mirror elsewhere)
     lo, hi = owned_rows(tuple(t.shape), weights)[rank]
     local = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype, device=META).requires_grad_(t.requires_grad)
-    local.fxpar_sharded, local.fxpar_shard_dim, local.fxpar_shard_offset = True, 0, lo
-    local.fxpar_fused_offsets, local.fxpar_full_shape = (lo,), tuple(t.shape)
+    mark_slice(local, tuple(t.shape), 0, ((lo, hi - lo),))
     slot.tensor = local
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from fxpar.checkpoint.layout import ShardMark, mark_shard
 from fxpar.codegen.common.shards import slice_parameter
 
 
@@ -40,7 +41,7 @@ def slice_expert_columns(m: torch.nn.Module, lo: int, hi: int, first: bool) -> N
     down_bias = getattr(m, "down_proj_bias", None)
     if isinstance(down_bias, torch.nn.Parameter):
         if first:
-            down_bias.fxpar_sharded = True  # held by one rank only: counted once in norms
+            mark_shard(down_bias, ShardMark())  # held by one rank only: counted once in norms
         else:
             zeros = torch.zeros_like(down_bias.detach())
             zeros.fxpar_fill = 0.0

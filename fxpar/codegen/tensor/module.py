@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from fxpar.checkpoint.layout import LocalParam
+from fxpar.checkpoint.layout import LocalParam, counted_here
 from fxpar.codegen.common.groups import PlanGroups, check_job
 from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
@@ -184,7 +184,7 @@ class TensorParallelModule(FormModule, StepModule):
         so are replicated key/value rows inside a shard (``counted_gradient``: on the rank owning
         that head's first query head); gradients are already identical across replicas."""
         counted = [counted_gradient(p) for p in self.module.parameters()
-                   if p.grad is not None and (getattr(p, "fxpar_sharded", False) or self.position == 0)]
+                   if p.grad is not None and (counted_here(p) or self.position == 0)]
         return NormTerms(counted, list(self.module.parameters()), self.tp_group,
                          reduce=self.world > 1 and self.width > 1)
 

@@ -17,12 +17,13 @@ Split by query heads (multi-query attention, ``Attention.by_heads``), a rank own
 one key/value head stays whole, a fused ``[q | k | v]`` keeps each such head as a box of its own
 (the same box on every holder: written once).  Each holder's gradient of those rows covers its
 query heads only, so it is summed over the group, ``∂L/∂W_kv = Σ_t ∂L_t/∂W_kv``; a norm counts
-them on one holder (``fxpar_repeated``, :func:`counted_gradient`).
+them on one holder (``ShardMark.repeated``, :func:`counted_gradient`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import weakref
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fxpar.checkpoint.layout import ShardMark, mark_shard, shard_mark
 from fxpar.codegen.common.shards import slice_parameter, slice_runs
 from fxpar.codegen.tensor.collectives import tp_copy, tp_grad_sum, tp_reduce
 from fxpar.codegen.tensor.group_norm import shard_group_norm
@@ -48,19 +50,6 @@ _MLP_ATTRS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "hidden_feature
 #: how many blocks a fused projection is interleaved in (model-parallel shards it was trained
 #: with): the forward reads ``width // blocks`` as one block's width (:func:`_localize_blocks`)
 _BLOCK_ATTRS = ("mp_num",)
-
-
-def _slice_runs(full: torch.Tensor, dim: int, runs: Sequence[tuple[int, int]]) -> torch.nn.Parameter:
-    """``full`` cut to ``runs`` ((offset, size)) along ``dim``: one slice, equal pieces of
-    equal blocks (``slice_parameter``'s fused form), or pieces of any size."""
-    sizes = {n for _, n in runs}
-    block = runs[1][0] - runs[0][0] if len(runs) > 1 else 0
-    if len(runs) == 1:
-        return slice_parameter(full, dim, runs[0][0], runs[0][0] + runs[0][1])
-    if len(sizes) == 1 and full.shape[dim] == block * len(runs) and all(
-            b - a == block for (a, _), (b, _) in itertools.pairwise(runs)):
-        return slice_parameter(full, dim, runs[0][0], runs[0][0] + runs[0][1], parts=len(runs))
-    return slice_runs(full, dim, tuple(runs))
 
 
 def _leaf(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
@@ -87,8 +76,8 @@ def _sum_shared_rows(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
     """The rows of replicated key/value heads in a sliced column projection (a fused
     ``[q | k | v]``): their gradients summed over the group through one buffer of every shared
     head's rows (``sum_gradients(rows=…)``), and those :meth:`Projection.counted` leaves to
-    another rank marked ``fxpar_repeated = (dim, ((local start, size), …))``: counted once in
-    norms (:func:`counted_gradient`)."""
+    another rank named in its :class:`~fxpar.checkpoint.layout.ShardMark` (``repeated = (dim,
+    ((local start, size), …))``): counted once in norms (:func:`counted_gradient`)."""
     runs = proj.pieces(lo, hi)
     if not any(shared for _, _, shared in runs):
         return
@@ -99,7 +88,9 @@ def _sum_shared_rows(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
     skip = tuple((starts[i], n) for i, ((_, n, _), c) in enumerate(zip(runs, proj.counted(lo, hi))) if not c)
     for fqn, d in zip(_names(proj), (dim, 0)):
         owner, name = _leaf(model, fqn)
-        getattr(owner, name).fxpar_repeated = (d, skip)
+        p, repeated = getattr(owner, name), (d, skip)
+        mark = shard_mark(p)
+        mark_shard(p, dataclasses.replace(mark, repeated=repeated) if mark else ShardMark(own=False, repeated=repeated))
         sum_gradients(model, fqn, key, rows=(d, moves, sum(n for _, n in every)))
 
 
@@ -112,7 +103,7 @@ def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
     dim = (0 if proj.kind == "linear" else 1) if column else (1 if proj.kind == "linear" else 0)
     if column and _replicated_whole(model, proj, key):
         return
-    setattr(module, wname, _slice_runs(getattr(module, wname), dim, runs))
+    setattr(module, wname, slice_runs(getattr(module, wname), dim, runs))
     for attr in (("out_features", "nf") if column else ("in_features",)):
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, width)
@@ -120,9 +111,9 @@ def shard_projection(model: torch.nn.Module, proj: Projection, lo: int, hi: int,
         bmod, bname = _leaf(model, proj.bias)
         bias = getattr(bmod, bname)
         if column:
-            setattr(bmod, bname, _slice_runs(bias, 0, runs))
+            setattr(bmod, bname, slice_runs(bias, 0, runs))
         elif first:
-            bias.fxpar_sharded = True  # held by one rank only: counted once in norms
+            mark_shard(bias, ShardMark())  # held by one rank only: counted once in norms
         elif proj.kind == "linear":
             setattr(bmod, bname, None)
         else:  # Conv1D's addmm needs a bias: a zero buffer on the other positions
@@ -285,9 +276,10 @@ def _sum_rows(grad: torch.Tensor, rows: tuple[int, tuple[tuple[int, int, int], .
 
 def counted_gradient(p: torch.Tensor) -> torch.Tensor | None:
     """The part of ``p``'s gradient this rank counts in a norm: all of it, less the replicated
-    key/value rows another rank counts (``fxpar_repeated``)."""
+    key/value rows another rank counts (:class:`~fxpar.checkpoint.layout.ShardMark` ``repeated``)."""
     g = p.grad
-    skip = getattr(p, "fxpar_repeated", None)
+    mark = shard_mark(p)
+    skip = mark.repeated if mark is not None else None
     if g is None or not skip or not skip[1]:
         return g
     dim, runs = skip
