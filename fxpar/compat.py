@@ -292,17 +292,39 @@ def live_process_groups() -> int:
     return len(distributed_c10d._world.pg_map)
 
 
-def named_group_count() -> int:
-    """How many process groups this process has registered by name (``_world.pg_names``, the
-    default group included).  torch names a group that its members make alone
-    (``new_group(..., use_local_synchronization=True)``) by a hash of its ranks *and this count*
-    (``distributed_c10d._hash_ranks_to_str``, torch 2.11-2.15), so members holding different
-    numbers of groups would name it differently and wait for each other until the timeout;
-    :func:`fxpar.runtime.distributed.members_group` reads it to make them agree.  No public
-    accessor exists."""
+def group_name_salt() -> int:
+    """The number torch salts a hashed group name with in this process now
+    (``distributed_c10d._hash_ranks_to_str``, used for a group its members make alone,
+    ``new_group(..., use_local_synchronization=True)``): up to torch 2.13 how many groups the
+    process has registered by name (``len(_world.pg_names)``, less on a member that destroyed
+    some); from torch 2.15 ``_world.group_count``, which every group this process made advanced
+    (and a group made by other ranks alone did not).  Read by probing the hash of ``[0]`` against
+    both, so a third rule is an error here rather than a hang.  Members whose salts differ name
+    the group differently and wait for each other until the timeout;
+    :func:`fxpar.runtime.distributed.members_group` makes them agree.  No public accessor
+    exists."""
+    import hashlib
+
     from torch.distributed import distributed_c10d
 
-    return len(distributed_c10d._world.pg_names)
+    probe = distributed_c10d._hash_ranks_to_str([0])
+    for salt in (int(distributed_c10d._world.group_count), len(distributed_c10d._world.pg_names)):
+        if hashlib.sha1(f"0_{salt}".encode()).hexdigest() == probe:
+            return salt
+    raise RuntimeSetupError(f"torch {torch.__version__} names process groups by a rule fxpar does not "
+                            "know (distributed_c10d._hash_ranks_to_str); fxpar.compat.group_name_salt "
+                            "needs the new rule")
+
+
+def local_group_name(ranks: list[int]) -> str:
+    """The name torch would give, in this process now, a group over ``ranks`` made with
+    ``use_local_synchronization=True`` (``distributed_c10d._hash_ranks_to_str``: a hash of the
+    ranks salted by :func:`group_name_salt`).
+    No public accessor exists; :func:`fxpar.runtime.distributed.members_group` compares it
+    across the members before making the group."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._hash_ranks_to_str(list(ranks))
 
 
 def profiled_ops(prof: Any) -> list[tuple[str, list[list[int]], list[str]]]:

@@ -290,26 +290,44 @@ def members_group(ranks: list[int], *, over: Any, **kwargs: Any) -> Any:
     job do not take part in; None on a rank not in ``ranks``.  Collective over ``over`` (a group
     holding every rank of ``ranks``): every rank of ``over`` calls it alike.
 
-    torch names such a group by its ranks and by how many groups the calling process has
-    registered (:func:`fxpar.compat.named_group_count`), which may differ between its members (a
-    rank that belongs to groups another does not), and members that name it differently wait for
-    each other until the timeout.  So the ranks of ``over`` first exchange their counts (one
-    ``all_gather_object``), each member below the members' largest count makes one-rank groups
-    up to it, the group is made under the one name every member then computes, and the padding
-    groups are destroyed."""
+    torch names such a group by its ranks and a salt of the calling process
+    (:func:`fxpar.compat.group_name_salt`), which differs between members that belong to
+    different groups, and members that name it differently wait for each other until the
+    timeout.  So the ranks of ``over`` first exchange the name each member would use (one
+    ``all_gather_object``); where they differ, each member below the members' largest salt makes
+    one-rank groups up to it and the names are compared again; the group is made under the one
+    name, and the padding groups are destroyed.  Names that still differ are a
+    :class:`RuntimeSetupError`, not a hang.
+
+    From torch 2.15 the salt is a counter that only the ranks making a group advance, so after
+    this call the job's ranks outside ``ranks`` are behind; a group the whole job makes later
+    (``new_group``) is then named differently on them and hangs.  That is torch's rule, not
+    fixable from inside the group: make the job's own groups before a plan that runs in a part of
+    it (docs/api.md, ``group=``)."""
     import torch.distributed as dist
 
-    from fxpar.compat import named_group_count  # lazy: compat imports torch, which this module loads on use
+    from fxpar.compat import group_name_salt, local_group_name  # lazy: compat imports torch, which this module loads on use
 
-    counts: list[Any] = [None] * dist.get_world_size(over)
-    dist.all_gather_object(counts, (dist.get_rank(), named_group_count()), group=over)
-    if dist.get_rank() not in ranks:
+    me, ranks = dist.get_rank(), sorted(ranks)
+    padding: list[Any] = []
+    for attempt in range(2):
+        every: list[Any] = [None] * dist.get_world_size(over)
+        mine = (me, local_group_name(ranks) if me in ranks else None, group_name_salt())
+        dist.all_gather_object(every, mine, group=over)
+        if len({name for rank, name, _ in every if rank in ranks}) == 1:
+            break
+        if attempt:
+            raise RuntimeSetupError(f"the ranks {ranks} would name their process group differently "
+                                    f"({sorted((r, n) for r, n, _ in every if r in ranks)}): torch names a "
+                                    "group made by its members alone from state of each process; make the "
+                                    "job's other process groups on every rank alike (torch.distributed.new_group)")
+        target = max(count for rank, _, count in every if rank in ranks)
+        if me in ranks:
+            padding = [dist.new_group([me], use_local_synchronization=True, backend=kwargs.get("backend"))
+                       for _ in range(target - group_name_salt())]
+    if me not in ranks:
         return None
-    target = max(count for rank, count in counts if rank in ranks)
-    me = dist.get_rank()
-    padding = [dist.new_group([me], use_local_synchronization=True, backend=kwargs.get("backend"))
-               for _ in range(target - named_group_count())]
-    group = new_group(ranks=sorted(ranks), use_local_synchronization=True, **kwargs)
+    group = new_group(ranks=ranks, use_local_synchronization=True, **kwargs)
     for pad in padding:
         dist.destroy_process_group(pad)
     return group

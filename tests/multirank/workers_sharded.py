@@ -180,12 +180,15 @@ def sharded_parity(family: str, batch_split: list[int], state_split: list[int], 
 def sharded_in_a_subgroup(shard_stage: int, steps: int = 2) -> dict:
     """Ranks 1 and 2 of a 3-rank job run a 2-rank sharded plan (batch 3:1, state 1:3) inside
     their own process group (``group=``: plan rank ``r`` is the group's ``r``-th rank) while rank
-    0 runs nothing, ranks 1 and 2 holding different numbers of process groups; per step the loss and the reassembled gradients' gaps against one process
+    0 runs nothing, ranks 1 and 2 naming groups they make alone differently; per step the loss
+    and the reassembled gradients' gaps against one process
     (``steps``), as :func:`sharded_parity`."""
-    # rank 1 belongs to a group rank 2 does not, so they hold different numbers of groups: torch
-    # would name a group they make alone differently on each (fxpar.runtime.distributed.members_group)
-    dist.new_group([0, 1])
-    group = dist.new_group([1, 2])   # every rank of the job takes part in making these
+    group = dist.new_group([1, 2])   # every rank of the job takes part in making this one
+    # rank 1 alone makes one more, which advances the salt torch names groups by on rank 1 and
+    # not on rank 2 (fxpar.compat.group_name_salt): a group ranks 1 and 2 make alone would be
+    # named differently on each (fxpar.runtime.distributed.members_group)
+    if dist.get_rank() == 1:
+        dist.new_group([1], use_local_synchronization=True)
     rank = dist.get_rank()
     out: dict = {"rank": rank, "steps": []}
     if rank == 0:
