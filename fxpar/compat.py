@@ -282,14 +282,19 @@ def dispatch_recorder_base() -> type:
     return TorchDispatchMode
 
 
-def live_process_groups() -> int:
-    """How many process groups this process holds alive (the default one included).  torch has
-    no public count (its group *counter* only grows); ``distributed_c10d._world.pg_map`` maps
-    each live group to its backend and loses an entry at ``destroy_process_group``.  For tests
-    and leak checks only."""
+def live_groups() -> list[Any]:
+    """The process groups this process holds alive, the default one included.  torch has no
+    public list (its group *counter* only grows); ``distributed_c10d._world.pg_map`` maps each
+    live group to its backend and loses an entry at ``destroy_process_group``.  Read by
+    :class:`fxpar.runtime.pool.WorkerPool` (a call's groups end with it) and leak checks."""
     from torch.distributed import distributed_c10d
 
-    return len(distributed_c10d._world.pg_map)
+    return list(distributed_c10d._world.pg_map)
+
+
+def live_process_groups() -> int:
+    """How many process groups this process holds alive (:func:`live_groups`)."""
+    return len(live_groups())
 
 
 def group_name_salt() -> int:
