@@ -109,11 +109,14 @@ def ring_shape(cluster, ranks: Sequence[int] | None = None) -> RingShape:
     """The :class:`RingShape` of ``ranks`` (all devices by default) on ``cluster``."""
     devices = cluster.devices if ranks is None else [cluster.device(r) for r in ranks]
     per_node = Counter(d.node for d in devices)
+    slowest: dict = {}  # one pass over the devices: a 1024-rank group has 128 nodes
+    for d in devices:
+        slowest[d.node] = min(slowest.get(d.node, d.intra_node_gbps), d.intra_node_gbps)
     nodes = sorted(per_node)
-    intra = tuple(min(d.intra_node_gbps for d in devices if d.node == n) * 1e9 for n in nodes)
     return RingShape(devices_per_node=tuple(per_node[n] for n in nodes),
-                     intra_bytes_per_s=intra, node_bytes_per_s=cluster.inter_node_bytes_per_s(),
-                     backend=backend_of(d.type.vendor for d in devices))
+                     intra_bytes_per_s=tuple(slowest[n] * 1e9 for n in nodes),
+                     node_bytes_per_s=cluster.inter_node_bytes_per_s(),
+                     backend=backend_of({d.type.vendor for d in devices}))
 
 
 def _bottleneck(shape: RingShape) -> tuple[float, float]:

@@ -341,7 +341,8 @@ class CostModel:
     def gradient_allreduce_s(self, policy: DtypePolicy | None = None, ranks=None) -> float:
         """The gradient all-reduce as the runtime issues it, every bucket one call
         (:func:`fxpar.profiling.collectives.gradient_buckets`), one after another."""
-        return sum(self.allreduce_s(b, ranks) for b in collectives.gradient_buckets(self.gradient_wire_bytes(policy)))
+        one_call = self.allreduce_pricer(ranks)  # the group's links looked up once, not per bucket
+        return sum(one_call(b) for b in collectives.gradient_buckets(self.gradient_wire_bytes(policy)))
 
     # ---- communication -------------------------------------------------------------------
     def measured_link(self, kind: str, ranks=None):
@@ -385,14 +386,18 @@ class CostModel:
     def allreduce_s(self, nbytes: float, ranks=None) -> float:
         """One all-reduce of ``nbytes`` over ``ranks`` (all by default): the calibrated one where
         there is one, else the α-β formula; at the cluster's measured ``link_derate``."""
-        link = self.measured_link("all_reduce", ranks)
+        return self.allreduce_pricer(ranks)(nbytes)
+
+    def allreduce_pricer(self, ranks=None):
+        """``nbytes -> seconds`` as :meth:`allreduce_s`, the group's link looked up once."""
+        link, slow = self.measured_link("all_reduce", ranks), self.cluster.link_derate
         world = self.cluster.world_size if ranks is None else len(ranks)
-        slow = self.cluster.link_derate
         if link is not None:
-            return collectives.measured_time(link if slow == 1.0 else scaled_link(link, slow), "all_reduce", world,
-                                             nbytes)
+            link = link if slow == 1.0 else scaled_link(link, slow)
+            return lambda nbytes: collectives.measured_time(link, "all_reduce", world, nbytes)
         shape = collectives.ring_shape(self.cluster, ranks)
-        return collectives.allreduce_time(shape if slow == 1.0 else scaled_shape(shape, slow), nbytes)
+        shape = shape if slow == 1.0 else scaled_shape(shape, slow)
+        return lambda nbytes: collectives.allreduce_time(shape, nbytes)
 
     def allreduce_lower_bound_s(self, nbytes: float, ranks=None) -> float:
         return collectives.allreduce_lower_bound(collectives.ring_shape(self.cluster, ranks), nbytes)
