@@ -17,7 +17,7 @@ from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.contract import ParallelModule
-from fxpar.runtime.distributed import owned_scope, release_owned
+from fxpar.runtime.group_lifetime import owned_scope, release_owned
 from fxpar.runtime.step_loop import LossWeighting
 
 

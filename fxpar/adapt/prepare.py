@@ -9,7 +9,7 @@ module with its process groups and hooks, the code of its fx graphs
 :class:`Preparation` runs :func:`prepare` on a thread of its own while the old plan trains on:
 the ranks start it at the same step, so each rank's builder makes the new groups in one order;
 nothing else makes a group while it runs (the old plan's groups all exist), and its owned scope
-is the thread's (:func:`fxpar.runtime.distributed.owned_scope`), so the old plan's steps record
+is the thread's (:func:`fxpar.runtime.group_lifetime.owned_scope`), so the old plan's steps record
 nothing in it.  A build draws no random number (it copies a template with its parameters on
 ``meta`` and fills nothing: tested per form), so the run's generators, which the old plan's
 dropout draws from meanwhile, are the run's alone; the commit saves and restores them around the
@@ -46,7 +46,7 @@ from fxpar.errors import PlanError
 from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
-from fxpar.runtime.distributed import release_owned
+from fxpar.runtime.group_lifetime import release_owned
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 
 

@@ -33,7 +33,7 @@
 4. **RNG.**  The host and CUDA generators are saved before and restored after, so the run
    goes on with the random stream it had (dropout masks, sampling routers).
 5. **Release.**  The old module's process groups and the hooks torch would keep alive (those
-   its build made, :func:`fxpar.runtime.distributed.owned_scope`) are destroyed once the state
+   its build made, :func:`fxpar.runtime.group_lifetime.owned_scope`) are destroyed once the state
    has moved, so switching back and forth leaves no communicator and no tensor of a replaced
    plan alive.
 
@@ -72,7 +72,7 @@ from fxpar.checkpoint.reshard_move import RankFacts, rank_facts, reshard
 from fxpar.errors import ConfigError, MoveDoesNotFit, SwitchRefused
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
-from fxpar.runtime.distributed import release_owned
+from fxpar.runtime.group_lifetime import release_owned
 
 
 @dataclass(frozen=True, slots=True)

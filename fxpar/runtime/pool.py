@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from fxpar.compat import live_groups
 from fxpar.errors import FxparError
-from fxpar.runtime.distributed import destroy_groups, init_distributed
+from fxpar.runtime.distributed import init_distributed
+from fxpar.runtime.group_lifetime import destroy_groups
 
 DEFAULT_TIMEOUT_S = 300.0
 #: collective timeout of a pool's process group (a lost peer ends a call within it)

@@ -718,7 +718,7 @@ def test_switching_back_and_forth_leaks_no_process_group_and_no_tensor(pool2):
     the 10th switch equal those after the 2nd (the same plan is running).  Before the release
     the groups grew by 3 every two switches, and the bytes by 2.9 MB per switch to ZeRO-3: each
     replaced plan's units and stages stayed alive through hooks torch holds from C++
-    (:mod:`fxpar.runtime.grad_hooks`, :func:`fxpar.runtime.distributed.own`)."""
+    (:mod:`fxpar.runtime.grad_hooks`, :func:`fxpar.runtime.group_lifetime.own`)."""
     for r in pool2.run(leaks_over_switches, 10):
         assert r["groups"][9] == r["groups"][1], r["groups"]
         assert r["bytes"][9] == r["bytes"][1], r["bytes"]
@@ -760,7 +760,7 @@ def test_a_builds_hooks_are_removed_when_it_is_released():
     import gc
     import weakref
 
-    from fxpar.runtime.distributed import own, owned_scope, release_owned
+    from fxpar.runtime.group_lifetime import own, owned_scope, release_owned
 
     class Clock:
         stops = 0

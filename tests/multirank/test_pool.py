@@ -39,7 +39,7 @@ def test_a_calls_process_groups_end_with_it(pool2):
 def test_calls_that_each_make_groups_of_one_rank_and_of_all_go_on_making_them(pool2):
     """Destroyed in creation order, a whole-job group destroyed while a one-rank group lived made a
     later call's ``new_group`` fail in gloo's connectFullMesh in about 1 call of 20 (measured:
-    :func:`fxpar.runtime.distributed.destroy_groups`); the smallest first, none does."""
+    :func:`fxpar.runtime.group_lifetime.destroy_groups`); the smallest first, none does."""
     before = pool2.run(count_groups)
     for _ in range(12):
         assert pool2.run(make_mixed_groups) == [b + 5 for b in before]

@@ -603,7 +603,7 @@ def preparing_draws_no_random_number() -> dict[str, Any]:
     from the run's generators: per kind, whether the host generator's state is the same after
     the build as before, and whether the build succeeded.  The groups each build made are released."""
     from fxpar.adapt.prepare import prepare
-    from fxpar.runtime.distributed import release_owned
+    from fxpar.runtime.group_lifetime import release_owned
 
     world = dist.get_world_size()
     torch.manual_seed(0)

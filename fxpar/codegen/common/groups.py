@@ -26,7 +26,7 @@ matching global ranks, with only those ranks taking part
 process's group count, not by the counter the job's other ranks would have to advance too).
 Each group is made by :func:`fxpar.runtime.distributed.new_group`, with the job's collective
 timeout: the build's owned scope records it, and a switch that replaces the plan destroys it
-with the rest of what the build made (:func:`fxpar.runtime.distributed.release_owned`).  No
+with the rest of what the build made (:func:`fxpar.runtime.group_lifetime.release_owned`).  No
 fxpar module outside this one and :mod:`fxpar.runtime.distributed` makes a process group (a test
 reads the source; adapting's job-wide health group, which outlives every plan, is the one
 other).

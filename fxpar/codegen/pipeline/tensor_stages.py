@@ -37,7 +37,8 @@ import torch.distributed as dist
 from fxpar.codegen.common.groups import PlanGroups
 from fxpar.errors import PlanError
 from fxpar.runtime.device import host_tensor
-from fxpar.runtime.distributed import host_group, own
+from fxpar.runtime.distributed import host_group
+from fxpar.runtime.group_lifetime import own
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
