@@ -146,11 +146,29 @@ def rounds(prices: ShardedPrices, sizes: np.ndarray, ckpt: np.ndarray, gather: n
     return t, ch, busy
 
 
-def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
-    """Predict a ``sharded_data_parallel`` plan (module docstring)."""
+def _check_world(plan: Plan, prices: ShardedPrices) -> None:
     if plan.world_size != prices.world:
         raise PlanError(f"a sharded_data_parallel plan of {plan.world_size} ranks priced for a cluster of "
                         f"{prices.world}: plan and cluster must have the same ranks")
+
+
+def _peaks(prices: ShardedPrices, plan: Plan, shards: np.ndarray, sizes: np.ndarray) -> tuple[int, ...]:
+    ckpt = np.array([r.activation_checkpointing for r in plan.ranks], dtype=bool)
+    offload = np.array([r.offload_optimizer for r in plan.ranks], dtype=bool)
+    return tuple(int(m) for m in memory_per_rank(prices, plan.stages[0].shard_stage, shards,
+                                                 sizes.max(axis=1, initial=0), ckpt, offload, (sizes == 0).any(axis=1)))
+
+
+def sharded_peaks(plan: Plan, prices: ShardedPrices) -> tuple[int, ...]:
+    """Each rank's predicted peak memory under ``plan``, as :func:`simulate_sharded` returns it,
+    without simulating the step's time (a search discards a plan that does not fit first)."""
+    _check_world(plan, prices)
+    return _peaks(prices, plan, unit_shards(prices, plan.stages[0].state_split), round_sizes(plan))
+
+
+def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
+    """Predict a ``sharded_data_parallel`` plan (module docstring)."""
+    _check_world(plan, prices)
     stage = plan.stages[0]
     shards = unit_shards(prices, stage.state_split)
     gather, scatter = unit_collectives(prices, shards)
@@ -165,8 +183,7 @@ def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
     step = end + float(opt.max()) + after
     comm = step - compute - float(opt.max())
     loop = prices.step_overhead_s
-    peaks = tuple(int(m) for m in memory_per_rank(prices, stage.shard_stage, shards, sizes.max(axis=1, initial=0),
-                                                  ckpt, np.array(offload, dtype=bool), (sizes == 0).any(axis=1)))
+    peaks = _peaks(prices, plan, shards, sizes)
     events = []
     for r in range(plan.world_size):
         events.append(TimelineEvent(r, "fwd", 0.0, float(busy[r])))

@@ -26,7 +26,7 @@ import numpy as np
 
 from fxpar.plan import Plan, RankPlan, SolverReport, StagePlan
 from fxpar.sim.sharded_cost import ShardedPrices, memory_phases, unit_shards
-from fxpar.sim.sharded_sim import simulate_sharded
+from fxpar.sim.sharded_sim import sharded_peaks, simulate_sharded
 from fxpar.solvers import data_parallel as dp
 from fxpar.solvers.baselines import proportional_shares
 from fxpar.solvers.problems import Problems
@@ -114,10 +114,11 @@ def draft(p: Problems, cfg: Config, weights, shares, micro) -> Plan:
 
 
 def predicted(plan: Plan, prices: ShardedPrices, name: str) -> Plan | None:
-    """``plan`` with the simulator's predictions; None where a rank's peak exceeds its memory."""
-    sim = simulate_sharded(plan, prices)
-    if any(m > r.memory_capacity_bytes for m, r in zip(sim.peak_memory_bytes, plan.ranks)):
+    """``plan`` with the simulator's predictions; None where a rank's peak exceeds its memory
+    (found before the step is simulated: a search tries many plans that do not fit)."""
+    if any(m > r.memory_capacity_bytes for m, r in zip(sharded_peaks(plan, prices), plan.ranks)):
         return None
+    sim = simulate_sharded(plan, prices)
     ranks = tuple(replace(r, predicted_busy_s=sim.busy_s[r.rank], predicted_memory_bytes=sim.peak_memory_bytes[r.rank])
                   for r in plan.ranks)
     report = SolverReport(name=name, backend="HIGHS", status="optimal", objective_s=sim.step_s,
