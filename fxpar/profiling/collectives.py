@@ -44,6 +44,7 @@ Data parallelism's gradient all-reduce runs in the buckets the runtime fills
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -85,6 +86,13 @@ def gradient_buckets(nbytes: float, first: float = FIRST_BUCKET_BYTES,
         out.append(min(left, float(rest)))
         left -= out[-1]
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def bucket_count(nbytes: float) -> int:
+    """``len(gradient_buckets(nbytes))``, remembered: a search prices the same stages' exchange
+    many times, and a 175B model's gradients are 26,645 buckets."""
+    return len(gradient_buckets(nbytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +229,11 @@ def unrecorded() -> Iterator[None]:
         yield
     finally:
         _RECORDS = outer
+
+
+def is_recording() -> bool:
+    """Whether a :func:`recording` block is collecting (a pricer may skip listing its calls)."""
+    return _RECORDS is not None
 
 
 def record(kind: str, nbytes: float, world: int) -> None:

@@ -70,6 +70,7 @@ of its slowest intra-node link and of the NIC, for the expert placement's linear
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,13 @@ class Hop:
 NO_HOP = Hop(math.inf)
 
 
+@functools.lru_cache(maxsize=4096)
+def _per_node(nodes: tuple[int, ...]) -> Counter:
+    """How many of ``nodes``' slots each node holds (one position of a placement, asked for on
+    every price of it; read only)."""
+    return Counter(nodes)
+
+
 @dataclass(frozen=True, slots=True)
 class LinkCosts:
     """The link costs of one pipeline placement (module docstring, **Pipelines**)."""
@@ -134,7 +142,7 @@ class LinkCosts:
         parts = []
         for j, nbytes in enumerate(per_stage_bytes):
             calls = self._calls(nbytes, passes, len(self.nodes[j]))
-            per_node = Counter(self.nodes[j])
+            per_node = _per_node(self.nodes[j])
             k = len(per_node)
             intra = max((passes * (g - 1) / g * nbytes / (eta * self.intra[j])
                          + calls * passes * (g - 1) * collectives.ALPHA_INTRA_S
@@ -149,6 +157,8 @@ class LinkCosts:
     def _calls(nbytes: float, passes: int, world: int) -> int:
         """The calls of one position's exchange: the all-reduce's buckets, one all-gather (each
         recorded, :func:`fxpar.profiling.collectives.recording`)."""
+        if not collectives.is_recording():
+            return collectives.bucket_count(float(nbytes)) if passes == 2 else 1
         sizes = collectives.gradient_buckets(nbytes) if passes == 2 else [nbytes]
         for size in sizes:
             collectives.record("all_reduce" if passes == 2 else "all_gather", size, world)
