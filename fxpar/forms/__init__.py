@@ -87,6 +87,9 @@ class Form:
                                       #: the same rows: the whole global batch (the Trainer's loader)
     offloads: bool = False       #: a rank may keep its optimizer on the host
                                  #: (``RankPlan.offload_optimizer``; refused for other forms)
+    sample_per_rank: bool = False  #: every rank trains on at least one sample of the global batch,
+                                   #: so a batch smaller than the ranks is refused before tracing
+                                   #: where only such forms are asked for
     package: str = ""            #: the package of its phase modules (a plug-in's, module
                                  #: docstring); empty: ``fxpar.forms.<folder>``
 
@@ -99,7 +102,7 @@ class Form:
 #: fxpar's own forms, in the order the planner offers them (the first found wins a tie)
 BUILT_IN: tuple[Form, ...] = (
     Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True,
-         recorded=True, rebalances=True),
+         recorded=True, rebalances=True, sample_per_rank=True),
     Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
          recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True),
     Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True,

@@ -126,9 +126,9 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
                    allow_tf32: bool = False, profiles: Mapping[str, ProfileDB] | None = None) -> Problems:
     """Check the inputs, price the model and build each asked-for family's problem."""
     strategies = strategies_for(graph, tuple(strategies))
-    dp_only = strategies == ("data_parallel",)
+    every_rank_samples = bool(strategies) and all(form(name).sample_per_rank for name in strategies)
     # with other strategies a batch smaller than the ranks is for them to judge (a pipeline needs fewer)
-    check_inputs(cluster, workload if dp_only else
+    check_inputs(cluster, workload if every_rank_samples else
                  replace(workload, global_batch=max(workload.global_batch, cluster.world_size)),
                  allow_tf32=allow_tf32)
     cost = CostModel(graph, cluster, dtype=workload.dtype, optimizer=workload.optimizer,

@@ -128,3 +128,19 @@ def test_one_device_gets_data_parallelism_and_a_forced_pipeline_stays_possible(g
     assert any("which is data parallelism: not searched" in line for line in chosen.explain), chosen.explain
     forced = solve(graph, one, workload, strategies=("pipeline",))
     assert forced.strategy == "pipeline" and len(forced.stages) == 1
+
+
+def test_a_batch_smaller_than_the_ranks_is_refused_only_where_every_form_asked_for_gives_each_rank_a_sample():
+    """``Form.sample_per_rank``: data parallelism alone refuses 2 samples on 4 ranks before
+    anything is priced, naming the batch; with pipelines asked for too the search judges it."""
+    from fxpar.errors import ConfigError
+    from fxpar.forms import form
+    from fxpar.solvers.problems import build_problems
+
+    assert form("data_parallel").sample_per_rank and not form("pipeline").sample_per_rank
+    graph = trace_spec(PRESETS["llama-tiny"], Workload(global_batch=2, seq_len=16))
+    four, two = fxpar.Cluster.emulated([1.0] * 4), Workload(global_batch=2, seq_len=16)
+    with pytest.raises(ConfigError, match="global_batch = 2 is smaller than the number of ranks"):
+        build_problems(graph, four, two, ("data_parallel",))
+    both = build_problems(graph, four, two, ("data_parallel", "pipeline"))
+    assert not both.dp_fits   # not refused: the pipelines' search judges it

@@ -23,8 +23,13 @@ TORCH_FREE = ("spec", "price", "bound", "search")
 #: lines outside fxpar/forms holding a form's name as a string literal, and comparisons of a
 #: ``.strategy``; before the registry (2026-11-29): 102 lines in 37 files, 50 comparisons.
 #: Lower these when a phase moves into the forms' folders; they may never rise.
-LITERAL_LINES_AT_MOST = 15
+LITERAL_LINES_AT_MOST = 11
 STRATEGY_COMPARISONS_AT_MOST = 3
+#: (file, literal) -> lines where a form's name spells something else, not counted: a reader of
+#: the line sees it is not the form (each such line is checked to hold the literal still)
+NOT_A_FORM = {("fxpar/plan_checks.py", "tensor_parallel"): 1,   # StagePlan's field, named in an error
+              ("fxpar/predict.py", "tensor_parallel"): 1,       # a step part's name (Prediction.parts)
+              ("fxpar/rank_layout.py", "pipeline"): 1}          # a column title: the rank's pipeline index
 
 
 def _module(path: Path) -> str:
@@ -140,11 +145,26 @@ def test_the_toy_plug_in_defines_every_phase_function() -> None:
 def _literal_lines() -> dict[str, int]:
     out = {}
     for path in _outside_forms():
-        lines = {n.lineno for n in ast.walk(_tree(path))
-                 if isinstance(n, ast.Constant) and n.value in NAMES}
+        name = str(path.relative_to(PACKAGE.parent))
+        by_literal: dict[str, set[int]] = {}
+        for n in ast.walk(_tree(path)):
+            if isinstance(n, ast.Constant) and n.value in NAMES:
+                by_literal.setdefault(n.value, set()).add(n.lineno)
+        lines = set()
+        for literal, at in by_literal.items():
+            # the allowed lines are the first ones: a later line with the literal counts
+            lines |= set(sorted(at)[NOT_A_FORM.get((name, literal), 0):])
         if lines:
-            out[str(path.relative_to(PACKAGE.parent))] = len(lines)
+            out[name] = len(lines)
     return out
+
+
+def test_what_is_not_a_form_still_says_so() -> None:
+    """Each :data:`NOT_A_FORM` entry still matches its lines (an entry outlives no edit)."""
+    for (name, literal), count in NOT_A_FORM.items():
+        tree = _tree(PACKAGE.parent / name)
+        assert len({n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == literal}) == count, \
+            (name, literal)
 
 
 def _strategy_comparisons() -> int:
