@@ -123,10 +123,13 @@ def _per_rank(split: tuple[int, ...], ranks: int) -> tuple[int, ...]:
     return tuple(split) if len(split) == ranks else tuple(split) * (ranks // len(split))
 
 
-def price_plan(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineRun, SimResult]:
-    """The plan's price and its per-rank figures (no timeline: :func:`simulate_pipeline` adds it)."""
+def price_plan(plan: Plan, prices: PipelinePrices, cluster, *,
+               priced: tuple[PipelineLayout, PipelineRun] | None = None) -> tuple[PipelineRun, SimResult]:
+    """The plan's price and its per-rank figures (no timeline: :func:`simulate_pipeline` adds it).
+    ``priced``: a layout already priced with these ``prices`` and its run, taken instead of pricing
+    again where it equals the plan's layout (a search has simulated the configuration it drafts)."""
     layout, slots = layout_of(plan, prices, cluster)
-    run = price(prices, layout)
+    run = priced[1] if priced is not None and priced[0] == layout else price(prices, layout)
     where = _positions(slots)
     reps = [run.replicas[where[r][1]] for r in range(plan.world_size)]
     busy = tuple(reps[r].busy_s[where[r][0]] + reps[r].optimizer_s[where[r][0]] for r in range(plan.world_size))

@@ -70,9 +70,13 @@ def simulate_config(ctx: PipelineContext, cfg: PipelineConfig) -> PipelineRun:
     return _memo(ctx, ("simulated", cfg), lambda: price(prices_of(ctx), layout_of_config(ctx, cfg)))
 
 
-def with_predictions(draft: Plan, ctx: PipelineContext, cluster) -> tuple[Plan, PipelineRun]:
-    """``draft`` with every prediction from the simulation of the plan itself."""
-    run, sim = price_plan(draft, prices_of(ctx), cluster)
+def with_predictions(draft: Plan, ctx: PipelineContext, cluster,
+                     cfg: PipelineConfig | None = None) -> tuple[Plan, PipelineRun]:
+    """``draft`` with every prediction from the simulation of the plan itself; where ``draft`` is
+    the configuration ``cfg``'s and runs its layout, that configuration's simulation is taken
+    (:func:`simulate_config`, the same prices and layout) instead of a second one."""
+    priced = (layout_of_config(ctx, cfg), simulate_config(ctx, cfg)) if cfg is not None else None
+    run, sim = price_plan(draft, prices_of(ctx), cluster, priced=priced)
     stages = tuple(replace(st, predicted_fwd_s=f, predicted_bwd_s=b)
                    for st, f, b in zip(draft.stages, run.fwd_s, run.bwd_s))
     ranks = tuple(replace(r, predicted_busy_s=sim.busy_s[r.rank], predicted_memory_bytes=sim.peak_memory_bytes[r.rank])
@@ -120,7 +124,7 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
                  pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches, schedule="1F1B",
                  activation_checkpointing=bool(cfg.stage_checkpointing) and all(cfg.stage_checkpointing),
                  zero_sharded_optimizer=cfg.zero)
-    plan, run = with_predictions(draft, ctx, cluster)
+    plan, run = with_predictions(draft, ctx, cluster, cfg)
     exchange = replace(cfg, allreduce_s=run.exposed_allreduce_s, gather_s=run.gather_s)
     return replace(plan, collectives=gradient_exchange(exchange, ctx, plan.predicted_step_s))
 
