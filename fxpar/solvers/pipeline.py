@@ -35,6 +35,7 @@ checkpointing; everything is per device *kind*, never per device (1024 GPUs cost
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -153,32 +154,36 @@ class _StageCost:
                  pipelines: int, ckpt: bool, zero: bool = True, hop: Hop | None = None) -> None:
         kind = ctx.kinds[spec.kind]
         self.time, self.fwd = _time_tables(ctx, spec.kind, spec.width, b, ckpt)
+        self._ends = _memo(ctx, ("time list", spec.kind, spec.width, b, ckpt), self.time.tolist)  # for bisect
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
         per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
         self.state, self.act_sum, self.act_max = _memory_tables(ctx, spec.width, per_param, ckpt)
+        self._state, self._act_sum = _memo(ctx, ("lists", spec.width, per_param, ckpt), lambda: (self.state.tolist(), self.act_sum.tolist()))
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
         hop = hop or ctx.network.crossing_hop(spec.kind)   # placement unknown: it may cross nodes
         self.hop = _memo(ctx, ("hop", b, hop), lambda: np.array(   # what each cut sends, both ways
             [sum(hop.messages_s(x, record=False) for x in ctx.table.hop_messages(j, b)) for j in range(ctx.table.size)]))
         self.ckpt, self.op = ckpt, ctx.op_overhead_s
+        self._peak_from: dict[int, list[float]] = {}   # i -> running max of act_max[i:] (memory())
 
     def stage_time(self, i: int, j: int) -> float:
-        return self.time[j] - self.time[i] + (self.hop[j - 1] if j < len(self.hop) else 0.0) + 2 * self.op
+        return self._ends[j] - self._ends[i] + (self.hop[j - 1] if j < len(self.hop) else 0.0) + 2 * self.op
 
     def forward_time(self, i: int, j: int) -> float:
         """The forward part of :meth:`stage_time` (the first forward under checkpointing)."""
         return self.fwd[j] - self.fwd[i] + self.op
 
     def memory(self, i: int, j: int) -> float:
-        act = self.act_sum[j] - self.act_sum[i]
-        if self.ckpt:
-            act += float(self.act_max[i:j].max()) / max(self.factor, 1) if j > i else 0.0
-        return self.state[j] - self.state[i] + self.factor * act
+        act = self._act_sum[j] - self._act_sum[i]
+        if self.ckpt and j > i:  # the largest block's, max(act_max[i:j]): kept per start, asked of many ends
+            peaks = self._peak_from.get(i) or self._peak_from.setdefault(i, np.maximum.accumulate(self.act_max[i:]).tolist())
+            act += peaks[j - i - 1] / max(self.factor, 1)
+        return self._state[j] - self._state[i] + self.factor * act
 
     def longest(self, i: int, tau: float, n: int) -> int:
         """Largest j > i with stage_time(i, j) ≤ tau and memory fitting (i if none)."""
-        j = min(int(np.searchsorted(self.time, self.time[i] + tau - 2 * self.op, side="right")) - 1, n)
+        j = min(bisect.bisect_right(self._ends, self._ends[i] + tau - 2 * self.op) - 1, n)
         lo, hi = i, j  # memory(i, ·) never decreases: the largest fitting end, by bisection
         while lo < hi:
             mid = (lo + hi + 1) // 2
