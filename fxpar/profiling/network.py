@@ -75,6 +75,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import numpy as np
 
@@ -108,10 +109,10 @@ NO_HOP = Hop(math.inf)
 
 
 @functools.lru_cache(maxsize=4096)
-def _per_node(nodes: tuple[int, ...]) -> Counter:
+def _per_node(nodes: tuple[int, ...]) -> Mapping[int, int]:
     """How many of ``nodes``' slots each node holds (one position of a placement, asked for on
-    every price of it; read only)."""
-    return Counter(nodes)
+    every price of it; a read-only view, the one object every caller shares)."""
+    return MappingProxyType(Counter(nodes))
 
 
 @dataclass(frozen=True, slots=True)

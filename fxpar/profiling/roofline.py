@@ -112,8 +112,7 @@ def _itemsize(dtype: str) -> int:
 class CostModel:
     """Costs of a :class:`ModelGraph` on the devices of a :class:`~fxpar.cluster.Cluster`.
 
-    Pure function of its inputs: arrays are built once, answers are cached per device kind.
-    """
+    Pure function of its inputs: arrays are built once, answers are cached per device kind."""
 
     def __init__(self, graph: ModelGraph, cluster, *, dtype: str = "fp32",
                  optimizer: str = "adam", allow_tf32: bool = False,
@@ -341,29 +340,27 @@ class CostModel:
     def gradient_allreduce_s(self, policy: DtypePolicy | None = None, ranks=None) -> float:
         """The gradient all-reduce as the runtime issues it, every bucket one call
         (:func:`fxpar.profiling.collectives.gradient_buckets`), one after another."""
-        one_call = self.allreduce_pricer(ranks)  # the group's links looked up once, not per bucket
-        return sum(one_call(b) for b in collectives.gradient_buckets(self.gradient_wire_bytes(policy)))
+        return sum(map(self.allreduce_pricer(ranks), collectives.gradient_buckets(self.gradient_wire_bytes(policy))))
 
     # ---- communication -------------------------------------------------------------------
-    def measured_link(self, kind: str, ranks=None):
-        """A measured link of ``kind`` when every device involved has one type with a profile."""
+    def _profile_of(self, ranks=None) -> tuple:
+        """(the profile of these devices' one type, None where they mix types or it has none; how many)."""
         devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
         types = {d.type.name for d in devices}
-        if len(types) != 1:
-            return None
-        db = self.profiles.get(types.pop())
+        return (self.profiles.get(types.pop()) if len(types) == 1 else None), len(devices)
+
+    def measured_link(self, kind: str, ranks=None):
+        """A measured link of ``kind`` when every device involved has one type with a profile."""
+        db, count = self._profile_of(ranks)
         link = None if db is None else db.links.get(kind)
         # a link measured on another number of ranks says nothing of this group's (ranks=None: the cluster)
-        return link if link is not None and link.world == len(devices) else None
+        return link if link is not None and link.world == count else None
 
     def runtime_overhead(self, name: str, ranks=None) -> float:
         """A calibrated runtime cost (``"sharded_call_s"``, ``"pipeline_op_s"``, ``"expert_call_s"``,
         ``"tensor_call_s"``) of these devices when they are of one calibrated type, else 0
         (:mod:`fxpar.calibrate.runtime_probe`)."""
-        devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
-        types = {d.type.name for d in devices}
-        db = self.profiles.get(types.pop()) if len(types) == 1 else None
-        return float(getattr(db, name, None) or 0.0)
+        return float(getattr(self._profile_of(ranks)[0], name, None) or 0.0)
 
     def step_overhead_s(self) -> float:
         """fxpar's step loop's seconds per training step that nothing else prices (calibrated,

@@ -166,8 +166,9 @@ def sharded_peaks(plan: Plan, prices: ShardedPrices) -> tuple[int, ...]:
     return _peaks(prices, plan, unit_shards(prices, plan.stages[0].state_split), round_sizes(plan))
 
 
-def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
-    """Predict a ``sharded_data_parallel`` plan (module docstring)."""
+def simulate_sharded(plan: Plan, prices: ShardedPrices, *, peaks: tuple[int, ...] | None = None) -> SimResult:
+    """Predict a ``sharded_data_parallel`` plan (module docstring); ``peaks``: the plan's
+    :func:`sharded_peaks`, where the caller has them already."""
     _check_world(plan, prices)
     stage = plan.stages[0]
     shards = unit_shards(prices, stage.state_split)
@@ -183,7 +184,7 @@ def simulate_sharded(plan: Plan, prices: ShardedPrices) -> SimResult:
     step = end + float(opt.max()) + after
     comm = step - compute - float(opt.max())
     loop = prices.step_overhead_s
-    peaks = _peaks(prices, plan, shards, sizes)
+    peaks = _peaks(prices, plan, shards, sizes) if peaks is None else peaks
     events = []
     for r in range(plan.world_size):
         events.append(TimelineEvent(r, "fwd", 0.0, float(busy[r])))

@@ -116,9 +116,10 @@ def draft(p: Problems, cfg: Config, weights, shares, micro) -> Plan:
 def predicted(plan: Plan, prices: ShardedPrices, name: str) -> Plan | None:
     """``plan`` with the simulator's predictions; None where a rank's peak exceeds its memory
     (found before the step is simulated: a search tries many plans that do not fit)."""
-    if any(m > r.memory_capacity_bytes for m, r in zip(sharded_peaks(plan, prices), plan.ranks)):
+    peaks = sharded_peaks(plan, prices)
+    if any(m > r.memory_capacity_bytes for m, r in zip(peaks, plan.ranks)):
         return None
-    sim = simulate_sharded(plan, prices)
+    sim = simulate_sharded(plan, prices, peaks=peaks)
     ranks = tuple(replace(r, predicted_busy_s=sim.busy_s[r.rank], predicted_memory_bytes=sim.peak_memory_bytes[r.rank])
                   for r in plan.ranks)
     report = SolverReport(name=name, backend="HIGHS", status="optimal", objective_s=sim.step_s,
