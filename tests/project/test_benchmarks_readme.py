@@ -62,6 +62,17 @@ def test_section_builds_from_the_stored_results():
             assert "| " + " | ".join(data["table"]["head"]) + " |" in text, name
 
 
+def test_the_stored_page_and_readme_table_are_what_the_stored_results_generate():
+    """A result stored without ``python -m benchmarks.readme --quick`` run after it leaves the
+    page behind its results: the page fails here instead of going stale."""
+    from benchmarks import readme
+
+    assert readme.between(readme.PAGE, readme.BEGIN, readme.END)[1] == readme.section(quick=True), (
+        "docs/results.md is not what the stored results generate: run python -m benchmarks.readme --quick")
+    assert readme.between(readme.README, readme.HEAD_BEGIN, readme.HEAD_END)[1] == readme.headline(), (
+        "README.md's results table is not what the stored results generate: run python -m benchmarks.readme --quick")
+
+
 def test_section_uses_new_fields_when_present(tmp_path):
     """A result with the fields new runs store: the sentences carry those figures."""
     from benchmarks import readme
