@@ -74,8 +74,10 @@ def with_predictions(draft: Plan, ctx: PipelineContext, cluster,
                      cfg: PipelineConfig | None = None) -> tuple[Plan, PipelineRun]:
     """``draft`` with every prediction from the simulation of the plan itself; where ``draft`` is
     the configuration ``cfg``'s and runs its layout, that configuration's simulation is taken
-    (:func:`simulate_config`, the same prices and layout) instead of a second one."""
-    priced = (layout_of_config(ctx, cfg), simulate_config(ctx, cfg)) if cfg is not None else None
+    (:func:`simulate_config`, the same prices and layout) instead of a second one (not inside a
+    :func:`~fxpar.profiling.collectives.recording`, which counts the plan's own pricing)."""
+    reuse = cfg is not None and not collectives.is_recording()
+    priced = (layout_of_config(ctx, cfg), simulate_config(ctx, cfg)) if reuse else None
     run, sim = price_plan(draft, prices_of(ctx), cluster, priced=priced)
     stages = tuple(replace(st, predicted_fwd_s=f, predicted_bwd_s=b)
                    for st, f, b in zip(draft.stages, run.fwd_s, run.bwd_s))
