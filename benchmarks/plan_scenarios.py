@@ -34,10 +34,12 @@ PAPER = {"amp-gpt2-medium": "AMP 1.54x vs Megatron heuristic",
 
 
 def plan_shape(plan) -> str:
-    """``uneven DP``, ``EP, experts a-b/rank, m=M``, or ``P x [kind x TP / ...] S st, m=M`` for a
+    """``uneven DP``, ``sharded DP (ZeRO-k)``, ``EP, experts a-b/rank, m=M``, or ``P x [kind x TP / ...] S st, m=M`` for a
     pipeline plan (``, interleaved on W ranks`` when ranks hold several stages)."""
     if plan.strategy == "data_parallel":
         return "uneven DP"
+    if plan.strategy == "sharded_data_parallel":
+        return f"sharded DP (ZeRO-{plan.stages[0].shard_stage})"
     if plan.strategy == "expert_parallel":
         experts = plan.stages[0].expert_split
         return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.num_microbatches}"
@@ -83,7 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results")
     args = ap.parse_args(argv)
     rows, results = [], []
-    names = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
+    names = ("even_dp", "proportional_dp", "even_fsdp", "megatron_even", "whale_rules")
+    #: what a user would otherwise pick at an even split: torch DDP, FSDP2 (ZeRO-3), a Megatron plan
+    even_names = ("even_dp", "even_fsdp", "megatron_even")
     for path in sorted(args.scenarios.glob("*.yaml")):
         sc = load_scenario(path)
         start = time.perf_counter()
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             plan = plan_model(sc.model, sc.cluster, sc.workload)
             took = time.perf_counter() - start
             base = {n: plan.baseline(n) for n in names}
-            evens = [v for k, v in base.items() if k in ("even_dp", "megatron_even") and v is not None]
+            evens = [v for k, v in base.items() if k in even_names and v is not None]
             if plan.baseline("even_ep") is not None:  # MoE models: even expert parallelism too
                 evens.append(plan.baseline("even_ep"))
             shape = plan_shape(plan)
@@ -116,9 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
                             "shortfall_gib": {k: v / 2**30 for k, v in exc.shortfalls.items()},
                             **cluster_facts(sc.cluster, sc.workload.dtype)})
             rows.append((sc.name, sc.cluster.world_size, f"no plan fits (short {worst:.1f} GiB)",
-                         "", "", "", "", "", "", "", "", PAPER.get(sc.name, "-"), f"{took:.1f}"))
+                         "", "", "", "", "", "", "", "", "", PAPER.get(sc.name, "-"), f"{took:.1f}"))
         print(f"[bench] {sc.name}: {took:.1f} s", flush=True)
-    head = ("scenario", "GPUs", "fxpar plan", "predicted s", "x LB", "even DP s", "prop. DP s",
+    head = ("scenario", "GPUs", "fxpar plan", "predicted s", "x LB", "even DP s", "prop. DP s", "even FSDP s",
             "Megatron even s", "Whale rules s", "vs best even", "ceiling", "paper reports", "plan s")
     print("\nPredicted step times under fxpar's cost model (same model for every baseline)")
     print(table(head, rows))

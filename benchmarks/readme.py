@@ -199,15 +199,16 @@ def _plan(plan: dict) -> list[str]:
     goal = (plan.get("goals") or {}).get("vs_best_even", GOAL_VS_BEST_EVEN)
     for s in planned:
         if s.get("vs_best_even") is None:  # older results: from the stored baselines
-            evens = [v for k, v in s["baselines"].items() if k in ("even_dp", "megatron_even", "even_ep") and v]
+            evens = [v for k, v in s["baselines"].items() if k in ("even_dp", "even_fsdp", "megatron_even", "even_ep") and v]
             s["vs_best_even"] = min(evens) / s["predicted_step_s"] if evens else None
     out = ["", "Predicted step time for every scenario in `../shared/scenarios` under fxpar's cost model. Every "
            "baseline is predicted by the same model and simulator (`python -m benchmarks.plan_scenarios`). "
            "`x LB` is the step over the lower bound (`fxpar/solvers/bounds.py`: the least, over the families "
            "that can run a plan, of the model's work spread over the device kinds at their own speeds, the "
            "communication none of the family's plans can hide and the optimizer; no plan fxpar could run is "
-           "faster). Every baseline was a candidate, so fxpar is never slower than one. 'vs best even' compares against the better of even DP and the best even "
-           "Megatron-style plan. 'plan s' includes tracing on the meta device.", "", table(plan)]
+           "faster). Every baseline was a candidate, so fxpar is never slower than one. 'vs best even' compares against the best "
+           "of what a user would otherwise run at an even split: DDP ('even DP'), FSDP2 ('even FSDP', every state sharded), the best even "
+           "Megatron-style plan, and even expert parallelism for MoE models. 'plan s' includes tracing on the meta device.", "", table(plan)]
     ceiling_note = ("`ceiling` is Σ P_i / (n · min P_i) over the devices' peak FLOP/s: the most any plan can gain "
                     "over an even plan that is compute-bound at the slowest device's pace")
     beyond = [s for s in planned if s.get("heterogeneity_ceiling") and s["vs_best_even"]
