@@ -117,9 +117,10 @@ def _memo(ctx: PipelineContext, key: tuple, make):
     return value
 
 
-def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool) -> tuple[np.ndarray, np.ndarray]:
+def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool) -> tuple[np.ndarray, np.ndarray, list]:
     """Prefix sums of a stage's per-micro-batch time (forward + backward + its TP all-reduces,
-    plus the recomputed forward under checkpointing) and of its forward part."""
+    plus the recomputed forward under checkpointing) and of its forward part; the first again as
+    a list (the cut search reads it one number at a time)."""
     def make():
         t = ctx.table
         scale = t.sharded_fraction / u + (1 - t.sharded_fraction)
@@ -130,20 +131,20 @@ def _time_tables(ctx: PipelineContext, kind_key: str, u: int, b: int, ckpt: bool
         tp_fwd, tp_bwd = tp_seconds(t, ctx.network, kind_key, u, b)
         seg_time = seg_time + tp_fwd + tp_bwd
         fwd = fwd + tp_fwd
-        return np.concatenate([[0.0], np.cumsum(seg_time)]), np.concatenate([[0.0], np.cumsum(fwd)])
+        time = np.concatenate([[0.0], np.cumsum(seg_time)])
+        return time, np.concatenate([[0.0], np.cumsum(fwd)]), time.tolist()
     return _memo(ctx, ("time", kind_key, u, b, ckpt), make)
 
 
 def _memory_tables(ctx: PipelineContext, u: int, per_param: float, ckpt: bool):
     """Prefix sums of a stage's model state and saved activations per sample (and the largest
-    block's activations under checkpointing)."""
+    block's activations under checkpointing); the two sums again as lists (as :func:`_time_tables`)."""
     def make():
         t = ctx.table
         state = np.concatenate([[0.0], np.cumsum(t.local_params(u) * per_param)])
         share = ACT_REPLICATED + (1 - ACT_REPLICATED) / u
-        if ckpt:
-            return state, np.concatenate([[0.0], np.cumsum(t.boundary_bytes)]), t.act_bytes * share
-        return state, np.concatenate([[0.0], np.cumsum(t.act_bytes * share)]), None
+        acts = np.concatenate([[0.0], np.cumsum(t.boundary_bytes if ckpt else t.act_bytes * share)])
+        return state, acts, (t.act_bytes * share if ckpt else None), state.tolist(), acts.tolist()
     return _memo(ctx, ("memory", u, per_param, ckpt), make)
 
 
@@ -153,12 +154,10 @@ class _StageCost:
     def __init__(self, ctx: PipelineContext, spec: StageSpec, b: int, in_flight: int,
                  pipelines: int, ckpt: bool, zero: bool = True, hop: Hop | None = None) -> None:
         kind = ctx.kinds[spec.kind]
-        self.time, self.fwd = _time_tables(ctx, spec.kind, spec.width, b, ckpt)
-        self._ends = _memo(ctx, ("time list", spec.kind, spec.width, b, ckpt), self.time.tolist)  # for bisect
+        self.time, self.fwd, self._ends = _time_tables(ctx, spec.kind, spec.width, b, ckpt)
         w, g, o = state_bytes_per_param(ctx.optimizer, ctx.dtype)
         per_param = w + g + (o / pipelines if zero else o) + (g if pipelines > 1 else 0)
-        self.state, self.act_sum, self.act_max = _memory_tables(ctx, spec.width, per_param, ckpt)
-        self._state, self._act_sum = _memo(ctx, ("lists", spec.width, per_param, ckpt), lambda: (self.state.tolist(), self.act_sum.tolist()))
+        self.state, self.act_sum, self.act_max, self._state, self._act_sum = _memory_tables(ctx, spec.width, per_param, ckpt)
         self.factor = in_flight * b
         self.capacity = kind.memory_bytes
         hop = hop or ctx.network.crossing_hop(spec.kind)   # placement unknown: it may cross nodes
@@ -177,8 +176,9 @@ class _StageCost:
     def memory(self, i: int, j: int) -> float:
         act = self._act_sum[j] - self._act_sum[i]
         if self.ckpt and j > i:  # the largest block's, max(act_max[i:j]): kept per start, asked of many ends
-            peaks = self._peak_from.get(i) or self._peak_from.setdefault(i, np.maximum.accumulate(self.act_max[i:]).tolist())
-            act += peaks[j - i - 1] / max(self.factor, 1)
+            if i not in self._peak_from:
+                self._peak_from[i] = np.maximum.accumulate(self.act_max[i:]).tolist()
+            act += self._peak_from[i][j - i - 1] / max(self.factor, 1)
         return self._state[j] - self._state[i] + self.factor * act
 
     def longest(self, i: int, tau: float, n: int) -> int:
