@@ -1,8 +1,8 @@
 """Adapting while training under a straggler (gloo CPU ranks, **emulated** speeds).
 
 On 4 ranks, rank 2 slows from 1.0 to 0.3 at step 20 and recovers at step 100 (a
-:class:`fxpar.adapt.SpeedTimeline` the plans never see); the same on 2 ranks (rank 1), where
-each rank has a core of this 2-core machine to itself (``SETUPS``).  Two scenarios: data parallelism fits
+:class:`fxpar.adapt.SpeedTimeline` the plans never see); the same on 2 ranks (rank 1), one per
+core of this 2-core machine (``SETUPS``).  Two scenarios: data parallelism fits
 (ample memory), and it does not (a per-rank memory cap under which the planner must shard or
 pipeline; the cap is the largest of a few candidates under which the DP-only problem is
 infeasible).  Arms, every one under the same timeline and emulation:
@@ -70,8 +70,9 @@ BATCH, SEQ, SLOW_SPEED = 16, 32, 0.3
 #: ranks, one per core (the emulation as DESIGN describes it)
 SETUPS = ((4, 2), (2, 1))
 #: the detector the benchmark runs: the defaults (warm-up, calibration, a change lasting 5 steps
-#: and 1 s) but a wider threshold than 0.2 on the 2-rank rows; where 4 ranks share 2 cores the
-#: detector's own floor applies (``shared_cores_threshold``, 0.5)
+#: and 1 s) but a wider threshold than 0.2; on this machine the detector's own floor applies on
+#: every row (``shared_cores_threshold``, 0.5: ranks that fill the cores,
+#: :func:`fxpar.runtime.device.ranks_share_cores`)
 DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
 #: the elastic example's sleep per step (the node is lost while steps run)

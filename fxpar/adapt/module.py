@@ -22,7 +22,11 @@ Per :meth:`AdaptiveModule.step`:
    makes the measured factors the detector's new baseline.
 5. **Rollback.**  Once the detector has calibrated on a switch's new plan (the
    ``calibration_steps`` steps after its warm-up), their median measured step (slowest rank, optimizer included)
-   is compared with the step measured before the switch: more than ``min_gain`` slower, and the
+   is compared with the old plan's step measured when the switch was decided (over the steps
+   that showed the change; for ``switch_to``, those before the call), not over the steps just
+   before the switch, which the re-plan and the new module's preparation slow (measured on a
+   2-rank straggler run here: 32.6 ms at the decision, 63.7 ms over the steps while the module
+   was prepared, so no switch could ever measure slower): more than ``min_gain`` slower, and the
    old plan comes back by the same switch path; the rolled-back layout is refused at speeds
    within the detector's threshold of these, so two plans never alternate.
 
@@ -107,6 +111,7 @@ class AdaptiveModule(torch.nn.Module):
         self._deciding: DecisionInFlight | None = None
         self._switches = 0   # switches and rollbacks done (a decision started before one is stale)
         self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
+        self._measured_at_detection: MeasuredStep | None = None            # ... and the step it measured
         self._replan_wall_s = 0.0
         self._last_busy = self._clock_busy()
         self._last_comm = self._clock_comm()
@@ -183,17 +188,20 @@ class AdaptiveModule(torch.nn.Module):
         if plan.world_size != self.world:
             raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
         check_movable_everywhere(self.optimizer, self.world)
-        self._set_pending(plan, "switch", due_now=wait)
+        measured = self._measured_step()
+        self._set_pending(plan, "switch", due_now=wait, measured_before_s=None if measured is None else measured.step_s)
 
-    def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool) -> None:
+    def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool,
+                     measured_before_s: float | None = None) -> None:
         """``plan`` is the next switch's (None: none), and its module starts being prepared
-        (module docstring, 6); a preparation of an earlier pending plan is given back."""
+        (module docstring, 6); a preparation of an earlier pending plan is given back;
+        ``measured_before_s``: the running plan's step when the switch was decided (5)."""
         self.pending.give_back()
         background = (plan is not None and self.options.prepare_in_background
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
         self.pending = PendingSwitch(plan, kind, Preparation(self._template[0], plan, self.rank, self._example,
                                                              self.device, self._build) if background else None,
-                                     due_now=due_now, since=self.steps)
+                                     due_now=due_now, since=self.steps, measured_before_s=measured_before_s)
 
     def apply_pending(self) -> bool:
         """Switch now if a switch is due (call after the optimizer step, before the next batch's
@@ -334,8 +342,9 @@ class AdaptiveModule(torch.nn.Module):
         last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
                           self.planning.first_build_s)
         # any error while deciding is a "keep" with its reason (Replanner.decision)
+        self._measured_at_detection = self._measured_step()
         request = self.replanner.request(self.plan, list(self.derate), factors, link=self.link, build_s=last_build,
-                                         measured=self._measured_step(),
+                                         measured=self._measured_at_detection,
                                          steps_left=None if total is None else max(total - self._read_step - 1, 1))
         background = self.background.mode
         self._deciding = self.background.start(request, computes=self.rank == 0, detected_step=self._read_step,
@@ -367,7 +376,9 @@ class AdaptiveModule(torch.nn.Module):
             print(decision.explain(), flush=True)
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
-        self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False)
+        measured = self._measured_at_detection
+        self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False,
+                          measured_before_s=None if measured is None else measured.step_s)
         if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
             self._measured = []   # the steps since this decision measure the plan at these speeds
@@ -387,7 +398,7 @@ class AdaptiveModule(torch.nn.Module):
 
     def _switch(self, plan: Plan) -> None:
         old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self.pending.kind
-        measured_before = self._measured_step()
+        measured_before = self.pending.measured_before_s
         hardware = self.module.emulator.speed
         prepared = self.pending.take()
         prepared_over = self.steps - self.pending.since if prepared is not None else 0   # old steps meanwhile
@@ -405,7 +416,7 @@ class AdaptiveModule(torch.nn.Module):
         self._plan_derate, self._plan_link = list(self.derate), self.link
         self.detector.restart(link_cap=1.0 / self._plan_link)   # a slow link may recover from here
         self._measured, self._records = [], []
-        self._trial = (old_plan, measured_before.step_s) if kind == "switch" and measured_before else None
+        self._trial = (old_plan, measured_before) if kind == "switch" and measured_before is not None else None
         slowest = self._gather([report.migrate_s, float(report.stats.received_bytes)])
         # migrate_s: everything between the last old step and the first new one: the re-plan
         # (every rank waited for it), the new module's build and the state's move

@@ -26,6 +26,9 @@ class PendingSwitch:
     due_now: bool = False                     # due at the next step boundary, waiting for the build
     since: int = 0                            # the step it was set at
     prepared_everywhere: bool = False         # every rank's build done, as read at a gather
+    #: the running plan's step measured when the switch was decided, before the re-plan and the
+    #: preparation slowed its steps: the rollback's baseline (:mod:`fxpar.adapt.module`, 5)
+    measured_before_s: float | None = None
 
     @property
     def due(self) -> bool:

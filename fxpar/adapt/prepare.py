@@ -133,7 +133,10 @@ class Preparation:
     _result: list[Prepared] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="fxpar-prepare-switch", daemon=True)
+        # not a daemon: a job that ends while a module is prepared waits for it at exit; a daemon
+        # thread stopped inside torch's build aborted the interpreter ("terminate called without
+        # an active exception", a 12-step run that asked for a pipeline at step 5)
+        self._thread = threading.Thread(target=self._run, name="fxpar-prepare-switch", daemon=False)
         self._thread.start()
 
     def _run(self) -> None:

@@ -26,14 +26,20 @@ factor is the median of its last ``min_steps`` values of ``f_r``.  A single slow
 values that cross back, never trigger.  Defaults: threshold 0.2, min_steps 5, warm-up 4,
 calibration 5.
 
-**Ranks that share cores** (emulation on a host with more ranks × threads than cores,
-:func:`fxpar.runtime.device.ranks_share_cores`) are not independent devices: how the OS packs
-them changes each one's CPU time per unit of work for seconds at a time, and moving rows
+**Ranks that share cores** (emulation on a host with at least as many ranks × threads as
+cores, :func:`fxpar.runtime.device.ranks_share_cores`) are not independent devices: how the OS
+packs them changes each one's CPU time per unit of work for seconds at a time, and moving rows
 between them changes that packing (measured on this project's 2-core machine, 4 equal ranks,
 200 steps, nothing changed: in one run of six every rank read slower, at 0.64-0.92 of its
 calibration, for more than a second, and re-balancing moved rows to the least-packed ranks).
-There the threshold is at least ``shared_cores_threshold`` (0.5): a straggler slower than half
-speed is seen, a milder one is not.
+Two ranks of one thread on its 2 cores are no better: each rank's CPU time per step was 12 ms
+while the other waited and 17-22 ms while both computed, in runs of 5-30 steps, so a 5-step
+calibration caught one mode and a later run of the other read as a change (factors
+``[0.82, 0.59]``, ``[1.06, 0.65]``, ``[1.20, 0.71]``): 3 of 10 noise-only runs of 200 steps
+switched at the 0.2 threshold (2026-12-02).  There the threshold is at least
+``shared_cores_threshold`` (0.5): a straggler slower than half speed is seen, a milder one is
+not.  Replayed on 14 recorded 2-rank noise-only runs, the 0.5 floor detects nothing, and a 0.3
+straggler written into the same records at step 20 is detected by step 32-42.
 
 **Links.**  Each step also gives ``c``, the host seconds spent in collectives, per kind, summed
 over the kinds of each kind's least-waiting rank: ``c = Σ_k min_r c_{r,k}``.  A rank that

@@ -324,12 +324,15 @@ def leaks_over_switches(switches: int = 10) -> dict[str, Any]:
     return out
 
 
-def rollback_run(steps: int = 12, switch_at: int = 5) -> dict[str, Any]:
+def rollback_run(steps: int = 12, switch_at: int = 5, slowed_while_pending: bool = False) -> dict[str, Any]:
     """Adapting data parallelism on 2 equal ranks with a modeled step wall (0.1 s under data
     parallelism, 0.3 s under anything else): ``pm.switch_to`` a pipeline before ``switch_at``;
     the pipeline measures slower than the steps before it, so it is rolled back.  Per step the
     plan's family and the loss against one process on the same batches; the events; the
-    trajectory gaps at the end."""
+    trajectory gaps at the end.  ``slowed_while_pending``: data parallelism's steps while the
+    switch is pending take 1.0 s (a preparation that slows the old plan), the switch waits for
+    its module's preparation (``switch_to(wait=False)``: at least one such step), and the
+    detector's measured step is its last step alone (``min_steps=1``)."""
     from fxpar.adapt import Adapt, DetectorSettings
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -339,14 +342,20 @@ def rollback_run(steps: int = 12, switch_at: int = 5) -> dict[str, Any]:
     initial = snapshot(reference)
     data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
     cluster = fxpar.Cluster.emulated([1.0] * world)
-    detector = DetectorSettings(min_steps=3, calibration_steps=2, warmup_steps=0, gather_every=1, min_seconds=0)
+    detector = DetectorSettings(min_steps=1 if slowed_while_pending else 3, calibration_steps=2, warmup_steps=0,
+                                gather_every=1, min_seconds=0)
     options = Adapt(detector=detector, verbose=False)
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"], adapt=options)
     pm.measure_busy = lambda step: 0.05
-    pm.measure_wall = lambda step, plan: 0.1 if plan.strategy == "data_parallel" else 0.3
+
+    def wall(step: int, plan: fxpar.Plan) -> float:
+        if plan.strategy != "data_parallel":
+            return 0.3
+        return 1.0 if slowed_while_pending and pm.pending.plan is not None else 0.1
+    pm.measure_wall = wall
     pipeline = _plan("pp", template, cluster, world)
     out = {"rank": rank, **_adapt_beside_reference(
-        pm, reference, data, lambda k: pm.switch_to(pipeline) if k == switch_at else None)}
+        pm, reference, data, lambda k: pm.switch_to(pipeline, wait=not slowed_while_pending) if k == switch_at else None)}
     out["weights"] = trajectory_gaps(_boxes(pm.parallel_module, dict(reference.named_parameters()), initial))
     return out
 
