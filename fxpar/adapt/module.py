@@ -26,7 +26,7 @@ Per :meth:`AdaptiveModule.step`:
    that showed the change; for ``switch_to``, those before the call), not over the steps just
    before the switch, which the re-plan and the new module's preparation slow (measured on a
    2-rank straggler run here: 32.6 ms at the decision, 63.7 ms over the steps while the module
-   was prepared, so no switch could ever measure slower): more than ``min_gain`` slower, and the
+   was prepared, so a switch had to measure twice as slow to be seen): more than ``min_gain`` slower, and the
    old plan comes back by the same switch path; the rolled-back layout is refused at speeds
    within the detector's threshold of these, so two plans never alternate.
 
