@@ -35,11 +35,12 @@ calibration, for more than a second, and re-balancing moved rows to the least-pa
 Two ranks of one thread on its 2 cores are no better: each rank's CPU time per step was 12 ms
 while the other waited and 17-22 ms while both computed, in runs of 5-30 steps, so a 5-step
 calibration caught one mode and a later run of the other read as a change (factors
-``[0.82, 0.59]``, ``[1.06, 0.65]``, ``[1.20, 0.71]``): 3 of 10 noise-only runs of 200 steps
+``[0.82, 0.59]``, ``[1.06, 0.65]``, ``[1.20, 0.71]``): 2 of 4 noise-only runs of 200 steps
 switched at the 0.2 threshold (2026-12-02).  There the threshold is at least
 ``shared_cores_threshold`` (0.5): a straggler slower than half speed is seen, a milder one is
-not.  Replayed on 14 recorded 2-rank noise-only runs, the 0.5 floor detects nothing, and a 0.3
-straggler written into the same records at step 20 is detected by step 32-42.
+not.  Replayed on 14 recorded 2-rank noise-only runs (``tests/fixtures/adapt_noise_records.json``),
+the 0.2 threshold reads a change in 2 and the 0.5 floor in none, and a 0.3 straggler written into
+the same records at step 20 is detected by step 32-42.
 
 **Links.**  Each step also gives ``c``, the host seconds spent in collectives, per kind, summed
 over the kinds of each kind's least-waiting rank: ``c = Σ_k min_r c_{r,k}``.  A rank that
