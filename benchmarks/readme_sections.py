@@ -150,6 +150,16 @@ _PLANNED_IN = {"planning_process": "in the job's planning process (a child inter
                "process": "in a process forked from rank 0", "thread": "on a thread of rank 0"}
 
 
+def _shared_cores_floor(a: dict) -> str:
+    """The detector's floor where a row's ranks (one thread each) fill the host's cores
+    (:func:`fxpar.runtime.device.ranks_share_cores`), or "" where the result predates it."""
+    floor, cores = a.get("detector", {}).get("shared_cores_threshold"), a["machine"].get("cores")
+    shared = sorted({r["ranks"] for r in a["runs"] if cores and r["ranks"] >= cores})
+    if floor is None or not shared or floor <= a["detector"]["threshold"]:
+        return ""
+    return f", at least {floor} on the {' and '.join(map(str, shared))}-rank rows, whose ranks fill the {cores} cores"
+
+
 def adapt(a: dict) -> list[str]:
     """Adapting while training under a straggler, and the elastic 4 -> 3 node loss."""
     m, d = a["machine"], a.get("detector", {})
@@ -159,7 +169,7 @@ def adapt(a: dict) -> list[str]:
              "data-parallel shares only, 'adapt' every family, 'fresh plan' is made for the slowed speeds from the "
              "start; milliseconds are the slowest rank's mean step (optimizer included; the step that switches "
              "carries the migration) while the straggler lasts (detector: threshold "
-             f"{d.get('threshold')}, a change lasting {d.get('min_steps')} steps and {d.get('min_seconds', 0)} s, "
+             f"{d.get('threshold')}{_shared_cores_floor(a)}, a change lasting {d.get('min_steps')} steps and {d.get('min_seconds', 0)} s, "
              f"{d.get('warmup_steps', 0)} warm-up and {d.get('calibration_steps')} reference steps per plan); "
              f"'replan s' is rank 0's solve, run {_PLANNED_IN[a.get('background_planning', 'thread')]} while the "
              "ranks train on, and 'plan' in the migration's split the time the ranks then waited for the decision."
