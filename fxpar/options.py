@@ -34,9 +34,10 @@ PYTHON_ONLY = frozenset({"group", "loss_fn"})
 #: the keys of an ``adapt:`` mapping in ``fxpar.yaml`` (:class:`~fxpar.adapt.DetectorSettings`,
 #: :class:`~fxpar.adapt.AdaptPolicy`, :class:`~fxpar.adapt.Adapt`)
 ADAPT_KEYS = frozenset({"threshold", "min_steps", "min_seconds", "calibration_steps", "warmup_steps", "gather_every",
-                        "shared_cores_threshold", "min_gain", "horizon_steps", "replace_given_plan", "background_planning"})
+                        "shared_cores_threshold", "step_growth", "min_gain", "horizon_steps", "replace_given_plan",
+                        "background_planning"})
 _DETECTOR_KEYS = ("threshold", "min_steps", "min_seconds", "calibration_steps", "warmup_steps", "gather_every",
-                  "shared_cores_threshold")
+                  "shared_cores_threshold", "step_growth")
 _POLICY_KEYS = ("min_gain", "horizon_steps", "replace_given_plan")
 
 

@@ -26,6 +26,23 @@ factor is the median of its last ``min_steps`` values of ``f_r``.  A single slow
 values that cross back, never trigger.  Defaults: threshold 0.2, min_steps 5, warm-up 4,
 calibration 5.
 
+**A slowdown the step does not show is no change.**  Where no rank reads faster than considered
+(every ``f_r / c_r ≤ 1 + threshold``), the change counts only if the recent steps' median wall
+``w`` (the slowest rank's, optimizer included) exceeds the wall the speeds were considered at
+``w⁰`` (the calibration's median step; after a keep, the recent steps' median at that decision)
+by more than ``step_growth`` × threshold.  The plan was chosen for the considered speeds, and a
+plan for slower ones cannot beat the best for faster ones, so while its step has not grown there
+is nothing to gain; a rank that is not the step's bottleneck may slow, or seem to, without cost.
+A straggler that is the bottleneck grows the step by its compute share × ``(1/f − 1)``: at the
+default 0.2 threshold and ``step_growth`` 0.75 (a step 15% longer), a rank slowed to 0.8 is
+seen where its compute is more than 60% of the step, one slowed to 0.5 where more than 15%.
+On the 2-rank records below at the plain 0.2 threshold, the two runs that read a change by their
+factors alone did so at ``w / w⁰`` of 0.97 and 1.10: ``step_growth`` 0 rejects the first, 0.5
+not the second, 0.75 both.  A straggler written into the same records from step 20 is found at
+the same step at 0.75 as at 0 for speeds 0.3 and 0.5 (all 18 records), and for 0.7 later in one
+record of 18 (step 170, not 48).  The rule needs the steps' walls: a caller that passes none
+(``step_s`` 0) is read by the factors alone.
+
 **Ranks that share cores** (emulation on a host with at least as many ranks × threads as
 cores, :func:`fxpar.runtime.device.ranks_share_cores`) are not independent devices: how the OS
 packs them changes each one's CPU time per unit of work for seconds at a time, and moving rows
@@ -39,8 +56,9 @@ calibration caught one mode and a later run of the other read as a change (facto
 switched at the 0.2 threshold (2026-12-02).  There the threshold is at least
 ``shared_cores_threshold`` (0.5): a straggler slower than half speed is seen, a milder one is
 not.  Replayed on 14 recorded 2-rank noise-only runs (``tests/fixtures/adapt_noise_records.json``),
-the 0.2 threshold reads a change in 2 and the 0.5 floor in none, and a 0.3 straggler written into
-the same records at step 20 is detected by step 32-42.
+the 0.2 threshold reads a change in 2 by the factors alone (none with the rule above) and the
+0.5 floor in none, and a 0.3 straggler written into the same records at step 20 is detected by
+step 32-42.
 
 **Links.**  Each step also gives ``c``, the host seconds spent in collectives, per kind, summed
 over the kinds of each kind's least-waiting rank: ``c = Σ_k min_r c_{r,k}``.  A rank that
@@ -130,6 +148,8 @@ class DetectorSettings:
     gather_every: int = 4
     #: the threshold's floor where ranks share cores (module docstring)
     shared_cores_threshold: float = 0.5
+    #: a slowdown counts only where the step grew by more than this × threshold (module docstring)
+    step_growth: float = 0.75
 
     def __post_init__(self) -> None:
         for name in ("threshold", "shared_cores_threshold"):
@@ -138,6 +158,9 @@ class DetectorSettings:
         for name in ("min_steps", "calibration_steps", "gather_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)!r}: expected an int >= 1")
+        if not (isinstance(self.step_growth, (int, float)) and 0 <= self.step_growth <= 1):
+            raise ConfigError(f"step_growth = {self.step_growth!r}: expected a fraction of the threshold in [0, 1], "
+                              "e.g. 0.75 (0: a slowdown counts wherever the step grew at all)")
         if not (isinstance(self.min_seconds, (int, float)) and self.min_seconds >= 0):
             raise ConfigError(f"min_seconds = {self.min_seconds!r}: expected seconds >= 0")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -168,6 +191,7 @@ class SpeedDetector:
     _skipped: int = 0
     _walls: list[float] = field(default_factory=list)
     _link_cap: float = 1.0   # ℓ's ceiling (restart)
+    _considered_wall: float = 0.0   # w⁰: the step the considered speeds were measured at (0: unknown)
 
     def __post_init__(self) -> None:
         self.considered = (1.0,) * self.world
@@ -177,12 +201,14 @@ class SpeedDetector:
         links may speed up from the new calibration (1 / the link factor the plan was made for:
         a plan made on a slow link sees it recover)."""
         self.reference, self._calibration, self._history, self._comm, self._skipped = None, [], [], [], 0
+        self._considered_wall = 0.0
         self.considered, self.link, self.considered_link = (1.0,) * self.world, 1.0, 1.0
         self._link_cap = float(link_cap)
 
     def accept(self, factors: tuple[float, ...], link: float = 1.0) -> None:
         """The plan stays for ``factors`` (and the link factor ``link``): only a change from them counts next."""
         self.considered, self.considered_link, self._history, self._comm = tuple(factors), float(link), [], []
+        self._considered_wall = self._recent_wall()
 
     def observe(self, busy: Sequence[float], step_s: float = 0.0, comm_s: float = 0.0) -> tuple[float, ...] | None:
         """Record one step's busy times (its wall seconds, ``step_s``, and its collectives'
@@ -199,6 +225,7 @@ class SpeedDetector:
                 self.reference = tuple(statistics.median(c[r] for c in self._calibration) for r in range(self.world))
                 self._reference_comm = (statistics.median(c[-2] for c in self._calibration),
                                         statistics.median(c[-1] for c in self._calibration))
+                self._considered_wall = self._reference_comm[1]
             return None
         self._history.append(tuple(self.reference[r] / busy[r] for r in range(self.world)))
         self._comm.append(float(comm_s))
@@ -223,11 +250,25 @@ class SpeedDetector:
         changed = any(all(f[r] < 1 - t for f in rel) or all(f[r] > 1 + t for f in rel) for r in range(self.world))
         spread = all(max(f) > (1 + t) * min(f) for f in rel)
         links = self._link_factors(n)
+        if changed and spread and links is None and self._unseen_slowdown(rel, n):
+            changed = False
         if not (changed and spread) and links is None:
             return None
         if links is not None:
             self.link = statistics.median(links[-self.settings.min_steps:])
         return tuple(statistics.median(f[r] for f in recent) for r in range(self.world))
+
+    def _recent_wall(self, n: int | None = None) -> float:
+        recent = self._walls[-(n or self.steps_needed()):]
+        return statistics.median(recent) if recent else 0.0
+
+    def _unseen_slowdown(self, rel: list[list[float]], n: int) -> bool:
+        """No rank reads faster than considered and the last ``n`` steps' wall has not grown
+        (module docstring: a slowdown the step does not show)."""
+        t, w0 = self.settings.threshold, self._considered_wall
+        if w0 <= 0 or any(statistics.median(f[r] for f in rel) > 1 + t for r in range(self.world)):
+            return False
+        return self._recent_wall(n) <= (1 + self.settings.step_growth * t) * w0
 
     def _link_factors(self, n: int) -> list[float] | None:
         """The last ``n`` steps' link factors ``ℓ`` when the link's change is persistent (module

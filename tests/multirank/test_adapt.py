@@ -503,13 +503,14 @@ def test_detector_finds_a_persistent_slowdown_after_min_steps_and_ignores_spikes
 
 def test_detector_skips_the_warm_up_and_needs_min_seconds_of_a_change():
     """Issue #39, item 1: the first ``warmup_steps`` of a plan are not its reference, and at
-    10 ms a step a change must last ``min_seconds`` = 0.2 s (20 steps), not ``min_steps`` (5)."""
-    settings = DetectorSettings(min_steps=5, calibration_steps=2, warmup_steps=2, min_seconds=0.2)
+    10 ms a step a change must last ``min_seconds`` = 0.2 s (20 steps), not ``min_steps`` (5)
+    (the slowed steps 1% longer: ``step_growth`` 0 counts a slowdown wherever the step grew)."""
+    settings = DetectorSettings(min_steps=5, calibration_steps=2, warmup_steps=2, min_seconds=0.2, step_growth=0)
     detector = SpeedDetector(world=2, settings=settings)
     for busy in ([2.0, 2.0], [2.0, 2.0], [1.0, 1.0], [1.0, 1.0]):   # two slow warm-up steps
         assert detector.observe(busy, 0.01) is None
     assert detector.reference == (1.0, 1.0)
-    found = [detector.observe([1.0, 2.0], 0.01) for _ in range(20)]
+    found = [detector.observe([1.0, 2.0], 0.0101) for _ in range(20)]
     assert found[:19] == [None] * 19 and found[19] == pytest.approx((1.0, 0.5))
     assert detector.steps_needed() == 20
 
@@ -571,14 +572,54 @@ def test_recorded_noise_is_no_change_where_ranks_fill_the_cores():
     from pathlib import Path
 
     records = json.loads((Path(__file__).parents[1] / "fixtures" / "adapt_noise_records.json").read_text())
-    plain, floor = DetectorSettings(), DetectorSettings().on_host(True)
+    plain, floor = DetectorSettings(step_growth=0), DetectorSettings().on_host(True)
     assert floor.threshold == 0.5
-    assert any(_replay(r["rows"], r["ranks"], plain) for r in records["runs"])
+    assert any(_replay(r["rows"], r["ranks"], plain) for r in records["runs"] if r["ranks"] == 2)
     for i, run in enumerate(records["runs"]):
         assert _replay(run["rows"], run["ranks"], floor) == [], (i, run["set"])
         if len(run["rows"]) >= 80:
             found = _replay(run["rows"], run["ranks"], floor, slow=(20, 1, 0.3))
             assert found and found[0][0] > 20 and found[0][1][1] < 1 - floor.threshold, (i, found)
+
+
+def test_a_slowdown_the_recorded_steps_do_not_show_is_no_change():
+    """The detector's rule for a slowdown the step does not show (:mod:`fxpar.adapt.speeds`), on
+    the same records at the plain 0.2 threshold: the 2-rank runs that read a change by their
+    factors alone (``step_growth`` 0) read none with the default, and a 0.3 or 0.5 straggler
+    written in from step 20, which lengthens the step, is found at the same step as without it."""
+    import json
+    from pathlib import Path
+
+    records = json.loads((Path(__file__).parents[1] / "fixtures" / "adapt_noise_records.json").read_text())
+    alone, default = DetectorSettings(step_growth=0), DetectorSettings()
+    two = [r for r in records["runs"] if r["ranks"] == 2]
+    assert any(_replay(r["rows"], 2, alone) for r in two)
+    assert all(_replay(r["rows"], 2, default) == [] for r in two)
+    for run in records["runs"]:
+        for speed in (0.3, 0.5):
+            found = _replay(run["rows"], run["ranks"], default, slow=(20, 1, speed))
+            assert found and found[0][0] > 20 and found[0] == _replay(run["rows"], run["ranks"], alone,
+                                                                      slow=(20, 1, speed))[0], (run["set"], found)
+
+
+def test_a_slowdown_counts_only_where_the_step_grew():
+    """A rank that reads slower while the step stays is no change (nothing to gain over the plan
+    made for faster speeds); the same slowdown with a longer step is; a rank that reads faster
+    counts without the step shrinking (re-balancing can use it); no walls: factors alone."""
+    settings = DetectorSettings(min_steps=3, calibration_steps=2, warmup_steps=0, min_seconds=0)
+
+    def verdict(busy: list[float], step_s: float) -> tuple[float, ...] | None:
+        detector = SpeedDetector(world=2, settings=settings)
+        for _ in range(2):
+            detector.observe([1.0, 1.0], 1.0 if step_s else 0.0)
+        return [detector.observe(busy, step_s) for _ in range(4)][-1]
+
+    assert verdict([1.0, 2.0], 1.05) is None                            # the slow rank had slack
+    assert verdict([1.0, 2.0], 1.0 + 0.75 * 0.2 + 0.01) == pytest.approx((1.0, 0.5))
+    assert verdict([1.0, 2.0], 0.0) == pytest.approx((1.0, 0.5))        # no walls given
+    assert verdict([0.5, 1.0], 1.0) == pytest.approx((2.0, 1.0))        # faster: counts
+    with pytest.raises(ConfigError, match="step_growth"):
+        DetectorSettings(step_growth=1.5)
 
 
 @pytest.mark.multirank

@@ -22,18 +22,21 @@ from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 SETTINGS = DetectorSettings(threshold=0.2, min_steps=3, calibration_steps=3, warmup_steps=0, min_seconds=0)
 
 
-def _detect(busy_before, busy_after, comm_before: float, comm_after: float, step_s: float = 0.01):
-    """The detector's verdicts over 3 calibration steps, then 3 changed ones."""
+def _detect(busy_before, busy_after, comm_before: float, comm_after: float, step_s: float = 0.01,
+            step_after: float | None = None):
+    """The detector's verdicts over 3 calibration steps, then 3 changed ones (``step_after``:
+    their wall, default ``step_s``)."""
     detector = SpeedDetector(world=len(busy_before), settings=SETTINGS)
     for _ in range(3):
         assert detector.observe(busy_before, step_s, comm_before) is None
-    return detector, [detector.observe(busy_after, step_s, comm_after) for _ in range(3)]
+    return detector, [detector.observe(busy_after, step_after or step_s, comm_after) for _ in range(3)]
 
 
 def test_a_straggler_derates_compute_and_leaves_the_links():
     """Rank 1 computes 2.5x longer; the least-waiting rank's collectives take as long as
-    before (the straggler arrives last): the speeds change, the links' factor stays 1."""
-    detector, found = _detect([0.004, 0.004], [0.004, 0.010], 0.001, 0.001)
+    before (the straggler arrives last), and the step is as much longer: the speeds change, the
+    links' factor stays 1."""
+    detector, found = _detect([0.004, 0.004], [0.004, 0.010], 0.001, 0.001, step_after=0.016)
     assert found[:2] == [None, None] and found[2] == pytest.approx((1.0, 0.4))
     assert detector.link == 1.0
 
