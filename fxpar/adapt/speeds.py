@@ -31,8 +31,8 @@ calibration 5.
 ``w`` (the slowest rank's, optimizer included) exceeds the wall the speeds were considered at
 ``w⁰`` (the calibration's median step; after a keep, the recent steps' median at that decision)
 by more than ``step_growth`` × threshold.  The plan was chosen for the considered speeds, and a
-plan for slower ones cannot beat the best for faster ones, so while its step has not grown there
-is nothing to gain; a rank that is not the step's bottleneck may slow, or seem to, without cost.
+plan for speeds no faster (within the threshold) cannot beat the best for those, so while its
+step has not grown there is little to gain; a rank that is not the step's bottleneck may slow, or seem to, without cost.
 A straggler that is the bottleneck grows the step by its compute share × ``(1/f − 1)``: at the
 default 0.2 threshold and ``step_growth`` 0.75 (a step 15% longer), a rank slowed to 0.8 is
 seen where its compute is more than 60% of the step, one slowed to 0.5 where more than 15%.
