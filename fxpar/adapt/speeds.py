@@ -235,8 +235,7 @@ class SpeedDetector:
 
     def steps_needed(self) -> int:
         """``min_steps``, or as many steps as last ``min_seconds`` at the recent steps' pace."""
-        recent = self._walls[-self.settings.min_steps:]
-        pace = statistics.median(recent) if recent else 0.0
+        pace = self._recent_wall(self.settings.min_steps)
         by_time = math.ceil(self.settings.min_seconds / pace) if pace > 0 else 0
         return max(self.settings.min_steps, by_time)
 
@@ -250,15 +249,14 @@ class SpeedDetector:
         changed = any(all(f[r] < 1 - t for f in rel) or all(f[r] > 1 + t for f in rel) for r in range(self.world))
         spread = all(max(f) > (1 + t) * min(f) for f in rel)
         links = self._link_factors(n)
-        if changed and spread and links is None and self._unseen_slowdown(rel, n):
-            changed = False
-        if not (changed and spread) and links is None:
+        if links is None and (not (changed and spread) or self._unseen_slowdown(rel, n)):
             return None
         if links is not None:
             self.link = statistics.median(links[-self.settings.min_steps:])
         return tuple(statistics.median(f[r] for f in recent) for r in range(self.world))
 
     def _recent_wall(self, n: int | None = None) -> float:
+        """The median wall of the last ``n`` steps (default: :meth:`steps_needed`); 0 before any."""
         recent = self._walls[-(n or self.steps_needed()):]
         return statistics.median(recent) if recent else 0.0
 
