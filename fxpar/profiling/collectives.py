@@ -44,7 +44,6 @@ Data parallelism's gradient all-reduce runs in the buckets the runtime fills
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -88,11 +87,13 @@ def gradient_buckets(nbytes: float, first: float = FIRST_BUCKET_BYTES,
     return out
 
 
-@functools.lru_cache(maxsize=4096)
 def bucket_count(nbytes: float) -> int:
-    """``len(gradient_buckets(nbytes))``, remembered: a search prices the same stages' exchange
-    many times, and a 175B model's gradients are 26,645 buckets."""
-    return len(gradient_buckets(nbytes))
+    """``len(gradient_buckets(nbytes))`` without building the list (a search prices the same
+    stages' exchange many times, and a 175B model's gradients are 26,645 buckets): the first
+    bucket, then the rest in buckets of :data:`GRADIENT_BUCKET_BYTES`, the last shorter."""
+    if nbytes <= 0:
+        return 0
+    return 1 + math.ceil(max(float(nbytes) - FIRST_BUCKET_BYTES, 0.0) / GRADIENT_BUCKET_BYTES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -343,8 +343,8 @@ class CostModel:
         return sum(map(self.allreduce_pricer(ranks), collectives.gradient_buckets(self.gradient_wire_bytes(policy))))
 
     # ---- communication -------------------------------------------------------------------
-    def _profile_of(self, ranks=None) -> tuple:
-        """(the profile of these devices' one type, None where they mix types or it has none; how many)."""
+    def _profile_of(self, ranks=None) -> tuple[ProfileDB | None, int]:
+        """(The profile of these devices' one type, None where they mix types or it has none; how many.)"""
         devices = self.cluster.devices if ranks is None else [self.cluster.device(r) for r in ranks]
         types = {d.type.name for d in devices}
         return (self.profiles.get(types.pop()) if len(types) == 1 else None), len(devices)

@@ -197,6 +197,16 @@ def test_gradient_buckets_follow_the_runtime():
     assert collectives.gradient_buckets(60 * mib) == [mib, 25 * mib, 25 * mib, 9 * mib]
 
 
+def test_bucket_count_counts_the_runtime_buckets():
+    """The count pricing reads is the length of the bucket list, at the edges of a bucket
+    (exact multiples, one byte either side), for fractional sizes and a 175B model's fp32 bytes."""
+    mib = 2 ** 20
+    edges = [mib + k * 25 * mib + d for k in range(4) for d in (-1, 0, 1)]
+    sizes = [0, -5, 1, 1000.5, mib, *edges, 60.3 * mib, 4 * 175e9]
+    for nbytes in sizes:
+        assert collectives.bucket_count(nbytes) == len(collectives.gradient_buckets(nbytes)), nbytes
+
+
 def test_gloo_reduce_scatter_is_priced_as_the_all_reduce_of_its_input():
     cpu = collectives.ring_shape(Cluster.emulated([1.0, 1.0, 1.0]))
     assert cpu.backend == "gloo"
