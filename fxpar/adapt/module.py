@@ -188,20 +188,20 @@ class AdaptiveModule(torch.nn.Module):
         if plan.world_size != self.world:
             raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
         check_movable_everywhere(self.optimizer, self.world)
-        measured = self._measured_step()
-        self._set_pending(plan, "switch", due_now=wait, measured_before_s=None if measured is None else measured.step_s)
+        self._set_pending(plan, "switch", due_now=wait, measured_before=self._measured_step())
 
     def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool,
-                     measured_before_s: float | None = None) -> None:
+                     measured_before: MeasuredStep | None = None) -> None:
         """``plan`` is the next switch's (None: none), and its module starts being prepared
         (module docstring, 6); a preparation of an earlier pending plan is given back;
-        ``measured_before_s``: the running plan's step when the switch was decided (5)."""
+        ``measured_before``: the running plan's step when the switch was decided (5)."""
         self.pending.give_back()
         background = (plan is not None and self.options.prepare_in_background
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
         self.pending = PendingSwitch(plan, kind, Preparation(self._template[0], plan, self.rank, self._example,
                                                              self.device, self._build) if background else None,
-                                     due_now=due_now, since=self.steps, measured_before_s=measured_before_s)
+                                     due_now=due_now, since=self.steps,
+                                     measured_before_s=None if measured_before is None else measured_before.step_s)
 
     def apply_pending(self) -> bool:
         """Switch now if a switch is due (call after the optimizer step, before the next batch's
@@ -376,9 +376,8 @@ class AdaptiveModule(torch.nn.Module):
             print(decision.explain(), flush=True)
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
-        measured = self._measured_at_detection
         self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False,
-                          measured_before_s=None if measured is None else measured.step_s)
+                          measured_before=self._measured_at_detection)
         if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
             self._measured = []   # the steps since this decision measure the plan at these speeds
