@@ -5,7 +5,10 @@ On 4 ranks, rank 2 slows from 1.0 to 0.3 at step 20 and recovers at step 100 (a
 core of this 2-core machine (``SETUPS``).  Two scenarios: data parallelism fits
 (ample memory), and it does not (a per-rank memory cap under which the planner must shard or
 pipeline; the cap is the largest of a few candidates under which the DP-only problem is
-infeasible).  Arms, every one under the same timeline and emulation:
+infeasible).  On 2 ranks the second scenario runs twice: with the small model of every row,
+whose step is mostly the runtime's fixed costs (which the emulated straggler does not stretch),
+and with a wider one whose step is mostly compute (``MODELS``, caps per model in ``CAPS``).
+Arms, every one under the same timeline and emulation:
 
 - ``keep``: fxpar's first plan, kept (``AdaptPolicy(switch=False)``: it measures, never switches);
 - ``rebalance``: re-planning restricted to data-parallel shares (what online re-balancing does;
@@ -64,6 +67,14 @@ from fxpar.workload import Workload
 
 CONFIG = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+#: the models the rows train (name -> config): the small llama of every row, and a wider one on one
+#: more 2-rank row where DP does not fit: the small one's step is mostly the runtime's fixed costs,
+#: which the emulated straggler does not stretch, the wider one's mostly compute, which it does
+SMALL, WIDE = "llama 4x128", "llama 4x512"
+MODELS = {SMALL: CONFIG, WIDE: {**CONFIG, "hidden_size": 512, "intermediate_size": 1024}}
+#: per model, the per-rank memory caps (GiB) tried for the rows where DP does not fit, largest first
+#: (the row takes the first under which the DP-only problem is infeasible)
+CAPS = {SMALL: (0.02, 0.015, 0.012, 0.01, 0.008), WIDE: (0.2, 0.15, 0.12, 0.1, 0.08)}
 BATCH, SEQ, SLOW_SPEED = 16, 32, 0.3
 #: (ranks, the rank that slows): the issue's 4 ranks (on this machine's 2 cores they share cores,
 #: so a sleeping straggler frees CPU for the others and its emulated slowdown is diluted), and 2
@@ -82,16 +93,17 @@ ELASTIC_DELAY_S = 0.1
 OVERHEAD_RANKS, OVERHEAD_ROUNDS, OVERHEAD_PAIRS, OVERHEAD_BLOCK, OVERHEAD_WARMUP = 2, 3, 40, 4, 5
 
 
-def _model() -> torch.nn.Module:
+def _model(name: str = SMALL) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    return build_model(ModelSpec(hf_config=MODELS[name]), device="cpu", seed=0, attn_implementation="eager").train()
 
 
-def arm_run(arm: str, memory_gib: float, phases: tuple[int, int, int], slow_rank: int) -> dict[str, Any]:
+def arm_run(arm: str, memory_gib: float, phases: tuple[int, int, int], slow_rank: int,
+            model_name: str = SMALL) -> dict[str, Any]:
     """One arm on this rank (module docstring); per-step slowest wall times and the events."""
     slow_at, recover_at, steps = phases
     world = dist.get_world_size()
-    model = _model()
+    model = _model(model_name)
     data = example_inputs(model, BATCH, SEQ, seed=1)
     if arm == "fresh":
         changes = ((0, slow_rank, SLOW_SPEED),)
@@ -179,9 +191,9 @@ def overhead(pool: WorkerPool) -> dict[str, Any]:
             "spread": max(medians["off"]) / min(medians["off"]), "block_steps": OVERHEAD_BLOCK}
 
 
-def dp_fits(memory_gib: float, world: int) -> bool:
+def dp_fits(memory_gib: float, world: int, model_name: str = SMALL) -> bool:
     """Whether data parallelism alone has a feasible plan under the cap."""
-    model = _model()
+    model = _model(model_name)
     graph = trace(model, {k: v[:1] for k, v in example_inputs(model, BATCH, SEQ, seed=1).items()})
     try:
         solve_plan(graph, fxpar.Cluster.emulated([1.0] * world, memory_gib=memory_gib),
@@ -189,6 +201,12 @@ def dp_fits(memory_gib: float, world: int) -> bool:
         return True
     except InfeasibleError:
         return False
+
+
+def tight_cap(world: int, model_name: str) -> float:
+    """The largest of the model's :data:`CAPS` under which data parallelism alone is infeasible."""
+    caps = CAPS[model_name]
+    return next((c for c in caps if not dp_fits(c, world, model_name)), caps[-1])
 
 
 def _mean(values: list[float]) -> float | None:
@@ -239,17 +257,17 @@ def steps_lost(walls: list[float], start: int, first_new: int) -> float:
 
 
 def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, int, int],
-             slow_rank: int) -> dict[str, Any]:
+             slow_rank: int, model_name: str = SMALL) -> dict[str, Any]:
     """Every arm of one scenario on the pool's ranks, summarised (the JSON's per-scenario keys)."""
-    fits = dp_fits(memory_gib, pool.world_size)
-    out: dict[str, Any] = {"scenario": name, "ranks": pool.world_size, "slow_rank": slow_rank,
+    fits = dp_fits(memory_gib, pool.world_size, model_name)
+    out: dict[str, Any] = {"scenario": name, "model": model_name, "ranks": pool.world_size, "slow_rank": slow_rank,
                            "memory_gib": memory_gib, "dp_fits": fits}
     for arm in ("keep", "rebalance", "adapt", "adapt_at_switch", "fresh"):
         if (arm == "rebalance" and not fits) or (arm == "adapt_at_switch" and fits):
             out[arm] = None
             continue
         print(f"--- {name}: {arm}", flush=True)
-        out[arm] = _summary(_slowest(pool.run(arm_run, arm, memory_gib, phases, slow_rank)), phases)
+        out[arm] = _summary(_slowest(pool.run(arm_run, arm, memory_gib, phases, slow_rank, model_name)), phases)
     out["keep_plan_step_s"] = out["keep"]["during_s"]
     out["rebalance_step_s"] = out["rebalance"]["during_s"] if out["rebalance"] else None
     out["adapt_step_s"] = out["adapt"]["during_s"]
@@ -265,7 +283,7 @@ def _row(s: dict[str, Any]) -> list[Any]:
         return "-" if v is None else f"{v * 1e3:.0f}"
     a = s["adapt"]
     moved = max(s["bytes_moved_per_rank"]) if s["bytes_moved_per_rank"] else 0
-    return [s["scenario"], s["ranks"], "yes" if s["dp_fits"] else "no", ms(s["keep"]["before_s"]), ms(s["keep_plan_step_s"]),
+    return [s["scenario"], s.get("model", SMALL), s["ranks"], "yes" if s["dp_fits"] else "no", ms(s["keep"]["before_s"]), ms(s["keep_plan_step_s"]),
             ms(s["rebalance_step_s"]), ms(s["adapt_step_s"]), ms(s["fresh_plan_step_s"]),
             f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x", f"{s['adapt_step_s'] / s['fresh_plan_step_s']:.2f}",
             ms(a["after_s"]),
@@ -324,13 +342,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results")
     args = ap.parse_args(argv)
     phases = (10, 50, 60) if args.quick else (20, 100, 120)
-    caps = [0.02, 0.015, 0.012, 0.01, 0.008]
     runs = []
     for world, slow_rank in SETUPS:
-        tight = next((c for c in caps if not dp_fits(c, world)), caps[-1])
         with WorkerPool(world, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
             runs += [scenario(pool, "dp fits", 8.0, phases, slow_rank),
-                     scenario(pool, "dp does not fit", tight, phases, slow_rank)]
+                     scenario(pool, "dp does not fit", tight_cap(world, SMALL), phases, slow_rank)]
+            if world == 2:
+                runs.append(scenario(pool, "dp does not fit", tight_cap(world, WIDE), phases, slow_rank, WIDE))
     with WorkerPool(OVERHEAD_RANKS, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         print(f"--- overhead: adapting on / off at equal speeds, {OVERHEAD_RANKS} ranks", flush=True)
         cost = overhead(pool)
@@ -338,10 +356,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{cost['pair_quartiles'][0]:.3f}-{cost['pair_quartiles'][1]:.3f}; {1e3 * cost['on_s']:.2f} / "
           f"{1e3 * cost['off_s']:.2f} ms; off's spread over rounds {cost['spread']:.3f})", flush=True)
     elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
-    head = ["scenario", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
+    head = ["scenario", "model", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
             "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
             "plan / build / move / commit ms", "steps lost per switch", "prepared", "MiB moved / held per rank", "switches"]
-    caption = (f"Adapting while training (llama 4x128, batch {BATCH}, seq {SEQ}, gloo CPU ranks on 2 cores, EMULATED "
+    caption = (f"Adapting while training ({' and '.join(MODELS)}, batch {BATCH}, seq {SEQ}, gloo CPU ranks on 2 cores, EMULATED "
                f"speeds): rank 2 of 4 (rank 1 of 2) slows to {SLOW_SPEED} at step {phases[0]} and recovers at step "
                f"{phases[1]}; mean step of the slowest rank while the straggler lasts, optimizer and migration "
                f"included. Adapting on / off at equal speeds ({OVERHEAD_RANKS} ranks, DP): {cost['ratio']:.3f}")
