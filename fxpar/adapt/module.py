@@ -9,11 +9,12 @@ Per :meth:`AdaptiveModule.step`:
 3. the current module's ``step``; the rank records its busy time this step (the module clock's
    ``busy_total_s`` difference), its wall time and its last optimizer step's time (hooks of the
    tracked optimizer); every ``DetectorSettings.gather_every`` steps one small all-gather shares
-   the records since the last (on the rank's device), and every rank reads them in step order:
+   the records since the last (on the rank's device), and every rank reads them in step order
+   (every step while the detector suspects a change, :meth:`~fxpar.adapt.speeds.SpeedDetector.suspects`):
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves on a
-   thread while every rank trains on, and every rank receives the decision at the first gather
-   after it is made (:class:`fxpar.adapt.replan.Replanner`, :class:`~fxpar.adapt.replan.DecisionInFlight`:
+   thread while every rank trains on (the ranks then gather every step), and every rank receives
+   the decision at the first gather after it is made (:class:`fxpar.adapt.replan.Replanner`, :class:`~fxpar.adapt.replan.DecisionInFlight`:
    :func:`fxpar.adapt.decide.decide` among the families a switch can build, from the cached graph, with the running plan's measured
    step over the steps that showed the change) and broadcasts the decision.  The cluster the
    plans are made for is the job's cluster derated by the product of the factors believed now
@@ -236,9 +237,12 @@ class AdaptiveModule(torch.nn.Module):
             wall = float(self.measure_wall(self.steps, self.plan))
         self._records.append([mine, wall, self._opt_s, *comm_step])
         self.steps += 1
-        # every step while a switch's module is prepared: it commits at the first step after
-        # every rank's is built (module docstring, 6)
-        if len(self._records) >= self.options.detector.gather_every or self.pending.preparation is not None:
+        # every step while a change may be starting, a decision is in flight or a switch's module
+        # is prepared: a change is read at the step it becomes persistent, the decision at the
+        # first step after it is made, the switch commits at the first step after every rank's
+        # module is built (module docstring, 3, 4 and 6)
+        if (len(self._records) >= self.options.detector.gather_every or self.detector.suspects()
+                or self._deciding is not None or self.pending.preparation is not None):
             steps, decided = self._gather_records()
             self._read(steps)
             if decided:

@@ -142,8 +142,9 @@ class DetectorSettings:
     #: later ones, the next few still ~10% over)
     warmup_steps: int = 4
     #: the ranks share their per-step times once every this many steps (one all-gather of the
-    #: steps since the last; the detector then reads them in step order): a decision comes up
-    #: to ``gather_every − 1`` steps later, and no step but every ``gather_every``-th pays a
+    #: steps since the last; the detector then reads them in step order), and every step while a
+    #: change may be starting (:meth:`SpeedDetector.suspects`), a decision is in flight or a
+    #: switch is prepared: where nothing changes no step but every ``gather_every``-th pays a
     #: collective
     gather_every: int = 4
     #: the threshold's floor where ranks share cores (module docstring)
@@ -254,6 +255,21 @@ class SpeedDetector:
         if links is not None:
             self.link = statistics.median(links[-self.settings.min_steps:])
         return tuple(statistics.median(f[r] for f in recent) for r in range(self.world))
+
+    def suspects(self) -> bool:
+        """Whether a change of speeds may be starting: the last steps read some rank beyond the
+        threshold of its considered speed, fewer of them in a row than a change needs to be
+        persistent (:meth:`steps_needed`).  The module then shares every step's times, so a change
+        that lasts is read at the step it becomes persistent; a run as long as that which was not
+        a change (a rank that is not the step's bottleneck) is no longer suspect."""
+        t, considered = self.settings.threshold, self.considered
+        assert considered is not None
+        run = 0
+        for f in reversed(self._history):
+            if all(1 - t <= f[r] / considered[r] <= 1 + t for r in range(self.world)):
+                break
+            run += 1
+        return 0 < run < self.steps_needed()
 
     def _recent_wall(self, n: int | None = None) -> float:
         """The median wall of the last ``n`` steps (default: :meth:`steps_needed`); 0 before any."""

@@ -622,6 +622,45 @@ def test_a_slowdown_counts_only_where_the_step_grew():
         DetectorSettings(step_growth=1.5)
 
 
+def test_the_detector_suspects_a_change_only_while_it_may_be_starting():
+    """suspects(): from the first step a rank reads beyond the threshold until a change could be
+    persistent (``min_steps`` in a row); not while every rank reads within it, and not after a
+    run that long was no change (a rank that is not the step's bottleneck)."""
+    settings = DetectorSettings(min_steps=3, calibration_steps=2, warmup_steps=0, min_seconds=0)
+    detector = SpeedDetector(world=2, settings=settings)
+    for _ in range(2):
+        detector.observe([1.0, 1.0], 1.0)
+    assert not detector.suspects()
+    detector.observe([1.0, 1.1], 1.0)
+    assert not detector.suspects()
+    seen = []
+    for _ in range(5):   # rank 1 at half speed, the step unchanged: no change, by the step rule
+        assert detector.observe([1.0, 2.0], 1.0) is None
+        seen.append(detector.suspects())
+    assert seen == [True, True, False, False, False]
+    detector.observe([1.0, 1.0], 1.0)
+    assert not detector.suspects()
+
+
+@pytest.mark.full
+@pytest.mark.multirank
+def test_records_are_gathered_every_step_from_a_suspected_change_to_its_decision(pool2):
+    """Where nothing changes the ranks gather their records every ``gather_every`` (4) steps
+    (after steps 4, 8, 12, 16); a straggler from step 15 is read at the gather after it, and from
+    there the ranks gather every step: the change is read at the step it becomes persistent (not
+    at the next multiple of 4) and the decision at the step after rank 0 made it."""
+    from tests.multirank.workers_adapt import gathers_around_a_decision
+
+    runs = pool2.run(gathers_around_a_decision, slow_at=15)
+    assert runs[0]["gathered"] == runs[1]["gathered"], runs   # in lockstep
+    gathered, events = runs[0]["gathered"], runs[0]["events"]
+    decision = next(e for e in events if e["kind"] == "decision")
+    assert decision["switch"], decision
+    assert [g for g in gathered if g <= 16] == [4, 8, 12, 16], gathered
+    assert decision["step"] + 1 in gathered, (gathered, decision)   # read at the step it became persistent
+    assert set(range(16, decision["decided_step"] + 1)) <= set(gathered), (gathered, decision)
+
+
 @pytest.mark.multirank
 def test_ranks_know_when_they_share_the_hosts_cores(pool2):
     """``ranks_share_cores``: 2 ranks of 1 thread on this host share its cores where it has no
