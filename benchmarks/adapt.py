@@ -292,13 +292,16 @@ def _row(s: dict[str, Any]) -> list[Any]:
             f"{s['migrate_s']:.2f} ({s['migrate_s'] / s['adapt_step_s']:.1f} steps)" if s["migrate_s"] is not None else "-",
             " / ".join(f"{1e3 * v:.0f}" for v in a["migrate_split_s"].values()) if a["migrate_split_s"] else "-",
             ", ".join("-" if x is None else f"{x:.1f}" for x in a["steps_lost"]) or "-",
-            _prepared(a) + (f" (at the switch: {_lost(s['adapt_at_switch'])} lost)" if s["adapt_at_switch"] else ""),
+            _prepared(a) + (f" (at the switch: {_lost(s['adapt_at_switch'])})" if s["adapt_at_switch"] else ""),
             f"{moved / 2**20:.2f} / {(s['state_bytes_per_rank'] or 0) / 2**20:.2f}",
             "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
 
 
 def _lost(arm: dict[str, Any]) -> str:
-    return ", ".join("-" if x is None else f"{x:.1f}" for x in arm["steps_lost"]) or "-"
+    """Steps lost per switch ("0.8 lost"); "no switch" where the arm read no change in its run."""
+    if not arm["switches"]:
+        return "no switch"
+    return (", ".join("-" if x is None else f"{x:.1f}" for x in arm["steps_lost"]) or "-") + " lost"
 
 
 def _prepared(arm: dict[str, Any]) -> str:
