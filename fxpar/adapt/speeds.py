@@ -55,7 +55,13 @@ calibration caught one mode and a later run of the other read as a change (facto
 ``[0.82, 0.59]``, ``[1.06, 0.65]``, ``[1.20, 0.71]``): 2 of 4 noise-only runs of 200 steps
 switched at the 0.2 threshold (2026-12-02).  There the threshold is at least
 ``shared_cores_threshold`` (0.5): a straggler slower than half speed is seen, a milder one is
-not.  Replayed on 14 recorded 2-rank noise-only runs (``tests/fixtures/adapt_noise_records.json``),
+not.  The floor is for the factors' noise, not the step's: the step growth a slowdown needs stays
+``step_growth`` × the settings' own threshold (``on_host`` scales ``step_growth`` down to keep
+it), since what a switch can gain does not change with how the ranks are packed.  Held at 0.75 ×
+the floor, a 0.3 straggler that grew the 4-rank capped benchmark's step by 29% (52 to 67 ms,
+0.3 threshold: 37.5% needed) was read in two of three runs, at step 39-40, and missed in
+the third; at 0.75 × 0.3 it was read at step 32-34 in three of three, as early as ``min_seconds``
+allows (2026-12-03).  Replayed on 14 recorded 2-rank noise-only runs (``tests/fixtures/adapt_noise_records.json``),
 the 0.2 threshold reads a change in 2 by the factors alone (none with the rule above) and the
 0.5 floor in none, and a 0.3 straggler written into the same records at step 20 is detected by
 step 32-42.
@@ -171,7 +177,8 @@ class DetectorSettings:
         """These settings for ranks that do (or do not) share cores (module docstring)."""
         if not shares_cores or self.threshold >= self.shared_cores_threshold:
             return self
-        return replace(self, threshold=self.shared_cores_threshold)
+        floor = self.shared_cores_threshold
+        return replace(self, threshold=floor, step_growth=self.step_growth * self.threshold / floor)
 
 
 @dataclass

@@ -541,6 +541,25 @@ def test_where_ranks_share_cores_only_a_straggler_below_half_speed_is_seen():
         DetectorSettings(shared_cores_threshold=1.0)
 
 
+def test_where_ranks_share_cores_a_slowdown_needs_the_step_growth_of_the_own_threshold():
+    """The floor is for the factors' noise, not the step's (:mod:`fxpar.adapt.speeds`): on shared
+    cores the step a slowdown must grow stays ``step_growth`` × the settings' own threshold.  The
+    4-rank capped benchmark's 0.3 straggler grew the step by 29% (52 to 67 ms) at threshold 0.3:
+    a change, where 0.75 × the 0.5 floor (37.5%) missed it; a step 20% longer is none."""
+    settings = DetectorSettings(threshold=0.3, min_steps=3, calibration_steps=2, warmup_steps=0, min_seconds=0)
+    shared = settings.on_host(True)
+    assert shared.threshold == 0.5 and shared.step_growth * shared.threshold == pytest.approx(0.75 * 0.3)
+
+    def verdict(step_s: float) -> tuple[float, ...] | None:
+        detector = SpeedDetector(world=4, settings=shared)
+        for _ in range(2):
+            detector.observe([1.0] * 4, 1.0)
+        return [detector.observe([1.0, 1.0, 1 / 0.3, 1.0], step_s) for _ in range(4)][-1]
+
+    assert verdict(1.29) == pytest.approx((1.0, 1.0, 0.3, 1.0))
+    assert verdict(1.20) is None
+
+
 def _replay(rows: list[list[float]], ranks: int, settings: DetectorSettings,
             slow: tuple[int, int, float] | None = None) -> list[tuple[int, tuple[float, ...]]]:
     """Feed recorded detector rows (every rank's busy seconds, the step's, the collectives')
