@@ -16,14 +16,21 @@ factors ``f`` and the links' factor ``ℓ`` (:meth:`fxpar.Cluster.derated`):
 slowest rank's wall with the optimizer step, and the busiest rank's compute, optimizer included).
 Where it misses the prediction by more than ``AdaptPolicy.measured_margin`` (10%), every plan is
 re-priced by the running plan's error, per component (:class:`Correction`): with ``C`` a
-prediction's compute (``compute_s + optimizer_s``) and ``R = step_s − C`` the rest
-(communication, bubbles, waits), and ``C_m``, ``R_m = step_m − C_m`` the measured ones,
+prediction's compute (``compute_s + optimizer_s``, the busiest rank's own), ``W`` its waits for
+the other positions' compute (a pipeline's bubble less its hops, ``bubble_s − hop_s``; 0 in a
+flat plan) and ``R = step_s − C − W`` the rest (communication, hops, the step loop), and
+``C_m`` the measured compute,
 
-    k_C = C_m / C_keep,   k_R = R_m / R_keep     (R_keep = 0: k_C = step_m / C_keep, k_R = 1)
-    T'(plan) = k_C · C(plan) + k_R · R(plan)
+    k_C = C_m / C_keep,   k_R = (step_m − k_C · (C_keep + W_keep)) / R_keep
+    T'(plan) = k_C · (C(plan) + W(plan)) + k_R · R(plan)
 
-so ``T'_keep`` is the measured step and a candidate's parts are scaled as the running plan's
-were.  The decision says what it corrected.
+(where ``R_keep`` is 0 or the measured step is under ``k_C · (C_keep + W_keep)``, the parts
+cannot be told apart: ``k_C = k_R = step_m / T_keep``).  Waits are compute: a bubble is the
+others' forward and backward, and scaling it with the rest (as this did before 2026-12-03) read
+a pipeline's unpriced per-micro-batch overhead as a 6-16x error of its small predicted bubble
+and charged every candidate's bubble with it (the adapt benchmark's wide row: a plan re-priced
+at 510 ms that measures about 285).  So ``T'_keep`` is the measured step and a candidate's parts
+are scaled as the running plan's were.  The decision says what it corrected.
 
 Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
 splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the
@@ -105,21 +112,28 @@ class Correction:
         return self.compute == 1.0 and self.rest == 1.0
 
     def step_s(self, p: Prediction) -> float:
-        """``T'``: the prediction's compute and rest scaled by the measured error."""
-        compute = p.compute_s + p.optimizer_s
+        """``T'``: the prediction's compute (waits included) and rest scaled by the measured error."""
+        compute = _compute_and_waits(p)
         return self.compute * compute + self.rest * (p.step_s - compute)
+
+
+def _compute_and_waits(p: Prediction) -> float:
+    """``C + W`` (module docstring): compute, optimizer, and waits for other positions' compute."""
+    return p.compute_s + p.optimizer_s + max(p.bubble_s - p.hop_s, 0.0)
 
 
 def correction(keep: Prediction, measured: MeasuredStep | None, margin: float) -> Correction:
     """The running plan's error where it exceeds ``margin`` (module docstring), else none."""
     if measured is None or keep.step_s <= 0 or abs(measured.step_s / keep.step_s - 1) <= margin:
         return Correction()
-    compute = keep.compute_s + keep.optimizer_s
-    rest = keep.step_s - compute
-    if rest <= 1e-12 * keep.step_s or compute <= 0:
-        return Correction(compute=measured.step_s / keep.step_s, rest=1.0)
-    return Correction(compute=measured.compute_s / compute,
-                      rest=max(measured.step_s - measured.compute_s, 0.0) / rest)
+    whole = Correction(compute=measured.step_s / keep.step_s, rest=measured.step_s / keep.step_s)
+    own, with_waits = keep.compute_s + keep.optimizer_s, _compute_and_waits(keep)
+    rest = keep.step_s - with_waits
+    if rest <= 1e-12 * keep.step_s or own <= 0:
+        return whole
+    k_c = measured.compute_s / own
+    left = measured.step_s - k_c * with_waits
+    return whole if left < 0 else Correction(compute=k_c, rest=left / rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +161,7 @@ class Decision:
         measured = "" if self.measured_step_s is None else f" (measured {self.measured_step_s * 1e3:.1f} ms"
         if measured:
             measured += (")" if self.correction == (1.0, 1.0) else
-                         f"; steps re-priced by its error: compute x{self.correction[0]:.2f}, "
+                         f"; steps re-priced by its error: compute and waits x{self.correction[0]:.2f}, "
                          f"rest x{self.correction[1]:.2f})")
         links = "" if self.link_factor == 1.0 else f", links x{self.link_factor:.2f}"
         return (f"fxpar adapt: speeds x[{speeds}]{links}{measured}: "

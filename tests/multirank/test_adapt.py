@@ -1020,7 +1020,38 @@ def test_the_running_plans_error_reprices_every_plan_per_component():
     assert fix.rest == pytest.approx((measured.step_s - measured.compute_s) / (keep.step_s - compute))
     no_rest = dataclasses.replace(keep, step_s=compute)
     whole = correction(no_rest, MeasuredStep(step_s=compute * 1.3, compute_s=compute), 0.1)
-    assert whole == Correction(compute=pytest.approx(1.3), rest=1.0)
+    assert whole == Correction(compute=pytest.approx(1.3), rest=pytest.approx(1.3))
+    # the measured compute alone exceeds the measured step: scaled as a whole
+    under = correction(keep, MeasuredStep(step_s=keep.step_s * 1.5, compute_s=keep.step_s * 1.6), 0.1)
+    assert under.compute == under.rest and under.step_s(keep) == pytest.approx(keep.step_s * 1.5, rel=1e-12)
+
+
+def test_a_pipelines_waits_for_the_others_compute_are_corrected_as_compute():
+    """Issue #39, item 1: a pipeline's bubble less its hops (``W``) is the busiest position waiting
+    for the others' forward and backward: it is scaled with the compute, and the rest's factor
+    is fitted to what compute and waits leave of the measured step.  A running pipeline whose
+    compute measures 2x and whose step holds 40 ms of unpriced per-micro-batch overhead: the
+    rest's factor reads that overhead against the predicted hops only, and a candidate with a
+    larger bubble is charged 2x for it, not the rest's factor."""
+    import dataclasses
+
+    import fxpar
+    from fxpar.adapt.decide import MeasuredStep, correction
+
+    _, graph = _small_planning()
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    plan = solve_plan(graph, cluster, fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw"),
+                      strategies=["data_parallel"])
+    base = fxpar.predict(plan, graph, cluster)
+    parts = dict(compute_s=0.100, optimizer_s=0.0, tensor_parallel_s=0.0, allreduce_s=0.0, alltoall_s=0.0,
+                 gather_s=0.0, runtime_s=0.0)
+    keep = dataclasses.replace(base, **parts, bubble_s=0.030, hop_s=0.010, step_s=0.130)
+    measured = MeasuredStep(step_s=2 * 0.100 + 2 * 0.020 + 0.010 + 0.040, compute_s=0.200)
+    fix = correction(keep, measured, 0.1)
+    assert fix.compute == pytest.approx(2.0) and fix.rest == pytest.approx(5.0)
+    assert fix.step_s(keep) == pytest.approx(measured.step_s, rel=1e-12)
+    wider = dataclasses.replace(keep, bubble_s=0.060, step_s=0.160)   # 30 ms more waiting
+    assert fix.step_s(wider) - fix.step_s(keep) == pytest.approx(2 * 0.030)
 
 
 def test_a_rolled_back_layout_is_not_offered_again_at_those_speeds():
