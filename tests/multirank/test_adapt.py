@@ -665,19 +665,28 @@ def test_the_detector_suspects_a_change_only_while_it_may_be_starting():
 @pytest.mark.multirank
 def test_records_are_gathered_every_step_from_a_suspected_change_to_its_decision(pool2):
     """Where nothing changes the ranks gather their records every ``gather_every`` (4) steps
-    (after steps 4, 8, 12, 16); a straggler from step 15 is read at the gather after it, and from
-    there the ranks gather every step: the change is read at the step it becomes persistent (not
+    (after steps 4, 8, 12, 16; a step the detector suspects of starting a change is gathered at
+    once); a straggler from step 15 is read at the gather after it, and from there the ranks
+    gather every step: the change is read at the step it becomes persistent (not
     at the next multiple of 4) and the decision at the step after rank 0 made it."""
     from tests.multirank.workers_adapt import gathers_around_a_decision
 
     runs = pool2.run(gathers_around_a_decision, slow_at=15)
     assert runs[0]["gathered"] == runs[1]["gathered"], runs   # in lockstep
     gathered, events = runs[0]["gathered"], runs[0]["events"]
-    decision = next(e for e in events if e["kind"] == "decision")
+    decision = next(e for e in events if e["kind"] == "decision" and e["step"] >= 15)
     assert decision["switch"], decision
-    assert [g for g in gathered if g <= 16] == [4, 8, 12, 16], gathered
-    assert decision["step"] + 1 in gathered, (gathered, decision)   # read at the step it became persistent
-    assert set(range(16, decision["decided_step"] + 1)) <= set(gathered), (gathered, decision)
+    # before the straggler: every 4th step since the last gather, unless a change was suspected
+    # or a decision was in flight (noise on a loaded host may be: CI saw gathers at 4, 8, 9, 10, 14)
+    before = [(g, s) for g, s in zip(gathered, runs[0]["suspected"]) if g <= 15]
+    assert before[:2] == [(4, False), (8, False)], gathered
+    assert all(g - prev == 4 or s for (prev, _), (g, s) in zip(before, before[1:])), (before, gathered)
+    first = next(g for g in gathered if g > 15)   # the gather that first holds a straggler step
+    assert first - max(g for g, _ in before) <= 4, gathered
+    # read at the step it became persistent, or at the first gather that holds it where that one
+    # gather brought every step the change needed (a phase shifted by a suspicion before)
+    assert min(g for g in gathered if g > decision["step"]) == max(decision["step"] + 1, first), (gathered, decision)
+    assert set(range(first, decision["decided_step"] + 1)) <= set(gathered), (gathered, decision)
 
 
 @pytest.mark.multirank

@@ -641,21 +641,25 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
     """Data parallelism adapting under a straggler (rank 1 at 0.1 from ``slow_at``) with records
     gathered every 4 steps where nothing changes and a wide threshold (0.6: this host's noise
     is not suspected of being a change): the steps (``pm.steps`` after the step) at
-    which this rank took part in the module's all-gathers, and the events."""
+    which this rank took part in the module's all-gathers, whether the detector suspected a
+    change at each, and the events."""
     from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
 
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
     data = global_batch(model, BATCH, SEQ, seed=1)
-    detector = DetectorSettings(threshold=0.6, min_steps=3, calibration_steps=3, warmup_steps=2, gather_every=4,
+    detector = DetectorSettings(threshold=0.6, min_steps=3, calibration_steps=3, warmup_steps=4, gather_every=4,
                                 min_seconds=0, step_growth=0)
     options = Adapt(policy=AdaptPolicy(strategies=("data_parallel",), horizon_steps=1000), detector=detector,
                     timeline=SpeedTimeline(((slow_at, 1, 0.1),)), total_steps=steps, verbose=False)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data, global_batch=BATCH,
                     strategies=["data_parallel"], adapt=options)
     gathered: list[int] = []
+    suspected: list[bool] = []   # at each gather: a change suspected, or a decision in flight
     all_gather = pm._all_gather
 
     def recording(rows: list[list[float]]) -> list[list[list[float]]]:
+        detector = pm.detector
+        suspected.append(pm._deciding is not None or (detector.reference is not None and detector.suspects()))
         gathered.append(pm.steps)
         return all_gather(rows)
 
@@ -664,4 +668,4 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
     for _ in range(steps):
         pm.step(data)
         opt.step(); opt.zero_grad(set_to_none=True)
-    return {"rank": dist.get_rank(), "gathered": gathered, "events": pm.events}
+    return {"rank": dist.get_rank(), "gathered": gathered, "suspected": suspected, "events": pm.events}
