@@ -30,7 +30,10 @@ others' forward and backward, and scaling it with the rest (as this did before 2
 a pipeline's unpriced per-micro-batch overhead as a 6-16x error of its small predicted bubble
 and charged every candidate's bubble with it (the adapt benchmark's wide row: a plan re-priced
 at 510 ms that measures about 285).  So ``T'_keep`` is the measured step and a candidate's parts
-are scaled as the running plan's were.  The decision says what it corrected.
+are scaled as the running plan's were, and the solver ranks every candidate it found by ``T'``
+(``rank_by``, :mod:`fxpar.solvers.choose`), not only its best by the prediction: a plan the
+correction favours is found where it is not the uncorrected best.  The decision says what it
+corrected.
 
 Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
 splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the
@@ -190,12 +193,16 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     back at these speeds."""
     start = time.perf_counter()
     strategies = policy.strategies if policy.strategies is not None else FAMILIES
-    new = solve_plan(graph, cluster, workload, strategies=strategies,
-                     max_tensor_parallel=policy.max_tensor_parallel, profiles=profiles)
+    fix = correction(predict(current, graph, cluster, profiles=profiles), measured, policy.measured_margin)
+
+    def corrected(plan: Plan) -> float:
+        return fix.step_s(predict(plan, graph, cluster, profiles=profiles))
+
+    # every candidate is ranked by its corrected step where the running plan missed its prediction
+    new = solve_plan(graph, cluster, workload, strategies=strategies, max_tensor_parallel=policy.max_tensor_parallel,
+                     profiles=profiles, rank_by=None if fix.none else corrected)
+    keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
-    keep_p = predict(current, graph, cluster, profiles=profiles)
-    fix = correction(keep_p, measured, policy.measured_margin)
-    keep, best = fix.step_s(keep_p), fix.step_s(predict(new, graph, cluster, profiles=profiles))
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
     migrate = replan_s + build_s + network_of(cluster).migration_s(state_bytes(new, graph))
     gain = keep - best

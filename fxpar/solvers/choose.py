@@ -6,6 +6,11 @@
               parallelism, then sharded data parallelism; within a family, as found), with
               predicted_step_s ≤ fastest · (1 + REL_TOL)
 
+A caller may rank the candidates by another price of each (``rank_by``: a function of the plan,
+e.g. adapting's prediction corrected by the running plan's measured error,
+:mod:`fxpar.adapt.decide`); the rule is the same with that price in place of
+``predicted_step_s``, and the plan's own predictions are left as they are.
+
 Predictions that differ by less than ``REL_TOL`` (1e-9, relative) are equal: they differ in
 the last bits of sums taken in another order (one H200's data-parallel and one-stage pipeline
 plans: 0.07551730574527638 vs ...636 s), and the simpler family wins.  (Where data parallelism
@@ -14,7 +19,7 @@ offers a plan, the pipeline family does not search one-stage pipelines of width 
 
 Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
 among the strategies asked for; every one is the step of a plan that was a candidate, so
-``predicted_step_s ≤`` every baseline:
+``predicted_step_s ≤`` every baseline (ranked by ``rank_by``: that price ≤ every baseline plan's):
     even_dp, proportional_dp   the data-parallel rules (:mod:`fxpar.forms.data.search_shares`)
     megatron_even              min(even_dp, the even-cut pipeline)
     whale_rules                Whale's rule for the chosen plan's family: data parallel (shares ∝
@@ -33,7 +38,7 @@ speed-up over it, then the lower bound and what it counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from fxpar.errors import InfeasibleError
@@ -52,22 +57,24 @@ FAMILY_ORDER: tuple[str, ...] = SEARCHED
 FIXED_BASELINES: tuple[str, ...] = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
 
 
-def fastest_simplest(plans: list[Plan]) -> Plan:
-    """The first plan in ``plans`` (family order) within ``REL_TOL`` of the fastest."""
-    fastest = min(q.predicted_step_s for q in plans)
-    return next(q for q in plans if q.predicted_step_s <= fastest * (1.0 + REL_TOL))
+def fastest_simplest(plans: list[Plan], rank_by: Callable[[Plan], float] | None = None) -> Plan:
+    """The first plan in ``plans`` (family order) within ``REL_TOL`` of the fastest, by
+    ``rank_by`` (None: each plan's ``predicted_step_s``)."""
+    steps = [q.predicted_step_s if rank_by is None else float(rank_by(q)) for q in plans]
+    fastest = min(steps)
+    return next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + REL_TOL))
 
 
-def choose(p: Problems, found: Mapping[str, Candidates]) -> Plan:
-    """The fastest candidate of the families ``found`` (form name -> its candidates), with the
-    baselines and every family's reasoning in its ``explain``; :class:`InfeasibleError` where no
-    family offers a plan."""
+def choose(p: Problems, found: Mapping[str, Candidates], rank_by: Callable[[Plan], float] | None = None) -> Plan:
+    """The fastest candidate of the families ``found`` (form name -> its candidates), by
+    ``rank_by`` where given (module docstring), with the baselines and every family's reasoning
+    in its ``explain``; :class:`InfeasibleError` where no family offers a plan."""
     families = [found[name] for name in FAMILY_ORDER if name in found]
     plans = [plan for family in families for plan in family.plans]
     explain = [line for family in families for line in family.explain]
     if not plans:
         raise nothing_fits(p, next((f.error for f in families if f.error is not None), None), explain)
-    best = fastest_simplest(plans)
+    best = fastest_simplest(plans, rank_by)
     attention = getattr(p.graph, "attn_implementation", None)
     if attention not in (None, "sdpa"):
         explain.append(f"attention: {attention}, not SDPA (the model class has none, or was built "
@@ -82,6 +89,9 @@ def choose(p: Problems, found: Mapping[str, Candidates]) -> Plan:
                                                if value is None else
                        f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
     explain.append(bound_line(p.lower_bound_s, p.lower_bound_by_family))
+    if rank_by is not None:
+        explain.append(f"ranked by the caller's price, not the predicted step: this plan's {float(rank_by(best)):.4g} s "
+                       f"(predicted {best.predicted_step_s:.4g} s)")
     return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
 
 

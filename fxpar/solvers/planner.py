@@ -35,16 +35,16 @@ choose the fastest, report:
      level and micro-batch rounds, each plan priced by
      :func:`fxpar.sim.sharded_sim.simulate_sharded`; ``even_fsdp`` among them.
 3. Choice and report (:func:`fxpar.solvers.choose.choose`): ``argmin predicted_step_s`` (first
-   found on ties), the baselines (``even_dp``, ``proportional_dp``, ``megatron_even``,
+   found on ties; or of the caller's ``rank_by``), the baselines (``even_dp``, ``proportional_dp``, ``megatron_even``,
    ``whale_rules`` of the chosen family, ``even_ep``, ``even_fsdp``; each a candidate, so the plan is never
-   slower than one) and every family's reasoning in ``explain``;
+   slower than one by the price it was ranked by) and every family's reasoning in ``explain``;
    :class:`~fxpar.errors.InfeasibleError` naming the shortfalls where nothing fits.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from fxpar.forms import SEARCHED, part
@@ -65,18 +65,20 @@ FAMILIES: tuple[str, ...] = SEARCHED
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
          profiles: Mapping[str, ProfileDB] | None = None,
          strategies: tuple[str, ...] = FAMILIES,
-         max_tensor_parallel: int = 8) -> Plan:
+         max_tensor_parallel: int = 8,
+         rank_by: Callable[[Plan], float] | None = None) -> Plan:
     """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
     uneven data parallelism (share LP), identical heterogeneous pipelines with TP stages
     (:mod:`fxpar.solvers.pipeline`) and, for MoE models, expert parallelism with uneven batch
     shares and experts per device (:mod:`fxpar.solvers.expert_plan`).  Baselines and the
-    reasoning go into the plan; MoE models get one more baseline, ``even_ep``."""
+    reasoning go into the plan; MoE models get one more baseline, ``even_ep``.  ``rank_by``: the
+    price the candidates are ranked by where not their predicted step (:mod:`fxpar.solvers.choose`)."""
     start = time.perf_counter()
     problems = build_problems(graph, cluster, workload, strategies, allow_tf32=allow_tf32, profiles=profiles)
     found: dict[str, Candidates] = {}
     for name in SEARCHED:   # each form's search phase, in the registry's order (ties: the first found)
         found[name] = part(name, "search").candidates(problems, found, max_tensor_parallel)
-    best = choose(problems, found)
+    best = choose(problems, found, rank_by)
     # what priced the plan, read off the one CostModel that priced it (fxpar.predict rebuilds it)
     return replace(best, solve_time_s=time.perf_counter() - start,
                    allow_tf32=problems.cost.compute_dtype == "tf32",

@@ -1063,6 +1063,42 @@ def test_a_pipelines_waits_for_the_others_compute_are_corrected_as_compute():
     assert fix.step_s(wider) - fix.step_s(keep) == pytest.approx(2 * 0.030)
 
 
+def test_the_correction_ranks_every_candidate_not_only_the_solvers_best():
+    """Issue #39, item 1: the running plan is the solver's best by its prediction (DP on equal
+    ranks), but measures its communication at 3x the price: every candidate the solver found is
+    re-priced with that error and the cheapest corrected one is the decision's plan, a plan the
+    uncorrected ranking puts below DP (before, the decision re-priced the solver's best alone,
+    the running plan, and kept it)."""
+    import fxpar
+    from fxpar.adapt.decide import AdaptPolicy, MeasuredStep, correction, decide
+    from fxpar.forms import SEARCHED, part
+    from fxpar.solvers.problems import build_problems
+
+    _, graph = _small_planning()
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw")
+    families = ("data_parallel", "pipeline", "sharded_data_parallel")
+    current = solve_plan(graph, cluster, workload, strategies=families)
+    keep = fxpar.predict(current, graph, cluster)
+    compute = keep.compute_s + keep.optimizer_s
+    assert current.strategy == "data_parallel" and keep.step_s > compute > 0
+    measured = MeasuredStep(step_s=compute + 3 * (keep.step_s - compute), compute_s=compute)
+    fix = correction(keep, measured, 0.1)
+    assert fix.compute == pytest.approx(1.0) and fix.rest == pytest.approx(3.0)
+    problems, found = build_problems(graph, cluster, workload, families), {}
+    for name in SEARCHED:
+        found[name] = part(name, "search").candidates(problems, found, 8)
+    priced = [(fix.step_s(fxpar.predict(q, graph, cluster)), q) for name in SEARCHED for q in found[name].plans]
+    cheapest, best = min(priced, key=lambda pair: pair[0])
+    assert not best.same_layout(current) and cheapest < measured.step_s * 0.95
+    decision = decide(current, graph, cluster, workload, AdaptPolicy(strategies=families), steps_left=None,
+                      measured=measured)
+    assert decision.switch and decision.plan is not None and decision.plan.same_layout(best), decision.explain()
+    assert decision.new_step_s == pytest.approx(cheapest, rel=1e-12)
+    assert decision.keep_step_s == pytest.approx(measured.step_s, rel=1e-12)
+    assert any(line.startswith("ranked by the caller's price") for line in decision.plan.explain)
+
+
 def test_a_rolled_back_layout_is_not_offered_again_at_those_speeds():
     """Issue #39, item 1 (hysteresis): the plan a switch rolled back is kept out of the decision."""
     import fxpar

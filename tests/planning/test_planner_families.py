@@ -118,6 +118,21 @@ def test_predictions_equal_but_for_the_last_bits_prefer_the_simpler_family():
     assert fastest_simplest([dp, faster]).model == "pipe"
 
 
+def test_a_caller_may_rank_the_candidates_by_its_own_price():
+    """``rank_by`` (adapting's corrected step): the choice is the argmin of that price (the first
+    found within REL_TOL), the plans keep their own predictions, and explain says what ranked it."""
+    from fxpar.solvers.choose import fastest_simplest
+
+    dp, pipe = _plan(0.010, "dp"), _plan(0.012, "pipe")
+    found = {"data_parallel": Candidates(plans=(dp,)), "pipeline": Candidates(plans=(pipe,)), "expert_parallel": Candidates()}
+    assert choose(_problems(), found).model == "dp"
+    price = {"dp": 0.020, "pipe": 0.015}
+    chosen = choose(_problems(), found, rank_by=lambda q: price[q.model])
+    assert chosen.model == "pipe" and chosen.predicted_step_s == 0.012
+    assert any(line.startswith("ranked by the caller's price") and "0.015 s" in line for line in chosen.explain)
+    assert fastest_simplest([dp, pipe], lambda q: 1.0).model == "dp"   # equal prices: the family order
+
+
 def test_one_device_gets_data_parallelism_and_a_forced_pipeline_stays_possible(graph_and_workload):
     """One device: no one-stage, width-one pipeline is searched where data parallelism fits
     (explain says so); with ``strategies=("pipeline",)`` it is the plan."""
