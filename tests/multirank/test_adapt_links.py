@@ -122,8 +122,8 @@ def test_a_derated_link_scales_every_network_link_but_the_host_links():
 @pytest.mark.parametrize("case", ["link", "straggler"])
 def test_adapting_tells_a_slow_link_from_a_straggler(pool2, case):
     """2 ranks adapting data parallelism, decisions logged, never switching.  From step 16,
-    rank 1's all-reduces each wait 30 ms first (a slow link), or rank 1 computes at 0.4 of its
-    speed (a straggler).  A slow link: a decision derates the links (factor < 1 − threshold).
+    rank 1's all-reduces each wait 30 ms first (a slow link), or rank 1 computes at 0.25 of its
+    speed (a straggler; the worker says why so slow).  A slow link: a decision derates the links (factor < 1 − threshold).
     A straggler: a decision derates rank 1's speed (below 1 − threshold of rank 0's), and none
     derates the links.  (On these
     shared cores a slow link can also read as slower compute first: :mod:`fxpar.adapt.speeds`.)
