@@ -29,7 +29,11 @@ the time the ranks waited for the decision —, building, moving and the rest: c
 moved per rank against the state each rank holds, and per switch the **steps lost**: the wall
 time from the start of the step that detected the change (the decision is made from there, in
 the background) to the end of the first new-plan step, in steps
-of the old plan's pace (the median of its 5 steps before), minus the steps done in it.
+of the old plan's pace (the median of its 5 steps before), minus the steps done in it; and per
+decided switch the step the decision **expected** of its new plan (the solver's prediction
+re-priced by the running plan's error, :mod:`fxpar.adapt.decide`) against the step it
+**measured**: the median of its steps from the third on, up to the next switch or the end of its
+phase (the straggler's, or the recovery's), a check of the decision on steps it never saw.
 
 **Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with
 adapting on and off, both modules in the same processes, stepping in alternating blocks of
@@ -229,7 +233,19 @@ def _summary(run: dict[str, Any], phases: tuple[int, int, int]) -> dict[str, Any
             "bytes_moved_per_rank": moved["bytes_moved_per_rank"] if moved else None,
             "state_bytes_per_rank": moved["state_bytes"] if moved else None,
             "steps_lost": [_steps_lost(w, run["events"], e) for e in switches],
-            "switches": [(e["step"], e["from"], e["to"]) for e in switches], "kinds": sorted(set(run["kinds"]))}
+            "switches": [(e["step"], e["from"], e["to"]) for e in switches], "kinds": sorted(set(run["kinds"])),
+            "expected_measured_s": [(e.get("expected_step_s"), _measured_after(w, e["step"], switches, phases))
+                                    for e in switches]}
+
+
+def _measured_after(walls: list[float], step: int, switches: list[dict[str, Any]],
+                    phases: tuple[int, int, int]) -> float | None:
+    """The median step of the plan switched to at ``step`` (module docstring): from its third
+    step to the next switch or the end of the phase it started in; None where fewer than 3."""
+    slow_at, recover_at, steps = phases
+    end = min([e["step"] for e in switches if e["step"] > step] + [recover_at if step < recover_at else steps, len(walls)])
+    window = walls[step + 2:end]
+    return statistics.median(window) if len(window) >= 3 else None
 
 
 def _split(switch: dict[str, Any]) -> dict[str, float]:
@@ -294,7 +310,15 @@ def _row(s: dict[str, Any]) -> list[Any]:
             ", ".join("-" if x is None else f"{x:.1f}" for x in a["steps_lost"]) or "-",
             _prepared(a) + (f" (at the switch: {_lost(s['adapt_at_switch'])})" if s["adapt_at_switch"] else ""),
             f"{moved / 2**20:.2f} / {(s['state_bytes_per_rank'] or 0) / 2**20:.2f}",
-            "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
+            _expected_measured(a), "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
+
+
+def _expected_measured(arm: dict[str, Any]) -> str:
+    """Per switch "expected / measured" ms (module docstring); "-" where the decision gave none."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.0f}"
+    pairs = arm.get("expected_measured_s")   # results stored before it was recorded have none
+    return ", ".join(f"{ms(e)} / {ms(m)}" for e, m in pairs) if pairs else "-"
 
 
 def _lost(arm: dict[str, Any]) -> str:
@@ -361,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
     elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
     head = ["scenario", "model", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
             "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
-            "plan / build / move / commit ms", "steps lost per switch", "prepared", "MiB moved / held per rank", "switches"]
+            "plan / build / move / commit ms", "steps lost per switch", "prepared", "MiB moved / held per rank", "expected / measured ms per switch", "switches"]
     caption = (f"Adapting while training ({' and '.join(MODELS)}, batch {BATCH}, seq {SEQ}, gloo CPU ranks on 2 cores, EMULATED "
                f"speeds): rank 2 of 4 (rank 1 of 2) slows to {SLOW_SPEED} at step {phases[0]} and recovers at step "
                f"{phases[1]}; mean step of the slowest rank while the straggler lasts, optimizer and migration "

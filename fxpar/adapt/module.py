@@ -192,17 +192,19 @@ class AdaptiveModule(torch.nn.Module):
         self._set_pending(plan, "switch", due_now=wait, measured_before=self._measured_step())
 
     def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool,
-                     measured_before: MeasuredStep | None = None) -> None:
+                     measured_before: MeasuredStep | None = None, expected_step_s: float | None = None) -> None:
         """``plan`` is the next switch's (None: none), and its module starts being prepared
         (module docstring, 6); a preparation of an earlier pending plan is given back;
-        ``measured_before``: the running plan's step when the switch was decided (5)."""
+        ``measured_before``: the running plan's step when the switch was decided (5);
+        ``expected_step_s``: the decision's re-priced step for ``plan``."""
         self.pending.give_back()
         background = (plan is not None and self.options.prepare_in_background
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
         self.pending = PendingSwitch(plan, kind, Preparation(self._template[0], plan, self.rank, self._example,
                                                              self.device, self._build) if background else None,
                                      due_now=due_now, since=self.steps,
-                                     measured_before_s=None if measured_before is None else measured_before.step_s)
+                                     measured_before_s=None if measured_before is None else measured_before.step_s,
+                                     expected_step_s=expected_step_s)
 
     def apply_pending(self) -> bool:
         """Switch now if a switch is due (call after the optimizer step, before the next batch's
@@ -381,7 +383,7 @@ class AdaptiveModule(torch.nn.Module):
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
         self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False,
-                          measured_before=self._measured_at_detection)
+                          measured_before=self._measured_at_detection, expected_step_s=decision.new_step_s)
         if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
             self._measured = []   # the steps since this decision measure the plan at these speeds
@@ -401,7 +403,7 @@ class AdaptiveModule(torch.nn.Module):
 
     def _switch(self, plan: Plan) -> None:
         old_plan, old_kind, kind = self.plan, plan_kind(self.plan), self.pending.kind
-        measured_before = self.pending.measured_before_s
+        measured_before, expected = self.pending.measured_before_s, self.pending.expected_step_s
         hardware = self.module.emulator.speed
         prepared = self.pending.take()
         prepared_over = self.steps - self.pending.since if prepared is not None else 0   # old steps meanwhile
@@ -428,13 +430,21 @@ class AdaptiveModule(torch.nn.Module):
                  "build_s": report.build_s, "move_s": report.move_s, "prepared": report.prepared,
                  "prepare_s": report.prepare_s, "prepared_over_steps": prepared_over,
                  "bytes_moved_per_rank": slowest[1], "state_bytes": report.state_bytes,
-                 "predicted_step_s": plan.predicted_step_s, "stats": asdict(report.stats)}
+                 "predicted_step_s": plan.predicted_step_s, "expected_step_s": expected, "stats": asdict(report.stats)}
         self.events.append(event)
         if self.options.verbose and self.rank == 0:
-            print(f"fxpar adapt: step {self.steps}: {old_kind} -> {event['to']} (predicted "
-                  f"{plan.predicted_step_s * 1e3:.1f} ms/step), migrated in {event['migrate_s']:.2f} s (re-plan "
+            print(f"fxpar adapt: step {self.steps}: {old_kind} -> {event['to']} ({_expected(plan, expected)}), "
+                  f"migrated in {event['migrate_s']:.2f} s (re-plan "
                   f"{event['replan_s']:.2f} s), "
                   f"{max(slowest[1]) / 2**20:.1f} MiB received by the busiest rank", flush=True)
+
+
+def _expected(plan: Plan, expected_s: float | None) -> str:
+    """The switch line's step: the plan's prediction, and the decision's re-priced one where it differs."""
+    said = f"predicted {plan.predicted_step_s * 1e3:.1f} ms/step"
+    if expected_s is None or abs(expected_s - plan.predicted_step_s) <= 1e-4 * plan.predicted_step_s:
+        return said
+    return f"{said}, {expected_s * 1e3:.1f} re-priced by the last plan's error"
 
 
 def _decision_dict(decision: Decision) -> dict[str, Any]:

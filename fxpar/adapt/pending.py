@@ -29,6 +29,9 @@ class PendingSwitch:
     #: the running plan's step measured when the switch was decided, before the re-plan and the
     #: preparation slowed its steps: the rollback's baseline (:mod:`fxpar.adapt.module`, 5)
     measured_before_s: float | None = None
+    #: the decision's step for ``plan``, re-priced by the running plan's error (None: a
+    #: ``switch_to`` or a rollback, priced by no decision): what the switch expects to measure
+    expected_step_s: float | None = None
 
     @property
     def due(self) -> bool:

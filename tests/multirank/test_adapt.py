@@ -154,7 +154,7 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
     three times, timed for real; the decider itself chooses the switches -- within
     ``AdaptPolicy.strategies`` (uneven ZeRO re-split for the new speeds) and under a memory cap
     data parallelism does not fit (ZeRO and pipelines with other cuts).  At least three switches
-    in all, every one after a decision; every step's loss equals one process's on the same
+    in all, every one after a decision and expecting the step it re-priced; every step's loss equals one process's on the same
     batches and the AdamW weights stay on its trajectory, whatever the plan of each step."""
     from tests.multirank.workers_adapt import adaptive_run
 
@@ -166,8 +166,9 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
         for r in results:
             kinds = [e["kind"] for e in r["events"]]
             for i, kind in enumerate(kinds):
-                if kind == "switch":
+                if kind == "switch":   # after its decision, expecting the step that decision re-priced
                     assert kinds[i - 1] == "decision", (case, r["events"])
+                    assert r["events"][i]["expected_step_s"] == r["events"][i - 1]["new_step_s"], r["events"][i - 1:i + 1]
             for k, (loss, ref) in enumerate(r["losses"]):
                 expect(check_loss(loss, ref), context=f"{case}: rank {r['rank']} step {k} ({r['kinds'][k]})")
             expect(check_trajectory(r["weights"]), context=f"{case}: rank {r['rank']}")
