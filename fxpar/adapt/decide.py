@@ -32,8 +32,13 @@ and charged every candidate's bubble with it (the adapt benchmark's wide row: a 
 at 510 ms that measures about 285).  So ``T'_keep`` is the measured step and a candidate's parts
 are scaled as the running plan's were, and the solver ranks every candidate it found by ``T'``
 (``rank_by``, :mod:`fxpar.solvers.choose`), not only its best by the prediction: a plan the
-correction favours is found where it is not the uncorrected best.  The decision says what it
-corrected.
+correction favours is found where it is not the uncorrected best.  The correction is measured on
+the running plan alone, so it prices another family less well than that plan's own (the adapt
+benchmark's 2-rank DP row, 2026-12-03: DP re-shared, corrected to 75.7 ms, measured 76; a 2-stage
+pipeline corrected to 73.9 measured 81, and in an earlier run 54 against DP's 52): candidates
+within ``min_gain`` of the cheapest corrected step are equal, and the simplest family's cheapest
+of them is the solver's answer (:mod:`fxpar.solvers.choose`), as a switch must gain ``min_gain``
+over keeping.  The decision says what it corrected.
 
 Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
 splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the
@@ -198,9 +203,11 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     def corrected(plan: Plan) -> float:
         return fix.step_s(predict(plan, graph, cluster, profiles=profiles))
 
-    # every candidate is ranked by its corrected step where the running plan missed its prediction
+    # every candidate is ranked by its corrected step where the running plan missed its prediction,
+    # those within min_gain of the cheapest equal (module docstring)
+    ranked = {} if fix.none else {"rank_by": corrected, "rank_tolerance": policy.min_gain}
     new = solve_plan(graph, cluster, workload, strategies=strategies, max_tensor_parallel=policy.max_tensor_parallel,
-                     profiles=profiles, rank_by=None if fix.none else corrected)
+                     profiles=profiles, **ranked)
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)

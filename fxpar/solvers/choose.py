@@ -9,7 +9,15 @@
 A caller may rank the candidates by another price of each (``rank_by``: a function of the plan,
 e.g. adapting's prediction corrected by the running plan's measured error,
 :mod:`fxpar.adapt.decide`); the rule is the same with that price in place of
-``predicted_step_s``, and the plan's own predictions are left as they are.
+``predicted_step_s``, and the plan's own predictions are left as they are.  The caller may also
+say how close two prices are equal (``tolerance`` in place of ``REL_TOL``: a price extrapolated
+from one plan's measurement is not exact to 1e-9); then the simplest family within it wins, and
+within that family its cheapest plan:
+
+    best = the cheapest plan (the first found on ties within REL_TOL) of the first family in
+           FAMILY_ORDER with a plan priced ≤ fastest · (1 + tolerance)
+
+(with ``tolerance`` REL_TOL this is the rule above).
 
 Predictions that differ by less than ``REL_TOL`` (1e-9, relative) are equal: they differ in
 the last bits of sums taken in another order (one H200's data-parallel and one-stage pipeline
@@ -19,7 +27,8 @@ offers a plan, the pipeline family does not search one-stage pipelines of width 
 
 Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
 among the strategies asked for; every one is the step of a plan that was a candidate, so
-``predicted_step_s ≤`` every baseline (ranked by ``rank_by``: that price ≤ every baseline plan's):
+``predicted_step_s ≤`` every baseline (ranked by ``rank_by``: that price ≤ (1 + tolerance) × every
+baseline plan's):
     even_dp, proportional_dp   the data-parallel rules (:mod:`fxpar.forms.data.search_shares`)
     megatron_even              min(even_dp, the even-cut pipeline)
     whale_rules                Whale's rule for the chosen plan's family: data parallel (shares ∝
@@ -57,24 +66,31 @@ FAMILY_ORDER: tuple[str, ...] = SEARCHED
 FIXED_BASELINES: tuple[str, ...] = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
 
 
-def fastest_simplest(plans: list[Plan], rank_by: Callable[[Plan], float] | None = None) -> Plan:
-    """The first plan in ``plans`` (family order) within ``REL_TOL`` of the fastest, by
-    ``rank_by`` (None: each plan's ``predicted_step_s``)."""
+def fastest_simplest(plans: list[Plan], rank_by: Callable[[Plan], float] | None = None,
+                     tolerance: float = REL_TOL) -> Plan:
+    """The cheapest plan of the simplest family in ``plans`` (family order) with a plan within
+    ``tolerance`` of the fastest, by ``rank_by`` (None: each plan's ``predicted_step_s``; module
+    docstring)."""
     steps = [q.predicted_step_s if rank_by is None else float(rank_by(q)) for q in plans]
     fastest = min(steps)
-    return next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + REL_TOL))
+    simplest = next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + tolerance)).strategy
+    family = [(q, step) for q, step in zip(plans, steps) if q.strategy == simplest]
+    cheapest = min(step for _, step in family)
+    return next(q for q, step in family if step <= cheapest * (1.0 + REL_TOL))
 
 
-def choose(p: Problems, found: Mapping[str, Candidates], rank_by: Callable[[Plan], float] | None = None) -> Plan:
+def choose(p: Problems, found: Mapping[str, Candidates], rank_by: Callable[[Plan], float] | None = None,
+           tolerance: float = REL_TOL) -> Plan:
     """The fastest candidate of the families ``found`` (form name -> its candidates), by
-    ``rank_by`` where given (module docstring), with the baselines and every family's reasoning
-    in its ``explain``; :class:`InfeasibleError` where no family offers a plan."""
+    ``rank_by`` where given, prices within ``tolerance`` equal (module docstring), with the
+    baselines and every family's reasoning in its ``explain``; :class:`InfeasibleError` where
+    no family offers a plan."""
     families = [found[name] for name in FAMILY_ORDER if name in found]
     plans = [plan for family in families for plan in family.plans]
     explain = [line for family in families for line in family.explain]
     if not plans:
         raise nothing_fits(p, next((f.error for f in families if f.error is not None), None), explain)
-    best = fastest_simplest(plans, rank_by)
+    best = fastest_simplest(plans, rank_by, tolerance)
     attention = getattr(p.graph, "attn_implementation", None)
     if attention not in (None, "sdpa"):
         explain.append(f"attention: {attention}, not SDPA (the model class has none, or was built "
@@ -90,8 +106,9 @@ def choose(p: Problems, found: Mapping[str, Candidates], rank_by: Callable[[Plan
                        f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
     explain.append(bound_line(p.lower_bound_s, p.lower_bound_by_family))
     if rank_by is not None:
+        equal = "" if tolerance == REL_TOL else f"; prices within {tolerance:.0%} of the cheapest equal, the simplest family's cheapest chosen"
         explain.append(f"ranked by the caller's price, not the predicted step: this plan's {float(rank_by(best)):.4g} s "
-                       f"(predicted {best.predicted_step_s:.4g} s)")
+                       f"(predicted {best.predicted_step_s:.4g} s){equal}")
     return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
 
 

@@ -35,9 +35,10 @@ choose the fastest, report:
      level and micro-batch rounds, each plan priced by
      :func:`fxpar.sim.sharded_sim.simulate_sharded`; ``even_fsdp`` among them.
 3. Choice and report (:func:`fxpar.solvers.choose.choose`): ``argmin predicted_step_s`` (first
-   found on ties; or of the caller's ``rank_by``), the baselines (``even_dp``, ``proportional_dp``, ``megatron_even``,
-   ``whale_rules`` of the chosen family, ``even_ep``, ``even_fsdp``; each a candidate, so the plan is never
-   slower than one by the price it was ranked by) and every family's reasoning in ``explain``;
+   found on ties; or of the caller's ``rank_by``, prices within its ``rank_tolerance`` equal), the
+   baselines (``even_dp``, ``proportional_dp``, ``megatron_even``, ``whale_rules`` of the chosen family,
+   ``even_ep``, ``even_fsdp``; each a candidate, so the plan is never slower than one by the price it
+   was ranked by, beyond that tolerance) and every family's reasoning in ``explain``;
    :class:`~fxpar.errors.InfeasibleError` naming the shortfalls where nothing fits.
 """
 
@@ -51,7 +52,7 @@ from fxpar.forms import SEARCHED, part
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.local_cache import profiles_description
-from fxpar.solvers.choose import choose
+from fxpar.solvers.choose import REL_TOL, choose
 from fxpar.solvers.problems import Candidates, build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
@@ -66,19 +67,20 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
          profiles: Mapping[str, ProfileDB] | None = None,
          strategies: tuple[str, ...] = FAMILIES,
          max_tensor_parallel: int = 8,
-         rank_by: Callable[[Plan], float] | None = None) -> Plan:
+         rank_by: Callable[[Plan], float] | None = None, rank_tolerance: float = REL_TOL) -> Plan:
     """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
     uneven data parallelism (share LP), identical heterogeneous pipelines with TP stages
     (:mod:`fxpar.solvers.pipeline`) and, for MoE models, expert parallelism with uneven batch
     shares and experts per device (:mod:`fxpar.solvers.expert_plan`).  Baselines and the
     reasoning go into the plan; MoE models get one more baseline, ``even_ep``.  ``rank_by``: the
-    price the candidates are ranked by where not their predicted step (:mod:`fxpar.solvers.choose`)."""
+    price the candidates are ranked by where not their predicted step, ``rank_tolerance``: how
+    close two prices are equal (:mod:`fxpar.solvers.choose`)."""
     start = time.perf_counter()
     problems = build_problems(graph, cluster, workload, strategies, allow_tf32=allow_tf32, profiles=profiles)
     found: dict[str, Candidates] = {}
     for name in SEARCHED:   # each form's search phase, in the registry's order (ties: the first found)
         found[name] = part(name, "search").candidates(problems, found, max_tensor_parallel)
-    best = choose(problems, found, rank_by)
+    best = choose(problems, found, rank_by, rank_tolerance)
     # what priced the plan, read off the one CostModel that priced it (fxpar.predict rebuilds it)
     return replace(best, solve_time_s=time.perf_counter() - start,
                    allow_tf32=problems.cost.compute_dtype == "tf32",

@@ -1064,15 +1064,17 @@ def test_a_pipelines_waits_for_the_others_compute_are_corrected_as_compute():
     assert fix.step_s(wider) - fix.step_s(keep) == pytest.approx(2 * 0.030)
 
 
-def test_the_correction_ranks_every_candidate_not_only_the_solvers_best():
+def test_the_correction_ranks_every_candidate_not_only_the_solvers_best(monkeypatch):
     """Issue #39, item 1: the running plan is the solver's best by its prediction (DP on equal
     ranks), but measures its communication at 3x the price: every candidate the solver found is
-    re-priced with that error and the cheapest corrected one is the decision's plan, a plan the
-    uncorrected ranking puts below DP (before, the decision re-priced the solver's best alone,
-    the running plan, and kept it)."""
+    re-priced with that error and the cheapest corrected one (of the simplest form within
+    ``min_gain`` of the cheapest) is the decision's plan, a plan the uncorrected ranking puts
+    below DP (before, the decision re-priced the solver's best alone, the running plan, and kept
+    it)."""
     import fxpar
     from fxpar.adapt.decide import AdaptPolicy, MeasuredStep, correction, decide
     from fxpar.forms import SEARCHED, part
+    from fxpar.solvers.choose import fastest_simplest
     from fxpar.solvers.problems import build_problems
 
     _, graph = _small_planning()
@@ -1089,11 +1091,24 @@ def test_the_correction_ranks_every_candidate_not_only_the_solvers_best():
     problems, found = build_problems(graph, cluster, workload, families), {}
     for name in SEARCHED:
         found[name] = part(name, "search").candidates(problems, found, 8)
-    priced = [(fix.step_s(fxpar.predict(q, graph, cluster)), q) for name in SEARCHED for q in found[name].plans]
-    cheapest, best = min(priced, key=lambda pair: pair[0])
+    plans = [q for name in SEARCHED for q in found[name].plans]
+    price = {id(q): fix.step_s(fxpar.predict(q, graph, cluster)) for q in plans}
+    policy = AdaptPolicy(strategies=families)
+    # the cheapest of the simplest form within min_gain of the cheapest (fxpar.solvers.choose)
+    best = fastest_simplest(plans, lambda q: price[id(q)], policy.min_gain)
+    cheapest = price[id(best)]
     assert not best.same_layout(current) and cheapest < measured.step_s * 0.95
-    decision = decide(current, graph, cluster, workload, AdaptPolicy(strategies=families), steps_left=None,
-                      measured=measured)
+    assert cheapest <= (1 + policy.min_gain) * min(price.values())
+    import fxpar.adapt.decide as deciding
+
+    asked: list[dict] = []   # the real solver, its keywords recorded: the tolerance is min_gain
+
+    def solver(*args, **kwargs):
+        asked.append(kwargs)
+        return solve_plan(*args, **kwargs)
+    monkeypatch.setattr(deciding, "solve_plan", solver)
+    decision = decide(current, graph, cluster, workload, policy, steps_left=None, measured=measured)
+    assert [k.get("rank_tolerance") for k in asked] == [policy.min_gain], asked
     assert decision.switch and decision.plan is not None and decision.plan.same_layout(best), decision.explain()
     assert decision.new_step_s == pytest.approx(cheapest, rel=1e-12)
     assert decision.keep_step_s == pytest.approx(measured.step_s, rel=1e-12)

@@ -133,6 +133,25 @@ def test_a_caller_may_rank_the_candidates_by_its_own_price():
     assert fastest_simplest([dp, pipe], lambda q: 1.0).model == "dp"   # equal prices: the family order
 
 
+def test_a_caller_may_say_how_close_two_prices_are_equal():
+    """``tolerance`` (adapting: ``min_gain``): the simplest form with a plan within it of the
+    fastest wins, and of that form its cheapest plan, not the first found; explain says so."""
+    from fxpar.solvers.choose import fastest_simplest
+
+    dp_a, dp_b = _plan(0.010, "dp a"), _plan(0.010, "dp b")
+    pipe = replace(_plan(0.010, "pipe"), strategy="pipeline", pipelines=2)   # 2 one-stage pipelines
+    price = {"dp a": 0.104, "dp b": 0.103, "pipe": 0.100}
+    by_price = lambda q: price[q.model]   # noqa: E731
+    assert fastest_simplest([dp_a, dp_b, pipe], by_price).model == "pipe"
+    assert fastest_simplest([dp_a, dp_b, pipe], by_price, 0.05).model == "dp b"
+    assert fastest_simplest([dp_a, dp_b, pipe], by_price, 0.02).model == "pipe"    # 3% apart: not equal
+    found = {"data_parallel": Candidates(plans=(dp_a, dp_b)), "pipeline": Candidates(plans=(pipe,)),
+             "expert_parallel": Candidates()}
+    chosen = choose(_problems(), found, rank_by=by_price, tolerance=0.05)
+    assert chosen.model == "dp b"
+    assert any("within 5% of the cheapest equal" in line for line in chosen.explain), chosen.explain
+
+
 def test_one_device_gets_data_parallelism_and_a_forced_pipeline_stays_possible(graph_and_workload):
     """One device: no one-stage, width-one pipeline is searched where data parallelism fits
     (explain says so); with ``strategies=("pipeline",)`` it is the plan."""
