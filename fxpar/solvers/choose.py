@@ -73,8 +73,8 @@ def fastest_simplest(plans: list[Plan], rank_by: Callable[[Plan], float] | None 
     docstring)."""
     steps = [q.predicted_step_s if rank_by is None else float(rank_by(q)) for q in plans]
     fastest = min(steps)
-    simplest = next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + tolerance)).strategy
-    family = [(q, step) for q, step in zip(plans, steps) if q.strategy == simplest]
+    simplest = form(next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + tolerance)).strategy)
+    family = [(q, step) for q, step in zip(plans, steps) if form(q.strategy) is simplest]
     cheapest = min(step for _, step in family)
     return next(q for q, step in family if step <= cheapest * (1.0 + REL_TOL))
 
