@@ -177,6 +177,13 @@ class Decision:
                 f"best {self.new_kind} {self.new_step_s * 1e3:.1f} ms/step, migration ~{self.migrate_s:.2f} s "
                 f"over {self.horizon_steps} steps: {'SWITCH' if self.switch else 'keep'} ({self.reason})")
 
+    def as_event(self) -> dict[str, Any]:
+        """The decision's numbers as the adaptive module's ``events`` keep them (plain data)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in (
+            "switch", "reason", "keep_step_s", "new_step_s", "migrate_s", "horizon_steps", "replan_s", "old_kind",
+            "new_kind")}
+        return {**out, "factors": list(self.factors), "link_factor": self.link_factor}
+
 
 def plan_kind(plan: Plan) -> str:
     """A short name of a plan: its form, stages and splits (its form's ``label``)."""

@@ -6,11 +6,11 @@ Per :meth:`AdaptiveModule.step`:
    between, so no gradient is lost): :func:`fxpar.adapt.switch.switch_module`;
 2. under emulation with a :class:`~fxpar.adapt.speeds.SpeedTimeline`, the rank's emulator takes
    the timeline's speed for this step (the plan never sees it);
-3. the current module's ``step``; the rank records its busy time this step (the module clock's
-   ``busy_total_s`` difference), its wall time and its last optimizer step's time (hooks of the
-   tracked optimizer); every ``DetectorSettings.gather_every`` steps one small all-gather shares
-   the records since the last (on the rank's device), and every rank reads them in step order
-   (every step while the detector suspects a change, :meth:`~fxpar.adapt.speeds.SpeedDetector.suspects`):
+3. the current module's ``step``; the rank records its busy, wall and last optimizer step's
+   seconds (hooks of the tracked optimizer; :mod:`fxpar.adapt.records`); every
+   ``DetectorSettings.gather_every`` steps (every step while the detector suspects a change,
+   :meth:`~fxpar.adapt.speeds.SpeedDetector.suspects`) one small all-gather shares them, and
+   every rank reads them in step order:
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves on a
    thread while every rank trains on (the ranks then gather every step), and every rank receives
@@ -46,7 +46,6 @@ Per :meth:`AdaptiveModule.step`:
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, replace
 from collections.abc import Callable, Sequence
@@ -58,6 +57,7 @@ import torch.distributed as dist
 from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.pending import PendingSwitch
 from fxpar.adapt.prepare import Preparation, prepare_pipeline_export, preparation_fits
+from fxpar.adapt.records import GatheredStep, StepRecords
 from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
@@ -114,15 +114,9 @@ class AdaptiveModule(torch.nn.Module):
         self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
         self._measured_at_detection: MeasuredStep | None = None            # ... and the step it measured
         self._replan_wall_s = 0.0
-        self._last_busy = self._clock_busy()
-        self._last_comm = self._clock_comm()
+        self.records = StepRecords(self.world, device, module.clock)   # what every rank measured (3)
         self.link, self._plan_link = 1.0, 1.0   # the links' factor believed now, and when the plan started
-        self.last_step_s: list[float] = []
         self.last_comm_s: dict[str, float] = {}   # the last read step's collectives per kind (least-waiting rank)
-        self.last_busy_s: list[float] = []
-        self._opt_start, self._opt_s = 0.0, 0.0   # the tracked optimizer's last step
-        self._records: list[list[float]] = []      # this rank's (busy, wall, optimizer, comm...) not yet shared
-        self._measured: list[MeasuredStep] = []    # the current plan's last steps, all ranks
         #: after a switch: the plan it left and the step measured before it (module docstring, 5)
         self._trial: tuple[Plan, float] | None = None
         #: ``step -> busy seconds`` of this rank; None (default): measured, from the module's clock
@@ -148,15 +142,12 @@ class AdaptiveModule(torch.nn.Module):
         check_movable(optimizer)
         if self.optimizer is not optimizer:
             self.optimizer = optimizer
-            optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self._optimizer_started())
+            optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.records.optimizer_started())
             optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self._optimizer_done())
         return optimizer
 
-    def _optimizer_started(self) -> None:
-        self._opt_start = time.perf_counter()
-
     def _optimizer_done(self) -> None:
-        self._opt_s = time.perf_counter() - self._opt_start
+        self.records.optimizer_done()
         self.apply_pending()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,7 +180,8 @@ class AdaptiveModule(torch.nn.Module):
         if plan.world_size != self.world:
             raise ConfigError(f"switch_to: the plan has {plan.world_size} ranks, this job {self.world}")
         check_movable_everywhere(self.optimizer, self.world)
-        self._set_pending(plan, "switch", due_now=wait, measured_before=self._measured_step())
+        self._set_pending(plan, "switch", due_now=wait,
+                          measured_before=self.records.median(self.options.detector.min_steps))
 
     def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool,
                      measured_before: MeasuredStep | None = None, expected_step_s: float | None = None) -> None:
@@ -230,20 +222,16 @@ class AdaptiveModule(torch.nn.Module):
         start = time.perf_counter()
         loss = self.module.step(batch, local=local)
         wall = time.perf_counter() - start
-        busy, comm = self._clock_busy(), self._clock_comm()
-        mine, self._last_busy = busy - self._last_busy, busy
-        comm_step, self._last_comm = [c - c0 for c, c0 in zip(comm, self._last_comm)], comm
-        if self.measure_busy is not None:
-            mine = float(self.measure_busy(self.steps))
         if self.measure_wall is not None:
             wall = float(self.measure_wall(self.steps, self.plan))
-        self._records.append([mine, wall, self._opt_s, *comm_step])
+        busy = None if self.measure_busy is None else self.measure_busy(self.steps)
+        self.records.record(self.module.clock, wall, busy)
         self.steps += 1
         # every step while a change may be starting, a decision is in flight or a switch's module
         # is prepared: a change is read at the step it becomes persistent, the decision at the
         # first step after it is made, the switch commits at the first step after every rank's
         # module is built (module docstring, 3, 4 and 6)
-        if (len(self._records) >= self.options.detector.gather_every or self.detector.suspects()
+        if (self.records.unshared >= self.options.detector.gather_every or self.detector.suspects()
                 or self._deciding is not None or self.pending.preparation is not None):
             steps, decided = self._gather_records()
             self._read(steps)
@@ -251,21 +239,19 @@ class AdaptiveModule(torch.nn.Module):
                 self._receive_decision()
         return loss
 
-    def _read(self, steps: Sequence[tuple[list[float], ...]]) -> None:
+    def _read(self, steps: Sequence[GatheredStep]) -> None:
         """Every rank's (busy, wall, optimizer, collectives per kind) of each step since the last
         gather, in step order: the rollback check, then the detector; a decision ends the
         reading (the steps after it ran the plan the decision was about)."""
-        for i, (busy, walls, optimizer, *comm) in enumerate(steps):   # (no detection while deciding)
+        keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
+        for i, step in enumerate(steps):   # (no detection while deciding)
+            busy, _walls, _optimizer, *comm = step
             self.last_comm_s = {kind: min(per_rank) for kind, per_rank in zip(COLLECTIVE_KINDS, comm)}
             self._read_step = self.steps - len(steps) + i   # the step these numbers are of
-            self.last_busy_s, self.last_step_s = busy, walls
-            self._measured.append(MeasuredStep(step_s=max(w + o for w, o in zip(walls, optimizer)),
-                                               compute_s=max(b + o for b, o in zip(busy, optimizer))))
-            keep = max(self.options.detector.min_steps, self.options.detector.calibration_steps)
-            del self._measured[:-keep]   # only the last steps are read: bounded on a long run
+            measured = self.records.measure(step, keep)
             if self._deciding is not None or self.pending.plan is not None:
                 continue
-            factors = self.detector.observe(busy, self._measured[-1].step_s, sum(self.last_comm_s.values()))
+            factors = self.detector.observe(busy, measured.step_s, sum(self.last_comm_s.values()))
             if self._trial is not None and self.detector.reference is not None:
                 self._check_trial()
                 if self.pending.plan is not None:
@@ -274,56 +260,23 @@ class AdaptiveModule(torch.nn.Module):
                 self._consider(factors)
                 return
 
-    def _clock_comm(self) -> list[float]:
-        """Host seconds in collectives per kind (:data:`COLLECTIVE_KINDS`) since the module was built."""
-        totals = self.module.clock.comm_total_s
-        return [float(totals.get(kind, 0.0)) for kind in COLLECTIVE_KINDS]
-
-    def _clock_busy(self) -> float:
-        """Busy seconds of the current module since it was built (its clock: on a GPU the CUDA
-        events the device has finished, read without a sync)."""
-        return float(self.module.clock.device_busy_s(wait=False))
-
-    def _gather(self, values: list[float]) -> tuple[list[float], list[float]]:
-        """Every rank's ``values`` (two numbers), as two per-rank lists."""
-        rows = self._all_gather([values])
-        return [r[0][0] for r in rows], [r[0][1] for r in rows]
-
-    def _all_gather(self, rows: list[list[float]]) -> list[list[list[float]]]:
-        """Every rank's ``rows`` (the same number on every rank), per rank: one collective."""
-        if self.world == 1:
-            return [rows]
-        mine = torch.tensor(rows, dtype=torch.float64, device=self.device)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine)
-        return [t.tolist() for t in out]
-
-    def _gather_records(self) -> tuple[list[tuple[list[float], ...]], bool]:
-        """The records since the last gather, per step: (busy, wall, optimizer, then each
-        collective kind's seconds) of every rank; and whether rank 0's decision in flight is
-        made (a flag in its rows: every rank learns it at this same step)."""
+    def _gather_records(self) -> tuple[list[GatheredStep], bool]:
+        """The records since the last gather, per step (:class:`~fxpar.adapt.records.StepRecords`);
+        and whether rank 0's decision in flight is made (a flag in its rows: every rank learns it
+        at this same step).  Each rank's preparation flag rides along (:class:`PendingSwitch`)."""
         decided = float(self.rank == 0 and self._deciding is not None and self._deciding.done())
-        prepared = self.pending.done_flag()
-        per_rank, self._records = self._all_gather([[*row, decided, prepared] for row in self._records]), []
-        width = len(per_rank[0][0]) - 2
-        steps = [tuple([rows[i][j] for rows in per_rank] for j in range(width)) for i in range(len(per_rank[0]))]
-        self.pending.read_flags([rows[0][-1] for rows in per_rank])
-        return steps, self._deciding is not None and per_rank[0][0][-2] == 1.0
-
-    def _measured_step(self) -> MeasuredStep | None:
-        """The running plan's step over the detector's last ``min_steps`` steps (medians)."""
-        recent = self._measured[-self.options.detector.min_steps:]
-        if not recent:
-            return None
-        return MeasuredStep(step_s=statistics.median(m.step_s for m in recent),
-                            compute_s=statistics.median(m.compute_s for m in recent))
+        steps, (decided_flags, prepared_flags) = self.records.gather([decided, self.pending.done_flag()])
+        self.pending.read_flags(prepared_flags)
+        return steps, self._deciding is not None and decided_flags[0] == 1.0
 
     def _check_trial(self) -> None:
         """The rollback rule (module docstring, 5), once the new plan's calibration is done."""
         assert self._trial is not None
         before, before_s = self._trial
         self._trial = None
-        now_s = statistics.median(m.step_s for m in self._measured[-self.options.detector.calibration_steps:])
+        calibrated = self.records.median(self.options.detector.calibration_steps)
+        assert calibrated is not None   # the detector calibrated on these steps
+        now_s = calibrated.step_s
         slower = now_s > (1 + self.options.policy.min_gain) * before_s
         self.events.append({"step": self._read_step, "kind": "trial", "plan": plan_kind(self.plan),
                             "measured_step_s": now_s, "step_before_s": before_s, "rolled_back": slower})
@@ -348,7 +301,7 @@ class AdaptiveModule(torch.nn.Module):
         last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
                           self.planning.first_build_s)
         # any error while deciding is a "keep" with its reason (Replanner.decision)
-        self._measured_at_detection = self._measured_step()
+        self._measured_at_detection = self.records.median(self.options.detector.min_steps)
         request = self.replanner.request(self.plan, list(self.derate), factors, link=self.link, build_s=last_build,
                                          measured=self._measured_at_detection,
                                          steps_left=None if total is None else max(total - self._read_step - 1, 1))
@@ -375,7 +328,7 @@ class AdaptiveModule(torch.nn.Module):
         stale = self.pending.plan is not None or self._switches != deciding.after_switches   # a switch came first
         if stale:
             decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
-        self.events.append({"step": deciding.detected_step, "kind": "decision", **_decision_dict(decision),
+        self.events.append({"step": deciding.detected_step, "kind": "decision", **decision.as_event(),
                             "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection,
                             "planned_in": deciding.where if self.rank == 0 else None})
         if self.options.verbose and self.rank == 0:
@@ -386,7 +339,7 @@ class AdaptiveModule(torch.nn.Module):
                           measured_before=self._measured_at_detection, expected_step_s=decision.new_step_s)
         if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
-            self._measured = []   # the steps since this decision measure the plan at these speeds
+            self.records.measured = []   # the steps since this decision measure the plan at these speeds
 
     def _refuse(self, plan: Plan, kind: str, exc: SwitchRefused) -> None:
         """A switch refused on every rank before anything moved (:class:`SwitchRefused`: its
@@ -417,12 +370,11 @@ class AdaptiveModule(torch.nn.Module):
         self.module.emulator.speed = hardware   # the device is the same: the plan's (derated) speed must not change it
         self._set_pending(None, "switch", due_now=False)
         self._switches += 1
-        self._last_busy, self._last_comm = self._clock_busy(), self._clock_comm()   # the new module's clock
         self._plan_derate, self._plan_link = list(self.derate), self.link
         self.detector.restart(link_cap=1.0 / self._plan_link)   # a slow link may recover from here
-        self._measured, self._records = [], []
+        self.records.start(self.module.clock)   # the new module's clock; nothing of the old plan's counts
         self._trial = (old_plan, measured_before) if kind == "switch" and measured_before is not None else None
-        slowest = self._gather([report.migrate_s, float(report.stats.received_bytes)])
+        slowest = self.records.per_rank([report.migrate_s, float(report.stats.received_bytes)])
         # migrate_s: everything between the last old step and the first new one: the re-plan
         # (every rank waited for it), the new module's build and the state's move
         event = {"step": self.steps, "kind": kind, "from": old_kind, "to": plan_kind(plan),
@@ -445,11 +397,3 @@ def _expected(plan: Plan, expected_s: float | None) -> str:
     if expected_s is None or abs(expected_s - plan.predicted_step_s) <= 1e-4 * plan.predicted_step_s:
         return said
     return f"{said}, {expected_s * 1e3:.1f} re-priced by the last plan's error"
-
-
-def _decision_dict(decision: Decision) -> dict[str, Any]:
-    out = {k: getattr(decision, k) for k in ("switch", "reason", "keep_step_s", "new_step_s", "migrate_s",
-                                             "horizon_steps", "replan_s", "old_kind", "new_kind")}
-    out["factors"] = list(decision.factors)
-    out["link_factor"] = decision.link_factor
-    return out

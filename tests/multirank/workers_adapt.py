@@ -661,7 +661,7 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
                     strategies=["data_parallel"], adapt=options)
     gathered: list[int] = []
     suspected: list[bool] = []   # at each gather: a change suspected, or a decision in flight
-    all_gather = pm._all_gather
+    all_gather = pm.records.all_gather
 
     def recording(rows: list[list[float]]) -> list[list[list[float]]]:
         detector = pm.detector
@@ -669,7 +669,7 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
         gathered.append(pm.steps)
         return all_gather(rows)
 
-    pm._all_gather = recording
+    pm.records.all_gather = recording
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     for _ in range(steps):
         pm.step(data)
