@@ -199,8 +199,9 @@ class AdaptiveModule(torch.nn.Module):
                                      expected_step_s=expected_step_s)
 
     def apply_pending(self) -> bool:
-        """Switch now if a switch is due (call after the optimizer step, before the next batch's
-        rows are read: the Trainer callback does); whether it switched."""
+        """Switch now if due (call after the optimizer step, before the next batch's rows are read:
+        the Trainer callback does), after the exports a preparation handed over; whether it switched."""
+        self.pending.serve()
         if not self.pending.due:
             return False
         assert self.pending.plan is not None

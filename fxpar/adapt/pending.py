@@ -38,6 +38,12 @@ class PendingSwitch:
         """Whether the switch runs at the next step boundary (module docstring)."""
         return self.plan is not None and (self.preparation is None or self.due_now or self.prepared_everywhere)
 
+    def serve(self) -> None:
+        """Run the exports its preparation handed to this, the training, thread (between steps:
+        :mod:`fxpar.adapt.prepare`, "Exports on the training thread")."""
+        if self.preparation is not None:
+            self.preparation.serve()
+
     def done_flag(self) -> float:
         """This rank's flag for the records gather: 1.0 once its preparation is done."""
         return float(self.preparation is not None and self.preparation.done())

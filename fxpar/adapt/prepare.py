@@ -18,6 +18,12 @@ plan's steps: :func:`preparation_fits` allows it in the background only where ev
 predicted peak under the old plan plus the parameters of its stages in the new plan fits its
 memory; elsewhere the build runs at the switch.
 
+**Exports on the training thread.**  ``torch.export`` sets process-wide state while it traces
+(:mod:`fxpar.tracing.export`, "One thread exports"), so the thread never exports: it hands each
+export to a :class:`MainThreadCalls`, which the training thread :meth:`~Preparation.serve`\ s at the
+start of each step and while it waits for the build.  An export then delays one step by its
+length, as at the switch; the rest of the build overlaps the steps.
+
 **The interpreter lock.**  The build is Python: while the old plan's thread computes, each time
 it leaves the lock for an operator the builder may take it, and the computing thread gets it
 back only when the interpreter's switch interval (5 ms by default) makes the builder drop it.
@@ -28,9 +34,11 @@ plan's thread waits at most that long each time (``benchmarks/switch_prepare.py`
 from __future__ import annotations
 
 import copy
+import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +56,7 @@ from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.group_lifetime import release_owned
 from fxpar.runtime.precision import AUTOCAST_DTYPES
+from fxpar.tracing.export import exports_run_by
 
 
 def meta_template(model: torch.nn.Module) -> torch.nn.Module:
@@ -119,6 +128,46 @@ def prepare(template: torch.nn.Module, plan: Plan, rank: int, example_inputs: An
 PREPARING_SWITCH_INTERVAL_S: float | None = 1e-4
 
 
+class MainThreadCalls:
+    """Calls a helper thread hands to the main thread (module docstring, "Exports on the training
+    thread"): :meth:`call` on the helper waits until the main thread's :meth:`serve` has run it."""
+
+    #: how often a waiting helper looks whether the main thread still runs (an interpreter that
+    #: exits without serving would otherwise wait for the helper, which waits for it)
+    POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run by the main thread (from the helper thread); its exception re-raised here."""
+        outcome: list[Any] = []
+        ran = threading.Event()
+        self._calls.put((fn, outcome, ran))
+        while not ran.wait(self.POLL_S):
+            if not threading.main_thread().is_alive():
+                raise RuntimeError("the main thread ended before it ran the preparation's export")
+        ok, value = outcome
+        if not ok:
+            raise value
+        return value
+
+    def serve(self) -> int:
+        """Run every call handed so far (on the main thread); returns how many ran."""
+        served = 0
+        while True:
+            try:
+                fn, outcome, ran = self._calls.get_nowait()
+            except queue.Empty:
+                return served
+            try:
+                outcome.extend((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 -- the helper that asked re-raises it
+                outcome.extend((False, exc))
+            ran.set()
+            served += 1
+
+
 @dataclass(eq=False)
 class Preparation:
     """:func:`prepare` on a thread of its own while the old plan trains (module docstring,
@@ -131,6 +180,7 @@ class Preparation:
     device: torch.device
     build_options: dict[str, Any]
     _result: list[Prepared] = field(default_factory=list)
+    _main: MainThreadCalls = field(default_factory=MainThreadCalls)
 
     def __post_init__(self) -> None:
         # not a daemon: a job that ends while a module is prepared waits for it at exit; a daemon
@@ -146,8 +196,9 @@ class Preparation:
         try:
             if self.device.type == "cuda":   # the current device is per thread
                 torch.cuda.set_device(self.device)
-            prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device,
-                               self.build_options)
+            with exports_run_by(self._main.call):
+                prepared = prepare(self.template, self.plan, self.rank, self.example_inputs, self.device,
+                                   self.build_options)
         except BaseException as exc:  # noqa: BLE001 -- a thread that ends without a result would leave the switch pending
             prepared = Prepared(self.plan, None, (f"{type(exc).__name__}: {str(exc)[:300]}", False))
         finally:
@@ -158,9 +209,16 @@ class Preparation:
     def done(self) -> bool:
         return bool(self._result)
 
+    def serve(self) -> int:
+        """Run the exports the build has handed to this (the training) thread so far (module
+        docstring); returns how many ran."""
+        return self._main.serve()
+
     def result(self) -> Prepared:
-        """The prepared module (waits for the thread)."""
-        self._thread.join()
+        """The prepared module (waits for the thread, running the exports it hands over)."""
+        while self._thread.is_alive():
+            self.serve()
+            self._thread.join(MainThreadCalls.POLL_S / 10)
         return self._result[0]
 
     def discard(self) -> None:

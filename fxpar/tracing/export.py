@@ -2,18 +2,32 @@
 keyword inputs on the model's device (``use_cache=False`` for HF models), the export itself with
 its noise kept out, and every failure one :class:`~fxpar.errors.TraceError` that says where the
 model's code failed and what may help.  :mod:`fxpar.tracing.trace` annotates the program;
-:mod:`fxpar.tracing.recorded` records a model this cannot export."""
+:mod:`fxpar.tracing.recorded` records a model this cannot export.
+
+**One thread exports.**  ``torch.export`` sets process-wide state while it traces, not
+per-thread state: ``torch.compiler.is_compiling()`` reads one flag, and a non-strict export
+patches ``torch.nn.Module.__call__`` for every thread.  Code on another thread that runs a model
+meanwhile runs it as if compiled: transformers' compile-aware context variables (its output
+capture, the ``kernels`` package's per-instance function wrappers) switch to one global slot
+shared by both threads, and with transformers 5.25 / kernels 0.19 a training step raised
+``TypeError: expected an instance of Token`` while a switch's module was prepared on a thread.
+A thread that must not export (:class:`fxpar.adapt.prepare.Preparation`) sets a runner with
+:func:`exports_run_by`; every function that exports, or sets the thread-local state an export
+runs under (autocast, a torch-function mode), is marked :func:`on_the_exporting_thread` and is
+handed to that runner, which runs it on the thread that trains, between its steps."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import logging
 import sys
+import threading
 import traceback
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +35,35 @@ from fxpar.errors import TraceError
 from fxpar.tracing.export_settings import export_ready
 
 ExampleInputs = Mapping[str, Any] | tuple[Any, ...] | list[Any] | torch.Tensor
+T = TypeVar("T")
+Runner = Callable[[Callable[[], Any]], Any]
+
+_RUNNER = threading.local()   # .run: this thread's runner (module docstring, "One thread exports")
+
+
+@contextlib.contextmanager
+def exports_run_by(runner: Runner) -> Iterator[None]:
+    """Within the block, this thread's calls of functions marked :func:`on_the_exporting_thread`
+    are ``runner(call)``: a runner that runs ``call`` on the thread that may export and returns
+    its result (or raises its exception)."""
+    before = getattr(_RUNNER, "run", None)
+    _RUNNER.run = runner
+    try:
+        yield
+    finally:
+        _RUNNER.run = before
+
+
+def on_the_exporting_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """Mark ``fn`` as one that exports (module docstring): on a thread with a runner
+    (:func:`exports_run_by`) it is handed to the runner whole; elsewhere it runs where called."""
+    @functools.wraps(fn)
+    def handed(*args: Any, **kwargs: Any) -> T:
+        runner = getattr(_RUNNER, "run", None)
+        if runner is None:
+            return fn(*args, **kwargs)
+        return runner(functools.partial(fn, *args, **kwargs))
+    return handed
 
 
 def split_inputs(model: torch.nn.Module, example_inputs: ExampleInputs | None
@@ -79,6 +122,7 @@ def on_device(inputs: Any, device: torch.device | None) -> Any:
 _NOISY_LOGGERS: tuple[str, ...] = ("torch.fx.experimental.symbolic_shapes", "torch._export")
 
 
+@on_the_exporting_thread
 def export_program(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    dynamic_shapes: dict[str, Any] | None = None):
     quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS]

@@ -21,10 +21,11 @@ from torch.overrides import TorchFunctionMode
 from fxpar.compat import is_tensor_metadata_assert
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
-from fxpar.tracing.export import export_program, model_device
+from fxpar.tracing.export import export_program, model_device, on_the_exporting_thread
 from fxpar.tracing.grad_paths import lost_gradients
 
 
+@on_the_exporting_thread   # its autocast and torch-function mode are the thread's own
 def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: torch.dtype | None, *,
                        dynamic_shapes: dict[str, Any] | None = None) -> tuple[torch.fx.GraphModule, str]:
     """``model`` exported on ``kwargs`` (``use_cache=False`` added for HF models) under
