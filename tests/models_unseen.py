@@ -4,7 +4,7 @@
 - :class:`LoopMoEForCausalLM` (named as remote-code causal LMs are, which is how fxpar knows its
   loss shifts the labels): a decoder whose MoE layer loops over the experts the batch hits
   (``for e in top.unique().tolist()``, ``nonzero``) — the data-dependent dispatch that keeps
-  dbrx, jetmoe or longcat_flash from exporting; ``torch.export`` fails on it, so fxpar records it.
+  dbrx, jetmoe or longcat_flash (its eager experts) from exporting; ``torch.export`` fails on it, so fxpar records it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ The quick tier checks the analysis and the codegen pieces; the full tier runs th
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ from benchmarks.zoo import build
 from fxpar.codegen.tensor.aliases import copies, merge_copies
 from fxpar.codegen.tensor.experts import slice_expert_columns
 from fxpar.codegen.tensor.block_split import block_shares
-from fxpar.codegen.tensor.families import split_units
+from fxpar.codegen.tensor.families import _expert_columns, split_units
 from fxpar.codegen.tensor.shard import _localize_blocks
 from fxpar.errors import PlanError
 from fxpar.tracing.analyze_model import analyze_model
@@ -109,6 +111,38 @@ def test_experts_with_biases_and_interleaved_gate_up():
     assert experts.down_proj_bias.shape == db.shape
 
 
+class _Experts(torch.nn.Module):
+    """Fused experts' weights, ``(E, 2I, H)`` and ``(E, H, I)``, and a config naming how they run."""
+
+    def __init__(self, columns: int, dtype: torch.dtype, implementation: str) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 2 * columns, 8, dtype=dtype))
+        self.down_proj = torch.nn.Parameter(torch.zeros(2, 8, columns, dtype=dtype))
+        self.config = types.SimpleNamespace(_experts_implementation=implementation)
+
+
+def test_expert_columns_are_split_in_multiples_of_16_bytes_where_they_run_grouped_mm():
+    # fp32: 20 columns as 3:1 are 16 + 4 (multiples of 4 floats), not 15 + 5 (60-byte rows)
+    assert _expert_columns("e", _Experts(20, torch.float32, "grouped_mm"), 20, [3, 1]) == [16, 4]
+    assert _expert_columns("e", _Experts(20, torch.float32, "eager"), 20, [3, 1]) == [16, 4]
+    # bf16 needs multiples of 8: 20 columns cannot be split so; the loop runs any split
+    assert _expert_columns("e", _Experts(20, torch.bfloat16, "eager"), 20, [3, 1]) == [15, 5]
+    with pytest.raises(PlanError, match=r"the experts e: .*multiple of 8 \(16 bytes of torch.bfloat16\).*"
+                                        r"20 columns as \[3, 1\] are \[15, 5\].*experts_implementation='eager'"):
+        _expert_columns("e", _Experts(20, torch.bfloat16, "grouped_mm"), 20, [3, 1])
+
+
+def test_a_copy_holds_its_own_function_wrappers():
+    # kernels 0.19 gives each attention instance its own wrapper modules in a dict (_kernel_funcs):
+    # equal when they are copies, else not
+    model = build("zamba")
+    first, second = (layer.shared_transf.self_attn for layer in model.model.layers)
+    first.__dict__["_wrappers"], second.__dict__["_wrappers"] = {"f": torch.nn.ReLU()}, {"f": torch.nn.ReLU()}
+    assert copies(first, second)
+    second.__dict__["_wrappers"] = {"f": torch.nn.GELU()}
+    assert not copies(first, second)
+
+
 def test_copies_of_a_shared_block_become_one_module():
     model = build("zamba")
     first, second = (layer.shared_transf for layer in model.model.layers)
@@ -124,6 +158,9 @@ def test_copies_of_a_shared_block_become_one_module():
 @pytest.mark.full
 @pytest.mark.parametrize(("model_type", "overrides"), [
     ("dory", None), ("inkling_text", INKLING_UNIFORM), ("codegen", None), ("gpt_oss", None), ("zamba", None),
+    # its experts' default: one grouped_mm where transformers has it (5.25), which exports; their
+    # 20 columns as 3:1 then split 16 + 4, a multiple of 16 bytes each (families._expert_columns)
+    ("longcat_flash", None),
 ])
 def test_more_models_parity(pool2, model_type, overrides):
     check_tp_results(pool2.run(more_parity, model_type, [3, 1], overrides))

@@ -43,12 +43,12 @@ def recorded_parity(strategy: str, speeds: list[float], batch: int, seq: int) ->
             **step_record(loss, ref_loss, pairs, reference)}
 
 
-def searched_tp_parity(model_type: str) -> dict:
-    """One step of ``model_type``'s tiny zoo model under the best plan the pipeline search prices
-    with a stage two ranks wide (for a model that does not export, a tensor-parallel stage of
-    eager blocks from the recorded graph) vs one process: the stages' widths, the stage class
-    and :func:`tests.parity.step_record`."""
-    model = build(model_type)
+def searched_tp_parity(model_type: str, overrides: dict | None = None) -> dict:
+    """One step of ``model_type``'s tiny zoo model (``overrides``: of its config) under the best
+    plan the pipeline search prices with a stage two ranks wide (for a model that does not
+    export, a tensor-parallel stage of eager blocks from the recorded graph) vs one process: the
+    stages' widths, the stage class and :func:`tests.parity.step_record`."""
+    model = build(model_type, overrides=overrides)
     reference = copy.deepcopy(model)
     data = batch(model)
     cluster, workload = fxpar.Cluster.emulated([1.0, 1.0], one_node=True), Workload(global_batch=BATCH)

@@ -19,9 +19,18 @@ import torch
 _STRUCTURE = {"_parameters", "_buffers", "_modules"}
 
 
-def _equal(x: Any, y: Any) -> bool:
+def _equal(x: Any, y: Any, seen: set[tuple[int, int]]) -> bool:
+    """Equal state: tensors by value; modules held outside ``_modules`` as copies (the
+    ``kernels`` package's per-instance function wrappers, in a dict: ``_kernel_funcs``); dicts,
+    lists and tuples item by item; anything else by ``==``."""
     if x is y:
         return True
+    if isinstance(x, torch.nn.Module) or isinstance(y, torch.nn.Module):
+        return type(x) is type(y) and copies(x, y, seen)
+    if isinstance(x, dict) and type(x) is type(y):
+        return x.keys() == y.keys() and all(_equal(x[k], y[k], seen) for k in x)
+    if isinstance(x, (list, tuple)) and type(x) is type(y):
+        return len(x) == len(y) and all(_equal(a, b, seen) for a, b in zip(x, y))
     if torch.is_tensor(x) or torch.is_tensor(y):
         return torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and x.dtype == y.dtype \
             and x.device == y.device and bool(torch.equal(x, y))
@@ -31,21 +40,27 @@ def _equal(x: Any, y: Any) -> bool:
         return False
 
 
-def copies(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+def copies(a: torch.nn.Module, b: torch.nn.Module, seen: set[tuple[int, int]] | None = None) -> bool:
     """Whether ``b`` computes what ``a`` does (module docstring): one class, the same parameter
-    objects, equal buffers and attributes, copies of submodules; no parameters: not copies."""
+    objects, equal buffers and attributes, copies of submodules.  ``seen``: the pairs being
+    compared further up (a module that refers back to one of them is taken as equal there)."""
+    seen = set() if seen is None else seen
+    if (id(a), id(b)) in seen:
+        return True
+    seen.add((id(a), id(b)))
     if type(a) is not type(b) or a.__dict__.keys() != b.__dict__.keys():
         return False
     pa, pb = a._parameters, b._parameters
     if pa.keys() != pb.keys() or any(pa[k] is not pb[k] for k in pa):
         return False
-    if a._buffers.keys() != b._buffers.keys() or not all(_equal(a._buffers[k], b._buffers[k]) for k in a._buffers):
+    ba, bb = a._buffers, b._buffers
+    if ba.keys() != bb.keys() or not all(_equal(ba[k], bb[k], seen) for k in ba):
         return False
     ma, mb = a._modules, b._modules
-    if ma.keys() != mb.keys() or not all(x is y or (x is not None and y is not None and copies(x, y))
+    if ma.keys() != mb.keys() or not all(x is y or (x is not None and y is not None and copies(x, y, seen))
                                          for x, y in ((ma[k], mb[k]) for k in ma)):
         return False
-    return all(_equal(a.__dict__[k], b.__dict__[k]) for k in a.__dict__ if k not in _STRUCTURE)
+    return all(_equal(a.__dict__[k], b.__dict__[k], seen) for k in a.__dict__ if k not in _STRUCTURE)
 
 
 def _first_pair(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:

@@ -59,15 +59,39 @@ def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
     return [u * unit for u in out]
 
 
-def _columns(total: int, shares: Sequence[int]) -> list[int]:
-    """``total`` columns in proportion to ``shares``: multiples of 8 when ``total`` allows it
-    with a multiple for every rank (16 columns as 3:1 are 12 + 4, not 16 + 0)."""
-    sizes = split_sizes(total, shares, 8) if total % 8 == 0 else []
-    if not sizes or min(sizes) < 1:
-        sizes = split_sizes(total, shares)
-    if min(sizes) < 1:
-        raise PlanError(f"a split of {total} MLP columns as {list(shares)} leaves a rank without columns; "
-                        "give every rank a larger share")
+#: bytes each row of a grouped matrix multiply's operands must be a multiple of
+#: (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``, on the CPU and CUDA alike), which
+#: transformers' ``grouped_mm`` experts run: each rank's expert columns are sized to it
+GROUPED_MM_ALIGN_BYTES = 16
+
+
+def _columns(total: int, shares: Sequence[int], units: Sequence[int] = (8,)) -> list[int]:
+    """``total`` columns in proportion to ``shares``: multiples of the first of ``units`` that
+    divides ``total`` with a multiple for every rank (16 columns as 3:1 are 12 + 4, not 16 + 0),
+    else of 1."""
+    for unit in (*units, 1):
+        if total % unit == 0 and min(sizes := split_sizes(total, shares, unit)) >= 1:
+            return sizes
+    raise PlanError(f"a split of {total} MLP columns as {list(shares)} leaves a rank without columns; "
+                    "give every rank a larger share")
+
+
+def _expert_columns(name: str, m: torch.nn.Module, total: int, shares: Sequence[int]) -> list[int]:
+    """:func:`_columns` of the experts ``m`` (at ``name``), in multiples of
+    :data:`GROUPED_MM_ALIGN_BYTES` where the total allows it; experts that run transformers'
+    ``grouped_mm`` on a split that is not are refused (the kernel raises "strides should be
+    multiple of 16 bytes")."""
+    size = m.down_proj.element_size()
+    unit = max(1, GROUPED_MM_ALIGN_BYTES // size)
+    sizes = _columns(total, shares, (8, unit))
+    # the config's implementation name (transformers ``use_experts_implementation``)
+    grouped = getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
+    if grouped and any(n % unit for n in sizes):
+        raise PlanError(
+            f"tensor parallelism cannot split the experts {name}: they run transformers' grouped_mm, "
+            f"which needs each rank's columns to be a multiple of {unit} ({GROUPED_MM_ALIGN_BYTES} bytes of "
+            f"{m.down_proj.dtype}), and {total} columns as {list(shares)} are {sizes}; give shares that "
+            f"allow it, or build the model with experts_implementation='eager'")
     return sizes
 
 
@@ -220,7 +244,7 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
             # (E, 2I, H) / (E, H, I), or transposed (E, H, 2I) / (E, I, H) (Aria)
             gu, down = m.gate_up_proj.shape, m.down_proj.shape
             flip = gu[1] != 2 * down[2] and gu[2] == 2 * down[1]
-            lo, hi = _range(_columns(down[1] if flip else down[2], mlp), rank)
+            lo, hi = _range(_expert_columns(name, m, down[1] if flip else down[2], mlp), rank)
             slice_expert_columns(m, lo, hi, first)   # weights, biases; interleaved [g0, u0, …] too
             _copy_inputs(m, key, positions=(0, 2))  # hidden states and routing weights
             _reduce_output(m, key)
