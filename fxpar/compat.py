@@ -57,6 +57,11 @@ transformers (checked against 5.23):
   (``"sdpa"``, ``"eager"``, ...), after ``from_config`` resolved it (a class that cannot use
   SDPA falls back to eager, :func:`fxpar.tracing.hf.build_model`); transformers exposes it
   only under this name (:func:`attn_implementation`).
+- ``config._experts_implementation``: how fused experts run (``"grouped_mm"``, ``"eager"``,
+  ...; checked against 5.25, absent on LongCat-Flash's experts in 5.17); ``grouped_mm`` needs
+  16-byte rows, so tensor parallelism refuses splits that are not
+  (:func:`fxpar.codegen.tensor.families._expert_columns`); only under this name
+  (:func:`experts_implementation`).
 
 - ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees every
   aten op a forward dispatches (torch's own ``FlopCounterMode`` is one); fxpar records a model
@@ -209,6 +214,13 @@ def attn_implementation(model: Any) -> str | None:
     model without a HF config."""
     config = getattr(model, "config", None)
     value = getattr(config, "_attn_implementation", None) if config is not None else None
+    return str(value) if value is not None else None
+
+
+def experts_implementation(experts: Any) -> str | None:
+    """How the fused experts module ``experts`` runs (its HF config's choice), None where it
+    has no such config (a class without transformers' experts dispatch)."""
+    value = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     return str(value) if value is not None else None
 
 

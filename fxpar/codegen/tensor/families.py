@@ -42,7 +42,7 @@ from fxpar.codegen.tensor.head_bias import argument_keys, shard_head_biases
 from fxpar.codegen.tensor.aliases import merge_copies
 from fxpar.codegen.tensor.experts import place_expert_biases, slice_expert_columns
 from fxpar.codegen.tensor.shard import shard_attention, shard_mlp
-from fxpar.compat import mark_expert_parallel
+from fxpar.compat import experts_implementation, mark_expert_parallel
 from fxpar.errors import PlanError
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.analyze_model import analyze_model
@@ -84,9 +84,7 @@ def _expert_columns(name: str, m: torch.nn.Module, total: int, shares: Sequence[
     size = m.down_proj.element_size()
     unit = max(1, GROUPED_MM_ALIGN_BYTES // size)
     sizes = _columns(total, shares, (8, unit))
-    # the config's implementation name (transformers ``use_experts_implementation``)
-    grouped = getattr(getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"
-    if grouped and any(n % unit for n in sizes):
+    if experts_implementation(m) == "grouped_mm" and any(n % unit for n in sizes):
         raise PlanError(
             f"tensor parallelism cannot split the experts {name}: they run transformers' grouped_mm, "
             f"which needs each rank's columns to be a multiple of {unit} ({GROUPED_MM_ALIGN_BYTES} bytes of "
