@@ -29,7 +29,6 @@ from fxpar.codegen.pipeline.stage_setup import (
     micro_example,
     on_device,
     place_stages,
-    rank_clock,
     torch_stage,
     wants_checkpointing,
 )
@@ -48,7 +47,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
     """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step.  Made
     as the 1F1B module is (its ``__init__``); only :meth:`_build` differs."""
 
-    def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any], emulate: bool,
+    def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                source: Source | None) -> None:
         """This rank's stages (several, non-adjacent) and the multi-stage schedule."""
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -56,7 +55,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.layout = RankLayout(plan)  # the plan's checks passed its placement (check_interleaved)
         pipes = [list(self.layout.pipeline(p)) for p in range(plan.pipelines)]
         stage_rank = list(self.layout.stage_positions(0))
-        self._place_positions(plan, rank, emulate, pipes, stage_rank)
+        self._place_positions(plan, rank, pipes, stage_rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
         self._canonical, self._ties = canonical_names(model), tie_groups(model)
@@ -71,10 +70,9 @@ class InterleavedPipelineModule(PipelineParallelModule):
                     dist.broadcast(p.data, src=pipes[0][self.position], group=self.dp_group)
 
     # ---- set-up helpers -----------------------------------------------------------------
-    def _place_positions(self, plan: Plan, rank: int, emulate: bool, pipes: list[list[int]],
-                         stage_rank: list[int]) -> None:
+    def _place_positions(self, plan: Plan, rank: int, pipes: list[list[int]], stage_rank: list[int]) -> None:
         """This rank's pipeline, position and stages, its groups (a chain per pipeline, one per
-        position across the pipelines), its pipeline's chain and its speed clock."""
+        position across the pipelines) and its pipeline's chain."""
         S, place = len(plan.stages), self.layout.where(rank)
         self.pipeline_index, self.stage_indices = place.replica, list(place.stages)
         self.position = pipes[self.pipeline_index].index(rank)
@@ -88,7 +86,6 @@ class InterleavedPipelineModule(PipelineParallelModule):
         self.dp_group = groups.replica(self.stage_index, 0)
         self._stage_replicas = (self.layout.replica_group(self.stage_index, 0), self.dp_group)
         self.chain = [pipes[self.pipeline_index][stage_rank[j]] for j in range(S)]
-        self.emulator, self.clock = rank_clock(plan, rank, emulate, self.device)
 
     def _own_stages(self, model: torch.nn.Module, modules: list[Any], one: dict[str, Any],
                     source: Source | None) -> list[tuple[tuple, tuple]]:

@@ -61,7 +61,6 @@ from fxpar.codegen.pipeline.stage_setup import (
     micro_example,
     on_device,
     place_stages,
-    rank_clock,
     tp_shares,
     torch_stage,
     wants_checkpointing,
@@ -83,12 +82,11 @@ from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
-from fxpar.runtime.device import HOST, broadcast_state, plan_rank_device
+from fxpar.runtime.device import HOST, broadcast_state
 from fxpar.runtime.distributed import peer_failures
-from fxpar.runtime.loss_scale import scaler_for
-from fxpar.runtime.compile import CompileOptions, RegionalCompile
+from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.precision import AUTOCAST_DTYPES
-from fxpar.runtime.step_loop import LossWeighting, StepModule, check_loss_options
+from fxpar.runtime.step_loop import LossWeighting, StepModule
 from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
 
@@ -105,16 +103,16 @@ class PipelineParallelModule(FormModule, StepModule):
         super().__init__()
         check_form(type(self), plan)
         check_process_group()
-        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports)
-        self._build(model, plan, rank, example_inputs, emulate, source)
+        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports, emulate)
+        self._build(model, plan, rank, example_inputs, source)
 
-    def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any], emulate: bool,
+    def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                source: Source | None) -> None:
         """This rank's stage and its 1F1B or GPipe schedule (the set-up after :meth:`_begin`;
         the interleaved module builds its stages and multi-stage schedule instead)."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        self._place_rank(plan, rank, emulate)
+        self._place_rank(plan, rank)
         blocks = block_paths(model)
         one = micro_example(model, plan, rank, example_inputs)
         stage_of = self._cut(model, plan, blocks)
@@ -135,24 +133,21 @@ class PipelineParallelModule(FormModule, StepModule):
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _begin(self, model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None,
-               checkpoint: str | Path | None, loss_weighting: LossWeighting, exports: ExportCache | None) -> Source | None:
-        """First set-up step (both pipeline modules): the plan, rank, device, loss weighting
-        (``"auto"``: label tokens for HF models, else samples), loss scaler and the exports to cut
-        from (made once per running job: :class:`ExportCache`); returns the source of the values,
-        checked on every rank before any collective."""
-        check_loss_options(type(self).__name__, None, loss_weighting)
-        self._by_tokens = loss_weighting == "tokens" or (loss_weighting == "auto" and hasattr(model, "config"))
-        self.plan, self.rank = plan, rank
-        self.device = plan_rank_device(plan, rank, device)
+               checkpoint: str | Path | None, loss_weighting: LossWeighting, exports: ExportCache | None,
+               emulate: bool) -> Source | None:
+        """First set-up step (both pipeline modules): what the step loop reads, set as for every
+        form (:meth:`~fxpar.runtime.step_loop.StepModule._setup_step`: the plan, rank, device,
+        loss weighting, loss scaler, speed clock, causal or not, vocabulary), and the exports to
+        cut from (made once per running job: :class:`ExportCache`); returns the source of the
+        values, checked on every rank before any collective."""
+        self._setup_step(model, plan, rank, loss_fn=None, loss_weighting=loss_weighting, emulate=emulate, device=device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
-        self.loss_scaler = scaler_for(plan.dtype)
-        self.compiled: RegionalCompile | None = None   # the compiled stages (compile_regions)
         self._original, self._exports = [model], exports  # a list: not registered as a submodule (config, names)
         return source
 
-    def _place_rank(self, plan: Plan, rank: int, emulate: bool) -> None:
+    def _place_rank(self, plan: Plan, rank: int) -> None:
         """This rank's place in the layout (stage, pipeline, tensor-parallel position), its
-        groups, its pipeline's chain and its speed clock."""
+        groups and its pipeline's chain."""
         self.layout = RankLayout(plan)
         place = self.layout.where(rank)
         self.stage_index, self.pipeline_index, self.tp_position = place.stages[0], place.replica, place.position
@@ -164,7 +159,6 @@ class PipelineParallelModule(FormModule, StepModule):
         self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
         self.pipe_group = groups.pipeline
         self.chain = list(self.layout.chain(self.pipeline_index))
-        self.emulator, self.clock = rank_clock(plan, rank, emulate, self.device)
         self._link = (StageLink(self.tp_group, self.layout.lead(self.stage_index, self.pipeline_index), self.device)
                       if self.tp_width > 1 else None)
 
@@ -286,7 +280,8 @@ class PipelineParallelModule(FormModule, StepModule):
         fp16 loss scale divided out."""
         lo, hi = self._rows(local)
         losses: list[torch.Tensor] = []
-        weights = item_weights(batch, lo, hi, by_tokens=self._by_tokens, causal=self._causal, device=self.device,
+        weights = item_weights(batch, lo, hi, by_tokens=self.loss_weighting == "tokens", causal=self.causal,
+                               device=self.device,
                                sum_group=self.dp_group if local and self.plan.pipelines > 1 else None)  # n_i / N
         if train and self._replica_sum is not None:
             self._replica_sum.begin_step()
@@ -337,9 +332,6 @@ class PipelineParallelModule(FormModule, StepModule):
             modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low,
                                                    exports=None if self._sharded else self._exports)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        self._vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
-        self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         return modules
 
     def _position(self) -> str:
@@ -372,7 +364,7 @@ class PipelineParallelModule(FormModule, StepModule):
         expected = hi - lo if local else self.plan.global_batch
         size = self.plan.stages[0].data_split[self.pipeline_index] // max(1, self.plan.num_microbatches)
         check_pipeline_batch(batch, where, self.input_names, expected, local, self._input_specs,
-                             self._vocab_size, self._causal, size, (lo, hi))
+                             self._vocab_size, self.causal, size, (lo, hi))
 
     def compile_regions(self, options: CompileOptions) -> None:
         """Compile this rank's stages' compute (:func:`fxpar.codegen.pipeline.stage_setup.compile_stages`)."""

@@ -33,7 +33,6 @@ from fxpar.compat import pipeline_stage_class, set_stage_ranks
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan, StagePlan
 from fxpar.runtime.compile import CompileOptions, RegionalCompile
-from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 
 
 def check_process_group() -> None:
@@ -62,14 +61,6 @@ def on_device(values: Any, device: torch.device) -> Any:
     """Tensors in ``values`` (a tuple of example values) on ``device``: real ones moved, meta
     ones (a meta model's stage boundaries) as uninitialised tensors of their shape and flags."""
     return like_on(values, device)
-
-
-def rank_clock(plan: Plan, rank: int, emulate: bool, device: torch.device | None = None
-               ) -> tuple[SpeedEmulator, SegmentClock]:
-    """The rank's speed emulator (its plan speed when ``emulate`` and the plan is emulated, else
-    none) and the clock that stretches its compute segments (CUDA events on a GPU ``device``)."""
-    emulator = SpeedEmulator(plan.ranks[rank].speed if (emulate and plan.emulated) else 1.0)
-    return emulator, SegmentClock(emulator, device)
 
 
 def micro_example(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any]) -> dict[str, Any]:
