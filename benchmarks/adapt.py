@@ -35,6 +35,12 @@ re-priced by the running plan's error, :mod:`fxpar.adapt.decide`) against the st
 **measured**: the median of its steps from the third on, up to the next switch or the end of its
 phase (the straggler's, or the recovery's), a check of the decision on steps it never saw.
 
+**Where DP fits**, ``rebalance`` and ``adapt`` run in ``PAIRED_ROUNDS`` interleaved rounds (the
+order alternating; one with ``--quick``): arms run one after another, and this machine's pace
+drifted by up to 10% between them (the two arms' steps before the straggler, 2026-12-01 and -03),
+as much as the ≤ 1.05 the two are held to.  The row shows each arm's median round, and "adapt /
+DP rebalance" the median over the rounds of the two arms' ratio in the same round, with its range.
+
 **Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with
 adapting on and off, both modules in the same processes, stepping in alternating blocks of
 ``OVERHEAD_BLOCK`` steps (``OVERHEAD_PAIRS`` pairs per round, the first arm alternating; the
@@ -90,6 +96,8 @@ SETUPS = ((4, 2), (2, 1))
 #: :func:`fxpar.runtime.device.ranks_share_cores`)
 DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
+#: where DP fits, the rounds of the ``rebalance`` and ``adapt`` arms, interleaved (module docstring)
+PAIRED_ROUNDS = 3
 #: the elastic example's sleep per step (the node is lost while steps run)
 ELASTIC_DELAY_S = 0.1
 #: the overhead's runs: ranks, rounds (a fresh pair of modules each), pairs of blocks per round, steps per
@@ -273,17 +281,27 @@ def steps_lost(walls: list[float], start: int, first_new: int) -> float:
 
 
 def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, int, int],
-             slow_rank: int, model_name: str = SMALL) -> dict[str, Any]:
-    """Every arm of one scenario on the pool's ranks, summarised (the JSON's per-scenario keys)."""
+             slow_rank: int, model_name: str = SMALL, rounds_where_dp_fits: int = 1) -> dict[str, Any]:
+    """Every arm of one scenario on the pool's ranks, summarised (the JSON's per-scenario keys);
+    where DP fits, ``rebalance`` and ``adapt`` in ``rounds_where_dp_fits`` interleaved rounds
+    (:func:`_paired`)."""
     fits = dp_fits(memory_gib, pool.world_size, model_name)
     out: dict[str, Any] = {"scenario": name, "model": model_name, "ranks": pool.world_size, "slow_rank": slow_rank,
                            "memory_gib": memory_gib, "dp_fits": fits}
+    def run(arm: str, note: str = "") -> dict[str, Any]:
+        print(f"--- {name}: {arm}{note}", flush=True)
+        return _summary(_slowest(pool.run(arm_run, arm, memory_gib, phases, slow_rank, model_name)), phases)
+
     for arm in ("keep", "rebalance", "adapt", "adapt_at_switch", "fresh"):
         if (arm == "rebalance" and not fits) or (arm == "adapt_at_switch" and fits):
             out[arm] = None
-            continue
-        print(f"--- {name}: {arm}", flush=True)
-        out[arm] = _summary(_slowest(pool.run(arm_run, arm, memory_gib, phases, slow_rank, model_name)), phases)
+        elif arm == "rebalance":   # with "adapt", in interleaved rounds
+            rounds = [{a: run(a, f" (round {r + 1} of {rounds_where_dp_fits})")
+                       for a in (("rebalance", "adapt") if r % 2 == 0 else ("adapt", "rebalance"))}
+                      for r in range(rounds_where_dp_fits)]
+            out.update(_paired(rounds))
+        elif arm != "adapt" or not fits:
+            out[arm] = run(arm)
     out["keep_plan_step_s"] = out["keep"]["during_s"]
     out["rebalance_step_s"] = out["rebalance"]["during_s"] if out["rebalance"] else None
     out["adapt_step_s"] = out["adapt"]["during_s"]
@@ -294,6 +312,22 @@ def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, 
     return out
 
 
+def _paired(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The ``rebalance`` and ``adapt`` arms of interleaved rounds (module docstring, "Where DP
+    fits"): each arm's round with the median step while the straggler lasts (the lower middle of
+    an even count), and per round adapt's step over rebalance's in that round: their median and
+    range (the machine's drift between rounds cancels within one)."""
+    def median_round(arm: str) -> dict[str, Any]:
+        ordered = sorted((r[arm] for r in rounds), key=lambda a: a["during_s"])
+        return ordered[(len(ordered) - 1) // 2]
+
+    ratios = [r["adapt"]["during_s"] / r["rebalance"]["during_s"] for r in rounds]
+    return {"rebalance": median_round("rebalance"), "adapt": median_round("adapt"),
+            "adapt_over_rebalance": {"median": statistics.median(ratios), "rounds": ratios,
+                                     "during_s": {arm: [r[arm]["during_s"] for r in rounds]
+                                                  for arm in ("rebalance", "adapt")}}}
+
+
 def _row(s: dict[str, Any]) -> list[Any]:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:.0f}"
@@ -302,7 +336,7 @@ def _row(s: dict[str, Any]) -> list[Any]:
     return [s["scenario"], s.get("model", SMALL), s["ranks"], "yes" if s["dp_fits"] else "no", ms(s["keep"]["before_s"]), ms(s["keep_plan_step_s"]),
             ms(s["rebalance_step_s"]), ms(s["adapt_step_s"]), ms(s["fresh_plan_step_s"]),
             f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x", f"{s['adapt_step_s'] / s['fresh_plan_step_s']:.2f}",
-            ms(a["after_s"]),
+            _over_rebalance(s), ms(a["after_s"]),
             f"{s['detect_s']:.2f}" if s["detect_s"] is not None else "-",
             f"{s['replan_s']:.2f}" if s["replan_s"] is not None else "-",
             f"{s['migrate_s']:.2f} ({s['migrate_s'] / s['adapt_step_s']:.1f} steps)" if s["migrate_s"] is not None else "-",
@@ -311,6 +345,17 @@ def _row(s: dict[str, Any]) -> list[Any]:
             _prepared(a) + (f" (at the switch: {_lost(s['adapt_at_switch'])})" if s["adapt_at_switch"] else ""),
             f"{moved / 2**20:.2f} / {(s['state_bytes_per_rank'] or 0) / 2**20:.2f}",
             _expected_measured(a), "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
+
+
+def _over_rebalance(s: dict[str, Any]) -> str:
+    """adapt / DP rebalance: the median of the rounds' ratios with their range and count
+    (:func:`_paired`); "-" where DP does not fit."""
+    paired = s.get("adapt_over_rebalance")
+    if not paired:
+        return "-"
+    ratios = paired["rounds"]
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if len(ratios) > 1 else ""
+    return f"{paired['median']:.2f}{spread}"
 
 
 def _expected_measured(arm: dict[str, Any]) -> str:
@@ -372,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for world, slow_rank in SETUPS:
         with WorkerPool(world, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-            runs += [scenario(pool, "dp fits", 8.0, phases, slow_rank),
+            runs += [scenario(pool, "dp fits", 8.0, phases, slow_rank, rounds_where_dp_fits=1 if args.quick else PAIRED_ROUNDS),
                      scenario(pool, "dp does not fit", tight_cap(world, SMALL), phases, slow_rank)]
             if world == 2:
                 runs.append(scenario(pool, "dp does not fit", tight_cap(world, WIDE), phases, slow_rank, WIDE))
@@ -384,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{1e3 * cost['off_s']:.2f} ms; off's spread over rounds {cost['spread']:.3f})", flush=True)
     elastic = {"lost": _elastic(grow=False), "joined": _elastic(grow=True)}
     head = ["scenario", "model", "ranks", "DP fits", "before ms", "keep ms", "DP rebalance ms", "adapt ms", "fresh plan ms",
-            "keep / adapt", "adapt / fresh", "after ms", "detect s", "replan s", "migrate s (in steps)",
+            "keep / adapt", "adapt / fresh", "adapt / DP rebalance", "after ms", "detect s", "replan s", "migrate s (in steps)",
             "plan / build / move / commit ms", "steps lost per switch", "prepared", "MiB moved / held per rank", "expected / measured ms per switch", "switches"]
     caption = (f"Adapting while training ({' and '.join(MODELS)}, batch {BATCH}, seq {SEQ}, gloo CPU ranks on 2 cores, EMULATED "
                f"speeds): rank 2 of 4 (rank 1 of 2) slows to {SLOW_SPEED} at step {phases[0]} and recovers at step "

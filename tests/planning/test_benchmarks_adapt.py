@@ -3,7 +3,7 @@ table's cell that sets them against what the decision expected (no processes, no
 
 from __future__ import annotations
 
-from benchmarks.adapt import _expected_measured, _measured_after
+from benchmarks.adapt import _expected_measured, _measured_after, _over_rebalance, _paired
 
 PHASES = (20, 100, 120)   # slows at 20, recovers at 100, 120 steps
 
@@ -28,3 +28,24 @@ def test_the_cell_sets_each_switchs_expected_step_against_its_measured_one():
     arm = {"expected_measured_s": [(0.504, 0.490), (None, 0.232), (0.27, None)]}
     assert _expected_measured(arm) == "504 / 490, - / 232, 270 / -"
     assert _expected_measured({}) == "-"    # a result stored before the pair was recorded
+
+
+def test_interleaved_rounds_report_each_arms_median_round_and_the_median_of_the_paired_ratios():
+    def arm(during: float, tag: str) -> dict:
+        return {"during_s": during, "tag": tag}
+    # round 2 ran on a slower machine: both arms slower; the ratio in the round is what counts
+    rounds = [{"rebalance": arm(0.060, "r1"), "adapt": arm(0.063, "a1")},
+              {"adapt": arm(0.080, "a2"), "rebalance": arm(0.070, "r2")},
+              {"rebalance": arm(0.062, "r3"), "adapt": arm(0.062, "a3")}]
+    out = _paired(rounds)
+    assert (out["rebalance"]["tag"], out["adapt"]["tag"]) == ("r3", "a1")   # the median rounds
+    ratios = [0.063 / 0.060, 0.080 / 0.070, 1.0]
+    assert out["adapt_over_rebalance"]["rounds"] == ratios
+    assert out["adapt_over_rebalance"]["median"] == sorted(ratios)[1]
+    assert out["adapt_over_rebalance"]["during_s"]["adapt"] == [0.063, 0.080, 0.062]
+    assert _over_rebalance(out) == f"1.05 (1.00-{0.080 / 0.070:.2f}, 3 rounds)"
+    # one round: no range; DP does not fit: no pair
+    assert _over_rebalance(_paired(rounds[:1])) == "1.05"
+    assert _over_rebalance({"adapt_over_rebalance": None}) == "-"
+    # two rounds: the lower middle round
+    assert _paired(rounds[:2])["adapt"]["tag"] == "a1"
