@@ -98,8 +98,10 @@ DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
 #: where DP fits, the rounds of the ``rebalance`` and ``adapt`` arms, interleaved (module docstring)
 PAIRED_ROUNDS = 3
-#: the elastic example's sleep per step (the node is lost while steps run)
-ELASTIC_DELAY_S = 0.1
+#: the elastic example's sleep per step (the node is lost while steps run), and its steps: enough
+#: that the old job still trains when torchrun's agents act on the change (2.2-2.5 s after a node
+#: joined, 2026-12-04: with 14 steps, 8 of them after the join, the 3-node job had finished)
+ELASTIC_DELAY_S, ELASTIC_STEPS = 0.1, 30
 #: the overhead's runs: ranks, rounds (a fresh pair of modules each), pairs of blocks per round, steps per
 #: block (adapting gathers its records every 4 steps), warm-up steps per arm
 OVERHEAD_RANKS, OVERHEAD_ROUNDS, OVERHEAD_PAIRS, OVERHEAD_BLOCK, OVERHEAD_WARMUP = 2, 3, 40, 4, 5
@@ -388,7 +390,7 @@ def _elastic(*, grow: bool, tries: int = 2) -> dict[str, Any]:
     for _ in range(tries):
         with tempfile.TemporaryDirectory() as d:
             try:
-                run = run_elastic(Path(d), step_delay=ELASTIC_DELAY_S, grow=grow)
+                run = run_elastic(Path(d), steps=ELASTIC_STEPS, step_delay=ELASTIC_DELAY_S, grow=grow)
             except RuntimeError as exc:
                 why = str(exc)[:2000]
                 continue
