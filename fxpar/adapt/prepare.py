@@ -47,13 +47,14 @@ import torch
 from fxpar.build import build_module
 from fxpar.checkpoint.layout import Layout, describe
 from fxpar.checkpoint.reshard import Holding, holdings
-from fxpar.codegen.common.materialize import Uninitialised, to_meta
-from fxpar.codegen.pipeline.export import ExportCache, batch_dims
+from fxpar.codegen.common.materialize import Uninitialised, like_on, to_meta
+from fxpar.codegen.pipeline.export import ExportCache, batch_dims, host_stand_ins
 from fxpar.dtype_policy import ITEMSIZE
 from fxpar.errors import PlanError
 from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
+from fxpar.runtime.device import HOST
 from fxpar.runtime.group_lifetime import release_owned
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.tracing.export import exports_run_by
@@ -73,18 +74,23 @@ def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, expo
     (:mod:`fxpar.adapt.switch`, step 1): with a symbolic batch size
     (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a switch to a pipeline of any
     micro-batch size of 2 or more skips it.  Only where a family
-    among ``families`` cuts the model and the plans compute in fp32 (a low-precision pipeline
-    exports its stages on host stand-ins, outside the cache); an export that fails is left to the
+    among ``families`` cuts the model; a low-precision plan's export is made as its stages' is,
+    on host stand-ins under the host's autocast
+    (:func:`~fxpar.codegen.pipeline.export.host_stand_ins`).  An export that fails is left to the
     switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
-    if dtype in AUTOCAST_DTYPES or not isinstance(example_inputs, dict) or not any(
-            form(f).cuts_model for f in families):
+    if not isinstance(example_inputs, dict) or not any(form(f).cuts_model for f in families):
         return 0.0
     two = {k: (v[:2] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in example_inputs.items()}
     if batch_dims(two) is None:   # no one batch size to make symbolic: an export per shape, at the switch
         return 0.0
     start = time.perf_counter()
+    low, model = AUTOCAST_DTYPES.get(dtype), meta_template(template)
     try:
-        exports.exported(meta_template(template), to_meta(two), None)
+        if low is None:
+            exports.exported(model, to_meta(two), None)
+        else:
+            with host_stand_ins(model):
+                exports.exported(model, like_on(to_meta(two), HOST), low)
     except Exception:  # noqa: BLE001 -- the switch that needs it reports its failure, on every rank alike
         pass
     return time.perf_counter() - start

@@ -297,3 +297,33 @@ def test_a_built_stage_has_its_graph_code_generated_before_its_first_step(monkey
     assert first_forward(generate=False)[0] == 0
     lazy = first_forward(generate=False)[1]
     assert first_forward(generate=True) == (lazy, 0)
+
+
+def test_a_low_precision_pipeline_switch_cuts_the_export_made_when_adapting_starts():
+    """A bf16 plan's stages of a meta model are exported on host stand-ins, under the host's
+    autocast; the export made when adapting starts (``prepare_pipeline_export``) is the one the
+    later switches cut, as in fp32: two cuts at two micro-batch sizes export nothing more, and
+    each cut's stages hold the meta parameters of the template they were cut for, no stand-in
+    (its switch materialises them by name)."""
+    from fxpar.adapt.prepare import meta_template, prepare_pipeline_export
+    from fxpar.codegen.common.materialize import like_on, to_meta
+    from fxpar.codegen.pipeline.eager import cut_stages
+    from fxpar.codegen.pipeline.export import ExportCache, host_stand_ins, meta_stage_tensors
+    from fxpar.runtime.device import HOST
+    from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
+
+    model = build_model(ModelSpec(hf_config=_TRACED_MODELS["llama"]), device="cpu", seed=0,
+                        attn_implementation="eager").train()
+    data, cache = example_inputs(model, 8, 16, seed=1), ExportCache()
+    assert prepare_pipeline_export(model, data, cache, families=("pipeline",), dtype="bf16") > 0
+    assert cache.exports == 1 and [key[1] for key in cache._made] == [torch.bfloat16]
+    for rows, cuts in ((4, [0, 0, 1]), (2, [0, 1, 1])):
+        template = meta_template(model)
+        with host_stand_ins(template):
+            stages, _ = cut_stages(template, like_on(to_meta({k: v[:rows] for k, v in data.items()}), HOST), cuts, 2,
+                                   autocast=torch.bfloat16, exports=cache)
+        meta_stage_tensors(stages, template)
+        own = {id(p) for p in template.parameters()}
+        held = [t for s in stages for _, safe, t in s.named_tensors() if safe in s._parameters]
+        assert held and all(t.is_meta and id(t) in own for t in held), (rows, cuts)
+    assert cache.exports == 1

@@ -163,7 +163,7 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
         if k == steps:   # save under the last plan, resume under the first
             from fxpar.checkpoint import load_checkpoint, save_checkpoint
 
-            out["events"] = pm.events
+            out["events"], out["exports"] = pm.events, pm._build["exports"].exports
             save_checkpoint(pm, opt, checkpoint, step=k)
             pm = fxpar.auto(fresh, cluster, data[0], emulate=False, plan=start)
             opt = torch.optim.AdamW(pm.parameters(), lr=lr)
@@ -178,6 +178,7 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     ref_params = dict(reference.named_parameters())
     out.setdefault("events", getattr(pm, "events", []))
+    out.setdefault("exports", pm._build["exports"].exports)   # the job's export cache (fxpar.adapt.module): exports made
     out["switches"] = [{"step": e["step"], "to": e["to"], "sent": e["stats"]["sent_bytes"],
                         "received": e["stats"]["received_bytes"], "local": e["stats"]["local_bytes"],
                         "state_bytes": e["state_bytes"], "migrate_s": e["migrate_s"], "build_s": e["build_s"]}

@@ -96,8 +96,12 @@ class ExportCache:
     (the split and its stages are shape-generic; ``tests/multirank/test_pipeline_constants.py``
     chains stages cut at two sizes from one export to the model).  A model whose batch size does not export symbolically (and a
     micro-batch of 1) gets one export per shape, keyed by the inputs' names, shapes, dtypes and
-    devices and the precision.  A caller whose export depends on more (a stage sharded in place
-    for tensor parallelism, host stand-ins) does not use the cache."""
+    devices and the precision.  A low-precision plan's export of a meta model is made on host
+    stand-ins (:func:`host_stand_ins`; its inputs on the host, under the host's autocast): the
+    cache keeps it with the stand-ins it was traced with (address space, never written), and each
+    cut's stages get the meta tensors of the model they were cut for again
+    (:func:`meta_stage_tensors`).  A caller whose export depends on more (a stage sharded in place
+    for tensor parallelism) does not use the cache."""
 
     def __init__(self) -> None:
         self._made: dict[tuple, tuple[torch.fx.GraphModule, str]] = {}

@@ -323,14 +323,15 @@ class PipelineParallelModule(FormModule, StepModule):
         them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
         self._host_exported = low is not None and is_meta_model(model)
+        exports = None if self._sharded else self._exports   # a stage sharded in place exports its local shapes
         if self._host_exported:  # exported on host stand-ins (their docstring)
             with host_stand_ins(model):
                 modules, self.input_names = cut_stages(model, like_on(one, HOST), stage_of, len(self.plan.stages),
-                                                       autocast=low)
+                                                       autocast=low, exports=exports)
             meta_stage_tensors(modules, model)
-        else:   # a stage sharded in place exports its local shapes: not the cache's
+        else:
             modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low,
-                                                   exports=None if self._sharded else self._exports)
+                                                   exports=exports)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         return modules
 
