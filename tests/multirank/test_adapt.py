@@ -676,10 +676,16 @@ def test_records_are_gathered_every_step_from_a_suspected_change_to_its_decision
     from tests.multirank.workers_adapt import gathers_around_a_decision
 
     runs = pool2.run(gathers_around_a_decision, slow_at=15)
+    if any(e["kind"] == "decision" and e["step"] < 15 for e in runs[0]["events"]):
+        # host noise read as a change before the straggler (a loaded host; CI, 2026-12-04, found
+        # no decision after step 15 once): that run does not have the cadence this test reads
+        first = runs[0]["events"]
+        runs = pool2.run(gathers_around_a_decision, slow_at=15)
+        assert not any(e["kind"] == "decision" and e["step"] < 15 for e in runs[0]["events"]), (first, runs[0]["events"])
     assert runs[0]["gathered"] == runs[1]["gathered"], runs   # in lockstep
     gathered, events = runs[0]["gathered"], runs[0]["events"]
-    decision = next(e for e in events if e["kind"] == "decision" and e["step"] >= 15)
-    assert decision["switch"], decision
+    decision = next((e for e in events if e["kind"] == "decision" and e["step"] >= 15), None)
+    assert decision is not None and decision["switch"], (gathered, events)
     # before the straggler: every 4th step since the last gather, unless a change was suspected
     # or a decision was in flight (noise on a loaded host may be: CI saw gathers at 4, 8, 9, 10, 14)
     before = [(g, s) for g, s in zip(gathered, runs[0]["suspected"]) if g <= 15]
