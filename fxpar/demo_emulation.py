@@ -42,10 +42,11 @@ class HookClock:
     def before_collective(self) -> None:
         if not self.active:
             return
+        # stretched by its CPU time, as SegmentClock does (fxpar.runtime.emulation's docstring);
+        # the CPU clock read first, so its interval lies inside the wall interval
+        cpu = time.thread_time() - self._mark_cpu
         seg = time.perf_counter() - self._mark
         self.compute_s += seg
-        # stretched by its CPU time, as SegmentClock does (fxpar.runtime.emulation's docstring)
-        cpu = time.thread_time() - self._mark_cpu
         self.cpu_s += cpu
         self.emulation_s += self.emulator.stretch(cpu)
         self.collectives += 1

@@ -108,6 +108,14 @@ NORM_RTOL = (1 + GRAD_FLOOR) * GRAD_RTOL
 TRAJECTORY_RTOL = {"adamw": 2 * math.sqrt(GRAD_RTOL), "sgd": GRAD_RTOL}
 
 
+def cpu_within_wall(cpu_s: float, wall_s: float) -> bool:
+    """A thread's CPU time in a segment is no more than the segment's wall time.  The emulation
+    reads the CPU clock inside the wall clock's reads (``fxpar.runtime.emulation``), so only the
+    two clocks' rates differ: ``time.perf_counter`` (CLOCK_MONOTONIC) is slewed by NTP by at most
+    500 ppm, the thread CPU clock (the scheduler's clock) is not, and each reads to about 1 µs."""
+    return cpu_s <= wall_s * (1 + 5e-4) + 1e-6
+
+
 def grad_rtol(steps_before: int = 0, optimizer: str = "adamw") -> float:
     """The gradient rule's rtol for gradients taken after ``steps_before`` optimizer steps of
     both runs: :data:`GRAD_RTOL` when none (the same weights: only the arithmetic differs), else

@@ -148,7 +148,10 @@ class SegmentClock:
 
     def _close_segment(self) -> None:
         if self.active:
-            seg, cpu = time.perf_counter() - self._last, time.thread_time() - self._last_cpu
+            # the CPU clock is read first at the end as it is read last at the start
+            # (start, collective), so the CPU interval lies inside the wall interval
+            cpu = time.thread_time() - self._last_cpu
+            seg = time.perf_counter() - self._last
             slept = self.emulator.stretch(cpu)
             self.compute_s += seg
             self.cpu_s += cpu
