@@ -47,14 +47,13 @@ import torch
 from fxpar.build import build_module
 from fxpar.checkpoint.layout import Layout, describe
 from fxpar.checkpoint.reshard import Holding, holdings
-from fxpar.codegen.common.materialize import Uninitialised, like_on, to_meta
-from fxpar.codegen.pipeline.export import ExportCache, batch_dims, host_stand_ins
+from fxpar.codegen.common.materialize import Uninitialised, to_meta
+from fxpar.codegen.pipeline.export import ExportCache, batch_dims, stage_export_site
 from fxpar.dtype_policy import ITEMSIZE
 from fxpar.errors import PlanError
 from fxpar.forms import form
 from fxpar.plan import Plan
 from fxpar.runtime.contract import ParallelModule
-from fxpar.runtime.device import HOST
 from fxpar.runtime.group_lifetime import release_owned
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.tracing.export import exports_run_by
@@ -74,9 +73,8 @@ def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, expo
     (:mod:`fxpar.adapt.switch`, step 1): with a symbolic batch size
     (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a switch to a pipeline of any
     micro-batch size of 2 or more skips it.  Only where a family
-    among ``families`` cuts the model; a low-precision plan's export is made as its stages' is,
-    on host stand-ins under the host's autocast
-    (:func:`~fxpar.codegen.pipeline.export.host_stand_ins`).  An export that fails is left to the
+    among ``families`` cuts the model, where its stages' export is made
+    (:func:`~fxpar.codegen.pipeline.export.stage_export_site`).  An export that fails is left to the
     switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
     if not isinstance(example_inputs, dict) or not any(form(f).cuts_model for f in families):
         return 0.0
@@ -86,11 +84,8 @@ def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, expo
     start = time.perf_counter()
     low, model = AUTOCAST_DTYPES.get(dtype), meta_template(template)
     try:
-        if low is None:
-            exports.exported(model, to_meta(two), None)
-        else:
-            with host_stand_ins(model):
-                exports.exported(model, like_on(to_meta(two), HOST), low)
+        with stage_export_site(model, to_meta(two), low) as (inputs, _):
+            exports.exported(model, inputs, low)
     except Exception:  # noqa: BLE001 -- the switch that needs it reports its failure, on every rank alike
         pass
     return time.perf_counter() - start

@@ -18,7 +18,9 @@ from typing import Any, Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fxpar.compat import is_tensor_metadata_assert
+from fxpar.codegen.common.materialize import is_meta_model, like_on
+from fxpar.codegen.pipeline.tensor_stages import example_values
+from fxpar.compat import fake_host_mode, is_tensor_metadata_assert
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
 from fxpar.tracing.export import export_program, model_device, on_the_exporting_thread
@@ -290,6 +292,23 @@ def host_stand_ins(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def stage_export_site(model: torch.nn.Module, inputs: dict[str, Any],
+                      autocast: tuple[str, torch.dtype] | None) -> Iterator[tuple[dict[str, Any], bool]]:
+    """Where a pipeline's stages of ``model`` are exported, the one rule for a build
+    (:class:`~fxpar.codegen.pipeline.module.PipelineParallelModule`) and for the export made
+    when adapting starts (:func:`fxpar.adapt.prepare.prepare_pipeline_export`), so both key
+    the same :class:`ExportCache` entry: a low-precision (``autocast``) export of a meta model
+    runs on host stand-ins with the inputs on the host (:func:`host_stand_ins`), any other where
+    the model is.  Yields the inputs to export with, and whether they are host stand-ins (then
+    :func:`meta_stage_tensors` gives the cut stages the meta tensors again)."""
+    if autocast is None or not is_meta_model(model):
+        yield inputs, False
+        return
+    with host_stand_ins(model):
+        yield like_on(inputs, HOST), True
+
+
+@contextlib.contextmanager
 def stage_stand_ins(stages: Sequence[Any]) -> Iterator[None]:
     """While the block runs, every meta tensor of the stage modules is an unwritten host tensor
     (one per tensor), as :func:`host_stand_ins` does for the model."""
@@ -316,6 +335,16 @@ def meta_stage_tensors(stages: Sequence[Any], model: torch.nn.Module) -> None:
         for fqn, safe, t in stage.named_tensors():
             if fqn in meta and not t.is_meta:
                 stage._parameters[safe] = meta[fqn]
+
+
+def host_stand_in_boundaries(modules: Sequence[Any], inputs: tuple) -> tuple[tuple, tuple]:
+    """The last of ``modules``' example inputs and outputs where they were cut from an export on
+    host stand-ins (:func:`stage_export_site`): one pass over the chain on stand-ins of their
+    tensors (:func:`stage_stand_ins`) in fake mode (:func:`fxpar.compat.fake_host_mode`: nothing
+    is computed), given back as meta tensors."""
+    with stage_stand_ins(modules), fake_host_mode():
+        found = example_values(modules, like_on(inputs, HOST))[-1]
+    return tuple(tuple(shape_on_meta(t) for t in part) for part in found)
 
 
 def shape_on_meta(value: Any) -> Any:

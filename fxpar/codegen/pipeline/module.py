@@ -47,13 +47,15 @@ from fxpar.checkpoint.layout import LocalParam, counted_here
 from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.shards import shard_spec
-from fxpar.codegen.common.materialize import Source, is_meta_model, like_on, weights_source
+from fxpar.codegen.common.materialize import Source, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
 from fxpar.codegen.pipeline.stage_setup import compile_stages
 from fxpar.codegen.pipeline.replicas import broadcast_first_pipeline, owner_groups, summed_entries
 from fxpar.codegen.pipeline.batches import check_pipeline_batch, item_weights
 from fxpar.codegen.pipeline.eager import cut_stages
-from fxpar.codegen.pipeline.export import ExportCache, host_stand_ins, meta_stage_tensors, shape_on_meta, stage_stand_ins
+from fxpar.codegen.pipeline.export import (
+    ExportCache, host_stand_in_boundaries, meta_stage_tensors, stage_export_site,
+)
 from fxpar.codegen.pipeline.stage_setup import (
     check_process_group,
     check_tp_stages,
@@ -77,12 +79,11 @@ from fxpar.codegen.pipeline.tensor_stages import (
 )
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.codegen.tensor.shard import counted_gradient
-from fxpar.compat import fake_host_mode
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
-from fxpar.runtime.device import HOST, broadcast_state
+from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.precision import AUTOCAST_DTYPES
@@ -195,13 +196,12 @@ class PipelineParallelModule(FormModule, StepModule):
 
     def _boundaries(self, modules: list[Any], inputs: tuple) -> tuple[tuple, tuple]:
         """This rank's stage's example inputs and outputs: read from the export (its
-        ``traced_example``), else from a pass over the stages up to it; on host stand-ins for a
-        low-precision plan exported from a meta model, fake (:func:`fxpar.compat.fake_host_mode`)."""
-        if (own := modules[self.stage_index].traced_example) is not None or not self._host_exported:
-            return own if own is not None else example_values(modules[: self.stage_index + 1], inputs)[-1]
-        with stage_stand_ins(modules), fake_host_mode():
-            found = example_values(modules[: self.stage_index + 1], like_on(inputs, HOST))[-1]
-        return tuple(tuple(shape_on_meta(t) for t in part) for part in found)
+        ``traced_example``), else from a pass over the stages up to it (stages exported on host
+        stand-ins: :func:`~fxpar.codegen.pipeline.export.host_stand_in_boundaries`)."""
+        if (own := modules[self.stage_index].traced_example) is not None:
+            return own
+        upto = modules[: self.stage_index + 1]
+        return host_stand_in_boundaries(upto, inputs) if self._host_exported else example_values(upto, inputs)[-1]
 
     def _shard_own_stage(self, model: torch.nn.Module, plan: Plan, own_blocks: list[str], *,
                          broadcast: bool = True) -> None:
@@ -322,16 +322,12 @@ class PipelineParallelModule(FormModule, StepModule):
         need: the traced inputs' dtypes and per-sample shapes (the stages' buffers are built for
         them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
-        self._host_exported = low is not None and is_meta_model(model)
         exports = None if self._sharded else self._exports   # a stage sharded in place exports its local shapes
-        if self._host_exported:  # exported on host stand-ins (their docstring)
-            with host_stand_ins(model):
-                modules, self.input_names = cut_stages(model, like_on(one, HOST), stage_of, len(self.plan.stages),
-                                                       autocast=low, exports=exports)
-            meta_stage_tensors(modules, model)
-        else:
-            modules, self.input_names = cut_stages(model, one, stage_of, len(self.plan.stages), autocast=low,
+        with stage_export_site(model, one, low) as (inputs, self._host_exported):
+            modules, self.input_names = cut_stages(model, inputs, stage_of, len(self.plan.stages), autocast=low,
                                                    exports=exports)
+        if self._host_exported:
+            meta_stage_tensors(modules, model)
         self._input_specs = checks.input_specs({n: one[n] for n in self.input_names})
         return modules
 
