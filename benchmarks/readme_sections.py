@@ -249,6 +249,18 @@ def plan_regret(pr: dict) -> list[str]:
     return lines + ["", table(pr)]
 
 
+def _own_words(o: dict[str, Any]) -> str:
+    """Adapting's own seconds per step, timed from outside it, where the JSON has them (from
+    2026-12-04 on)."""
+    if "own_s" not in o:
+        return ""
+    o1, o3 = o["own_quartiles"]
+    return (f"; adapting's own code, timed around it in the same blocks: {1e6 * o['own_s']:.0f} us per step, "
+            f"(off + own) / off {o['own_ratio']:.4f} (quartiles {o1:.4f}-{o3:.4f}), of which its records' "
+            f"gathers (collectives: waiting for the other rank included) leave {1e6 * o['code_s']:.0f} us, "
+            f"{o['code_ratio']:.4f}")
+
+
 def _overhead_line(o: dict[str, Any]) -> str:
     """The adapt benchmark's overhead at equal speeds, as its JSON stored it (paired blocks from
     2026-12-01 on; alternating rounds before)."""
@@ -256,6 +268,6 @@ def _overhead_line(o: dict[str, Any]) -> str:
         q1, q3 = o["pair_quartiles"]
         return (f" At equal speeds, adapting on / off (data parallelism, {o['pairs']} pairs of {o['block_steps']}-step "
                 f"blocks alternating in the same processes): {o['ratio']:.3f} (quartiles {q1:.3f}-{q3:.3f}; "
-                f"{1e3 * o['on_s']:.2f} / {1e3 * o['off_s']:.2f} ms).")
+                f"{1e3 * o['on_s']:.2f} / {1e3 * o['off_s']:.2f} ms)" + _own_words(o) + ".")
     return (f" At equal speeds, adapting on / off (data parallelism, {len(o['rounds']['on'])} alternating rounds): "
             f"{o['ratio']:.3f} ({1e3 * o['on_s']:.2f} / {1e3 * o['off_s']:.2f} ms).")

@@ -3,7 +3,9 @@ table's cell that sets them against what the decision expected (no processes, no
 
 from __future__ import annotations
 
-from benchmarks.adapt import _expected_measured, _measured_after, _over_rebalance, _paired
+import pytest
+
+from benchmarks.adapt import _expected_measured, _measured_after, _over_rebalance, _paired, pair_ratios
 
 PHASES = (20, 100, 120)   # slows at 20, recovers at 100, 120 steps
 
@@ -49,3 +51,10 @@ def test_interleaved_rounds_report_each_arms_median_round_and_the_median_of_the_
     assert _over_rebalance({"adapt_over_rebalance": None}) == "-"
     # two rounds: the lower middle round
     assert _paired(rounds[:2])["adapt"]["tag"] == "a1"
+
+
+def test_the_overhead_is_the_median_of_the_paired_ratios_with_their_quartiles():
+    on, off = [1.0, 2.2, 3.3, 4.0, 6.0], [1.0, 2.0, 3.0, 4.0, 5.0]   # ratios 1, 1.1, 1.1, 1, 1.2
+    median, q1, q3 = pair_ratios(on, off)
+    assert median == pytest.approx(1.1) and q1 == pytest.approx(1.0) and q3 == pytest.approx(1.15)
+    assert q1 <= median <= q3
