@@ -206,20 +206,17 @@ class AdaptTimer:
     plus its optimizer hooks (timestamps taken by hooks registered just before and just after
     ``track`` registers its own; torch runs an optimizer's hooks in the order they were
     registered).  ``own_s`` sums the seconds; ``gather_s`` the part of them in the records'
-    gathers (a collective: it includes waiting for the other ranks, which with adapting off
-    they spend at the next gradient all-reduce instead); the caller resets both."""
+    gathers (launched at one step, collected at the next: a collective, whose wait includes any
+    rank arriving late, which with adapting off is spent at the next gradient all-reduce instead);
+    the caller resets both."""
 
     def __init__(self, pm: Any, opt: torch.optim.Optimizer) -> None:
         self.own_s = self.gather_s = 0.0
         self._marks: dict[str, float] = {}
         inner, plain = pm.module, pm.module.step
-        outer, gather = pm.step, pm.records.gather
-
-        def timed_gather(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = gather(*args, **kwargs)
-            self.gather_s += time.perf_counter() - start
-            return out
+        outer = pm.step
+        for name in ("launch", "collect"):   # a gather: launched at one step, collected at the next
+            setattr(pm.records, name, self._timed(getattr(pm.records, name)))
 
         def timed_inner(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -233,12 +230,20 @@ class AdaptTimer:
             self.own_s += time.perf_counter() - start - self._marks.pop("inner")
             return out
 
-        inner.step, pm.step, pm.records.gather = timed_inner, timed_outer, timed_gather
+        inner.step, pm.step = timed_inner, timed_outer
         for when in ("a", "b"):
             if when == "b":
                 pm.track(opt)
             opt.register_step_pre_hook(self._mark(f"pre_{when}"))
             opt.register_step_post_hook(self._mark(f"post_{when}", closes=when == "b"))
+
+    def _timed(self, gather_part: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = gather_part(*args, **kwargs)
+            self.gather_s += time.perf_counter() - start
+            return out
+        return timed
 
     def _mark(self, name: str, closes: bool = False) -> Any:
         def hook(*_: Any) -> None:

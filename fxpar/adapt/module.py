@@ -9,12 +9,13 @@ Per :meth:`AdaptiveModule.step`:
 3. the current module's ``step``; the rank records its busy, wall and last optimizer step's
    seconds (hooks of the tracked optimizer; :mod:`fxpar.adapt.records`); every
    ``DetectorSettings.gather_every`` steps (every step while the detector suspects a change,
-   :meth:`~fxpar.adapt.speeds.SpeedDetector.suspects`) one small all-gather shares them, and
-   every rank reads them in step order:
+   :meth:`~fxpar.adapt.speeds.SpeedDetector.suspects`) one small all-gather on the host shares
+   them, launched at that step and collected at the next (so no rank waits in it), and every
+   rank reads them in step order then:
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves on a
    thread while every rank trains on (the ranks then gather every step), and every rank receives
-   the decision at the first gather after it is made (:class:`fxpar.adapt.replan.Replanner`, :class:`~fxpar.adapt.replan.DecisionInFlight`:
+   the decision from the first gather launched after it is made (:class:`fxpar.adapt.replan.Replanner`, :class:`~fxpar.adapt.replan.DecisionInFlight`:
    :func:`fxpar.adapt.decide.decide` among the families a switch can build, from the cached graph, with the running plan's measured
    step over the steps that showed the change) and broadcasts the decision.  The cluster the
    plans are made for is the job's cluster derated by the product of the factors believed now
@@ -106,7 +107,8 @@ class AdaptiveModule(torch.nn.Module):
             template, example_inputs, self._build["exports"], dtype=module.plan.dtype,
             families=options.policy.strategies if options.policy.strategies is not None else FAMILIES)
         self.background.ready()
-        self._read_step = 0   # the step whose gathered numbers are being read
+        # the step whose gathered numbers are being read, and the steps done when their gather was launched
+        self._read_step, self._gathered_upto = 0, 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.pending = PendingSwitch()   # the next switch and its module's preparation (6)
         self._deciding: DecisionInFlight | None = None
@@ -114,7 +116,7 @@ class AdaptiveModule(torch.nn.Module):
         self._factors, self._comm_at_detection = (1.0,) * self.world, {}   # of the decision in flight
         self._measured_at_detection: MeasuredStep | None = None            # ... and the step it measured
         self._replan_wall_s = 0.0
-        self.records = StepRecords(self.world, device, module.clock)   # what every rank measured (3)
+        self.records = StepRecords(self.world, module.clock)   # what every rank measured (3)
         self.link, self._plan_link = 1.0, 1.0   # the links' factor believed now, and when the plan started
         self.last_comm_s: dict[str, float] = {}   # the last read step's collectives per kind (least-waiting rank)
         #: after a switch: the plan it left and the step measured before it (module docstring, 5)
@@ -222,23 +224,30 @@ class AdaptiveModule(torch.nn.Module):
             emulator.link_delay_s = self.options.timeline.link_delays(self.rank, self.steps)
         start = time.perf_counter()
         loss = self.module.step(batch, local=local)
-        wall = time.perf_counter() - start
-        if self.measure_wall is not None:
-            wall = float(self.measure_wall(self.steps, self.plan))
+        wall = time.perf_counter() - start if self.measure_wall is None else float(self.measure_wall(self.steps, self.plan))
         busy = None if self.measure_busy is None else self.measure_busy(self.steps)
         self.records.record(self.module.clock, wall, busy)
         self.steps += 1
-        # every step while a change may be starting, a decision is in flight or a switch's module
-        # is prepared: a change is read at the step it becomes persistent, the decision at the
-        # first step after it is made, the switch commits at the first step after every rank's
-        # module is built (module docstring, 3, 4 and 6)
-        if (self.records.unshared >= self.options.detector.gather_every or self.detector.suspects()
-                or self._deciding is not None or self.pending.preparation is not None):
-            steps, decided = self._gather_records()
+        self._share_records()
+        return loss
+
+    def _share_records(self) -> None:
+        """Read the gather launched the step before, with rank 0's decision and each rank's preparation
+        flag (every rank learns them at this step; :class:`~fxpar.adapt.records.StepRecords`), then
+        launch the next: every ``gather_every`` steps, and every step while a change may be starting,
+        a decision is in flight or a switch's module is prepared (module docstring, 3, 4, 6)."""
+        if self.records.in_flight:
+            steps, (decided_flags, prepared_flags) = self.records.collect()
+            self.pending.read_flags(prepared_flags)
+            decided = self._deciding is not None and decided_flags[0] == 1.0
             self._read(steps)
             if decided:
                 self._receive_decision()
-        return loss
+        if (self.records.unshared >= self.options.detector.gather_every or self.detector.suspects()
+                or self._deciding is not None or self.pending.preparation is not None):
+            decided_here = float(self.rank == 0 and self._deciding is not None and self._deciding.done())
+            self.records.launch([decided_here, self.pending.done_flag()])
+            self._gathered_upto = self.steps
 
     def _read(self, steps: Sequence[GatheredStep]) -> None:
         """Every rank's (busy, wall, optimizer, collectives per kind) of each step since the last
@@ -248,7 +257,7 @@ class AdaptiveModule(torch.nn.Module):
         for i, step in enumerate(steps):   # (no detection while deciding)
             busy, _walls, _optimizer, *comm = step
             self.last_comm_s = {kind: min(per_rank) for kind, per_rank in zip(COLLECTIVE_KINDS, comm)}
-            self._read_step = self.steps - len(steps) + i   # the step these numbers are of
+            self._read_step = self._gathered_upto - len(steps) + i   # the step these numbers are of
             measured = self.records.measure(step, keep)
             if self._deciding is not None or self.pending.plan is not None:
                 continue
@@ -260,15 +269,6 @@ class AdaptiveModule(torch.nn.Module):
             if factors is not None:
                 self._consider(factors)
                 return
-
-    def _gather_records(self) -> tuple[list[GatheredStep], bool]:
-        """The records since the last gather, per step (:class:`~fxpar.adapt.records.StepRecords`);
-        and whether rank 0's decision in flight is made (a flag in its rows: every rank learns it
-        at this same step).  Each rank's preparation flag rides along (:class:`PendingSwitch`)."""
-        decided = float(self.rank == 0 and self._deciding is not None and self._deciding.done())
-        steps, (decided_flags, prepared_flags) = self.records.gather([decided, self.pending.done_flag()])
-        self.pending.read_flags(prepared_flags)
-        return steps, self._deciding is not None and decided_flags[0] == 1.0
 
     def _check_trial(self) -> None:
         """The rollback rule (module docstring, 5), once the new plan's calibration is done."""

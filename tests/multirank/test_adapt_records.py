@@ -1,12 +1,12 @@
 """The adaptive module's step records (:mod:`fxpar.adapt.records`): each rank's rows are its
-clock's differences, a gather returns them per step with each column per rank and the flags
-per rank, and the measured steps are the slowest rank's wall and the busiest rank's compute,
+clock's differences, a gather launched at one step and collected later returns them per step
+with each column per rank and the flags per rank (the rows recorded in between wait for the next
+gather), and the measured steps are the slowest rank's wall and the busiest rank's compute,
 each with its optimizer step, bounded to the last steps read."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from fxpar.adapt.decide import MeasuredStep
@@ -31,7 +31,7 @@ def _rows_of_two_steps(rank: int) -> StepRecords:
     clock = _Clock()
     world = dist.get_world_size() if dist.is_initialized() else 1
     clock.busy_s, clock.comm_total_s = 100.0, {"all_reduce": 7.0}    # the module's totals so far
-    records = StepRecords(world, torch.device("cpu"), clock)
+    records = StepRecords(world, clock)
     clock.busy_s += 1 + rank
     clock.comm_total_s = {"all_reduce": 7.5 if rank == 0 else 7.0}
     records.record(clock, wall_s=10.0)
@@ -48,11 +48,19 @@ def gathered_rows() -> dict:
     rank = dist.get_rank()
     records = _rows_of_two_steps(rank)
     assert records.unshared == 2
-    steps, flags = records.gather([float(rank), 1.0])
-    assert records.unshared == 0
+    records.launch([float(rank), 1.0])
+    assert records.unshared == 0 and records.in_flight
+    records.record(_Clock(), wall_s=30.0)           # the next step, while the gather is in flight
+    pair = records.per_rank([rank, 10.0 * rank])    # a collective issued after the launch
+    steps, flags = records.collect()
+    assert not records.in_flight and records.unshared == 1   # the next step's row waits for the next gather
     measured = [records.measure(step, keep=1) for step in steps]
+    kept = list(records.measured)
+    records.launch([])
+    records.start(_Clock())                         # a switch drops the gather in flight
+    assert not records.in_flight and records.unshared == 0
     return {"steps": [[list(column) for column in step] for step in steps], "flags": flags,
-            "measured": measured, "kept": list(records.measured), "pair": records.per_rank([rank, 10.0 * rank])}
+            "measured": measured, "kept": kept, "pair": pair}
 
 
 @pytest.mark.multirank
@@ -76,7 +84,7 @@ def test_records_gather_per_step_with_each_column_per_rank(pool2):
 
 
 def test_medians_of_the_last_steps_and_none_before_any():
-    records = StepRecords(1, torch.device("cpu"), _Clock())
+    records = StepRecords(1, _Clock())
     assert records.median(3) is None
     for wall, busy in [(5.0, 1.0), (1.0, 4.0), (3.0, 2.0), (2.0, 3.0)]:
         records.measure(([busy], [wall], [0.0]), keep=3)
@@ -86,10 +94,11 @@ def test_medians_of_the_last_steps_and_none_before_any():
 
 def test_an_injected_busy_time_replaces_the_clock_and_a_restart_drops_what_came_before():
     clock = _Clock()
-    records = StepRecords(1, torch.device("cpu"), clock)
+    records = StepRecords(1, clock)
     clock.busy_s = 5.0
     records.record(clock, wall_s=1.0, busy_s=0.25)
-    steps, _ = records.gather([])
+    records.launch([])
+    steps, _ = records.collect()
     assert steps[0][0] == [0.25]
     records.record(clock, wall_s=1.0)
     records.measure(steps[0], keep=4)
@@ -98,4 +107,5 @@ def test_an_injected_busy_time_replaces_the_clock_and_a_restart_drops_what_came_
     assert records.unshared == 0 and records.measured == []
     clock.busy_s = 9.5
     records.record(clock, wall_s=1.0)
-    assert records.gather([])[0][0][0] == [0.5]
+    records.launch([])
+    assert records.collect()[0][0][0] == [0.5]

@@ -648,8 +648,8 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
     """Data parallelism adapting under a straggler (rank 1 at 0.1 from ``slow_at``) with records
     gathered every 4 steps where nothing changes and a wide threshold (0.6: this host's noise
     is not suspected of being a change): the steps (``pm.steps`` after the step) at
-    which this rank took part in the module's all-gathers, whether the detector suspected a
-    change at each, and the events."""
+    which this rank launched the module's records gathers (each collected, and read, at the
+    next step), whether the detector suspected a change at each, and the events."""
     from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings, SpeedTimeline
 
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
@@ -662,15 +662,15 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
                     strategies=["data_parallel"], adapt=options)
     gathered: list[int] = []
     suspected: list[bool] = []   # at each gather: a change suspected, or a decision in flight
-    all_gather = pm.records.all_gather
+    launch = pm.records.launch
 
-    def recording(rows: list[list[float]]) -> list[list[list[float]]]:
+    def recording(flags: list[float]) -> None:
         detector = pm.detector
         suspected.append(pm._deciding is not None or (detector.reference is not None and detector.suspects()))
         gathered.append(pm.steps)
-        return all_gather(rows)
+        launch(flags)
 
-    pm.records.all_gather = recording
+    pm.records.launch = recording
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     for _ in range(steps):
         pm.step(data)
