@@ -287,3 +287,15 @@ def _check_rank_batches(p: Any) -> None:
             raise PlanError(
                 f"plan.ranks[{i}]: micro_batch_size {r.micro_batch_size} x num_microbatches "
                 f"{r.num_microbatches} does not cover batch_share {r.batch_share}")
+
+
+def same_job(old: Any, new: Any) -> bool:
+    """Whether ``new`` is of ``old``'s form over the same ranks (what a plan taken in place
+    keeps; a form's ``refusal`` adds its own rules)."""
+    return new.strategy == old.strategy and new.world_size == old.world_size
+
+
+def rebuild_to_switch(old: Any) -> str:
+    """The refusal of a form whose module takes no other plan in place (a form's ``refusal``)."""
+    return (f"set_plan: a {old.strategy} module cannot switch plans in place; rebuild it "
+            "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")

@@ -15,6 +15,9 @@ functions it must define (:data:`PHASES`):
                                              label(plan)        a short name of the plan (logs)
                                              state_holders(plan)  the fewest ranks that share the
                                                                 model state (adapting's move)
+                                             refusal(old, new)  why a module running ``old`` cannot
+                                                                take ``new`` in place (empty: it
+                                                                can, only the shares change)
     price   (the simulator, imports no torch) simulate(plan, cost)   -> :class:`fxpar.sim.SimResult`
     search  (the solvers, imports no torch;  problem(graph, cost, cluster, workload)  its own
              searched forms only)               problem, built once per plan() where it is asked
@@ -141,7 +144,7 @@ FORMS: tuple[Form, ...] = BUILT_IN + plugins(os.environ.get(PLUGINS_VARIABLE, ""
 
 #: phase -> the functions its module defines (the module docstring says what each does)
 PHASES: dict[str, tuple[str, ...]] = {
-    "spec": ("check", "check_stage", "summary", "label", "state_holders"),
+    "spec": ("check", "check_stage", "summary", "label", "state_holders", "refusal"),
     "price": ("simulate",),
     "bound": ("applies", "bound_s"),
     "search": ("problem", "candidates"),

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.runtime.batches import slice_rows
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
@@ -210,15 +211,9 @@ class ParallelModuleBase(torch.nn.Module):
         return NormTerms(counted=[p.grad for p in params if p.grad is not None], params=params, reduce=False)
 
     def refusal(self, plan: Plan) -> str:
-        """A module whose form does not re-balance keeps its plan (its form's module overrides
-        this where only the shares change)."""
-        return (f"set_plan: a {self.plan.strategy} module cannot switch plans in place; rebuild it "
-                "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")
-
-    def _same_job(self, plan: Plan) -> bool:
-        """Whether ``plan`` is of this module's form over the same ranks (what a plan taken in
-        place keeps; a form's :meth:`refusal` adds its own rules)."""
-        return plan.strategy == self.plan.strategy and plan.world_size == self.plan.world_size
+        """Its form's rule (the ``spec`` phase's ``refusal``: plain data, which adapting's
+        decision reads too)."""
+        return part(self.plan.strategy, "spec").refusal(self.plan, plan)
 
     def set_plan(self, plan: Plan) -> None:
         """Take ``plan`` where :meth:`refusal` allows it (then :meth:`_take_plan`), else a PlanError

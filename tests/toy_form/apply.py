@@ -47,11 +47,6 @@ class ReplicatedModule(FormModule, StepModule):
         """Every row of the global batch."""
         return 0, self.plan.global_batch
 
-    def refusal(self, plan: Plan) -> str:
-        """A plan of the same form over the same ranks (its micro-batches) is taken in place."""
-        return "" if self._same_job(plan) else (f"set_plan: a {self.plan.strategy} module takes only a plan of "
-                                                f"its form over {self.plan.world_size} ranks")
-
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every parameter, whole."""
         return [LocalParam(fqn=n, param=p) for n, p in self.module.named_parameters()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import no_replicas
+from fxpar.plan_checks import no_replicas, same_job
 
 
 def check(p: Any) -> None:
@@ -37,3 +37,9 @@ def label(p: Any) -> str:
 def state_holders(p: Any) -> int:
     """Every rank holds the whole model state."""
     return 1
+
+
+def refusal(old: Any, new: Any) -> str:
+    """A plan of the same form over the same ranks (its micro-batches) is taken in place."""
+    return "" if same_job(old, new) else (f"set_plan: a {old.strategy} module takes only a plan of "
+                                          f"its form over {old.world_size} ranks")

@@ -65,14 +65,6 @@ class DataParallelModule(FormModule, StepModule):
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         broadcast_state(self.module, src, self.group, self.device)
 
-    def refusal(self, plan: Plan) -> str:
-        """A re-share at a step boundary (weights, gradients and the optimizer untouched) takes a
-        data-parallel plan over the same ranks."""
-        if not self._same_job(plan):
-            return (f"set_plan: a data-parallel module can switch only to a {self.plan.strategy} plan "
-                    f"of {self.plan.world_size} ranks, got {plan.strategy!r} with {plan.world_size}")
-        return ""
-
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every parameter of the replica, whole (each tied weight under its first name)."""
         return [LocalParam(fqn=n, param=p) for n, p in self.module.named_parameters()]

@@ -219,22 +219,6 @@ class ShardedDataParallelModule(FormModule, StepModule):
             return self.module(*args, **kwargs)
 
     # ---- state --------------------------------------------------------------------------------
-    def refusal(self, plan: Plan) -> str:
-        """``plan``'s batch shares are taken at a step boundary where its state split, sharding
-        stage and per-rank choices are this module's (they decide what each rank holds)."""
-        old, new = self.plan, plan
-        same = (self._same_job(new)
-                and new.stages[0].state_split == old.stages[0].state_split
-                and new.stages[0].shard_stage == old.stages[0].shard_stage
-                and all((a.offload_optimizer, a.activation_checkpointing) == (b.offload_optimizer, b.activation_checkpointing)
-                        for a, b in zip(old.ranks, new.ranks)))
-        if same:
-            return ""
-        return ("set_plan: a sharded data-parallel module can switch only to a plan with the same "
-                f"ranks ({old.world_size}), state_split {old.stages[0].state_split}, shard_stage "
-                f"{old.stages[0].shard_stage} and per-rank checkpointing/offload; rebuild the module "
-                "(save_checkpoint / load_checkpoint move the state) to change them")
-
     def _take_plan(self, plan: Plan) -> None:
         busy = [r.num_microbatches for r in plan.ranks if r.batch_share]
         self.plan, self._rounds = plan, max(busy) if busy else 1

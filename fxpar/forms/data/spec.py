@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_batch_total, no_replicas
+from fxpar.plan_checks import check_batch_total, no_replicas, same_job
 
 
 def check(p: Any) -> None:
@@ -35,3 +35,12 @@ def label(p: Any) -> str:
 def state_holders(p: Any) -> int:
     """The fewest ranks among which the model state is divided: Every rank holds the whole model state."""
     return 1
+
+
+def refusal(old: Any, new: Any) -> str:
+    """A re-share at a step boundary (weights, gradients and the optimizer untouched): any
+    data-parallel plan over the same ranks is taken in place."""
+    if same_job(old, new):
+        return ""
+    return (f"set_plan: a data-parallel module can switch only to a {old.strategy} plan "
+            f"of {old.world_size} ranks, got {new.strategy!r} with {new.world_size}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_batch_total, no_replicas
+from fxpar.plan_checks import check_batch_total, no_replicas, rebuild_to_switch
 
 
 def check(p: Any) -> None:
@@ -39,3 +39,8 @@ def state_holders(p: Any) -> int:
     """The fewest ranks among which the model state is divided: The replicated part is whole on
     every rank (counted as whole)."""
     return 1
+
+
+def refusal(old: Any, new: Any) -> str:
+    """Its module takes no other plan in place: a switch rebuilds it and moves the state."""
+    return rebuild_to_switch(old)

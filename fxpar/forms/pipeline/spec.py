@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fxpar.errors import PlanError
+from fxpar.plan_checks import rebuild_to_switch
 from fxpar.rank_layout import check_interleaved
 
 
@@ -39,6 +40,11 @@ def label(p: Any) -> str:
 def state_holders(p: Any) -> int:
     """The fewest ranks among which the model state is divided: Each stage holds its modules' state."""
     return max(len(p.stages), 1)
+
+
+def refusal(old: Any, new: Any) -> str:
+    """Its module takes no other plan in place: a switch rebuilds it and moves the state."""
+    return rebuild_to_switch(old)
 
 
 def _check_replicas(p: Any, i: int, st: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import SHARD_STAGES, check_batch_total, no_replicas
+from fxpar.plan_checks import SHARD_STAGES, check_batch_total, no_replicas, same_job
 
 
 def check(p: Any) -> None:
@@ -32,6 +32,22 @@ def label(p: Any) -> str:
 def state_holders(p: Any) -> int:
     """The fewest ranks among which the model state is divided: Every rank holds its share of the state."""
     return p.world_size
+
+
+def refusal(old: Any, new: Any) -> str:
+    """``new``'s batch shares are taken at a step boundary where its state split, sharding
+    stage and per-rank choices are ``old``'s (they decide what each rank holds)."""
+    same = (same_job(old, new)
+            and new.stages[0].state_split == old.stages[0].state_split
+            and new.stages[0].shard_stage == old.stages[0].shard_stage
+            and all((a.offload_optimizer, a.activation_checkpointing) == (b.offload_optimizer, b.activation_checkpointing)
+                    for a, b in zip(old.ranks, new.ranks)))
+    if same:
+        return ""
+    return ("set_plan: a sharded data-parallel module can switch only to a plan with the same "
+            f"ranks ({old.world_size}), state_split {old.stages[0].state_split}, shard_stage "
+            f"{old.stages[0].shard_stage} and per-rank checkpointing/offload; rebuild the module "
+            "(save_checkpoint / load_checkpoint move the state) to change them")
 
 
 def _check_state_split(p: Any) -> None:

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import no_replicas, set_fields
+from fxpar.plan_checks import no_replicas, rebuild_to_switch, set_fields
 
 
 def check(p: Any) -> None:
@@ -88,6 +88,11 @@ def state_holders(p: Any) -> int:
     """The fewest ranks among which the model state is divided: Counted as whole (an upper bound:
     each position holds its shard)."""
     return 1
+
+
+def refusal(old: Any, new: Any) -> str:
+    """Its module takes no other plan in place: a switch rebuilds it and moves the state."""
+    return rebuild_to_switch(old)
 
 
 def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
