@@ -93,6 +93,9 @@ class Prediction:
     idle_s: tuple[float, ...]             # per rank
     peak_memory_bytes: tuple[int, ...]    # per rank, what the program allocates
     driver_memory_bytes: tuple[int, ...]  # per rank, + the kind's driver-level overhead
+    #: per rank, its parameters and optimizer state (:attr:`fxpar.sim.SimResult.state_bytes`;
+    #: empty where the form does not say)
+    state_bytes: tuple[int, ...] = ()
 
     @property
     def parts(self) -> dict[str, float]:
@@ -211,7 +214,8 @@ def common_fields(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping
     driver = tuple(int(m + float(calibration.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
                    for r, m in enumerate(sim.peak_memory_bytes))
     return dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
-                peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver, runtime_s=runtime_s)
+                peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver, runtime_s=runtime_s,
+                state_bytes=sim.state_bytes)
 
 
 def flat_prediction(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping[str, Mapping[str, Any]], *,

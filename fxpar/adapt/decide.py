@@ -40,6 +40,29 @@ within ``min_gain`` of the cheapest corrected step are equal, and the simplest f
 of them is the solver's answer (:mod:`fxpar.solvers.choose`), as a switch must gain ``min_gain``
 over keeping.  The decision says what it corrected.
 
+**Memory at the switch.**  A move holds, on each rank ``r``, the running plan's parameters and
+optimizer state beside the new plan's (:mod:`fxpar.checkpoint.reshard_rounds`), so a plan is
+offered only where, on every rank,
+
+    S_r(current) + S_r(new) ≤ capacity_r      (S_r: :attr:`fxpar.predict.Prediction.state_bytes`,
+                                              the ``W + O`` of the peak formula; capacity_r: the
+                                              new plan's ``memory_capacity_bytes``)
+
+unless the running module takes the new plan in place (its form's ``refusal`` is empty: nothing
+is built, nothing moves) — :func:`switch_shortfall`.  Where the solver's best plan does not fit
+so, the candidates are ranked again with every plan whose move does not fit priced at ∞, so the
+answer is the best plan whose move fits; where none does, the plan is kept with the reason.
+Before this (2026-12-04) a decision could pick the same kind of plan again and again and each
+move was refused after its build (the adapt benchmark's wide row: seven times).  ``S_r`` equals
+the bytes a switch measures on the rank for fp32 data, pipeline, pipeline x tensor, ZeRO-3,
+uneven tensor and expert plans (``tests/multirank/test_adapt.py``, the switch matrix); it is
+larger where the rank holds more than the layout lists (ZeRO-2's full weights) and, for a bf16
+or fp16 plan, by 1/6 (the cost model's mixed-precision weights, 2 bytes beside the 12 of the
+fp32 master and moments, which fxpar's autocast runtime does not keep between steps): the test
+is conservative there.  An offloaded optimizer's state is on the host and not counted.  The
+move's buffers (one row at least) are not counted here; the move still plans its rounds on what
+is allocated and refuses what does not fit.
+
 Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
 splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the
 layout differs, it is not one a switch rolled back at these speeds (``refused``), and both
@@ -55,6 +78,7 @@ the step it left is rolled back (:mod:`fxpar.adapt.module`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -67,6 +91,7 @@ from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
 from fxpar.profiling.network import network_of
 from fxpar.solvers import plan as solve_plan
+from fxpar.solvers.choose import REL_TOL
 from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
@@ -197,6 +222,24 @@ def state_bytes(plan: Plan, graph: ModelGraph) -> int:
     return -(-3 * 4 * graph.param_count // part(plan.strategy, "spec").state_holders(plan))
 
 
+def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Prediction) -> str:
+    """Why the move from ``current`` to ``new`` would not fit (module docstring, memory at the
+    switch); empty where it fits, where ``new`` is ``current`` or ``current``'s form takes it in
+    place (nothing is built, nothing moves: its spec's ``refusal`` is empty), or where a
+    prediction does not say what each rank holds.  ``running``, ``after``: the two plans'
+    predictions."""
+    if (not running.state_bytes or not after.state_bytes or new.same_layout(current)
+            or not part(current.strategy, "spec").refusal(current, new)):
+        return ""
+    for r, (old, mine) in enumerate(zip(running.state_bytes, after.state_bytes)):
+        capacity = new.ranks[r].memory_capacity_bytes
+        if capacity and old + mine > capacity:
+            return (f"rank {r} would hold {old / 2**20:.1f} MiB of the running plan's parameters and optimizer "
+                    f"state and {mine / 2**20:.1f} MiB of the new plan's, {(old + mine - capacity) / 2**20:.1f} MiB "
+                    f"more than its {capacity / 2**20:.1f} MiB")
+    return ""
+
+
 def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workload, policy: AdaptPolicy, *,
            steps_left: int | None, build_s: float = 0.0, profiles: Mapping[str, Any] | None = None,
            measured: MeasuredStep | None = None, refused: Sequence[Plan] = ()) -> Decision:
@@ -205,25 +248,42 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     back at these speeds."""
     start = time.perf_counter()
     strategies = policy.strategies if policy.strategies is not None else FAMILIES
-    fix = correction(predict(current, graph, cluster, profiles=profiles), measured, policy.measured_margin)
+    predictions: dict[int, tuple[Plan, Prediction]] = {}   # by id, the plan kept alive so no id is reused
+
+    def predicted(plan: Plan) -> Prediction:
+        if id(plan) not in predictions:
+            predictions[id(plan)] = plan, predict(plan, graph, cluster, profiles=profiles)
+        return predictions[id(plan)][1]
+
+    running = predicted(current)
+    fix = correction(running, measured, policy.measured_margin)
 
     def corrected(plan: Plan) -> float:
-        return fix.step_s(predict(plan, graph, cluster, profiles=profiles))
+        return fix.step_s(predicted(plan))
+
+    def fitting(plan: Plan) -> float:   # a plan whose move would not fit is never the answer
+        return math.inf if switch_shortfall(current, running, plan, predicted(plan)) else corrected(plan)
 
     # every candidate is ranked by its corrected step where the running plan missed its prediction,
     # those within min_gain of the cheapest equal (module docstring)
     ranked = {} if fix.none else {"rank_by": corrected, "rank_tolerance": policy.min_gain}
-    new = solve_plan(graph, cluster, workload, strategies=strategies, max_tensor_parallel=policy.max_tensor_parallel,
-                     profiles=profiles, **ranked)
+    asked = dict(graph=graph, cluster=cluster, workload=workload, strategies=strategies,
+                 max_tensor_parallel=policy.max_tensor_parallel, profiles=profiles)
+    new = solve_plan(**asked, **ranked)
+    if switch_shortfall(current, running, new, predicted(new)):   # the candidates whose move fits, ranked alike
+        new = solve_plan(**asked, rank_by=fitting, rank_tolerance=policy.min_gain if not fix.none else REL_TOL)
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
     migrate = replan_s + build_s + network_of(cluster).migration_s(state_bytes(new, graph))
     gain = keep - best
+    too_big = switch_shortfall(current, running, new, predicted(new))
     if new.same_layout(current):
         switch, reason = False, "the best plan for these speeds is the current one"
     elif any(new.same_layout(p) for p in refused):
         switch, reason = False, "the best plan was rolled back at these speeds (it measured slower)"
+    elif too_big:
+        switch, reason = False, f"no candidate's move fits beside the running plan (the best one's: {too_big})"
     elif gain < policy.min_gain * keep:
         switch, reason = False, f"gain {gain / keep:.1%} < min_gain {policy.min_gain:.0%}"
     elif gain * horizon <= migrate:

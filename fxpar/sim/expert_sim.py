@@ -121,6 +121,13 @@ class EPEval:
     fits: bool
 
 
+def rank_state_bytes(p: EPProblem, x: int) -> float:
+    """``W + O`` of a rank holding ``x`` experts (:func:`rank_peak_bytes`): its state less its
+    gradients and the all-reduce's buffers."""
+    grads = p.grad_bytes_per_param * (p.replicated_params + p.expert_params * x)
+    return p.state_bytes - p.exchange_bytes + p.expert_state_bytes * x - grads
+
+
 def rank_peak_bytes(p: EPProblem, x: int, micro: int, k: int, total_micro: int) -> int:
     """A rank's peak (module docstring, ``mem_r``) by :func:`fxpar.profiling.memory.step_peak_bytes`:
     W + O = S − X − g·P + (m − g·p)·x,  G = g·(P + p·x),  k micro-batches of ⌈s_r/k⌉ samples, each
@@ -128,7 +135,7 @@ def rank_peak_bytes(p: EPProblem, x: int, micro: int, k: int, total_micro: int) 
     every rank's micro-batch), workspace t."""
     g = p.grad_bytes_per_param
     grads = g * (p.replicated_params + p.expert_params * x)
-    held = p.state_bytes - p.exchange_bytes + p.expert_state_bytes * x - grads
+    held = rank_state_bytes(p, x)
     act = p.activation_bytes_per_sample - p.workspace_bytes_per_sample
     act += p.expert_activation_bytes_per_sample * x / p.num_experts * total_micro / max(micro, 1)
     return memory.step_peak_bytes(weights=held, grads=grads, optimizer_state=0.0, sizes=[micro] * k,

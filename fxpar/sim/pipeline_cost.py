@@ -68,7 +68,7 @@ from fxpar.dtype_policy import DtypePolicy
 from fxpar.sim.interleaved import lockstep_order, replay
 from fxpar.profiling.network import LinkCosts, Network
 from fxpar.sim.pipeline_sim import simulate_stages
-from fxpar.sim.rank_memory import stage_peak_bytes
+from fxpar.sim.rank_memory import stage_peak_bytes, stage_state_bytes
 from fxpar.sim.segments import SegmentTable, build_segments, tp_seconds
 
 ACT_REPLICATED = 0.3
@@ -185,6 +185,7 @@ class ReplicaRun:
     optimizer_s: tuple[float, ...]
     memory_bytes: tuple[float, ...]
     events: tuple
+    state_bytes: tuple[float, ...] = ()    # per device of each position: ``W + O``
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,7 @@ class PipelineRun:
     position_optimizer_s: tuple[float, ...]
     memory_bytes: tuple[int, ...]   # per device of each position
     events: tuple                   # (stage, kind, start, end, micro-batch, arrival)
+    state_bytes: tuple[int, ...] = ()   # per device of each position: its weights and optimizer state
     #: each pipeline's own schedule (the figures above: the slowest replica's, per stage or position)
     replicas: tuple[ReplicaRun, ...] = ()
 
@@ -278,15 +280,18 @@ def price_replica(prices: PipelinePrices, layout: PipelineLayout, kinds: tuple[s
     fwd, bwd = [f for f, _ in times], [x for _, x in times]
     hops, back = _hops(prices, layout, stages, b)
     ends, busy, events = _schedule(layout, fwd, bwd, hops, back)
-    memory, opt = [0.0] * W, [0.0] * W
+    memory, opt, held = [0.0] * W, [0.0] * W, [0.0] * W
     for j, st in enumerate(stages):
         local = float(prices.table.local_params(st.width)[st.start:st.end].sum())
         opt[st.position] += prices.optimizer_s_per_param[st.kind] * local * (1.0 / P if layout.zero else 1.0)
         in_flight = m if layout.schedule == "GPipe" else min(S - j, m)
         memory[st.position] += stage_memory(prices, st, in_flight, b, P, layout.zero, microbatches=m,
                                             first=j == 0, last=j == S - 1)
+        held[st.position] += stage_state_bytes(prices.table, st, optimizer=prices.optimizer, dtype=prices.dtype,
+                                               pipelines=P, zero=layout.zero)
     return ReplicaRun(fwd_s=tuple(fwd), bwd_s=tuple(bwd), hop_s=tuple(hops), back_hop_s=tuple(back), ends_s=tuple(ends),
-                      busy_s=tuple(busy), optimizer_s=tuple(opt), memory_bytes=tuple(memory), events=tuple(events))
+                      busy_s=tuple(busy), optimizer_s=tuple(opt), memory_bytes=tuple(memory), events=tuple(events),
+                      state_bytes=tuple(held))
 
 
 def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
@@ -324,4 +329,5 @@ def price(prices: PipelinePrices, layout: PipelineLayout) -> PipelineRun:
                        exposed_allreduce_s=exposed, optimizer_s=max(opt), gather_s=gather,
                        fwd_s=worst("fwd_s"), bwd_s=worst("bwd_s"), hop_s=worst("hop_s"), back_hop_s=worst("back_hop_s"), busy_s=worst("busy_s"),
                        position_optimizer_s=opt, memory_bytes=tuple(int(x) for x in worst("memory_bytes")),
-                       events=reps[slowest].events, replicas=reps)
+                       events=reps[slowest].events, replicas=reps,
+                       state_bytes=tuple(int(x) for x in worst("state_bytes")))

@@ -137,7 +137,7 @@ def price_plan(plan: Plan, prices: PipelinePrices, cluster, *,
     return run, SimResult(step_s=run.step_s, compute_s=run.makespan_s, comm_s=comm, busy_s=busy,
                           idle_s=tuple(run.step_s - prices.step_overhead_s - b - comm for b in busy),
                           peak_memory_bytes=tuple(int(reps[r].memory_bytes[where[r][0]]) for r in range(plan.world_size)),
-                          events=())
+                          events=(), state_bytes=tuple(int(reps[r].state_bytes[where[r][0]]) for r in range(plan.world_size)))
 
 
 def _positions(slots) -> dict[int, tuple[int, int]]:

@@ -98,8 +98,9 @@ def param_shares(graph: ModelGraph, kv: float, mlp: float) -> float:
     return total
 
 
-def tensor_parallel_peaks(plan: Plan, cost: CostModel, sizes: list[list[int]]) -> list[int]:
-    """Each rank's peak of a ``tensor_parallel`` plan; ``sizes[r]``: rank r's micro-batches."""
+def tensor_parallel_peaks(plan: Plan, cost: CostModel, sizes: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Each rank's peak of a ``tensor_parallel`` plan and its ``W + O`` (weights and optimizer
+    state); ``sizes[r]``: rank r's micro-batches."""
     graph, st = cost.graph, plan.stages[0]
     width = max(plan.world_size // max(len(st.data_split), 1), 1)
     kv_split = st.tensor_split or (1,) * plan.world_size
@@ -112,13 +113,14 @@ def tensor_parallel_peaks(plan: Plan, cost: CostModel, sizes: list[list[int]]) -
     held, vocab = memory.held_output_bytes_per_sample(graph), bool(graph.vocab_parallel_modules)
     last = max((i for i, n in enumerate(graph.nodes) if n.layer is not None), default=-1)
     tail = np.arange(len(graph.nodes)) > last   # the head and the loss
-    peaks = []
+    peaks, states = [], []
     for rp in plan.ranks:
         first = rp.rank // width * width
         kv = kv_split[rp.rank] / max(sum(kv_split[first:first + width]), 1)
         mlp = mlp_split[rp.rank] / max(sum(mlp_split[first:first + width]), 1)
         phi, keep = node_shares(graph, kv, mlp), node_shares(graph, kv, mlp, saved=True)
         n = param_shares(graph, kv, mlp)
+        states.append(int(w * n + o * n))
         work = 2.0 * float((outs * phi).max(initial=0.0))
         if vocab:  # the vocab-parallel loss's backward holds VOCAB_LOSS_WORKSPACE logits slices
             work = max(2.0 * float((outs * phi)[~tail].max(initial=0.0)), VOCAB_LOSS_WORKSPACE * held * mlp)
@@ -127,11 +129,20 @@ def tensor_parallel_peaks(plan: Plan, cost: CostModel, sizes: list[list[int]]) -
             activation_per_sample=float(saved @ keep),
             workspace_per_sample=work,
             exchange=g * n if len(st.data_split) > 1 else 0.0))
-    return peaks
+    return peaks, states
 
 
 def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}.get(dtype, 4)
+
+
+def stage_state_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str, pipelines: int,
+                      zero: bool) -> float:
+    """``W + O`` of one device of stage ``st`` (:func:`stage_peak_bytes`): its weights and
+    optimizer state, ``w·n + o·n / P^z``."""
+    w, _, o = memory.state_bytes_per_param(optimizer, dtype)
+    n = float(table.local_params(st.width)[st.start:st.end].sum())
+    return w * n + o * n / (pipelines if zero else 1)
 
 
 def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str, in_flight: int, b: int,
@@ -158,8 +169,9 @@ def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str
     with ``r = in_flight`` micro-batches of ``b`` samples alive at a backward's start; ``st``: a
     :class:`fxpar.sim.pipeline_cost.StageSlice` (``start``, ``end``, ``width``, ``checkpointing``)."""
     i, e = st.start, st.end
-    w, g, o = memory.state_bytes_per_param(optimizer, dtype)
+    _, g, _ = memory.state_bytes_per_param(optimizer, dtype)
     n = float(table.local_params(st.width)[i:e].sum())
+    held = stage_state_bytes(table, st, optimizer=optimizer, dtype=dtype, pipelines=pipelines, zero=zero)
     out = table.out_bytes if table.out_bytes is not None else table.boundary_bytes
     work = 2.0 * float(out[i:e].max(initial=0.0)) * act_share
     send = 0.0 if last else float(table.boundary_bytes[e - 1])
@@ -169,7 +181,7 @@ def stage_peak_bytes(table: SegmentTable, st: Any, *, optimizer: str, dtype: str
     else:
         act = float((table.act_bytes[i:e] * act_share).sum()) + send
     recv = (0.0 if first else sum(table.hop_messages(i - 1, b)[0])) + (0.0 if last else sum(table.hop_messages(e - 1, b)[1]))
-    return memory.step_peak_bytes(weights=w * n, grads=g * n, optimizer_state=o * n / (pipelines if zero else 1),
+    return memory.step_peak_bytes(weights=held, grads=g * n, optimizer_state=0.0,
                                   sizes=[b] * max(microbatches, 1), in_flight=in_flight, activation_per_sample=act,
                                   workspace_per_sample=work, exchange=g * n if pipelines > 1 else 0.0,
                                   buffers=(min(max(microbatches, 1), max(in_flight, 1)) if receive_in_flight

@@ -263,6 +263,15 @@ def scatter_bytes(prices: ShardedPrices, top: np.ndarray) -> tuple[float, float]
     return per * max(pairs[:-1], default=0.0), per * pairs[-1]
 
 
+def held_state_bytes(prices: ShardedPrices, stage: int, shards: np.ndarray, offload: np.ndarray) -> np.ndarray:
+    """Per rank: the weights and optimizer state it holds, ``X_r`` without its gradients
+    (module docstring): ``(w + (1 − z_r)·o)·S_r`` (+ ``w·P`` for ZeRO-2)."""
+    w, _, o = prices.bytes_wgo
+    mine = shards.sum(axis=0).astype(float)
+    held = w * mine + np.where(np.asarray(offload, dtype=bool), 0.0, o * mine)
+    return held + w * float(shards.sum()) if stage != 3 else held
+
+
 def memory_phases(prices: ShardedPrices, stage: int, shards: np.ndarray, offload: np.ndarray) -> MemoryPhases:
     """Per rank: the moments of a round without activations (module docstring)."""
     w, g, o = prices.bytes_wgo
@@ -270,9 +279,7 @@ def memory_phases(prices: ShardedPrices, stage: int, shards: np.ndarray, offload
     top = shards.max(axis=1).astype(float)                            # ŝ_u
     padded = prices.world * top                                       # G_u per unit
     rest, block = float(padded[0]), float(padded[1:].max(initial=0.0))
-    state = (w + g) * mine + np.where(offload, 0.0, o * mine)
-    if stage != 3:
-        state = state + w * float(shards.sum())
+    state = g * mine + held_state_bytes(prices, stage, shards, offload)
     in_blocks, at_end = scatter_bytes(prices, top)
     gathered = w * (rest + (1 + PREFETCH) * block) if stage == 3 else 0.0
     blocks = padded[1:][padded[1:] > 0]                                # the runtime's block units

@@ -52,6 +52,7 @@ from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.sim.sharded_cost import (
     ShardedPrices,
+    held_state_bytes,
     memory_per_rank,
     optimizer_s,
     unit_collectives,
@@ -192,6 +193,7 @@ def simulate_sharded(plan: Plan, prices: ShardedPrices, *, peaks: tuple[int, ...
             events.append(TimelineEvent(r, "all_gather", float(busy[r]), end))
         events.append(TimelineEvent(r, "optimizer", end, end + float(opt[r])))
     busy_total = tuple(float(b + o) for b, o in zip(busy, opt))
+    held = held_state_bytes(prices, stage.shard_stage, shards, np.array(offload, dtype=bool))
     return SimResult(step_s=step + loop, compute_s=compute, comm_s=comm, busy_s=busy_total,
                      idle_s=tuple(step - b - comm for b in busy_total), peak_memory_bytes=peaks,
-                     events=tuple(events))
+                     events=tuple(events), state_bytes=tuple(int(x) for x in held))

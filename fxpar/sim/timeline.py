@@ -29,6 +29,10 @@ class SimResult:
     idle_s: tuple[float, ...]              # per rank: waiting for the slowest rank
     peak_memory_bytes: tuple[int, ...]     # per rank
     events: tuple[TimelineEvent, ...]
+    #: per rank: the parameters and optimizer state it holds (``W + O`` of the peak formula,
+    #: :func:`fxpar.profiling.memory.step_peak_bytes`), what a switch to this plan allocates
+    #: on it beside the running plan's (:mod:`fxpar.adapt.decide`); empty where the form does not say
+    state_bytes: tuple[int, ...] = ()
 
     @property
     def utilization(self) -> tuple[float, ...]:

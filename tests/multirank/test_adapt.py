@@ -94,7 +94,10 @@ def test_every_switch_of_the_matrix_keeps_the_single_process_trajectory(request,
     trajectory, optimizer state moved at every switch.  bf16 and fp16 chains (every plan of that
     dtype) against one process under the host's autocast: the loss by the autocast rule of the
     mixed-precision parity tests and the weights within its gradient bound (their updates follow
-    the gradients); the fp16 loss scale carries over every switch (its clean steps count on)."""
+    the gradients); the fp16 loss scale carries over every switch (its clean steps count on).
+    Each switch's new plan's predicted parameter and optimizer-state bytes on the rank
+    (``Prediction.state_bytes``, what a decision checks a move's memory by) equal what the
+    switch measured there, but where the module docstring of :mod:`fxpar.adapt.decide` says why not."""
     from tests.parity import AUTOCAST_GRAD_RTOL, AUTOCAST_LOSS_RTOL, LOSS_RTOL
     from tests.workers import TINY_CONFIGS
     from tests.multirank.workers_adapt import CONFIG
@@ -115,6 +118,14 @@ def test_every_switch_of_the_matrix_keeps_the_single_process_trajectory(request,
             expect(check_trajectory(r["weights"]), context=f"{chain}: rank {r['rank']}")
         assert r["weights"].gap < (SWITCH_TRAJECTORY_GAP if dtype == "fp32" else AUTOCAST_GRAD_RTOL), r["weights"]
         assert r["n_state"] > 0
+        for s in r["switches"]:   # the parameters and optimizer state the decision prices (fxpar.adapt.decide)
+            kind, measured, predicted = switches[s["step"]], s["state_bytes"], s["predicted_state_bytes"]
+            if kind == "zero2":            # + the full weights ZeRO-2 keeps beside its shard
+                assert predicted > measured, (chain, s)
+            elif kind == "sharded-offload" and r["rank"] == 0:   # its optimizer's state is on the host
+                assert predicted < measured, (chain, s)
+            else:   # low precision: the cost model's 14 bytes per parameter against the runtime's 12
+                assert predicted * 12 == measured * (14 if dtype != "fp32" else 12), (chain, s)
         if dtype == "fp16":
             assert r["loss_scale"]["clean_steps"] == steps and r["loss_scale"]["skipped_steps"] == 0, r["loss_scale"]
         # every pipeline switch of a chain cuts one export (fp32, and bf16/fp16 on host stand-ins)
@@ -1143,6 +1154,37 @@ def test_a_rolled_back_layout_is_not_offered_again_at_those_speeds():
     assert first.switch and first.plan is not None
     again = decide(current, graph, slowed, workload, policy, steps_left=None, refused=[first.plan])
     assert not again.switch and "rolled back" in again.reason
+
+
+def test_a_plan_whose_move_would_not_fit_beside_the_running_one_is_not_offered():
+    """Issue #39, item 3 (memory planned before anything moves): on ranks whose memory holds a
+    bf16 data-parallel step but not its parameters and optimizer state beside a running
+    two-replica pipeline's (the cost model's 14 bytes a parameter each), the decision keeps the
+    pipeline and says which rank would be over by how much, where with more memory it switches
+    to the same data-parallel plan; the solver's own answer is that plan in both (what the
+    decision refuses is the move, not the plan)."""
+    import fxpar
+    from fxpar.adapt.decide import AdaptPolicy, decide, switch_shortfall
+
+    _, graph = _small_planning()
+    workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw", dtype="bf16")
+    current = solve_plan(graph, fxpar.Cluster.emulated([1.0, 1.0]), workload, strategies=("pipeline",))
+    assert current.pipelines == 2 and len(current.stages) == 1   # every rank holds the whole model
+    policy = AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6)
+    state = fxpar.predict(current, graph, fxpar.Cluster.emulated([1.0, 1.0])).state_bytes
+    assert state[0] == state[1] == 14 * graph.param_count
+    decisions = {}
+    for mib in (4.0, 8.0):   # 2 x 14 bytes x 180,800 parameters = 4.83 MiB
+        slowed = fxpar.Cluster.emulated([1.0, 1.0], memory_gib=mib / 1024).derated([1.0, 0.5])
+        best = solve_plan(graph, slowed, workload, strategies=policy.strategies)
+        assert best.strategy == "data_parallel" and best.batch_shares[0] > best.batch_shares[1]
+        why = switch_shortfall(current, fxpar.predict(current, graph, slowed), best, fxpar.predict(best, graph, slowed))
+        assert bool(why) == (mib == 4.0), why
+        decisions[mib] = decide(current, graph, slowed, workload, policy, steps_left=None)
+    tight, roomy = decisions[4.0], decisions[8.0]
+    assert not tight.switch and tight.plan is None, tight.explain()
+    assert "move fits" in tight.reason and "rank 0 would hold 2.4 MiB" in tight.reason, tight.reason
+    assert roomy.switch and roomy.plan is not None and roomy.plan.strategy == "data_parallel", roomy.explain()
 
 
 @pytest.mark.full

@@ -15,7 +15,9 @@ from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import entry_boxes, region_view
 from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.planning import trace_spec
 from fxpar.tracing.hf import ModelSpec, build_model
+from fxpar.workload import Workload
 from tests.parity import snapshot, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch
 
@@ -157,9 +159,15 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=lr))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     out: dict[str, Any] = {"rank": rank, "losses": [], "kinds": []}
+    predicted: dict[int, int] = {}
+    graph = None
     for k in range(steps + (resumed_steps if checkpoint else 0)):
         if k in switches:
-            pm.switch_to(dataclasses.replace(_plan(switches[k], template, cluster, world, start), dtype=dtype))
+            target = dataclasses.replace(_plan(switches[k], template, cluster, world, start), dtype=dtype)
+            pm.switch_to(target)
+            # the parameters and optimizer state the target's prediction says this rank holds
+            graph = graph or trace_spec(ModelSpec(hf_config=config or CONFIG), Workload(global_batch=BATCH, seq_len=SEQ))
+            predicted[k] = fxpar.predict(dataclasses.replace(target, seq_len=SEQ), graph, cluster).state_bytes[rank]
         if k == steps:   # save under the last plan, resume under the first
             from fxpar.checkpoint import load_checkpoint, save_checkpoint
 
@@ -181,7 +189,8 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
     out.setdefault("exports", pm._build["exports"].exports)   # the job's export cache (fxpar.adapt.module): exports made
     out["switches"] = [{"step": e["step"], "to": e["to"], "sent": e["stats"]["sent_bytes"],
                         "received": e["stats"]["received_bytes"], "local": e["stats"]["local_bytes"],
-                        "state_bytes": e["state_bytes"], "migrate_s": e["migrate_s"], "build_s": e["build_s"]}
+                        "state_bytes": e["state_bytes"], "predicted_state_bytes": predicted.get(e["step"]),
+                        "migrate_s": e["migrate_s"], "build_s": e["build_s"]}
                        for e in out["events"] if e["kind"] == "switch"]
     pm = getattr(pm, "parallel_module", pm)
     out["weights"] = trajectory_gaps(_boxes(pm, ref_params, initial))

@@ -71,7 +71,8 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     busy = [b + o for b, o in zip(busy, opt)]
     return SimResult(step_s=step + cost.step_overhead_s(), compute_s=compute, comm_s=comm, busy_s=tuple(busy),
                      idle_s=tuple(step - b - comm for b in busy), peak_memory_bytes=tuple(peaks),
-                     events=tuple(events))
+                     events=tuple(events),
+                     state_bytes=(int(held["weights"] + held["optimizer_state"]),) * plan.world_size)
 
 
 def overlapped_allreduce_s(cost: CostModel, busy: list[float], last_bwd: list[float], plan: Plan) -> float:

@@ -6,7 +6,7 @@ from fxpar.errors import PlanError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel
 from fxpar.sim.expert_costs import build_problem
-from fxpar.sim.expert_sim import EPProblem, evaluate
+from fxpar.sim.expert_sim import EPProblem, evaluate, rank_state_bytes
 from fxpar.sim.timeline import SimResult, TimelineEvent
 
 
@@ -27,4 +27,5 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     comm = ev.alltoall_s + ev.allreduce_s
     return SimResult(step_s=ev.step_s, compute_s=ev.replicated_s + ev.expert_s, comm_s=comm, busy_s=ev.busy_s,
                      idle_s=tuple(ev.step_s - problem.step_overhead_s - b - comm for b in ev.busy_s),
-                     peak_memory_bytes=ev.memory_bytes, events=tuple(events))
+                     peak_memory_bytes=ev.memory_bytes, events=tuple(events),
+                     state_bytes=tuple(int(rank_state_bytes(problem, x)) for x in ev.counts))

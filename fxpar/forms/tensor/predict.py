@@ -16,10 +16,12 @@ from fxpar.sim.pipeline_plan import simulate_pipeline
 
 
 def predict(plan: Plan, cost: CostModel, calibration: Mapping[str, Mapping[str, Any]]) -> Prediction:
-    """As the one-stage pipeline, with the tensor-parallel simulation's per-rank memory."""
+    """As the one-stage pipeline, with the tensor-parallel simulation's per-rank memory (its
+    peak and its parameters and optimizer state)."""
     prices = calibrated_pipeline_prices(cost, calibration)
     pipeline = as_pipeline(plan, prices)
-    sim = replace(simulate_pipeline(pipeline, prices, cost.cluster),
-                  peak_memory_bytes=simulate(plan, cost).peak_memory_bytes)
+    own = simulate(plan, cost)
+    sim = replace(simulate_pipeline(pipeline, prices, cost.cluster), peak_memory_bytes=own.peak_memory_bytes,
+                  state_bytes=own.state_bytes)
     return pipeline_parts(pipeline, prices, cost.cluster, common_fields(plan, sim, cost.cluster, calibration,
                                                                                   cost.step_overhead_s()))

@@ -18,9 +18,9 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     (:func:`fxpar.sim.rank_memory.tensor_parallel_peaks`)."""
     prices = pipeline_prices(cost)
     sim = simulate_pipeline(as_pipeline(plan, prices), prices, cost.cluster)
-    peaks = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
-                                                                 rp.num_microbatches) for rp in plan.ranks])
-    return replace(sim, peak_memory_bytes=tuple(peaks))
+    peaks, held = tensor_parallel_peaks(plan, cost, [micro_batch_sizes(rp.batch_share, rp.micro_batch_size,
+                                                                       rp.num_microbatches) for rp in plan.ranks])
+    return replace(sim, peak_memory_bytes=tuple(peaks), state_bytes=tuple(held))
 
 
 def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
