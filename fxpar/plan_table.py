@@ -61,11 +61,15 @@ def _prediction_line(plan: Any) -> str:
             "speeds)" if plan.measured_speeds else "no prediction (a hand-written plan)")
 
 
+#: a baseline the plan has no figure for (:mod:`fxpar.solvers.baselines`: None)
+NO_BASELINE = "does not fit in memory, or its form was not among the strategies asked for"
+
+
 def _baseline_lines(plan: Any) -> list[str]:
     """One line per baseline: its step, and how much faster the plan is."""
     out = []
     for name, value in plan.baselines:
-        out.append(f"baseline {name}: " + ("does not fit in memory" if value is None else
+        out.append(f"baseline {name}: " + (NO_BASELINE if value is None else
                    f"{value:.4g} s -> fxpar is {value / plan.predicted_step_s:.3f}x faster"
                    if plan.predicted_step_s > 0 else f"{value:.4g} s"))
     return out

@@ -178,3 +178,15 @@ def test_a_batch_smaller_than_the_ranks_is_refused_only_where_every_form_asked_f
         build_problems(graph, four, two, ("data_parallel",))
     both = build_problems(graph, four, two, ("data_parallel", "pipeline"))
     assert not both.dp_fits   # not refused: the pipelines' search judges it
+
+
+def test_a_baseline_without_a_figure_is_not_called_out_of_memory_in_the_table():
+    """A baseline is None where it does not fit or its form was not searched
+    (:mod:`fxpar.solvers.baselines`); the plan table says both, as the explain lines do (it said
+    "does not fit in memory" of data parallelism on an 8 GiB cluster where only pipelines were asked for)."""
+    from fxpar.plan_table import NO_BASELINE
+
+    plan = replace(_plan(1.0), baselines=(("even_dp", None), ("proportional_dp", 2.0)))
+    table = plan.table()
+    assert f"baseline even_dp: {NO_BASELINE}" in table and "strategies asked for" in NO_BASELINE
+    assert "baseline proportional_dp: 2 s -> fxpar is 2.000x faster" in table
