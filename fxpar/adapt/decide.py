@@ -270,14 +270,15 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     asked = dict(graph=graph, cluster=cluster, workload=workload, strategies=strategies,
                  max_tensor_parallel=policy.max_tensor_parallel, profiles=profiles)
     new = solve_plan(**asked, **ranked)
-    if switch_shortfall(current, running, new, predicted(new)):   # the candidates whose move fits, ranked alike
+    too_big = switch_shortfall(current, running, new, predicted(new))
+    if too_big:   # the candidates whose move fits, ranked alike
         new = solve_plan(**asked, rank_by=fitting, rank_tolerance=policy.min_gain if not fix.none else REL_TOL)
+        too_big = switch_shortfall(current, running, new, predicted(new))
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
     migrate = replan_s + build_s + network_of(cluster).migration_s(state_bytes(new, graph))
     gain = keep - best
-    too_big = switch_shortfall(current, running, new, predicted(new))
     if new.same_layout(current):
         switch, reason = False, "the best plan for these speeds is the current one"
     elif any(new.same_layout(p) for p in refused):
