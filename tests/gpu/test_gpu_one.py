@@ -44,8 +44,15 @@ def test_one_gpu_family_matches_eager_autocast(one_gpu_rank, family: str, stage:
 
 @pytest.mark.parametrize("family,stage", FAMILIES, ids=["dp", "zero2", "zero3", "pipeline"])
 def test_a_steady_step_never_waits_for_the_gpu(one_gpu_rank, family: str, stage: int | None) -> None:
-    """Issue #36 item 2 on the device: the third step of every one-GPU family in bf16 under
-    ``torch.cuda.set_sync_debug_mode("error")`` (host batches, as a DataLoader gives them); the
-    CPU proof for every family and world size is ``tests/multirank/test_step_audit.py``."""
+    """Issue #36 item 2 on the device: the third step of every one-GPU family in bf16 with torch's
+    sync-debug mode on (host batches, as a DataLoader gives them) makes no synchronising CUDA
+    operation, host read or data-dependent shape of fxpar's, and none of the model's that the
+    plain model's step on the same batch does not make too (transformers 5.17's eager mask makes
+    one); the CPU proof for every family and world size is ``tests/multirank/test_step_audit.py``."""
     [r] = one_gpu_rank.run(sync_free_steps, family, stage, "bf16")
     assert r["strategy"] == family and r["loss"] > 0, r
+    ours = r["fxpar"]
+    assert not ours["cuda_syncs"] and not ours["host_reads"] and not ours["dynamic_shapes"], ours
+    assert not ours["syncs"], ours
+    assert set(ours["model_cuda_syncs"]) <= set(r["plain"]["model_cuda_syncs"]), r
+    assert set(ours["model_reads"]) <= set(r["plain"]["model_reads"]), r

@@ -104,22 +104,34 @@ def masked_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) -> dict:
     """One rank, one GPU: ``family`` trained ``steps`` steps on host batches (as a DataLoader
-    gives them), the last under ``torch.cuda.set_sync_debug_mode("error")``: any operation that
-    makes the host wait for the GPU (an ``item``, a read of a device value, a data-dependent
-    shape, a synchronising copy) raises.  Returns the last step's loss (read after the mode is
-    reset)."""
+    gives them), the last under :class:`~fxpar.runtime.step_audit.StepAudit` with torch's
+    sync-debug mode on: every operation that makes the host wait for the GPU (an ``item``, a read
+    of a device value, a data-dependent shape, a synchronising copy) is recorded with its cause,
+    fxpar's or the model's own.  The plain model's step on the same batch is audited the same way
+    (transformers 5.17's eager mask makes a scalar on the device from the host: a sync of the
+    model's own, in the plain loop too).  Returns both audits' lists and the last loss."""
+    from fxpar.runtime.step_audit import StepAudit
+
     model = tiny_model("gpt2")
+    plain = copy.deepcopy(model).cuda()
     data = [masked_batch(global_batch(model, 4, 32, seed=s)) for s in range(steps)]
     pm = fxpar.auto(model, fxpar.Cluster.detect(), data[0], plan=_one_gpu_plan(model, data[0], dtype, family, stage))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
     for k, b in enumerate(data):
-        if k == steps - 1:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        torch.cuda.synchronize()
+        with StepAudit(cuda_syncs=True) as cost:
             loss = pm.step(b)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"strategy": pm.plan.strategy, "loss": float(loss)}
+    on_device = {n: v.cuda() for n, v in data[-1].items()}
+    torch.cuda.synchronize()
+    with StepAudit(cuda_syncs=True) as plain_cost, torch.autocast("cuda", dtype=AUTOCAST[dtype]):
+        plain(**on_device, use_cache=False).loss.float().backward()
+    return {"strategy": pm.plan.strategy, "loss": float(loss), "fxpar": _causes(cost),
+            "plain": _causes(plain_cost)}
+
+
+def _causes(cost) -> dict:
+    return {"host_reads": cost.host_reads, "dynamic_shapes": cost.dynamic_shapes, "syncs": cost.syncs,
+            "cuda_syncs": cost.cuda_syncs, "model_cuda_syncs": sorted(set(cost.model_cuda_syncs)),
+            "model_reads": sorted(set(cost.model_reads))}

@@ -15,11 +15,16 @@ runtime declares (:func:`fxpar.runtime.device.host_copy`): one per MoE layer and
 
 from __future__ import annotations
 
+import os
+import traceback
+import warnings
+
 import pytest
 import torch
 
 import fxpar.runtime.device as device
-from fxpar.runtime.step_audit import StepAudit
+import fxpar.runtime.step_audit as step_audit
+from fxpar.runtime.step_audit import CUDA_SYNC_WARNING, StepAudit
 
 from .workers_audit import step_cost_of_kind
 
@@ -38,6 +43,46 @@ def test_the_audit_sees_every_kind_of_read() -> None:
     assert all("test_step_audit.py" in r for r in cost.model_reads + cost.model_dynamic_shapes)
     assert cost.d2h_copies == 1
     assert cost.ops > 10 and cost.op_counts["aten._local_scalar_dense.default"] == 5
+
+
+def _stack_from(filename: str, source: str = "result = traceback.extract_stack()") -> dict:
+    """What ``source`` leaves behind when run as if it were the file ``filename``."""
+    scope = {"traceback": traceback, "warnings": warnings, "CUDA_SYNC_WARNING": CUDA_SYNC_WARNING}
+    exec(compile(source, filename, "exec"), scope)
+    return scope
+
+
+def test_a_cause_is_told_by_the_packages_folders_not_by_a_folder_name() -> None:
+    """The GPU machine's venv is ``/opt/torch/.venv``: transformers' files there hold ``/torch/``
+    in their path and were taken for torch's (the 2026-12-04 H200 run), so a read in its mask
+    code was blamed on the caller.  A frame is torch's when it lies in torch's folder, fxpar's
+    when it lies in fxpar's."""
+    venv = os.path.join(os.sep, "opt", "torch", ".venv", "lib", "site-packages")
+    masking = _stack_from(os.path.join(venv, "transformers", "masking_utils.py"))["result"]
+    assert step_audit.attribute(masking) == (False, "transformers/masking_utils.py:1 <module>")
+    ours = _stack_from(os.path.join(step_audit._FXPAR_FOLDER, "runtime", "a_step.py"))["result"]
+    assert step_audit.attribute(ours) == (True, "runtime/a_step.py:1 <module>")
+    beneath = _stack_from(os.path.join(step_audit._TORCH_FOLDER, "nn", "an_op.py"))["result"]
+    assert step_audit.attribute(beneath)[1].startswith("multirank/test_step_audit.py:")  # torch's frame skipped
+    inside_a_checkout_named_fxpar = os.path.join(os.sep, "home", "fxpar", "tests", "a_test.py")
+    assert step_audit.attribute(_stack_from(inside_a_checkout_named_fxpar)["result"])[0] is False
+
+
+def test_cuda_syncs_are_recorded_each_time_with_their_cause() -> None:
+    """``StepAudit(cuda_syncs=True)`` takes each of torch's sync-debug warnings (raised here as a
+    plain warning: no CUDA on this machine) as a CUDA sync of fxpar's or of the model's, every
+    occurrence, and passes other warnings on; on leaving, warnings are as they were."""
+    warn = f"warnings.warn('{CUDA_SYNC_WARNING}')"
+    shown = warnings.showwarning
+    with StepAudit(cuda_syncs=True) as cost:
+        for _ in range(2):
+            _stack_from(os.path.join(step_audit._FXPAR_FOLDER, "runtime", "a_step.py"), warn)
+        _stack_from(os.path.join(os.sep, "site-packages", "transformers", "masking_utils.py"), warn)
+        with pytest.warns(UserWarning, match="something else"):
+            warnings.warn("something else")
+    assert cost.cuda_syncs == ["CUDA sync at runtime/a_step.py:1 <module>"] * 2, cost.cuda_syncs
+    assert cost.model_cuda_syncs == ["CUDA sync at transformers/masking_utils.py:1 <module>"]
+    assert warnings.showwarning is shown and cost.summary()["cuda_syncs"] == 2
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
