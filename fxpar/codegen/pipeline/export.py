@@ -38,15 +38,61 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
     if accepts(model, "use_cache"):  # HF models do not export with a cache
         kwargs.setdefault("use_cache", False)
     device_type = _export_device(model, kwargs).type
+    real_buffers: dict[str, torch.Tensor] = {}
     try:  # the tracer's export: its noise kept out, its failure one TraceError naming the line at fault
         with _export_precision(device_type, dtype), _HostScalars() if device_type == "meta" else contextlib.nullcontext():
-            ep = export_program(model, (), dict(kwargs), dynamic_shapes=dynamic_shapes)
+            try:
+                ep = export_program(model, (), dict(kwargs), dynamic_shapes=dynamic_shapes)
+            except TraceError:
+                if device_type != "meta" or not _host_buffers(model):
+                    raise
+                with _buffers_on_meta(model) as real_buffers:   # torch < 2.15 refuses a host buffer beside meta
+                    ep = export_program(model, (), dict(kwargs), dynamic_shapes=dynamic_shapes)
     except TraceError as exc:
         raise TraceError(f"pipeline split: {exc}") from None
     _refuse_lost_gradients(model, ep)
     gm = ep.module()
+    _give_back_buffers(gm, real_buffers)
     drop_metadata_asserts(gm)
     return gm, device_type
+
+
+def _host_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    return [(mod, name, b) for mod in model.modules() for name, b in mod._buffers.items()
+            if b is not None and not b.is_meta]
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """While the block runs, every real buffer of the meta model ``model`` is a meta tensor of
+    its shape; yields the real ones by name, for :func:`_give_back_buffers`.  The second try of a
+    meta model's export: torch 2.11's fake tensors refuse an op that mixes a meta parameter with
+    a host buffer of more than zero dimensions (BERT's embedding of its ``token_type_ids``
+    buffer: "Unhandled FakeTensor Device Propagation ... meta, cpu"), which later releases
+    accept; with every tensor on meta the same graph is traced."""
+    names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    held = _host_buffers(model)
+    real = {names[id(b)]: b for _, _, b in held if id(b) in names}
+    for mod, name, b in held:
+        mod._buffers[name] = b.to("meta")
+    try:
+        yield real
+    finally:
+        for mod, name, b in held:
+            mod._buffers[name] = b
+
+
+def _give_back_buffers(gm: torch.nn.Module, real: Mapping[str, torch.Tensor]) -> None:
+    """The export's copy of each buffer traced on meta (:func:`_buffers_on_meta`) set to its
+    real value, as an export that kept it real holds it."""
+    for fqn, value in real.items():
+        prefix, _, leaf = fqn.rpartition(".")
+        try:
+            owner = gm.get_submodule(prefix)
+        except AttributeError:
+            continue   # the graph does not read it
+        if leaf in owner._buffers:
+            owner._buffers[leaf] = value
 
 
 def batch_dims(kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
