@@ -51,6 +51,7 @@ def test_a_steady_step_never_waits_for_the_gpu(one_gpu_rank, family: str, stage:
     one); the CPU proof for every family and world size is ``tests/multirank/test_step_audit.py``."""
     [r] = one_gpu_rank.run(sync_free_steps, family, stage, "bf16")
     assert r["strategy"] == family and r["loss"] > 0, r
+    assert len(r["control"]["model_cuda_syncs"]) == 1 and "workers_gpu.py" in r["control"]["model_cuda_syncs"][0], r
     ours = r["fxpar"]
     assert not ours["cuda_syncs"] and not ours["host_reads"] and not ours["dynamic_shapes"], ours
     assert not ours["syncs"], ours

@@ -109,7 +109,8 @@ def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) 
     of a device value, a data-dependent shape, a synchronising copy) is recorded with its cause,
     fxpar's or the model's own.  The plain model's step on the same batch is audited the same way
     (transformers 5.17's eager mask makes a scalar on the device from the host: a sync of the
-    model's own, in the plain loop too).  Returns both audits' lists and the last loss."""
+    model's own, in the plain loop too), and a control: an ``item`` of this test's own, which the
+    audit must see.  Returns the audits' lists and the last loss."""
     from fxpar.runtime.step_audit import StepAudit
 
     model = tiny_model("gpt2")
@@ -127,8 +128,10 @@ def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) 
     torch.cuda.synchronize()
     with StepAudit(cuda_syncs=True) as plain_cost, torch.autocast("cuda", dtype=AUTOCAST[dtype]):
         plain(**on_device, use_cache=False).loss.float().backward()
+    with StepAudit(cuda_syncs=True) as control:   # the audit sees a sync that is surely there
+        torch.ones(1, device="cuda").item()
     return {"strategy": pm.plan.strategy, "loss": float(loss), "fxpar": _causes(cost),
-            "plain": _causes(plain_cost)}
+            "plain": _causes(plain_cost), "control": _causes(control)}
 
 
 def _causes(cost) -> dict:
