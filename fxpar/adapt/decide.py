@@ -87,8 +87,10 @@ from typing import Any
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.forms import part
+from fxpar.checkpoint.reshard import ALIGN
 from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
+from fxpar.profiling.memory import state_bytes_per_param
 from fxpar.profiling.network import network_of
 from fxpar.solvers import plan as solve_plan
 from fxpar.solvers.choose import REL_TOL
@@ -222,21 +224,32 @@ def state_bytes(plan: Plan, graph: ModelGraph) -> int:
     return -(-3 * 4 * graph.param_count // part(plan.strategy, "spec").state_holders(plan))
 
 
-def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Prediction) -> str:
+def move_row_bytes(graph: ModelGraph, workload: Workload) -> int:
+    """Bytes of the largest piece a move cannot cut (module docstring, memory at the switch):
+    one row (every size but the first) of ``graph``'s largest-rowed parameter, with its
+    optimizer state, ``w + o`` bytes an element, each of its regions (the parameter and one
+    per 4 bytes of state) padded to the move's alignment."""
+    w, _, o = state_bytes_per_param(workload.optimizer, workload.dtype)
+    widest = max((p.numel // p.shape[0] if p.shape and p.shape[0] else 1 for p in graph.params), default=0)
+    return widest * (w + o) + ALIGN * (1 + -(-o // 4)) if widest else 0
+
+
+def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Prediction, row_bytes: int = 0) -> str:
     """Why the move from ``current`` to ``new`` would not fit (module docstring, memory at the
     switch); empty where it fits, where ``new`` is ``current`` or ``current``'s form takes it in
     place (nothing is built, nothing moves: its spec's ``refusal`` is empty), or where a
     prediction does not say what each rank holds.  ``running``, ``after``: the two plans'
-    predictions."""
+    predictions; ``row_bytes``: :func:`move_row_bytes`."""
     if (not running.state_bytes or not after.state_bytes or new.same_layout(current)
             or not part(current.strategy, "spec").refusal(current, new)):
         return ""
     for r, (old, mine) in enumerate(zip(running.state_bytes, after.state_bytes)):
         capacity = new.ranks[r].memory_capacity_bytes
-        if capacity and old + mine > capacity:
+        if capacity and old + mine + row_bytes > capacity:
+            row = f" and {row_bytes / 2**10:.1f} KiB for the move's largest row" if row_bytes else ""
             return (f"rank {r} would hold {old / 2**20:.1f} MiB of the running plan's parameters and optimizer "
-                    f"state and {mine / 2**20:.1f} MiB of the new plan's, {(old + mine - capacity) / 2**20:.1f} MiB "
-                    f"more than its {capacity / 2**20:.1f} MiB")
+                    f"state and {mine / 2**20:.1f} MiB of the new plan's{row}, "
+                    f"{(old + mine + row_bytes - capacity) / 2**20:.1f} MiB more than its {capacity / 2**20:.1f} MiB")
     return ""
 
 
@@ -257,12 +270,13 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
 
     running = predicted(current)
     fix = correction(running, measured, policy.measured_margin)
+    row = move_row_bytes(graph, workload)
 
     def corrected(plan: Plan) -> float:
         return fix.step_s(predicted(plan))
 
     def fitting(plan: Plan) -> float:   # a plan whose move would not fit is never the answer
-        return math.inf if switch_shortfall(current, running, plan, predicted(plan)) else corrected(plan)
+        return math.inf if switch_shortfall(current, running, plan, predicted(plan), row) else corrected(plan)
 
     # every candidate is ranked by its corrected step where the running plan missed its prediction,
     # those within min_gain of the cheapest equal (module docstring)
@@ -270,10 +284,10 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     asked = dict(graph=graph, cluster=cluster, workload=workload, strategies=strategies,
                  max_tensor_parallel=policy.max_tensor_parallel, profiles=profiles)
     new = solve_plan(**asked, **ranked)
-    too_big = switch_shortfall(current, running, new, predicted(new))
+    too_big = switch_shortfall(current, running, new, predicted(new), row)
     if too_big:   # the candidates whose move fits, ranked alike
         new = solve_plan(**asked, rank_by=fitting, rank_tolerance=policy.min_gain if not fix.none else REL_TOL)
-        too_big = switch_shortfall(current, running, new, predicted(new))
+        too_big = switch_shortfall(current, running, new, predicted(new), row)
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)

@@ -1187,6 +1187,35 @@ def test_a_plan_whose_move_would_not_fit_beside_the_running_one_is_not_offered()
     assert roomy.switch and roomy.plan is not None and roomy.plan.strategy == "data_parallel", roomy.explain()
 
 
+def test_a_move_needs_room_for_its_largest_row_beside_both_plans():
+    """The move cuts its transfers into whole rows and refuses a switch where not even one fits
+    beside both plans' state (fxpar.checkpoint.reshard_rounds), so the decision asks for that
+    room too: the model's widest row (the tied 128 x 64 embedding: 64 elements) with its fp32
+    weight and two AdamW moments, 64 x 12 bytes and three 16-byte pads; a rank with exactly that
+    much beside both plans' state fits, one byte less does not, and the reason names the row."""
+    import dataclasses
+
+    import fxpar
+    from fxpar.adapt.decide import move_row_bytes, switch_shortfall
+
+    _, graph = _small_planning()
+    workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw", dtype="fp32")
+    widest = max(p.numel // p.shape[0] for p in graph.params if p.shape)
+    assert move_row_bytes(graph, workload) == widest * 12 + 3 * 16
+    cluster = fxpar.Cluster.emulated([1.0, 1.0])
+    current = solve_plan(graph, cluster, workload, strategies=("pipeline",))
+    new = solve_plan(graph, cluster.derated([1.0, 0.5]), workload, strategies=("data_parallel",))
+    running, after = fxpar.predict(current, graph, cluster), fxpar.predict(new, graph, cluster)
+    row = move_row_bytes(graph, workload)
+    need = max(a + b for a, b in zip(running.state_bytes, after.state_bytes)) + row
+    for capacity, fits in ((need, True), (need - 1, False)):
+        capped = dataclasses.replace(new, ranks=tuple(dataclasses.replace(r, memory_capacity_bytes=capacity)
+                                                      for r in new.ranks))
+        why = switch_shortfall(current, running, capped, after, row)
+        assert (why == "") == fits, why
+    assert "KiB for the move's largest row" in why and switch_shortfall(current, running, capped, after) == ""
+
+
 @pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [2, 4])
