@@ -84,10 +84,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fxpar.checkpoint.reshard import ALIGN
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.forms import part
-from fxpar.checkpoint.reshard import ALIGN
 from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
 from fxpar.profiling.memory import state_bytes_per_param
