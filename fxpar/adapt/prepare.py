@@ -57,13 +57,21 @@ from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.group_lifetime import release_owned
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.tracing.export import exports_run_by
+from fxpar.tracing.tensor_parallel.by_block import CALLS_ATTR
 
 
 def meta_template(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every parameter on ``meta`` (ties kept, buffers copied, no weight copied)."""
+    """``model`` with every parameter on ``meta`` (ties kept, buffers copied, no weight copied).
+    The block calls a tensor-parallel analysis kept on the model (``CALLS_ATTR``) are shared, not
+    copied: records that are only read, whose inputs may hold what cannot be copied (gemma3n's
+    shared key/value states: tensors of the recording run's autograd graph, and the fake tensors
+    a failed export wrote into them under torch 2.11)."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    kept = model.__dict__.get(CALLS_ATTR)
+    if kept is not None:
+        memo[id(kept)] = kept
     return copy.deepcopy(model, memo)
 
 

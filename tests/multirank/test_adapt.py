@@ -1187,6 +1187,30 @@ def test_a_plan_whose_move_would_not_fit_beside_the_running_one_is_not_offered()
     assert roomy.switch and roomy.plan is not None and roomy.plan.strategy == "data_parallel", roomy.explain()
 
 
+def test_the_template_shares_the_block_calls_an_analysis_kept_on_the_model():
+    """A model read block by block keeps its blocks' recorded calls on itself; their inputs can
+    hold what deepcopy refuses (gemma3n's shared key/value states held tensors of the recording
+    run's autograd graph, and under torch 2.11 fake tensors a failed export wrote there:
+    ``fxpar.auto(adapt=...)`` raised "Only Tensors created explicitly by the user (graph
+    leaves) support the deepcopy protocol").  The meta template shares those records and puts
+    every parameter on meta."""
+    from fxpar.adapt.prepare import meta_template
+    from fxpar.tracing.tensor_parallel.by_block import CALLS_ATTR
+
+    class States:   # a cache object a block receives, holding an activation
+        def __init__(self, value: torch.Tensor) -> None:
+            self.data = [value]
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    activation = model[0](torch.randn(3, 4))
+    assert not activation.is_leaf
+    calls = {"1": ((activation,), {"shared": States(activation)})}
+    model.__dict__[CALLS_ATTR] = calls
+    template = meta_template(model)
+    assert template.__dict__[CALLS_ATTR] is calls
+    assert all(p.is_meta for p in template.parameters()) and not any(p.is_meta for p in model.parameters())
+
+
 def test_a_move_needs_room_for_its_largest_row_beside_both_plans():
     """The move cuts its transfers into whole rows and refuses a switch where not even one fits
     beside both plans' state (fxpar.checkpoint.reshard_rounds), so the decision asks for that
