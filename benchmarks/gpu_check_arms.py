@@ -32,6 +32,8 @@ from transformers import AutoModelForCausalLM
 import fxpar
 from benchmarks.gpu_check_setup import BATCH_SEED, MODEL_SEED
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.planning import trace_spec
+from fxpar.profiling import local_cache
 from fxpar.runtime import init_distributed
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
@@ -254,12 +256,20 @@ def plan_summary(plan: fxpar.Plan) -> dict[str, Any]:
 
 
 def predictions(plan: fxpar.Plan, mspec: ModelSpec, cluster: fxpar.Cluster) -> dict[str, Any]:
-    """``fxpar.predict`` of the arm's plan (catalog roofline), traced from the model's config on
-    the meta device."""
+    """``fxpar.predict`` of the arm's plan, traced from the model's config on the meta device and
+    priced as the planner prices its own arms in this run: with this GPU's cached measured profile
+    where the run has one (keyed trace, ``fxpar.planning.measured_graph``'s rule), else by the
+    catalog roofline.  ``cost_source`` says which, so a hand plan's error is read beside the
+    planner's on the same prices."""
     start = time.perf_counter()
-    pred = fxpar.predict(plan, mspec, cluster)
+    found = local_cache.lookup(cluster, plan.dtype)
+    model: Any = mspec
+    if found.profiles:
+        model = trace_spec(mspec, fxpar.Workload(global_batch=plan.global_batch, seq_len=plan.seq_len,
+                                                 dtype=plan.dtype, optimizer=plan.optimizer), op_keys=True)
+    pred = fxpar.predict(plan, model, cluster, profiles=found.profiles)
     return {"step_s": pred.step_s, "memory_bytes": pred.max_peak_memory_bytes, "parts": pred.parts,
-            "wall_s": time.perf_counter() - start}
+            "cost_source": found.description, "wall_s": time.perf_counter() - start}
 
 
 def measure(loop: PlainLoop | FxparLoop, spec: dict[str, Any], record: dict[str, Any], save: Callable[[], None],
