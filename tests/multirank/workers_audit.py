@@ -144,3 +144,40 @@ def sent_by_kind(kind: str, dtype: str = "fp32", steps: int = 2, shard_stage: in
     events = collective_events(profile)
     return {"rank": dist.get_rank(), "plan": pm.plan.to_json(indent=None),
             "events": [(e.kind, e.nbytes) for e in events]}
+
+
+def pipeline_ops_beyond_plain(layers: int, steps: int = 3) -> dict:
+    """A two-stage, two-micro-batch pipeline of a ``layers``-block GPT-2 with SDPA attention (as
+    HF builds it by default): the aten ops this rank dispatches in a steady step
+    (:class:`~fxpar.runtime.step_audit.StepAudit`, the last of ``steps``), and on rank 0 those of
+    the plain model's step on the same batch in the same two micro-batches.  What a stage adds per layer or per parameter
+    shows as a difference between two depths (``tests/graph/test_graph_passes.py``)."""
+    from fxpar.runtime.step_audit import StepAudit
+
+    cfg = dict(TINY_CONFIGS["gpt2"], n_layer=layers)
+    build = lambda: build_model(ModelSpec(hf_config=cfg), device=rank_device(), seed=0,  # noqa: E731
+                                attn_implementation="sdpa").train()
+    model = build()
+    data = [example_inputs(model, 8, 16, seed=1 + s) for s in range(steps)]
+    cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
+    plan = pipeline_plan(model, cluster, global_batch=8, blocks_per_stage=[layers // 2, layers - layers // 2],
+                         num_microbatches=2)
+    pm = fxpar.auto(model, cluster, data[0], plan=plan, emulate=False)
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
+    for k, b in enumerate(data):
+        with StepAudit() if k == steps - 1 else contextlib.nullcontext() as cost:
+            pm.step(b)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = {"rank": dist.get_rank(), "ops": dict(cost.op_counts)}
+    if dist.get_rank() == 0:
+        plain = build()
+        plain(**data[0]).loss.backward()   # a first step, as the pipeline's before its audit
+        for p in plain.parameters():
+            p.grad = None
+        with StepAudit() as ref:   # the pipeline's two micro-batches, gradients accumulated
+            for rows in (slice(0, 4), slice(4, 8)):
+                plain(**{k: v[rows] for k, v in data[-1].items()}).loss.backward()
+        out["plain_ops"] = dict(ref.op_counts)
+        out["params"] = sum(1 for _ in plain.parameters())
+    return out

@@ -1,6 +1,7 @@
 """The export a pipeline split cuts: the model's graph under the autocast of the device its
 tensors are on, with the assertions autocast invalidates removed (see
-:mod:`fxpar.codegen.pipeline.split`, "Mixed precision").
+:mod:`fxpar.codegen.pipeline.split`, "Mixed precision") and each causal attention mask made from
+the shapes given back to SDPA as ``is_causal`` (:mod:`fxpar.codegen.pipeline.graph_passes`).
 
     exported_for_split(model, kwargs, dtype) -> (graph module, export device type)
     batch_dims(kwargs)   the dynamic shapes of one symbolic batch size, where one can be said
@@ -20,7 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from fxpar.codegen.common.materialize import is_meta_model, like_on
 from fxpar.codegen.pipeline.tensor_stages import example_values
-from fxpar.compat import fake_host_mode, is_tensor_metadata_assert
+from fxpar.codegen.pipeline.graph_passes import causal_attention, drop_metadata_asserts
+from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
 from fxpar.tracing.export import export_program, model_device, on_the_exporting_thread
@@ -32,7 +34,8 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
                        dynamic_shapes: dict[str, Any] | None = None) -> tuple[torch.fx.GraphModule, str]:
     """``model`` exported on ``kwargs`` (``use_cache=False`` added for HF models) under
     ``dtype``'s autocast of the export tensors' device (none for fp32), its tensor-metadata
-    assertions dropped; and that device's type.  ``dynamic_shapes``: :func:`batch_dims`'s (one
+    assertions dropped and its causal masks made ``is_causal`` (:mod:`~fxpar.codegen.pipeline.graph_passes`);
+    and that device's type.  ``dynamic_shapes``: :func:`batch_dims`'s (one
     export for every micro-batch size).  A model whose export loses gradients is a PlanError, a
     failed export a TraceError."""
     if accepts(model, "use_cache"):  # HF models do not export with a cache
@@ -54,6 +57,7 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
     gm = ep.module()
     _give_back_buffers(gm, real_buffers)
     drop_metadata_asserts(gm)
+    causal_attention(gm)
     return gm, device_type
 
 
@@ -246,23 +250,6 @@ def _export_precision(device_type: str, dtype: torch.dtype | None) -> contextlib
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
-    """Erase every tensor-metadata assertion (``aten._assert_tensor_metadata``) of ``gm`` and of
-    its nested graphs; returns how many.  They pin the dtypes and devices of the export, which
-    the run's autocast and device legitimately change (module docstring); nothing reads them."""
-    dropped = 0
-    for sub in gm.modules():
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        found = [n for n in sub.graph.nodes if is_tensor_metadata_assert(n) and not n.users]
-        for node in found:
-            sub.graph.erase_node(node)
-        if found:
-            sub.recompile()
-        dropped += len(found)
-    return dropped
-
-
 def _refuse_lost_gradients(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> None:
     """A :class:`PlanError` when the exported graph gives no gradient to parameters eager
     training updates (:mod:`fxpar.tracing.grad_paths`): the stages would never train them."""
@@ -282,32 +269,6 @@ def accepts(model: torch.nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def float_histc_inputs(gm: torch.fx.GraphModule) -> int:
-    """Cast every integer input of ``aten.histc`` to float32 (in ``gm`` and its nested graphs);
-    returns how many.  Models choose the dtype by device (transformers' MoE counts tokens per
-    expert with ``histc`` on int32 off the host, float32 on it), so a stage exported on ``meta``
-    (a meta model) records the int32 path, which the CPU's ``histc`` lacks.  The counts are
-    small integers: equal in float32."""
-    changed = 0
-    for sub in gm.modules():
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        before = changed
-        for node in list(sub.graph.nodes):
-            if node.target is not torch.ops.aten.histc.default or not isinstance(node.args[0], torch.fx.Node):
-                continue
-            value = node.args[0].meta.get("val")
-            if value is None or value.dtype.is_floating_point:
-                continue
-            with sub.graph.inserting_before(node):
-                cast = sub.graph.call_function(torch.ops.aten.to.dtype, (node.args[0], torch.float32))
-            node.args = (cast, *node.args[1:])
-            changed += 1
-        if changed > before:
-            sub.recompile()
-    return changed
 
 
 def _stand_in(t: torch.Tensor) -> torch.nn.Parameter:

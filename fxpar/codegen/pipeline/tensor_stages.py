@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from fxpar.codegen.common.groups import PlanGroups
+from fxpar.compat import end_of_backward
 from fxpar.errors import PlanError
 from fxpar.runtime.device import host_tensor
 from fxpar.runtime.distributed import host_group
-from fxpar.runtime.group_lifetime import own
 from fxpar.runtime.emulation import SegmentClock
 
 FWD, FWD_NOGRAD, BWD, DONE = 1, 2, 3, 4
@@ -102,8 +102,12 @@ class StageLink:
 
 class LeadExit(torch.autograd.Function):
     """Identity on the lead's stage outputs that need gradients; its backward (the start of the
-    micro-batch's stage backward) sends ``BWD`` and the output gradients to the followers and
-    starts the emulation clock of the backward."""
+    micro-batch's stage backward) sends ``BWD`` and the output gradients to the followers, starts
+    the emulation clock of the backward and stops it where that backward ends (a schedule runs
+    one backward per stage and micro-batch: ``torch.autograd.backward`` from the stage's outputs
+    to its parameters and inputs).  The end was once "every parameter has its gradient", by a
+    multi-gradient hook that held each gradient until the last, so that autograd copied every
+    one into its parameter (:func:`fxpar.compat.end_of_backward`)."""
 
     @staticmethod
     def forward(ctx, link: StageLink | None, clock: SegmentClock, *outs: torch.Tensor):
@@ -115,6 +119,7 @@ class LeadExit(torch.autograd.Function):
         if ctx.link is not None:
             ctx.link.send(BWD, grads)
         ctx.clock.start()
+        end_of_backward(ctx.clock.stop)   # the stage's backward ends with the backward it runs in
         return (None, None, *grads)
 
 
@@ -122,7 +127,7 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, link: StageLink | N
                on_forward: Callable[[Sequence[Any]], None] | None = None) -> None:
     """Replace ``module.forward`` so that it tells the followers (``link``: a tensor-parallel
     stage's lead), times the compute with the emulation ``clock``, and marks the outputs so the
-    backward does both too (its end, when every parameter has its gradient, stops the clock);
+    backward does both too (:class:`LeadExit`);
     ``on_forward`` sees the outputs the schedule gets (the replica sum counts forwards)."""
     inner = module.forward
 
@@ -146,9 +151,6 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, link: StageLink | N
         return out
 
     module.forward = forward
-    params = [p for _, p in module.named_original_parameters() if p.requires_grad]  # not a frozen one
-    if params:
-        own(torch.autograd.graph.register_multi_grad_hook(params, lambda _grads: clock.stop(), mode="all"))
 
 
 def example_values(modules: Any, inputs: tuple) -> list[tuple[tuple, tuple]]:
