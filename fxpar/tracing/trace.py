@@ -28,6 +28,7 @@ from fxpar.errors import TraceError
 from fxpar.tracing import op_costs
 from fxpar.tracing.cuts import cut_sends
 from fxpar.tracing.export import ExampleInputs, batch_and_seq, export_program, split_inputs
+from fxpar.tracing.graph_passes import causal_attention
 from fxpar.tracing.grad_paths import lost_gradients
 from fxpar.tracing.graph import ModelGraph, OpClass, OpNode
 from fxpar.tracing.model_facts import layer_infos, nbytes, param_infos
@@ -128,6 +129,7 @@ def _exported_graph(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     """:func:`trace`'s export path: the program's nodes annotated (module docstring)."""
     start = time.perf_counter()
     ep = export_program(model, args, kwargs)
+    causal_attention(ep.graph_module)   # as the pipeline's stages run it: no mask built, none sent
     elapsed = time.perf_counter() - start
     batch, seq = batch_and_seq(args, kwargs)
 

@@ -5,7 +5,7 @@ the ops of one step here against the plain model's found two causes, each fixed 
 
 - the export passed SDPA the causal mask it built from ``arange`` (eagerly transformers passes
   none and ``is_causal=True``), so the attention left the flash kernel on a GPU:
-  :func:`fxpar.codegen.pipeline.graph_passes.causal_attention`;
+  :func:`fxpar.tracing.graph_passes.causal_attention`;
 - the stage clock's end-of-backward hook (``register_multi_grad_hook(params, mode="all")``) held
   every gradient until the last, so autograd copied each one into its parameter
   (``new_empty_strided`` + ``copy_`` per parameter per micro-batch):
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fxpar.codegen.pipeline.export import batch_dims, exported_for_split
-from fxpar.codegen.pipeline.graph_passes import causal_attention
+from fxpar.tracing.graph_passes import causal_attention
 from fxpar.codegen.pipeline.tensor_stages import wrap_stage
 from fxpar.runtime.emulation import SegmentClock
 from fxpar.tracing.hf import ModelSpec, build_model

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan
-from fxpar.codegen.pipeline.graph_passes import drop_metadata_asserts
+from fxpar.tracing.graph_passes import drop_metadata_asserts
 from fxpar.codegen.pipeline.split import split_stages
 from tests.parity import Report, check_gradients, check_loss, expect, gradient_gaps
 from tests.workers import global_batch, tiny_model

@@ -1,7 +1,7 @@
 """The export a pipeline split cuts: the model's graph under the autocast of the device its
 tensors are on, with the assertions autocast invalidates removed (see
 :mod:`fxpar.codegen.pipeline.split`, "Mixed precision") and each causal attention mask made from
-the shapes given back to SDPA as ``is_causal`` (:mod:`fxpar.codegen.pipeline.graph_passes`).
+the shapes given back to SDPA as ``is_causal`` (:mod:`fxpar.tracing.graph_passes`).
 
     exported_for_split(model, kwargs, dtype) -> (graph module, export device type)
     batch_dims(kwargs)   the dynamic shapes of one symbolic batch size, where one can be said
@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from fxpar.codegen.common.materialize import is_meta_model, like_on
 from fxpar.codegen.pipeline.tensor_stages import example_values
-from fxpar.codegen.pipeline.graph_passes import causal_attention, drop_metadata_asserts
+from fxpar.tracing.graph_passes import causal_attention, drop_metadata_asserts
 from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
@@ -34,7 +34,7 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
                        dynamic_shapes: dict[str, Any] | None = None) -> tuple[torch.fx.GraphModule, str]:
     """``model`` exported on ``kwargs`` (``use_cache=False`` added for HF models) under
     ``dtype``'s autocast of the export tensors' device (none for fp32), its tensor-metadata
-    assertions dropped and its causal masks made ``is_causal`` (:mod:`~fxpar.codegen.pipeline.graph_passes`);
+    assertions dropped and its causal masks made ``is_causal`` (:mod:`~fxpar.tracing.graph_passes`);
     and that device's type.  ``dynamic_shapes``: :func:`batch_dims`'s (one
     export for every micro-batch size).  A model whose export loses gradients is a PlanError, a
     failed export a TraceError."""

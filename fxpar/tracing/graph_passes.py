@@ -1,5 +1,7 @@
-"""Passes over the export a pipeline split cuts (:func:`fxpar.codegen.pipeline.export.exported_for_split`),
-each returning how many nodes it changed.
+"""Passes over an exported graph, each returning how many nodes it changed: the export a pipeline
+split cuts (:func:`fxpar.codegen.pipeline.export.exported_for_split`) runs all three, the
+planner's trace (:mod:`fxpar.tracing.trace`) the causal one, so what a stage sends and computes
+is what gets priced.
 
     drop_metadata_asserts(gm)   erase the tensor-metadata assertions autocast invalidates
     float_histc_inputs(gm)      cast integer ``histc`` inputs to float32 (an export made on meta)
@@ -32,12 +34,13 @@ from typing import Any
 import torch
 
 from fxpar.compat import is_tensor_metadata_assert
-from fxpar.runtime.device import HOST
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 #: SDPA's positional arguments after query, key and value, with their defaults
 _OPTIONAL = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False))
 _SIZE_OPS = (torch.ops.aten.sym_size.int,)
+#: where a mask is evaluated: it is a function of the shapes alone, wherever the graph runs
+_HOST = torch.device("cpu")
 
 
 def _graph_modules(gm: torch.nn.Module) -> Iterator[torch.fx.GraphModule]:
@@ -158,7 +161,7 @@ def _evaluate(nodes: list[torch.fx.Node], mask: torch.fx.Node, symbolic: int) ->
             traced = node.meta.get("val")
             env[node] = traced if isinstance(traced, int) else symbolic
             continue
-        kwargs = {k: (HOST if k == "device" else v) for k, v in value(node.kwargs).items()}
+        kwargs = {k: (_HOST if k == "device" else v) for k, v in value(node.kwargs).items()}
         env[node] = node.target(*value(node.args), **kwargs)
     return env[mask]
 
@@ -168,7 +171,7 @@ def _causal(mask: Any) -> bool:
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
         return False
     length = mask.shape[-1]
-    keep = torch.ones(length, length, dtype=torch.bool, device=HOST).tril()
+    keep = torch.ones(length, length, dtype=torch.bool, device=_HOST).tril()
     if mask.dtype == torch.bool:
         return bool(torch.equal(mask, keep.expand_as(mask)))
     if not mask.dtype.is_floating_point:
