@@ -117,14 +117,13 @@ def _is_shape_causal(node: torch.fx.Node) -> bool:
     causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     if not isinstance(mask, torch.fx.Node) or causal:
         return False
-    query, key = (node.args[i].meta.get("val") for i in (0, 1))
-    if query is None or key is None or query.shape[-2] != key.shape[-2]:
-        return False
     needed = _ancestors(mask)
     if needed is None:
         return False
-    try:
-        return all(_causal(_evaluate(needed, mask, size)) for size in (1, 2))
+    try:   # a query as long as the key (a symbolic length is not known to be), a causal mask
+        query, key = (node.args[i].meta["val"] for i in (0, 1))
+        return (isinstance(query.shape[-2], int) and query.shape[-2] == key.shape[-2]
+                and all(_causal(_evaluate(needed, mask, size)) for size in (1, 2)))
     except Exception:  # noqa: BLE001 - a mask this cannot evaluate is kept as exported
         return False
 

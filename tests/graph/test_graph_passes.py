@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from fxpar.codegen.pipeline.export import batch_dims, exported_for_split
-from fxpar.tracing.graph_passes import causal_attention
 from fxpar.codegen.pipeline.tensor_stages import wrap_stage
 from fxpar.runtime.emulation import SegmentClock
+from fxpar.tracing.graph_passes import causal_attention
 from fxpar.tracing.hf import ModelSpec, build_model
 from tests.workers import TINY_CONFIGS, global_batch
 

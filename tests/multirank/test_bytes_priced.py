@@ -18,7 +18,7 @@ import pytest
 import fxpar
 from fxpar.planning import trace_spec
 from fxpar.profiling import collectives
-from fxpar.tracing.hf import ModelSpec
+from fxpar.tracing.hf import ModelSpec, build_model
 from fxpar.workload import Workload
 from tests.workers import TINY_CONFIGS
 from tests.multirank.workers_audit import KINDS, sent_by_kind
@@ -46,8 +46,11 @@ def test_every_collective_sent_is_priced_at_its_bytes(pool2, family, dtype):
     results = pool2.run(sent_by_kind, kind, dtype, 2, stage)
     plan = fxpar.Plan.from_json(results[0]["plan"])
     model, layers = KINDS[kind]
-    graph = trace_spec(ModelSpec(hf_config=dict(TINY_CONFIGS[model], num_hidden_layers=layers)),
-                       Workload(global_batch=8, seq_len=16, dtype=dtype))   # workers_audit._setup's
+    spec = ModelSpec(hf_config=dict(TINY_CONFIGS[model], num_hidden_layers=layers))
+    # workers_audit._setup's model, its eager attention too: an SDPA model's stages send no
+    # causal mask (fxpar.tracing.graph_passes), an eager one's do, and each is priced as it runs
+    graph = trace_spec(build_model(spec, dtype=dtype, attn_implementation="eager"),
+                       Workload(global_batch=8, seq_len=16, dtype=dtype))
     with collectives.recording() as records:
         fxpar.predict(plan, graph, fxpar.Cluster.emulated([1.0] * plan.world_size))
     priced = {(k, int(round(n))) for k, n in records}

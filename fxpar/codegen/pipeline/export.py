@@ -21,12 +21,12 @@ from torch.overrides import TorchFunctionMode
 
 from fxpar.codegen.common.materialize import is_meta_model, like_on
 from fxpar.codegen.pipeline.tensor_stages import example_values
-from fxpar.tracing.graph_passes import causal_attention, drop_metadata_asserts
 from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
 from fxpar.tracing.export import export_program, model_device, on_the_exporting_thread
 from fxpar.tracing.grad_paths import lost_gradients
+from fxpar.tracing.graph_passes import causal_attention, drop_metadata_asserts
 
 
 @on_the_exporting_thread   # its autocast and torch-function mode are the thread's own

@@ -49,9 +49,9 @@ from torch.fx.passes.split_module import split_module
 
 from fxpar.codegen.pipeline.boundaries import StageBoundary, loss_name, piece_outputs, stage_specs, value_dtypes
 from fxpar.codegen.pipeline.export import exported_for_split
-from fxpar.tracing.graph_passes import float_histc_inputs
 from fxpar.compat import lazy_graph_modules, retarget_autocast_region, symbolic_at, symbolic_expr
 from fxpar.errors import PlanError, TraceError
+from fxpar.tracing.graph_passes import float_histc_inputs
 from fxpar.tracing.structure import block_path
 
 
