@@ -120,6 +120,37 @@ def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *
                             "new shape")
 
 
+#: A batch key a traced graph may go without: all ones, it means what its absence means to a
+#: transformers model (every position attended), so a graph traced without it computes the same.
+NO_OP_WHEN_ALL_ONES = "attention_mask"
+
+
+def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], where: str) -> None:
+    """A PlanError for a key of ``batch`` that the traced graph does not take (``traced``: its
+    inputs): the graph would drop it without a word, so a padded ``attention_mask`` left out of
+    ``example_inputs`` would train as if every position were real.  One key is let through: an
+    ``attention_mask`` of all ones (:data:`NO_OP_WHEN_ALL_ONES`), the way a packed or unpadded
+    batch from a collator comes, so a graph traced without it (attention ``is_causal``, no mask
+    built: :mod:`fxpar.tracing.graph_passes`) takes such batches.  Its values are read where the
+    mask is: on the host with NumPy; on a device with one read back, the read a transformers
+    model's own mask check makes each forward (pass batches on the host to avoid it)."""
+    for key, value in batch.items():
+        if key in traced:
+            continue
+        if key == NO_OP_WHEN_ALL_ONES and isinstance(value, torch.Tensor):
+            ones = bool((host_values(value) == 1).all()) if on_host(value) else bool((value == 1).all())
+            if ones:
+                continue
+            raise PlanError(f"{where}: batch[{key!r}] masks some positions, but the model was traced "
+                            f"without {key!r} (example_inputs had {list(traced)}), so its stages would "
+                            f"attend to every position; rebuild with example_inputs that include "
+                            f"{key!r} (fxpar.auto(model, cluster, example_inputs)), or feed batches "
+                            "without padding")
+        raise PlanError(f"{where}: batch[{key!r}] is not an input the model was traced with "
+                        f"({list(traced)}, the keys of example_inputs), so its stages would ignore it; "
+                        f"rebuild with example_inputs that include {key!r}, or leave it out of the batch")
+
+
 def on_host(t: Any) -> bool:
     """``t`` is a tensor in host memory (its values can be read without waiting for a device)."""
     return isinstance(t, torch.Tensor) and t.device.type == "cpu"

@@ -27,6 +27,7 @@ from fxpar.plan import Plan
 from fxpar.scenario import load_scenario
 from tests.workers import global_batch, tiny_model
 from tests.multirank.workers_bad_inputs import (
+    ALL_ONES_MASK,
     COMMON_CASES,
     PP_CASES,
     dp_step_survey,
@@ -462,6 +463,14 @@ def test_data_parallel_step_batch(case: str, dp_outcomes: dict[str, dict[str, An
 @pytest.mark.parametrize("case", list(PP_CASES))
 def test_pipeline_step_batch(case: str, pp_outcomes: dict[str, dict[str, Any]]) -> None:
     _check_outcome("pp step", case, pp_outcomes[case])
+
+
+@pytest.mark.multirank
+def test_a_pipeline_takes_an_untraced_all_ones_attention_mask(pp_outcomes: dict[str, dict[str, Any]]) -> None:
+    """An all-ones mask means no mask: the pipeline traced without one takes it, loss unchanged
+    (the same stages on the same rows, so equal to the bit); a padded one is refused above."""
+    r = pp_outcomes[ALL_ONES_MASK]
+    assert r["with"] == r["without"], r
 
 
 def test_plain_module_without_loss_fn_fails_clearly_at_step(ctx: dict[str, Any]) -> None:

@@ -61,8 +61,18 @@ COMMON_CASES: dict[str, StepCase] = {
     "local rows wrong": (lambda b, s: _rows(b, _not_a_share(s)), {"local": True}, ("share", "samples")),
 }
 
+def _padded_mask(b: Batch) -> Batch:
+    mask = torch.ones_like(b["input_ids"])
+    mask[:, :3] = 0
+    return {**b, "attention_mask": mask}
+
+
 PP_CASES: dict[str, StepCase] = {
     **COMMON_CASES,
+    # the pipeline was traced without these keys: its stages would drop them unread
+    "untraced padded attention_mask": (lambda b, s: _padded_mask(b), {}, ("attention_mask", "example_inputs")),
+    "untraced token_type_ids": (lambda b, s: {**b, "token_type_ids": torch.zeros_like(b["input_ids"])}, {},
+                                ("token_type_ids", "example_inputs")),
     "a micro-batch all -100": (lambda b, s: _ignored_rows(b, 0, 4), {}, ("labels", "-100", "micro-batch")),
     "vocab out of range": (lambda b, s: {**b, "input_ids": b["input_ids"] + 10_000}, {}, ("input_ids",)),
 }
@@ -112,7 +122,13 @@ def pp_step_survey(names: list[str] | None = None) -> list[dict[str, Any]]:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=8,
                          blocks_per_stage=[1, 1], num_microbatches=2)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0, 1.0]), good, plan=plan, emulate=False)
-    return _run_cases(pm, good, PP_CASES, names)
+    ones = {**good, "attention_mask": torch.ones_like(good["input_ids"])}
+    taken = {"case": ALL_ONES_MASK, "without": pm.eval_loss(good).item(), "with": pm.eval_loss(ones).item()}
+    return [*_run_cases(pm, good, PP_CASES, names), taken]
+
+
+#: The survey's record of an untraced all-ones ``attention_mask``: taken, the loss unchanged.
+ALL_ONES_MASK = "untraced all-ones attention_mask"
 
 
 # ---- a rank that disappears ----------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What a batch must be for a pipeline's stages: clear errors, before any send or receive, for
 a batch they cannot take — not a dict, missing traced inputs, the wrong number of samples,
-inputs unlike the traced example, token ids outside the vocabulary, a micro-batch without
-labels.  Every rank of a pipeline checks the same batch, so all raise alike; none waits forever.
+inputs unlike the traced example, inputs the stages were not traced with (they would be
+dropped unread), token ids outside the vocabulary, a micro-batch without labels.  Every rank of a pipeline checks the same batch, so all raise alike; none waits forever.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected:
                         f"{whose} is {expected}; feed batches of {expected} samples"
                         + (f", or re-plan with global_batch={rows}" if rows and not local else ""))
     checks.check_like_example(batch, specs, where, exact_shapes=True, require_keys=True)
+    checks.check_no_untraced_inputs(batch, names, where)
     lo, hi = own_rows if own_rows is not None else (0, expected)
     mine = {k: (v[lo:hi] if hasattr(v, "shape") and len(v.shape) else v) for k, v in batch.items()}
     checks.check_token_ids(mine, vocab_size, where)
