@@ -44,9 +44,11 @@ over keeping.  The decision says what it corrected.
 optimizer state beside the new plan's (:mod:`fxpar.checkpoint.reshard_rounds`), so a plan is
 offered only where, on every rank,
 
-    S_r(current) + S_r(new) ≤ capacity_r      (S_r: :attr:`fxpar.predict.Prediction.state_bytes`,
-                                              the ``W + O`` of the peak formula; capacity_r: the
-                                              new plan's ``memory_capacity_bytes``)
+    S_r(current) + S_r(new) + row ≤ capacity_r
+                                  (S_r: :attr:`fxpar.predict.Prediction.state_bytes`, the ``W + O``
+                                  of the peak formula; row: :func:`move_row_bytes`, the largest
+                                  piece the move cannot cut; capacity_r: the new plan's
+                                  ``memory_capacity_bytes``)
 
 unless the running module takes the new plan in place (its form's ``refusal`` is empty: nothing
 is built, nothing moves) — :func:`switch_shortfall`.  Where the solver's best plan does not fit
@@ -59,9 +61,10 @@ uneven tensor and expert plans (``tests/multirank/test_adapt.py``, the switch ma
 larger where the rank holds more than the layout lists (ZeRO-2's full weights) and, for a bf16
 or fp16 plan, by 1/6 (the cost model's mixed-precision weights, 2 bytes beside the 12 of the
 fp32 master and moments, which fxpar's autocast runtime does not keep between steps): the test
-is conservative there.  An offloaded optimizer's state is on the host and not counted.  The
-move's buffers (one row at least) are not counted here; the move still plans its rounds on what
-is allocated and refuses what does not fit.
+is conservative there.  An offloaded optimizer's state is on the host and not counted.  Of the
+move's buffers only that one row is asked for here: the move cuts its rounds to what is left
+beside both plans (:mod:`fxpar.checkpoint.reshard_rounds`), so one row is all it must have, and
+it still refuses, from what is allocated then, a round that does not fit.
 
 Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
 splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the

@@ -43,10 +43,9 @@ def owned_scope() -> Iterator[list[Any]]:
 def own(handle: Any) -> Any:
     """Record ``handle`` with the build being made (:func:`owned_scope`): a process group
     (:func:`fxpar.runtime.distributed.new_group` passes each it makes), or a hook's removable
-    handle, for hooks torch keeps alive from C++ whatever Python still refers to -- a
-    ``torch.autograd.graph.register_multi_grad_hook`` on parameters keeps them, their gradient
-    nodes and what its function refers to for the life of the process until removed.  Returns
-    ``handle``."""
+    handle, for hooks torch keeps alive from C++ whatever Python still refers to (a hook on a
+    tensor's gradient node keeps that node and what the hook's function refers to until it is
+    removed).  Returns ``handle``."""
     for made in _scopes():
         made.append(handle)
     return handle
