@@ -190,7 +190,8 @@ def adapt(a: dict) -> list[str]:
 
 
 def torch_parity(tp: dict) -> list[str]:
-    """fxpar's runtime against DDP, FSDP2 and torch's TP on the same model, batch and split."""
+    """fxpar's runtime against DDP, FSDP2, torch's TP and torch's pipelining on the same model,
+    batch and split."""
     m, s = tp["machine"], tp.get("settings", {})
     runs = tp.get("runs", [])
     worst_bytes = max((r["bytes_ratio"] for r in runs if r.get("bytes_ratio")), default=None)
@@ -202,8 +203,10 @@ def torch_parity(tp: dict) -> list[str]:
              f"{s.get('seq', '?')} batch and split, {s.get('rounds', '?')} rounds of {s.get('steps', '?')} timed "
              "steps (AdamW included), each arm in fresh processes, the arms' order alternating. Bytes sent per rank "
              "come from torch's profiler's gloo events (one formula per collective kind, "
-             "`fxpar/profiling/wire_bytes.py`); host reads, syncs and ops from `fxpar/runtime/step_audit.py` (extra "
-             "ops: the arm's minus the plain model's on the same rows); the step ratio is fxpar's median over "
+             "`fxpar/profiling/wire_bytes.py`; the most any rank sends); host reads, syncs and ops from "
+             "`fxpar/runtime/step_audit.py` (extra ops: the arm's minus the plain model's on the same rows; for the "
+             "pipeline pair, fxpar's minus torch's over both ranks, as a stage runs half the model on every "
+             "micro-batch); the step ratio is fxpar's median over "
              "torch's in the same round, with its range over the rounds; peaks are live tensor bytes "
              "(`TensorPeak`). 'cast all' is fxpar's dtype policy with FSDP2's rule (every parameter gathered in "
              "the low precision), the default 'autocast' rule gathering only what autocast casts (exact against "

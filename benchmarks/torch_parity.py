@@ -7,7 +7,10 @@ CPU ranks (one core each, equal speeds: nothing is emulated), fp32 and bf16.
 Pairs (fxpar arm / torch arm): uneven data parallelism at an even split / DDP; ZeRO-3 / FSDP2
 (``fully_shard`` per block and root, ``reshard_after_forward=True``); ZeRO-2 / FSDP2 with
 ``reshard_after_forward=False``; tensor parallelism (key/value heads 2:2) / ``parallelize_module`` with
-``ColwiseParallel`` / ``RowwiseParallel`` on every block's projections; and data parallelism with
+``ColwiseParallel`` / ``RowwiseParallel`` on every block's projections; a 2-stage pipeline (two
+blocks a stage, :data:`MICRO` micro-batches, 1F1B) / torch's own pipelining front end on the same
+cut (``pipeline()`` with a ``SplitPoint`` before block 2, its exported stages run by ``PipelineStage``
+and ``Schedule1F1B``, the loss on the last stage); and data parallelism with
 every block compiled (``torch.compile``, inductor, each block on its own as torchtitan's
 ``apply_compile``) / DDP over the same compiled blocks, beside the plain model compiled alike.  bf16: every arm under CPU
 autocast; FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; fxpar's
@@ -31,6 +34,11 @@ gradient sync, AdamW step; no instrumentation), then one step under each instrum
   compiled arms are not audited: dynamo runs no compiled graph under a dispatch mode);
 - the tensor peak (:class:`fxpar.profiling.tensor_peak.TensorPeak`, one window).
 
+Bytes are the most any rank sends (a pipeline's ranks send different things: activations
+forward, gradients back).  A pipeline's ranks run half the model on every micro-batch, so the
+plain arm is no baseline for their ops: the pipeline pair's "extra ops" are fxpar's ops less
+torch's, summed over the ranks (torch's column reads ``base``).
+
 Ratios are fxpar's median step over torch's in the same round; the table gives their median and
 the range over the rounds.  Every figure is computed; this machine's timing is only compared
 within one run.
@@ -51,7 +59,7 @@ import torch.distributed as dist
 from benchmarks.common import finish
 from fxpar.api import auto
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.plan import Plan
@@ -70,14 +78,16 @@ MIB = 2 ** 20
 #: fxpar arm -> its torch counterpart
 PAIRS = {"fxpar DP": "torch DDP", "fxpar ZeRO-3": "torch FSDP2", "fxpar ZeRO-3 cast all": "torch FSDP2",
          "fxpar ZeRO-2": "torch FSDP2 no reshard", "fxpar ZeRO-2 cast all": "torch FSDP2 no reshard",
-         "fxpar TP": "torch TP",
+         "fxpar TP": "torch TP", "fxpar PP": "torch PP",
          "fxpar DP compiled": "torch DDP compiled"}
 ARMS = ("plain", "torch DDP", "fxpar DP", "torch FSDP2", "fxpar ZeRO-3", "fxpar ZeRO-3 cast all",
-        "torch FSDP2 no reshard", "fxpar ZeRO-2", "fxpar ZeRO-2 cast all", "torch TP", "fxpar TP", "plain compiled",
+        "torch FSDP2 no reshard", "fxpar ZeRO-2", "fxpar ZeRO-2 cast all", "torch TP", "fxpar TP", "torch PP", "fxpar PP", "plain compiled",
         "torch DDP compiled", "fxpar DP compiled")
 #: the compiled arms' backend: inductor, each block compiled on its own (torchtitan's apply_compile)
 BACKEND = "inductor"
 WARMUP = 2
+#: the pipeline pair's micro-batches (of BATCH // MICRO samples) and the blocks of its first stage
+MICRO, CUT = 4, 2
 
 
 # ---- the arms (inside the ranks) ---------------------------------------------------------------------
@@ -102,8 +112,13 @@ def _rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v[lo:lo + BATCH // WORLD] for k, v in batch.items()}
 
 
-def _plans(model: torch.nn.Module, dtype: str) -> dict[str, Plan]:
+def _plan(model: torch.nn.Module, dtype: str, arm: str) -> Plan:
+    """The hand plan of fxpar arm ``arm`` (without " compiled")."""
     cluster = Cluster.emulated([1.0] * WORLD)
+    if arm == "fxpar PP":
+        return dataclasses.replace(pipeline_plan(model, cluster, global_batch=BATCH, num_microbatches=MICRO,
+                                                 blocks_per_stage=[CUT, MODEL.hf_config["num_hidden_layers"] - CUT]),
+                                   dtype=dtype)
     z = {stage: sharded_data_parallel_plan(cluster, batch_split=[BATCH // WORLD] * WORLD, state_split=[1] * WORLD,
                                            shard_stage=stage, model=MODEL.name, seq_len=SEQ, dtype=dtype)
          for stage in (2, 3)}
@@ -113,7 +128,7 @@ def _plans(model: torch.nn.Module, dtype: str) -> dict[str, Plan]:
     every = {k: dataclasses.replace(z[k], dtype_policy=DtypePolicy(param_dtype="bf16", cast="all")) if dtype == "bf16"
              else z[k] for k in (2, 3)}
     return {"fxpar DP": dp, "fxpar ZeRO-3": z[3], "fxpar ZeRO-2": z[2], "fxpar TP": tp,
-            "fxpar ZeRO-3 cast all": every[3], "fxpar ZeRO-2 cast all": every[2]}
+            "fxpar ZeRO-3 cast all": every[3], "fxpar ZeRO-2 cast all": every[2]}[arm]
 
 
 def _fxpar(model: torch.nn.Module, plan: Plan, example: dict[str, torch.Tensor], compiled: bool) -> Arm:
@@ -171,6 +186,44 @@ def _torch(model: torch.nn.Module, arm: str, dtype: str) -> Arm:
     return Arm(train=train, optimizer=opt, resident=lambda: [local(t) for t in training_state(wrapped, opt)])
 
 
+class _Logits(torch.nn.Module):
+    """The model to its logits: what torch's pipelining front end splits (its schedule computes
+    the loss from the last stage's output, the model's own loss function on each micro-batch)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def _torch_pipeline(model: torch.nn.Module, dtype: str, example: dict[str, torch.Tensor]) -> Arm:
+    """torch's own pipelining on the cut fxpar's pipeline arm makes (module docstring)."""
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    one = {"input_ids": example["input_ids"][: BATCH // MICRO]}
+    pipe = pipeline(_Logits(model), mb_args=(), mb_kwargs=one,
+                    split_spec={f"model.model.layers.{CUT}": SplitPoint.BEGINNING})
+    stage = pipe.build_stage(dist.get_rank(), torch.device("cpu"))
+    vocab = model.config.vocab_size
+    loss = lambda logits, labels: model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+    schedule = Schedule1F1B(stage, MICRO, loss_fn=loss)
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-3)
+    last = dist.get_rank() == WORLD - 1
+
+    def train(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        with _autocast(dtype):
+            if dist.get_rank() == 0:
+                schedule.step(input_ids=batch["input_ids"], return_outputs=False)
+            else:
+                schedule.step(target=batch["labels"], losses=losses, return_outputs=False)
+        return torch.stack(losses).mean().detach() if last else torch.zeros(())
+
+    return Arm(train=train, optimizer=opt, resident=lambda: training_state(stage.submod, opt))
+
+
 def _build(arm: str, dtype: str) -> tuple[Arm, list[dict[str, torch.Tensor]]]:
     torch.manual_seed(0)
     model = build_model(MODEL, device="cpu", seed=0, attn_implementation="sdpa").train()
@@ -178,8 +231,10 @@ def _build(arm: str, dtype: str) -> tuple[Arm, list[dict[str, torch.Tensor]]]:
     for b in batches:
         b["labels"][0, : SEQ // 4] = -100
     if arm.startswith("fxpar"):
-        plan = _plans(model, dtype)[arm.removesuffix(" compiled")]
+        plan = _plan(model, dtype, arm.removesuffix(" compiled"))
         return _fxpar(model, plan, batches[0], arm.endswith("compiled")), batches
+    if arm == "torch PP":
+        return _torch_pipeline(model, dtype, batches[0]), batches
     return _torch(model, arm, dtype), batches
 
 
@@ -268,10 +323,17 @@ def summarize(results: dict[tuple[str, str], list[list[dict[str, Any]]]], dtypes
                 continue
             plain = results.get((dtype, "plain compiled" if mine.endswith("compiled") else "plain"))
             plain_ops = statistics.median(r[0]["cost"]["ops"] for r in plain) if plain and plain[0][0]["cost"] else None
+            staged = mine == "fxpar PP"   # the plain arm is no baseline for a pipeline's ops (docstring)
             ratios = [statistics.median(x[0]["times"]) / statistics.median(y[0]["times"]) for x, y in zip(a, b)]
-            sent_a, sent_b = a[-1][0]["bytes"]["total"], b[-1][0]["bytes"]["total"]
-            ops_a = a[-1][0]["cost"]["ops"] if a[-1][0]["cost"] else None
-            ops_b = b[-1][0]["cost"]["ops"] if b[-1][0]["cost"] else None
+            sent_a, sent_b = (max(r["bytes"]["total"] for r in x[-1]) for x in (a, b))
+            ops_a, ops_b = (sum(r["cost"]["ops"] for r in x[-1]) if all(r["cost"] for r in x[-1]) else None
+                            for x in (a, b))
+            if not staged:
+                ops_a, ops_b = (a[-1][0]["cost"]["ops"] if a[-1][0]["cost"] else None,
+                                b[-1][0]["cost"]["ops"] if b[-1][0]["cost"] else None)
+            extra_a = (None if ops_a is None or ops_b is None else int(ops_a - ops_b)) if staged \
+                else (None if plain_ops is None or ops_a is None else int(ops_a - plain_ops))
+            extra_b = None if staged or plain_ops is None or ops_b is None else int(ops_b - plain_ops)
             peak_a = max(r["peak_bytes"] for r in a[-1])
             peak_b = max(r["peak_bytes"] for r in b[-1])
             audited = all(r["cost"] for r in a[-1])
@@ -280,8 +342,8 @@ def summarize(results: dict[tuple[str, str], list[list[dict[str, Any]]]], dtypes
             pad = a[-1][0]["padding_bytes"]
             entry = {"dtype": dtype, "arm": mine, "torch": theirs, "bytes_fxpar": sent_a, "bytes_torch": sent_b,
                      "bytes_ratio": sent_a / sent_b if sent_b else None, "host_reads": reads, "syncs": syncs,
-                     "extra_ops_fxpar": None if plain_ops is None or ops_a is None else int(ops_a - plain_ops),
-                     "extra_ops_torch": None if plain_ops is None or ops_b is None else int(ops_b - plain_ops),
+                     "extra_ops_fxpar": extra_a, "extra_ops_torch": extra_b, "ops_fxpar": ops_a, "ops_torch": ops_b,
+                     "extra_ops_base": "torch" if staged else "plain",
                      "step_ratios": ratios, "peak_fxpar": peak_a, "peak_torch": peak_b,
                      "by_kind_fxpar": a[-1][0]["bytes"], "by_kind_torch": b[-1][0]["bytes"], "padding_bytes": pad,
                      "vs_plain": None if not plain else [statistics.median(x[0]["times"]) / statistics.median(y[0]["times"])
@@ -289,7 +351,7 @@ def summarize(results: dict[tuple[str, str], list[list[dict[str, Any]]]], dtypes
             runs.append(entry)
             rows.append([dtype, mine, theirs, f"{sent_a / MIB:.2f}", f"{sent_b / MIB:.2f}",
                          "-" if not sent_b else f"{sent_a / sent_b:.3f}", "-" if pad is None else f"{pad / 1024:.2f}",
-                         _or(reads), _or(syncs), _or(entry["extra_ops_fxpar"]), _or(entry["extra_ops_torch"]),
+                         _or(reads), _or(syncs), _or(extra_a), "base" if staged else _or(extra_b),
                          _spread(ratios), len(ratios),
                          f"{peak_a / MIB:.1f}", f"{peak_b / MIB:.1f}", f"{peak_a / peak_b:.3f}"])
     return head, rows, runs
