@@ -152,6 +152,12 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     return out
 
 
+#: Base-config entries a sub-config's ``to_dict`` writes that some sub-config classes refuse back
+#: (transformers 5.17's DBRX attention and FFN configs: "Found unknown kwargs"), left out where they
+#: hold the base default, which the rebuilt sub-config then takes anyway.
+_SUB_DEFAULTS: dict[str, Any] = {"_name_or_path": "", "output_attentions": False}
+
+
 def _shrunk(fields: dict[str, Any]) -> dict[str, Any]:
     """The changed fields of one config (sub-configs — a vision tower, a text decoder — shrunk
     by the same rule, whole)."""
@@ -162,7 +168,8 @@ def _shrunk(fields: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in fields.items():
         if isinstance(value, dict) and "model_type" in value:
-            sub = {k: v for k, v in value.items() if k not in ("model_type", "transformers_version")}
+            sub = {k: v for k, v in value.items()
+                   if k not in ("model_type", "transformers_version") and _SUB_DEFAULTS.get(k, ...) != v}
             out[key] = {**sub, **_shrunk(sub)}
             continue
         if isinstance(value, bool):
