@@ -380,3 +380,36 @@ def auto_model_and_cluster_only() -> dict:
     ref.backward()
     step = step_record(loss, ref, rank_gradient_pairs(pm, reference), reference)
     return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "strategy": pm.plan.strategy, **step}
+
+
+def masked_pp_parity(padded: bool) -> dict:
+    """A 2-stage SDPA Llama pipeline traced with an ``attention_mask``, one step on a batch whose
+    mask is all ones (its stages attend ``is_causal``, as eager does) or left-padded (they apply
+    the mask), against one process (``tests/parity.step_record``); and the SDPA calls of one
+    ``eval_loss`` that were given a mask (``masked_calls``, from torch's profiler)."""
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.codegen.pipeline.module import PipelineParallelModule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="cpu", seed=0,
+                        attn_implementation="sdpa").train()
+    reference = copy.deepcopy(model)
+    plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[1, 1],
+                         num_microbatches=2)
+    batch = global_batch(model, 8, 16, ignore_some=False)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    if padded:   # every row alike, so the micro-batches weigh alike
+        batch["attention_mask"][:, :3] = 0
+        batch["labels"][:, :3] = -100
+    pm = PipelineParallelModule(model, plan, rank, batch)
+    loss = pm.step(batch)
+    ref_loss = reference(**batch, use_cache=False).loss
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    record = step_record(loss, ref_loss, ((f, p.grad, ref_params[f].grad) for f, p in pm.named_original_parameters()),
+                         reference)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        pm.eval_loss(batch)
+    calls = [e for e in prof.events() if e.name == "aten::scaled_dot_product_attention"]
+    return {"rank": rank, "step": record, "calls": len(calls),
+            "masked_calls": sum(1 for e in calls if len(e.input_shapes) > 3 and e.input_shapes[3])}

@@ -6,6 +6,8 @@ is what gets priced.
     drop_metadata_asserts(gm)   erase the tensor-metadata assertions autocast invalidates
     float_histc_inputs(gm)      cast integer ``histc`` inputs to float32 (an export made on meta)
     causal_attention(gm)        an attention mask that is the causal mask, as ``is_causal=True``
+    causal_unless_padded(gm)    one that is causal where the batch's ``attention_mask`` is all
+                                ones, as ``is_causal=True`` in a step whose batch is unpadded
 
 **Causal attention.**  Eagerly, transformers passes no mask to ``scaled_dot_product_attention``
 when it can tell that the mask would be the causal one (no padding mask, as long a query as
@@ -24,10 +26,22 @@ a square ``L × L`` — for every batch entry, at each symbolic size set to 1 an
 then gets ``attn_mask=None, is_causal=True``, which is the same attention: SDPA's causal mask is
 the upper-left triangle, equal to this one where query and key lengths agree.  Anything else
 (padding, sliding windows, packed sequences, a nested graph's mask) is left as exported.
+
+**Causal unless padded.**  A model traced with an ``attention_mask`` builds its mask from that
+input's values, so the mask cannot go.  Eagerly, transformers still skips it where the mask is
+all ones (its check reads the mask), and a collator's batch of packed or equal-length sequences
+is all ones.  :func:`causal_unless_padded` takes a mask computed from the sizes and the values of
+``attention_mask`` alone that, evaluated as above with ``attention_mask`` all ones, is the causal
+mask; its call becomes :func:`sdpa_unless_padded`, which runs SDPA with ``is_causal=True`` and no
+mask inside :func:`unpadded_batch` ``(True)`` and as exported otherwise.  A pipeline decides per
+step from the batch on the host (:mod:`fxpar.codegen.pipeline.module`): all ones over its rows,
+the eager path; any padding, or a batch already on a device (not read back), the mask.  The
+mask's nodes stay (the padded path needs them).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +55,17 @@ _OPTIONAL = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False))
 _SIZE_OPS = (torch.ops.aten.sym_size.int,)
 #: where a mask is evaluated: it is a function of the shapes alone, wherever the graph runs
 _HOST = torch.device("cpu")
+#: the input whose all-ones value means no mask (:func:`causal_unless_padded`)
+PADDING_INPUT = "attention_mask"
+
+
+class _Batch:
+    """Whether the batch being run is unpadded (:func:`unpadded_batch`)."""
+
+    unpadded = False
+
+
+_BATCH = _Batch()
 
 
 def _graph_modules(gm: torch.nn.Module) -> Iterator[torch.fx.GraphModule]:
@@ -108,17 +133,58 @@ def causal_attention(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
+def causal_unless_padded(gm: torch.fx.GraphModule) -> int:
+    """Every SDPA call of ``gm`` (and of its nested graphs) whose mask is made from the sizes and
+    the :data:`PADDING_INPUT` alone and is causal where that input is all ones, as a call of
+    :func:`sdpa_unless_padded` (module docstring); returns how many."""
+    changed = 0
+    for sub in _graph_modules(gm):
+        calls = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is _SDPA]
+        mine = [n for n in calls if _is_shape_causal(n, padding=PADDING_INPUT)]
+        for node in mine:
+            node.target = sdpa_unless_padded
+        if mine:
+            sub.recompile()
+        changed += len(mine)
+    return changed
+
+
+def sdpa_unless_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                       *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` as exported, or, inside :func:`unpadded_batch` ``(True)``,
+    without its mask and ``is_causal=True`` (:func:`causal_unless_padded` checked that the two
+    agree when the batch is unpadded)."""
+    if _BATCH.unpadded:
+        dropout_p = args[0] if args else kwargs.pop("dropout_p", 0.0)
+        kwargs.pop("is_causal", None)
+        return _SDPA(query, key, value, None, dropout_p, True, *args[2:], **kwargs)
+    return _SDPA(query, key, value, attn_mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def unpadded_batch(unpadded: bool) -> Iterator[None]:
+    """Within the block, :func:`sdpa_unless_padded` takes the causal path where ``unpadded``."""
+    before, _BATCH.unpadded = _BATCH.unpadded, unpadded
+    try:
+        yield
+    finally:
+        _BATCH.unpadded = before
+
+
 def _mask_arg(node: torch.fx.Node) -> Any:
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
 
 
-def _is_shape_causal(node: torch.fx.Node) -> bool:
+def _is_shape_causal(node: torch.fx.Node, padding: str | None = None) -> bool:
+    """``node``'s mask is causal, computed from the sizes alone, or (``padding``: an input's
+    name) from them and that input's values, causal with that input all ones; and its read
+    of ``padding``'s values is what makes it need one."""
     mask = _mask_arg(node)
     causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     if not isinstance(mask, torch.fx.Node) or causal:
         return False
-    needed = _ancestors(mask)
-    if needed is None:
+    needed = _ancestors(mask, padding)
+    if needed is None or (padding is not None and not any(n.op == "placeholder" for n in needed)):
         return False
     try:   # a query as long as the key (a symbolic length is not known to be), a causal mask
         query, key = (node.args[i].meta["val"] for i in (0, 1))
@@ -128,9 +194,10 @@ def _is_shape_causal(node: torch.fx.Node) -> bool:
         return False
 
 
-def _ancestors(mask: torch.fx.Node) -> list[torch.fx.Node] | None:
+def _ancestors(mask: torch.fx.Node, padding: str | None = None) -> list[torch.fx.Node] | None:
     """The nodes ``mask`` is computed from, in graph order; None where one reads an input's
-    values (a placeholder not only through its size), a module or an attribute."""
+    values (a placeholder not only through its size; ``padding``: except the input of that
+    name), a module or an attribute."""
     seen: set[torch.fx.Node] = set()
     stack = [mask]
     while stack:
@@ -140,6 +207,8 @@ def _ancestors(mask: torch.fx.Node) -> list[torch.fx.Node] | None:
         seen.add(node)
         if node.op == "call_function" and node.target in _SIZE_OPS:
             continue   # an input's size, not its values
+        if node.op == "placeholder" and padding is not None and node.target == padding:
+            continue   # evaluated all ones
         if node.op != "call_function":
             return None
         stack.extend(node.all_input_nodes)
@@ -160,8 +229,14 @@ def _evaluate(nodes: list[torch.fx.Node], mask: torch.fx.Node, symbolic: int) ->
             traced = node.meta.get("val")
             env[node] = traced if isinstance(traced, int) else symbolic
             continue
-        kwargs = {k: (_HOST if k == "device" else v) for k, v in value(node.kwargs).items()}
-        env[node] = node.target(*value(node.args), **kwargs)
+        if node.op == "placeholder":   # the padding input, all ones at these sizes
+            traced = node.meta["val"]
+            shape = [d if isinstance(d, int) else symbolic for d in traced.shape]
+            env[node] = torch.ones(shape, dtype=traced.dtype, device=_HOST)
+            continue
+        host = lambda v: _HOST if isinstance(v, torch.device) else v   # a device the export named
+        kwargs = {k: (_HOST if k == "device" else host(v)) for k, v in value(node.kwargs).items()}
+        env[node] = node.target(*map(host, value(node.args)), **kwargs)
     return env[mask]
 
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from fxpar.codegen.pipeline.export import batch_dims, exported_for_split
 from fxpar.codegen.pipeline.tensor_stages import wrap_stage
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.tracing.graph_passes import causal_attention
+from fxpar.codegen.pipeline.batches import unpadded
+from fxpar.tracing.graph_passes import causal_attention, sdpa_unless_padded, unpadded_batch
 from fxpar.tracing.hf import ModelSpec, build_model
 from tests.workers import TINY_CONFIGS, global_batch
 
@@ -43,7 +44,7 @@ def _attention_calls(gm: torch.nn.Module) -> list[tuple[bool, bool]]:
     for sub in gm.modules():
         if isinstance(sub, torch.fx.GraphModule):
             for n in sub.graph.nodes:
-                if n.target is SDPA:
+                if n.target in (SDPA, sdpa_unless_padded):
                     mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
                     causal = n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
                     out.append((mask is not None, bool(causal)))
@@ -85,6 +86,34 @@ def test_a_padding_mask_is_kept_and_still_applied():
     loss, _ = _loss_and_grads(gm, model, kwargs)
     ref, _ = _loss_and_grads(model, model, batch)
     torch.testing.assert_close(loss, ref, rtol=0, atol=8 * torch.finfo(torch.float32).eps * float(ref))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("symbolic_batch", [False, True])
+def test_a_mask_made_from_attention_mask_goes_where_the_batch_is_unpadded(family: str, symbolic_batch: bool):
+    model = _sdpa_model(family)
+    batch = global_batch(model, 3, 16)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    kwargs = dict(batch, use_cache=False)
+    gm, _ = exported_for_split(model, kwargs, None, dynamic_shapes=batch_dims(kwargs) if symbolic_batch else None)
+    layers = model.config.num_hidden_layers
+    assert sum(n.target is sdpa_unless_padded for n in gm.graph.nodes) == layers
+    # all ones: eager reads the mask and passes SDPA none (is_causal); so does the export in an
+    # unpadded batch: the same ops on the same values, equal to the bit
+    with unpadded_batch(True):
+        loss, grads = _loss_and_grads(gm, model, kwargs)
+    ref_loss, ref_grads = _loss_and_grads(model, model, batch)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    # padded: the mask, as eager applies it (the same masked SDPA on the same values)
+    batch["attention_mask"][1, :5] = 0
+    assert not unpadded(batch, 0, 3) and unpadded(batch, 2, 3)
+    loss, grads = _loss_and_grads(gm, model, dict(batch, use_cache=False))
+    ref_loss, ref_grads = _loss_and_grads(model, model, batch)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    # a batch on a device is not read back: the mask is applied
+    assert not unpadded({"attention_mask": torch.ones(3, 16, device="meta")}, 0, 3)
 
 
 class _Attention(torch.nn.Module):

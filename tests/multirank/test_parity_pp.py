@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parity import check_step, check_trajectory, expect
-from tests.workers import auto_pipeline_parity, pp_gather_and_save, pp_parity
+from tests.workers import auto_pipeline_parity, masked_pp_parity, pp_gather_and_save, pp_parity
 
 pytestmark = pytest.mark.multirank
 
@@ -96,3 +96,13 @@ def test_gathered_state_dict_saves_and_reloads_equal_weights(pool2, tmp_path):
     assert result["missing"] == [] and result["unexpected"] == []
     assert result["n"] > 10
     expect(check_trajectory(result["weights"]))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_pipeline_traced_with_an_attention_mask_attends_causally_where_the_batch_is_unpadded(pool2, padded):
+    """Exact both ways; an all-ones mask runs SDPA without it (``is_causal``, the flash kernel on a
+    GPU), a padded one with it (:func:`fxpar.tracing.graph_passes.causal_unless_padded`)."""
+    for r in pool2.run(masked_pp_parity, padded):
+        expect(*check_step(r["step"]), context=r["rank"])
+        # one block a stage, two micro-batches: two attention calls on each rank
+        assert r["calls"] == 2 and r["masked_calls"] == (2 if padded else 0), r

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fxpar.errors import PlanError
 from fxpar.runtime import batch_checks as checks
+from fxpar.tracing.graph_passes import PADDING_INPUT
 
 
 def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected: int, local: bool,
@@ -45,6 +46,15 @@ def check_pipeline_batch(batch: Any, where: str, names: Sequence[str], expected:
     starts = range(0, hi - lo, micro_rows) if micro_rows else ()
     checks.check_labels_present(mine, where, causal=causal,
                                 chunks=[(s, min(s + micro_rows, hi - lo)) for s in starts])
+
+
+def unpadded(batch: Mapping[str, Any], lo: int, hi: int) -> bool:
+    """Rows ``[lo, hi)`` of ``batch`` hold an ``attention_mask`` of all ones, read on the host (a
+    batch on a device is not read back: False), so the stages may attend causally without it
+    (:func:`fxpar.tracing.graph_passes.causal_unless_padded`).  Every rank of a pipeline runs
+    the same rows and decides alike."""
+    mask = batch.get(PADDING_INPUT)
+    return checks.on_host(mask) and bool((checks.host_values(mask[lo:hi]) == 1).all())
 
 
 def item_weights(batch: Mapping[str, torch.Tensor], lo: int, hi: int, *, by_tokens: bool, causal: bool,

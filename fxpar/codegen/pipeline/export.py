@@ -26,7 +26,7 @@ from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
 from fxpar.tracing.export import export_program, model_device, on_the_exporting_thread
 from fxpar.tracing.grad_paths import lost_gradients
-from fxpar.tracing.graph_passes import causal_attention, drop_metadata_asserts
+from fxpar.tracing.graph_passes import causal_attention, causal_unless_padded, drop_metadata_asserts
 
 
 @on_the_exporting_thread   # its autocast and torch-function mode are the thread's own
@@ -34,7 +34,8 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
                        dynamic_shapes: dict[str, Any] | None = None) -> tuple[torch.fx.GraphModule, str]:
     """``model`` exported on ``kwargs`` (``use_cache=False`` added for HF models) under
     ``dtype``'s autocast of the export tensors' device (none for fp32), its tensor-metadata
-    assertions dropped and its causal masks made ``is_causal`` (:mod:`~fxpar.tracing.graph_passes`);
+    assertions dropped and its causal masks made ``is_causal`` (a mask made from ``attention_mask``:
+    in a step whose batch is unpadded; :mod:`~fxpar.tracing.graph_passes`);
     and that device's type.  ``dynamic_shapes``: :func:`batch_dims`'s (one
     export for every micro-batch size).  A model whose export loses gradients is a PlanError, a
     failed export a TraceError."""
@@ -58,6 +59,7 @@ def exported_for_split(model: torch.nn.Module, kwargs: dict[str, Any], dtype: to
     _give_back_buffers(gm, real_buffers)
     drop_metadata_asserts(gm)
     causal_attention(gm)
+    causal_unless_padded(gm)
     return gm, device_type
 
 

@@ -51,7 +51,7 @@ from fxpar.codegen.common.materialize import Source, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
 from fxpar.codegen.pipeline.stage_setup import compile_stages
 from fxpar.codegen.pipeline.replicas import broadcast_first_pipeline, owner_groups, summed_entries
-from fxpar.codegen.pipeline.batches import check_pipeline_batch, item_weights
+from fxpar.codegen.pipeline.batches import check_pipeline_batch, item_weights, unpadded
 from fxpar.codegen.pipeline.eager import cut_stages
 from fxpar.codegen.pipeline.export import (
     ExportCache, host_stand_in_boundaries, meta_stage_tensors, stage_export_site,
@@ -88,6 +88,7 @@ from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.precision import AUTOCAST_DTYPES
 from fxpar.runtime.step_loop import LossWeighting, StepModule
+from fxpar.tracing.graph_passes import unpadded_batch
 from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
 
@@ -281,14 +282,14 @@ class PipelineParallelModule(FormModule, StepModule):
         lo, hi = self._rows(local)
         losses: list[torch.Tensor] = []
         weights = item_weights(batch, lo, hi, by_tokens=self.loss_weighting == "tokens", causal=self.causal,
-                               device=self.device,
-                               sum_group=self.dp_group if local and self.plan.pipelines > 1 else None)  # n_i / N
+                               device=self.device, sum_group=self.dp_group if local and self.plan.pipelines > 1 else None)
         if train and self._replica_sum is not None:
             self._replica_sum.begin_step()
         # contiguous: torch 2.11's stages check the inputs' strides against the example's,
         # and a batch sliced by the user (ids[:, :-1]) is a strided view
-        self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True).contiguous()
-                                 for n in self.input_names), losses, train, weights)
+        with unpadded_batch(unpadded(batch, lo, hi)):
+            self._run_schedule(tuple(batch[n][lo:hi].to(self.device, non_blocking=True).contiguous()
+                                     for n in self.input_names), losses, train, weights)
         scale = self._scale if train else 1.0
         return (torch.stack([l.detach().float() for l in losses]).sum() / scale if losses
                 else torch.zeros((), device=self.device))
