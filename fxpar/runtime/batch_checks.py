@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fxpar.errors import ConfigError, PlanError
+from fxpar.tracing.graph_passes import PADDING_INPUT
 
 IGNORE_INDEX = -100
 
@@ -120,16 +121,12 @@ def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *
                             "new shape")
 
 
-#: A batch key a traced graph may go without: all ones, it means what its absence means to a
-#: transformers model (every position attended), so a graph traced without it computes the same.
-NO_OP_WHEN_ALL_ONES = "attention_mask"
-
-
 def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], where: str) -> None:
     """A PlanError for a key of ``batch`` that the traced graph does not take (``traced``: its
     inputs): the graph would drop it without a word, so a padded ``attention_mask`` left out of
     ``example_inputs`` would train as if every position were real.  One key is let through: an
-    ``attention_mask`` of all ones (:data:`NO_OP_WHEN_ALL_ONES`), the way a packed or unpadded
+    ``attention_mask`` of all ones (:data:`~fxpar.tracing.graph_passes.PADDING_INPUT`), which
+    means what its absence means to a transformers model, the way a packed or unpadded
     batch from a collator comes, so a graph traced without it (attention ``is_causal``, no mask
     built: :mod:`fxpar.tracing.graph_passes`) takes such batches.  Its values are read where the
     mask is: on the host with NumPy; on a device with one read back, the read a transformers
@@ -137,7 +134,7 @@ def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], wh
     for key, value in batch.items():
         if key in traced:
             continue
-        if key == NO_OP_WHEN_ALL_ONES and isinstance(value, torch.Tensor):
+        if key == PADDING_INPUT and isinstance(value, torch.Tensor):
             ones = bool((host_values(value) == 1).all()) if on_host(value) else bool((value == 1).all())
             if ones:
                 continue

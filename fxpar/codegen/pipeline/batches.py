@@ -1,7 +1,8 @@
 """What a batch must be for a pipeline's stages: clear errors, before any send or receive, for
 a batch they cannot take — not a dict, missing traced inputs, the wrong number of samples,
 inputs unlike the traced example, inputs the stages were not traced with (they would be
-dropped unread), token ids outside the vocabulary, a micro-batch without labels.  Every rank of a pipeline checks the same batch, so all raise alike; none waits forever.
+dropped unread), token ids outside the vocabulary, a micro-batch without labels.  Every rank
+of a pipeline checks the same batch, so all raise alike; none waits forever.
 """
 
 from __future__ import annotations
