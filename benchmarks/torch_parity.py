@@ -203,8 +203,13 @@ def _torch_pipeline(model: torch.nn.Module, dtype: str, example: dict[str, torch
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
     one = {"input_ids": example["input_ids"][: BATCH // MICRO]}
-    pipe = pipeline(_Logits(model), mb_args=(), mb_kwargs=one,
-                    split_spec={f"model.model.layers.{CUT}": SplitPoint.BEGINNING})
+    try:
+        pipe = pipeline(_Logits(model), mb_args=(), mb_kwargs=one,
+                        split_spec={f"model.model.layers.{CUT}": SplitPoint.BEGINNING})
+    except Exception as exc:   # torch 2.11's front end: "unexpected placeholder node" in its unflatten
+        raise RuntimeError(f"torch {torch.__version__}'s pipeline() cannot split {MODEL.name} ({type(exc).__name__}: "
+                           f"{str(exc)[:200]}); torch 2.15 can. Leave the pipeline pair out: --arms without "
+                           "'torch PP' and 'fxpar PP'") from None
     stage = pipe.build_stage(dist.get_rank(), torch.device("cpu"))
     vocab = model.config.vocab_size
     loss = lambda logits, labels: model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
