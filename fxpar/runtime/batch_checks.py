@@ -122,7 +122,7 @@ def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *
 
 
 def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], where: str) -> None:
-    """A PlanError for a key of ``batch`` that the traced graph does not take (``traced``: its
+    """A PlanError for a tensor of ``batch`` that the traced graph does not take (``traced``: its
     inputs): the graph would drop it without a word, so a padded ``attention_mask`` left out of
     ``example_inputs`` would train as if every position were real.  One key is let through: an
     ``attention_mask`` of all ones (:data:`~fxpar.tracing.graph_passes.PADDING_INPUT`), which
@@ -132,9 +132,9 @@ def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], wh
     mask is: on the host with NumPy; on a device with one read back, the read a transformers
     model's own mask check makes each forward (pass batches on the host to avoid it)."""
     for key, value in batch.items():
-        if key in traced:
-            continue
-        if key == PADDING_INPUT and isinstance(value, torch.Tensor):
+        if key in traced or not isinstance(value, torch.Tensor):
+            continue   # a flag (use_cache=False, ...): the export fixed its own
+        if key == PADDING_INPUT:
             ones = bool((host_values(value) == 1).all()) if on_host(value) else bool((value == 1).all())
             if ones:
                 continue

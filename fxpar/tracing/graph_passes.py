@@ -36,7 +36,10 @@ mask; its call becomes :func:`sdpa_unless_padded`, which runs SDPA with ``is_cau
 mask inside :func:`unpadded_batch` ``(True)`` and as exported otherwise.  A pipeline decides per
 step from the batch on the host (:mod:`fxpar.codegen.pipeline.module`): all ones over its rows,
 the eager path; any padding, or a batch already on a device (not read back), the mask.  The
-mask's nodes stay (the padded path needs them).
+mask's nodes stay (the padded path needs them).  The switch is one process-wide flag, not a
+thread's, so a compiled stage reads it as a guarded global; a stage run on another thread
+meanwhile (a switch's preparation passing its example through the stages for their shapes)
+may take the causal path, which changes no shape.
 """
 
 from __future__ import annotations

@@ -467,8 +467,9 @@ def test_pipeline_step_batch(case: str, pp_outcomes: dict[str, dict[str, Any]]) 
 
 @pytest.mark.multirank
 def test_a_pipeline_takes_an_untraced_all_ones_attention_mask(pp_outcomes: dict[str, dict[str, Any]]) -> None:
-    """An all-ones mask means no mask: the pipeline traced without one takes it, loss unchanged
-    (the same stages on the same rows, so equal to the bit); a padded one is refused above."""
+    """An all-ones mask means no mask: the pipeline traced without one takes it (and a flag such as
+    ``use_cache=False``), loss unchanged (the same stages on the same rows, so equal to the bit); a
+    padded mask or another untraced tensor is refused above."""
     r = pp_outcomes[ALL_ONES_MASK]
     assert r["with"] == r["without"], r
 

@@ -122,7 +122,7 @@ def pp_step_survey(names: list[str] | None = None) -> list[dict[str, Any]]:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=8,
                          blocks_per_stage=[1, 1], num_microbatches=2)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0, 1.0]), good, plan=plan, emulate=False)
-    ones = {**good, "attention_mask": torch.ones_like(good["input_ids"])}
+    ones = {**good, "attention_mask": torch.ones_like(good["input_ids"]), "use_cache": False}   # a flag passes too
     taken = {"case": ALL_ONES_MASK, "without": pm.eval_loss(good).item(), "with": pm.eval_loss(ones).item()}
     return [*_run_cases(pm, good, PP_CASES, names), taken]
 
