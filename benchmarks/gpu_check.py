@@ -8,7 +8,8 @@ next), within a wall-clock budget (``--budget-s``; ``--pytest-s`` of it kept for
 (b) for a TinyLlama-shaped 1.1B Llama and GPT-2 124M in bf16 (in fp32 after (c)), built on the
     host with one seed: the plain HF loop and every plan family one GPU runs — data parallel, ZeRO-2 and
     ZeRO-3 on one rank (hand-written plans: the planner offers sharded plans only from two ranks
-    on), a one-stage pipeline — each compared with the plain loop (first-step loss, every
+    on), a one-stage pipeline, and that pipeline traced with and fed an all-ones
+    ``attention_mask`` (a Trainer collator's batch: ``pipeline-mask``) — each compared with the plain loop (first-step loss, every
     parameter's gradient, step time, peak memory) and with its plan's predictions
     (:mod:`benchmarks.gpu_check_arms`, :mod:`benchmarks.gpu_check_report`);
 (c) ``fxpar.from_pretrained`` of the Llama saved in bf16 as a sharded checkpoint, its first-step

@@ -212,7 +212,9 @@ def fxpar_loop(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module, b
         plan = sharded_plan(spec, mspec, model, batch, cluster, record)
         pmodel = fxpar.auto(model, cluster, batch, plan=plan, **options)
     else:
-        strategy = {"dp": "data_parallel", "pipeline": "pipeline"}[family]
+        if family == "pipeline-mask":   # a collator's unpadded batch (module docstring of gpu_check_setup)
+            batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+        strategy = {"dp": "data_parallel", "pipeline": "pipeline", "pipeline-mask": "pipeline"}[family]
         pmodel = fxpar.auto(model, cluster, batch, strategies=[strategy], **options)
     record["auto_s"] = time.perf_counter() - start
     record["cluster"] = str(cluster)

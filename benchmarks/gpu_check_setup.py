@@ -23,8 +23,10 @@ MODEL_SEED, BATCH_SEED = 0, 1234
 #: plan families one GPU can run, by arm name; ``plain`` is the HF loop every other arm is held to
 #: the arms of each model and precision: the plain loop first (every other arm's reference), fxpar's
 #: one-GPU families, torch FSDP2 on the one rank (ZeRO-2/3's counterpart), and the plain loop and
-#: data parallelism with every block compiled (inductor)
-FAMILIES = ("plain", "dp", "zero2", "zero3", "pipeline", "fsdp2", "plain-compiled", "dp-compiled")
+#: data parallelism with every block compiled (inductor); ``pipeline-mask``: the pipeline fed the
+#: batch with an all-ones ``attention_mask``, as a Trainer's collator gives it (traced with the
+#: mask; its stages attend ``is_causal`` in an unpadded step: fxpar.tracing.graph_passes)
+FAMILIES = ("plain", "dp", "zero2", "zero3", "pipeline", "pipeline-mask", "fsdp2", "plain-compiled", "dp-compiled")
 #: the arms that run torch's own loops (no fxpar plan): the plain loop, FSDP2, the compiled plain loop
 TORCH_FAMILIES = ("plain", "fsdp2", "plain-compiled")
 MODELS = ("llama", "gpt2")
