@@ -121,6 +121,11 @@ def check_like_example(batch: Any, specs: Mapping[str, InputSpec], where: str, *
                             "new shape")
 
 
+def all_ones(t: torch.Tensor) -> bool:
+    """Every value of ``t`` is 1: read with NumPy on the host, else with one read back."""
+    return bool((host_values(t) == 1).all()) if on_host(t) else bool((t == 1).all())
+
+
 def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], where: str) -> None:
     """A PlanError for a tensor of ``batch`` that the traced graph does not take (``traced``: its
     inputs): the graph would drop it without a word, so a padded ``attention_mask`` left out of
@@ -135,8 +140,7 @@ def check_no_untraced_inputs(batch: Mapping[str, Any], traced: Sequence[str], wh
         if key in traced or not isinstance(value, torch.Tensor):
             continue   # a flag (use_cache=False, ...): the export fixed its own
         if key == PADDING_INPUT:
-            ones = bool((host_values(value) == 1).all()) if on_host(value) else bool((value == 1).all())
-            if ones:
+            if all_ones(value):
                 continue
             raise PlanError(f"{where}: batch[{key!r}] masks some positions, but the model was traced "
                             f"without {key!r} (example_inputs had {list(traced)}), so its stages would "

@@ -55,7 +55,7 @@ def unpadded(batch: Mapping[str, Any], lo: int, hi: int) -> bool:
     (:func:`fxpar.tracing.graph_passes.causal_unless_padded`).  Every rank of a pipeline runs
     the same rows and decides alike."""
     mask = batch.get(PADDING_INPUT)
-    return checks.on_host(mask) and bool((checks.host_values(mask[lo:hi]) == 1).all())
+    return checks.on_host(mask) and checks.all_ones(mask[lo:hi])
 
 
 def item_weights(batch: Mapping[str, torch.Tensor], lo: int, hi: int, *, by_tokens: bool, causal: bool,
