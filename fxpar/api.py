@@ -30,6 +30,7 @@ from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.exit_drain import drain_collective_threads_at_exit
 from fxpar.solvers import plan as solve_plan
 from fxpar.tracing import trace
+from fxpar.tracing.export import timed_exports
 from fxpar.tracing.hf import build_meta_model, hf_task
 from fxpar.tracing.hf import example_inputs as hf_example_inputs
 from fxpar.workload import Workload
@@ -162,15 +163,16 @@ def _rank_module(model: torch.nn.Module, plan: Plan, pricing: Pricing | None, *,
         workload = replace(workload, dtype=plan.dtype, optimizer=plan.optimizer)
         pricing = _given_plan_pricing(model, cluster, example_inputs, workload)
     start = time.perf_counter()
-    module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=opts.checkpoint,
-                          **build_options)
+    with timed_exports() as exporting:   # a switch's build cuts a cached export (fxpar.adapt.decide.BuildCost)
+        module = build_module(model, plan, rank, example_inputs, device=device, checkpoint=opts.checkpoint,
+                              **build_options)
     build_s = time.perf_counter() - start   # adapting's migration estimate before a switch
     module.pricing = pricing  # rank 0 of a solved plan: prices re-balanced plans (integrations.monitor)
     if template is None:
         return module
     return _adaptive(module, opts.adapt, template, pricing, workload, cluster, rank=rank, device=device,
                      example_inputs=example_inputs, build_options=build_options, policy=opts.adapt_policy(),
-                     given=given, build_s=build_s)
+                     given=given, build_s=build_s - exporting.seconds, export_s=exporting.seconds)
 
 
 def _given_plan_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any,
@@ -189,12 +191,12 @@ def _given_plan_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs
 def _adaptive(module: torch.nn.Module, adapt: Any, template: torch.nn.Module, pricing: Pricing | None,
               workload: Workload, cluster: Cluster, *, rank: int, device: torch.device, example_inputs: Any,
               build_options: dict[str, Any], policy: AdaptPolicy, given: bool = False,
-              build_s: float = 0.0) -> AdaptiveModule:
+              build_s: float = 0.0, export_s: float = 0.0) -> AdaptiveModule:
     """``module`` inside an :class:`~fxpar.adapt.AdaptiveModule` (``auto``'s ``adapt``); rank 0
     keeps the graph and cost model it re-plans from."""
     planning = Planning(graph=pricing.graph if pricing else None, cluster=cluster, workload=workload,
                         profiles=pricing.profiles if pricing else None, given=given,
-                        first_build_s=build_s)
+                        first_build_s=build_s, first_export_s=export_s)
     options = adapt_options(adapt, policy)
     return AdaptiveModule(module, planning=planning, template=template, example_inputs=example_inputs,
                           build_options=build_options, device=device, rank=rank, options=options)

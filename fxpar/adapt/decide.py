@@ -6,11 +6,23 @@ factors ``f`` and the links' factor ``ℓ`` (:meth:`fxpar.Cluster.derated`):
     T_keep = fxpar.predict(current plan, graph, cluster_f).step_s
     P_new  = solve(graph, cluster_f, workload, every family the job allows)
     T_new  = fxpar.predict(P_new, graph, cluster_f).step_s
-    M      = replan_s (measured now) + build_s (the last switch's measured build; before one, the
-             first plan's)
-             + max_r bytes_r / link        (bytes_r: parameter and optimizer-state bytes rank r
+    M      = 0 where the running module takes P_new in place (its form's ``refusal`` is empty:
+             nothing is built, nothing moves), else
+             B + max_r bytes_r / link      (bytes_r: parameter and optimizer-state bytes rank r
                                             holds under P_new — an upper bound on what it receives;
                                             link: the slowest link, the inter-node bandwidth)
+
+**The build's part** ``B`` (:class:`BuildCost`) is measured: the last switch's build (its
+``prepare_s``, on a thread or at the switch: a thread's build takes at most its own wall time
+from the training), else the first plan's build less the exports it made
+(:func:`fxpar.tracing.export.timed_exports`), since a switch cuts the export its cache
+made once when adapting started (:func:`fxpar.adapt.prepare.prepare_pipeline_export`); a
+pipeline whose stages cannot be cut from that export (none was made, a micro-batch of 1, a
+tensor-parallel stage sharded in place) is charged the first build's exports as well.  Until
+2026-12-05 ``B`` was the first plan's whole build — 1.6 s on the adapt benchmark's 4-rank row where
+the switch's build measured 0.13 s and its commit 0.04 s — and ``M`` also held the re-plan's
+seconds, which are spent whether or not the plan changes: that row kept a plan 15% slower than
+the one it was offered ("saving 0.90 s over 86 steps <= migration ~1.20 s").
 
 **Measured, then corrected.**  The running plan's step is measured (:class:`MeasuredStep`: the
 slowest rank's wall with the optimizer step, and the busiest rank's compute, optimizer included).
@@ -90,7 +102,7 @@ from typing import Any
 from fxpar.checkpoint.reshard import ALIGN
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
-from fxpar.forms import part
+from fxpar.forms import form, part
 from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
 from fxpar.profiling.memory import state_bytes_per_param
@@ -127,6 +139,31 @@ class AdaptPolicy:
             raise ConfigError(f"AdaptPolicy.measured_margin = {self.measured_margin!r}: expected a fraction in [0, 1)")
         if self.horizon_steps is not None and (not isinstance(self.horizon_steps, int) or self.horizon_steps < 1):
             raise ConfigError(f"AdaptPolicy.horizon_steps = {self.horizon_steps!r}: expected an int >= 1 or None")
+
+
+@dataclass(frozen=True, slots=True)
+class BuildCost:
+    """The build's part of a switch's cost, measured (module docstring, ``B``): ``build_s`` a build
+    that exports nothing (the last switch's, else the first plan's less its exports), ``export_s``
+    the first plan's exports, charged where a new pipeline's stages cannot be cut from
+    the cached export (``export_cached``: the one made when adapting started)."""
+
+    build_s: float = 0.0
+    export_s: float = 0.0
+    export_cached: bool = False
+
+    def seconds(self, new: Plan) -> float:
+        """``B`` for a switch that builds ``new``'s module."""
+        fresh_export = form(new.strategy).cuts_model and not (self.export_cached and _cut_from_cache(new))
+        return self.build_s + (self.export_s if fresh_export else 0.0)
+
+
+def _cut_from_cache(plan: Plan) -> bool:
+    """Whether a pipeline ``plan``'s stages are cut from the symbolic-batch export a switch's
+    cache holds (:class:`fxpar.codegen.pipeline.export.ExportCache`): every micro-batch of 2 or
+    more samples, no tensor-parallel stage (sharded in place, it exports its own shapes)."""
+    micro = min((n // max(1, plan.num_microbatches) for st in plan.stages for n in st.data_split), default=0)
+    return micro >= 2 and all(st.tensor_parallel <= 1 for st in plan.stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,11 +294,11 @@ def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Predi
 
 
 def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workload, policy: AdaptPolicy, *,
-           steps_left: int | None, build_s: float = 0.0, profiles: Mapping[str, Any] | None = None,
+           steps_left: int | None, build: BuildCost = BuildCost(), profiles: Mapping[str, Any] | None = None,
            measured: MeasuredStep | None = None, refused: Sequence[Plan] = ()) -> Decision:
     """Re-solve for ``cluster`` (already derated) and say whether to switch (module docstring);
-    ``measured``: the running plan's step at these speeds; ``refused``: layouts a switch rolled
-    back at these speeds."""
+    ``build``: the measured build seconds ``M`` charges; ``measured``: the running plan's step at
+    these speeds; ``refused``: layouts a switch rolled back at these speeds."""
     start = time.perf_counter()
     strategies = policy.strategies if policy.strategies is not None else FAMILIES
     predictions: dict[int, tuple[Plan, Prediction]] = {}   # by id, the plan kept alive so no id is reused
@@ -294,7 +331,8 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
-    migrate = replan_s + build_s + network_of(cluster).migration_s(state_bytes(new, graph))
+    in_place = not part(current.strategy, "spec").refusal(current, new)
+    migrate = 0.0 if in_place else build.seconds(new) + network_of(cluster).migration_s(state_bytes(new, graph))
     gain = keep - best
     if new.same_layout(current):
         switch, reason = False, "the best plan for these speeds is the current one"

@@ -59,7 +59,7 @@ from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.pending import PendingSwitch
 from fxpar.adapt.prepare import Preparation, prepare_pipeline_export, preparation_fits
 from fxpar.adapt.records import GatheredStep, StepRecords
-from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner
+from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner, measured_build
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
 from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module, takes_in_place
@@ -98,7 +98,8 @@ class AdaptiveModule(torch.nn.Module):
         self.steps, self.events = 0, []
         ones = [1.0] * self.world   # the warm-up decision: the job's cluster as it is
         warm = self.replanner.request(module.plan, ones, ones, link=1.0, steps_left=None,
-                                      build_s=planning.first_build_s, measured=None) if rank == 0 else None
+                                      build=measured_build([], planning, export_cached=False),
+                                      measured=None) if rank == 0 else None
         self.background = BackgroundPlanning(planning, options.planning_mode, computes=rank == 0,
                                              world=self.world, warm=warm)
         #: seconds spent at start (while rank 0's planning process starts) on the export later
@@ -299,11 +300,10 @@ class AdaptiveModule(torch.nn.Module):
         self.derate = [d * f for d, f in zip(self._plan_derate, factors)]
         self.link = self._plan_link * self.detector.link
         total = self.options.total_steps
-        last_build = next((e["build_s"] for e in reversed(self.events) if e["kind"] == "switch"),
-                          self.planning.first_build_s)
+        build = measured_build(self.events, self.planning, export_cached=self._build["exports"].symbolic > 0)
         # any error while deciding is a "keep" with its reason (Replanner.decision)
         self._measured_at_detection = self.records.median(self.options.detector.min_steps)
-        request = self.replanner.request(self.plan, list(self.derate), factors, link=self.link, build_s=last_build,
+        request = self.replanner.request(self.plan, list(self.derate), factors, link=self.link, build=build,
                                          measured=self._measured_at_detection,
                                          steps_left=None if total is None else max(total - self._read_step - 1, 1))
         background = self.background.mode

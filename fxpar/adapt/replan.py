@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fxpar.adapt.decide import AdaptPolicy, Decision, MeasuredStep, decide, plan_kind, with_factors
+from fxpar.adapt.decide import AdaptPolicy, BuildCost, Decision, MeasuredStep, decide, plan_kind, with_factors
 from fxpar.adapt.planning_process import PlanningProcess
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
@@ -57,8 +57,21 @@ class Planning:
     profiles: Any = None
     #: the first plan was the user's (``fxpar.auto(plan=...)``): see ``AdaptPolicy.replace_given_plan``
     given: bool = False
-    #: seconds the first plan's module took to build (the migration's build estimate before a switch)
+    #: seconds the first plan's module took to build, less its exports (``first_export_s``):
+    #: the migration's build estimate before a switch (:class:`~fxpar.adapt.decide.BuildCost`)
     first_build_s: float = 0.0
+    first_export_s: float = 0.0
+
+
+def measured_build(events: Sequence[Mapping[str, Any]], planning: Planning, *, export_cached: bool) -> BuildCost:
+    """The build seconds a decision charges a switch (:class:`~fxpar.adapt.decide.BuildCost`): the
+    last switch's or rollback's that built a module (its ``prepare_s``, wherever it was built),
+    else the first plan's less its exports; ``export_cached``: a symbolic-batch export of
+    the template is in the switches' cache."""
+    built = next((e["prepare_s"] for e in reversed(events)
+                  if e["kind"] in ("switch", "rollback") and e.get("prepare_s")), None)
+    return BuildCost(build_s=planning.first_build_s if built is None else float(built),
+                     export_s=planning.first_export_s, export_cached=export_cached)
 
 
 @dataclass
@@ -77,11 +90,11 @@ class Replanner:
         self.refused.append((plan, tuple(speeds), float(link)))
 
     def request(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float,
-                steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> DecisionRequest:
+                steps_left: int | None, build: BuildCost, measured: MeasuredStep | None) -> DecisionRequest:
         """The decision :meth:`decision` would make, as data (:func:`make_decision` makes it
         from the planning, in the planning process or here); a copy of the refused lists."""
         return DecisionRequest(self.policy, self.threshold, tuple(self.refused), tuple(self.unbuildable.items()),
-                               current, tuple(speeds), tuple(factors), float(link), steps_left, build_s, measured)
+                               current, tuple(speeds), tuple(factors), float(link), steps_left, build, measured)
 
     def cannot_build(self, family: str, why: str) -> None:
         """``family`` is offered no more (its build failed at a switch)."""
@@ -102,11 +115,11 @@ class Replanner:
                      and not (form(f).cuts_model and graph is not None and graph.recorded))
 
     def decision(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float = 1.0,
-                 steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> Decision:
+                 steps_left: int | None, build: BuildCost, measured: MeasuredStep | None) -> Decision:
         """Rank 0's decision for the cluster derated by ``speeds`` (compute) and ``link`` (every
         link's bandwidth); any error is a "keep"."""
         try:
-            return self._decide(current, speeds, factors, link=link, steps_left=steps_left, build_s=build_s,
+            return self._decide(current, speeds, factors, link=link, steps_left=steps_left, build=build,
                                 measured=measured)
         except Exception as exc:  # noqa: BLE001 -- any error here must reach every rank as a
             # "keep" (e.g. no plan fits the derated cluster), or the others wait at the broadcast
@@ -122,7 +135,7 @@ class Replanner:
                         link_factor=link)
 
     def _decide(self, current: Plan, speeds: Sequence[float], factors: Sequence[float], *, link: float,
-                steps_left: int | None, build_s: float, measured: MeasuredStep | None) -> Decision:
+                steps_left: int | None, build: BuildCost, measured: MeasuredStep | None) -> Decision:
         p = self.planning
         if p.graph is None:
             raise RuntimeError("fxpar adapt: rank 0 holds no model graph to re-plan from")
@@ -131,7 +144,7 @@ class Replanner:
             raise RuntimeError(f"no family left to offer (builds failed: {self.unbuildable})")
         policy = replace(self.policy, strategies=families)
         decision = with_factors(decide(current, p.graph, p.cluster.derated(speeds, link=link), p.workload, policy,
-                                       steps_left=steps_left, build_s=build_s, profiles=p.profiles,
+                                       steps_left=steps_left, build=build, profiles=p.profiles,
                                        measured=measured, refused=self.refused_here(speeds, link)), factors, link)
         if decision.plan is None:
             return decision
@@ -157,7 +170,7 @@ class DecisionRequest:
     factors: tuple[float, ...]
     link: float
     steps_left: int | None
-    build_s: float
+    build: BuildCost
     measured: MeasuredStep | None
 
 
@@ -166,7 +179,7 @@ def make_decision(planning: Planning, request: DecisionRequest) -> Decision:
     replanner = Replanner(planning, request.policy, request.threshold, list(request.refused),
                           dict(request.unbuildable))
     return replanner.decision(request.current, request.speeds, request.factors, link=request.link,
-                              steps_left=request.steps_left, build_s=request.build_s, measured=request.measured)
+                              steps_left=request.steps_left, build=request.build, measured=request.measured)
 
 
 class DecisionInFlight:

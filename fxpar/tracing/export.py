@@ -14,7 +14,11 @@ shared by both threads, and with transformers 5.25 / kernels 0.19 a training ste
 A thread that must not export (:class:`fxpar.adapt.prepare.Preparation`) sets a runner with
 :func:`exports_run_by`; every function that exports, or sets the thread-local state an export
 runs under (autocast, a torch-function mode), is marked :func:`on_the_exporting_thread` and is
-handed to that runner, which runs it on the thread that trains, between its steps."""
+handed to that runner, which runs it on the thread that trains, between its steps.
+
+:func:`timed_exports` counts the seconds ``torch.export`` takes while it is open: ``fxpar.auto``
+times the first plan's build so, whose exports a switch's build does not repeat (adapting's
+migration estimate, :class:`fxpar.adapt.decide.BuildCost`)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import io
 import logging
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -52,6 +57,28 @@ def exports_run_by(runner: Runner) -> Iterator[None]:
         yield
     finally:
         _RUNNER.run = before
+
+
+class ExportSeconds:
+    """Seconds ``torch.export`` took while a :func:`timed_exports` block was open."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+_OPEN_CLOCKS: list[ExportSeconds] = []
+
+
+@contextlib.contextmanager
+def timed_exports() -> Iterator[ExportSeconds]:
+    """Count the seconds of every :func:`export_program` call made while the block runs (on any
+    thread: exports run on the exporting one, module docstring)."""
+    clock = ExportSeconds()
+    _OPEN_CLOCKS.append(clock)
+    try:
+        yield clock
+    finally:
+        _OPEN_CLOCKS.remove(clock)
 
 
 def on_the_exporting_thread(fn: Callable[..., T]) -> Callable[..., T]:
@@ -130,6 +157,7 @@ def export_program(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     for log in quiet:  # a failed export logs whole graphs; the TraceError below says what matters
         log.setLevel(logging.ERROR)
     captured = io.StringIO()  # a failed export prints its partial graph to stderr: keep it out
+    start = time.perf_counter()
     try:
         with contextlib.redirect_stderr(captured), export_ready(model):
             program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -154,6 +182,8 @@ def export_program(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+        for clock in _OPEN_CLOCKS:
+            clock.seconds += time.perf_counter() - start
 
 
 def _model_frame(model: torch.nn.Module, exc: BaseException) -> str:

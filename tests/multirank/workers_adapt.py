@@ -126,6 +126,40 @@ def switch_parity(switches: dict[int, str], steps: int, *args: Any, **options: A
     return out
 
 
+def _adapt_facts(pm: Any) -> dict[str, Any]:
+    """An adaptive module's events, its export cache's counts (exports made, those with a
+    symbolic batch size) and the build seconds its next decision would charge."""
+    from fxpar.adapt.replan import measured_build
+
+    cache = pm._build["exports"]   # the job's export cache (fxpar.adapt.module)
+    return {"events": pm.events, "exports": cache.exports, "symbolic": cache.symbolic,
+            "first_export_s": pm.planning.first_export_s,
+            "build": measured_build(pm.events, pm.planning, export_cached=cache.symbolic > 0)}
+
+
+def first_build_of_a_pipeline() -> dict[str, Any]:
+    """``fxpar.auto`` of a pipeline with adapting on (nothing switches): the first build's
+    seconds less its exports, the exports' seconds, the export cache's symbolic exports, and the
+    build seconds a decision would charge a re-cut pipeline and a data-parallel plan."""
+    from fxpar.adapt import Adapt, DetectorSettings
+    from fxpar.adapt.replan import measured_build
+
+    world = dist.get_world_size()
+    model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
+    template = meta_template(model)
+    cluster = fxpar.Cluster.emulated(SPEEDS[:world])
+    never = Adapt(detector=DetectorSettings(warmup_steps=10**6), verbose=False)
+    pm = fxpar.auto(model, cluster, global_batch(model, BATCH, SEQ, seed=1), global_batch=BATCH, emulate=False,
+                    strategies=["pipeline"], adapt=never)
+    cache = pm._build["exports"]
+    build = measured_build(pm.events, pm.planning, export_cached=cache.symbolic > 0)
+    recut = _plan("pp-recut", template, cluster, world)
+    sharded = _plan("sharded", template, cluster, world)
+    return {"strategy": pm.plan.strategy, "first_build_s": pm.planning.first_build_s,
+            "first_export_s": pm.planning.first_export_s, "symbolic": cache.symbolic, "build": build,
+            "recut_s": build.seconds(recut), "sharded_s": build.seconds(sharded)}
+
+
 def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, config: dict | None = None,
                    dtype: str = "fp32", checkpoint: str | None = None, resumed_steps: int = 3) -> dict[str, Any]:
     """Train ``steps`` AdamW steps starting under uneven data parallelism, adapting on, switching
@@ -171,7 +205,7 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
         if k == steps:   # save under the last plan, resume under the first
             from fxpar.checkpoint import load_checkpoint, save_checkpoint
 
-            out["events"], out["exports"] = pm.events, pm._build["exports"].exports
+            out.update(_adapt_facts(pm))
             save_checkpoint(pm, opt, checkpoint, step=k)
             pm = fxpar.auto(fresh, cluster, data[0], emulate=False, plan=start)
             opt = torch.optim.AdamW(pm.parameters(), lr=lr)
@@ -185,8 +219,8 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     ref_params = dict(reference.named_parameters())
-    out.setdefault("events", getattr(pm, "events", []))
-    out.setdefault("exports", pm._build["exports"].exports)   # the job's export cache (fxpar.adapt.module): exports made
+    if "events" not in out:
+        out.update(_adapt_facts(pm))
     out["switches"] = [{"step": e["step"], "to": e["to"], "sent": e["stats"]["sent_bytes"],
                         "received": e["stats"]["received_bytes"], "local": e["stats"]["local_bytes"],
                         "state_bytes": e["state_bytes"], "predicted_state_bytes": predicted.get(e["step"]),

@@ -108,7 +108,7 @@ def test_a_real_decision_made_in_the_planning_process_is_the_one_made_here():
     import pickle
 
     import fxpar
-    from fxpar.adapt.decide import AdaptPolicy
+    from fxpar.adapt.decide import AdaptPolicy, BuildCost
     from fxpar.adapt.replan import BackgroundPlanning, Planning, Replanner, make_decision
     from fxpar.cluster import DeviceType, NodeSpec, lookup_device_type
     from fxpar.solvers import plan as solve_plan
@@ -127,7 +127,7 @@ def test_a_real_decision_made_in_the_planning_process_is_the_one_made_here():
     planning = Planning(graph=graph, cluster=cluster, workload=workload)
     current = solve_plan(graph, cluster, workload, strategies=["data_parallel"])
     replanner = Replanner(planning, AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6), threshold=0.2)
-    request = replanner.request(current, [1.0, 0.4], [1.0, 0.4], link=1.0, steps_left=None, build_s=0.1,
+    request = replanner.request(current, [1.0, 0.4], [1.0, 0.4], link=1.0, steps_left=None, build=BuildCost(0.1),
                                 measured=None)
     here = make_decision(planning, request)
     background = BackgroundPlanning(planning, "process", computes=True, world=2, warm=request)

@@ -163,6 +163,8 @@ class ExportCache:
         self._flags: dict[int, dict[int, bool] | None] = {}   # id of an fp32 export -> its grad_flags
         #: exports made (what the cache saves: every call but these was served from the cache)
         self.exports = 0
+        #: exports made with a symbolic batch size (each serves every micro-batch size of 2 or more)
+        self.symbolic = 0
 
     def exported(self, model: torch.nn.Module, kwargs: dict[str, Any],
                  dtype: torch.dtype | None) -> tuple[torch.fx.GraphModule, str]:
@@ -190,6 +192,7 @@ class ExportCache:
         if loose is not None:
             try:
                 made = self._made[loose] = exported_for_split(model, kwargs, dtype, dynamic_shapes=dims)
+                self.symbolic += 1
             except TraceError:   # its batch size does not export symbolically: one export per shape
                 self._static_only = True
         if made is None:
