@@ -274,6 +274,12 @@ def move_row_bytes(graph: ModelGraph, workload: Workload) -> int:
     return widest * (w + o) + ALIGN * (1 + -(-o // 4)) if widest else 0
 
 
+def taken_in_place(current: Plan, new: Plan) -> bool:
+    """Whether a module running ``current`` takes ``new`` as it is (its form's ``refusal`` is
+    empty, as for new data-parallel shares): nothing is built, nothing moves."""
+    return not part(current.strategy, "spec").refusal(current, new)
+
+
 def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Prediction, row_bytes: int = 0) -> str:
     """Why the move from ``current`` to ``new`` would not fit (module docstring, memory at the
     switch); empty where it fits, where ``new`` is ``current`` or ``current``'s form takes it in
@@ -281,7 +287,7 @@ def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Predi
     prediction does not say what each rank holds.  ``running``, ``after``: the two plans'
     predictions; ``row_bytes``: :func:`move_row_bytes`."""
     if (not running.state_bytes or not after.state_bytes or new.same_layout(current)
-            or not part(current.strategy, "spec").refusal(current, new)):
+            or taken_in_place(current, new)):
         return ""
     for r, (old, mine) in enumerate(zip(running.state_bytes, after.state_bytes)):
         capacity = new.ranks[r].memory_capacity_bytes
@@ -331,8 +337,7 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
-    in_place = not part(current.strategy, "spec").refusal(current, new)
-    migrate = 0.0 if in_place else build.seconds(new) + network_of(cluster).migration_s(state_bytes(new, graph))
+    migrate = 0.0 if taken_in_place(current, new) else build.seconds(new) + network_of(cluster).migration_s(state_bytes(new, graph))
     gain = keep - best
     if new.same_layout(current):
         switch, reason = False, "the best plan for these speeds is the current one"
