@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fxpar
-from benchmarks.gpu_check_setup import BATCH_SEED, MODEL_SEED
+from benchmarks.gpu_check_setup import BATCH_SEED, MODEL_SEED, PLANNED_STRATEGY
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import local_cache
@@ -214,7 +214,7 @@ def fxpar_loop(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module, b
     else:
         if family == "pipeline-mask":   # a collator's unpadded batch (module docstring of gpu_check_setup)
             batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
-        strategy = {"dp": "data_parallel", "pipeline": "pipeline", "pipeline-mask": "pipeline"}[family]
+        strategy = PLANNED_STRATEGY[family]
         pmodel = fxpar.auto(model, cluster, batch, strategies=[strategy], **options)
     record["auto_s"] = time.perf_counter() - start
     record["cluster"] = str(cluster)
