@@ -14,6 +14,8 @@ Suites (each also runs alone as ``python -m benchmarks.<module>``):
     rebalance HF Trainer + FxparCallback: a rank slows mid-run, the shares are re-solved
     real_gpu  predicted vs measured step time and memory of real GPU runs (shared/validation)
     collectives the collectives each plan kind issues per step, audited for NCCL validity
+    switches  adapting's switches against one process, a capped move's peak, live groups and
+              bytes over 10 switches, switches where nothing changes
     torch_parity fxpar's runtime against DDP, FSDP2 and torch TP on the same model and split:
               bytes, host reads, extra ops, step and memory ratios (equal speeds, measured)
 
@@ -38,7 +40,7 @@ SUITES = {"plan": "plan_scenarios", "scaling": "planner_scaling", "dp": "dp_emul
           "pp": "pp_emulated", "ep_tp": "ep_tp_emulated", "sharded": "sharded_emulated", "fidelity": "fidelity", "memory": "memory_fidelity", "rebalance": "rebalance",
           "real_gpu": "real_gpu", "collectives": "collective_audit",
           "adapt": "adapt", "switch_prepare": "switch_prepare", "torch_parity": "torch_parity",
-          "plan_regret": "plan_regret"}
+          "plan_regret": "plan_regret", "switches": "adapt_switches"}
 TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lower bound (predicted)",
           "scaling": "Planner scaling: solve time (tracing excluded)",
           "dp": "Uneven data parallelism vs torch DDP (measured on gloo CPU ranks, emulated speeds)",
@@ -55,7 +57,8 @@ TITLES = {"plan": "Every shared scenario: fxpar's plan vs baselines and the lowe
           "adapt": "Adapting while training under a straggler (measured, emulated speeds)",
           "switch_prepare": "A switch's module built on a thread vs at the switch (measured, emulated speeds)",
           "torch_parity": "fxpar's runtime against torch's own (DDP, FSDP2, TP; gloo CPU ranks, equal speeds)",
-          "plan_regret": "Plan regret: the planner's pick against every family, timed (gloo CPU ranks, emulated speeds)"}
+          "plan_regret": "Plan regret: the planner's pick against every family, timed (gloo CPU ranks, emulated speeds)",
+          "switches": "Adapting's switches end to end: parity, a capped move's peak, leaks, noise-only runs (gloo)"}
 
 
 def _latest(name: str, quick: bool, folder=RESULTS) -> dict | None:

@@ -385,6 +385,9 @@ def section(folder: Path = RESULTS, quick: bool = False) -> str:
     adapting = latest("adapt", folder, False)
     if adapting:
         parts += readme_sections.adapt(adapting)
+    switches = latest("adapt_switches", folder, False)
+    if switches:
+        parts += readme_sections.adapt_switches(switches)
     parity = latest("torch_parity", folder, False)
     if parity:
         parts += readme_sections.torch_parity(parity)

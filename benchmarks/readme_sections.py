@@ -189,6 +189,32 @@ def adapt(a: dict) -> list[str]:
     return lines
 
 
+
+def adapt_switches(s: dict) -> list[str]:
+    """Adapting's switches end to end: the parity table, the capped move, leaks, noise-only runs."""
+    m, move, leaks, quiet = s["machine"], s["capped_move"], s["leaks"], s["noise"]
+    capped = [x for x in move if x["move"] == "capped"]
+    lines = ["", f"Adapting's switches end to end (`python -m benchmarks.adapt_switches`, {m['date']}, gloo ranks): "
+             "each chain starts under uneven data parallelism and switches through `pm.switch_to` (the path a "
+             "decision takes), the 'decider' rows through decisions of their own under emulated speeds that change "
+             "three times; losses are the worst step's relative gap to one process on the same batches, weights "
+             "the gap after the last step (bf16/fp16 chains against one process under the host's autocast):",
+             "", table(s)]
+    rounds = sorted({x["rounds"] for x in capped})
+    lines += ["", f"A capped move (PP -> ZeRO-3) ran in {' or '.join(map(str, rounds))} rounds; its predicted peak "
+              f"over the measured one was {min(x['ratio'] for x in move):.3f}-{max(x['ratio'] for x in move):.3f} "
+              f"({'within' if all(x['within'] for x in move) else 'NOT within'} measured <= predicted <= "
+              f"{s['peak_bound']} x measured). Alternating a pipeline and ZeRO-3 for {len(leaks[0]['groups'])} "
+              "switches, each rank's live process groups and live tensor bytes after the second switch and after "
+              "the last were "
+              + "; ".join(f"rank {r['rank']}: {r['groups'][1]} and {r['groups'][-1]} groups, "
+                          f"{r['bytes'][1] / 2**20:.3f} and {r['bytes'][-1] / 2**20:.3f} MiB" for r in leaks)
+              + ". Where nothing changed, "
+              + " and ".join(f"{q['ranks']} ranks switched {q['switches']} times in {q['steps']} steps" for q in quiet)
+              + "."]
+    return lines
+
+
 def torch_parity(tp: dict) -> list[str]:
     """fxpar's runtime against DDP, FSDP2, torch's TP and torch's pipelining on the same model,
     batch and split."""

@@ -14,10 +14,16 @@ from fxpar.checkpoint.reshard import Holding, intersect, plan_transfers, volume
 from fxpar.errors import CheckpointError, ConfigError
 from fxpar.solvers import plan as solve_plan
 from tests.parity import check_loss, check_trajectory, expect
-from tests.multirank.workers_adapt import decision_error_is_a_keep, leaks_over_switches, switch_parity
+from tests.multirank.workers_adapt import (
+    SWITCH_CHAINS,
+    SWITCH_TRAJECTORY_GAP,
+    THREE_CHANGES,
+    chain_config,
+    decision_error_is_a_keep,
+    leaks_over_switches,
+    switch_parity,
+)
 
-#: the issue's bound on the AdamW trajectory gap after a switch (‖w − w_ref‖ / ‖w_ref − w₀‖)
-SWITCH_TRAJECTORY_GAP = 1e-3
 
 
 @pytest.mark.full
@@ -63,26 +69,6 @@ def test_switches_between_expert_interleaved_and_sharded_layouts(pool2, case):
         assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
 
 
-#: issue #39, item 2's switch matrix: (ranks, model config, {step: target}, steps, dtype); each
-#: chain starts under uneven data parallelism (:func:`tests.multirank.workers_adapt._plan` names the targets)
-SWITCH_CHAINS = {
-    "2 ranks: DP -> ZeRO-2 -> DP -> PP -> PP re-cut -> ZeRO-3 -> ZeRO-3 re-split -> offloaded ZeRO-3":
-        (2, None, {2: "zero2", 4: "dp", 6: "pp", 8: "pp-recut", 10: "sharded", 12: "sharded-resplit",
-                   14: "sharded-offload"}, 17, "fp32"),
-    "2 ranks: uneven TP 3:1 -> DP (4 KV groups)":
-        (2, {"num_attention_heads": 4, "num_key_value_heads": 4}, {2: "tp-3:1", 5: "dp"}, 8, "fp32"),
-    "2 ranks: Mixtral EP 3:1 -> EP 1:3 -> DP":
-        (2, "mixtral", {2: "ep", 4: "ep-resplit", 6: "dp"}, 9, "fp32"),
-    "3 ranks: DP -> PP -> PP x TP -> PP re-cut -> ZeRO-3 -> DP":
-        (3, None, {2: "pp", 4: "pp-tp", 6: "pp-recut", 8: "sharded", 10: "dp"}, 13, "fp32"),
-    "4 ranks: DP -> PP x TP -> PP -> ZeRO-3 -> ZeRO-2 -> DP":
-        (4, None, {2: "pp-tp", 4: "pp", 6: "sharded-resplit", 8: "zero2", 10: "dp"}, 13, "fp32"),
-    "2 ranks, bf16: DP -> PP -> PP re-cut -> ZeRO-3 -> DP":
-        (2, None, {2: "pp", 4: "pp-recut", 6: "sharded", 8: "dp"}, 11, "bf16"),
-    "2 ranks, fp16: DP -> PP -> ZeRO-3 -> DP": (2, None, {2: "pp", 4: "sharded", 6: "dp"}, 10, "fp16"),
-}
-
-
 @pytest.mark.full
 @pytest.mark.multirank
 @pytest.mark.parametrize("chain", list(SWITCH_CHAINS))
@@ -99,14 +85,9 @@ def test_every_switch_of_the_matrix_keeps_the_single_process_trajectory(request,
     (``Prediction.state_bytes``, what a decision checks a move's memory by) equal what the
     switch measured there, but where the module docstring of :mod:`fxpar.adapt.decide` says why not."""
     from tests.parity import AUTOCAST_GRAD_RTOL, AUTOCAST_LOSS_RTOL, LOSS_RTOL
-    from tests.workers import TINY_CONFIGS
-    from tests.multirank.workers_adapt import CONFIG
 
     ranks, config, switches, steps, dtype = SWITCH_CHAINS[chain]
-    if config == "mixtral":
-        config = dict(TINY_CONFIGS["mixtral"], num_hidden_layers=4)
-    elif config is not None:
-        config = dict(CONFIG, **config)
+    config = chain_config(config)
     results = request.getfixturevalue(f"pool{ranks}").run(switch_parity, switches, steps, 1e-3, config, dtype)
     for r in results:
         assert len(r["switches"]) == len(switches)
@@ -160,11 +141,6 @@ def test_a_zero3_re_split_moves_state_with_parity(pool2):
             expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
         expect(check_trajectory(r["weights"]), context=f"rank {r['rank']}")
         assert r["weights"].gap < SWITCH_TRAJECTORY_GAP, r["weights"]
-
-
-#: speeds that change three times on 2 ranks: rank 1 slows to 0.3 at step 8, recovers as rank 0
-#: slows at step 24, which recovers at step 40
-THREE_CHANGES = [(8, 1, 0.3), (24, 1, 1.0), (24, 0, 0.3), (40, 0, 1.0)]
 
 
 @pytest.mark.full

@@ -37,6 +37,41 @@ _SPLITS = {
 }
 
 
+#: the issue's bound on the AdamW weights' gap after a switch (``‖w − w_ref‖₂``, :class:`tests.parity.TrajectoryGaps`)
+SWITCH_TRAJECTORY_GAP = 1e-3
+#: issue #39, item 2's switch matrix: (ranks, model config, {step: target}, steps, dtype); each
+#: chain starts under uneven data parallelism (:func:`_plan` names the targets); read by the test
+#: and by ``benchmarks/adapt_switches.py``
+SWITCH_CHAINS = {
+    "2 ranks: DP -> ZeRO-2 -> DP -> PP -> PP re-cut -> ZeRO-3 -> ZeRO-3 re-split -> offloaded ZeRO-3":
+        (2, None, {2: "zero2", 4: "dp", 6: "pp", 8: "pp-recut", 10: "sharded", 12: "sharded-resplit",
+                   14: "sharded-offload"}, 17, "fp32"),
+    "2 ranks: uneven TP 3:1 -> DP (4 KV groups)":
+        (2, {"num_attention_heads": 4, "num_key_value_heads": 4}, {2: "tp-3:1", 5: "dp"}, 8, "fp32"),
+    "2 ranks: Mixtral EP 3:1 -> EP 1:3 -> DP":
+        (2, "mixtral", {2: "ep", 4: "ep-resplit", 6: "dp"}, 9, "fp32"),
+    "3 ranks: DP -> PP -> PP x TP -> PP re-cut -> ZeRO-3 -> DP":
+        (3, None, {2: "pp", 4: "pp-tp", 6: "pp-recut", 8: "sharded", 10: "dp"}, 13, "fp32"),
+    "4 ranks: DP -> PP x TP -> PP -> ZeRO-3 -> ZeRO-2 -> DP":
+        (4, None, {2: "pp-tp", 4: "pp", 6: "sharded-resplit", 8: "zero2", 10: "dp"}, 13, "fp32"),
+    "2 ranks, bf16: DP -> PP -> PP re-cut -> ZeRO-3 -> DP":
+        (2, None, {2: "pp", 4: "pp-recut", 6: "sharded", 8: "dp"}, 11, "bf16"),
+    "2 ranks, fp16: DP -> PP -> ZeRO-3 -> DP": (2, None, {2: "pp", 4: "sharded", 6: "dp"}, 10, "fp16"),
+}
+
+#: speeds that change three times on 2 ranks: rank 1 slows to 0.3 at step 8, recovers as rank 0
+#: slows at step 24, which recovers at step 40
+THREE_CHANGES = [(8, 1, 0.3), (24, 1, 1.0), (24, 0, 0.3), (40, 0, 1.0)]
+
+
+def chain_config(config: dict | str | None) -> dict | None:
+    """A :data:`SWITCH_CHAINS` entry's model config: "mixtral" (a 4-block tiny Mixtral), changes
+    to :data:`CONFIG`, or None (:data:`CONFIG` itself)."""
+    if config == "mixtral":
+        return dict(TINY_CONFIGS["mixtral"], num_hidden_layers=4)
+    return None if config is None else dict(CONFIG, **config)
+
+
 def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int,
           start: fxpar.Plan | None = None) -> fxpar.Plan:
     """The hand plan of a switch target on ``world`` ranks (:data:`_SPLITS`): "dp" (the run's
@@ -324,16 +359,19 @@ def decision_error_is_a_keep() -> dict[str, Any]:
 def _live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage this process holds (after a collection)."""
     import gc
+    import warnings
 
     gc.collect()
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                storage = obj.untyped_storage()
-                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        except (RuntimeError, ReferenceError):
-            continue
+    with warnings.catch_warnings():   # isinstance on a module of deprecated names warns (torch.distributed's)
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                    storage = obj.untyped_storage()
+                    seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            except (RuntimeError, ReferenceError):
+                continue
     return sum(seen.values())
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 READMEPY = ROOT / "benchmarks" / "readme.py"
 SECTIONSPY = ROOT / "benchmarks" / "readme_sections.py"
 #: digits that are names or notation, not figures
-NOT_FIGURES = ("FSDP2", "fsdp2", "fp32", "127.0.0.1", "1/s_min", "(1/s − 1)", "1F1B", "s − 1", "rank 0")
+NOT_FIGURES = ("FSDP2", "fsdp2", "fp32", "bf16", "fp16", "ZeRO-3", "127.0.0.1", "1/s_min", "(1/s − 1)", "1F1B", "s − 1", "rank 0")
 
 
 def _literals(tree: ast.AST) -> list[tuple[int, str]]:
