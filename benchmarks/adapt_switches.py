@@ -24,6 +24,7 @@ from typing import Any
 from benchmarks.common import finish
 from fxpar.runtime import WorkerPool
 from tests.multirank.workers_adapt import (
+    DECIDER_CASES,
     SWITCH_CHAINS,
     SWITCH_TRAJECTORY_GAP,
     THREE_CHANGES,
@@ -37,10 +38,6 @@ from tests.multirank.workers_adapt import (
 from tests.parity import AUTOCAST_GRAD_RTOL, AUTOCAST_LOSS_RTOL, LOSS_RTOL, check_loss, check_trajectory
 
 ENV = {"TRANSFORMERS_VERBOSITY": "error"}
-#: the decider's runs (``tests/multirank/test_adapt.py``): memory per rank (GiB) and the families
-#: it may choose from
-DECIDER_CASES = {"ZeRO only": (16.0, ["sharded_data_parallel"]),
-                 "0.004 GiB per rank": (0.004, ["data_parallel", "sharded_data_parallel", "pipeline"])}
 NOISE_STEPS = 200
 #: issue #39, item 3: measured <= predicted <= this x measured
 PEAK_BOUND = 1.15
@@ -76,11 +73,17 @@ def chain(name: str, pools: dict[int, WorkerPool]) -> dict[str, Any]:
 
 def decided(case: str, pool: WorkerPool) -> dict[str, Any]:
     """``fxpar.auto(..., adapt=...)`` on 2 ranks under :data:`THREE_CHANGES`: the decider's switches."""
-    memory_gib, strategies = DECIDER_CASES[case]
-    results = pool.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies)
+    memory_gib, strategies, config = DECIDER_CASES[case]
+    results = pool.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies, chain_config(config))
     events = results[0]["events"]
-    chosen = [f"step {e['step']} {e['kind']}: {e['from']} -> {e['to']}" for e in events
-              if e["kind"] in ("switch", "rollback")]
+    trials = [e for e in events if e["kind"] == "trial"]
+    chosen = []
+    for e in (e for e in events if e["kind"] in ("switch", "rollback")):
+        trial = next((t for t in trials if t["step"] > e["step"]), None) if e["kind"] == "switch" else None
+        measured = "" if trial is None else (f", expected {e['expected_step_s'] * 1e3:.1f} ms, measured "
+                                             f"{trial['measured_step_s'] * 1e3:.1f} (the plan before: "
+                                             f"{trial['step_before_s'] * 1e3:.1f})")
+        chosen.append(f"step {e['step']} {e['kind']}: {e['from']} -> {e['to']}{measured}")
     decisions = [f"step {e['step']}: {e['old_kind']} {e['keep_step_s'] * 1e3:.1f} ms, {e['new_kind']} "
                  f"{e['new_step_s'] * 1e3:.1f} ms: {'switch' if e['switch'] else 'keep'} ({e['reason']})"
                  for e in events if e["kind"] == "decision"]

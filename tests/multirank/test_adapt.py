@@ -15,6 +15,7 @@ from fxpar.errors import CheckpointError, ConfigError
 from fxpar.solvers import plan as solve_plan
 from tests.parity import check_loss, check_trajectory, expect
 from tests.multirank.workers_adapt import (
+    DECIDER_CASES,
     SWITCH_CHAINS,
     SWITCH_TRAJECTORY_GAP,
     THREE_CHANGES,
@@ -149,16 +150,15 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
     """Issue #39, item 2: ``fxpar.auto(..., adapt=...)`` on 2 ranks whose emulated speeds change
     three times, timed for real; the decider itself chooses the switches -- within
     ``AdaptPolicy.strategies`` (uneven ZeRO re-split for the new speeds) and under a memory cap
-    data parallelism does not fit (ZeRO and pipelines with other cuts).  At least three switches
-    in all, every one after a decision and expecting the step it re-priced; every step's loss equals one process's on the same
-    batches and the AdamW weights stay on its trajectory, whatever the plan of each step."""
+    data parallelism does not fit (ZeRO and pipelines with other cuts), :data:`DECIDER_CASES`.  At
+    least one switch in each case and three in all, every one after a decision and expecting the
+    step it re-priced; every step's loss equals one process's on the same batches and the AdamW
+    weights stay on its trajectory, whatever the plan of each step."""
     from tests.multirank.workers_adapt import adaptive_run
 
-    cases = {"ZeRO only": (16.0, ["sharded_data_parallel"]),
-             "0.004 GiB per rank": (0.004, ["data_parallel", "sharded_data_parallel", "pipeline"])}
     switches = 0
-    for case, (memory_gib, strategies) in cases.items():
-        results = pool2.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies)
+    for case, (memory_gib, strategies, config) in DECIDER_CASES.items():
+        results = pool2.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies, chain_config(config))
         for r in results:
             kinds = [e["kind"] for e in r["events"]]
             for i, kind in enumerate(kinds):
@@ -179,7 +179,9 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
                   if e["kind"] in ("switch", "rollback")] for r in results]
         assert moved[0] == moved[1], moved
         assert all(over >= 1 for _, where, over in moved[0] if where == "background"), moved
-        switches += sum(e["kind"] == "switch" for e in results[0]["events"])
+        made = sum(e["kind"] == "switch" for e in results[0]["events"])
+        assert made >= 1, (case, results[0]["events"])
+        switches += made
     assert switches >= 3, switches
 
 

@@ -62,6 +62,15 @@ SWITCH_CHAINS = {
 #: speeds that change three times on 2 ranks: rank 1 slows to 0.3 at step 8, recovers as rank 0
 #: slows at step 24, which recovers at step 40
 THREE_CHANGES = [(8, 1, 0.3), (24, 1, 1.0), (24, 0, 0.3), (40, 0, 1.0)]
+#: the decider's runs under :data:`THREE_CHANGES`: memory per rank (GiB), the families it may
+#: choose from, the model (a :data:`SWITCH_CHAINS` config).  The ZeRO case's model is 4x wider
+#: than :data:`CONFIG`: at hidden 64 a sample's compute on a CPU rank is small beside each op's
+#: fixed cost, and the calibrated cost model priced re-splitting ZeRO's batch 7:1 under the 0.3
+#: straggler at 2-4% faster, under ``min_gain``, so that case never switched (2026-12-05; the
+#: switch measured 18% faster, see ``benchmarks/results/adapt_switches-cpu2-2026-12-05.json``'s note);
+#: at hidden 256 it was priced 20% faster and measured so.
+DECIDER_CASES = {"ZeRO only": (16.0, ["sharded_data_parallel"], {"hidden_size": 256, "intermediate_size": 512}),
+                 "0.004 GiB per rank": (0.004, ["data_parallel", "sharded_data_parallel", "pipeline"], None)}
 
 
 def chain_config(config: dict | str | None) -> dict | None:
