@@ -229,6 +229,7 @@ class Decision:
     measured_step_s: float | None = None    # the running plan's, when measured
     correction: tuple[float, float] = (1.0, 1.0)   # (k_C, k_R) applied to both steps
     link_factor: float = 1.0            # measured factor of every link's bandwidth (1: as planned)
+    build_s: float = 0.0                # B, the build part of migrate_s (0: taken in place)
 
     def explain(self) -> str:
         """One line: old plan → new plan, predicted steps, the migration estimate, the verdict."""
@@ -337,7 +338,9 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     keep, best = corrected(current), corrected(new)
     replan_s = time.perf_counter() - start
     horizon = policy.horizon_steps or (steps_left if steps_left is not None else 1000)
-    migrate = 0.0 if taken_in_place(current, new) else build.seconds(new) + network_of(cluster).migration_s(state_bytes(new, graph))
+    in_place = taken_in_place(current, new)
+    build_s = 0.0 if in_place else build.seconds(new)
+    migrate = 0.0 if in_place else build_s + network_of(cluster).migration_s(state_bytes(new, graph))
     gain = keep - best
     if new.same_layout(current):
         switch, reason = False, "the best plan for these speeds is the current one"
@@ -356,7 +359,7 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     return Decision(switch=switch, reason=reason, factors=(), keep_step_s=keep, new_step_s=best, migrate_s=migrate,
                     horizon_steps=horizon, replan_s=replan_s, old_kind=plan_kind(current), new_kind=plan_kind(new),
                     plan=new if switch else None, measured_step_s=None if measured is None else measured.step_s,
-                    correction=(fix.compute, fix.rest))
+                    correction=(fix.compute, fix.rest), build_s=build_s)
 
 
 def with_factors(decision: Decision, factors: Sequence[float], link: float = 1.0) -> Decision:

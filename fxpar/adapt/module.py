@@ -35,7 +35,9 @@ Per :meth:`AdaptiveModule.step`:
 6. **Prepared while training.**  A decided switch (or a rollback) whose plan the running module
    cannot take in place is built by a :class:`~fxpar.adapt.prepare.Preparation` on a thread of
    each rank, started at the step every rank received the decision, while the old plan trains
-   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.prepare.preparation_fits`);
+   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.prepare.preparation_fits`, and,
+   for a decided switch, where the old plan's steps meanwhile cost less than building at the
+   switch: :func:`~fxpar.adapt.prepare.background_pays`);
    each rank's gathered rows say whether its preparation is done (gathered every step while it
    runs), and the switch is due after the optimizer step of the first gather at which every
    rank's is: the commit (agreement, the move, the swap).  ``pm.switch_to(plan)`` prepares alike but its switch is due at once: the
@@ -57,7 +59,7 @@ import torch.distributed as dist
 
 from fxpar.adapt.decide import Decision, MeasuredStep, plan_kind
 from fxpar.adapt.pending import PendingSwitch
-from fxpar.adapt.prepare import Preparation, prepare_pipeline_export, preparation_fits
+from fxpar.adapt.prepare import Preparation, background_pays, prepare_pipeline_export, preparation_fits
 from fxpar.adapt.records import GatheredStep, StepRecords
 from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, Replanner, measured_build
 from fxpar.adapt.settings import Adapt
@@ -187,13 +189,15 @@ class AdaptiveModule(torch.nn.Module):
                           measured_before=self.records.median(self.options.detector.min_steps))
 
     def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool,
-                     measured_before: MeasuredStep | None = None, expected_step_s: float | None = None) -> None:
+                     measured_before: MeasuredStep | None = None, expected_step_s: float | None = None,
+                     build_on_thread: bool = True) -> None:
         """``plan`` is the next switch's (None: none), and its module starts being prepared
         (module docstring, 6); a preparation of an earlier pending plan is given back;
         ``measured_before``: the running plan's step when the switch was decided (5);
-        ``expected_step_s``: the decision's re-priced step for ``plan``."""
+        ``expected_step_s``: the decision's re-priced step for ``plan``; ``build_on_thread``:
+        the decision's verdict on where the build costs less (:func:`~fxpar.adapt.prepare.background_pays`)."""
         self.pending.give_back()
-        background = (plan is not None and self.options.prepare_in_background
+        background = (plan is not None and self.options.prepare_in_background and build_on_thread
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
         self.pending = PendingSwitch(plan, kind, Preparation(self._template[0], plan, self.rank, self._example,
                                                              self.device, self._build) if background else None,
@@ -329,7 +333,9 @@ class AdaptiveModule(torch.nn.Module):
         stale = self.pending.plan is not None or self._switches != deciding.after_switches   # a switch came first
         if stale:
             decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
+        on_thread = background_pays(decision.build_s, decision.keep_step_s, decision.new_step_s)
         self.events.append({"step": deciding.detected_step, "kind": "decision", **decision.as_event(),
+                            "build_charged_s": decision.build_s, "build_on_thread": on_thread,
                             "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection,
                             "planned_in": deciding.where if self.rank == 0 else None})
         if self.options.verbose and self.rank == 0:
@@ -337,7 +343,8 @@ class AdaptiveModule(torch.nn.Module):
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
         self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False,
-                          measured_before=self._measured_at_detection, expected_step_s=decision.new_step_s)
+                          measured_before=self._measured_at_detection, expected_step_s=decision.new_step_s,
+                          build_on_thread=on_thread)
         if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
             self.records.measured = []   # the steps since this decision measure the plan at these speeds

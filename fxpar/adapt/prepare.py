@@ -18,6 +18,23 @@ plan's steps: :func:`preparation_fits` allows it in the background only where ev
 predicted peak under the old plan plus the parameters of its stages in the new plan fits its
 memory; elsewhere the build runs at the switch.
 
+**Where the build pays.**  Built on a thread, the build is hidden, but the old plan runs the steps
+until every rank reads every rank's build done: ``n = ⌈B / T_keep⌉ + 1`` of them (the build's
+steps, and the one its done-flag's gather is collected at), each ``T_keep − T_new`` longer than
+the new plan's.  Built at the switch, training stands still for ``B``.  So a decided switch is
+prepared on a thread only where
+
+    n · (T_keep − T_new) < B        (B: the build the decision charged, BuildCost.seconds;
+                                     T: the decision's re-priced steps)
+
+(:func:`background_pays`).  Measured on the adapt benchmark's 2-rank capped rows (4 runs each,
+2026-12-04/05, EMULATED straggler at 0.3): on the wide row (``T_keep`` 0.72-1.15 s, ``T_new``
+0.40 s, ``B`` about 0.1 s) the arm that built at the switch beat the one that built on a thread
+in all 4 (470-612 against 482-691 ms mean step while the straggler lasted: two more steps of the
+slow plan cost more than the build); on the small row (68 against 51 ms, ``B`` about 0.09 s) the
+thread won all 4 (56-112 against 60-131 ms).  ``switch_to`` and rollbacks, priced by no
+decision, prepare on a thread.
+
 **Exports on the training thread.**  ``torch.export`` sets process-wide state while it traces
 (:mod:`fxpar.tracing.export`, "One thread exports"), so the thread never exports: it hands each
 export to a :class:`MainThreadCalls`, which the training thread :meth:`~Preparation.serve`\ s at the
@@ -34,6 +51,7 @@ plan's thread waits at most that long each time (``benchmarks/switch_prepare.py`
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import sys
 import threading
@@ -235,6 +253,16 @@ class Preparation:
         prepared = self.result()
         if prepared.module is not None:
             release_owned(prepared.module.owned)
+
+
+def background_pays(build_s: float, keep_step_s: float, new_step_s: float) -> bool:
+    """Whether building a decided switch's module on a thread costs less than building it at the
+    switch (module docstring, "Where the build pays"): ``n·(T_keep − T_new) < B``.  Plain numbers
+    every rank received in the decision, so every rank answers alike."""
+    if not (keep_step_s > 0 and math.isfinite(keep_step_s) and math.isfinite(new_step_s)):
+        return True   # a decision priced nothing (a failed re-plan): as before this rule, a thread
+    steps = math.ceil(build_s / keep_step_s) + 1
+    return steps * (keep_step_s - new_step_s) < build_s
 
 
 def preparation_fits(old: Plan, new: Plan, template: torch.nn.Module) -> bool:

@@ -28,7 +28,9 @@ class Adapt:
     #: the decision at the step that detected the change
     background_planning: bool | str = "process"
     #: a switch's new module is built on a thread while the old plan trains, and the switch
-    #: commits once every rank's is built (:mod:`fxpar.adapt.module`, 6); False: built at the switch
+    #: commits once every rank's is built (:mod:`fxpar.adapt.module`, 6), where that costs less
+    #: than building at the switch (:func:`fxpar.adapt.prepare.background_pays`); False: always
+    #: built at the switch
     prepare_in_background: bool = True
 
     def __post_init__(self) -> None:

@@ -1174,6 +1174,7 @@ def test_the_migration_charges_what_a_switch_builds_and_moves():
     assert new is not None and new.strategy == "pipeline", to_pipeline.explain()
     moved = network_of(slowed).migration_s(state_bytes(new, graph))
     assert to_pipeline.migrate_s == pytest.approx(costly.seconds(new) + moved, rel=1e-12)
+    assert to_pipeline.build_s == costly.seconds(new) and reshare.build_s == 0.0   # B, apart
     assert to_pipeline.replan_s > 0 and to_pipeline.migrate_s < costly.seconds(new) + moved + to_pipeline.replan_s
     # the cached export serves micro-batches of 2 or more on stages without tensor parallelism
     micro = min(n // new.num_microbatches for st in new.stages for n in st.data_split)
@@ -1186,6 +1187,25 @@ def test_the_migration_charges_what_a_switch_builds_and_moves():
     events = [{"kind": "switch", "prepare_s": 0.13}, {"kind": "decision"},
               {"kind": "switch", "prepare_s": 0.0}]   # a re-share in place built nothing
     assert measured_build(events, planning, export_cached=False) == BuildCost(0.13, 1.2, False)
+
+
+def test_a_decided_switch_builds_on_a_thread_only_where_the_old_plans_steps_cost_less():
+    """Issue #39, item 7: a decided switch's module is built on a thread while the old plan
+    trains only where ``n·(T_keep − T_new) < B`` (:func:`fxpar.adapt.prepare.background_pays`,
+    ``n = ⌈B / T_keep⌉ + 1``): the adapt benchmark's wide capped row (a 0.72 s step re-priced at
+    0.40 s after the switch, a 0.1 s build) builds at the switch, its small row (68 against 51
+    ms, a 0.09 s build) on a thread, as the arms measured (:mod:`fxpar.adapt.prepare`)."""
+    from fxpar.adapt.prepare import background_pays
+
+    assert not background_pays(0.1, 0.72, 0.40)      # 2 steps x 320 ms > 100 ms
+    assert background_pays(0.09, 0.0685, 0.051)      # 3 steps x 17.5 ms < 90 ms
+    assert background_pays(0.1, 0.1, 0.07) and not background_pays(0.05, 0.1, 0.07)   # 2 x 30 ms against B
+    # n counts the build's steps and the gather that reads it done: 3 x 40 ms > 110 ms (2 x 40 would not be)
+    assert not background_pays(0.11, 0.1, 0.06)
+    assert background_pays(0.05, 0.1, 0.12)          # a switch to a slower plan loses nothing by waiting
+    assert not background_pays(0.0, 0.1, 0.05)       # nothing to build: nothing to hide
+    for nan in (float("nan"), float("inf")):         # a decision without prices: the thread, as before
+        assert background_pays(0.1, nan, 0.05) and background_pays(0.1, 0.1, nan)
 
 
 @pytest.mark.full
