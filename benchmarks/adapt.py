@@ -40,6 +40,11 @@ order alternating; one with ``--quick``): arms run one after another, and this m
 drifted by up to 10% between them (the two arms' steps before the straggler, 2026-12-01 and -03),
 as much as the ≤ 1.05 the two are held to.  The row shows each arm's median round, and "adapt /
 DP rebalance" the median over the rounds of the two arms' ratio in the same round, with its range.
+**Where it does not** (2 ranks), ``keep``, ``adapt`` and ``fresh`` run in ``CAPPED_ROUNDS``
+interleaved rounds (the order rotating), and "keep / adapt" and "adapt / fresh" are the medians
+of the ratios within a round, with their range: in single runs (2026-12-05, four runs of the same
+switches) the wide row's adapt / fresh read 1.09-1.20 and its keep / adapt 1.37-1.69, and in one
+run the same switch at the same step measured 543 ms in one arm and 506 in another.
 
 **Overhead** (``OVERHEAD_RANKS`` ranks, equal speeds, nothing changes): data parallelism with
 adapting on and off, both modules in the same processes, stepping in alternating blocks of
@@ -106,6 +111,8 @@ DETECTOR = DetectorSettings(threshold=0.3)
 FAMILIES = ("data_parallel", "pipeline", "sharded_data_parallel")
 #: where DP fits, the rounds of the ``rebalance`` and ``adapt`` arms, interleaved (module docstring)
 PAIRED_ROUNDS = 3
+#: where DP does not fit (2 ranks), the rounds of ``keep``, ``adapt`` and ``fresh``, interleaved
+CAPPED_ROUNDS = 3
 #: the elastic example's sleep per step (the node is lost while steps run), and its steps: enough
 #: that the old job still trains when torchrun's agents act on the change (2.2-2.5 s after a node
 #: joined, 2026-12-04: with 14 steps, 8 of them after the join, the 3-node job had finished)
@@ -369,10 +376,11 @@ def steps_lost(walls: list[float], start: int, first_new: int) -> float:
 
 
 def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, int, int],
-             slow_rank: int, model_name: str = SMALL, rounds_where_dp_fits: int = 1) -> dict[str, Any]:
+             slow_rank: int, model_name: str = SMALL, rounds_where_dp_fits: int = 1,
+             rounds_where_not: int = 1) -> dict[str, Any]:
     """Every arm of one scenario on the pool's ranks, summarised (the JSON's per-scenario keys);
-    where DP fits, ``rebalance`` and ``adapt`` in ``rounds_where_dp_fits`` interleaved rounds
-    (:func:`_paired`)."""
+    where DP fits, ``rebalance`` and ``adapt`` in ``rounds_where_dp_fits`` interleaved rounds,
+    where it does not, ``keep``, ``adapt`` and ``fresh`` in ``rounds_where_not`` (:func:`_paired`)."""
     fits = dp_fits(memory_gib, pool.world_size, model_name)
     out: dict[str, Any] = {"scenario": name, "model": model_name, "ranks": pool.world_size, "slow_rank": slow_rank,
                            "memory_gib": memory_gib, "dp_fits": fits}
@@ -380,14 +388,21 @@ def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, 
         print(f"--- {name}: {arm}{note}", flush=True)
         return _summary(_slowest(pool.run(arm_run, arm, memory_gib, phases, slow_rank, model_name)), phases)
 
+    if not fits and rounds_where_not > 1:   # keep, adapt and fresh in rotating order
+        arms = ("keep", "adapt", "fresh")
+        rounds = [{a: run(a, f" (round {r + 1} of {rounds_where_not})") for a in arms[r % 3:] + arms[:r % 3]}
+                  for r in range(rounds_where_not)]
+        out.update(_paired(rounds, ("keep", "adapt"), ("adapt", "fresh")))
     for arm in ("keep", "rebalance", "adapt", "adapt_at_switch", "fresh"):
+        if arm in out:
+            continue
         if (arm == "rebalance" and not fits) or (arm == "adapt_at_switch" and fits):
             out[arm] = None
         elif arm == "rebalance":   # with "adapt", in interleaved rounds
             rounds = [{a: run(a, f" (round {r + 1} of {rounds_where_dp_fits})")
                        for a in (("rebalance", "adapt") if r % 2 == 0 else ("adapt", "rebalance"))}
                       for r in range(rounds_where_dp_fits)]
-            out.update(_paired(rounds))
+            out.update(_paired(rounds, ("adapt", "rebalance")))
         elif arm != "adapt" or not fits:
             out[arm] = run(arm)
     out["keep_plan_step_s"] = out["keep"]["during_s"]
@@ -400,20 +415,21 @@ def scenario(pool: WorkerPool, name: str, memory_gib: float, phases: tuple[int, 
     return out
 
 
-def _paired(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The ``rebalance`` and ``adapt`` arms of interleaved rounds (module docstring, "Where DP
-    fits"): each arm's round with the median step while the straggler lasts (the lower middle of
-    an even count), and per round adapt's step over rebalance's in that round: their median and
-    range (the machine's drift between rounds cancels within one)."""
+def _paired(rounds: list[dict[str, dict[str, Any]]], *pairs: tuple[str, str]) -> dict[str, Any]:
+    """Arms of interleaved rounds (module docstring, "Where DP fits"): each arm's round with the
+    median step while the straggler lasts (the lower middle of an even count), and for each pair
+    ``(a, b)`` of ``pairs`` the ratios of a's step over b's within each round (the machine's drift
+    between rounds cancels within one): their median and range, under ``"<a>_over_<b>"``."""
     def median_round(arm: str) -> dict[str, Any]:
         ordered = sorted((r[arm] for r in rounds), key=lambda a: a["during_s"])
         return ordered[(len(ordered) - 1) // 2]
 
-    ratios = [r["adapt"]["during_s"] / r["rebalance"]["during_s"] for r in rounds]
-    return {"rebalance": median_round("rebalance"), "adapt": median_round("adapt"),
-            "adapt_over_rebalance": {"median": statistics.median(ratios), "rounds": ratios,
-                                     "during_s": {arm: [r[arm]["during_s"] for r in rounds]
-                                                  for arm in ("rebalance", "adapt")}}}
+    out: dict[str, Any] = {arm: median_round(arm) for arm in rounds[0]}
+    for a, b in pairs:
+        ratios = [r[a]["during_s"] / r[b]["during_s"] for r in rounds]
+        out[f"{a}_over_{b}"] = {"median": statistics.median(ratios), "rounds": ratios,
+                                "during_s": {arm: [r[arm]["during_s"] for r in rounds] for arm in (a, b)}}
+    return out
 
 
 def _row(s: dict[str, Any]) -> list[Any]:
@@ -423,8 +439,9 @@ def _row(s: dict[str, Any]) -> list[Any]:
     moved = max(s["bytes_moved_per_rank"]) if s["bytes_moved_per_rank"] else 0
     return [s["scenario"], s.get("model", SMALL), s["ranks"], "yes" if s["dp_fits"] else "no", ms(s["keep"]["before_s"]), ms(s["keep_plan_step_s"]),
             ms(s["rebalance_step_s"]), ms(s["adapt_step_s"]), ms(s["fresh_plan_step_s"]),
-            f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x", f"{s['adapt_step_s'] / s['fresh_plan_step_s']:.2f}",
-            _over_rebalance(s), ms(a["after_s"]),
+            _within_rounds(s, "keep_over_adapt", f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x"),
+            _within_rounds(s, "adapt_over_fresh", f"{s['adapt_step_s'] / s['fresh_plan_step_s']:.2f}"),
+            _within_rounds(s, "adapt_over_rebalance", "-"), ms(a["after_s"]),
             f"{s['detect_s']:.2f}" if s["detect_s"] is not None else "-",
             f"{s['replan_s']:.2f}" if s["replan_s"] is not None else "-",
             f"{s['migrate_s']:.2f} ({s['migrate_s'] / s['adapt_step_s']:.1f} steps)" if s["migrate_s"] is not None else "-",
@@ -435,15 +452,15 @@ def _row(s: dict[str, Any]) -> list[Any]:
             _expected_measured(a), "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
 
 
-def _over_rebalance(s: dict[str, Any]) -> str:
-    """adapt / DP rebalance: the median of the rounds' ratios with their range and count
-    (:func:`_paired`); "-" where DP does not fit."""
-    paired = s.get("adapt_over_rebalance")
+def _within_rounds(s: dict[str, Any], key: str, single: str) -> str:
+    """A ratio of two arms: the median of the rounds' ratios with their range and count
+    (:func:`_paired`); ``single`` where the arms ran once."""
+    paired = s.get(key)
     if not paired:
-        return "-"
+        return single
     ratios = paired["rounds"]
     spread = f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if len(ratios) > 1 else ""
-    return f"{paired['median']:.2f}{spread}"
+    return f"{paired['median']:.2f}{'x' if key == 'keep_over_adapt' else ''}{spread}"
 
 
 def _expected_measured(arm: dict[str, Any]) -> str:
@@ -505,10 +522,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for world, slow_rank in SETUPS:
         with WorkerPool(world, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
+            capped = 1 if args.quick or world != 2 else CAPPED_ROUNDS
             runs += [scenario(pool, "dp fits", 8.0, phases, slow_rank, rounds_where_dp_fits=1 if args.quick else PAIRED_ROUNDS),
-                     scenario(pool, "dp does not fit", tight_cap(world, SMALL), phases, slow_rank)]
+                     scenario(pool, "dp does not fit", tight_cap(world, SMALL), phases, slow_rank, rounds_where_not=capped)]
             if world == 2:
-                runs.append(scenario(pool, "dp does not fit", tight_cap(world, WIDE), phases, slow_rank, WIDE))
+                runs.append(scenario(pool, "dp does not fit", tight_cap(world, WIDE), phases, slow_rank, WIDE,
+                                     rounds_where_not=capped))
     with WorkerPool(OVERHEAD_RANKS, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
         print(f"--- overhead: adapting on / off at equal speeds, {OVERHEAD_RANKS} ranks", flush=True)
         cost = overhead(pool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.adapt import _expected_measured, _measured_after, _over_rebalance, _paired, pair_ratios
+from benchmarks.adapt import _expected_measured, _measured_after, _paired, _within_rounds, pair_ratios
 
 PHASES = (20, 100, 120)   # slows at 20, recovers at 100, 120 steps
 
@@ -39,18 +39,33 @@ def test_interleaved_rounds_report_each_arms_median_round_and_the_median_of_the_
     rounds = [{"rebalance": arm(0.060, "r1"), "adapt": arm(0.063, "a1")},
               {"adapt": arm(0.080, "a2"), "rebalance": arm(0.070, "r2")},
               {"rebalance": arm(0.062, "r3"), "adapt": arm(0.062, "a3")}]
-    out = _paired(rounds)
+    pair = ("adapt", "rebalance")
+    out = _paired(rounds, pair)
     assert (out["rebalance"]["tag"], out["adapt"]["tag"]) == ("r3", "a1")   # the median rounds
     ratios = [0.063 / 0.060, 0.080 / 0.070, 1.0]
     assert out["adapt_over_rebalance"]["rounds"] == ratios
     assert out["adapt_over_rebalance"]["median"] == sorted(ratios)[1]
     assert out["adapt_over_rebalance"]["during_s"]["adapt"] == [0.063, 0.080, 0.062]
-    assert _over_rebalance(out) == f"1.05 (1.00-{0.080 / 0.070:.2f}, 3 rounds)"
+    assert _within_rounds(out, "adapt_over_rebalance", "-") == f"1.05 (1.00-{0.080 / 0.070:.2f}, 3 rounds)"
     # one round: no range; DP does not fit: no pair
-    assert _over_rebalance(_paired(rounds[:1])) == "1.05"
-    assert _over_rebalance({"adapt_over_rebalance": None}) == "-"
+    assert _within_rounds(_paired(rounds[:1], pair), "adapt_over_rebalance", "-") == "1.05"
+    assert _within_rounds({"adapt_over_rebalance": None}, "adapt_over_rebalance", "-") == "-"
     # two rounds: the lower middle round
-    assert _paired(rounds[:2])["adapt"]["tag"] == "a1"
+    assert _paired(rounds[:2], pair)["adapt"]["tag"] == "a1"
+
+
+def test_where_dp_does_not_fit_keep_adapt_and_fresh_are_compared_within_each_round():
+    def arm(during: float) -> dict:
+        return {"during_s": during}
+    # the machine slowed in round 2: single arms across rounds would read keep / adapt 0.8 / 0.5
+    rounds = [{"keep": arm(0.8), "adapt": arm(0.5), "fresh": arm(0.45)},
+              {"adapt": arm(0.75), "fresh": arm(0.7), "keep": arm(1.2)},
+              {"fresh": arm(0.46), "keep": arm(0.78), "adapt": arm(0.52)}]
+    out = _paired(rounds, ("keep", "adapt"), ("adapt", "fresh"))
+    assert out["keep_over_adapt"]["rounds"] == [0.8 / 0.5, 1.2 / 0.75, 0.78 / 0.52]
+    assert out["adapt_over_fresh"]["median"] == sorted([0.5 / 0.45, 0.75 / 0.7, 0.52 / 0.46])[1]
+    assert _within_rounds(out, "keep_over_adapt", "?") == "1.60x (1.50-1.60, 3 rounds)"
+    assert _within_rounds({}, "keep_over_adapt", "1.23x") == "1.23x"   # the arms ran once
 
 
 def test_the_overhead_is_the_median_of_the_paired_ratios_with_their_quartiles():
