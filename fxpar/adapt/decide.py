@@ -250,7 +250,7 @@ class Decision:
         out: dict[str, Any] = {k: getattr(self, k) for k in (
             "switch", "reason", "keep_step_s", "new_step_s", "migrate_s", "horizon_steps", "replan_s", "old_kind",
             "new_kind")}
-        return {**out, "factors": list(self.factors), "link_factor": self.link_factor}
+        return {**out, "factors": list(self.factors), "link_factor": self.link_factor, "build_charged_s": self.build_s}
 
 
 def plan_kind(plan: Plan) -> str:

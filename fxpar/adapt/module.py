@@ -15,9 +15,10 @@ Per :meth:`AdaptiveModule.step`:
 4. the :class:`~fxpar.adapt.speeds.SpeedDetector` sees the busy times — every rank the same
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves on a
    thread while every rank trains on (the ranks then gather every step), and every rank receives
-   the decision from the first gather launched after it is made (:class:`fxpar.adapt.replan.Replanner`, :class:`~fxpar.adapt.replan.DecisionInFlight`:
-   :func:`fxpar.adapt.decide.decide` among the families a switch can build, from the cached graph, with the running plan's measured
-   step over the steps that showed the change) and broadcasts the decision.  The cluster the
+   the decision from the first gather launched after it is made (:class:`fxpar.adapt.replan.Replanner`,
+   :class:`~fxpar.adapt.replan.DecisionInFlight`: :func:`fxpar.adapt.decide.decide` among the families a switch
+   can build, from the cached graph, with the running plan's measured step over the steps that showed the
+   change) and broadcasts the decision.  The cluster the
    plans are made for is the job's cluster derated by the product of the factors believed now
    (``derate``: the factors measured against the current plan's calibration, times the speeds
    that plan was made for).  A switch calibrates the detector again; a decision to keep the plan
@@ -35,13 +36,11 @@ Per :meth:`AdaptiveModule.step`:
 6. **Prepared while training.**  A decided switch (or a rollback) whose plan the running module
    cannot take in place is built by a :class:`~fxpar.adapt.prepare.Preparation` on a thread of
    each rank, started at the step every rank received the decision, while the old plan trains
-   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.prepare.preparation_fits`, and,
-   for a decided switch, where the old plan's steps meanwhile cost less than building at the
-   switch: :func:`~fxpar.adapt.prepare.background_pays`);
-   each rank's gathered rows say whether its preparation is done (gathered every step while it
-   runs), and the switch is due after the optimizer step of the first gather at which every
-   rank's is: the commit (agreement, the move, the swap).  ``pm.switch_to(plan)`` prepares alike but its switch is due at once: the
-   commit waits for the preparation after the next optimizer step.
+   on (``Adapt.prepare_in_background``; where :func:`~fxpar.adapt.prepare.preparation_fits` and,
+   if decided, :func:`~fxpar.adapt.prepare.background_pays`); each rank's gathered rows say
+   whether its preparation is done, and the switch is due after the optimizer step of the first
+   gather at which every rank's is: the commit (agreement, the move, the swap).
+   ``pm.switch_to(plan)`` prepares alike, due at once: the commit waits for the preparation.
 
 ``events`` keeps every decision, switch and rollback with its numbers (what
 :mod:`benchmarks.adapt` writes); rank 0 prints one line per decision and per switch.
@@ -191,11 +190,9 @@ class AdaptiveModule(torch.nn.Module):
     def _set_pending(self, plan: Plan | None, kind: str, *, due_now: bool,
                      measured_before: MeasuredStep | None = None, expected_step_s: float | None = None,
                      build_on_thread: bool = True) -> None:
-        """``plan`` is the next switch's (None: none), and its module starts being prepared
-        (module docstring, 6); a preparation of an earlier pending plan is given back;
-        ``measured_before``: the running plan's step when the switch was decided (5);
-        ``expected_step_s``: the decision's re-priced step for ``plan``; ``build_on_thread``:
-        the decision's verdict on where the build costs less (:func:`~fxpar.adapt.prepare.background_pays`)."""
+        """``plan`` is the next switch's (None: none), prepared as the module docstring says (6),
+        an earlier preparation given back; ``measured_before``: the running plan's step when the
+        switch was decided (5); ``expected_step_s``, ``build_on_thread``: the decision's."""
         self.pending.give_back()
         background = (plan is not None and self.options.prepare_in_background and build_on_thread
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
@@ -335,16 +332,14 @@ class AdaptiveModule(torch.nn.Module):
             decision = replace(decision, switch=False, plan=None, reason=f"{decision.reason}; another switch came first")
         on_thread = background_pays(decision.build_s, decision.keep_step_s, decision.new_step_s)
         self.events.append({"step": deciding.detected_step, "kind": "decision", **decision.as_event(),
-                            "build_charged_s": decision.build_s, "build_on_thread": on_thread,
-                            "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection,
+                            "build_on_thread": on_thread, "decided_step": self.steps, "comm_s_by_kind": self._comm_at_detection,
                             "planned_in": deciding.where if self.rank == 0 else None})
         if self.options.verbose and self.rank == 0:
             print(decision.explain(), flush=True)
         if stale:   # the detector already reads the plan (or the switch) that came first
             return
-        self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False,
-                          measured_before=self._measured_at_detection, expected_step_s=decision.new_step_s,
-                          build_on_thread=on_thread)
+        self._set_pending(decision.plan if decision.switch else None, "switch", due_now=False, build_on_thread=on_thread,
+                          measured_before=self._measured_at_detection, expected_step_s=decision.new_step_s)
         if self.pending.plan is None:
             self.detector.accept(factors, self.detector.link)
             self.records.measured = []   # the steps since this decision measure the plan at these speeds
