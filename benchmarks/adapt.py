@@ -439,7 +439,7 @@ def _row(s: dict[str, Any]) -> list[Any]:
     moved = max(s["bytes_moved_per_rank"]) if s["bytes_moved_per_rank"] else 0
     return [s["scenario"], s.get("model", SMALL), s["ranks"], "yes" if s["dp_fits"] else "no", ms(s["keep"]["before_s"]), ms(s["keep_plan_step_s"]),
             ms(s["rebalance_step_s"]), ms(s["adapt_step_s"]), ms(s["fresh_plan_step_s"]),
-            _within_rounds(s, "keep_over_adapt", f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x"),
+            _within_rounds(s, "keep_over_adapt", f"{s['keep_plan_step_s'] / s['adapt_step_s']:.2f}x", unit="x"),
             _within_rounds(s, "adapt_over_fresh", f"{s['adapt_step_s'] / s['fresh_plan_step_s']:.2f}"),
             _within_rounds(s, "adapt_over_rebalance", "-"), ms(a["after_s"]),
             f"{s['detect_s']:.2f}" if s["detect_s"] is not None else "-",
@@ -452,15 +452,15 @@ def _row(s: dict[str, Any]) -> list[Any]:
             _expected_measured(a), "; ".join(f"{k}: {f} -> {t}" for k, f, t in a["switches"]) or "-"]
 
 
-def _within_rounds(s: dict[str, Any], key: str, single: str) -> str:
-    """A ratio of two arms: the median of the rounds' ratios with their range and count
-    (:func:`_paired`); ``single`` where the arms ran once."""
+def _within_rounds(s: dict[str, Any], key: str, single: str, unit: str = "") -> str:
+    """A ratio of two arms: the median of the rounds' ratios (followed by ``unit``) with their
+    range and count (:func:`_paired`); ``single`` where the arms ran once."""
     paired = s.get(key)
     if not paired:
         return single
     ratios = paired["rounds"]
     spread = f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)" if len(ratios) > 1 else ""
-    return f"{paired['median']:.2f}{'x' if key == 'keep_over_adapt' else ''}{spread}"
+    return f"{paired['median']:.2f}{unit}{spread}"
 
 
 def _expected_measured(arm: dict[str, Any]) -> str:

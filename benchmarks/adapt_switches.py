@@ -90,7 +90,7 @@ def decided(case: str, pool: WorkerPool) -> dict[str, Any]:
     return {"chain": f"decider, {case}", "ranks": 2, "dtype": "fp32",
             "switches": sum(e["kind"] == "switch" for e in events),
             "rollbacks": sum(e["kind"] == "rollback" for e in events), "chosen": chosen, "decisions": decisions,
-            **_parity(results, "fp32"), "state_moved": True, "loss_scale": None}
+            **_parity(results, "fp32"), "loss_scale": None}
 
 
 def capped_move(pool: WorkerPool) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ prepared on a thread only where
     n · (T_keep − T_new) < B        (B: the build the decision charged, BuildCost.seconds;
                                      T: the decision's re-priced steps)
 
-(:func:`background_pays`).  Measured on the adapt benchmark's 2-rank capped rows (4 runs each,
+(:func:`background_pays`).  Measured on the adapt benchmark's 2-rank capped rows (4 runs each, 3 stored,
 2026-12-04/05, EMULATED straggler at 0.3): on the wide row (``T_keep`` 0.72-1.15 s, ``T_new``
 0.40 s, ``B`` about 0.1 s) the arm that built at the switch beat the one that built on a thread
 in all 4 (470-612 against 482-691 ms mean step while the straggler lasted: two more steps of the

@@ -64,7 +64,7 @@ def test_where_dp_does_not_fit_keep_adapt_and_fresh_are_compared_within_each_rou
     out = _paired(rounds, ("keep", "adapt"), ("adapt", "fresh"))
     assert out["keep_over_adapt"]["rounds"] == [0.8 / 0.5, 1.2 / 0.75, 0.78 / 0.52]
     assert out["adapt_over_fresh"]["median"] == sorted([0.5 / 0.45, 0.75 / 0.7, 0.52 / 0.46])[1]
-    assert _within_rounds(out, "keep_over_adapt", "?") == "1.60x (1.50-1.60, 3 rounds)"
+    assert _within_rounds(out, "keep_over_adapt", "?", unit="x") == "1.60x (1.50-1.60, 3 rounds)"
     assert _within_rounds({}, "keep_over_adapt", "1.23x") == "1.23x"   # the arms ran once
 
 
