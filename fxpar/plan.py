@@ -26,6 +26,8 @@ from fxpar.plan_checks import (
     check_strategy,
 )
 from fxpar.plan_table import render_table
+from fxpar.tensor_layers import TPAnalysis
+from fxpar.tensor_layers import from_dict as layers_from_dict
 
 PLAN_FORMAT_VERSION = 1
 
@@ -137,7 +139,9 @@ class CollectiveChoice:
 
 
 #: plan fields that say what priced or explains a plan, not what it runs (:meth:`Plan.layout`)
-_NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cost_source", "measured_speeds"})
+#: (``tensor_layers`` is the model's, whichever plan of it carries it: :attr:`Plan.tensor_layers`)
+_NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cost_source", "measured_speeds",
+                         "tensor_layers"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,6 +190,12 @@ class Plan:
     #: ``dtype`` (parameters autocast casts gathered in ``dtype``, gradients reduced in fp32),
     #: resolved by :attr:`precision` and written out in full by ``to_json``
     dtype_policy: DtypePolicy | None = None
+    #: the per-layer tensor-parallel split its tensor-parallel stages apply (:mod:`fxpar.tensor_layers`:
+    #: per block, which projection rows each key/value group or column owns), as JSON in a plan file
+    #: and editable there; None: the model's own analysis, which the module that runs the plan
+    #: writes here (:func:`fxpar.codegen.tensor.families.split_of`); like the layout, plan
+    #: equality leaves it out (the model's split, whichever plan of it carries it)
+    tensor_layers: TPAnalysis | None = field(default=None, compare=False)
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -196,6 +206,8 @@ class Plan:
             policy = DtypePolicy.from_value(self.dtype_policy, self.dtype)
             policy.check_for(self.dtype)
             object.__setattr__(self, "dtype_policy", policy)
+        if self.tensor_layers is not None and not isinstance(self.tensor_layers, TPAnalysis):
+            object.__setattr__(self, "tensor_layers", layers_from_dict(self.tensor_layers))
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -297,6 +309,8 @@ class Plan:
                 dtype = str(d.get("dtype", "fp32"))
                 policy = DtypePolicy.from_value(d["dtype_policy"], dtype)
                 kw["dtype_policy"] = None if policy == DtypePolicy.for_dtype(dtype) else policy
+            if d.get("tensor_layers") is not None:
+                kw["tensor_layers"] = layers_from_dict(d["tensor_layers"], f"{source}: tensor_layers")
             _require(cls, kw, source)
             return cls(**kw)
         except PlanError as exc:

@@ -90,6 +90,9 @@ class AdaptiveModule(torch.nn.Module):
         # a tuple: not registered as a sub-module (it lives on meta; .to(device) must not see it)
         # every switch builds from the template: a pipeline's export of it is made once (ExportCache)
         self._template, self._example = (template,), example_inputs
+        #: the model's per-layer tensor-parallel split, once a plan it ran carried one (``Plan.tensor_layers``):
+        #: a later tensor-parallel plan is built with it instead of analysing the model again
+        self._split = module.plan.tensor_layers
         self._build = dict(build_options, exports=ExportCache())
         self.device, self.rank = device, rank
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -194,6 +197,9 @@ class AdaptiveModule(torch.nn.Module):
         an earlier preparation given back; ``measured_before``: the running plan's step when the
         switch was decided (5); ``expected_step_s``, ``build_on_thread``: the decision's."""
         self.pending.give_back()
+        self._split = self.module.plan.tensor_layers or self._split
+        if plan is not None and plan.tensor_layers is None and self._split is not None:
+            plan = replace(plan, tensor_layers=self._split)
         background = (plan is not None and self.options.prepare_in_background and build_on_thread
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))
         self.pending = PendingSwitch(plan, kind, Preparation(self._template[0], plan, self.rank, self._example,

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.tensor.families import split_sizes
+from fxpar.codegen.tensor.families import split_sizes, with_split
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.forms import part
 from fxpar.plan import Plan
+from fxpar.tensor_layers import TPAnalysis
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -30,7 +31,10 @@ def write_json(path: Path, data: dict[str, Any]) -> Path:
 def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
          directory: str | Path) -> list[Path]:
     """Write ``plan.json`` and what the plan's form writes of each rank (its ``emit``, module
-    docstring) into ``directory``; the paths written."""
+    docstring) into ``directory``; the paths written.  A plan with tensor-parallel stages is
+    written with the per-layer split they apply (``Plan.tensor_layers``), editable there."""
+    if model is not None and any(st.tensor_parallel > 1 for st in plan.stages):
+        plan = with_split(plan, model)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "plan.json"]
@@ -46,12 +50,14 @@ def positions(model: torch.nn.Module, width: int, tensor_split: Any) -> list[lis
     return [shares] * width
 
 
-def shard_copy(model: torch.nn.Module, shares: list[int], position: int, blocks: set[str] | None):
-    """A copy of ``model`` as tensor-parallel position ``position`` holds it (``blocks``: only these)."""
+def shard_copy(model: torch.nn.Module, shares: list[int], position: int, blocks: set[str] | None,
+               split: TPAnalysis | None = None):
+    """A copy of ``model`` as tensor-parallel position ``position`` holds it (``blocks``: only
+    these), split by ``split`` (a plan's ``tensor_layers``; None: the model's analysis)."""
     sharded = copy.deepcopy(model)
     with warnings.catch_warnings():  # the dropout warning is for training, not for inspection
         warnings.simplefilter("ignore", UserWarning)
-        shard_model(sharded, shares, position, None, None, blocks=blocks)
+        shard_model(sharded, shares, position, None, None, blocks=blocks, split=split)
     return sharded
 
 

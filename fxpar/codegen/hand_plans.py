@@ -10,6 +10,7 @@ import torch
 from fxpar.codegen.tensor.families import split_sizes
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.by_block import explain_line
 from fxpar.tracing.structure import block_paths  # also fxpar.codegen.hand_plans.block_paths, as before
@@ -150,22 +151,29 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                       data_split=tuple(batch_shares), tensor_split=tuple(kv_shares),
                       mlp_split=tuple(mlp_shares) if mlp_shares is not None else None,
                       tensor_parallel=width, device=cluster.device(0).type.name)
+    split = _known_split(model)
     plan = Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
-                explain=_by_block_note(model))
+                explain=_by_block_note(split), tensor_layers=split)
     return plan  # Plan's checks: the replicas' splits agree (fxpar.forms.tensor.spec)
 
 
-def _by_block_note(model: torch.nn.Module) -> tuple[str, ...]:
-    """The explain line of a model whose tensor-parallel analysis is read block by block (its
-    analysis is kept on the model, so the module built next does not repeat it); nothing where
-    it cannot be analysed yet (a model outside transformers before ``fxpar.auto`` saw a batch)."""
+def _known_split(model: torch.nn.Module) -> TPAnalysis | None:
+    """The model's per-layer tensor-parallel split, for the plan to carry (``Plan.tensor_layers``:
+    the module built next applies it without analysing the model again); None where it cannot be
+    analysed yet (a model outside transformers before ``fxpar.auto`` saw a batch: that module
+    analyses it)."""
     try:
-        line = explain_line(analyze_model(model))
+        return analyze_model(model)
     except PlanError:
-        return ()
+        return None
+
+
+def _by_block_note(split: TPAnalysis | None) -> tuple[str, ...]:
+    """The explain line of a plan whose tensor-parallel split was read block by block."""
+    line = explain_line(split) if split is not None else None
     return (line,) if line else ()
 
 

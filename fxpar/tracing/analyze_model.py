@@ -3,10 +3,10 @@ on a one-sample batch of 8 tokens built for its HF task (on ``meta`` when its pa
 or for a model written outside transformers on one sample of the batch ``fxpar.auto`` was given
 (:func:`remember_example`), and run
 :func:`fxpar.tracing.tensor_parallel.analysis.analyze` — or, when the whole model does not
-export, read it block by block (:mod:`fxpar.tracing.tensor_parallel.by_block`).  The result is kept on the model object
-(:mod:`fxpar.tracing.tensor_parallel.kept`), keyed by the parameters' shapes, because a rank asks twice
-(which blocks are splittable, then how) before it shards; a recorded graph's analysis
-(:func:`fxpar.tracing.trace.trace`) is kept there too."""
+export, read it block by block (:mod:`fxpar.tracing.tensor_parallel.by_block`).  Nothing is kept
+on the model: the analysis travels in the plan (``Plan.tensor_layers``, :mod:`fxpar.tensor_layers`),
+which the module that runs it fills once where it is missing
+(:func:`fxpar.codegen.tensor.families.split_of`)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from fxpar.tracing.export import export_model, split_inputs
 from fxpar.tracing.hf import example_inputs, hf_task
 from fxpar.tracing.tensor_parallel.analysis import analyze, analyze_or_refuse
 from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
-from fxpar.tracing.tensor_parallel.findings import TPAnalysis
-from fxpar.tracing.tensor_parallel.kept import keep_analysis, kept_analysis
+from fxpar.tensor_layers import TPAnalysis
 
 #: where :func:`remember_example` keeps a one-sample batch of a model that is not a HF one
 EXAMPLE_ATTR = "fxpar_tp_example"
@@ -50,15 +49,11 @@ def analyze_model(model: torch.nn.Module, *, how: str = "auto") -> TPAnalysis:
     instead; ``"by_block"`` reads it block by block directly.  A sharded model is analysed again
     the way its full model was (``fxpar.codegen.tensor.verify``): by block on the calls the
     full model's analysis kept, since its own forward would run the group's collectives."""
-    kept = kept_analysis(model)
-    if kept is not None:
-        return kept
     was_training = model.training
     try:
         result = _analysis(model, analysis_example(model), how)
     finally:
         model.train(was_training)
-    keep_analysis(model, result)
     return result
 
 

@@ -37,7 +37,6 @@ from fxpar.tracing.saved import SavedBytes, tensor_vals
 from fxpar.tracing.structure import block_path, vocab_parallel_modules
 from fxpar.tracing.tensor_parallel.analysis import analyze_or_refuse
 from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
-from fxpar.tracing.tensor_parallel.kept import keep_analysis
 
 
 def _static(shape: Any, node: torch.fx.Node) -> tuple[int, ...]:
@@ -108,8 +107,8 @@ def _with_block_tensor_parallel(graph: ModelGraph, model: torch.nn.Module, args:
     """A recorded graph (no exported program) with the blocks tensor parallelism can split, read
     block by block on the example it was recorded on (:mod:`fxpar.tracing.tensor_parallel.by_block`:
     each block exported on its own where it can be), so that the planner searches tensor-parallel
-    pipeline stages for it; the analysis is kept on the model (:mod:`~fxpar.tracing.tensor_parallel.kept`)
-    and codegen splits the same blocks.  A model whose blocks cannot be read (a forward that fails on
+    pipeline stages for it (the graph's ``tp_analysis``, which a plan of it carries as the split
+    codegen applies: ``Plan.tensor_layers``).  A model whose blocks cannot be read (a forward that fails on
     ``meta``) keeps none: its plans are data parallel, sharded or pipelines without tensor parallelism."""
     was_training = model.training
     try:
@@ -118,7 +117,6 @@ def _with_block_tensor_parallel(graph: ModelGraph, model: torch.nn.Module, args:
         return graph
     finally:
         model.train(was_training)
-    keep_analysis(model, analysis)
     splittable = analysis.splittable()
     layers = tuple(replace(layer, tensor_parallel=layer.path in splittable) for layer in graph.layers)
     return replace(graph, layers=layers, tp_analysis=analysis)

@@ -30,7 +30,7 @@ from fxpar.tracing.analyze_model import analysis_example, analyze_model
 from fxpar.tracing.export import split_inputs
 from fxpar.tracing.tensor_parallel.analysis import analyze
 from fxpar.tracing.tensor_parallel.by_block import CALLS_ATTR, _moved, analyze_by_block
-from fxpar.tracing.tensor_parallel.findings import BlockTP
+from fxpar.tensor_layers import BlockTP
 from tests.parity import check_tp_results
 from tests.multirank.workers_tp_bias import bias_parity
 

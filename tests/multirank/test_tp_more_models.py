@@ -37,7 +37,7 @@ from fxpar.errors import PlanError
 from fxpar.runtime.pool import WorkerError
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.structure import supports_vocab_parallel
-from fxpar.tracing.tensor_parallel.findings import by_query_heads
+from fxpar.tensor_layers import by_query_heads
 from tests.parity import check_tp_results
 from tests.multirank.workers_tp_more import more_parity
 

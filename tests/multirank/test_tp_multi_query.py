@@ -24,7 +24,7 @@ from benchmarks.zoo import build
 from fxpar.codegen.tensor.families import head_layout, split_units
 from fxpar.errors import PlanError
 from fxpar.tracing.analyze_model import analyze_model
-from fxpar.tracing.tensor_parallel.findings import by_query_heads
+from fxpar.tensor_layers import by_query_heads
 from tests.parity import check_gradients, check_loss, check_norm, check_step, expect
 from tests.multirank.workers_pptp import pp_tp_parity
 from tests.multirank.workers_tp_mqa import mqa_parity

@@ -6,6 +6,7 @@ tiny HF models (:func:`zoo_tp_step`) and models written outside transformers
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -16,17 +17,17 @@ from benchmarks.zoo import BATCH, SEED, batch, build
 from fxpar.codegen.hand_plans import tensor_parallel_plan
 from fxpar.tracing.analyze_model import analysis_example
 from fxpar.tracing.export import split_inputs
+from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.tensor_parallel.by_block import analyze_by_block
-from fxpar.tracing.tensor_parallel.kept import keep_analysis
 from tests.parity import gradient_gaps
 
 
-def force_block_by_block(model: torch.nn.Module) -> None:
-    """Make ``model``'s tensor-parallel analysis the block-by-block one
-    (:mod:`fxpar.tracing.tensor_parallel.by_block`), as for a model that does not export whole."""
+def block_by_block(model: torch.nn.Module) -> TPAnalysis:
+    """``model``'s tensor-parallel split read block by block
+    (:mod:`fxpar.tracing.tensor_parallel.by_block`), as for a model that does not export whole:
+    a plan carrying it (``Plan.tensor_layers``) is split by it."""
     args, kwargs = split_inputs(model, analysis_example(model))
-    analysis = analyze_by_block(model, args, kwargs, why="forced by the test", keep=True)
-    keep_analysis(model, analysis)
+    return analyze_by_block(model, args, kwargs, why="forced by the test", keep=True)
 
 
 def padded(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -69,11 +70,11 @@ def zoo_tp_step(model_type: str, shares: list[int], *, overrides: dict | None = 
                 if name.endswith(suffix):
                     p.normal_(0.0, std)
     reference = copy.deepcopy(model)
-    if by_block:
-        force_block_by_block(model)
     data = padded(batch(model)) if pad else batch(model)
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=shares)
+    if by_block:
+        plan = dataclasses.replace(plan, tensor_layers=block_by_block(model))
     pm = fxpar.auto(model, cluster, plan=plan, emulate=False)
     torch.manual_seed(SEED)
     loss = pm.step(data)

@@ -77,6 +77,7 @@ from fxpar.codegen.pipeline.tensor_stages import (
     make_groups,
     wrap_stage,
 )
+from fxpar.codegen.tensor.families import with_split
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.plan import Plan
@@ -213,7 +214,8 @@ class PipelineParallelModule(FormModule, StepModule):
         for b, j in zip(self._blocks, self._stage_of):
             if self.layout.widths[j] > 1:
                 wide.setdefault(j, []).append(b)
-        kv = check_tp_stages(model, wide, max(self.layout.widths))
+        self.plan = plan = with_split(plan, model)   # the split it applies, in the plan it runs
+        kv = check_tp_stages(model, plan.tensor_layers, wide, max(self.layout.widths))
         if broadcast:
             broadcast_state(model, 0, None, self.device)
         if self.tp_width == 1:
@@ -221,7 +223,7 @@ class PipelineParallelModule(FormModule, StepModule):
         shares, experts = tp_shares(plan.stages[self.stage_index], self.pipeline_index, self.tp_width, kv)
         last = self.stage_index == len(plan.stages) - 1
         shard_model(model, shares, self.tp_position, self.tp_group, self.clock, blocks=set(own_blocks),
-                    embedding=self.stage_index == 0, head=last, expert_shares=experts)
+                    embedding=self.stage_index == 0, head=last, expert_shares=experts, split=plan.tensor_layers)
 
     def _make_replica_sum(self) -> ReplicaSum | None:
         """The sum of this rank's gradients across the pipelines (None with one pipeline)."""

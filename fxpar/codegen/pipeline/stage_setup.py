@@ -32,6 +32,7 @@ from fxpar.codegen.tensor.families import (
 from fxpar.compat import pipeline_stage_class, set_stage_ranks
 from fxpar.errors import PlanError, RuntimeSetupError
 from fxpar.plan import Plan, StagePlan
+from fxpar.tensor_layers import TPAnalysis
 from fxpar.runtime.compile import CompileOptions, RegionalCompile
 
 
@@ -102,13 +103,13 @@ def torch_stage(module: torch.nn.Module, stage: int, num_stages: int, device: to
     return out
 
 
-def check_tp_stages(model: torch.nn.Module, wide: dict[int, list[str]], widest: int) -> int:
+def check_tp_stages(model: torch.nn.Module, split: TPAnalysis, wide: dict[int, list[str]], widest: int) -> int:
     """The model's key/value head groups, once every tensor-parallel stage (``wide``: stage ->
-    its blocks; the widest ``widest`` ranks) is found to hold a block it can shard, and the head
-    groups enough to split.  A stage's other blocks (Gemma-3n's AltUp projections, a hybrid's
+    its blocks; the widest ``widest`` ranks) is found to hold a block the per-layer ``split``
+    (the plan's ``tensor_layers``) shards, and the head groups enough to split.  A stage's other blocks (Gemma-3n's AltUp projections, a hybrid's
     state-space layers) run whole on each of its ranks, on the same replicated activations:
     exact, their gradients the same on every rank, as in a tensor-parallel plan."""
-    shardable = shardable_blocks(model)
+    shardable = shardable_blocks(split)
     # checked alike on every rank, before any collective: a refusal on some ranks only
     # would leave the others waiting
     for stage, blocks in sorted(wide.items()):
@@ -116,8 +117,8 @@ def check_tp_stages(model: torch.nn.Module, wide: dict[int, list[str]], widest: 
             raise PlanError(
                 f"pipeline plan: tensor-parallel stage {stage} holds only blocks {blocks[:3]} of "
                 f"{type(model).__name__}, which have no attention fxpar can shard ("
-                f"{refusal(model, blocks)}); re-plan with max_tensor_parallel=1 for this model")
-    kv, _, _ = head_layout(model)
+                f"{refusal(split, blocks)}); re-plan with max_tensor_parallel=1 for this model")
+    kv, _, _ = head_layout(model, split)
     if kv < widest:
         raise PlanError(f"pipeline plan: a stage has tensor_parallel {widest}, but "
                         f"{type(model).__name__} has {kv} key/value head groups to split; re-plan "

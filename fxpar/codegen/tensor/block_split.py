@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fxpar.tracing.tensor_parallel.findings import Attention
+from fxpar.tensor_layers import Attention
 
 
 def block_shares(att: Attention, shares: Sequence[int], head_dim: int | None = None) -> list[int]:

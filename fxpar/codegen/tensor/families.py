@@ -32,6 +32,7 @@ here, because its weights are 3-D parameters rather than projections:
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -44,9 +45,10 @@ from fxpar.codegen.tensor.experts import place_expert_biases, slice_expert_colum
 from fxpar.codegen.tensor.shard import shard_attention, shard_mlp
 from fxpar.compat import experts_implementation, mark_expert_parallel
 from fxpar.errors import PlanError
+from fxpar.plan import Plan
 from fxpar.tracing.structure import block_path
 from fxpar.tracing.analyze_model import analyze_model
-from fxpar.tracing.tensor_parallel.findings import Attention, Projection, by_query_heads
+from fxpar.tensor_layers import Attention, Projection, TPAnalysis, by_query_heads
 
 
 def split_sizes(total: int, shares: Sequence[int], unit: int = 1) -> list[int]:
@@ -197,10 +199,10 @@ def split_units(att: Attention, shares: Sequence[int], head_dim: int, block: str
                     f"of size {att.head_dim}, the split {list(shares)} assumes {units} of {head_dim}")
 
 
-def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, key: int,
+def shard_module_tree(model: torch.nn.Module, analysis: TPAnalysis, kv_shares: Sequence[int], rank: int, key: int,
                       head_dim: int, per_group: int, blocks: Collection[str] | None,
                       expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
-    """Shard every attention and MLP the graph analysis found (:mod:`fxpar.codegen.tensor.shard`)
+    """Shard every attention and MLP the split ``analysis`` names (:mod:`fxpar.codegen.tensor.shard`)
     and every MoE experts module (module docstring) inside ``blocks`` (None: all) for position
     ``rank``; MoE experts by columns, or, with ``expert_shares`` (experts per position), by
     placing whole experts.  Returns the number of attention modules.  MLP and expert columns
@@ -209,7 +211,6 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     module the analysis could not read (``BlockTP.opaque``: it exports nowhere, e.g. experts
     looped over in Python, whose zero-computation experts a column split would count once per
     rank) runs whole on every rank."""
-    analysis = analyze_model(model)
     mlp = list(mlp_shares) if mlp_shares is not None else list(kv_shares)
     first, count, done = rank == 0, 0, set()
     merge_copies(model)   # copies of one module with tied weights: one module, sharded once (aliases.py)
@@ -249,26 +250,64 @@ def shard_module_tree(model: torch.nn.Module, kv_shares: Sequence[int], rank: in
     return count
 
 
-def shardable_blocks(model: torch.nn.Module) -> set[str]:
-    """Blocks whose attention heads the graph analysis can split (the planner's
+def split_of(model: torch.nn.Module, tensor_layers: TPAnalysis | None) -> TPAnalysis:
+    """The per-layer split codegen applies to ``model``: ``tensor_layers`` (a plan's, read
+    from its file or written by the build: ``Plan.tensor_layers``), else the graph analysis of
+    the model, run once here (:func:`fxpar.tracing.analyze_model.analyze_model`)."""
+    return tensor_layers if tensor_layers is not None else analyze_model(model)
+
+
+def check_split(model: torch.nn.Module, split: TPAnalysis, blocks: Collection[str] | None) -> None:
+    """A :class:`PlanError` naming the first projection of ``split`` (in ``blocks``; None: all)
+    that ``model`` lacks or holds in another shape: a split written by hand, or for another
+    model, is refused before anything is sharded."""
+    for blk in split.blocks:
+        if blocks is not None and blk.path not in blocks:
+            continue
+        found = [p for att in blk.attention for p in att.projections] + [p for m in blk.mlp for p in m.projections]
+        for proj in found:
+            try:
+                shape = tuple(model.get_parameter(proj.weight).shape)
+            except AttributeError:
+                shape = None
+            want = ((proj.out_features, proj.in_features) if proj.kind == "linear"
+                    else (proj.in_features, proj.out_features))
+            if shape != want:
+                have = "has no such parameter" if shape is None else f"holds it as {list(shape)}"
+                raise PlanError(f"tensor parallelism: the plan's tensor_layers split block {blk.path} by the "
+                                f"projection {proj.weight} of shape {list(want)}, but {type(model).__name__} {have}; "
+                                "the split belongs to another model: drop tensor_layers from the plan to have "
+                                "fxpar analyse this one")
+
+
+def with_split(plan: Plan, model: torch.nn.Module) -> Plan:
+    """``plan`` carrying the per-layer split its tensor-parallel stages apply to ``model``
+    (``Plan.tensor_layers``: its own, else the model's analysis, :func:`split_of`); the plan a
+    rank's module runs, so that ``pmodel.plan`` shows (and its file keeps) the split."""
+    return plan if plan.tensor_layers is not None else replace(plan, tensor_layers=split_of(model, None))
+
+
+def shardable_blocks(analysis: TPAnalysis) -> set[str]:
+    """Blocks whose attention heads the split ``analysis`` can split (the planner's
     ``LayerInfo.tensor_parallel`` reads the same analysis)."""
-    return set(analyze_model(model).splittable())
+    return set(analysis.splittable())
 
 
-def head_layout(model: torch.nn.Module) -> tuple[int, int, int]:
-    """``(split units, query heads per unit, head dim)`` of the model's attention, as the graph
-    analysis found it in its first splittable block (the config's when none is): its key/value
-    head groups, or for multi-query attention (one key/value head) its query heads, each rank
-    then holding the key/value head (:func:`~fxpar.tracing.tensor_parallel.findings.by_query_heads`)."""
-    found = next((b.attention[0] for b in analyze_model(model).blocks if b.splittable), None)
+def head_layout(model: torch.nn.Module, analysis: TPAnalysis | None = None) -> tuple[int, int, int]:
+    """``(split units, query heads per unit, head dim)`` of the model's attention, as the split
+    ``analysis`` (None: the model's, :func:`split_of`) found it in its first splittable block
+    (the config's when none is): its key/value head groups, or for multi-query attention (one
+    key/value head) its query heads, each rank then holding the key/value head (:func:`~fxpar.tensor_layers.by_query_heads`)."""
+    analysis = split_of(model, analysis)
+    found = next((b.attention[0] for b in analysis.blocks if b.splittable), None)
     if found is not None and found.kv_heads == 1:  # multi-query: split by query heads
         return found.heads, 1, found.head_dim
     if found is not None:
         return found.kv_heads, found.heads // found.kv_heads, found.head_dim
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int) and analyze_model(model).refused():  # say why no block splits
-        raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
+    if not isinstance(heads, int) and analysis.refused():  # say why no block splits
+        raise PlanError(describe_unsupported(model, analysis) + "; re-plan with max_tensor_parallel=1 for this model")
     if not isinstance(heads, int):
         raise PlanError(f"tensor parallelism needs a HF model with config.num_attention_heads; "
                         f"{type(model).__name__} has none")
@@ -286,9 +325,8 @@ def check_shares(kv_shares: Sequence[int], kv: int, heads: int | None = None) ->
                         f"model's {kv} key/value head groups{also} and sum to {kv}{also and ' or ' + str(heads)}")
 
 
-def refusal(model: torch.nn.Module, blocks: Collection[str]) -> str:
-    """Why the graph analysis cannot split the first of ``blocks`` (its reason names the block)."""
-    analysis = analyze_model(model)
+def refusal(analysis: TPAnalysis, blocks: Collection[str]) -> str:
+    """Why the split ``analysis`` does not split the first of ``blocks`` (its reason names the block)."""
     for path in blocks:
         blk = analysis.block(path)
         if blk is not None and blk.reason is not None:
@@ -296,19 +334,23 @@ def refusal(model: torch.nn.Module, blocks: Collection[str]) -> str:
     return f"blocks {sorted(blocks)[:3]}: no attention found in the traced graph"
 
 
-def describe_unsupported(model: torch.nn.Module) -> str:
-    refused = sorted(analyze_model(model).refused(), key=lambda b: b.reason.endswith("no attention found"))
+def describe_unsupported(model: torch.nn.Module, analysis: TPAnalysis) -> str:
+    """Why no attention of ``model`` splits, from its split ``analysis`` (a refused block's reason first)."""
+    refused = sorted(analysis.refused(), key=lambda b: b.reason.endswith("no attention found"))
     why = f": {refused[0].reason}" if refused else ""  # a block with a cause before a bare "none found"
     return f"{type(model).__name__}: no attention fxpar can shard found in the traced graph{why}"
 
 
 __all__ = [
     "check_shares",
+    "check_split",
     "describe_unsupported",
     "head_layout",
     "refusal",
     "shard_module_tree",
     "shardable_blocks",
+    "split_of",
+    "with_split",
     "split_sizes",
     "split_units",
 ]

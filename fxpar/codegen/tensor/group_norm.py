@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from fxpar.codegen.common.shards import slice_parameter
 from fxpar.codegen.tensor.collectives import tp_copy, tp_reduce
 from fxpar.errors import PlanError
-from fxpar.tracing.tensor_parallel.norms import GroupNorm
+from fxpar.tensor_layers import GroupNorm
 
 _MEANS = (torch.mean, torch.Tensor.mean)
 _SUMS = (torch.sum, torch.Tensor.sum)   # an L2 norm ``x / ‖x‖``: Σ_t Σ_{f∈F_t} x_f², not divided

@@ -1,5 +1,5 @@
 """Per-head tensors added to attention scores, cut to a rank's heads (what the analysis found:
-:class:`~fxpar.tracing.tensor_parallel.findings.HeadBias`).
+:class:`~fxpar.tensor_layers.HeadBias`).
 
 A rank owning key/value groups ``[a, b)`` computes query heads ``[lo, hi) = [a·g, b·g)``; its
 scores are ``s_h = q_h·k_hᵀ/√d + B_h`` for those ``h`` only, so it needs ``B[lo:hi]`` along the
@@ -36,7 +36,7 @@ from fxpar.codegen.tensor.shard import shard_projection
 from fxpar.errors import PlanError
 from fxpar.tracing.analyze_model import analysis_example
 from fxpar.tracing.export import split_inputs
-from fxpar.tracing.tensor_parallel.findings import Attention, HeadBias, TPAnalysis
+from fxpar.tensor_layers import Attention, HeadBias, TPAnalysis
 
 Key = int | str
 Keys = dict[tuple[str, str], Key]

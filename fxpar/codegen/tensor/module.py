@@ -56,9 +56,12 @@ from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.tensor.collectives import register_group
 from fxpar.codegen.tensor.families import (
     check_shares,
+    check_split,
     describe_unsupported,
     head_layout,
     shard_module_tree,
+    split_of,
+    with_split,
 )
 from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.codegen.tensor.verify import verify_local_heads
@@ -70,13 +73,16 @@ from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
 from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
 from fxpar.tracing.analyze_model import analyze_model
+from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.structure import supports_vocab_parallel
+from fxpar.tracing.tensor_parallel.by_block import CALLS_ATTR
 
 
 def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, group: Any = None,
                 clock: SegmentClock | None = None, *, blocks: Collection[str] | None = None,
                 embedding: bool | None = None, head: bool | None = None,
-                expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None) -> int:
+                expert_shares: Sequence[int] | None = None, mlp_shares: Sequence[int] | None = None,
+                split: TPAnalysis | None = None) -> int:
     """Shard the attention and MLP (and expert) modules of ``model`` in place for position
     ``rank`` of the tensor-parallel ``group`` (None: the default group), which holds
     ``kv_shares[rank]`` key/value head groups (read from the traced graph: ``families.py``); only
@@ -85,21 +91,28 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     where the model supports it (None: when ``blocks`` is None).  ``expert_shares`` (experts
     per position) places whole MoE experts instead of splitting their columns; ``mlp_shares``
     splits MLP columns and the vocabulary in other proportions than the heads (finer: a 4:1
-    speed ratio where the heads only allow 3:1).  Returns how many attention
+    speed ratio where the heads only allow 3:1).  ``split``: the per-layer split to apply (a
+    plan's ``tensor_layers``; None: the model's analysis, :func:`split_of`).  Returns how many attention
     modules were sharded (0 for an empty ``blocks``: a stage of only the embeddings or head)."""
-    kv, per_group, head_dim = head_layout(model)
+    before = split_of(model, split)
+    kv, per_group, head_dim = head_layout(model, before)
     check_shares(kv_shares, kv, kv * per_group)
-    before = analyze_model(model)
+    check_split(model, before, blocks)
+    if before.by_block is not None and CALLS_ATTR not in model.__dict__:
+        # a by-block split from a plan file: keep the full model's block calls, which the check
+        # of the sharded model reads (verify.py: its own forward would run the group's collectives)
+        analyze_model(model, how="by_block")
     key = register_group(group, clock)
     vocab = supports_vocab_parallel(model)
-    count = shard_module_tree(model, kv_shares, rank, key, head_dim, per_group, blocks, expert_shares, mlp_shares)
+    count = shard_module_tree(model, before, kv_shares, rank, key, head_dim, per_group, blocks, expert_shares,
+                              mlp_shares)
     embedding = blocks is None if embedding is None else embedding
     head = blocks is None if head is None else head
     if vocab and (embedding or head):
         shard_vocab(model, mlp_shares if mlp_shares is not None else kv_shares, rank, key,
                     embedding=embedding, head=head)
     if count == 0 and (blocks is None or blocks):  # a stage of only embeddings / head has none
-        raise PlanError(describe_unsupported(model) + "; re-plan with max_tensor_parallel=1 for this model")
+        raise PlanError(describe_unsupported(model, before) + "; re-plan with max_tensor_parallel=1 for this model")
     verify_local_heads(model, before, kv_shares, rank, blocks, group, head_dim=head_dim)
     dropout = sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
     if dropout and model.training:
@@ -138,8 +151,9 @@ class TensorParallelModule(FormModule, StepModule):
         own_loss = loss_fn is None  # a custom loss needs the full logits: no vocab-parallel head
         stage = plan.stages[0]
         mlp = None if stage.mlp_split is None else stage.mlp_split[:self.width]
+        self.plan = with_split(plan, model)   # the split it applies, in the plan it runs
         self.blocks = shard_model(model, stage.tensor_split[:self.width], self.position, self.tp_group, self.clock,
-                                  embedding=own_loss, head=own_loss, mlp_shares=mlp)
+                                  embedding=own_loss, head=own_loss, mlp_shares=mlp, split=self.plan.tensor_layers)
         if source is not None:  # this position's slices and the replicated rest, from the source
             materialize(module_slots(model), self.device, source, model)
         else:

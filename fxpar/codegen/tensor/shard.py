@@ -37,7 +37,7 @@ from fxpar.codegen.tensor.collectives import tp_copy, tp_grad_sum, tp_reduce
 from fxpar.codegen.tensor.group_norm import shard_group_norm
 from fxpar.codegen.tensor.sub_heads import localize_parts
 from fxpar.errors import PlanError
-from fxpar.tracing.tensor_parallel.findings import Attention, Mlp, Projection
+from fxpar.tensor_layers import Attention, Mlp, Projection
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
                "n_head_kv", "n_kv_heads", "kv_heads", "num_query_heads")

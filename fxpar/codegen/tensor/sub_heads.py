@@ -4,7 +4,7 @@ head): a part reshapes its projection's output by its own head count, ``view(...
 so after its rows were cut to a rank's heads it must see the local count ``H_t``.
 
 A part is a module strictly inside the attention module that holds a parameter the analysis
-sliced by heads (:class:`~fxpar.tracing.tensor_parallel.findings.Attention`: a column
+sliced by heads (:class:`~fxpar.tensor_layers.Attention`: a column
 projection, a per-head or per-feature parameter), or holds such a module as a direct child
 (the ``linear`` of a bias module).  Its integer head-count attributes equal to the sliced
 heads' count are set to the local count: for a projection's role of ``H`` heads, the heads a
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.tracing.tensor_parallel.findings import Attention
+from fxpar.tensor_layers import Attention
 
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 

@@ -22,7 +22,7 @@ from fxpar.codegen.tensor.block_split import block_shares
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import rank_device
 from fxpar.tracing.analyze_model import analyze_model
-from fxpar.tracing.tensor_parallel.findings import Attention, TPAnalysis
+from fxpar.tensor_layers import Attention, TPAnalysis
 
 
 def _local(att: Attention, shares: Sequence[int], rank: int, head_dim: int | None) -> tuple[int, int, int, int]:

@@ -15,6 +15,7 @@ from fxpar.codegen.pipeline.interleaved import InterleavedPipelineModule
 from fxpar.codegen.pipeline.module import PipelineParallelModule
 from fxpar.codegen.pipeline.split import split_stages
 from fxpar.codegen.pipeline.stage_setup import layer_to_stage
+from fxpar.codegen.tensor.families import with_split
 from fxpar.plan import Plan
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.tracing.analyze_model import remember_example
@@ -45,6 +46,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     if model is None or example_inputs is None:
         raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
     blocks, written = block_paths(model), []
+    layers = with_split(plan, model).tensor_layers if any(st.tensor_parallel > 1 for st in plan.stages) else None
     stage_of = layer_to_stage(plan, blocks)
     modules, _ = split_stages(model, example_inputs, stage_of, len(plan.stages))
     for st, mod in zip(plan.stages, modules):
@@ -61,7 +63,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
             own = {b for b, j in zip(blocks, stage_of) if j == st.index}
             meta["positions"] = []
             for t, shares in enumerate(positions(model, st.tensor_parallel, st.tensor_split)):
-                sharded = shard_copy(model, shares, t, own)
+                sharded = shard_copy(model, shares, t, own, layers)
                 piece = split_stages(sharded, example_inputs, stage_of, len(plan.stages))[0][st.index]
                 path = out / f"stage_{st.index}_position_{t}.py"
                 path.write_text(f"# fxpar stage {st.index}, tensor-parallel position {t} of "

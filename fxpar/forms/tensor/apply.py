@@ -12,6 +12,7 @@ import torch
 from fxpar.codegen.emit import shard_copy, write_json
 from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.tensor.families import with_split
 from fxpar.codegen.tensor.module import TensorParallelModule
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
@@ -44,10 +45,11 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
         raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
     blocks = block_paths(model)
     layout = RankLayout(plan)
+    layers = with_split(plan, model).tensor_layers   # the split every position's code applies
     width, kv_shares, split = layout.widths[0], plan.stages[0].tensor_split, plan.stages[0].data_split
     written = []
     for t in range(width):
-        sharded = shard_copy(model, list(kv_shares[:width]), t, None)
+        sharded = shard_copy(model, list(kv_shares[:width]), t, None, layers)
         whole = split_stages(sharded, example_inputs, [0] * len(blocks), 1)[0][0]
         path = out / f"position_{t}.py"
         path.write_text(f"# fxpar tensor-parallel position {t} of {width} "

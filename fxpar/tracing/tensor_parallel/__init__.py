@@ -3,7 +3,7 @@ feature-axis dataflow (``dataflow``) and its pass over a graph (``dataflow_pass`
 structural rules ``structural``, joins ``join``, gated outputs ``gates``, replicated regions
 ``region``, parameters ``params`` and norms ``norms``), the per-block analysis (``analysis``,
 with the head rows of its roles ``roles``, per-head score biases ``head_bias`` /
-``head_projection`` and differential attention ``differential``) and what it finds
-(``findings``).  Sits below the tracer (``fxpar.tracing.trace`` runs it);
+``head_projection`` and differential attention ``differential``); what it finds is the plan's
+per-layer split, :mod:`fxpar.tensor_layers`.  Sits below the tracer (``fxpar.tracing.trace`` runs it);
 imports ``fxpar.tracing``'s graph, op costs and structure modules, never the tracer itself
 (``fxpar.tracing.analyze_model`` runs the analysis on a live model)."""

@@ -91,7 +91,7 @@ from fxpar.tracing.tensor_parallel.region import parameter_dependent, replicated
 from fxpar.tracing.tensor_parallel.replicated_kv import replicated_roles, scores_like, whole_children
 from fxpar.tracing.tensor_parallel.attention_output import output_gates, output_side
 from fxpar.tracing.tensor_parallel.short_conv import tap_rows
-from fxpar.tracing.tensor_parallel.findings import (
+from fxpar.tensor_layers import (
     Attention,
     BlockTP,
     HeadBias,

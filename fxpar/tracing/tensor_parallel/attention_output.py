@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow
-from fxpar.tracing.tensor_parallel.findings import RoleRows
+from fxpar.tensor_layers import RoleRows
 from fxpar.tracing.tensor_parallel.norms import whole_norm
 from fxpar.tracing.tensor_parallel.replicated_kv import grouped_output, grouped_projections, units_of
 

@@ -40,7 +40,7 @@ from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.export import export_program
 from fxpar.tracing.structure import block_path, block_paths
 from fxpar.tracing.tensor_parallel.analysis import analyze
-from fxpar.tracing.tensor_parallel.findings import BlockTP, TPAnalysis
+from fxpar.tensor_layers import BlockTP, TPAnalysis
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 #: where :func:`_recorded_calls` keeps the calls on the model

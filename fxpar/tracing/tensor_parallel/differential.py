@@ -32,7 +32,7 @@ import torch
 
 from fxpar.tracing.op_costs import op_name
 from fxpar.tracing.tensor_parallel.dataflow import _SDPA, Dataflow, Flow, _shape
-from fxpar.tracing.tensor_parallel.findings import Attention, RoleRows
+from fxpar.tensor_layers import Attention, RoleRows
 from fxpar.tracing.tensor_parallel.head_projection import cone
 from fxpar.tracing.tensor_parallel.region import module_path
 from fxpar.tracing.tensor_parallel.roles import covers, head_role, projection

@@ -1,6 +1,6 @@
 """Per-head tensors added to attention scores (ALiBi slopes, relative-position tables, per-head
 masks): where each comes from, so that a rank holding query heads ``[lo, hi)`` can use the
-same heads of it (:class:`~fxpar.tracing.tensor_parallel.findings.HeadBias`).
+same heads of it (:class:`~fxpar.tensor_layers.HeadBias`).
 
 Scores are ``s[b, h, i, j] = q_h·k_h / √d + B[b, h, i, j]``; a rank computing heads
 ``[lo, hi)`` needs exactly ``B[:, lo:hi]``, because no head's scores read another head's bias.
@@ -40,7 +40,7 @@ import torch
 
 from fxpar.tracing.op_costs import op_name
 from fxpar.tracing.tensor_parallel.dataflow import Dataflow, Flow, Scores, _groups, _shape
-from fxpar.tracing.tensor_parallel.findings import HeadBias, RoleRows
+from fxpar.tensor_layers import HeadBias, RoleRows
 from fxpar.tracing.tensor_parallel.head_projection import cone, projected
 from fxpar.tracing.tensor_parallel.region import inside, module_path
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, _norm_dim, _shape
-from fxpar.tracing.tensor_parallel.findings import RoleRows
+from fxpar.tensor_layers import RoleRows
 
 
 def head_map(node: torch.fx.Node, df: Dataflow, params: dict[str, str]) -> Flow | None:

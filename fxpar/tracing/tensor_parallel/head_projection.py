@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow
-from fxpar.tracing.tensor_parallel.findings import HeadBias, Projection, RoleRows
+from fxpar.tensor_layers import HeadBias, Projection, RoleRows
 
 
 def cone(node: torch.fx.Node) -> list[torch.fx.Node]:

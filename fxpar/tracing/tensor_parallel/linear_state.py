@@ -32,7 +32,7 @@ import torch
 
 from fxpar.tracing.op_costs import op_name
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, KVState, Replicated, Zero
-from fxpar.tracing.tensor_parallel.findings import HeadBias
+from fxpar.tensor_layers import HeadBias
 
 _FRESH_ZEROS = {"zeros", "new_zeros", "zeros_like"}
 _ZERO_MOVES = {"alias", "expand", "clone", "to", "_to_copy", "contiguous", "detach", "view", "reshape",

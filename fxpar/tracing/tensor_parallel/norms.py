@@ -10,22 +10,9 @@ computed across the group (:mod:`fxpar.codegen.tensor.group_norm`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
 
+from fxpar.tensor_layers import GroupNorm
 from fxpar.tracing.tensor_parallel.dataflow import Dataflow, Flow
-
-
-@dataclass(frozen=True, slots=True)
-class GroupNorm:
-    """A norm over a whole query or key projection (OLMo-2's ``q_norm`` over all heads'
-    features): ``module`` reduces the ``width`` features; each rank keeps its heads' features of
-    the per-feature ``params`` (``(fqn, dim)``) and all-reduces the partial sums of the norm."""
-
-    module: str
-    params: tuple[tuple[str, int], ...]
-    rows: Any                       # the role's heads (an analysis.RoleRows): the features a rank keeps
-    width: int
 
 
 def whole_norm(flow: Flow, src: str, df: Dataflow, d: int, width: int | None = None

@@ -37,7 +37,7 @@ import torch
 
 from fxpar.tracing.op_costs import op_name
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, Replicated, _shape
-from fxpar.tracing.tensor_parallel.findings import Projection, RoleRows
+from fxpar.tensor_layers import Projection, RoleRows
 from fxpar.tracing.tensor_parallel.roles import head_role, projection
 
 #: ops that move a replicated key/value without computing on it (walked back to its one head)

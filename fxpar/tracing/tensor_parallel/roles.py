@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow
 from fxpar.tracing.tensor_parallel.features import is_feature
-from fxpar.tracing.tensor_parallel.findings import Projection, RoleRows
+from fxpar.tensor_layers import Projection, RoleRows
 from fxpar.tracing.tensor_parallel.norms import whole_norm
 
 

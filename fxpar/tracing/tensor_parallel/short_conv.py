@@ -36,7 +36,7 @@ import torch
 
 from fxpar.tracing.op_costs import op_name
 from fxpar.tracing.tensor_parallel.dataflow import Axis, Dataflow, Flow, _norm_dim, _shape
-from fxpar.tracing.tensor_parallel.findings import RoleRows
+from fxpar.tensor_layers import RoleRows
 
 _CASTS = {"to", "_to_copy", "clone", "contiguous", "alias", "detach", "type_as", "_assert_tensor_metadata"}
 _MOVES = {"t", "numpy_T", "transpose", "permute", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze",

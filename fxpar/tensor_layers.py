@@ -1,13 +1,25 @@
-"""What the tensor-parallel analysis (:mod:`fxpar.tracing.tensor_parallel.analysis`) finds: per block, the
-attention's and MLP's projections with the rows each unit (key/value group, MLP column) owns.
-Plain frozen data, read by codegen (``fxpar.codegen.tensor.shard``) and the planner alike."""
+"""The per-layer tensor-parallel split a plan carries (``Plan.tensor_layers``) and codegen
+applies: per repeated block, its attention's and MLP's projections with the rows each unit
+(key/value group, query head, MLP column) owns, and why a block does not split.
+
+Found by the tensor-parallel analysis of a traced graph
+(:mod:`fxpar.tracing.tensor_parallel.analysis`, run on a live model by
+:func:`fxpar.tracing.analyze_model.analyze_model`), written into the plan the rank's module runs
+(:func:`fxpar.build.build_module`), read by codegen (:mod:`fxpar.codegen.tensor.shard`) and the
+planner alike.  Plain frozen data that imports no torch; :func:`to_dict` / :func:`from_dict` are
+its JSON form, so a plan file shows the split and can be edited by hand (a projection named
+here that the model lacks is a :class:`~fxpar.errors.PlanError` at codegen, naming it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+import dataclasses
+import types
+import typing
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
-from fxpar.tracing.tensor_parallel.norms import GroupNorm
+from fxpar.errors import PlanError
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +44,19 @@ class RoleRows:
         if self.shared:
             return range(lo // self.shared, -(-hi // self.shared))
         return range(lo * self.per_unit, hi * self.per_unit)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupNorm:
+    """A norm over a whole query or key projection (OLMo-2's ``q_norm`` over all heads'
+    features; found by :mod:`fxpar.tracing.tensor_parallel.norms`): ``module`` reduces the
+    ``width`` features; each rank keeps its heads' features of the per-feature ``params``
+    (``(fqn, dim)``) and all-reduces the partial sums of the norm."""
+
+    module: str
+    params: tuple[tuple[str, int], ...]
+    rows: RoleRows                  # the role's heads: the features a rank keeps
+    width: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,3 +281,59 @@ class TPAnalysis:
 
     def block(self, path: str) -> BlockTP | None:
         return next((b for b in self.blocks if b.path == path), None)
+
+
+# ---- JSON (module docstring) ---------------------------------------------------------------
+def to_dict(analysis: TPAnalysis) -> dict[str, Any]:
+    """``analysis`` as plain JSON data (:func:`from_dict` reads it back equal)."""
+    return asdict(analysis)
+
+
+def from_dict(data: Any, source: str = "tensor_layers") -> TPAnalysis:
+    """The :class:`TPAnalysis` written by :func:`to_dict`; a :class:`PlanError` naming the
+    field's path under ``source`` and what it expected where a value does not fit."""
+    return _decode(TPAnalysis, data, source)
+
+
+def _decode(kind: Any, value: Any, where: str) -> Any:
+    """``value`` as the type ``kind`` (a dataclass of this module, a tuple, an optional value,
+    a literal or a plain scalar); :func:`from_dict`'s errors."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise PlanError(f"{where}: expected an object ({kind.__name__}), got {value!r:.60}")
+        hints = typing.get_type_hints(kind)
+        names = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise PlanError(f"{where}: unknown keys {unknown}; a {kind.__name__} has {sorted(names)}")
+        try:
+            return kind(**{k: _decode(hints[k], v, f"{where}.{k}") for k, v in value.items()})
+        except TypeError as exc:  # a required field missing
+            raise PlanError(f"{where}: not a {kind.__name__} ({exc})") from None
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _decode(inner[0], value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise PlanError(f"{where}: expected a list, got {value!r:.60}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise PlanError(f"{where}: expected {len(args)} entries, got {len(value)}")
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is Literal:
+        if value not in args:
+            raise PlanError(f"{where}: {value!r:.60} is not one of {list(args)}")
+        return value
+    if kind is bool or kind is str:
+        if not isinstance(value, kind):
+            raise PlanError(f"{where}: expected a {kind.__name__}, got {value!r:.60}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlanError(f"{where}: expected an integer, got {value!r:.60}")
+        return value
+    raise PlanError(f"{where}: cannot read a value of type {kind!r}")  # a field type this reader lacks
