@@ -12,7 +12,7 @@ error raised by a dataclass's own checks is prefixed with where in the file it h
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Mapping, Sequence
 
 from fxpar.dtype_policy import DtypePolicy
@@ -28,6 +28,7 @@ from fxpar.plan_checks import (
 from fxpar.plan_table import render_table
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tensor_layers import from_dict as layers_from_dict
+from fxpar.tensor_layers import to_dict as layers_to_dict
 
 PLAN_FORMAT_VERSION = 1
 
@@ -255,16 +256,19 @@ class Plan:
             if isinstance(value, dict):
                 return {k: clean(v) for k, v in value.items() if k not in _NOT_LAYOUT and not k.startswith("predicted")}
             return [clean(v) for v in value] if isinstance(value, (list, tuple)) else value
-        return clean(self.to_dict(timings=False))
+        return clean(self.to_dict(timings=False, tensor_layers=False))
 
     def same_layout(self, other: "Plan") -> bool:
         """Whether two plans run alike (:meth:`layout`), whatever priced them."""
         return self.layout() == other.layout()
 
     # ---- serialisation ---------------------------------------------------------------------
-    def to_dict(self, *, timings: bool = True) -> dict[str, Any]:
-        """The plan as plain data; ``timings=False`` leaves out the wall-clock solve times."""
-        d = asdict(self)
+    def to_dict(self, *, timings: bool = True, tensor_layers: bool = True) -> dict[str, Any]:
+        """The plan as plain data; ``timings=False`` leaves out the wall-clock solve times,
+        ``tensor_layers=False`` the per-layer split (None; :meth:`layout` does not read it)."""
+        d = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "tensor_layers"}
+        d["tensor_layers"] = (layers_to_dict(self.tensor_layers) if tensor_layers and self.tensor_layers is not None
+                              else None)
         d["baselines"] = {k: v for k, v in self.baselines}
         d["dtype_policy"] = asdict(self.precision)
         if not timings:
@@ -369,6 +373,18 @@ def _slice_batch(batch: Any, start: int, stop: int, expected: int) -> Any:
             f"is {expected}; feed the global batch the plan was made for, or re-plan with "
             f"global_batch={int(shape[0])}")
     return batch[start:stop]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as ``dataclasses.asdict`` writes a field's value (dataclasses as dicts, inside
+    tuples, lists and dicts too)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 # ---- reading a plan's JSON (module docstring) ----------------------------------------------

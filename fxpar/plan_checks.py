@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.forms import FORMS, NAMES, form, part
+from fxpar.forms import FORMS, NAMES, STAGE_FIELDS, form, part
 
 REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
 #: the accepted ``strategy`` values: the parallel forms' names (:data:`fxpar.forms.NAMES`)
@@ -241,6 +241,7 @@ def check_strategy(p: Any) -> None:
         raise PlanError("plan.ranks is empty: a plan needs at least one rank")
     _check_rank_batches(p)
     _check_offload(p)
+    _check_stage_fields(p)
     if p.schedule not in SCHEDULES:
         raise PlanError(f"plan.schedule = {p.schedule!r}: accepted values are {SCHEDULES}")
     spec.check(p)
@@ -257,6 +258,22 @@ def _check_offload(p: Any) -> None:
                         f"optimizer on its device (only {offloading} plans offload it); set it to false")
 
 
+def _check_stage_fields(p: Any) -> None:
+    """Each stage sets only the per-form fields its plan's form runs (``Form.stage_fields``): a
+    ZeRO ``state_split`` in a pipeline stage, or expert shares in a tensor-parallel plan, would
+    be ignored by the run while the plan's prediction counted them."""
+    reads = form(p.strategy).stage_fields
+    for i, st in enumerate(p.stages):
+        for name in STAGE_FIELDS:
+            value = getattr(st, name)
+            if name in reads or value is None or (name == "shard_stage" and value == 0):
+                continue
+            readers = [f.name for f in FORMS if name in f.stage_fields]
+            raise PlanError(f"plan.stages[{i}].{name} = {value!r:.60}: a {p.strategy} plan does not run it (its "
+                            f"run would ignore it); only {readers or 'no'} plans do: remove it, or write a "
+                            f"{' or '.join(readers) or 'different'} plan")
+
+
 def check_batch_total(p: Any) -> None:
     """The ranks' batch shares add up to the global batch (a form whose every rank trains its
     own share)."""
@@ -264,14 +281,6 @@ def check_batch_total(p: Any) -> None:
     if total != p.global_batch:
         raise PlanError(f"plan: batch shares sum to {total} but global_batch is "
                         f"{p.global_batch}; they must be equal")
-
-
-def no_replicas(p: Any, i: int, st: Any) -> None:
-    """Stage ``i`` of a plan whose form has no stage replicas leaves them null."""
-    if st.replica_devices is not None or st.replica_modules is not None:
-        name = "replica_devices" if st.replica_devices is not None else "replica_modules"
-        raise PlanError(f"plan.stages[{i}].{name} = {list(getattr(st, name))}: only a pipeline "
-                        f"plan has stage replicas, this plan is {p.strategy!r}; leave it null")
 
 
 def _check_rank_batches(p: Any) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fxpar.errors import PlanError
@@ -285,8 +285,20 @@ class TPAnalysis:
 
 # ---- JSON (module docstring) ---------------------------------------------------------------
 def to_dict(analysis: TPAnalysis) -> dict[str, Any]:
-    """``analysis`` as plain JSON data (:func:`from_dict` reads it back equal)."""
-    return asdict(analysis)
+    """``analysis`` as plain JSON data, each field left out where it holds its default (a plan
+    file lists what a block has, not every kind of attention it lacks); :func:`from_dict`
+    reads it back equal."""
+    return _plain(analysis)
+
+
+def _plain(value: Any) -> Any:
+    """:func:`to_dict` of one value: a dataclass as its fields that differ from their defaults."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def from_dict(data: Any, source: str = "tensor_layers") -> TPAnalysis:

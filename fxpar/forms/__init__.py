@@ -93,6 +93,10 @@ class Form:
     sample_per_rank: bool = False  #: every rank trains on at least one sample of the global batch,
                                    #: so a batch smaller than the ranks is refused before tracing
                                    #: where only such forms are asked for
+    #: the per-form fields of a ``StagePlan`` its runtime reads (of :data:`STAGE_FIELDS`); a plan
+    #: of this form that sets another is a PlanError (:func:`fxpar.plan_checks.check_strategy`):
+    #: its run would ignore it
+    stage_fields: frozenset[str] = frozenset()
     package: str = ""            #: the package of its phase modules (a plug-in's, module
                                  #: docstring); empty: ``fxpar.forms.<folder>``
 
@@ -102,18 +106,26 @@ class Form:
         return self.package or f"fxpar.forms.{self.folder}"
 
 
+#: the fields of a ``StagePlan`` that belong to one form or another (:attr:`Form.stage_fields`);
+#: unset is None, or 0 for ``shard_stage``
+STAGE_FIELDS: tuple[str, ...] = ("tensor_split", "mlp_split", "expert_split", "state_split", "shard_stage",
+                                 "replica_devices", "replica_modules")
+
 #: fxpar's own forms, in the order the planner offers them (the first found wins a tie)
 BUILT_IN: tuple[Form, ...] = (
     Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True,
          recorded=True, rebalances=True, sample_per_rank=True),
     Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
-         recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True),
+         recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True,
+         stage_fields=frozenset({"tensor_split", "expert_split", "replica_devices", "replica_modules"})),
     Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True,
-         forward_collective=True),
+         forward_collective=True, stage_fields=frozenset({"expert_split"})),
     Form("sharded_data_parallel", "sharded", "sharded data parallelism (ZeRO-2/3)",
-         "all-gather + reduce-scatter", True, recorded=True, forward_collective=True, offloads=True),
+         "all-gather + reduce-scatter", True, recorded=True, forward_collective=True, offloads=True,
+         stage_fields=frozenset({"state_split", "shard_stage"})),
     Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False,
-         whole_job_groups=True, emits_from_model=True, forward_collective=True),
+         whole_job_groups=True, emits_from_model=True, forward_collective=True,
+         stage_fields=frozenset({"tensor_split", "mlp_split"})),
 )
 
 

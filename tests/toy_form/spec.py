@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import no_replicas, same_job
+from fxpar.plan_checks import same_job
 
 
 def check(p: Any) -> None:
@@ -17,8 +17,7 @@ def check(p: Any) -> None:
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """One stage over every rank, each with the whole batch; no replicas."""
-    no_replicas(p, i, st)
+    """One stage over every rank, each with the whole batch."""
     if list(st.data_split) != [p.global_batch] * len(st.ranks):
         raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: every rank trains the whole "
                         f"global batch; give {[p.global_batch] * len(st.ranks)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_batch_total, no_replicas, same_job
+from fxpar.plan_checks import check_batch_total, same_job
 
 
 def check(p: Any) -> None:
@@ -14,8 +14,7 @@ def check(p: Any) -> None:
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """The one stage's ``data_split`` is the ranks' shares of the global batch; no replicas."""
-    no_replicas(p, i, st)
+    """The one stage's ``data_split`` is the ranks' shares of the global batch."""
     if sum(st.data_split) != p.global_batch:
         raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: the shares sum to "
                         f"{sum(st.data_split)}, not global_batch {p.global_batch}; they must add up "

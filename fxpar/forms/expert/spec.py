@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_batch_total, no_replicas, rebuild_to_switch
+from fxpar.plan_checks import check_batch_total, rebuild_to_switch
 
 
 def check(p: Any) -> None:
@@ -17,8 +17,7 @@ def check(p: Any) -> None:
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """No replicas."""
-    no_replicas(p, i, st)
+    """Nothing beyond the stage fields this form runs (``Form.stage_fields``, checked for every form)."""
 
 
 def summary(p: Any) -> list[str]:

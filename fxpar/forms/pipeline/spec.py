@@ -15,8 +15,9 @@ def check(p: Any) -> None:
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """One ``data_split`` entry per pipeline, ``pipelines x tensor_parallel`` ranks, and replicas
-    that agree with the ranks they name."""
+    """One ``data_split`` entry per pipeline, ``pipelines x tensor_parallel`` ranks, replicas
+    that agree with the ranks they name, and tensor or expert shares only on a stage with a
+    tensor-parallel group."""
     if len(st.data_split) != p.pipelines:
         raise PlanError(f"plan.stages[{i}].data_split = {list(st.data_split)}: a pipeline plan "
                         f"with pipelines = {p.pipelines} needs one entry per pipeline")
@@ -25,6 +26,11 @@ def check_stage(p: Any, i: int, st: Any) -> None:
                         f"tensor_parallel {st.tensor_parallel} needs "
                         f"{p.pipelines * st.tensor_parallel} ranks")
     _check_replicas(p, i, st)
+    for name in ("tensor_split", "expert_split"):
+        if st.tensor_parallel == 1 and getattr(st, name) is not None:
+            raise PlanError(f"plan.stages[{i}].{name} = {list(getattr(st, name))}: stage {i} runs on one rank per "
+                            "pipeline (tensor_parallel 1), so there is no group to split it over and the run would "
+                            "ignore it; remove it, or give the stage tensor_parallel > 1")
 
 
 def summary(p: Any) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import SHARD_STAGES, check_batch_total, no_replicas, same_job
+from fxpar.plan_checks import SHARD_STAGES, check_batch_total, same_job
 
 
 def check(p: Any) -> None:
@@ -15,8 +15,7 @@ def check(p: Any) -> None:
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """No replicas."""
-    no_replicas(p, i, st)
+    """Nothing beyond the stage fields this form runs (``Form.stage_fields``, checked for every form)."""
 
 
 def summary(p: Any) -> list[str]:

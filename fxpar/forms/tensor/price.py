@@ -33,4 +33,5 @@ def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
     modules = tuple(m for mods in prices.table.modules for m in mods)
     return replace(plan, strategy="pipeline", schedule="1F1B", pipelines=len(st.data_split),
                    num_microbatches=max(plan.ranks[0].num_microbatches, 1),
-                   stages=(replace(st, modules=modules, tensor_parallel=len(st.ranks) // len(st.data_split)),))
+                   stages=(replace(st, modules=modules, tensor_parallel=len(st.ranks) // len(st.data_split),
+                                   mlp_split=None),))

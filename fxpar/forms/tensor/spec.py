@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import no_replicas, rebuild_to_switch, set_fields
+from fxpar.plan_checks import rebuild_to_switch, set_fields
 
 
 def check(p: Any) -> None:
@@ -67,8 +67,7 @@ def _check_replicas_alike(stage: Any, field: str, split: Any, width: int) -> Non
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """A ``tensor_split`` has one entry >= 1 per rank of the stage; no replicas."""
-    no_replicas(p, i, st)
+    """A ``tensor_split`` has one entry >= 1 per rank of the stage."""
     if st.tensor_split is not None and (len(st.tensor_split) != len(st.ranks) or min(st.tensor_split, default=0) < 1):
         raise PlanError(f"plan.stages[{i}].tensor_split = {list(st.tensor_split)}: needs one entry "
                         f">= 1 per rank of the stage ({len(st.ranks)} ranks)")

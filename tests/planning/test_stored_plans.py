@@ -1,0 +1,36 @@
+"""Every plan stored in the repository -- in ``benchmarks/results`` and the test fixtures --
+still loads under today's checks (issue #38 item 3: plans written before a format or rule change
+keep loading), and writes back to the same JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fxpar.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plans(value: Any, where: str) -> Iterator[tuple[str, dict]]:
+    """Every object inside ``value`` that is a plan (it has a strategy, stages and ranks)."""
+    if isinstance(value, dict):
+        if {"strategy", "stages", "ranks"} <= set(value):
+            yield where, value
+            return
+        for key, inner in value.items():
+            yield from _plans(inner, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, inner in enumerate(value):
+            yield from _plans(inner, f"{where}[{i}]")
+
+
+def test_every_stored_plan_loads_and_writes_back_alike():
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json")) + sorted((ROOT / "tests").rglob("*.json"))
+    stored = [found for path in files for found in _plans(json.loads(path.read_text()), path.name)]
+    assert len(stored) >= 10
+    for where, data in stored:
+        plan = Plan.from_dict(data, source=where)
+        assert Plan.from_json(plan.to_json()) == plan, where
