@@ -30,3 +30,15 @@ def test_the_readme_is_short_and_its_links_resolve():
     assert any(link.startswith("docs/") for link in links)
     missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_plan_page_shows_what_fxpar_writes_and_every_form_field():
+    """``docs/plans.md``'s examples are what ``docs/plan_examples.py`` makes with fxpar's own
+    builders today, and its table names every per-form stage field of the registry."""
+    from fxpar.forms import STAGE_FIELDS
+
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "plan_examples.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    page = (ROOT / "docs" / "plans.md").read_text()
+    assert all(f"`{name}`" in page for name in STAGE_FIELDS)
