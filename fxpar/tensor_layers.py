@@ -5,7 +5,7 @@ applies: per repeated block, its attention's and MLP's projections with the rows
 Found by the tensor-parallel analysis of a traced graph
 (:mod:`fxpar.tracing.tensor_parallel.analysis`, run on a live model by
 :func:`fxpar.tracing.analyze_model.analyze_model`), written into the plan the rank's module runs
-(:func:`fxpar.build.build_module`), read by codegen (:mod:`fxpar.codegen.tensor.shard`) and the
+(:func:`fxpar.codegen.tensor.families.with_split`, from the tensor-parallel and pipeline modules), read by codegen (:mod:`fxpar.codegen.tensor.shard`) and the
 planner alike.  Plain frozen data that imports no torch; :func:`to_dict` / :func:`from_dict` are
 its JSON form, so a plan file shows the split and can be edited by hand (a projection named
 here that the model lacks is a :class:`~fxpar.errors.PlanError` at codegen, naming it).

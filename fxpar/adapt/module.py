@@ -198,7 +198,8 @@ class AdaptiveModule(torch.nn.Module):
         switch was decided (5); ``expected_step_s``, ``build_on_thread``: the decision's."""
         self.pending.give_back()
         self._split = self.module.plan.tensor_layers or self._split
-        if plan is not None and plan.tensor_layers is None and self._split is not None:
+        if (plan is not None and plan.tensor_layers is None and self._split is not None
+                and any(st.tensor_parallel > 1 for st in plan.stages)):
             plan = replace(plan, tensor_layers=self._split)
         background = (plan is not None and self.options.prepare_in_background and build_on_thread
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))

@@ -75,3 +75,19 @@ def test_the_combinations_the_runtime_runs_are_accepted():
 def test_tensor_or_expert_shares_on_a_stage_of_one_rank_are_a_plan_error(name):
     with pytest.raises(PlanError, match=rf"plan.stages\[0\]\.{name} = \[1\]: stage 0 runs on one rank per pipeline"):
         _with(_plans()["pp"], name, (1,))
+
+
+def test_a_tensor_parallel_plan_is_priced_as_a_valid_pipeline_with_its_mlp_shares_and_at_width_one():
+    """The tensor form's price (``as_pipeline``) hands the finer ``mlp_split`` over as the pipeline
+    stage's ``tensor_split`` (the simulator paces a slot by it) and drops the split of a group one
+    rank wide; either pipeline passes the stage-field checks."""
+    from types import SimpleNamespace
+
+    from fxpar.forms.tensor.price import as_pipeline
+
+    llama = tiny_model("llama")
+    prices = SimpleNamespace(table=SimpleNamespace(modules=(("model.layers.0",), ("model.layers.1",))))
+    finer = tensor_parallel_plan(llama, C2, global_batch=4, kv_shares=[1, 1], mlp_shares=[3, 1])
+    assert as_pipeline(finer, prices).stages[0].tensor_split == (3, 1)
+    alone = tensor_parallel_plan(llama, fxpar.Cluster.emulated([1.0]), global_batch=4, kv_shares=[2])
+    assert as_pipeline(alone, prices).stages[0].tensor_split is None
