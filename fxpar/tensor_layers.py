@@ -5,8 +5,8 @@ applies: per repeated block, its attention's and MLP's projections with the rows
 Found by the tensor-parallel analysis of a traced graph
 (:mod:`fxpar.tracing.tensor_parallel.analysis`, run on a live model by
 :func:`fxpar.tracing.analyze_model.analyze_model`), written into the plan the rank's module runs
-(:func:`fxpar.codegen.tensor.families.with_split`, from the tensor-parallel and pipeline modules), read by codegen (:mod:`fxpar.codegen.tensor.shard`) and the
-planner alike.  Plain frozen data that imports no torch; :func:`to_dict` / :func:`from_dict` are
+(:func:`fxpar.codegen.tensor.families.with_split`, from the tensor-parallel and pipeline
+modules), read by codegen (:mod:`fxpar.codegen.tensor.shard`) and the planner alike.  Plain frozen data that imports no torch; :func:`to_dict` / :func:`from_dict` are
 its JSON form, so a plan file shows the split and can be edited by hand (a projection named
 here that the model lacks is a :class:`~fxpar.errors.PlanError` at codegen, naming it).
 """
@@ -281,6 +281,12 @@ class TPAnalysis:
 
     def block(self, path: str) -> BlockTP | None:
         return next((b for b in self.blocks if b.path == path), None)
+
+
+def splits_layers(plan: Any) -> bool:
+    """Whether ``plan`` has a stage over a tensor-parallel group: the plans whose runtime applies
+    a per-layer split (``Plan.tensor_layers``)."""
+    return any(st.tensor_parallel > 1 for st in plan.stages)
 
 
 # ---- JSON (module docstring) ---------------------------------------------------------------

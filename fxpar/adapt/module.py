@@ -71,6 +71,7 @@ from fxpar.runtime.device import ranks_share_cores
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
 from fxpar.solvers.planner import FAMILIES
 from fxpar.plan import Plan
+from fxpar.tensor_layers import splits_layers
 
 
 @ParallelModule.register   # nominal isinstance: its members are the current module's (__getattr__)
@@ -199,7 +200,7 @@ class AdaptiveModule(torch.nn.Module):
         self.pending.give_back()
         self._split = self.module.plan.tensor_layers or self._split
         if (plan is not None and plan.tensor_layers is None and self._split is not None
-                and any(st.tensor_parallel > 1 for st in plan.stages)):
+                and splits_layers(plan)):
             plan = replace(plan, tensor_layers=self._split)
         background = (plan is not None and self.options.prepare_in_background and build_on_thread
                       and not takes_in_place(self.module, plan) and preparation_fits(self.plan, plan, self._template[0]))

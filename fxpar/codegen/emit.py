@@ -19,7 +19,7 @@ from fxpar.codegen.tensor.families import split_sizes, with_split
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.forms import part
 from fxpar.plan import Plan
-from fxpar.tensor_layers import TPAnalysis
+from fxpar.tensor_layers import TPAnalysis, splits_layers
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -33,7 +33,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     """Write ``plan.json`` and what the plan's form writes of each rank (its ``emit``, module
     docstring) into ``directory``; the paths written.  A plan with tensor-parallel stages is
     written with the per-layer split they apply (``Plan.tensor_layers``), editable there."""
-    if model is not None and any(st.tensor_parallel > 1 for st in plan.stages):
+    if model is not None and splits_layers(plan):
         plan = with_split(plan, model)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -108,8 +108,8 @@ def _with_block_tensor_parallel(graph: ModelGraph, model: torch.nn.Module, args:
     block by block on the example it was recorded on (:mod:`fxpar.tracing.tensor_parallel.by_block`:
     each block exported on its own where it can be), so that the planner searches tensor-parallel
     pipeline stages for it (the graph's ``tp_analysis``; codegen splits by the plan's
-    ``Plan.tensor_layers``, or analyses the model itself where the plan has none).  A model whose blocks cannot be read (a forward that fails on
-    ``meta``) keeps none: its plans are data parallel, sharded or pipelines without tensor parallelism."""
+    ``Plan.tensor_layers``, or analyses the model itself where the plan has none).  A model whose
+    blocks cannot be read (a forward that fails on ``meta``) keeps none: its plans are data parallel, sharded or pipelines without tensor parallelism."""
     was_training = model.training
     try:
         analysis = analyze_by_block(model, args, kwargs, why=graph.recorded or "recorded", keep=True)

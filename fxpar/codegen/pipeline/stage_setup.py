@@ -106,7 +106,8 @@ def torch_stage(module: torch.nn.Module, stage: int, num_stages: int, device: to
 def check_tp_stages(model: torch.nn.Module, split: TPAnalysis, wide: dict[int, list[str]], widest: int) -> int:
     """The model's key/value head groups, once every tensor-parallel stage (``wide``: stage ->
     its blocks; the widest ``widest`` ranks) is found to hold a block the per-layer ``split``
-    (the plan's ``tensor_layers``) shards, and the head groups enough to split.  A stage's other blocks (Gemma-3n's AltUp projections, a hybrid's
+    (the plan's ``tensor_layers``) shards, and the head groups enough to split.  A stage's other
+    blocks (Gemma-3n's AltUp projections, a hybrid's
     state-space layers) run whole on each of its ranks, on the same replicated activations:
     exact, their gradients the same on every rank, as in a tensor-parallel plan."""
     shardable = shardable_blocks(split)

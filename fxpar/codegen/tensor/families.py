@@ -297,7 +297,8 @@ def head_layout(model: torch.nn.Module, analysis: TPAnalysis | None = None) -> t
     """``(split units, query heads per unit, head dim)`` of the model's attention, as the split
     ``analysis`` (None: the model's, :func:`split_of`) found it in its first splittable block
     (the config's when none is): its key/value head groups, or for multi-query attention (one
-    key/value head) its query heads, each rank then holding the key/value head (:func:`~fxpar.tensor_layers.by_query_heads`)."""
+    key/value head) its query heads, each rank then holding the key/value head
+    (:func:`~fxpar.tensor_layers.by_query_heads`)."""
     analysis = split_of(model, analysis)
     found = next((b.attention[0] for b in analysis.blocks if b.splittable), None)
     if found is not None and found.kv_heads == 1:  # multi-query: split by query heads

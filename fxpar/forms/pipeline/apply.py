@@ -17,6 +17,7 @@ from fxpar.codegen.pipeline.split import split_stages
 from fxpar.codegen.pipeline.stage_setup import layer_to_stage
 from fxpar.codegen.tensor.families import with_split
 from fxpar.plan import Plan
+from fxpar.tensor_layers import splits_layers
 from fxpar.runtime.step_loop import LossWeighting
 from fxpar.tracing.analyze_model import remember_example
 from fxpar.tracing.structure import block_paths
@@ -46,7 +47,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     if model is None or example_inputs is None:
         raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
     blocks, written = block_paths(model), []
-    layers = with_split(plan, model).tensor_layers if any(st.tensor_parallel > 1 for st in plan.stages) else None
+    layers = with_split(plan, model).tensor_layers if splits_layers(plan) else None
     stage_of = layer_to_stage(plan, blocks)
     modules, _ = split_stages(model, example_inputs, stage_of, len(plan.stages))
     for st, mod in zip(plan.stages, modules):
