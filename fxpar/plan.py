@@ -24,13 +24,16 @@ from fxpar.plan_checks import (
     check_solver,
     check_stage,
     check_strategy,
+    set_fields,
 )
 from fxpar.plan_table import render_table
+from fxpar.plan_upgrade import upgrade
+from fxpar.stage_specs import SPECS, TensorStage, spec_from_value
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tensor_layers import from_dict as layers_from_dict
 from fxpar.tensor_layers import to_dict as layers_to_dict
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,10 +72,7 @@ class StagePlan:
     ranks: tuple[int, ...]
     data_split: tuple[int, ...]       # data parallel: samples per rank (order of ``ranks``);
                                       # pipeline: samples per pipeline replica
-    tensor_split: tuple[int, ...] | None = None
     expert_split: tuple[int, ...] | None = None
-    mlp_split: tuple[int, ...] | None = None    # MLP columns / vocabulary rows in proportion
-                                                # (per rank; None: as tensor_split)
     device: str = ""                  # device kind of a pipeline stage
     tensor_parallel: int = 1          # devices per replica of this stage (one TP group)
     predicted_fwd_s: float = 0.0      # per micro-batch
@@ -91,9 +91,14 @@ class StagePlan:
     #: cut the model differently (a fast pipeline's first stage taking more blocks); None: every
     #: replica runs ``modules``.  Width-1 stages and 1F1B / GPipe only.
     replica_modules: tuple[tuple[str, ...], ...] | None = None
+    #: tensor parallelism inside the stage (:class:`~fxpar.stage_specs.TensorStage`); None: none
+    tensor: TensorStage | None = None
 
     def __post_init__(self) -> None:
         check_stage(self)
+        where = f"stage {self.index}"
+        for key in SPECS:
+            set_fields(self, **{key: spec_from_value(key, getattr(self, key), where)})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -290,10 +295,7 @@ class Plan:
         with ``source`` and names the field and the value."""
         if not isinstance(d, Mapping):
             raise PlanError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
-        version = d.get("version", PLAN_FORMAT_VERSION)
-        if isinstance(version, bool) or version != PLAN_FORMAT_VERSION:
-            raise PlanError(f"{source}: plan format version {version!r} is not supported "
-                            f"(this fxpar reads version {PLAN_FORMAT_VERSION}); re-run `fxpar plan`")
+        d = upgrade(d, source, PLAN_FORMAT_VERSION)
         try:
             kw = _known(cls, d, source)
             kw["ranks"] = tuple(_build(RankPlan, r, f"{source}: ranks[{i}]")

@@ -113,7 +113,7 @@ def check_stage(s: Any) -> None:
          predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"),
          activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"),
          shard_stage=_int(s.shard_stage, where, "shard_stage", 0))
-    for name in ("tensor_split", "expert_split", "mlp_split", "state_split"):
+    for name in ("expert_split", "state_split"):
         if getattr(s, name) is not None:
             set_fields(s, **{name: _ints(getattr(s, name), where, name, 0)})
     if s.replica_devices is not None:
@@ -124,6 +124,17 @@ def check_stage(s: Any) -> None:
     if s.replica_modules is not None:
         items = _sequence(s.replica_modules, where, "replica_modules", "module lists, one per pipeline")
         set_fields(s, replica_modules=tuple(_texts(m, where, f"replica_modules[{q}]") for q, m in enumerate(items)))
+
+
+def check_tensor_stage(t: Any) -> None:
+    """Types of a ``TensorStage`` (:mod:`fxpar.stage_specs`; normalised in place), and an
+    ``mlp_split`` (if any) with an entry per rank; the forms check the shares against the ranks."""
+    where = "tensor"
+    set_fields(t, split=_ints(t.split, where, "split", 0))
+    if t.mlp_split is not None:
+        set_fields(t, mlp_split=_ints(t.mlp_split, where, "mlp_split", 0))
+        if len(t.mlp_split) != len(t.split):
+            raise _fail(where, "mlp_split", list(t.mlp_split), f"one entry per rank, as split {list(t.split)} has")
 
 
 def check_solver(s: Any) -> None:

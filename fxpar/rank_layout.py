@@ -7,7 +7,7 @@ parallelism are one stage of width 1 (each rank its own replica), tensor paralle
 wide as its group (one replica per group), expert parallelism one stage of width 1 whose
 ``expert_split`` gives each rank its experts, a pipeline ``S`` stages whose replicas are its
 pipelines (an interleaved pipeline puts a rank in several stages, at one position of one
-pipeline).  Per-position splits (``tensor_split``, and ``expert_split`` inside a pipeline stage)
+pipeline).  Per-position splits (``tensor.split``, and ``expert_split`` inside a pipeline stage)
 have ``u`` entries; per-rank ones (``state_split``, the expert split of an expert-parallel plan)
 one per listed rank.
 
@@ -198,7 +198,7 @@ def _experts(stage: Any, index: int, position: int) -> tuple[int, int] | None:
 
 
 def _heads(stage: Any, index: int, position: int) -> int | None:
-    split = stage.tensor_split
+    split = stage.tensor.split if stage.tensor is not None else None
     return None if split is None else int(split[index if len(split) == len(stage.ranks) else position])
 
 

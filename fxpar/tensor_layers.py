@@ -269,7 +269,7 @@ class TPAnalysis:
         """What a tensor-parallel rank holds whole, counted in the first splittable block's first
         attention: its key/value head groups, or for multi-query attention (one key/value head,
         which every rank then holds) its query heads; None when no block is splittable.  The
-        split of a stage with no ``tensor_split`` divides these evenly
+        split of a stage with no ``tensor`` split divides these evenly
         (:func:`fxpar.codegen.tensor.families.head_layout` reads the same)."""
         found = next((b.attention[0] for b in self.blocks if b.splittable), None)
         if found is None:

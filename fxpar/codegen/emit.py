@@ -42,11 +42,11 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     return written + part(plan.strategy, "apply").emit(plan, model, example_inputs, out)
 
 
-def positions(model: torch.nn.Module, width: int, tensor_split: Any) -> list[list[int]]:
+def positions(model: torch.nn.Module, width: int, split: Any) -> list[list[int]]:
     """Key/value head groups per position, one list per position (each the full split)."""
     config = model.config
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    shares = list(tensor_split[:width]) if tensor_split is not None else split_sizes(kv, [1] * width)
+    shares = list(split[:width]) if split is not None else split_sizes(kv, [1] * width)
     return [shares] * width
 
 

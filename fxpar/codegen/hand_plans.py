@@ -10,6 +10,7 @@ import torch
 from fxpar.codegen.tensor.families import split_sizes
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.stage_specs import TensorStage
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.by_block import explain_line
@@ -101,7 +102,7 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
         stages.append(StagePlan(index=j, modules=tuple(blocks[start:start + n]), ranks=ranks,
                                 data_split=(per,) * pipelines, tensor_parallel=widths[j],
                                 activation_checkpointing=bool(checkpointed[j]),
-                                tensor_split=None if tensor[j] is None else tuple(tensor[j]) * pipelines,
+                                tensor=None if tensor[j] is None else TensorStage(split=tuple(tensor[j]) * pipelines),
                                 expert_split=None if experts[j] is None else tuple(experts[j]) * pipelines,
                                 device=cluster.device(ranks[0]).type.name))
         start += n
@@ -148,8 +149,9 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
     if mlp_shares is not None and len(mlp_shares) != world:
         raise PlanError(f"mlp_shares {mlp_shares} needs one entry per position ({width}) or per device ({world})")
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(world)),
-                      data_split=tuple(batch_shares), tensor_split=tuple(kv_shares),
-                      mlp_split=tuple(mlp_shares) if mlp_shares is not None else None,
+                      data_split=tuple(batch_shares),
+                      tensor=TensorStage(split=tuple(kv_shares),
+                                         mlp_split=tuple(mlp_shares) if mlp_shares is not None else None),
                       tensor_parallel=width, device=cluster.device(0).type.name)
     split = _known_split(model)
     plan = Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,

@@ -86,7 +86,7 @@ def layout_of(plan: Plan, prices: PipelinePrices, cluster) -> tuple[PipelineLayo
     def critical(st, slot: tuple[int, ...]) -> tuple[str, float | None]:
         """A tensor-parallel slot's pace: its member whose share of the divided work over its speed
         is largest (with an even split, the slowest), at that member's kind and share (None: even)."""
-        split = st.mlp_split or st.tensor_split
+        split = st.tensor.column_split if st.tensor is not None else None
         share = dict(zip(st.ranks, _per_rank(split, len(st.ranks)))) if split else {}
         r = max(slot, key=lambda x: share.get(x, 1) / cluster.device(x).speed)
         return kind[r], (share[r] / sum(share[x] for x in slot) if share else None)

@@ -103,8 +103,8 @@ def tensor_parallel_peaks(plan: Plan, cost: CostModel, sizes: list[list[int]]) -
     state); ``sizes[r]``: rank r's micro-batches."""
     graph, st = cost.graph, plan.stages[0]
     width = max(plan.world_size // max(len(st.data_split), 1), 1)
-    kv_split = st.tensor_split or (1,) * plan.world_size
-    mlp_split = st.mlp_split or kv_split
+    kv_split = st.tensor.split if st.tensor is not None else (1,) * plan.world_size
+    mlp_split = st.tensor.column_split if st.tensor is not None else kv_split
     w, g, o = memory.state_bytes_per_param(cost.optimizer, cost.dtype)
     b = float(graph.batch_size)
     saved = np.array([n.saved_bytes for n in graph.nodes], dtype=float) / b

@@ -17,6 +17,7 @@ from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.forms import STAGE_FIELDS, form
 from fxpar.plan import Plan
+from fxpar.stage_specs import TensorStage
 from tests.multirank.workers_meta import dp_plan
 from tests.workers import tiny_model
 
@@ -40,7 +41,8 @@ def _plans() -> dict[str, Plan]:
 def _value(stage, name: str):
     """A value of field ``name`` that fits ``stage``'s shape (one entry per rank or replica)."""
     return {"shard_stage": 3, "replica_devices": (stage.device or "cpu",) * len(stage.data_split),
-            "replica_modules": (stage.modules,) * len(stage.data_split)}.get(name, (1,) * len(stage.ranks))
+            "replica_modules": (stage.modules,) * len(stage.data_split),
+            "tensor": TensorStage(split=(1,) * len(stage.ranks))}.get(name, (1,) * len(stage.ranks))
 
 
 def _with(plan: Plan, name: str, value) -> Plan:
@@ -68,18 +70,25 @@ def test_the_combinations_the_runtime_runs_are_accepted():
     _with(plans["pp_tp"], "expert_split", (1, 1))
     _with(plans["pp"], "replica_devices", ("cpu",))
     # the MLP split finer than the heads' in a tensor-parallel plan
-    _with(plans["tp"], "mlp_split", (3, 1))
+    _with(plans["tp"], "tensor", TensorStage(split=(1, 1), mlp_split=(3, 1)))
 
 
-@pytest.mark.parametrize("name", ["tensor_split", "expert_split"])
-def test_tensor_or_expert_shares_on_a_stage_of_one_rank_are_a_plan_error(name):
-    with pytest.raises(PlanError, match=rf"plan.stages\[0\]\.{name} = \[1\]: stage 0 runs on one rank per pipeline"):
-        _with(_plans()["pp"], name, (1,))
+@pytest.mark.parametrize("name, value", [("tensor", TensorStage(split=(1,))), ("expert_split", (1,))],
+                         ids=["tensor", "expert_split"])
+def test_tensor_or_expert_shares_on_a_stage_of_one_rank_are_a_plan_error(name, value):
+    shown = "tensor.split" if name == "tensor" else name
+    with pytest.raises(PlanError, match=rf"plan.stages\[0\]\.{shown} = \[1\]: stage 0 runs on one rank per pipeline"):
+        _with(_plans()["pp"], name, value)
+
+
+def test_a_pipeline_stage_refuses_an_mlp_split_it_would_not_run():
+    with pytest.raises(PlanError, match=r"plan.stages\[0\]\.tensor.mlp_split = \[3, 1\]: a pipeline's tensor-parallel"):
+        _with(_plans()["pp_tp"], "tensor", TensorStage(split=(1, 1), mlp_split=(3, 1)))
 
 
 def test_a_tensor_parallel_plan_is_priced_as_a_valid_pipeline_with_its_mlp_shares_and_at_width_one():
-    """The tensor form's price (``as_pipeline``) hands the finer ``mlp_split`` over as the pipeline
-    stage's ``tensor_split`` (the simulator paces a slot by it) and drops the split of a group one
+    """The tensor form's price (``as_pipeline``) hands the finer ``tensor.mlp_split`` over as the
+    pipeline stage's ``tensor.split`` (the simulator paces a slot by it) and drops the split of a group one
     rank wide; either pipeline passes the stage-field checks."""
     from types import SimpleNamespace
 
@@ -88,6 +97,6 @@ def test_a_tensor_parallel_plan_is_priced_as_a_valid_pipeline_with_its_mlp_share
     llama = tiny_model("llama")
     prices = SimpleNamespace(table=SimpleNamespace(modules=(("model.layers.0",), ("model.layers.1",))))
     finer = tensor_parallel_plan(llama, C2, global_batch=4, kv_shares=[1, 1], mlp_shares=[3, 1])
-    assert as_pipeline(finer, prices).stages[0].tensor_split == (3, 1)
+    assert as_pipeline(finer, prices).stages[0].tensor == TensorStage(split=(3, 1))
     alone = tensor_parallel_plan(llama, fxpar.Cluster.emulated([1.0]), global_batch=4, kv_shares=[2])
-    assert as_pipeline(alone, prices).stages[0].tensor_split is None
+    assert as_pipeline(alone, prices).stages[0].tensor is None

@@ -99,7 +99,7 @@ def test_tp_dp_plan_fields_and_errors():
     assert fxpar.Plan.from_json(plan.to_json()) == plan
     layout = RankLayout(plan)
     assert (layout.replicas, layout.widths, plan.stages[0].data_split) == (2, (2,), (8, 6))
-    assert plan.batch_shares == (8, 8, 6, 6) and plan.stages[0].tensor_split == (1, 1, 1, 1)
+    assert plan.batch_shares == (8, 8, 6, 6) and plan.stages[0].tensor.split == (1, 1, 1, 1)
     assert layout.replica_group(0, 1) == (1, 3) and layout.tensor_group(0, 1) == (2, 3)
     assert [(p.replica, p.position, p.heads) for p in layout.places] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
     old = tensor_parallel_plan(model, cluster, global_batch=8, kv_shares=[1, 1, 1, 1])  # the old call

@@ -234,7 +234,7 @@ VALID_PLANS = {
                 _stage(1, ["model.layers.1"], [1, 3], [6, 6], device="cpu")]),
     "tensor_parallel": _plan(
         strategy="tensor_parallel", ranks=_ranks(2, [12, 12], [12, 12], [1, 1]), solver=None,
-        stages=[_stage(0, [""], [0, 1], [12], tensor_split=[3, 1], tensor_parallel=2)]),
+        stages=[_stage(0, [""], [0, 1], [12], tensor={"split": [3, 1]}, tensor_parallel=2)]),
 }
 
 

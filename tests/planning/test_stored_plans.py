@@ -1,6 +1,7 @@
 """Every plan stored in the repository -- in ``benchmarks/results`` and the test fixtures --
 still loads under today's checks (issue #38 item 3: plans written before a format or rule change
-keep loading), and writes back to the same JSON."""
+keep loading), and writes back to the same plan; a v1 plan's flat per-form stage fields are
+found under their v2 spec (:mod:`fxpar.plan_upgrade`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpar.plan import Plan
+from fxpar.plan_upgrade import V1_STAGE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,3 +36,19 @@ def test_every_stored_plan_loads_and_writes_back_alike():
     for where, data in stored:
         plan = Plan.from_dict(data, source=where)
         assert Plan.from_json(plan.to_json()) == plan, where
+
+
+def test_a_stored_v1_plan_keeps_every_per_form_value_under_its_v2_spec():
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json")) + sorted((ROOT / "tests").rglob("*.json"))
+    moved = 0
+    for where, data in (found for path in files for found in _plans(json.loads(path.read_text()), path.name)):
+        if data.get("version", 1) != 1:
+            continue
+        plan = Plan.from_dict(data, source=where)
+        for old_stage, stage in zip(data["stages"], plan.stages):
+            for old, (key, name) in V1_STAGE_KEYS.items():
+                if old_stage.get(old) is not None:
+                    assert list(getattr(getattr(stage, key), name)) == list(old_stage[old]), (where, old)
+                    moved += 1
+        assert json.loads(plan.to_json())["version"] == 2
+    assert moved >= 1   # the stored plans include tensor-parallel ones

@@ -46,7 +46,7 @@ def test_a_one_stage_pipeline_over_every_rank_is_the_tensor_form_at_the_same_pri
     assert tensor.strategy == "tensor_parallel" and tensor.pipelines == 1
     st = tensor.stages[0]
     assert st.tensor_parallel == 2 and st.data_split == piped.stages[0].data_split
-    assert list(st.tensor_split) == [units // 2 + (t < units % 2) for t in range(2)] * pipelines
+    assert list(st.tensor.split) == [units // 2 + (t < units % 2) for t in range(2)] * pipelines
     assert [(r.batch_share, r.micro_batch_size, r.num_microbatches) for r in tensor.ranks] == \
         [(r.batch_share, r.micro_batch_size, r.num_microbatches) for r in piped.ranks]
     cost = CostModel(graph, cluster, dtype=WORKLOAD.dtype, optimizer=WORKLOAD.optimizer)
@@ -88,4 +88,4 @@ def test_an_uneven_split_of_the_stage_is_kept(llama):
     cluster = fxpar.Cluster.emulated([1.0, 0.5], one_node=True)
     piped = _one_stage(model, cluster, tensor_parallel=[2], tensor_splits=[[units - 1, 1]])
     tensor = from_one_stage_pipeline(piped, units)
-    assert tensor is not None and tensor.stages[0].tensor_split == (units - 1, 1)
+    assert tensor is not None and tensor.stages[0].tensor.split == (units - 1, 1)

@@ -129,9 +129,9 @@ def check_tp_stages(model: torch.nn.Module, split: TPAnalysis, wide: dict[int, l
 
 def tp_shares(stage: StagePlan, pipeline: int, width: int, kv: int) -> tuple[list[int], list[int] | None]:
     """Pipeline ``pipeline``'s shares of a stage's ``kv`` head groups over its ``width`` ranks
-    (the plan's ``tensor_split``, else even) and of its experts (``expert_split``, else None)."""
-    if stage.tensor_split is not None:
-        shares = list(stage.tensor_split[pipeline * width:][: width])
+    (the plan's ``tensor.split``, else even) and of its experts (``expert_split``, else None)."""
+    if stage.tensor is not None:
+        shares = list(stage.tensor.split[pipeline * width:][: width])
     else:
         shares = split_sizes(kv, [1] * width)
     experts = (list(stage.expert_split[pipeline * width:][: width])

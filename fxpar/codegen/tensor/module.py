@@ -150,9 +150,9 @@ class TensorParallelModule(FormModule, StepModule):
             broadcast_state(model, 0, None, self.device)
         own_loss = loss_fn is None  # a custom loss needs the full logits: no vocab-parallel head
         stage = plan.stages[0]
-        mlp = None if stage.mlp_split is None else stage.mlp_split[:self.width]
+        mlp = None if stage.tensor.mlp_split is None else stage.tensor.mlp_split[:self.width]
         self.plan = with_split(plan, model)   # the split it applies, in the plan it runs
-        self.blocks = shard_model(model, stage.tensor_split[:self.width], self.position, self.tp_group, self.clock,
+        self.blocks = shard_model(model, stage.tensor.split[:self.width], self.position, self.tp_group, self.clock,
                                   embedding=own_loss, head=own_loss, mlp_shares=mlp, split=self.plan.tensor_layers)
         if source is not None:  # this position's slices and the replicated rest, from the source
             materialize(module_slots(model), self.device, source, model)

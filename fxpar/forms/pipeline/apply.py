@@ -63,7 +63,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
         if st.tensor_parallel > 1:
             own = {b for b, j in zip(blocks, stage_of) if j == st.index}
             meta["positions"] = []
-            for t, shares in enumerate(positions(model, st.tensor_parallel, st.tensor_split)):
+            for t, shares in enumerate(positions(model, st.tensor_parallel, st.tensor.split if st.tensor is not None else None)):
                 sharded = shard_copy(model, shares, t, own, layers)
                 piece = split_stages(sharded, example_inputs, stage_of, len(plan.stages))[0][st.index]
                 path = out / f"stage_{st.index}_position_{t}.py"

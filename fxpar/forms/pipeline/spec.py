@@ -26,11 +26,16 @@ def check_stage(p: Any, i: int, st: Any) -> None:
                         f"tensor_parallel {st.tensor_parallel} needs "
                         f"{p.pipelines * st.tensor_parallel} ranks")
     _check_replicas(p, i, st)
-    for name in ("tensor_split", "expert_split"):
-        if st.tensor_parallel == 1 and getattr(st, name) is not None:
-            raise PlanError(f"plan.stages[{i}].{name} = {list(getattr(st, name))}: stage {i} runs on one rank per "
+    splits = {"tensor.split": st.tensor.split if st.tensor is not None else None, "expert_split": st.expert_split}
+    for name, split in splits.items():
+        if st.tensor_parallel == 1 and split is not None:
+            raise PlanError(f"plan.stages[{i}].{name} = {list(split)}: stage {i} runs on one rank per "
                             "pipeline (tensor_parallel 1), so there is no group to split it over and the run would "
                             "ignore it; remove it, or give the stage tensor_parallel > 1")
+    if st.tensor is not None and st.tensor.mlp_split is not None:
+        raise PlanError(f"plan.stages[{i}].tensor.mlp_split = {list(st.tensor.mlp_split)}: a pipeline's "
+                        "tensor-parallel stage splits its MLP columns as its head groups (the run would ignore "
+                        "it); remove it, or write a tensor_parallel plan")
 
 
 def summary(p: Any) -> list[str]:

@@ -46,7 +46,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     blocks = block_paths(model)
     layout = RankLayout(plan)
     layers = with_split(plan, model).tensor_layers   # the split every position's code applies
-    width, kv_shares, split = layout.widths[0], plan.stages[0].tensor_split, plan.stages[0].data_split
+    width, kv_shares, split = layout.widths[0], plan.stages[0].tensor.split, plan.stages[0].data_split
     written = []
     for t in range(width):
         sharded = shard_copy(model, list(kv_shares[:width]), t, None, layers)

@@ -10,6 +10,7 @@ from fxpar.sim.pipeline_cost import PipelinePrices, pipeline_prices
 from fxpar.sim.pipeline_plan import simulate_pipeline
 from fxpar.sim.rank_memory import tensor_parallel_peaks
 from fxpar.sim.timeline import SimResult, micro_batch_sizes
+from fxpar.stage_specs import TensorStage
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
@@ -28,13 +29,13 @@ def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
     of ``prices``' table, each replica (``data_split`` entry) a pipeline of one position as wide
     as the tensor-parallel group.  The runtime runs the same work and collectives: each block's
     two all-reduces forward and two backward per micro-batch in the group, the replicas' gradient
-    sum after the backward (uneven ``tensor_split``: priced as an even split).  The pipeline
-    simulator paces a slot by its ``tensor_split``, so the plan's ``mlp_split`` (the finer share
-    of the divided work, which a pipeline stage does not run) is handed over as it."""
+    sum after the backward (uneven ``tensor.split``: priced as an even split).  The pipeline
+    simulator paces a slot by its ``tensor.split``, so the plan's ``tensor.mlp_split`` (the finer
+    share of the divided work, which a pipeline stage does not run) is handed over as it."""
     st = plan.stages[0]
     width = len(st.ranks) // len(st.data_split)
     modules = tuple(m for mods in prices.table.modules for m in mods)
     return replace(plan, strategy="pipeline", schedule="1F1B", pipelines=len(st.data_split),
                    num_microbatches=max(plan.ranks[0].num_microbatches, 1),
-                   stages=(replace(st, modules=modules, tensor_parallel=width, mlp_split=None,
-                                   tensor_split=(st.mlp_split or st.tensor_split) if width > 1 else None),))
+                   stages=(replace(st, modules=modules, tensor_parallel=width,
+                                   tensor=TensorStage(split=st.tensor.column_split) if width > 1 else None),))

@@ -7,24 +7,26 @@ from typing import Any
 
 from fxpar.errors import PlanError
 from fxpar.plan_checks import rebuild_to_switch, set_fields
+from fxpar.stage_specs import TensorStage
 
 
 def check(p: Any) -> None:
-    """One stage over ranks ``0..N-1`` with a ``tensor_split`` (each rank's share of every divided
+    """One stage over ranks ``0..N-1`` with a ``tensor`` split (each rank's share of every divided
     layer), holding ``R = len(data_split)`` replicas of ``W = N / R`` ranks each, replica-major
     (:mod:`fxpar.rank_layout`): ``tensor_parallel = W`` (``1`` with ``R = 1`` is read as unset and
     normalised to ``W``);
-    every replica splits the heads (and ``mlp_split``) alike, so the ranks at one position hold
+    every replica splits the heads (and ``tensor.mlp_split``) alike, so the ranks at one position hold
     the same slice and their gradients sum; ``data_split`` gives each replica its samples, and
     every rank of a replica trains on them with the same micro-batching."""
-    if len(p.stages) != 1 or p.stages[0].tensor_split is None:
-        raise PlanError("a tensor_parallel plan has one stage with a tensor_split per rank")
+    if len(p.stages) != 1 or p.stages[0].tensor is None:
+        raise PlanError("a tensor_parallel plan has one stage with a tensor split: "
+                        "stages[0].tensor = {split: [head groups per rank]}")
     stage, world = p.stages[0], len(p.ranks)
-    split = stage.tensor_split
+    split = stage.tensor.split
     if len(split) != world or tuple(stage.ranks) != tuple(range(world)):
         raise PlanError(f"a tensor_parallel plan needs stages[0].ranks = 0..{world - 1} and a "
-                        f"tensor_split with one entry per rank, got ranks {list(stage.ranks)} and "
-                        f"tensor_split {list(split)}")
+                        f"tensor.split with one entry per rank, got ranks {list(stage.ranks)} and "
+                        f"tensor.split {list(split)}")
     replicas = len(stage.data_split)
     if replicas < 1 or world % replicas:
         raise PlanError(f"stages[0].data_split = {list(stage.data_split)}: one entry per replica, and "
@@ -38,9 +40,9 @@ def check(p: Any) -> None:
     if sum(stage.data_split) != p.global_batch:
         raise PlanError(f"stages[0].data_split = {list(stage.data_split)} sums to {sum(stage.data_split)}, "
                         f"not global_batch {p.global_batch}: give every replica its samples")
-    _check_replicas_alike(stage, "tensor_split", split, width)
-    if stage.mlp_split is not None:
-        _check_replicas_alike(stage, "mlp_split", stage.mlp_split, width)
+    _check_replicas_alike(stage, "tensor.split", split, width)
+    if stage.tensor.mlp_split is not None:
+        _check_replicas_alike(stage, "tensor.mlp_split", stage.tensor.mlp_split, width)
     for rp in p.ranks:
         rep = rp.rank // width
         first = p.ranks[rep * width]
@@ -67,9 +69,10 @@ def _check_replicas_alike(stage: Any, field: str, split: Any, width: int) -> Non
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
-    """A ``tensor_split`` has one entry >= 1 per rank of the stage."""
-    if st.tensor_split is not None and (len(st.tensor_split) != len(st.ranks) or min(st.tensor_split, default=0) < 1):
-        raise PlanError(f"plan.stages[{i}].tensor_split = {list(st.tensor_split)}: needs one entry "
+    """A ``tensor.split`` has one entry >= 1 per rank of the stage."""
+    split = st.tensor.split if st.tensor is not None else None
+    if split is not None and (len(split) != len(st.ranks) or min(split, default=0) < 1):
+        raise PlanError(f"plan.stages[{i}].tensor.split = {list(split)}: needs one entry "
                         f">= 1 per rank of the stage ({len(st.ranks)} ranks)")
 
 
@@ -103,7 +106,7 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
     Both run each block's two all-reduces forward and two backward per micro-batch over the group
     and the pipelines' gradient sum after the backward, on the same shares: the stage's ``units``
     key/value groups split evenly (``units // W``, one more for the first ``units % W``
-    positions, as the pipeline's stage splits them; its own ``tensor_split`` where it has one),
+    positions, as the pipeline's stage splits them; its own ``tensor.split`` where it has one),
     ``data_split`` and every rank's
     micro-batching kept.  The difference is the runtime: a pipeline's tensor-parallel stage has
     a lead that broadcasts a command and the stage's inputs to the group for every forward and
@@ -121,6 +124,6 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
     even = tuple(units // width + (1 if t < units % width else 0) for t in range(width)) * plan.pipelines
     try:
         return replace(plan, strategy="tensor_parallel", schedule="none", pipelines=1, num_microbatches=1,
-                       stages=(replace(st, modules=("",), tensor_split=st.tensor_split or even, mlp_split=None),))
+                       stages=(replace(st, modules=("",), tensor=TensorStage(split=st.tensor.split if st.tensor else even)),))
     except PlanError:
         return None

@@ -1,0 +1,68 @@
+"""Reading a plan written in an older format: its JSON data converted to today's before the
+plan is built (:meth:`fxpar.plan.Plan.from_dict` calls :func:`upgrade`).
+
+Format history:
+
+- **v1** (to 2026-12): a stage's per-form fields were flat keys of the stage
+  (``tensor_split``, ``mlp_split``).  A plan without a ``version`` key is v1.
+- **v2**: each form's part of a stage is one typed object under the form's key
+  (:mod:`fxpar.stage_specs`): ``tensor_split`` and ``mlp_split`` became
+  ``"tensor": {"split": ..., "mlp_split": ...}``.
+
+Every v1 plan (the ones stored in ``benchmarks/results`` and the test fixtures among them) reads
+as the same plan it was; written again, it is v2.  A v2 plan that still spells a v1 key is a
+:class:`~fxpar.errors.PlanError` saying what to write instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fxpar.errors import PlanError
+
+#: v1 stage key -> (v2 spec key, its field there)
+V1_STAGE_KEYS: dict[str, tuple[str, str]] = {
+    "tensor_split": ("tensor", "split"),
+    "mlp_split": ("tensor", "mlp_split"),
+}
+
+
+def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any]:
+    """``d`` (a plan's JSON data) in format ``current``: a v1 plan's stages converted, a v2
+    plan returned as it is; an unknown version is a :class:`PlanError`."""
+    version = d.get("version", 1)
+    if isinstance(version, bool) or version not in range(1, current + 1):
+        raise PlanError(f"{source}: plan format version {version!r} is not supported (this fxpar reads "
+                        f"versions 1 to {current}); re-run `fxpar plan`")
+    stages = d.get("stages")
+    if not isinstance(stages, list) or not stages:
+        return {**d, "version": current}
+    if version == current:
+        for i, st in enumerate(stages):
+            _refuse_v1_keys(st, f"{source}: stages[{i}]")
+        return d
+    return {**d, "version": current, "stages": [_stage_v2(st) for st in stages]}
+
+
+def _stage_v2(st: Any) -> Any:
+    """A v1 stage's data with its flat per-form keys moved under their spec's key (a form that
+    was unset, ``null``, stays absent)."""
+    if not isinstance(st, Mapping):
+        return st   # Plan.from_dict names the problem
+    out = {k: v for k, v in st.items() if k not in V1_STAGE_KEYS}
+    for old, (key, name) in V1_STAGE_KEYS.items():
+        if st.get(old) is not None:
+            out.setdefault(key, {})[name] = st[old]
+    return out
+
+
+def _refuse_v1_keys(st: Any, where: str) -> None:
+    """A v2 stage spelling a v1 key: a PlanError naming the v2 spelling."""
+    if not isinstance(st, Mapping):
+        return
+    for old in V1_STAGE_KEYS:
+        if old in st:
+            key, name = V1_STAGE_KEYS[old]
+            raise PlanError(f"{where}: {old} is a plan format v1 key; in a version 2 plan write it as "
+                            f"{key}: {{{name}: ...}} (or drop \"version\" to have the file read as v1)")

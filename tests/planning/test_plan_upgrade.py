@@ -1,0 +1,89 @@
+"""Plan format v2 (issue #38 item 3): a stage's per-form part is one typed spec under the form's
+key (:mod:`fxpar.stage_specs`), a v1 plan reads as the same plan (:mod:`fxpar.plan_upgrade`), and
+a spec written wrong by hand is a ``PlanError`` naming the stage and the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fxpar
+from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.errors import PlanError
+from fxpar.plan import PLAN_FORMAT_VERSION, Plan
+from fxpar.stage_specs import TensorStage
+from tests.workers import tiny_model
+
+C2, C4 = fxpar.Cluster.emulated([1.0, 0.5]), fxpar.Cluster.emulated([1.0, 0.5, 1.0, 0.5])
+
+
+@pytest.fixture(scope="module")
+def tp_plan() -> Plan:
+    return tensor_parallel_plan(tiny_model("llama"), C2, global_batch=4, kv_shares=[1, 1], mlp_shares=[3, 1])
+
+
+def _as_v1(plan: Plan) -> dict:
+    """``plan`` as format v1 wrote it: the tensor spec's fields flat on the stage, no version
+    key (as files written before versions were)."""
+    d = json.loads(plan.to_json())
+    d.pop("version")
+    for st in d["stages"]:
+        tensor = st.pop("tensor")
+        st["tensor_split"] = tensor and tensor["split"]
+        st["mlp_split"] = tensor and tensor["mlp_split"]
+    return d
+
+
+def test_a_plan_writes_format_2_with_the_tensor_split_under_its_spec(tp_plan):
+    d = json.loads(tp_plan.to_json())
+    assert d["version"] == PLAN_FORMAT_VERSION == 2
+    assert d["stages"][0]["tensor"] == {"split": [1, 1], "mlp_split": [3, 1]}
+    assert "tensor_split" not in d["stages"][0] and "mlp_split" not in d["stages"][0]
+    assert Plan.from_json(tp_plan.to_json()) == tp_plan
+
+
+@pytest.mark.parametrize("version", [None, 1])
+def test_a_v1_plan_reads_as_the_same_plan(tp_plan, version):
+    d = _as_v1(tp_plan)
+    if version is not None:
+        d["version"] = version
+    loaded = Plan.from_dict(d, source="old.json")
+    assert loaded == tp_plan and loaded.version == 2
+    assert loaded.stages[0].tensor == TensorStage(split=(1, 1), mlp_split=(3, 1))
+
+
+def test_a_v1_pipeline_with_a_tensor_parallel_stage_reads_alike():
+    plan = pipeline_plan(tiny_model("llama"), C4, global_batch=4, blocks_per_stage=[1, 1], num_microbatches=2,
+                         tensor_parallel=[2, 2], tensor_splits=[[1, 1], None])
+    assert plan.stages[0].tensor == TensorStage(split=(1, 1)) and plan.stages[1].tensor is None
+    assert Plan.from_dict(_as_v1(plan)) == plan
+
+
+def test_a_v2_plan_spelling_a_v1_key_says_how_to_write_it(tp_plan):
+    d = json.loads(tp_plan.to_json())
+    d["stages"][0]["tensor_split"] = [1, 1]
+    with pytest.raises(PlanError, match=r"edited.json: stages\[0\]: tensor_split is a plan format v1 key; "
+                                        r"in a version 2 plan write it as tensor: \{split: ...\}"):
+        Plan.from_dict(d, source="edited.json")
+
+
+@pytest.mark.parametrize("tensor, match", [
+    ({"split": [1, 1], "width": 2}, r"stage 0: tensor has unknown keys \['width'\]; accepted keys are \['split', 'mlp_split'\]"),
+    ({"mlp_split": [3, 1]}, r"stage 0: tensor = .* lacks a required key; a TensorStage has keys \['split', 'mlp_split'\]"),
+    ({"split": "1,1"}, r"stage 0: tensor: split = '1,1' \(str\); expected a list of whole numbers"),
+    ({"split": [1, 1], "mlp_split": [3]}, r"stage 0: tensor: mlp_split = \[3\] \(list\); expected one entry per rank"),
+    ([1, 1], r"stage 0: tensor = \[1, 1\]: expected an object with keys \['split', 'mlp_split'\]"),
+])
+def test_a_tensor_spec_written_wrong_is_a_plan_error_naming_the_stage_and_key(tp_plan, tensor, match):
+    d = json.loads(tp_plan.to_json())
+    d["stages"][0]["tensor"] = tensor
+    with pytest.raises(PlanError, match=r"edited.json: stages\[0\]: " + match):
+        Plan.from_dict(d, source="edited.json")
+
+
+def test_an_unknown_format_version_is_refused(tp_plan):
+    d = json.loads(tp_plan.to_json())
+    d["version"] = 3
+    with pytest.raises(PlanError, match=r"plan format version 3 is not supported \(this fxpar reads versions 1 to 2\)"):
+        Plan.from_dict(d, source="new.json")
