@@ -237,7 +237,7 @@ def sharded_plan(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module,
                                   optimizer="adamw")
         try:
             offered = fxpar.make_plan(model, cluster, batch, workload, strategies=["sharded_data_parallel"])
-            record["planner_offers"] = f"{offered.strategy}, ZeRO-{offered.stages[0].shard_stage}"
+            record["planner_offers"] = f"{offered.strategy}, ZeRO-{offered.stages[0].sharded.stage}"
         except fxpar.FxparError as exc:
             record["planner_offers"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     record["plan_source"] = f"hand plan: sharded_data_parallel_plan(shard_stage={stage})"
@@ -250,7 +250,7 @@ def plan_summary(plan: fxpar.Plan) -> dict[str, Any]:
     rank = plan.ranks[0]
     return {"strategy": plan.strategy, "micro_batch_size": rank.micro_batch_size,
             "num_microbatches": rank.num_microbatches,
-            "shard_stage": plan.stages[0].shard_stage if plan.strategy == "sharded_data_parallel" else None,
+            "shard_stage": plan.stages[0].sharded.stage if plan.stages[0].sharded is not None else None,
             "pipeline_stages": len(plan.stages) if plan.strategy == "pipeline" else None,
             "predicted_step_s": plan.predicted_step_s or None,
             "predicted_memory_bytes": rank.predicted_memory_bytes or None,

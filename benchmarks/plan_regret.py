@@ -141,7 +141,7 @@ def _busy_less_optimizer(sim: SimResult) -> list[float]:
 def _sharded(base: Plan, cluster: fxpar.Cluster, stage: int, case: Case) -> Plan:
     """The sharded family's plan at ZeRO stage ``stage``, with its micro-batches, checkpointing and
     offload (what makes it fit a memory cap)."""
-    return sharded_data_parallel_plan(cluster, batch_split=base.batch_shares, state_split=base.stages[0].state_split,
+    return sharded_data_parallel_plan(cluster, batch_split=base.batch_shares, state_split=base.stages[0].sharded.split,
                                       shard_stage=stage, model=base.model, seq_len=case.seq, dtype=case.dtype,
                                       micro_batch_size=max(r.micro_batch_size for r in base.ranks),
                                       activation_checkpointing=[r.activation_checkpointing for r in base.ranks],
@@ -216,7 +216,7 @@ def plan_line(plan: Plan) -> str:
     shares = "/".join(str(s) for s in plan.batch_shares)
     micro = plan.ranks[0].num_microbatches
     if plan.strategy == "sharded_data_parallel":
-        return f"ZeRO-{plan.stages[0].shard_stage} [{shares}] x{micro} mb"
+        return f"ZeRO-{plan.stages[0].sharded.stage} [{shares}] x{micro} mb"
     if plan.strategy != "pipeline":
         return f"{plan.strategy} [{shares}] x{micro} mb"
     widths = "/".join(str(st.tensor_parallel) for st in plan.stages)

@@ -39,9 +39,9 @@ def plan_shape(plan) -> str:
     if plan.strategy == "data_parallel":
         return "uneven DP"
     if plan.strategy == "sharded_data_parallel":
-        return f"sharded DP (ZeRO-{plan.stages[0].shard_stage})"
+        return f"sharded DP (ZeRO-{plan.stages[0].sharded.stage})"
     if plan.strategy == "expert_parallel":
-        experts = plan.stages[0].expert_split
+        experts = plan.stages[0].expert.split
         return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.num_microbatches}"
     kinds = "/".join(f"{st.device.split('-')[0]}x{st.tensor_parallel}" for st in plan.stages[:3])
     more = ".." if len(plan.stages) > 3 else ""

@@ -31,7 +31,7 @@ prediction refits them without it; stored in ``fxpar.cluster.catalog.FRAMEWORK_C
 
 A run in heterogeneous stages (one stage's replicas on different kinds, e.g. pipeline 0 on
 RTX-3090 -> Titan-RTX and pipeline 1 on RTX-2080 -> RTX-2080) is described as it ran: each
-replica on a node of its own kind (``StagePlan.replica_devices``), every pipeline with the same
+replica on a node of its own kind (``StagePlan.replicas.devices``), every pipeline with the same
 micro-batches; the simulator prices each pipeline at its own kinds (compute, its node's PCIe
 tensor parallelism) and starts each stage's gradient all-reduce when its slowest replica is done.
 (``--slowest-kind``: the former approximation, every replica of a stage on its slowest kind.)
@@ -181,7 +181,7 @@ def build_plan(run: dict[str, Any], module, cluster):
                          blocks_per_stage=[len(st["transformer_blocks"]) for st in run["stages"]],
                          num_microbatches=m, pipelines=P, seq_len=run["seq_len"], tensor_parallel=[tp] * S)
     tf32 = all(CATALOG[k].tf32_tflops is not None for k in _kinds(run))  # torch ignores the flag without TF32
-    plan = uneven_pipelines(plan, plan.stages[0].data_split)  # each stage's replica_devices, where they differ
+    plan = uneven_pipelines(plan, plan.stages[0].data_split)  # each stage's replicas.devices, where they differ
     return replace(plan, optimizer="fused_adamw", overlap_grad_allreduce=False, allow_tf32=tf32)
 
 

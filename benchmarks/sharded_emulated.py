@@ -155,7 +155,7 @@ def describe(plan: Plan | None) -> str:
         st = plan.stages[0]
         ckpt = "/".join("y" if r.activation_checkpointing else "n" for r in plan.ranks)
         off = "/".join("y" if r.offload_optimizer else "n" for r in plan.ranks)
-        return (f"ZeRO-{st.shard_stage} batch {shares} state {':'.join(map(str, st.state_split))} "
+        return (f"ZeRO-{st.sharded.stage} batch {shares} state {':'.join(map(str, st.sharded.split))} "
                 f"mb {mbs} ckpt {ckpt} offload {off}")
     if plan.strategy == "pipeline":
         return f"pipeline {len(plan.stages)} stages, {plan.num_microbatches} micro-batches"

@@ -123,7 +123,7 @@ def _plan(model: torch.nn.Module, dtype: str, arm: str) -> Plan:
                                            shard_stage=stage, model=MODEL.name, seq_len=SEQ, dtype=dtype)
          for stage in (2, 3)}
     dp = dataclasses.replace(z[3], strategy="data_parallel",
-                             stages=(dataclasses.replace(z[3].stages[0], state_split=None, shard_stage=0),))
+                             stages=(dataclasses.replace(z[3].stages[0], sharded=None),))
     tp = dataclasses.replace(tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[2, 2]), dtype=dtype)
     every = {k: dataclasses.replace(z[k], dtype_policy=DtypePolicy(param_dtype="bf16", cast="all")) if dtype == "bf16"
              else z[k] for k in (2, 3)}

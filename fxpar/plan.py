@@ -28,7 +28,7 @@ from fxpar.plan_checks import (
 )
 from fxpar.plan_table import render_table
 from fxpar.plan_upgrade import upgrade
-from fxpar.stage_specs import SPECS, TensorStage, spec_from_value
+from fxpar.stage_specs import SPECS, ExpertStage, ReplicaStage, ShardedStage, TensorStage, spec_from_value
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tensor_layers import from_dict as layers_from_dict
 from fxpar.tensor_layers import to_dict as layers_to_dict
@@ -72,27 +72,19 @@ class StagePlan:
     ranks: tuple[int, ...]
     data_split: tuple[int, ...]       # data parallel: samples per rank (order of ``ranks``);
                                       # pipeline: samples per pipeline replica
-    expert_split: tuple[int, ...] | None = None
     device: str = ""                  # device kind of a pipeline stage
     tensor_parallel: int = 1          # devices per replica of this stage (one TP group)
     predicted_fwd_s: float = 0.0      # per micro-batch
     predicted_bwd_s: float = 0.0
     activation_checkpointing: bool = False   # this stage recomputes its forward in the backward
-    #: sharded data parallelism: each rank's part of the model state (parameters' rows, their
-    #: gradients and optimizer state), as whole-number weights per rank (order of ``ranks``);
-    #: every parameter's rows are split in these proportions by :func:`ragged_rows`
-    state_split: tuple[int, ...] | None = None
-    shard_stage: int = 0              # sharded data parallelism: 2 or 3 (``fxpar.plan_checks.SHARD_STAGES``)
-    #: pipeline: the device kind (``RankPlan.device`` of its ranks) of each replica of this stage,
-    #: in pipeline order, where the replicas differ (pipeline 0 on RTX-3090, pipeline 1 on
-    #: RTX-2080); None: every replica on ``device``.  Each replica is priced at its own kind.
-    replica_devices: tuple[str, ...] | None = None
-    #: pipeline: the modules of each replica of this stage, in pipeline order, where the pipelines
-    #: cut the model differently (a fast pipeline's first stage taking more blocks); None: every
-    #: replica runs ``modules``.  Width-1 stages and 1F1B / GPipe only.
-    replica_modules: tuple[tuple[str, ...], ...] | None = None
     #: tensor parallelism inside the stage (:class:`~fxpar.stage_specs.TensorStage`); None: none
     tensor: TensorStage | None = None
+    #: expert parallelism inside the stage (:class:`~fxpar.stage_specs.ExpertStage`); None: none
+    expert: ExpertStage | None = None
+    #: sharded data parallelism over the stage (:class:`~fxpar.stage_specs.ShardedStage`); None: none
+    sharded: ShardedStage | None = None
+    #: a pipeline stage whose replicas differ (:class:`~fxpar.stage_specs.ReplicaStage`); None: alike
+    replicas: ReplicaStage | None = None
 
     def __post_init__(self) -> None:
         check_stage(self)
@@ -172,7 +164,7 @@ class Plan:
     solver: SolverReport | None = None
     emulated: bool = False
     pipelines: int = 1                # pipeline replicas (data parallel across them); replica p
-                                      # trains data_split[p] samples, on its stages' replica_devices
+                                      # trains data_split[p] samples, on its stages' replicas.devices
     num_microbatches: int = 1         # per pipeline and step (pipeline p's micro-batch:
                                       # data_split[p] / num_microbatches samples)
     schedule: str = "none"

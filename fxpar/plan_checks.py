@@ -111,19 +111,7 @@ def check_stage(s: Any) -> None:
          tensor_parallel=_int(s.tensor_parallel, where, "tensor_parallel", 1),
          predicted_fwd_s=_real(s.predicted_fwd_s, where, "predicted_fwd_s"),
          predicted_bwd_s=_real(s.predicted_bwd_s, where, "predicted_bwd_s"),
-         activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"),
-         shard_stage=_int(s.shard_stage, where, "shard_stage", 0))
-    for name in ("expert_split", "state_split"):
-        if getattr(s, name) is not None:
-            set_fields(s, **{name: _ints(getattr(s, name), where, name, 0)})
-    if s.replica_devices is not None:
-        kinds = _texts(s.replica_devices, where, "replica_devices")
-        if not kinds or not all(kinds):
-            raise _fail(where, "replica_devices", s.replica_devices, "a device kind (non-empty text) per pipeline")
-        set_fields(s, replica_devices=kinds)
-    if s.replica_modules is not None:
-        items = _sequence(s.replica_modules, where, "replica_modules", "module lists, one per pipeline")
-        set_fields(s, replica_modules=tuple(_texts(m, where, f"replica_modules[{q}]") for q, m in enumerate(items)))
+         activation_checkpointing=_flag(s.activation_checkpointing, where, "activation_checkpointing"))
 
 
 def check_tensor_stage(t: Any) -> None:
@@ -135,6 +123,39 @@ def check_tensor_stage(t: Any) -> None:
         set_fields(t, mlp_split=_ints(t.mlp_split, where, "mlp_split", 0))
         if len(t.mlp_split) != len(t.split):
             raise _fail(where, "mlp_split", list(t.mlp_split), f"one entry per rank, as split {list(t.split)} has")
+
+
+def check_expert_stage(e: Any) -> None:
+    """Types of an ``ExpertStage`` (:mod:`fxpar.stage_specs`; normalised in place): whole
+    experts per rank; codegen checks them against the model's experts."""
+    set_fields(e, split=_ints(e.split, "expert", "split", 0))
+
+
+def check_replica_stage(s: Any) -> None:
+    """Types of a ``ReplicaStage`` (:mod:`fxpar.stage_specs`; normalised in place): a device
+    kind per pipeline, and module lists per pipeline; the pipeline form checks their counts."""
+    where = "replicas"
+    if s.devices is not None:
+        kinds = _texts(s.devices, where, "devices")
+        if not kinds or not all(kinds):
+            raise _fail(where, "devices", s.devices, "a device kind (non-empty text) per pipeline")
+        set_fields(s, devices=kinds)
+    if s.modules is not None:
+        items = _sequence(s.modules, where, "modules", "module lists, one per pipeline")
+        set_fields(s, modules=tuple(_texts(m, where, f"modules[{q}]") for q, m in enumerate(items)))
+
+
+def check_sharded_stage(z: Any) -> None:
+    """Types of a ``ShardedStage`` (:mod:`fxpar.stage_specs`; normalised in place): whole-number
+    state weights, not all zero, and a sharding stage of :data:`SHARD_STAGES`."""
+    where = "sharded"
+    set_fields(z, split=_ints(z.split, where, "split", 0))
+    if not sum(z.split):
+        raise _fail(where, "split", list(z.split), "whole-number state weights per rank, not all zero")
+    if isinstance(z.stage, bool) or z.stage not in SHARD_STAGES:
+        raise _fail(where, "stage", z.stage, f"{SHARD_STAGES[0]} (gradients + optimizer state sharded) or "
+                    f"{SHARD_STAGES[1]} (parameters too)")
+    set_fields(z, stage=int(z.stage))
 
 
 def check_solver(s: Any) -> None:
@@ -271,13 +292,13 @@ def _check_offload(p: Any) -> None:
 
 def _check_stage_fields(p: Any) -> None:
     """Each stage sets only the per-form fields its plan's form runs (``Form.stage_fields``): a
-    ZeRO ``state_split`` in a pipeline stage, or expert shares in a tensor-parallel plan, would
+    ZeRO ``sharded`` spec in a pipeline stage, or expert shares in a tensor-parallel plan, would
     be ignored by the run while the plan's prediction counted them."""
     reads = form(p.strategy).stage_fields
     for i, st in enumerate(p.stages):
         for name in STAGE_FIELDS:
             value = getattr(st, name)
-            if name in reads or value is None or (name == "shard_stage" and value == 0):
+            if name in reads or value is None:
                 continue
             readers = [f.name for f in FORMS if name in f.stage_fields]
             raise PlanError(f"plan.stages[{i}].{name} = {value!r:.60}: a {p.strategy} plan does not run it (its "

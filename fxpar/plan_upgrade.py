@@ -4,10 +4,14 @@ plan is built (:meth:`fxpar.plan.Plan.from_dict` calls :func:`upgrade`).
 Format history:
 
 - **v1** (to 2026-12): a stage's per-form fields were flat keys of the stage
-  (``tensor_split``, ``mlp_split``).  A plan without a ``version`` key is v1.
+  (``tensor_split``, ``mlp_split``, ``expert_split``, ``state_split``, ``shard_stage``,
+  ``replica_devices``, ``replica_modules``).  A plan without a
+  ``version`` key is v1.
 - **v2**: each form's part of a stage is one typed object under the form's key
   (:mod:`fxpar.stage_specs`): ``tensor_split`` and ``mlp_split`` became
-  ``"tensor": {"split": ..., "mlp_split": ...}``.
+  ``"tensor": {"split": ..., "mlp_split": ...}``, ``expert_split`` ``"expert": {"split": ...}``,
+  ``state_split`` and ``shard_stage`` ``"sharded": {"split": ..., "stage": ...}``, and
+  ``replica_devices`` and ``replica_modules`` ``"replicas": {"devices": ..., "modules": ...}``.
 
 Every v1 plan (the ones stored in ``benchmarks/results`` and the test fixtures among them) reads
 as the same plan it was; written again, it is v2.  A v2 plan that still spells a v1 key is a
@@ -25,7 +29,14 @@ from fxpar.errors import PlanError
 V1_STAGE_KEYS: dict[str, tuple[str, str]] = {
     "tensor_split": ("tensor", "split"),
     "mlp_split": ("tensor", "mlp_split"),
+    "expert_split": ("expert", "split"),
+    "state_split": ("sharded", "split"),
+    "shard_stage": ("sharded", "stage"),
+    "replica_devices": ("replicas", "devices"),
+    "replica_modules": ("replicas", "modules"),
 }
+#: a v1 key's value that meant "unset" (others: null)
+V1_UNSET: dict[str, Any] = {"shard_stage": 0}
 
 
 def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any]:
@@ -52,7 +63,7 @@ def _stage_v2(st: Any) -> Any:
         return st   # Plan.from_dict names the problem
     out = {k: v for k, v in st.items() if k not in V1_STAGE_KEYS}
     for old, (key, name) in V1_STAGE_KEYS.items():
-        if st.get(old) is not None:
+        if st.get(old) is not None and st[old] != V1_UNSET.get(old):
             out.setdefault(key, {})[name] = st[old]
     return out
 

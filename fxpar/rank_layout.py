@@ -5,10 +5,10 @@ A plan lists each stage's ranks *replica-major*: stage ``j`` of tensor-parallel 
 replica ``p`` (:func:`member`).  Every form is such a listing: data parallelism and sharded data
 parallelism are one stage of width 1 (each rank its own replica), tensor parallelism one stage as
 wide as its group (one replica per group), expert parallelism one stage of width 1 whose
-``expert_split`` gives each rank its experts, a pipeline ``S`` stages whose replicas are its
+``expert.split`` gives each rank its experts, a pipeline ``S`` stages whose replicas are its
 pipelines (an interleaved pipeline puts a rank in several stages, at one position of one
-pipeline).  Per-position splits (``tensor.split``, and ``expert_split`` inside a pipeline stage)
-have ``u`` entries; per-rank ones (``state_split``, the expert split of an expert-parallel plan)
+pipeline).  Per-position splits (``tensor.split``, and ``expert.split`` inside a pipeline stage)
+have ``u`` entries; per-rank ones (``sharded.split``, the expert split of an expert-parallel plan)
 one per listed rank.
 
 :class:`RankLayout` answers, for every rank: its device kind, stages, replica (pipeline),
@@ -162,7 +162,7 @@ class RankLayout:
             replica_group=self.replica_group(j, position), pipeline=self.pipeline(replica),
             experts=_experts(first, index, position), heads=_heads(first, index, position),
             batch_share=int(plan.ranks[rank].batch_share),
-            state_weight=None if first.state_split is None else int(first.state_split[index]))
+            state_weight=None if first.sharded is None else int(first.sharded.split[index]))
 
     def lines(self, limit: int = 24) -> list[str]:
         """The layout as a table, one row per rank (``fxpar plan --explain``); of more than
@@ -188,9 +188,9 @@ def _experts(stage: Any, index: int, position: int) -> tuple[int, int] | None:
     """The rank's experts: a per-position split (``u`` entries) ranges over its tensor-parallel
     group, a per-rank one over the stage's ranks (expert parallelism) or, in a group, over the
     group's own entries."""
-    split = stage.expert_split
-    if split is None:
+    if stage.expert is None:
         return None
+    split = stage.expert.split
     u = max(int(stage.tensor_parallel), 1)
     if u > 1 and len(split) == len(stage.ranks):
         split = split[index - position:index - position + u]

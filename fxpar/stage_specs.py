@@ -1,17 +1,20 @@
 """The typed per-form parts of a :class:`~fxpar.plan.StagePlan` (plan format v2).
 
 A stage says what every form runs on it in one place each: its modules, ranks and data split
-are common; what a parallel form adds is one frozen spec under the form's key, present only
-where that form runs on the stage (``fxpar.forms.Form.stage_fields`` names the keys each form
-runs; a spec its plan's form does not run is a :class:`~fxpar.errors.PlanError`).  In a plan's
-JSON a spec is an object under its key::
+are common; what a parallel form adds is one frozen spec under its key, present only where
+that form runs on the stage -- ``tensor`` (:class:`TensorStage`), ``expert``
+(:class:`ExpertStage`), ``sharded`` (:class:`ShardedStage`) and, for a pipeline whose replicas
+differ, ``replicas`` (:class:`ReplicaStage`).  ``fxpar.forms.Form.stage_fields`` names the keys
+each form runs; a spec its plan's form does not run is a :class:`~fxpar.errors.PlanError`.  In
+a plan's JSON a spec is an object under its key::
 
     "stages": [{"index": 0, "modules": [""], "ranks": [0, 1], "data_split": [6, 2],
                 "tensor_parallel": 2,
                 "tensor": {"split": [3, 1], "mlp_split": [5, 3]}}]
 
 A plan written in format v1 spelled these fields flat on the stage (``tensor_split``,
-``mlp_split``); :mod:`fxpar.plan_upgrade` converts it on reading.  Each spec checks its own
+``mlp_split``, ``expert_split``, ``state_split``, ``shard_stage``, ``replica_devices``,
+``replica_modules``); :mod:`fxpar.plan_upgrade` converts it on reading.  Each spec checks its own
 fields when built (:mod:`fxpar.plan_checks`), so a hand edit fails naming the stage and the key.
 """
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_tensor_stage
+from fxpar.plan_checks import check_expert_stage, check_replica_stage, check_sharded_stage, check_tensor_stage
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,8 +52,66 @@ class TensorStage:
         return self.mlp_split if self.mlp_split is not None else self.split
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardedStage:
+    """Sharded data parallelism (ZeRO-2/3) of a stage: which part of the model state each rank
+    owns, and what is sharded.  A rank's batch share (``RankPlan.batch_share``, by speed) is
+    independent of its state share (by memory)."""
+
+    #: each rank's part of the model state -- parameters' rows, their gradients and optimizer
+    #: state -- as whole-number weights (order of the stage's ``ranks``, not all zero); every
+    #: parameter's rows are split in these proportions (:func:`fxpar.plan.ragged_rows`)
+    split: tuple[int, ...]
+    #: 2: gradients and optimizer state are sharded, parameters replicated (ZeRO-2); 3: the
+    #: parameters too, a block all-gathered around its forward and backward (ZeRO-3 / FSDP)
+    stage: int
+
+    def __post_init__(self) -> None:
+        check_sharded_stage(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertStage:
+    """Expert parallelism of a stage: whole MoE experts per rank, every MoE layer alike, in
+    contiguous ranges (rank ``r`` owns experts ``[o_r, o_r + split[r])``, ``o_r`` the sum before
+    it).  In a pipeline's tensor-parallel stage: per rank of the stage, or one entry per position
+    of its group (every replica alike)."""
+
+    #: experts per rank (``>= 0``; they add up to the model's experts per MoE layer)
+    split: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_expert_stage(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaStage:
+    """How a pipeline's replicas of a stage differ, where they do (:func:`replica_stage`: None
+    where they are alike).  Each replica is priced at its own device kind."""
+
+    #: the device kind (``RankPlan.device`` of its ranks) of each replica of the stage, in
+    #: pipeline order (pipeline 0 on RTX-3090, pipeline 1 on RTX-2080); None: every replica on
+    #: the stage's ``device``
+    devices: tuple[str, ...] | None = None
+    #: the modules of each replica of the stage, in pipeline order, where the pipelines cut the
+    #: model differently (a fast pipeline's first stage taking more blocks); None: every replica
+    #: runs the stage's ``modules``.  Width-1 stages and 1F1B / GPipe only
+    modules: tuple[tuple[str, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_replica_stage(self)
+
+
+def replica_stage(devices: Any = None, modules: Any = None) -> ReplicaStage | None:
+    """The spec of a pipeline stage whose replicas differ as given; None where neither differs."""
+    if devices is None and modules is None:
+        return None
+    return ReplicaStage(devices=devices, modules=modules)
+
+
 #: a stage's key -> the spec type under it (the order a stage's JSON lists them)
-SPECS: dict[str, type] = {"tensor": TensorStage}
+SPECS: dict[str, type] = {"tensor": TensorStage, "expert": ExpertStage, "sharded": ShardedStage,
+                          "replicas": ReplicaStage}
 
 
 def spec_from_value(key: str, value: Any, where: str) -> Any:

@@ -5,7 +5,7 @@ Every fxpar parallel module (:class:`fxpar.runtime.contract.ParallelModule`) say
 with ``checkpoint_layout()``: :class:`LocalParam` entries, each the box of the full tensor it
 holds.  Each form's module writes its own (a replica's whole tensors, a pipeline stage's
 tensors, a tensor-parallel shard's ragged slices, an expert split's rows of every ``(E, ...)``
-tensor, a ZeRO shard's rows over the plan's ``state_split``), so this module names no form and
+tensor, a ZeRO shard's rows over the plan's ``sharded.split``), so this module names no form and
 imports no codegen: checkpoint sits below codegen in the layer order.  A wrapper that runs one
 of them (:class:`fxpar.adapt.AdaptiveModule`) names it as ``parallel_module``, and is
 described as that module.

@@ -10,7 +10,7 @@ import torch
 from fxpar.codegen.tensor.families import split_sizes
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
-from fxpar.stage_specs import TensorStage
+from fxpar.stage_specs import ExpertStage, TensorStage
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.by_block import explain_line
@@ -103,7 +103,7 @@ def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_
                                 data_split=(per,) * pipelines, tensor_parallel=widths[j],
                                 activation_checkpointing=bool(checkpointed[j]),
                                 tensor=None if tensor[j] is None else TensorStage(split=tuple(tensor[j]) * pipelines),
-                                expert_split=None if experts[j] is None else tuple(experts[j]) * pipelines,
+                                expert=None if experts[j] is None else ExpertStage(split=tuple(experts[j]) * pipelines),
                                 device=cluster.device(ranks[0]).type.name))
         start += n
     return _pipeline(model, cluster, stages, global_batch=global_batch, per=per, num_microbatches=num_microbatches,
@@ -205,7 +205,7 @@ def expert_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                            predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
                   for d, b in zip(cluster.devices, batch_shares))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(world)), data_split=tuple(batch_shares),
-                      expert_split=tuple(expert_split), device=cluster.device(0).type.name)
+                      expert=ExpertStage(split=tuple(expert_split)), device=cluster.device(0).type.name)
     return Plan(strategy="expert_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,

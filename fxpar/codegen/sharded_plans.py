@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
+from fxpar.stage_specs import ShardedStage
 
 
 def sharded_data_parallel_plan(cluster, *, batch_split: Sequence[int], state_split: Sequence[int],
@@ -38,7 +39,7 @@ def sharded_data_parallel_plan(cluster, *, batch_split: Sequence[int], state_spl
             activation_checkpointing=bool(per_rank["activation_checkpointing"][d.rank]),
             offload_optimizer=bool(per_rank["offload_optimizer"][d.rank])))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(n)), data_split=tuple(int(b) for b in batch_split),
-                      state_split=tuple(int(w) for w in state_split), shard_stage=shard_stage)
+                      sharded=ShardedStage(split=tuple(int(w) for w in state_split), stage=shard_stage))
     return Plan(strategy="sharded_data_parallel", model=model, cluster=cluster.name,
                 global_batch=int(sum(batch_split)), seq_len=seq_len, dtype=dtype, optimizer="adamw",
                 stages=(stage,), ranks=tuple(ranks), predicted_step_s=0.0, predicted_compute_s=0.0,

@@ -107,9 +107,8 @@ class Form:
 
 
 #: the fields of a ``StagePlan`` that belong to one form or another (:attr:`Form.stage_fields`);
-#: unset is None, or 0 for ``shard_stage``
-STAGE_FIELDS: tuple[str, ...] = ("tensor", "expert_split", "state_split", "shard_stage",
-                                 "replica_devices", "replica_modules")
+#: unset is None
+STAGE_FIELDS: tuple[str, ...] = ("tensor", "expert", "sharded", "replicas")
 
 #: fxpar's own forms, in the order the planner offers them (the first found wins a tie)
 BUILT_IN: tuple[Form, ...] = (
@@ -117,12 +116,12 @@ BUILT_IN: tuple[Form, ...] = (
          recorded=True, rebalances=True, sample_per_rank=True),
     Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
          recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True,
-         stage_fields=frozenset({"tensor", "expert_split", "replica_devices", "replica_modules"})),
+         stage_fields=frozenset({"tensor", "expert", "replicas"})),
     Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True,
-         forward_collective=True, stage_fields=frozenset({"expert_split"})),
+         forward_collective=True, stage_fields=frozenset({"expert"})),
     Form("sharded_data_parallel", "sharded", "sharded data parallelism (ZeRO-2/3)",
          "all-gather + reduce-scatter", True, recorded=True, forward_collective=True, offloads=True,
-         stage_fields=frozenset({"state_split", "shard_stage"})),
+         stage_fields=frozenset({"sharded"})),
     Form("tensor_parallel", "tensor", "tensor parallelism (one stage over a TP group)", "all-reduce", False,
          whole_job_groups=True, emits_from_model=True, forward_collective=True,
          stage_fields=frozenset({"tensor"})),

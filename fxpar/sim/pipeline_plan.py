@@ -12,7 +12,7 @@ Everything is read from the plan and the cluster, nothing from the plan's stored
 - each replica (pipeline ``p``): its stages' kinds, each slot's as above (so a
   stage's replicas on different GPU kinds are each priced at their own speed), and its micro-batch
   ``data_split[p] / num_microbatches``, and its stages' segments where the pipelines cut the model
-  differently (``replica_modules``); a position's intra-node link: the slowest of its replicas';
+  differently (``replicas.modules``); a position's intra-node link: the slowest of its replicas';
 - 1F1B / GPipe: stage ``j`` is position ``j``, its ranks ``P`` groups of ``u_j`` consecutive entries
   (pipeline by pipeline); interleaved: the positions are each pipeline's ranks in sorted order
   and stage ``s`` sits at the position of its rank (the runtime's rule,
@@ -45,7 +45,8 @@ def stage_ranges(plan: Plan, prices: PipelinePrices, pipeline: int = 0) -> list[
     table, S = prices.table, len(plan.stages)
     owner = [-1] * table.size
     for j, st in enumerate(plan.stages):
-        listed = set(st.modules if st.replica_modules is None else st.replica_modules[pipeline])
+        own = st.replicas.modules if st.replicas is not None else None
+        listed = set(st.modules if own is None else own[pipeline])
         for i, mods in enumerate(table.modules):
             if mods and set(mods) <= listed:
                 owner[i] = j if owner[i] < 0 else owner[i]

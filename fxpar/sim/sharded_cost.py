@@ -5,7 +5,7 @@ for compute, and per collective *unit* as the runtime groups them
 head — then one unit per block), each rank's shard of every unit, the collectives on the actual
 links, memory and the optimizer.
 
-Notation (rank ``r`` of ``N``; state weights ``ω`` from the plan's ``state_split``):
+Notation (rank ``r`` of ``N``; state weights ``ω`` from the plan's ``sharded.split``):
 
     s_ur     elements of unit ``u`` rank ``r`` owns: Σ_{p ∈ u} ragged_rows(rows_p, ω)_r · cols_p
              (:func:`unit_shards`, the runtime's one row rule :func:`fxpar.plan.ragged_rows`)
@@ -338,7 +338,7 @@ def offload_host_bytes(graph: ModelGraph, plan: Plan) -> tuple[int, ...]:
         return tuple(0 for _ in plan.ranks)
     per_param = host_bytes_per_param(state_bytes_per_param(plan.optimizer, plan.dtype),
                                      plan.dtype in ("fp16", "bf16"))
-    weights = plan.stages[0].state_split
+    weights = plan.stages[0].sharded.split
     elements = np.zeros(len(plan.ranks), dtype=np.int64)
     for unit in unit_params(graph):
         for rows, cols in unit:

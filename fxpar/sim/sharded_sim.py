@@ -156,7 +156,7 @@ def _check_world(plan: Plan, prices: ShardedPrices) -> None:
 def _peaks(prices: ShardedPrices, plan: Plan, shards: np.ndarray, sizes: np.ndarray) -> tuple[int, ...]:
     ckpt = np.array([r.activation_checkpointing for r in plan.ranks], dtype=bool)
     offload = np.array([r.offload_optimizer for r in plan.ranks], dtype=bool)
-    return tuple(int(m) for m in memory_per_rank(prices, plan.stages[0].shard_stage, shards,
+    return tuple(int(m) for m in memory_per_rank(prices, plan.stages[0].sharded.stage, shards,
                                                  sizes.max(axis=1, initial=0), ckpt, offload, (sizes == 0).any(axis=1)))
 
 
@@ -164,21 +164,21 @@ def sharded_peaks(plan: Plan, prices: ShardedPrices) -> tuple[int, ...]:
     """Each rank's predicted peak memory under ``plan``, as :func:`simulate_sharded` returns it,
     without simulating the step's time (a search discards a plan that does not fit first)."""
     _check_world(plan, prices)
-    return _peaks(prices, plan, unit_shards(prices, plan.stages[0].state_split), round_sizes(plan))
+    return _peaks(prices, plan, unit_shards(prices, plan.stages[0].sharded.split), round_sizes(plan))
 
 
 def simulate_sharded(plan: Plan, prices: ShardedPrices, *, peaks: tuple[int, ...] | None = None) -> SimResult:
     """Predict a ``sharded_data_parallel`` plan (module docstring); ``peaks``: the plan's
     :func:`sharded_peaks`, where the caller has them already."""
     _check_world(plan, prices)
-    stage = plan.stages[0]
-    shards = unit_shards(prices, stage.state_split)
+    stage = plan.stages[0].sharded
+    shards = unit_shards(prices, stage.split)
     gather, scatter = unit_collectives(prices, shards)
     ckpt = np.array([r.activation_checkpointing for r in plan.ranks], dtype=bool)
     offload = [r.offload_optimizer for r in plan.ranks]
     sizes = round_sizes(plan)
-    t, ch, busy = rounds(prices, sizes, ckpt, gather, scatter, stage.shard_stage)
-    after = float(gather.sum()) if stage.shard_stage == 2 else 0.0
+    t, ch, busy = rounds(prices, sizes, ckpt, gather, scatter, stage.stage)
+    after = float(gather.sum()) if stage.stage == 2 else 0.0
     opt = optimizer_s(prices, shards, offload)
     end = max(ch, float(t.max()))
     compute = float(busy.max())
@@ -193,7 +193,7 @@ def simulate_sharded(plan: Plan, prices: ShardedPrices, *, peaks: tuple[int, ...
             events.append(TimelineEvent(r, "all_gather", float(busy[r]), end))
         events.append(TimelineEvent(r, "optimizer", end, end + float(opt[r])))
     busy_total = tuple(float(b + o) for b, o in zip(busy, opt))
-    held = held_state_bytes(prices, stage.shard_stage, shards, np.array(offload, dtype=bool))
+    held = held_state_bytes(prices, stage.stage, shards, np.array(offload, dtype=bool))
     return SimResult(step_s=step + loop, compute_s=compute, comm_s=comm, busy_s=busy_total,
                      idle_s=tuple(step - b - comm for b in busy_total), peak_memory_bytes=peaks,
                      events=tuple(events), state_bytes=tuple(int(x) for x in held))

@@ -17,7 +17,7 @@ from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.forms import STAGE_FIELDS, form
 from fxpar.plan import Plan
-from fxpar.stage_specs import TensorStage
+from fxpar.stage_specs import ExpertStage, ReplicaStage, ShardedStage, TensorStage
 from tests.multirank.workers_meta import dp_plan
 from tests.workers import tiny_model
 
@@ -39,10 +39,11 @@ def _plans() -> dict[str, Plan]:
 
 
 def _value(stage, name: str):
-    """A value of field ``name`` that fits ``stage``'s shape (one entry per rank or replica)."""
-    return {"shard_stage": 3, "replica_devices": (stage.device or "cpu",) * len(stage.data_split),
-            "replica_modules": (stage.modules,) * len(stage.data_split),
-            "tensor": TensorStage(split=(1,) * len(stage.ranks))}.get(name, (1,) * len(stage.ranks))
+    """A spec under key ``name`` that fits ``stage``'s shape (one entry per rank or replica)."""
+    per_rank = (1,) * len(stage.ranks)
+    return {"tensor": TensorStage(split=per_rank), "expert": ExpertStage(split=per_rank),
+            "sharded": ShardedStage(split=per_rank, stage=3),
+            "replicas": ReplicaStage(devices=(stage.device or "cpu",) * len(stage.data_split))}[name]
 
 
 def _with(plan: Plan, name: str, value) -> Plan:
@@ -67,16 +68,16 @@ def test_a_stage_field_its_form_does_not_run_is_a_plan_error(kind, name):
 def test_the_combinations_the_runtime_runs_are_accepted():
     plans = _plans()
     # expert parallelism inside a pipeline's tensor-parallel stage, and its pipelines' kinds
-    _with(plans["pp_tp"], "expert_split", (1, 1))
-    _with(plans["pp"], "replica_devices", ("cpu",))
+    _with(plans["pp_tp"], "expert", ExpertStage(split=(1, 1)))
+    _with(plans["pp"], "replicas", ReplicaStage(devices=("cpu",)))
     # the MLP split finer than the heads' in a tensor-parallel plan
     _with(plans["tp"], "tensor", TensorStage(split=(1, 1), mlp_split=(3, 1)))
 
 
-@pytest.mark.parametrize("name, value", [("tensor", TensorStage(split=(1,))), ("expert_split", (1,))],
-                         ids=["tensor", "expert_split"])
+@pytest.mark.parametrize("name, value", [("tensor", TensorStage(split=(1,))), ("expert", ExpertStage(split=(1,)))],
+                         ids=["tensor", "expert"])
 def test_tensor_or_expert_shares_on_a_stage_of_one_rank_are_a_plan_error(name, value):
-    shown = "tensor.split" if name == "tensor" else name
+    shown = f"{name}.split"
     with pytest.raises(PlanError, match=rf"plan.stages\[0\]\.{shown} = \[1\]: stage 0 runs on one rank per pipeline"):
         _with(_plans()["pp"], name, value)
 

@@ -125,13 +125,13 @@ def test_expert_parallel_plan_round_trips_and_validates():
     model = _model()
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
     plan = expert_parallel_plan(model, cluster, global_batch=9, expert_split=[3, 1])
-    assert plan.strategy == "expert_parallel" and plan.stages[0].expert_split == (3, 1)
+    assert plan.strategy == "expert_parallel" and plan.stages[0].expert.split == (3, 1)
     assert plan.batch_shares == (6, 3)  # by speed, at least one sample each
     assert Plan.from_json(plan.to_json()) == plan
     with pytest.raises(PlanError, match="one count >= 0 per device"):
         expert_parallel_plan(model, cluster, global_batch=8, expert_split=[4])
-    with pytest.raises(PlanError, match="expert_split per rank"):
-        Plan.from_dict({**plan.to_dict(), "stages": [{**plan.to_dict()["stages"][0], "expert_split": None}]})
+    with pytest.raises(PlanError, match="an expert split of one entry per rank"):
+        Plan.from_dict({**plan.to_dict(), "stages": [{**plan.to_dict()["stages"][0], "expert": None}]})
 
 
 def test_module_rejects_bad_splits_and_aux_loss():

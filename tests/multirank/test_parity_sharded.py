@@ -246,11 +246,11 @@ def test_one_process_and_set_plan():
     reshare = sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], micro_batch_size=1,
                                          activation_checkpointing=[True])
     other_stage = sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], shard_stage=2)
-    assert pm.refusal(reshare) == "" and "state_split" in pm.refusal(other_stage)
+    assert pm.refusal(reshare) == "" and "sharded.split" in pm.refusal(other_stage)
     assert pm.plan is plan and pm._rounds == 2   # asking changed nothing
     pm.set_plan(reshare)
     assert pm.plan is reshare and pm._rounds == 3
-    with pytest.raises(PlanError, match="state_split"):
+    with pytest.raises(PlanError, match="sharded.split"):
         pm.set_plan(other_stage)
     assert pm.plan is reshare
 

@@ -131,7 +131,8 @@ def sent_by_kind(kind: str, dtype: str = "fp32", steps: int = 2, shard_stage: in
 
         plan = dp_only_plan(model, cluster, data[0], 8)
     if kind == "sharded_data_parallel":
-        plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard_stage=shard_stage),))
+        sharded = dataclasses.replace(plan.stages[0].sharded, stage=shard_stage)
+        plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], sharded=sharded),))
     plan = dataclasses.replace(plan, dtype=dtype)
     pm = fxpar.auto(model, cluster, data[0], plan=plan, emulate=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)

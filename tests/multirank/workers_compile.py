@@ -32,7 +32,7 @@ def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, batch: int)
                                       shard_stage=3 if kind != "zero2" else 2)
     if kind == "data_parallel":
         return dataclasses.replace(zero, strategy="data_parallel",
-                                   stages=(dataclasses.replace(zero.stages[0], state_split=None, shard_stage=0),))
+                                   stages=(dataclasses.replace(zero.stages[0], sharded=None),))
     return zero
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.tracing.hf import ModelSpec, build_model
+from fxpar.stage_specs import ReplicaStage
 from tests.parity import snapshot, step_record, trajectory_gaps
 from tests.workers import TINY_CONFIGS, global_batch, is_slice, tiny_model
 from tests.multirank.workers_pptp import reference_slice
@@ -135,8 +136,9 @@ def own_cuts_parity(cuts: list[list[int]], data_split: list[int]) -> dict:
                                           num_microbatches=2, pipelines=2), data_split)
     blocks = [m for st in plan.stages for m in st.modules]
     per = [[tuple(blocks[sum(c[:j]):sum(c[:j + 1])]) for j in range(len(c))] for c in cuts]
-    stages = tuple(dataclasses.replace(st, replica_modules=tuple(per[q][j] for q in range(2)))
-                   for j, st in enumerate(plan.stages))
+    stages = tuple(dataclasses.replace(st, replicas=ReplicaStage(
+                       devices=st.replicas.devices if st.replicas else None,
+                       modules=tuple(per[q][j] for q in range(2)))) for j, st in enumerate(plan.stages))
     plan = fxpar.Plan.from_json(dataclasses.replace(plan, stages=stages).to_json())
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(2)]
     pm = fxpar.auto(model, cluster, data[0], plan=plan)

@@ -254,10 +254,10 @@ def test_sharded_collectives_stop_cpu_ranks(small):
     plan = solve_plan(graph, cluster, Workload(global_batch=16, seq_len=32, optimizer="adamw"),
                       profiles=cost.profiles, strategies=("sharded_data_parallel",))
     prices = sharded_prices(cost)
-    gather, scatter = unit_collectives(prices, unit_shards(prices, plan.stages[0].state_split))
+    gather, scatter = unit_collectives(prices, unit_shards(prices, plan.stages[0].sharded.split))
     result = simulate(plan, cost)
     rounds = plan.ranks[0].num_microbatches
-    if plan.stages[0].shard_stage == 3:   # the forward gathers every unit, the backward the blocks but the last
+    if plan.stages[0].sharded.stage == 3:   # the forward gathers every unit, the backward the blocks but the last
         comm = rounds * (gather.sum() + gather[1:-1].sum() + scatter.sum())
     else:
         comm = rounds * scatter.sum() + gather.sum()
@@ -324,7 +324,7 @@ def test_calibrated_runtime_costs_are_priced(small):
     b = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=costly))
     units = len(graph.layers) + 1
     rounds = plan.ranks[0].num_microbatches
-    calls = rounds * (units + (units - 2) + units) if plan.stages[0].shard_stage == 3 else rounds * units + units
+    calls = rounds * (units + (units - 2) + units) if plan.stages[0].sharded.stage == 3 else rounds * units + units
     assert b.step_s - a.step_s == pytest.approx(calls * 1e-3, rel=1e-9)
 
 
@@ -392,8 +392,9 @@ def test_the_step_loops_calibrated_cost_is_priced_once_per_step_in_every_form(sm
     looped = with_calibration(None, loop_db)
     plans = {s: solve_plan(graph, cluster, workload, profiles=looped, strategies=(s,))
              for s in ("data_parallel", "sharded_data_parallel", "pipeline")}
+    zero3 = plans["sharded_data_parallel"].stages[0]
     plans["zero2"] = dataclasses.replace(plans["sharded_data_parallel"], stages=(dataclasses.replace(
-        plans["sharded_data_parallel"].stages[0], shard_stage=2),))
+        zero3, sharded=dataclasses.replace(zero3.sharded, stage=2)),))
     plans["tensor_parallel"] = tensor_parallel_plan(model, cluster, global_batch=16, seq_len=32, kv_shares=[1, 1])
     moe = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

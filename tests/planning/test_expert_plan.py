@@ -96,7 +96,7 @@ def _assert_runnable(plan, experts: int) -> None:
 
     st = plan.stages[0]
     assert plan.strategy == "expert_parallel" and len(plan.stages) == 1
-    assert len(st.expert_split) == plan.world_size and sum(st.expert_split) == experts
+    assert len(st.expert.split) == plan.world_size and sum(st.expert.split) == experts
     assert sum(plan.batch_shares) == plan.global_batch and st.data_split == plan.batch_shares
     assert len({r.num_microbatches for r in plan.ranks}) == 1
     for r in plan.ranks:
@@ -111,7 +111,7 @@ def test_mixtral_tiny_expert_parallel_plan_is_runnable(mixtral):
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
     plan = solve_plan(graph, cluster, workload, strategies=("expert_parallel",))
     _assert_runnable(plan, experts=4)
-    assert plan.stages[0].expert_split[0] >= plan.stages[0].expert_split[1]  # the fast rank: more
+    assert plan.stages[0].expert.split[0] >= plan.stages[0].expert.split[1]  # the fast rank: more
     assert plan.batch_shares[0] > plan.batch_shares[1]
     assert plan.solver.name == "ep-shares-placement" and plan.solver.objective_s <= plan.predicted_step_s
     assert plan.lower_bound_s <= plan.predicted_step_s

@@ -104,7 +104,7 @@ def test_new_plan_fields_round_trip(tmp_path):
     plan = dataclasses.replace(plan, collectives=(CollectiveChoice(
         exchange="x", method="all-reduce + ZeRO-1", predicted_s=0.5, alternatives=(("all-reduce", None),)),))
     assert fxpar.Plan.from_json(plan.to_json()) == plan
-    assert plan.stages[0].expert_split == (3, 1) and plan.stages[0].activation_checkpointing
+    assert plan.stages[0].expert.split == (3, 1) and plan.stages[0].activation_checkpointing
     inter = interleaved_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), global_batch=4,
                              blocks_per_stage=[1, 1], stage_ranks=[0, 1], num_microbatches=2)
     assert fxpar.Plan.from_json(inter.to_json()) == inter and inter.schedule == "interleaved"

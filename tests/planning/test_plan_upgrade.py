@@ -9,10 +9,12 @@ import json
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.plan import PLAN_FORMAT_VERSION, Plan
-from fxpar.stage_specs import TensorStage
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET
+from fxpar.stage_specs import SPECS, ExpertStage, ShardedStage, TensorStage
 from tests.workers import tiny_model
 
 C2, C4 = fxpar.Cluster.emulated([1.0, 0.5]), fxpar.Cluster.emulated([1.0, 0.5, 1.0, 0.5])
@@ -24,14 +26,14 @@ def tp_plan() -> Plan:
 
 
 def _as_v1(plan: Plan) -> dict:
-    """``plan`` as format v1 wrote it: the tensor spec's fields flat on the stage, no version
-    key (as files written before versions were)."""
+    """``plan`` as format v1 wrote it: every spec's fields flat on the stage (unset: null, or 0
+    for ``shard_stage``), no version key (as files written before versions were)."""
     d = json.loads(plan.to_json())
     d.pop("version")
     for st in d["stages"]:
-        tensor = st.pop("tensor")
-        st["tensor_split"] = tensor and tensor["split"]
-        st["mlp_split"] = tensor and tensor["mlp_split"]
+        specs = {key: st.pop(key) for key in SPECS}
+        for old, (key, name) in V1_STAGE_KEYS.items():
+            st[old] = specs[key][name] if specs[key] is not None else V1_UNSET.get(old)
     return d
 
 
@@ -58,6 +60,36 @@ def test_a_v1_pipeline_with_a_tensor_parallel_stage_reads_alike():
                          tensor_parallel=[2, 2], tensor_splits=[[1, 1], None])
     assert plan.stages[0].tensor == TensorStage(split=(1, 1)) and plan.stages[1].tensor is None
     assert Plan.from_dict(_as_v1(plan)) == plan
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_v1_sharded_plan_reads_alike_with_its_state_split_under_sharded(stage):
+    plan = sharded_data_parallel_plan(C2, batch_split=[3, 1], state_split=[1, 3], shard_stage=stage)
+    d = _as_v1(plan)
+    assert d["stages"][0]["state_split"] == [1, 3] and d["stages"][0]["shard_stage"] == stage
+    loaded = Plan.from_dict(d)
+    assert loaded == plan and loaded.stages[0].sharded == ShardedStage(split=(1, 3), stage=stage)
+    assert json.loads(loaded.to_json())["stages"][0]["sharded"] == {"split": [1, 3], "stage": stage}
+
+
+@pytest.mark.parametrize("sharded, match", [
+    ({"split": [1, 3], "stage": 1}, r"sharded: stage = 1 \(int\); expected 2 \(gradients \+ optimizer state sharded\) or 3"),
+    ({"split": [0, 0], "stage": 3}, r"sharded: split = \[0, 0\] \(list\); expected whole-number state weights per rank, not all zero"),
+    ({"split": [1, 3]}, r"sharded = .* lacks a required key; a ShardedStage has keys \['split', 'stage'\]"),
+])
+def test_a_sharded_spec_written_wrong_is_a_plan_error(sharded, match):
+    d = json.loads(sharded_data_parallel_plan(C2, batch_split=[3, 1], state_split=[1, 3]).to_json())
+    d["stages"][0]["sharded"] = sharded
+    with pytest.raises(PlanError, match=r"edited.json: stages\[0\]: stage 0: " + match):
+        Plan.from_dict(d, source="edited.json")
+
+
+def test_a_v1_expert_plan_reads_alike():
+    plan = expert_parallel_plan(tiny_model("mixtral"), C2, global_batch=4, expert_split=[3, 1])
+    d = _as_v1(plan)
+    assert d["stages"][0]["expert_split"] == [3, 1]
+    loaded = Plan.from_dict(d)
+    assert loaded == plan and loaded.stages[0].expert == ExpertStage(split=(3, 1))
 
 
 def test_a_v2_plan_spelling_a_v1_key_says_how_to_write_it(tp_plan):
@@ -87,3 +119,15 @@ def test_an_unknown_format_version_is_refused(tp_plan):
     d["version"] = 3
     with pytest.raises(PlanError, match=r"plan format version 3 is not supported \(this fxpar reads versions 1 to 2\)"):
         Plan.from_dict(d, source="new.json")
+
+
+def test_every_spec_field_is_documented_where_it_is_declared():
+    """Each field of each stage spec has its ``#:`` comment (the field docs Sphinx renders)."""
+    import inspect
+    from dataclasses import fields
+
+    for key, cls in SPECS.items():
+        lines = inspect.getsource(cls).splitlines()
+        for f in fields(cls):
+            at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
+            assert lines[at - 1].strip().startswith("#:"), (key, f.name)

@@ -1,4 +1,4 @@
-"""Pipelines whose replicas differ (issue 17, item 2): the plan format (``StagePlan.replica_devices``,
+"""Pipelines whose replicas differ (issue 17, item 2): the plan format (``StagePlan.replicas.devices``,
 an uneven ``data_split`` per pipeline), the simulator (each replica at its own speed and batch;
 the stage all-reduce waits for the slowest) and the planner's "a pipeline per node kind"
 candidates (batch per pipeline in proportion to speed).  The gloo parity of such plans is in
@@ -16,6 +16,7 @@ from fxpar.codegen.hand_plans import pipeline_plan
 from fxpar.errors import PlanError
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
+from fxpar.stage_specs import ReplicaStage
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.sim import simulate
@@ -52,27 +53,27 @@ def _cost(graph, cluster) -> CostModel:
 def test_replica_devices_and_uneven_batches_round_trip_through_json(llama) -> None:
     _, model = llama
     plan = uneven_pipelines(_two_pipelines(model, _mixed_gpus()), [8, 4])
-    assert [st.replica_devices for st in plan.stages] == [("A100-SXM-80GB", "V100-SXM2-32GB")] * 2
+    assert [st.replicas.devices for st in plan.stages] == [("A100-SXM-80GB", "V100-SXM2-32GB")] * 2
     assert [st.data_split for st in plan.stages] == [(8, 4)] * 2
     assert [(r.batch_share, r.micro_batch_size) for r in plan.ranks] == [(8, 4), (8, 4), (4, 2), (4, 2)]
     again = Plan.from_json(plan.to_json())
-    assert again == plan and again.stages[0].replica_devices == ("A100-SXM-80GB", "V100-SXM2-32GB")
+    assert again == plan and again.stages[0].replicas.devices == ("A100-SXM-80GB", "V100-SXM2-32GB")
 
 
 def test_old_plans_without_the_field_stay_valid(llama) -> None:
     _, model = llama
     data = json.loads(_two_pipelines(model, _mixed_gpus()).to_json())
     for st in data["stages"]:
-        del st["replica_devices"]
+        del st["replicas"]
     plan = Plan.from_dict(data)
-    assert all(st.replica_devices is None for st in plan.stages)
+    assert all(st.replicas is None for st in plan.stages)
 
 
 @pytest.mark.parametrize("change, field", [
-    (lambda st: {"replica_devices": ["A100-SXM-80GB"]}, "replica_devices"),
-    (lambda st: {"replica_devices": ["A100-SXM-80GB", "A100-SXM-80GB"]}, "replica_devices[1]"),
-    (lambda st: {"replica_devices": ["A100-SXM-80GB", 7]}, "replica_devices[1]"),
-    (lambda st: {"replica_devices": ["A100-SXM-80GB", ""]}, "replica_devices"),
+    (lambda st: {"replicas": {"devices": ["A100-SXM-80GB"]}}, "replicas.devices"),
+    (lambda st: {"replicas": {"devices": ["A100-SXM-80GB", "A100-SXM-80GB"]}}, "devices[1]"),
+    (lambda st: {"replicas": {"devices": ["A100-SXM-80GB", 7]}}, "devices[1]"),
+    (lambda st: {"replicas": {"devices": ["A100-SXM-80GB", ""]}}, "devices"),
     (lambda st: {"data_split": [9, 3]}, "data_split"),
 ])
 def test_bad_replica_values_name_the_field(llama, change, field) -> None:
@@ -99,7 +100,7 @@ def test_replica_devices_only_on_pipeline_plans(llama) -> None:
     data = json.loads(uneven_pipelines(_two_pipelines(model, _mixed_gpus()), [8, 4]).to_json())
     data.update(strategy="data_parallel", stages=[{**data["stages"][0], "ranks": [0, 1, 2, 3],
                                                    "data_split": [3, 3, 3, 3], "modules": [""]}])
-    with pytest.raises(PlanError, match="replica_devices"):
+    with pytest.raises(PlanError, match=r"plan.stages\[0\].replicas = .*a data_parallel plan does not run it"):
         Plan.from_dict(data)
 
 
@@ -194,24 +195,25 @@ def _own_cuts(model, cluster, cuts: list[list[int]], split: list[int]) -> Plan:
                                           num_microbatches=2, pipelines=2, seq_len=16), split)
     blocks = [m for st in plan.stages for m in st.modules]
     per = [[tuple(blocks[sum(c[:j]):sum(c[:j + 1])]) for j in range(len(c))] for c in cuts]
-    return replace(plan, stages=tuple(replace(st, replica_modules=(per[0][j], per[1][j]))
-                                      for j, st in enumerate(plan.stages)))
+    return replace(plan, stages=tuple(replace(st, replicas=ReplicaStage(
+        devices=st.replicas.devices if st.replicas else None, modules=(per[0][j], per[1][j])))
+        for j, st in enumerate(plan.stages)))
 
 
 def test_own_cuts_round_trip_and_bad_values_name_the_field(llama) -> None:
     _, model = llama
     plan = _own_cuts(model, _mixed_gpus(), [[1, 3], [3, 1]], [8, 4])
     assert Plan.from_json(plan.to_json()) == plan
-    assert plan.stages[0].replica_modules == (("model.layers.0",), ("model.layers.0", "model.layers.1", "model.layers.2"))
+    assert plan.stages[0].replicas.modules == (("model.layers.0",), ("model.layers.0", "model.layers.1", "model.layers.2"))
     data = json.loads(plan.to_json())
-    data["stages"][0]["replica_modules"] = data["stages"][0]["replica_modules"][:1]
-    with pytest.raises(PlanError, match="replica_modules"):
+    data["stages"][0]["replicas"]["modules"] = data["stages"][0]["replicas"]["modules"][:1]
+    with pytest.raises(PlanError, match="replicas.modules"):
         Plan.from_dict(data)
     data = json.loads(plan.to_json())
-    data["stages"][1]["replica_modules"][1] = [3]
-    with pytest.raises(PlanError, match=r"replica_modules\[1\]\[0\]"):
+    data["stages"][1]["replicas"]["modules"][1] = [3]
+    with pytest.raises(PlanError, match=r"modules\[1\]\[0\]"):
         Plan.from_dict(data)
-    with pytest.raises(PlanError, match="replica_modules"):
+    with pytest.raises(PlanError, match="replicas.modules"):
         replace(plan, schedule="interleaved")
 
 
@@ -224,3 +226,16 @@ def test_own_cuts_are_priced_per_pipeline(llama) -> None:
     own = simulate(_own_cuts(model, mixed, [[1, 3], [3, 1]], [8, 4]), cost)
     assert same.step_s == shared.step_s and same.busy_s == shared.busy_s
     assert own.busy_s[0] < own.busy_s[1] and own.busy_s[2] > own.busy_s[3]  # 1 | 3 blocks and 3 | 1
+
+
+def test_a_v1_plan_with_replica_fields_flat_on_its_stages_reads_alike(llama) -> None:
+    """Plan format v1 spelled ``replicas`` as ``replica_devices`` / ``replica_modules`` on the
+    stage (:mod:`fxpar.plan_upgrade`)."""
+    _, model = llama
+    plan = _own_cuts(model, _mixed_gpus(), [[1, 3], [3, 1]], [8, 4])
+    data = json.loads(plan.to_json())
+    del data["version"]
+    for st in data["stages"]:
+        spec = st.pop("replicas")
+        st["replica_devices"], st["replica_modules"] = spec["devices"], spec["modules"]
+    assert Plan.from_dict(data) == plan

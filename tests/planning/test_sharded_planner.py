@@ -137,8 +137,8 @@ def test_offloaded_host_bytes_by_hand():
         "strategy": "sharded_data_parallel", "model": "linear", "cluster": "c", "global_batch": 4, "seq_len": None,
         "dtype": "bf16", "optimizer": "adam", "predicted_step_s": 0, "predicted_compute_s": 0,
         "predicted_comm_s": 0, "lower_bound_s": 0,
-        "stages": [{"index": 0, "modules": [""], "ranks": [0, 1], "data_split": [2, 2], "state_split": [1, 3],
-                    "shard_stage": 3}],
+        "stages": [{"index": 0, "modules": [""], "ranks": [0, 1], "data_split": [2, 2],
+                    "sharded": {"split": [1, 3], "stage": 3}}],
         "ranks": [{"rank": r, "device": "T4", "node": 0, "speed": 1.0, "batch_share": 2, "micro_batch_size": 2,
                    "num_microbatches": 1, "predicted_busy_s": 0, "predicted_memory_bytes": 0,
                    "memory_capacity_bytes": 1, "offload_optimizer": r == 1} for r in range(2)]})
@@ -184,7 +184,7 @@ def test_state_follows_memory_and_batch_follows_speed():
     even one does not: ``fxpar.sim.sharded_cost``'s end-of-round term.)"""
     tight = [{"gpu": "H100-SXM", "count": 2, "memory_gib": 0.03}, {"gpu": "A100-SXM-80GB", "count": 2}]
     plan = solve(block_graph(12), cluster(tight), Workload(global_batch=64), strategies=SHARDED)
-    state = plan.stages[0].state_split
+    state = plan.stages[0].sharded.split
     assert max(state[:2]) <= min(state[2:])   # never more state on the small cards
     assert all(r.predicted_memory_bytes <= r.memory_capacity_bytes for r in plan.ranks)
     roomy = [{"gpu": "H100-SXM", "count": 2, "memory_gib": 0.014}, {"gpu": "A100-SXM-80GB", "count": 2}]

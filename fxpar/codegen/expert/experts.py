@@ -251,7 +251,7 @@ def shard_experts(model: torch.nn.Module, split: Sequence[int], rank: int, *, gr
     for name, block in blocks:
         E = _check_experts(name, block.experts)
         if len(split) < 1 or sum(split) != E or min(split) < 0:
-            raise PlanError(f"expert_split {list(split)} must give every rank >= 0 experts and sum to "
+            raise PlanError(f"the expert split {list(split)} must give every rank >= 0 experts and sum to "
                             f"the {E} experts of {name or '<root>'}")
         block.experts = ExpertParallelExperts(block.experts, split, rank, group=group,
                                               capacity_factor=capacity_factor, clock=clock)

@@ -103,7 +103,7 @@ class ExpertParallelModule(FormModule, StepModule):
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         if source is None and broadcast_parameters and self.world > 1:  # a real model: rank 0's weights
             broadcast_state(model, dist.get_global_rank(group, 0) if group is not None else 0, group, self.device)
-        self.expert_modules = shard_experts(model, plan.stages[0].expert_split, rank, group=group,
+        self.expert_modules = shard_experts(model, plan.stages[0].expert.split, rank, group=group,
                                             capacity_factor=capacity_factor, clock=self.clock)
         if source is not None:  # this rank's experts and the replicated rest, from the source
             materialize(module_slots(model), self.device, source, model)
@@ -148,9 +148,9 @@ class ExpertParallelModule(FormModule, StepModule):
 
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every expert tensor ``(E, ...)`` holds the rows ``[o_r, o_r + n_r)`` of this rank's
-        experts, with ``n`` the plan's ``expert_split`` and ``o_r = Σ_{s<r} n_s``; everything
+        experts, with ``n`` the plan's ``expert.split`` and ``o_r = Σ_{s<r} n_s``; everything
         else is a replica."""
-        split = [int(n) for n in self.plan.stages[0].expert_split]
+        split = [int(n) for n in self.plan.stages[0].expert.split]
         lo, experts = sum(split[: self.rank]), sum(split)
         out = []
         for name, p in self.module.named_parameters():

@@ -1,4 +1,4 @@
-"""Pipelines that cut the model differently (``StagePlan.replica_modules``): which stage of each
+"""Pipelines that cut the model differently (``StagePlan.replicas.modules``): which stage of each
 pipeline owns a block, and the gradient exchange across the pipelines by parameter ownership.
 
 With shared cuts, stage ``j``'s replicas all-reduce their gradients in one group per stage.
@@ -27,12 +27,14 @@ from fxpar.tracing.structure import block_path
 
 def stage_modules(stage: StagePlan, pipeline: int) -> tuple[str, ...]:
     """The modules stage ``stage`` runs in pipeline ``pipeline``."""
-    return stage.replica_modules[pipeline] if stage.replica_modules is not None else stage.modules
+    own = stage.replicas.modules if stage.replicas is not None else None
+    return own[pipeline] if own is not None else stage.modules
 
 
 def own_cuts(plan: Plan) -> bool:
     """Whether the plan's pipelines cut the model differently."""
-    return any(st.replica_modules is not None and len(set(st.replica_modules)) > 1 for st in plan.stages)
+    return any(st.replicas is not None and st.replicas.modules is not None
+               and len(set(st.replicas.modules)) > 1 for st in plan.stages)
 
 
 def owner_groups(plan: Plan, blocks: list[str], stage_of: list[list[int]], groups: PlanGroups) -> dict[str, Any]:

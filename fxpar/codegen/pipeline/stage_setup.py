@@ -129,13 +129,13 @@ def check_tp_stages(model: torch.nn.Module, split: TPAnalysis, wide: dict[int, l
 
 def tp_shares(stage: StagePlan, pipeline: int, width: int, kv: int) -> tuple[list[int], list[int] | None]:
     """Pipeline ``pipeline``'s shares of a stage's ``kv`` head groups over its ``width`` ranks
-    (the plan's ``tensor.split``, else even) and of its experts (``expert_split``, else None)."""
+    (the plan's ``tensor.split``, else even) and of its experts (``expert.split``, else None)."""
     if stage.tensor is not None:
         shares = list(stage.tensor.split[pipeline * width:][: width])
     else:
         shares = split_sizes(kv, [1] * width)
-    experts = (list(stage.expert_split[pipeline * width:][: width])
-               if stage.expert_split is not None else None)
+    experts = (list(stage.expert.split[pipeline * width:][: width])
+               if stage.expert is not None else None)
     return shares, experts
 
 

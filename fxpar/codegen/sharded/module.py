@@ -1,17 +1,17 @@
 """Uneven sharded data parallelism: batch shares by speed, model state by memory (ZeRO-2 / ZeRO-3).
 
-A ``sharded_data_parallel`` plan has one stage with ``state_split`` ``w`` (whole-number weights)
-and ``shard_stage``; rank ``r`` trains its batch share (by speed, independent of ``w``) and owns
+A ``sharded_data_parallel`` plan has one stage with a ``sharded`` spec: state weights ``w``
+(whole-number, ``sharded.split``) and a sharding stage (``sharded.stage``); rank ``r`` trains its batch share (by speed, independent of ``w``) and owns
 rows ``[o_{r,p}, o_{r,p} + n_{r,p})`` of every parameter ``p`` (:func:`fxpar.plan.ragged_rows`
 over ``w``; 0-d parameters: :func:`fxpar.runtime.ragged.scalar_owner`), of its gradient and of
 its optimizer state.  ``pmodel.parameters()`` yields only those row shards (under the original
 FQNs), so ``torch.optim.AdamW(pmodel.parameters())`` holds ``Σ_p n_{r,p}/n_p`` of the state.
 
-- ``shard_stage=2`` (gradients + optimizer state): every rank launches the all-gather of every
+- stage 2 (gradients + optimizer state): every rank launches the all-gather of every
   unit at the start of each step (the shards changed in the optimizer step), waits for each as
   its block's forward begins (the gathers of the later blocks overlap the earlier blocks'
   compute) and keeps them for the step;
-- ``shard_stage=3`` (parameters too): a unit (a transformer block; the rest of the model is one
+- stage 3 (parameters too): a unit (a transformer block; the rest of the model is one
   more unit, held for the whole micro-batch) is all-gathered right before its forward, freed after
   it, gathered again before its backward (a gradient hook on the block's outputs) and freed after
   its gradients are reduced; the next block's all-gather is started before the current block
@@ -85,8 +85,8 @@ class ShardedDataParallelModule(FormModule, StepModule):
         self.group = group
         self._input_specs = checks.input_specs(example_inputs)
         stage, me = plan.stages[0], plan.ranks[rank]
-        self.shard_stage = stage.shard_stage
-        self.state_weights: tuple[int, ...] = tuple(stage.state_split)
+        self.shard_stage = stage.sharded.stage
+        self.state_weights: tuple[int, ...] = tuple(stage.sharded.split)
         self.offload_optimizer, self.activation_checkpointing = me.offload_optimizer, me.activation_checkpointing
         policy = plan.precision
         with peer_failures("ShardedDataParallelModule: set-up of the row shards", rank):

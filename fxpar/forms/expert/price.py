@@ -16,7 +16,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimResult:
     problem = build_problem(cost, plan.global_batch)
     if not isinstance(problem, EPProblem):
         raise PlanError(f"an expert_parallel plan for {plan.model}: {problem or 'the model has no MoE experts'}")
-    ev = evaluate(problem, plan.batch_shares, plan.stages[0].expert_split, max(plan.ranks[0].num_microbatches, 1))
+    ev = evaluate(problem, plan.batch_shares, plan.stages[0].expert.split, max(plan.ranks[0].num_microbatches, 1))
     events: list[TimelineEvent] = []
     a, b, c = ev.replicated_s, ev.replicated_s + ev.expert_s, ev.replicated_s + ev.expert_s + ev.alltoall_s
     for r, (rep, exp, opt) in enumerate(ev.phases):

@@ -16,6 +16,7 @@ from fxpar.sim.expert_sim import EPEval, EPProblem, evaluate, valid_share
 from fxpar.solvers import expert_plan
 from fxpar.solvers.baselines import proportional_shares
 from fxpar.solvers.problems import Candidates, Problems
+from fxpar.stage_specs import ExpertStage
 
 
 def ep_candidates(p: Problems) -> Candidates:
@@ -77,7 +78,7 @@ def ep_plan(p: Problems, sol: expert_plan.EPSolution) -> Plan:
         global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
         optimizer=workload.optimizer, ranks=ranks, num_microbatches=ev.k,
         stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=ev.shares,
-                          expert_split=ev.counts, device=cluster.device(0).type.name),),
+                          expert=ExpertStage(split=ev.counts), device=cluster.device(0).type.name),),
         predicted_step_s=ev.step_s, predicted_compute_s=ev.replicated_s + ev.expert_s,
         predicted_comm_s=ev.alltoall_s + ev.allreduce_s, lower_bound_s=p.lower_bound_s,
         emulated=bool(cluster.is_emulated()),

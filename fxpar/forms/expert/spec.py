@@ -9,10 +9,11 @@ from fxpar.plan_checks import check_batch_total, rebuild_to_switch
 
 
 def check(p: Any) -> None:
-    """One stage with an ``expert_split`` (experts per rank), and shares adding up to the batch."""
+    """One stage with an ``expert`` spec (experts per rank), and shares adding up to the batch."""
     st = p.stages[0] if len(p.stages) == 1 else None
-    if st is None or st.expert_split is None or len(st.expert_split) != len(p.ranks):
-        raise PlanError("an expert_parallel plan has one stage with an expert_split per rank")
+    if st is None or st.expert is None or len(st.expert.split) != len(p.ranks):
+        raise PlanError("an expert_parallel plan has one stage with an expert split of one entry per rank: "
+                        "stages[0].expert = {split: [experts per rank]}")
     check_batch_total(p)
 
 
@@ -22,9 +23,9 @@ def check_stage(p: Any, i: int, st: Any) -> None:
 
 def summary(p: Any) -> list[str]:
     """The experts each rank holds (every MoE layer alike) and the micro-batches."""
-    if not p.stages or p.stages[0].expert_split is None:
+    if not p.stages or p.stages[0].expert is None:
         return []
-    split = p.stages[0].expert_split
+    split = p.stages[0].expert.split
     shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
     return [f"experts per rank (every MoE layer): {shown}; {p.num_microbatches} micro-batch(es)"]
 

@@ -3,7 +3,7 @@
 A pipeline plan's ``P`` replicas share the stage cuts (``StagePlan.modules``) but not
 necessarily the devices or the samples: stage ``j``'s replica ``p`` runs on
 ``ranks[p·u_j : (p+1)·u_j]``, whose kind may differ from replica to replica
-(``StagePlan.replica_devices``), and pipeline ``p`` trains ``B_p = data_split[p]`` samples in
+(``StagePlan.replicas.devices``), and pipeline ``p`` trains ``B_p = data_split[p]`` samples in
 ``m`` micro-batches of ``b_p = B_p / m`` (the same ``m`` for every pipeline, so the 1F1B
 schedules have one shape; ``Σ_p B_p = B``).
 
@@ -27,7 +27,7 @@ stage only where it must), each priced as the whole layout by the simulator
 (:func:`shape_layout`); the fastest that fits every replica's memory becomes the candidate
 plan.  ``m`` runs over the :data:`MICRO_BATCH_COUNTS` smallest divisors of ``B`` from ``S`` up.
 
-Not searched: pipelines with their own stage cuts (``StagePlan.replica_modules``, which the
+Not searched: pipelines with their own stage cuts (``StagePlan.replicas.modules``, which the
 simulator prices and codegen runs); every candidate here shares its cuts.
 """
 
@@ -50,6 +50,7 @@ from fxpar.solvers.pipeline import (
 )
 from fxpar.forms.pipeline.search_plans import prices_of, with_predictions
 from fxpar.solvers.problems import Candidates, Problems
+from fxpar.stage_specs import replica_stage
 
 #: micro-batch counts tried per pipeline shape (the smallest divisors of the batch from ``S`` up)
 MICRO_BATCH_COUNTS = 4
@@ -68,7 +69,7 @@ def uneven_pipelines(plan: Plan, data_split: Sequence[int]) -> Plan:
     """``plan`` (a 1F1B / GPipe / interleaved pipeline plan) with pipeline ``p`` training
     ``data_split[p]`` samples, ``plan.num_microbatches`` micro-batches of ``data_split[p] / m``
     each (its ranks' ``batch_share``, ``micro_batch_size`` say so), and every stage's
-    ``replica_devices`` where its replicas' devices differ.  Predictions are left as they were;
+    ``replicas.devices`` where its replicas' devices differ.  Predictions are left as they were;
     PlanError where the split does not fit the plan."""
     if plan.strategy != "pipeline":
         raise PlanError(f"uneven_pipelines: a {plan.strategy!r} plan has no pipelines; give a pipeline plan")
@@ -83,7 +84,8 @@ def uneven_pipelines(plan: Plan, data_split: Sequence[int]) -> Plan:
         for p, rows in enumerate(split):
             for r in st.ranks[p * u:(p + 1) * u]:
                 ranks[r] = replace(ranks[r], batch_share=rows, micro_batch_size=rows // m, num_microbatches=m)
-    stages = tuple(replace(st, data_split=split, replica_devices=replica_devices(plan, j))
+    stages = tuple(replace(st, data_split=split, replicas=replica_stage(
+                       replica_devices(plan, j), st.replicas.modules if st.replicas is not None else None))
                    for j, st in enumerate(plan.stages))
     return replace(plan, stages=stages, ranks=tuple(ranks))
 
@@ -181,7 +183,7 @@ def shape_plan(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[boo
                                 ranks=tuple(r for _, rs in shape.pipes for r in rs[j * u:(j + 1) * u]),
                                 data_split=split, device=shape.pipes[0][0], tensor_parallel=u,
                                 activation_checkpointing=ckpt[j],
-                                replica_devices=kinds if len(set(kinds)) > 1 else None))
+                                replicas=replica_stage(kinds if len(set(kinds)) > 1 else None)))
     w = p.workload
     draft = Plan(strategy="pipeline", model=p.graph.model_name, cluster=cluster.name, global_batch=w.global_batch,
                  seq_len=w.seq_len, dtype=w.dtype, optimizer=w.optimizer, stages=tuple(stages),

@@ -26,7 +26,7 @@ def check_stage(p: Any, i: int, st: Any) -> None:
                         f"tensor_parallel {st.tensor_parallel} needs "
                         f"{p.pipelines * st.tensor_parallel} ranks")
     _check_replicas(p, i, st)
-    splits = {"tensor.split": st.tensor.split if st.tensor is not None else None, "expert_split": st.expert_split}
+    splits = {"tensor.split": st.tensor.split if st.tensor is not None else None, "expert.split": st.expert.split if st.expert is not None else None}
     for name, split in splits.items():
         if st.tensor_parallel == 1 and split is not None:
             raise PlanError(f"plan.stages[{i}].{name} = {list(split)}: stage {i} runs on one rank per "
@@ -59,7 +59,7 @@ def refusal(old: Any, new: Any) -> str:
 
 
 def _check_replicas(p: Any, i: int, st: Any) -> None:
-    """A pipeline stage's replicas: ``replica_devices[q]`` is the ``RankPlan.device`` of every
+    """A pipeline stage's replicas: ``replicas.devices[q]`` is the ``RankPlan.device`` of every
     rank of replica ``q`` (ranks ``[q·u, (q+1)·u)`` of the stage, ``u = tensor_parallel``); every
     stage splits the batch alike; where the pipelines' batches differ, pipeline ``q``'s
     ``data_split[q]`` is ``num_microbatches`` micro-batches of ``data_split[q] / num_microbatches``
@@ -69,21 +69,20 @@ def _check_replicas(p: Any, i: int, st: Any) -> None:
     if st.data_split != first:
         raise PlanError(f"{where}.data_split = {list(st.data_split)}: every stage of a pipeline trains the same "
                         f"samples, so it must equal stages[0].data_split = {list(first)}")
-    if st.replica_devices is not None:
-        if len(st.replica_devices) != p.pipelines:
-            raise PlanError(f"{where}.replica_devices = {list(st.replica_devices)}: a pipeline plan with "
+    kinds, cuts = (st.replicas.devices, st.replicas.modules) if st.replicas else (None, None)
+    if kinds is not None:
+        if len(kinds) != p.pipelines:
+            raise PlanError(f"{where}.replicas.devices = {list(kinds)}: a pipeline plan with "
                             f"pipelines = {p.pipelines} needs one device kind per pipeline")
-        for q, kind in enumerate(st.replica_devices):
+        for q, kind in enumerate(kinds):
             wrong = [r for r in st.ranks[q * u:(q + 1) * u] if r < len(p.ranks) and p.ranks[r].device != kind]
             if wrong:
-                raise PlanError(f"{where}.replica_devices[{q}] = {kind!r}, but rank {wrong[0]} of that replica "
-                                f"is a {p.ranks[wrong[0]].device!r} (ranks[{wrong[0]}].device); make them agree")
-    if st.replica_modules is not None and (len(st.replica_modules) != p.pipelines or u != 1
-                                           or p.schedule not in ("1F1B", "GPipe")):
-        raise PlanError(f"{where}.replica_modules: pipelines with their own stage cuts need one module list "
-                        f"per pipeline ({p.pipelines}), stages of tensor_parallel 1 and a 1F1B or GPipe "
-                        f"schedule (got {len(st.replica_modules)} lists, tensor_parallel {u}, "
-                        f"schedule {p.schedule!r})")
+                raise PlanError(f"{where}.replicas.devices[{q}] = {kind!r}, but rank {wrong[0]} of that "
+                                f"replica is a {p.ranks[wrong[0]].device!r} (ranks[{wrong[0]}].device); make them agree")
+    if cuts is not None and (len(cuts) != p.pipelines or u != 1 or p.schedule not in ("1F1B", "GPipe")):
+        raise PlanError(f"{where}.replicas.modules: pipelines with their own stage cuts need one module "
+                        f"list per pipeline ({p.pipelines}), stages of tensor_parallel 1 and a 1F1B or GPipe "
+                        f"schedule (got {len(cuts)} lists, tensor_parallel {u}, schedule {p.schedule!r})")
     if len(set(st.data_split)) <= 1:
         return
     m = p.num_microbatches
@@ -127,7 +126,7 @@ def _pipeline_lines(plan: Any) -> list[str]:
            f"micro-batches of {_micro_batches(plan)}, "
            f"{plan.schedule}, ZeRO-1 {'on' if plan.zero_sharded_optimizer else 'off'}, "
            f"activation checkpointing {'on' if plan.activation_checkpointing else 'off'}"]
-    out += [f"  stage {st.index}: {'/'.join(st.replica_devices or ()) or st.device}, "
+    out += [f"  stage {st.index}: {'/'.join(st.replicas and st.replicas.devices or ()) or st.device}, "
             f"TP {st.tensor_parallel} per pipeline, "
             f"{_span(st.modules)}, fwd+bwd {1e3 * (st.predicted_fwd_s + st.predicted_bwd_s):.2f} ms"
             f"/micro-batch" + (", checkpointed" if st.activation_checkpointing else "")

@@ -43,17 +43,17 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     total = sum(p.numel() for p in params.values())
     written = []
     for r in plan.ranks:
-        rows = {n: list(owned_rows(tuple(p.shape), stage.state_split)[r.rank]) + [p.shape[0] if p.dim() else 1]
+        rows = {n: list(owned_rows(tuple(p.shape), stage.sharded.split)[r.rank]) + [p.shape[0] if p.dim() else 1]
                 for n, p in params.items()}
         held = sum((hi - lo) * (p.numel() // max(1, of)) for (lo, hi, of), p in zip(rows.values(), params.values()))
         data = {"rank": r.rank, "device": r.device, "batch_share": r.batch_share, "batch_offset": offsets[r.rank],
                 "micro_batch_size": r.micro_batch_size, "num_microbatches": r.num_microbatches,
-                "state_weight": layout.where(r.rank).state_weight, "state_split": list(stage.state_split),
-                "shard_stage": stage.shard_stage, "activation_checkpointing": r.activation_checkpointing,
+                "state_weight": layout.where(r.rank).state_weight, "state_split": list(stage.sharded.split),
+                "shard_stage": stage.sharded.stage, "activation_checkpointing": r.activation_checkpointing,
                 "offload_optimizer": r.offload_optimizer,
                 "runs": "the model with each parameter's rows [lo, hi) of `rows` held as its shard (with its "
                         "gradient and optimizer state); " + ("blocks all-gathered around their forward and "
-                        "backward" if stage.shard_stage == 3 else "full parameters all-gathered each step")
+                        "backward" if stage.sharded.stage == 3 else "full parameters all-gathered each step")
                         + ", gradients reduce-scattered into the shards"}
         if model is not None:
             data["rows"] = {n: v for n, v in rows.items()}

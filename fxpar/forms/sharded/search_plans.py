@@ -5,7 +5,7 @@ the same numbers :func:`fxpar.sim.simulate` gives the stored plan).
 Integer plan of a configuration (``stage``, per-rank checkpointing ``c_r`` and offload ``z_r``,
 ``J`` rounds) and per-rank state fractions ``φ_r`` (:func:`integer_plan`):
 
-    ω     = largest-remainder rounding of ``WEIGHT_SCALE · φ`` (the plan's ``state_split``)
+    ω     = largest-remainder rounding of ``WEIGHT_SCALE · φ`` (the plan's ``sharded.split``)
     cap_r = min(⌊(M_r − held_r(ω)) / a(c_r)⌋, ⌊(M_r − mid_r(ω)) / (λ·a(c_r))⌋)
             (0 where end_r(ω) > M_r)   the largest micro-batch that fits (held, mid, λ, end:
             :func:`fxpar.sim.sharded_cost.memory_phases` with the exact ragged shards)
@@ -30,8 +30,9 @@ from fxpar.sim.sharded_sim import sharded_peaks, simulate_sharded
 from fxpar.solvers import data_parallel as dp
 from fxpar.solvers.baselines import proportional_shares
 from fxpar.solvers.problems import Problems
+from fxpar.stage_specs import ShardedStage
 
-#: the state weights are whole numbers summing to this (the plan's ``state_split``)
+#: the state weights are whole numbers summing to this (the plan's ``sharded.split``)
 WEIGHT_SCALE = 10_000
 
 
@@ -105,7 +106,7 @@ def draft(p: Problems, cfg: Config, weights, shares, micro) -> Plan:
                  activation_checkpointing=cfg.checkpointing[d.rank], offload_optimizer=cfg.offload[d.rank])
         for d in cluster.devices)
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=tuple(shares),
-                      state_split=tuple(weights), shard_stage=cfg.stage)
+                      sharded=ShardedStage(split=tuple(weights), stage=cfg.stage))
     return Plan(strategy="sharded_data_parallel", model=p.graph.model_name, cluster=cluster.name,
                 global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
                 optimizer=workload.optimizer, stages=(stage,), ranks=ranks, predicted_step_s=0.0,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import SHARD_STAGES, check_batch_total, same_job
+from fxpar.plan_checks import check_batch_total, same_job
 
 
 def check(p: Any) -> None:
-    """One stage with a ``state_split`` and a sharding stage; shares adding up to the batch."""
+    """One stage with a ``sharded`` spec (state weights per rank and a sharding stage); shares
+    adding up to the batch."""
     _check_state_split(p)
     check_batch_total(p)
 
@@ -20,7 +21,7 @@ def check_stage(p: Any, i: int, st: Any) -> None:
 
 def summary(p: Any) -> list[str]:
     """The sharding stage, each rank's state share and who checkpoints / offloads."""
-    return [_sharded_line(p)] if p.stages and p.stages[0].state_split is not None else []
+    return [_sharded_line(p)] if p.stages and p.stages[0].sharded is not None else []
 
 
 def label(p: Any) -> str:
@@ -37,41 +38,35 @@ def refusal(old: Any, new: Any) -> str:
     """``new``'s batch shares are taken at a step boundary where its state split, sharding
     stage and per-rank choices are ``old``'s (they decide what each rank holds)."""
     same = (same_job(old, new)
-            and new.stages[0].state_split == old.stages[0].state_split
-            and new.stages[0].shard_stage == old.stages[0].shard_stage
+            and new.stages[0].sharded == old.stages[0].sharded
             and all((a.offload_optimizer, a.activation_checkpointing) == (b.offload_optimizer, b.activation_checkpointing)
                     for a, b in zip(old.ranks, new.ranks)))
     if same:
         return ""
     return ("set_plan: a sharded data-parallel module can switch only to a plan with the same "
-            f"ranks ({old.world_size}), state_split {old.stages[0].state_split}, shard_stage "
-            f"{old.stages[0].shard_stage} and per-rank checkpointing/offload; rebuild the module "
+            f"ranks ({old.world_size}), sharded.split {list(old.stages[0].sharded.split)}, sharded.stage "
+            f"{old.stages[0].sharded.stage} and per-rank checkpointing/offload; rebuild the module "
             "(save_checkpoint / load_checkpoint move the state) to change them")
 
 
 def _check_state_split(p: Any) -> None:
-    """A sharded data-parallel plan: one stage with a state weight per rank (not all zero) and a
-    sharding stage of ``SHARD_STAGES``."""
+    """A sharded data-parallel plan: one stage with a ``sharded`` spec of a state weight per
+    rank (its own check: not all zero, a sharding stage of ``SHARD_STAGES``)."""
     st = p.stages[0] if len(p.stages) == 1 else None
-    if st is None or st.state_split is None or len(st.state_split) != len(p.ranks) \
-            or sum(st.state_split) <= 0:
-        raise PlanError("a sharded_data_parallel plan has one stage with a state_split per rank "
-                        "(whole-number weights, not all zero)")
-    if st.shard_stage not in SHARD_STAGES:
-        raise PlanError(f"plan.stages[0].shard_stage = {st.shard_stage}: a sharded_data_parallel "
-                        f"plan shards at stage {SHARD_STAGES[0]} (gradients + optimizer) or "
-                        f"{SHARD_STAGES[1]} (parameters too)")
+    if st is None or st.sharded is None or len(st.sharded.split) != len(p.ranks):
+        raise PlanError("a sharded_data_parallel plan has one stage with a sharded spec of one state weight "
+                        "per rank: stages[0].sharded = {split: [weights], stage: 2 or 3}")
 
 
 def _sharded_line(plan: Any) -> str:
     """The sharding stage, each rank's state share and who checkpoints / offloads."""
     st, ranks = plan.stages[0], plan.ranks
-    total = sum(st.state_split or ()) or 1
-    shares = [f"{100 * w / total:.1f}" for w in st.state_split or ()]
+    total = sum(st.sharded.split) or 1
+    shares = [f"{100 * w / total:.1f}" for w in st.sharded.split]
     shown = "/".join(shares) if len(shares) <= 16 else f"{min(shares)}-{max(shares)}"
     ckpt = [r.rank for r in ranks if r.activation_checkpointing]
     off = [r.rank for r in ranks if r.offload_optimizer]
-    return (f"ZeRO-{st.shard_stage}, model state % per rank: {shown}; activation checkpointing: ranks "
+    return (f"ZeRO-{st.sharded.stage}, model state % per rank: {shown}; activation checkpointing: ranks "
             f"{_which(ckpt, len(ranks))}; optimizer offloaded: ranks {_which(off, len(ranks))}")
 
 

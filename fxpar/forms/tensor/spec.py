@@ -117,7 +117,7 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
     st = plan.stages[0]
     world, width = len(plan.ranks), st.tensor_parallel
     if (width < 2 or tuple(st.ranks) != tuple(range(world)) or len(st.data_split) != plan.pipelines
-            or st.replica_devices is not None or st.expert_split is not None or units < width
+            or st.replicas is not None or st.expert is not None or units < width
             or plan.activation_checkpointing or st.activation_checkpointing or plan.zero_sharded_optimizer
             or any(r.activation_checkpointing or r.offload_optimizer for r in plan.ranks)):
         return None
