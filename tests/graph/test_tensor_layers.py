@@ -93,3 +93,26 @@ def test_an_edited_split_that_does_not_fit_the_model_is_refused_before_sharding(
                                         r".* LlamaForCausalLM has no such parameter"):
         shard_model(model, [1, 1], 0, split=plan.tensor_layers)
     assert {n: p.shape for n, p in model.named_parameters()} == before   # nothing half-cut
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda att: att["projections"][0].update(bias="transformer.h.0.attn.c_attn.b"),
+     r"by the bias transformer.h.0.attn.c_attn.b, but GPT2LMHeadModel has no such parameter or buffer"),
+    (lambda att: att.update(head_params=[["transformer.h.0.attn.c_proj.bias", 3, 1]]),
+     r"by the per-head parameter transformer.h.0.attn.c_proj.bias, but GPT2LMHeadModel holds it with 1 "
+     r"dimension\(s\), so it has no dimension 3 to cut"),
+])
+def test_a_split_naming_a_tensor_the_model_lacks_beside_its_projections_is_refused(edit, match):
+    """Biases, per-head and per-feature parameters, group norms and per-head score tensors are
+    checked like the projections: a clear error, not an AttributeError from deep in the cut."""
+    model = tiny_model("gpt2")
+
+    def edited(layers):
+        edit(layers["blocks"][0]["attention"][0])
+
+    plan = _edited(tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=4, kv_shares=[2, 2]),
+                   edited)
+    before = {n: p.shape for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match=r"block transformer.h.0 " + match):
+        shard_model(model, [2, 2], 0, split=plan.tensor_layers)
+    assert {n: p.shape for n, p in model.named_parameters()} == before

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -265,6 +266,8 @@ def check_split(model: torch.nn.Module, split: TPAnalysis, blocks: Collection[st
         if blocks is not None and blk.path not in blocks:
             continue
         found = [p for att in blk.attention for p in att.projections] + [p for m in blk.mlp for p in m.projections]
+        for what, fqn, dim in _named_tensors(blk, found):
+            _check_named(model, blk.path, what, fqn, dim)
         for proj in found:
             try:
                 shape = tuple(model.get_parameter(proj.weight).shape)
@@ -278,6 +281,40 @@ def check_split(model: torch.nn.Module, split: TPAnalysis, blocks: Collection[st
                                 f"projection {proj.weight} of shape {list(want)}, but {type(model).__name__} {have}; "
                                 "the split belongs to another model: drop tensor_layers from the plan to have "
                                 "fxpar analyse this one")
+
+
+def _named_tensors(blk: Any, projections: list[Any]) -> list[tuple[str, str, int | None]]:
+    """``(what, FQN, dimension cut or None)`` of each parameter or buffer a block's split names
+    beside its projection weights: biases, per-head, per-feature and shared parameters, group
+    norms' parameters and per-head tensors added to the scores."""
+    out: list[tuple[str, str, int | None]] = [("the bias", p.bias, None) for p in projections if p.bias]
+    for att in blk.attention:
+        out += [("the shared parameter", fqn, None) for fqn in att.shared_params]
+        out += [("the per-head parameter", fqn, dim) for fqn, dim, _ in att.head_params]
+        out += [("the per-feature parameter", fqn, dim) for fqn, dim, _, _ in att.feature_params]
+        out += [("the group norm's parameter", fqn, dim) for norm in att.group_norms for fqn, dim in norm.params]
+        out += [(f"the per-head {b.source}", b.target, b.dim) for b in att.head_biases if b.source in ("param", "buffer")]
+    return out
+
+
+def _check_named(model: torch.nn.Module, block: str, what: str, fqn: str, dim: int | None) -> None:
+    """A :class:`PlanError` where ``model`` holds no parameter or buffer ``fqn``, or one without
+    dimension ``dim`` (the split would cut it along that dimension)."""
+    path, _, name = fqn.rpartition(".")
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        owner = None
+    tensor = getattr(owner, name, None) if owner is not None else None
+    if not isinstance(tensor, torch.Tensor):
+        problem = "has no such parameter or buffer"
+    elif dim is not None and not -tensor.dim() <= dim < max(tensor.dim(), 1):
+        problem = f"holds it with {tensor.dim()} dimension(s), so it has no dimension {dim} to cut"
+    else:
+        return
+    raise PlanError(f"tensor parallelism: the plan's tensor_layers split block {block} by {what} {fqn}, but "
+                    f"{type(model).__name__} {problem}; the split belongs to another model: drop tensor_layers "
+                    "from the plan to have fxpar analyse this one")
 
 
 def with_split(plan: Plan, model: torch.nn.Module) -> Plan:
@@ -322,7 +359,7 @@ def check_shares(kv_shares: Sequence[int], kv: int, heads: int | None = None) ->
     ``heads`` query heads: a split by query heads with the key/value heads replicated)."""
     if sum(kv_shares) not in (kv, heads) or min(kv_shares) < 1:
         also = f" (or its {heads} query heads)" if heads not in (None, kv) else ""
-        raise PlanError(f"tensor_split {list(kv_shares)} must give every rank at least one of the "
+        raise PlanError(f"tensor.split {list(kv_shares)} must give every rank at least one of the "
                         f"model's {kv} key/value head groups{also} and sum to {kv}{also and ' or ' + str(heads)}")
 
 
