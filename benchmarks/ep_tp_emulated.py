@@ -133,18 +133,17 @@ def _timed(pm, batches) -> tuple[list[float], list[float], list[float]]:
 def _run_fxpar(kind: str, model, speeds, split: dict[str, Any], batches):
     """Both modules emulate per compute segment, before each collective (SegmentClock)."""
     from fxpar.cluster import Cluster
-    from fxpar.codegen import expert_parallel as ep
-    from fxpar.codegen import tensor_parallel as tp
+    from fxpar.codegen.common.module import RankModule
     from fxpar.codegen.hand_plans import expert_parallel_plan, tensor_parallel_plan
 
     cluster, rank = Cluster.emulated(list(speeds)), dist.get_rank()
     if kind == "ep":
         plan = expert_parallel_plan(model, cluster, global_batch=BATCH, expert_split=split["experts"],
                                     batch_shares=split["shares"], seq_len=SEQ)
-        return _timed(ep.ExpertParallelModule(model, plan, rank), batches)
+        return _timed(RankModule(model, plan, rank), batches)
     plan = tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=split["kv"], seq_len=SEQ,
                                 mlp_shares=split["mlp"])
-    return _timed(tp.TensorParallelModule(model, plan, rank), batches)
+    return _timed(RankModule(model, plan, rank), batches)
 
 
 def case_worker(kind: str, speeds: list[float], splits: dict[str, Any], steps: int, rounds: int) -> dict:

@@ -37,14 +37,14 @@ QUICK = [(1.0, 0.5), (1.0, 1.0)]
 
 
 def timed_worker(plan_json: str, steps: int) -> dict:
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
     from fxpar.plan import Plan
     from fxpar.tracing.hf import build_model, example_inputs
 
     plan = Plan.from_json(plan_json)
     model = build_model(SPEC, device="cpu", seed=0).train()
     data = [example_inputs(model, BATCH, SEQ, seed=i) for i in range(steps + 1)]
-    pm = PipelineParallelModule(model, plan, dist.get_rank(), data[0])
+    pm = RankModule(model, plan, dist.get_rank(), example_inputs=data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     dist.barrier()
     marks, losses = [time.perf_counter()], []

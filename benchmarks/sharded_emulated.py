@@ -216,7 +216,7 @@ def _fxpar_arm(model: torch.nn.Module, batches: list, plan: Plan) -> dict[str, A
     warm = step(batches[0])   # allocates the optimizer state
     out = _timed(step, batches[1:])
     out["losses"] = [warm] + out["losses"]
-    kept = [t.full for t in getattr(pm, "tensors", [])]   # ZeRO-2 keeps the full parameters
+    kept = [t.full for t in getattr(pm.form, "tensors", [])]   # ZeRO-2 keeps the full parameters
     out.update(_measured_peak(step, batches[1:1 + MEMORY_STEPS], training_state(pm, opt) + kept))
     return out
 

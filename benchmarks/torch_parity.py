@@ -135,7 +135,7 @@ def _fxpar(model: torch.nn.Module, plan: Plan, example: dict[str, torch.Tensor],
     pm = auto(model, Cluster.emulated([1.0] * WORLD), example, plan=plan, emulate=False,
               compile=BACKEND if compiled else False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    units = getattr(pm, "_units", None)
+    units = getattr(pm.form, "_units", None)
     padding = sum(u.train.gather.layout.padding_bytes for u in units) // len(units) if units else None
     kept = lambda: [f for u in (units or []) for f in u.train.fulls]   # ZeRO-2 keeps its full tensors
     return Arm(train=pm.step, optimizer=opt, resident=lambda: training_state(pm, opt) + kept(), padding_bytes=padding)

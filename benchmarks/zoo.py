@@ -56,7 +56,7 @@ import fxpar
 from benchmarks.common import finish
 from benchmarks.zoo_tiny import architecture, causal_lm_types, tiny_config
 from fxpar.codegen.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.tensor.families import head_layout, split_sizes
 from fxpar.runtime import WorkerPool
 from fxpar.solvers import plan as solve_plan
@@ -178,7 +178,7 @@ def pp_worker(model_type: str) -> dict:
     first = _first_stage_blocks(model, data)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=BATCH,
                          blocks_per_stage=[first, len(block_paths(model)) - first], num_microbatches=2)
-    pm = PipelineParallelModule(model, plan, dist.get_rank(), data, emulate=False)
+    pm = RankModule(model, plan, dist.get_rank(), example_inputs=data, emulate=False)
     torch.manual_seed(SEED)
     loss = pm.step(data)
     torch.manual_seed(SEED)

@@ -1,5 +1,6 @@
-"""This rank's parallel module for a plan: its parallel form's ``apply`` phase builds it
-(:func:`fxpar.forms.part`).
+"""This rank's parallel module for a plan: the one module type
+(:class:`~fxpar.codegen.common.module.RankModule`) with the pass its form's ``apply`` phase
+names (:func:`fxpar.forms.part`).
 
 Shared by :func:`fxpar.auto` and :mod:`fxpar.adapt` (which builds the module of a new plan while
 training), so both build a plan's module the same way.
@@ -12,8 +13,8 @@ from typing import Any
 
 import torch
 
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.pipeline.export import ExportCache
-from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.contract import ParallelModule
@@ -25,7 +26,7 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
                  checkpoint: str | Path | Any | None, group: Any, loss_fn: Any, loss_weighting: LossWeighting,
                  emulate: bool, compile: CompileOptions | None = None,
                  exports: ExportCache | None = None) -> ParallelModule:
-    """This rank's module for ``plan`` (its form's ``build``), its regions compiled when
+    """This rank's module for ``plan`` (the one module type, its form's pass applied), its regions compiled when
     ``compile`` says (:mod:`fxpar.runtime.compile`).  ``checkpoint``: a HF folder, a
     :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose values a
     reshard fills), or None.  ``exports``: a pipeline's exports of this model, made once
@@ -33,9 +34,9 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
     every fx graph in it is generated here (:func:`generate_graph_code`), not at its first step."""
     with owned_scope() as owned:
         try:
-            module = part(plan.strategy, "apply").build(
-                model, plan, rank, example_inputs, device=device, checkpoint=checkpoint, group=group,
-                loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate, exports=exports)
+            module = RankModule(model, plan, rank, example_inputs=example_inputs, device=device,
+                                checkpoint=checkpoint, group=group, loss_fn=loss_fn,
+                                loss_weighting=loss_weighting, emulate=emulate, exports=exports)
         except BaseException:   # a build that failed part-way gives back the groups and hooks it made
             release_owned(owned)
             raise

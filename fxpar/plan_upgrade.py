@@ -43,7 +43,7 @@ def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any
     """``d`` (a plan's JSON data) in format ``current``: a v1 plan's stages converted, a v2
     plan returned as it is; an unknown version is a :class:`PlanError`."""
     version = d.get("version", 1)
-    if isinstance(version, bool) or version not in range(1, current + 1):
+    if not isinstance(version, int) or isinstance(version, bool) or version not in range(1, current + 1):
         raise PlanError(f"{source}: plan format version {version!r} is not supported (this fxpar reads "
                         f"versions 1 to {current}); re-run `fxpar plan`")
     stages = d.get("stages")

@@ -197,7 +197,7 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     this rank's stage (``tests/parity.step_record``), then the trajectory gap of the stage's
     weights (``weights``).  ``stage_ranks``: one pipeline's stage ``j`` on rank ``stage_ranks[j]``
     (a placement whose chain is not in rank order)."""
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS[family])
@@ -209,12 +209,12 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
     if stage_ranks is not None:
         plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, ranks=(r,))
                                                       for st, r in zip(plan.stages, stage_ranks)))
-    pm = PipelineParallelModule(model, plan, rank, data[0])
+    pm = RankModule(model, plan, rank, example_inputs=data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     initial = snapshot(reference)
-    out = {"rank": rank, "stage": pm.stage_index, "steps": [], "checkpointing": pm.module.checkpointing}
+    out = {"rank": rank, "stage": pm.form.stage_index, "steps": [], "checkpointing": pm.module.checkpointing}
     for k, b in enumerate(data):
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss
@@ -261,7 +261,7 @@ def pp_gather_and_save(save_dir: str) -> dict:
     """Train 2 pipeline steps, gather the state dict on rank 0, save_pretrained, reload, compare
     with the single-process model trained the same way."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model("gpt2")
@@ -270,7 +270,7 @@ def pp_gather_and_save(save_dir: str) -> dict:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8,
                          blocks_per_stage=[1, 1], num_microbatches=2)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(2)]
-    pm = PipelineParallelModule(model, plan, rank, data[0])
+    pm = RankModule(model, plan, rank, example_inputs=data[0])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     for b in data:
@@ -360,10 +360,10 @@ def rank_gradient_pairs(pm, reference: torch.nn.Module) -> list:
     weight's gradient is found under any of its names."""
     ref_grads = dict(reference.named_parameters(remove_duplicate=False))
     if pm.plan.strategy == "sharded_data_parallel":
-        rows = pm.owned_rows()
+        rows = pm.form.owned_rows()
         return [(t.names[0], t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
                  else ref_grads[t.names[0]].grad[slice(*rows[t.names[0]])])
-                for t in pm.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
+                for t in pm.form.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
     named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
     return [(n, p.grad, ref_grads[n].grad) for n, p in named]
 
@@ -388,7 +388,7 @@ def masked_pp_parity(padded: bool) -> dict:
     the mask), against one process (``tests/parity.step_record``); and the SDPA calls of one
     ``eval_loss`` that were given a mask (``masked_calls``, from torch's profiler)."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="cpu", seed=0,
@@ -401,7 +401,7 @@ def masked_pp_parity(padded: bool) -> dict:
     if padded:   # every row alike, so the micro-batches weigh alike
         batch["attention_mask"][:, :3] = 0
         batch["labels"][:, :3] = -100
-    pm = PipelineParallelModule(model, plan, rank, batch)
+    pm = RankModule(model, plan, rank, example_inputs=batch)
     loss = pm.step(batch)
     ref_loss = reference(**batch, use_cache=False).loss
     ref_loss.backward()

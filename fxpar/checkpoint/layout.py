@@ -3,7 +3,7 @@
 A checkpoint is keyed by the *original* model's parameter names (FQNs), whatever the plan.
 Every fxpar parallel module (:class:`fxpar.runtime.contract.ParallelModule`) says what it holds
 with ``checkpoint_layout()``: :class:`LocalParam` entries, each the box of the full tensor it
-holds.  Each form's module writes its own (a replica's whole tensors, a pipeline stage's
+holds.  Each form's pass writes its own (a replica's whole tensors, a pipeline stage's
 tensors, a tensor-parallel shard's ragged slices, an expert split's rows of every ``(E, ...)``
 tensor, a ZeRO shard's rows over the plan's ``sharded.split``), so this module names no form and
 imports no codegen: checkpoint sits below codegen in the layer order.  A wrapper that runs one

@@ -8,7 +8,7 @@ import each other:
 2. ``tensor``   — uneven tensor parallelism (``tensor.module``) and the sharding it is built
    from, also used by pipelines with tensor-parallel stages;
 3. ``hand_plans``, ``sharded_plans`` — plans written by hand (public paths);
-4. ``data``, ``expert``, ``sharded``, ``pipeline`` — one per-rank module per plan family;
+4. ``data``, ``expert``, ``sharded``, ``pipeline`` — each form's pass of the rank's module;
 5. ``emit`` — the per-rank files of ``fxpar emit``.
 
 Below codegen it may import every layer of the package except the API and integrations.

@@ -31,12 +31,13 @@ functions it must define (:data:`PHASES`):
                                              bound_s(cost, batch, work)   the least step of any of
                                                                 its plans, or None where it has none
                                                                 (:func:`fxpar.solvers.bounds.lower_bound_s`)
-    apply   (codegen)                        build(model, plan, rank, example_inputs, **how)
-                                                                -> this rank's module
+    apply   (codegen)                        form_pass(plan)    the form's pass of the rank's module
+                                                                (a :class:`fxpar.runtime.form_pass.FormPass`,
+                                                                which the one module type,
+                                                                :class:`fxpar.codegen.common.module.RankModule`,
+                                                                applies to itself)
                                              emit(plan, model, example_inputs, out)  the files
                                                                 ``fxpar plan --emit`` writes
-                                             MODULES            the classes build returns, each a
-                                                                :class:`fxpar.runtime.contract.ParallelModule`
     predict (fxpar.predict)                  predict(plan, cost, calibration)  -> its step's parts
                                                                 (:class:`fxpar.predict.Prediction`)
 
@@ -159,7 +160,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "price": ("simulate",),
     "bound": ("applies", "bound_s"),
     "search": ("problem", "candidates"),
-    "apply": ("build", "emit"),
+    "apply": ("form_pass", "emit"),
     "predict": ("predict",),
 }
 

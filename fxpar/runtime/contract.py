@@ -1,15 +1,18 @@
 """What fxpar's own code reads off a parallel module: the :class:`ParallelModule` protocol.
 
-``fxpar.auto`` returns one module per rank: a form's module (``fxpar.codegen.<form>.module``,
-built by the form's apply phase) or, with ``adapt=``, an :class:`fxpar.adapt.AdaptiveModule`
-that runs one and switches it.  Checkpoints (:func:`fxpar.checkpoint.describe`), adapting, the
+``fxpar.auto`` returns one module per rank: the one module type that runs every plan
+(:class:`fxpar.codegen.common.module.RankModule`, its form applied as a pass by the form's apply
+phase) or, with ``adapt=``, an :class:`fxpar.adapt.AdaptiveModule` that runs one and switches
+it.  Checkpoints (:func:`fxpar.checkpoint.describe`), adapting, the
 Trainer and Accelerate integrations, the step monitor and the optimizer helpers read these
-members and nothing else, so a new form's module is complete when it has them (a test checks
-every module fxpar builds, and that fxpar's code does not probe them with ``hasattr``).
+members and nothing else (a test checks that the one module type has them, and that fxpar's
+code does not probe them with ``hasattr``).
 
 :class:`ParallelModuleBase` gives the members whose meaning is the same for every form once:
-defaults for the optional ones, ``batch_rows``, ``shard_batch``, ``make_optimizer``, ``track``,
-``set_plan`` (over each form's ``refusal``), ``eval_loss`` (a form whose outputs are whole needs none) and ``clip_grad_norm_`` (each form says what it counts: ``_norm_terms``).
+defaults for the optional ones, ``shard_batch``, ``make_optimizer``, ``track``, ``set_plan``
+(over each form's ``refusal``), and ``clip_grad_norm_``; it asks the form's pass
+(:class:`~fxpar.runtime.form_pass.FormPass`) what differs: ``batch_rows``, ``eval_loss``,
+``checkpoint_layout``, what the gradient norm counts.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.runtime.batches import slice_rows
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
-from fxpar.runtime.grad_norm import NormTerms, clip_by_global_norm
+from fxpar.runtime.form_pass import FormPass
+from fxpar.runtime.grad_norm import clip_by_global_norm
 from fxpar.runtime.loss_scale import DynamicLossScaler
 from fxpar.runtime.optim import optimizer_for
 
@@ -95,6 +99,9 @@ class ParallelModule(Protocol):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's rows of a global batch."""
 
+    def named_original_parameters(self) -> Any:
+        """``(original FQN, parameter)`` of every tensor this rank holds."""
+
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """One training step (forward, backward, gradient sync); the global loss on every rank."""
 
@@ -140,8 +147,9 @@ class ParallelModule(Protocol):
 
 @ParallelModule.register
 class ParallelModuleBase(torch.nn.Module):
-    """The members of :class:`ParallelModule` that every form's module shares (module docstring);
-    a form's module derives from it and sets the others in its ``__init__``.
+    """The members of :class:`ParallelModule` of the one module type that runs every plan
+    (:class:`fxpar.codegen.common.module.RankModule`; module docstring): the same for every form,
+    or asked of the plan's form pass (``form``, :class:`~fxpar.runtime.form_pass.FormPass`).
 
     Registered with the protocol, so that ``isinstance(x, ParallelModule)`` is nominal for fxpar's
     modules: a protocol's structural check reads each member statically from Python 3.12 on
@@ -150,7 +158,6 @@ class ParallelModuleBase(torch.nn.Module):
 
     #: see :class:`ParallelModule`
     adaptive: ClassVar[bool] = False
-    whole_outputs: ClassVar[bool] = True
     group: Any = None
     dp_group: Any = None
     pricing: Any = None
@@ -159,32 +166,46 @@ class ParallelModuleBase(torch.nn.Module):
 
     plan: Plan
     rank: int
+    #: the plan's form's part of this module
+    form: FormPass
 
     @property
     def parallel_module(self) -> torch.nn.Module:
         return self
 
     @property
+    def whole_outputs(self) -> bool:
+        """Whether the rank's forward gives the whole model's outputs (the form's)."""
+        return self.form.whole_outputs
+
+    @property
     def original_model(self) -> torch.nn.Module:
         """The user's model: the one the form changed in place and runs (``module``; a
         pipeline keeps it beside its stages)."""
-        return self.module
+        return self.form.original_model
+
+    def named_original_parameters(self) -> Any:
+        """``(original FQN, parameter)`` of every tensor this rank holds (a pipeline stage's under
+        the model's names)."""
+        return self.form.named_original_parameters()
 
     def batch_rows(self) -> tuple[int, int]:
         """``(start, stop)``: the rows of the global batch this rank trains on (per-rank samplers
-        load only these and call ``step(rows, local=True)``; default: its plan share)."""
-        start = self.plan.batch_offsets()[self.rank]
-        return start, start + self.plan.ranks[self.rank].batch_share
+        load only these and call ``step(rows, local=True)``; the form's)."""
+        return self.form.batch_rows()
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's rows of a global batch (:meth:`batch_rows`)."""
         return slice_rows(batch, *self.batch_rows())
 
     def eval_loss(self, batch: Any, *, local: bool = False) -> torch.Tensor:
-        """Only a module without :attr:`whole_outputs` evaluates by a loss alone; this one's
-        forward gives the whole model's outputs (evaluate through it)."""
-        raise PlanError(f"eval_loss: a {self.plan.strategy} module's forward gives the whole model's outputs "
-                        "(whole_outputs is True): evaluate by calling it, as the Trainer does")
+        """A module without :attr:`whole_outputs`: the loss of ``batch`` without gradients
+        (the form's; a form whose forward gives the whole outputs refuses)."""
+        return self.form.eval_loss(batch, local=local)
+
+    def checkpoint_layout(self) -> list[Any]:
+        """The box of every original parameter this rank holds (the form's)."""
+        return self.form.checkpoint_layout()
 
     def make_optimizer(self, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters as the plan says (ZeRO-1 or plain;
@@ -199,16 +220,9 @@ class ParallelModuleBase(torch.nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip every gradient by the whole model's gradient norm; returns that norm (fp32, on the
-        device; nothing read to the host).  Collective where the module's ``_norm_terms`` sum
+        device; nothing read to the host).  Collective where the form's ``norm_terms`` sum
         over ranks (:mod:`fxpar.runtime.grad_norm`)."""
-        return clip_by_global_norm(self._norm_terms(), max_norm, self.device)
-
-    def _norm_terms(self) -> NormTerms:
-        """What this rank adds to the norm and scales (:class:`~fxpar.runtime.grad_norm.NormTerms`).
-        Default: a whole replica whose gradients are already the global ones: all counted,
-        nothing summed (``torch.nn.utils.clip_grad_norm_`` itself)."""
-        params = list(self.parameters())
-        return NormTerms(counted=[p.grad for p in params if p.grad is not None], params=params, reduce=False)
+        return clip_by_global_norm(self.form.norm_terms(), max_norm, self.device)
 
     def refusal(self, plan: Plan) -> str:
         """Its form's rule (the ``spec`` phase's ``refusal``: plain data, which adapting's
@@ -216,16 +230,12 @@ class ParallelModuleBase(torch.nn.Module):
         return part(self.plan.strategy, "spec").refusal(self.plan, plan)
 
     def set_plan(self, plan: Plan) -> None:
-        """Take ``plan`` where :meth:`refusal` allows it (then :meth:`_take_plan`), else a PlanError
-        saying why."""
+        """Take ``plan`` where :meth:`refusal` allows it (then the form's ``take_plan``), else a
+        PlanError saying why."""
         why = self.refusal(plan)
         if why:
             raise PlanError(why)
-        self._take_plan(plan)
-
-    def _take_plan(self, plan: Plan) -> None:
-        """Run ``plan`` from the next step (one :meth:`refusal` accepted); default: hold it."""
-        self.plan = plan
+        self.form.take_plan(plan)
 
 
 def make_optimizer(pmodel: torch.nn.Module, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:

@@ -334,7 +334,7 @@ def is_comm_failure(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def peer_failures(where: str, rank: int | None = None) -> Iterator[None]:
     """Turn a failed collective inside the block into a :class:`RuntimeSetupError` naming
-    ``where`` (e.g. "DataParallelModule.step: gradient all-reduce"), the seconds it waited
+    ``where`` (e.g. "RankModule.step: gradient all-reduce"), the seconds it waited
     and what to check; other errors pass through unchanged."""
     start = time.monotonic()
     try:

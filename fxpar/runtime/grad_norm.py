@@ -1,7 +1,7 @@
 """Gradient clipping by the norm of the *whole* model when each rank holds part of it.
 
 Each rank takes ``‖g‖²`` over the gradients it is responsible for counting (its own shard, or a
-replicated parameter on exactly one rank of the group: each form's module says which, in its
+replicated parameter on exactly one rank of the group: each form's pass says which, in its
 ``_norm_terms``), the squares are summed over ``group`` in fp64, and every rank scales all its
 gradients by ``min(1, max_norm / (‖g‖ + 1e-6))`` -- the rule of
 ``torch.nn.utils.clip_grad_norm_`` applied to the unsharded model.  The local norm and the

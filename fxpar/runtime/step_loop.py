@@ -1,12 +1,12 @@
-"""One training step for every per-rank module kind (data, sharded, tensor, expert parallel and
-the pipelines).
+"""One training step for every plan (data, sharded, tensor, expert parallel and the pipelines).
 
 The micro-batch loop, the loss weighting, mixed precision, speed emulation and the step's
-timing live here once; each kind is a :class:`StepModule` and supplies only what differs
+timing live here once, in the one module type's :class:`StepModule`; each form's pass
+(:mod:`fxpar.runtime.form_pass`) supplies only what differs
 (its rows, the group its item counts sum over, its gradient sync; the hooks are listed on
-the class).  A pipeline replaces the micro-batch loop by its schedule
-(:meth:`StepModule._forward_backward`: :mod:`fxpar.codegen.pipeline.module`, which weights
-each micro-batch by the same rule).
+:class:`~fxpar.runtime.form_pass.FormPass`).  For a pipeline plan the loop runs the schedule
+instead of the micro-batch loop (the pass's ``forward_backward``:
+:mod:`fxpar.codegen.pipeline.module`, which weights each micro-batch by the same rule).
 
 Weighting (the definition of correct in DESIGN: the loss and every gradient equal one process
 on the whole global batch).  With ``N`` items in the global batch -- samples, or for HF models
@@ -18,14 +18,14 @@ the loss is the mean ``L = (1/N) Σ_j ℓ_j``.  A rank cuts its rows into micro-
 
 and, the gradient being linear, the SUM (never the mean) of the local gradients over the ranks
 that hold different rows is ``∇L``.  ``N`` is counted on the global batch, or with
-``step(rows, local=True)`` summed over those ranks (:meth:`StepModule._items_group`).  A
+``step(rows, local=True)`` summed over those ranks (the pass's ``items_group``).  A
 micro-batch with ``N_m = 0`` (every label -100) contributes nothing, and its own mean would be
 0/0 = NaN: it is skipped, or -- where every rank must join every collective of the forward and
 backward (expert parallelism) -- run with the zero loss ``0 · Σ outputs`` instead.
 
 One step:  ``N``  →  this rank's micro-batches  →  for each: forward under the plan dtype's
 autocast, ``loss_fn``, backward of the weighted loss (:meth:`StepModule._backward`, where loss
-scaling goes)  →  the kind's gradient sync, which also sums the weighted losses so that every
+scaling goes)  →  the form's gradient sync, which also sums the weighted losses so that every
 rank returns ``L``.
 
 Emulated speed (DESIGN, "Running without GPUs"): one :class:`SegmentClock` per module stretches
@@ -34,8 +34,8 @@ backward (tensor, expert parallel) or at each gradient bucket launch (data paral
 slow rank reaches every collective as late as a slow device would.  :class:`StepTiming` splits
 the step into compute, emulation and communication.
 
-A batch's rows and items are counted and sliced in :mod:`fxpar.runtime.batches`.  The kinds'
-data-parallel sum (:meth:`StepModule._summed`: the parameters summed over the ranks that hold
+A batch's rows and items are counted and sliced in :mod:`fxpar.runtime.batches`.  The forms'
+data-parallel sum (the pass's ``summed``: the parameters summed over the ranks that hold
 other rows, and their group) is the loop's own: persistent buckets whose views are the gradients,
 launched during the last micro-batch's backward (:mod:`fxpar.runtime.allreduce`).
 """
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,58 +59,44 @@ from fxpar.runtime.batches import count_items, split_microbatches, to_device
 from fxpar.runtime.device import host_tensor, module_device, plan_rank_device
 from fxpar.runtime.distributed import host_group, is_comm_failure, peer_failures, wait_work
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator, timed
+from fxpar.runtime.form_pass import ALONE, FormPass
 from fxpar.runtime.loss_scale import DynamicLossScaler, scaler_for
 from fxpar.runtime.losses import LossFn, LossWeighting, check_loss_options, default_loss, zero_loss
 from fxpar.profiling.collectives import GRADIENT_BUCKET_BYTES
 from fxpar.runtime.precision import TORCH_DTYPES, autocast_for
 from fxpar.tracing.structure import block_paths
 
-#: what a kind does with a micro-batch of no items: "skip" it, or run it with a zero loss
-#: ("zero_loss": every rank must take part in every collective of every micro-batch)
-EmptyMicrobatches = Literal["skip", "zero_loss"]
-#: :meth:`StepModule._items_group` of a rank whose rows are the whole batch
-ALONE = object()
 #: Errors a model's forward raises on a batch it cannot take (wrapped with the batch's layout).
 _FORWARD_ERRORS = (TypeError, ValueError, IndexError, KeyError, RuntimeError)
 
 
 # ---- the loop --------------------------------------------------------------------------------
 class StepModule(ParallelModuleBase):
-    """Base of the per-rank modules trained by one step loop (module docstring).  A kind calls
-    :meth:`_setup_step` in its ``__init__`` (before sharding: its collectives report to
-    ``self.clock``) and supplies:
-
-    - ``_forward_backward(batch, local)``: the forward and backward of the rank's rows (default:
-      the micro-batch loop; a pipeline: its schedule);
-    - ``_summed()``: the parameters summed over the ranks with other rows and their group (the
-      loop's bucketed all-reduce; default: none), or ``_sync_gradients(loss_sum)``: a sync of its
-      own after the last backward;
-    - ``_items_group()``: the group ``N`` is summed over (``local=True``; default: alone);
-    - ``batch_rows()``: this rank's rows of the global batch (default: its plan share);
-    - ``_last_backward()``: a context around the last micro-batch's backward (default none);
-    - ``_check_batch(batch, local)``: extra batch checks (call ``super()``);
-    - ``empty_microbatches`` and ``hf_use_cache`` (class attributes below).
+    """The step loop of the one module type that runs every plan
+    (:class:`fxpar.codegen.common.module.RankModule`; module docstring).  The module sets what
+    the loop reads (:meth:`_setup_step`), then its form's pass (``self.form``,
+    :class:`~fxpar.runtime.form_pass.FormPass`) sets itself up and answers the loop's hooks:
+    the rows, the batch checks, the forward and backward (a pipeline: its schedule), the
+    gradient sync, the group item counts sum over.  The loop's own pieces a pass may call are
+    :meth:`microbatch_loop`, :meth:`run_microbatches`, :meth:`call_model`, :meth:`check_batch`,
+    :meth:`finish_buckets` and :meth:`compile_blocks`.
     """
 
-    #: "skip" micro-batches without items, or run them with a zero loss (module docstring)
-    empty_microbatches: ClassVar[EmptyMicrobatches] = "skip"
-    #: False: HF models are called with ``use_cache=False`` (no KV cache of sharded heads)
-    hf_use_cache: ClassVar[bool] = True
     #: gradient bucket size of the overlapped all-reduce (set before the first step to change)
     bucket_bytes: int = GRADIENT_BUCKET_BYTES
-    #: compiled blocks are whole graphs (:mod:`fxpar.runtime.compile`; expert parallelism: no)
-    compile_fullgraph: ClassVar[bool] = True
 
     module: torch.nn.Module
     plan: Plan
     rank: int
+    #: the form's part of this module (:mod:`fxpar.runtime.form_pass`)
+    form: FormPass
 
     def _setup_step(self, module: torch.nn.Module, plan: Plan, rank: int, *, loss_fn: LossFn | None,
                     loss_weighting: LossWeighting, emulate: bool, device: torch.device | str | None = None) -> None:
         """What the step loop reads: model, plan, rank, loss, weighting, the emulation clock and
-        the rank's device (:func:`fxpar.runtime.device.rank_device` of ``device``), where the kind
-        places its shard (the kind checks first that the plan is of its form:
-        :func:`fxpar.codegen.common.module.check_form`)."""
+        the rank's device (:func:`fxpar.runtime.device.rank_device` of ``device``), where the
+        form's pass places its shard (set before the pass: its collectives report to
+        ``self.clock``)."""
         if not 0 <= rank < plan.world_size:
             raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
         check_loss_options(type(self).__name__, loss_fn, loss_weighting)
@@ -136,7 +122,7 @@ class StepModule(ParallelModuleBase):
 
     @property
     def device(self) -> torch.device:
-        """Where this rank computes: the rank's device the kind placed its shard on (set by
+        """Where this rank computes: the rank's device the pass placed its shard on (set by
         :meth:`_setup_step`; else the device of the model's first parameter or buffer)."""
         chosen = self.__dict__.get("_device")
         return chosen if chosen is not None else module_device(self.module)
@@ -146,33 +132,35 @@ class StepModule(ParallelModuleBase):
         self.__dict__["_device"] = torch.device(value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """The rank's forward (for evaluation; train with :meth:`step`): the form's."""
+        return self.form.forward(*args, **kwargs)
 
     # ---- one training step -------------------------------------------------------------------
     def step(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """Forward + backward of this rank's rows of the global ``batch`` (``local=True``:
         ``batch`` is already those rows, :meth:`batch_rows`), each micro-batch's mean loss
-        weighted by ``N_m / N``, then the kind's gradient sync.  Returns the global loss ``L``
+        weighted by ``N_m / N``, then the form's gradient sync.  Returns the global loss ``L``
         on every rank; the caller runs ``optimizer.step()`` and ``optimizer.zero_grad()``.
-        The one step of every form: a kind supplies :meth:`_forward_backward` (a pipeline: its
-        schedule) and :meth:`_sync_gradients`."""
-        where = self._where(local)
-        self._check_batch(batch, local)
+        The one step of every form: its pass supplies the forward and backward (a pipeline: its
+        schedule) and the gradient sync."""
+        form = self.form
+        where = form.where(local)
+        form.check_batch(batch, local)
         with timed() as wall:
             with peer_failures(f"{where}: a collective of the forward or backward", self.rank):
-                loss_sum = self._forward_backward(batch, local)
+                loss_sum = form.forward_backward(batch, local)
             with timed() as sync, peer_failures(f"{where}: gradient all-reduce", self.rank):
-                loss = self._sync_gradients(loss_sum)
+                loss = form.sync_gradients(loss_sum)
                 if self.loss_scaler is not None:  # the verdict is agreed over every rank
-                    self.loss_scaler.unscale_and_check(self._scaled_parameters(), self.device, self._scaler_group())
-        self.last_timing = self._step_timing(wall.seconds, sync.seconds)
+                    self.loss_scaler.unscale_and_check(form.scaled_parameters(), self.device, self._scaler_group())
+        self.last_timing = form.step_timing(self._clock_timing(wall.seconds, sync.seconds))
         self.plan = explained(self.plan, self.compiled)   # the compiled regions' graph breaks, once
-        self._after_step()
+        form.after_step()
         return loss
 
-    def _forward_backward(self, batch: Any, local: bool) -> torch.Tensor:
+    def microbatch_loop(self, batch: Any, local: bool) -> torch.Tensor:
         """The micro-batch loop over this rank's rows, timed by the clock (collectives of the
-        sharded, EP and TP kinds run inside); returns ``Σ_m (N_m / N) · L_m`` with every trainable
+        sharded, EP and TP forms run inside); returns ``Σ_m (N_m / N) · L_m`` with every trainable
         parameter's ``.grad`` set (zeros where none flowed: every rank joins the sync)."""
         device = self.device
         total = self._total_items(batch, local, device)
@@ -182,7 +170,7 @@ class StepModule(ParallelModuleBase):
             buckets.prepare()
         self.clock.start()
         try:
-            loss_sum = self._run(runs, total, device)
+            loss_sum = self.form.run(runs, total, device)
         finally:
             self.clock.stop()
         for p in self.module.parameters():
@@ -190,27 +178,26 @@ class StepModule(ParallelModuleBase):
                 p.grad = torch.zeros_like(p)
         return loss_sum
 
-    def _step_timing(self, wall_s: float, sync_s: float) -> StepTiming | None:
-        """The parts of the step just run, from the clock (None where the clock does not time
-        the whole step)."""
+    def _clock_timing(self, wall_s: float, sync_s: float) -> StepTiming:
+        """The parts of the step just run, from the clock."""
         return StepTiming(compute_s=self.clock.compute_s, emulation_s=self.clock.emulation_s,
                           comm_s=self.clock.comm_s + sync_s, total_s=wall_s, cpu_s=self.clock.cpu_s)
 
-    def _scaled_parameters(self) -> Any:
-        """The parameters whose gradients an fp16 plan's loss scale multiplied."""
-        return self.module.parameters()
-
     # ---- torch.compile -------------------------------------------------------------------------
     def compile_regions(self, options: CompileOptions) -> None:
-        """Compile every repeated block's forward (:mod:`fxpar.runtime.compile`); the first step
-        that runs them adds their graph breaks to ``plan.explain``."""
-        self.compiled = RegionalCompile(options)
-        self.compiled.compile_blocks(self.module, block_paths(self.module), fullgraph=self.compile_fullgraph)
+        """Compile the rank's repeated blocks' forwards (the form's way: :meth:`compile_blocks`
+        unless its pass says otherwise); the first step that runs them adds their graph breaks
+        to ``plan.explain``."""
+        self.form.compile_regions(options)
 
+    def compile_blocks(self, options: CompileOptions) -> None:
+        """Compile every repeated block's forward of ``module`` (:mod:`fxpar.runtime.compile`)."""
+        self.compiled = RegionalCompile(options)
+        self.compiled.compile_blocks(self.module, block_paths(self.module), fullgraph=self.form.compile_fullgraph)
 
     def _total_items(self, batch: Any, local: bool, device: torch.device) -> int | torch.Tensor:
         """``N``: counted on the global batch, or summed over the ranks with other rows
-        (``local``: :meth:`_items_group`; a count made on the host is summed on a host group, so
+        (``local``: the pass's ``items_group``; a count made on the host is summed on a host group, so
         ``N`` stays an ``int``; one made on the device stays a tensor there, never read back)."""
         if not local:
             total = count_items(batch, self.loss_weighting, self.causal)
@@ -220,14 +207,14 @@ class StepModule(ParallelModuleBase):
             mine = count_items(batch, self.loss_weighting, self.causal)
             host = isinstance(mine, int)
             count = host_tensor([mine]) if host else mine.reshape(1).to(torch.int64)
-            group = self._items_group()
+            group = self.form.items_group()
             if group is not ALONE and self.plan.world_size > 1:
-                with peer_failures(f"{self._where(local)}: item count all-reduce", self.rank):
+                with peer_failures(f"{self.form.where(local)}: item count all-reduce", self.rank):
                     wait_work(dist.all_reduce(count, group=self._host_group(group) if host else group,
                                               async_op=True), count.device)
             total = int(count.tolist()[0]) if host else count[0]
         if isinstance(total, int) and total <= 0:
-            raise PlanError(f"{self._where(local)}: the batch has no items to train on: every label "
+            raise PlanError(f"{self.form.where(local)}: the batch has no items to train on: every label "
                             "is -100 (ignored) on every rank; give at least one real label")
         return total
 
@@ -239,7 +226,7 @@ class StepModule(ParallelModuleBase):
         return self._control
 
     def _microbatches(self, rows: Any) -> list[tuple[Any, int | torch.Tensor]]:
-        """``(micro-batch, items)`` in order; empty ones left out where the kind skips them (and
+        """``(micro-batch, items)`` in order; empty ones left out where the form skips them (and
         their count was made on the host: a count on the device is never read, module docstring)."""
         rp = self.plan.ranks[self.rank]
         if not rp.batch_share:
@@ -247,10 +234,10 @@ class StepModule(ParallelModuleBase):
         runs = [(mb, count_items(mb, self.loss_weighting, self.causal))
                 for mb in split_microbatches(rows, rp.micro_batch_size, rp.num_microbatches)]
         return [(mb, n) for mb, n in runs
-                if not isinstance(n, int) or n or self.empty_microbatches == "zero_loss"]
+                if not isinstance(n, int) or n or self.form.empty_microbatches == "zero_loss"]
 
-    def _run(self, runs: list[tuple[Any, int | torch.Tensor]], total: int | torch.Tensor,
-             device: torch.device) -> torch.Tensor:
+    def run_microbatches(self, runs: list[tuple[Any, int | torch.Tensor]], total: int | torch.Tensor,
+                         device: torch.device) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns ``Σ_m (N_m / N) · L_m`` (detached).
         A micro-batch counted on the device runs whatever its count: an empty one's mean (0/0)
         is replaced by 0 on the device, and the loss's backward of no items is zero."""
@@ -258,7 +245,7 @@ class StepModule(ParallelModuleBase):
         for j, (mb, items) in enumerate(runs):
             mb = to_device(mb, device)
             with autocast_for(self.plan.dtype, self.module):  # fp16/bf16 plans: mixed precision
-                output = self._forward(mb)
+                output = self.form.model_forward(mb)
                 if isinstance(items, int):
                     loss = self.loss_fn(output, mb).float() if items else None
                 else:
@@ -285,12 +272,12 @@ class StepModule(ParallelModuleBase):
         parallel plans may run on a subgroup), else the whole job."""
         return self.group
 
-    def _forward(self, mb: Any) -> Any:
+    def call_model(self, mb: Any) -> Any:
         """The model's output on one micro-batch; a forward that rejects it is a ConfigError."""
         try:
             if not isinstance(mb, Mapping):
                 return self.module(mb)
-            no_cache = not self.hf_use_cache and hasattr(self.module, "config")
+            no_cache = not self.form.hf_use_cache and hasattr(self.module, "config")
             return self.module(**({"use_cache": False, **mb} if no_cache else mb))
         except _FORWARD_ERRORS as exc:
             if isinstance(exc, (torch.OutOfMemoryError, FxparError)) or is_comm_failure(exc):
@@ -298,17 +285,17 @@ class StepModule(ParallelModuleBase):
             missing = [k for k in self._input_specs if isinstance(mb, Mapping) and k not in mb]
             lacks = f"; the batch lacks {missing}, which example_inputs had" if missing else ""
             raise ConfigError(
-                f"{type(self).__name__}.step: {type(self.module).__name__}'s forward rejected rank "
+                f"{self.form.where(False)}: {type(self.module).__name__}'s forward rejected rank "
                 f"{self.rank}'s micro-batch {checks.describe(mb)}{lacks}: {type(exc).__name__}: "
                 f"{str(exc).strip()[:300].rstrip('.')}. Pass batches like example_inputs (same keys, dtypes, "
                 "and per-sample shapes the model accepts)") from exc
 
     # ---- the data-parallel sum ---------------------------------------------------------------
     def _buckets(self) -> GradientBuckets | None:
-        """The bucketed all-reduce of :meth:`_summed`'s parameters, built at the first step (the
+        """The bucketed all-reduce of the pass's ``summed`` parameters, built at the first step (the
         parameters do not change between steps); None where nothing is summed."""
         if self._grad_buckets is None:
-            summed = self._summed()
+            summed = self.form.summed()
             if summed is None:
                 return None
             params, group = summed
@@ -317,39 +304,21 @@ class StepModule(ParallelModuleBase):
             self._grad_buckets = GradientBuckets(params, group, self.clock, self.bucket_bytes, reduce_dtype=reduce)
         return self._grad_buckets
 
-    # ---- hooks -------------------------------------------------------------------------------
-    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
-        """The parameters whose gradients are SUMmed over the ranks that hold other rows, and
-        that group (None: nothing is summed, or the kind syncs by :meth:`_sync_gradients`)."""
-        return None
-
-    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Sum the gradients (every ``.grad`` exists) and ``loss_sum`` over the ranks that hold
-        different rows; returns the global loss.  Default: the buckets of :meth:`_summed`."""
+    def finish_buckets(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Wait for the buckets of the form's ``summed()`` (the loss rides along); the global loss."""
         buckets = self._buckets()
         return buckets.finish(loss_sum) if buckets is not None else loss_sum
 
-    def _after_step(self) -> None:
-        """What a kind records of the step just run (default: nothing)."""
-
-    def _items_group(self) -> Any:
-        """The group over which item counts are summed (``local=True``): one rank per distinct row
-        set (None: the whole job); :data:`ALONE` (default): the rank's rows are the batch."""
-        return ALONE
-
     def _last_backward(self) -> contextlib.AbstractContextManager[Any]:
-        """A context around the last micro-batch's backward: the buckets of :meth:`_summed` launch
+        """A context around the last micro-batch's backward: the buckets of the pass's ``summed`` launch
         as their gradients become final."""
         buckets = self._buckets()
         return buckets.armed() if buckets is not None else contextlib.nullcontext()
 
-    def _where(self, local: bool) -> str:
-        return f"{type(self).__name__}.step" + ("(local=True)" if local else "")
-
-    def _check_batch(self, batch: Any, local: bool) -> None:
+    def check_batch(self, batch: Any, local: bool) -> None:
         """Clear errors for a batch that does not fit the plan or the model, before any compute or
         collective (every rank sees the same global batch and raises alike)."""
-        where = self._where(local)
+        where = self.form.where(local)
         rows = checks.batch_rows(batch, where)
         start, stop = self.batch_rows()
         if local and rows != stop - start:

@@ -1,6 +1,6 @@
 """The shared step loop (fxpar.runtime.step_loop) in one process: ranks are simulated one after
 the other on copies of the model, their gradients and weighted losses summed by hand (what the
-kinds' SUM all-reduce does), and compared with one forward/backward of the whole global batch.
+forms' SUM all-reduce does), and compared with one forward/backward of the whole global batch.
 
 Labels are padded with -100 (uneven label tokens per rank, one micro-batch with none at all).
 Tolerance (fp32): loss within 1e-6, every gradient within 1e-6 absolute.
@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from fxpar.cluster import Cluster
-from fxpar.codegen.data.module import DataParallelModule
-from fxpar.codegen.expert.module import ExpertParallelModule
+from fxpar.codegen.common.module import RankModule
+from fxpar.codegen.data.module import DataParallel
+from fxpar.codegen.expert.module import expert_parallel_module
 from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.errors import ConfigError, PlanError
+from fxpar.forms import part
 from fxpar.plan import Plan, RankPlan, StagePlan
-from fxpar.runtime.step_loop import count_items, split_microbatches
+from fxpar.runtime.step_loop import StepModule, count_items, split_microbatches
 from tests.workers import global_batch, tiny_model
 from tests.multirank.workers_ep import moe_model
 
@@ -47,22 +49,24 @@ def _padded_batch(model: torch.nn.Module, rows: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-class _SimulatedRank(DataParallelModule):
+class _SimulatedRank(DataParallel):
     """A data-parallel rank with a (simulated) group to sum its item count over."""
 
-    def _items_group(self) -> object:
+    def items_group(self) -> object:
         return "simulated"
-
-    def _host_group(self, group: object) -> object:
-        return group
 
 
 def _simulate(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: Plan, *, local: bool,
-              kind: type[DataParallelModule] = DataParallelModule) -> tuple[float, dict[str, torch.Tensor]]:
-    """Every rank's step on its own copy; returns the summed loss and gradients."""
+              kind: type[DataParallel] = DataParallel) -> tuple[float, dict[str, torch.Tensor]]:
+    """Every rank's step on its own copy, the data-parallel plan run by the pass ``kind``;
+    returns the summed loss and gradients."""
     loss, grads = 0.0, {}
-    for rank in range(plan.world_size):
-        pm = kind(copy.deepcopy(model), plan, rank, broadcast_parameters=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(part("data_parallel", "apply"), "form_pass", lambda plan: kind)
+        modules = [RankModule(copy.deepcopy(model), plan, rank, broadcast_parameters=False)
+                   for rank in range(plan.world_size)]
+    for pm in modules:
+        assert type(pm.form) is kind
         rows = pm.shard_batch(batch) if local else batch
         loss += float(pm.step(rows, local=local))
         for name, p in pm.module.named_parameters():
@@ -125,6 +129,7 @@ def test_local_rows_sum_the_item_counts_over_the_group(monkeypatch):
         return Done()
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(StepModule, "_host_group", lambda self, group: group)   # the simulated group
     _assert_equal(_simulate(model, batch, plan, local=True, kind=_SimulatedRank), _reference(model, batch))
     assert seen == [count_items(s, "tokens", causal=True) for s in shares]
 
@@ -132,7 +137,7 @@ def test_local_rows_sum_the_item_counts_over_the_group(monkeypatch):
 def test_zero_loss_micro_batches_run_and_change_nothing():
     """Expert parallelism's policy: a micro-batch without label tokens still runs forward and
     backward (every rank joins every collective) with zero gradients and no NaN."""
-    class ZeroLoss(DataParallelModule):
+    class ZeroLoss(DataParallel):
         empty_microbatches = "zero_loss"
 
     model = tiny_model("llama")
@@ -146,11 +151,11 @@ def test_zero_loss_micro_batches_run_and_change_nothing():
 def test_loss_options_are_validated_alike():
     model = tiny_model("llama")
     with pytest.raises(ConfigError, match="loss_weighting = 'bogus'"):
-        DataParallelModule(model, _plan([4], 2), 0, loss_weighting="bogus")  # type: ignore[arg-type]
+        RankModule(model, _plan([4], 2), 0, loss_weighting="bogus")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="loss_fn = 3"):
-        DataParallelModule(model, _plan([4], 2), 0, loss_fn=3)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="ExpertParallelModule: loss_weighting"):
-        ExpertParallelModule(moe_model("mixtral"), [4], 0, batch_shares=[4], loss_weighting="rows")  # type: ignore[arg-type]
+        RankModule(model, _plan([4], 2), 0, loss_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="RankModule: loss_weighting"):
+        expert_parallel_module(moe_model("mixtral"), [4], 0, batch_shares=[4], loss_weighting="rows")  # type: ignore[arg-type]
 
 
 def test_expert_parallel_runs_a_micro_batch_without_labels_with_zero_loss():
@@ -159,7 +164,7 @@ def test_expert_parallel_runs_a_micro_batch_without_labels_with_zero_loss():
     batch["labels"][:3] = -100    # the first of the two micro-batches has no label token
     plan = expert_parallel_plan(model, Cluster.emulated([1.0]), global_batch=6, expert_split=[4],
                                 num_microbatches=2)
-    pm = ExpertParallelModule(copy.deepcopy(model), plan, 0)
+    pm = RankModule(copy.deepcopy(model), plan, 0)
     loss = float(pm.step(batch))
     _assert_equal((loss, {n: p.grad for n, p in pm.module.named_parameters()}), _reference(model, batch))
 
@@ -169,4 +174,4 @@ def test_all_labels_ignored_is_a_clear_error():
     batch = _padded_batch(model, 4)
     batch["labels"][:] = -100
     with pytest.raises(PlanError, match="-100"):
-        DataParallelModule(model, _plan([4], 2), 0).step(batch)
+        RankModule(model, _plan([4], 2), 0).step(batch)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.codegen.sharded.module import ShardedDataParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.errors import PlanError
@@ -65,19 +65,19 @@ def _one_process(family: str, stage: int, cast: str) -> list[tuple[float, float,
         for p in reference.parameters():
             p.data = p.data.to(torch.bfloat16)
     data = w.global_batch(model, 4, 12, seed=3)
-    pm = ShardedDataParallelModule(model, _plan(stage, cast), 0, emulate=False)
+    pm = RankModule(model, _plan(stage, cast), 0, emulate=False)
     out = []
     for _ in range(2):   # the probe's step (fp32 gathers), then the bf16 gathers
         loss = pm.step(data)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ref = reference(**data, use_cache=False).loss
         ref.float().backward()
-        grads = {t.names[0]: t.shard.grad for t in pm.tensors}
+        grads = {t.names[0]: t.shard.grad for t in pm.form.tensors}
         worst = max((grads[n].float() - p.grad.float()).abs().max().item() for n, p in reference.named_parameters())
         out.append((float(loss), float(ref.detach()), worst))
         for p in [*reference.parameters(), *pm.parameters()]:
             p.grad = None
-    wire = {t.names[0]: u.train.wire[i] for u in pm._units for i, t in enumerate(u.tensors)}
+    wire = {t.names[0]: u.train.wire[i] for u in pm.form._units for i, t in enumerate(u.tensors)}
     return out, wire
 
 

@@ -43,7 +43,7 @@ def test_a_lost_rank_makes_step_raise_not_hang(tmp_path: Path, mode: str) -> Non
     outcome = json.loads(result.read_text())
     assert outcome["type"] == "RuntimeSetupError" and outcome["fxpar"], outcome
     message = outcome["message"]
-    assert "DataParallelModule.step: gradient all-reduce" in message, message
+    assert "RankModule.step: gradient all-reduce" in message, message
     assert "check the other ranks' logs" in message, message
     # what ended the wait, from the collective's own error quoted in the message -- not how long
     # this machine took: a closed connection (noticed at once) or the timeout (a silent peer)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fxpar.codegen.data.module import DataParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.common.materialize import (
     materialize,
     module_slots,
@@ -172,8 +172,8 @@ def test_seeded_init_distribution():
 
 
 # ---- one process: loading, types, names, errors ------------------------------------------
-def _dp_one(model: torch.nn.Module, checkpoint) -> DataParallelModule:
-    return DataParallelModule(model, dp_plan([2], 2, type(model).__name__), 0, checkpoint=checkpoint)
+def _dp_one(model: torch.nn.Module, checkpoint) -> RankModule:
+    return RankModule(model, dp_plan([2], 2, type(model).__name__), 0, checkpoint=checkpoint)
 
 
 def _hf(folder: Path) -> dict[str, torch.Tensor]:

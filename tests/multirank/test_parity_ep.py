@@ -135,31 +135,31 @@ def test_expert_parallel_plan_round_trips_and_validates():
 
 
 def test_module_rejects_bad_splits_and_aux_loss():
-    from fxpar.codegen.expert.module import ExpertParallelModule
+    from fxpar.codegen.expert.module import expert_parallel_module
 
     with pytest.raises(PlanError, match="sum to the 4 experts"):
-        ExpertParallelModule(_model(), [3], 0, batch_shares=[8])
+        expert_parallel_module(_model(), [3], 0, batch_shares=[8])
     with pytest.raises(PlanError, match="batch_shares"):
-        ExpertParallelModule(_model(), [4], 0)
+        expert_parallel_module(_model(), [4], 0)
     model = _model()
     model.config.output_router_logits = True
     with pytest.raises(PlanError, match="output_router_logits"):
-        ExpertParallelModule(model, [4], 0, batch_shares=[8])
+        expert_parallel_module(model, [4], 0, batch_shares=[8])
     with pytest.raises(PlanError, match="no sparse MoE block"):
         from tests.workers import tiny_model
-        ExpertParallelModule(tiny_model("llama"), [4], 0, batch_shares=[8])
+        expert_parallel_module(tiny_model("llama"), [4], 0, batch_shares=[8])
 
 
 def test_single_rank_matches_model_exactly():
     import copy
 
-    from fxpar.codegen.expert.module import ExpertParallelModule
+    from fxpar.codegen.expert.module import expert_parallel_module
     from tests.parity import gradient_gaps
     from tests.workers import global_batch
 
     model = _model()
     reference = copy.deepcopy(model)
-    pm = ExpertParallelModule(model, [4], 0, batch_shares=[6])
+    pm = expert_parallel_module(model, [4], 0, batch_shares=[6])
     batch = global_batch(model, 6, 12)
     loss = pm.step(batch)
     ref = reference(**batch, use_cache=False).loss

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import block_paths, pipeline_plan
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.models import PRESETS
 from fxpar.tracing.hf import build_model, example_inputs
 from tests.parity import check_step, expect, snapshot, step_record, trajectory_gaps
@@ -45,7 +45,7 @@ def adamw_steps(name: str, micro: int, steps: int = 3) -> list[dict]:
     blocks = len(block_paths(model))
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=8,
                          blocks_per_stage=[blocks // 2, blocks - blocks // 2], num_microbatches=micro)
-    pm = PipelineParallelModule(model, plan, dist.get_rank(), data[0], emulate=False)
+    pm = RankModule(model, plan, dist.get_rank(), example_inputs=data[0], emulate=False)
     mine = list(pm.named_original_parameters())
     opt = torch.optim.AdamW([p for _, p in mine], lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)

@@ -190,7 +190,7 @@ def test_zero2_keeps_full_parameters(pool2):
 def test_fxpar_auto_builds_it(pool2):
     results = pool2.run(w.through_auto, 3)
     for r in results:
-        assert r["kind"] == "ShardedDataParallelModule", r
+        assert r["kind"] == "ShardedDataParallel", r
         expect(check_loss(r["loss"], r["ref_loss"]))
     assert [r["opt_numel"] for r in results] == [26704, 80112]   # rows 1:3 of 106,816 elements
     assert sum(r["opt_numel"] for r in results) == results[0]["full_numel"]
@@ -228,7 +228,7 @@ def test_one_process_and_set_plan():
     """One rank (no process group): the same code path with the collectives as copies; set_plan
     takes new batch shares and refuses a change of what the rank holds, as ``refusal`` says
     beforehand without changing the module."""
-    from fxpar.codegen.sharded.module import ShardedDataParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     model = w.tiny_model("llama")
     reference = copy.deepcopy(model)
@@ -236,7 +236,7 @@ def test_one_process_and_set_plan():
     cluster = Cluster.emulated([1.0])
     plan = sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], micro_batch_size=2,
                                       activation_checkpointing=[True])
-    pm = ShardedDataParallelModule(model, plan, 0, example_inputs=data, emulate=False)
+    pm = RankModule(model, plan, 0, example_inputs=data, emulate=False)
     loss = pm.step(data)
     ref = reference(**data, use_cache=False).loss
     ref.backward()
@@ -247,9 +247,9 @@ def test_one_process_and_set_plan():
                                          activation_checkpointing=[True])
     other_stage = sharded_data_parallel_plan(cluster, batch_split=[3], state_split=[1], shard_stage=2)
     assert pm.refusal(reshare) == "" and "sharded.split" in pm.refusal(other_stage)
-    assert pm.plan is plan and pm._rounds == 2   # asking changed nothing
+    assert pm.plan is plan and pm.form._rounds == 2   # asking changed nothing
     pm.set_plan(reshare)
-    assert pm.plan is reshare and pm._rounds == 3
+    assert pm.plan is reshare and pm.form._rounds == 3
     with pytest.raises(PlanError, match="sharded.split"):
         pm.set_plan(other_stage)
     assert pm.plan is reshare
@@ -302,7 +302,7 @@ def test_a_units_collectives_cost_the_same_ops_whatever_its_parameter_count(shar
     for a block of 2 parameters as for one of 16 (persistent buffers, one ``cat`` / one
     ``split_with_sizes_copy``: no per-parameter copy), and the second and third steps allocate
     the same buffers (the same op counts, no fresh ``empty`` or ``zeros``)."""
-    from fxpar.codegen.sharded.module import ShardedDataParallelModule
+    from fxpar.codegen.common.module import RankModule
     from fxpar.runtime.step_audit import StepAudit
 
     counts = {}
@@ -310,9 +310,9 @@ def test_a_units_collectives_cost_the_same_ops_whatever_its_parameter_count(shar
         torch.manual_seed(0)
         plan = sharded_data_parallel_plan(Cluster.emulated([1.0]), batch_split=[4], state_split=[1],
                                           shard_stage=shard_stage)
-        pm = ShardedDataParallelModule(_Net(per_block), plan, 0, emulate=False,
+        pm = RankModule(_Net(per_block), plan, 0, emulate=False,
                                        loss_fn=lambda out, batch: out)
-        unit = pm._units[1]
+        unit = pm.form._units[1]
         assert len(unit.tensors) == 2 * per_block
         steps = []
         for _ in range(3):

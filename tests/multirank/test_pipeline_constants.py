@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.pipeline.split import split_stages
 from tests.parity import check_loss, check_step, expect, step_record
 
@@ -66,11 +66,11 @@ def constants_pp_parity(steps: int = 2) -> dict:
     data = [_batch(1 + s) for s in range(steps)]
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=8, blocks_per_stage=[1, 1],
                          num_microbatches=2)
-    pm = PipelineParallelModule(model, plan, rank, data[0], emulate=False)
+    pm = RankModule(model, plan, rank, example_inputs=data[0], emulate=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
-    out = {"rank": rank, "stage": pm.stage_index, "steps": [],
+    out = {"rank": rank, "stage": pm.form.stage_index, "steps": [],
            "buffers": sorted(fqn for fqn, _, t in pm.module.named_tensors() if not isinstance(t, torch.nn.Parameter))}
     for k, b in enumerate(data):
         loss = pm.step(b)

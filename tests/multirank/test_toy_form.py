@@ -76,7 +76,7 @@ def test_planned_priced_bounded_and_emitted(toy_pool, tmp_path):
 @pytest.mark.full   # a pool of its own: ~14 s for the three, beyond the quick tier's budget
 def test_trains_with_parity(toy_pool):
     for r in toy_pool.run(parity):
-        assert r["strategy"] == TOY and r["module"] == "ReplicatedModule" and r["rows"] == [0, BATCH]
+        assert r["strategy"] == TOY and r["module"] == "RankModule" and r["form"] == "Replicated" and r["rows"] == [0, BATCH]
         for k, step in enumerate(r["steps"]):
             expect(*check_step(step), context=(r["rank"], k))
         expect(check_trajectory(r["weights"]), context=r["rank"])

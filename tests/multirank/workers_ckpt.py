@@ -30,8 +30,7 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
     "ep": experts per rank, "module": plain) on this rank, an AdamW over its parameters, and a
     layout check."""
     from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
-    from fxpar.codegen.tensor.module import TensorParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -47,18 +46,17 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
     elif kind == "pp":
         plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                              blocks_per_stage=arg, num_microbatches=2)
-        pm = PipelineParallelModule(model, plan, rank, data, emulate=False)
+        pm = RankModule(model, plan, rank, example_inputs=data, emulate=False)
     elif kind == "tp":
         plan = tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                                     kv_shares=arg)
-        pm = TensorParallelModule(model, plan, rank, emulate=False)
+        pm = RankModule(model, plan, rank, emulate=False)
     elif kind == "ep":
-        from fxpar.codegen.expert.module import ExpertParallelModule
         from fxpar.codegen.hand_plans import expert_parallel_plan
 
         plan = expert_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                                     expert_split=arg)
-        pm = ExpertParallelModule(model, plan, rank, emulate=False)
+        pm = RankModule(model, plan, rank, emulate=False)
     else:
         pm = model
     # the layout the checkpoint uses must describe what this rank really holds: every piece

@@ -57,7 +57,7 @@ def compiled_parity(kind: str, backend: str = "aot_eager", dtype: str = "fp32", 
             ref = reference(**b, use_cache=False).loss
         ref.float().backward()
         if kind in ("sharded_data_parallel", "zero2"):   # reassembled from the ranks' row shards
-            whole = _full_grads(pm) if world > 1 else {t.names[0]: t.shard.grad for t in pm.tensors}
+            whole = _full_grads(pm) if world > 1 else {t.names[0]: t.shard.grad for t in pm.form.tensors}
         else:
             mine = dict(pm.named_original_parameters() if kind == "pipeline" else pm.module.named_parameters())
             whole = {n: p.grad for n, p in mine.items()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from tests.parity import step_record
 from tests.workers import rank_gradient_pairs
@@ -23,7 +23,7 @@ def eager_hand_parity(config: dict, blocks: list[int], microbatches: int, checkp
     data = example_inputs(model, 4, 16, seed=1)
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0, 1.0]), global_batch=4, blocks_per_stage=blocks,
                          num_microbatches=microbatches, activation_checkpointing=checkpointing)
-    pm = PipelineParallelModule(model, plan, dist.get_rank(), data, emulate=False)
+    pm = RankModule(model, plan, dist.get_rank(), example_inputs=data, emulate=False)
     loss = pm.step(data)
     ref_loss = reference(**data, use_cache=False).loss
     ref_loss.backward()

@@ -56,7 +56,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
     gradients (expert tensors sliced: ``tests/parity.step_record``), every gathered gradient
     (rank 0: ``gathered``), the whole-model gradient norm, and the trained parameters'
     trajectory (rank 0: ``weights``)."""
-    from fxpar.codegen.expert.module import ExpertParallelModule
+    from fxpar.codegen.common.module import RankModule
     from fxpar.codegen.hand_plans import expert_parallel_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,8 +71,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
     plan = expert_parallel_plan(model, cluster, global_batch=batch, expert_split=expert_split,
                                 batch_shares=batch_shares)
     plan = fxpar.Plan.from_json(plan.to_json())  # the plan survives a JSON round trip
-    pm = ExpertParallelModule(model, plan, rank, capacity_factor=capacity_factor,
-                              emulate=speeds is not None)
+    pm = RankModule(model, plan, rank, capacity_factor=capacity_factor, emulate=speeds is not None)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())
@@ -91,7 +90,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
         pairs = []
         for name, p in pm.module.named_parameters():
             ref = ref_params[name].grad
-            if pm.is_expert_parameter(name):
+            if pm.form.is_expert_parameter(name):
                 ref = ref[lo:lo + p.shape[0]]
                 out["local_experts"].append(p.shape[0])
             if ref.numel():
@@ -107,7 +106,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
         step["norm"] = float(norm)
         step["ref_norm"] = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
         step["norm_diff"] = abs(step["norm"] - step["ref_norm"])
-        out["dropped"].append(list(pm.last_dropped))
+        out["dropped"].append(list(pm.form.last_dropped))
         out["ref_dropped"].append(list(ref_dropped))
         out["steps"].append(step)
         opt.step(); opt.zero_grad(set_to_none=True)
@@ -127,13 +126,13 @@ def ep_save_pretrained(save_dir: str) -> dict:
     """One 3:1 AdamW step, then ``save_pretrained`` (gathered on rank 0), reloaded with HF and
     compared with the single-process model trained the same way (``weights``: the trajectory
     gap; ``max_param_diff``: the largest element gap)."""
-    from fxpar.codegen.expert.module import ExpertParallelModule
+    from fxpar.codegen.expert.module import expert_parallel_module
 
     rank = dist.get_rank()
     model = moe_model("mixtral")
     reference = copy.deepcopy(model)
     initial = snapshot(reference)
-    pm = ExpertParallelModule(model, [3, 1], rank, batch_shares=[5, 3])
+    pm = expert_parallel_module(model, [3, 1], rank, batch_shares=[5, 3])
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     b = global_batch(model, 8, 16)

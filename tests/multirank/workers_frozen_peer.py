@@ -21,7 +21,7 @@ import torch
 
 import fxpar
 import fxpar.runtime.ragged as ragged
-from fxpar.codegen.sharded.module import ShardedDataParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.runtime import init_distributed
 
@@ -51,7 +51,7 @@ def frozen_peer_step(init_file: str, rank: int, timeout_s: float, result_file: s
     x = torch.randn(8, 16)
     plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0, 1.0]), batch_split=[4, 4],
                                       state_split=[1, 1], shard_stage=3)
-    pm = ShardedDataParallelModule(model, plan, rank, emulate=False, loss_fn=lambda out, batch: out.pow(2).mean())
+    pm = RankModule(model, plan, rank, emulate=False, loss_fn=lambda out, batch: out.pow(2).mean())
     opt = torch.optim.SGD(pm.parameters(), lr=0.01)
     pm.step(x)  # one good step: both ranks alive
     opt.step()

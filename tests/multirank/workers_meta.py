@@ -75,7 +75,7 @@ def hand_plan(kind: str, model: torch.nn.Module, world: int, batch: int) -> Plan
 
 
 def _local_params(pm) -> list[tuple[str, torch.nn.Parameter]]:
-    if hasattr(pm, "named_original_parameters"):
+    if pm.plan.strategy == "pipeline":
         return list(pm.named_original_parameters())
     return list(pm.module.named_parameters(remove_duplicate=False))
 
@@ -114,8 +114,8 @@ def checkpoint_parity(kind: str, folder: str, save_dir: str, steps: int = 2) -> 
     out = {"rank": rank, "steps": [], "held_bytes": _held_bytes(pm), "full_bytes": full_bytes,
            "device": str(pm.device), "dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
            "meta_left": sum(1 for p in pm.parameters() if p.is_meta)}
-    if hasattr(pm, "_original"):
-        out["original_all_meta"] = all(p.is_meta for p in pm._original[0].parameters())
+    if hasattr(pm.form, "_original"):
+        out["original_all_meta"] = all(p.is_meta for p in pm.form._original[0].parameters())
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for k, b in enumerate(data):
@@ -159,7 +159,7 @@ def seeded_state(kind: str, family: str, layers: int) -> dict | None:
     if kind == "dp" and family == "gpt2":
         tied = pm.module.lm_head.weight is pm.module.transformer.wte.weight
     if kind == "interleaved" and family == "gpt2" and rank == 0:  # stages 0 and 2 share the tensor
-        first, last = ({id(p) for _, p in m.named_original_parameters()} for m in pm.stage_modules)
+        first, last = ({id(p) for _, p in m.named_original_parameters()} for m in pm.form.stage_modules)
         tied = len(first & last) == 1
     if rank != 0:
         return None
@@ -215,11 +215,11 @@ def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params.values() if p.grad is not None)
     optim_bytes = sum(v.numel() * v.element_size() for state in opt.state.values() for v in state.values()
                       if isinstance(v, torch.Tensor))
-    return {"rank": rank, "stage": pm.stage_index, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
+    return {"rank": rank, "stage": pm.form.stage_index, "param_bytes": param_bytes, "grad_bytes": grad_bytes,
             "optim_bytes": optim_bytes, "full_param_bytes": full_params, "profiler_peak_bytes": peak,
             "meta_params_held": sum(1 for p in params.values() if p.is_meta),
-            "original_all_meta": all(p.is_meta for p in pm._original[0].parameters()),
-            "original_bytes": sum(p.numel() * p.element_size() for p in pm._original[0].parameters()
+            "original_all_meta": all(p.is_meta for p in pm.form._original[0].parameters()),
+            "original_bytes": sum(p.numel() * p.element_size() for p in pm.form._original[0].parameters()
                                   if not p.is_meta)}
 
 

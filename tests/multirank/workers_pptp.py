@@ -151,7 +151,7 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
     parameter it holds (its slice of the reference gradient), the whole-model gradient norm, and
     after ``steps`` optimizer steps (AdamW or SGD, lr 1e-2) the gathered model's trajectory
     against the reference's (``weights``, rank 0)."""
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
@@ -160,8 +160,8 @@ def pp_tp_parity(widths: list[int], blocks_per_stage: list[int], microbatches: i
         cfg, world, batch, seq, steps, blocks_per_stage=blocks_per_stage, num_microbatches=microbatches,
         pipelines=pipelines, schedule=schedule, tensor_parallel=widths, activation_checkpointing=checkpointing,
         tensor_splits=tensor_splits, expert_splits=expert_splits)
-    pm = PipelineParallelModule(model, plan, rank, data[0])
-    out = {"rank": rank, "stage": pm.stage_index, "position": pm.tp_position,
+    pm = RankModule(model, plan, rank, example_inputs=data[0])
+    out = {"rank": rank, "stage": pm.form.stage_index, "position": pm.form.tp_position,
            "local_q_rows": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("q_proj.weight")],
            "sharded": sum(1 for _, p in pm.named_original_parameters() if is_slice(p)),
            "local_experts": [p.shape[0] for n, p in pm.named_original_parameters() if n.endswith("gate_up_proj")]}
@@ -178,7 +178,7 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     SGD trajectory (``save_pretrained``, ``checkpoint``: ``tests/parity.TrajectoryGaps``)."""
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4, tie_word_embeddings=tied)
@@ -189,7 +189,7 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[2, 2],
                          num_microbatches=2, tensor_parallel=[2, 2])
     b = global_batch(model, 8, 16, ignore_some=False)
-    pm = PipelineParallelModule(model, plan, rank, b)
+    pm = RankModule(model, plan, rank, example_inputs=b)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-1)
     pm.step(b); opt.step()
@@ -241,7 +241,7 @@ def unsupported_tp_stage_refused() -> str:
     do not trace back to projections the graph analysis can split): every rank raises the same
     clear error, naming the block and the reason, before any collective."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
     from fxpar.errors import PlanError
     from tests.families import FAMILIES
 
@@ -251,7 +251,7 @@ def unsupported_tp_stage_refused() -> str:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), global_batch=4,
                          blocks_per_stage=[1, 1], num_microbatches=2, tensor_parallel=[2, 1])
     try:
-        PipelineParallelModule(model, plan, dist.get_rank(), global_batch(model, 4, 16, ignore_some=False))
+        RankModule(model, plan, dist.get_rank(), example_inputs=global_batch(model, 4, 16, ignore_some=False))
     except PlanError as exc:
         return str(exc)
     return "no error"
@@ -267,7 +267,7 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
 
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_hidden_layers=4)
@@ -278,7 +278,7 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
     plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=8, blocks_per_stage=[2, 2],
                          num_microbatches=2, pipelines=2, zero_sharded_optimizer=True)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(steps)]
-    pm = PipelineParallelModule(model, plan, rank, data[0])
+    pm = RankModule(model, plan, rank, example_inputs=data[0])
     opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     from fxpar.runtime.optim import (
@@ -317,7 +317,7 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
     import dataclasses
 
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
     from fxpar.runtime.precision import AUTOCAST_DTYPES
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -329,7 +329,7 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
                          blocks_per_stage=blocks_per_stage, num_microbatches=microbatches, tensor_parallel=widths)
     plan = dataclasses.replace(plan, dtype=dtype)
     data = global_batch(model, 8, 16, ignore_some=False)
-    pm = PipelineParallelModule(model, plan, rank, data)
+    pm = RankModule(model, plan, rank, example_inputs=data)
     loss = pm.step(data)
     with torch.autocast("cpu", dtype=AUTOCAST_DTYPES[dtype]):
         ref_loss = reference(**data, use_cache=False).loss
@@ -361,7 +361,7 @@ def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: li
                             stage_ranks=stage_ranks, num_microbatches=microbatches, pipelines=pipelines)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(steps)]
     pm = fxpar.auto(model, cluster, data[0], plan=plan)
-    out = {"rank": rank, "stages": pm.stage_indices, "module": type(pm).__name__}
+    out = {"rank": rank, "stages": pm.form.stage_indices, "module": type(pm).__name__, "form": type(pm.form).__name__}
     out["steps"], weights = _train_and_compare(pm, reference, data, optimizer)
     with torch.no_grad():
         out["eval_loss"] = float(pm.eval_loss(data[0]))
@@ -400,5 +400,5 @@ def solver_interleaved_parity() -> dict:
     ref_loss.backward()
     ref = dict(reference.named_parameters(remove_duplicate=False))
     step = step_record(loss, ref_loss, ((f, p.grad, ref[f].grad) for f, p in pm.named_original_parameters()), reference)
-    return {"stages": pm.stage_indices, "blocks": [len(st.modules) for st in plan.stages],
+    return {"stages": pm.form.stage_indices, "blocks": [len(st.modules) for st in plan.stages],
             "grad_diff": step["max_grad_abs_diff"], **step}

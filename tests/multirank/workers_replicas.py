@@ -23,7 +23,7 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
     ``data_split[p]`` samples, against one process: the loss, every gradient of this rank's stage
     on each step, and its weights after each AdamW step."""
     from fxpar.codegen.hand_plans import pipeline_plan
-    from fxpar.codegen.pipeline.module import PipelineParallelModule
+    from fxpar.codegen.common.module import RankModule
     from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
     rank = dist.get_rank()
@@ -35,12 +35,12 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
                          num_microbatches=microbatches, pipelines=2, layout=layout)
     plan = fxpar.Plan.from_json(uneven_pipelines(even, data_split).to_json())
     data = [global_batch(model, batch, seq, seed=1 + s, ignore_some=True) for s in range(steps)]
-    pm = PipelineParallelModule(model, plan, rank, data[0])
-    out = {"rank": rank, "stage": pm.stage_index, "pipeline": pm.pipeline_index, "rows": pm.batch_rows(),
+    pm = RankModule(model, plan, rank, example_inputs=data[0])
+    out = {"rank": rank, "stage": pm.form.stage_index, "pipeline": pm.form.pipeline_index, "rows": pm.batch_rows(),
            "micro_batch": plan.ranks[rank].micro_batch_size, "steps": train_and_compare(pm, reference, data)}
     out["slept_s"] = pm.emulator.slept_s
-    out["launched_in_backward"] = pm._replica_sum.launched_in_backward
-    out["armed_at"], out["launch_times"] = pm._replica_sum.armed_at, pm._replica_sum.buckets.last_launch_times
+    out["launched_in_backward"] = pm.form._replica_sum.launched_in_backward
+    out["armed_at"], out["launch_times"] = pm.form._replica_sum.armed_at, pm.form._replica_sum.buckets.last_launch_times
     return out
 
 
@@ -94,7 +94,7 @@ def replica_interleaved_parity(data_split: list[int]) -> dict:
                                              stage_ranks=[0, 1, 0], num_microbatches=2, pipelines=2), data_split)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(2)]
     pm = fxpar.auto(model, cluster, data[0], plan=plan)
-    return {"rank": dist.get_rank(), "stages": pm.stage_indices, "rows": pm.batch_rows(),
+    return {"rank": dist.get_rank(), "stages": pm.form.stage_indices, "rows": pm.batch_rows(),
             "steps": train_and_compare(pm, reference, data)}
 
 

@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.checkpoint import load_checkpoint, save_checkpoint
-from fxpar.codegen.data.module import DataParallelModule
-from fxpar.codegen.sharded.module import ShardedDataParallelModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.codegen.sharded.buffers import GatherBuffers, ReduceBuffers
 from fxpar.runtime.ragged import PackedLayout, RaggedLayout
@@ -112,11 +111,11 @@ def _ref_loss(reference: torch.nn.Module, b) -> torch.Tensor:
     return reference(b) if isinstance(b, tuple) else reference(**b, use_cache=False).loss
 
 
-def _full_grads(pm: ShardedDataParallelModule, group=None) -> dict[str, torch.Tensor]:
+def _full_grads(pm: RankModule, group=None) -> dict[str, torch.Tensor]:
     """Every parameter's gradient reassembled from the ranks' row shards (all-gather of objects
     over ``group``, None: the job)."""
-    mine = {t.names[0]: (pm.owned_rows()[t.names[0]], t.shard.grad.detach().clone() if t.shard.grad is not None
-                         else None, tuple(t.full.shape)) for t in pm.tensors}
+    mine = {t.names[0]: (pm.form.owned_rows()[t.names[0]], t.shard.grad.detach().clone() if t.shard.grad is not None
+                         else None, tuple(t.full.shape)) for t in pm.form.tensors}
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     out = {}
@@ -145,7 +144,7 @@ def sharded_parity(family: str, batch_split: list[int], state_split: list[int], 
                                       shard_stage=shard_stage, micro_batch_size=micro_batch_size,
                                       activation_checkpointing=checkpointing, offload_optimizer=offload)
     example = data[0] if not isinstance(data[0], tuple) else None
-    pm = ShardedDataParallelModule(model, plan, rank, example_inputs=example, emulate=False)
+    pm = RankModule(model, plan, rank, example_inputs=example, emulate=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     names = dict(reference.named_parameters())
@@ -163,17 +162,17 @@ def sharded_parity(family: str, batch_split: list[int], state_split: list[int], 
         out["loss"] = max(out["loss"], abs(float(loss) - float(ref_loss.detach())))
         out["grad"] = max(out["grad"], gaps.max_abs)
         out["n_grads"] = len(grads)
-        out["peak"] = max(out["peak"], pm.peak_gathered_bytes)
+        out["peak"] = max(out["peak"], pm.form.peak_gathered_bytes)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     full = pm.gather_state_dict(dst=0)
     if rank == 0:
         out["weights"] = trajectory_gaps((n, full[n], p, initial[n]) for n, p in reference.named_parameters())
         out["weight"], out["worst_weight"] = out["weights"].max_abs, out["weights"].worst
-    out["whole_bytes"] = sum(t.full.numel() * t.full.element_size() for t in pm.tensors)
-    out["block_bytes"] = max(u.full_bytes for u in pm._units[1:]) if len(pm._units) > 1 else 0
-    out["rest_bytes"] = pm._units[0].full_bytes
-    out["gathered_after_step"] = pm.gathered_bytes()
+    out["whole_bytes"] = sum(t.full.numel() * t.full.element_size() for t in pm.form.tensors)
+    out["block_bytes"] = max(u.full_bytes for u in pm.form._units[1:]) if len(pm.form._units) > 1 else 0
+    out["rest_bytes"] = pm.form._units[0].full_bytes
+    out["gathered_after_step"] = pm.form.gathered_bytes()
     return out
 
 
@@ -196,7 +195,7 @@ def sharded_in_a_subgroup(shard_stage: int, steps: int = 2) -> dict:
     model, reference, data = _case("llama", 4, steps)
     plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0, 1.0]), batch_split=[3, 1], state_split=[1, 3],
                                       shard_stage=shard_stage)
-    pm = ShardedDataParallelModule(model, plan, dist.get_rank(group), group=group, example_inputs=data[0],
+    pm = RankModule(model, plan, dist.get_rank(group), group=group, example_inputs=data[0],
                                    emulate=False)
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=LR), torch.optim.AdamW(reference.parameters(), lr=LR)
     names = dict(reference.named_parameters())
@@ -212,19 +211,19 @@ def sharded_in_a_subgroup(shard_stage: int, steps: int = 2) -> dict:
     return out
 
 
-def _sharded(model, batch_split, state_split, shard_stage, **kw) -> ShardedDataParallelModule:
+def _sharded(model, batch_split, state_split, shard_stage, **kw) -> RankModule:
     cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
     plan = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=state_split,
                                       shard_stage=shard_stage, **kw)
-    return ShardedDataParallelModule(model, plan, dist.get_rank(), emulate=False)
+    return RankModule(model, plan, dist.get_rank(), emulate=False)
 
 
-def _data_parallel(model, batch_split) -> DataParallelModule:
+def _data_parallel(model, batch_split) -> RankModule:
     cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
     sharded = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=[1] * len(batch_split))
     stage = dataclasses.replace(sharded.stages[0], sharded=None)
     plan = dataclasses.replace(sharded, strategy="data_parallel", stages=(stage,))
-    return DataParallelModule(model, plan, dist.get_rank(), emulate=False)
+    return RankModule(model, plan, dist.get_rank(), emulate=False)
 
 
 def _full_state(pm) -> dict[str, torch.Tensor]:
@@ -313,8 +312,8 @@ def structure(shard_stage: int, checkpointing: list[bool], offload: list[bool]) 
         def probe(module, args, i=i):
             calls[0] += 1
             if torch.is_grad_enabled():
-                live.append((i, pm.gathered_bytes(), pm.inflight_bytes(),
-                             sorted(u.name for u in pm._units if u.gathered)))
+                live.append((i, pm.form.gathered_bytes(), pm.form.inflight_bytes(),
+                             sorted(u.name for u in pm.form._units if u.gathered)))
         block.up.register_forward_pre_hook(probe)
     gen = torch.Generator().manual_seed(3)
     batch = (torch.randn(4, 7, generator=gen), torch.randint(0, 5, (4,), generator=gen))
@@ -323,12 +322,12 @@ def structure(shard_stage: int, checkpointing: list[bool], offload: list[bool]) 
     opt.step()
     state_devices = sorted({str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)})
     shared = [t.shard.untyped_storage().data_ptr() == t.local.untyped_storage().data_ptr()
-              for t in pm.tensors if t.local.numel()]
-    return {"rank": rank, "live": live, "inner_calls": calls[0], "units": [u.name for u in pm._units],
-            "block_bytes": [u.full_bytes for u in pm._units[1:]], "rest_bytes": pm._units[0].full_bytes,
-            "buffer_bytes": [u.buffer_bytes for u in pm._units[1:]],
-            "whole_bytes": sum(u.full_bytes for u in pm._units), "peak": pm.peak_gathered_bytes,
-            "after": pm.gathered_bytes(), "state_devices": state_devices,
+              for t in pm.form.tensors if t.local.numel()]
+    return {"rank": rank, "live": live, "inner_calls": calls[0], "units": [u.name for u in pm.form._units],
+            "block_bytes": [u.full_bytes for u in pm.form._units[1:]], "rest_bytes": pm.form._units[0].full_bytes,
+            "buffer_bytes": [u.buffer_bytes for u in pm.form._units[1:]],
+            "whole_bytes": sum(u.full_bytes for u in pm.form._units), "peak": pm.form.peak_gathered_bytes,
+            "after": pm.form.gathered_bytes(), "state_devices": state_devices,
             "shards_are_device_copies": all(shared), "shards_separate": not any(shared),
             "param_devices": sorted({str(p.device) for p in pm.parameters()})}
 
@@ -346,7 +345,7 @@ def through_auto(shard_stage: int) -> dict:
     loss = pm.step(data)
     ref = reference(**data, use_cache=False).loss
     opt.step()
-    return {"kind": type(pm).__name__, "loss_diff": abs(float(loss) - float(ref.detach())),
+    return {"kind": type(pm.form).__name__, "loss_diff": abs(float(loss) - float(ref.detach())),
             "loss": float(loss), "ref_loss": float(ref.detach()),
             "opt_numel": sum(p.numel() for g in opt.param_groups for p in g["params"]),
             "full_numel": sum(p.numel() for p in reference.parameters())}
@@ -465,7 +464,7 @@ def bf16_parity(family: str, shard_stage: int, cast: str, reduce_dtype: str = "f
                                       dtype="bf16")
     plan = dataclasses.replace(plan, dtype_policy=DtypePolicy(param_dtype="bf16", reduce_dtype=reduce_dtype,
                                                               cast=cast))
-    pm = ShardedDataParallelModule(model, plan, rank, emulate=False)
+    pm = RankModule(model, plan, rank, emulate=False)
     names = dict(reference.named_parameters())
     out = {"rank": rank, "steps": []}
     for k, b in enumerate(data):
@@ -482,12 +481,12 @@ def bf16_parity(family: str, shard_stage: int, cast: str, reduce_dtype: str = "f
         out["steps"].append({"loss": float(loss), "ref_loss": float(ref_loss.detach()), "grads": gaps,
                              "gather_bytes": sum(int(torch.Size(c.shapes[1]).numel()) for c in sends),
                              "reduce_dtypes": sorted({c.dtypes[0] for c in reduces}),
-                             "wire": sorted({str(d).removeprefix("torch.") for u in pm._units for d in u.train.wire})})
+                             "wire": sorted({str(d).removeprefix("torch.") for u in pm.form._units for d in u.train.wire})})
         for p in reference.parameters():
             p.grad = None
         for p in pm.parameters():
             p.grad = None
     # bytes a rank sends per all-gather, in the training mode against fp32 (the exact mode)
-    out["part_ratio"] = (sum(u.train.gather.layout.part_bytes for u in pm._units)
-                         / sum(u.exact.gather.layout.part_bytes for u in pm._units))
+    out["part_ratio"] = (sum(u.train.gather.layout.part_bytes for u in pm.form._units)
+                         / sum(u.exact.gather.layout.part_bytes for u in pm.form._units))
     return out

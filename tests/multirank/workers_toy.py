@@ -86,7 +86,7 @@ def parity(steps: int = 2) -> dict[str, Any]:
     pm = fxpar.auto(model, _cluster(SLOW_GBPS), data[0], global_batch=BATCH, emulate=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    out: dict[str, Any] = {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "module": type(pm).__name__,
+    out: dict[str, Any] = {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "module": type(pm).__name__, "form": type(pm.form).__name__,
                            "rows": list(pm.batch_rows()), "steps": []}
     names = dict(reference.named_parameters())
     for k, batch in enumerate(data):

@@ -43,7 +43,7 @@ def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | 
     optimizer steps (AdamW lr 1e-2, or SGD lr 1e-1, whose update is linear in the gradient).  Odd
     steps feed the replica's rows with ``local=True``."""
     from fxpar.codegen.hand_plans import tensor_parallel_plan
-    from fxpar.codegen.tensor.module import TensorParallelModule
+    from fxpar.codegen.tensor.module import TensorParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)  # 4 heads, 4 KV groups: 3:1 splits
@@ -56,7 +56,7 @@ def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | 
                                 replicas=replicas, batch_shares=batch_shares)
     assert fxpar.Plan.from_json(plan.to_json()) == plan
     pm = fxpar.auto(model, cluster, plan=plan, emulate=False)
-    assert isinstance(pm, TensorParallelModule)
+    assert isinstance(pm.form, TensorParallel)
     make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if optimizer == "adamw" else (
         lambda ps: torch.optim.SGD(ps, lr=1e-1))
     opt, ref_opt = make(pm.parameters()), make(reference.parameters())
@@ -103,7 +103,7 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     (``*_diff``) and SGD trajectory gaps (``save_pretrained``, ``checkpoint``, ``reload``)."""
     from fxpar.checkpoint import load_checkpoint, read_model_state, save_checkpoint
     from fxpar.codegen.hand_plans import tensor_parallel_plan
-    from fxpar.codegen.tensor.module import TensorParallelModule
+    from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)
@@ -112,7 +112,7 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     initial = snapshot(reference)
     plan = tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                                 kv_shares=[3, 1], replicas=2, batch_shares=[10, 6])
-    pm = TensorParallelModule(model, plan, rank, emulate=False)
+    pm = RankModule(model, plan, rank, emulate=False)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=1e-1), torch.optim.SGD(reference.parameters(), lr=1e-1)
     b = _batch(model, seed=1)
     pm.step(b); opt.step()
@@ -120,7 +120,7 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     pm.save_pretrained(save_dir)
     save_checkpoint(pm, None, ckpt_dir, step=1)
     fresh = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=5, attn_implementation="eager")
-    other = TensorParallelModule(fresh, plan, rank, emulate=False)
+    other = RankModule(fresh, plan, rank, emulate=False)
     load_checkpoint(other, None, ckpt_dir)
     reloaded = other.gather_state_dict(dst=0, replica=1)
     if rank != 0:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.common.module import RankModule
 from tests.models_unseen import LlamaStyleForCausalLM, LoopMoEForCausalLM, NanoGPT, loop_moe_batch, nanogpt_batch
 from tests.parity import step_record
 from tests.workers import rank_gradient_pairs
@@ -42,7 +42,7 @@ def _module(name: str, form: str, model: torch.nn.Module, data: dict, batch: int
                           loss_fn=loss_fn, loss_weighting=weighting)
     if form == "pp":
         plan = pipeline_plan(model, cluster, global_batch=batch, blocks_per_stage=[2, 1], num_microbatches=2)
-        return PipelineParallelModule(model, plan, dist.get_rank(), data, emulate=False, loss_weighting=weighting)
+        return RankModule(model, plan, dist.get_rank(), example_inputs=data, emulate=False, loss_weighting=weighting)
     plan = tensor_parallel_plan(model, cluster, global_batch=batch, kv_shares=[3, 1])
     return fxpar.auto(model, cluster, data, plan=plan, emulate=False, loss_fn=loss_fn, loss_weighting=weighting)
 

@@ -119,6 +119,9 @@ def test_an_unknown_format_version_is_refused(tp_plan):
     d["version"] = 3
     with pytest.raises(PlanError, match=r"plan format version 3 is not supported \(this fxpar reads versions 1 to 2\)"):
         Plan.from_dict(d, source="new.json")
+    for written in (1.0, "1", True):   # a version is a whole number, not a float, a string or a flag
+        with pytest.raises(PlanError, match=f"plan format version {written!r} is not supported"):
+            Plan.from_dict({**d, "version": written}, source="new.json")
 
 
 def test_every_spec_field_is_documented_where_it_is_declared():

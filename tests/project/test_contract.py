@@ -1,8 +1,9 @@
 """The parallel module's declared contract (:mod:`fxpar.runtime.contract`, issue #38 item 2).
 
-Every class a form's apply phase builds, and the adaptive module that runs them, has every
-member of :class:`~fxpar.runtime.contract.ParallelModule`; fxpar's own code reads those members
-directly, never probing for them with ``hasattr`` / ``getattr(..., default)``.
+The one module type that runs every plan (:class:`~fxpar.codegen.common.module.RankModule`, each
+form applied to it as a pass), and the adaptive module that runs it, have every member of
+:class:`~fxpar.runtime.contract.ParallelModule`; fxpar's own code reads those members directly,
+never probing for them with ``hasattr`` / ``getattr(..., default)``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import pytest
 import torch
 
 from fxpar.adapt.module import AdaptiveModule
-from fxpar.codegen.common.module import FormModule
+from fxpar.codegen.common.module import RankModule
 from fxpar.forms import NAMES, part
 from fxpar.runtime.contract import ParallelModule, ParallelModuleBase
+from fxpar.runtime.form_pass import FormPass
+from fxpar.runtime.step_loop import StepModule
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
 MEMBERS = frozenset(set(ParallelModule.__annotations__)
@@ -36,7 +39,19 @@ NOT_ON_A_PARALLEL_MODULE = {
 
 
 def _built_classes() -> list[type]:
-    return [cls for name in NAMES for cls in part(name, "apply").MODULES]
+    return [RankModule]
+
+
+def _passes() -> list[type]:
+    """Every form's passes (each form's apply phase imported: they define them)."""
+    for name in NAMES:
+        part(name, "apply")
+    found, todo = [], list(FormPass.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return sorted(found, key=lambda c: c.__name__)
 
 
 def _assigned_on_self(cls: type) -> set[str]:
@@ -64,11 +79,27 @@ def test_the_contract_lists_what_fxpar_reads() -> None:
             "checkpoint_layout", "make_optimizer", "track", "compile_regions"} <= MEMBERS
 
 
-@pytest.mark.parametrize("cls", _built_classes(), ids=lambda c: c.__name__)
-def test_every_module_a_form_builds_has_every_member(cls: type) -> None:
-    assert issubclass(cls, FormModule), f"{cls.__name__} derives from fxpar.codegen.common.module.FormModule"
-    missing = sorted(m for m in MEMBERS if not hasattr(cls, m) and m not in _assigned_on_self(cls))
-    assert not missing, f"{cls.__name__} lacks {missing} of fxpar.runtime.contract.ParallelModule"
+def test_the_one_module_type_has_every_member() -> None:
+    missing = sorted(m for m in MEMBERS if not hasattr(RankModule, m) and m not in _assigned_on_self(RankModule))
+    assert not missing, f"RankModule lacks {missing} of fxpar.runtime.contract.ParallelModule"
+
+
+def test_one_module_type_runs_every_plan_and_each_form_is_a_pass() -> None:
+    """Issue #38 item 2: one module type; a form is a :class:`FormPass` (not a module) that its
+    apply phase names; nothing else derives from the step loop's module."""
+    passes = _passes()
+    assert {"DataParallel", "ShardedDataParallel", "TensorParallel", "ExpertParallel", "Pipeline",
+            "InterleavedPipeline"} <= {c.__name__ for c in passes}
+    assert not [c for c in passes if issubclass(c, torch.nn.Module)]
+    modules, todo = [], [StepModule]
+    while todo:
+        cls = todo.pop()
+        modules.extend(cls.__subclasses__())
+        todo.extend(cls.__subclasses__())
+    ours = [c for c in modules if c.__module__.startswith("fxpar")]
+    assert ours == [RankModule], f"module types beside RankModule: {ours}"
+    for name in NAMES:
+        assert "form_pass" in vars(part(name, "apply")), name
 
 
 def test_the_adaptive_module_is_one_and_answers_for_its_plans_module() -> None:
@@ -83,9 +114,9 @@ def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     plan = _plan([4], 2)
-    pmodel = part("data_parallel", "apply").build(
-        model, plan, 0, torch.zeros(4, 4), device=torch.device("cpu"), checkpoint=None, group=None, loss_fn=None,
-        loss_weighting="samples", emulate=False, exports=None)
+    pmodel = RankModule(model, plan, 0, example_inputs=torch.zeros(4, 4), device=torch.device("cpu"),
+                        loss_weighting="samples", emulate=False)
+    assert type(pmodel.form).__name__ == "DataParallel"
     assert isinstance(pmodel, ParallelModule) and not isinstance(model, ParallelModule)
     assert pmodel.parallel_module is pmodel and pmodel.original_model is model and not pmodel.adaptive
     optimizer = torch.optim.SGD(pmodel.parameters(), lr=0.1)
@@ -93,25 +124,19 @@ def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None
     assert [lp.fqn for lp in pmodel.checkpoint_layout()] == [n for n, _ in model.named_parameters()]
 
 
-def test_a_module_refuses_another_forms_plan_naming_the_forms_module() -> None:
-    """The registry says which classes run a form's plans (``check_form``): no module names its form."""
-    from fxpar.codegen.common.module import check_form
-    from fxpar.codegen.data.module import DataParallelModule
+def test_a_plan_of_an_unknown_form_is_refused_naming_the_known_ones() -> None:
+    """The registry picks the pass (``form_pass``); a plan whose form it does not know is a
+    PlanError before anything is set up."""
     from fxpar.errors import PlanError
-    from tests.graph.test_step_loop import _plan
 
-    plan = _plan([4], 2)
-    check_form(DataParallelModule, plan)
-    sharded = part("sharded_data_parallel", "apply").MODULES[0]
-    with pytest.raises(PlanError, match=f"{sharded.__name__} cannot run a data_parallel plan \\(that form's "
-                                        "module is DataParallelModule\\).*fxpar.auto"):
-        sharded(torch.nn.Linear(4, 2), plan, 0)
+    model = torch.nn.Linear(4, 2)
     with pytest.raises(PlanError, match="plan.strategy = 'zero_bubble'"):
-        check_form(DataParallelModule, _Strategy("zero_bubble"))
+        RankModule(model, _Strategy("zero_bubble"), 0)
+    assert model.weight.device.type == "cpu" and not model.weight.is_meta
 
 
 class _Strategy:
-    """Only a ``strategy`` (what ``check_form`` reads)."""
+    """Only a ``strategy`` (what the registry reads first)."""
 
     def __init__(self, strategy: str) -> None:
         self.strategy = strategy
@@ -126,9 +151,8 @@ def test_the_one_gather_gives_copies_under_every_name_and_refuses_a_missing_copy
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     model[1].weight = model[0].weight   # tied
-    pmodel = part("data_parallel", "apply").build(
-        model, _plan([4], 2), 0, torch.zeros(4, 4), device=torch.device("cpu"), checkpoint=None, group=None,
-        loss_fn=None, loss_weighting="samples", emulate=False, exports=None)
+    pmodel = RankModule(model, _plan([4], 2), 0, example_inputs=torch.zeros(4, 4), device=torch.device("cpu"),
+                        loss_weighting="samples", emulate=False)
     full = pmodel.gather_state_dict()
     assert sorted(full) == sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
     assert all(torch.equal(full[n], p) for n, p in model.named_parameters(remove_duplicate=False))
@@ -179,24 +203,25 @@ def test_fxpar_reads_the_contract_and_never_probes_it() -> None:
     assert not stale, f"NOT_ON_A_PARALLEL_MODULE lists probes that are gone: {sorted(stale)}"
 
 
-#: classes defining each of these themselves, among the parallel modules (issue #38 item 2 asks
-#: for one each; the adaptive module's step wraps its plan's; a pipeline's schedule runs inside the
-#: step loop's).  They may only go down.
+#: classes defining each of these themselves, among the parallel modules and the passes (issue #38
+#: item 2 asks for one each; the adaptive module's step wraps its plan's; a pipeline's schedule runs
+#: inside the step loop's).  They may only go down.
 IMPLEMENTATIONS_AT_MOST = {"clip_grad_norm_": 1, "save_pretrained": 1, "step": 2, "gather_state_dict": 1,
                            "gather_gradients": 1}
 
 
 def test_one_implementation_of_what_every_form_shares() -> None:
-    classes = {ParallelModuleBase, AdaptiveModule, *_built_classes()}
-    classes |= {base for cls in list(classes) for base in cls.__mro__ if issubclass(base, ParallelModuleBase)}
+    classes = {ParallelModuleBase, AdaptiveModule, *_built_classes(), *_passes()}
+    classes |= {base for cls in list(classes) for base in cls.__mro__
+                if issubclass(base, (ParallelModuleBase, FormPass))}
     for name, most in IMPLEMENTATIONS_AT_MOST.items():
         defining = sorted(c.__name__ for c in classes if name in vars(c))
         assert len(defining) <= most, f"{name} is written in {defining}: at most {most} (and going down)"
     assert sorted(c.__name__ for c in classes if "step" in vars(c)) == ["AdaptiveModule", "StepModule"]
     assert [c.__name__ for c in classes if "clip_grad_norm_" in vars(c)] == ["ParallelModuleBase"]
-    assert [c.__name__ for c in classes if "save_pretrained" in vars(c)] == ["FormModule"]
-    assert [c.__name__ for c in classes if "gather_state_dict" in vars(c)] == ["FormModule"]
-    assert [c.__name__ for c in classes if "gather_gradients" in vars(c)] == ["FormModule"]
+    assert [c.__name__ for c in classes if "save_pretrained" in vars(c)] == ["RankModule"]
+    assert [c.__name__ for c in classes if "gather_state_dict" in vars(c)] == ["RankModule"]
+    assert [c.__name__ for c in classes if "gather_gradients" in vars(c)] == ["RankModule"]
 
 
 def test_no_class_bypasses_its_bases_init() -> None:

@@ -1,47 +1,62 @@
-"""The base of every form's module: :class:`~fxpar.runtime.contract.ParallelModuleBase` and the
-members that need the checkpoint layer above the runtime (``save_pretrained``,
-``gather_state_dict``: both assemble the whole model from the ranks' ``checkpoint_layout()``).
+"""The one module type that runs every plan: :class:`RankModule`.
 
-A form's module derives from :class:`FormModule` first and, where the step loop runs it, from
-:class:`~fxpar.runtime.step_loop.StepModule` after it.
+A rank's module is the model piece it runs (a replica, its shard, its stage), the step loop
+(:class:`~fxpar.runtime.step_loop.StepModule`) and its plan's form applied as a pass
+(:class:`~fxpar.runtime.form_pass.FormPass`, which the form's apply phase names:
+``form_pass(plan)``, :mod:`fxpar.forms`).  The pass places and cuts the model on the rank and
+answers the loop's hooks; everything else -- the step, the gradient norm, saving and gathering
+the whole model, plan switches -- is written here or in the loop once for every form.
 """
 
 from __future__ import annotations
 
-import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fxpar.checkpoint.hf_save import gather_state_dict as gather_pieces
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
-from fxpar.errors import PlanError
 from fxpar.forms import part
 from fxpar.plan import Plan
-from fxpar.runtime.contract import ParallelModuleBase
-from fxpar.tracing.model_facts import tie_groups
+from fxpar.runtime.form_pass import FormPass
+from fxpar.runtime.losses import LossFn, LossWeighting
+from fxpar.runtime.step_loop import StepModule
 
 
-def check_form(module_type: type, plan: Plan) -> None:
-    """A :class:`PlanError` unless ``module_type`` is one of the classes ``plan``'s form builds
-    (its ``apply`` phase's ``MODULES``, :mod:`fxpar.forms`): a form's module runs only its own
-    form's plans (the registry says which, so no module names its form)."""
-    runs = part(plan.strategy, "apply").MODULES   # an unknown form: PlanError naming the known ones
-    if not issubclass(module_type, runs):
-        raise PlanError(f"{module_type.__name__} cannot run a {plan.strategy} plan (that form's module is "
-                        f"{' or '.join(c.__name__ for c in runs)}): build the rank's module with "
-                        "fxpar.auto(model, cluster, plan=plan), which picks it")
+def form_pass(plan: Plan) -> type[FormPass]:
+    """The pass of ``plan``'s form (its apply phase's ``form_pass``; an unknown form is a
+    PlanError naming the known ones)."""
+    return part(plan.strategy, "apply").form_pass(plan)
 
 
-class FormModule(ParallelModuleBase):
-    """What every form's module shares above the runtime (module docstring)."""
+class RankModule(StepModule):
+    """This rank's module of ``plan`` (module docstring); ``step(global_batch)`` trains one step
+    and returns the global loss.
+
+    ``model``: the user's model (real, or on ``meta`` with a ``checkpoint`` or seeded
+    initialisation to read); the form changes it in place.  ``group``: the process group over
+    the plan's ranks (None: the whole job).  ``loss_fn``, ``loss_weighting``, ``emulate`` and
+    ``device`` as for :func:`fxpar.auto`.  ``options``: the form's own (its pass's keywords,
+    e.g. ``broadcast_parameters``, ``capacity_factor``)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, *, example_inputs: Any = None,
+                 group: Any = None, loss_fn: LossFn | None = None, loss_weighting: LossWeighting = "auto",
+                 emulate: bool = True, device: torch.device | str | None = None,
+                 checkpoint: str | Path | None = None, exports: Any = None, **options: Any) -> None:
+        super().__init__()
+        kind = form_pass(plan)
+        self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
+                         device=device)
+        self.form = kind(self, model, example_inputs=example_inputs, checkpoint=checkpoint, group=group,
+                         exports=exports, **options)
 
     def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
         """A HF ``save_pretrained`` folder of the whole model written from the ranks' own pieces
         (their ``checkpoint_layout()``): each tensor written by one rank, assembled from the
         others' boxes where it is sharded, tied weights once, no rank building the model
         (:mod:`fxpar.checkpoint.hf_save`; ``max_shard_size`` accepted).  Collective."""
-        with self._saving():
+        with self.form.saving():
             save_sharded(self, self.original_model, output_dir, **kwargs)
 
     def gather_state_dict(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
@@ -50,8 +65,8 @@ class FormModule(ParallelModuleBase):
         ranks' ``checkpoint_layout()`` as :meth:`save_pretrained` is, each piece from the
         ``replica``-th of the ranks that hold a copy of it (in rank order: replicas can be
         compared).  Collective (:func:`fxpar.checkpoint.hf_save.gather_state_dict`)."""
-        with self._saving():
-            return gather_pieces(self, dst, replica=replica, aliases=self._tied_names())
+        with self.form.saving():
+            return gather_pieces(self, dst, replica=replica, aliases=self.form.tied_names())
 
     def gather_gradients(self, dst: int = 0, *, replica: int = 0) -> dict[str, torch.Tensor] | None:
         """Every parameter's gradient (zeros where it has none) whole, under every original name,
@@ -61,14 +76,7 @@ class FormModule(ParallelModuleBase):
         def gradient(t: torch.Tensor) -> torch.Tensor:   # on the device: NCCL sends from it
             return (t.grad if t.grad is not None else torch.zeros_like(t)).detach().to(self.device)
 
-        return gather_pieces(self, dst, replica=replica, aliases=self._tied_names(), values=gradient)
+        return gather_pieces(self, dst, replica=replica, aliases=self.form.tied_names(), values=gradient)
 
-    def _saving(self) -> contextlib.AbstractContextManager[Any]:
-        """A context around :meth:`save_pretrained` and :meth:`gather_state_dict` (a form whose
-        layout moves for them)."""
-        return contextlib.nullcontext()
-
-    def _tied_names(self) -> dict[str, list[str]]:
-        """The name a layout gives each tied tensor -> all its names (default: the ties of
-        ``original_model`` by identity; a form whose module no longer holds them says so)."""
-        return tie_groups(self.original_model)
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, form={type(self.form).__name__}"

@@ -1,1 +1,1 @@
-"""Uneven data parallelism: the per-rank module (``module``).  Imports ``codegen.common`` only."""
+"""Uneven data parallelism: its pass of the rank's module (``module``).  Imports ``codegen.common`` only."""

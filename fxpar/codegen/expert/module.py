@@ -29,7 +29,7 @@ arrive from every rank, and the backward all-to-all returns the weighted gradien
 loss to the owner, so the owner's local gradient already is ``∂L/∂W_e`` of the global batch:
 expert parameters need no all-reduce.  Parameter names stay those of the model; an expert
 tensor holds the rows ``[o_r, o_r + n_r)`` of the original ``(E, ·, ·)`` tensor, and
-:meth:`ExpertParallelModule.gather_state_dict` reassembles the full state dict on one rank
+the module's ``gather_state_dict`` reassembles the full state dict on one rank
 (``gather_gradients`` the full gradients).  Expert tensors carry a
 :class:`~fxpar.checkpoint.layout.ShardMark` cut along dimension 0, like tensor-parallel shards.
 
@@ -62,35 +62,33 @@ import torch.distributed as dist
 from fxpar.checkpoint.layout import LocalParam, ShardMark, ShardSpec, mark_shard, shard_mark
 from fxpar.cluster import Cluster
 from fxpar.codegen.common.groups import check_job
-from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
-from fxpar.errors import CheckpointError, PlanError, RuntimeSetupError
+from fxpar.codegen.common.module import RankModule
+from fxpar.errors import CheckpointError, PlanError
 from fxpar.plan import Plan
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
-from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
+from fxpar.runtime.form_pass import ALONE, FormPass
+from fxpar.runtime.step_loop import StepModule
 
 
-class ExpertParallelModule(FormModule, StepModule):
-    """This rank's module of an ``expert_parallel`` plan (or of a bare expert split with
-    ``batch_shares``); ``step(global_batch)`` trains one step and returns the global loss."""
+class ExpertParallel(FormPass):
+    """Expert parallelism applied to a rank's module: its experts of an ``expert_parallel`` plan,
+    the rest replicated (module docstring)."""
 
     empty_microbatches = "zero_loss"   # every rank joins every micro-batch's all-to-alls
     hf_use_cache = False
     compile_fullgraph = False          # the routing counts are read on the host inside each MoE block
 
-    def __init__(self, model: torch.nn.Module, plan_or_split: Plan | Sequence[int], rank: int, *,
-                 batch_shares: Sequence[int] | None = None, group: Any = None,
-                 capacity_factor: float | None = None, loss_fn: LossFn | None = None,
-                 loss_weighting: LossWeighting = "auto", emulate: bool = True,
-                 broadcast_parameters: bool = True, allow_local_aux_loss: bool = False,
-                 device: torch.device | str | None = None, checkpoint: str | Path | None = None) -> None:
-        super().__init__()
-        plan = plan_or_split if isinstance(plan_or_split, Plan) else _plan_from_split(
-            model, plan_or_split, batch_shares)
-        _check_plan(plan, rank)
+    def __init__(self, m: StepModule, model: torch.nn.Module, *, example_inputs: Any = None,
+                 checkpoint: str | Path | None = None, group: Any = None, exports: Any = None,
+                 capacity_factor: float | None = None, broadcast_parameters: bool = True,
+                 allow_local_aux_loss: bool = False) -> None:
+        super().__init__(m)
+        plan, rank = self.plan, self.rank
+        _check_plan(plan)
         if getattr(getattr(model, "config", None), "output_router_logits", False) and not allow_local_aux_loss:
             raise PlanError("config.output_router_logits is on: the auxiliary balancing loss depends on "
                             "the whole batch's routing, so per-rank averaging is not exact; set it "
@@ -98,8 +96,6 @@ class ExpertParallelModule(FormModule, StepModule):
         self.group, self.world = group, plan.world_size
         if self.world > 1:
             check_job(self.world, group)
-        self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
-                         device=device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         if source is None and broadcast_parameters and self.world > 1:  # a real model: rank 0's weights
             broadcast_state(model, dist.get_global_rank(group, 0) if group is not None else 0, group, self.device)
@@ -122,16 +118,16 @@ class ExpertParallelModule(FormModule, StepModule):
     def _ep_modules(self) -> list[ExpertParallelExperts]:
         return [m for m in self.module.modules() if isinstance(m, ExpertParallelExperts)]
 
-    # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
-    def _after_step(self) -> None:
+    # ---- step-loop hooks (fxpar.runtime.form_pass) -------------------------------------------
+    def after_step(self) -> None:
         """Tokens went to their experts' ranks inside the forward and backward: the assignments
         each MoE block dropped in the last micro-batch."""
         self.last_dropped = [m.last_dropped for m in self._ep_modules()]
 
-    def _items_group(self) -> Any:
+    def items_group(self) -> Any:
         return self.group if self.world > 1 else ALONE
 
-    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
+    def summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
         """SUM of the replicated parameters' gradients (the step loop's buckets, launched during
         the last backward); an expert's local gradient already is the global one (module
         docstring)."""
@@ -139,9 +135,9 @@ class ExpertParallelModule(FormModule, StepModule):
             return None
         return [p for n, p in self.module.named_parameters() if n not in self._expert_names], self.group
 
-    def _norm_terms(self) -> NormTerms:
+    def norm_terms(self) -> NormTerms:
         """Expert rows' squares summed over the ranks, replicated (identical) gradients counted
-        once (:meth:`clip_grad_norm_`)."""
+        once (the module's ``clip_grad_norm_``)."""
         counted = [p.grad for n, p in self.module.named_parameters()
                    if p.grad is not None and (n in self._expert_names or self.rank == 0)]
         return NormTerms(counted, list(self.module.parameters()), self.group, reduce=self.world > 1)
@@ -165,10 +161,7 @@ class ExpertParallelModule(FormModule, StepModule):
         return out
 
 
-def _check_plan(plan: Plan, rank: int) -> None:
-    check_form(ExpertParallelModule, plan)
-    if not 0 <= rank < plan.world_size:
-        raise RuntimeSetupError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+def _check_plan(plan: Plan) -> None:
     counts = {r.num_microbatches for r in plan.ranks}
     for r in plan.ranks:
         if r.batch_share < 1 or r.micro_batch_size * (r.num_microbatches - 1) >= r.batch_share:
@@ -181,9 +174,14 @@ def _check_plan(plan: Plan, rank: int) -> None:
                         f"(got {sorted(counts)}): each one runs the same collectives")
 
 
-def _plan_from_split(model: torch.nn.Module, split: Sequence[int], shares: Sequence[int] | None) -> Plan:
-    if shares is None or len(shares) != len(split):
-        raise PlanError(f"ExpertParallelModule(model, {list(split)}, ...) needs batch_shares with one "
-                        "entry per rank (samples of the global batch), or a Plan")
-    return expert_parallel_plan(model, Cluster.emulated([1.0] * len(split)), global_batch=int(sum(shares)),
-                                expert_split=list(split), batch_shares=list(shares))
+def expert_parallel_module(model: torch.nn.Module, split: Sequence[int], rank: int, *,
+                           batch_shares: Sequence[int] | None = None, **how: Any) -> RankModule:
+    """The rank's module of a bare expert split: ``split[r]`` experts and ``batch_shares[r]``
+    samples on rank ``r`` (an ``expert_parallel`` plan on an emulated cluster of equal speeds);
+    ``how``: :class:`~fxpar.codegen.common.module.RankModule`'s keywords and :class:`ExpertParallel`'s."""
+    if batch_shares is None or len(batch_shares) != len(split):
+        raise PlanError(f"expert_parallel_module(model, {list(split)}, ...) needs batch_shares with one "
+                        f"entry per rank (samples of the global batch); got {batch_shares}")
+    plan = expert_parallel_plan(model, Cluster.emulated([1.0] * len(split)), global_batch=int(sum(batch_shares)),
+                                expert_split=list(split), batch_shares=list(batch_shares))
+    return RankModule(model, plan, rank, **how)

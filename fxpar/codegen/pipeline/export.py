@@ -307,7 +307,7 @@ def host_stand_ins(model: torch.nn.Module) -> Iterator[None]:
 def stage_export_site(model: torch.nn.Module, inputs: dict[str, Any],
                       autocast: tuple[str, torch.dtype] | None) -> Iterator[tuple[dict[str, Any], bool]]:
     """Where a pipeline's stages of ``model`` are exported, the one rule for a build
-    (:class:`~fxpar.codegen.pipeline.module.PipelineParallelModule`) and for the export made
+    (:class:`~fxpar.codegen.pipeline.module.Pipeline`) and for the export made
     when adapting starts (:func:`fxpar.adapt.prepare.prepare_pipeline_export`), so both key
     the same :class:`ExportCache` entry: a low-precision (``autocast``) export of a meta model
     runs on host stand-ins with the inputs on the host (:func:`host_stand_ins`), any other where

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.materialize import Source
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.pipeline.module import Pipeline
 from fxpar.codegen.pipeline.stage_setup import (
     layer_to_stage,
     micro_example,
@@ -43,9 +43,9 @@ from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
 
 
-class InterleavedPipelineModule(PipelineParallelModule):
-    """This rank's stages of an interleaved plan; ``step(global_batch)`` trains one step.  Made
-    as the 1F1B module is (its ``__init__``); only :meth:`_build` differs."""
+class InterleavedPipeline(Pipeline):
+    """Pipeline parallelism applied with an interleaved schedule: this rank's stages of an
+    interleaved plan.  Set up as the 1F1B pass is (its ``__init__``); only :meth:`_build` differs."""
 
     def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                source: Source | None) -> None:
@@ -92,6 +92,7 @@ class InterleavedPipelineModule(PipelineParallelModule):
         """This rank's stages, their tensors on the device and their wrappers; returns every
         stage's boundary example values (on the device)."""
         self.stage_modules = torch.nn.ModuleList(modules[j] for j in self.stage_indices)
+        self.m.stage_modules = self.stage_modules   # registered: the module's parameters are every stage's
         self.module = self.stage_modules[0]
         # boundary shapes from one pass over the chain (meta: shapes only), before materialising
         examples = [(on_device(i, self.device), on_device(o, self.device))

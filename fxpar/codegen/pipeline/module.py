@@ -1,5 +1,6 @@
 """Pipeline-parallel execution of a ``pipeline`` plan: ``Schedule1F1B`` or ``ScheduleGPipe`` on
-``PipelineStage``, run by the one step loop (:class:`~fxpar.runtime.step_loop.StepModule`).
+``PipelineStage``, applied as a pass (:class:`Pipeline`) to the rank's module: the one step
+loop (:class:`~fxpar.runtime.step_loop.StepModule`) runs the schedule as its forward and backward.
 
 Rank layout comes from the plan (:class:`fxpar.rank_layout.RankLayout`): stage ``j`` of pipeline ``p`` runs on
 ``plan.stages[j].ranks[p·u_j : (p+1)·u_j]``, a tensor-parallel group of width ``u_j`` whose
@@ -45,7 +46,6 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, counted_here
 from fxpar.codegen.common.groups import PlanGroups
-from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.common.materialize import Source, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
@@ -88,31 +88,37 @@ from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.distributed import peer_failures
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.precision import AUTOCAST_DTYPES
-from fxpar.runtime.step_loop import LossWeighting, StepModule
+from fxpar.runtime.form_pass import FormPass
+from fxpar.runtime.step_loop import StepModule
+from fxpar.tracing.analyze_model import remember_example
 from fxpar.tracing.graph_passes import unpadded_batch
 from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
 
 
-class PipelineParallelModule(FormModule, StepModule):
-    """This rank's stage of a pipeline plan; ``step(global_batch)`` trains one step."""
+class Pipeline(FormPass):
+    """Pipeline parallelism applied to a rank's module: its stage of a pipeline plan and the
+    schedule the step loop runs (module docstring).  The process groups span the whole job
+    (``group`` is not used); the model trains on its own loss (``loss_fn`` is not used)."""
 
     #: a stage's forward gives its boundary values, not the model's outputs: :meth:`eval_loss`
     whole_outputs: ClassVar[bool] = False
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
-                 *, emulate: bool = True, device: torch.device | str | None = None, checkpoint: str | Path | None = None,
-                 loss_weighting: LossWeighting = "auto", exports: ExportCache | None = None) -> None:
-        super().__init__()
-        check_form(type(self), plan)
+    def __init__(self, m: StepModule, model: torch.nn.Module, *, example_inputs: Any = None,
+                 checkpoint: str | Path | None = None, group: Any = None,
+                 exports: ExportCache | None = None) -> None:
+        super().__init__(m)
         check_process_group()
-        source = self._begin(model, plan, rank, device, checkpoint, loss_weighting, exports, emulate)
-        self._build(model, plan, rank, example_inputs, source)
+        if example_inputs is not None:
+            remember_example(model, example_inputs)  # a stage's tensor parallelism exports a non-HF model on it
+        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
+        self._original, self._exports = [model], exports  # a list: kept off the module (config, names)
+        self._build(model, self.plan, self.rank, example_inputs, source)
 
     def _build(self, model: torch.nn.Module, plan: Plan, rank: int, example_inputs: dict[str, Any],
                source: Source | None) -> None:
-        """This rank's stage and its 1F1B or GPipe schedule (the set-up after :meth:`_begin`;
-        the interleaved module builds its stages and multi-stage schedule instead)."""
+        """This rank's stage and its 1F1B or GPipe schedule (the set-up after the source is checked;
+        the interleaved pass builds its stages and multi-stage schedule instead)."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         self._place_rank(plan, rank)
@@ -135,19 +141,6 @@ class PipelineParallelModule(FormModule, StepModule):
             broadcast_first_pipeline(self.module.named_original_parameters(), self._owners, self._stage_replicas)
 
     # ---- set-up helpers -----------------------------------------------------------------
-    def _begin(self, model: torch.nn.Module, plan: Plan, rank: int, device: torch.device | str | None,
-               checkpoint: str | Path | None, loss_weighting: LossWeighting, exports: ExportCache | None,
-               emulate: bool) -> Source | None:
-        """First set-up step (both pipeline modules): what the step loop reads, set as for every
-        form (:meth:`~fxpar.runtime.step_loop.StepModule._setup_step`: the plan, rank, device,
-        loss weighting, loss scaler, speed clock, causal or not, vocabulary), and the exports to
-        cut from (made once per running job: :class:`ExportCache`); returns the source of the
-        values, checked on every rank before any collective."""
-        self._setup_step(model, plan, rank, loss_fn=None, loss_weighting=loss_weighting, emulate=emulate, device=device)
-        source = weights_source(model, checkpoint)  # checked on every rank, before any collective
-        self._original, self._exports = [model], exports  # a list: not registered as a submodule (config, names)
-        return source
-
     def _place_rank(self, plan: Plan, rank: int) -> None:
         """This rank's place in the layout (stage, pipeline, tensor-parallel position), its
         groups and its pipeline's chain."""
@@ -249,17 +242,17 @@ class PipelineParallelModule(FormModule, StepModule):
     def eval_loss(self, batch: dict[str, torch.Tensor], *, local: bool = False) -> torch.Tensor:
         """The loss of ``batch`` (same rows as :meth:`step`) by a forward-only pass of the
         schedule, without gradients; the same value on every rank."""
-        self._check_batch(batch, local)
-        with torch.no_grad(), peer_failures(f"{type(self).__name__}.eval_loss ({self._position()})", self.rank):
+        self.check_batch(batch, local)
+        with torch.no_grad(), peer_failures(f"{type(self.m).__name__}.eval_loss ({self._position()})", self.rank):
             return self._global_loss(self._losses(batch, local, train=False))
 
-    # ---- the step loop's hooks (:class:`~fxpar.runtime.step_loop.StepModule`) --------------
-    def _forward_backward(self, batch: dict[str, torch.Tensor], local: bool) -> torch.Tensor:
+    # ---- the step loop's hooks (:class:`~fxpar.runtime.form_pass.FormPass`) ---------------
+    def forward_backward(self, batch: dict[str, torch.Tensor], local: bool) -> torch.Tensor:
         """One schedule run over this pipeline's rows of ``batch`` (1F1B, GPipe or interleaved,
         as the plan says); returns this rank's ``Σ_mb (N_mb / N) · L_mb`` (the last stage's)."""
         return self._losses(batch, local, train=True)
 
-    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+    def sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Across the pipelines (:mod:`~fxpar.codegen.pipeline.replica_sum`), then tied weights
         across this pipeline's stages (sums commute: each stage's replicas sum their part first);
         returns the global loss."""
@@ -268,14 +261,14 @@ class PipelineParallelModule(FormModule, StepModule):
         sync_tied(self._tied, self.tp_group, self.chain[self.stage_index])
         return self._global_loss(loss_sum)
 
-    def _step_timing(self, wall_s: float, sync_s: float) -> None:
+    def step_timing(self, timing: Any) -> None:
         return None   # not measured: the stages restart the clock at every compute segment
 
-    def _scaled_parameters(self) -> Any:
+    def scaled_parameters(self) -> Any:
         return (p for _, p in self.named_original_parameters())
 
-    def _where(self, local: bool) -> str:
-        return f"{type(self).__name__}.step{'(local=True)' if local else ''} ({self._position()})"
+    def where(self, local: bool) -> str:
+        return f"{type(self.m).__name__}.step{'(local=True)' if local else ''} ({self._position()})"
 
     # ---- one schedule run ---------------------------------------------------------------
     def _losses(self, batch: dict[str, torch.Tensor], local: bool, *, train: bool) -> torch.Tensor:
@@ -356,10 +349,10 @@ class PipelineParallelModule(FormModule, StepModule):
         if self._link is not None:
             self._link.send(DONE)
 
-    def _check_batch(self, batch: Any, local: bool) -> None:
+    def check_batch(self, batch: Any, local: bool) -> None:
         """Clear errors, before any send or receive, for a batch the stages cannot take (every
         rank of the pipeline checks the same batch, so all raise alike; none waits forever)."""
-        where = "PipelineParallelModule.step" + ("(local=True)" if local else "")
+        where = f"{type(self.m).__name__}.step" + ("(local=True)" if local else "")
         lo, hi = self._rows(local)
         expected = hi - lo if local else self.plan.global_batch
         size = self.plan.stages[0].data_split[self.pipeline_index] // max(1, self.plan.num_microbatches)
@@ -373,8 +366,8 @@ class PipelineParallelModule(FormModule, StepModule):
     def _stages(self) -> list[tuple[int, torch.nn.Module]]:
         return [(self.stage_index, self.module)]
 
-    def _norm_terms(self) -> NormTerms:
-        """The *whole* model's norm (:meth:`clip_grad_norm_`): squares summed over every rank of
+    def norm_terms(self) -> NormTerms:
+        """The *whole* model's norm (the module's ``clip_grad_norm_``): squares summed over every rank of
         this pipeline (a tied parameter counted once, on its first stage; a replicated parameter
         of a tensor-parallel stage once, on its lead; shards on every rank)."""
         named = list(self.named_original_parameters())
@@ -383,7 +376,7 @@ class PipelineParallelModule(FormModule, StepModule):
                    and self._first_tie_stage.get(self._canonical.get(fqn, fqn), self._tie_owner) == self._tie_owner]
         return NormTerms(counted, [p for _, p in named], self.pipe_group)
 
-    def _tied_names(self) -> dict[str, list[str]]:
+    def tied_names(self) -> dict[str, list[str]]:
         """Each tied weight's canonical name -> all its names (read before sharding could untie them)."""
         return self._ties
 

@@ -55,7 +55,6 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
 from fxpar.codegen.common.groups import PlanGroups
-from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks
 from fxpar.codegen.sharded.schedule import RoundSchedule
@@ -68,20 +67,18 @@ from fxpar.runtime.distributed import peer_failures, wait_work
 from fxpar.runtime.ragged import owned_rows
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.precision import TORCH_DTYPES
-from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
+from fxpar.runtime.form_pass import ALONE, FormPass
+from fxpar.runtime.step_loop import StepModule
 
 
-class ShardedDataParallelModule(FormModule, StepModule):
-    """The per-rank module of a ``sharded_data_parallel`` plan (module docstring)."""
+class ShardedDataParallel(FormPass):
+    """Sharded data parallelism applied to a rank's module: a ``sharded_data_parallel`` plan's
+    row shards, gathers and reduce-scatters (module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, plan: Plan, rank: int, *, group: Any = None,
-                 loss_fn: LossFn | None = None, loss_weighting: LossWeighting = "auto", emulate: bool = True,
-                 example_inputs: Any = None, device: torch.device | str | None = None,
-                 checkpoint: str | Path | None = None) -> None:
-        super().__init__()
-        check_form(type(self), plan)
-        self._setup_step(module, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
-                         device=device)
+    def __init__(self, m: StepModule, module: torch.nn.Module, *, example_inputs: Any = None,
+                 checkpoint: str | Path | None = None, group: Any = None, exports: Any = None) -> None:
+        super().__init__(m)
+        plan, rank = self.plan, self.rank
         self.group = group
         self._input_specs = checks.input_specs(example_inputs)
         stage, me = plan.stages[0], plan.ranks[rank]
@@ -89,7 +86,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
         self.state_weights: tuple[int, ...] = tuple(stage.sharded.split)
         self.offload_optimizer, self.activation_checkpointing = me.offload_optimizer, me.activation_checkpointing
         policy = plan.precision
-        with peer_failures("ShardedDataParallelModule: set-up of the row shards", rank):
+        with peer_failures("sharded data parallelism: set-up of the row shards", rank):
             self._units: list[Unit] = build_units(
                 module, self.state_weights, rank, self.device, checkpoint=checkpoint, group=group,
                 offload=self.offload_optimizer, reduce_dtype=TORCH_DTYPES[policy.reduce_dtype])
@@ -170,7 +167,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
         self.explain_precision = probe.describe(cast)
         self.plan = dataclasses.replace(self.plan, explain=self.plan.explain + (self.explain_precision,))
         if self._compile_later is not None:   # compiled from the step after the probe's
-            super().compile_regions(self._compile_later)
+            self.m.compile_blocks(self._compile_later)
             self._compile_later = None
 
     def compile_regions(self, options: CompileOptions) -> None:
@@ -178,7 +175,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
         first step's cast probe watches the forward (a dispatch mode, which dynamo does not
         trace), the blocks run eagerly and are compiled once it is done."""
         if self._probe is None:
-            super().compile_regions(options)
+            self.m.compile_blocks(options)
         else:
             self._compile_later = options
 
@@ -206,7 +203,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
     def full_parameters(self) -> Iterator[None]:
         """The full parameters registered in ``self.module`` for the duration (collective: every
         rank enters it).  Gradients of what runs inside do not reach the shards."""
-        with peer_failures("ShardedDataParallelModule: all-gather of the parameters", self.rank):
+        with peer_failures("sharded data parallelism: all-gather of the parameters", self.rank):
             self._gather_all()
         try:
             yield
@@ -219,7 +216,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
             return self.module(*args, **kwargs)
 
     # ---- state --------------------------------------------------------------------------------
-    def _take_plan(self, plan: Plan) -> None:
+    def take_plan(self, plan: Plan) -> None:
         busy = [r.num_microbatches for r in plan.ranks if r.batch_share]
         self.plan, self._rounds = plan, max(busy) if busy else 1
 
@@ -237,12 +234,12 @@ class ShardedDataParallelModule(FormModule, StepModule):
             out.append(LocalParam(fqn=t.names[0], param=tensor, shard=spec, write=hi > lo))
         return out
 
-    def _tied_names(self) -> dict[str, list[str]]:
+    def tied_names(self) -> dict[str, list[str]]:
         """Each flat tensor's first name -> all its names (the module holds shards, not the ties)."""
         return {t.names[0]: list(t.names) for t in self.tensors}
 
     @contextlib.contextmanager
-    def _saving(self) -> Iterator[None]:
+    def saving(self) -> Iterator[None]:
         """:meth:`save_pretrained` reads the row shards through their device copies (offloaded
         shards too: NCCL sends from the device)."""
         self._refresh_device_shards()
@@ -252,16 +249,16 @@ class ShardedDataParallelModule(FormModule, StepModule):
         finally:
             self._layout_on_device = False
 
-    def _norm_terms(self) -> NormTerms:
+    def norm_terms(self) -> NormTerms:
         """``‖g‖² = Σ_ranks Σ_{own rows} g²`` (every element is owned once, a 0-d parameter by its
-        owner), all-reduced; every shard is scaled on its device (:meth:`clip_grad_norm_`)."""
+        owner), all-reduced; every shard is scaled on its device (the module's ``clip_grad_norm_``)."""
         owned = [t.shard.grad for t in self.tensors if t.shard.grad is not None
                  and (t.full.dim() or owned_rows((), self.state_weights)[self.rank][1])]
         return NormTerms(owned, [t.shard for t in self.tensors], self.group if self._distributed else None,
                          reduce=self._distributed)
 
-    # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
-    def _run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:
+    # ---- step-loop hooks (fxpar.runtime.form_pass) -------------------------------------------
+    def run(self, runs: list[tuple[Any, int]], total: int, device: torch.device) -> torch.Tensor:
         """``R`` rounds (module docstring): this rank's micro-batches, then rounds of collectives
         only; ZeRO-2 gathers every unit first."""
         self._schedule.peak_gathered_bytes = 0
@@ -276,7 +273,7 @@ class ShardedDataParallelModule(FormModule, StepModule):
         for j in range(self._rounds):
             self._schedule.begin_round()
             if j < len(runs):
-                loss_sum = loss_sum + super()._run([runs[j]], total, device)
+                loss_sum = loss_sum + self.m.run_microbatches([runs[j]], total, device)
             self._schedule.end_round()
         self._schedule.finish_prefetched()
         self._release_all()   # the shards are registered again: the optimizer's parameters
@@ -284,17 +281,17 @@ class ShardedDataParallelModule(FormModule, StepModule):
             self._finish_probe()
         return loss_sum
 
-    def _forward(self, mb: Any) -> Any:
+    def model_forward(self, mb: Any) -> Any:
         """The model's output; the first step's forward runs under the cast probe (module docstring)."""
         if self._probe is None:
-            return super()._forward(mb)
+            return self.m.call_model(mb)
         with self._probe.watching():
-            return super()._forward(mb)
+            return self.m.call_model(mb)
 
-    def _items_group(self) -> Any:
+    def items_group(self) -> Any:
         return self.group if self._distributed else ALONE
 
-    def _sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
+    def sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The gradients are already in the shards (reduce-scattered each round); the loss is
         summed over the ranks (fp64).  On CPU ranks each wait of the step, this one included, ends
         within the job's collective timeout (:func:`fxpar.runtime.distributed.wait_work`), also on

@@ -50,7 +50,6 @@ import torch
 
 from fxpar.checkpoint.layout import LocalParam, counted_here
 from fxpar.codegen.common.groups import PlanGroups, check_job
-from fxpar.codegen.common.module import FormModule, check_form
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.tensor.collectives import register_group
@@ -71,8 +70,10 @@ from fxpar.rank_layout import RankLayout
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.runtime.step_loop import ALONE, LossFn, LossWeighting, StepModule
-from fxpar.tracing.analyze_model import analyze_model
+from fxpar.runtime.form_pass import ALONE, FormPass
+from fxpar.runtime.losses import default_loss
+from fxpar.runtime.step_loop import StepModule
+from fxpar.tracing.analyze_model import analyze_model, remember_example
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.structure import supports_vocab_parallel
 from fxpar.tracing.tensor_parallel.by_block import CALLS_ATTR
@@ -123,24 +124,22 @@ def shard_model(model: torch.nn.Module, kv_shares: Sequence[int], rank: int, gro
     return count
 
 
-class TensorParallelModule(FormModule, StepModule):
-    """This rank's shard of a ``tensor_parallel`` plan (``R`` replicas × TP width ``W``, see
-    the module docstring); ``step(global_batch)`` trains one step and returns the global loss."""
+class TensorParallel(FormPass):
+    """Tensor parallelism applied to a rank's module: its shard of a ``tensor_parallel`` plan
+    (``R`` replicas × TP width ``W``, see the module docstring).  The process groups span the
+    whole job (``group`` is not used); a non-HF model is exported on ``example_inputs``."""
 
     hf_use_cache = False
 
-    def __init__(self, model: torch.nn.Module, plan: Any, rank: int, *, loss_fn: LossFn | None = None,
-                 loss_weighting: LossWeighting = "auto", emulate: bool = True,
-                 broadcast_parameters: bool = True, device: torch.device | str | None = None,
-                 checkpoint: str | Path | None = None) -> None:
-        super().__init__()
-        check_form(type(self), plan)
-        if not 0 <= rank < plan.world_size:
-            raise PlanError(f"rank {rank} is outside the plan's {plan.world_size} ranks")
+    def __init__(self, m: StepModule, model: torch.nn.Module, *, example_inputs: Any = None,
+                 checkpoint: str | Path | None = None, group: Any = None, exports: Any = None,
+                 broadcast_parameters: bool = True) -> None:
+        super().__init__(m)
+        plan, rank = self.plan, self.rank
+        if example_inputs is not None:
+            remember_example(model, example_inputs)
         self.layout = RankLayout(plan)
         # emulation stretches each compute segment before the next TP collective (self.clock)
-        self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
-                         device=device)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         place = self.layout.where(rank)
         self.replica, self.position, self.width = place.replica, place.position, self.layout.widths[0]
@@ -148,7 +147,7 @@ class TensorParallelModule(FormModule, StepModule):
         self.world = plan.world_size
         if source is None and broadcast_parameters and self.world > 1:  # a real model: rank 0's weights
             broadcast_state(model, 0, None, self.device)
-        own_loss = loss_fn is None  # a custom loss needs the full logits: no vocab-parallel head
+        own_loss = m.loss_fn is default_loss  # a custom loss needs the full logits: no vocab-parallel head
         stage = plan.stages[0]
         mlp = None if stage.tensor.mlp_split is None else stage.tensor.mlp_split[:self.width]
         self.plan = with_split(plan, model)   # the split it applies, in the plan it runs
@@ -175,25 +174,25 @@ class TensorParallelModule(FormModule, StepModule):
         self._groups = groups = PlanGroups(self.layout).make("tensor", "replica")
         return groups.tensor(0, self.replica), groups.replica(0, self.position)
 
-    # ---- step-loop hooks (fxpar.runtime.step_loop) -------------------------------------------
-    def _check_batch(self, batch: Any, local: bool) -> None:
+    # ---- step-loop hooks (fxpar.runtime.form_pass) -------------------------------------------
+    def check_batch(self, batch: Any, local: bool) -> None:
         if not isinstance(batch, Mapping):
-            raise PlanError(f"{self._where(local)}: the batch is a {type(batch).__name__}; pass "
+            raise PlanError(f"{self.where(local)}: the batch is a {type(batch).__name__}; pass "
                             "a dict of tensors the HF model accepts (input_ids, labels, ...)")
-        super()._check_batch(batch, local)
+        self.m.check_batch(batch, local)
 
-    def _items_group(self) -> Any:
+    def items_group(self) -> Any:
         """One rank per replica: the rows differ across replicas only."""
         return self.dp_group if self.layout.replicas > 1 else ALONE
 
-    def _summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
+    def summed(self) -> tuple[list[torch.nn.Parameter], Any] | None:
         """``g ← Σ_replicas g`` over this position's DP group for every parameter (shards at one
         position hold the same slice), and the weighted losses summed the same way: the step
         loop's buckets, launched during the last backward."""
         return (list(self.module.parameters()), self.dp_group) if self.layout.replicas > 1 else None
 
-    def _norm_terms(self) -> NormTerms:
-        """``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)`` (:meth:`clip_grad_norm_`): shards' squares
+    def norm_terms(self) -> NormTerms:
+        """``‖g‖ = sqrt(Σ_shards ‖g_t‖² + ‖g_repl‖²)`` (the module's ``clip_grad_norm_``): shards' squares
         summed over this rank's TP group, replicated parameters counted once (position 0), and
         so are replicated key/value rows inside a shard (``counted_gradient``: on the rank owning
         that head's first query head); gradients are already identical across replicas."""

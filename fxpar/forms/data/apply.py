@@ -1,6 +1,6 @@
-"""Data parallelism applied: this rank's :class:`~fxpar.codegen.data.module.DataParallelModule`
-(:mod:`fxpar.forms`, phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the
-groups and hooks the build makes)."""
+"""Data parallelism applied: the pass :class:`~fxpar.codegen.data.module.DataParallel` of the rank's
+module and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase ``apply``; the module
+is built by :func:`fxpar.build.build_module`, which owns the groups and hooks the build makes)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,15 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.data.module import DataParallelModule
+from fxpar.codegen.data.module import DataParallel
 from fxpar.codegen.emit import write_json
-from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.plan import Plan
-from fxpar.runtime.step_loop import LossWeighting
+from fxpar.runtime.form_pass import FormPass
 
 
-#: the classes :func:`build` returns (each a :class:`fxpar.runtime.contract.ParallelModule`)
-MODULES: tuple[type, ...] = (DataParallelModule,)
-
-
-def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
-          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
-          exports: ExportCache | None) -> torch.nn.Module:
+def form_pass(plan: Plan) -> type[FormPass]:
     """A replica of the whole model training this rank's share."""
-    return DataParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                              example_inputs=example_inputs, emulate=emulate, device=device, checkpoint=checkpoint)
+    return DataParallel
 
 
 def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,

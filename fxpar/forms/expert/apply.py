@@ -1,6 +1,7 @@
-"""Expert parallelism applied: this rank's :class:`~fxpar.codegen.expert.module.ExpertParallelModule`
-(:mod:`fxpar.forms`, phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the
-groups and hooks the build makes)."""
+"""Expert parallelism applied: the pass :class:`~fxpar.codegen.expert.module.ExpertParallel` of the
+rank's module and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase ``apply``; the
+module is built by :func:`fxpar.build.build_module`, which owns the groups and hooks the build
+makes)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,15 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import write_json
-from fxpar.codegen.expert.module import ExpertParallelModule
-from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.codegen.expert.module import ExpertParallel
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
-from fxpar.runtime.step_loop import LossWeighting
+from fxpar.runtime.form_pass import FormPass
 
 
-#: the classes :func:`build` returns (each a :class:`fxpar.runtime.contract.ParallelModule`)
-MODULES: tuple[type, ...] = (ExpertParallelModule,)
-
-
-def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
-          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
-          exports: ExportCache | None) -> torch.nn.Module:
+def form_pass(plan: Plan) -> type[FormPass]:
     """The model with this rank's experts, the rest replicated."""
-    return ExpertParallelModule(model, plan, rank, group=group, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                                emulate=emulate, device=device, checkpoint=checkpoint)
+    return ExpertParallel
 
 
 def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,

@@ -1,6 +1,7 @@
-"""Pipeline parallelism applied: this rank's stage module (interleaved or not) (:mod:`fxpar.forms`,
-phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the groups and hooks the
-build makes)."""
+"""Pipeline parallelism applied: the pass of the rank's module (:class:`~fxpar.codegen.pipeline.module.Pipeline`,
+interleaved or not) and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase
+``apply``; the module is built by :func:`fxpar.build.build_module`, which owns the groups and
+hooks the build makes)."""
 
 from __future__ import annotations
 
@@ -10,32 +11,21 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import positions, shard_copy, write_json
-from fxpar.codegen.pipeline.export import ExportCache
-from fxpar.codegen.pipeline.interleaved import InterleavedPipelineModule
-from fxpar.codegen.pipeline.module import PipelineParallelModule
+from fxpar.codegen.pipeline.interleaved import InterleavedPipeline
+from fxpar.codegen.pipeline.module import Pipeline
 from fxpar.codegen.pipeline.split import split_stages
 from fxpar.codegen.pipeline.stage_setup import layer_to_stage
 from fxpar.codegen.tensor.families import with_split
 from fxpar.plan import Plan
 from fxpar.tensor_layers import splits_layers
-from fxpar.runtime.step_loop import LossWeighting
-from fxpar.tracing.analyze_model import remember_example
+from fxpar.runtime.form_pass import FormPass
 from fxpar.tracing.structure import block_paths
 
 
-#: the classes :func:`build` returns (each a :class:`fxpar.runtime.contract.ParallelModule`)
-MODULES: tuple[type, ...] = (PipelineParallelModule, InterleavedPipelineModule)
-
-
-def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
-          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
-          exports: ExportCache | None) -> torch.nn.Module:
-    """This rank's stage(s) of the pipeline, exported on ``example_inputs`` (or from ``exports``)."""
-    if example_inputs is not None:
-        remember_example(model, example_inputs)  # a stage's tensor parallelism exports a non-HF model on it
-    kind = InterleavedPipelineModule if plan.schedule == "interleaved" else PipelineParallelModule
-    return kind(model, plan, rank, example_inputs, loss_weighting=loss_weighting, exports=exports,
-                emulate=emulate, device=device, checkpoint=checkpoint)
+def form_pass(plan: Plan) -> type[FormPass]:
+    """This rank's stage(s) of the pipeline, exported on ``example_inputs`` (or from the
+    module's ``exports``); an interleaved plan's several stages run by the multi-stage schedule."""
+    return InterleavedPipeline if plan.schedule == "interleaved" else Pipeline
 
 
 def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,

@@ -1,6 +1,7 @@
-"""Tensor parallelism applied: this rank's :class:`~fxpar.codegen.tensor.module.TensorParallelModule`
-(:mod:`fxpar.forms`, phase ``apply``; called by :func:`fxpar.build.build_module`, which owns the
-groups and hooks the build makes)."""
+"""Tensor parallelism applied: the pass :class:`~fxpar.codegen.tensor.module.TensorParallel` of the
+rank's module and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase ``apply``; the
+module is built by :func:`fxpar.build.build_module`, which owns the groups and hooks the build
+makes)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,18 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import shard_copy, write_json
-from fxpar.codegen.pipeline.export import ExportCache
 from fxpar.codegen.pipeline.split import split_stages
 from fxpar.codegen.tensor.families import with_split
-from fxpar.codegen.tensor.module import TensorParallelModule
+from fxpar.codegen.tensor.module import TensorParallel
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
-from fxpar.runtime.step_loop import LossWeighting
-from fxpar.tracing.analyze_model import remember_example
+from fxpar.runtime.form_pass import FormPass
 from fxpar.tracing.structure import block_paths
 
 
-#: the classes :func:`build` returns (each a :class:`fxpar.runtime.contract.ParallelModule`)
-MODULES: tuple[type, ...] = (TensorParallelModule,)
-
-
-def build(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: Any, *, device: torch.device,
-          checkpoint: Any, group: Any, loss_fn: Any, loss_weighting: LossWeighting, emulate: bool,
-          exports: ExportCache | None) -> torch.nn.Module:
+def form_pass(plan: Plan) -> type[FormPass]:
     """This rank's slice of every divided layer; a non-HF model is exported on ``example_inputs``."""
-    if example_inputs is not None:
-        remember_example(model, example_inputs)
-    return TensorParallelModule(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting,
-                                emulate=emulate, device=device, checkpoint=checkpoint)
+    return TensorParallel
 
 
 def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, Any] | None,
