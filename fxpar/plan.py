@@ -40,15 +40,25 @@ PLAN_FORMAT_VERSION = 2
 class RankPlan:
     """What one rank does and what the cost model predicts for it."""
 
+    #: this rank's index in the job (0 .. world size - 1)
     rank: int
-    device: str                      # device type name (catalog or custom)
+    #: device type name (a catalog entry or a custom one)
+    device: str
+    #: the node (host) it runs on
     node: int
-    speed: float                     # relative speed (emulated CPU devices; 1.0 for GPUs)
-    batch_share: int                 # samples of the global batch this rank trains on
-    micro_batch_size: int            # samples per forward/backward (gradient accumulation)
+    #: relative speed (emulated CPU devices; 1.0 for GPUs)
+    speed: float
+    #: samples of the global batch this rank trains on
+    batch_share: int
+    #: samples per forward/backward (gradient accumulation)
+    micro_batch_size: int
+    #: micro-batches per step
     num_microbatches: int
-    predicted_busy_s: float          # compute time of its share per step
-    predicted_memory_bytes: int      # model state + activations of one micro-batch
+    #: predicted compute time of its share per step (seconds)
+    predicted_busy_s: float
+    #: predicted device bytes: model state + activations of one micro-batch
+    predicted_memory_bytes: int
+    #: the device memory (bytes) the plan was made to fit
     memory_capacity_bytes: int
     #: host (CPU) bytes the rank holds while it sets up: the staging of one tensor (read, cast)
     #: on its way to the device, or everything for a rank whose device is the CPU
@@ -67,16 +77,24 @@ class RankPlan:
 class StagePlan:
     """A pipeline stage: the modules it owns, its ranks and the splits inside it."""
 
+    #: its place in the pipeline (0 for a plan of one stage)
     index: int
-    modules: tuple[str, ...]          # module FQN prefixes; ("",) is the whole model
+    #: module FQN prefixes it owns; ``("",)`` is the whole model
+    modules: tuple[str, ...]
+    #: its ranks, replica-major (:mod:`fxpar.rank_layout`)
     ranks: tuple[int, ...]
-    data_split: tuple[int, ...]       # data parallel: samples per rank (order of ``ranks``);
-                                      # pipeline: samples per pipeline replica
-    device: str = ""                  # device kind of a pipeline stage
-    tensor_parallel: int = 1          # devices per replica of this stage (one TP group)
-    predicted_fwd_s: float = 0.0      # per micro-batch
+    #: data parallel: samples per rank (order of ``ranks``); pipeline: samples per pipeline replica
+    data_split: tuple[int, ...]
+    #: device kind of a pipeline stage
+    device: str = ""
+    #: devices per replica of this stage (one tensor-parallel group)
+    tensor_parallel: int = 1
+    #: predicted forward time of one micro-batch (seconds)
+    predicted_fwd_s: float = 0.0
+    #: predicted backward time of one micro-batch (seconds)
     predicted_bwd_s: float = 0.0
-    activation_checkpointing: bool = False   # this stage recomputes its forward in the backward
+    #: this stage recomputes its forward in the backward
+    activation_checkpointing: bool = False
     #: tensor parallelism inside the stage (:class:`~fxpar.stage_specs.TensorStage`); None: none
     tensor: TensorStage | None = None
     #: expert parallelism inside the stage (:class:`~fxpar.stage_specs.ExpertStage`); None: none
@@ -97,13 +115,20 @@ class StagePlan:
 class SolverReport:
     """How the plan was found: the solver's objective, bound and gap."""
 
-    name: str                         # which formulation, e.g. "dp-share-lp"
-    backend: str                      # e.g. "HIGHS"
-    status: str                       # the backend's status ("optimal", ...)
-    objective_s: float                # optimum of the continuous relaxation
-    integer_s: float                  # objective of the integer plan
-    gap: float                        # (integer − relaxation) / relaxation
-    solve_time_s: float = field(default=0.0, compare=False)  # wall clock: not in to_json
+    #: which formulation, e.g. "dp-share-lp"
+    name: str
+    #: the backend, e.g. "HIGHS"
+    backend: str
+    #: the backend's status ("optimal", ...)
+    status: str
+    #: optimum of the continuous relaxation (seconds)
+    objective_s: float
+    #: objective of the integer plan (seconds)
+    integer_s: float
+    #: (integer − relaxation) / relaxation
+    gap: float
+    #: wall clock (not written by ``to_json``)
+    solve_time_s: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         check_solver(self)
@@ -146,36 +171,60 @@ _NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cos
 class Plan:
     """A complete parallel plan with its predictions; see the module docstring."""
 
+    #: the parallel form's name (:data:`fxpar.forms.NAMES`; ``docs/glossary.md``)
     strategy: str
+    #: the model's class name
     model: str
+    #: the cluster's name
     cluster: str
+    #: samples per step, over every rank
     global_batch: int
+    #: tokens per sample (None: no sequence)
     seq_len: int | None
+    #: the training precision ("fp32", "bf16", "fp16")
     dtype: str
+    #: the optimizer its memory and step were priced for
     optimizer: str
+    #: its stages (one, but for a pipeline)
     stages: tuple[StagePlan, ...]
+    #: what each rank does, in rank order
     ranks: tuple[RankPlan, ...]
+    #: the predicted step time (seconds)
     predicted_step_s: float
+    #: the predicted compute part of the step (seconds)
     predicted_compute_s: float
+    #: the predicted communication part of the step (seconds)
     predicted_comm_s: float
+    #: no plan of the forms searched steps faster (:func:`fxpar.solvers.bounds.lower_bound_s`)
     lower_bound_s: float
+    #: the baselines priced beside it: ``(name, step seconds)`` (None: it does not fit)
     baselines: tuple[tuple[str, float | None], ...] = ()
-    solve_time_s: float = field(default=0.0, compare=False)  # wall clock: not in to_json
+    #: wall clock of the solve (not written by ``to_json``)
+    solve_time_s: float = field(default=0.0, compare=False)
+    #: how the solver found it
     solver: SolverReport | None = None
+    #: made for emulated ranks (CPU processes slowed to their speeds; DESIGN)
     emulated: bool = False
-    pipelines: int = 1                # pipeline replicas (data parallel across them); replica p
-                                      # trains data_split[p] samples, on its stages' replicas.devices
-    num_microbatches: int = 1         # per pipeline and step (pipeline p's micro-batch:
-                                      # data_split[p] / num_microbatches samples)
+    #: pipeline replicas (data parallel across them); replica ``p`` trains ``data_split[p]``
+    #: samples, on its stages' ``replicas.devices``
+    pipelines: int = 1
+    #: per pipeline and step (pipeline ``p``'s micro-batch: ``data_split[p] / num_microbatches`` samples)
+    num_microbatches: int = 1
+    #: a pipeline's schedule (:data:`fxpar.plan_checks.SCHEDULES`; "none" for the other forms)
     schedule: str = "none"
-    activation_checkpointing: bool = False   # every stage (a stage can also say so itself)
+    #: every stage recomputes its forward in the backward (a stage can also say so itself)
+    activation_checkpointing: bool = False
+    #: ZeRO-1: the optimizer state is sharded over the ranks that hold the same parameters
     zero_sharded_optimizer: bool = False
-    explain: tuple[str, ...] = ()     # why this plan: candidates and baselines considered
-    collectives: tuple[CollectiveChoice, ...] = ()   # how each exchange is done, and why
+    #: why this plan: the candidates and baselines considered
+    explain: tuple[str, ...] = ()
+    #: how each exchange is done, and why
+    collectives: tuple[CollectiveChoice, ...] = ()
     #: runtime behaviour, so that a plan can describe another framework's run (the defaults are
     #: fxpar's own): the gradient all-reduce starts during the last backward (False: after the
-    #: whole schedule, as DeepSpeed's pipeline engine does); fp32 matmuls may use TF32
+    #: whole schedule, as DeepSpeed's pipeline engine does)
     overlap_grad_allreduce: bool = True
+    #: fp32 matmuls may use TF32 (runtime behaviour, as above)
     allow_tf32: bool = False
     #: where the predicted times came from: "catalog roofline", or a measured profile
     #: (:func:`fxpar.profiling.local_cache.describe`)
@@ -194,6 +243,8 @@ class Plan:
     #: writes here (:func:`fxpar.codegen.tensor.families.split_of`); like the layout, plan
     #: equality leaves it out (the model's split, whichever plan of it carries it)
     tensor_layers: TPAnalysis | None = field(default=None, compare=False)
+    #: the plan file's format (:data:`PLAN_FORMAT_VERSION`; older files convert on reading:
+    #: :mod:`fxpar.plan_upgrade`)
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:

@@ -93,3 +93,18 @@ def test_emit_data_parallel_and_pipeline(tmp_path, scenarios_dir, capsys):
     stage0 = json.loads((tmp_path / "pp" / "stage_0.json").read_text())
     assert "model.embed_tokens.weight" in stage0["parameters"]
     assert "def forward" in (tmp_path / "pp" / "stage_0.py").read_text()
+
+
+def test_explain_prints_where_each_rank_sits(scenarios_dir, tmp_path, capsys):
+    """``fxpar plan --explain`` prints the plan's rank layout (:class:`fxpar.rank_layout.RankLayout`),
+    the same table the layout gives for the plan it writes."""
+    from fxpar.plan import Plan
+    from fxpar.rank_layout import RankLayout
+
+    out = tmp_path / "p.json"
+    code = main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--explain", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    layout = RankLayout(Plan.from_json(out.read_text())).lines()
+    assert len(layout) == 2 + 2   # header, rule, one row per rank
+    assert "where each rank sits:\n  " + "\n  ".join(layout) in printed

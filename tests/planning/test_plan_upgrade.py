@@ -124,12 +124,15 @@ def test_an_unknown_format_version_is_refused(tp_plan):
             Plan.from_dict({**d, "version": written}, source="new.json")
 
 
-def test_every_spec_field_is_documented_where_it_is_declared():
-    """Each field of each stage spec has its ``#:`` comment (the field docs Sphinx renders)."""
+def test_every_plan_field_is_documented_where_it_is_declared():
+    """Each field of the plan, its stages, ranks and solver report, and of each stage spec, has
+    its ``#:`` comment (the field docs Sphinx renders)."""
     import inspect
     from dataclasses import fields
 
-    for key, cls in SPECS.items():
+    from fxpar.plan import RankPlan, SolverReport, StagePlan
+
+    for key, cls in {**SPECS, "plan": Plan, "stage": StagePlan, "rank": RankPlan, "solver": SolverReport}.items():
         lines = inspect.getsource(cls).splitlines()
         for f in fields(cls):
             at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))

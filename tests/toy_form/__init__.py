@@ -5,7 +5,7 @@ fastest plan where links are too slow to carry the gradients.
 
 It exists to prove that a form is its folder plus one registry line (``docs/extending.md``):
 this package and ``FORM`` below, registered with ``FXPAR_FORMS=tests.toy_form``
-(:mod:`fxpar.forms`); ``tests/project/test_toy_form.py`` runs it end to end.  Phases:
+(:mod:`fxpar.forms`); ``tests/multirank/test_toy_form.py`` runs it end to end.  Phases:
 :mod:`.spec`, :mod:`.price`, :mod:`.bound`, :mod:`.search`, :mod:`.apply`, :mod:`.predict`.
 """
 

@@ -68,6 +68,7 @@ from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.codegen.common.module import RankModule
 from fxpar.errors import CheckpointError, PlanError
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.form_pass import ALONE, FormPass
@@ -144,18 +145,18 @@ class ExpertParallel(FormPass):
 
     def checkpoint_layout(self) -> list[LocalParam]:
         """Every expert tensor ``(E, ...)`` holds the rows ``[o_r, o_r + n_r)`` of this rank's
-        experts, with ``n`` the plan's ``expert.split`` and ``o_r = Σ_{s<r} n_s``; everything
-        else is a replica."""
-        split = [int(n) for n in self.plan.stages[0].expert.split]
-        lo, experts = sum(split[: self.rank]), sum(split)
+        experts (its :class:`~fxpar.rank_layout.RankPlace` ``experts``: ``n`` the plan's
+        ``expert.split``, ``o_r = Σ_{s<r} n_s``); everything else is a replica."""
+        lo, hi = RankLayout(self.plan).where(self.rank).experts
+        experts = sum(int(n) for n in self.plan.stages[0].expert.split)
         out = []
         for name, p in self.module.named_parameters():
             if name not in self._expert_names:
                 out.append(LocalParam(fqn=name, param=p))
                 continue
-            if p.shape[0] != split[self.rank]:
+            if p.shape[0] != hi - lo:
                 raise CheckpointError(f"checkpoint: expert tensor {name} of shape {list(p.shape)} is not "
-                                      f"rank {self.rank}'s {split[self.rank]} experts of {split}")
+                                      f"rank {self.rank}'s {hi - lo} experts ({lo}..{hi - 1}) of {experts}")
             out.append(LocalParam(fqn=name, param=p, shard=ShardSpec(
                 global_shape=(experts, *p.shape[1:]), offsets=(lo,) + (0,) * (p.dim() - 1))))
         return out
