@@ -22,6 +22,7 @@ plan share with nothing summed, so a pass defines only what its form changes.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -51,7 +52,7 @@ class OfModule:
         setattr(obj.m, self.name, value)
 
 
-class FormPass:
+class FormPass(ABC):
     """The form's part of a rank's module (module docstring).  A form's pass derives from it,
     takes ``(m, model, *, example_inputs, checkpoint, group, exports, **its options)`` and sets
     itself up on ``m`` in its ``__init__`` (calling this one first)."""
@@ -177,9 +178,10 @@ class FormPass:
         params = list(self.m.parameters())
         return NormTerms(counted=[p.grad for p in params if p.grad is not None], params=params, reduce=False)
 
+    @abstractmethod
     def checkpoint_layout(self) -> list[Any]:
-        """The box of every original parameter this rank holds (:class:`fxpar.checkpoint.LocalParam`)."""
-        raise NotImplementedError(f"{type(self).__name__} must say which box of each parameter it holds")
+        """The box of every original parameter this rank holds (:class:`fxpar.checkpoint.LocalParam`):
+        the one hook every form defines (checkpoints and adapting's state moves read only it)."""
 
     def tied_names(self) -> dict[str, list[str]]:
         """The name the layout gives each tied tensor -> all its names (default: the ties of

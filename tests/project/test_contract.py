@@ -91,6 +91,7 @@ def test_one_module_type_runs_every_plan_and_each_form_is_a_pass() -> None:
     assert {"DataParallel", "ShardedDataParallel", "TensorParallel", "ExpertParallel", "Pipeline",
             "InterleavedPipeline"} <= {c.__name__ for c in passes}
     assert not [c for c in passes if issubclass(c, torch.nn.Module)]
+    assert not [c.__name__ for c in passes if inspect.isabstract(c)], "a form's pass lacks checkpoint_layout"
     modules, todo = [], [StepModule]
     while todo:
         cls = todo.pop()
