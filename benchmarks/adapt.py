@@ -141,16 +141,16 @@ def arm_run(arm: str, memory_gib: float, phases: tuple[int, int, int], slow_rank
     else:
         changes = ((slow_at, slow_rank, SLOW_SPEED), (recover_at, slow_rank, 1.0))
         cluster = fxpar.Cluster.emulated([1.0] * world, memory_gib=memory_gib)
-    strategies = ("data_parallel",) if arm == "rebalance" else FAMILIES
-    policy = AdaptPolicy(strategies=strategies, switch=arm in ("adapt", "adapt_at_switch", "rebalance"))
+    forms = ("data_parallel",) if arm == "rebalance" else FAMILIES
+    policy = AdaptPolicy(forms=forms, switch=arm in ("adapt", "adapt_at_switch", "rebalance"))
     options = Adapt(policy=policy, detector=DETECTOR, timeline=SpeedTimeline(changes), total_steps=steps,
                     verbose=dist.get_rank() == 0, prepare_in_background=arm != "adapt_at_switch")
-    pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH, strategies=list(strategies), adapt=options)
+    pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH, forms=list(forms), adapt=options)
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     walls, kinds = [], []
     for _ in range(steps):
         walls.append(_timed_step(pm, opt, data))
-        kinds.append(pm.plan.strategy)
+        kinds.append(pm.plan.form)
     return {"walls": walls, "kinds": kinds, "events": pm.events}
 
 
@@ -180,7 +180,7 @@ def overhead_run(blocks: int) -> dict[str, Any]:
     cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
     arms = {}
     for arm in ("off", "on"):
-        pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH, strategies=["data_parallel"],
+        pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH, forms=["data_parallel"],
                         adapt=Adapt(verbose=False) if arm == "on" else None)
         arms[arm] = (pm, torch.optim.AdamW(pm.parameters(), lr=1e-3))
     timer = AdaptTimer(*arms["on"])
@@ -304,7 +304,7 @@ def dp_fits(memory_gib: float, world: int, model_name: str = SMALL) -> bool:
     graph = trace(model, {k: v[:1] for k, v in example_inputs(model, BATCH, SEQ, seed=1).items()})
     try:
         solve_plan(graph, fxpar.Cluster.emulated([1.0] * world, memory_gib=memory_gib),
-                   Workload(global_batch=BATCH, seq_len=SEQ), strategies=("data_parallel",))
+                   Workload(global_batch=BATCH, seq_len=SEQ), forms=("data_parallel",))
         return True
     except InfeasibleError:
         return False

@@ -73,8 +73,8 @@ def chain(name: str, pools: dict[int, WorkerPool]) -> dict[str, Any]:
 
 def decided(case: str, pool: WorkerPool) -> dict[str, Any]:
     """``fxpar.auto(..., adapt=...)`` on 2 ranks under :data:`THREE_CHANGES`: the decider's switches."""
-    memory_gib, strategies, config = DECIDER_CASES[case]
-    results = pool.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies, chain_config(config))
+    memory_gib, forms, config = DECIDER_CASES[case]
+    results = pool.run(adaptive_run, THREE_CHANGES, 56, memory_gib, forms, chain_config(config))
     events = results[0]["events"]
     trials = [e for e in events if e["kind"] == "trial"]
     chosen = []

@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[bench]   fxpar even {runs[-1]['even_step_s']:.3f} s, DDP {runs[-1]['ddp_step_s']:.3f} s, "
                       f"fxpar {runs[-1]['fxpar_step_s']:.3f} s", flush=True)
     checks = fairness(runs, {"ddp_step_s": "DDP", "even_step_s": "fxpar even"},
-                      lambda r: (r["model"], r["strategy"]))
+                      lambda r: (r["model"], r["form"]))
     print_fairness(checks)
-    head = ("model", "strategy", "speeds (emulated)", "fxpar split", "fxpar even split", "DDP s", "fxpar even s",
+    head = ("model", "form", "speeds (emulated)", "fxpar split", "fxpar even split", "DDP s", "fxpar even s",
             "fxpar s", "in collectives s (fxpar / even)", "vs fxpar even", "vs DDP", "ideal", "FLOP model",
             "of ideal", "step-0 loss diff")
     return finish("ep_tp_emulated", quick=args.quick, head=head, rows=rows, runs=runs, fairness=checks,
@@ -218,7 +218,7 @@ def _summarise(kind: str, speeds, splits: dict[str, Any], per_rank: list[dict[st
     coll = {m: min(statistics.median(x[m]["comm"]) for x in per_rank) for m in ("fxpar", "even", "ddp")}
     ideal = sum(speeds) / (len(speeds) * min(speeds))  # compute-bound, any split granularity
     losses = [r[m]["loss0"] for m in ("fxpar", "even", "ddp")]
-    return {"strategy": "expert_parallel" if kind == "ep" else "tensor_parallel", "model": MODELS[kind],
+    return {"form": "expert_parallel" if kind == "ep" else "tensor_parallel", "model": MODELS[kind],
             "label": f"{kind.upper()} {MODELS[kind].split('-')[0]} {'/'.join(f'{s:g}' for s in speeds)}",
             "speeds": list(speeds), "global_batch": BATCH, "seq_len": SEQ, "dtype": "fp32", "emulated": True,
             "model_config": model_summary(MODELS[kind]),
@@ -234,7 +234,7 @@ def _summarise(kind: str, speeds, splits: dict[str, Any], per_rank: list[dict[st
 
 
 def _row(run: dict[str, Any]) -> tuple:
-    kind = "ep" if run["strategy"] == "expert_parallel" else "tp"
+    kind = "ep" if run["form"] == "expert_parallel" else "tp"
 
     def mm(m: str) -> str:
         lo, hi = run[f"{m}_min_max_s"]

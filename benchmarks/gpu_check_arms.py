@@ -5,7 +5,7 @@ weights, recorded as a checksum; :func:`build`), the same global batch (on the h
 loader hands it over), and trains it either with the plain HF loop (``model.to(device)``, ``torch.autocast`` in
 bf16, ``torch.optim.AdamW``, ``loss.backward()``) or through fxpar's public API under a one-rank
 process group (``fxpar.auto(model, fxpar.Cluster.detect(), batch, seq_len=..., dtype=...,
-optimizer="adamw", strategies=[...])`` or ``plan=`` a hand-written ZeRO-2 / ZeRO-3 plan,
+optimizer="adamw", forms=[...])`` or ``plan=`` a hand-written ZeRO-2 / ZeRO-3 plan,
 ``fxpar.make_optimizer(pmodel, torch.optim.AdamW)``, ``pmodel.step(batch)``).
 
 The first step's loss and gradients (before its optimizer step) are what the parent compares;
@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fxpar
-from benchmarks.gpu_check_setup import BATCH_SEED, MODEL_SEED, PLANNED_STRATEGY
+from benchmarks.gpu_check_setup import BATCH_SEED, MODEL_SEED, PLANNED_FORM
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import local_cache
@@ -214,8 +214,8 @@ def fxpar_loop(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module, b
     else:
         if family == "pipeline-mask":   # a collator's unpadded batch (module docstring of gpu_check_setup)
             batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
-        strategy = PLANNED_STRATEGY[family]
-        pmodel = fxpar.auto(model, cluster, batch, strategies=[strategy], **options)
+        form = PLANNED_FORM[family]
+        pmodel = fxpar.auto(model, cluster, batch, forms=[form], **options)
     record["auto_s"] = time.perf_counter() - start
     record["cluster"] = str(cluster)
     record["plan"] = plan_summary(pmodel.plan)
@@ -230,14 +230,14 @@ def sharded_plan(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module,
     """ZeRO-2 / ZeRO-3 forced by a hand-written plan (``fxpar.codegen.sharded_plans``): the whole
     batch and all the state on the one rank.  With ``spec["probe_planner"]`` (the run's first
     sharded arm) the record also says what the planner itself offers for
-    ``strategies=["sharded_data_parallel"]`` on this cluster."""
+    ``forms=["sharded_data_parallel"]`` on this cluster."""
     stage = {"zero2": 2, "zero3": 3}[spec["family"]]
     if spec.get("probe_planner"):
         workload = fxpar.Workload(global_batch=spec["batch"], seq_len=spec["seq"], dtype=spec["dtype"],
                                   optimizer="adamw")
         try:
-            offered = fxpar.make_plan(model, cluster, batch, workload, strategies=["sharded_data_parallel"])
-            record["planner_offers"] = f"{offered.strategy}, ZeRO-{offered.stages[0].sharded.stage}"
+            offered = fxpar.make_plan(model, cluster, batch, workload, forms=["sharded_data_parallel"])
+            record["planner_offers"] = f"{offered.form}, ZeRO-{offered.stages[0].sharded.stage}"
         except fxpar.FxparError as exc:
             record["planner_offers"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     record["plan_source"] = f"hand plan: sharded_data_parallel_plan(shard_stage={stage})"
@@ -248,10 +248,10 @@ def sharded_plan(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module,
 def plan_summary(plan: fxpar.Plan) -> dict[str, Any]:
     """The plan's kind, micro-batching and its own predictions (zero for a hand-written plan)."""
     rank = plan.ranks[0]
-    return {"strategy": plan.strategy, "micro_batch_size": rank.micro_batch_size,
+    return {"form": plan.form, "micro_batch_size": rank.micro_batch_size,
             "num_microbatches": rank.num_microbatches,
             "shard_stage": plan.stages[0].sharded.stage if plan.stages[0].sharded is not None else None,
-            "pipeline_stages": len(plan.stages) if plan.strategy == "pipeline" else None,
+            "pipeline_stages": len(plan.stages) if plan.form == "pipeline" else None,
             "predicted_step_s": plan.predicted_step_s or None,
             "predicted_memory_bytes": rank.predicted_memory_bytes or None,
             "cost_source": getattr(plan, "cost_source", None), "text": plan.table()}

@@ -70,8 +70,8 @@ def from_pretrained_part(spec: dict[str, Any], record: dict[str, Any], save: Cal
     cluster = cluster_for(device)
     start = time.perf_counter()
     pmodel = fxpar.from_pretrained(folder, cluster, global_batch=spec["batch"], seq_len=spec["seq"], dtype="bf16",
-                                   optimizer="adamw", strategies=["data_parallel"])
-    record.update(load_s=time.perf_counter() - start, strategy=pmodel.plan.strategy,
+                                   optimizer="adamw", forms=["data_parallel"])
+    record.update(load_s=time.perf_counter() - start, form=pmodel.plan.form,
                   param_devices=sorted({str(p.device) for p in pmodel.parameters()}))
     save()
     record["loss0_fxpar"] = float(pmodel.step(batch))

@@ -109,8 +109,8 @@ def arm_row(name: str, arm: dict[str, Any], cmp: dict[str, Any]) -> list[str]:
         return [name, "-", "skipped", "", "", "", "", "", "", "", "", "", ""]
     plan = arm.get("plan") or {}
     family = name.rsplit("/", 1)[-1]
-    kind = plan.get("strategy", {"plain": "plain HF loop", "plain-compiled": "plain HF loop",
-                                 "fsdp2": "torch FSDP2"}.get(family, "-"))
+    kind = plan.get("form") or plan.get("strategy") or (   # "strategy": runs before 2026-12-05
+        {"plain": "plain HF loop", "plain-compiled": "plain HF loop", "fsdp2": "torch FSDP2"}.get(family, "-"))
     if family.endswith("-compiled"):
         kind += ", compiled"
     if plan.get("shard_stage"):

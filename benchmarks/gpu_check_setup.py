@@ -27,8 +27,8 @@ MODEL_SEED, BATCH_SEED = 0, 1234
 #: batch with an all-ones ``attention_mask``, as a Trainer's collator gives it (traced with the
 #: mask; its stages attend ``is_causal`` in an unpadded step: fxpar.tracing.graph_passes)
 FAMILIES = ("plain", "dp", "zero2", "zero3", "pipeline", "pipeline-mask", "fsdp2", "plain-compiled", "dp-compiled")
-#: the plan strategy each planned (not hand-written) fxpar arm asks ``fxpar.auto`` for
-PLANNED_STRATEGY = {"dp": "data_parallel", "pipeline": "pipeline", "pipeline-mask": "pipeline"}
+#: the plan form each planned (not hand-written) fxpar arm asks ``fxpar.auto`` for
+PLANNED_FORM = {"dp": "data_parallel", "pipeline": "pipeline", "pipeline-mask": "pipeline"}
 #: the arms that run torch's own loops (no fxpar plan): the plain loop, FSDP2, the compiled plain loop
 TORCH_FAMILIES = ("plain", "fsdp2", "plain-compiled")
 MODELS = ("llama", "gpt2")

@@ -74,7 +74,7 @@ def make_plan(kind: str):
     cluster, spec = Cluster.emulated(list(SPEEDS)), _spec(kind)
     if kind.startswith("DP"):
         workload = Workload(global_batch=BATCH, seq_len=SEQ, optimizer="adamw")
-        plan = solve(trace_spec(spec, workload), cluster, workload, strategies=("data_parallel",))
+        plan = solve(trace_spec(spec, workload), cluster, workload, forms=("data_parallel",))
         if kind == "DP×2":
             ranks = tuple(dataclasses.replace(r, micro_batch_size=-(-r.batch_share // 2), num_microbatches=2)
                           for r in plan.ranks)

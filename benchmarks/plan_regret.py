@@ -6,7 +6,7 @@ runs the same arm set, fixed here and never narrowed per case (an arm a case can
 recorded with the planner's reason):
 
 - ``dp``, ``pipeline``, ``ep`` (MoE models): the planner restricted to that family
-  (``strategies=[...]``);
+  (``forms=[...]``);
 - ``zero2``, ``zero3``: the planner restricted to sharded data parallelism, its batch and state
   split, micro-batches, checkpointing and offload run at shard stage 2 and at stage 3
   (``sharded_data_parallel_plan``);
@@ -197,7 +197,7 @@ def plan_arms(case: Case, calibration: ProfileDB | None) -> tuple[dict[str, Any]
             else:
                 families = FAMILY_OF[arm]
                 plan = solve_plan(graph, cluster, workload, profiles=profiles[""],
-                                  **({"strategies": families} if families else {}))
+                                  **({"forms": families} if families else {}))
                 if arm in ("zero2", "zero3"):
                     plan = _sharded(plan, cluster, 2 if arm == "zero2" else 3, case)
             _check_fits(plan, graph, cluster, profiles[""])
@@ -215,10 +215,10 @@ def plan_line(plan: Plan) -> str:
     pipelines, tensor-parallel widths, schedule and micro-batches; other families' batch split."""
     shares = "/".join(str(s) for s in plan.batch_shares)
     micro = plan.ranks[0].num_microbatches
-    if plan.strategy == "sharded_data_parallel":
+    if plan.form == "sharded_data_parallel":
         return f"ZeRO-{plan.stages[0].sharded.stage} [{shares}] x{micro} mb"
-    if plan.strategy != "pipeline":
-        return f"{plan.strategy} [{shares}] x{micro} mb"
+    if plan.form != "pipeline":
+        return f"{plan.form} [{shares}] x{micro} mb"
     widths = "/".join(str(st.tensor_parallel) for st in plan.stages)
     return (f"pipeline {len(plan.stages)} stage(s) (TP {widths}) x{plan.pipelines} pipeline(s), "
             f"{plan.schedule}, {plan.num_microbatches} mb")

@@ -36,11 +36,11 @@ PAPER = {"amp-gpt2-medium": "AMP 1.54x vs Megatron heuristic",
 def plan_shape(plan) -> str:
     """``uneven DP``, ``sharded DP (ZeRO-k)``, ``EP, experts a-b/rank, m=M``, or ``P x [kind x TP / ...] S st, m=M`` for a
     pipeline plan (``, interleaved on W ranks`` when ranks hold several stages)."""
-    if plan.strategy == "data_parallel":
+    if plan.form == "data_parallel":
         return "uneven DP"
-    if plan.strategy == "sharded_data_parallel":
+    if plan.form == "sharded_data_parallel":
         return f"sharded DP (ZeRO-{plan.stages[0].sharded.stage})"
-    if plan.strategy == "expert_parallel":
+    if plan.form == "expert_parallel":
         experts = plan.stages[0].expert.split
         return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.num_microbatches}"
     kinds = "/".join(f"{st.device.split('-')[0]}x{st.tensor_parallel}" for st in plan.stages[:3])
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                 evens.append(plan.baseline("even_ep"))
             shape = plan_shape(plan)
             results.append({"scenario": sc.name, "status": "planned", "plan_time_s": took,
-                            "strategy": plan.strategy, "shape": shape,
+                            "form": plan.form, "shape": shape,
                             **{k: plan.to_dict()[k] for k in ("predicted_step_s", "lower_bound_s",
                                                               "baselines", "solve_time_s", "explain")}})
             results[-1]["heterogeneity_ceiling"] = ceiling = heterogeneity_ceiling(sc.cluster, sc.workload.dtype)

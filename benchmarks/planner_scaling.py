@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         try:
             p = solve(graph, cluster, workload)
-            outcome = f"{p.strategy}, {len(p.stages)} stages"
+            outcome = f"{p.form}, {len(p.stages)} stages"
         except Exception as exc:
             outcome = f"{type(exc).__name__}"
         took = time.perf_counter() - start
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
         p = solve(g, cluster, Workload(global_batch=512, seq_len=2048, dtype="bf16"))
         took = time.perf_counter() - start
         points.append({"gpus": cluster.world_size, "layers": layers, "solve_s": took,
-                       "outcome": f"{p.strategy}, {len(p.stages)} stages"})
-        rows.append((f"gpt-{layers}x4096", cluster.world_size, f"{p.strategy}, {len(p.stages)} stages", f"{took:.2f}"))
+                       "outcome": f"{p.form}, {len(p.stages)} stages"})
+        rows.append((f"gpt-{layers}x4096", cluster.world_size, f"{p.form}, {len(p.stages)} stages", f"{took:.2f}"))
         print(f"[bench] {layers} layers: {took:.2f} s", flush=True)
     head = ("model", "GPUs", "plan", "solve s")
     png = _plot(points, args.quick, args.out)

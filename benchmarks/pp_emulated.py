@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     for speeds in (QUICK if args.quick else MIXES):
         cluster = Cluster.emulated(list(speeds))
-        fx = solve(graph, cluster, workload, strategies=("pipeline",), max_tensor_parallel=1)
+        fx = solve(graph, cluster, workload, forms=("pipeline",), max_tensor_parallel=1)
         fx_blocks = [sum(1 for m in st.modules if ".layers." in m) for st in fx.stages]
         model = build_model(SPEC, device="meta")
         even = pipeline_plan(model, cluster, global_batch=BATCH, blocks_per_stage=even_blocks,

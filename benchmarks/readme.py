@@ -235,7 +235,7 @@ def _plan(plan: dict) -> list[str]:
                 line += f"; {s['predicted_comm_s'] / s['predicted_step_s']:.0%} of its predicted step is communication"
                 if s.get("inter_node_gbps") and s.get("nodes", 2) > 1:
                     line += f" over {s['inter_node_gbps']:g} Gb/s between machines"
-                if s.get("strategy") == "data_parallel" and s.get("gradient_bytes"):
+                if s.get("form", s.get("strategy")) == "data_parallel" and s.get("gradient_bytes"):   # "strategy": results before 2026-12-05
                     line += f" ({s['gradient_bytes'] / 1e6:.0f} MB of gradients all-reduced per step)"
             out.append(line + ".")
     far = sorted((s for s in planned if s.get("lower_bound_s")), key=lambda s: -s["predicted_step_s"] / s["lower_bound_s"])

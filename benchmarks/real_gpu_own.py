@@ -69,11 +69,11 @@ def price_run(run: dict[str, Any], gpu: str, where: str) -> dict[str, Any]:
     cluster = Cluster.from_dict({"nodes": [{"gpu": gpu, "count": 1}]}, name=f"one {gpu}")
     planned = trace_spec(spec, workload)                            # fxpar plan --dtype bf16
     module = trace_spec(spec, replace(workload, dtype="fp32"))      # fxpar.auto on the fp32 module
-    plan = solve(planned, cluster, workload, strategies=("data_parallel",))
+    plan = solve(planned, cluster, workload, forms=("data_parallel",))
     auto, meta = predict(plan, module, cluster), predict(plan, planned, cluster)
     step, mem = run["fxpar_step_s"], run.get("plain_hf_loop_peak_allocated_bytes")
     return {"id": f"{where}/{spec.name} b{workload.global_batch}x{workload.seq_len}", "device": gpu,
-            "model": spec.name, "params": run["params"], "plan": f"{plan.strategy}, {plan.world_size} rank, "
+            "model": spec.name, "params": run["params"], "plan": f"{plan.form}, {plan.world_size} rank, "
             f"{plan.ranks[0].num_microbatches} micro-batch", "cost_source": plan.cost_source,
             "measured_step_s": step, "predicted_step_s": auto.step_s, "step_error": _err(auto.step_s, step),
             "predicted_step_s_bf16_trace": meta.step_s, "step_error_bf16_trace": _err(meta.step_s, step),

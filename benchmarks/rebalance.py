@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> dict:
     only_dp = ["data_parallel"]  # online re-balancing re-solves data-parallel shares
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        a = _run(tmp, "slowdown", {"speeds": list(PLANNED), **workload, "strategies": only_dp,
+        a = _run(tmp, "slowdown", {"speeds": list(PLANNED), **workload, "forms": only_dp,
                                    "rebalance": {"enabled": True, "threshold": 0.1, "warmup_steps": 1,
                                                  "window": 3}},
                  steps, ["--slow-down", f"{SLOW_RANK}:{SLOW_SPEED}:{SLOW_AT}"])
         slowed_speeds = [SLOW_SPEED if r == SLOW_RANK else s for r, s in enumerate(PLANNED)]
-        b = _run(tmp, "optimum", {"speeds": slowed_speeds, **workload, "strategies": only_dp,
+        b = _run(tmp, "optimum", {"speeds": slowed_speeds, **workload, "forms": only_dp,
                                   "rebalance": {"enabled": False}}, max(6, steps // 3), [])
     times = a["step_s"]  # times[i] is step i+1
     applied = [e for e in a["events"] if e["applied"]]

@@ -67,10 +67,10 @@ def compare(model_type: str) -> dict[str, Any]:
                            "act": recorded.activation_bytes / exported.activation_bytes}
     for dtype in ("fp32", "bf16"):
         workload = Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype=dtype)
-        plan = solve(exported, cluster, workload, strategies=("data_parallel",))
+        plan = solve(exported, cluster, workload, forms=("data_parallel",))
         mine = simulate(plan, CostModel(recorded, cluster, dtype=dtype)).step_s
         row[f"step_{dtype}"] = mine / simulate(plan, CostModel(exported, cluster, dtype=dtype)).step_s
-        again = solve(recorded, cluster, workload, strategies=("data_parallel",))
+        again = solve(recorded, cluster, workload, forms=("data_parallel",))
         row[f"same_shares_{dtype}"] = again.batch_shares == plan.batch_shares
     return row
 

@@ -121,9 +121,9 @@ def solve_arms(cluster: Cluster, graph: Any, batch: int, seq: int) -> dict[str, 
     arms: dict[str, dict[str, Any]] = {}
     best = solve_plan(graph, cluster, wl, max_tensor_parallel=1)
     source = "the planner over all families chose it"
-    if best.strategy != "sharded_data_parallel":
-        source = f"the planner chose {best.strategy}; planner restricted to sharded_data_parallel"
-        best = solve_plan(graph, cluster, wl, strategies=("sharded_data_parallel",), max_tensor_parallel=1)
+    if best.form != "sharded_data_parallel":
+        source = f"the planner chose {best.form}; planner restricted to sharded_data_parallel"
+        best = solve_plan(graph, cluster, wl, forms=("sharded_data_parallel",), max_tensor_parallel=1)
     arms["fxpar sharded"] = {"plan": best, "source": source}
     even, how = even_fsdp_plan(cluster, graph, batch, seq)
     arms["fxpar even_fsdp"] = {"plan": even, "source": how}
@@ -132,7 +132,7 @@ def solve_arms(cluster: Cluster, graph: Any, batch: int, seq: int) -> dict[str, 
     arms["torch FSDP2"] = {"plan": None, "source": "fully_shard per block + root, even shards and batch",
                            "predicted_as": first}
     try:
-        other = solve_plan(graph, cluster, wl, strategies=("data_parallel", "pipeline"), max_tensor_parallel=1)
+        other = solve_plan(graph, cluster, wl, forms=("data_parallel", "pipeline"), max_tensor_parallel=1)
         arms["fxpar best other"] = {"plan": other, "source": "planner restricted to data_parallel / pipeline"}
     except FxparError as exc:
         arms["fxpar best other"] = {"plan": None, "source": "planner restricted to data_parallel / pipeline",
@@ -151,15 +151,15 @@ def describe(plan: Plan | None) -> str:
         return "-"
     shares = "/".join(str(r.batch_share) for r in plan.ranks)
     mbs = "/".join(str(r.num_microbatches) for r in plan.ranks)
-    if plan.strategy == "sharded_data_parallel":
+    if plan.form == "sharded_data_parallel":
         st = plan.stages[0]
         ckpt = "/".join("y" if r.activation_checkpointing else "n" for r in plan.ranks)
         off = "/".join("y" if r.offload_optimizer else "n" for r in plan.ranks)
         return (f"ZeRO-{st.sharded.stage} batch {shares} state {':'.join(map(str, st.sharded.split))} "
                 f"mb {mbs} ckpt {ckpt} offload {off}")
-    if plan.strategy == "pipeline":
+    if plan.form == "pipeline":
         return f"pipeline {len(plan.stages)} stages, {plan.num_microbatches} micro-batches"
-    return f"{plan.strategy} batch {shares} mb {mbs}"
+    return f"{plan.form} batch {shares} mb {mbs}"
 
 
 # ---- the ranks (spawned gloo processes) -------------------------------------------------------------

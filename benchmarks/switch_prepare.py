@@ -85,13 +85,13 @@ def _switch_run(mode: str, speed: float) -> dict[str, Any]:
     # pipelines among the families: the export every pipeline switch cuts is made when adapting
     # starts (fxpar.adapt.prepare.prepare_pipeline_export); the planner's first plan is DP (checked)
     pm = fxpar.auto(copy.deepcopy(model), cluster, data, global_batch=BATCH,
-                    strategies=["data_parallel", "pipeline"], adapt=options)
-    if pm.plan.strategy != "data_parallel":
-        raise RuntimeError(f"the first plan is {pm.plan.strategy}, not data parallelism")
+                    forms=["data_parallel", "pipeline"], adapt=options)
+    if pm.plan.form != "data_parallel":
+        raise RuntimeError(f"the first plan is {pm.plan.form}, not data parallelism")
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     walls, kinds = [], []
     for k in range(STEPS):
-        kinds.append(pm.plan.strategy)   # the plan this step computes under (a switch runs in opt.step)
+        kinds.append(pm.plan.form)   # the plan this step computes under (a switch runs in opt.step)
         start = time.perf_counter()
         pm.step(data)
         if k == SWITCH_AT:   # after the step, before its optimizer step (where a decision arrives)

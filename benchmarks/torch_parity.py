@@ -122,7 +122,7 @@ def _plan(model: torch.nn.Module, dtype: str, arm: str) -> Plan:
     z = {stage: sharded_data_parallel_plan(cluster, batch_split=[BATCH // WORLD] * WORLD, state_split=[1] * WORLD,
                                            shard_stage=stage, model=MODEL.name, seq_len=SEQ, dtype=dtype)
          for stage in (2, 3)}
-    dp = dataclasses.replace(z[3], strategy="data_parallel",
+    dp = dataclasses.replace(z[3], form="data_parallel",
                              stages=(dataclasses.replace(z[3].stages[0], sharded=None),))
     tp = dataclasses.replace(tensor_parallel_plan(model, cluster, global_batch=BATCH, kv_shares=[2, 2]), dtype=dtype)
     every = {k: dataclasses.replace(z[k], dtype_policy=DtypePolicy(param_dtype="bf16", cast="all")) if dtype == "bf16"

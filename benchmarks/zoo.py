@@ -146,7 +146,7 @@ def dp_worker(model_type: str) -> dict:
     data = batch(model)
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
     graph = trace(model, {k: v[:1] for k, v in data.items()})
-    plan = solve_plan(graph, cluster, Workload(global_batch=BATCH), strategies=("data_parallel",))
+    plan = solve_plan(graph, cluster, Workload(global_batch=BATCH), forms=("data_parallel",))
     pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, plan=plan)
     torch.manual_seed(SEED)  # the same random draws as the reference (PhiMoE's router samples in training)
     loss = pm.step(data)
@@ -224,7 +224,7 @@ def traced_dp_worker(model_type: str) -> dict:
         model = build(model_type)
         graph = trace(model, batch(model, 1))
         out["blocks"] = len(graph.layers)
-        out["strategy"] = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=BATCH)).strategy
+        out["form"] = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=BATCH)).form
         out["attn_implementation"] = graph.attn_implementation
     dist.barrier()
     out.update(dp_worker(model_type))
@@ -274,7 +274,7 @@ def check_local(model_type: str, timeout: float) -> dict[str, Any]:
                 return row
             try:
                 plan = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=BATCH))
-                row["plan"] = {"ok": True, "strategy": plan.strategy}
+                row["plan"] = {"ok": True, "form": plan.form}
             except Exception as exc:  # noqa: BLE001
                 row["plan"] = {"ok": False, "reason": _reason(exc)}
     except _Timeout as exc:

@@ -70,7 +70,7 @@ def main() -> None:
         accelerator.load_state(args.checkpoint)
     if accelerator.is_main_process and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "strategy": pmodel.plan.strategy}, f)
+            json.dump({"losses": losses, "form": pmodel.plan.form}, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -66,10 +66,10 @@ def main() -> None:
     model = build_model(PRESETS[args.model], device="cpu", seed=0).train()
     batches = [example_inputs(model, args.batch, args.seq, seed=100 + s) for s in range(args.steps)]
     pmodel = fxpar.auto(model, fxpar.Cluster.detect(), batches[0], seq_len=args.seq,
-                        strategies=["data_parallel", "sharded_data_parallel"])
+                        forms=["data_parallel", "sharded_data_parallel"])
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     info = resume(pmodel, opt, root)
-    _log(args.loss_log, {"event": "start", "attempt": attempt, "world": world, "plan": pmodel.plan.strategy,
+    _log(args.loss_log, {"event": "start", "attempt": attempt, "world": world, "plan": pmodel.plan.form,
                          "shares": list(pmodel.plan.batch_shares), "started": started, "first_step_at": None,
                          **info})
     saver = BackgroundCheckpointer(pmodel, opt, root, every=args.every)

@@ -23,6 +23,7 @@ from fxpar.options import Options
 from fxpar.plan import Plan
 from fxpar.planning import measured_graph
 from fxpar.predict import Pricing
+from fxpar.renamed import accepts_renamed
 from fxpar.profiling.database import ProfileDB, with_calibration
 from fxpar.runtime.device import check_device_kind, check_model_devices, plan_rank_device, rank_device
 from fxpar.runtime.compile import compile_options
@@ -66,30 +67,31 @@ def _one_sample(example_inputs: Any, meta: bool = False) -> Any:
     return first(example_inputs)
 
 
+@accepts_renamed("fxpar.make_plan")
 def make_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
-              *, max_tensor_parallel: int = 8, strategies: Sequence[str] | None = None,
+              *, max_tensor_parallel: int = 8, forms: Sequence[str] | None = None,
               calibration: ProfileDB | None = None) -> Plan:
     """Trace ``model`` on one sample of ``example_inputs`` and solve for ``cluster``.
 
     ``max_tensor_parallel`` caps the width of tensor-parallel pipeline stages (inside a node;
     1: none).  The solver offers them only for blocks codegen can split (Llama-style, GPT-2,
-    BERT, MoE experts; ``LayerInfo.tensor_parallel``).  ``strategies``: the plan families
-    searched (:data:`fxpar.solvers.planner.FAMILIES`; None: all).  On a machine with CUDA, a
+    BERT, MoE experts; ``LayerInfo.tensor_parallel``).  ``forms``: the forms
+    searched (:data:`fxpar.forms.SEARCHED`; None: all).  On a machine with CUDA, a
     measured profile of its GPU cached by ``fxpar profile --device cuda`` prices the plan
     (:func:`fxpar.planning.measured_graph`); a ``calibration`` (:mod:`fxpar.calibrate`) gives the
     rates, links and optimizer of its device type; the plan's ``cost_source`` names what priced it."""
     return plan_and_pricing(model, cluster, example_inputs, workload, max_tensor_parallel=max_tensor_parallel,
-                            strategies=strategies, calibration=calibration)[0]
+                            forms=forms, calibration=calibration)[0]
 
 
 def plan_and_pricing(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, workload: Workload,
-                     *, max_tensor_parallel: int = 8, strategies: Sequence[str] | None = None,
+                     *, max_tensor_parallel: int = 8, forms: Sequence[str] | None = None,
                      calibration: ProfileDB | None = None) -> tuple[Plan, Pricing]:
     """:func:`make_plan`'s plan and what priced it (:class:`fxpar.predict.Pricing`)."""
-    strategies = api_checks.check_strategies(strategies)
+    forms = api_checks.check_forms(forms)
     pricing = pricing_for(model, cluster, example_inputs, workload, calibration)
     plan = solve_plan(pricing.graph, cluster, workload, max_tensor_parallel=max_tensor_parallel,
-                      strategies=strategies, profiles=pricing.profiles)
+                      forms=forms, profiles=pricing.profiles)
     return plan, pricing
 
 
@@ -204,17 +206,17 @@ def _adaptive(module: torch.nn.Module, adapt: Any, template: torch.nn.Module, pr
 
 def adapt_options(adapt: Any, auto_policy: AdaptPolicy) -> Adapt:
     """The :class:`Adapt` a re-plan follows: the user's (``adapt=True``: the defaults), its policy
-    within what ``auto`` was asked for (``auto_policy``: its ``strategies=`` and
-    ``max_tensor_parallel=``): the families both allow, the smaller tensor-parallel cap."""
+    within what ``auto`` was asked for (``auto_policy``: its ``forms=`` and
+    ``max_tensor_parallel=``): the forms both allow, the smaller tensor-parallel cap."""
     options = adapt if isinstance(adapt, Adapt) else Adapt()
-    mine, asked = options.policy, auto_policy.strategies
-    strategies = mine.strategies if asked is None else (
-        asked if mine.strategies is None else tuple(s for s in mine.strategies if s in asked))
-    if strategies == ():
-        raise ConfigError(f"fxpar.auto: adapt's AdaptPolicy.strategies {list(mine.strategies or ())} and auto's "
-                          f"strategies= {list(asked or ())} share no family; re-planning could offer nothing. "
-                          "Give them a family in common, or leave one of them out")
-    return replace(options, policy=replace(mine, strategies=strategies, max_tensor_parallel=min(
+    mine, asked = options.policy, auto_policy.forms
+    forms = mine.forms if asked is None else (
+        asked if mine.forms is None else tuple(s for s in mine.forms if s in asked))
+    if forms == ():
+        raise ConfigError(f"fxpar.auto: adapt's AdaptPolicy.forms {list(mine.forms or ())} and auto's "
+                          f"forms= {list(asked or ())} share no form; re-planning could offer nothing. "
+                          "Give them a form in common, or leave one of them out")
+    return replace(options, policy=replace(mine, forms=forms, max_tensor_parallel=min(
         mine.max_tensor_parallel, auto_policy.max_tensor_parallel)))
 
 
@@ -225,7 +227,7 @@ def _check_auto_args(model: Any, opts: Options, plan: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxpar.auto: model has type {type(model).__name__}; expected a torch.nn.Module")
     api_checks.check_plan_option(plan)
-    if opts.adapt:   # adapt's policy within auto's strategies (a ConfigError where they share none)
+    if opts.adapt:   # adapt's policy within auto's forms (a ConfigError where they share none)
         adapt_options(opts.adapt, opts.adapt_policy())
     if opts.device is not None:
         rank_device(opts.device, group=opts.group)  # a bad device option fails before any tracing
@@ -255,7 +257,7 @@ def _auto_plan(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, pl
         measured = None if chosen == "off" else calibrate.for_group(
             cluster, chosen, _calibration_device(group), group, progress=_say if rank == 0 else lambda _: None)
         plan, pricing = _plan_on_rank0(model, cluster, example_inputs, opts.workload(), rank, group,
-                                       opts.max_tensor_parallel, opts.strategies, measured)
+                                       opts.max_tensor_parallel, opts.forms, measured)
     elif plan.world_size != cluster.world_size:
         raise RuntimeSetupError(f"fxpar.auto: the plan has {plan.world_size} ranks but the cluster "
                                 f"has {cluster.world_size} devices; re-plan for this cluster")
@@ -328,7 +330,7 @@ def _say(message: str) -> None:
 
 
 def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_tensor_parallel: int = 8,
-                   strategies: Sequence[str] | None = None,
+                   forms: Sequence[str] | None = None,
                    calibration: ProfileDB | None = None) -> tuple[Plan, Pricing | None]:
     """Rank 0 traces and solves; every rank gets the plan (or rank 0's error, raised alike),
     rank 0 also what priced it."""
@@ -337,7 +339,7 @@ def _plan_on_rank0(model, cluster, example_inputs, workload, rank, group, max_te
     if rank == 0:
         try:
             plan, pricing = plan_and_pricing(model, cluster, example_inputs, workload,
-                                             max_tensor_parallel=max_tensor_parallel, strategies=strategies,
+                                             max_tensor_parallel=max_tensor_parallel, forms=forms,
                                              calibration=calibration)
             payload[0] = ("ok", plan.to_json(indent=None))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from fxpar.errors import ConfigError, PlanError
-from fxpar.forms import form
+from fxpar.forms import SEARCHED, form
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks
 from fxpar.runtime.losses import LOSS_WEIGHTINGS
-from fxpar.solvers.planner import FAMILIES
 from fxpar.workload import DTYPES, OPTIMIZERS
 
 _LABEL_KEYS: tuple[str, ...] = ("labels", "label", "start_positions", "end_positions")
@@ -48,9 +47,9 @@ def choice_option(name: str, value: Any, accepted: tuple[str, ...], hint: str = 
 
 def check_options(*, global_batch: Any, seq_len: Any, dtype: Any, optimizer: Any,
                   max_microbatches: Any, loss_fn: Any, loss_weighting: Any,
-                  emulate: Any, max_tensor_parallel: Any, group: Any, strategies: Any = None) -> None:
+                  emulate: Any, max_tensor_parallel: Any, group: Any, forms: Any = None) -> None:
     """The scalar options of ``fxpar.auto`` (:class:`fxpar.options.Options`): types and ranges."""
-    check_strategies(strategies)
+    check_forms(forms)
     positive_int_option("global_batch", global_batch,
                         hint=" (samples per optimizer step over all ranks; None: example_inputs' rows)")
     positive_int_option("seq_len", seq_len, hint=" (tokens per sample)")
@@ -80,15 +79,15 @@ def check_plan_option(plan: Any) -> None:
                           f"fxpar.Plan or None (solve one){load}")
 
 
-def check_strategies(strategies: Any) -> tuple[str, ...]:
-    """``strategies`` of ``fxpar.auto``: None (every family) or a non-empty list of
-    ``FAMILIES``; returns the tuple the planner searches."""
-    if strategies is None:
-        return FAMILIES
-    names = (strategies,) if isinstance(strategies, str) else strategies
-    if not isinstance(names, (list, tuple)) or not names or any(s not in FAMILIES for s in names):
-        raise ConfigError(f"fxpar.auto: strategies = {strategies!r:.80}: expected None (search every "
-                          f"family) or a non-empty list of {list(FAMILIES)}")
+def check_forms(forms: Any) -> tuple[str, ...]:
+    """``forms`` of ``fxpar.auto``: None (every form) or a non-empty list of
+    ``SEARCHED``; returns the tuple the planner searches."""
+    if forms is None:
+        return SEARCHED
+    names = (forms,) if isinstance(forms, str) else forms
+    if not isinstance(names, (list, tuple)) or not names or any(s not in SEARCHED for s in names):
+        raise ConfigError(f"fxpar.auto: forms = {forms!r:.80}: expected None (search every "
+                          f"form) or a non-empty list of {list(SEARCHED)}")
     return tuple(names)
 
 
@@ -98,17 +97,17 @@ def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighti
     pipelines train on the model's own loss (weighted by ``loss_weighting``) and need a dict
     example batch to cut the model; tensor-parallel and pipeline plans build their process
     groups over the whole job, so ``group`` is for data and expert parallel plans only."""
-    kind = "interleaved pipeline" if plan.schedule == "interleaved" else plan.strategy.replace("_", " ")
-    if group is not None and form(plan.strategy).whole_job_groups:
+    kind = "interleaved pipeline" if plan.schedule == "interleaved" else plan.form.replace("_", " ")
+    if group is not None and form(plan.form).whole_job_groups:
         raise ConfigError(f"fxpar.auto: group = {group!r:.60} with a {kind} plan: its process groups span "
                           "the whole job; pass group=None (group= is honoured by data and expert "
                           "parallel plans)")
-    if not form(plan.strategy).cuts_model:
+    if not form(plan.form).cuts_model:
         return
     if loss_fn is not None:
         raise ConfigError(f"fxpar.auto: loss_fn with a {kind} plan: the last stage computes the model's "
                           "own loss inside the exported graph; pass labels in the batch and loss_fn=None, "
-                          "or plan without pipelines (strategies without 'pipeline')")
+                          "or plan without pipelines (forms without 'pipeline')")
     if not isinstance(example_inputs, Mapping):
         raise ConfigError("fxpar.auto: a pipeline plan needs example_inputs as a dict of keyword inputs "
                           "with labels (one batch) to split the model into stages; got "

@@ -23,7 +23,7 @@ from fxpar.cluster.catalog import FRAMEWORK_CALIBRATION
 from fxpar.codegen.emit import emit
 from fxpar.demo import run_demo
 from fxpar.errors import ConfigError, FxparError, InfeasibleError
-from fxpar.forms import form
+from fxpar.forms import SEARCHED, form
 from fxpar.models import resolve_model
 from fxpar.plan import Plan
 from fxpar.planning import plan_model, trace_spec
@@ -34,8 +34,8 @@ from fxpar.profiling import CostModel, local_cache
 from fxpar.profiling.database import PROFILE_DIR_ENV, load_profiles, with_calibration
 from fxpar.scenario import load_scenario
 from fxpar.sim import simulate
+from fxpar.renamed import warn_renamed
 from fxpar.sim.plot import plot_timeline
-from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import OPTIMIZERS, Workload
 
@@ -62,12 +62,18 @@ def _progress(message: str) -> None:
     print(f"[fxpar] {message}", file=sys.stderr, flush=True)
 
 
-def _strategies(text: str) -> tuple[str, ...]:
+def _forms(text: str) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
-    unknown = [n for n in names if n not in FAMILIES]
+    unknown = [n for n in names if n not in SEARCHED]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(FAMILIES)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(SEARCHED)}")
     return names
+
+
+def _old_forms(text: str) -> tuple[str, ...]:
+    """``--strategies``, ``--forms``'s old name (:mod:`fxpar.renamed`): a FutureWarning."""
+    warn_renamed("--strategies", "--forms", "fxpar plan", stacklevel=2)
+    return _forms(text)
 
 
 def _positive(text: str) -> int:
@@ -150,8 +156,9 @@ def _add_plan(sub) -> None:
                    "--out); default $FXPAR_PROFILE_DIR, else the roofline alone")
     p.add_argument("--timeline", type=Path, help="draw the predicted per-device timeline (PNG)")
     p.add_argument("--emit", type=Path, help="write what each rank runs (stage code, parameters) here")
-    p.add_argument("--strategies", type=_strategies, default=FAMILIES, metavar="LIST",
-                   help=f"comma-separated plan families to search (default: all of {','.join(FAMILIES)})")
+    p.add_argument("--forms", type=_forms, default=SEARCHED, metavar="LIST",
+                   help=f"comma-separated parallel forms to search (default: all of {','.join(SEARCHED)})")
+    p.add_argument("--strategies", type=_old_forms, dest="forms", help=argparse.SUPPRESS)   # the old name (fxpar.renamed)
     p.add_argument("--explain", action="store_true",
                    help="print the candidates considered, the baselines and the solver's bound")
     p.add_argument("--calibrate", nargs="?", const="auto", default="off", metavar="FILE",
@@ -200,7 +207,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _progress(calibration.calibration)
         profiles = with_calibration(profiles, calibration)
     plan = plan_model(model, cluster, workload, progress=_progress, profiles=profiles,
-                      strategies=args.strategies)
+                      forms=args.forms)
     print(plan.table())
     if args.explain:
         print("\nwhy this plan:")
@@ -309,9 +316,9 @@ def _draw_timeline(plan, cluster, model, workload, profiles, path: Path) -> None
 
 def _emit(plan, model, workload, directory: Path) -> None:
     module = inputs = None
-    if form(plan.strategy).emits_from_model:
+    if form(plan.form).emits_from_model:
         if not isinstance(model, ModelSpec):
-            raise ConfigError(f"--emit of a {plan.strategy} plan needs a preset, config.json or scenario model")
+            raise ConfigError(f"--emit of a {plan.form} plan needs a preset, config.json or scenario model")
         module = build_model(model, device="meta", dtype=workload.dtype)
         inputs = example_inputs(module, max(2, plan.ranks[0].micro_batch_size), workload.seq_len,
                                 task=model.task, device="meta")

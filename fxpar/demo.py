@@ -49,6 +49,7 @@ from fxpar.cpu_rate import calibrated_emulated, cpu_scale
 from fxpar.demo_emulation import HookClock, wrap_ddp, wrap_fsdp2
 from fxpar.demo_report import demo_result, print_demo
 from fxpar.errors import PlanError
+from fxpar.forms import form
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
 from fxpar.predict import predict
@@ -90,8 +91,8 @@ def even_dp_plan(plan: Plan) -> Plan:
     """``plan`` (data parallel) with torch's even shares instead of the solved ones: fxpar's own
     runtime at DDP's split.  Micro-batches: as few as the plan's largest micro-batch on a device
     of the same memory allows (the rule of :func:`fxpar.solvers.rebalance.rebalanced_plan`)."""
-    if plan.strategy != "data_parallel":
-        raise PlanError(f"even_dp_plan: needs a data_parallel plan, got {plan.strategy!r}")
+    if not form(plan.form).rebalances:
+        raise PlanError(f"even_dp_plan: needs a plan whose shares re-balance (data parallel), got {plan.form!r}")
     shares = even_shares(plan.global_batch, plan.world_size)
     ranks = []
     for r, (rp, share) in enumerate(zip(plan.ranks, shares)):
@@ -189,7 +190,7 @@ def demo_worker(plan_json: str, steps: int, rounds: int, model: str = DEMO_MODEL
     speed = plan.ranks[rank].speed
     base = _build(model=model)
     batches = _batches(base, 1 + steps, plan.global_batch)
-    even_json = even_dp_plan(plan).to_json(indent=None) if plan.strategy == "data_parallel" else None
+    even_json = even_dp_plan(plan).to_json(indent=None) if form(plan.form).rebalances else None
     # parity: one fxpar step vs single process on the same global batch (no emulation cost here)
     check_model = copy.deepcopy(base)
     _, first_losses, pm = _fxpar_steps(copy.deepcopy(base), batches[:1], plan_json, optimize=False)
@@ -237,7 +238,7 @@ def plan_demo(model: torch.nn.Module, model_name: str, speeds: tuple[float, ...]
              f"CPU ranks with speeds {list(speeds)}")
     # the demo (and benchmarks.dp_emulated) compares data-parallel plans with DDP: an MoE model
     # would otherwise be offered expert parallelism, whose expert tensors are per-rank shards
-    plan = solve_plan(graph, cluster, workload, strategies=("data_parallel", "pipeline"), max_tensor_parallel=1)
+    plan = solve_plan(graph, cluster, workload, forms=("data_parallel", "pipeline"), max_tensor_parallel=1)
     nominal = predict(plan, graph, Cluster.emulated(list(speeds))).step_s
     return DemoPlan(plan=plan, nominal_step_s=nominal, cpu_rate_scale=scale, workload=workload)
 

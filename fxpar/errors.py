@@ -45,12 +45,12 @@ class CheckpointError(FxparError, RuntimeError):
 class SwitchRefused(FxparError, RuntimeError):
     """A running job's switch to another plan, refused on every rank alike before anything
     moved (the old plan keeps running): the new plan could not be built on some rank.
-    ``family``: the plan family whose build failed (adapting offers it no more); empty when
+    ``form``: the form whose build failed (adapting offers it no more); empty when
     the plan was built and something else refused it."""
 
-    def __init__(self, message: str, *, family: str = "") -> None:
+    def __init__(self, message: str, *, form: str = "") -> None:
         super().__init__(message)
-        self.family = family
+        self.form = form
 
 
 class MoveDoesNotFit(CheckpointError, SwitchRefused):

@@ -26,6 +26,7 @@ from fxpar import api_checks, calibrate
 from fxpar.adapt import Adapt, AdaptPolicy, DetectorSettings
 from fxpar.errors import ConfigError
 from fxpar.profiling.database import ProfileDB
+from fxpar.renamed import keeps_old_names, renamed_keys
 from fxpar.runtime.compile import CompileOptions, compile_options
 from fxpar.workload import Workload
 
@@ -41,6 +42,7 @@ _DETECTOR_KEYS = ("threshold", "min_steps", "min_seconds", "calibration_steps", 
 _POLICY_KEYS = ("min_gain", "horizon_steps", "replace_given_plan")
 
 
+@keeps_old_names("fxpar.Options")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Options:
     """:func:`fxpar.auto`'s options (module docstring); every field has a default."""
@@ -57,8 +59,8 @@ class Options:
     optimizer: str = "adam"
     #: cap on gradient-accumulation steps (None: no cap)
     max_microbatches: int | None = None
-    #: the parallel forms the planner searches (None: every one, :data:`fxpar.solvers.planner.FAMILIES`)
-    strategies: tuple[str, ...] | None = None
+    #: the parallel forms the planner searches (None: every one, :data:`fxpar.forms.SEARCHED`)
+    forms: tuple[str, ...] | None = None
     #: the widest tensor-parallel group the planner may use (inside a node)
     max_tensor_parallel: int = 8
     #: the cost model's calibration: ``"auto"`` (None: ``$FXPAR_CALIBRATION`` or ``"auto"``),
@@ -85,14 +87,14 @@ class Options:
     adapt: bool | Adapt = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.strategies, (list, str)):
-            object.__setattr__(self, "strategies", (self.strategies,) if isinstance(self.strategies, str)
-                               else tuple(self.strategies))
+        if isinstance(self.forms, (list, str)):
+            object.__setattr__(self, "forms", (self.forms,) if isinstance(self.forms, str)
+                               else tuple(self.forms))
         api_checks.check_options(global_batch=self.global_batch, seq_len=self.seq_len, dtype=self.dtype,
                                  optimizer=self.optimizer, max_microbatches=self.max_microbatches,
                                  loss_fn=self.loss_fn, loss_weighting=self.loss_weighting, emulate=self.emulate,
                                  max_tensor_parallel=self.max_tensor_parallel, group=self.group,
-                                 strategies=self.strategies)
+                                 forms=self.forms)
         if not (isinstance(self.adapt, (bool, Adapt)) or self.adapt is None):
             raise ConfigError(f"fxpar.auto: adapt = {self.adapt!r}; pass True, False or a fxpar.adapt.Adapt")
         compile_options(self.compile)
@@ -100,7 +102,9 @@ class Options:
 
     def overridden(self, overrides: Mapping[str, Any], where: str = "fxpar.auto") -> Options:
         """These options with ``overrides`` (option name -> value) in place; an unknown name is a
-        ConfigError that lists the accepted ones."""
+        ConfigError that lists the accepted ones; an old name (:mod:`fxpar.renamed`) is a
+        FutureWarning and sets the option of its new name."""
+        overrides = renamed_keys(overrides, where, stacklevel=4)
         unknown = sorted(set(overrides) - set(names()))
         if unknown:
             raise ConfigError(f"{where}: unknown option(s) {unknown}; accepted: {names()}")
@@ -117,7 +121,7 @@ class Options:
 
     def adapt_policy(self) -> AdaptPolicy:
         """What re-planning may offer, as these options limit the planner."""
-        return AdaptPolicy(strategies=self.strategies, max_tensor_parallel=self.max_tensor_parallel)
+        return AdaptPolicy(forms=self.forms, max_tensor_parallel=self.max_tensor_parallel)
 
 
 def names() -> list[str]:
@@ -130,7 +134,7 @@ def yaml_keys() -> list[str]:
     return [n for n in names() if n not in PYTHON_ONLY]
 
 
-def adapt_from_mapping(value: Any, *, strategies: tuple[str, ...] | None, max_tensor_parallel: int,
+def adapt_from_mapping(value: Any, *, forms: tuple[str, ...] | None, max_tensor_parallel: int,
                        source: str) -> Adapt | bool:
     """``fxpar.yaml``'s ``adapt``: true / false, or a mapping of :data:`ADAPT_KEYS`, as
     :func:`fxpar.auto`'s ``adapt``."""
@@ -143,7 +147,7 @@ def adapt_from_mapping(value: Any, *, strategies: tuple[str, ...] | None, max_te
         raise ConfigError(f"{source}: adapt.background_planning = {background!r}: must be process, thread, "
                           "true (= process) or false")
     detector = DetectorSettings(**{k: value[k] for k in _DETECTOR_KEYS if k in value})
-    policy = AdaptPolicy(strategies=strategies, max_tensor_parallel=max_tensor_parallel,
+    policy = AdaptPolicy(forms=forms, max_tensor_parallel=max_tensor_parallel,
                          **{k: value[k] for k in _POLICY_KEYS if k in value})
     return Adapt(policy=policy, detector=detector, background_planning=background)
 
@@ -154,11 +158,11 @@ def options_from_mapping(d: Mapping[str, Any], *, source: str) -> Options:
     bad = sorted(set(d) & PYTHON_ONLY)
     if bad:
         raise ConfigError(f"{source}: {bad} cannot be set in a file (Python objects); pass them to fxpar.auto")
-    kwargs = dict(d)
-    if isinstance(kwargs.get("strategies"), list):
-        kwargs["strategies"] = tuple(kwargs["strategies"])
+    kwargs = renamed_keys(d, source)
+    if isinstance(kwargs.get("forms"), list):
+        kwargs["forms"] = tuple(kwargs["forms"])
     if "adapt" in kwargs:
-        kwargs["adapt"] = adapt_from_mapping(kwargs["adapt"], strategies=kwargs.get("strategies"),
+        kwargs["adapt"] = adapt_from_mapping(kwargs["adapt"], forms=kwargs.get("forms"),
                                              max_tensor_parallel=kwargs.get("max_tensor_parallel", 8), source=source)
     try:
         return Options(**kwargs)

@@ -23,17 +23,18 @@ from fxpar.plan_checks import (
     check_rank,
     check_solver,
     check_stage,
-    check_strategy,
+    check_form_rules,
     set_fields,
 )
 from fxpar.plan_table import render_table
 from fxpar.plan_upgrade import upgrade
+from fxpar.renamed import keeps_old_names
 from fxpar.stage_specs import SPECS, ExpertStage, ReplicaStage, ShardedStage, TensorStage, spec_from_value
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tensor_layers import from_dict as layers_from_dict
 from fxpar.tensor_layers import to_dict as layers_to_dict
 
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,12 +168,13 @@ _NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cos
                          "tensor_layers"})
 
 
+@keeps_old_names("fxpar.Plan")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A complete parallel plan with its predictions; see the module docstring."""
 
     #: the parallel form's name (:data:`fxpar.forms.NAMES`; ``docs/glossary.md``)
-    strategy: str
+    form: str
     #: the model's class name
     model: str
     #: the cluster's name
@@ -240,7 +242,7 @@ class Plan:
     #: the per-layer tensor-parallel split its tensor-parallel stages apply (:mod:`fxpar.tensor_layers`:
     #: per block, which projection rows each key/value group or column owns), as JSON in a plan file
     #: and editable there; None: the model's own analysis, which the module that runs the plan
-    #: writes here (:func:`fxpar.codegen.tensor.families.split_of`); like the layout, plan
+    #: writes here (:func:`fxpar.codegen.tensor.forms.split_of`); like the layout, plan
     #: equality leaves it out (the model's split, whichever plan of it carries it)
     tensor_layers: TPAnalysis | None = field(default=None, compare=False)
     #: the plan file's format (:data:`PLAN_FORMAT_VERSION`; older files convert on reading:
@@ -250,7 +252,7 @@ class Plan:
     def __post_init__(self) -> None:
         check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport,
                    collective_type=CollectiveChoice)
-        check_strategy(self)
+        check_form_rules(self)
         if self.dtype_policy is not None:
             policy = DtypePolicy.from_value(self.dtype_policy, self.dtype)
             policy.check_for(self.dtype)
@@ -297,7 +299,7 @@ class Plan:
         return _slice_batch(batch, start, stop, self.global_batch)
 
     def layout(self) -> dict[str, Any]:
-        """What the plan *runs* (its family, splits, cuts, widths, state split, micro-batches,
+        """What the plan *runs* (its form, splits, cuts, widths, state split, micro-batches,
         schedule, offload, dtype policy), as plain data: :meth:`to_dict` without what priced or
         explains it (predictions, bounds, baselines, solver report, cost source, explanations)."""
         def clean(value: Any) -> Any:

@@ -16,11 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.forms import FORMS, NAMES, STAGE_FIELDS, form, part
+from fxpar.forms import FORMS, STAGE_FIELDS, form, part
 
 REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this field"
-#: the accepted ``strategy`` values: the parallel forms' names (:data:`fxpar.forms.NAMES`)
-STRATEGIES: tuple[str, ...] = NAMES
 #: sharding stages of a ``sharded_data_parallel`` plan: 2 shards gradients and optimizer state
 #: (ZeRO-2), 3 shards the parameters too (ZeRO-3 / FSDP: a block is all-gathered around its
 #: forward and backward)
@@ -192,9 +190,9 @@ def check_collective(c: Any) -> None:
 def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
                collective_type: type | None = None) -> None:
     """Types and ranges of every ``Plan`` field, then the cross-field rules that do not depend
-    on the strategy (stage numbering, ranks in range, per-strategy split lengths)."""
+    on the form (stage numbering, ranks in range, per-form split lengths)."""
     where = "plan"
-    for name in ("strategy", "model", "cluster", "dtype", "optimizer", "schedule", "cost_source"):
+    for name in ("form", "model", "cluster", "dtype", "optimizer", "schedule", "cost_source"):
         set_fields(p, **{name: _text(getattr(p, name), where, name)})
     set_fields(p, global_batch=_int(p.global_batch, where, "global_batch", 1),
          pipelines=_int(p.pipelines, where, "pipelines", 1),
@@ -235,7 +233,7 @@ def _check_measured(p: Any) -> None:
         return
     items = _sequence(p.measured_speeds, "plan", "measured_speeds", "positive numbers (samples/s)")
     speeds = tuple(_real(v, "plan", f"measured_speeds[{i}]", strict=True) for i, v in enumerate(items))
-    if not form(p.strategy).rebalances or len(speeds) != len(p.ranks):
+    if not form(p.form).rebalances or len(speeds) != len(p.ranks):
         raise _fail("plan", "measured_speeds", p.measured_speeds,
                     f"one speed per rank ({len(p.ranks)}) of a data_parallel plan, or null")
     set_fields(p, measured_speeds=speeds)
@@ -261,14 +259,14 @@ def _check_stages(p: Any) -> None:
         if outside:
             raise PlanError(f"plan.stages[{i}].ranks = {list(st.ranks)}: rank(s) {outside} are not in the "
                             f"plan's {world} ranks (0..{world - 1}); fix the stage or add the ranks")
-        part(p.strategy, "spec").check_stage(p, i, st)
+        part(p.form, "spec").check_stage(p, i, st)
 
 
-def check_strategy(p: Any) -> None:
-    """The rules of a ``Plan`` that depend on its strategy, after :func:`check_plan`: a known
-    strategy and schedule, ranks listed in order with micro-batches that cover their shares, each
-    strategy's split, and shares (or stages) that account for the whole batch and every rank."""
-    spec = part(p.strategy, "spec")   # an unknown strategy: PlanError naming the accepted ones
+def check_form_rules(p: Any) -> None:
+    """The rules of a ``Plan`` that depend on its form, after :func:`check_plan`: a known
+    form and schedule, ranks listed in order with micro-batches that cover their shares, each
+    form's split, and shares (or stages) that account for the whole batch and every rank."""
+    spec = part(p.form, "spec")   # an unknown form: PlanError naming the accepted ones
     if not p.ranks:
         raise PlanError("plan.ranks is empty: a plan needs at least one rank")
     _check_rank_batches(p)
@@ -284,9 +282,9 @@ def _check_offload(p: Any) -> None:
     the host (``Form.offloads``): any other form's runtime would ignore it, and its pricing
     would count host memory the run never uses."""
     off = [r.rank for r in p.ranks if r.offload_optimizer]
-    if off and not form(p.strategy).offloads:
+    if off and not form(p.form).offloads:
         offloading = [f.name for f in FORMS if f.offloads]
-        raise PlanError(f"plan.ranks[{off[0]}].offload_optimizer = true: a {p.strategy} plan keeps every rank's "
+        raise PlanError(f"plan.ranks[{off[0]}].offload_optimizer = true: a {p.form} plan keeps every rank's "
                         f"optimizer on its device (only {offloading} plans offload it); set it to false")
 
 
@@ -294,14 +292,14 @@ def _check_stage_fields(p: Any) -> None:
     """Each stage sets only the per-form fields its plan's form runs (``Form.stage_fields``): a
     ZeRO ``sharded`` spec in a pipeline stage, or expert shares in a tensor-parallel plan, would
     be ignored by the run while the plan's prediction counted them."""
-    reads = form(p.strategy).stage_fields
+    reads = form(p.form).stage_fields
     for i, st in enumerate(p.stages):
         for name in STAGE_FIELDS:
             value = getattr(st, name)
             if name in reads or value is None:
                 continue
             readers = [f.name for f in FORMS if name in f.stage_fields]
-            raise PlanError(f"plan.stages[{i}].{name} = {value!r:.60}: a {p.strategy} plan does not run it (its "
+            raise PlanError(f"plan.stages[{i}].{name} = {value!r:.60}: a {p.form} plan does not run it (its "
                             f"run would ignore it); only {readers or 'no'} plans do: remove it, or write a "
                             f"{' or '.join(readers) or 'different'} plan")
 
@@ -333,10 +331,10 @@ def _check_rank_batches(p: Any) -> None:
 def same_job(old: Any, new: Any) -> bool:
     """Whether ``new`` is of ``old``'s form over the same ranks (what a plan taken in place
     keeps; a form's ``refusal`` adds its own rules)."""
-    return new.strategy == old.strategy and new.world_size == old.world_size
+    return new.form == old.form and new.world_size == old.world_size
 
 
 def rebuild_to_switch(old: Any) -> str:
     """The refusal of a form whose module takes no other plan in place (a form's ``refusal``)."""
-    return (f"set_plan: a {old.strategy} module cannot switch plans in place; rebuild it "
+    return (f"set_plan: a {old.form} module cannot switch plans in place; rebuild it "
             "with fxpar.auto(..., plan=...) (save_checkpoint / load_checkpoint move the state)")

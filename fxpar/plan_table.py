@@ -30,11 +30,11 @@ def render_table(plan: Any) -> str:
 
 
 def _summary_lines(plan: Any) -> list[str]:
-    """The title line, then what the strategy adds: pipeline stages, sharding or experts per rank."""
-    out = [f"fxpar plan: {plan.strategy} for {plan.model} on {plan.cluster} "
+    """The title line, then what the form adds: pipeline stages, sharding or experts per rank."""
+    out = [f"fxpar plan: {plan.form} for {plan.model} on {plan.cluster} "
            f"({plan.world_size} ranks{', emulated' if plan.emulated else ''}), "
            f"global batch {plan.global_batch}, {plan.dtype}, {plan.optimizer}"]
-    out += part(plan.strategy, "spec").summary(plan)
+    out += part(plan.form, "spec").summary(plan)
     return out
 
 
@@ -53,7 +53,7 @@ def _rank_table(plan: Any) -> list[str]:
 def _prediction_line(plan: Any) -> str:
     """The predicted step, its compute and exchange parts, against the lower bound."""
     if plan.predicted_step_s > 0 and plan.lower_bound_s > 0:
-        comm = form(plan.strategy).communication
+        comm = form(plan.form).communication
         return (f"predicted step {plan.predicted_step_s:.4g} s (compute {plan.predicted_compute_s:.4g}"
                 f" + {comm} {plan.predicted_comm_s:.4g}); lower bound {plan.lower_bound_s:.4g} s"
                 f" ({plan.predicted_step_s / plan.lower_bound_s:.3f}x)")
@@ -62,7 +62,7 @@ def _prediction_line(plan: Any) -> str:
 
 
 #: a baseline the plan has no figure for (:mod:`fxpar.solvers.baselines`: None)
-NO_BASELINE = "does not fit in memory, or its form was not among the strategies asked for"
+NO_BASELINE = "does not fit in memory, or its form was not among the forms asked for"
 
 
 def _baseline_lines(plan: Any) -> list[str]:

@@ -12,10 +12,13 @@ Format history:
   ``"tensor": {"split": ..., "mlp_split": ...}``, ``expert_split`` ``"expert": {"split": ...}``,
   ``state_split`` and ``shard_stage`` ``"sharded": {"split": ..., "stage": ...}``, and
   ``replica_devices`` and ``replica_modules`` ``"replicas": {"devices": ..., "modules": ...}``.
+- **v3**: the parallel form's key is ``"form"`` (v1 and v2 called it ``"strategy"``; one name per
+  concept, ``docs/glossary.md``).
 
-Every v1 plan (the ones stored in ``benchmarks/results`` and the test fixtures among them) reads
-as the same plan it was; written again, it is v2.  A v2 plan that still spells a v1 key is a
-:class:`~fxpar.errors.PlanError` saying what to write instead.
+Every v1 and v2 plan (the ones stored in ``benchmarks/results`` and the test fixtures among
+them) reads as the same plan it was; written again, it is v3.  A plan that spells a key of an
+older format than its ``version`` is a :class:`~fxpar.errors.PlanError` saying what to write
+instead.
 """
 
 from __future__ import annotations
@@ -37,22 +40,29 @@ V1_STAGE_KEYS: dict[str, tuple[str, str]] = {
 }
 #: a v1 key's value that meant "unset" (others: null)
 V1_UNSET: dict[str, Any] = {"shard_stage": 0}
+#: plan keys v3 renamed: v1/v2 key -> v3 key
+V2_PLAN_KEYS: dict[str, str] = {"strategy": "form"}
 
 
 def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any]:
-    """``d`` (a plan's JSON data) in format ``current``: a v1 plan's stages converted, a v2
-    plan returned as it is; an unknown version is a :class:`PlanError`."""
+    """``d`` (a plan's JSON data) in format ``current``: a v1 plan's stages converted, a v1 or v2
+    plan's renamed keys (:data:`V2_PLAN_KEYS`) renamed, a current plan returned as it is; an
+    unknown version is a :class:`PlanError`."""
     version = d.get("version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or version not in range(1, current + 1):
         raise PlanError(f"{source}: plan format version {version!r} is not supported (this fxpar reads "
                         f"versions 1 to {current}); re-run `fxpar plan`")
+    if version >= 3:
+        _refuse_v2_keys(d, source, version)
+    else:
+        d = {V2_PLAN_KEYS.get(k, k): v for k, v in d.items()}
     stages = d.get("stages")
     if not isinstance(stages, list) or not stages:
         return {**d, "version": current}
-    if version == current:
+    if version >= 2:
         for i, st in enumerate(stages):
-            _refuse_v1_keys(st, f"{source}: stages[{i}]")
-        return d
+            _refuse_v1_keys(st, f"{source}: stages[{i}]", version)
+        return {**d, "version": current}
     return {**d, "version": current, "stages": [_stage_v2(st) for st in stages]}
 
 
@@ -68,12 +78,20 @@ def _stage_v2(st: Any) -> Any:
     return out
 
 
-def _refuse_v1_keys(st: Any, where: str) -> None:
-    """A v2 stage spelling a v1 key: a PlanError naming the v2 spelling."""
+def _refuse_v1_keys(st: Any, where: str, version: int) -> None:
+    """A v2 (or later) stage spelling a v1 key: a PlanError naming the new spelling."""
     if not isinstance(st, Mapping):
         return
     for old in V1_STAGE_KEYS:
         if old in st:
             key, name = V1_STAGE_KEYS[old]
-            raise PlanError(f"{where}: {old} is a plan format v1 key; in a version 2 plan write it as "
+            raise PlanError(f"{where}: {old} is a plan format v1 key; in a version {version} plan write it as "
                             f"{key}: {{{name}: ...}} (or drop \"version\" to have the file read as v1)")
+
+
+def _refuse_v2_keys(d: Mapping[str, Any], source: str, version: int) -> None:
+    """A v3 (or later) plan spelling a key v3 renamed: a PlanError naming the new key."""
+    for old, new in V2_PLAN_KEYS.items():
+        if old in d:
+            raise PlanError(f"{source}: {old} is a plan format v1/v2 key; in a version {version} plan write "
+                            f"it as {new} (or set \"version\": 2 to have the file read as v2)")

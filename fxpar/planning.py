@@ -17,7 +17,7 @@ from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.keys import trace_at_two_batches
 from fxpar.solvers import check_inputs
 from fxpar.solvers import plan as solve_plan
-from fxpar.solvers.planner import FAMILIES
+from fxpar.forms import SEARCHED
 from fxpar.tracing import ModelGraph, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs, hf_config, hf_task
 from fxpar.tracing.repeat import SHALLOW_LAYERS, can_shorten, depth, extend
@@ -100,8 +100,8 @@ def _trace_shallow(spec: ModelSpec, workload: Workload, progress: Progress, star
 
 def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
                progress: Progress = _quiet, profiles: Mapping[str, ProfileDB] | None = None,
-               strategies: tuple[str, ...] = FAMILIES) -> Plan:
-    """Trace (on meta) and solve among ``strategies``: the CLI's ``fxpar plan``."""
+               forms: tuple[str, ...] = SEARCHED) -> Plan:
+    """Trace (on meta) and solve among ``forms``: the CLI's ``fxpar plan``."""
     check_inputs(cluster, workload)
     used = {t for t in {g.type.name for g in cluster.groups()} & set(profiles or {})
             if any(not key.startswith("optimizer|") for key in profiles[t].ops)}   # op entries, not a calibration alone
@@ -110,7 +110,7 @@ def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
     if used:
         progress(f"measured profiles for {', '.join(sorted(used))}; roofline elsewhere")
     progress(f"solving for {cluster.world_size} devices in {len(cluster.groups())} groups")
-    result = solve_plan(graph, cluster, workload, profiles=profiles, strategies=strategies)
+    result = solve_plan(graph, cluster, workload, profiles=profiles, forms=forms)
     progress(f"solved in {result.solve_time_s:.2f} s")
     return result
 

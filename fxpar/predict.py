@@ -65,6 +65,7 @@ from fxpar.plan import Plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel
 from fxpar.profiling.database import ProfileDB
+from fxpar.renamed import keeps_old_names
 from fxpar.sim.pipeline_cost import PipelinePrices, pipeline_prices
 from fxpar.sim.pipeline_plan import layout_of, price_plan
 from fxpar.sim.segments import tp_seconds
@@ -74,11 +75,12 @@ from fxpar.tracing import ModelGraph
 from fxpar.workload import Workload
 
 
+@keeps_old_names("fxpar.Prediction")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prediction:
     """A plan's predicted step, its parts and per-rank memory (module docstring)."""
 
-    strategy: str
+    form: str
     step_s: float
     compute_s: float
     tensor_parallel_s: float
@@ -120,7 +122,7 @@ class Prediction:
         return d
 
     def table(self) -> str:
-        lines = [f"predicted step {self.step_s:.4g} s ({self.strategy})"]
+        lines = [f"predicted step {self.step_s:.4g} s ({self.form})"]
         lines += [f"  {name:<16}{value:10.4g} s  {100 * value / self.step_s if self.step_s else 0:5.1f}%"
                   for name, value in self.parts.items() if value > 0]
         if self.hop_s > 0:
@@ -189,7 +191,7 @@ def predict(plan: Plan, model_or_graph: Any, cluster, *, profiles: Mapping[str, 
         raise ConfigError(f"predict: the plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
                           f"{cluster.world_size} devices")
     graph = _graph(plan, model_or_graph)
-    return part(plan.strategy, "predict").predict(plan, cost_model(plan, graph, cluster, profiles),
+    return part(plan.form, "predict").predict(plan, cost_model(plan, graph, cluster, profiles),
                                                   dict(calibration or {}))
 
 
@@ -213,7 +215,7 @@ def common_fields(plan: Plan, sim: SimResult, cluster: Any, calibration: Mapping
     loop's own seconds ``runtime_s`` (inside ``sim.step_s``)."""
     driver = tuple(int(m + float(calibration.get(cluster.device(r).type.name, {}).get("driver_memory_bytes", 0)))
                    for r, m in enumerate(sim.peak_memory_bytes))
-    return dict(strategy=plan.strategy, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
+    return dict(form=plan.form, step_s=sim.step_s, busy_s=sim.busy_s, idle_s=sim.idle_s,
                 peak_memory_bytes=sim.peak_memory_bytes, driver_memory_bytes=driver, runtime_s=runtime_s,
                 state_bytes=sim.state_bytes)
 
@@ -254,9 +256,9 @@ def priced_plan(plan: Plan, graph: Any, cluster: Any, profiles: Mapping[str, Pro
     ``predicted_step_s = p.step_s``, compute ``p.compute_s``, communication ``p.allreduce_s``
     (the all-reduce's choice too), per rank busy ``p.busy_s[r]`` and memory
     ``p.peak_memory_bytes[r]`` (data-parallel plans)."""
-    if not form(plan.strategy).rebalances:
+    if not form(plan.form).rebalances:
         raise PlanError(f"priced: re-pricing is for plans whose shares re-balance (data_parallel), "
-                        f"not {plan.strategy!r}")
+                        f"not {plan.form!r}")
     p = predict(plan, graph, cluster, profiles=profiles)
     ranks = tuple(replace(rp, predicted_busy_s=p.busy_s[r], predicted_memory_bytes=p.peak_memory_bytes[r])
                   for r, rp in enumerate(plan.ranks))

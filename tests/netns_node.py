@@ -43,7 +43,7 @@ def main() -> int:
     x = torch.randn(8, 16)
     pmodel = fxpar.auto(model, cluster, (x,), emulate=False, loss_fn=lambda out, batch: out.pow(2).mean())
     stage = pmodel.plan.stages[0]  # which collectives a frozen peer can stop node A in
-    print(f"NODE-PLAN rank {rank}: {pmodel.plan.strategy}, sharded {stage.sharded}",
+    print(f"NODE-PLAN rank {rank}: {pmodel.plan.form}, sharded {stage.sharded}",
           file=sys.stderr, flush=True)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
     deadline = time.monotonic() + args.max_seconds

@@ -56,7 +56,7 @@ def dp_only_plan(model: torch.nn.Module, cluster, data: dict, batch: int) -> fxp
     from fxpar.workload import Workload
 
     graph = trace(model, {k: v[:1] for k, v in data.items()})
-    return solve_plan(graph, cluster, Workload(global_batch=batch), strategies=("data_parallel",))
+    return solve_plan(graph, cluster, Workload(global_batch=batch), forms=("data_parallel",))
 
 
 def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int = 2,
@@ -72,7 +72,7 @@ def dp_parity(family: str, speeds: list[float], batch: int, seq: int, steps: int
     data = [global_batch(model, batch, seq, seed=1 + s) for s in range(steps)]
     plan = dp_only_plan(model, cluster, data[0], batch) if "num_local_experts" in TINY_CONFIGS[family] else None
     pm = fxpar.auto(model, cluster, data[0], global_batch=batch, emulate=False, plan=plan,
-                    strategies=["data_parallel"])
+                    forms=["data_parallel"])
     if micro_batch_size is not None:  # force gradient accumulation on every rank
         ranks = tuple(dataclasses.replace(
             r, micro_batch_size=min(micro_batch_size, r.batch_share) if r.batch_share else 0,
@@ -107,7 +107,7 @@ def emulation_timing(speeds: list[float]) -> dict:
     model = tiny_model("llama")
     cluster = fxpar.Cluster.emulated(speeds)
     data = global_batch(model, 8, 16)
-    pm = fxpar.auto(model, cluster, data, global_batch=8, strategies=["data_parallel"])
+    pm = fxpar.auto(model, cluster, data, global_batch=8, forms=["data_parallel"])
     pm.step(data)
     t = pm.last_timing
     return {"rank": rank, "speed": speeds[rank], "compute_s": t.compute_s, "cpu_s": t.cpu_s,
@@ -230,7 +230,7 @@ def pp_parity(family: str, blocks_per_stage: list[int], microbatches: int, pipel
 
 def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2) -> dict:
     """fxpar.auto on a cluster too small for data parallelism: among data parallelism and
-    pipelines (``strategies=``; sharded data parallelism would also fit) it plans and runs a
+    pipelines (``forms=``; sharded data parallelism would also fit) it plans and runs a
     pipeline."""
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_hidden_layers=4)),
@@ -238,11 +238,11 @@ def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2)
     reference = copy.deepcopy(model)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=False) for s in range(steps)]
     pm = fxpar.auto(model, fxpar.Cluster.emulated(speeds, memory_gib=memory_gib), data[0], seq_len=16,
-                    strategies=["data_parallel", "pipeline"])
+                    forms=["data_parallel", "pipeline"])
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    out = {"strategy": pm.plan.strategy, "stages": len(pm.plan.stages), "steps": [],
+    out = {"form": pm.plan.form, "stages": len(pm.plan.stages), "steps": [],
            "slept_s": pm.emulator.slept_s if hasattr(pm, "emulator") else 0.0}
     for k, b in enumerate(data):
         loss = pm.step(b)
@@ -359,12 +359,12 @@ def rank_gradient_pairs(pm, reference: torch.nn.Module) -> list:
     (this rank's rows of each gradient) or pipeline (its stage's parameters) module; a tied
     weight's gradient is found under any of its names."""
     ref_grads = dict(reference.named_parameters(remove_duplicate=False))
-    if pm.plan.strategy == "sharded_data_parallel":
+    if pm.plan.form == "sharded_data_parallel":
         rows = pm.form.owned_rows()
         return [(t.names[0], t.shard.grad.reshape(-1), ref_grads[t.names[0]].grad.reshape(-1) if not t.full.dim()
                  else ref_grads[t.names[0]].grad[slice(*rows[t.names[0]])])
                 for t in pm.form.tensors if t.shard.grad is not None and rows[t.names[0]][1] > rows[t.names[0]][0]]
-    named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
+    named = pm.named_original_parameters() if pm.plan.form == "pipeline" else pm.module.named_parameters()
     return [(n, p.grad, ref_grads[n].grad) for n, p in named]
 
 
@@ -379,7 +379,7 @@ def auto_model_and_cluster_only() -> dict:
     ref = reference(**data, use_cache=False).loss
     ref.backward()
     step = step_record(loss, ref, rank_gradient_pairs(pm, reference), reference)
-    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "strategy": pm.plan.strategy, **step}
+    return {"rank": dist.get_rank(), "global_batch": pm.plan.global_batch, "form": pm.plan.form, **step}
 
 
 def masked_pp_parity(padded: bool) -> dict:

@@ -1,4 +1,4 @@
-"""Training that adapts while it runs: measure per-rank speeds, re-plan any plan family from the
+"""Training that adapts while it runs: measure per-rank speeds, re-plan any form from the
 cached trace, and move the live parameters and optimizer state to the new layout in memory.
 
 Modules, lowest first: ``speeds`` (the emulation's speed timeline, the detector), ``decide``

@@ -4,7 +4,7 @@ From the cached trace and cost model (no re-tracing), for the cluster derated by
 factors ``f`` and the links' factor ``ℓ`` (:meth:`fxpar.Cluster.derated`):
 
     T_keep = fxpar.predict(current plan, graph, cluster_f).step_s
-    P_new  = solve(graph, cluster_f, workload, every family the job allows)
+    P_new  = solve(graph, cluster_f, workload, every form the job allows)
     T_new  = fxpar.predict(P_new, graph, cluster_f).step_s
     M      = 0 where the running module takes P_new in place (its form's ``refusal`` is empty:
              nothing is built, nothing moves), else
@@ -45,10 +45,10 @@ at 510 ms that measures about 285).  So ``T'_keep`` is the measured step and a c
 are scaled as the running plan's were, and the solver ranks every candidate it found by ``T'``
 (``rank_by``, :mod:`fxpar.solvers.choose`), not only its best by the prediction: a plan the
 correction favours is found where it is not the uncorrected best.  The correction is measured on
-the running plan alone, so it prices another family less well than that plan's own (the adapt
+the running plan alone, so it prices another form less well than that plan's own (the adapt
 benchmark's 2-rank DP row, 2026-12-03: DP re-shared, corrected to 75.7 ms, measured 76; a 2-stage
 pipeline corrected to 73.9 measured 81, and in an earlier run 54 against DP's 52): candidates
-within ``min_gain`` of the cheapest corrected step are equal, and the simplest family's cheapest
+within ``min_gain`` of the cheapest corrected step are equal, and the simplest form's cheapest
 of them is the solver's answer (:mod:`fxpar.solvers.choose`), as a switch must gain ``min_gain``
 over keeping.  The decision says what it corrected.
 
@@ -78,7 +78,7 @@ move's buffers only that one row is asked for here: the move cuts its rounds to 
 beside both plans (:mod:`fxpar.checkpoint.reshard_rounds`), so one row is all it must have, and
 it still refuses, from what is allocated then, a round that does not fit.
 
-Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: family, cuts, widths,
+Plans are compared by what they run (:meth:`fxpar.plan.Plan.same_layout`: form, cuts, widths,
 splits, state split, micro-batches, schedule, offload), never by a short name.  Switch when the
 layout differs, it is not one a switch rolled back at these speeds (``refused``), and both
 
@@ -102,18 +102,19 @@ from typing import Any
 from fxpar.checkpoint.reshard import ALIGN
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
-from fxpar.forms import form, part
+from fxpar.forms import SEARCHED, form, part
 from fxpar.plan import Plan
 from fxpar.predict import Prediction, predict
 from fxpar.profiling.memory import state_bytes_per_param
 from fxpar.profiling.network import network_of
+from fxpar.renamed import keeps_old_names
 from fxpar.solvers import plan as solve_plan
 from fxpar.solvers.choose import REL_TOL
-from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
 
+@keeps_old_names("fxpar.adapt.AdaptPolicy")
 @dataclass(frozen=True, slots=True)
 class AdaptPolicy:
     """When to switch (module docstring); ``horizon_steps`` None: the steps left (or 1000 when
@@ -123,7 +124,8 @@ class AdaptPolicy:
     horizon_steps: int | None = None
     #: False: measure and log every decision, never switch (a dry run; the keep-plan baseline)
     switch: bool = True
-    strategies: tuple[str, ...] | None = None
+    #: the forms a decision may offer (None: every one :func:`fxpar.auto` searched)
+    forms: tuple[str, ...] | None = None
     max_tensor_parallel: int = 8
     #: the running plan's measured step may miss its prediction by this fraction before the
     #: candidates are re-priced with its error (module docstring)
@@ -154,7 +156,7 @@ class BuildCost:
 
     def seconds(self, new: Plan) -> float:
         """``B`` for a switch that builds ``new``'s module."""
-        fresh_export = form(new.strategy).cuts_model and not (self.export_cached and _cut_from_cache(new))
+        fresh_export = form(new.form).cuts_model and not (self.export_cached and _cut_from_cache(new))
         return self.build_s + (self.export_s if fresh_export else 0.0)
 
 
@@ -255,14 +257,14 @@ class Decision:
 
 def plan_kind(plan: Plan) -> str:
     """A short name of a plan: its form, stages and splits (its form's ``label``)."""
-    return part(plan.strategy, "spec").label(plan)
+    return part(plan.form, "spec").label(plan)
 
 
 def state_bytes(plan: Plan, graph: ModelGraph) -> int:
     """Upper bound on the parameter and optimizer-state bytes one rank holds under ``plan``:
     the whole model's (parameters + Adam's two moments, fp32) over the plan's fewest holders
     (its form's ``state_holders``)."""
-    return -(-3 * 4 * graph.param_count // part(plan.strategy, "spec").state_holders(plan))
+    return -(-3 * 4 * graph.param_count // part(plan.form, "spec").state_holders(plan))
 
 
 def move_row_bytes(graph: ModelGraph, workload: Workload) -> int:
@@ -278,7 +280,7 @@ def move_row_bytes(graph: ModelGraph, workload: Workload) -> int:
 def taken_in_place(current: Plan, new: Plan) -> bool:
     """Whether a module running ``current`` takes ``new`` as it is (its form's ``refusal`` is
     empty, as for new data-parallel shares): nothing is built, nothing moves."""
-    return not part(current.strategy, "spec").refusal(current, new)
+    return not part(current.form, "spec").refusal(current, new)
 
 
 def switch_shortfall(current: Plan, running: Prediction, new: Plan, after: Prediction, row_bytes: int = 0) -> str:
@@ -307,7 +309,7 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     ``build``: the measured build seconds ``M`` charges; ``measured``: the running plan's step at
     these speeds; ``refused``: layouts a switch rolled back at these speeds."""
     start = time.perf_counter()
-    strategies = policy.strategies if policy.strategies is not None else FAMILIES
+    forms = policy.forms if policy.forms is not None else SEARCHED
     predictions: dict[int, tuple[Plan, Prediction]] = {}   # by id, the plan kept alive so no id is reused
 
     def predicted(plan: Plan) -> Prediction:
@@ -328,7 +330,7 @@ def decide(current: Plan, graph: ModelGraph, cluster: Cluster, workload: Workloa
     # every candidate is ranked by its corrected step where the running plan missed its prediction,
     # those within min_gain of the cheapest equal (module docstring)
     ranked = {} if fix.none else {"rank_by": corrected, "rank_tolerance": policy.min_gain}
-    asked = dict(graph=graph, cluster=cluster, workload=workload, strategies=strategies,
+    asked = dict(graph=graph, cluster=cluster, workload=workload, forms=forms,
                  max_tensor_parallel=policy.max_tensor_parallel, profiles=profiles)
     new = solve_plan(**asked, **ranked)
     too_big = switch_shortfall(current, running, new, predicted(new), row)

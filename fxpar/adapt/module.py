@@ -16,7 +16,7 @@ Per :meth:`AdaptiveModule.step`:
    values, so every rank reaches the same verdict; on a persistent change rank 0 re-solves on a
    thread while every rank trains on (the ranks then gather every step), and every rank receives
    the decision from the first gather launched after it is made (:class:`fxpar.adapt.replan.Replanner`,
-   :class:`~fxpar.adapt.replan.DecisionInFlight`: :func:`fxpar.adapt.decide.decide` among the families a switch
+   :class:`~fxpar.adapt.replan.DecisionInFlight`: :func:`fxpar.adapt.decide.decide` among the forms a switch
    can build, from the cached graph, with the running plan's measured step over the steps that showed the
    change) and broadcasts the decision.  The cluster the
    plans are made for is the job's cluster derated by the product of the factors believed now
@@ -69,7 +69,7 @@ from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.device import ranks_share_cores
 from fxpar.runtime.emulation import COLLECTIVE_KINDS
-from fxpar.solvers.planner import FAMILIES
+from fxpar.forms import SEARCHED
 from fxpar.plan import Plan
 from fxpar.tensor_layers import splits_layers
 
@@ -111,7 +111,7 @@ class AdaptiveModule(torch.nn.Module):
         #: pipeline switches cut (:func:`~fxpar.adapt.prepare.prepare_pipeline_export`)
         self.prepared_export_s = prepare_pipeline_export(
             template, example_inputs, self._build["exports"], dtype=module.plan.dtype,
-            families=options.policy.strategies if options.policy.strategies is not None else FAMILIES)
+            forms=options.policy.forms if options.policy.forms is not None else SEARCHED)
         self.background.ready()
         # the step whose gathered numbers are being read, and the steps done when their gather was launched
         self._read_step, self._gathered_upto = 0, 0
@@ -355,12 +355,12 @@ class AdaptiveModule(torch.nn.Module):
     def _refuse(self, plan: Plan, kind: str, exc: SwitchRefused) -> None:
         """A switch refused on every rank before anything moved (:class:`SwitchRefused`: its
         move does not fit some rank's memory, or its plan could not be built): the old plan keeps
-        running; that layout is not offered again at these speeds, nor a family that failed to build."""
+        running; that layout is not offered again at these speeds, nor a form that failed to build."""
         why = str(exc)
         self._set_pending(None, "switch", due_now=False)
         self.replanner.refuse(plan, self.derate, self.link)
-        if exc.family:
-            self.replanner.cannot_build(exc.family, why)
+        if exc.form:
+            self.replanner.cannot_build(exc.form, why)
         self.events.append({"step": self.steps, "kind": "refused", "what": kind, "to": plan_kind(plan), "reason": why})
         if self.options.verbose and self.rank == 0:
             print(f"fxpar adapt: step {self.steps}: the {kind} to {plan_kind(plan)} was refused ({why})", flush=True)

@@ -37,7 +37,7 @@ decision, prepare on a thread.
 
 **Exports on the training thread.**  ``torch.export`` sets process-wide state while it traces
 (:mod:`fxpar.tracing.export`, "One thread exports"), so the thread never exports: it hands each
-export to a :class:`MainThreadCalls`, which the training thread :meth:`~Preparation.serve`\ s at the
+export to a :class:`MainThreadCalls`, which the training thread serves (:meth:`~Preparation.serve`) at the
 start of each step and while it waits for the build.  An export then delays one step by its
 length, as at the switch; the rest of the build overlaps the steps.
 
@@ -94,15 +94,15 @@ def meta_template(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, exports: ExportCache, *,
-                            families: tuple[str, ...], dtype: str) -> float:
+                            forms: tuple[str, ...], dtype: str) -> float:
     """Make, when adapting starts, the export every later pipeline switch cuts
     (:mod:`fxpar.adapt.switch`, step 1): with a symbolic batch size
     (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a switch to a pipeline of any
-    micro-batch size of 2 or more skips it.  Only where a family
-    among ``families`` cuts the model, where its stages' export is made
+    micro-batch size of 2 or more skips it.  Only where a form
+    among ``forms`` cuts the model, where its stages' export is made
     (:func:`~fxpar.codegen.pipeline.export.stage_export_site`).  An export that fails is left to the
     switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
-    if not isinstance(example_inputs, dict) or not any(form(f).cuts_model for f in families):
+    if not isinstance(example_inputs, dict) or not any(form(f).cuts_model for f in forms):
         return 0.0
     two = {k: (v[:2] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in example_inputs.items()}
     if batch_dims(two) is None:   # no one batch size to make symbolic: an export per shape, at the switch

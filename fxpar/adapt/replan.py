@@ -5,8 +5,8 @@ remembers between decisions and how a decision is made.
 * **Refused layouts** — a layout rolled back (it measured slower) or whose move did not fit is
   not offered again while the speeds stay within the detector's threshold of those it was
   refused at.
-* **Families that cannot be built** — a family whose build failed at a switch
-  (:class:`~fxpar.errors.SwitchRefused` with its ``family``) is offered no more; a recorded graph
+* **Forms that cannot be built** — a form whose build failed at a switch
+  (:class:`~fxpar.errors.SwitchRefused` with its ``form``) is offered no more; a recorded graph
   (the model did not export, ``ModelGraph.recorded``) is never offered a pipeline, whose stages a
   switch cuts from the meta template and eager stages need real weights.
 * **Errors** — any error while deciding becomes a decision to keep the plan, with the reason,
@@ -37,9 +37,8 @@ from fxpar.adapt.decide import AdaptPolicy, BuildCost, Decision, MeasuredStep, d
 from fxpar.adapt.planning_process import PlanningProcess
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
-from fxpar.forms import form
+from fxpar.forms import SEARCHED, form
 from fxpar.plan import Plan
-from fxpar.solvers.planner import FAMILIES
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
@@ -82,7 +81,7 @@ class Replanner:
     policy: AdaptPolicy
     threshold: float                       # the detector's: speeds within it count as the same
     refused: list[tuple[Plan, tuple[float, ...], float]] = field(default_factory=list)   # plan, speeds, link
-    unbuildable: dict[str, str] = field(default_factory=dict)   # family -> why its build failed
+    unbuildable: dict[str, str] = field(default_factory=dict)   # form -> why its build failed
 
     def refuse(self, plan: Plan, speeds: Sequence[float], link: float = 1.0) -> None:
         """``plan``'s layout is not offered again at speeds (and a link factor) within the
@@ -96,9 +95,9 @@ class Replanner:
         return DecisionRequest(self.policy, self.threshold, tuple(self.refused), tuple(self.unbuildable.items()),
                                current, tuple(speeds), tuple(factors), float(link), steps_left, build, measured)
 
-    def cannot_build(self, family: str, why: str) -> None:
-        """``family`` is offered no more (its build failed at a switch)."""
-        self.unbuildable.setdefault(family, why)
+    def cannot_build(self, name: str, why: str) -> None:
+        """The form ``name`` is offered no more (its build failed at a switch)."""
+        self.unbuildable.setdefault(name, why)
 
     def refused_here(self, speeds: Sequence[float], link: float = 1.0) -> list[Plan]:
         """The refused layouts whose speeds and link factor are within the threshold of these."""
@@ -106,9 +105,9 @@ class Replanner:
         return [plan for plan, at, at_link in self.refused
                 if all(abs(d / s - 1) <= t for d, s in zip((*speeds, link), (*at, at_link)))]
 
-    def families(self) -> tuple[str, ...]:
-        """The families a decision may offer: the policy's, less those a switch cannot build."""
-        asked = self.policy.strategies if self.policy.strategies is not None else FAMILIES
+    def forms(self) -> tuple[str, ...]:
+        """The forms a decision may offer: the policy's, less those a switch cannot build."""
+        asked = self.policy.forms if self.policy.forms is not None else SEARCHED
         graph = self.planning.graph
         return tuple(f for f in asked if f not in self.unbuildable
                      # a recorded model's stages run eagerly, and eager stages refuse the meta template
@@ -139,10 +138,10 @@ class Replanner:
         p = self.planning
         if p.graph is None:
             raise RuntimeError("fxpar adapt: rank 0 holds no model graph to re-plan from")
-        families = self.families()
-        if not families:
-            raise RuntimeError(f"no family left to offer (builds failed: {self.unbuildable})")
-        policy = replace(self.policy, strategies=families)
+        forms = self.forms()
+        if not forms:
+            raise RuntimeError(f"no form left to offer (builds failed: {self.unbuildable})")
+        policy = replace(self.policy, forms=forms)
         decision = with_factors(decide(current, p.graph, p.cluster.derated(speeds, link=link), p.workload, policy,
                                        steps_left=steps_left, build=build, profiles=p.profiles,
                                        measured=measured, refused=self.refused_here(speeds, link)), factors, link)

@@ -152,9 +152,9 @@ def agree(prepared: Prepared, failures: list[tuple[str, bool]],
     """The prepared module, once every rank has built its own (``failures``: every rank's
     ``Prepared.failure``, gathered at the commit): a build that failed anywhere is a
     :class:`SwitchRefused` on every rank, naming the first rank that failed and why, with this
-    rank's new groups released (module docstring, 6).  Its ``family`` (offered no more) is
+    rank's new groups released (module docstring, 6).  Its ``form`` (offered no more) is
     empty when the plan itself was at fault (a PlanError: a malformed hand plan says nothing of
-    its family)."""
+    its form)."""
     bad = next((r for r, (why, _) in enumerate(failures) if why), None)
     if bad is None:
         assert prepared.module is not None
@@ -164,8 +164,8 @@ def agree(prepared: Prepared, failures: list[tuple[str, bool]],
         _set_rng_state(rng)
     plans_fault = all(fault for why, fault in failures if why)
     plan = prepared.plan
-    raise SwitchRefused(f"switch refused: the {plan.strategy} plan could not be built on rank {bad} "
-                        f"({failures[bad][0]})", family="" if plans_fault else plan.strategy)
+    raise SwitchRefused(f"switch refused: the {plan.form} plan could not be built on rank {bad} "
+                        f"({failures[bad][0]})", form="" if plans_fault else plan.form)
 
 
 class CommitRow(NamedTuple):

@@ -136,7 +136,7 @@ def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = N
     for (model, batch, graph), arms in ((dense, _dense_arms), (moe, _expert_arms)):
         try:
             plans = {"dp": solve_plan(graph, cluster, Workload(global_batch=SAMPLES_PER_RANK * world, seq_len=SEQ,
-                                                               optimizer="adamw"), strategies=("data_parallel",)),
+                                                               optimizer="adamw"), forms=("data_parallel",)),
                      **arms(model, graph, cluster)}
         except FxparError:   # every rank alike (the same model and cluster): these stay unmeasured
             continue

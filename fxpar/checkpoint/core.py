@@ -1,4 +1,4 @@
-"""Saving and loading checkpoints that move between plans, world sizes and strategies.
+"""Saving and loading checkpoints that move between plans, world sizes and forms.
 
 The format (DCP files keyed by the original model's FQNs plus ``fxpar_checkpoint.json``) is
 described in ``files.py``.  Each rank writes only what it holds (replicas are written once:

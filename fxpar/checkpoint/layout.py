@@ -184,7 +184,7 @@ def describe(pmodel: torch.nn.Module, *, distributed: bool | None = None) -> Lay
         if inner is not pmodel:
             return describe(inner, distributed=distributed)
         group, distributed = process_group(pmodel, distributed)
-        return Layout(kind=pmodel.plan.strategy, params=_unique(pmodel.checkpoint_layout()), group=group,
+        return Layout(kind=pmodel.plan.form, params=_unique(pmodel.checkpoint_layout()), group=group,
                       distributed=distributed)
     group, distributed = process_group(pmodel, distributed)
     custom = getattr(pmodel, "checkpoint_layout", None)  # a user's own module describing its shards

@@ -39,7 +39,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "plan.json"]
     written[0].write_text(plan.to_json())
-    return written + part(plan.strategy, "apply").emit(plan, model, example_inputs, out)
+    return written + part(plan.form, "apply").emit(plan, model, example_inputs, out)
 
 
 def positions(model: torch.nn.Module, width: int, split: Any) -> list[list[int]]:

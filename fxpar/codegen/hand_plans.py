@@ -47,7 +47,7 @@ def _pipeline(model: torch.nn.Module, cluster, stages: list[StagePlan], *, globa
                            num_microbatches=num_microbatches, predicted_busy_s=0.0,
                            predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
                   for d in cluster.devices)
-    return Plan(strategy="pipeline", model=type(model).__name__, cluster=cluster.name,
+    return Plan(form="pipeline", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
@@ -154,7 +154,7 @@ def tensor_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                                          mlp_split=tuple(mlp_shares) if mlp_shares is not None else None),
                       tensor_parallel=width, device=cluster.device(0).type.name)
     split = _known_split(model)
-    plan = Plan(strategy="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
+    plan = Plan(form="tensor_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
@@ -206,7 +206,7 @@ def expert_parallel_plan(model: torch.nn.Module, cluster, *, global_batch: int, 
                   for d, b in zip(cluster.devices, batch_shares))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(world)), data_split=tuple(batch_shares),
                       expert=ExpertStage(split=tuple(expert_split)), device=cluster.device(0).type.name)
-    return Plan(strategy="expert_parallel", model=type(model).__name__, cluster=cluster.name,
+    return Plan(form="expert_parallel", model=type(model).__name__, cluster=cluster.name,
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=(stage,), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))

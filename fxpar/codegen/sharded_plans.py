@@ -40,7 +40,7 @@ def sharded_data_parallel_plan(cluster, *, batch_split: Sequence[int], state_spl
             offload_optimizer=bool(per_rank["offload_optimizer"][d.rank])))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(n)), data_split=tuple(int(b) for b in batch_split),
                       sharded=ShardedStage(split=tuple(int(w) for w in state_split), stage=shard_stage))
-    return Plan(strategy="sharded_data_parallel", model=model, cluster=cluster.name,
+    return Plan(form="sharded_data_parallel", model=model, cluster=cluster.name,
                 global_batch=int(sum(batch_split)), seq_len=seq_len, dtype=dtype, optimizer="adamw",
                 stages=(stage,), ranks=tuple(ranks), predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()))

@@ -1,7 +1,7 @@
 """The parallel forms, one registry line each, and the protocol each one implements.
 
 A *parallel form* (data, sharded/ZeRO, expert, pipeline, tensor; ``docs/glossary.md``) is what a
-plan's ``strategy`` names.  Each form lives in one folder, ``fxpar/forms/<folder>/``, with one
+plan's ``form`` names.  Each form lives in one folder, ``fxpar/forms/<folder>/``, with one
 module per *phase* it takes part in; the phases find a form's module by its folder and the
 phase's name (:func:`part`), so a new form is its folder plus one line in :data:`FORMS`, and
 the places that still name forms (``docs/extending.md`` lists them and walks through adding
@@ -70,13 +70,13 @@ PLUGINS_VARIABLE = "FXPAR_FORMS"
 
 @dataclass(frozen=True)
 class Form:
-    """One parallel form: the name a plan's ``strategy`` carries, its folder under
+    """One parallel form: the name a plan's ``form`` carries, its folder under
     ``fxpar/forms/``, and what the plan table and the planner need to know of it."""
-    name: str            #: the plan's ``strategy`` value (plan files, the CLI, ``strategies=``)
+    name: str            #: the plan's ``form`` value (plan files, the CLI, ``forms=``)
     folder: str          #: ``fxpar/forms/<folder>/`` holds its phases
     title: str           #: a few words for people
     communication: str   #: what its step exchanges, as the plan table prints it
-    searched: bool       #: the planner searches it as a family of its own (tensor parallelism
+    searched: bool       #: the planner searches it on its own (tensor parallelism
                          #: is searched inside pipelines: one stage over a TP group)
     recorded: bool = False       #: a recorded graph (a model that does not export) can have it:
                                  #: its codegen runs the model's own forward, or eager stages
@@ -95,7 +95,7 @@ class Form:
                                    #: so a batch smaller than the ranks is refused before tracing
                                    #: where only such forms are asked for
     #: the per-form fields of a ``StagePlan`` its runtime reads (of :data:`STAGE_FIELDS`); a plan
-    #: of this form that sets another is a PlanError (:func:`fxpar.plan_checks.check_strategy`):
+    #: of this form that sets another is a PlanError (:func:`fxpar.plan_checks.check_form_rules`):
     #: its run would ignore it
     stage_fields: frozenset[str] = frozenset()
     package: str = ""            #: the package of its phase modules (a plug-in's, module
@@ -169,17 +169,19 @@ if len(set(NAMES)) != len(NAMES):
     raise ConfigError(f"{PLUGINS_VARIABLE}: two forms share a name in {NAMES}; give each plug-in form its own")
 #: the forms the planner searches, in its order
 SEARCHED: tuple[str, ...] = tuple(f.name for f in FORMS if f.searched)
-#: the forms a recorded graph can have (:func:`fxpar.solvers.problems.strategies_for`)
+#: the forms a recorded graph (:mod:`fxpar.tracing.recorded`: no exported program to read experts
+#: from) can have: those whose codegen runs the model's own forward, and pipelines, whose stages
+#: then run the model's own modules eagerly (:func:`fxpar.solvers.problems.forms_for`)
 RECORDED: tuple[str, ...] = tuple(f.name for f in FORMS if f.recorded)
 
 
 def form(name: str) -> Form:
-    """The form a plan's ``strategy`` names; a :class:`~fxpar.errors.PlanError` naming the
+    """The form a plan's ``form`` names; a :class:`~fxpar.errors.PlanError` naming the
     accepted values for anything else."""
     for f in FORMS:
         if f.name == name:
             return f
-    raise PlanError(f"plan.strategy = {name!r}: accepted values are {NAMES}")
+    raise PlanError(f"plan.form = {name!r}: accepted values are {NAMES}")
 
 
 def part(name: str, phase: str) -> ModuleType:

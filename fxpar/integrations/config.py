@@ -17,7 +17,7 @@ found through ``--fxpar-config`` / ``FXPAR_CONFIG`` (or passed as a mapping)::
     dtype: fp32
     optimizer: adamw
     max_microbatches: null
-    strategies: [data_parallel]  # optional: the parallel forms the planner searches (default: all)
+    forms: [data_parallel]  # optional: the parallel forms the planner searches (default: all)
     max_tensor_parallel: 8       # widest tensor-parallel stage the solver may use (within a node)
     emulate: true                # sleep to emulate relative speeds (CPU only)
     compile: false               # torch.compile each block: true (inductor), a backend name
@@ -42,6 +42,7 @@ from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.options import PYTHON_ONLY, Options, options_from_mapping, yaml_keys
 from fxpar.plan import Plan
+from fxpar.renamed import renamed_keys
 from fxpar.workload import Workload
 
 CONFIG_ENV = "FXPAR_CONFIG"
@@ -135,6 +136,7 @@ def config_from_mapping(d: Mapping[str, Any], *, source: str = "<dict>") -> Fxpa
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(d).__name__}")
     options_from_mapping({k: v for k, v in d.items() if k in PYTHON_ONLY}, source=source)   # names them
+    d = renamed_keys(d, source)   # an old key (fxpar.renamed): a FutureWarning, read under its new name
     known = sorted({*OWN_KEYS, *yaml_keys(), "workload"})
     unknown = set(d) - set(known)
     if unknown:

@@ -103,9 +103,9 @@ class StepMonitor:
 
     def __post_init__(self) -> None:
         self.pmodel.clock.take_events()   # from now on the clock keeps its compute segments' events for end()
-        if self.rebalance.enabled and not form(strategy := self.plan.strategy).rebalances:
+        if self.rebalance.enabled and not form(name := self.plan.form).rebalances:
             _LOG.info("fxpar: the plan is %s: online re-balancing re-solves data-parallel shares only, "
-                      "so this plan's shares stay fixed (strategies: [data_parallel] to re-balance)", strategy)
+                      "so this plan's shares stay fixed (forms: [data_parallel] to re-balance)", name)
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +144,7 @@ class StepMonitor:
         self._since_change += 1
         cfg = self.rebalance
         waited = self._since_change - cfg.warmup_steps
-        self._decide_now = (cfg.enabled and form(self.plan.strategy).rebalances
+        self._decide_now = (cfg.enabled and form(self.plan.form).rebalances
                             and waited >= cfg.window and waited % cfg.window == 0)
         if self._decide_now or (self.gather_every and step % self.gather_every == 0):
             return self._gather(step - (1 if self._cuda else 0))

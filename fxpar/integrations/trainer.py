@@ -178,7 +178,7 @@ class FxparTrainer(Trainer):
         every rank evaluates the whole global batch (uneven per-rank rows would make the Trainer
         gather losses of unequal length).  A last partial global batch is dropped."""
         whole = self.model.whole_outputs
-        if whole and not form(self.model.plan.strategy).forward_collective:
+        if whole and not form(self.model.plan.form).forward_collective:
             return super().get_eval_dataloader(eval_dataset)
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
         if data is None:

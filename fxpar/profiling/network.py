@@ -1,4 +1,4 @@
-"""A cluster's links as one value (:class:`Network`): what every plan family's collectives cost.
+"""A cluster's links as one value (:class:`Network`): what every form's collectives cost.
 
 The solvers and simulators never read a link's bandwidth or latency: they take a
 :class:`Network` (built once per cost model, :meth:`fxpar.profiling.CostModel.network`) and ask

@@ -376,7 +376,7 @@ class CostModel:
                 if (link := self.measured_link(kind, ranks)) is not None}
 
     def network(self) -> Network:
-        """The cluster's links with the devices' calibrated collectives: what every plan family's
+        """The cluster's links with the devices' calibrated collectives: what every form's
         communication is priced from (:mod:`fxpar.profiling.network`)."""
         return network_of(self.cluster, self.measured_links(), tp_call_s=self.runtime_overhead("tensor_call_s"))
 

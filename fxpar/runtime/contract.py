@@ -227,7 +227,7 @@ class ParallelModuleBase(torch.nn.Module):
     def refusal(self, plan: Plan) -> str:
         """Its form's rule (the ``spec`` phase's ``refusal``: plain data, which adapting's
         decision reads too)."""
-        return part(self.plan.strategy, "spec").refusal(self.plan, plan)
+        return part(self.plan.form, "spec").refusal(self.plan, plan)
 
     def set_plan(self, plan: Plan) -> None:
         """Take ``plan`` where :meth:`refusal` allows it (then the form's ``take_plan``), else a

@@ -168,7 +168,7 @@ class FormPass(ABC):
 
     def eval_loss(self, batch: Any, *, local: bool = False) -> torch.Tensor:
         """Only a form without :attr:`whole_outputs` evaluates by a loss alone."""
-        raise PlanError(f"eval_loss: a {self.plan.strategy} module's forward gives the whole model's outputs "
+        raise PlanError(f"eval_loss: a {self.plan.form} module's forward gives the whole model's outputs "
                         "(whole_outputs is True): evaluate by calling it, as the Trainer does")
 
     def norm_terms(self) -> NormTerms:

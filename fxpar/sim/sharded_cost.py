@@ -333,7 +333,7 @@ def host_bytes_per_param(bytes_wgo: tuple[int, int, int], mixed: bool) -> int:
 
 def offload_host_bytes(graph: ModelGraph, plan: Plan) -> tuple[int, ...]:
     """Per rank: host bytes of its offloaded optimizer (0 where it does not offload; a plan of a
-    form that does not offload has no rank that does: :func:`fxpar.plan_checks.check_strategy`)."""
+    form that does not offload has no rank that does: :func:`fxpar.plan_checks.check_form_rules`)."""
     if not any(r.offload_optimizer for r in plan.ranks):
         return tuple(0 for _ in plan.ranks)
     per_param = host_bytes_per_param(state_bytes_per_param(plan.optimizer, plan.dtype),

@@ -22,4 +22,4 @@ from fxpar.sim.timeline import SimResult
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
     """Predict ``plan`` under ``cost``: its form's ``simulate`` (see the module docstring)."""
-    return part(plan.strategy, "price").simulate(plan, cost)
+    return part(plan.form, "price").simulate(plan, cost)

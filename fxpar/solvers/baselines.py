@@ -5,12 +5,12 @@
 - ``megatron_even``: the best *even* plan a homogeneous planner would choose: even DP, or
   identical pipelines with the same TP width on every stage, equal segments per stage, the
   stages in cluster order.
-- ``whale_rules``: Whale's hand rule *for the family of the chosen plan*: data parallel with
+- ``whale_rules``: Whale's hand rule *for the form of the chosen plan*: data parallel with
   batch ∝ capacity, capped by memory (:func:`fxpar.forms.data.search_shares.whale_shares`); pipelines
   with layers ∝ stage capacity and the large-memory devices first (:func:`pipeline_baselines`);
   expert parallelism with batch and experts ∝ capacity (:func:`fxpar.forms.expert.search_experts.whale_point`).
 
-Each is ``None`` when it does not fit in memory or its family is not among the strategies
+Each is ``None`` when it does not fit in memory or its form is not among the forms
 asked for.  Every rule is a candidate too, with the search effort fxpar's own plans get (the
 formula's best re-ranked by the simulator, the faster gradient exchange and layout), so the plan
 is never slower than a baseline; how the plan's baselines are composed:

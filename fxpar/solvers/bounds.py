@@ -1,5 +1,5 @@
 """The lower bound every plan reports (``Plan.lower_bound_s``): a step time that no plan fxpar can
-run beats under its simulator, whichever strategy it uses (:func:`lower_bound_s`).
+run beats under its simulator, whichever form it uses (:func:`lower_bound_s`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from fxpar.sim.sharded_cost import cpu_optimizer_rate
 from fxpar.solvers.bound_work import compute_weights, weighted_work_s
 
 
-def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer: bool = False) -> float:
-    """A lower bound on the predicted step of every plan of ``families`` fxpar could emit for
-    ``batch`` samples: the least of the families' bounds (:func:`family_bounds_s`).
+def lower_bound_s(cost, batch: int, *, forms: tuple[str, ...], host_optimizer: bool = False) -> float:
+    """A lower bound on the predicted step of every plan of ``forms`` fxpar could emit for
+    ``batch`` samples: the least of the forms' bounds (:func:`form_bounds_s`).
 
     Notation: ``N_k`` devices of kind ``k``, ``N = Σ_k N_k``; ``o_k`` a full optimizer step on
     kind ``k``; ``B`` the global batch; ``t_i`` device ``i``'s seconds per sample; ``b_d`` device
@@ -37,7 +37,7 @@ def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer
     slowest device at least ``min_k o_k / N`` (a sharded rank may offload, ``host_optimizer``:
     ``o* = min(min_k o_k, Ψ/R)``, ``Ψ`` parameters, ``R`` the host CPU's rate).
 
-    **Communication**, the least each family's plans cannot hide (CPU ranks overlap none: it adds):
+    **Communication**, the least each form's plans cannot hide (CPU ranks overlap none: it adds):
 
     - data parallel: the gradient buckets ``g_0..g_{K−1}`` all-reduce one after another, the last
       once the last backward ends: ``max(T_DP + AR(g_{K−1}), Σ_k AR(g_k)) + max_k o_k`` (CPU ranks
@@ -67,18 +67,18 @@ def lower_bound_s(cost, batch: int, *, families: tuple[str, ...], host_optimizer
       ``μ ∈ [1/k, 1]`` and ``μ·B·(c + c')/n``; the larger of the two.
 
     The minimum runs over the forms that can offer a plan (each form's ``applies``,
-    :func:`fxpar.solvers.problems.bound_families`: data parallelism where it fits memory,
+    :func:`fxpar.solvers.problems.bound_forms`: data parallelism where it fits memory,
     pipelines where the model has blocks, expert parallelism for a MoE model, sharded on more
     than one rank), so memory that rules data parallelism out leaves the others' communication
     in the bound; with none, ``T_LP + o*/N``.  Every formula and calibrated link prices a hop,
     an all-to-all or a collective at no less than its bytes over ``V``, whatever the placement.
     """
-    return min(family_bounds_s(cost, batch, families, host_optimizer).values())
+    return min(form_bounds_s(cost, batch, forms, host_optimizer).values())
 
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """The compute and optimizer terms the families' bounds start from (:func:`lower_bound_s`)."""
+    """The compute and optimizer terms the forms' bounds start from (:func:`lower_bound_s`)."""
 
     spread_s: float        # T_LP
     whole_s: float         # T_DP
@@ -114,16 +114,16 @@ def whole_samples_s(batch: int, kinds: list[tuple[int, float, float]]) -> float:
     return best
 
 
-def family_bounds_s(cost, batch: int, families: tuple[str, ...], host_optimizer: bool = False) -> dict[str, float]:
-    """Per parallel form of ``families`` that applies (its ``bound`` phase, :mod:`fxpar.forms`:
+def form_bounds_s(cost, batch: int, forms: tuple[str, ...], host_optimizer: bool = False) -> dict[str, float]:
+    """Per parallel form of ``forms`` that applies (its ``bound`` phase, :mod:`fxpar.forms`:
     expert parallelism on a MoE model, sharded data parallelism on more than one rank), the least
     step of its plans (:func:`lower_bound_s`); where none applies, ``{"none": T_LP + o*/N}``."""
     w = _work(cost, batch, host_optimizer)
     out: dict[str, float] = {}
-    for family in (f for f in NAMES if f in families):
-        bound = part(family, "bound").bound_s(cost, batch, w)
+    for form in (f for f in NAMES if f in forms):
+        bound = part(form, "bound").bound_s(cost, batch, w)
         if bound is not None:
-            out[family] = bound
+            out[form] = bound
     return out or {"none": w.spread_s + w.fastest_opt_s / w.world}
 
 

@@ -1,9 +1,9 @@
-"""The choice among the families' candidates and what the plan reports about it.
+"""The choice among the forms' candidates and what the plan reports about it.
 
     fastest = min_{plan ∈ candidates} predicted_step_s
-    best    = the first plan, in FAMILY_ORDER (the registry's order of the searched forms,
-              :data:`fxpar.forms.SEARCHED`: data parallelism, then pipelines, then expert
-              parallelism, then sharded data parallelism; within a family, as found), with
+    best    = the first plan, in the registry's order of the searched forms
+              (:data:`fxpar.forms.SEARCHED`: data parallelism, then pipelines, then expert
+              parallelism, then sharded data parallelism; within a form, as found), with
               predicted_step_s ≤ fastest · (1 + REL_TOL)
 
 A caller may rank the candidates by another price of each (``rank_by``: a function of the plan,
@@ -11,37 +11,37 @@ e.g. adapting's prediction corrected by the running plan's measured error,
 :mod:`fxpar.adapt.decide`); the rule is the same with that price in place of
 ``predicted_step_s``, and the plan's own predictions are left as they are.  The caller may also
 say how close two prices are equal (``tolerance`` in place of ``REL_TOL``: a price extrapolated
-from one plan's measurement is not exact to 1e-9); then the simplest family within it wins, and
-within that family its cheapest plan:
+from one plan's measurement is not exact to 1e-9); then the simplest form within it wins, and
+within that form its cheapest plan:
 
-    best = the cheapest plan (the first found on ties within REL_TOL) of the first family in
-           FAMILY_ORDER with a plan priced ≤ fastest · (1 + tolerance)
+    best = the cheapest plan (the first found on ties within REL_TOL) of the first form in
+           SEARCHED with a plan priced ≤ fastest · (1 + tolerance)
 
 (with ``tolerance`` REL_TOL this is the rule above).
 
 Predictions that differ by less than ``REL_TOL`` (1e-9, relative) are equal: they differ in
 the last bits of sums taken in another order (one H200's data-parallel and one-stage pipeline
-plans: 0.07551730574527638 vs ...636 s), and the simpler family wins.  (Where data parallelism
-offers a plan, the pipeline family does not search one-stage pipelines of width one at all:
+plans: 0.07551730574527638 vs ...636 s), and the simpler form wins.  (Where data parallelism
+offers a plan, the pipeline form does not search one-stage pipelines of width one at all:
 :func:`fxpar.forms.pipeline.search_pipelines.pipeline_candidates`.)
 
-Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its family is not
-among the strategies asked for; every one is the step of a plan that was a candidate, so
+Baselines (:mod:`fxpar.solvers.baselines`), each None where it does not fit or its form is not
+among the forms asked for; every one is the step of a plan that was a candidate, so
 ``predicted_step_s ≤`` every baseline (ranked by ``rank_by``: that price ≤ (1 + tolerance) × every
 baseline plan's):
     even_dp, proportional_dp   the data-parallel rules (:mod:`fxpar.forms.data.search_shares`)
     megatron_even              min(even_dp, the even-cut pipeline)
-    whale_rules                Whale's rule for the chosen plan's family: data parallel (shares ∝
+    whale_rules                Whale's rule for the chosen plan's form: data parallel (shares ∝
                                capacity, capped by memory), pipeline (layers ∝ capacity, large-memory
                                devices first, :mod:`fxpar.forms.pipeline.search_pipelines`) or expert
                                parallel (batch and experts ∝ capacity, :mod:`fxpar.forms.expert.search_experts`)
     even_ep                    MoE models: even experts and batch (:mod:`fxpar.forms.expert.search_experts`)
     even_fsdp                  sharded data parallelism (ZeRO-3) with even state and batch shares
-                               (:mod:`fxpar.forms.sharded.search_state`), where that family is asked for
+                               (:mod:`fxpar.forms.sharded.search_state`), where that form is asked for
 
-Each family's baselines come by name in its :class:`~fxpar.solvers.problems.Candidates`; the
-rules above read the baselines' names, never the families'.  The explain lines are the families'
-own, in family order, then one per baseline with fxpar's
+Each form's baselines come by name in its :class:`~fxpar.solvers.problems.Candidates`; the
+rules above read the baselines' names, never the forms'.  The explain lines are the forms'
+own, in form order, then one per baseline with fxpar's
 speed-up over it, then the lower bound and what it counts.
 """
 
@@ -58,38 +58,36 @@ from fxpar.solvers.host_memory import with_host_memory
 from fxpar.solvers.problems import Candidates, Problems
 from fxpar.tracing.graph import ModelGraph
 
-#: predicted steps closer than this (relative) are equal; the simpler family then wins
+#: predicted steps closer than this (relative) are equal; the simpler form then wins
 REL_TOL = 1e-9
-#: the order in which equal predictions prefer the families (simplest first): the registry's
-FAMILY_ORDER: tuple[str, ...] = SEARCHED
-#: the baselines every plan reports (None where not found), before any a family adds (even_ep, even_fsdp)
+#: the baselines every plan reports (None where not found), before any a form adds (even_ep, even_fsdp)
 FIXED_BASELINES: tuple[str, ...] = ("even_dp", "proportional_dp", "megatron_even", "whale_rules")
 
 
 def fastest_simplest(plans: list[Plan], rank_by: Callable[[Plan], float] | None = None,
                      tolerance: float = REL_TOL) -> Plan:
-    """The cheapest plan of the simplest family in ``plans`` (family order) with a plan within
+    """The cheapest plan of the simplest form in ``plans`` (form order) with a plan within
     ``tolerance`` of the fastest, by ``rank_by`` (None: each plan's ``predicted_step_s``; module
     docstring)."""
     steps = [q.predicted_step_s if rank_by is None else float(rank_by(q)) for q in plans]
     fastest = min(steps)
-    simplest = form(next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + tolerance)).strategy)
-    family = [(q, step) for q, step in zip(plans, steps) if form(q.strategy) is simplest]
-    cheapest = min(step for _, step in family)
-    return next(q for q, step in family if step <= cheapest * (1.0 + REL_TOL))
+    simplest = form(next(q for q, step in zip(plans, steps) if step <= fastest * (1.0 + tolerance)).form)
+    of_simplest = [(q, step) for q, step in zip(plans, steps) if form(q.form) is simplest]
+    cheapest = min(step for _, step in of_simplest)
+    return next(q for q, step in of_simplest if step <= cheapest * (1.0 + REL_TOL))
 
 
 def choose(p: Problems, found: Mapping[str, Candidates], rank_by: Callable[[Plan], float] | None = None,
            tolerance: float = REL_TOL) -> Plan:
-    """The fastest candidate of the families ``found`` (form name -> its candidates), by
+    """The fastest candidate of the forms ``found`` (form name -> its candidates), by
     ``rank_by`` where given, prices within ``tolerance`` equal (module docstring), with the
-    baselines and every family's reasoning in its ``explain``; :class:`InfeasibleError` where
-    no family offers a plan."""
-    families = [found[name] for name in FAMILY_ORDER if name in found]
-    plans = [plan for family in families for plan in family.plans]
-    explain = [line for family in families for line in family.explain]
+    baselines and every form's reasoning in its ``explain``; :class:`InfeasibleError` where
+    no form offers a plan."""
+    offers = [found[name] for name in SEARCHED if name in found]
+    plans = [plan for offer in offers for plan in offer.plans]
+    explain = [line for offer in offers for line in offer.explain]
     if not plans:
-        raise nothing_fits(p, next((f.error for f in families if f.error is not None), None), explain)
+        raise nothing_fits(p, next((o.error for o in offers if o.error is not None), None), explain)
     best = fastest_simplest(plans, rank_by, tolerance)
     attention = getattr(p.graph, "attn_implementation", None)
     if attention not in (None, "sdpa"):
@@ -98,28 +96,28 @@ def choose(p: Problems, found: Mapping[str, Candidates], rank_by: Callable[[Plan
                        "scores kept for backward")
     if p.graph.recorded:
         explain.append(recorded_line(p.graph))
-    offered_by = next(name for name in FAMILY_ORDER if name in found and any(q is best for q in found[name].plans))
+    offered_by = next(name for name in SEARCHED if name in found and any(q is best for q in found[name].plans))
     baselines = combine_baselines(offered_by, found)
     for name, value in baselines:
-        explain.append(f"baseline {name}: " + ("does not fit, or not among the strategies asked for"
+        explain.append(f"baseline {name}: " + ("does not fit, or not among the forms asked for"
                                                if value is None else
                        f"{value:.4g} s (fxpar {value / best.predicted_step_s:.2f}x faster)"))
-    explain.append(bound_line(p.lower_bound_s, p.lower_bound_by_family))
+    explain.append(bound_line(p.lower_bound_s, p.lower_bound_by_form))
     if rank_by is not None:
-        equal = "" if tolerance == REL_TOL else f"; prices within {tolerance:.0%} of the cheapest equal, the simplest family's cheapest chosen"
+        equal = "" if tolerance == REL_TOL else f"; prices within {tolerance:.0%} of the cheapest equal, the simplest form's cheapest chosen"
         explain.append(f"ranked by the caller's price, not the predicted step: this plan's {float(rank_by(best)):.4g} s "
                        f"(predicted {best.predicted_step_s:.4g} s){equal}")
     return with_host_memory(replace(best, baselines=baselines, explain=tuple(explain)), p.graph, p.cluster)
 
 
-def bound_line(bound_s: float, by_family: tuple[tuple[str, float], ...]) -> str:
+def bound_line(bound_s: float, by_form: tuple[tuple[str, float], ...]) -> str:
     """The explain line of the lower bound (:func:`fxpar.solvers.bounds.lower_bound_s`): what it
-    counts and each family's own bound."""
-    families = ", ".join(f"{name} {value:.4g} s" for name, value in by_family if name != "none")
-    if not families:
-        return f"lower bound {bound_s:.4g} s: work over the summed device rates + the optimizer (no family applies)"
-    return (f"lower bound {bound_s:.4g} s: the least of each family's work over the device rates + the "
-            f"communication none of its plans hides + the optimizer ({families})")
+    counts and each form's own bound."""
+    bounds = ", ".join(f"{name} {value:.4g} s" for name, value in by_form if name != "none")
+    if not bounds:
+        return f"lower bound {bound_s:.4g} s: work over the summed device rates + the optimizer (no form applies)"
+    return (f"lower bound {bound_s:.4g} s: the least of each form's work over the device rates + the "
+            f"communication none of its plans hides + the optimizer ({bounds})")
 
 
 def recorded_line(graph: ModelGraph) -> str:
@@ -147,17 +145,17 @@ def _recorded_tensor_parallel(graph: ModelGraph) -> str:
             "(fxpar.tracing.tensor_parallel.by_block says why per block)")
 
 
-def combine_baselines(strategy: str, found: Mapping[str, Candidates]) -> tuple[tuple[str, float | None], ...]:
-    """The plan's baselines from the families' figures (module docstring): ``FIXED_BASELINES``,
-    then any other a family gives, in family order; ``strategy``: the family that offered the
+def combine_baselines(offered_by: str, found: Mapping[str, Candidates]) -> tuple[tuple[str, float | None], ...]:
+    """The plan's baselines from the forms' figures (module docstring): ``FIXED_BASELINES``,
+    then any other a form gives, in form order; ``offered_by``: the form that offered the
     chosen plan (a tensor-parallel plan comes from the pipelines' search), whose ``whale_rules``
     is reported."""
     merged: dict[str, float | None] = {}
-    for name in FAMILY_ORDER:
+    for name in SEARCHED:
         for baseline, value in found[name].baselines if name in found else ():
             if baseline != "whale_rules":
                 merged.setdefault(baseline, value)
-    chosen = dict(found[strategy].baselines) if strategy in found else {}
+    chosen = dict(found[offered_by].baselines) if offered_by in found else {}
     even = merged.get("even_dp")
     out = (("even_dp", even), ("proportional_dp", merged.get("proportional_dp")),
            ("megatron_even", min_or_none(even, merged.get("megatron_even"))),
@@ -166,12 +164,12 @@ def combine_baselines(strategy: str, found: Mapping[str, Candidates]) -> tuple[t
 
 
 def nothing_fits(p: Problems, dp_error: InfeasibleError | None, explain: list[str]) -> InfeasibleError:
-    """The error when no family offers a plan: the first family's error (data parallelism's, with
-    its shortfalls: the one family that gives one) if any, with a line for each form that had a
+    """The error when no form offers a plan: the first form's error (data parallelism's, with
+    its shortfalls: the one form that gives one) if any, with a line for each form that had a
     problem of its own to search (:meth:`~fxpar.solvers.problems.Problems.of`); else every
-    family's reason."""
+    form's reason."""
     if dp_error is None:
-        return InfeasibleError(f"no plan among the strategies {p.strategies} applies to "
+        return InfeasibleError(f"no plan among the forms {p.forms} applies to "
                                f"{p.graph.model_name} or fits: " + ("; ".join(explain) or "nothing to try"))
     searched = [form(name).title for name, own in p.own if own is not None and not isinstance(own, str)]
     sharded = [line for line in explain if line.startswith("sharded data parallel")]

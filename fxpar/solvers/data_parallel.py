@@ -125,8 +125,8 @@ def check_memory(problem: DPProblem, describe=lambda g: g.key) -> None:
             f"at least one sample's activations ({problem.activation_bytes_per_sample / gib:.2f} GiB), "
             f"{need / gib:.2f} GiB in all, more than these devices have:\n" + "\n".join(lines) +
             "\nWhat would help: a shorter sequence or smaller model, an optimizer with less state "
-            "(sgd), removing the small-memory devices from the cluster, or a plan family that splits "
-            "the model: leave strategies= at its default (every family) or add 'pipeline' "
+            "(sgd), removing the small-memory devices from the cluster, or a parallel form that splits "
+            "the model: leave forms= at its default (every form) or add 'pipeline' "
             "(with tensor-parallel stages) or 'sharded_data_parallel' to it.",
             shortfalls=short)
 

@@ -1,7 +1,7 @@
 """The exact expert-placement MILP for *fixed* token shares: how many of the ``E`` experts each device owns.
 
 No code path of the planner calls :func:`solve` or :func:`build_expert_problem`: the planner's
-expert-parallel family chooses shares and experts together by :func:`fxpar.solvers.expert_plan.solve`
+expert-parallel form chooses shares and experts together by :func:`fxpar.solvers.expert_plan.solve`
 (an alternation over :class:`fxpar.sim.expert_sim.EPProblem`).  This module is kept as
 
 * the reference its x-step (:func:`fxpar.solvers.expert_plan._x_step`, experts for fixed shares) is

@@ -1,6 +1,6 @@
 """``plan(graph, cluster, workload) -> Plan``: the one entry point of the solvers.
 
-Build the problems, let each family of strategies offer its candidates (each already simulated),
+Build the problems, let each searched form offer its candidates (each already simulated),
 choose the fastest, report:
 
 1. Problems (:func:`fxpar.solvers.problems.build_problems`): the inputs checked
@@ -9,9 +9,9 @@ choose the fastest, report:
    and device kinds (:func:`fxpar.solvers.pipeline.build_context`), the expert-parallel problem
    (:func:`fxpar.sim.expert_costs.build_problem`), and the lower bound
    (:func:`fxpar.solvers.bounds.lower_bound_s`: the work LP's bound over the device kinds + the
-   optimizer; where data parallelism is the only strategy, ``B / Σ_i (1/t_i)`` + the last
+   optimizer; where data parallelism is the only form, ``B / Σ_i (1/t_i)`` + the last
    gradient bucket's all-reduce + the optimizer).
-2. Candidates, one family each (each form's ``search`` phase, :mod:`fxpar.forms`, in the
+2. Candidates, one form each (each form's ``search`` phase, :mod:`fxpar.forms`, in the
    registry's order, each seeing what the forms before it found), every plan carrying the simulator's predictions
    (:func:`fxpar.sim.simulate`; for pipelines :func:`fxpar.sim.pipeline_cost.price`, the event
    simulation of the schedule with its hops; :func:`fxpar.sim.expert_sim.evaluate`):
@@ -20,7 +20,7 @@ choose the fastest, report:
      ``min T s.t. t_g x_g + f_g ≤ T, Σ_g n_g x_g = B, x_g ≤ K c_g``
      (:mod:`fxpar.solvers.data_parallel`), its integer shares chosen exactly for the simulator's
      ``t_g x + ⌈x/c_g⌉ f_g``; the even, FLOP-proportional and Whale shares too; the simulator's
-     fastest is the family's plan;
+     fastest is the form's plan;
    - pipelines (:func:`fxpar.forms.pipeline.search_pipelines.pipeline_candidates`): exact min-max cuts
      per stage sequence, an outer search over pipelines, TP widths, kind orders, micro-batches
      and checkpointing ranked by the formula ``T`` (:mod:`fxpar.solvers.pipeline`), its best
@@ -36,9 +36,9 @@ choose the fastest, report:
      :func:`fxpar.sim.sharded_sim.simulate_sharded`; ``even_fsdp`` among them.
 3. Choice and report (:func:`fxpar.solvers.choose.choose`): ``argmin predicted_step_s`` (first
    found on ties; or of the caller's ``rank_by``, prices within its ``rank_tolerance`` equal), the
-   baselines (``even_dp``, ``proportional_dp``, ``megatron_even``, ``whale_rules`` of the chosen family,
+   baselines (``even_dp``, ``proportional_dp``, ``megatron_even``, ``whale_rules`` of the chosen form,
    ``even_ep``, ``even_fsdp``; each a candidate, so the plan is never slower than one by the price it
-   was ranked by, beyond that tolerance) and every family's reasoning in ``explain``;
+   was ranked by, beyond that tolerance) and every form's reasoning in ``explain``;
    :class:`~fxpar.errors.InfeasibleError` naming the shortfalls where nothing fits.
 """
 
@@ -57,18 +57,12 @@ from fxpar.solvers.problems import Candidates, build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
-#: the parallel forms the planner searches, in its order (:data:`fxpar.forms.SEARCHED`; tensor
-#: parallelism comes inside pipelines: a stage of one pipeline over a tensor-parallel group is the
-#: pure TP plan)
-FAMILIES: tuple[str, ...] = SEARCHED
-
-
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
          profiles: Mapping[str, ProfileDB] | None = None,
-         strategies: tuple[str, ...] = FAMILIES,
+         forms: tuple[str, ...] = SEARCHED,
          max_tensor_parallel: int = 8,
          rank_by: Callable[[Plan], float] | None = None, rank_tolerance: float = REL_TOL) -> Plan:
-    """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``strategies``:
+    """The fastest plan for ``graph`` on ``cluster`` under the cost model, among ``forms``:
     uneven data parallelism (share LP), identical heterogeneous pipelines with TP stages
     (:mod:`fxpar.solvers.pipeline`) and, for MoE models, expert parallelism with uneven batch
     shares and experts per device (:mod:`fxpar.solvers.expert_plan`).  Baselines and the
@@ -76,7 +70,7 @@ def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = F
     price the candidates are ranked by where not their predicted step, ``rank_tolerance``: how
     close two prices are equal (:mod:`fxpar.solvers.choose`)."""
     start = time.perf_counter()
-    problems = build_problems(graph, cluster, workload, strategies, allow_tf32=allow_tf32, profiles=profiles)
+    problems = build_problems(graph, cluster, workload, forms, allow_tf32=allow_tf32, profiles=profiles)
     found: dict[str, Candidates] = {}
     for name in SEARCHED:   # each form's search phase, in the registry's order (ties: the first found)
         found[name] = part(name, "search").candidates(problems, found, max_tensor_parallel)

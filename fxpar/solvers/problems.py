@@ -1,10 +1,10 @@
-"""The plain-number problems every candidate family reads, built once per
-:func:`fxpar.solvers.plan` call (:func:`build_problems`), and what a family hands back
+"""The plain-number problems every candidate form reads, built once per
+:func:`fxpar.solvers.plan` call (:func:`build_problems`), and what a form hands back
 (:class:`Candidates`).
 
     check_inputs       before the cost model, so bad input fails fast
-    strategies_for     the families asked for, less those a recorded graph cannot have
-                       (:data:`RECORDED_FAMILIES`: not expert parallelism)
+    forms_for     the forms asked for, less those a recorded graph cannot have
+                       (:data:`fxpar.forms.RECORDED`: not expert parallelism)
     CostModel          graph × cluster → per node and device kind: seconds, bytes, collectives
     build_dp_problem   → DPProblem: the share LP's data, one group per interchangeable device
                          kind (every form that trains shares of the batch reads it)
@@ -14,8 +14,8 @@
                          EPProblem (MoE models on more than one rank) or why it cannot run
     lower bound        :func:`fxpar.solvers.bounds.lower_bound_s`: the least, over the forms
                        that can offer a plan for these problems (each form's ``bound`` phase
-                       says: ``applies(problems)``; :func:`bound_families`), of each
-                       family's compute + the communication none of its plans hides + the
+                       says: ``applies(problems)``; :func:`bound_forms`), of each
+                       form's compute + the communication none of its plans hides + the
                        optimizer (the host CPU's rate where a form that may offload applies)
 """
 
@@ -35,7 +35,7 @@ from fxpar.profiling.database import ProfileDB
 from fxpar.sim.sharded_cost import may_offload
 from fxpar.solvers import data_parallel as dp
 from fxpar.solvers.baselines import dp_fits
-from fxpar.solvers.bounds import family_bounds_s
+from fxpar.solvers.bounds import form_bounds_s
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
@@ -47,13 +47,13 @@ class Problems:
     graph: ModelGraph
     cluster: Cluster
     workload: Workload
-    strategies: tuple[str, ...]
+    forms: tuple[str, ...]
     cost: CostModel
     dp: dp.DPProblem
     dp_fits: bool                        # a replica + one sample fits everywhere, and B ≥ ranks
     own: tuple[tuple[str, Any], ...]     # (form, its own problem) of each searched form asked for
     lower_bound_s: float
-    lower_bound_by_family: tuple[tuple[str, float], ...]   # each bounded family's least step
+    lower_bound_by_form: tuple[tuple[str, float], ...]   # each bounded form's least step
 
     def of(self, name: str) -> Any:
         """Form ``name``'s own problem (its search phase's ``problem``); None where it was not
@@ -64,7 +64,7 @@ class Problems:
 
 @dataclass(frozen=True, slots=True)
 class Candidates:
-    """What one family offers: its plans (each with the simulator's predictions, in the order
+    """What one form offers: its plans (each with the simulator's predictions, in the order
     found: on equal steps the first wins), its explain lines, its baseline figures by name (None:
     does not fit) and, for data parallelism, the error that says why it does not fit."""
 
@@ -74,22 +74,15 @@ class Candidates:
     error: InfeasibleError | None = None
 
 
-#: the families a recorded graph (:mod:`fxpar.tracing.recorded`: no exported program to read
-#: experts from) can have: those whose codegen runs the model's own forward, and pipelines, whose
-#: stages then run the model's own modules eagerly (:mod:`fxpar.codegen.pipeline.eager`),
-#: tensor-parallel in the blocks whose attention was read block by block (the graph's layers say)
-RECORDED_FAMILIES: tuple[str, ...] = RECORDED   # the forms marked ``recorded`` in fxpar.forms
-
-
-def strategies_for(graph: ModelGraph, strategies: tuple[str, ...]) -> tuple[str, ...]:
-    """``strategies``, less the families a recorded graph cannot have; a PlanError when none is left."""
+def forms_for(graph: ModelGraph, forms: tuple[str, ...]) -> tuple[str, ...]:
+    """``forms``, less the forms a recorded graph cannot have; a PlanError when none is left."""
     if not graph.recorded:
-        return tuple(strategies)
-    kept = tuple(s for s in strategies if s in RECORDED_FAMILIES)
+        return tuple(forms)
+    kept = tuple(s for s in forms if s in RECORDED)
     if not kept:
         raise PlanError(
             f"{graph.model_name} did not export as a whole ({graph.recorded.splitlines()[0][:200]}), so fxpar "
-            f"recorded it by running it; strategies {list(strategies)} need the exported graph (expert and tensor "
+            f"recorded it by running it; forms {list(forms)} need the exported graph (expert and tensor "
             "parallelism read the model's experts and projections from it): add 'data_parallel', 'pipeline' "
             "(eager stages) or 'sharded_data_parallel', or make the model export (fxpar.tracing.trace(model, "
             "inputs, record=False) shows why it does not)")
@@ -122,12 +115,12 @@ def build_dp_problem(cost: CostModel, cluster, workload: Workload) -> dp.DPProbl
         allreduce_s=cost.gradient_allreduce_s(), max_microbatches=workload.max_microbatches)
 
 
-def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: tuple[str, ...], *,
+def build_problems(graph: ModelGraph, cluster, workload: Workload, forms: tuple[str, ...], *,
                    allow_tf32: bool = False, profiles: Mapping[str, ProfileDB] | None = None) -> Problems:
-    """Check the inputs, price the model and build each asked-for family's problem."""
-    strategies = strategies_for(graph, tuple(strategies))
-    every_rank_samples = bool(strategies) and all(form(name).sample_per_rank for name in strategies)
-    # with other strategies a batch smaller than the ranks is for them to judge (a pipeline needs fewer)
+    """Check the inputs, price the model and build each asked-for form's problem."""
+    forms = forms_for(graph, tuple(forms))
+    every_rank_samples = bool(forms) and all(form(name).sample_per_rank for name in forms)
+    # with other forms a batch smaller than the ranks is for them to judge (a pipeline needs fewer)
     check_inputs(cluster, workload if every_rank_samples else
                  replace(workload, global_batch=max(workload.global_batch, cluster.world_size)),
                  allow_tf32=allow_tf32)
@@ -135,19 +128,19 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, strategies: t
                      allow_tf32=allow_tf32, profiles=profiles)
     problem = build_dp_problem(cost, cluster, workload)
     own = tuple((name, part(name, "search").problem(graph, cost, cluster, workload))
-                for name in SEARCHED if name in strategies)
+                for name in SEARCHED if name in forms)
     fits = dp_fits(problem) and workload.global_batch >= cluster.world_size
-    draft = Problems(graph=graph, cluster=cluster, workload=workload, strategies=strategies, cost=cost,
-                     dp=problem, dp_fits=fits, own=own, lower_bound_s=math.inf, lower_bound_by_family=())
-    families = bound_families(draft)
-    offload = (any(form(f).offloads for f in families)
+    draft = Problems(graph=graph, cluster=cluster, workload=workload, forms=forms, cost=cost,
+                     dp=problem, dp_fits=fits, own=own, lower_bound_s=math.inf, lower_bound_by_form=())
+    forms = bound_forms(draft)
+    offload = (any(form(f).offloads for f in forms)
                and any(may_offload(cluster, g.ranks) for g in cluster.groups()))
-    by_family = family_bounds_s(cost, workload.global_batch, families, host_optimizer=offload)
-    return replace(draft, lower_bound_s=min(by_family.values()),   # bounds.lower_bound_s, its terms kept
-                   lower_bound_by_family=tuple(by_family.items()))
+    by_form = form_bounds_s(cost, workload.global_batch, forms, host_optimizer=offload)
+    return replace(draft, lower_bound_s=min(by_form.values()),   # bounds.lower_bound_s, its terms kept
+                   lower_bound_by_form=tuple(by_form.items()))
 
 
-def bound_families(p: Problems) -> tuple[str, ...]:
+def bound_forms(p: Problems) -> tuple[str, ...]:
     """The forms that can offer a plan for ``p`` (each form's ``bound`` phase: ``applies``), in
     the registry's order: the lower bound's minimum runs over them
     (:func:`fxpar.solvers.bounds.lower_bound_s`)."""

@@ -82,9 +82,9 @@ def measured_sample_seconds(plan: Plan, busy_s: Sequence[float]) -> list[float]:
 def propose_shares(plan: Plan, busy_s: Sequence[float], *, threshold: float = 0.1,
                    max_microbatches: int | None = None) -> RebalanceDecision:
     """The re-balanced shares for ``plan`` given each rank's measured busy seconds."""
-    if not form(plan.strategy).rebalances:
+    if not form(plan.form).rebalances:
         raise PlanError(f"re-balance: batch shares are re-solved for data_parallel plans, not "
-                        f"{plan.strategy!r} (stage cuts are fixed for the run)")
+                        f"{plan.form!r} (stage cuts are fixed for the run)")
     t = measured_sample_seconds(plan, busy_s)
     caps = [micro_cap(plan, r) * (max_microbatches or plan.global_batch) for r in range(plan.world_size)]
     proposed = integer_shares(t, caps, plan.global_batch)

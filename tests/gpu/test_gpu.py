@@ -28,6 +28,6 @@ def test_parity_on_cuda_with_nccl(nccl_pool, kind: str) -> None:
     results = nccl_pool.run(gpu_parity, kind)
     for r in results:
         assert r["device"] == f"cuda:{r['rank']}"
-        assert r["strategy"] == kind
+        assert r["form"] == kind
         for s in r["steps"]:
             assert s["loss_diff"] < TOLERANCE and s["max_grad_abs_diff"] < TOLERANCE, r

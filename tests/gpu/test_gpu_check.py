@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.gpu_check_suite import parse_pytest
 from benchmarks.gpu_check_report import GRAD_RTOL, gradient_gaps
-from benchmarks.gpu_check_setup import FAMILIES, MODELS, PLANNED_STRATEGY, TORCH_FAMILIES, arm_id
+from benchmarks.gpu_check_setup import FAMILIES, MODELS, PLANNED_FORM, TORCH_FAMILIES, arm_id
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def test_cpu_mode_runs_every_arm(cpu_run):
         if family in TORCH_FAMILIES:  # torch's own loop: no fxpar plan to check
             assert "plan" not in arm, name
             continue
-        assert arm["plan"]["strategy"] == PLANNED_STRATEGY.get(
+        assert arm["plan"]["form"] == PLANNED_FORM.get(
             family.removesuffix("-compiled"), "sharded_data_parallel"), name
     assert {cpu_run["arms"][arm_id(m, "bf16", z)]["plan"]["shard_stage"] for m in CPU_MODELS
             for z in ("zero2", "zero3")} == {2, 3}

@@ -37,7 +37,7 @@ def one_gpu_rank():
 def test_one_gpu_family_matches_eager_autocast(one_gpu_rank, family: str, stage: int | None, dtype: str) -> None:
     [r] = one_gpu_rank.run(one_gpu_family, family, stage, dtype)
     u = UNIT_ROUNDOFF[dtype]
-    assert r["strategy"] == family and r["grad_devices"] == ["cuda:0"], r
+    assert r["form"] == family and r["grad_devices"] == ["cuda:0"], r
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=4 * u), r
     assert r["worst"] <= 8 * u, r
 
@@ -50,7 +50,7 @@ def test_a_steady_step_never_waits_for_the_gpu(one_gpu_rank, family: str, stage:
     plain model's step on the same batch does not make too (transformers 5.17's eager mask makes
     one); the CPU proof for every family and world size is ``tests/multirank/test_step_audit.py``."""
     [r] = one_gpu_rank.run(sync_free_steps, family, stage, "bf16")
-    assert r["strategy"] == family and r["loss"] > 0, r
+    assert r["form"] == family and r["loss"] > 0, r
     assert len(r["control"]["model_cuda_syncs"]) == 1 and "workers_gpu.py" in r["control"]["model_cuda_syncs"][0], r
     ours = r["fxpar"]
     assert not ours["cuda_syncs"] and not ours["host_reads"] and not ours["dynamic_shapes"], ours

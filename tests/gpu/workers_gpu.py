@@ -37,7 +37,7 @@ def gpu_parity(kind: str, steps: int = 2) -> dict:
             if kind == "pipeline" else None)
     pm = fxpar.auto(model, cluster, data[0], plan=plan, global_batch=8)
     named = pm.named_original_parameters if kind == "pipeline" else pm.module.named_parameters
-    out = {"rank": dist.get_rank(), "device": str(device), "strategy": pm.plan.strategy, "steps": []}
+    out = {"rank": dist.get_rank(), "device": str(device), "form": pm.plan.form, "steps": []}
     for b in data:
         loss = pm.step(b)
         ref_loss = reference(**{k: v.to(device) for k, v in b.items()}, use_cache=False).loss
@@ -60,14 +60,14 @@ def _one_gpu_plan(model, data, dtype: str, family: str, stage: int | None) -> fx
         return sharded_data_parallel_plan(cluster, batch_split=[4], state_split=[1], shard_stage=stage,
                                           micro_batch_size=2, model=type(model).__name__, dtype=dtype)
     return fxpar.make_plan(model, cluster, data, fxpar.Workload(global_batch=4, dtype=dtype, optimizer="adamw"),
-                           strategies=[family])
+                           forms=[family])
 
 
 def _grad_pairs(pm, reference) -> list:
     ref = dict(reference.named_parameters(remove_duplicate=False))  # GPT-2's tied lm_head
-    if pm.plan.strategy == "sharded_data_parallel":  # one rank owns every row
+    if pm.plan.form == "sharded_data_parallel":  # one rank owns every row
         return [(t.names[0], t.shard.grad, ref[t.names[0]].grad) for t in pm.tensors]
-    named = pm.named_original_parameters() if pm.plan.strategy == "pipeline" else pm.module.named_parameters()
+    named = pm.named_original_parameters() if pm.plan.form == "pipeline" else pm.module.named_parameters()
     return [(n, p.grad, ref[n].grad) for n, p in named]
 
 
@@ -90,7 +90,7 @@ def one_gpu_family(family: str, stage: int | None, dtype: str) -> dict:
         devices.add(str(g.device))
         diff = float((g.detach().double().reshape(-1) - g_ref.detach().double().reshape(-1)).norm())
         worst = max(worst, diff / max(float(g_ref.double().norm()), 1e-12))
-    return {"strategy": pm.plan.strategy, "loss": float(loss), "ref_loss": float(ref_loss), "worst": worst,
+    return {"form": pm.plan.form, "loss": float(loss), "ref_loss": float(ref_loss), "worst": worst,
             "grad_devices": sorted(devices)}
 
 
@@ -130,7 +130,7 @@ def sync_free_steps(family: str, stage: int | None, dtype: str, steps: int = 3) 
         plain(**on_device, use_cache=False).loss.float().backward()
     with StepAudit(cuda_syncs=True) as control:   # the audit sees a sync that is surely there
         torch.ones(1, device="cuda").item()
-    return {"strategy": pm.plan.strategy, "loss": float(loss), "fxpar": _causes(cost),
+    return {"form": pm.plan.form, "loss": float(loss), "fxpar": _causes(cost),
             "plain": _causes(plain_cost), "control": _causes(control)}
 
 

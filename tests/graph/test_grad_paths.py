@@ -38,8 +38,8 @@ def test_ordinary_and_index_only_no_grad_regions_lose_nothing(model_type):
 def test_planner_leaves_pipelines_out_and_a_hand_pipeline_is_refused():
     model, graph = _graph("reformer")
     plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=4),
-                 strategies=("data_parallel", "pipeline"))
-    assert plan.strategy == "data_parallel"
+                 forms=("data_parallel", "pipeline"))
+    assert plan.form == "data_parallel"
     assert any("pipelines: not considered" in line and "no gradient" in line for line in plan.explain)
     with pytest.raises(PlanError, match="gives no gradient to .* parameters that eager training updates"):
         split_stages(model, batch(model, 1), [0, 1], 2)   # what every pipeline rank does first

@@ -2,7 +2,7 @@
 runs are accepted, and one it would ignore -- ZeRO's ``state_split`` in a pipeline stage, expert
 shares in a tensor-parallel plan, tensor shares on a stage of one rank -- is a ``PlanError`` at
 validation naming the field, instead of a run that silently trains without it
-(``Form.stage_fields``, :func:`fxpar.plan_checks.check_strategy`)."""
+(``Form.stage_fields``, :func:`fxpar.plan_checks.check_form_rules`)."""
 
 from __future__ import annotations
 
@@ -51,17 +51,17 @@ def _with(plan: Plan, name: str, value) -> Plan:
 
 
 #: each plan's form, and every per-form stage field that form does not run
-STRATEGY = {"dp": "data_parallel", "zero3": "sharded_data_parallel", "tp": "tensor_parallel",
-            "ep": "expert_parallel", "pp": "pipeline", "pp_tp": "pipeline"}
-CASES = [(kind, name) for kind, strategy in STRATEGY.items() for name in STAGE_FIELDS
-         if name not in form(strategy).stage_fields]
+FORM_OF = {"dp": "data_parallel", "zero3": "sharded_data_parallel", "tp": "tensor_parallel",
+          "ep": "expert_parallel", "pp": "pipeline", "pp_tp": "pipeline"}
+CASES = [(kind, name) for kind, form_name in FORM_OF.items() for name in STAGE_FIELDS
+         if name not in form(form_name).stage_fields]
 
 
 @pytest.mark.parametrize("kind, name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
 def test_a_stage_field_its_form_does_not_run_is_a_plan_error(kind, name):
     plan = _plans()[kind]
-    assert plan.strategy == STRATEGY[kind]
-    with pytest.raises(PlanError, match=rf"plan.stages\[0\]\.{name} = .*a {plan.strategy} plan does not run it"):
+    assert plan.form == FORM_OF[kind]
+    with pytest.raises(PlanError, match=rf"plan.stages\[0\]\.{name} = .*a {plan.form} plan does not run it"):
         _with(plan, name, _value(plan.stages[0], name))
 
 

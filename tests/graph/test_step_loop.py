@@ -36,7 +36,7 @@ def _plan(shares: list[int], micro_batch_size: int) -> Plan:
                            predicted_busy_s=0.0, predicted_memory_bytes=0, memory_capacity_bytes=1 << 30)
                   for r, b in enumerate(shares))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(len(shares))), data_split=tuple(shares))
-    return Plan(strategy="data_parallel", model="LlamaForCausalLM", cluster="test", global_batch=sum(shares),
+    return Plan(form="data_parallel", model="LlamaForCausalLM", cluster="test", global_batch=sum(shares),
                 seq_len=SEQ, dtype="fp32", optimizer="adamw", stages=(stage,), ranks=ranks,
                 predicted_step_s=0.0, predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=0.0,
                 emulated=False)

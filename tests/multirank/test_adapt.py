@@ -149,7 +149,7 @@ def test_a_zero3_re_split_moves_state_with_parity(pool2):
 def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
     """Issue #39, item 2: ``fxpar.auto(..., adapt=...)`` on 2 ranks whose emulated speeds change
     three times, timed for real; the decider itself chooses the switches -- within
-    ``AdaptPolicy.strategies`` (uneven ZeRO re-split for the new speeds) and under a memory cap
+    ``AdaptPolicy.forms`` (uneven ZeRO re-split for the new speeds) and under a memory cap
     data parallelism does not fit (ZeRO and pipelines with other cuts), :data:`DECIDER_CASES`.  At
     least one switch in each case and three in all, every one after a decision and expecting the
     step it re-priced; every step's loss equals one process's on the same batches and the AdamW
@@ -157,8 +157,8 @@ def test_switches_the_decider_chooses_keep_the_single_process_trajectory(pool2):
     from tests.multirank.workers_adapt import adaptive_run
 
     switches = 0
-    for case, (memory_gib, strategies, config) in DECIDER_CASES.items():
-        results = pool2.run(adaptive_run, THREE_CHANGES, 56, memory_gib, strategies, chain_config(config))
+    for case, (memory_gib, forms, config) in DECIDER_CASES.items():
+        results = pool2.run(adaptive_run, THREE_CHANGES, 56, memory_gib, forms, chain_config(config))
         for r in results:
             kinds = [e["kind"] for e in r["events"]]
             for i, kind in enumerate(kinds):
@@ -255,34 +255,34 @@ def test_an_adaptive_switch_that_cannot_fit_is_refused_and_training_goes_on(pool
 def test_a_switch_whose_build_fails_is_refused_on_every_rank_and_its_family_is_offered_no_more(pool2, case):
     """Issue #39, item 5: a switch whose new plan cannot be built — a pipeline of a model that
     does not export (every rank fails), or a build that fails on rank 1 only — is refused on
-    both ranks before anything moves, names the rank and the error, and the family leaves the
-    decisions' choices (not for a PlanError: that plan was at fault, not its family); every
+    both ranks before anything moves, names the rank and the error, and the form leaves the
+    decisions' choices (not for a PlanError: that plan was at fault, not its form); every
     step's loss still equals one process's."""
     from tests.multirank.workers_adapt import unbuildable_switch_run
 
-    family = "pipeline" if case == "no-export" else "sharded_data_parallel"
+    form = "pipeline" if case == "no-export" else "sharded_data_parallel"
     for r in pool2.run(unbuildable_switch_run, case):
         assert set(r["kinds"]) == {"data_parallel"}, r["kinds"]
         refused = [e for e in r["events"] if e["kind"] == "refused"]
         assert len(refused) == 1, r["events"]
         why = refused[0]["reason"]
-        assert why.startswith(f"switch refused: the {family} plan could not be built on rank "), why
+        assert why.startswith(f"switch refused: the {form} plan could not be built on rank "), why
         if case == "no-export":
             assert "does not export" in why, why
         else:
             error = "PlanError" if case == "plan-error" else "RuntimeError"
             assert f"rank 1 ({error}: injected on rank 1)" in why, why
-        # (the run's families are auto's strategies=["data_parallel"]: what Replanner.families()
+        # (the run's forms are auto's forms=["data_parallel"]: what Replanner.forms()
         # then leaves out is tested on its own in test_a_recorded_graph_is_never_offered_a_pipeline...)
-        assert list(r["unbuildable"]) == ([] if case == "plan-error" else [family]), r["unbuildable"]
+        assert list(r["unbuildable"]) == ([] if case == "plan-error" else [form]), r["unbuildable"]
         for k, (loss, ref) in enumerate(r["losses"]):
             expect(check_loss(loss, ref), context=f"rank {r['rank']} step {k}")
 
 
 def test_a_recorded_graph_is_never_offered_a_pipeline_to_switch_to():
     """Issue #39, item 5: a model that did not export (``ModelGraph.recorded``) has its
-    pipeline family dropped from re-planning's choices, and a family whose build failed is
-    dropped too (``Replanner.families``)."""
+    pipeline form dropped from re-planning's choices, and a form whose build failed is
+    dropped too (``Replanner.forms``)."""
     import dataclasses
 
     from fxpar.adapt.decide import AdaptPolicy
@@ -295,12 +295,12 @@ def test_a_recorded_graph_is_never_offered_a_pipeline_to_switch_to():
                        trace_time_s=0.0, recorded="export failed")
     planning = Planning(graph=graph, cluster=Cluster.emulated([1.0, 1.0]), workload=Workload(global_batch=8))
     replanner = Replanner(planning, AdaptPolicy(), threshold=0.2)
-    assert "pipeline" not in replanner.families() and "data_parallel" in replanner.families()
+    assert "pipeline" not in replanner.forms() and "data_parallel" in replanner.forms()
     replanner.cannot_build("sharded_data_parallel", "a test")
-    assert "sharded_data_parallel" not in replanner.families()
+    assert "sharded_data_parallel" not in replanner.forms()
     exported = Replanner(dataclasses.replace(planning, graph=dataclasses.replace(graph, recorded="")),
-                         AdaptPolicy(strategies=("pipeline", "data_parallel")), threshold=0.2)
-    assert exported.families() == ("pipeline", "data_parallel")
+                         AdaptPolicy(forms=("pipeline", "data_parallel")), threshold=0.2)
+    assert exported.forms() == ("pipeline", "data_parallel")
 
 
 @pytest.mark.full
@@ -764,7 +764,7 @@ def test_single_process_adaptive_module_trains_like_the_plain_one(tmp_path):
         assert losses[0] == losses[1]
         for o in opts:
             o.step(); o.zero_grad()
-    assert adaptive.plan.strategy == plain.plan.strategy and adaptive.steps == 3
+    assert adaptive.plan.form == plain.plan.form and adaptive.steps == 3
     # the migration's build estimate before any switch is the first plan's measured build (a
     # data-parallel one: no pipeline export in it); the best plan is the running one, whose
     # module takes it in place: nothing built or moved
@@ -855,20 +855,20 @@ def test_an_error_in_rank_0s_decision_is_a_keep_on_every_rank(pool2):
         assert "ValueError: a solver bug" in event["reason"], event
 
 
-def test_adapt_replans_within_autos_strategies_and_tensor_parallel_cap():
-    """Issue #39, item 5: a user's Adapt honours auto's strategies= and max_tensor_parallel=
-    (the families both allow, the smaller cap), and the two sharing no family is a clear error."""
+def test_adapt_replans_within_autos_forms_and_tensor_parallel_cap():
+    """Issue #39, item 5: a user's Adapt honours auto's forms= and max_tensor_parallel=
+    (the forms both allow, the smaller cap), and the two sharing no form is a clear error."""
     from fxpar.adapt import Adapt, AdaptPolicy
     from fxpar.api import adapt_options
 
-    asked = AdaptPolicy(strategies=("data_parallel", "pipeline"), max_tensor_parallel=2)
-    assert adapt_options(True, asked).policy.strategies == ("data_parallel", "pipeline")
-    mine = Adapt(policy=AdaptPolicy(strategies=("pipeline", "expert_parallel"), min_gain=0.2))
+    asked = AdaptPolicy(forms=("data_parallel", "pipeline"), max_tensor_parallel=2)
+    assert adapt_options(True, asked).policy.forms == ("data_parallel", "pipeline")
+    mine = Adapt(policy=AdaptPolicy(forms=("pipeline", "expert_parallel"), min_gain=0.2))
     merged = adapt_options(mine, asked).policy
-    assert merged.strategies == ("pipeline",) and merged.max_tensor_parallel == 2 and merged.min_gain == 0.2
-    assert adapt_options(mine, AdaptPolicy()).policy.strategies == ("pipeline", "expert_parallel")
-    with pytest.raises(ConfigError, match="share no family"):
-        adapt_options(Adapt(policy=AdaptPolicy(strategies=("expert_parallel",))), asked)
+    assert merged.forms == ("pipeline",) and merged.max_tensor_parallel == 2 and merged.min_gain == 0.2
+    assert adapt_options(mine, AdaptPolicy()).policy.forms == ("pipeline", "expert_parallel")
+    with pytest.raises(ConfigError, match="share no form"):
+        adapt_options(Adapt(policy=AdaptPolicy(forms=("expert_parallel",))), asked)
 
 
 @pytest.mark.full
@@ -1030,7 +1030,7 @@ def test_the_running_plans_error_reprices_every_plan_per_component():
     _, graph = _small_planning()
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     plan = solve_plan(graph, cluster, fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw"),
-                      strategies=["data_parallel"])
+                      forms=["data_parallel"])
     keep = fxpar.predict(plan, graph, cluster)
     compute = keep.compute_s + keep.optimizer_s
     assert 0 < compute < keep.step_s
@@ -1063,7 +1063,7 @@ def test_a_pipelines_waits_for_the_others_compute_are_corrected_as_compute():
     _, graph = _small_planning()
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     plan = solve_plan(graph, cluster, fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw"),
-                      strategies=["data_parallel"])
+                      forms=["data_parallel"])
     base = fxpar.predict(plan, graph, cluster)
     parts = dict(compute_s=0.100, optimizer_s=0.0, tensor_parallel_s=0.0, allreduce_s=0.0, alltoall_s=0.0,
                  gather_s=0.0, runtime_s=0.0)
@@ -1092,20 +1092,20 @@ def test_the_correction_ranks_every_candidate_not_only_the_solvers_best(monkeypa
     _, graph = _small_planning()
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw")
-    families = ("data_parallel", "pipeline", "sharded_data_parallel")
-    current = solve_plan(graph, cluster, workload, strategies=families)
+    forms = ("data_parallel", "pipeline", "sharded_data_parallel")
+    current = solve_plan(graph, cluster, workload, forms=forms)
     keep = fxpar.predict(current, graph, cluster)
     compute = keep.compute_s + keep.optimizer_s
-    assert current.strategy == "data_parallel" and keep.step_s > compute > 0
+    assert current.form == "data_parallel" and keep.step_s > compute > 0
     measured = MeasuredStep(step_s=compute + 3 * (keep.step_s - compute), compute_s=compute)
     fix = correction(keep, measured, 0.1)
     assert fix.compute == pytest.approx(1.0) and fix.rest == pytest.approx(3.0)
-    problems, found = build_problems(graph, cluster, workload, families), {}
+    problems, found = build_problems(graph, cluster, workload, forms), {}
     for name in SEARCHED:
         found[name] = part(name, "search").candidates(problems, found, 8)
     plans = [q for name in SEARCHED for q in found[name].plans]
     price = {id(q): fix.step_s(fxpar.predict(q, graph, cluster)) for q in plans}
-    policy = AdaptPolicy(strategies=families)
+    policy = AdaptPolicy(forms=forms)
     # the cheapest of the simplest form within min_gain of the cheapest (fxpar.solvers.choose)
     best = fastest_simplest(plans, lambda q: price[id(q)], policy.min_gain)
     cheapest = price[id(best)]
@@ -1135,9 +1135,9 @@ def test_a_rolled_back_layout_is_not_offered_again_at_those_speeds():
     _, graph = _small_planning()
     job = fxpar.Cluster.emulated([1.0, 1.0])
     workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw")
-    current = solve_plan(graph, job, workload, strategies=["data_parallel"])
+    current = solve_plan(graph, job, workload, forms=["data_parallel"])
     slowed = job.derated([1.0, 0.4])
-    policy = AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6)
+    policy = AdaptPolicy(forms=("data_parallel",), horizon_steps=10**6)
     first = decide(current, graph, slowed, workload, policy, steps_left=None)
     assert first.switch and first.plan is not None
     again = decide(current, graph, slowed, workload, policy, steps_left=None, refused=[first.plan])
@@ -1162,16 +1162,16 @@ def test_the_migration_charges_what_a_switch_builds_and_moves():
     _, graph = _small_planning()
     job = fxpar.Cluster.emulated([1.0, 1.0])
     workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw")
-    current = solve_plan(graph, job, workload, strategies=["data_parallel"])
+    current = solve_plan(graph, job, workload, forms=["data_parallel"])
     slowed = job.derated([1.0, 0.4])
     costly = BuildCost(build_s=5.0, export_s=7.0, export_cached=True)
-    reshare = decide(current, graph, slowed, workload, AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6),
+    reshare = decide(current, graph, slowed, workload, AdaptPolicy(forms=("data_parallel",), horizon_steps=10**6),
                      steps_left=None, build=costly)
     assert reshare.switch and reshare.plan is not None and reshare.migrate_s == 0.0, reshare.explain()
-    to_pipeline = decide(current, graph, slowed, workload, AdaptPolicy(strategies=("pipeline",), horizon_steps=10**6),
+    to_pipeline = decide(current, graph, slowed, workload, AdaptPolicy(forms=("pipeline",), horizon_steps=10**6),
                          steps_left=None, build=costly)
     new = to_pipeline.plan
-    assert new is not None and new.strategy == "pipeline", to_pipeline.explain()
+    assert new is not None and new.form == "pipeline", to_pipeline.explain()
     moved = network_of(slowed).migration_s(state_bytes(new, graph))
     assert to_pipeline.migrate_s == pytest.approx(costly.seconds(new) + moved, rel=1e-12)
     assert to_pipeline.build_s == costly.seconds(new) and reshare.build_s == 0.0   # B, apart
@@ -1218,7 +1218,7 @@ def test_a_first_pipeline_build_measures_its_export_apart(pool2):
     from tests.multirank.workers_adapt import first_build_of_a_pipeline
 
     for r in pool2.run(first_build_of_a_pipeline):
-        assert r["strategy"] == "pipeline" and r["first_export_s"] > 0 and r["first_build_s"] > 0, r
+        assert r["form"] == "pipeline" and r["first_export_s"] > 0 and r["first_build_s"] > 0, r
         assert r["symbolic"] == 1 and r["build"].export_cached, r
         assert r["recut_s"] == r["sharded_s"] == r["first_build_s"], r
 
@@ -1235,23 +1235,23 @@ def test_a_plan_whose_move_would_not_fit_beside_the_running_one_is_not_offered()
 
     _, graph = _small_planning()
     workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw", dtype="bf16")
-    current = solve_plan(graph, fxpar.Cluster.emulated([1.0, 1.0]), workload, strategies=("pipeline",))
+    current = solve_plan(graph, fxpar.Cluster.emulated([1.0, 1.0]), workload, forms=("pipeline",))
     assert current.pipelines == 2 and len(current.stages) == 1   # every rank holds the whole model
-    policy = AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6)
+    policy = AdaptPolicy(forms=("data_parallel",), horizon_steps=10**6)
     state = fxpar.predict(current, graph, fxpar.Cluster.emulated([1.0, 1.0])).state_bytes
     assert state[0] == state[1] == 14 * graph.param_count
     decisions = {}
     for mib in (4.0, 8.0):   # 2 x 14 bytes x 180,800 parameters = 4.83 MiB
         slowed = fxpar.Cluster.emulated([1.0, 1.0], memory_gib=mib / 1024).derated([1.0, 0.5])
-        best = solve_plan(graph, slowed, workload, strategies=policy.strategies)
-        assert best.strategy == "data_parallel" and best.batch_shares[0] > best.batch_shares[1]
+        best = solve_plan(graph, slowed, workload, forms=policy.forms)
+        assert best.form == "data_parallel" and best.batch_shares[0] > best.batch_shares[1]
         why = switch_shortfall(current, fxpar.predict(current, graph, slowed), best, fxpar.predict(best, graph, slowed))
         assert bool(why) == (mib == 4.0), why
         decisions[mib] = decide(current, graph, slowed, workload, policy, steps_left=None)
     tight, roomy = decisions[4.0], decisions[8.0]
     assert not tight.switch and tight.plan is None, tight.explain()
     assert "move fits" in tight.reason and "rank 0 would hold 2.4 MiB" in tight.reason, tight.reason
-    assert roomy.switch and roomy.plan is not None and roomy.plan.strategy == "data_parallel", roomy.explain()
+    assert roomy.switch and roomy.plan is not None and roomy.plan.form == "data_parallel", roomy.explain()
 
 
 def test_the_template_shares_the_block_calls_an_analysis_kept_on_the_model():
@@ -1294,8 +1294,8 @@ def test_a_move_needs_room_for_its_largest_row_beside_both_plans():
     widest = max(p.numel // p.shape[0] for p in graph.params if p.shape)
     assert move_row_bytes(graph, workload) == widest * 12 + 3 * 16
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
-    current = solve_plan(graph, cluster, workload, strategies=("pipeline",))
-    new = solve_plan(graph, cluster.derated([1.0, 0.5]), workload, strategies=("data_parallel",))
+    current = solve_plan(graph, cluster, workload, forms=("pipeline",))
+    new = solve_plan(graph, cluster.derated([1.0, 0.5]), workload, forms=("data_parallel",))
     running, after = fxpar.predict(current, graph, cluster), fxpar.predict(new, graph, cluster)
     row = move_row_bytes(graph, workload)
     need = max(a + b for a, b in zip(running.state_bytes, after.state_bytes)) + row

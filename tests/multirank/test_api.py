@@ -50,10 +50,10 @@ def test_auto_takes_its_options_as_one_config_or_as_keywords_over_it():
     assert len(inspect.signature(fxpar.auto).parameters) <= 7
     model = tiny_model("gpt2")
     data = global_batch(model, 4, 16)
-    opts = fxpar.Options(global_batch=4, dtype="bf16", strategies=["data_parallel"])
-    assert opts.strategies == ("data_parallel",) and opts.overridden({"dtype": "fp32"}).dtype == "fp32"
+    opts = fxpar.Options(global_batch=4, dtype="bf16", forms=["data_parallel"])
+    assert opts.forms == ("data_parallel",) and opts.overridden({"dtype": "fp32"}).dtype == "fp32"
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, config=opts, dtype="fp32", calibration="off")
-    assert (pm.plan.dtype, pm.plan.strategy, pm.plan.global_batch) == ("fp32", "data_parallel", 4)
+    assert (pm.plan.dtype, pm.plan.form, pm.plan.global_batch) == ("fp32", "data_parallel", 4)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['dtyp'\]; accepted: \[.*'dtype'"):
         fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, dtyp="bf16")
     with pytest.raises(ConfigError, match="dtype = 'fp8'"):
@@ -62,27 +62,27 @@ def test_auto_takes_its_options_as_one_config_or_as_keywords_over_it():
         fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, config={"dtype": "bf16"})
 
 
-def test_strategies_limit_the_families_searched():
-    """``strategies=`` names the plan families the planner may choose; a wrong name or an empty
+def test_forms_limit_the_forms_searched():
+    """``forms=`` names the plan families the planner may choose; a wrong name or an empty
     list is a ConfigError naming the keyword, before any tracing."""
     from fxpar.api import make_plan
-    from fxpar.api_checks import check_strategies
-    from fxpar.solvers.planner import FAMILIES
+    from fxpar.api_checks import check_forms
+    from fxpar.forms import SEARCHED
     from fxpar.workload import Workload
 
-    assert check_strategies(None) == FAMILIES
-    assert check_strategies("pipeline") == ("pipeline",)
+    assert check_forms(None) == SEARCHED
+    assert check_forms("pipeline") == ("pipeline",)
     for bad in ([], ["zero3"], 3):
-        with pytest.raises(ConfigError, match="strategies = .*expected None"):
-            check_strategies(bad)
-    with pytest.raises(ConfigError, match="strategies"):
-        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), strategies=["ddp"])
+        with pytest.raises(ConfigError, match="forms = .*expected None"):
+            check_forms(bad)
+    with pytest.raises(ConfigError, match="forms"):
+        fxpar.auto(tiny_model("llama"), fxpar.Cluster.emulated([1.0]), forms=["ddp"])
     model = tiny_model("llama")
     data = global_batch(model, 8, 16)
     work = Workload(global_batch=8, seq_len=16, dtype="fp32", optimizer="adamw")
     for only in ("data_parallel", "sharded_data_parallel", "pipeline"):
-        p = make_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), data, work, strategies=[only])
-        assert p.strategy == only, (only, p.strategy)
+        p = make_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), data, work, forms=[only])
+        assert p.form == only, (only, p.form)
 
 
 def test_auto_with_only_model_and_cluster():
@@ -146,6 +146,6 @@ def test_memory_bound_model_gets_a_pipeline_plan(tmp_path):
         "inter_node_gbps": 100, "nodes": [{"gpu": "TINY", "count": 2}]})
     plan = plan_model(ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_hidden_layers=4)), cluster,
                       Workload(global_batch=4, seq_len=16))
-    assert plan.strategy == "pipeline" and len(plan.stages) == 2, plan.table()
+    assert plan.form == "pipeline" and len(plan.stages) == 2, plan.table()
     assert fxpar.Plan.from_json(plan.to_json()) == plan
     # tensor-parallel stages, if the solver chose them, run (tests/multirank/test_parity_pp_tp.py)

@@ -239,10 +239,10 @@ def _valid_dp_plan() -> dict[str, Any]:
 
 
 PLAN_TEXTS: dict[str, tuple[Callable[[dict], str], tuple[str, ...]]] = {
-    "not JSON": (lambda g: "{strategy: data_parallel", ("malformed JSON",)),
+    "not JSON": (lambda g: "{form: data_parallel", ("malformed JSON",)),
     "a list": (lambda g: "[1, 2]", ("list",)),
-    "no strategy": (lambda g: json.dumps({k: v for k, v in g.items() if k != "strategy"}), ("strategy",)),
-    "strategy zigzag": (lambda g: json.dumps({**g, "strategy": "zigzag"}), ("strategy", "zigzag")),
+    "no form": (lambda g: json.dumps({k: v for k, v in g.items() if k != "form"}), ("form",)),
+    "form zigzag": (lambda g: json.dumps({**g, "form": "zigzag"}), ("form", "zigzag")),
     "shares do not sum": (lambda g: json.dumps({**g, "global_batch": 13}), ("13", "12")),
     "ranks not a list": (lambda g: json.dumps({**g, "ranks": 3}), ("ranks", "3")),
     "negative share": (lambda g: json.dumps({**g, "ranks": [dict(r, batch_share=-1) for r in g["ranks"]]}),
@@ -301,7 +301,7 @@ AUTO_CASES: dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]] = {
     "loss_fn 3": (lambda c: _auto(c, loss_fn=3), ("loss_fn", "3")),
     "emulate 'yes'": (lambda c: _auto(c, emulate="yes"), ("emulate", "'yes'")),
     "group 'world'": (lambda c: _auto(c, group="world"), ("group", "'world'")),
-    "strategies ['ddp']": (lambda c: _auto(c, strategies=["ddp"]), ("strategies", "ddp", "data_parallel")),
+    "forms ['ddp']": (lambda c: _auto(c, forms=["ddp"]), ("forms", "ddp", "data_parallel")),
     "cluster 3": (lambda c: fxpar.auto(c["gpt"], 3, c["data"]), ("cluster", "int")),
     "cluster [1.0, 0.5]": (lambda c: fxpar.auto(c["gpt"], [1.0, 0.5], c["data"]), ("cluster", "list")),
     "cluster missing file": (lambda c: fxpar.auto(c["gpt"], "/nope/c.yaml", c["data"]), ("/nope/c.yaml",)),
@@ -326,7 +326,7 @@ AUTO_CASES: dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]] = {
                                       ("'labels'",)),
     "example_inputs list of dicts": (lambda c: _auto(c, example_inputs=[c["data"], c["data"]]),
                                      ("example_inputs", "dicts")),
-    "plan a dict": (lambda c: _auto(c, plan={"strategy": "data_parallel"}), ("plan", "dict")),
+    "plan a dict": (lambda c: _auto(c, plan={"form": "data_parallel"}), ("plan", "dict")),
     "plan a path": (lambda c: _auto(c, plan="plan.json"), ("plan", "plan.json", "Plan.from_json")),
     "plan of 2 ranks on 1 device": (lambda c: _auto(c, plan=_pipeline_plan_for("gpt2")), ("2 ranks", "1 device")),
     "plan for another model": (lambda c: _auto(c, plan=_pipeline_plan_for("llama", stages=1)),

@@ -32,7 +32,7 @@ def _check(results: list[dict], kind: str) -> None:
                                   "expert_parallel", "sharded_data_parallel"])
 def test_collectives_are_nccl_valid(pool2, kind: str) -> None:
     results = pool2.run(audit_plan_kind, kind)
-    assert results[0]["strategy"] == ("pipeline" if kind == "interleaved" else kind)
+    assert results[0]["form"] == ("pipeline" if kind == "interleaved" else kind)
     _check(results, kind)
 
 

@@ -119,6 +119,6 @@ def test_a_block_that_cannot_be_one_graph_is_named() -> None:
     model.blocks[1] = _DataDependent(4, 4)
     x = torch.randn(4, 4)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), x, loss_fn=lambda out, batch: out,
-                    strategies=["data_parallel"], compile="aot_eager", emulate=False)
+                    forms=["data_parallel"], compile="aot_eager", emulate=False)
     with pytest.raises(ConfigError, match="blocks.1 failed.*fullgraph"):
         pm.step(x)

@@ -66,7 +66,7 @@ def test_even_dp_plan_keeps_the_plan_but_splits_evenly():
     model = tiny_model("llama")
     data = global_batch(model, 12, 16)
     plan = solve(trace(model, {k: v[:1] for k, v in data.items()}), Cluster.emulated([1.0, 0.25]),
-                 Workload(global_batch=12, seq_len=16), strategies=("data_parallel",))
+                 Workload(global_batch=12, seq_len=16), forms=("data_parallel",))
     assert plan.batch_shares != (6, 6)
     even = even_dp_plan(plan)
     assert even.batch_shares == (6, 6) and even.world_size == plan.world_size

@@ -139,7 +139,7 @@ def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_refe
     injected (share / speed, tests/trainer_injected_busy.py), not this machine's timing, so the
     proposal is the one those measurements call for."""
     # data parallelism pinned: the planner may prefer sharded DP, which does not re-balance online
-    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], forms=["data_parallel"],
                         rebalance={"enabled": True, "threshold": 0.1, "warmup_steps": 1, "window": 2})
     _torchrun("tests/trainer_injected_busy.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
                                    "--slow-down", "1:0.25:2", "--out", "run.json", "--output-dir", "saved",
@@ -167,7 +167,7 @@ def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trai
     the module detects it after min_steps, re-plans and moves its state to the new plan in
     memory; the loss curve, the evaluation loss and the saved weights equal the single-process
     Trainer's."""
-    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], forms=["data_parallel"],
                         adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
                                "min_seconds": 0,
                                "horizon_steps": 100})
@@ -198,7 +198,7 @@ def test_trainer_adapts_saves_after_the_switch_and_resumes(tmp_path, trainer_ref
     new plan (each rank its shard of model and optimizer state), and a new job resumes from it
     (planning afresh, rank 1 slow from the start) and trains steps 7-8; every step's loss equals
     the uninterrupted run's and the single-process Trainer's."""
-    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], strategies=["data_parallel"],   # decided where detected:
+    cfg = _write_config(tmp_path, speeds=[1.0, 1.0], forms=["data_parallel"],   # decided where detected:
                         adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
                                "min_seconds": 0, "horizon_steps": 100, "background_planning": False})
     common = ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ), "--slow-down", "1:0.25:2"]
@@ -232,7 +232,7 @@ def test_trainer_pipeline_matches_single_process_and_resumes(tmp_path, trainer_r
                                    "--out", "run.json", "--output-dir", "saved", "--save-steps", "4", "--eval"],
               {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["plan"]["strategy"] == "pipeline"
+    assert run["plan"]["form"] == "pipeline"
     ref_losses, ref_weights, ref_eval = trainer_reference
     # evaluation through the pipeline's forward-only schedule, after the 8 steps: the loss rule
     print(f"[parity] pipeline eval loss {run['eval_loss']:.6f} vs {ref_eval:.6f}")
@@ -255,13 +255,13 @@ def test_trainer_pipeline_matches_single_process_and_resumes(tmp_path, trainer_r
 
 
 def test_accelerate_dp_matches_and_state_round_trips(tmp_path, loop_reference):
-    cfg = _write_config(tmp_path, strategies=["data_parallel"])   # the planner may prefer sharded DP
+    cfg = _write_config(tmp_path, forms=["data_parallel"])   # the planner may prefer sharded DP
     _torchrun("train_accelerate.py", ["--steps", str(STEPS), "--seq", str(SEQ), "--out", "run.json",
                                       "--checkpoint", "ckpt"],
               {"FXPAR_CONFIG": str(cfg), "FXPAR_SPEEDS": "1.0,0.5", "ACCELERATE_USE_CPU": "true"}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
     ref_losses, ref_weights = loop_reference
-    assert run["strategy"] == "data_parallel"
+    assert run["form"] == "data_parallel"
     _assert_losses(run["losses"], ref_losses)
     from fxpar.checkpoint import read_model_state
 
@@ -281,7 +281,7 @@ def test_accelerate_tensor_parallel_matches_and_checkpoints(tmp_path, loop_refer
               {"FXPAR_CONFIG": str(cfg), "FXPAR_SPEEDS": "1.0,0.5", "FXPAR_PLAN": str(tmp_path / "tp.json"),
                "ACCELERATE_USE_CPU": "true"}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["strategy"] == "tensor_parallel"
+    assert run["form"] == "tensor_parallel"
     _assert_losses(run["losses"], loop_reference[0])
     from fxpar.checkpoint import read_model_state
 
@@ -304,7 +304,7 @@ def test_accelerate_pipeline_of_tensor_parallel_stages(tmp_path, loop_reference)
               {"FXPAR_CONFIG": str(_write_config(tmp_path)), "FXPAR_SPEEDS": "1.0,0.5,1.0",
                "FXPAR_PLAN": str(tmp_path / "pptp.json"), "ACCELERATE_USE_CPU": "true"}, tmp_path, nproc=3)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["strategy"] == "pipeline"
+    assert run["form"] == "pipeline"
     _assert_losses(run["losses"], loop_reference[0], label="PP x TP under Accelerate: ")
     from fxpar.checkpoint import read_model_state
 
@@ -351,11 +351,11 @@ def test_the_config_file_keys_are_the_options_and_workload_still_reads_with_a_wa
     from fxpar import Options
     from fxpar.options import yaml_keys
 
-    config = config_from_mapping({"speeds": [1, 1], "global_batch": 8, "dtype": "bf16", "strategies": ["pipeline"],
+    config = config_from_mapping({"speeds": [1, 1], "global_batch": 8, "dtype": "bf16", "forms": ["pipeline"],
                                   "adapt": {"min_gain": 0.2}})
     assert config.options.global_batch == 8 and config.options.dtype == "bf16"
-    assert config.options.strategies == ("pipeline",)
-    assert config.options.adapt.policy.strategies == ("pipeline",) and config.options.adapt.policy.min_gain == 0.2
+    assert config.options.forms == ("pipeline",)
+    assert config.options.adapt.policy.forms == ("pipeline",) and config.options.adapt.policy.min_gain == 0.2
     assert set(yaml_keys()) | {"group", "loss_fn"} == {f for f in Options.__dataclass_fields__}
     with pytest.warns(FutureWarning, match="'workload:' mapping is deprecated"):
         old = config_from_mapping({"workload": {"global_batch": 8, "seq_len": 16}})
@@ -398,7 +398,7 @@ def test_trainer_expert_parallel_matches_single_process(tmp_path):
                                    "--seq", str(SEQ), "--out", "run.json", "--output-dir", "saved", "--eval",
                                    "--no-shuffle"], {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["plan"]["strategy"] == "expert_parallel"
+    assert run["plan"]["form"] == "expert_parallel"
 
     class Reference(Trainer):
         def _get_train_sampler(self, train_dataset=None):  # the dataset order, like --no-shuffle
@@ -470,7 +470,7 @@ def test_trainer_sharded_data_parallel_matches_single_process(tmp_path):
                                    "--out", "run.json", "--output-dir", "saved", "--save-steps", "2", "--eval",
                                    "--no-shuffle"], {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["plan"]["strategy"] == "sharded_data_parallel"
+    assert run["plan"]["form"] == "sharded_data_parallel"
     ref_losses, ref_weights, ref_eval = _in_order_reference(SHARDED_STEPS, clip=1.0, weight_decay=0.0)
     print(f"[parity] sharded DP under the Trainer: eval {run['eval_loss']:.6f} vs {ref_eval:.6f}")
     _assert_losses(run["losses"], ref_losses, SHARDED_STEPS, "sharded DP under the Trainer: ")
@@ -494,7 +494,7 @@ def test_accelerate_sharded_data_parallel_matches_and_state_round_trips(tmp_path
               {"FXPAR_CONFIG": str(_write_config(tmp_path)), "FXPAR_SPEEDS": "1.0,0.5",
                "FXPAR_PLAN": str(_sharded_plan_file(tmp_path)), "ACCELERATE_USE_CPU": "true"}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["strategy"] == "sharded_data_parallel"
+    assert run["form"] == "sharded_data_parallel"
     ref_losses, ref_weights, _ = _in_order_reference(SHARDED_STEPS, clip=None, weight_decay=0.01)
     _assert_losses(run["losses"], ref_losses, SHARDED_STEPS, "sharded DP under Accelerate: ")
     from fxpar.checkpoint import read_model_state

@@ -125,7 +125,7 @@ def test_expert_parallel_plan_round_trips_and_validates():
     model = _model()
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
     plan = expert_parallel_plan(model, cluster, global_batch=9, expert_split=[3, 1])
-    assert plan.strategy == "expert_parallel" and plan.stages[0].expert.split == (3, 1)
+    assert plan.form == "expert_parallel" and plan.stages[0].expert.split == (3, 1)
     assert plan.batch_shares == (6, 3)  # by speed, at least one sample each
     assert Plan.from_json(plan.to_json()) == plan
     with pytest.raises(PlanError, match="one count >= 0 per device"):

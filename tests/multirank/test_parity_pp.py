@@ -84,7 +84,7 @@ def test_stage_major_layout_is_exact(pool4):
 def test_auto_plans_and_runs_a_pipeline_when_dp_does_not_fit(pool2):
     fast, slow = pool2.run(auto_pipeline_parity, [1.0, 0.5], 0.003)
     for r in (fast, slow):
-        assert r["strategy"] == "pipeline" and r["stages"] == 2
+        assert r["form"] == "pipeline" and r["stages"] == 2
         for k, step in enumerate(r["steps"]):
             expect(*check_step(step), context=k)
     assert fast["slept_s"] == 0.0 and slow["slept_s"] > 0.0  # the emulated slow stage waits

@@ -145,7 +145,7 @@ def test_auto_plans_and_runs_tensor_parallel_stages(pool4):
     # not fit, the solver picks 2 stages of TP 2; gradients are compared before any update
     results = pool4.run(auto_pp_tp_parity, [1.0, 1.0, 0.5, 0.5], 0.01)
     _report(results, "auto PP x TP")
-    assert all(r["strategy"] == "pipeline" and r["widths"] == [2, 2] for r in results), results[0]
+    assert all(r["form"] == "pipeline" and r["widths"] == [2, 2] for r in results), results[0]
     for r in results:
         for k, step in enumerate(r["steps"]):
             expect(*check_step(step), context=k)

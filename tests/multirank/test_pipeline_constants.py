@@ -262,9 +262,9 @@ _TRACED_MODELS = {
 }
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else pytest.mark.full)
+@pytest.mark.parametrize("form", [pytest.param(f, marks=() if f == "llama" else pytest.mark.full)
                                     for f in _TRACED_MODELS])
-def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
+def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(form):
     """A switch's stages read their boundary values (shape, dtype, ``requires_grad`` and device of
     what each stage receives and sends) from the cached export (``traced_example``: its values at
     the batch's sizes and its one pass with autograd), instead of a pass over the chain on every
@@ -280,7 +280,7 @@ def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
     def seen(values: tuple) -> list:
         return [(tuple(t.shape), t.dtype, t.requires_grad, t.device.type) for t in values]
 
-    model = build_model(ModelSpec(hf_config=_TRACED_MODELS[family]), device="cpu", seed=0,
+    model = build_model(ModelSpec(hf_config=_TRACED_MODELS[form]), device="cpu", seed=0,
                         attn_implementation="eager").train()
     cache, compared = ExportCache(), 0
     for rows in (4, 2, 6):
@@ -347,7 +347,7 @@ def test_a_low_precision_pipeline_switch_cuts_the_export_made_when_adapting_star
     model = build_model(ModelSpec(hf_config=_TRACED_MODELS["llama"]), device="cpu", seed=0,
                         attn_implementation="eager").train()
     data, cache = example_inputs(model, 8, 16, seed=1), ExportCache()
-    assert prepare_pipeline_export(model, data, cache, families=("pipeline",), dtype="bf16") > 0
+    assert prepare_pipeline_export(model, data, cache, forms=("pipeline",), dtype="bf16") > 0
     assert cache.exports == 1 and [key[1] for key in cache._made] == [torch.bfloat16]
     for rows, cuts in ((4, [0, 0, 1]), (2, [0, 1, 1])):
         template = meta_template(model)

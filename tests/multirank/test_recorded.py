@@ -16,7 +16,8 @@ from fxpar.errors import PlanError, TraceError
 from fxpar.solvers import plan as solve
 from benchmarks.zoo import BATCH, batch, build
 from fxpar.solvers.pipeline import search_ranked
-from fxpar.solvers.problems import RECORDED_FAMILIES, build_problems
+from fxpar.forms import RECORDED
+from fxpar.solvers.problems import build_problems
 from fxpar.tracing import OpClass, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
@@ -102,13 +103,13 @@ def test_a_recorded_graph_plans_data_parallelism_and_eager_pipelines_only():
     torch.manual_seed(0)
     graph = _recorded(LoopMoEForCausalLM(), loop_moe_batch(1, 8))
     plan = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8))
-    assert plan.strategy in RECORDED_FAMILIES and "expert_parallel" not in RECORDED_FAMILIES
+    assert plan.form in RECORDED and "expert_parallel" not in RECORDED
     line = next(e for e in plan.explain if e.startswith("recorded graph"))
     assert "layers.0, layers.1, layers.2" in line and "without tensor parallelism" in line
-    piped = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("pipeline",))
-    assert piped.strategy == "pipeline" and all(s.tensor_parallel == 1 for s in piped.stages)
+    piped = solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), forms=("pipeline",))
+    assert piped.form == "pipeline" and all(s.tensor_parallel == 1 for s in piped.stages)
     with pytest.raises(PlanError, match="did not export as a whole.*'data_parallel', 'pipeline'"):
-        solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), strategies=("expert_parallel",))
+        solve(graph, fxpar.Cluster.emulated([1.0, 0.5]), Workload(global_batch=8), forms=("expert_parallel",))
 
 
 def test_a_meta_model_that_reads_tensor_values_is_a_clear_error():
@@ -121,19 +122,19 @@ def test_a_meta_model_that_reads_tensor_values_is_a_clear_error():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("strategy", [s if s == "data_parallel" else pytest.param(s, marks=pytest.mark.full)
-                                      for s in RECORDED_FAMILIES])
-def test_uneven_parallel_step_of_a_recorded_model_equals_one_process(pool2, strategy):
+@pytest.mark.parametrize("form", [s if s == "data_parallel" else pytest.param(s, marks=pytest.mark.full)
+                                      for s in RECORDED])
+def test_uneven_parallel_step_of_a_recorded_model_equals_one_process(pool2, form):
     # equal speeds and an odd batch: the tiny model is overhead-bound (a slower rank would get
     # no sample), so 7 samples split 4 + 3 keep the shares uneven
-    results = pool2.run(recorded_parity, strategy, [1.0, 1.0], 7, 8)
+    results = pool2.run(recorded_parity, form, [1.0, 1.0], 7, 8)
     for r in results:
-        assert r["strategy"] == strategy and r["n_grads"] > 10
+        assert r["form"] == form and r["n_grads"] > 10
         assert any(e.startswith("recorded graph") for e in r["explain"])
         expect(*check_step(r), context=r["rank"])
-    if strategy == "data_parallel":
+    if form == "data_parallel":
         assert sorted(results[0]["shares"]) == [3, 4]
-    if strategy == "pipeline":  # stages of eager blocks, every parameter on some stage
+    if form == "pipeline":  # stages of eager blocks, every parameter on some stage
         assert all(r["stage"] == "EagerStage" for r in results)
         assert any("pipelines were searched" in e for e in results[0]["explain"])
         assert sum(r["n_grads"] for r in results) >= len(list(LoopMoEForCausalLM().parameters()))
@@ -151,7 +152,7 @@ def test_a_recorded_graph_searches_tensor_parallel_stages_for_the_blocks_read_on
     wide = [c for c in search_ranked(problems.of("pipeline"), max_width=2, keep=64)
             if any(st.width == 2 for st in c.stages)]
     assert wide, "no configuration with a tensor-parallel stage"
-    plan = solve(graph, cluster, workload, strategies=("pipeline",))
+    plan = solve(graph, cluster, workload, forms=("pipeline",))
     line = next(e for e in plan.explain if e.startswith("recorded graph"))
     assert f"tensor-parallel in the {len(graph.layers)} of {len(graph.layers)} blocks" in line
 

@@ -59,9 +59,9 @@ def test_planned_priced_bounded_and_emitted(toy_pool, tmp_path):
     assert out["names"][-1] == TOY and TOY in out["searched"] and out["modules"] == "tests.toy_form"
     fast, slow = out["fast"], out["slow"]
     # fast links: data parallelism's exchange is cheaper than every rank training it all
-    assert fast["strategy"] == "data_parallel" and fast["step_s"] < fast["toy_step_s"]
+    assert fast["form"] == "data_parallel" and fast["step_s"] < fast["toy_step_s"]
     # slow links: only the toy form exchanges nothing, and the planner picks it
-    assert slow["strategy"] == TOY and slow["step_s"] == slow["toy_step_s"]
+    assert slow["form"] == TOY and slow["step_s"] == slow["toy_step_s"]
     assert any(line.startswith(f"{TOY}, every rank the whole batch") for line in slow["explain"])
     for links in (fast, slow):
         assert links["round_trip"] and links["shares"] == [BATCH, BATCH]
@@ -69,14 +69,14 @@ def test_planned_priced_bounded_and_emitted(toy_pool, tmp_path):
         assert math.isclose(links["predicted_s"], links["toy_step_s"], rel_tol=1e-9)   # same simulator
         assert links["lower_bound_s"] <= links["step_s"] and links["toy_bound_s"] <= links["toy_step_s"]
     assert "plan.ranks[1].batch_share = 4" in out["bad_plan"] and "whole global batch" in out["bad_plan"]
-    assert out["cli"] == 0 and out["emitted"]["plan.json"]["strategy"] == TOY
+    assert out["cli"] == 0 and out["emitted"]["plan.json"]["form"] == TOY
     assert out["emitted"]["rank_1.json"]["runs"] == "the unchanged model on the whole global batch"
 
 
 @pytest.mark.full   # a pool of its own: ~14 s for the three, beyond the quick tier's budget
 def test_trains_with_parity(toy_pool):
     for r in toy_pool.run(parity):
-        assert r["strategy"] == TOY and r["module"] == "RankModule" and r["form"] == "Replicated" and r["rows"] == [0, BATCH]
+        assert r["form"] == TOY and r["module"] == "RankModule" and r["pass"] == "Replicated" and r["rows"] == [0, BATCH]
         for k, step in enumerate(r["steps"]):
             expect(*check_step(step), context=(r["rank"], k))
         expect(check_trajectory(r["weights"]), context=r["rank"])

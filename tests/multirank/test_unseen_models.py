@@ -28,10 +28,10 @@ from tests.multirank.workers_unseen import unseen_parity
 pytestmark = pytest.mark.multirank
 
 
-def _check(results: list[dict], form: str, strategy: str) -> None:
+def _check(results: list[dict], form: str, form_name: str) -> None:
     for r in results:
         assert "error" not in r, r.get("error")
-        assert r["strategy"] == strategy
+        assert r["form"] == form_name
         if form != "tp" or r["rank"] == 0:  # TP gathers every gradient on rank 0
             assert r["n_grads"] >= 10
             expect(*check_step(r), context=(form, r["rank"]))
@@ -41,9 +41,9 @@ def _check(results: list[dict], form: str, strategy: str) -> None:
 
 @pytest.mark.full  # the forms' quick-tier parity runs on HF models; these widen the models
 @pytest.mark.parametrize("name", ["nanogpt", "llama_style"])
-@pytest.mark.parametrize("form,strategy", [("dp", "data_parallel"), ("pp", "pipeline")])
-def test_data_parallel_and_pipeline_equal_one_process(pool2, name, form, strategy):
-    _check(pool2.run(unseen_parity, name, form, 7 if form == "dp" else 4, 16), form, strategy)
+@pytest.mark.parametrize("form,form_name", [("dp", "data_parallel"), ("pp", "pipeline")])
+def test_data_parallel_and_pipeline_equal_one_process(pool2, name, form, form_name):
+    _check(pool2.run(unseen_parity, name, form, 7 if form == "dp" else 4, 16), form, form_name)
 
 
 @pytest.mark.full

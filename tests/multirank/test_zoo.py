@@ -31,7 +31,7 @@ from benchmarks.zoo_tiny import (
     causal_lm_types,
     tiny_config,
 )
-from fxpar.plan_checks import STRATEGIES
+from fxpar.forms import NAMES
 from tests.parity import check_step, expect
 
 SAMPLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "cohere", "glm", "olmo2", "starcoder2",
@@ -56,7 +56,7 @@ def test_trace_plan_and_data_parallel_parity(pool2, model_type):
     results = pool2.run(traced_dp_worker, model_type, timeout=120)
     first = results[0]
     assert first["blocks"] == LAYERS
-    assert first["strategy"] in STRATEGIES
+    assert first["form"] in NAMES
     assert (first["attn_implementation"] == "eager") == (model_type in NO_SDPA), first
     for r in results:
         assert r["n"] > 0

@@ -92,7 +92,7 @@ def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, world: int,
     Mixtral's 4 experts split 3:1), "ep-resplit" (1:3)."""
     split = _SPLITS[world]
     if kind in ("dp", "dp-reshare"):
-        assert start is not None and start.strategy == "data_parallel"
+        assert start is not None and start.form == "data_parallel"
         return start if kind == "dp" else _reshared(start)
     if kind in ("pp", "pp-recut"):
         blocks = split["pp"] if kind == "pp" else split["recut"]
@@ -194,12 +194,12 @@ def first_build_of_a_pipeline() -> dict[str, Any]:
     cluster = fxpar.Cluster.emulated(SPEEDS[:world])
     never = Adapt(detector=DetectorSettings(warmup_steps=10**6), verbose=False)
     pm = fxpar.auto(model, cluster, global_batch(model, BATCH, SEQ, seed=1), global_batch=BATCH, emulate=False,
-                    strategies=["pipeline"], adapt=never)
+                    forms=["pipeline"], adapt=never)
     cache = pm._build["exports"]
     build = measured_build(pm.events, pm.planning, export_cached=cache.symbolic > 0)
     recut = _plan("pp-recut", template, cluster, world)
     sharded = _plan("sharded", template, cluster, world)
-    return {"strategy": pm.plan.strategy, "first_build_s": pm.planning.first_build_s,
+    return {"form": pm.plan.form, "first_build_s": pm.planning.first_build_s,
             "first_export_s": pm.planning.first_export_s, "symbolic": cache.symbolic, "build": build,
             "recut_s": build.seconds(recut), "sharded_s": build.seconds(sharded)}
 
@@ -231,7 +231,7 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
 
     # adapting's public path, with a detector that never calibrates: only pm.switch_to switches
     never = Adapt(detector=DetectorSettings(warmup_steps=10**6), verbose=False)
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, strategies=["data_parallel"],
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, forms=["data_parallel"],
                     dtype=dtype, adapt=never)
     start = pm.plan
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=lr))
@@ -259,7 +259,7 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
             ref_loss = reference(**data[k], use_cache=False).loss
         ref_loss.float().backward()
         out["losses"].append((float(loss), float(ref_loss)))
-        out["kinds"].append(pm.plan.strategy)
+        out["kinds"].append(pm.plan.form)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     ref_params = dict(reference.named_parameters())
@@ -278,7 +278,7 @@ def _switch_parity(switches: dict[int, str], steps: int, lr: float = 1e-3, confi
 
 
 def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib: float,
-                 strategies: list[str], config: dict | None = None, given: str | None = None,
+                 forms: list[str], config: dict | None = None, given: str | None = None,
                  replace_given: bool = False) -> dict[str, Any]:
     """``fxpar.auto(..., adapt=...)`` on a 4-block Llama (or ``config``) with emulated speeds
     that change (``speeds_at``: (from step, rank, speed)) and a detector that reads every step
@@ -297,11 +297,11 @@ def adaptive_run(speeds_at: list[tuple[int, int, float]], steps: int, memory_gib
     data = [global_batch(model, BATCH, SEQ, seed=1 + s % 4) for s in range(steps)]
     cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size(), memory_gib=memory_gib)
     detector = DetectorSettings(min_steps=3, calibration_steps=3, warmup_steps=2, gather_every=1, min_seconds=0)
-    options = Adapt(policy=AdaptPolicy(strategies=tuple(strategies), horizon_steps=1000,
+    options = Adapt(policy=AdaptPolicy(forms=tuple(forms), horizon_steps=1000,
                                        replace_given_plan=replace_given), detector=detector,
                     timeline=SpeedTimeline(tuple(speeds_at)), total_steps=steps, verbose=False)
     plan = None if given is None else _plan(given, meta_template(model), cluster, dist.get_world_size())
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=strategies, adapt=options, plan=plan)
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, forms=forms, adapt=options, plan=plan)
     out = {"rank": rank, **_adapt_beside_reference(pm, reference, data)}
     out["weights"] = trajectory_gaps(_boxes(pm.parallel_module, dict(reference.named_parameters()), initial))
     out["layouts"] = [e.get("new") for e in pm.events if e["kind"] in ("switch", "rollback")]
@@ -323,7 +323,7 @@ def _adapt_beside_reference(pm: Any, reference: torch.nn.Module, data: list[dict
         ref_loss = reference(**batch, use_cache=False).loss
         ref_loss.backward()
         out["losses"].append((float(loss.detach()), float(ref_loss.detach())))
-        out["kinds"].append(pm.plan.strategy)
+        out["kinds"].append(pm.plan.form)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     out["events"] = pm.events
@@ -351,7 +351,7 @@ def decision_error_is_a_keep() -> dict[str, Any]:
     model = build_model(ModelSpec(hf_config=CONFIG), device="cpu", seed=0, attn_implementation="eager").train()
     data = global_batch(model, BATCH, SEQ, seed=1)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data, global_batch=BATCH,
-                    strategies=["data_parallel"], adapt=True)
+                    forms=["data_parallel"], adapt=True)
     process = PlanningProcess.shared() if dist.get_rank() == 0 else None
     if process is not None:   # the class, in the process that decides (rank 0's planning process)
         assert process.wait(process.submit(_break_decisions, None, (True,)))[0] == "answer"
@@ -392,7 +392,7 @@ def _dp_start(world: int) -> tuple[Any, torch.nn.Module, dict, fxpar.Cluster, to
     template = meta_template(model)
     data = global_batch(model, BATCH, SEQ, seed=1)
     cluster = fxpar.Cluster.emulated(SPEEDS[:world])
-    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"])
+    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, forms=["data_parallel"])
     return pm, template, data, cluster, torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
 
@@ -436,11 +436,11 @@ def rollback_run(steps: int = 12, switch_at: int = 5, slowed_while_pending: bool
     detector = DetectorSettings(min_steps=1 if slowed_while_pending else 3, calibration_steps=2, warmup_steps=0,
                                 gather_every=1, min_seconds=0)
     options = Adapt(detector=detector, verbose=False)
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"], adapt=options)
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, forms=["data_parallel"], adapt=options)
     pm.measure_busy = lambda step: 0.05
 
     def wall(step: int, plan: fxpar.Plan) -> float:
-        if plan.strategy != "data_parallel":
+        if plan.form != "data_parallel":
             return 0.3
         return 1.0 if slowed_while_pending and pm.pending.plan is not None else 0.1
     pm.measure_wall = wall
@@ -465,7 +465,7 @@ def noise_only_run(steps: int = 200) -> dict[str, Any]:
     for k in range(steps):
         pm.step(data[k % 4])
         opt.step(); opt.zero_grad(set_to_none=True)
-    return {"rank": rank, "events": pm.events, "plan": pm.plan.strategy}
+    return {"rank": rank, "events": pm.events, "plan": pm.plan.form}
 
 
 def shared_cores() -> dict[str, Any]:
@@ -492,7 +492,7 @@ def loss_scale_over_a_switch() -> dict[str, Any]:
     template = meta_template(model)
     data = global_batch(model, BATCH, SEQ, seed=1)
     cluster = fxpar.Cluster.emulated([1.0] * world)
-    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, strategies=["data_parallel"],
+    pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, forms=["data_parallel"],
                     dtype="fp16")
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     pm.step(data); opt.step(); opt.zero_grad(set_to_none=True)
@@ -563,7 +563,7 @@ def chunked_move(capacity_cut: float) -> dict[str, Any]:
         refused = f"{type(exc).__name__}: {exc}"
     after = float(pm.step(data))
     opt.step()
-    return {"rank": rank, "runs": runs, "refused": refused, "after": after, "kind": pm.plan.strategy,
+    return {"rank": rank, "runs": runs, "refused": refused, "after": after, "kind": pm.plan.form,
             "n_state": sum(len(st) for st in opt.state.values()), "n_params": sum(len(g["params"]) for g in opt.param_groups)}
 
 
@@ -577,7 +577,7 @@ def _adaptive_dp(config: dict, steps: int) -> tuple[Any, torch.nn.Module, torch.
     reference, template = copy.deepcopy(model), meta_template(model)
     data = [global_batch(model, BATCH, SEQ, seed=1 + s) for s in range(steps)]
     cluster = fxpar.Cluster.emulated([1.0] * dist.get_world_size())
-    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, strategies=["data_parallel"],
+    pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, forms=["data_parallel"],
                     adapt=Adapt(verbose=False))
     return pm, reference, template, data, cluster
 
@@ -652,10 +652,10 @@ def link_or_straggler_run(case: str, steps: int = 60, change_at: int = 16,
     detector = DetectorSettings(gather_every=1, min_seconds=0.25)
     # the decision is made at the step that detected the change: made on a thread, a first solve
     # slowed by a loaded machine may land after the last step (seen once: no decision logged)
-    options = Adapt(policy=AdaptPolicy(switch=False, strategies=("data_parallel",)), detector=detector,
+    options = Adapt(policy=AdaptPolicy(switch=False, forms=("data_parallel",)), detector=detector,
                     timeline=timeline, total_steps=steps, verbose=False, background_planning=False)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data[0], global_batch=BATCH,
-                    strategies=["data_parallel"], adapt=options)
+                    forms=["data_parallel"], adapt=options)
     opt = pm.track(torch.optim.AdamW(pm.parameters(), lr=1e-3))
     comm = []
     for batch in data:
@@ -699,7 +699,7 @@ def decision_after_another_switch() -> dict[str, Any]:
     if pm._deciding is not None:
         pm._receive_decision()
     pm.step(data[1])
-    return {"rank": rank, "kind": pm.plan.strategy, "pending": pm.pending.plan is not None,
+    return {"rank": rank, "kind": pm.plan.form, "pending": pm.pending.plan is not None,
             "decisions": [e for e in pm.events if e["kind"] == "decision"]}
 
 
@@ -746,10 +746,10 @@ def gathers_around_a_decision(steps: int = 36, slow_at: int = 15) -> dict[str, A
     data = global_batch(model, BATCH, SEQ, seed=1)
     detector = DetectorSettings(threshold=0.6, min_steps=3, calibration_steps=3, warmup_steps=4, gather_every=4,
                                 min_seconds=0, step_growth=0)
-    options = Adapt(policy=AdaptPolicy(strategies=("data_parallel",), horizon_steps=1000), detector=detector,
+    options = Adapt(policy=AdaptPolicy(forms=("data_parallel",), horizon_steps=1000), detector=detector,
                     timeline=SpeedTimeline(((slow_at, 1, 0.1),)), total_steps=steps, verbose=False)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0] * dist.get_world_size()), data, global_batch=BATCH,
-                    strategies=["data_parallel"], adapt=options)
+                    forms=["data_parallel"], adapt=options)
     gathered: list[int] = []
     suspected: list[bool] = []   # at each gather: a change suspected, or a decision in flight
     launch = pm.records.launch

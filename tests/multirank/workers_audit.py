@@ -52,7 +52,7 @@ def _plan(kind: str, model: torch.nn.Module, cluster, batch: int, data: dict) ->
     if kind == "sharded_data_parallel":  # ZeRO-3, state 1:3 against batch 5:3
         return sharded_data_parallel_plan(cluster, batch_split=[5, 3], state_split=[1, 3], shard_stage=3,
                                           micro_batch_size=3)
-    return None  # data parallel: fxpar.auto's own plan (strategies=["data_parallel"])
+    return None  # data parallel: fxpar.auto's own plan (forms=["data_parallel"])
 
 
 def _setup(kind: str, steps: int) -> tuple[torch.nn.Module, list[dict], fxpar.Cluster, fxpar.Plan | None]:
@@ -73,7 +73,7 @@ def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) ->
     model, data, cluster, plan = _setup(kind, steps)
     with CollectiveAudit(device) as audit:
         pm = fxpar.auto(model, cluster, data[0], plan=plan, device=device if explicit_device else None,
-                        strategies=["data_parallel"] if plan is None else None)
+                        forms=["data_parallel"] if plan is None else None)
         opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
         for b in data:
             with audit.in_phase("step"):
@@ -81,7 +81,7 @@ def audit_plan_kind(kind: str, steps: int = 2, explicit_device: bool = False) ->
             opt.step()
             opt.zero_grad(set_to_none=True)
     held = {str(p.device) for p in pm.parameters()}
-    return {"rank": rank, "strategy": pm.plan.strategy, "module": type(pm).__name__, "held_on": sorted(held),
+    return {"rank": rank, "form": pm.plan.form, "module": type(pm).__name__, "held_on": sorted(held),
             "device": str(pm.device),
             "calls": [dataclasses.asdict(c) for c in audit.calls], "violations": audit.violations()}
 

@@ -150,7 +150,7 @@ def lost_rank_step(init_file: str, rank: int, timeout_s: float, result_file: str
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     x = torch.randn(8, 8)
     pm = fxpar.auto(model, fxpar.Cluster.emulated([1.0, 1.0]), (x,), emulate=False,
-                    loss_fn=lambda out, batch: out.pow(2).mean(), strategies=["data_parallel"])
+                    loss_fn=lambda out, batch: out.pow(2).mean(), forms=["data_parallel"])
     pm.step(x)  # one good step: both ranks alive
     if rank == 1:
         if mode == "hang":  # alive but silent (a stuck process); the test kills it

@@ -41,8 +41,8 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
         cluster = fxpar.Cluster.emulated(arg)  # an MoE model: DP, not the expert parallelism auto may prefer
         plan = dp_only_plan(model, cluster, data, BATCH) if "num_local_experts" in (config or {}) else None
         pm = fxpar.auto(model, cluster, data, global_batch=BATCH, emulate=False, plan=plan,
-                        strategies=["data_parallel"])
-        assert pm.plan.strategy == "data_parallel", pm.plan.strategy
+                        forms=["data_parallel"])
+        assert pm.plan.form == "data_parallel", pm.plan.form
     elif kind == "pp":
         plan = pipeline_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                              blocks_per_stage=arg, num_microbatches=2)

@@ -31,7 +31,7 @@ def _plan(kind: str, model: torch.nn.Module, cluster: fxpar.Cluster, batch: int)
                                       state_split=[1, 3][:world] if world == 2 else [1],
                                       shard_stage=3 if kind != "zero2" else 2)
     if kind == "data_parallel":
-        return dataclasses.replace(zero, strategy="data_parallel",
+        return dataclasses.replace(zero, form="data_parallel",
                                    stages=(dataclasses.replace(zero.stages[0], sharded=None),))
     return zero
 

@@ -43,7 +43,7 @@ def dp_plan(shares: list[int], micro_batch_size: int, model: str = "LlamaForCaus
                            predicted_busy_s=0.0, predicted_memory_bytes=0, memory_capacity_bytes=1 << 30)
                   for r, b in enumerate(shares))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(len(shares))), data_split=tuple(shares))
-    return Plan(strategy="data_parallel", model=model, cluster="test", global_batch=sum(shares), seq_len=seq,
+    return Plan(form="data_parallel", model=model, cluster="test", global_batch=sum(shares), seq_len=seq,
                 dtype="fp32", optimizer="adamw", stages=(stage,), ranks=ranks, predicted_step_s=0.0,
                 predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=0.0, emulated=False)
 
@@ -75,7 +75,7 @@ def hand_plan(kind: str, model: torch.nn.Module, world: int, batch: int) -> Plan
 
 
 def _local_params(pm) -> list[tuple[str, torch.nn.Parameter]]:
-    if pm.plan.strategy == "pipeline":
+    if pm.plan.form == "pipeline":
         return list(pm.named_original_parameters())
     return list(pm.module.named_parameters(remove_duplicate=False))
 

@@ -222,7 +222,7 @@ def auto_pp_tp_parity(speeds: list[float], memory_gib: float, steps: int = 2) ->
     cluster = fxpar.Cluster.emulated(speeds, memory_gib=memory_gib, one_node=True)
     pm = fxpar.auto(model, cluster, data[0], seq_len=64, max_tensor_parallel=2)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    out = {"strategy": pm.plan.strategy, "widths": [st.tensor_parallel for st in pm.plan.stages], "steps": []}
+    out = {"form": pm.plan.form, "widths": [st.tensor_parallel for st in pm.plan.stages], "steps": []}
     for b in data:
         loss = pm.step(b)
         ref_loss = reference(**b, use_cache=False).loss

@@ -22,8 +22,8 @@ from tests.workers import rank_gradient_pairs
 from tests.multirank.workers_pptp import reference_slice
 
 
-def recorded_parity(strategy: str, speeds: list[float], batch: int, seq: int) -> dict:
-    """One fxpar step of :class:`LoopMoEForCausalLM` under ``strategy`` (planned from the recorded
+def recorded_parity(form: str, speeds: list[float], batch: int, seq: int) -> dict:
+    """One fxpar step of :class:`LoopMoEForCausalLM` under ``form`` (planned from the recorded
     graph) vs one process: the loss and this rank's gradients (``tests/parity.step_record``)."""
     torch.manual_seed(0)
     model = LoopMoEForCausalLM()
@@ -33,12 +33,12 @@ def recorded_parity(strategy: str, speeds: list[float], batch: int, seq: int) ->
         warnings.simplefilter("ignore")  # the recording's warning: tests/multirank/test_recorded.py checks it
         # a plain nn.Module whose loss is the mean over label tokens: say so (HF models need not)
         pm = fxpar.auto(model, fxpar.Cluster.emulated(speeds), data, global_batch=batch, emulate=False,
-                        strategies=[strategy], loss_weighting="tokens")
+                        forms=[form], loss_weighting="tokens")
     loss = pm.step(data)
     ref_loss = reference(**data)["loss"]
     ref_loss.backward()
     pairs = rank_gradient_pairs(pm, reference)
-    return {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "shares": list(pm.plan.batch_shares),
+    return {"rank": dist.get_rank(), "form": pm.plan.form, "shares": list(pm.plan.batch_shares),
             "stage": type(getattr(pm, "module", pm)).__name__, "explain": list(pm.plan.explain),
             **step_record(loss, ref_loss, pairs, reference)}
 

@@ -47,7 +47,7 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
 def held_parameters(pm) -> list[tuple[str, torch.nn.Parameter]]:
     """This rank's parameters by their names in the original model (a pipeline's stages, or a
     tensor-parallel rank's model with its shards)."""
-    if pm.plan.strategy == "pipeline":
+    if pm.plan.form == "pipeline":
         return list(pm.named_original_parameters())
     return list(pm.original_model.named_parameters())
 
@@ -111,10 +111,10 @@ def planned_replica_parity(steps: int = 2) -> dict:
         {"gpu": "cpu", "count": 2, "memory_gib": 1.0}, {"gpu": "cpu", "count": 2, "speed": 0.5, "memory_gib": 1.0}]})
     data = [global_batch(model, 12, 16, seed=1 + s, ignore_some=True) for s in range(steps)]
     graph = trace(model, {k: v[:1] for k, v in data[0].items()})
-    plan = solve_plan(graph, cluster, Workload(global_batch=12, seq_len=16), strategies=("pipeline",))
+    plan = solve_plan(graph, cluster, Workload(global_batch=12, seq_len=16), forms=("pipeline",))
     pm = fxpar.auto(model, cluster, data[0], global_batch=12, plan=plan)
     held = held_parameters(pm)
-    return {"rank": dist.get_rank(), "data_split": plan.stages[0].data_split, "strategy": plan.strategy,
+    return {"rank": dist.get_rank(), "data_split": plan.stages[0].data_split, "form": plan.form,
             "width": plan.stages[0].tensor_parallel, "rows": pm.batch_rows(),
             "steps": train_and_compare(pm, reference, data),
             "sharded": sum(is_slice(p) for _, p in held)}

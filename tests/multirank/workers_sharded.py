@@ -222,7 +222,7 @@ def _data_parallel(model, batch_split) -> RankModule:
     cluster = fxpar.Cluster.emulated([1.0] * len(batch_split))
     sharded = sharded_data_parallel_plan(cluster, batch_split=batch_split, state_split=[1] * len(batch_split))
     stage = dataclasses.replace(sharded.stages[0], sharded=None)
-    plan = dataclasses.replace(sharded, strategy="data_parallel", stages=(stage,))
+    plan = dataclasses.replace(sharded, form="data_parallel", stages=(stage,))
     return RankModule(model, plan, dist.get_rank(), emulate=False)
 
 

@@ -46,8 +46,8 @@ def planning(out_dir: str) -> dict[str, Any]:
     for name, gbps in (("fast", FAST_GBPS), ("slow", SLOW_GBPS)):
         cluster = _cluster(gbps)
         plan = solve_plan(graph, cluster, Workload(global_batch=BATCH, seq_len=SEQ))
-        toy = solve_plan(graph, cluster, Workload(global_batch=BATCH, seq_len=SEQ), strategies=(TOY,))
-        out[name] = {"strategy": plan.strategy, "step_s": plan.predicted_step_s, "toy_step_s": toy.predicted_step_s,
+        toy = solve_plan(graph, cluster, Workload(global_batch=BATCH, seq_len=SEQ), forms=(TOY,))
+        out[name] = {"form": plan.form, "step_s": plan.predicted_step_s, "toy_step_s": toy.predicted_step_s,
                      "toy_bound_s": part(TOY, "bound").bound_s(*_bound_args(graph, cluster)),
                      "lower_bound_s": plan.lower_bound_s, "explain": list(plan.explain),
                      "round_trip": Plan.from_json(toy.to_json()) == toy, "table": toy.table(),
@@ -69,7 +69,7 @@ def planning(out_dir: str) -> dict[str, Any]:
 
 
 def _bound_args(graph, cluster) -> tuple[Any, int, Any]:
-    """``(cost, batch, work)`` the planner's bound phase reads (:func:`fxpar.solvers.bounds.family_bounds_s`)."""
+    """``(cost, batch, work)`` the planner's bound phase reads (:func:`fxpar.solvers.bounds.form_bounds_s`)."""
     from fxpar.profiling import CostModel
     from fxpar.solvers.bounds import _work
 
@@ -86,7 +86,7 @@ def parity(steps: int = 2) -> dict[str, Any]:
     pm = fxpar.auto(model, _cluster(SLOW_GBPS), data[0], global_batch=BATCH, emulate=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    out: dict[str, Any] = {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "module": type(pm).__name__, "form": type(pm.form).__name__,
+    out: dict[str, Any] = {"rank": dist.get_rank(), "form": pm.plan.form, "module": type(pm).__name__, "pass": type(pm.form).__name__,
                            "rows": list(pm.batch_rows()), "steps": []}
     names = dict(reference.named_parameters())
     for k, batch in enumerate(data):
@@ -114,7 +114,7 @@ def switches(checkpoint: str) -> dict[str, Any]:
     cluster = _cluster(FAST_GBPS)
     graph = trace(model, {k: v[:1] for k, v in data[0].items()})
     for name in ("data_parallel", TOY):
-        plans[name] = solve_plan(graph, cluster, Workload(global_batch=BATCH, seq_len=SEQ), strategies=(name,))
+        plans[name] = solve_plan(graph, cluster, Workload(global_batch=BATCH, seq_len=SEQ), forms=(name,))
     never = Adapt(detector=DetectorSettings(warmup_steps=10**6), verbose=False)   # only switch_to switches
     pm = fxpar.auto(model, cluster, data[0], global_batch=BATCH, emulate=False, plan=plans["data_parallel"],
                     adapt=never)
@@ -135,7 +135,7 @@ def switches(checkpoint: str) -> dict[str, Any]:
         ref_loss = reference(**data[k], use_cache=False).loss
         ref_loss.backward()
         out["losses"].append((float(loss), float(ref_loss)))
-        out["kinds"].append(pm.plan.strategy)
+        out["kinds"].append(pm.plan.form)
         opt.step(); opt.zero_grad(set_to_none=True)
         ref_opt.step(); ref_opt.zero_grad(set_to_none=True)
     names = dict(reference.named_parameters())

@@ -38,7 +38,7 @@ def _module(name: str, form: str, model: torch.nn.Module, data: dict, batch: int
     _, _, loss_fn, weighting = MODELS[name]
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
     if form == "dp":
-        return fxpar.auto(model, cluster, data, global_batch=batch, emulate=False, strategies=["data_parallel"],
+        return fxpar.auto(model, cluster, data, global_batch=batch, emulate=False, forms=["data_parallel"],
                           loss_fn=loss_fn, loss_weighting=weighting)
     if form == "pp":
         plan = pipeline_plan(model, cluster, global_batch=batch, blocks_per_stage=[2, 1], num_microbatches=2)
@@ -69,5 +69,5 @@ def unseen_parity(name: str, form: str, batch: int, seq: int) -> dict:
         pairs = [] if grads is None else [(n, g, ref[n].grad) for n, g in grads.items()]
     else:
         pairs = rank_gradient_pairs(pm, reference)
-    return {"rank": dist.get_rank(), "strategy": pm.plan.strategy, "shares": list(pm.plan.batch_shares),
+    return {"rank": dist.get_rank(), "form": pm.plan.form, "shares": list(pm.plan.batch_shares),
             **step_record(loss, ref_loss, pairs, reference)}

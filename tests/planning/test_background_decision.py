@@ -125,8 +125,8 @@ def test_a_real_decision_made_in_the_planning_process_is_the_one_made_here():
     assert pickle.loads(pickle.dumps(cluster)) == cluster
     workload = fxpar.Workload(global_batch=8, seq_len=16, optimizer="adamw")
     planning = Planning(graph=graph, cluster=cluster, workload=workload)
-    current = solve_plan(graph, cluster, workload, strategies=["data_parallel"])
-    replanner = Replanner(planning, AdaptPolicy(strategies=("data_parallel",), horizon_steps=10**6), threshold=0.2)
+    current = solve_plan(graph, cluster, workload, forms=["data_parallel"])
+    replanner = Replanner(planning, AdaptPolicy(forms=("data_parallel",), horizon_steps=10**6), threshold=0.2)
     request = replanner.request(current, [1.0, 0.4], [1.0, 0.4], link=1.0, steps_left=None, build=BuildCost(0.1),
                                 measured=None)
     here = make_decision(planning, request)

@@ -1,16 +1,16 @@
 """The lower bound's communication term (issue #37 item 3; :func:`fxpar.solvers.bounds.lower_bound_s`)
-against hand-written plans of every family, not only the solver's candidates.
+against hand-written plans of every form, not only the solver's candidates.
 
 Instances (hypothesis): a tiny Llama (4 blocks) or Mixtral (4 experts) and a hand plan of one
-family — data parallel (random shares and micro-batches), tensor parallel (width 2, replicas),
+form — data parallel (random shares and micro-batches), tensor parallel (width 2, replicas),
 pipelines (1F1B / GPipe, 1–4 stages, tensor-parallel stages, replicas, ZeRO-1, either layout),
 interleaved pipelines, expert parallel (random experts and shares), sharded data parallel
 (ZeRO-2 / ZeRO-3, uneven state, checkpointing, optimizer offload) — on a cluster of exactly
 the ranks it needs: GPUs of the catalog on 1–3 nodes, emulated CPU ranks (which do not overlap
 communication), or one calibrated GPU kind whose measured links are faster than its declared
-ones; GPUs in fp32 or fp16.  Each family's own bound must stay under ``fxpar.predict``'s step of the plan, and grow
+ones; GPUs in fp32 or fp16.  Each form's own bound must stay under ``fxpar.predict``'s step of the plan, and grow
 when the links slow down (its communication term is positive on more than one rank).  Where
-memory rules data parallelism out, the planner's bound keeps the other families'
+memory rules data parallelism out, the planner's bound keeps the other forms'
 communication: it is above the compute-only bound and under every hand plan that fits.
 """
 
@@ -32,7 +32,7 @@ from fxpar.profiling import CostModel
 from fxpar.profiling.database import LinkCost, ProfileDB
 from fxpar.solvers import plan as solve
 from fxpar.solvers.bound_work import compute_bound_s
-from fxpar.solvers.bounds import family_bounds_s
+from fxpar.solvers.bounds import form_bounds_s
 from fxpar.solvers.problems import build_problems
 from fxpar.tracing.hf import ModelSpec, build_model
 from fxpar.workload import Workload
@@ -104,14 +104,14 @@ def composition(draw, total: int, parts: int, least: int = 1) -> list[int]:
     return [b - a + least for a, b in zip([0] + cuts, cuts + [total - parts * least])]
 
 
-def data_parallel_plan(cluster, shares: list[int], micro: list[int], strategy: str = "data_parallel") -> Plan:
+def data_parallel_plan(cluster, shares: list[int], micro: list[int], form: str = "data_parallel") -> Plan:
     """Data parallelism with ``shares[r]`` samples on rank ``r`` in micro-batches of ``micro[r]``."""
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed), batch_share=s,
                            micro_batch_size=m, num_microbatches=-(-s // m), predicted_busy_s=0.0,
                            predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
                   for d, s, m in zip(cluster.devices, shares, micro))
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=tuple(shares))
-    return Plan(strategy=strategy, model="LlamaForCausalLM", cluster=cluster.name, global_batch=sum(shares),
+    return Plan(form=form, model="LlamaForCausalLM", cluster=cluster.name, global_batch=sum(shares),
                 seq_len=SEQ, dtype="fp32", optimizer="adamw", stages=(stage,), ranks=ranks, predicted_step_s=0.0,
                 predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=0.0)
 
@@ -144,25 +144,25 @@ def interleaved_shape(draw) -> dict:
 def hand_plans(draw) -> tuple:
     """(model name, cluster spec, plan builder's name, its keyword arguments) — compact for
     hypothesis to print; :func:`make_plan` builds the plan."""
-    family = draw(st.sampled_from(("data_parallel", "tensor_parallel", "pipeline", "interleaved",
+    form = draw(st.sampled_from(("data_parallel", "tensor_parallel", "pipeline", "interleaved",
                                    "expert_parallel", "sharded_data_parallel")))
-    if family == "pipeline":
+    if form == "pipeline":
         kw = draw(pipeline_shape())
         n = kw["pipelines"] * sum(kw["tensor_parallel"])
-    elif family == "interleaved":
+    elif form == "interleaved":
         kw = draw(interleaved_shape())
         n = kw["pipelines"] * (max(kw["stage_ranks"]) + 1)
-    elif family == "tensor_parallel":
+    elif form == "tensor_parallel":
         n = 2 * draw(st.integers(1, 3))
         shares = composition(draw, draw(st.integers(n // 2, 12)), n // 2)
         kw = dict(global_batch=sum(shares), kv_shares=[1, 1], replicas=n // 2, batch_shares=shares, seq_len=SEQ)
     else:
-        n = draw(st.integers(1 if family == "data_parallel" else 2, 6))
+        n = draw(st.integers(1 if form == "data_parallel" else 2, 6))
         m = draw(st.sampled_from((1, 2)))
         shares = composition(draw, draw(st.integers(n * m, 6 * n * m)), n, least=m)
-        if family == "data_parallel":
+        if form == "data_parallel":
             kw = dict(shares=shares, micro=[draw(st.integers(1, s)) for s in shares])
-        elif family == "expert_parallel":
+        elif form == "expert_parallel":
             kw = dict(global_batch=sum(shares), expert_split=composition(draw, 4, n, least=0), batch_shares=shares,
                       num_microbatches=m, seq_len=SEQ)
         else:
@@ -170,45 +170,45 @@ def hand_plans(draw) -> tuple:
                       shard_stage=draw(st.sampled_from((2, 3))), micro_batch_size=draw(st.integers(1, 4)),
                       activation_checkpointing=[draw(st.booleans()) for _ in range(n)], seq_len=SEQ)
     cluster = draw(clusters(n))
-    if family == "sharded_data_parallel" and cluster[0] != "cpu":
+    if form == "sharded_data_parallel" and cluster[0] != "cpu":
         kw["offload_optimizer"] = [draw(st.booleans()) for _ in range(n)]
     if cluster[0] != "cpu":  # GPUs train in fp16 too (half-precision gathers and activation all-reduces)
         kw["dtype"] = draw(st.sampled_from(("fp32", "fp16")))
-    return ("mixtral" if family == "expert_parallel" else "llama"), cluster, family, kw
+    return ("mixtral" if form == "expert_parallel" else "llama"), cluster, form, kw
 
 
-def make_plan(name: str, cluster, family: str, kw: dict) -> Plan:
+def make_plan(name: str, cluster, form: str, kw: dict) -> Plan:
     """The hand plan of :func:`hand_plans`' draw (in ``kw["dtype"]``, fp32 by default)."""
     kw = dict(kw)
     dtype = kw.pop("dtype", "fp32")
-    if family == "data_parallel":
+    if form == "data_parallel":
         plan = data_parallel_plan(cluster, **kw)
-    elif family == "sharded_data_parallel":
+    elif form == "sharded_data_parallel":
         plan = sharded_data_parallel_plan(cluster, model=type(model(name)).__name__, **kw)
     else:
         build = {"tensor_parallel": tensor_parallel_plan, "pipeline": pipeline_plan, "interleaved": interleaved_plan,
-                 "expert_parallel": expert_parallel_plan}[family]
+                 "expert_parallel": expert_parallel_plan}[form]
         plan = build(model(name), cluster, seq_len=SEQ, **{k: v for k, v in kw.items() if k != "seq_len"})
     return dataclasses.replace(plan, dtype=dtype)
 
 
-def family_bound(plan: Plan, name: str, spec: tuple, factor: float = 1.0) -> tuple[float, float]:
-    """(the bound of the plan's own family, the plan's predicted step) on ``spec``'s cluster with
+def form_bound(plan: Plan, name: str, spec: tuple, factor: float = 1.0) -> tuple[float, float]:
+    """(the bound of the plan's own form, the plan's predicted step) on ``spec``'s cluster with
     links ``factor`` times faster."""
     cluster, profiles = build_cluster(spec, factor), profiles_of(spec)
     cost = CostModel(graph(name), cluster, dtype=plan.dtype, optimizer=plan.optimizer, profiles=profiles)
     offload = any(r.offload_optimizer for r in plan.ranks)
-    bounds = family_bounds_s(cost, plan.global_batch, (plan.strategy,), host_optimizer=offload)
-    return bounds[plan.strategy], fxpar.predict(plan, graph(name), cluster, profiles=profiles).step_s
+    bounds = form_bounds_s(cost, plan.global_batch, (plan.form,), host_optimizer=offload)
+    return bounds[plan.form], fxpar.predict(plan, graph(name), cluster, profiles=profiles).step_s
 
 
 def check_hand_plan(instance: tuple) -> None:
-    name, spec, family, kw = instance
-    plan = make_plan(name, build_cluster(spec), family, kw)
-    bound, step = family_bound(plan, name, spec)
+    name, spec, form, kw = instance
+    plan = make_plan(name, build_cluster(spec), form, kw)
+    bound, step = form_bound(plan, name, spec)
     assert 0 < bound <= step * (1 + REL), (instance, bound, step)
     if plan.world_size > 1 and spec[0] != "calibrated":  # the communication term: slower links, a larger bound
-        assert family_bound(plan, name, spec, factor=1e3)[0] < bound, instance
+        assert form_bound(plan, name, spec, factor=1e3)[0] < bound, instance
 
 
 def _hypothesis(examples: int):
@@ -227,7 +227,7 @@ def _many(instance):
     check_hand_plan(instance)
 
 
-#: hand plans of every family on a memory-capped cluster (pinned; the random ones draw the rest)
+#: hand plans of every form on a memory-capped cluster (pinned; the random ones draw the rest)
 PINNED = [
     ("llama", ("gpu", 1.25, (("V100-SXM2-16GB", 2, 16), ("T4", 2, 16))), "pipeline",
      dict(blocks_per_stage=[1, 2, 1], tensor_parallel=[1, 2, 1], pipelines=1, num_microbatches=4, global_batch=8,
@@ -243,17 +243,17 @@ PINNED = [
 
 
 @pytest.mark.parametrize("instance", PINNED, ids=lambda i: i[2] if isinstance(i, tuple) else "")
-def test_each_familys_bound_holds_for_pinned_hand_plans(instance):
+def test_each_forms_bound_holds_for_pinned_hand_plans(instance):
     check_hand_plan(instance)
 
 
-@pytest.mark.full  # the quick tier keeps the pinned plans of every family (its 300 s budget)
-def test_each_familys_bound_holds_for_random_hand_plans():
+@pytest.mark.full  # the quick tier keeps the pinned plans of every form (its 300 s budget)
+def test_each_forms_bound_holds_for_random_hand_plans():
     _few()
 
 
 @pytest.mark.full  # 400 random hand plans (~15 s)
-def test_each_familys_bound_holds_for_many_random_hand_plans():
+def test_each_forms_bound_holds_for_many_random_hand_plans():
     _many()
 
 
@@ -267,28 +267,28 @@ def capped_cluster(factor: float = 1.0) -> fxpar.Cluster:
     return fxpar.Cluster.from_dict({"inter_node_gbps": 1.0 * factor, "nodes": nodes})
 
 
-@pytest.mark.parametrize("strategies", [("data_parallel", "pipeline", "sharded_data_parallel"),
+@pytest.mark.parametrize("forms", [("data_parallel", "pipeline", "sharded_data_parallel"),
                                         ("data_parallel", "sharded_data_parallel")])
-def test_memory_caps_force_a_positive_communication_term(strategies):
+def test_memory_caps_force_a_positive_communication_term(forms):
     workload = Workload(global_batch=8, seq_len=SEQ, optimizer="adamw")
-    p = build_problems(graph("llama"), capped_cluster(), workload, strategies)
-    fast = build_problems(graph("llama"), capped_cluster(1e3), workload, strategies)
-    families = [f for f, _ in p.lower_bound_by_family]
-    assert not p.dp_fits and "data_parallel" not in families and families
+    p = build_problems(graph("llama"), capped_cluster(), workload, forms)
+    fast = build_problems(graph("llama"), capped_cluster(1e3), workload, forms)
+    forms = [f for f, _ in p.lower_bound_by_form]
+    assert not p.dp_fits and "data_parallel" not in forms and forms
     compute_only = compute_bound_s(p.cost, 8) + min(p.cost.optimizer_s(d) for d in p.cluster.devices) / 4
     assert p.lower_bound_s > fast.lower_bound_s > compute_only
-    plan = solve(graph("llama"), capped_cluster(), workload, strategies=strategies)
+    plan = solve(graph("llama"), capped_cluster(), workload, forms=forms)
     assert plan.lower_bound_s == p.lower_bound_s <= plan.predicted_step_s
     hand = [pipeline_plan(model("llama"), p.cluster, global_batch=8, blocks_per_stage=[2, 2], num_microbatches=4,
                           pipelines=2, seq_len=SEQ),
             sharded_data_parallel_plan(p.cluster, batch_split=[3, 1, 3, 1], state_split=[1] * 4, shard_stage=3,
                                        model="LlamaForCausalLM", seq_len=SEQ)]
     for q in hand:
-        if q.strategy not in strategies:
+        if q.form not in forms:
             continue
         pred = fxpar.predict(q, graph("llama"), p.cluster)
-        assert max(pred.peak_memory_bytes) <= p.cluster.devices[0].memory_bytes, q.strategy
-        assert p.lower_bound_s <= pred.step_s * (1 + REL), q.strategy
+        assert max(pred.peak_memory_bytes) <= p.cluster.devices[0].memory_bytes, q.form
+        assert p.lower_bound_s <= pred.step_s * (1 + REL), q.form
 
 
 def test_the_pipeline_hop_term_counts_every_tensor_a_cut_sends():

@@ -6,7 +6,7 @@ Instances: layer stacks (``nn.Sequential`` of ``Linear`` / ``ReLU`` of random wi
 data parallelism only — or nested, so its items are blocks pipelines can cut) and tiny HF
 configs (Llama, Mixtral for expert parallelism); emulated clusters (random speeds, memory, one
 node or one per device) and catalog clusters (a few device kinds, 1–8 devices on 1–3 nodes); every
-non-empty set of strategies (sharded data parallelism and its ``even_fsdp`` baseline among them);
+non-empty set of forms (sharded data parallelism and its ``even_fsdp`` baseline among them);
 random batch, precision, optimizer and micro-batch limit.  Each model shape is traced once.
 """
 
@@ -33,9 +33,9 @@ from fxpar.solvers.problems import build_problems
 from fxpar.tracing import trace
 from fxpar.workload import Workload
 
-STRATEGY_SETS = [s for n in (1, 2, 3, 4) for s in itertools.combinations(
+FORM_SETS = [s for n in (1, 2, 3, 4) for s in itertools.combinations(
     ("data_parallel", "pipeline", "expert_parallel", "sharded_data_parallel"), n)]
-#: the former failures were found with these (before sharded data parallelism was a family)
+#: the former failures were found with these (before sharded data parallelism was a form)
 THREE = ("data_parallel", "pipeline", "expert_parallel")
 KINDS = ("A100-SXM-80GB", "V100-SXM2-16GB", "T4", "RTX-4090", "H100-SXM")
 HF = ("llama-tiny", "mixtral-tiny")
@@ -87,7 +87,7 @@ def build_cluster(spec: tuple) -> fxpar.Cluster:
 
 @st.composite
 def instances(draw) -> tuple:
-    """(model, cluster, workload, strategies), each compact: model ("hf", preset) or ("stack",
+    """(model, cluster, workload, forms), each compact: model ("hf", preset) or ("stack",
     widths, nested); cluster as :func:`clusters` — module docstring."""
     cluster = draw(clusters())
     world = build_cluster(cluster).world_size
@@ -100,7 +100,7 @@ def instances(draw) -> tuple:
                         dtype="fp32" if cluster[0] == "emulated" else draw(st.sampled_from(("fp32", "fp16"))),
                         optimizer=draw(st.sampled_from(("adam", "sgd"))),
                         max_microbatches=draw(st.sampled_from((None, 2, 8))))
-    return model, cluster, workload, draw(st.sampled_from(STRATEGY_SETS))
+    return model, cluster, workload, draw(st.sampled_from(FORM_SETS))
 
 
 def graph_of(model: tuple):
@@ -123,12 +123,12 @@ FORMER_FAILURES = [
 ]
 
 
-def planned(model, cluster, workload, strategies):
+def planned(model, cluster, workload, forms):
     """The plan, or None where nothing fits (both tests draw the same instances: each is planned once)."""
-    key = (model, cluster, workload, strategies)
+    key = (model, cluster, workload, forms)
     if key not in PLANS:
         try:
-            PLANS[key] = solve(graph_of(model), build_cluster(cluster), workload, strategies=strategies)
+            PLANS[key] = solve(graph_of(model), build_cluster(cluster), workload, forms=forms)
         except (InfeasibleError, ConfigError):
             PLANS[key] = None
     return PLANS[key]
@@ -213,7 +213,7 @@ def test_lower_bound_of_a_linear_stack_with_overlapped_all_reduce():
     # (data parallelism's bound and plan: the optimizer, a third of the step, makes ZeRO's plan
     # the faster one here, whose bound has no all-reduce to compare with)
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
-    plan = solve(graph, cluster, Workload(global_batch=16), strategies=("data_parallel",))
+    plan = solve(graph, cluster, Workload(global_batch=16), forms=("data_parallel",))
     cost = CostModel(graph, cluster)
     assert plan.lower_bound_s <= plan.predicted_step_s
     slack = cost.allreduce_s(cost.gradient_wire_bytes()) - sum(bucket_allreduces_s(cost))
@@ -223,11 +223,11 @@ def test_lower_bound_of_a_linear_stack_with_overlapped_all_reduce():
 
 @pytest.mark.parametrize("instance", FORMER_FAILURES)
 def test_the_former_bound_fails_these_instances_and_the_new_one_holds(instance):
-    model, cluster, workload, strategies = instance
+    model, cluster, workload, forms = instance
     plan = planned(*instance)
-    p = build_problems(graph_of(model), build_cluster(cluster), workload, strategies)
+    p = build_problems(graph_of(model), build_cluster(cluster), workload, forms)
     former = (workload.global_batch / sum(g.count / g.sample_s for g in p.dp.groups)
               + p.cost.allreduce_lower_bound_s(p.cost.gradient_bytes()))
-    assert plan.strategy == "data_parallel" and [f for f, _ in p.lower_bound_by_family] == ["data_parallel"]
+    assert plan.form == "data_parallel" and [f for f, _ in p.lower_bound_by_form] == ["data_parallel"]
     assert plan.predicted_step_s < 0.95 * former
     assert plan.lower_bound_s <= plan.predicted_step_s

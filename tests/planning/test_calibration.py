@@ -183,7 +183,7 @@ def test_data_parallel_on_cpu_ranks_pays_every_bucket(small):
     cluster = Cluster.emulated([1.0, 1.0])
     cost = CostModel(graph, cluster, profiles=with_calibration(None, fixed_calibration()), optimizer="adamw")
     plan = solve_plan(graph, cluster, Workload(global_batch=16, seq_len=32, optimizer="adamw"),
-                      profiles=cost.profiles, strategies=("data_parallel",))
+                      profiles=cost.profiles, forms=("data_parallel",))
     result = simulate(plan, cost)
     buckets = collectives.gradient_buckets(4.0 * graph.param_count)
     assert len(buckets) == 2 and buckets[0] == 2 ** 20   # 1 MiB first, as DDP
@@ -252,7 +252,7 @@ def test_sharded_collectives_stop_cpu_ranks(small):
     cluster = Cluster.emulated([1.0, 1.0])
     cost = CostModel(graph, cluster, profiles=with_calibration(None, fixed_calibration()), optimizer="adamw")
     plan = solve_plan(graph, cluster, Workload(global_batch=16, seq_len=32, optimizer="adamw"),
-                      profiles=cost.profiles, strategies=("sharded_data_parallel",))
+                      profiles=cost.profiles, forms=("sharded_data_parallel",))
     prices = sharded_prices(cost)
     gather, scatter = unit_collectives(prices, unit_shards(prices, plan.stages[0].sharded.split))
     result = simulate(plan, cost)
@@ -282,10 +282,10 @@ def test_the_calibrated_planner_picks_data_parallelism_where_collectives_are_dea
     workload = Workload(global_batch=16, seq_len=32, optimizer="adamw")
     profiles = with_calibration(None, fixed_calibration())
     plan = solve_plan(graph, cluster, workload, profiles=profiles)
-    assert plan.strategy != "sharded_data_parallel", plan.explain
+    assert plan.form != "sharded_data_parallel", plan.explain
     assert "fixed numbers" in plan.cost_source
     cost = CostModel(graph, cluster, optimizer="adamw", profiles=profiles)
-    zero = solve_plan(graph, cluster, workload, profiles=profiles, strategies=("sharded_data_parallel",))
+    zero = solve_plan(graph, cluster, workload, profiles=profiles, forms=("sharded_data_parallel",))
     assert simulate(plan, cost).step_s < simulate(zero, cost).step_s
 
 
@@ -294,7 +294,7 @@ def test_the_pipeline_search_and_the_simulator_read_the_same_calibrated_links(sm
     cluster = Cluster.emulated([1.0, 0.5], one_node=True)
     workload = Workload(global_batch=16, seq_len=32, optimizer="adamw")
     profiles = with_calibration(None, fixed_calibration())
-    plan = solve_plan(graph, cluster, workload, profiles=profiles, strategies=("pipeline",))
+    plan = solve_plan(graph, cluster, workload, profiles=profiles, forms=("pipeline",))
     cost = CostModel(graph, cluster, optimizer="adamw", profiles=profiles)
     assert plan.predicted_step_s == pytest.approx(simulate(plan, cost).step_s, rel=1e-12)
 
@@ -319,7 +319,7 @@ def test_calibrated_runtime_costs_are_priced(small):
     workload = Workload(global_batch=16, seq_len=32, optimizer="adamw")
     plain = with_calibration(None, fixed_calibration())
     costly = with_calibration(None, dataclasses.replace(fixed_calibration(), sharded_call_s=1e-3))
-    plan = solve_plan(graph, cluster, workload, profiles=plain, strategies=("sharded_data_parallel",))
+    plan = solve_plan(graph, cluster, workload, profiles=plain, forms=("sharded_data_parallel",))
     a = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=plain))
     b = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=costly))
     units = len(graph.layers) + 1
@@ -371,7 +371,7 @@ def test_a_calibrated_tensor_parallel_call_cost_is_priced_per_all_reduce(small):
     b = simulate(plan, CostModel(graph, cluster, optimizer="adamw", profiles=costly))
     assert b.step_s - a.step_s == pytest.approx(sum(per_segment) * 1e-3, rel=1e-9)
     workload = Workload(global_batch=16, seq_len=32, optimizer="adamw")
-    chosen = solve_plan(graph, cluster, workload, profiles=costly, strategies=("pipeline",))   # TP: 1-stage pipelines
+    chosen = solve_plan(graph, cluster, workload, profiles=costly, forms=("pipeline",))   # TP: 1-stage pipelines
     cost = CostModel(graph, cluster, optimizer="adamw", profiles=costly)
     assert chosen.predicted_step_s == pytest.approx(simulate(chosen, cost).step_s, rel=1e-12)
 
@@ -390,7 +390,7 @@ def test_the_step_loops_calibrated_cost_is_priced_once_per_step_in_every_form(sm
     loop_db = dataclasses.replace(fixed_calibration(), step_overhead_s=7e-3)
     assert ProfileDB.from_dict(json.loads(json.dumps(loop_db.to_dict()))) == loop_db
     looped = with_calibration(None, loop_db)
-    plans = {s: solve_plan(graph, cluster, workload, profiles=looped, strategies=(s,))
+    plans = {s: solve_plan(graph, cluster, workload, profiles=looped, forms=(s,))
              for s in ("data_parallel", "sharded_data_parallel", "pipeline")}
     zero3 = plans["sharded_data_parallel"].stages[0]
     plans["zero2"] = dataclasses.replace(plans["sharded_data_parallel"], stages=(dataclasses.replace(
@@ -406,17 +406,17 @@ def test_the_step_loops_calibrated_cost_is_priced_once_per_step_in_every_form(sm
     for plan, g in cases:
         a = simulate(plan, CostModel(g, cluster, optimizer="adamw", profiles=plain))
         b = simulate(plan, CostModel(g, cluster, optimizer="adamw", profiles=looped))
-        assert b.step_s - a.step_s == pytest.approx(7e-3, rel=1e-9), plan.strategy
-        assert b.busy_s == a.busy_s and b.peak_memory_bytes == a.peak_memory_bytes, plan.strategy
-        assert b.idle_s == pytest.approx(a.idle_s, abs=1e-12), plan.strategy
+        assert b.step_s - a.step_s == pytest.approx(7e-3, rel=1e-9), plan.form
+        assert b.busy_s == a.busy_s and b.peak_memory_bytes == a.peak_memory_bytes, plan.form
+        assert b.idle_s == pytest.approx(a.idle_s, abs=1e-12), plan.form
         p = fxpar.predict(plan, g, cluster, profiles=looped)
-        assert p.runtime_s == 7e-3 and sum(p.parts.values()) == pytest.approx(p.step_s, rel=1e-12), plan.strategy
+        assert p.runtime_s == 7e-3 and sum(p.parts.values()) == pytest.approx(p.step_s, rel=1e-12), plan.form
     for plan in (plans["data_parallel"], plans["sharded_data_parallel"], plans["pipeline"]):
         cost = CostModel(graph, cluster, optimizer="adamw", profiles=looped)
-        assert plan.predicted_step_s == pytest.approx(simulate(plan, cost).step_s, rel=1e-12), plan.strategy
+        assert plan.predicted_step_s == pytest.approx(simulate(plan, cost).step_s, rel=1e-12), plan.form
     # the expert solver's bound moves with its step: its reported gap compares like with like
     moe_work = Workload(global_batch=8, seq_len=16, optimizer="adamw")
-    ep = [solve_plan(moe_graph, cluster, moe_work, profiles=prof, strategies=("expert_parallel",)).solver
+    ep = [solve_plan(moe_graph, cluster, moe_work, profiles=prof, forms=("expert_parallel",)).solver
           for prof in (plain, looped)]
     assert ep[1].integer_s - ep[0].integer_s == pytest.approx(7e-3, rel=1e-6)
     assert ep[1].objective_s - ep[0].objective_s == pytest.approx(7e-3, rel=1e-6)

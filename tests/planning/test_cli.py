@@ -17,7 +17,7 @@ ALL = ["amp-gpt2-medium", "cpu-emulated-2", "h100-a100-llama7b", "hap-bert-base"
 
 
 #: the scenarios the full suite alone plans through the CLI (the 1024-GPU one; and, for the quick
-#: tier's budget, three whose families the quick ones cover: DP, sharded DP and pipelines in
+#: tier's budget, three whose forms the quick ones cover: DP, sharded DP and pipelines in
 #: amp-gpt2-medium / cpu-emulated-2 / hap-bert-base, experts in hap-moe)
 FULL_ONLY = {"scale-1024-gpt175b", "h100-a100-llama7b", "homogeneous-a100", "lab-4090-a6000"}
 
@@ -40,8 +40,8 @@ def test_plan_every_scenario(name, scenarios_dir, tmp_path, capsys):
     else:
         assert data["baselines"]["even_dp"] is None
         # replicated DP does not fit: a pipeline, sharded DP, or for MoE expert parallelism
-        assert data["strategy"] in ("pipeline", "sharded_data_parallel") + (("expert_parallel",) if name in MOE else ())
-    if data["strategy"] in ("data_parallel", "sharded_data_parallel"):
+        assert data["form"] in ("pipeline", "sharded_data_parallel") + (("expert_parallel",) if name in MOE else ())
+    if data["form"] in ("data_parallel", "sharded_data_parallel"):
         assert sum(r["batch_share"] for r in data["ranks"]) == data["global_batch"]
     else:
         owned = sorted(r for st in data["stages"] for r in st["ranks"])
@@ -80,7 +80,7 @@ def test_plan_hf_config_json_and_module_function(tmp_path, capsys):
 
 def test_emit_data_parallel_and_pipeline(tmp_path, scenarios_dir, capsys):
     assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--emit", str(tmp_path / "dp"),
-                 "--strategies", "data_parallel"]) == 0
+                 "--forms", "data_parallel"]) == 0
     assert json.loads((tmp_path / "dp" / "rank_1.json").read_text())["runs"] == "the unchanged model"
     cluster = tmp_path / "small.yaml"
     cluster.write_text("device_types:\n  TINY: {fp32_tflops: 1, fp16_tflops: 2, memory_gib: 0.002, memory_gbps: 100}\n"
@@ -89,7 +89,7 @@ def test_emit_data_parallel_and_pipeline(tmp_path, scenarios_dir, capsys):
                  "--batch", "8", "--seq", "16", "--emit", str(tmp_path / "pp")])
     assert code == 0, capsys.readouterr().err
     plan = json.loads((tmp_path / "pp" / "plan.json").read_text())
-    assert plan["strategy"] == "pipeline"
+    assert plan["form"] == "pipeline"
     stage0 = json.loads((tmp_path / "pp" / "stage_0.json").read_text())
     assert "model.embed_tokens.weight" in stage0["parameters"]
     assert "def forward" in (tmp_path / "pp" / "stage_0.py").read_text()

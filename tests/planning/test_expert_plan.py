@@ -95,7 +95,7 @@ def _assert_runnable(plan, experts: int) -> None:
     from fxpar.codegen.expert.module import _check_plan
 
     st = plan.stages[0]
-    assert plan.strategy == "expert_parallel" and len(plan.stages) == 1
+    assert plan.form == "expert_parallel" and len(plan.stages) == 1
     assert len(st.expert.split) == plan.world_size and sum(st.expert.split) == experts
     assert sum(plan.batch_shares) == plan.global_batch and st.data_split == plan.batch_shares
     assert len({r.num_microbatches for r in plan.ranks}) == 1
@@ -108,7 +108,7 @@ def _assert_runnable(plan, experts: int) -> None:
 def test_mixtral_tiny_expert_parallel_plan_is_runnable(mixtral):
     graph, workload = mixtral
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
-    plan = solve_plan(graph, cluster, workload, strategies=("expert_parallel",))
+    plan = solve_plan(graph, cluster, workload, forms=("expert_parallel",))
     _assert_runnable(plan, experts=4)
     assert plan.stages[0].expert.split[0] >= plan.stages[0].expert.split[1]  # the fast rank: more
     assert plan.batch_shares[0] > plan.batch_shares[1]
@@ -119,19 +119,19 @@ def test_mixtral_tiny_expert_parallel_plan_is_runnable(mixtral):
     assert fxpar.Plan.from_json(plan.to_json()) == plan
 
 
-def test_default_strategies_consider_expert_parallelism_for_moe(mixtral):
+def test_default_forms_consider_expert_parallelism_for_moe(mixtral):
     graph, workload = mixtral
     plan = solve_plan(graph, fxpar.Cluster.emulated([1.0, 0.5]), workload)
     names = [n for n, _ in plan.baselines]
     assert names == ["even_dp", "proportional_dp", "megatron_even", "whale_rules", "even_ep", "even_fsdp"]
     assert plan.baseline("even_ep") is not None and plan.predicted_step_s <= plan.baseline("even_ep")
     assert any(line.startswith("expert parallel (") for line in plan.explain)
-    if plan.strategy == "expert_parallel":
+    if plan.form == "expert_parallel":
         _assert_runnable(plan, experts=4)
 
 
 def test_auto_make_plan_of_a_real_mixtral_is_runnable():
-    # fxpar.auto's planning step (trace of the real module, default strategies) on 2 emulated ranks
+    # fxpar.auto's planning step (trace of the real module, default forms) on 2 emulated ranks
     from fxpar.api import make_plan
     from fxpar.codegen.expert.experts import _check_experts, find_moe_blocks
     from fxpar.tracing.hf import build_model, example_inputs
@@ -142,15 +142,15 @@ def test_auto_make_plan_of_a_real_mixtral_is_runnable():
     blocks = find_moe_blocks(model)
     assert len(blocks) == 4 and {_check_experts(n, b.experts) for n, b in blocks} == {4}
     assert any(line.startswith("expert parallel (") for line in plan.explain)
-    if plan.strategy == "expert_parallel":
+    if plan.form == "expert_parallel":
         _assert_runnable(plan, experts=4)
 
 
 def test_planning_is_deterministic(mixtral):
     graph, workload = mixtral
     cluster = fxpar.Cluster.emulated([1.0, 0.5, 0.5])
-    first = solve_plan(graph, cluster, workload, strategies=("expert_parallel",))
-    second = solve_plan(graph, cluster, workload, strategies=("expert_parallel",))
+    first = solve_plan(graph, cluster, workload, forms=("expert_parallel",))
+    second = solve_plan(graph, cluster, workload, forms=("expert_parallel",))
     assert first.to_json() == second.to_json()
     _assert_runnable(first, experts=4)
 

@@ -30,7 +30,7 @@ from fxpar.tracing.hf import hf_config
 SETTINGS = settings(max_examples=200, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-# ----------------------------------------------------------------------------- value strategies
+# ----------------------------------------------------------------------------- value forms
 
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 5),
@@ -225,15 +225,15 @@ def _stage(index: int, modules: list[str], ranks: list[int], split: list[int], *
 
 VALID_PLANS = {
     "data_parallel": _plan(
-        strategy="data_parallel", ranks=_ranks(3, [6, 4, 2], [3, 2, 2], [2, 2, 1]),
+        form="data_parallel", ranks=_ranks(3, [6, 4, 2], [3, 2, 2], [2, 2, 1]),
         stages=[_stage(0, [""], [0, 1, 2], [6, 4, 2])]),
     "pipeline": _plan(
-        strategy="pipeline", pipelines=2, num_microbatches=2, schedule="1F1B",
+        form="pipeline", pipelines=2, num_microbatches=2, schedule="1F1B",
         ranks=_ranks(4, [6] * 4, [3] * 4, [2] * 4), solver=None,
         stages=[_stage(0, ["model.layers.0"], [0, 2], [6, 6], device="cpu"),
                 _stage(1, ["model.layers.1"], [1, 3], [6, 6], device="cpu")]),
     "tensor_parallel": _plan(
-        strategy="tensor_parallel", ranks=_ranks(2, [12, 12], [12, 12], [1, 1]), solver=None,
+        form="tensor_parallel", ranks=_ranks(2, [12, 12], [12, 12], [1, 1]), solver=None,
         stages=[_stage(0, [""], [0, 1], [12], tensor={"split": [3, 1]}, tensor_parallel=2)]),
 }
 

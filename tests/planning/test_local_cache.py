@@ -94,7 +94,7 @@ def _plan_text(tmp_path, capsys) -> tuple[str, Plan]:
     out = tmp_path / "plan.json"
     rc = cli.main(["plan", "--cluster", str(tmp_path / "cluster.json"), "--model", "llama-tiny", "--batch",
                    str(BATCH), "--seq", str(SEQ), "--dtype", "bf16", "--optimizer", "adamw",
-                   "--strategies", "data_parallel", "--json", str(out)])
+                   "--forms", "data_parallel", "--json", str(out)])
     assert rc == 0
     return capsys.readouterr().out, Plan.from_json(out.read_text())
 
@@ -140,9 +140,9 @@ def test_fxpar_make_plan_prices_a_user_s_model_with_the_cached_profile(fake_h200
     model = build_model(PRESETS["llama-tiny"], device="cpu")
     batch = example_inputs(model, BATCH, SEQ)
     workload = Workload(global_batch=BATCH, dtype="bf16", optimizer="adamw")
-    roof = fxpar.make_plan(model, _cluster(), batch, workload, strategies=["data_parallel"])
+    roof = fxpar.make_plan(model, _cluster(), batch, workload, forms=["data_parallel"])
     assert roof.cost_source == "catalog roofline"
     path = local_cache.store(_profile(torch.__version__, keyed=True), "bf16")
-    measured = fxpar.make_plan(model, _cluster(), batch, workload, strategies=["data_parallel"])
+    measured = fxpar.make_plan(model, _cluster(), batch, workload, forms=["data_parallel"])
     assert measured.cost_source.startswith("measured profile of H200-SXM") and str(path) in measured.cost_source
     assert measured.predicted_step_s > 10 * roof.predicted_step_s

@@ -89,7 +89,7 @@ def test_single_device_step_peak_within_10_percent():
     spec, seq, batch = PRESETS["llama-tiny"], 128, 4
     model = build_model(spec, device="cpu", seed=0).train()
     data = [example_inputs(model, batch, seq, seed=i) for i in range(2)]
-    pm = fxpar.auto(model, Cluster.emulated([1.0]), data[0], strategies=["data_parallel"], emulate=False)
+    pm = fxpar.auto(model, Cluster.emulated([1.0]), data[0], forms=["data_parallel"], emulate=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     with TensorPeak(training_state(pm.module, opt)) as meter:
         for b in data:  # the warm-up step creates the AdamW state; the second is the steady one
@@ -99,7 +99,7 @@ def test_single_device_step_peak_within_10_percent():
     workload = Workload(global_batch=batch, seq_len=seq, optimizer="adamw")
     graph = trace_spec(spec, workload)
     cluster = Cluster.emulated([1.0])
-    plan = solve(graph, cluster, workload, strategies=("data_parallel",))
+    plan = solve(graph, cluster, workload, forms=("data_parallel",))
     assert plan.ranks[0].num_microbatches == 1
     predicted = simulate(plan, CostModel(graph, cluster, optimizer="adamw")).peak_memory_bytes[0]
     error = predicted / meter.peak_bytes - 1.0
@@ -138,7 +138,7 @@ def test_bf16_autocast_step_peak_of_tinyllama_ratios():
     model = build_model(spec, device="cpu", seed=0).train()
     data = [example_inputs(model, batch, seq, seed=i) for i in range(2)]
     cluster = Cluster.emulated([1.0])
-    pm = fxpar.auto(model, cluster, data[0], strategies=["data_parallel"], emulate=False, dtype="bf16",
+    pm = fxpar.auto(model, cluster, data[0], forms=["data_parallel"], emulate=False, dtype="bf16",
                     optimizer="adamw")
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     pm.step(data[0])   # the warm-up step creates the AdamW state
@@ -151,7 +151,7 @@ def test_bf16_autocast_step_peak_of_tinyllama_ratios():
     workload = Workload(global_batch=batch, seq_len=seq, dtype="bf16", optimizer="adamw")
     predicted = []
     for graph in (trace(model, {k: v[:1] for k, v in data[0].items()}), trace_spec(spec, workload)):
-        plan = solve(graph, cluster, workload, strategies=("data_parallel",))
+        plan = solve(graph, cluster, workload, forms=("data_parallel",))
         cost = CostModel(graph, cluster, dtype="bf16", optimizer="adamw")
         predicted.append(simulate(plan, cost).peak_memory_bytes[0])
     assert predicted[0] == predicted[1], predicted   # both traces read as the fp32 master under autocast

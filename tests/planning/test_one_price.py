@@ -1,9 +1,9 @@
 """One price for every collective (issue #37, item 1).
 
 * No fxpar module outside the pricing modules reads a link's bandwidth or latency or the
-  formulas' constants (an AST scan): every family's communication is priced by
+  formulas' constants (an AST scan): every form's communication is priced by
   :mod:`fxpar.profiling.network` on :mod:`fxpar.profiling.collectives`' formulas.
-* Scaling every link's bandwidth by 2, with the per-call latencies at 0, halves every family's
+* Scaling every link's bandwidth by 2, with the per-call latencies at 0, halves every form's
   communication term exactly (each is a sum or max of ``bytes / bandwidth`` terms).
 """
 
@@ -30,7 +30,7 @@ PACKAGE = Path(fxpar.__file__).resolve().parent
 #: where links are priced, and where they are declared or measured (not priced)
 ALLOWED = {
     "profiling/collectives.py": "the α-β formulas",
-    "profiling/network.py": "a cluster's links as one value; every family asks it for seconds",
+    "profiling/network.py": "a cluster's links as one value; every form asks it for seconds",
     "profiling/database.py": "LinkCost, a calibrated link's own α-β (read by the two above)",
     "profiling/measure_comm.py": "measures links (writes LinkCost, prints what it measured)",
 }
@@ -88,7 +88,7 @@ def _cluster(device: str, factor: float) -> Cluster:
 
 
 def _plans(cluster: Cluster) -> dict:
-    """One plan of every family that communicates on ``cluster`` (4 ranks on 2 nodes)."""
+    """One plan of every form that communicates on ``cluster`` (4 ranks on 2 nodes)."""
     llama = build_model(ModelSpec(hf_config=TINY_CONFIGS["llama"]), device="meta", attn_implementation="eager")
     mixtral = build_model(ModelSpec(hf_config=TINY_CONFIGS["mixtral"]), device="meta", attn_implementation="eager")
     experts = TINY_CONFIGS["mixtral"]["num_local_experts"]
@@ -122,9 +122,9 @@ def _comm(pred) -> float:
 
 
 @pytest.mark.parametrize("device", [pytest.param("gpu", marks=pytest.mark.full), "cpu"])  # quick: the CPU cluster
-def test_twice_the_bandwidth_halves_every_familys_communication(device, monkeypatch):
+def test_twice_the_bandwidth_halves_every_forms_communication(device, monkeypatch):
     """No latency (α = 0) and no overlap (the GPU's profile says so; CPU ranks have none): every
-    family's communication is bytes over bandwidths, in sums and maxima, so it halves exactly."""
+    form's communication is bytes over bandwidths, in sums and maxima, so it halves exactly."""
     monkeypatch.setattr(collectives, "ALPHA_INTRA_S", 0.0)
     monkeypatch.setattr(collectives, "ALPHA_INTER_S", 0.0)
     profiles = {"G": ProfileDB(device_type="G", overlap=False)} if device == "gpu" else None
@@ -132,7 +132,7 @@ def test_twice_the_bandwidth_halves_every_familys_communication(device, monkeypa
     graphs = {name: trace_spec(ModelSpec(hf_config=TINY_CONFIGS[name]), Workload(global_batch=BATCH, seq_len=SEQ))
               for name in ("llama", "mixtral")}
     dp = fxpar.solvers.plan(graphs["llama"], base, Workload(global_batch=BATCH, seq_len=SEQ),
-                            strategies=["data_parallel"])
+                            forms=["data_parallel"])
     plans = {"data parallel": ("llama", dp), **_plans(base)}
     for name, (model, plan) in plans.items():
         slow = _comm(fxpar.predict(plan, graphs[model], base, profiles=profiles))

@@ -70,7 +70,7 @@ def test_shard_batch_slices_in_rank_order(plan):
 @pytest.mark.parametrize("text, match", [
     ("{not json", "malformed JSON"),
     ("[1, 2]", "must be a JSON object"),
-    ('{"strategy": "data_parallel"}', "not a valid fxpar plan"),
+    ('{"form": "data_parallel"}', "not a valid fxpar plan"),
     ('{"version": 99}', "version 99"),
 ])
 def test_bad_plan_json_is_a_clear_error(text, match):

@@ -1,6 +1,7 @@
-"""Plan format v2 (issue #38 item 3): a stage's per-form part is one typed spec under the form's
-key (:mod:`fxpar.stage_specs`), a v1 plan reads as the same plan (:mod:`fxpar.plan_upgrade`), and
-a spec written wrong by hand is a ``PlanError`` naming the stage and the key."""
+"""Plan formats v2 and v3 (issue #38 items 3 and 5): a stage's per-form part is one typed spec
+under the form's key (:mod:`fxpar.stage_specs`), the parallel form is ``"form"`` (v1 and v2 said
+``"strategy"``), v1 and v2 plans read as the same plan (:mod:`fxpar.plan_upgrade`), and a spec
+or key written wrong by hand is a ``PlanError`` naming the stage and the key."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor
 from fxpar.errors import PlanError
 from fxpar.plan import PLAN_FORMAT_VERSION, Plan
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
-from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET
+from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET, V2_PLAN_KEYS
 from fxpar.stage_specs import SPECS, ExpertStage, ShardedStage, TensorStage
 from tests.workers import tiny_model
 
@@ -28,7 +29,7 @@ def tp_plan() -> Plan:
 def _as_v1(plan: Plan) -> dict:
     """``plan`` as format v1 wrote it: every spec's fields flat on the stage (unset: null, or 0
     for ``shard_stage``), no version key (as files written before versions were)."""
-    d = json.loads(plan.to_json())
+    d = _as_v2(plan)
     d.pop("version")
     for st in d["stages"]:
         specs = {key: st.pop(key) for key in SPECS}
@@ -37,9 +38,18 @@ def _as_v1(plan: Plan) -> dict:
     return d
 
 
-def test_a_plan_writes_format_2_with_the_tensor_split_under_its_spec(tp_plan):
+def _as_v2(plan: Plan) -> dict:
+    """``plan`` as format v2 wrote it: its form under ``"strategy"``."""
+    d = json.loads(plan.to_json())
+    for old, new in V2_PLAN_KEYS.items():
+        d[old] = d.pop(new)
+    return {**d, "version": 2}
+
+
+def test_a_plan_writes_format_3_with_its_form_and_the_tensor_split_under_its_spec(tp_plan):
     d = json.loads(tp_plan.to_json())
-    assert d["version"] == PLAN_FORMAT_VERSION == 2
+    assert d["version"] == PLAN_FORMAT_VERSION == 3
+    assert d["form"] == "tensor_parallel" and "strategy" not in d
     assert d["stages"][0]["tensor"] == {"split": [1, 1], "mlp_split": [3, 1]}
     assert "tensor_split" not in d["stages"][0] and "mlp_split" not in d["stages"][0]
     assert Plan.from_json(tp_plan.to_json()) == tp_plan
@@ -51,7 +61,7 @@ def test_a_v1_plan_reads_as_the_same_plan(tp_plan, version):
     if version is not None:
         d["version"] = version
     loaded = Plan.from_dict(d, source="old.json")
-    assert loaded == tp_plan and loaded.version == 2
+    assert loaded == tp_plan and loaded.version == 3
     assert loaded.stages[0].tensor == TensorStage(split=(1, 1), mlp_split=(3, 1))
 
 
@@ -92,11 +102,28 @@ def test_a_v1_expert_plan_reads_alike():
     assert loaded == plan and loaded.stages[0].expert == ExpertStage(split=(3, 1))
 
 
-def test_a_v2_plan_spelling_a_v1_key_says_how_to_write_it(tp_plan):
-    d = json.loads(tp_plan.to_json())
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_v2_or_v3_plan_spelling_a_v1_key_says_how_to_write_it(tp_plan, version):
+    d = json.loads(tp_plan.to_json()) if version == 3 else _as_v2(tp_plan)
     d["stages"][0]["tensor_split"] = [1, 1]
     with pytest.raises(PlanError, match=r"edited.json: stages\[0\]: tensor_split is a plan format v1 key; "
-                                        r"in a version 2 plan write it as tensor: \{split: ...\}"):
+                                        rf"in a version {version} plan write it as tensor: \{{split: ...\}}"):
+        Plan.from_dict(d, source="edited.json")
+
+
+def test_a_v2_plan_reads_as_the_same_plan_and_writes_v3(tp_plan):
+    d = _as_v2(tp_plan)
+    assert d["strategy"] == "tensor_parallel" and "form" not in d
+    loaded = Plan.from_dict(d, source="v2.json")
+    assert loaded == tp_plan and loaded.version == 3
+    assert json.loads(loaded.to_json())["form"] == "tensor_parallel"
+
+
+def test_a_v3_plan_spelling_strategy_says_to_write_form(tp_plan):
+    d = json.loads(tp_plan.to_json())
+    d["strategy"] = d.pop("form")
+    with pytest.raises(PlanError, match=r"edited.json: strategy is a plan format v1/v2 key; in a version 3 plan "
+                                        r"write it as form \(or set \"version\": 2"):
         Plan.from_dict(d, source="edited.json")
 
 
@@ -116,8 +143,8 @@ def test_a_tensor_spec_written_wrong_is_a_plan_error_naming_the_stage_and_key(tp
 
 def test_an_unknown_format_version_is_refused(tp_plan):
     d = json.loads(tp_plan.to_json())
-    d["version"] = 3
-    with pytest.raises(PlanError, match=r"plan format version 3 is not supported \(this fxpar reads versions 1 to 2\)"):
+    d["version"] = 4
+    with pytest.raises(PlanError, match=r"plan format version 4 is not supported \(this fxpar reads versions 1 to 3\)"):
         Plan.from_dict(d, source="new.json")
     for written in (1.0, "1", True):   # a version is a whole number, not a float, a string or a flag
         with pytest.raises(PlanError, match=f"plan format version {written!r} is not supported"):

@@ -98,7 +98,7 @@ def test_uneven_batches_must_match_the_ranks_and_the_micro_batches(llama) -> Non
 def test_replica_devices_only_on_pipeline_plans(llama) -> None:
     _, model = llama
     data = json.loads(uneven_pipelines(_two_pipelines(model, _mixed_gpus()), [8, 4]).to_json())
-    data.update(strategy="data_parallel", stages=[{**data["stages"][0], "ranks": [0, 1, 2, 3],
+    data.update(form="data_parallel", stages=[{**data["stages"][0], "ranks": [0, 1, 2, 3],
                                                    "data_split": [3, 3, 3, 3], "modules": [""]}])
     with pytest.raises(PlanError, match=r"plan.stages\[0\].replicas = .*a data_parallel plan does not run it"):
         Plan.from_dict(data)
@@ -161,7 +161,7 @@ def _two_kinds(slow: float, gbps: float = 10, gib: float = 0.05) -> fxpar.Cluste
 def test_planner_prices_a_pipeline_per_node_kind_and_takes_it_when_faster(llama, slow, gbps, gib) -> None:
     graph, _ = llama
     cluster = _two_kinds(slow, gbps, gib)
-    plan = solve(graph, cluster, WORKLOAD, strategies=("pipeline",))
+    plan = solve(graph, cluster, WORKLOAD, forms=("pipeline",))
     lines = [x for x in plan.explain if x.startswith("pipelines per node kind: ") and "in proportion to speed" in x]
     assert len(lines) == 2  # stages of width 1 and 2
     faster = any("(faster than identical pipelines" in x for x in lines)
@@ -181,8 +181,8 @@ def test_planner_takes_the_pipeline_per_node_kind_on_a_fast_network(llama) -> No
     graph, _ = llama
     # (one stage per pipeline: offered as the tensor-parallel form with a replica per node,
     # fxpar.forms.pipeline.search.as_tensor_form)
-    plan = solve(graph, _two_kinds(0.5, 100, 1.0), WORKLOAD, strategies=("pipeline",))
-    assert plan.strategy == "tensor_parallel" and plan.stages[0].data_split == (8, 4)
+    plan = solve(graph, _two_kinds(0.5, 100, 1.0), WORKLOAD, forms=("pipeline",))
+    assert plan.form == "tensor_parallel" and plan.stages[0].data_split == (8, 4)
     for st in plan.stages:
         u = st.tensor_parallel
         assert {plan.ranks[r].node for r in st.ranks[:u]} == {0} and {plan.ranks[r].node for r in st.ranks[u:]} == {1}

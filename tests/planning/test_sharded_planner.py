@@ -1,6 +1,6 @@
 """Uneven sharded data parallelism in the cost model and the planner (issue #18): the memory
 formulas on hand-computed cases, collectives that follow the largest shard and the links, the
-family choosing state by memory and batch by speed, offload only where host memory allows, the
+form choosing state by memory and batch by speed, offload only where host memory allows, the
 ``even_fsdp`` baseline, and the stored prediction being the simulator's."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_memory_end_of_round_and_idle_round_by_hand():
 def test_offloaded_host_bytes_by_hand():
     graph = linear_graph()
     plan = Plan.from_dict({
-        "strategy": "sharded_data_parallel", "model": "linear", "cluster": "c", "global_batch": 4, "seq_len": None,
+        "form": "sharded_data_parallel", "model": "linear", "cluster": "c", "global_batch": 4, "seq_len": None,
         "dtype": "bf16", "optimizer": "adam", "predicted_step_s": 0, "predicted_compute_s": 0,
         "predicted_comm_s": 0, "lower_bound_s": 0,
         "stages": [{"index": 0, "modules": [""], "ranks": [0, 1], "data_split": [2, 2],
@@ -163,8 +163,8 @@ MEMORY_MIX = [{"gpu": "H100-SXM", "count": 2, "memory_gib": 0.01}, {"gpu": "A100
 
 def test_memory_bound_mix_picks_sharded_data_parallelism_and_prediction_is_the_simulators():
     graph, mix = block_graph(), cluster(MEMORY_MIX)
-    plan = solve(graph, mix, Workload(global_batch=64), strategies=("data_parallel", "sharded_data_parallel"))
-    assert plan.strategy == "sharded_data_parallel"
+    plan = solve(graph, mix, Workload(global_batch=64), forms=("data_parallel", "sharded_data_parallel"))
+    assert plan.form == "sharded_data_parallel"
     assert plan.baseline("even_dp") is None            # a replica does not fit the small cards
     assert plan.predicted_step_s <= plan.baseline("even_fsdp")
     sim = simulate(plan, CostModel(graph, mix, dtype="fp32", optimizer="adam"))
@@ -183,12 +183,12 @@ def test_state_follows_memory_and_batch_follows_speed():
     padded buffers grow with the largest shard, so an uneven state split rarely fits where the
     even one does not: ``fxpar.sim.sharded_cost``'s end-of-round term.)"""
     tight = [{"gpu": "H100-SXM", "count": 2, "memory_gib": 0.03}, {"gpu": "A100-SXM-80GB", "count": 2}]
-    plan = solve(block_graph(12), cluster(tight), Workload(global_batch=64), strategies=SHARDED)
+    plan = solve(block_graph(12), cluster(tight), Workload(global_batch=64), forms=SHARDED)
     state = plan.stages[0].sharded.split
     assert max(state[:2]) <= min(state[2:])   # never more state on the small cards
     assert all(r.predicted_memory_bytes <= r.memory_capacity_bytes for r in plan.ranks)
     roomy = [{"gpu": "H100-SXM", "count": 2, "memory_gib": 0.014}, {"gpu": "A100-SXM-80GB", "count": 2}]
-    plan = solve(block_graph(), cluster(roomy), Workload(global_batch=64), strategies=SHARDED)
+    plan = solve(block_graph(), cluster(roomy), Workload(global_batch=64), forms=SHARDED)
     assert min(plan.batch_shares[:2]) > max(plan.batch_shares[2:])   # the faster H100s train on more
 
 
@@ -200,20 +200,20 @@ def _small_cards(host_gib: float | None) -> Cluster:
 def test_offload_only_where_host_memory_allows():
     graph, workload = block_graph(), Workload(global_batch=16)
     # without offload the shards do not fit 9 MiB cards; with it they do, where the host holds them
-    plan = solve(graph, _small_cards(1.0), workload, strategies=SHARDED)
+    plan = solve(graph, _small_cards(1.0), workload, forms=SHARDED)
     assert all(r.offload_optimizer for r in plan.ranks)
     assert all(r.predicted_memory_bytes <= r.memory_capacity_bytes for r in plan.ranks)
     assert all(r.predicted_host_bytes > 4 * MB for r in plan.ranks)     # staging + its offloaded state
     for host in (None, 0.01):                 # host memory not declared, or too small for the state
         with pytest.raises(InfeasibleError):
-            solve(graph, _small_cards(host), workload, strategies=SHARDED)
+            solve(graph, _small_cards(host), workload, forms=SHARDED)
 
 
 def test_mixed_memory_llama7b_scenario(scenarios_dir):
     scenario = load_scenario(scenarios_dir / "mixed-memory-llama7b.yaml")
     graph = trace_spec(scenario.model, scenario.workload)
-    plan = solve(graph, scenario.cluster, scenario.workload, strategies=("data_parallel", "sharded_data_parallel"))
-    assert plan.strategy == "sharded_data_parallel" and plan.baseline("even_dp") is None
+    plan = solve(graph, scenario.cluster, scenario.workload, forms=("data_parallel", "sharded_data_parallel"))
+    assert plan.form == "sharded_data_parallel" and plan.baseline("even_dp") is None
     assert all(r.predicted_memory_bytes <= r.memory_capacity_bytes for r in plan.ranks)
     assert plan.lower_bound_s <= plan.predicted_step_s <= plan.baseline("even_fsdp")
 
@@ -236,7 +236,7 @@ def test_sharded_plans_fit_and_beat_even_fsdp(mix):
     if batch < where.world_size:
         return
     try:
-        plan = solve(graph, where, Workload(global_batch=batch), strategies=SHARDED)
+        plan = solve(graph, where, Workload(global_batch=batch), forms=SHARDED)
     except InfeasibleError:
         return
     assert all(r.predicted_memory_bytes <= r.memory_capacity_bytes for r in plan.ranks)

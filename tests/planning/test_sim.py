@@ -24,8 +24,8 @@ def setup():
         {"gpu": "A100-SXM-80GB", "count": 2}, {"gpu": "T4", "count": 2}]})
     workload = Workload(global_batch=64, seq_len=16)
     graph = trace_spec(SPEC, workload)
-    # the data-parallel simulator: the plan family fixed (a pipeline per node kind wins here)
-    return cluster, graph, solve(graph, cluster, workload, strategies=("data_parallel",)), CostModel(graph, cluster)
+    # the data-parallel simulator: the form fixed (a pipeline per node kind wins here)
+    return cluster, graph, solve(graph, cluster, workload, forms=("data_parallel",)), CostModel(graph, cluster)
 
 
 def test_step_is_slowest_compute_plus_comm_plus_optimizer(setup):

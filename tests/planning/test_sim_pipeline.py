@@ -68,9 +68,9 @@ def tiny():
 @pytest.mark.parametrize("name", [t[0] for t in TINY])
 def test_tiny_pipelines_and_their_interleaved_forms_predict_what_simulate_returns(tiny, name: str) -> None:
     graph, cluster, workload = tiny[name]
-    plan = solve(graph, cluster, workload, strategies=("pipeline",))
+    plan = solve(graph, cluster, workload, forms=("pipeline",))
     cost = _cost(graph, cluster, workload)
-    assert plan.strategy == "pipeline" and _same(simulate(plan, cost).step_s, plan.predicted_step_s)
+    assert plan.form == "pipeline" and _same(simulate(plan, cost).step_s, plan.predicted_step_s)
     problems = build_problems(graph, cluster, workload, ("pipeline",))
     ranked = search_ranked(problems.of("pipeline"), max_width=1, keep=4)
     for cfg in ranked:  # the solver's re-ranking prices the very layout the plan runs
@@ -86,8 +86,8 @@ def test_tiny_pipelines_and_their_interleaved_forms_predict_what_simulate_return
 
 def test_a_slower_link_changes_the_simulated_step_of_a_stored_plan(tiny, tmp_path) -> None:
     graph, cluster, workload = tiny["llama-tiny"]
-    plan = Plan.from_json(solve(graph, cluster, workload, strategies=("pipeline",)).to_json())
-    assert plan.strategy == "pipeline" and cluster.num_nodes > 1
+    plan = Plan.from_json(solve(graph, cluster, workload, forms=("pipeline",)).to_json())
+    assert plan.form == "pipeline" and cluster.num_nodes > 1
     spec = cluster.to_dict()
     spec["cluster"] = {**spec["cluster"], "inter_node_gbps": cluster.inter_node_gbps / 2}
     slower = fxpar.Cluster.from_dict(spec, name=cluster.name)

@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _plans(value: Any, where: str) -> Iterator[tuple[str, dict]]:
-    """Every object inside ``value`` that is a plan (it has a strategy, stages and ranks)."""
+    """Every object inside ``value`` that is a plan (it has a form, stages and ranks; formats v1
+    and v2 called the form ``strategy``)."""
     if isinstance(value, dict):
-        if {"strategy", "stages", "ranks"} <= set(value):
+        if {"stages", "ranks"} <= set(value) and ("form" in value or "strategy" in value):
             yield where, value
             return
         for key, inner in value.items():
@@ -50,7 +51,8 @@ def test_a_stored_v1_plan_keeps_every_per_form_value_under_its_v2_spec():
                 if old_stage.get(old) not in (None, V1_UNSET.get(old)):
                     assert getattr(getattr(stage, key), name) == _normal(old_stage[old]), (where, old)
                     moved += 1
-        assert json.loads(plan.to_json())["version"] == 2
+        written = json.loads(plan.to_json())
+        assert written["version"] == 3 and written["form"] == data["strategy"] == plan.form, where
     assert moved >= 4   # the stored plans include tensor- and expert-parallel ones
 
 

@@ -1,4 +1,4 @@
-"""Every stored ``predicted_step_s`` is ``fxpar.predict``'s: for every plan family the planner
+"""Every stored ``predicted_step_s`` is ``fxpar.predict``'s: for every form the planner
 emits (data parallel, pipelines with tensor-parallel stages, replicas and interleaved schedules,
 expert parallel, sharded data parallel), for a re-balanced plan priced at its measured speeds,
 and under the TF32 choice the plan records (issue 26, item 4)."""
@@ -20,7 +20,7 @@ from fxpar.forms.data.search_shares import dp_candidates
 from fxpar.forms.expert.search_experts import ep_candidates
 from fxpar.forms.pipeline.search_pipelines import pipeline_candidates
 from fxpar.forms.sharded.search_state import sharded_candidates
-from fxpar.solvers.planner import FAMILIES
+from fxpar.forms import SEARCHED
 from fxpar.solvers.problems import build_problems
 from fxpar.solvers.rebalance import propose_shares, rebalanced_plan
 from fxpar.workload import Workload
@@ -35,19 +35,19 @@ def _clusters() -> dict[str, fxpar.Cluster]:
 
 
 def _kind(plan: Plan) -> str:
-    if plan.strategy != "pipeline":
-        return plan.strategy
+    if plan.form != "pipeline":
+        return plan.form
     tp = "+tp" if any(st.tensor_parallel > 1 for st in plan.stages) else ""
     replicas = "+replicas" if plan.pipelines > 1 else ""
     return f"pipeline/{plan.schedule}{tp}{replicas}"
 
 
-def test_every_candidate_of_every_family_stores_its_prediction():
+def test_every_candidate_of_every_form_stores_its_prediction():
     seen: set[str] = set()
     for model, cluster_name in (("gpt2-tiny", "mixed"), ("gpt2-tiny", "emulated"), ("mixtral-tiny", "emulated")):
         cluster = _clusters()[cluster_name]
         graph = trace_spec(PRESETS[model], WORKLOAD)
-        p = build_problems(graph, cluster, WORKLOAD, FAMILIES)
+        p = build_problems(graph, cluster, WORKLOAD, SEARCHED)
         dp = dp_candidates(p)
         plans = [*dp.plans, *pipeline_candidates(p, 4, data_parallel_fits=bool(dp.plans)).plans,
                  *ep_candidates(p).plans, *sharded_candidates(p).plans]
@@ -63,7 +63,7 @@ def test_every_candidate_of_every_family_stores_its_prediction():
 def _rebalanced(graph=None, cluster=None):
     cluster_ = _clusters()["emulated"]
     graph_ = trace_spec(PRESETS["gpt2-tiny"], WORKLOAD)
-    plan = solve(graph_, cluster_, WORKLOAD, strategies=("data_parallel",))
+    plan = solve(graph_, cluster_, WORKLOAD, forms=("data_parallel",))
     # the job measures rank 1 three times slower than the cost model said, the others as said
     busy = [rp.predicted_busy_s * (3.0 if rp.rank == 1 else 1.0) for rp in plan.ranks]
     decision = propose_shares(plan, busy, threshold=0.0)
@@ -134,7 +134,7 @@ def test_allow_tf32_on_the_plan_is_the_one_that_priced_it(dtype, tf32, stored):
         {"gpu": "H100-SXM", "count": 2}, {"gpu": "A100-SXM-80GB", "count": 2}]})  # both have TF32
     workload = replace(WORKLOAD, dtype=dtype)
     graph = trace_spec(PRESETS["gpt2-tiny"], workload)
-    plan = solve(graph, cluster, workload, allow_tf32=tf32, strategies=("data_parallel",))
+    plan = solve(graph, cluster, workload, allow_tf32=tf32, forms=("data_parallel",))
     assert plan.allow_tf32 is stored
     assert fxpar.predict(plan, graph, cluster).step_s == pytest.approx(plan.predicted_step_s, rel=1e-9)
     if dtype == "fp32":  # the flag changes the pricing, so a wrong flag would show
@@ -150,7 +150,7 @@ def test_the_training_monitor_prices_its_re_balanced_plan_like_predict():
 
     cluster = _clusters()["emulated"]
     graph = trace_spec(PRESETS["gpt2-tiny"], WORKLOAD)
-    plan = solve(graph, cluster, WORKLOAD, strategies=("data_parallel",))
+    plan = solve(graph, cluster, WORKLOAD, forms=("data_parallel",))
 
     import torch
 

@@ -43,7 +43,7 @@ def test_a_one_stage_pipeline_over_every_rank_is_the_tensor_form_at_the_same_pri
     piped = _one_stage(model, cluster, m=m, pipelines=pipelines, tensor_parallel=[2])
     units = graph.tp_analysis.split_units()
     tensor = from_one_stage_pipeline(piped, units)
-    assert tensor.strategy == "tensor_parallel" and tensor.pipelines == 1
+    assert tensor.form == "tensor_parallel" and tensor.pipelines == 1
     st = tensor.stages[0]
     assert st.tensor_parallel == 2 and st.data_split == piped.stages[0].data_split
     assert list(st.tensor.split) == [units // 2 + (t < units % 2) for t in range(2)] * pipelines
@@ -73,10 +73,10 @@ def test_what_the_tensor_form_cannot_run_stays_a_pipeline(llama):
 def test_the_planner_offers_the_tensor_form_with_the_pipelines_reasoning(llama):
     graph, _ = llama
     cluster = fxpar.Cluster.from_dict({"name": "fast-pair", "nodes": [{"gpu": "cpu", "count": 2, "memory_gib": 1}]})
-    plan = solve(graph, cluster, WORKLOAD, strategies=("pipeline",), max_tensor_parallel=2)
-    assert plan.strategy == "tensor_parallel", plan.table()
+    plan = solve(graph, cluster, WORKLOAD, forms=("pipeline",), max_tensor_parallel=2)
+    assert plan.form == "tensor_parallel", plan.table()
     assert any("is tensor parallelism: offered as the tensor_parallel form" in line for line in plan.explain)
-    # Whale's rule reported is the rule of the family that offered it (pipelines)
+    # Whale's rule reported is the rule of the form that offered it (pipelines)
     assert dict(plan.baselines)["whale_rules"] is not None
     again = simulate(plan, CostModel(graph, cluster, dtype=WORKLOAD.dtype, optimizer=WORKLOAD.optimizer))
     assert abs(again.step_s - plan.predicted_step_s) <= REL * plan.predicted_step_s

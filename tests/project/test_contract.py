@@ -131,16 +131,16 @@ def test_a_plan_of_an_unknown_form_is_refused_naming_the_known_ones() -> None:
     from fxpar.errors import PlanError
 
     model = torch.nn.Linear(4, 2)
-    with pytest.raises(PlanError, match="plan.strategy = 'zero_bubble'"):
-        RankModule(model, _Strategy("zero_bubble"), 0)
+    with pytest.raises(PlanError, match="plan.form = 'zero_bubble'"):
+        RankModule(model, _UnknownForm("zero_bubble"), 0)
     assert model.weight.device.type == "cpu" and not model.weight.is_meta
 
 
-class _Strategy:
-    """Only a ``strategy`` (what the registry reads first)."""
+class _UnknownForm:
+    """Only a ``form`` (what the registry reads first)."""
 
-    def __init__(self, strategy: str) -> None:
-        self.strategy = strategy
+    def __init__(self, form: str) -> None:
+        self.form = form
 
 
 def test_the_one_gather_gives_copies_under_every_name_and_refuses_a_missing_copy() -> None:

@@ -30,7 +30,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
 
 #: module prefix -> layer (the longest matching prefix wins)
 LAYERS: dict[str, int] = {
-    "fxpar.errors": 0, "fxpar.compat": 0,
+    "fxpar.errors": 0, "fxpar.compat": 0, "fxpar.renamed": 0,
     "fxpar.workload": 1, "fxpar.forms": 1, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
     "fxpar.tensor_layers": 1, "fxpar.stage_specs": 1, "fxpar.plan_upgrade": 1,
     "fxpar.cluster": 2,

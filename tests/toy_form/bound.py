@@ -9,7 +9,7 @@ NAME = "replicated"
 
 def applies(p) -> bool:
     """Asked for, and a replica with one sample fits every rank."""
-    return NAME in p.strategies and p.dp_fits
+    return NAME in p.forms and p.dp_fits
 
 
 def bound_s(cost, batch: int, w: Work) -> float:

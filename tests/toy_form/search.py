@@ -23,7 +23,7 @@ def candidates(p: Problems, found: Mapping[str, Candidates], max_tensor_parallel
     """The plan, priced by the simulator; none where the form is not asked for or a replica with
     one sample does not fit.  Each rank's micro-batch is the share LP's cap, which also counts
     data parallelism's gradient bucket: a little smaller than this form's memory allows."""
-    if NAME not in p.strategies:
+    if NAME not in p.forms:
         return Candidates()
     if not p.dp_fits:
         return Candidates(explain=(f"{NAME}: a replica with one sample does not fit every rank",))
@@ -36,7 +36,7 @@ def candidates(p: Problems, found: Mapping[str, Candidates], max_tensor_parallel
                               micro_batch_size=m, num_microbatches=n, predicted_busy_s=0.0,
                               predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes)))
     w = p.workload
-    draft = Plan(strategy=NAME, model=p.graph.model_name, cluster=cluster.name, global_batch=batch,
+    draft = Plan(form=NAME, model=p.graph.model_name, cluster=cluster.name, global_batch=batch,
                  seq_len=w.seq_len, dtype=w.dtype, optimizer=w.optimizer,
                  stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)),
                                    data_split=(batch,) * cluster.world_size),),

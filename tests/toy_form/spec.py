@@ -13,7 +13,7 @@ def check(p: Any) -> None:
     wrong = [r.rank for r in p.ranks if r.batch_share != p.global_batch]
     if wrong:
         raise PlanError(f"plan.ranks[{wrong[0]}].batch_share = {p.ranks[wrong[0]].batch_share}: every rank of a "
-                        f"{p.strategy} plan trains the whole global batch ({p.global_batch}); set it to that")
+                        f"{p.form} plan trains the whole global batch ({p.global_batch}); set it to that")
 
 
 def check_stage(p: Any, i: int, st: Any) -> None:
@@ -30,7 +30,7 @@ def summary(p: Any) -> list[str]:
 
 def label(p: Any) -> str:
     """A short name of the plan."""
-    return f"{p.strategy} x{len(p.ranks)}"
+    return f"{p.form} x{len(p.ranks)}"
 
 
 def state_holders(p: Any) -> int:
@@ -40,5 +40,5 @@ def state_holders(p: Any) -> int:
 
 def refusal(old: Any, new: Any) -> str:
     """A plan of the same form over the same ranks (its micro-batches) is taken in place."""
-    return "" if same_job(old, new) else (f"set_plan: a {old.strategy} module takes only a plan of "
+    return "" if same_job(old, new) else (f"set_plan: a {old.form} module takes only a plan of "
                                           f"its form over {old.world_size} ranks")

@@ -27,7 +27,7 @@ from fxpar.runtime.step_loop import StepModule
 def form_pass(plan: Plan) -> type[FormPass]:
     """The pass of ``plan``'s form (its apply phase's ``form_pass``; an unknown form is a
     PlanError naming the known ones)."""
-    return part(plan.strategy, "apply").form_pass(plan)
+    return part(plan.form, "apply").form_pass(plan)
 
 
 class RankModule(StepModule):

@@ -326,4 +326,4 @@ def _check_chain(model: torch.nn.Module, stages: list[EagerStage], calls: Forwar
         raise PlanError(f"eager pipeline stages: run in a chain on the example batch they give the loss "
                         f"{loss.item():.7g}, the model itself {ref.item():.7g}; its forward passes something "
                         "between its blocks, or from before its block loop to after it, that the stages do not "
-                        "carry; plan it with strategies=['data_parallel', 'sharded_data_parallel']")
+                        "carry; plan it with forms=['data_parallel', 'sharded_data_parallel']")

@@ -265,7 +265,7 @@ def _refuse_lost_gradients(model: torch.nn.Module, ep: torch.export.ExportedProg
             f"that eager training updates ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): its forward "
             "computes them under torch.no_grad inside a custom autograd Function (as Reformer's reversible "
             "layers do), and pipeline stages run the exported graph, so they would never train. Plan it with "
-            "strategies=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
+            "forms=['data_parallel', 'sharded_data_parallel'] (they run the model's own forward)")
 
 
 def accepts(model: torch.nn.Module, name: str) -> bool:

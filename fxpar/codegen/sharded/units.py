@@ -18,7 +18,7 @@ Each parameter is a :class:`ShardedTensor` with several tensors under one set of
   view of the unit's flat shard gradient) and dropped.
 
 A :class:`Unit` is one collective's worth: a transformer block, or the rest of the model (a
-tensor registered in more than one block also goes to the rest).  Its :class:`Mode`\ s are the
+tensor registered in more than one block also goes to the rest).  Its modes (:class:`Mode`) are the
 wire dtypes it can move: ``exact`` (every tensor in the shards' dtype: evaluation, state,
 fp32 plans, and a low-precision plan's first step while the cast probe watches) and ``train``
 (the plan's policy).

@@ -8,7 +8,7 @@ from fxpar.solvers.bounds import Work, bucket_allreduces_s, last_bucket_s
 
 def applies(p) -> bool:
     """Asked for, and a replica with one sample fits on every rank (:class:`~fxpar.solvers.problems.Problems`)."""
-    return "data_parallel" in p.strategies and p.dp_fits
+    return "data_parallel" in p.forms and p.dp_fits
 
 
 def bound_s(cost, batch: int, w: Work) -> float:

@@ -1,7 +1,7 @@
 """Data-parallel candidates: integer shares priced by the simulator, the fastest kept.
 
 Every share vector considered becomes a full plan priced by :func:`fxpar.sim.simulate` (which
-also prices the overlapped all-reduce), and the family offers the fastest (the first on ties):
+also prices the overlapped all-reduce), and the form offers the fastest (the first on ties):
 
 - the share LP's integer shares (:func:`fxpar.solvers.data_parallel.solve`): exact for the
   simulator's compute time, micro-batch counts included (``t·x + ⌈x/c⌉·f``);
@@ -14,7 +14,7 @@ also prices the overlapped all-reduce), and the family offers the fastest (the f
 So the plan is the simulator's argmin over these shares and never slower than a rule.  Each
 rule is None where a share does not fit (more than ``max_microbatches`` micro-batches of the
 largest micro-batch that fits, or not even one sample); where data parallelism is not among the
-asked-for strategies, the rules are not baselines either (None).
+asked-for forms, the rules are not baselines either (None).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ NAMES = {"even_dp": "dp-even-shares", "proportional_dp": "dp-proportional-shares
 def dp_candidates(p: Problems) -> Candidates:
     """The fastest of the share vectors considered (module docstring), the rules as baselines;
     where data parallelism does not fit, the reason (an explain line and the error to raise)."""
-    asked = "data_parallel" in p.strategies
+    asked = "data_parallel" in p.forms
     rules = rule_plans(p) if p.dp_fits and asked else dict.fromkeys(RULES)
     baselines = tuple((name, None if q is None else q.predicted_step_s) for name, q in rules.items())
     if not (p.dp_fits and asked):
@@ -137,7 +137,7 @@ def _draft(p: Problems, shares, micro, counts) -> Plan:
                  predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
         for d in cluster.devices)
     return Plan(
-        strategy="data_parallel", model=p.graph.model_name, cluster=cluster.name,
+        form="data_parallel", model=p.graph.model_name, cluster=cluster.name,
         global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
         optimizer=workload.optimizer,
         stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)),

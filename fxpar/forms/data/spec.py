@@ -28,7 +28,7 @@ def summary(p: Any) -> list[str]:
 
 def label(p: Any) -> str:
     """A short name of the plan: its form and splits."""
-    return f"{p.strategy} {list(p.batch_shares)}"
+    return f"{p.form} {list(p.batch_shares)}"
 
 
 def state_holders(p: Any) -> int:
@@ -41,5 +41,5 @@ def refusal(old: Any, new: Any) -> str:
     data-parallel plan over the same ranks is taken in place."""
     if same_job(old, new):
         return ""
-    return (f"set_plan: a data-parallel module can switch only to a {old.strategy} plan "
-            f"of {old.world_size} ranks, got {new.strategy!r} with {new.world_size}")
+    return (f"set_plan: a data-parallel module can switch only to a {old.form} plan "
+            f"of {old.world_size} ranks, got {new.form!r} with {new.world_size}")

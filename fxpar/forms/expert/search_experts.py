@@ -74,7 +74,7 @@ def ep_plan(p: Problems, sol: expert_plan.EPSolution) -> Plan:
                            memory_capacity_bytes=int(d.memory_bytes)) for d in cluster.devices)
     gap = (ev.step_s - sol.relaxation_s) / sol.relaxation_s if sol.relaxation_s > 0 else 0.0
     return Plan(
-        strategy="expert_parallel", model=p.graph.model_name, cluster=cluster.name,
+        form="expert_parallel", model=p.graph.model_name, cluster=cluster.name,
         global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
         optimizer=workload.optimizer, ranks=ranks, num_microbatches=ev.k,
         stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=ev.shares,

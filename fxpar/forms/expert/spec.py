@@ -32,7 +32,7 @@ def summary(p: Any) -> list[str]:
 
 def label(p: Any) -> str:
     """A short name of the plan: its form and splits."""
-    return f"{p.strategy} {list(p.batch_shares)}"
+    return f"{p.form} {list(p.batch_shares)}"
 
 
 def state_holders(p: Any) -> int:

@@ -35,7 +35,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     and the ranks that run it.  A tensor-parallel stage also gets ``stage_<j>_position_<t>.py``,
     the code of each position's shard, and its JSON lists the positions."""
     if model is None or example_inputs is None:
-        raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
+        raise ValueError(f"emit: a {plan.form} plan needs the model and example inputs")
     blocks, written = block_paths(model), []
     layers = with_split(plan, model).tensor_layers if splits_layers(plan) else None
     stage_of = layer_to_stage(plan, blocks)

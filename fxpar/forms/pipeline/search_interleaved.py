@@ -120,7 +120,7 @@ def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s)
         check_interleaved(stages, cfg.pipelines)
     except PlanError:  # the pipelines' ranks do not sort into one stage pattern: codegen cannot run it
         return None
-    draft = Plan(strategy="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
+    draft = Plan(form="pipeline", model=model_name, cluster=cluster.name, global_batch=workload.global_batch,
                  seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
                  stages=tuple(stages), ranks=tuple(ranks), predicted_step_s=0.0, predicted_compute_s=0.0,
                  predicted_comm_s=0.0, lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),

@@ -48,7 +48,7 @@ def _searchable(ranked: list[PipelineConfig], skip_data_parallel: bool) -> list[
 def pipeline_candidates(p: Problems, max_tensor_parallel: int, *, data_parallel_fits: bool = False) -> Candidates:
     """The searched pipeline, its interleaved forms and the rule pipelines (module docstring);
     nothing where pipelines were not asked for or the model has no blocks.  Where
-    ``data_parallel_fits`` (the data-parallel family offered a plan), one-stage, width-one
+    ``data_parallel_fits`` (the data-parallel form offered a plan), one-stage, width-one
     configurations are left out of the search and the rule baselines alike
     (:func:`is_data_parallel_config`); where it does not, such a micro-batched pipeline may be
     the only plan that fits, and stays."""

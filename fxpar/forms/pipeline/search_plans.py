@@ -117,7 +117,7 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
                                 batch_share=per_pipe, micro_batch_size=cfg.micro_batch,
                                 num_microbatches=cfg.num_microbatches, predicted_busy_s=0.0,
                                 predicted_memory_bytes=0, memory_capacity_bytes=int(d.memory_bytes))
-    draft = Plan(strategy="pipeline", model=model_name, cluster=cluster.name,
+    draft = Plan(form="pipeline", model=model_name, cluster=cluster.name,
                  global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
                  optimizer=workload.optimizer, stages=tuple(stages),
                  ranks=tuple(ranks[r] for r in range(cluster.world_size)),

@@ -71,8 +71,8 @@ def uneven_pipelines(plan: Plan, data_split: Sequence[int]) -> Plan:
     each (its ranks' ``batch_share``, ``micro_batch_size`` say so), and every stage's
     ``replicas.devices`` where its replicas' devices differ.  Predictions are left as they were;
     PlanError where the split does not fit the plan."""
-    if plan.strategy != "pipeline":
-        raise PlanError(f"uneven_pipelines: a {plan.strategy!r} plan has no pipelines; give a pipeline plan")
+    if plan.form != "pipeline":
+        raise PlanError(f"uneven_pipelines: a {plan.form!r} plan has no pipelines; give a pipeline plan")
     split, m = tuple(int(x) for x in data_split), plan.num_microbatches
     if len(split) != plan.pipelines or sum(split) != plan.global_batch or any(x < m or x % m for x in split):
         raise PlanError(f"uneven_pipelines: data_split {list(split)} must give each of the plan's "
@@ -185,7 +185,7 @@ def shape_plan(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[boo
                                 activation_checkpointing=ckpt[j],
                                 replicas=replica_stage(kinds if len(set(kinds)) > 1 else None)))
     w = p.workload
-    draft = Plan(strategy="pipeline", model=p.graph.model_name, cluster=cluster.name, global_batch=w.global_batch,
+    draft = Plan(form="pipeline", model=p.graph.model_name, cluster=cluster.name, global_batch=w.global_batch,
                  seq_len=w.seq_len, dtype=w.dtype, optimizer=w.optimizer, stages=tuple(stages),
                  ranks=tuple(ranks[r] for r in range(cluster.world_size)), predicted_step_s=0.0,
                  predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=p.lower_bound_s,

@@ -12,7 +12,7 @@ from fxpar.solvers.bounds import Work
 
 def applies(p) -> bool:
     """Asked for, on more than one rank (:class:`~fxpar.solvers.problems.Problems`)."""
-    return "sharded_data_parallel" in p.strategies and p.cluster.world_size > 1
+    return "sharded_data_parallel" in p.forms and p.cluster.world_size > 1
 
 
 def bound_s(cost, batch: int, w: Work) -> float | None:

@@ -38,7 +38,7 @@ WEIGHT_SCALE = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """One configuration the family prices: sharding stage, rounds, per-rank checkpointing and offload."""
+    """One configuration the form prices: sharding stage, rounds, per-rank checkpointing and offload."""
 
     stage: int
     rounds: int
@@ -107,7 +107,7 @@ def draft(p: Problems, cfg: Config, weights, shares, micro) -> Plan:
         for d in cluster.devices)
     stage = StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=tuple(shares),
                       sharded=ShardedStage(split=tuple(weights), stage=cfg.stage))
-    return Plan(strategy="sharded_data_parallel", model=p.graph.model_name, cluster=cluster.name,
+    return Plan(form="sharded_data_parallel", model=p.graph.model_name, cluster=cluster.name,
                 global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
                 optimizer=workload.optimizer, stages=(stage,), ranks=ranks, predicted_step_s=0.0,
                 predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=p.lower_bound_s,

@@ -1,4 +1,4 @@
-"""Uneven sharded data parallelism (ZeRO-2 / ZeRO-3 with ragged shards) as a plan family: model
+"""Uneven sharded data parallelism (ZeRO-2 / ZeRO-3 with ragged shards) as a form: model
 state by memory, batch by speed, checkpointing and optimizer offload per device group.
 
 The search (:func:`search`), every configuration priced by the simulator
@@ -18,11 +18,11 @@ stored plan):
 
 A group may offload only where every node of its ranks declares ``host_memory_gib`` and its
 device is not the CPU; a plan that offloads is kept only where each node's host memory holds its
-ranks' set-up staging and offloaded state (:func:`host_fits`).  The family offers the fastest plan
+ranks' set-up staging and offloaded state (:func:`host_fits`).  The form offers the fastest plan
 found (the first on ties) and the baseline ``even_fsdp`` (:func:`even_fsdp`: ZeRO-3, even state
 and batch, the fewest rounds that fit, checkpointing everywhere only if needed; a candidate too,
-so the family's plan is never slower).  Where sharded data parallelism is not asked for, or the
-cluster has one rank, or the batch is smaller than the ranks, the family offers nothing.
+so the form's plan is never slower).  Where sharded data parallelism is not asked for, or the
+cluster has one rank, or the batch is smaller than the ranks, the form offers nothing.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ from fxpar.forms.sharded.search_plans import (
 from fxpar.solvers.host_memory import staging_bytes
 from fxpar.solvers.problems import Candidates, Problems
 
-STRATEGY = "sharded_data_parallel"
+FORM = "sharded_data_parallel"
 
 
 def sharded_candidates(p: Problems) -> Candidates:
-    """The family's fastest plan and the ``even_fsdp`` baseline (module docstring)."""
+    """The form's fastest plan and the ``even_fsdp`` baseline (module docstring)."""
     world, batch = p.cluster.world_size, p.workload.global_batch
-    if STRATEGY not in p.strategies:
+    if FORM not in p.forms:
         return Candidates()
     if world <= 1 or batch < world:
         return Candidates(explain=(f"sharded data parallel: not applicable ({world} rank(s), global batch {batch})",),

@@ -32,7 +32,7 @@ def emit(plan: Plan, model: torch.nn.Module | None, example_inputs: dict[str, An
     where the group communicates); ``rank_<r>.json``: which replica, position, key/value heads and
     rows rank ``r`` has."""
     if model is None or example_inputs is None:
-        raise ValueError(f"emit: a {plan.strategy} plan needs the model and example inputs")
+        raise ValueError(f"emit: a {plan.form} plan needs the model and example inputs")
     blocks = block_paths(model)
     layout = RankLayout(plan)
     layers = with_split(plan, model).tensor_layers   # the split every position's code applies

@@ -35,7 +35,7 @@ def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
     st = plan.stages[0]
     width = len(st.ranks) // len(st.data_split)
     modules = tuple(m for mods in prices.table.modules for m in mods)
-    return replace(plan, strategy="pipeline", schedule="1F1B", pipelines=len(st.data_split),
+    return replace(plan, form="pipeline", schedule="1F1B", pipelines=len(st.data_split),
                    num_microbatches=max(plan.ranks[0].num_microbatches, 1),
                    stages=(replace(st, modules=modules, tensor_parallel=width,
                                    tensor=TensorStage(split=st.tensor.column_split) if width > 1 else None),))

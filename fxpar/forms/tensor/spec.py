@@ -83,7 +83,7 @@ def summary(p: Any) -> list[str]:
 
 def label(p: Any) -> str:
     """A short name of the plan: its form and splits."""
-    return f"{p.strategy} {list(p.batch_shares)}"
+    return f"{p.form} {list(p.batch_shares)}"
 
 
 def state_holders(p: Any) -> int:
@@ -112,7 +112,7 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
     a lead that broadcasts a command and the stage's inputs to the group for every forward and
     backward (:mod:`fxpar.codegen.pipeline.tensor_stages`), where this form's ranks each load
     their replica's rows and run the model's own forward."""
-    if plan.strategy != "pipeline" or len(plan.stages) != 1 or plan.schedule == "interleaved":
+    if plan.form != "pipeline" or len(plan.stages) != 1 or plan.schedule == "interleaved":
         return None
     st = plan.stages[0]
     world, width = len(plan.ranks), st.tensor_parallel
@@ -123,7 +123,7 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
         return None
     even = tuple(units // width + (1 if t < units % width else 0) for t in range(width)) * plan.pipelines
     try:
-        return replace(plan, strategy="tensor_parallel", schedule="none", pipelines=1, num_microbatches=1,
+        return replace(plan, form="tensor_parallel", schedule="none", pipelines=1, num_microbatches=1,
                        stages=(replace(st, modules=("",), tensor=TensorStage(split=st.tensor.split if st.tensor else even)),))
     except PlanError:
         return None

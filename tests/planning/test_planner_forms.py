@@ -1,4 +1,4 @@
-"""The planner as families of candidates (:mod:`fxpar.solvers.planner`): the choice and its
+"""The planner as forms of candidates (:mod:`fxpar.solvers.planner`): the choice and its
 baselines on plain plans, and the data-parallel rules (even, proportional shares) as real
 candidates that win where they simulate faster than the share LP's plan."""
 
@@ -25,21 +25,21 @@ def _plan(step: float, model: str = "m") -> Plan:
     ranks = tuple(RankPlan(rank=r, device="cpu", node=0, speed=1.0, batch_share=2, micro_batch_size=2,
                            num_microbatches=1, predicted_busy_s=step, predicted_memory_bytes=1,
                            memory_capacity_bytes=2) for r in range(2))
-    return Plan(strategy="data_parallel", model=model, cluster="c", global_batch=4, seq_len=8, dtype="fp32",
+    return Plan(form="data_parallel", model=model, cluster="c", global_batch=4, seq_len=8, dtype="fp32",
                 optimizer="adamw", stages=(StagePlan(index=0, modules=("",), ranks=(0, 1), data_split=(2, 2)),),
                 ranks=ranks, predicted_step_s=step, predicted_compute_s=step, predicted_comm_s=0.0,
                 lower_bound_s=0.5)
 
 
 def _problems(dp_fits: bool = True, pipeline=None) -> SimpleNamespace:
-    return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_by_family=(),
-                           strategies=("data_parallel", "pipeline"),
+    return SimpleNamespace(dp_fits=dp_fits, lower_bound_s=0.5, lower_bound_by_form=(),
+                           forms=("data_parallel", "pipeline"),
                            graph=SimpleNamespace(model_name="m", params=(), attn_implementation="sdpa", recorded=""),
                            cluster=fxpar.Cluster.emulated([1.0, 1.0]),
                            own=(("data_parallel", None), ("pipeline", pipeline)))
 
 
-def test_choice_is_the_fastest_first_found_with_every_family_reasoning():
+def test_choice_is_the_fastest_first_found_with_every_form_reasoning():
     first, tie, slow = _plan(1.0, "first"), _plan(1.0, "tie"), _plan(2.0)
     best = choose(_problems(), {"data_parallel": Candidates(plans=(slow, first), explain=("dp",),
                                                             baselines=(("even_dp", 3.0), ("proportional_dp", 2.5),
@@ -48,14 +48,14 @@ def test_choice_is_the_fastest_first_found_with_every_family_reasoning():
                                                        baselines=(("megatron_even", 1.5), ("whale_rules", 1.2))),
                                 "expert_parallel": Candidates(explain=("ep",))})
     assert best.model == "first"
-    # whale_rules is Whale's rule for the chosen plan's family (data parallelism here)
+    # whale_rules is Whale's rule for the chosen plan's form (data parallelism here)
     assert best.baselines == (("even_dp", 3.0), ("proportional_dp", 2.5), ("megatron_even", 1.5),
                               ("whale_rules", 2.4))
     assert best.explain[:3] == ("dp", "pipe", "ep") and best.explain[-1].startswith("lower bound 0.5 s")
     assert "baseline even_dp: 3 s (fxpar 3.00x faster)" in best.explain
 
 
-def test_whale_rules_is_the_rule_of_the_chosen_family():
+def test_whale_rules_is_the_rule_of_the_chosen_form():
     dp = Candidates(baselines=(("even_dp", None), ("proportional_dp", None), ("whale_rules", None)))
     pipe = Candidates(baselines=(("megatron_even", 1.5), ("whale_rules", 1.2)))
     ep = Candidates(baselines=(("even_ep", 4.0), ("whale_rules", 3.0)))
@@ -73,7 +73,7 @@ def test_nothing_fits_raises_data_parallelism_s_shortfalls():
         choose(_problems(pipeline=object()), {"data_parallel": Candidates(error=error), "pipeline": Candidates(),
                                               "expert_parallel": Candidates()})
     assert info.value.shortfalls == {"T4": 2 ** 30}
-    with pytest.raises(InfeasibleError, match="no plan among the strategies"):
+    with pytest.raises(InfeasibleError, match="no plan among the forms"):
         choose(_problems(), {"data_parallel": Candidates(), "pipeline": Candidates(),
                              "expert_parallel": Candidates(explain=("ep: no",))})
 
@@ -87,7 +87,7 @@ def graph_and_workload():
 def test_a_rule_that_simulates_faster_than_the_lp_plan_is_chosen(graph_and_workload, monkeypatch):
     graph, workload = graph_and_workload
     cluster = fxpar.Cluster.emulated([1.0, 1.0])
-    honest = solve(graph, cluster, workload, strategies=("data_parallel",))
+    honest = solve(graph, cluster, workload, forms=("data_parallel",))
     assert honest.solver.name == "dp-share-lp" and honest.batch_shares == (4, 4)
     real = data_parallel.solve
 
@@ -97,20 +97,20 @@ def test_a_rule_that_simulates_faster_than_the_lp_plan_is_chosen(graph_and_workl
         return replace(sol, shares=shares, micro_batch=shares, num_microbatches=(1, 1))
 
     monkeypatch.setattr(data_parallel, "solve", skewed)
-    chosen = solve(graph, cluster, workload, strategies=("data_parallel",))
+    chosen = solve(graph, cluster, workload, forms=("data_parallel",))
     assert chosen.solver.name == "dp-even-shares" and chosen.batch_shares == (4, 4)
     assert chosen.predicted_step_s == chosen.baseline("even_dp") == honest.predicted_step_s
     assert any(line.startswith("data parallel, even shares:") for line in chosen.explain)
     assert chosen.solver.integer_s == chosen.predicted_step_s
 
 
-def test_predictions_equal_but_for_the_last_bits_prefer_the_simpler_family():
+def test_predictions_equal_but_for_the_last_bits_prefer_the_simpler_form():
     """The H200 run: data parallelism predicted 0.07551730574527638 s and a one-stage pipeline
-    ...636; ``choose`` took the pipeline.  Within REL_TOL (1e-9) the family order decides."""
-    from fxpar.solvers.choose import FAMILY_ORDER, REL_TOL, fastest_simplest
+    ...636; ``choose`` took the pipeline.  Within REL_TOL (1e-9) the form order decides."""
+    from fxpar.solvers.choose import SEARCHED, REL_TOL, fastest_simplest
 
-    assert FAMILY_ORDER[0] == "data_parallel" and REL_TOL == 1e-9
-    dp, pipe = _plan(0.07551730574527638, "dp"), _plan(0.075517305745276, "pipe")  # pipe: the pipeline family's
+    assert SEARCHED[0] == "data_parallel" and REL_TOL == 1e-9
+    dp, pipe = _plan(0.07551730574527638, "dp"), _plan(0.075517305745276, "pipe")  # pipe: the pipeline form's
     assert pipe.predicted_step_s < dp.predicted_step_s
     assert choose(_problems(), {"data_parallel": Candidates(plans=(dp,)), "pipeline": Candidates(plans=(pipe,)),
                                 "expert_parallel": Candidates()}).model == "dp"
@@ -130,7 +130,7 @@ def test_a_caller_may_rank_the_candidates_by_its_own_price():
     chosen = choose(_problems(), found, rank_by=lambda q: price[q.model])
     assert chosen.model == "pipe" and chosen.predicted_step_s == 0.012
     assert any(line.startswith("ranked by the caller's price") and "0.015 s" in line for line in chosen.explain)
-    assert fastest_simplest([dp, pipe], lambda q: 1.0).model == "dp"   # equal prices: the family order
+    assert fastest_simplest([dp, pipe], lambda q: 1.0).model == "dp"   # equal prices: the form order
 
 
 def test_a_caller_may_say_how_close_two_prices_are_equal():
@@ -139,7 +139,7 @@ def test_a_caller_may_say_how_close_two_prices_are_equal():
     from fxpar.solvers.choose import fastest_simplest
 
     dp_a, dp_b = _plan(0.010, "dp a"), _plan(0.010, "dp b")
-    pipe = replace(_plan(0.010, "pipe"), strategy="pipeline", pipelines=2)   # 2 one-stage pipelines
+    pipe = replace(_plan(0.010, "pipe"), form="pipeline", pipelines=2)   # 2 one-stage pipelines
     price = {"dp a": 0.104, "dp b": 0.103, "pipe": 0.100}
     by_price = lambda q: price[q.model]   # noqa: E731
     assert fastest_simplest([dp_a, dp_b, pipe], by_price).model == "pipe"
@@ -154,14 +154,14 @@ def test_a_caller_may_say_how_close_two_prices_are_equal():
 
 def test_one_device_gets_data_parallelism_and_a_forced_pipeline_stays_possible(graph_and_workload):
     """One device: no one-stage, width-one pipeline is searched where data parallelism fits
-    (explain says so); with ``strategies=("pipeline",)`` it is the plan."""
+    (explain says so); with ``forms=("pipeline",)`` it is the plan."""
     graph, workload = graph_and_workload
     one = fxpar.Cluster.emulated([1.0])
     chosen = solve(graph, one, workload)
-    assert chosen.strategy == "data_parallel"
+    assert chosen.form == "data_parallel"
     assert any("which is data parallelism: not searched" in line for line in chosen.explain), chosen.explain
-    forced = solve(graph, one, workload, strategies=("pipeline",))
-    assert forced.strategy == "pipeline" and len(forced.stages) == 1
+    forced = solve(graph, one, workload, forms=("pipeline",))
+    assert forced.form == "pipeline" and len(forced.stages) == 1
 
 
 def test_a_batch_smaller_than_the_ranks_is_refused_only_where_every_form_asked_for_gives_each_rank_a_sample():
@@ -188,5 +188,5 @@ def test_a_baseline_without_a_figure_is_not_called_out_of_memory_in_the_table():
 
     plan = replace(_plan(1.0), baselines=(("even_dp", None), ("proportional_dp", 2.0)))
     table = plan.table()
-    assert f"baseline even_dp: {NO_BASELINE}" in table and "strategies asked for" in NO_BASELINE
+    assert f"baseline even_dp: {NO_BASELINE}" in table and "forms asked for" in NO_BASELINE
     assert "baseline proportional_dp: 2 s -> fxpar is 2.000x faster" in table

@@ -1,0 +1,108 @@
+"""One name per concept (issue #38 item 5): the parallel form is ``form`` / ``forms`` everywhere,
+and each old name (``strategy``, ``strategies``, ``--strategies``, the yaml key) still works for
+one release with a ``FutureWarning`` that names where it was used and what to write instead
+(:mod:`fxpar.renamed`); fxpar's own code uses none of them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+import fxpar
+from fxpar.adapt import AdaptPolicy
+from fxpar.cli import main
+from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.errors import ConfigError
+from fxpar.integrations.config import config_from_mapping
+from fxpar.options import Options
+from fxpar.renamed import REMOVED_IN, RENAMED
+from tests.models import tiny_mlp_with_inputs
+
+PACKAGE = Path(fxpar.__file__).resolve().parent
+C2 = fxpar.Cluster.emulated([1.0, 0.5])
+
+
+def _renamed(old: str, new: str, where: str) -> str:
+    return rf"{where}: '{old}' is renamed '{new}'; '{old}' still works until fxpar {REMOVED_IN}"
+
+
+def test_an_option_by_its_old_name_warns_and_sets_the_new_one():
+    with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "fxpar.Options")):
+        assert Options(strategies=["pipeline"]).forms == ("pipeline",)
+    with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "fxpar.auto")):
+        assert Options().overridden({"strategies": ("data_parallel",)}).forms == ("data_parallel",)
+    with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "fxpar.adapt.AdaptPolicy")):
+        assert AdaptPolicy(strategies=("pipeline",)).forms == ("pipeline",)
+    with pytest.raises(ConfigError, match="fxpar.auto: give 'forms' only \\('strategies' is its old name\\), not both"):
+        Options().overridden({"strategies": ("pipeline",), "forms": ("pipeline",)})
+
+
+def test_a_bad_value_under_the_old_name_is_the_new_names_config_error():
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"forms = \('zigzag',\): expected None"):
+        Options(strategies=["zigzag"])
+
+
+def test_the_old_yaml_key_warns_naming_the_file():
+    with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "job.yaml")):
+        config = config_from_mapping({"speeds": [1.0, 0.5], "strategies": ["data_parallel"]}, source="job.yaml")
+    assert config.options.forms == ("data_parallel",)
+
+
+def test_a_plan_field_by_its_old_name_warns():
+    plan = sharded_data_parallel_plan(C2, batch_split=[3, 1], state_split=[1, 3])
+    with pytest.warns(FutureWarning, match=_renamed("strategy", "form", "fxpar.Plan")):
+        assert plan.strategy == plan.form == "sharded_data_parallel"
+    data = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
+    data["strategy"] = data.pop("form")
+    with pytest.warns(FutureWarning, match=_renamed("strategy", "form", "fxpar.Plan")):
+        assert fxpar.Plan(**data) == plan
+
+
+def test_make_plan_and_its_prediction_by_the_old_names():
+    model, inputs = tiny_mlp_with_inputs()
+    with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "fxpar.make_plan")):
+        plan = fxpar.make_plan(model, C2, inputs, fxpar.Workload(global_batch=4), strategies=["data_parallel"])
+    assert plan.form == "data_parallel"
+    prediction = fxpar.predict(plan, (model, inputs), C2)
+    with pytest.warns(FutureWarning, match=_renamed("strategy", "form", "fxpar.Prediction")):
+        assert prediction.strategy == "data_parallel"
+
+
+def test_the_old_cli_flag_warns_and_plans_the_same(tmp_path, scenarios_dir, capsys):
+    scenario = str(scenarios_dir / "cpu-emulated-2.yaml")
+    assert main(["plan", "--scenario", scenario, "--json", str(tmp_path / "new.json"), "--forms", "pipeline"]) == 0
+    with pytest.warns(FutureWarning, match=_renamed("--strategies", "--forms", "fxpar plan")):
+        assert main(["plan", "--scenario", scenario, "--json", str(tmp_path / "old.json"),
+                     "--strategies", "pipeline"]) == 0
+    new, old = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("new", "old"))
+    assert new["form"] == old["form"] == "pipeline" and new == old
+
+
+def test_the_new_names_warn_nothing(tmp_path, scenarios_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert Options(forms=["pipeline"]).overridden({"forms": ("data_parallel",)}).forms == ("data_parallel",)
+        assert config_from_mapping({"forms": ["pipeline"]}, source="job.yaml").options.forms == ("pipeline",)
+        assert main(["plan", "--scenario", str(scenarios_dir / "cpu-emulated-2.yaml"), "--json",
+                     str(tmp_path / "p.json"), "--forms", "data_parallel"]) == 0
+
+
+def test_fxpar_itself_uses_no_old_name():
+    """No keyword, attribute or key of an old name in fxpar's code, but where it is kept."""
+    keeping = {PACKAGE / "renamed.py", PACKAGE / "plan_upgrade.py", PACKAGE / "cli.py"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in keeping:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.arg if isinstance(node, (ast.keyword, ast.arg)) else
+                    node.attr if isinstance(node, ast.Attribute) else
+                    node.id if isinstance(node, ast.Name) else
+                    node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            if name in RENAMED:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {name}")
+    assert not found, found
