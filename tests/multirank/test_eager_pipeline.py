@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fxpar.codegen.pipeline.eager import EagerStage, cut_stages, eager_stages
 from fxpar.codegen.pipeline.split import StageModule
 from fxpar.errors import PlanError
-from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
+from tests.multirank.models_unseen import LoopMoEForCausalLM, loop_moe_batch
 from tests.parity import check_step, expect
 from tests.workers import tiny_model
 from tests.multirank.workers_eager import eager_hand_parity

@@ -136,12 +136,12 @@ def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_refe
     """Uneven DP through FxparTrainer; rank 1 slows to 0.25 at step 2 and the callback
     re-balances mid-run: the loss curve, the evaluation loss afterwards and the saved weights
     still equal the single-process Trainer's.  The busy times the callback re-balances from are
-    injected (share / speed, tests/trainer_injected_busy.py), not this machine's timing, so the
+    injected (share / speed, tests/multirank/trainer_injected_busy.py), not this machine's timing, so the
     proposal is the one those measurements call for."""
     # data parallelism pinned: the planner may prefer sharded DP, which does not re-balance online
     cfg = _write_config(tmp_path, speeds=[1.0, 1.0], forms=["data_parallel"],
                         rebalance={"enabled": True, "threshold": 0.1, "warmup_steps": 1, "window": 2})
-    _torchrun("tests/trainer_injected_busy.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
+    _torchrun("tests/multirank/trainer_injected_busy.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ),
                                    "--slow-down", "1:0.25:2", "--out", "run.json", "--output-dir", "saved",
                                    "--eval"],
               {}, tmp_path)
@@ -163,7 +163,7 @@ def test_trainer_dp_with_rebalance_matches_single_process(tmp_path, trainer_refe
 @pytest.mark.full
 def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trainer_reference):
     """``adapt:`` through FxparTrainer: rank 1 slows to 0.25 from step 1; from the injected busy
-    times (the plan's prediction at each rank's emulated speed, tests/trainer_adapt_injected.py)
+    times (the plan's prediction at each rank's emulated speed, tests/multirank/trainer_adapt_injected.py)
     the module detects it after min_steps, re-plans and moves its state to the new plan in
     memory; the loss curve, the evaluation loss and the saved weights equal the single-process
     Trainer's."""
@@ -171,7 +171,7 @@ def test_trainer_adapts_to_a_straggler_and_matches_single_process(tmp_path, trai
                         adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
                                "min_seconds": 0,
                                "horizon_steps": 100})
-    _torchrun("tests/trainer_adapt_injected.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq",
+    _torchrun("tests/multirank/trainer_adapt_injected.py", ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq",
                                                   str(SEQ), "--slow-down", "1:0.25:1", "--out", "run.json",
                                                   "--output-dir", "saved", "--eval"], {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
@@ -202,14 +202,14 @@ def test_trainer_adapts_saves_after_the_switch_and_resumes(tmp_path, trainer_ref
                         adapt={"calibration_steps": 1, "min_steps": 2, "warmup_steps": 0, "gather_every": 1,
                                "min_seconds": 0, "horizon_steps": 100, "background_planning": False})
     common = ["--fxpar-config", str(cfg), "--steps", str(STEPS), "--seq", str(SEQ), "--slow-down", "1:0.25:2"]
-    _torchrun("tests/trainer_adapt_injected.py", [*common, "--out", "run.json", "--output-dir", "saved",
+    _torchrun("tests/multirank/trainer_adapt_injected.py", [*common, "--out", "run.json", "--output-dir", "saved",
                                                   "--save-steps", "6"], {}, tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
     switched = [e["step"] for e in run["events"] if e["kind"] == "switch"]
     assert switched and switched[0] < 6, run["events"]   # the checkpoint is written under the new plan
     ckpt = tmp_path / "saved" / "checkpoint-6"
     assert (ckpt / "fxpar" / "fxpar_checkpoint.json").is_file()
-    _torchrun("tests/trainer_adapt_injected.py", [*common, "--out", "resumed.json", "--output-dir", "resumed",
+    _torchrun("tests/multirank/trainer_adapt_injected.py", [*common, "--out", "resumed.json", "--output-dir", "resumed",
                                                   "--resume", str(ckpt)], {}, tmp_path)
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     ref_losses = trainer_reference[0]

@@ -22,7 +22,7 @@ from fxpar.tracing import OpClass, trace
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from fxpar.workload import Workload
 from tests.workers import TINY_CONFIGS
-from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
+from tests.multirank.models_unseen import LoopMoEForCausalLM, loop_moe_batch
 from tests.parity import check_step, expect
 from tests.multirank.workers_recorded import recorded_parity, searched_tp_parity
 

@@ -271,7 +271,7 @@ def test_zoo_types_the_name_based_sharders_missed(pool2, model_type):
 def test_grouped_query_attention_is_found_whichever_way_its_heads_are_repeated(interleave):
     # expand + reshape (HF's repeat_kv) or repeat_interleave on the head axis: the same 8 query
     # heads in 4 key/value groups of 8 features, in a model written outside transformers
-    from tests.models_unseen import LlamaStyleForCausalLM, loop_moe_batch
+    from tests.multirank.models_unseen import LlamaStyleForCausalLM, loop_moe_batch
 
     graph = trace(LlamaStyleForCausalLM(interleave=interleave), loop_moe_batch(1, 8))
     assert graph.tp_analysis.splittable() == frozenset({"layers.0", "layers.1", "layers.2"})

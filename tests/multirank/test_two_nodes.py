@@ -1,7 +1,7 @@
 """Two "nodes" on one machine: network namespaces joined by a veth pair (10.77.0.1/24 and
 10.77.0.2/24), each with its own host name (a UTS namespace), each running
 ``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.77.0.1:29400``
-on tests/netns_node.py.  ``fxpar.Cluster.detect()`` must see 2 nodes; after a few fxpar
+on tests/multirank/netns_node.py.  ``fxpar.Cluster.detect()`` must see 2 nodes; after a few fxpar
 data-parallel steps node B's torchrun (and its worker) is killed, and node A must exit with a
 clear error (not hang) within a bound.  A second case freezes node B (SIGSTOP: alive, silent,
 its sockets open), which only the collective timeout of ``init_distributed`` can end.
@@ -91,7 +91,7 @@ def _node(n: dict[str, str], which: str, out: Path) -> subprocess.Popen:
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDR_A}:{PORT}", "--rdzv-id", "fxpar-two-nodes",
                 "--rdzv-conf", f"is_host={'true' if which == 'a' else 'false'},join_timeout=120",
                 "--local-addr", addr, "--max-restarts", "0",
-                str(ROOT / "tests" / "netns_node.py"), "--out", str(out), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
+                str(ROOT / "tests" / "multirank" / "netns_node.py"), "--out", str(out), "--timeout", str(COLLECTIVE_TIMEOUT_S)]
     script = f"hostname fxpar-node-{which} && exec " + " ".join(f"'{a}'" for a in torchrun)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "TRANSFORMERS_VERBOSITY": "error",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

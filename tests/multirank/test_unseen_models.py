@@ -1,5 +1,5 @@
 """Models written outside transformers' mapping go through the same paths as HF models
-(``tests/models_unseen.py``, each as model repositories write them):
+(``tests/multirank/models_unseen.py``, each as model repositories write them):
 
 - nanoGPT (a ModuleDict transformer, fused ``c_attn``, a tied head, ``forward(idx, targets) ->
   (logits, loss)``): uneven data parallelism and a two-stage pipeline equal one process; tensor

@@ -16,7 +16,7 @@ from fxpar.forms.pipeline.search_plans import to_plan
 from fxpar.solvers.problems import build_problems
 from fxpar.tracing import trace
 from fxpar.workload import Workload
-from tests.models_unseen import LoopMoEForCausalLM, loop_moe_batch
+from tests.multirank.models_unseen import LoopMoEForCausalLM, loop_moe_batch
 from tests.parity import step_record
 from tests.workers import rank_gradient_pairs
 from tests.multirank.workers_pptp import reference_slice

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.zoo import BATCH
-from tests.tiny_attention_lm import TinyAttentionLM
+from tests.multirank.tiny_attention_lm import TinyAttentionLM
 from tests.multirank.workers_tp_step import module_tp_step, zoo_tp_step
 
 def bias_parity(model_type: str, shares: list[int], padded: bool = False, overrides: dict | None = None,

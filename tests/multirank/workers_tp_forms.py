@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.zoo import BATCH
-from tests.tiny_attention_lm import TinyAttentionLM
+from tests.multirank.tiny_attention_lm import TinyAttentionLM
 from tests.multirank.workers_tp_step import module_tp_step, zoo_tp_step
 
 #: parameter names whose checkpoint boxes the parity reports (the per-head pieces of a sink)

@@ -1,4 +1,4 @@
-"""Rank workers for models written outside transformers (``tests/models_unseen.py``): uneven
+"""Rank workers for models written outside transformers (``tests/multirank/models_unseen.py``): uneven
 data parallelism, a two-stage pipeline and uneven tensor parallelism, each against one process
 on the same global batch (``tests/parity.step_record``)."""
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.common.module import RankModule
-from tests.models_unseen import LlamaStyleForCausalLM, LoopMoEForCausalLM, NanoGPT, loop_moe_batch, nanogpt_batch
+from tests.multirank.models_unseen import LlamaStyleForCausalLM, LoopMoEForCausalLM, NanoGPT, loop_moe_batch, nanogpt_batch
 from tests.parity import step_record
 from tests.workers import rank_gradient_pairs
 

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_trainer.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_trainer.py"
 SECONDS_PER_SAMPLE = 0.01
 
 

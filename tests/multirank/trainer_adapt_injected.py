@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
-from trainer_injected_busy import load_example  # a sibling script: torchrun puts tests/ on sys.path
+from trainer_injected_busy import load_example  # a sibling script: torchrun puts its folder on sys.path
 
 
 def modeled_busy(pmodel):
