@@ -6,9 +6,8 @@ heads, ``g`` = heads per KV group; ``g = 1`` without grouped-query attention) an
 columns.  A split whose shares sum to the query heads instead (multi-query attention: one
 key/value head, :func:`split_units`) gives position ``t`` ``k_t`` query heads and a replica of
 the key/value heads they read.  Column-parallel layers keep their output rows, row-parallel
-layers their input columns (a row-parallel bias is added once, by position 0):
-
-    y = Σ_t  W_row[:, cols_t] · f(W_col[rows_t, :] · x)            (exact for any split)
+layers their input columns (a row-parallel bias is added once, by position 0), which is exact
+for any split (:mod:`fxpar.codegen.tensor.module` writes the sum).
 
 ``tp_copy`` goes on the input of each attention / MLP / expert module (its backward sums the
 input gradient over the group), ``tp_reduce`` on the output of each row-parallel layer.
