@@ -127,7 +127,7 @@ def auto(model: torch.nn.Module, cluster: Cluster | str | Path, example_inputs: 
     :class:`~fxpar.errors.ConfigError` that names it (:mod:`fxpar.options`, :mod:`fxpar.api_checks`).
 
     Train with ``loss = pmodel.step(global_batch); optimizer.step(); optimizer.zero_grad()``.
-    Returns the plan kind's module (:func:`fxpar.build.build_module`), all with the same API:
+    Returns this rank's module (:func:`fxpar.build.build_module`: one module type, its plan's form applied as a pass), with one API:
     ``step(batch, local=False)``, ``batch_rows()``, ``clip_grad_norm_``, ``save_pretrained``.
 
     Give the process group a collective timeout (:func:`fxpar.runtime.init_distributed`): a rank that dies

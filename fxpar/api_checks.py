@@ -93,7 +93,7 @@ def check_forms(forms: Any) -> tuple[str, ...]:
 
 def check_options_for_plan(plan: Plan, *, group: Any, loss_fn: Any, loss_weighting: Any,
                            example_inputs: Any) -> None:
-    """Options every plan kind honours, or a ConfigError naming the option and the plan kind:
+    """Options every form honours, or a ConfigError naming the option and the form:
     pipelines train on the model's own loss (weighted by ``loss_weighting``) and need a dict
     example batch to cut the model; tensor-parallel and pipeline plans build their process
     groups over the whole job, so ``group`` is for data and expert parallel plans only."""

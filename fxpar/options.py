@@ -104,7 +104,7 @@ class Options:
         """These options with ``overrides`` (option name -> value) in place; an unknown name is a
         ConfigError that lists the accepted ones; an old name (:mod:`fxpar.renamed`) is a
         FutureWarning and sets the option of its new name."""
-        overrides = renamed_keys(overrides, where, stacklevel=4)
+        overrides = renamed_keys(overrides, where, accepted=names(), stacklevel=4)
         unknown = sorted(set(overrides) - set(names()))
         if unknown:
             raise ConfigError(f"{where}: unknown option(s) {unknown}; accepted: {names()}")
@@ -158,7 +158,7 @@ def options_from_mapping(d: Mapping[str, Any], *, source: str) -> Options:
     bad = sorted(set(d) & PYTHON_ONLY)
     if bad:
         raise ConfigError(f"{source}: {bad} cannot be set in a file (Python objects); pass them to fxpar.auto")
-    kwargs = renamed_keys(d, source)
+    kwargs = renamed_keys(d, source, accepted=names())
     if isinstance(kwargs.get("forms"), list):
         kwargs["forms"] = tuple(kwargs["forms"])
     if "adapt" in kwargs:

@@ -242,7 +242,7 @@ class Plan:
     #: the per-layer tensor-parallel split its tensor-parallel stages apply (:mod:`fxpar.tensor_layers`:
     #: per block, which projection rows each key/value group or column owns), as JSON in a plan file
     #: and editable there; None: the model's own analysis, which the module that runs the plan
-    #: writes here (:func:`fxpar.codegen.tensor.forms.split_of`); like the layout, plan
+    #: writes here (:func:`fxpar.codegen.tensor.families.split_of`); like the layout, plan
     #: equality leaves it out (the model's split, whichever plan of it carries it)
     tensor_layers: TPAnalysis | None = field(default=None, compare=False)
     #: the plan file's format (:data:`PLAN_FORMAT_VERSION`; older files convert on reading:

@@ -55,6 +55,10 @@ def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any
     if version >= 3:
         _refuse_v2_keys(d, source, version)
     else:
+        both = [f"{old} and {new}" for old, new in V2_PLAN_KEYS.items() if old in d and new in d]
+        if both:
+            raise PlanError(f"{source}: a version {version} plan gives {both[0]}; keep {both[0].split()[0]} "
+                            "(the key of its format), or write version 3 and keep the other")
         d = {V2_PLAN_KEYS.get(k, k): v for k, v in d.items()}
     stages = d.get("stages")
     if not isinstance(stages, list) or not stages:

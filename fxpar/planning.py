@@ -15,6 +15,7 @@ from fxpar.plan import Plan
 from fxpar.profiling import local_cache
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.keys import trace_at_two_batches
+from fxpar.renamed import accepts_renamed
 from fxpar.solvers import check_inputs
 from fxpar.solvers import plan as solve_plan
 from fxpar.forms import SEARCHED
@@ -98,6 +99,7 @@ def _trace_shallow(spec: ModelSpec, workload: Workload, progress: Progress, star
     return graph
 
 
+@accepts_renamed("fxpar.planning.plan_model")
 def plan_model(model: ModelSpec | Any, cluster, workload: Workload, *,
                progress: Progress = _quiet, profiles: Mapping[str, ProfileDB] | None = None,
                forms: tuple[str, ...] = SEARCHED) -> Plan:

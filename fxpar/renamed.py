@@ -7,10 +7,14 @@ old name                               new name                             wher
 ``strategies`` (keyword, option)       ``forms``                            ``fxpar.auto``,
                                                                             ``fxpar.Options``,
                                                                             ``fxpar.make_plan``,
-                                                                            ``AdaptPolicy``
+                                                                            ``AdaptPolicy``,
+                                                                            ``fxpar.solvers.plan``,
+                                                                            ``plan_model``
 ``strategies:`` (``fxpar.yaml`` key)   ``forms:``                           ``fxpar.yaml``
 ``--strategies`` (CLI flag)            ``--forms``                          ``fxpar plan``
-``strategy`` (plan field, keyword)     ``form``                             ``fxpar.Plan``
+``strategy`` (plan field, keyword)     ``form``                             ``fxpar.Plan``,
+                                                                            ``fxpar.Prediction``
+``fxpar.solvers.planner.FAMILIES``     ``fxpar.forms.SEARCHED``             the planner
 ``"strategy"`` (plan JSON key)         ``"form"``                           plan files (read by
                                                                             :mod:`fxpar.plan_upgrade`,
                                                                             no warning: files
@@ -23,8 +27,9 @@ The old names go in the release after the one that renamed them (:data:`REMOVED_
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -45,12 +50,15 @@ def warn_renamed(old: str, new: str, where: str, *, stacklevel: int = 3) -> None
                   FutureWarning, stacklevel=stacklevel)
 
 
-def renamed_keys(values: Mapping[str, Any], where: str, *, stacklevel: int = 3) -> dict[str, Any]:
-    """``values`` (keyword or key -> value) with each old name of :data:`RENAMED` under its new
-    one, warning once per old name; a :class:`~fxpar.errors.ConfigError` where both are given."""
+def renamed_keys(values: Mapping[str, Any], where: str, *, accepted: Collection[str],
+                 stacklevel: int = 3) -> dict[str, Any]:
+    """``values`` (keyword or key -> value) with each old name of :data:`RENAMED` whose new name
+    is ``accepted`` there put under its new name, warning once per old name (an old name of
+    something ``where`` never took stays, for ``where`` to call unknown); a
+    :class:`~fxpar.errors.ConfigError` where both names are given."""
     out = dict(values)
     for old, new in RENAMED.items():
-        if old in out:
+        if old in out and new in accepted:
             if new in out:
                 raise ConfigError(f"{where}: give {new!r} only ({old!r} is its old name), not both")
             warn_renamed(old, new, where, stacklevel=stacklevel + 1)
@@ -60,12 +68,16 @@ def renamed_keys(values: Mapping[str, Any], where: str, *, stacklevel: int = 3) 
 
 def accepts_renamed(where: str) -> Callable[[F], F]:
     """Decorate a function (or a class's ``__init__``) so that the old keyword names of
-    :data:`RENAMED` reach it under their new names, with :func:`warn_renamed`."""
+    :data:`RENAMED` whose new names it takes reach it under those, with :func:`warn_renamed`.
+    (``dataclasses.replace(obj, old=...)`` passes the new name too, so it is the "not both"
+    error: replace with the new name.)"""
     def wrap(fn: F) -> F:
+        accepted = frozenset(inspect.signature(fn).parameters)
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if any(old in kwargs for old in RENAMED):
-                kwargs = renamed_keys(kwargs, where)
+                kwargs = renamed_keys(kwargs, where, accepted=accepted)
             return fn(*args, **kwargs)
         return call  # type: ignore[return-value]
     return wrap

@@ -136,7 +136,7 @@ def config_from_mapping(d: Mapping[str, Any], *, source: str = "<dict>") -> Fxpa
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(d).__name__}")
     options_from_mapping({k: v for k, v in d.items() if k in PYTHON_ONLY}, source=source)   # names them
-    d = renamed_keys(d, source)   # an old key (fxpar.renamed): a FutureWarning, read under its new name
+    d = renamed_keys(d, source, accepted=yaml_keys())   # an old key (fxpar.renamed): a FutureWarning, read under its new name
     known = sorted({*OWN_KEYS, *yaml_keys(), "workload"})
     unknown = set(d) - set(known)
     if unknown:

@@ -23,7 +23,7 @@ Activations: the traced graph's saved-for-backward bytes per sample (see
 type, a copy per matmul of an fp32 input, norms and residuals in fp32), whatever precision the
 model was traced in.
 
-Peak of a training step (:func:`step_peak_bytes`, every plan kind; checked against the CPU
+Peak of a training step (:func:`step_peak_bytes`, every form; checked against the CPU
 allocator's live tensor bytes by ``python -m benchmarks.memory_fidelity``).  A rank holds its
 weights ``W`` and optimizer state ``O`` across steps (AdamW's ``m, v`` exist from the first
 ``optimizer.step()`` on; the predicted peak is the steady state's, which no earlier step
@@ -134,7 +134,7 @@ def step_peak_bytes(*, weights: float, grads: float, optimizer_state: float, siz
                     activation_per_sample: float, workspace_per_sample: float, in_flight: int = 1,
                     exchange: float = 0.0, buffers: float = 0.0) -> int:
     """Peak live tensor bytes of one rank over a steady-state training step (module docstring,
-    "Peak of a training step"), one formula for every plan kind:
+    "Peak of a training step"), one formula for every form:
 
         peak = W + O + H + max( max_j ( G·[j ≥ 1] + a·Σ_{i=j}^{j+r−1} s_i + t·s_j ),  G + X )
 

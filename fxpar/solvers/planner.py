@@ -47,16 +47,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from fxpar.forms import SEARCHED, part
 from fxpar.plan import Plan
 from fxpar.profiling.database import ProfileDB
 from fxpar.profiling.local_cache import profiles_description
+from fxpar.renamed import accepts_renamed, warn_renamed
 from fxpar.solvers.choose import REL_TOL, choose
 from fxpar.solvers.problems import Candidates, build_problems
 from fxpar.tracing.graph import ModelGraph
 from fxpar.workload import Workload
 
+
+def __getattr__(name: str) -> Any:
+    """``FAMILIES``, the old name of :data:`fxpar.forms.SEARCHED` (:mod:`fxpar.renamed`)."""
+    if name == "FAMILIES":
+        warn_renamed("fxpar.solvers.planner.FAMILIES", "fxpar.forms.SEARCHED", "fxpar.solvers.planner")
+        return SEARCHED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@accepts_renamed("fxpar.solvers.plan")
 def plan(graph: ModelGraph, cluster, workload: Workload, *, allow_tf32: bool = False,
          profiles: Mapping[str, ProfileDB] | None = None,
          forms: tuple[str, ...] = SEARCHED,

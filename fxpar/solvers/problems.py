@@ -132,10 +132,10 @@ def build_problems(graph: ModelGraph, cluster, workload: Workload, forms: tuple[
     fits = dp_fits(problem) and workload.global_batch >= cluster.world_size
     draft = Problems(graph=graph, cluster=cluster, workload=workload, forms=forms, cost=cost,
                      dp=problem, dp_fits=fits, own=own, lower_bound_s=math.inf, lower_bound_by_form=())
-    forms = bound_forms(draft)
-    offload = (any(form(f).offloads for f in forms)
+    bounded = bound_forms(draft)
+    offload = (any(form(f).offloads for f in bounded)
                and any(may_offload(cluster, g.ranks) for g in cluster.groups()))
-    by_form = form_bounds_s(cost, workload.global_batch, forms, host_optimizer=offload)
+    by_form = form_bounds_s(cost, workload.global_batch, bounded, host_optimizer=offload)
     return replace(draft, lower_bound_s=min(by_form.values()),   # bounds.lower_bound_s, its terms kept
                    lower_bound_by_form=tuple(by_form.items()))
 

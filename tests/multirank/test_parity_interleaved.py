@@ -22,7 +22,7 @@ def _check(results):
     print(f"[parity] interleaved: loss {max(s['loss_diff'] for s in steps):.1e}, grads "
           f"{max(s['max_grad_abs_diff'] for s in steps):.1e}, weights {results[0]['param_diff']:.1e}")
     for r in results:
-        assert r["module"] == "RankModule" and r["form"] == "InterleavedPipeline"
+        assert r["module"] == "RankModule" and r["pass"] == "InterleavedPipeline"
         for k, s in enumerate(r["steps"]):
             expect(*check_step(s), context=(r["rank"], k))
         expect(check_loss(r["eval_loss"], r["ref_eval_loss"]), context=(r["rank"], "eval"))

@@ -262,9 +262,9 @@ _TRACED_MODELS = {
 }
 
 
-@pytest.mark.parametrize("form", [pytest.param(f, marks=() if f == "llama" else pytest.mark.full)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else pytest.mark.full)
                                     for f in _TRACED_MODELS])
-def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(form):
+def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
     """A switch's stages read their boundary values (shape, dtype, ``requires_grad`` and device of
     what each stage receives and sends) from the cached export (``traced_example``: its values at
     the batch's sizes and its one pass with autograd), instead of a pass over the chain on every
@@ -280,7 +280,7 @@ def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(form):
     def seen(values: tuple) -> list:
         return [(tuple(t.shape), t.dtype, t.requires_grad, t.device.type) for t in values]
 
-    model = build_model(ModelSpec(hf_config=_TRACED_MODELS[form]), device="cpu", seed=0,
+    model = build_model(ModelSpec(hf_config=_TRACED_MODELS[family]), device="cpu", seed=0,
                         attn_implementation="eager").train()
     cache, compared = ExportCache(), 0
     for rows in (4, 2, 6):

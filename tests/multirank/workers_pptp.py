@@ -361,7 +361,7 @@ def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: li
                             stage_ranks=stage_ranks, num_microbatches=microbatches, pipelines=pipelines)
     data = [global_batch(model, 8, 16, seed=1 + s, ignore_some=True) for s in range(steps)]
     pm = fxpar.auto(model, cluster, data[0], plan=plan)
-    out = {"rank": rank, "stages": pm.form.stage_indices, "module": type(pm).__name__, "form": type(pm.form).__name__}
+    out = {"rank": rank, "stages": pm.form.stage_indices, "module": type(pm).__name__, "pass": type(pm.form).__name__}
     out["steps"], weights = _train_and_compare(pm, reference, data, optimizer)
     with torch.no_grad():
         out["eval_loss"] = float(pm.eval_loss(data[0]))

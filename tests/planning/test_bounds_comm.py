@@ -273,8 +273,8 @@ def test_memory_caps_force_a_positive_communication_term(forms):
     workload = Workload(global_batch=8, seq_len=SEQ, optimizer="adamw")
     p = build_problems(graph("llama"), capped_cluster(), workload, forms)
     fast = build_problems(graph("llama"), capped_cluster(1e3), workload, forms)
-    forms = [f for f, _ in p.lower_bound_by_form]
-    assert not p.dp_fits and "data_parallel" not in forms and forms
+    bounded = [f for f, _ in p.lower_bound_by_form]
+    assert not p.dp_fits and "data_parallel" not in bounded and bounded
     compute_only = compute_bound_s(p.cost, 8) + min(p.cost.optimizer_s(d) for d in p.cluster.devices) / 4
     assert p.lower_bound_s > fast.lower_bound_s > compute_only
     plan = solve(graph("llama"), capped_cluster(), workload, forms=forms)

@@ -119,6 +119,13 @@ def test_a_v2_plan_reads_as_the_same_plan_and_writes_v3(tp_plan):
     assert json.loads(loaded.to_json())["form"] == "tensor_parallel"
 
 
+def test_a_v2_plan_giving_both_strategy_and_form_is_refused(tp_plan):
+    d = _as_v2(tp_plan)
+    d["form"] = "pipeline"
+    with pytest.raises(PlanError, match=r"edited.json: a version 2 plan gives strategy and form; keep strategy"):
+        Plan.from_dict(d, source="edited.json")
+
+
 def test_a_v3_plan_spelling_strategy_says_to_write_form(tp_plan):
     d = json.loads(tp_plan.to_json())
     d["strategy"] = d.pop("form")

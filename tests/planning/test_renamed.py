@@ -41,6 +41,27 @@ def test_an_option_by_its_old_name_warns_and_sets_the_new_one():
         Options().overridden({"strategies": ("pipeline",), "forms": ("pipeline",)})
 
 
+def test_an_old_name_is_renamed_only_where_its_new_name_is_taken():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'strategy'"):
+        Options(strategy="pipeline")   # Options has no ``form``: the old name stays unknown
+    with pytest.raises(ConfigError, match="unknown option\\(s\\) \\['strategy'\\]"):
+        Options().overridden({"strategy": "pipeline"})
+
+
+def test_the_planners_old_names_warn():
+    from fxpar.solvers import plan as solve_plan
+    from fxpar.solvers.planner import __getattr__ as planner_attribute
+    from fxpar.tracing import trace
+
+    with pytest.warns(FutureWarning, match=_renamed("fxpar.solvers.planner.FAMILIES", "fxpar.forms.SEARCHED",
+                                                    "fxpar.solvers.planner")):
+        assert planner_attribute("FAMILIES") == fxpar.forms.SEARCHED
+    model, inputs = tiny_mlp_with_inputs()
+    with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "fxpar.solvers.plan")):
+        plan = solve_plan(trace(model, inputs), C2, fxpar.Workload(global_batch=4), strategies=("data_parallel",))
+    assert plan.form == "data_parallel"
+
+
 def test_a_bad_value_under_the_old_name_is_the_new_names_config_error():
     with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"forms = \('zigzag',\): expected None"):
         Options(strategies=["zigzag"])

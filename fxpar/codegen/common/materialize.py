@@ -1,5 +1,5 @@
 """This rank's shard of a model, allocated on its device from one source: the first of the
-ordered passes every plan kind runs in its constructor (DESIGN, "Compose, don't fork").
+ordered passes every form runs in its constructor (DESIGN, "Compose, don't fork").
 
 A model may come with its parameters on the ``meta`` device (built under
 ``torch.device("meta")``, ``from_config`` under it, ``accelerate.init_empty_weights()``, or
@@ -28,7 +28,7 @@ Sources (``read(TensorRequest) -> host tensor``):
 - :class:`~fxpar.checkpoint.weights.HFWeights`: a ``save_pretrained`` folder or ``.safetensors``
   file (``fxpar.auto(..., checkpoint=...)``);
 - :class:`SeededInit`: a meta model without a checkpoint gets a deterministic initialisation
-  seeded per parameter *name*, so every plan kind and world size starts from the same weights.
+  seeded per parameter *name*, so every form and world size starts from the same weights.
   For the tensor's canonical FQN ``n``: a ``torch.Generator`` on the host seeded with
   ``zlib.crc32(n)`` draws the *whole* tensor (fp32), then the rank's box is cut out:
 
