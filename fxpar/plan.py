@@ -27,14 +27,24 @@ from fxpar.plan_checks import (
     set_fields,
 )
 from fxpar.plan_table import render_table
-from fxpar.plan_upgrade import upgrade
-from fxpar.renamed import keeps_old_names
-from fxpar.stage_specs import SPECS, ExpertStage, ReplicaStage, ShardedStage, TensorStage, spec_from_value
+from fxpar.plan_upgrade import V3_PIPELINE_KEYS, fold_pipeline, upgrade
+from fxpar.renamed import folds_moved, keeps_old_names
+from fxpar.stage_specs import (
+    PIPELINE_KEY,
+    PLAN_SPECS,
+    SPECS,
+    ExpertStage,
+    PipelineSpec,
+    ReplicaStage,
+    ShardedStage,
+    TensorStage,
+    spec_from_value,
+)
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tensor_layers import from_dict as layers_from_dict
 from fxpar.tensor_layers import to_dict as layers_to_dict
 
-PLAN_FORMAT_VERSION = 3
+PLAN_FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,6 +178,7 @@ _NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cos
                          "tensor_layers"})
 
 
+@folds_moved("fxpar.Plan", V3_PIPELINE_KEYS, PIPELINE_KEY, fold_pipeline)
 @keeps_old_names("fxpar.Plan")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
@@ -207,17 +218,13 @@ class Plan:
     solver: SolverReport | None = None
     #: made for emulated ranks (CPU processes slowed to their speeds; DESIGN)
     emulated: bool = False
-    #: pipeline replicas (data parallel across them); replica ``p`` trains ``data_split[p]``
-    #: samples, on its stages' ``replicas.devices``
-    pipelines: int = 1
-    #: per pipeline and step (pipeline ``p``'s micro-batch: ``data_split[p] / num_microbatches`` samples)
-    num_microbatches: int = 1
-    #: a pipeline's schedule (:data:`fxpar.plan_checks.SCHEDULES`; "none" for the other forms)
-    schedule: str = "none"
+    #: a pipeline's shape and schedule (:class:`fxpar.stage_specs.PipelineSpec`): set on a plan
+    #: of a form that cuts the model into stages, None on any other (the views
+    #: :attr:`pipelines`, :attr:`num_microbatches`, :attr:`schedule` and
+    #: :attr:`zero_sharded_optimizer` read it for code that handles every form)
+    pipeline: PipelineSpec | None = None
     #: every stage recomputes its forward in the backward (a stage can also say so itself)
     activation_checkpointing: bool = False
-    #: ZeRO-1: the optimizer state is sharded over the ranks that hold the same parameters
-    zero_sharded_optimizer: bool = False
     #: why this plan: the candidates and baselines considered
     explain: tuple[str, ...] = ()
     #: how each exchange is done, and why
@@ -250,6 +257,8 @@ class Plan:
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        for key in PLAN_SPECS:
+            object.__setattr__(self, key, spec_from_value(key, getattr(self, key), "plan"))
         check_plan(self, rank_type=RankPlan, stage_type=StagePlan, solver_type=SolverReport,
                    collective_type=CollectiveChoice)
         check_form_rules(self)
@@ -261,6 +270,27 @@ class Plan:
             object.__setattr__(self, "tensor_layers", layers_from_dict(self.tensor_layers))
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def pipelines(self) -> int:
+        """Pipeline replicas: ``pipeline.pipelines``; 1 for a plan without a pipeline."""
+        return self.pipeline.pipelines if self.pipeline is not None else 1
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline and step: ``pipeline.num_microbatches``; 1 for a plan without
+        a pipeline (whose ranks say their own: ``RankPlan.num_microbatches``)."""
+        return self.pipeline.num_microbatches if self.pipeline is not None else 1
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline's schedule: ``pipeline.schedule``; ``"none"`` for a plan without a pipeline."""
+        return self.pipeline.schedule if self.pipeline is not None else "none"
+
+    @property
+    def zero_sharded_optimizer(self) -> bool:
+        """ZeRO-1 across the pipelines: ``pipeline.zero_sharded_optimizer``; False without a pipeline."""
+        return self.pipeline is not None and self.pipeline.zero_sharded_optimizer
+
     @property
     def precision(self) -> DtypePolicy:
         """The plan's dtype policy: ``dtype_policy``, or the default of ``dtype``."""
@@ -360,6 +390,7 @@ class Plan:
                 dtype = str(d.get("dtype", "fp32"))
                 policy = DtypePolicy.from_value(d["dtype_policy"], dtype)
                 kw["dtype_policy"] = None if policy == DtypePolicy.for_dtype(dtype) else policy
+            kw.update({key: spec_from_value(key, d[key], source) for key in PLAN_SPECS if key in d})
             if d.get("tensor_layers") is not None:
                 kw["tensor_layers"] = layers_from_dict(d["tensor_layers"], f"{source}: tensor_layers")
             _require(cls, kw, source)

@@ -23,7 +23,8 @@ REMEDY = "write plans with Plan.to_json or `fxpar plan --json`, or correct this 
 #: (ZeRO-2), 3 shards the parameters too (ZeRO-3 / FSDP: a block is all-gathered around its
 #: forward and backward)
 SHARD_STAGES: tuple[int, ...] = (2, 3)
-SCHEDULES: tuple[str, ...] = ("none", "1F1B", "GPipe", "interleaved")
+#: a pipeline's schedules (:class:`fxpar.stage_specs.PipelineSpec`; the simulator's too)
+SCHEDULES: tuple[str, ...] = ("1F1B", "GPipe", "interleaved")
 
 
 def _fail(where: str, name: str, value: Any, expected: str) -> PlanError:
@@ -123,6 +124,18 @@ def check_tensor_stage(t: Any) -> None:
             raise _fail(where, "mlp_split", list(t.mlp_split), f"one entry per rank, as split {list(t.split)} has")
 
 
+def check_pipeline_spec(p: Any) -> None:
+    """Types and ranges of a ``PipelineSpec`` (:mod:`fxpar.stage_specs`; normalised in place):
+    at least one pipeline and one micro-batch, a schedule of :data:`SCHEDULES`; the pipeline
+    form checks them against the stages and ranks."""
+    where = "plan.pipeline"
+    set_fields(p, pipelines=_int(p.pipelines, where, "pipelines", 1),
+               num_microbatches=_int(p.num_microbatches, where, "num_microbatches", 1),
+               zero_sharded_optimizer=_flag(p.zero_sharded_optimizer, where, "zero_sharded_optimizer"))
+    if p.schedule not in SCHEDULES:
+        raise _fail(where, "schedule", p.schedule, f"one of {SCHEDULES}")
+
+
 def check_expert_stage(e: Any) -> None:
     """Types of an ``ExpertStage`` (:mod:`fxpar.stage_specs`; normalised in place): whole
     experts per rank; codegen checks them against the model's experts."""
@@ -189,14 +202,13 @@ def check_collective(c: Any) -> None:
 
 def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
                collective_type: type | None = None) -> None:
-    """Types and ranges of every ``Plan`` field, then the cross-field rules that do not depend
-    on the form (stage numbering, ranks in range, per-form split lengths)."""
+    """Types and ranges of every ``Plan`` field, then the cross-field rules every form shares (a
+    pipeline spec exactly where the form cuts the model, stage numbering, ranks in range,
+    per-form split lengths)."""
     where = "plan"
-    for name in ("form", "model", "cluster", "dtype", "optimizer", "schedule", "cost_source"):
+    for name in ("form", "model", "cluster", "dtype", "optimizer", "cost_source"):
         set_fields(p, **{name: _text(getattr(p, name), where, name)})
     set_fields(p, global_batch=_int(p.global_batch, where, "global_batch", 1),
-         pipelines=_int(p.pipelines, where, "pipelines", 1),
-         num_microbatches=_int(p.num_microbatches, where, "num_microbatches", 1),
          version=_int(p.version, where, "version", 1),
          solve_time_s=_real(p.solve_time_s, where, "solve_time_s"),
          explain=_texts(p.explain, where, "explain"))
@@ -204,8 +216,7 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
         set_fields(p, seq_len=_int(p.seq_len, where, "seq_len", 1))
     for name in ("predicted_step_s", "predicted_compute_s", "predicted_comm_s", "lower_bound_s"):
         set_fields(p, **{name: _real(getattr(p, name), where, name)})
-    for name in ("emulated", "activation_checkpointing", "zero_sharded_optimizer", "overlap_grad_allreduce",
-                 "allow_tf32"):
+    for name in ("emulated", "activation_checkpointing", "overlap_grad_allreduce", "allow_tf32"):
         set_fields(p, **{name: _flag(getattr(p, name), where, name)})
     for name, kind in (("ranks", rank_type), ("stages", stage_type)):
         items = tuple(_sequence(getattr(p, name), where, name, kind.__name__))
@@ -223,6 +234,7 @@ def check_plan(p: Any, *, rank_type: type, stage_type: type, solver_type: type,
         set_fields(p, collectives=items)
     set_fields(p, baselines=_baselines(p.baselines))
     _check_measured(p)
+    _check_pipeline(p)
     _check_stages(p)
 
 
@@ -264,17 +276,28 @@ def _check_stages(p: Any) -> None:
 
 def check_form_rules(p: Any) -> None:
     """The rules of a ``Plan`` that depend on its form, after :func:`check_plan`: a known
-    form and schedule, ranks listed in order with micro-batches that cover their shares, each
-    form's split, and shares (or stages) that account for the whole batch and every rank."""
+    form, ranks listed in order with micro-batches that cover their shares, each form's split, and
+    shares (or stages) that account for the whole batch and every rank."""
     spec = part(p.form, "spec")   # an unknown form: PlanError naming the accepted ones
     if not p.ranks:
         raise PlanError("plan.ranks is empty: a plan needs at least one rank")
     _check_rank_batches(p)
     _check_offload(p)
     _check_stage_fields(p)
-    if p.schedule not in SCHEDULES:
-        raise PlanError(f"plan.schedule = {p.schedule!r}: accepted values are {SCHEDULES}")
     spec.check(p)
+
+
+def _check_pipeline(p: Any) -> None:
+    """``plan.pipeline`` (its pipelines, micro-batches and schedule) is set on a plan of a form
+    that cuts the model into stages (``Form.cuts_model``) and on no other: another form's run
+    would ignore it."""
+    cutting = [f.name for f in FORMS if f.cuts_model]
+    if form(p.form).cuts_model and p.pipeline is None:
+        raise PlanError(f"plan.pipeline is missing: a {p.form} plan says its pipelines, micro-batches and "
+                        'schedule there, e.g. {"pipelines": 1, "num_microbatches": 4, "schedule": "1F1B"}')
+    if not form(p.form).cuts_model and p.pipeline is not None:
+        raise PlanError(f"plan.pipeline = {p.pipeline!r:.80}: a {p.form} plan runs no pipeline (its run would "
+                        f"ignore it; only {cutting} plans do): remove it, or write a {' or '.join(cutting)} plan")
 
 
 def _check_offload(p: Any) -> None:

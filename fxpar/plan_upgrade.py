@@ -14,9 +14,16 @@ Format history:
   ``replica_devices`` and ``replica_modules`` ``"replicas": {"devices": ..., "modules": ...}``.
 - **v3**: the parallel form's key is ``"form"`` (v1 and v2 called it ``"strategy"``; one name per
   concept, ``docs/glossary.md``).
+- **v4**: a pipeline's shape and schedule is one typed object, the plan's ``"pipeline"``
+  (:class:`fxpar.stage_specs.PipelineSpec`), set only on a plan of a form that cuts the model:
+  the flat keys ``pipelines``, ``num_microbatches``, ``schedule`` and ``zero_sharded_optimizer``
+  of v1-v3 moved there (:func:`fold_pipeline`).  A v1-v3 pipeline plan's schedule ``"none"``
+  ran 1F1B (the runtime's default) and reads so; another form's flat keys held what its run
+  ignored (its ``num_microbatches``, which its ranks carry too, is dropped; any other value but
+  the unset one is a PlanError).
 
-Every v1 and v2 plan (the ones stored in ``benchmarks/results`` and the test fixtures among
-them) reads as the same plan it was; written again, it is v3.  A plan that spells a key of an
+Every v1, v2 and v3 plan (the ones stored in ``benchmarks/results`` and the test fixtures among
+them) reads as the same plan it was; written again, it is v4.  A plan that spells a key of an
 older format than its ``version`` is a :class:`~fxpar.errors.PlanError` saying what to write
 instead.
 """
@@ -24,9 +31,12 @@ instead.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from fxpar.errors import PlanError
+from fxpar.forms import NAMES, form
+from fxpar.stage_specs import PIPELINE_KEY
 
 #: v1 stage key -> (v2 spec key, its field there)
 V1_STAGE_KEYS: dict[str, tuple[str, str]] = {
@@ -42,16 +52,25 @@ V1_STAGE_KEYS: dict[str, tuple[str, str]] = {
 V1_UNSET: dict[str, Any] = {"shard_stage": 0}
 #: plan keys v3 renamed: v1/v2 key -> v3 key
 V2_PLAN_KEYS: dict[str, str] = {"strategy": "form"}
+#: plan keys v4 moved under the plan's ``"pipeline"`` (same names there), with the value each
+#: held on a plan that runs no pipeline
+V3_PIPELINE_KEYS: dict[str, Any] = {"pipelines": 1, "num_microbatches": 1, "schedule": "none",
+                                    "zero_sharded_optimizer": False}
 
 
 def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any]:
     """``d`` (a plan's JSON data) in format ``current``: a v1 plan's stages converted, a v1 or v2
-    plan's renamed keys (:data:`V2_PLAN_KEYS`) renamed, a current plan returned as it is; an
-    unknown version is a :class:`PlanError`."""
+    plan's renamed keys (:data:`V2_PLAN_KEYS`) renamed, a v1-v3 plan's pipeline keys moved
+    (:func:`fold_pipeline`), a current plan returned as it is; an unknown version is a
+    :class:`PlanError`."""
     version = d.get("version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or version not in range(1, current + 1):
         raise PlanError(f"{source}: plan format version {version!r} is not supported (this fxpar reads "
                         f"versions 1 to {current}); re-run `fxpar plan`")
+    if version >= 4:
+        _refuse_v3_keys(d, source, version)
+    else:
+        d = fold_pipeline(d, source)
     if version >= 3:
         _refuse_v2_keys(d, source, version)
     else:
@@ -99,3 +118,39 @@ def _refuse_v2_keys(d: Mapping[str, Any], source: str, version: int) -> None:
         if old in d:
             raise PlanError(f"{source}: {old} is a plan format v1/v2 key; in a version {version} plan write "
                             f"it as {new} (or set \"version\": 2 to have the file read as v2)")
+
+
+def fold_pipeline(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``d`` (a plan's data, or a ``Plan``'s keywords) with the flat pipeline keys of formats
+    v1-v3 (:data:`V3_PIPELINE_KEYS`) moved under ``"pipeline"`` (module docstring): merged into
+    the ``pipeline`` given beside them (an object or a spec), a schedule ``"none"`` left to the
+    spec's default (1F1B, what it ran); on a plan of a form that cuts no model, dropped where
+    they hold the unset value (``num_microbatches`` whatever it holds: the ranks carry theirs),
+    a :class:`PlanError` naming the key otherwise."""
+    flat = {k: d[k] for k in V3_PIPELINE_KEYS if k in d}
+    out = {k: v for k, v in d.items() if k not in V3_PIPELINE_KEYS}
+    if not flat:
+        return out
+    name = out.get("form", out.get("strategy"))
+    if not (isinstance(name, str) and name in NAMES and form(name).cuts_model):
+        for key, value in flat.items():
+            if key != "num_microbatches" and value != V3_PIPELINE_KEYS[key]:
+                raise PlanError(f"{source}: {key} = {value!r:.40}: a {name} plan runs no pipeline (its run "
+                                f"ignores it); remove it, or write a pipeline plan")
+        return out
+    base = out.get(PIPELINE_KEY)
+    values = (dict(base) if isinstance(base, Mapping) else
+              {f.name: getattr(base, f.name) for f in fields(base)} if base is not None and is_dataclass(base)
+              else {})
+    values.update({k: v for k, v in flat.items() if not (k == "schedule" and v == "none")})
+    out[PIPELINE_KEY] = values
+    return out
+
+
+def _refuse_v3_keys(d: Mapping[str, Any], source: str, version: int) -> None:
+    """A v4 (or later) plan spelling a flat pipeline key: a PlanError naming the new spelling."""
+    for old in V3_PIPELINE_KEYS:
+        if old in d:
+            raise PlanError(f"{source}: {old} is a plan format v1-v3 key; in a version {version} plan write it "
+                            f"as pipeline: {{{old}: ...}} on a pipeline plan, and leave it out of any other "
+                            "(or set \"version\": 3 to have the file read as v3)")

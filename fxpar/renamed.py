@@ -19,6 +19,9 @@ old name                               new name                             wher
                                                                             :mod:`fxpar.plan_upgrade`,
                                                                             no warning: files
                                                                             stay readable)
+``pipelines``, ``num_microbatches``,   ``pipeline``, a ``PipelineSpec``     ``fxpar.Plan``
+``schedule``,                          (moved: :func:`folds_moved`)         (reading them:
+``zero_sharded_optimizer`` (keywords)                                       views, no warning)
 =====================================  ===================================  ===================
 
 The old names go in the release after the one that renamed them (:data:`REMOVED_IN`).
@@ -102,3 +105,31 @@ def _old_reader(old: str, new: str, where: str) -> Callable[[Any], Any]:
         warn_renamed(old, new, where)
         return getattr(self, new)
     return read
+
+
+def warn_moved(old: str, into: str, where: str, *, stacklevel: int = 3) -> None:
+    """The warning a keyword that moved into a typed spec gives (:func:`folds_moved`)."""
+    warnings.warn(f"{where}: {old!r} moved into {into!r} ({into}={{{old!r}: ...}}); {old!r} still works "
+                  f"until fxpar {REMOVED_IN}", FutureWarning, stacklevel=stacklevel)
+
+
+def folds_moved(where: str, moved: Collection[str], into: str,
+                fold: Callable[[Mapping[str, Any], str], dict[str, Any]]) -> Callable[[C], C]:
+    """A class decorator: its ``__init__`` also takes the keywords ``moved`` that now live in its
+    field ``into`` (a typed spec), each with :func:`warn_moved`, and ``fold(keywords, where)``
+    puts them there (merged into an ``into`` given beside them, as ``dataclasses.replace``
+    passes it)."""
+    def wrap(cls: C) -> C:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def call(self: Any, *args: Any, **kwargs: Any) -> None:
+            old = [k for k in kwargs if k in moved]
+            if old:
+                for k in old:
+                    warn_moved(k, into, where)
+                kwargs = fold(kwargs, where)
+            init(self, *args, **kwargs)
+        cls.__init__ = call  # type: ignore[misc]
+        return cls
+    return wrap

@@ -1,4 +1,5 @@
-"""The typed per-form parts of a :class:`~fxpar.plan.StagePlan` (plan format v2).
+"""The typed per-form parts of a :class:`~fxpar.plan.StagePlan` (plan format v2), and the
+pipeline's part of a :class:`~fxpar.plan.Plan` (:class:`PipelineSpec`, plan format v4).
 
 A stage says what every form runs on it in one place each: its modules, ranks and data split
 are common; what a parallel form adds is one frozen spec under its key, present only where
@@ -25,7 +26,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from fxpar.errors import PlanError
-from fxpar.plan_checks import check_expert_stage, check_replica_stage, check_sharded_stage, check_tensor_stage
+from fxpar.plan_checks import (
+    check_expert_stage,
+    check_pipeline_spec,
+    check_replica_stage,
+    check_sharded_stage,
+    check_tensor_stage,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +109,35 @@ class ReplicaStage:
         check_replica_stage(self)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineSpec:
+    """A pipeline plan's shape and schedule: the plan's ``pipeline`` (plan format v4), set on a
+    plan of a form that cuts the model into stages and on no other.  In a plan's JSON::
+
+        "pipeline": {"pipelines": 2, "num_microbatches": 4, "schedule": "1F1B",
+                     "zero_sharded_optimizer": false}
+
+    Code that handles every form reads it through the plan's views (``Plan.pipelines``,
+    ``Plan.num_microbatches``, ``Plan.schedule``, ``Plan.zero_sharded_optimizer``), which give a
+    plan without a pipeline one pipeline of one micro-batch and the schedule ``"none"``."""
+
+    #: pipeline replicas (data parallel across them); replica ``p`` trains the stages'
+    #: ``data_split[p]`` samples, on its stages' ``replicas.devices``
+    pipelines: int = 1
+    #: micro-batches per pipeline and step (pipeline ``p``'s micro-batch: ``data_split[p] /
+    #: num_microbatches`` samples)
+    num_microbatches: int = 1
+    #: the schedule (:data:`fxpar.plan_checks.SCHEDULES`): ``"1F1B"``, ``"GPipe"`` or
+    #: ``"interleaved"`` (a rank may then hold several stages)
+    schedule: str = "1F1B"
+    #: ZeRO-1 across the pipelines: the optimizer state is sharded over the ranks that hold the
+    #: same parameters
+    zero_sharded_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        check_pipeline_spec(self)
+
+
 def replica_stage(devices: Any = None, modules: Any = None) -> ReplicaStage | None:
     """The spec of a pipeline stage whose replicas differ as given; None where neither differs."""
     if devices is None and modules is None:
@@ -114,10 +150,17 @@ SPECS: dict[str, type] = {"tensor": TensorStage, "expert": ExpertStage, "sharded
                           "replicas": ReplicaStage}
 
 
+#: the plan's key its :class:`PipelineSpec` is under (a plan field; not the form of that name)
+PIPELINE_KEY = "pipeline"
+#: a plan's key -> the spec type under it
+PLAN_SPECS: dict[str, type] = {PIPELINE_KEY: PipelineSpec}
+
+
 def spec_from_value(key: str, value: Any, where: str) -> Any:
-    """The spec under ``key`` from a spec or from its JSON object (unknown or missing keys: a
-    :class:`PlanError` naming them, the stage and the keys accepted)."""
-    cls = SPECS[key]
+    """The spec under ``key`` (of a stage, :data:`SPECS`, or of the plan, :data:`PLAN_SPECS`)
+    from a spec or from its JSON object (unknown or missing keys: a :class:`PlanError` naming
+    them, where it is and the keys accepted)."""
+    cls = SPECS[key] if key in SPECS else PLAN_SPECS[key]
     if value is None or isinstance(value, cls):
         return value
     if not isinstance(value, Mapping):

@@ -10,7 +10,7 @@ import torch
 from fxpar.codegen.tensor.families import split_sizes
 from fxpar.errors import PlanError
 from fxpar.plan import Plan, RankPlan, StagePlan
-from fxpar.stage_specs import ExpertStage, TensorStage
+from fxpar.stage_specs import ExpertStage, PipelineSpec, TensorStage
 from fxpar.tensor_layers import TPAnalysis
 from fxpar.tracing.analyze_model import analyze_model
 from fxpar.tracing.tensor_parallel.by_block import explain_line
@@ -40,7 +40,8 @@ def _per_stage(values: Any, S: int, name: str) -> list[Any]:
 
 
 def _pipeline(model: torch.nn.Module, cluster, stages: list[StagePlan], *, global_batch: int, per: int,
-              num_microbatches: int, pipelines: int, seq_len: int | None, **fields: Any) -> Plan:
+              num_microbatches: int, pipelines: int, seq_len: int | None, schedule: str,
+              zero_sharded_optimizer: bool = False, **fields: Any) -> Plan:
     """A hand-written pipeline plan: every rank trains its pipeline's ``per`` samples."""
     ranks = tuple(RankPlan(rank=d.rank, device=d.type.name, node=d.node, speed=float(d.speed),
                            batch_share=per, micro_batch_size=per // num_microbatches,
@@ -51,7 +52,9 @@ def _pipeline(model: torch.nn.Module, cluster, stages: list[StagePlan], *, globa
                 global_batch=global_batch, seq_len=seq_len, dtype="fp32", optimizer="adamw",
                 stages=tuple(stages), ranks=ranks, predicted_step_s=0.0, predicted_compute_s=0.0,
                 predicted_comm_s=0.0, lower_bound_s=0.0, emulated=bool(cluster.is_emulated()),
-                pipelines=pipelines, num_microbatches=num_microbatches, **fields)
+                pipeline=PipelineSpec(pipelines=pipelines, num_microbatches=num_microbatches, schedule=schedule,
+                                      zero_sharded_optimizer=zero_sharded_optimizer),
+                **fields)
 
 
 def pipeline_plan(model: torch.nn.Module, cluster, *, global_batch: int, blocks_per_stage: list[int],

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fxpar.dtype_policy import DtypePolicy
+from fxpar.plan_checks import SCHEDULES
 from fxpar.sim.interleaved import lockstep_order, replay
 from fxpar.profiling.network import LinkCosts, Network
 from fxpar.sim.pipeline_sim import simulate_stages
@@ -72,7 +73,6 @@ from fxpar.sim.rank_memory import stage_peak_bytes, stage_state_bytes
 from fxpar.sim.segments import SegmentTable, build_segments, tp_seconds
 
 ACT_REPLICATED = 0.3
-SCHEDULES = ("1F1B", "GPipe", "interleaved")
 
 
 @dataclass(frozen=True, slots=True)

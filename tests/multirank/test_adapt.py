@@ -1179,7 +1179,8 @@ def test_the_migration_charges_what_a_switch_builds_and_moves():
     # the cached export serves micro-batches of 2 or more on stages without tensor parallelism
     micro = min(n // new.num_microbatches for st in new.stages for n in st.data_split)
     assert costly.seconds(new) == (5.0 if micro >= 2 else 12.0)
-    one_sample = dataclasses.replace(new, num_microbatches=max(n for st in new.stages for n in st.data_split))
+    one_sample = dataclasses.replace(new, pipeline=dataclasses.replace(
+        new.pipeline, num_microbatches=max(n for st in new.stages for n in st.data_split)))
     assert costly.seconds(one_sample) == 12.0 and dataclasses.replace(costly, export_cached=False).seconds(new) == 12.0
     assert costly.seconds(current) == 5.0   # a data-parallel build exports nothing
     planning = Planning(graph=graph, cluster=job, workload=workload, first_build_s=1.5, first_export_s=1.2)

@@ -1,7 +1,8 @@
-"""Plan formats v2 and v3 (issue #38 items 3 and 5): a stage's per-form part is one typed spec
-under the form's key (:mod:`fxpar.stage_specs`), the parallel form is ``"form"`` (v1 and v2 said
-``"strategy"``), v1 and v2 plans read as the same plan (:mod:`fxpar.plan_upgrade`), and a spec
-or key written wrong by hand is a ``PlanError`` naming the stage and the key."""
+"""Plan formats v2, v3 and v4 (issue #38 items 3 and 5): a stage's per-form part is one typed
+spec under the form's key (:mod:`fxpar.stage_specs`), the parallel form is ``"form"`` (v1 and v2
+said ``"strategy"``), a pipeline's shape and schedule is the plan's ``"pipeline"`` (v1-v3 spelled
+it flat), older plans read as the same plan (:mod:`fxpar.plan_upgrade`), and a spec or key
+written wrong by hand is a ``PlanError`` naming where and the key."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor
 from fxpar.errors import PlanError
 from fxpar.plan import PLAN_FORMAT_VERSION, Plan
 from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
-from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET, V2_PLAN_KEYS
-from fxpar.stage_specs import SPECS, ExpertStage, ShardedStage, TensorStage
+from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET, V2_PLAN_KEYS, V3_PIPELINE_KEYS
+from fxpar.stage_specs import PLAN_SPECS, SPECS, ExpertStage, PipelineSpec, ShardedStage, TensorStage
 from tests.workers import tiny_model
 
 C2, C4 = fxpar.Cluster.emulated([1.0, 0.5]), fxpar.Cluster.emulated([1.0, 0.5, 1.0, 0.5])
@@ -39,17 +40,26 @@ def _as_v1(plan: Plan) -> dict:
 
 
 def _as_v2(plan: Plan) -> dict:
-    """``plan`` as format v2 wrote it: its form under ``"strategy"``."""
-    d = json.loads(plan.to_json())
+    """``plan`` as format v2 wrote it: as v3, its form under ``"strategy"``."""
+    d = _as_v3(plan)
     for old, new in V2_PLAN_KEYS.items():
         d[old] = d.pop(new)
     return {**d, "version": 2}
 
 
-def test_a_plan_writes_format_3_with_its_form_and_the_tensor_split_under_its_spec(tp_plan):
+def _as_v3(plan: Plan) -> dict:
+    """``plan`` as format v3 wrote it: its pipeline's fields flat on the plan (a plan without a
+    pipeline: one pipeline of one micro-batch, schedule "none")."""
+    d = json.loads(plan.to_json())
+    spec = d.pop("pipeline") or {}
+    return {**d, **{k: spec.get(k, unset) for k, unset in V3_PIPELINE_KEYS.items()}, "version": 3}
+
+
+def test_a_plan_writes_format_4_with_its_form_and_the_tensor_split_under_its_spec(tp_plan):
     d = json.loads(tp_plan.to_json())
-    assert d["version"] == PLAN_FORMAT_VERSION == 3
+    assert d["version"] == PLAN_FORMAT_VERSION == 4
     assert d["form"] == "tensor_parallel" and "strategy" not in d
+    assert d["pipeline"] is None and not set(V3_PIPELINE_KEYS) & set(d)
     assert d["stages"][0]["tensor"] == {"split": [1, 1], "mlp_split": [3, 1]}
     assert "tensor_split" not in d["stages"][0] and "mlp_split" not in d["stages"][0]
     assert Plan.from_json(tp_plan.to_json()) == tp_plan
@@ -61,7 +71,7 @@ def test_a_v1_plan_reads_as_the_same_plan(tp_plan, version):
     if version is not None:
         d["version"] = version
     loaded = Plan.from_dict(d, source="old.json")
-    assert loaded == tp_plan and loaded.version == 3
+    assert loaded == tp_plan and loaded.version == PLAN_FORMAT_VERSION
     assert loaded.stages[0].tensor == TensorStage(split=(1, 1), mlp_split=(3, 1))
 
 
@@ -102,20 +112,20 @@ def test_a_v1_expert_plan_reads_alike():
     assert loaded == plan and loaded.stages[0].expert == ExpertStage(split=(3, 1))
 
 
-@pytest.mark.parametrize("version", [2, 3])
-def test_a_v2_or_v3_plan_spelling_a_v1_key_says_how_to_write_it(tp_plan, version):
-    d = json.loads(tp_plan.to_json()) if version == 3 else _as_v2(tp_plan)
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_a_v2_or_later_plan_spelling_a_v1_key_says_how_to_write_it(tp_plan, version):
+    d = {2: _as_v2, 3: _as_v3, 4: lambda p: json.loads(p.to_json())}[version](tp_plan)
     d["stages"][0]["tensor_split"] = [1, 1]
     with pytest.raises(PlanError, match=r"edited.json: stages\[0\]: tensor_split is a plan format v1 key; "
                                         rf"in a version {version} plan write it as tensor: \{{split: ...\}}"):
         Plan.from_dict(d, source="edited.json")
 
 
-def test_a_v2_plan_reads_as_the_same_plan_and_writes_v3(tp_plan):
+def test_a_v2_plan_reads_as_the_same_plan_and_writes_v4(tp_plan):
     d = _as_v2(tp_plan)
     assert d["strategy"] == "tensor_parallel" and "form" not in d
     loaded = Plan.from_dict(d, source="v2.json")
-    assert loaded == tp_plan and loaded.version == 3
+    assert loaded == tp_plan and loaded.version == PLAN_FORMAT_VERSION
     assert json.loads(loaded.to_json())["form"] == "tensor_parallel"
 
 
@@ -126,11 +136,12 @@ def test_a_v2_plan_giving_both_strategy_and_form_is_refused(tp_plan):
         Plan.from_dict(d, source="edited.json")
 
 
-def test_a_v3_plan_spelling_strategy_says_to_write_form(tp_plan):
-    d = json.loads(tp_plan.to_json())
+@pytest.mark.parametrize("version", [3, 4])
+def test_a_v3_or_later_plan_spelling_strategy_says_to_write_form(tp_plan, version):
+    d = _as_v3(tp_plan) if version == 3 else json.loads(tp_plan.to_json())
     d["strategy"] = d.pop("form")
-    with pytest.raises(PlanError, match=r"edited.json: strategy is a plan format v1/v2 key; in a version 3 plan "
-                                        r"write it as form \(or set \"version\": 2"):
+    with pytest.raises(PlanError, match=rf"edited.json: strategy is a plan format v1/v2 key; in a version {version} "
+                                        r"plan write it as form \(or set \"version\": 2"):
         Plan.from_dict(d, source="edited.json")
 
 
@@ -150,8 +161,8 @@ def test_a_tensor_spec_written_wrong_is_a_plan_error_naming_the_stage_and_key(tp
 
 def test_an_unknown_format_version_is_refused(tp_plan):
     d = json.loads(tp_plan.to_json())
-    d["version"] = 4
-    with pytest.raises(PlanError, match=r"plan format version 4 is not supported \(this fxpar reads versions 1 to 3\)"):
+    d["version"] = 5
+    with pytest.raises(PlanError, match=r"plan format version 5 is not supported \(this fxpar reads versions 1 to 4\)"):
         Plan.from_dict(d, source="new.json")
     for written in (1.0, "1", True):   # a version is a whole number, not a float, a string or a flag
         with pytest.raises(PlanError, match=f"plan format version {written!r} is not supported"):
@@ -166,8 +177,71 @@ def test_every_plan_field_is_documented_where_it_is_declared():
 
     from fxpar.plan import RankPlan, SolverReport, StagePlan
 
-    for key, cls in {**SPECS, "plan": Plan, "stage": StagePlan, "rank": RankPlan, "solver": SolverReport}.items():
+    for key, cls in {**SPECS, **PLAN_SPECS, "plan": Plan, "stage": StagePlan, "rank": RankPlan, "solver": SolverReport}.items():
         lines = inspect.getsource(cls).splitlines()
         for f in fields(cls):
             at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
             assert lines[at - 1].strip().startswith("#:"), (key, f.name)
+
+
+@pytest.fixture(scope="module")
+def pp_plan() -> Plan:
+    return pipeline_plan(tiny_model("llama"), C4, global_batch=8, blocks_per_stage=[1, 1], num_microbatches=2,
+                         pipelines=2, schedule="GPipe", zero_sharded_optimizer=True)
+
+
+def test_a_pipeline_plan_writes_its_shape_and_schedule_under_pipeline(pp_plan):
+    d = json.loads(pp_plan.to_json())
+    assert d["pipeline"] == {"pipelines": 2, "num_microbatches": 2, "schedule": "GPipe", "zero_sharded_optimizer": True}
+    assert not set(V3_PIPELINE_KEYS) & set(d)
+    assert (pp_plan.pipelines, pp_plan.num_microbatches, pp_plan.schedule, pp_plan.zero_sharded_optimizer) == (
+        2, 2, "GPipe", True)   # the views every form's code reads
+    assert Plan.from_json(pp_plan.to_json()) == pp_plan
+
+
+@pytest.mark.parametrize("older", [_as_v1, _as_v2, _as_v3])
+def test_an_older_pipeline_plan_reads_as_the_same_plan_with_its_flat_keys_under_pipeline(pp_plan, older):
+    d = older(pp_plan)
+    assert (d["pipelines"], d["num_microbatches"], d["schedule"], d["zero_sharded_optimizer"]) == (2, 2, "GPipe", True)
+    loaded = Plan.from_dict(d, source="old.json")
+    assert loaded == pp_plan and loaded.pipeline == PipelineSpec(pipelines=2, num_microbatches=2, schedule="GPipe",
+                                                                 zero_sharded_optimizer=True)
+
+
+def test_an_older_pipeline_plan_of_schedule_none_reads_as_the_1f1b_it_ran(pp_plan):
+    d = {**_as_v3(pp_plan), "schedule": "none"}
+    assert Plan.from_dict(d).pipeline.schedule == "1F1B"
+
+
+def test_an_older_plan_without_a_pipeline_drops_what_its_run_ignored(tp_plan):
+    d = {**_as_v3(tp_plan), "num_microbatches": 3}   # an expert-parallel plan wrote its ranks' count there
+    assert Plan.from_dict(d) == tp_plan
+    with pytest.raises(PlanError, match=r"edited.json: pipelines = 2: a tensor_parallel plan runs no pipeline"):
+        Plan.from_dict({**_as_v3(tp_plan), "pipelines": 2}, source="edited.json")
+
+
+def test_a_v4_plan_spelling_a_flat_pipeline_key_says_how_to_write_it(pp_plan):
+    d = {**json.loads(pp_plan.to_json()), "schedule": "1F1B"}
+    with pytest.raises(PlanError, match=r"edited.json: schedule is a plan format v1-v3 key; in a version 4 plan "
+                                        r"write it as pipeline: \{schedule: ...\}"):
+        Plan.from_dict(d, source="edited.json")
+
+
+@pytest.mark.parametrize("pipeline, match", [
+    ({"pipelines": 2, "num_microbatches": 2, "schedule": "none"},
+     r"plan.pipeline: schedule = 'none' \(str\); expected one of \('1F1B', 'GPipe', 'interleaved'\)"),
+    ({"pipelines": 0, "num_microbatches": 2}, r"plan.pipeline: pipelines = 0 \(int\); expected a whole number >= 1"),
+    ({"pipelines": 2, "stages": 2}, r"pipeline has unknown keys \['stages'\]; accepted keys are \['pipelines'"),
+    (None, r"plan.pipeline is missing: a pipeline plan says its pipelines, micro-batches and schedule there"),
+])
+def test_a_pipeline_spec_written_wrong_is_a_plan_error(pp_plan, pipeline, match):
+    d = {**json.loads(pp_plan.to_json()), "pipeline": pipeline}
+    with pytest.raises(PlanError, match=r"edited.json: " + match):
+        Plan.from_dict(d, source="edited.json")
+
+
+def test_a_plan_of_another_form_with_a_pipeline_is_refused(tp_plan):
+    d = {**json.loads(tp_plan.to_json()), "pipeline": {"pipelines": 1, "num_microbatches": 2}}
+    with pytest.raises(PlanError, match=r"plan.pipeline = .*: a tensor_parallel plan runs no pipeline .*only "
+                                        r"\['pipeline'\] plans do"):
+        Plan.from_dict(d, source="edited.json")

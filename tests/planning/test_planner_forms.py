@@ -18,6 +18,7 @@ from fxpar.solvers import data_parallel
 from fxpar.solvers import plan as solve
 from fxpar.solvers.choose import choose, combine_baselines
 from fxpar.solvers.problems import Candidates
+from fxpar.stage_specs import PipelineSpec
 from fxpar.workload import Workload
 
 
@@ -139,7 +140,7 @@ def test_a_caller_may_say_how_close_two_prices_are_equal():
     from fxpar.solvers.choose import fastest_simplest
 
     dp_a, dp_b = _plan(0.010, "dp a"), _plan(0.010, "dp b")
-    pipe = replace(_plan(0.010, "pipe"), form="pipeline", pipelines=2)   # 2 one-stage pipelines
+    pipe = replace(_plan(0.010, "pipe"), form="pipeline", pipeline=PipelineSpec(pipelines=2))   # 2 one-stage pipelines
     price = {"dp a": 0.104, "dp b": 0.103, "pipe": 0.100}
     by_price = lambda q: price[q.model]   # noqa: E731
     assert fastest_simplest([dp_a, dp_b, pipe], by_price).model == "pipe"

@@ -1,11 +1,13 @@
 """One name per concept (issue #38 item 5): the parallel form is ``form`` / ``forms`` everywhere,
 and each old name (``strategy``, ``strategies``, ``--strategies``, the yaml key) still works for
 one release with a ``FutureWarning`` that names where it was used and what to write instead
-(:mod:`fxpar.renamed`); fxpar's own code uses none of them."""
+(:mod:`fxpar.renamed`); fxpar's own code uses none of them.  So do a plan's flat pipeline
+keywords, which moved into its typed ``pipeline`` (item 3, plan format v4)."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -19,7 +21,10 @@ from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
 from fxpar.errors import ConfigError
 from fxpar.integrations.config import config_from_mapping
 from fxpar.options import Options
+from fxpar.errors import PlanError
+from fxpar.plan_upgrade import V3_PIPELINE_KEYS
 from fxpar.renamed import REMOVED_IN, RENAMED
+from fxpar.stage_specs import PipelineSpec
 from tests.models import tiny_mlp_with_inputs
 
 PACKAGE = Path(fxpar.__file__).resolve().parent
@@ -83,6 +88,31 @@ def test_a_plan_field_by_its_old_name_warns():
         assert fxpar.Plan(**data) == plan
 
 
+def _moved(old: str) -> str:
+    return rf"fxpar.Plan: '{old}' moved into 'pipeline' \(pipeline=\{{'{old}': ...\}}\); '{old}' still works until fxpar {REMOVED_IN}"
+
+
+def test_a_plans_flat_pipeline_keywords_warn_and_fold_into_its_pipeline():
+    from fxpar.codegen.hand_plans import pipeline_plan
+    from tests.workers import tiny_model
+
+    plan = pipeline_plan(tiny_model("llama"), C2, global_batch=8, blocks_per_stage=[1, 1], num_microbatches=2)
+    data = {f: getattr(plan, f) for f in plan.__dataclass_fields__ if f != "pipeline"}
+    with pytest.warns(FutureWarning, match=_moved("num_microbatches")):
+        assert fxpar.Plan(**data, num_microbatches=2, schedule="1F1B") == plan
+    with pytest.warns(FutureWarning, match=_moved("schedule")):   # dataclasses.replace passes the spec too
+        gpipe = dataclasses.replace(plan, schedule="GPipe")
+    assert gpipe.pipeline == PipelineSpec(num_microbatches=2, schedule="GPipe")
+    with pytest.warns(FutureWarning, match=_moved("schedule")):   # v1-v3's "none" of a pipeline ran 1F1B
+        assert fxpar.Plan(**data, num_microbatches=2, schedule="none") == plan
+    other = sharded_data_parallel_plan(C2, batch_split=[3, 1], state_split=[1, 3])
+    with pytest.warns(FutureWarning, match=_moved("num_microbatches")):   # what the ranks carry: dropped
+        assert dataclasses.replace(other, num_microbatches=3, schedule="none") == other
+    with pytest.warns(FutureWarning), pytest.raises(PlanError, match="pipelines = 2: a sharded_data_parallel plan "
+                                                                     "runs no pipeline"):
+        dataclasses.replace(other, pipelines=2)
+
+
 def test_make_plan_and_its_prediction_by_the_old_names():
     model, inputs = tiny_mlp_with_inputs()
     with pytest.warns(FutureWarning, match=_renamed("strategies", "forms", "fxpar.make_plan")):
@@ -126,4 +156,13 @@ def test_fxpar_itself_uses_no_old_name():
                     node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
             if name in RENAMED:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {name}")
+    assert not found, found
+
+
+def test_no_plan_of_fxpar_or_its_benchmarks_is_built_with_a_moved_keyword():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Plan":
+                found += [f"{path}:{node.lineno}: {k.arg}" for k in node.keywords if k.arg in V3_PIPELINE_KEYS]
     assert not found, found

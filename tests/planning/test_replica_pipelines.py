@@ -98,8 +98,8 @@ def test_uneven_batches_must_match_the_ranks_and_the_micro_batches(llama) -> Non
 def test_replica_devices_only_on_pipeline_plans(llama) -> None:
     _, model = llama
     data = json.loads(uneven_pipelines(_two_pipelines(model, _mixed_gpus()), [8, 4]).to_json())
-    data.update(form="data_parallel", stages=[{**data["stages"][0], "ranks": [0, 1, 2, 3],
-                                                   "data_split": [3, 3, 3, 3], "modules": [""]}])
+    data.update(form="data_parallel", pipeline=None, stages=[{**data["stages"][0], "ranks": [0, 1, 2, 3],
+                                                                  "data_split": [3, 3, 3, 3], "modules": [""]}])
     with pytest.raises(PlanError, match=r"plan.stages\[0\].replicas = .*a data_parallel plan does not run it"):
         Plan.from_dict(data)
 
@@ -214,7 +214,7 @@ def test_own_cuts_round_trip_and_bad_values_name_the_field(llama) -> None:
     with pytest.raises(PlanError, match=r"modules\[1\]\[0\]"):
         Plan.from_dict(data)
     with pytest.raises(PlanError, match="replicas.modules"):
-        replace(plan, schedule="interleaved")
+        replace(plan, pipeline=replace(plan.pipeline, schedule="interleaved"))
 
 
 def test_own_cuts_are_priced_per_pipeline(llama) -> None:

@@ -113,7 +113,7 @@ def test_hand_written_gpipe_and_1f1b_plans_are_simulated_from_their_stages(tiny)
     cluster = fxpar.Cluster.emulated([1.0, 0.5])
     model = build_model(PRESETS["llama-tiny"], device="meta")
     one = pipeline_plan(model, cluster, global_batch=12, blocks_per_stage=[2, 2], num_microbatches=4, seq_len=16)
-    gpipe = replace(one, schedule="GPipe")
+    gpipe = replace(one, pipeline=replace(one.pipeline, schedule="GPipe"))
     cost = _cost(graph, cluster, workload)
     a, b = simulate(one, cost), simulate(gpipe, cost)
     assert a.step_s > 0 and b.step_s > 0

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fxpar.plan import Plan
+from fxpar.plan import PLAN_FORMAT_VERSION, Plan
 from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,11 @@ def test_a_stored_v1_plan_keeps_every_per_form_value_under_its_v2_spec():
                     assert getattr(getattr(stage, key), name) == _normal(old_stage[old]), (where, old)
                     moved += 1
         written = json.loads(plan.to_json())
-        assert written["version"] == 3 and written["form"] == data["strategy"] == plan.form, where
+        assert written["version"] == PLAN_FORMAT_VERSION and written["form"] == data["strategy"] == plan.form, where
+        if plan.pipeline is not None:   # v4: the flat pipeline keys under "pipeline"
+            assert (plan.pipelines, plan.num_microbatches, plan.schedule) == (
+                data["pipelines"], data["num_microbatches"], data["schedule"]), where
+            moved += 1
     assert moved >= 4   # the stored plans include tensor- and expert-parallel ones
 
 

@@ -29,7 +29,8 @@ FORM_COMPARISONS_AT_MOST = 1
 #: the line sees it is not the form (each such line is checked to hold the literal still)
 NOT_A_FORM = {("fxpar/plan_checks.py", "tensor_parallel"): 1,   # StagePlan's field, named in an error
               ("fxpar/predict.py", "tensor_parallel"): 1,       # a step part's name (Prediction.parts)
-              ("fxpar/rank_layout.py", "pipeline"): 1}          # a column title: the rank's pipeline index
+              ("fxpar/rank_layout.py", "pipeline"): 1,          # a column title: the rank's pipeline index
+              ("fxpar/stage_specs.py", "pipeline"): 1}          # the plan's key of its PipelineSpec
 
 
 def _module(path: Path) -> str:

@@ -76,7 +76,7 @@ def ep_plan(p: Problems, sol: expert_plan.EPSolution) -> Plan:
     return Plan(
         form="expert_parallel", model=p.graph.model_name, cluster=cluster.name,
         global_batch=workload.global_batch, seq_len=workload.seq_len, dtype=workload.dtype,
-        optimizer=workload.optimizer, ranks=ranks, num_microbatches=ev.k,
+        optimizer=workload.optimizer, ranks=ranks,
         stages=(StagePlan(index=0, modules=("",), ranks=tuple(range(cluster.world_size)), data_split=ev.shares,
                           expert=ExpertStage(split=ev.counts), device=cluster.device(0).type.name),),
         predicted_step_s=ev.step_s, predicted_compute_s=ev.replicated_s + ev.expert_s,

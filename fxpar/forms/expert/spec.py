@@ -27,7 +27,7 @@ def summary(p: Any) -> list[str]:
         return []
     split = p.stages[0].expert.split
     shown = "/".join(map(str, split)) if len(split) <= 32 else f"{min(split)}-{max(split)}"
-    return [f"experts per rank (every MoE layer): {shown}; {p.num_microbatches} micro-batch(es)"]
+    return [f"experts per rank (every MoE layer): {shown}; {p.ranks[0].num_microbatches} micro-batch(es)"]
 
 
 def label(p: Any) -> str:

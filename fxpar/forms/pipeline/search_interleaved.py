@@ -33,6 +33,7 @@ from fxpar.solvers.pipeline import (
 )
 from fxpar.forms.pipeline.search_plans import assign_ranks, with_predictions
 from fxpar.solvers.placement import build_links
+from fxpar.stage_specs import PipelineSpec
 
 
 def _cuts(costs: list[_StageCost], positions: list[int], n: int) -> tuple[int, ...] | None:
@@ -124,7 +125,8 @@ def _evaluate(ctx, cfg, positions, cluster, model_name, workload, lower_bound_s)
                  seq_len=workload.seq_len, dtype=workload.dtype, optimizer=workload.optimizer,
                  stages=tuple(stages), ranks=tuple(ranks), predicted_step_s=0.0, predicted_compute_s=0.0,
                  predicted_comm_s=0.0, lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
-                 pipelines=cfg.pipelines, num_microbatches=m, schedule="interleaved", zero_sharded_optimizer=cfg.zero)
+                 pipeline=PipelineSpec(pipelines=cfg.pipelines, num_microbatches=m, schedule="interleaved",
+                                       zero_sharded_optimizer=cfg.zero))
     plan, _ = with_predictions(draft, ctx, cluster)
     name = "all-reduce + ZeRO-1" if cfg.zero else "all-reduce"
     exchange = (CollectiveChoice(exchange=f"stage gradients across {cfg.pipelines} pipelines", method=name,

@@ -33,6 +33,7 @@ from fxpar.solvers.placement import (
     build_links,
     slot_indices,
 )
+from fxpar.stage_specs import PipelineSpec
 
 
 def assign_ranks(cfg: PipelineConfig, cluster) -> list[list[tuple[int, ...]]]:
@@ -123,9 +124,9 @@ def to_plan(cfg: PipelineConfig, ctx: PipelineContext, cluster, model_name: str,
                  ranks=tuple(ranks[r] for r in range(cluster.world_size)),
                  predicted_step_s=0.0, predicted_compute_s=0.0, predicted_comm_s=0.0,
                  lower_bound_s=lower_bound_s, emulated=bool(cluster.is_emulated()),
-                 pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches, schedule="1F1B",
-                 activation_checkpointing=bool(cfg.stage_checkpointing) and all(cfg.stage_checkpointing),
-                 zero_sharded_optimizer=cfg.zero)
+                 pipeline=PipelineSpec(pipelines=cfg.pipelines, num_microbatches=cfg.num_microbatches,
+                                       schedule="1F1B", zero_sharded_optimizer=cfg.zero),
+                 activation_checkpointing=bool(cfg.stage_checkpointing) and all(cfg.stage_checkpointing))
     plan, run = with_predictions(draft, ctx, cluster, cfg)
     exchange = replace(cfg, allreduce_s=run.exposed_allreduce_s, gather_s=run.gather_s)
     return replace(plan, collectives=gradient_exchange(exchange, ctx, plan.predicted_step_s))

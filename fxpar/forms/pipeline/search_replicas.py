@@ -50,7 +50,7 @@ from fxpar.solvers.pipeline import (
 )
 from fxpar.forms.pipeline.search_plans import prices_of, with_predictions
 from fxpar.solvers.problems import Candidates, Problems
-from fxpar.stage_specs import replica_stage
+from fxpar.stage_specs import PipelineSpec, replica_stage
 
 #: micro-batch counts tried per pipeline shape (the smallest divisors of the batch from ``S`` up)
 MICRO_BATCH_COUNTS = 4
@@ -189,8 +189,9 @@ def shape_plan(p: Problems, shape: Shape, cuts: tuple[int, ...], ckpt: tuple[boo
                  seq_len=w.seq_len, dtype=w.dtype, optimizer=w.optimizer, stages=tuple(stages),
                  ranks=tuple(ranks[r] for r in range(cluster.world_size)), predicted_step_s=0.0,
                  predicted_compute_s=0.0, predicted_comm_s=0.0, lower_bound_s=p.lower_bound_s,
-                 emulated=bool(cluster.is_emulated()), pipelines=len(shape.pipes), num_microbatches=m,
-                 schedule="1F1B", activation_checkpointing=all(ckpt))
+                 emulated=bool(cluster.is_emulated()),
+                 pipeline=PipelineSpec(pipelines=len(shape.pipes), num_microbatches=m, schedule="1F1B"),
+                 activation_checkpointing=all(ckpt))
     return with_predictions(draft, p.of("pipeline"), cluster)[0]
 
 

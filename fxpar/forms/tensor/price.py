@@ -10,7 +10,7 @@ from fxpar.sim.pipeline_cost import PipelinePrices, pipeline_prices
 from fxpar.sim.pipeline_plan import simulate_pipeline
 from fxpar.sim.rank_memory import tensor_parallel_peaks
 from fxpar.sim.timeline import SimResult, micro_batch_sizes
-from fxpar.stage_specs import TensorStage
+from fxpar.stage_specs import PipelineSpec, TensorStage
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimResult:
@@ -35,7 +35,8 @@ def as_pipeline(plan: Plan, prices: PipelinePrices) -> Plan:
     st = plan.stages[0]
     width = len(st.ranks) // len(st.data_split)
     modules = tuple(m for mods in prices.table.modules for m in mods)
-    return replace(plan, form="pipeline", schedule="1F1B", pipelines=len(st.data_split),
-                   num_microbatches=max(plan.ranks[0].num_microbatches, 1),
+    return replace(plan, form="pipeline",
+                   pipeline=PipelineSpec(pipelines=len(st.data_split),
+                                         num_microbatches=max(plan.ranks[0].num_microbatches, 1)),
                    stages=(replace(st, modules=modules, tensor_parallel=width,
                                    tensor=TensorStage(split=st.tensor.column_split) if width > 1 else None),))

@@ -123,7 +123,7 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
         return None
     even = tuple(units // width + (1 if t < units % width else 0) for t in range(width)) * plan.pipelines
     try:
-        return replace(plan, form="tensor_parallel", schedule="none", pipelines=1, num_microbatches=1,
+        return replace(plan, form="tensor_parallel", pipeline=None,
                        stages=(replace(st, modules=("",), tensor=TensorStage(split=st.tensor.split if st.tensor else even)),))
     except PlanError:
         return None
