@@ -11,6 +11,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,22 +93,33 @@ def _moved(old: str) -> str:
     return rf"fxpar.Plan: '{old}' moved into 'pipeline' \(pipeline=\{{'{old}': ...\}}\); '{old}' still works until fxpar {REMOVED_IN}"
 
 
+def _each_moved(caught: Any, *old: str) -> bool:
+    """One warning per moved keyword in ``caught``, each saying where it moved."""
+    import re
+
+    messages = [str(w.message) for w in caught]
+    return len(messages) == len(old) and all(re.fullmatch(_moved(k), m) for k, m in zip(old, messages))
+
+
 def test_a_plans_flat_pipeline_keywords_warn_and_fold_into_its_pipeline():
     from fxpar.codegen.hand_plans import pipeline_plan
     from tests.workers import tiny_model
 
     plan = pipeline_plan(tiny_model("llama"), C2, global_batch=8, blocks_per_stage=[1, 1], num_microbatches=2)
     data = {f: getattr(plan, f) for f in plan.__dataclass_fields__ if f != "pipeline"}
-    with pytest.warns(FutureWarning, match=_moved("num_microbatches")):
+    with pytest.warns(FutureWarning) as caught:
         assert fxpar.Plan(**data, num_microbatches=2, schedule="1F1B") == plan
+    assert _each_moved(caught, "num_microbatches", "schedule")
     with pytest.warns(FutureWarning, match=_moved("schedule")):   # dataclasses.replace passes the spec too
         gpipe = dataclasses.replace(plan, schedule="GPipe")
     assert gpipe.pipeline == PipelineSpec(num_microbatches=2, schedule="GPipe")
-    with pytest.warns(FutureWarning, match=_moved("schedule")):   # v1-v3's "none" of a pipeline ran 1F1B
+    with pytest.warns(FutureWarning) as caught:   # v1-v3's "none" of a pipeline ran 1F1B
         assert fxpar.Plan(**data, num_microbatches=2, schedule="none") == plan
+    assert _each_moved(caught, "num_microbatches", "schedule")
     other = sharded_data_parallel_plan(C2, batch_split=[3, 1], state_split=[1, 3])
-    with pytest.warns(FutureWarning, match=_moved("num_microbatches")):   # what the ranks carry: dropped
+    with pytest.warns(FutureWarning) as caught:   # what the ranks carry: dropped
         assert dataclasses.replace(other, num_microbatches=3, schedule="none") == other
+    assert _each_moved(caught, "num_microbatches", "schedule")
     with pytest.warns(FutureWarning), pytest.raises(PlanError, match="pipelines = 2: a sharded_data_parallel plan "
                                                                      "runs no pipeline"):
         dataclasses.replace(other, pipelines=2)
