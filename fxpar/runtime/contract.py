@@ -25,12 +25,14 @@ import torch
 from fxpar.errors import PlanError
 from fxpar.forms import part
 from fxpar.plan import Plan
+from fxpar.rank_layout import RankLayout
 from fxpar.runtime.batches import slice_rows
 from fxpar.runtime.emulation import SegmentClock, SpeedEmulator
 from fxpar.runtime.form_pass import FormPass
 from fxpar.runtime.grad_norm import clip_by_global_norm
 from fxpar.runtime.loss_scale import DynamicLossScaler
 from fxpar.runtime.optim import optimizer_for
+from fxpar.runtime.plan_groups import PlanGroups
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,9 @@ class ParallelModule(Protocol):
     pricing: Any
     #: the process groups and hooks the build of this module made (a plan switch releases them)
     owned: Any
+    #: the plan's process groups on this rank (:class:`fxpar.runtime.plan_groups.PlanGroups`,
+    #: over :attr:`layout`'s rank sets): every group the form's pass made, looked up by place
+    groups: PlanGroups
     #: True for a module that switches plans itself (:class:`fxpar.adapt.AdaptiveModule`)
     adaptive: bool
     #: False where no rank's forward gives the whole model's outputs (a pipeline stage's): it
@@ -83,6 +88,10 @@ class ParallelModule(Protocol):
     @property
     def device(self) -> torch.device:
         """Where this rank computes."""
+
+    @property
+    def layout(self) -> RankLayout:
+        """Where every rank of the plan sits (:class:`fxpar.rank_layout.RankLayout`)."""
 
     @property
     def parallel_module(self) -> torch.nn.Module:
@@ -168,10 +177,23 @@ class ParallelModuleBase(torch.nn.Module):
     rank: int
     #: the plan's form's part of this module
     form: FormPass
+    groups: PlanGroups
 
     @property
     def parallel_module(self) -> torch.nn.Module:
         return self
+
+    @property
+    def layout(self) -> RankLayout:
+        """Where every rank of :attr:`plan` sits: stages, replica (pipeline), tensor-parallel
+        position and group, replica group, expert range, head groups, batch share and state
+        weight (:class:`fxpar.rank_layout.RankLayout`).  Made once per plan (a plan taken in
+        place gets its own); the one answer every form's pass reads, and the rank sets
+        :attr:`groups` are made over."""
+        made = self.__dict__.get("_layout")
+        if made is None or made[0] is not self.plan:
+            made = self.__dict__["_layout"] = (self.plan, RankLayout(self.plan))
+        return made[1]
 
     @property
     def whole_outputs(self) -> bool:

@@ -81,6 +81,8 @@ class FormPass(ABC):
     compiled = OfModule()
     _input_specs = OfModule()
     _vocab_size = OfModule()
+    layout = OfModule()
+    groups = OfModule()
 
     def __init__(self, m: Any) -> None:
         #: the rank's module this pass is part of (a :class:`~fxpar.runtime.step_loop.StepModule`,

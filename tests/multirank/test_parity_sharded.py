@@ -105,7 +105,7 @@ def test_three_ranks_state_weight_zero_and_offload(pool3):
 @pytest.mark.parametrize("shard_stage", [2, 3])
 def test_a_plan_inside_a_users_process_group(shard_stage):
     """``group=``: a 2-rank plan on ranks 1 and 2 of a 3-rank job, its groups (the reduce-scatters'
-    own, :class:`fxpar.codegen.common.groups.PlanGroups` ``within`` the user's) over those ranks
+    own, :class:`fxpar.runtime.plan_groups.PlanGroups` ``within`` the user's) over those ranks
     only; every step equals one process.  Ranks of their own, not a shared pool: from torch 2.15 a
     group its members make alone advances their group counter only (``distributed_c10d.
     _process_group_name``), so a group the whole job made later would be named differently on

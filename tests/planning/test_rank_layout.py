@@ -102,10 +102,10 @@ def test_two_interleaved_pipelines_place_their_stages_alike_or_the_plan_is_refus
 
 
 def test_a_plans_process_groups_are_the_layouts_rank_sets_once_per_kind():
-    """What :class:`~fxpar.codegen.common.groups.PlanGroups` makes (every rank alike, in order) is
+    """What :class:`~fxpar.runtime.plan_groups.PlanGroups` makes (every rank alike, in order) is
     the layout's rank sets, a set made once per kind; asking for a group never made names the
     call that makes it."""
-    from fxpar.codegen.common.groups import PlanGroups
+    from fxpar.runtime.plan_groups import PlanGroups
     from fxpar.errors import RuntimeSetupError
 
     plan = pipeline_plan(model("llama"), fxpar.Cluster.emulated([1.0] * 6), global_batch=4,

@@ -125,6 +125,28 @@ def test_a_one_rank_module_is_a_parallel_module_and_a_plain_one_is_not() -> None
     assert [lp.fqn for lp in pmodel.checkpoint_layout()] == [n for n, _ in model.named_parameters()]
 
 
+def test_the_module_holds_its_plans_one_layout_and_groups_which_its_pass_reads() -> None:
+    """#38 item 4: the module answers where each rank sits (``layout``, once per plan: a plan
+    taken in place gets its own) and holds the plan's groups (``groups``); the pass reads both
+    off the module."""
+    import dataclasses
+
+    from fxpar.rank_layout import RankLayout
+    from fxpar.runtime.plan_groups import PlanGroups
+    from tests.graph.test_step_loop import _plan   # a one-rank data-parallel plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    pmodel = RankModule(model, _plan([4], 2), 0, example_inputs=torch.zeros(4, 4), device=torch.device("cpu"),
+                        loss_weighting="samples", emulate=False)
+    first = pmodel.layout
+    assert isinstance(first, RankLayout) and pmodel.layout is first and pmodel.form.layout is first
+    assert isinstance(pmodel.groups, PlanGroups) and pmodel.form.groups is pmodel.groups
+    assert pmodel.groups.layout is first and first.where(0).batch_share == 4
+    rank = dataclasses.replace(pmodel.plan.ranks[0], micro_batch_size=1, num_microbatches=4)
+    pmodel.set_plan(dataclasses.replace(pmodel.plan, ranks=(rank,)))
+    assert pmodel.layout is not first and pmodel.layout.where(0) == RankLayout(pmodel.plan).where(0)
+
+
 def test_a_plan_of_an_unknown_form_is_refused_naming_the_known_ones() -> None:
     """The registry picks the pass (``form_pass``); a plan whose form it does not know is a
     PlanError before anything is set up."""

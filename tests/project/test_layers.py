@@ -267,12 +267,12 @@ def test_the_size_report_lists_what_passes_its_guides(tmp_path: Path) -> None:
 #: the modules that may call ``new_group``: the plan's groups, the runtime's wrapper (the job's
 #: timeout; a gloo twin of a device group for host tensors), and adapting's job-wide gloo group
 #: (its health checks, which outlive every plan)
-GROUP_MAKERS = {"fxpar.codegen.common.groups", "fxpar.runtime.distributed", "fxpar.adapt.elastic"}
+GROUP_MAKERS = {"fxpar.runtime.plan_groups", "fxpar.runtime.distributed", "fxpar.adapt.elastic"}
 
 
 def test_a_plans_process_groups_are_made_in_one_place() -> None:
     """Every process group a plan runs on is made by
-    :class:`fxpar.codegen.common.groups.PlanGroups` (#38 item 4): no other fxpar module calls
+    :class:`fxpar.runtime.plan_groups.PlanGroups` (#38 item 4): no other fxpar module calls
     ``new_group`` (torch's or fxpar's wrapper)."""
     calls = []
     for module, path in _all_modules().items():
@@ -283,3 +283,23 @@ def test_a_plans_process_groups_are_made_in_one_place() -> None:
                 if name == "new_group" and module not in GROUP_MAKERS:
                     calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not calls, "process groups made outside PlanGroups:\n" + "\n".join(calls)
+
+
+#: where a rank's layout and its plan's groups are made for a running module: the module's
+#: ``layout`` (once per plan) and ``groups`` (once per build); ``fxpar plan --explain``, the
+#: pipeline simulator and the forms' emit phases read a plan's layout without a module
+LAYOUT_MAKERS = {"RankLayout": {"fxpar.runtime.contract", "fxpar.cli", "fxpar.sim.pipeline_plan",
+                                "fxpar.forms.sharded.apply", "fxpar.forms.tensor.apply", "fxpar.forms.expert.apply"},
+                 "PlanGroups": {"fxpar.codegen.common.module"}}
+
+
+def test_a_running_module_has_one_layout_and_one_set_of_groups() -> None:
+    """One object answers where each rank sits (#38 item 4): a form's pass reads the module's
+    ``layout`` and makes its groups through the module's ``groups``, never building its own."""
+    calls = []
+    for module, path in _all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LAYOUT_MAKERS \
+                    and module not in LAYOUT_MAKERS[node.func.id]:
+                calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.func.id}")
+    assert not calls, "a layout or groups made outside the module's own:\n" + "\n".join(calls)

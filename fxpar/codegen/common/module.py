@@ -21,6 +21,7 @@ from fxpar.forms import part
 from fxpar.plan import Plan
 from fxpar.runtime.form_pass import FormPass
 from fxpar.runtime.losses import LossFn, LossWeighting
+from fxpar.runtime.plan_groups import PlanGroups
 from fxpar.runtime.step_loop import StepModule
 
 
@@ -48,6 +49,10 @@ class RankModule(StepModule):
         kind = form_pass(plan)
         self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
                          device=device)
+        #: the plan's process groups: made by the pass, each once, over its layout's rank sets
+        #: (in ``group``'s ranks where given), destroyed with the rest of the build when a switch
+        #: replaces the plan (:mod:`fxpar.runtime.group_lifetime`)
+        self.groups = PlanGroups(self.layout, within=group)
         self.form = kind(self, model, example_inputs=example_inputs, checkpoint=checkpoint, group=group,
                          exports=exports, **options)
 

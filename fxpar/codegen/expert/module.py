@@ -61,14 +61,13 @@ import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardMark, ShardSpec, mark_shard, shard_mark
 from fxpar.cluster import Cluster
-from fxpar.codegen.common.groups import check_job
+from fxpar.runtime.plan_groups import check_job
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, shard_experts
 from fxpar.codegen.hand_plans import expert_parallel_plan
 from fxpar.codegen.common.module import RankModule
 from fxpar.errors import CheckpointError, PlanError
 from fxpar.plan import Plan
-from fxpar.rank_layout import RankLayout
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.form_pass import ALONE, FormPass
@@ -147,7 +146,7 @@ class ExpertParallel(FormPass):
         """Every expert tensor ``(E, ...)`` holds the rows ``[o_r, o_r + n_r)`` of this rank's
         experts (its :class:`~fxpar.rank_layout.RankPlace` ``experts``: ``n`` the plan's
         ``expert.split``, ``o_r = Σ_{s<r} n_s``); everything else is a replica."""
-        lo, hi = RankLayout(self.plan).where(self.rank).experts
+        lo, hi = self.layout.where(self.rank).experts
         experts = sum(int(n) for n in self.plan.stages[0].expert.split)
         out = []
         for name, p in self.module.named_parameters():

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.materialize import Source
 from fxpar.codegen.pipeline.module import Pipeline
 from fxpar.codegen.pipeline.stage_setup import (
@@ -37,7 +36,6 @@ from fxpar.codegen.pipeline.replica_sum import counting
 from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.plan import Plan
-from fxpar.rank_layout import RankLayout
 from fxpar.sim.interleaved import lockstep_order
 from fxpar.tracing.model_facts import canonical_names, tie_groups
 from fxpar.tracing.structure import block_paths
@@ -52,7 +50,6 @@ class InterleavedPipeline(Pipeline):
         """This rank's stages (several, non-adjacent) and the multi-stage schedule."""
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-        self.layout = RankLayout(plan)  # the plan's checks passed its placement (check_interleaved)
         pipes = [list(self.layout.pipeline(p)) for p in range(plan.pipelines)]
         stage_rank = list(self.layout.stage_positions(0))
         self._place_positions(plan, rank, pipes, stage_rank)
@@ -80,8 +77,7 @@ class InterleavedPipeline(Pipeline):
         self.tp_group = self.tp_position = None
         self._owners: dict = {}  # the pipelines share their cuts: one group per position
         self.is_lead, self._sharded, self._link = True, False, None
-        #: the plan's process groups (every rank makes every group, in order)
-        self._groups = groups = PlanGroups(self.layout).make("whole_replica", "replica")
+        groups = self.groups.make("whole_replica", "replica")   # every rank makes every group, in order
         self.pp_group = self.pipe_group = groups.whole_replica(self.pipeline_index)
         self.dp_group = groups.replica(self.stage_index, 0)
         self._stage_replicas = (self.layout.replica_group(self.stage_index, 0), self.dp_group)
@@ -143,9 +139,9 @@ class InterleavedPipeline(Pipeline):
                 continue
             first[name] = positions[0]
             readers_in = [tuple(pipes[p][k] for k in positions) for p in range(len(pipes))]
-            self._groups.make_sets("tie", readers_in)
+            self.groups.make_sets("tie", readers_in)
             if self.position in positions:
-                group = self._groups.group("tie", readers_in[self.pipeline_index])
+                group = self.groups.group("tie", readers_in[self.pipeline_index])
                 ties.append(TiedParam(name, mine[name], positions[0], group))
         return ties, first
 

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, counted_here
-from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.common.materialize import Source, weights_source
 from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
@@ -81,7 +80,6 @@ from fxpar.codegen.tensor.families import with_split
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.plan import Plan
-from fxpar.rank_layout import RankLayout
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
@@ -144,14 +142,11 @@ class Pipeline(FormPass):
     def _place_rank(self, plan: Plan, rank: int) -> None:
         """This rank's place in the layout (stage, pipeline, tensor-parallel position), its
         groups and its pipeline's chain."""
-        self.layout = RankLayout(plan)
         place = self.layout.where(rank)
         self.stage_index, self.pipeline_index, self.tp_position = place.stages[0], place.replica, place.position
         self.tp_width = self.layout.widths[self.stage_index]
         self.is_lead = self.tp_position == 0
-        #: the plan's process groups (every rank makes every group, in order)
-        self._groups = PlanGroups(self.layout)
-        groups = make_groups(self._groups, rank)
+        groups = make_groups(self.groups, rank)   # every rank makes every group, in order
         self.pp_group, self.dp_group, self.tp_group = groups.chain, groups.dp, groups.tp
         self.pipe_group = groups.pipeline
         self.chain = list(self.layout.chain(self.pipeline_index))
@@ -165,7 +160,7 @@ class Pipeline(FormPass):
         cuts = [layer_to_stage(plan, blocks, q) for q in range(plan.pipelines)]  # each pipeline's own cuts
         stage_of = cuts[self.pipeline_index]
         self._blocks, self._stage_of = blocks, stage_of
-        self._owners = owner_groups(plan, blocks, cuts, self._groups)  # collective
+        self._owners = owner_groups(plan, blocks, cuts, self.groups)  # collective
         self._stage_replicas = (self.layout.replica_group(self.stage_index, self.tp_position), self.dp_group)
         self._canonical, self._ties = canonical_names(model), tie_groups(model)  # before sharding unties any
         self._sharded = self.layout.tensor_parallel
@@ -180,7 +175,7 @@ class Pipeline(FormPass):
         # boundary shapes from one pass over the chain (meta: shapes only), before materialising
         stage_in, stage_out = self._boundaries(modules, tuple(one[n] for n in self.input_names))
         place_stages([self.module], model, self._canonical, self.device, source)  # this rank's stage only
-        self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self._groups, self.stage_index,
+        self._tied, self._first_tie_stage = tied_params(modules, self._canonical, self.groups, self.stage_index,
                                                         self.pipeline_index, self.is_lead)
         self._tie_owner = self.stage_index  # the key of _first_tie_stage this rank answers to
         self._replica_sum = self._make_replica_sum()

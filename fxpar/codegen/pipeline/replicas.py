@@ -5,7 +5,7 @@ With shared cuts, stage ``j``'s replicas all-reduce their gradients in one group
 With a cut per pipeline, block ``b`` sits on stage ``σ_q(b)`` of pipeline ``q``, so its
 parameters are summed over the ranks ``(chain_q[σ_q(b)])_q`` — one group per distinct owner
 tuple, every rank making every group in the same (sorted) order (the plan's groups' kind
-``"owners"``: :class:`fxpar.codegen.common.groups.PlanGroups`).  The parameters before the
+``"owners"``: :class:`fxpar.runtime.plan_groups.PlanGroups`).  The parameters before the
 first block and after the last one (embeddings, final norm, head) belong to the first and the
 last stage of every pipeline, so they keep the stage groups.  Every rank runs its all-reduces
 in the order of the parameters' names: the first unfinished all-reduce in that order has all
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.common.groups import PlanGroups
+from fxpar.runtime.plan_groups import PlanGroups
 from fxpar.plan import Plan, StagePlan
 from fxpar.tracing.structure import block_path
 

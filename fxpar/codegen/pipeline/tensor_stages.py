@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.common.groups import PlanGroups
+from fxpar.runtime.plan_groups import PlanGroups
 from fxpar.compat import end_of_backward
 from fxpar.errors import PlanError
 from fxpar.runtime.device import host_tensor

@@ -14,7 +14,7 @@ runs on full-size tensors:
 Which stages read which weight is decided by *canonical* names (the original model's first
 name of each tensor), identical on every rank whatever its own sharding did to its model copy,
 so every rank makes the same groups in the same order (the plan's groups' kind ``"tie"``:
-:class:`fxpar.codegen.common.groups.PlanGroups`).  The first stage of ``J`` counts the
+:class:`fxpar.runtime.plan_groups.PlanGroups`).  The first stage of ``J`` counts the
 weight in gradient norms and writes it to checkpoints.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.codegen.common.groups import PlanGroups
+from fxpar.runtime.plan_groups import PlanGroups
 from fxpar.codegen.common.shards import place, shard_spec, take
 
 

@@ -54,13 +54,11 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
-from fxpar.codegen.common.groups import PlanGroups
 from fxpar.codegen.sharded.probe import CastProbe
 from fxpar.codegen.sharded.setup import build_units, install_block_hooks
 from fxpar.codegen.sharded.schedule import RoundSchedule
 from fxpar.codegen.sharded.units import ShardedTensor, Unit
 from fxpar.plan import Plan
-from fxpar.rank_layout import RankLayout
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.distributed import peer_failures, wait_work
@@ -91,7 +89,7 @@ class ShardedDataParallel(FormPass):
                 module, self.state_weights, rank, self.device, checkpoint=checkpoint, group=group,
                 offload=self.offload_optimizer, reduce_dtype=TORCH_DTYPES[policy.reduce_dtype])
             # the reduce-scatters' own group over the ranks, beside the all-gathers' (``group``)
-            self._reduce_group = (PlanGroups(RankLayout(plan), within=group).make("reduce").reduce(0, 0)
+            self._reduce_group = (self.groups.make("reduce").reduce(0, 0)
                                   if self._distributed else None)
         #: the low precision the training forward reads cast parameters in (None: as the shards)
         self._low = TORCH_DTYPES[policy.param_dtype] if policy.param_dtype != "fp32" else None

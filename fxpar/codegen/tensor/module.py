@@ -21,7 +21,7 @@ Everything else (embeddings, norms, head) is replicated and receives identical g
 every rank of the group.  Parameter names are unchanged; shapes are the local slices.
 
 TP × DP (the plan's rules: :func:`fxpar.forms.tensor.spec.check`; where a rank sits:
-:class:`fxpar.rank_layout.RankLayout`; its groups: :class:`fxpar.codegen.common.groups.PlanGroups`):
+:class:`fxpar.rank_layout.RankLayout`; its groups: :class:`fxpar.runtime.plan_groups.PlanGroups`):
 ``R`` replicas, each a group of ``W`` ranks, replica ``r`` trains on ``B_r`` of the ``B`` global samples in the shared step loop
 (:mod:`fxpar.runtime.step_loop`, which gives the weighting math: each micro-batch
 back-propagates ``(N_m / N) · L_m``).  What differs from data parallelism: every rank of a
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from fxpar.checkpoint.layout import LocalParam, counted_here
-from fxpar.codegen.common.groups import PlanGroups, check_job
+from fxpar.runtime.plan_groups import check_job
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.tensor.collectives import register_group
@@ -66,7 +66,6 @@ from fxpar.codegen.tensor.shard import counted_gradient
 from fxpar.codegen.tensor.verify import verify_local_heads
 from fxpar.codegen.tensor.vocab import shard_vocab
 from fxpar.errors import PlanError
-from fxpar.rank_layout import RankLayout
 from fxpar.runtime.grad_norm import NormTerms
 from fxpar.runtime.device import broadcast_state
 from fxpar.runtime.emulation import SegmentClock
@@ -138,7 +137,6 @@ class TensorParallel(FormPass):
         plan, rank = self.plan, self.rank
         if example_inputs is not None:
             remember_example(model, example_inputs)
-        self.layout = RankLayout(plan)
         # emulation stretches each compute segment before the next TP collective (self.clock)
         source = weights_source(model, checkpoint)  # checked on every rank, before any collective
         place = self.layout.where(rank)
@@ -168,10 +166,10 @@ class TensorParallel(FormPass):
     def _make_groups(self, plan: Any) -> tuple[Any, Any]:
         """``(tp_group, dp_group)`` of this rank: with one replica, the job's default group and no
         data-parallel group (None, None); otherwise every rank makes every replica's tensor-parallel
-        group, then every position's group across the replicas (:class:`PlanGroups`)."""
+        group, then every position's group across the replicas (:class:`~fxpar.runtime.plan_groups.PlanGroups`)."""
         if not check_job(plan.world_size) or self.layout.replicas == 1:
             return None, None
-        self._groups = groups = PlanGroups(self.layout).make("tensor", "replica")
+        groups = self.groups.make("tensor", "replica")
         return groups.tensor(0, self.replica), groups.replica(0, self.position)
 
     # ---- step-loop hooks (fxpar.runtime.form_pass) -------------------------------------------
