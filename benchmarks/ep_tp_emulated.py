@@ -134,7 +134,7 @@ def _run_fxpar(kind: str, model, speeds, split: dict[str, Any], batches):
     """Both modules emulate per compute segment, before each collective (SegmentClock)."""
     from fxpar.cluster import Cluster
     from fxpar.codegen.common.module import RankModule
-    from fxpar.codegen.hand_plans import expert_parallel_plan, tensor_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan, tensor_parallel_plan
 
     cluster, rank = Cluster.emulated(list(speeds)), dist.get_rank()
     if kind == "ep":

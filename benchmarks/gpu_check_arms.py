@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 import fxpar
 from benchmarks.gpu_check_setup import BATCH_SEED, MODEL_SEED, PLANNED_FORM
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import local_cache
 from fxpar.runtime import init_distributed
@@ -227,7 +227,7 @@ def fxpar_loop(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module, b
 
 def sharded_plan(spec: dict[str, Any], mspec: ModelSpec, model: torch.nn.Module, batch: Batch,
                  cluster: fxpar.Cluster, record: dict[str, Any]) -> fxpar.Plan:
-    """ZeRO-2 / ZeRO-3 forced by a hand-written plan (``fxpar.codegen.sharded_plans``): the whole
+    """ZeRO-2 / ZeRO-3 forced by a hand-written plan (``fxpar.forms.hand_plans``): the whole
     batch and all the state on the one rank.  With ``spec["probe_planner"]`` (the run's first
     sharded arm) the record also says what the planner itself offers for
     ``forms=["sharded_data_parallel"]`` on this cluster."""

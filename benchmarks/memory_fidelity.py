@@ -65,7 +65,7 @@ def _spec(kind: str):
 def make_plan(kind: str):
     """The plan of one case (module docstring)."""
     from fxpar.cluster import Cluster
-    from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
     from fxpar.planning import trace_spec
     from fxpar.solvers import plan as solve
     from fxpar.tracing.hf import build_model

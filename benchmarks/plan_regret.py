@@ -55,8 +55,8 @@ import torch.distributed as dist
 import fxpar
 from benchmarks.common import finish
 from fxpar import calibrate
-from fxpar.codegen.hand_plans import tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.errors import FxparError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel

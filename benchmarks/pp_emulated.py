@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results")
     args = ap.parse_args(argv)
     from fxpar.cluster import Cluster
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.planning import trace_spec
     from fxpar.runtime import WorkerPool
     from fxpar.solvers import plan as solve

@@ -8,7 +8,7 @@ the padded vocabulary of its TP degree; fxpar's tensor parallelism recognises GP
 OPT's), the cluster from the hardware the file states (catalog entries: GH200-96GB, RTX-3090,
 Titan-RTX, RTX-2080-Ti; the publication's link figures: intra-node per node kind, inter-node the
 slowest link the run's nodes share), the
-plan from its layout (``fxpar.codegen.hand_plans.pipeline_plan``: its stages, TP, replicas and
+plan from its layout (``fxpar.forms.hand_plans.pipeline_plan``: its stages, TP, replicas and
 micro-batches), described as the measured framework ran it: DeepSpeed's pipeline engine
 all-reduces the gradients after the whole schedule (``overlap_grad_allreduce=False``) and holds
 pipeline receive buffers for the in-flight micro-batches only (``receive_in_flight``, the
@@ -65,7 +65,7 @@ from benchmarks.real_gpu_own import DEFAULT_OWN_RUNS, evaluate_own
 from benchmarks.real_gpu_own import table_rows as own_table_rows
 from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import CATALOG, FRAMEWORK_CALIBRATION
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.predict import predict
 from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 from fxpar.tracing import trace

@@ -50,7 +50,7 @@ from benchmarks.common import finish
 from fxpar.api import auto
 from fxpar.cluster import Cluster
 from fxpar.cluster.catalog import lookup_device_type
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.cpu_rate import cpu_scale
 from fxpar.demo import HookClock, even_shares, wrap_fsdp2
 from fxpar.errors import FxparError

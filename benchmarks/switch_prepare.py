@@ -44,7 +44,7 @@ from benchmarks.common import finish
 from fxpar.adapt import Adapt, DetectorSettings, SpeedTimeline
 from fxpar.adapt import prepare
 from fxpar.adapt.prepare import meta_template
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.runtime import WorkerPool
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 

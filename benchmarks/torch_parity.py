@@ -59,8 +59,8 @@ import torch.distributed as dist
 from benchmarks.common import finish
 from fxpar.api import auto
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.plan import Plan
 from fxpar.profiling.tensor_peak import TensorPeak, training_state

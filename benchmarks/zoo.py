@@ -55,7 +55,7 @@ import torch.distributed as dist
 import fxpar
 from benchmarks.common import finish
 from benchmarks.zoo_tiny import architecture, causal_lm_types, tiny_config
-from fxpar.codegen.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import block_paths, pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.tensor.families import head_layout, split_sizes
 from fxpar.runtime import WorkerPool

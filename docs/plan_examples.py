@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fxpar  # noqa: E402
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan  # noqa: E402
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan  # noqa: E402
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan  # noqa: E402
+from fxpar.forms.hand_plans import sharded_data_parallel_plan  # noqa: E402
 from fxpar.plan import Plan, RankPlan, StagePlan  # noqa: E402
 from fxpar.rank_layout import RankLayout  # noqa: E402
 

@@ -22,6 +22,8 @@ old name                               new name                             wher
 ``pipelines``, ``num_microbatches``,   ``pipeline``, a ``PipelineSpec``     ``fxpar.Plan``
 ``schedule``,                          (moved: :func:`folds_moved`)         (reading them:
 ``zero_sharded_optimizer`` (keywords)                                       views, no warning)
+``fxpar.codegen.hand_plans``,          ``fxpar.forms.hand_plans``           importing it
+``fxpar.codegen.sharded_plans``        (each form's in its folder)
 =====================================  ===================================  ===================
 
 The old names go in the release after the one that renamed them (:data:`REMOVED_IN`).
@@ -133,3 +135,9 @@ def folds_moved(where: str, moved: Collection[str], into: str,
         cls.__init__ = call  # type: ignore[misc]
         return cls
     return wrap
+
+
+def warn_module_moved(old: str, new: str) -> None:
+    """The warning a module that moved gives when it is imported (once per process)."""
+    warnings.warn(f"{old} moved to {new}; {old} still works until fxpar {REMOVED_IN}", FutureWarning,
+                  stacklevel=3)

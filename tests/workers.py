@@ -179,7 +179,7 @@ def pipeline_case(cfg: dict, world: int, batch: int, seq: int, steps: int, **pla
     """A tiny HF model built from ``cfg`` (seed 0), its single-process copy, a hand pipeline plan
     (``pipeline_plan(**plan_kwargs)``) over ``world`` emulated ranks of speed 1, and ``steps``
     global batches: the shared set-up of the pipeline parity workers."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     torch.manual_seed(0)
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation="eager").train()
@@ -260,7 +260,7 @@ def auto_pipeline_parity(speeds: list[float], memory_gib: float, steps: int = 2)
 def pp_gather_and_save(save_dir: str) -> dict:
     """Train 2 pipeline steps, gather the state dict on rank 0, save_pretrained, reload, compare
     with the single-process model trained the same way."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -291,7 +291,7 @@ def pp_gather_and_save(save_dir: str) -> dict:
 
 def tp_parity(kv_shares: list[int], steps: int = 2) -> dict:
     """Uneven tensor parallelism (e.g. 3:1 of the heads) vs one process."""
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = dict(TINY_CONFIGS["llama"], num_key_value_heads=4)  # 4 heads, 4 KV groups: 3:1 splits
@@ -387,7 +387,7 @@ def masked_pp_parity(padded: bool) -> dict:
     mask is all ones (its stages attend ``is_causal``, as eager does) or left-padded (they apply
     the mask), against one process (``tests/parity.step_record``); and the SDPA calls of one
     ``eval_loss`` that were given a mask (``masked_calls``, from torch's profiler)."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -54,9 +54,9 @@ import torch.distributed as dist
 
 from fxpar.build import build_module
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.tensor.families import split_sizes
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.errors import FxparError
 from fxpar.plan import Plan
 from fxpar.profiling import CostModel

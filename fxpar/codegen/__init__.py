@@ -7,7 +7,8 @@ import each other:
 1. ``common``   — shard marks, materialising a rank's shard, gradient buckets, gradient norms;
 2. ``tensor``   — uneven tensor parallelism (``tensor.module``) and the sharding it is built
    from, also used by pipelines with tensor-parallel stages;
-3. ``hand_plans``, ``sharded_plans`` — plans written by hand (public paths);
+3. ``hand_plans``, ``sharded_plans`` — the old paths of the hand-written plans, which moved to
+   :mod:`fxpar.forms.hand_plans` (until fxpar 0.3);
 4. ``data``, ``expert``, ``sharded``, ``pipeline`` — each form's pass of the rank's module;
 5. ``emit`` — the per-rank files of ``fxpar emit``.
 

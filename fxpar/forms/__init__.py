@@ -43,10 +43,11 @@ functions it must define (:data:`PHASES`):
 
 A form's folder also holds the modules that serve one of its phases, named ``<phase>_<what>``
 and placed at that phase's layer (the pipelines' search is ``search.py`` over
-``search_pipelines.py`` and three more); nothing outside this package imports a form's modules.
-What still names a built-in form outside it (the public hand-written plans, the demo, the
-runtime probe: ``docs/extending.md``) is counted by ``tests/project/test_forms.py``, and that
-count may not rise.
+``search_pipelines.py`` and three more; its hand-written plan builders are ``apply_plans.py``,
+gathered for users by :mod:`fxpar.forms.hand_plans`); nothing outside this package imports a
+form's folder.  What still names a built-in form outside it (the demo, the runtime probe:
+``docs/extending.md``) is counted by ``tests/project/test_forms.py``, and that count may not
+rise.
 
 A form outside this package (a plug-in) is a package with the same phase modules whose
 ``__init__`` defines ``FORM``, a :class:`Form` with ``package`` set to it; the environment

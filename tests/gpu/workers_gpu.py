@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.runtime.device import rank_device
 
 from ..workers import global_batch, tiny_model

@@ -7,7 +7,7 @@ import json
 
 import fxpar
 from fxpar.codegen.emit import emit
-from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import pipeline_plan, tensor_parallel_plan
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from tests.workers import TINY_CONFIGS
 
@@ -43,7 +43,7 @@ def test_tensor_parallel_plan(tmp_path):
 
 
 def test_expert_parallel_plan(tmp_path):
-    from fxpar.codegen.hand_plans import expert_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan
 
     model = build_model(ModelSpec(hf_config=TINY_CONFIGS["mixtral"]), device="meta", attn_implementation="eager")
     plan = expert_parallel_plan(model, fxpar.Cluster.emulated([1.0, 0.5]), global_batch=6, expert_split=[3, 1])

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.tracing.graph_passes import drop_metadata_asserts
 from fxpar.codegen.pipeline.split import split_stages
 from tests.parity import Report, check_gradients, check_loss, expect, gradient_gaps

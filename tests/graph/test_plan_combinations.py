@@ -12,8 +12,8 @@ import functools
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.forms import STAGE_FIELDS, form
 from fxpar.plan import Plan

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from fxpar.cluster import Cluster
 from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.data.module import DataParallel
-from fxpar.codegen.expert.module import expert_parallel_module
-from fxpar.codegen.hand_plans import expert_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_module
+from fxpar.forms.hand_plans import expert_parallel_plan
 from fxpar.errors import ConfigError, PlanError
 from fxpar.forms import part
 from fxpar.plan import Plan, RankPlan, StagePlan

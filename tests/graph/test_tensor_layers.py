@@ -12,7 +12,7 @@ import torch
 
 import fxpar
 from fxpar.codegen.emit import emit
-from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.forms.hand_plans import tensor_parallel_plan
 from fxpar.codegen.tensor.families import with_split
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.errors import PlanError

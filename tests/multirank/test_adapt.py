@@ -731,7 +731,7 @@ def test_bad_adapt_options_are_clear_errors():
     data = global_batch(model, 4, 8)
     with pytest.raises(ConfigError, match="adapt = 'yes'"):
         fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, adapt="yes")
-    from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+    from fxpar.forms.hand_plans import sharded_data_parallel_plan
 
     plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0]), batch_split=[4], state_split=[1])
     given = fxpar.auto(model, fxpar.Cluster.emulated([1.0]), data, plan=plan, adapt=True)  # a hand plan adapts
@@ -1007,7 +1007,7 @@ def test_plans_are_compared_by_layout_not_by_a_short_name():
 
     import fxpar
     from fxpar.adapt.decide import plan_kind
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     model, _ = _small_planning()
     cluster = fxpar.Cluster.emulated([1.0, 1.0])

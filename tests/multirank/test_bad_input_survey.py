@@ -269,7 +269,7 @@ def ctx() -> dict[str, Any]:
 
 
 def _pipeline_plan_for(family: str, stages: int = 2) -> Plan:
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     return pipeline_plan(tiny_model(family), Cluster.emulated([1.0] * stages), global_batch=4,
                          blocks_per_stage=[2 // stages] * stages, num_microbatches=2)
@@ -339,13 +339,13 @@ AUTO_CASES: dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]] = {
 
 
 def _tp_plan() -> Plan:
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
 
     return tensor_parallel_plan(tiny_model("llama"), Cluster.emulated([1.0]), global_batch=4, kv_shares=[2])
 
 
 def _ep_plan() -> Plan:
-    from fxpar.codegen.hand_plans import expert_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan
 
     return expert_parallel_plan(tiny_model("mixtral"), Cluster.emulated([1.0]), global_batch=4, expert_split=[4])
 

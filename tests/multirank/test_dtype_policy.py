@@ -24,7 +24,7 @@ import torch
 
 import fxpar
 from fxpar.codegen.common.module import RankModule
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.dtype_policy import DtypePolicy
 from fxpar.errors import PlanError
 from fxpar.plan import Plan

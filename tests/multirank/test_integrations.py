@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import pipeline_plan, tensor_parallel_plan
 from fxpar.errors import ConfigError
 from fxpar.integrations import config_from_mapping, load_config
 from fxpar.integrations.sampler import GlobalOrder, ShareBatchSampler
@@ -293,7 +293,7 @@ def test_accelerate_tensor_parallel_matches_and_checkpoints(tmp_path, loop_refer
 @pytest.mark.full
 def test_accelerate_pipeline_of_tensor_parallel_stages(tmp_path, loop_reference):
     # 3 ranks: stage 0 (2 blocks) on a TP pair 3:1 of the KV groups, stage 1 (2 blocks) alone
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     plan = pipeline_plan(_model(), Cluster.emulated([1.0, 0.5, 1.0]), global_batch=BATCH, seq_len=SEQ,
                          blocks_per_stage=[2, 2], num_microbatches=2, tensor_parallel=[2, 1],
@@ -385,7 +385,7 @@ def test_trainer_expert_parallel_matches_single_process(tmp_path):
     equal a single-process Trainer's on the same data in the same order."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from fxpar.codegen.hand_plans import expert_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan
 
     steps = 4
     torch.manual_seed(0)
@@ -426,7 +426,7 @@ SHARDED_STEPS = 3
 def _sharded_plan_file(tmp: Path) -> Path:
     """2 ranks: batch 8 / 4 (micro-batches of 4), state 1 : 3 (rank 1 holds 3/4 of every
     parameter's rows, gradients and AdamW state), parameters sharded too, rank 1 recomputes."""
-    from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+    from fxpar.forms.hand_plans import sharded_data_parallel_plan
 
     plan = sharded_data_parallel_plan(Cluster.emulated([1.0, 0.5]), batch_split=[8, 4], state_split=[1, 3],
                                       shard_stage=3, micro_batch_size=4, activation_checkpointing=[False, True],

@@ -119,7 +119,7 @@ def _model():
 
 def test_expert_parallel_plan_round_trips_and_validates():
     import fxpar
-    from fxpar.codegen.hand_plans import expert_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan
     from fxpar.plan import Plan
 
     model = _model()
@@ -135,7 +135,7 @@ def test_expert_parallel_plan_round_trips_and_validates():
 
 
 def test_module_rejects_bad_splits_and_aux_loss():
-    from fxpar.codegen.expert.module import expert_parallel_module
+    from fxpar.forms.hand_plans import expert_parallel_module
 
     with pytest.raises(PlanError, match="sum to the 4 experts"):
         expert_parallel_module(_model(), [3], 0, batch_shares=[8])
@@ -153,7 +153,7 @@ def test_module_rejects_bad_splits_and_aux_loss():
 def test_single_rank_matches_model_exactly():
     import copy
 
-    from fxpar.codegen.expert.module import expert_parallel_module
+    from fxpar.forms.hand_plans import expert_parallel_module
     from tests.parity import gradient_gaps
     from tests.workers import global_batch
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import block_paths, pipeline_plan
+from fxpar.forms.hand_plans import block_paths, pipeline_plan
 from fxpar.codegen.common.module import RankModule
 from fxpar.models import PRESETS
 from fxpar.tracing.hf import build_model, example_inputs

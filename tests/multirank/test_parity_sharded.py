@@ -29,7 +29,7 @@ import torch
 
 from fxpar import Cluster
 from fxpar.codegen.emit import emit
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.runtime.pool import run_ranks
 from fxpar.runtime.ragged import RaggedLayout, owned_rows, scalar_owner

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.forms.hand_plans import tensor_parallel_plan
 from fxpar.rank_layout import RankLayout
 from fxpar.errors import PlanError
 from tests.parity import check_gradients, check_loss, check_norm, check_step, check_trajectory, expect, norm_rtol

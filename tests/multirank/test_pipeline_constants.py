@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.codegen.common.module import RankModule
 from fxpar.codegen.pipeline.split import split_stages
 from tests.parity import check_loss, check_step, expect, step_record

@@ -23,7 +23,7 @@ import torch
 
 import fxpar
 from benchmarks.zoo import build
-from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.forms.hand_plans import tensor_parallel_plan
 from fxpar.codegen.tensor.module import shard_model
 from fxpar.errors import PlanError
 from fxpar.tracing.analyze_model import analysis_example, analyze_model

@@ -13,8 +13,8 @@ from fxpar.adapt.prepare import meta_template
 from fxpar.adapt.switch import switch_module
 from fxpar.checkpoint.layout import describe
 from fxpar.checkpoint.reshard import entry_boxes, region_view
-from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.planning import trace_spec
 from fxpar.tracing.hf import ModelSpec, build_model
 from fxpar.workload import Workload

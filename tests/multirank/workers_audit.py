@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import (
+from fxpar.forms.hand_plans import (
     expert_parallel_plan,
     interleaved_plan,
     pipeline_plan,
     tensor_parallel_plan,
 )
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.runtime.audit import CollectiveAudit
 from fxpar.runtime.device import rank_device
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs

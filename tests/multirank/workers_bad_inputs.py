@@ -115,7 +115,7 @@ def dp_step_survey(names: list[str] | None = None) -> list[dict[str, Any]]:
 
 def pp_step_survey(names: list[str] | None = None) -> list[dict[str, Any]]:
     """Bad batches for a 2-stage pipeline (1 block each, 2 micro-batches of 4)."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     model = tiny_model("gpt2")
     good = global_batch(model, 8, 16, ignore_some=False)

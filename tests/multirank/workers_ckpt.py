@@ -29,7 +29,7 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
     """The parallel module ``kind`` ("dp": speeds, "pp": blocks per stage, "tp": KV shares,
     "ep": experts per rank, "module": plain) on this rank, an AdamW over its parameters, and a
     layout check."""
-    from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+    from fxpar.forms.hand_plans import pipeline_plan, tensor_parallel_plan
     from fxpar.codegen.common.module import RankModule
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -52,7 +52,7 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
                                     kv_shares=arg)
         pm = RankModule(model, plan, rank, emulate=False)
     elif kind == "ep":
-        from fxpar.codegen.hand_plans import expert_parallel_plan
+        from fxpar.forms.hand_plans import expert_parallel_plan
 
         plan = expert_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                                     expert_split=arg)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 
 from ..parity import gradient_gaps
 from ..workers import global_batch, is_slice, tiny_model

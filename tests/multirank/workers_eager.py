@@ -8,7 +8,7 @@ import copy
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.codegen.common.module import RankModule
 from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 from tests.parity import step_record

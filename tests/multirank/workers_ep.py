@@ -57,7 +57,7 @@ def ep_parity(family: str, expert_split: list[int], batch_shares: list[int], ste
     (rank 0: ``gathered``), the whole-model gradient norm, and the trained parameters'
     trajectory (rank 0: ``weights``)."""
     from fxpar.codegen.common.module import RankModule
-    from fxpar.codegen.hand_plans import expert_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = moe_model(family)
@@ -126,7 +126,7 @@ def ep_save_pretrained(save_dir: str) -> dict:
     """One 3:1 AdamW step, then ``save_pretrained`` (gathered on rank 0), reloaded with HF and
     compared with the single-process model trained the same way (``weights``: the trajectory
     gap; ``max_param_diff``: the largest element gap)."""
-    from fxpar.codegen.expert.module import expert_parallel_module
+    from fxpar.forms.hand_plans import expert_parallel_module
 
     rank = dist.get_rank()
     model = moe_model("mixtral")

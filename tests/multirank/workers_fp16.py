@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
 from fxpar.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 
 from ..parity import gradient_gaps

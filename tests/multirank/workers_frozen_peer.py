@@ -22,7 +22,7 @@ import torch
 import fxpar
 import fxpar.runtime.ragged as ragged
 from fxpar.codegen.common.module import RankModule
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.runtime import init_distributed
 
 #: phase -> the name in fxpar.runtime.ragged that launches that collective

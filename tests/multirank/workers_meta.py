@@ -50,7 +50,7 @@ def dp_plan(shares: list[int], micro_batch_size: int, model: str = "LlamaForCaus
 
 def hand_plan(kind: str, model: torch.nn.Module, world: int, batch: int) -> Plan:
     """The plan of each case, made on the (meta) model."""
-    from fxpar.codegen.hand_plans import (
+    from fxpar.forms.hand_plans import (
         expert_parallel_plan,
         interleaved_plan,
         pipeline_plan,
@@ -191,7 +191,7 @@ def pipeline_memory(layers: int = 8, blocks_per_stage: tuple[int, ...] = (2, 2, 
     one step and one AdamW step also gradients and optimizer state — against the whole model,
     counted as ``numel * element_size`` of distinct tensors; and the profiler's peak of the
     set-up, step and optimizer step (CPU allocator events)."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = tiny_config("llama", layers)
@@ -229,7 +229,7 @@ def meta_pipeline_in_bf16(folder: str) -> dict:
     model: the two steps' losses and this rank's gradients."""
     import dataclasses
 
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:

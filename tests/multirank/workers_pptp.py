@@ -91,7 +91,7 @@ def tp_family_parity(family: str, kv_shares: list[int], steps: int = 2, override
     ranks vs one process: loss, every local gradient against its slice of the reference
     gradient, and the gathered model's trajectory after ``steps`` SGD steps (and, with
     ``ckpt_dir``, a sharded checkpoint loaded into one process: ``checkpoint``)."""
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
     from tests.families import _DEC, FAMILIES
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -177,7 +177,7 @@ def pp_tp_checkpoint(save_dir: str, ckpt_dir: str, tied: bool = False) -> dict:
     checkpoint; the checkpoint loads into a single-process model and both follow the reference's
     SGD trajectory (``save_pretrained``, ``checkpoint``: ``tests/parity.TrajectoryGaps``)."""
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -240,7 +240,7 @@ def unsupported_tp_stage_refused() -> str:
     """A pipeline plan with a tensor-parallel stage for JetMoE (its attention's query/key/value
     do not trace back to projections the graph analysis can split): every rank raises the same
     clear error, naming the block and the reason, before any collective."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
     from fxpar.errors import PlanError
     from tests.families import FAMILIES
@@ -266,7 +266,7 @@ def pp_zero_parity(ckpt_dir: str, steps: int = 2) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from fxpar.checkpoint import load_checkpoint, save_checkpoint
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -316,7 +316,7 @@ def pp_autocast_parity(dtype: str, widths: list[int], blocks_per_stage: list[int
     master weights) against one process running the model under ``torch.autocast``."""
     import dataclasses
 
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
     from fxpar.runtime.precision import AUTOCAST_DTYPES
 
@@ -348,7 +348,7 @@ def interleaved_parity(family: str, blocks_per_stage: list[int], stage_ranks: li
     """An interleaved pipeline (a rank may hold several stages) vs one process: loss, every
     gradient, the gradient norm, the weights' trajectory after ``steps`` steps (rank 0), and the
     eval loss (``eval_loss``, ``ref_eval_loss``)."""
-    from fxpar.codegen.hand_plans import interleaved_plan
+    from fxpar.forms.hand_plans import interleaved_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = "n_layer" if family == "gpt2" else "num_hidden_layers"

@@ -22,7 +22,7 @@ def replica_pp_parity(family: str, speeds: list[float], data_split: list[int], m
     """2 pipelines x 2 stages on emulated ranks of ``speeds``, pipeline ``p`` training
     ``data_split[p]`` samples, against one process: the loss, every gradient of this rank's stage
     on each step, and its weights after each AdamW step."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.codegen.common.module import RankModule
     from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
@@ -82,7 +82,7 @@ def replica_interleaved_parity(data_split: list[int]) -> dict:
     """An interleaved plan (3 stages on 2 positions, the first holding stages 0 and 2) in 2
     pipelines on emulated speeds 1, 0.5 | 0.5, 0.25, pipeline ``p`` training ``data_split[p]``
     of 8 samples, against one process."""
-    from fxpar.codegen.hand_plans import interleaved_plan
+    from fxpar.forms.hand_plans import interleaved_plan
     from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
     cfg = dict(TINY_CONFIGS["gpt2"], n_layer=3)
@@ -124,7 +124,7 @@ def own_cuts_parity(cuts: list[list[int]], data_split: list[int]) -> dict:
     """2 pipelines x 2 stages of a 4-block GPT-2 whose pipelines cut it differently (pipeline
     ``p``'s stages own ``cuts[p]`` blocks) on emulated speeds 1, 1 | 0.5, 0.5, pipeline ``p``
     training ``data_split[p]`` of 8 samples, against one process."""
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.forms.pipeline.search_replicas import uneven_pipelines
 
     cfg = dict(TINY_CONFIGS["gpt2"], n_layer=4)

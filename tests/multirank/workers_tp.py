@@ -42,7 +42,7 @@ def tp_dp_parity(kv_shares: list[int], replicas: int, batch_shares: list[int] | 
     ``tests/parity.GradientGaps``), the gradient norm, and the weights' trajectory after the
     optimizer steps (AdamW lr 1e-2, or SGD lr 1e-1, whose update is linear in the gradient).  Odd
     steps feed the replica's rows with ``local=True``."""
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
     from fxpar.codegen.tensor.module import TensorParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,7 +102,7 @@ def tp_dp_save(save_dir: str, ckpt_dir: str) -> dict:
     replica 1 gathered), compared with the single-process model: element-wise gaps
     (``*_diff``) and SGD trajectory gaps (``save_pretrained``, ``checkpoint``, ``reload``)."""
     from fxpar.checkpoint import load_checkpoint, read_model_state, save_checkpoint
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
     from fxpar.codegen.common.module import RankModule
 
     rank, world = dist.get_rank(), dist.get_world_size()

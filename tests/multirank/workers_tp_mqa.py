@@ -16,7 +16,7 @@ import fxpar
 from benchmarks.zoo import BATCH, batch, build
 from fxpar.checkpoint import describe, load_checkpoint, save_checkpoint
 from fxpar.checkpoint.reshard_move import reshard
-from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.forms.hand_plans import tensor_parallel_plan
 from tests.parity import gradient_gaps
 
 

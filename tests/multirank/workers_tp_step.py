@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import fxpar
 from benchmarks.zoo import BATCH, SEED, batch, build
-from fxpar.codegen.hand_plans import tensor_parallel_plan
+from fxpar.forms.hand_plans import tensor_parallel_plan
 from fxpar.tracing.analyze_model import analysis_example
 from fxpar.tracing.export import split_inputs
 from fxpar.tensor_layers import TPAnalysis

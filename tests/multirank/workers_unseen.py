@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import pipeline_plan, tensor_parallel_plan
 from fxpar.codegen.common.module import RankModule
 from tests.multirank.models_unseen import LlamaStyleForCausalLM, LoopMoEForCausalLM, NanoGPT, loop_moe_batch, nanogpt_batch
 from tests.parity import step_record

@@ -90,7 +90,7 @@ def test_a_1f1b_pipeline_with_fewer_micro_batches_than_stages_is_refused_by_the_
     """torch's 1F1B schedule refuses fewer micro-batches than stages from deep inside its
     constructor, at build time; the plan says so where it is made, with what to change."""
     import fxpar
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from fxpar.errors import PlanError
     from fxpar.tracing.hf import ModelSpec, build_model
     from tests.multirank.workers_adapt import CONFIG

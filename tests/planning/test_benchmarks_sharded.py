@@ -4,7 +4,7 @@ the table built from injected measurements (no timing, no processes, no timing a
 from __future__ import annotations
 
 from benchmarks.sharded_emulated import ARMS, MIB, cap_verdict, capped_cluster, describe, summarize
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 
 CAPS = [512 * MIB, 100 * MIB]
 

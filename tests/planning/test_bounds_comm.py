@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import fxpar
-from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.plan import Plan, RankPlan, StagePlan
 from fxpar.planning import trace_spec
 from fxpar.profiling import CostModel

@@ -331,7 +331,7 @@ def test_calibrated_runtime_costs_are_priced(small):
 def test_a_calibrated_expert_call_cost_is_priced_per_synchronising_call():
     """Each MoE layer's count all-gather and its four all-to-alls (dispatch and combine, forward
     and backward) cost the calibrated ``expert_call_s`` once per micro-batch."""
-    from fxpar.codegen.hand_plans import expert_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan
 
     config = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   vocab_size=128, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -354,7 +354,7 @@ def test_a_calibrated_tensor_parallel_call_cost_is_priced_per_all_reduce(small):
     """Each tensor-parallel all-reduce (a block's four: attention and MLP, forward and backward;
     the embedding's and the head's) costs the calibrated ``tensor_call_s`` once per micro-batch, on
     a plan by hand and as the planner's pipelines price it; the figure round-trips through the calibration file."""
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
     from fxpar.sim.pipeline_cost import pipeline_prices
 
     model, _, graph = small
@@ -381,7 +381,7 @@ def test_the_step_loops_calibrated_cost_is_priced_once_per_step_in_every_form(sm
     3), pipeline, tensor and expert parallelism — and to nothing else: per-rank busy and idle
     time and memory are unchanged; the prediction names it as the ``runtime`` part, the parts
     still add up to the step, and the solver's stored prediction is the simulator's."""
-    from fxpar.codegen.hand_plans import expert_parallel_plan, tensor_parallel_plan
+    from fxpar.forms.hand_plans import expert_parallel_plan, tensor_parallel_plan
 
     model, _, graph = small
     cluster = Cluster.emulated([1.0, 0.5])

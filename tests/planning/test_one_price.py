@@ -17,8 +17,8 @@ import pytest
 import fxpar
 import fxpar.solvers
 from fxpar.cluster import Cluster
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.planning import trace_spec
 from fxpar.profiling import collectives
 from fxpar.profiling.database import ProfileDB

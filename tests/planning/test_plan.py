@@ -93,7 +93,7 @@ def test_new_plan_fields_round_trip(tmp_path):
     # per-stage checkpointing / TP width / splits, the interleaved schedule and the
     # communication choice survive JSON; a wrong method or a placement with adjacent stages on
     # one rank is a clear error
-    from fxpar.codegen.hand_plans import interleaved_plan, pipeline_plan
+    from fxpar.forms.hand_plans import interleaved_plan, pipeline_plan
     from fxpar.plan import CollectiveChoice
 
     model = build_model(ModelSpec(hf_config=dict(TINY_CONFIGS["mixtral"])), device="meta")

@@ -11,10 +11,10 @@ import json
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, pipeline_plan, tensor_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.plan import PLAN_FORMAT_VERSION, Plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.plan_upgrade import V1_STAGE_KEYS, V1_UNSET, V2_PLAN_KEYS, V3_PIPELINE_KEYS
 from fxpar.stage_specs import PLAN_SPECS, SPECS, ExpertStage, PipelineSpec, ShardedStage, TensorStage
 from tests.workers import tiny_model

@@ -10,7 +10,7 @@ import pytest
 import fxpar
 from fxpar.cli import main
 from fxpar.cluster.catalog import FRAMEWORK_CALIBRATION
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
 from fxpar.planning import plan_model, trace_spec

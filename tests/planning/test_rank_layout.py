@@ -9,8 +9,8 @@ import functools
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import expert_parallel_plan, interleaved_plan, pipeline_plan, tensor_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.errors import PlanError
 from fxpar.rank_layout import RankLayout
 from fxpar.tracing.hf import ModelSpec, build_model

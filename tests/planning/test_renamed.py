@@ -18,7 +18,7 @@ import pytest
 import fxpar
 from fxpar.adapt import AdaptPolicy
 from fxpar.cli import main
-from fxpar.codegen.sharded_plans import sharded_data_parallel_plan
+from fxpar.forms.hand_plans import sharded_data_parallel_plan
 from fxpar.errors import ConfigError
 from fxpar.integrations.config import config_from_mapping
 from fxpar.options import Options
@@ -102,7 +102,7 @@ def _each_moved(caught: Any, *old: str) -> bool:
 
 
 def test_a_plans_flat_pipeline_keywords_warn_and_fold_into_its_pipeline():
-    from fxpar.codegen.hand_plans import pipeline_plan
+    from fxpar.forms.hand_plans import pipeline_plan
     from tests.workers import tiny_model
 
     plan = pipeline_plan(tiny_model("llama"), C2, global_batch=8, blocks_per_stage=[1, 1], num_microbatches=2)
@@ -123,6 +123,20 @@ def test_a_plans_flat_pipeline_keywords_warn_and_fold_into_its_pipeline():
     with pytest.warns(FutureWarning), pytest.raises(PlanError, match="pipelines = 2: a sharded_data_parallel plan "
                                                                      "runs no pipeline"):
         dataclasses.replace(other, pipelines=2)
+
+
+@pytest.mark.parametrize("old", ["fxpar.codegen.hand_plans", "fxpar.codegen.sharded_plans"])
+def test_the_hand_plans_old_modules_warn_and_give_the_same_builders(old):
+    import importlib
+    import sys
+
+    import fxpar.forms.hand_plans as new
+
+    sys.modules.pop(old, None)
+    with pytest.warns(FutureWarning, match=rf"{old} moved to fxpar.forms.hand_plans; {old} still works until "
+                                           rf"fxpar {REMOVED_IN}"):
+        module = importlib.import_module(old)
+    assert module.__all__ and all(getattr(module, n) is getattr(new, n) for n in module.__all__)
 
 
 def test_make_plan_and_its_prediction_by_the_old_names():

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.errors import PlanError
 from fxpar.models import PRESETS
 from fxpar.plan import Plan

@@ -107,7 +107,7 @@ def test_a_tensor_parallel_group_of_mixed_speeds_runs_at_its_slowest_member():
     0.5 is priced as one of two 0.5s, whichever rank comes first (it was priced at its first rank's
     speed).  A split that gives the slow rank fewer heads is priced at the rank with the largest
     share over speed (3 heads at speed 1 against 1 at 0.5: the fast rank), the split itself as even."""
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
     from fxpar.tracing.hf import build_model
 
     spec = ModelSpec(hf_config=dict(TINY_CONFIGS["llama"], num_key_value_heads=4))
@@ -132,7 +132,7 @@ def test_an_uneven_tensor_parallel_split_is_priced_at_its_critical_members_share
     3/4 of the divided work: slower than 2:2 on equal speeds, faster than 2:2 where the second
     rank runs at half speed (its 1/4 at 0.5 takes less than the fast rank's 3/4).  The slot is
     priced at scale ``f·(3/4) + (1 − f)`` (``f`` the divided fraction), not as an even split."""
-    from fxpar.codegen.hand_plans import tensor_parallel_plan
+    from fxpar.forms.hand_plans import tensor_parallel_plan
     from fxpar.sim.pipeline_cost import pipeline_prices
     from fxpar.forms.tensor.price import as_pipeline
     from fxpar.sim.pipeline_plan import layout_of

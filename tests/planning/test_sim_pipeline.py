@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
 from fxpar.planning import trace_spec

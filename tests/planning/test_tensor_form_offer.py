@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 import fxpar
-from fxpar.codegen.hand_plans import pipeline_plan
+from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.forms.tensor.spec import from_one_stage_pipeline
 from fxpar.models import PRESETS
 from fxpar.planning import trace_spec

@@ -10,9 +10,10 @@ Layers, lowest first (``docs/layout.md`` draws them):
       → integrations, profile_cmd, demo → cli, the package itself
 
 Inside a layer, sub-layers (``SUBLAYERS``): codegen's sub-packages in the order its
-``__init__`` gives (common → tensor → hand plans → one module per plan family → emit), the
+``__init__`` gives (common → tensor → the old hand-plan aliases → one module per form → emit), the
 tracer over its tensor-parallel analysis, the planner over the solvers it composes, each
-parallel form's folder over the forms' registry.  Two parts of one sub-layer above the base never
+parallel form's folder over the forms' registry, and the hand-written plans each form's folder
+offers gathered above them (``fxpar.forms.hand_plans``).  Two parts of one sub-layer above the base never
 import each other (the forms are independent).  A form's phase module, and each module of its
 folder that serves a phase (``<phase>_<what>``), sits at its phase's layer (``FORM_PHASES``).
 """
@@ -31,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fxpar"
 #: module prefix -> layer (the longest matching prefix wins)
 LAYERS: dict[str, int] = {
     "fxpar.errors": 0, "fxpar.compat": 0, "fxpar.renamed": 0,
-    "fxpar.workload": 1, "fxpar.forms": 1, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
+    "fxpar.workload": 1, "fxpar.forms": 1, "fxpar.forms.hand_plans": 9, "fxpar.dtype_policy": 1, "fxpar.plan_checks": 1, "fxpar.plan_table": 1, "fxpar.plan": 1, "fxpar.rank_layout": 1,
     "fxpar.tensor_layers": 1, "fxpar.stage_specs": 1, "fxpar.plan_upgrade": 1,
     "fxpar.cluster": 2,
     "fxpar.tracing": 3,
@@ -55,7 +56,7 @@ SUBLAYERS: dict[str, dict[str, int]] = {
     "fxpar.tracing": {"tensor_parallel": 1, "trace": 2, "hf": 2, "analyze_model": 3},
     "fxpar.solvers": {"choose": 1, "planner": 2},
     # each form's folder above the registry; two forms never import each other
-    "fxpar.forms": {"data": 1, "pipeline": 1, "expert": 1, "sharded": 1, "tensor": 1},
+    "fxpar.forms": {"data": 1, "pipeline": 1, "expert": 1, "sharded": 1, "tensor": 1, "hand_plans": 2},
 }
 #: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``, and each module of its folder
 #: that serves the phase, ``<phase>_<what>``) -> its layer: a form's rules of a plan are plain

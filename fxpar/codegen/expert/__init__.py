@@ -1,3 +1,3 @@
 """Uneven expert parallelism for mixture-of-experts models: the pass of the rank's module (``module``) and
 the sharded experts it puts in each MoE block (``experts``).
-Imports ``codegen.common`` and the hand plans (``codegen.hand_plans``)."""
+Imports ``codegen.common``."""

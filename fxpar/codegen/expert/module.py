@@ -52,7 +52,6 @@ without a checkpoint takes rank 0's weights (broadcast tensor by tensor) before 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +59,9 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardMark, ShardSpec, mark_shard, shard_mark
-from fxpar.cluster import Cluster
 from fxpar.runtime.plan_groups import check_job
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
 from fxpar.codegen.expert.experts import ExpertParallelExperts, shard_experts
-from fxpar.codegen.hand_plans import expert_parallel_plan
-from fxpar.codegen.common.module import RankModule
 from fxpar.errors import CheckpointError, PlanError
 from fxpar.plan import Plan
 from fxpar.runtime.grad_norm import NormTerms
@@ -172,16 +168,3 @@ def _check_plan(plan: Plan) -> None:
     if len(counts) != 1:
         raise PlanError(f"expert parallelism needs the same number of micro-batches on every rank "
                         f"(got {sorted(counts)}): each one runs the same collectives")
-
-
-def expert_parallel_module(model: torch.nn.Module, split: Sequence[int], rank: int, *,
-                           batch_shares: Sequence[int] | None = None, **how: Any) -> RankModule:
-    """The rank's module of a bare expert split: ``split[r]`` experts and ``batch_shares[r]``
-    samples on rank ``r`` (an ``expert_parallel`` plan on an emulated cluster of equal speeds);
-    ``how``: :class:`~fxpar.codegen.common.module.RankModule`'s keywords and :class:`ExpertParallel`'s."""
-    if batch_shares is None or len(batch_shares) != len(split):
-        raise PlanError(f"expert_parallel_module(model, {list(split)}, ...) needs batch_shares with one "
-                        f"entry per rank (samples of the global batch); got {batch_shares}")
-    plan = expert_parallel_plan(model, Cluster.emulated([1.0] * len(split)), global_batch=int(sum(batch_shares)),
-                                expert_split=list(split), batch_shares=list(batch_shares))
-    return RankModule(model, plan, rank, **how)
