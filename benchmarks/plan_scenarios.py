@@ -42,7 +42,7 @@ def plan_shape(plan) -> str:
         return f"sharded DP (ZeRO-{plan.stages[0].sharded.stage})"
     if plan.form == "expert_parallel":
         experts = plan.stages[0].expert.split
-        return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.num_microbatches}"
+        return f"EP, experts {min(experts)}-{max(experts)}/rank, m={plan.ranks[0].num_microbatches}"
     kinds = "/".join(f"{st.device.split('-')[0]}x{st.tensor_parallel}" for st in plan.stages[:3])
     more = ".." if len(plan.stages) > 3 else ""
     shape = f"{plan.pipelines}x[{kinds}{more}] {len(plan.stages)} st, m={plan.num_microbatches}"

@@ -122,27 +122,35 @@ def _refuse_v2_keys(d: Mapping[str, Any], source: str, version: int) -> None:
 
 def fold_pipeline(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     """``d`` (a plan's data, or a ``Plan``'s keywords) with the flat pipeline keys of formats
-    v1-v3 (:data:`V3_PIPELINE_KEYS`) moved under ``"pipeline"`` (module docstring): merged into
-    the ``pipeline`` given beside them (an object or a spec), a schedule ``"none"`` left to the
-    spec's default (1F1B, what it ran); on a plan of a form that cuts no model, dropped where
-    they hold the unset value (``num_microbatches`` whatever it holds: the ranks carry theirs),
-    a :class:`PlanError` naming the key otherwise."""
+    v1-v3 (:data:`V3_PIPELINE_KEYS`) moved under ``"pipeline"`` (module docstring).
+
+    On a plan of a form that cuts the model they are merged into the ``pipeline`` given beside
+    them (an object or a spec; ``dataclasses.replace`` passes the plan's), or make one (a v1-v3
+    pipeline plan that gave none of them had their defaults: one pipeline of one micro-batch), a
+    schedule ``"none"`` read as the 1F1B it ran.  On a plan of another form they are dropped
+    where they hold the unset value (``num_microbatches`` whatever it holds: the ranks carry
+    theirs), with any ``pipeline`` given beside them (a plan switched to that form by
+    ``replace``), a :class:`PlanError` naming the key otherwise.  A form this fxpar does not
+    know keeps nothing of them: the plan's checks name the accepted forms."""
     flat = {k: d[k] for k in V3_PIPELINE_KEYS if k in d}
     out = {k: v for k, v in d.items() if k not in V3_PIPELINE_KEYS}
-    if not flat:
-        return out
     name = out.get("form", out.get("strategy"))
-    if not (isinstance(name, str) and name in NAMES and form(name).cuts_model):
+    if not (isinstance(name, str) and name in NAMES):
+        return out
+    if not form(name).cuts_model:
         for key, value in flat.items():
             if key != "num_microbatches" and value != V3_PIPELINE_KEYS[key]:
                 raise PlanError(f"{source}: {key} = {value!r:.40}: a {name} plan runs no pipeline (its run "
                                 f"ignores it); remove it, or write a pipeline plan")
+        if flat:
+            out.pop(PIPELINE_KEY, None)
         return out
     base = out.get(PIPELINE_KEY)
+    if base is not None and not isinstance(base, Mapping) and not is_dataclass(base):
+        return out   # not a spec: the plan's checks name what is wrong with it
     values = (dict(base) if isinstance(base, Mapping) else
-              {f.name: getattr(base, f.name) for f in fields(base)} if base is not None and is_dataclass(base)
-              else {})
-    values.update({k: v for k, v in flat.items() if not (k == "schedule" and v == "none")})
+              {f.name: getattr(base, f.name) for f in fields(base)} if base is not None else {})
+    values.update({k: "1F1B" if k == "schedule" and v == "none" else v for k, v in flat.items()})
     out[PIPELINE_KEY] = values
     return out
 

@@ -76,9 +76,6 @@ class ParallelModule(Protocol):
     pricing: Any
     #: the process groups and hooks the build of this module made (a plan switch releases them)
     owned: Any
-    #: the plan's process groups on this rank (:class:`fxpar.runtime.plan_groups.PlanGroups`,
-    #: over :attr:`layout`'s rank sets): every group the form's pass made, looked up by place
-    groups: PlanGroups
     #: True for a module that switches plans itself (:class:`fxpar.adapt.AdaptiveModule`)
     adaptive: bool
     #: False where no rank's forward gives the whole model's outputs (a pipeline stage's): it
@@ -92,6 +89,11 @@ class ParallelModule(Protocol):
     @property
     def layout(self) -> RankLayout:
         """Where every rank of the plan sits (:class:`fxpar.rank_layout.RankLayout`)."""
+
+    @property
+    def groups(self) -> PlanGroups:
+        """The plan's process groups on this rank (:class:`fxpar.runtime.plan_groups.PlanGroups`
+        over :attr:`layout`'s rank sets): every group the form's pass made, looked up by place."""
 
     @property
     def parallel_module(self) -> torch.nn.Module:
@@ -177,7 +179,8 @@ class ParallelModuleBase(torch.nn.Module):
     rank: int
     #: the plan's form's part of this module
     form: FormPass
-    groups: PlanGroups
+    #: the process group :attr:`groups` are made in (None: the whole job)
+    _groups_within: Any = None
 
     @property
     def parallel_module(self) -> torch.nn.Module:
@@ -194,6 +197,20 @@ class ParallelModuleBase(torch.nn.Module):
         if made is None or made[0] is not self.plan:
             made = self.__dict__["_layout"] = (self.plan, RankLayout(self.plan))
         return made[1]
+
+    @property
+    def groups(self) -> PlanGroups:
+        """The plan's process groups on this rank: made by the form's pass, each once and in the
+        same order on every rank, over the rank sets of the layout of the plan the module was
+        built with (a plan taken in place keeps them: its form's ``refusal`` allows only plans
+        over the same groups), in the plan's process group where its form's groups do not span
+        the whole job; destroyed with the rest of the build when a switch replaces the plan
+        (:mod:`fxpar.runtime.group_lifetime`).  Made on first use: a form that makes no group
+        never builds a layout for them."""
+        made = self.__dict__.get("_groups")
+        if made is None:
+            made = self.__dict__["_groups"] = PlanGroups(self.layout, within=self._groups_within)
+        return made
 
     @property
     def whole_outputs(self) -> bool:

@@ -245,3 +245,39 @@ def test_a_plan_of_another_form_with_a_pipeline_is_refused(tp_plan):
     with pytest.raises(PlanError, match=r"plan.pipeline = .*: a tensor_parallel plan runs no pipeline .*only "
                                         r"\['pipeline'\] plans do"):
         Plan.from_dict(d, source="edited.json")
+
+
+def test_an_older_pipeline_plan_that_gave_no_flat_key_reads_with_their_defaults(pp_plan):
+    """Before v4 the four keys had defaults: a pipeline plan could leave them all out."""
+    d = _as_v3(pp_plan)
+    for key in V3_PIPELINE_KEYS:
+        d.pop(key)
+    d["stages"] = [{**st, "data_split": [8]} for st in d["stages"][:1]]   # one pipeline of one stage
+    d["stages"][0]["ranks"], d["stages"][0]["modules"] = [0], [m for st in _as_v3(pp_plan)["stages"]
+                                                                for m in st["modules"]]
+    d["ranks"] = [{**r, "batch_share": 8, "micro_batch_size": 8, "num_microbatches": 1} for r in d["ranks"][:1]]
+    loaded = Plan.from_dict(d)
+    assert loaded.pipeline == PipelineSpec() and loaded.schedule == "1F1B"
+
+
+def test_older_flat_keys_on_an_unknown_form_leave_the_registry_to_name_it(tp_plan):
+    d = {**_as_v3(tp_plan), "form": "zero_bubble", "pipelines": 2}
+    with pytest.raises(PlanError, match=r"plan.form = 'zero_bubble': accepted values are"):
+        Plan.from_dict(d, source="edited.json")
+
+
+def test_a_pipeline_value_that_is_not_an_object_is_named_even_beside_flat_keys(pp_plan):
+    d = {**_as_v3(pp_plan), "pipeline": "junk"}
+    with pytest.raises(PlanError, match=r"edited.json: pipeline = 'junk': expected an object with keys"):
+        Plan.from_dict(d, source="edited.json")
+
+
+def test_folding_into_another_form_drops_the_pipeline_it_came_with(pp_plan):
+    """``dataclasses.replace(pipeline_plan, form=<another>, schedule="none", pipelines=1, ...)``
+    (how a pipeline plan was turned into another form's before v4) passes the plan's spec too."""
+    from fxpar.plan_upgrade import fold_pipeline
+
+    kept = {"form": "tensor_parallel", "pipeline": pp_plan.pipeline}
+    folded = fold_pipeline({**kept, "schedule": "none", "pipelines": 1, "num_microbatches": 2}, "replace")
+    assert folded == {"form": "tensor_parallel"}
+    assert fold_pipeline({**kept, "form": "pipeline", "schedule": "none"}, "replace")["pipeline"]["schedule"] == "1F1B"

@@ -287,11 +287,12 @@ def test_a_plans_process_groups_are_made_in_one_place() -> None:
 
 
 #: where a rank's layout and its plan's groups are made for a running module: the module's
-#: ``layout`` (once per plan) and ``groups`` (once per build); ``fxpar plan --explain``, the
+#: ``layout`` (once per plan) and ``groups`` (once per build, on first use), both in
+#: ``ParallelModuleBase``; ``fxpar plan --explain``, the
 #: pipeline simulator and the forms' emit phases read a plan's layout without a module
 LAYOUT_MAKERS = {"RankLayout": {"fxpar.runtime.contract", "fxpar.cli", "fxpar.sim.pipeline_plan",
                                 "fxpar.forms.sharded.apply", "fxpar.forms.tensor.apply", "fxpar.forms.expert.apply"},
-                 "PlanGroups": {"fxpar.codegen.common.module"}}
+                 "PlanGroups": {"fxpar.runtime.contract"}}
 
 
 def test_a_running_module_has_one_layout_and_one_set_of_groups() -> None:

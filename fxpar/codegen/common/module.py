@@ -17,11 +17,10 @@ import torch
 
 from fxpar.checkpoint.hf_save import gather_state_dict as gather_pieces
 from fxpar.checkpoint.hf_save import save_pretrained as save_sharded
-from fxpar.forms import part
+from fxpar.forms import form, part
 from fxpar.plan import Plan
 from fxpar.runtime.form_pass import FormPass
 from fxpar.runtime.losses import LossFn, LossWeighting
-from fxpar.runtime.plan_groups import PlanGroups
 from fxpar.runtime.step_loop import StepModule
 
 
@@ -49,10 +48,9 @@ class RankModule(StepModule):
         kind = form_pass(plan)
         self._setup_step(model, plan, rank, loss_fn=loss_fn, loss_weighting=loss_weighting, emulate=emulate,
                          device=device)
-        #: the plan's process groups: made by the pass, each once, over its layout's rank sets
-        #: (in ``group``'s ranks where given), destroyed with the rest of the build when a switch
-        #: replaces the plan (:mod:`fxpar.runtime.group_lifetime`)
-        self.groups = PlanGroups(self.layout, within=group)
+        #: where the plan's groups (``groups``) are made: in ``group``, except for a form whose
+        #: groups span the whole job (``Form.whole_job_groups``)
+        self._groups_within = None if form(plan.form).whole_job_groups else group
         self.form = kind(self, model, example_inputs=example_inputs, checkpoint=checkpoint, group=group,
                          exports=exports, **options)
 
