@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fxpar.codegen.common.module import RankModule
-from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.codegen.stages.export import ExportCache
 from fxpar.plan import Plan
 from fxpar.runtime.compile import CompileOptions
 from fxpar.runtime.contract import ParallelModule
@@ -30,7 +30,7 @@ def build_module(model: torch.nn.Module, plan: Plan, rank: int, example_inputs: 
     ``compile`` says (:mod:`fxpar.runtime.compile`).  ``checkpoint``: a HF folder, a
     :class:`fxpar.codegen.common.materialize.Source` (e.g. ``Uninitialised``, whose values a
     reshard fills), or None.  ``exports``: a pipeline's exports of this model, made once
-    (:class:`~fxpar.codegen.pipeline.export.ExportCache`: a running job's switches).  The code of
+    (:class:`~fxpar.codegen.stages.export.ExportCache`: a running job's switches).  The code of
     every fx graph in it is generated here (:func:`generate_graph_code`), not at its first step."""
     with owned_scope() as owned:
         try:

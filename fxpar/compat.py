@@ -30,7 +30,7 @@ is run, and nothing else in fxpar depends on them.
   (``torch._higher_order_ops.wrap.WrapWithAutocast``).
 - ``torch.SymInt.node.expr`` (and ``SymFloat``/``SymBool``'s): the sympy expression behind a
   symbolic value of an export made with a symbolic batch size
-  (:class:`fxpar.codegen.pipeline.export.ExportCache`).  A value one pipeline piece makes and a
+  (:class:`fxpar.codegen.stages.export.ExportCache`).  A value one pipeline piece makes and a
   later one reads is given to the stages as a constant (the split); for such an export it is
   evaluated at the example's sizes (:func:`symbolic_at`).  torch has no public way to evaluate a
   symbolic value at given sizes outside its shape environment.
@@ -71,7 +71,7 @@ transformers (checked against 5.23):
 
 - ``torch.ops.aten._to_copy``: the op autocast's casts dispatch to (``Tensor.to`` is a composite
   of it).  A bf16 / fp16 sharded plan watches its first forward for which parameters are only
-  ever cast to the low precision (:mod:`fxpar.codegen.sharded.probe`, :func:`is_dtype_cast`);
+  ever cast to the low precision (:mod:`fxpar.forms.sharded.apply_probe`, :func:`is_dtype_cast`);
   aten has no public name for the op (checked against torch 2.11 and 2.13).  The same mode
   base class (:func:`dispatch_recorder_base`) runs the probe and the step audit's counters
   (:mod:`fxpar.runtime.host_reads`).

@@ -14,7 +14,7 @@ low precision, reductions and the loss in fp32).  Its policy says, as torch FSDP
     would have made: the step equals one process under autocast, bit for bit in the forward.
     Every other parameter (embeddings, norms, a weight also read outside a matmul, as a tied
     embedding is) is gathered in fp32.  The runtime finds the cast parameters by watching one
-    forward (:mod:`fxpar.codegen.sharded.probe`);
+    forward (:mod:`fxpar.forms.sharded.apply_probe`);
   - ``"all"``: every floating parameter, as FSDP2 with ``param_dtype`` does (the fewest bytes;
     norms and embeddings then also compute in the low precision, so the step equals one process
     that runs the model with its parameters cast to ``param_dtype`` under the same autocast,

@@ -162,7 +162,7 @@ class BuildCost:
 
 def _cut_from_cache(plan: Plan) -> bool:
     """Whether a pipeline ``plan``'s stages are cut from the symbolic-batch export a switch's
-    cache holds (:class:`fxpar.codegen.pipeline.export.ExportCache`): every micro-batch of 2 or
+    cache holds (:class:`fxpar.codegen.stages.export.ExportCache`): every micro-batch of 2 or
     more samples, no tensor-parallel stage (sharded in place, it exports its own shapes)."""
     micro = min((n // max(1, plan.num_microbatches) for st in plan.stages for n in st.data_split), default=0)
     return micro >= 2 and all(st.tensor_parallel <= 1 for st in plan.stages)

@@ -64,7 +64,7 @@ from fxpar.adapt.replan import BackgroundPlanning, DecisionInFlight, Planning, R
 from fxpar.adapt.settings import Adapt
 from fxpar.adapt.speeds import SpeedDetector
 from fxpar.adapt.switch import check_movable, check_movable_everywhere, switch_module, takes_in_place
-from fxpar.codegen.pipeline.export import ExportCache
+from fxpar.codegen.stages.export import ExportCache
 from fxpar.errors import ConfigError, RuntimeSetupError, SwitchRefused
 from fxpar.runtime.contract import ParallelModule
 from fxpar.runtime.device import ranks_share_cores

@@ -66,7 +66,7 @@ from fxpar.build import build_module
 from fxpar.checkpoint.layout import Layout, describe
 from fxpar.checkpoint.reshard import Holding, holdings
 from fxpar.codegen.common.materialize import Uninitialised, to_meta
-from fxpar.codegen.pipeline.export import ExportCache, batch_dims, stage_export_site
+from fxpar.codegen.stages.export import ExportCache, batch_dims, stage_export_site
 from fxpar.dtype_policy import ITEMSIZE
 from fxpar.errors import PlanError
 from fxpar.forms import form
@@ -97,10 +97,10 @@ def prepare_pipeline_export(template: torch.nn.Module, example_inputs: Any, expo
                             forms: tuple[str, ...], dtype: str) -> float:
     """Make, when adapting starts, the export every later pipeline switch cuts
     (:mod:`fxpar.adapt.switch`, step 1): with a symbolic batch size
-    (:class:`~fxpar.codegen.pipeline.export.ExportCache`), so a switch to a pipeline of any
+    (:class:`~fxpar.codegen.stages.export.ExportCache`), so a switch to a pipeline of any
     micro-batch size of 2 or more skips it.  Only where a form
     among ``forms`` cuts the model, where its stages' export is made
-    (:func:`~fxpar.codegen.pipeline.export.stage_export_site`).  An export that fails is left to the
+    (:func:`~fxpar.codegen.stages.export.stage_export_site`).  An export that fails is left to the
     switch that needs it (which refuses it on every rank).  Returns the seconds it took."""
     if not isinstance(example_inputs, dict) or not any(form(f).cuts_model for f in forms):
         return 0.0

@@ -12,7 +12,7 @@
    :class:`~fxpar.codegen.common.materialize.Uninitialised` (no values).  A pipeline's stages are
    cut from one export of the template with a symbolic batch size, made when adapting starts
    (:func:`~fxpar.adapt.prepare.prepare_pipeline_export`; the
-   :class:`~fxpar.codegen.pipeline.export.ExportCache` the adaptive module holds), so a switch to
+   :class:`~fxpar.codegen.stages.export.ExportCache` the adaptive module holds), so a switch to
    a pipeline of any cuts and micro-batch size of 2 or more skips it: measured on the adapt
    tests' 4-block Llama, a 2-stage build took 0.97 s with its export and 0.09 s from the cache.
 2. **State.**  :func:`fxpar.checkpoint.reshard_move.reshard` fills the new module's parameters

@@ -14,9 +14,9 @@ Kinds whose rank sets come from the model, not the layout (:data:`MODEL_KINDS`),
 sets the caller computes the same way on every rank (:meth:`PlanGroups.make_sets`):
 
 - ``"tie"``: the ranks of one pipeline whose stages read one tied weight
-  (:mod:`fxpar.codegen.pipeline.ties`);
+  (:mod:`fxpar.forms.pipeline.apply_ties`);
 - ``"owners"``: the ranks owning one block in each pipeline, where the pipelines cut the model
-  differently (:mod:`fxpar.codegen.pipeline.replicas`).
+  differently (:mod:`fxpar.forms.pipeline.apply_replicas`).
 
 ``torch.distributed.new_group`` is collective over the whole job, so every rank makes every group
 of the kinds its form asks for, in the order asked.  A plan that runs inside a user's process

@@ -33,7 +33,7 @@ kernels.  gloo implements both (its reduce-scatter as an all-reduce of the whole
 2.13), so CPU runs use the very same path; traffic per rank is ``(W−1)·M`` bytes for each, the
 padding ``W·M − Σ_r b_r`` being the price of raggedness and alignment (zero for even splits of
 aligned tensors).  ``async_op=True`` returns a :class:`Pending` so callers overlap the transfer
-with compute (prefetch).  The buffers themselves live in :mod:`fxpar.codegen.sharded.buffers`.
+with compute (prefetch).  The buffers themselves live in :mod:`fxpar.forms.sharded.apply_buffers`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ timing live here once, in the one module type's :class:`StepModule`; each form's
 (its rows, the group its item counts sum over, its gradient sync; the hooks are listed on
 :class:`~fxpar.runtime.form_pass.FormPass`).  For a pipeline plan the loop runs the schedule
 instead of the micro-batch loop (the pass's ``forward_backward``:
-:mod:`fxpar.codegen.pipeline.module`, which weights each micro-batch by the same rule).
+:mod:`fxpar.forms.pipeline.apply_module`, which weights each micro-batch by the same rule).
 
 Weighting (the definition of correct in DESIGN: the loss and every gradient equal one process
 on the whole global batch).  With ``N`` items in the global batch -- samples, or for HF models

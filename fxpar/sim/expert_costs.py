@@ -3,7 +3,7 @@ the simulator and :mod:`fxpar.solvers.expert_plan` read them).
 
 A MoE layer's experts are found by their parameters: a module holding exactly the fused
 ``gate_up_proj`` (E, 2i, h) and ``down_proj`` (E, h, i) tensors, the layout
-:mod:`fxpar.codegen.expert.module` shards (Mixtral, Qwen3-MoE).  The *expert part* of the graph
+:mod:`fxpar.forms.expert.apply_module` shards (Mixtral, Qwen3-MoE).  The *expert part* of the graph
 is every node inside such a module except the dispatch ops (MOE_ROUTING: sort, index, ...) and
 views: its work follows the tokens routed to the experts a rank owns; everything else (attention,
 router, embeddings, head, dispatch) is the replicated part and follows the rank's own samples.
@@ -18,7 +18,7 @@ from fxpar.profiling import memory
 from fxpar.sim.expert_sim import PASSES, EPGroup, EPProblem
 from fxpar.tracing.graph import OpClass
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # as fxpar.codegen.expert.module (no torch here)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # as fxpar.forms.expert.apply_module (no torch here)
 
 
 def _moe_layout(graph):

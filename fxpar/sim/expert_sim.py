@@ -6,7 +6,7 @@ timeline.
 
 Every rank holds the replicated part (attention, norms, router, embeddings, head), trains on its
 batch share ``s_r`` and owns ``x_r`` of the ``E`` experts of every MoE layer (contiguous ranges,
-:mod:`fxpar.codegen.expert.module`).  Routing is taken as uniform: each expert receives ``1/E``
+:mod:`fxpar.forms.expert.apply_module`).  Routing is taken as uniform: each expert receives ``1/E``
 of the global token-to-expert assignments, so a rank's expert work depends on ``x_r`` alone.
 
 Data (per device group ``g`` = type, speed, memory; from the CostModel by

@@ -1,5 +1,5 @@
 """The step of a ``sharded_data_parallel`` plan, in the runtime's order
-(:mod:`fxpar.codegen.sharded.module`, :mod:`fxpar.codegen.sharded.units`): per rank the
+(:mod:`fxpar.forms.sharded.apply_module`, :mod:`fxpar.forms.sharded.apply_units`): per rank the
 compute of its micro-batches segment by segment, the units' all-gathers and reduce-scatters on one
 shared channel, the optimizer on each rank's shard (prices: :mod:`fxpar.sim.sharded_cost`).
 

@@ -15,7 +15,7 @@ expert-parallel form chooses shares and experts together by :func:`fxpar.solvers
 Devices of one group (same type, speed, memory, token share and link) are interchangeable, so
 the program has integer variables per *group*, not per device; a group's devices own ``l_g`` or
 ``u_g = l_g + 1`` experts (contiguous ranges in rank order, see
-:mod:`fxpar.codegen.expert.module`).  Routing is assumed uniform: every expert receives
+:mod:`fxpar.forms.expert.apply_module`).  Routing is assumed uniform: every expert receives
 ``1/E`` of the token-to-expert assignments.
 
 Data (per group ``g``, plain numbers; :func:`build_expert_problem` derives them from a cluster):

@@ -1,7 +1,7 @@
 """What each pipeline cut sends: the values of the exported graph made on one side of a cut and
 read on the other (:attr:`fxpar.tracing.graph.ModelGraph.cuts`).
 
-A stage hands the next one every value a later stage reads (``fxpar.codegen.pipeline.boundaries``:
+A stage hands the next one every value a later stage reads (``fxpar.codegen.stages.boundaries``:
 a value made in segment ``p`` and last read in segment ``q > p`` crosses each cut ``p … q − 1``),
 one tensor per point-to-point send: beside the hidden state, a HF decoder's stage sends the
 attention mask, the rotary tables and the labels on to the stage that computes the loss.  The

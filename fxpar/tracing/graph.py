@@ -153,7 +153,7 @@ class ModelGraph:
     lost_gradients: tuple[str, ...] = ()
     #: non-empty when the whole model did not export and the graph was recorded by running it
     #: (:mod:`fxpar.tracing.recorded`; the export's error): no exported program, so no tensor- or
-    #: expert-parallel plan (pipelines run eager stages, :mod:`fxpar.codegen.pipeline.eager`)
+    #: expert-parallel plan (pipelines run eager stages, :mod:`fxpar.forms.pipeline.apply_eager`)
     recorded: str = ""
     #: per pipeline cut ``k`` (after segment ``k``: ``pre``, then each block), the values it sends
     #: (:mod:`fxpar.tracing.cuts`); empty when unknown (a recorded graph): the pricing then takes

@@ -1,5 +1,5 @@
 """Passes over an exported graph, each returning how many nodes it changed: the export a pipeline
-split cuts (:func:`fxpar.codegen.pipeline.export.exported_for_split`) runs all three, the
+split cuts (:func:`fxpar.codegen.stages.export.exported_for_split`) runs all three, the
 planner's trace (:mod:`fxpar.tracing.trace`) the causal one, so what a stage sends and computes
 is what gets priced.
 
@@ -34,7 +34,7 @@ is all ones.  :func:`causal_unless_padded` takes a mask computed from the sizes 
 ``attention_mask`` alone that, evaluated as above with ``attention_mask`` all ones, is the causal
 mask; its call becomes :func:`sdpa_unless_padded`, which runs SDPA with ``is_causal=True`` and no
 mask inside :func:`unpadded_batch` ``(True)`` and as exported otherwise.  A pipeline decides per
-step from the batch on the host (:mod:`fxpar.codegen.pipeline.module`): all ones over its rows,
+step from the batch on the host (:mod:`fxpar.forms.pipeline.apply_module`): all ones over its rows,
 the eager path; any padding, or a batch already on a device (not read back), the mask.  The
 mask's nodes stay (the padded path needs them).  The switch is one process-wide flag, not a
 thread's, so a compiled stage reads it as a guarded global; a stage run on another thread
@@ -78,7 +78,7 @@ def _graph_modules(gm: torch.nn.Module) -> Iterator[torch.fx.GraphModule]:
 def drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
     """Erase every tensor-metadata assertion (``aten._assert_tensor_metadata``) of ``gm`` and of
     its nested graphs; returns how many.  They pin the dtypes and devices of the export, which
-    the run's autocast and device legitimately change (:mod:`fxpar.codegen.pipeline.split`,
+    the run's autocast and device legitimately change (:mod:`fxpar.codegen.stages.split`,
     "Mixed precision"); nothing reads them."""
     dropped = 0
     for sub in _graph_modules(gm):

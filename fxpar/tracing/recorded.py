@@ -26,7 +26,7 @@ parallelism's projections and expert parallelism's experts are read.  Its blocks
 not tensor-parallel (``LayerInfo.tensor_parallel`` False) and the planner offers data
 parallelism, sharded data parallelism (both run the model's own forward) and pipelines, whose
 stages run the model's own modules eagerly, cut at block boundaries
-(:mod:`fxpar.codegen.pipeline.eager`).  Tensor parallelism is not searched for a recorded
+(:mod:`fxpar.forms.pipeline.apply_eager`).  Tensor parallelism is not searched for a recorded
 graph; a hand ``tensor_parallel_plan`` splits the blocks that export on their own
 (:mod:`fxpar.tracing.tensor_parallel.by_block`).  The costs
 differ from the exported graph's by what eager dispatch does differently (``linear`` as ``t`` +

@@ -12,7 +12,7 @@ import pytest
 
 import fxpar
 from benchmarks.zoo import batch, build
-from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.stages.split import split_stages
 from fxpar.errors import PlanError
 from fxpar.solvers import plan as solve
 from fxpar.tracing import trace

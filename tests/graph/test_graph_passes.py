@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxpar.codegen.pipeline.export import batch_dims, exported_for_split
-from fxpar.codegen.pipeline.tensor_stages import wrap_stage
+from fxpar.codegen.stages.export import batch_dims, exported_for_split
+from fxpar.codegen.stages.tensor_stages import wrap_stage
 from fxpar.runtime.emulation import SegmentClock
-from fxpar.codegen.pipeline.batches import unpadded
+from fxpar.forms.pipeline.apply_batches import unpadded
 from fxpar.tracing.graph_passes import causal_attention, sdpa_unless_padded, unpadded_batch
 from fxpar.tracing.hf import ModelSpec, build_model
 from tests.workers import TINY_CONFIGS, global_batch

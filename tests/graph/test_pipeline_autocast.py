@@ -6,7 +6,7 @@ its graph held ``aten._assert_tensor_metadata(linear, dtype=torch.float32, devic
 the bf16 output of CUDA autocast violates.  The model and example batch were on the host while
 exporting, under a CUDA autocast that leaves host tensors alone, so the export recorded float32.
 The split now drops those assertions and exports under the autocast of the device the tensors
-are on (:mod:`fxpar.codegen.pipeline.split`, "Mixed precision").
+are on (:mod:`fxpar.codegen.stages.split`, "Mixed precision").
 
 The CPU tests reproduce the failure without a GPU: a graph exported without autocast (float32,
 as the host export was) runs under CPU bf16 autocast, which raised the same "Tensor dtype
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.tracing.graph_passes import drop_metadata_asserts
-from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.stages.split import split_stages
 from tests.parity import Report, check_gradients, check_loss, expect, gradient_gaps
 from tests.workers import global_batch, tiny_model
 

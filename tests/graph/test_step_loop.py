@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fxpar.cluster import Cluster
 from fxpar.codegen.common.module import RankModule
-from fxpar.codegen.data.module import DataParallel
+from fxpar.forms.data.apply_module import DataParallel
 from fxpar.forms.hand_plans import expert_parallel_module
 from fxpar.forms.hand_plans import expert_parallel_plan
 from fxpar.errors import ConfigError, PlanError

@@ -187,7 +187,7 @@ def test_a_pipeline_cut_sends_what_the_stage_split_sends(family, attn):
     """Traced at batch 1, each cut's tensors — their bytes for a micro-batch of 3 and which need a
     gradient — are what the pipeline split's stage hands on at 3 samples (the hidden state, the
     mask, the rotary tables, the labels: one send each, integers as float32)."""
-    from fxpar.codegen.pipeline.split import as_float, split_stages
+    from fxpar.codegen.stages.split import as_float, split_stages
 
     cfg = dict(TINY_CONFIGS[family], **({"n_layer": 4} if family == "gpt2" else {"num_hidden_layers": 4}))
     model = build_model(ModelSpec(hf_config=cfg), device="cpu", seed=0, attn_implementation=attn).train()

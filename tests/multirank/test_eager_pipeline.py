@@ -1,5 +1,5 @@
 """Pipelines of models that ``torch.export`` cannot trace as a whole: stages that run the
-model's own modules eagerly, cut at block boundaries (:mod:`fxpar.codegen.pipeline.eager`).
+model's own modules eagerly, cut at block boundaries (:mod:`fxpar.forms.pipeline.apply_eager`).
 
 Parity as in ``test_parity_pp.py``: fp32, the loss and every gradient of every stage against
 one process on the same global batch by the rules of ``tests/parity.py`` (loss within
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxpar.codegen.pipeline.eager import EagerStage, cut_stages, eager_stages
-from fxpar.codegen.pipeline.split import StageModule
+from fxpar.forms.pipeline.apply_eager import EagerStage, cut_stages, eager_stages
+from fxpar.codegen.stages.split import StageModule
 from fxpar.errors import PlanError
 from tests.multirank.models_unseen import LoopMoEForCausalLM, loop_moe_batch
 from tests.parity import check_step, expect

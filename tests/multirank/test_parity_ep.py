@@ -176,7 +176,7 @@ def test_grouped_linear_equals_a_loop_over_experts(monkeypatch, grouped: bool) -
     also with an expert that gets no row; under autocast both operands take autocast's dtype."""
     import torch.nn.functional as F
 
-    from fxpar.codegen.expert import experts
+    from fxpar.forms.expert import apply_experts as experts
 
     if not grouped:
         monkeypatch.setattr(experts, "GROUPED_MM", None)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar.forms.hand_plans import pipeline_plan
 from fxpar.codegen.common.module import RankModule
-from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.stages.split import split_stages
 from tests.parity import check_loss, check_step, expect, step_record
 
 
@@ -121,7 +121,7 @@ def test_a_number_a_meta_model_makes_keeps_its_value_in_the_export():
     on the device as a host constant with its value, not a meta tensor no stage could run; the
     export run on real weights equals the model."""
     from fxpar.adapt.prepare import meta_template
-    from fxpar.codegen.pipeline.export import exported_for_split
+    from fxpar.codegen.stages.export import exported_for_split
 
     torch.manual_seed(0)
     model = MaskedBlock()
@@ -152,7 +152,7 @@ def test_a_meta_models_host_buffers_keep_their_values_in_its_export():
     on meta too), and its export holds the buffers' real values; run on the real weights it
     equals the model, and the template's buffers are its own again."""
     from fxpar.adapt.prepare import meta_template
-    from fxpar.codegen.pipeline.export import exported_for_split
+    from fxpar.codegen.stages.export import exported_for_split
 
     torch.manual_seed(0)
     model = LookedUp()
@@ -172,8 +172,8 @@ def test_an_export_cache_exports_once_and_every_cut_from_it_chains_to_the_model(
     size) of copies of the model run one export, and each cut's stages, chained, compute the
     model's loss (its lifted constants included); another sequence length is another export, and
     so is one row (torch.export specialises a size of 1)."""
-    import fxpar.codegen.pipeline.export as export
-    from fxpar.codegen.pipeline.eager import cut_stages
+    import fxpar.codegen.stages.export as export
+    from fxpar.forms.pipeline.apply_eager import cut_stages
 
     made = []
     real = export.exported_for_split
@@ -232,8 +232,8 @@ def test_cuts_share_the_cached_export_and_moving_a_stage_changes_neither_it_nor_
     the host leaves the export's code as it was, and a second cut still says ``meta``."""
     from fxpar.adapt.prepare import meta_template
     from fxpar.codegen.common.materialize import to_meta
-    from fxpar.codegen.pipeline.eager import cut_stages
-    from fxpar.codegen.pipeline.export import ExportCache
+    from fxpar.forms.pipeline.apply_eager import cut_stages
+    from fxpar.codegen.stages.export import ExportCache
 
     model = Net(layers=3)
     model.blocks = torch.nn.ModuleList(_RegionBlock(16) for _ in range(3))
@@ -272,9 +272,9 @@ def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
     one export, they equal what that pass (``example_values``) finds."""
     from fxpar.adapt.prepare import meta_template
     from fxpar.codegen.common.materialize import to_meta
-    from fxpar.codegen.pipeline.eager import cut_stages
-    from fxpar.codegen.pipeline.export import ExportCache
-    from fxpar.codegen.pipeline.tensor_stages import example_values
+    from fxpar.forms.pipeline.apply_eager import cut_stages
+    from fxpar.codegen.stages.export import ExportCache
+    from fxpar.codegen.stages.tensor_stages import example_values
     from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
     def seen(values: tuple) -> list:
@@ -304,7 +304,7 @@ def test_a_built_stage_has_its_graph_code_generated_before_its_first_step(monkey
     calls of ``torch.fx.Graph.python_code``: the code a first forward generates without it is
     the code it generates itself, and a first forward after it generates none."""
     from fxpar.build import generate_graph_code
-    from fxpar.codegen.pipeline.eager import cut_stages
+    from fxpar.forms.pipeline.apply_eager import cut_stages
 
     generated: list[int] = []
     real = torch.fx.Graph.python_code
@@ -339,8 +339,8 @@ def test_a_low_precision_pipeline_switch_cuts_the_export_made_when_adapting_star
     (its switch materialises them by name)."""
     from fxpar.adapt.prepare import meta_template, prepare_pipeline_export
     from fxpar.codegen.common.materialize import like_on, to_meta
-    from fxpar.codegen.pipeline.eager import cut_stages
-    from fxpar.codegen.pipeline.export import ExportCache, host_stand_ins, meta_stage_tensors
+    from fxpar.forms.pipeline.apply_eager import cut_stages
+    from fxpar.codegen.stages.export import ExportCache, host_stand_ins, meta_stage_tensors
     from fxpar.runtime.device import HOST
     from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 

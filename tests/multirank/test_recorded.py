@@ -163,7 +163,7 @@ def test_a_recorded_graph_searches_tensor_parallel_stages_for_the_blocks_read_on
     pytest.param(t, marks=pytest.mark.model_types(t)) for t in ("longcat_flash", "dbrx", "gemma3n_text")])
 def test_a_searched_tensor_parallel_stage_of_a_recorded_model_equals_one_process(pool2, model_type):
     # Gemma-3n: 2 of its 8 blocks split; the AltUp projections in the same stage run whole on
-    # both ranks (fxpar.codegen.pipeline.stage_setup.check_tp_stages); LongCat-Flash with its
+    # both ranks (fxpar.forms.pipeline.apply_stage_setup.check_tp_stages); LongCat-Flash with its
     # experts' loop, which does not export (its grouped_mm does)
     overrides = {"experts_implementation": "eager"} if model_type == "longcat_flash" else None
     for r in pool2.run(searched_tp_parity, model_type, overrides):

@@ -54,7 +54,7 @@ def test_llama_style_tensor_parallel_equals_one_process(pool2, name):
 
 def test_the_moe_that_does_not_export_trains_a_pipeline_and_refuses_tensor_parallelism(pool2):
     # data parallel and sharded: tests/multirank/test_recorded.py; its pipeline runs eager stages
-    # (fxpar/codegen/pipeline/eager.py); tensor parallelism is read block by block
+    # (fxpar/forms/pipeline/apply_eager.py); tensor parallelism is read block by block
     # (fxpar/tracing/tensor_parallel/by_block.py), but this block's attention is a method of the
     # block, not a module of its own, and the block does not export: nothing to read it from
     _check(pool2.run(unseen_parity, "loop_moe", "pp", 4, 8), "pp", "pipeline")

@@ -13,7 +13,7 @@ import fxpar
 from fxpar.checkpoint import load_checkpoint, save_checkpoint
 from fxpar.codegen.common.module import RankModule
 from fxpar.forms.hand_plans import sharded_data_parallel_plan
-from fxpar.codegen.sharded.buffers import GatherBuffers, ReduceBuffers
+from fxpar.forms.sharded.apply_buffers import GatherBuffers, ReduceBuffers
 from fxpar.runtime.ragged import PackedLayout, RaggedLayout
 from tests.parity import gradient_gaps, snapshot, trajectory_gaps
 from tests.workers import global_batch, tiny_model

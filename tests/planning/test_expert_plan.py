@@ -92,7 +92,7 @@ def mixtral():
 
 
 def _assert_runnable(plan, experts: int) -> None:
-    from fxpar.codegen.expert.module import _check_plan
+    from fxpar.forms.expert.apply_module import _check_plan
 
     st = plan.stages[0]
     assert plan.form == "expert_parallel" and len(plan.stages) == 1
@@ -133,7 +133,7 @@ def test_default_forms_consider_expert_parallelism_for_moe(mixtral):
 def test_auto_make_plan_of_a_real_mixtral_is_runnable():
     # fxpar.auto's planning step (trace of the real module, default forms) on 2 emulated ranks
     from fxpar.api import make_plan
-    from fxpar.codegen.expert.experts import _check_experts, find_moe_blocks
+    from fxpar.forms.expert.apply_experts import _check_experts, find_moe_blocks
     from fxpar.tracing.hf import build_model, example_inputs
 
     model = build_model(PRESETS["mixtral-tiny"], device="cpu", seed=0)

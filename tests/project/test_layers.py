@@ -10,7 +10,7 @@ Layers, lowest first (``docs/layout.md`` draws them):
       → integrations, profile_cmd, demo → cli, the package itself
 
 Inside a layer, sub-layers (``SUBLAYERS``): codegen's sub-packages in the order its
-``__init__`` gives (common → tensor → the old hand-plan aliases → one module per form → emit), the
+``__init__`` gives (common → tensor → the old hand-plan aliases → stages → emit), the
 tracer over its tensor-parallel analysis, the planner over the solvers it composes, each
 parallel form's folder over the forms' registry, and the hand-written plans each form's folder
 offers gathered above them (``fxpar.forms.hand_plans``).  Two parts of one sub-layer above the base never
@@ -52,7 +52,7 @@ LAYERS: dict[str, int] = {
 #: package -> {its child module or sub-package: sub-layer}; children not named are the base (0)
 SUBLAYERS: dict[str, dict[str, int]] = {
     "fxpar.codegen": {"common": 0, "tensor": 1, "hand_plans": 2, "sharded_plans": 2,
-                      "data": 3, "expert": 3, "sharded": 3, "pipeline": 3, "emit": 4},
+                      "stages": 3, "emit": 4},
     "fxpar.tracing": {"tensor_parallel": 1, "trace": 2, "hf": 2, "analyze_model": 3},
     "fxpar.solvers": {"choose": 1, "planner": 2},
     # each form's folder above the registry; two forms never import each other
@@ -156,9 +156,9 @@ def test_every_import_goes_down_the_sublayers() -> None:
 
 @pytest.mark.parametrize("module,target", [
     ("fxpar.codegen.common.shards", "fxpar.codegen.tensor.shard"),
-    ("fxpar.codegen.tensor.module", "fxpar.codegen.pipeline.module"),
-    ("fxpar.codegen.expert.module", "fxpar.codegen.sharded.units"),
-    ("fxpar.codegen.data.module", "fxpar.codegen.emit"),
+    ("fxpar.codegen.tensor.module", "fxpar.codegen.stages.split"),
+    ("fxpar.forms.expert.apply_module", "fxpar.forms.sharded.apply_units"),
+    ("fxpar.codegen.tensor.module", "fxpar.codegen.emit"),
     ("fxpar.tracing.tensor_parallel.analysis", "fxpar.tracing.trace"),
     ("fxpar.solvers.choose", "fxpar.solvers.planner"),
     ("fxpar.forms.data.search", "fxpar.forms.sharded.search_lp"),

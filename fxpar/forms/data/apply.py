@@ -1,4 +1,4 @@
-"""Data parallelism applied: the pass :class:`~fxpar.codegen.data.module.DataParallel` of the rank's
+"""Data parallelism applied: the pass :class:`~fxpar.forms.data.apply_module.DataParallel` of the rank's
 module and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase ``apply``; the module
 is built by :func:`fxpar.build.build_module`, which owns the groups and hooks the build makes)."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.data.module import DataParallel
+from fxpar.forms.data.apply_module import DataParallel
 from fxpar.codegen.emit import write_json
 from fxpar.plan import Plan
 from fxpar.runtime.form_pass import FormPass

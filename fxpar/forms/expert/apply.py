@@ -1,4 +1,4 @@
-"""Expert parallelism applied: the pass :class:`~fxpar.codegen.expert.module.ExpertParallel` of the
+"""Expert parallelism applied: the pass :class:`~fxpar.forms.expert.apply_module.ExpertParallel` of the
 rank's module and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase ``apply``; the
 module is built by :func:`fxpar.build.build_module`, which owns the groups and hooks the build
 makes)."""
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import write_json
-from fxpar.codegen.expert.module import ExpertParallel
+from fxpar.forms.expert.apply_module import ExpertParallel
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
 from fxpar.runtime.form_pass import FormPass

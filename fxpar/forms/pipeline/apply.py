@@ -1,4 +1,4 @@
-"""Pipeline parallelism applied: the pass of the rank's module (:class:`~fxpar.codegen.pipeline.module.Pipeline`,
+"""Pipeline parallelism applied: the pass of the rank's module (:class:`~fxpar.forms.pipeline.apply_module.Pipeline`,
 interleaved or not) and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase
 ``apply``; the module is built by :func:`fxpar.build.build_module`, which owns the groups and
 hooks the build makes)."""
@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import positions, shard_copy, write_json
-from fxpar.codegen.pipeline.interleaved import InterleavedPipeline
-from fxpar.codegen.pipeline.module import Pipeline
-from fxpar.codegen.pipeline.split import split_stages
-from fxpar.codegen.pipeline.stage_setup import layer_to_stage
+from fxpar.forms.pipeline.apply_interleaved import InterleavedPipeline
+from fxpar.forms.pipeline.apply_module import Pipeline
+from fxpar.codegen.stages.split import split_stages
+from fxpar.forms.pipeline.apply_stage_setup import layer_to_stage
 from fxpar.codegen.tensor.families import with_split
 from fxpar.plan import Plan
 from fxpar.tensor_layers import splits_layers

@@ -1,4 +1,4 @@
-"""Sharded data parallelism applied: the pass :class:`~fxpar.codegen.sharded.module.ShardedDataParallel`
+"""Sharded data parallelism applied: the pass :class:`~fxpar.forms.sharded.apply_module.ShardedDataParallel`
 of the rank's module and the files ``fxpar plan --emit`` writes (:mod:`fxpar.forms`, phase
 ``apply``; the module is built by :func:`fxpar.build.build_module`, which owns the groups and
 hooks the build makes)."""
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import write_json
-from fxpar.codegen.sharded.module import ShardedDataParallel
+from fxpar.forms.sharded.apply_module import ShardedDataParallel
 from fxpar.plan import Plan
 from fxpar.rank_layout import RankLayout
 from fxpar.runtime.ragged import owned_rows

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fxpar.codegen.emit import shard_copy, write_json
-from fxpar.codegen.pipeline.split import split_stages
+from fxpar.codegen.stages.split import split_stages
 from fxpar.codegen.tensor.families import with_split
 from fxpar.codegen.tensor.module import TensorParallel
 from fxpar.plan import Plan

@@ -1,6 +1,6 @@
 """What a model's own forward does around its block loop, seen once on the example batch: the
 data the eager pipeline stages of a model that does not export are built from
-(:mod:`fxpar.codegen.pipeline.eager`).
+(:mod:`fxpar.forms.pipeline.apply_eager`).
 
 :func:`observe` runs the forward with hooks on every module outside the blocks and on the
 blocks themselves, and finds:

@@ -24,7 +24,7 @@ whose backward is the all-to-all with the split sizes swapped, so the autograd g
 
 Gradients.  The shared step loop (:mod:`fxpar.runtime.step_loop`, which gives the weighting
 math) has rank ``r`` back-propagate ``(N_m / N) · L_m`` for each micro-batch.  A replicated
-parameter's gradients are SUM-all-reduced (as in :mod:`fxpar.codegen.data.module`).  An expert's rows
+parameter's gradients are SUM-all-reduced (as in :mod:`fxpar.forms.data.apply_module`).  An expert's rows
 arrive from every rank, and the backward all-to-all returns the weighted gradient of each rank's
 loss to the owner, so the owner's local gradient already is ``∂L/∂W_e`` of the global batch:
 expert parameters need no all-reduce.  Parameter names stay those of the model; an expert
@@ -61,7 +61,7 @@ import torch.distributed as dist
 from fxpar.checkpoint.layout import LocalParam, ShardMark, ShardSpec, mark_shard, shard_mark
 from fxpar.runtime.plan_groups import check_job
 from fxpar.codegen.common.materialize import materialize, module_slots, weights_source
-from fxpar.codegen.expert.experts import ExpertParallelExperts, shard_experts
+from fxpar.forms.expert.apply_experts import ExpertParallelExperts, shard_experts
 from fxpar.errors import CheckpointError, PlanError
 from fxpar.plan import Plan
 from fxpar.runtime.grad_norm import NormTerms

@@ -20,7 +20,7 @@ FQNs), so ``torch.optim.AdamW(pmodel.parameters())`` holds ``Σ_p n_{r,p}/n_p`` 
 
 Precision (:mod:`fxpar.dtype_policy`).  A bf16 / fp16 plan gathers the parameters its policy
 names in that dtype (``cast="autocast"``: those autocast casts, found by watching the first
-step's forward, :mod:`fxpar.codegen.sharded.probe`; ``"all"``: every one) and reduce-scatters
+step's forward, :mod:`fxpar.forms.sharded.apply_probe`; ``"all"``: every one) and reduce-scatters
 in its ``reduce_dtype``; the shards stay fp32 masters.
 
 Gradients.  Each micro-batch back-propagates ``(N_m/N)·L_m`` (:mod:`fxpar.runtime.step_loop`);
@@ -28,7 +28,7 @@ the full gradients of a unit are reduce-scattered (SUM) into the ranks' row shar
 they are accumulated and added to ``shard.grad``, so after the step ``Σ_ranks Σ_m`` of the
 gradients lands in the owner's rows: ``∇L`` exactly, as in data parallelism.  Every rank runs
 ``R = max_r num_microbatches_r`` rounds of collectives; a rank with fewer micro-batches (or none)
-issues the rest with zero gradients (:mod:`fxpar.codegen.sharded.units` gives the orders).
+issues the rest with zero gradients (:mod:`fxpar.forms.sharded.apply_units` gives the orders).
 
 Per rank (``RankPlan``): ``activation_checkpointing`` wraps each block's forward in
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (the ZeRO-3 gather is outside it, the
@@ -54,10 +54,10 @@ import torch
 import torch.distributed as dist
 
 from fxpar.checkpoint.layout import LocalParam, ShardSpec
-from fxpar.codegen.sharded.probe import CastProbe
-from fxpar.codegen.sharded.setup import build_units, install_block_hooks
-from fxpar.codegen.sharded.schedule import RoundSchedule
-from fxpar.codegen.sharded.units import ShardedTensor, Unit
+from fxpar.forms.sharded.apply_probe import CastProbe
+from fxpar.forms.sharded.apply_setup import build_units, install_block_hooks
+from fxpar.forms.sharded.apply_schedule import RoundSchedule
+from fxpar.forms.sharded.apply_units import ShardedTensor, Unit
 from fxpar.plan import Plan
 from fxpar.runtime import batch_checks as checks
 from fxpar.runtime.grad_norm import NormTerms
@@ -140,7 +140,7 @@ class ShardedDataParallel(FormPass):
 
     def _refresh_device_shards(self) -> None:
         """Offload: the optimizer changed the host shards; copy them to the device copies (one
-        non-blocking copy per unit from pinned host memory: :func:`fxpar.codegen.sharded.setup.offload`)."""
+        non-blocking copy per unit from pinned host memory: :func:`fxpar.forms.sharded.apply_setup.offload`)."""
         if self.offload_optimizer:
             for u in self._units:
                 u.refresh_device_copies()

@@ -1,5 +1,5 @@
-"""The set-up steps the pipeline modules share (:mod:`fxpar.codegen.pipeline.module` and
-:mod:`fxpar.codegen.pipeline.interleaved`): the process-group check, the rank's speed clock,
+"""The set-up steps the pipeline modules share (:mod:`fxpar.forms.pipeline.apply_module` and
+:mod:`fxpar.forms.pipeline.apply_interleaved`): the process-group check, the rank's speed clock,
 the repeated blocks and the stage each one belongs to, the one-micro-batch example the export
 traces, each stage's placement on the rank's device (materialised from the source of the
 values, or moved) and its torch ``PipelineStage``, the schedule's weighted loss; and what a
@@ -22,7 +22,7 @@ from fxpar.codegen.common.materialize import (
     stage_slots,
     to_meta,
 )
-from fxpar.codegen.pipeline.replicas import stage_modules
+from fxpar.forms.pipeline.apply_replicas import stage_modules
 from fxpar.codegen.tensor.families import (
     head_layout,
     refusal,

@@ -1,6 +1,6 @@
-"""Set-up passes of sharded data parallelism (:mod:`fxpar.codegen.sharded.module`), in order:
+"""Set-up passes of sharded data parallelism (:mod:`fxpar.forms.sharded.apply_module`), in order:
 
-1. :func:`build_units` — every parameter becomes a :class:`~fxpar.codegen.sharded.units.ShardedTensor`:
+1. :func:`build_units` — every parameter becomes a :class:`~fxpar.forms.sharded.apply_units.ShardedTensor`:
    its slot is re-marked as this rank's rows (cut along dimension 0 at offset ``o_r``: the
    :class:`~fxpar.checkpoint.layout.ShardMark` that :func:`fxpar.codegen.common.shards.shard_spec`
    reads) and materialised from the source, so a rank reads only its rows of a checkpoint or of
@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from fxpar.checkpoint.weights import TensorRequest
 from fxpar.codegen.common.materialize import Slot, materialize, module_slots, weights_source
-from fxpar.codegen.sharded.schedule import RoundSchedule
-from fxpar.codegen.sharded.units import ShardedTensor, Unit
+from fxpar.forms.sharded.apply_schedule import RoundSchedule
+from fxpar.forms.sharded.apply_units import ShardedTensor, Unit
 from fxpar.codegen.common.shards import cut, mark_slice
 from fxpar.runtime.device import HOST
 from fxpar.runtime.ragged import owned_rows

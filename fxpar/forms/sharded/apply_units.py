@@ -11,7 +11,7 @@ Each parameter is a :class:`ShardedTensor` with several tensors under one set of
 - ``full`` ``F``: the whole tensor on the device, a leaf ``nn.Parameter`` registered while the
   forward and backward need it, and ``train_full``: the same in the dtype the plan's policy
   gathers it in for training (:mod:`fxpar.dtype_policy`; ``full`` itself where that is the
-  shards' dtype).  Each is a view of its unit's flat buffer (:mod:`fxpar.codegen.sharded.buffers`),
+  shards' dtype).  Each is a view of its unit's flat buffer (:mod:`fxpar.forms.sharded.apply_buffers`),
   whose storage exists only while gathered; the gathered values are written through ``.data`` so
   the tensors autograd saved in the forward see them, version counters untouched.  ``F``'s
   gradient is a view of the unit's flat gradient buffer, reduce-scattered into ``S.grad`` (a
@@ -23,7 +23,7 @@ wire dtypes it can move: ``exact`` (every tensor in the shards' dtype: evaluatio
 fp32 plans, and a low-precision plan's first step while the cast probe watches) and ``train``
 (the plan's policy).
 
-The collectives' schedule of a round is :mod:`fxpar.codegen.sharded.schedule`.
+The collectives' schedule of a round is :mod:`fxpar.forms.sharded.apply_schedule`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.sharded.buffers import GatherBuffers, ReduceBuffers
+from fxpar.forms.sharded.apply_buffers import GatherBuffers, ReduceBuffers
 from fxpar.errors import ConfigError
 from fxpar.runtime.grad_hooks import register_weak_post_accumulate_grad_hook
 from fxpar.runtime.ragged import PackedLayout, Pending, RaggedLayout
@@ -73,7 +73,7 @@ class ShardedTensor:
 
 class Mode:
     """A unit's tensors as one wire-dtype choice moves them: the all-gather's buffers and full
-    tensors, and the reduce-scatter's (:mod:`fxpar.codegen.sharded.buffers`)."""
+    tensors, and the reduce-scatter's (:mod:`fxpar.forms.sharded.apply_buffers`)."""
 
     def __init__(self, unit: Unit, wire: list[torch.dtype]) -> None:
         rows, tensors = unit.rows, unit.tensors

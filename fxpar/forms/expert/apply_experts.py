@@ -3,7 +3,7 @@ sparse MoE blocks of a supported layout (:func:`find_moe_blocks`), the per-rank 
 block's ``experts`` (:class:`ExpertParallelExperts`, experts ``[o_r, o_r + n_r)``) and the
 all-to-all with uneven splits that moves tokens to their experts' ranks and back, whose
 backward sends the gradients the other way.  The counts, capacity and dispatch math:
-:mod:`fxpar.codegen.expert.module`.
+:mod:`fxpar.forms.expert.apply_module`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _check_experts(name: str, experts: torch.nn.Module) -> int:
 
 class ExpertParallelExperts(torch.nn.Module):
     """Stands in for a block's ``experts``: holds experts ``[lo, hi)`` and moves tokens to the
-    rank owning their expert and back (:mod:`fxpar.codegen.expert.module` docstring).  Called as
+    rank owning their expert and back (:mod:`fxpar.forms.expert.apply_module` docstring).  Called as
     HF calls ``experts``: ``(hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)``."""
 
     def __init__(self, experts: torch.nn.Module, split: Sequence[int], rank: int, *, group: Any = None,

@@ -8,7 +8,7 @@ first rank runs the schedule and whose others replay it.  Groups: the point-to-p
 each pipeline, one per (stage, position) across the ``P`` pipelines (data parallelism), one per
 tensor-parallel stage, one per pipeline, one per weight tied across stages
 (``ties.py``).  Mixed precision: the stages are exported under the autocast of the device
-the model is on and run under this rank's device's (:mod:`fxpar.codegen.pipeline.split`).
+the model is on and run under this rank's device's (:mod:`fxpar.codegen.stages.split`).
 
 Correctness: with ``N`` items in the global batch (label tokens ``labels[..., 1:] != -100``
 for HF causal LMs, labels ``!= -100`` for other HF models, else samples; ``loss_weighting``
@@ -24,7 +24,7 @@ the pipelines may differ in batch as in device kind and speed), so that
 The per-sample items divided by ``N`` travel as the schedule's ``target`` (split into
 micro-batches with the inputs).  Tied parameters sum their stages' gradients; the stage
 groups SUM across the ``P`` pipelines (pipelines with their own cuts: each block's owners,
-:mod:`fxpar.codegen.pipeline.replicas`); the returned loss is the same sum.
+:mod:`fxpar.forms.pipeline.apply_replicas`); the returned loss is the same sum.
 
 Set-up, in order (:mod:`fxpar.codegen.common.materialize`): the source of the values is checked; a
 tensor-parallel stage is sharded in place (on ``meta`` for a meta model); the model is exported
@@ -47,15 +47,15 @@ import torch.distributed as dist
 from fxpar.checkpoint.layout import LocalParam, counted_here
 from fxpar.codegen.common.shards import shard_spec
 from fxpar.codegen.common.materialize import Source, weights_source
-from fxpar.codegen.pipeline.replica_sum import ReplicaSum, counting, replica_sum
-from fxpar.codegen.pipeline.stage_setup import compile_stages
-from fxpar.codegen.pipeline.replicas import broadcast_first_pipeline, owner_groups, summed_entries
-from fxpar.codegen.pipeline.batches import check_pipeline_batch, item_weights, unpadded
-from fxpar.codegen.pipeline.eager import cut_stages
-from fxpar.codegen.pipeline.export import (
+from fxpar.forms.pipeline.apply_replica_sum import ReplicaSum, counting, replica_sum
+from fxpar.forms.pipeline.apply_stage_setup import compile_stages
+from fxpar.forms.pipeline.apply_replicas import broadcast_first_pipeline, owner_groups, summed_entries
+from fxpar.forms.pipeline.apply_batches import check_pipeline_batch, item_weights, unpadded
+from fxpar.forms.pipeline.apply_eager import cut_stages
+from fxpar.codegen.stages.export import (
     ExportCache, host_stand_in_boundaries, meta_stage_tensors, stage_export_site,
 )
-from fxpar.codegen.pipeline.stage_setup import (
+from fxpar.forms.pipeline.apply_stage_setup import (
     check_process_group,
     check_tp_stages,
     layer_to_stage,
@@ -67,8 +67,8 @@ from fxpar.codegen.pipeline.stage_setup import (
     wants_checkpointing,
     weighted_loss,
 )
-from fxpar.codegen.pipeline.ties import sync_tied, tied_params
-from fxpar.codegen.pipeline.tensor_stages import (
+from fxpar.forms.pipeline.apply_ties import sync_tied, tied_params
+from fxpar.codegen.stages.tensor_stages import (
     DONE,
     StageLink,
     example_values,
@@ -187,7 +187,7 @@ class Pipeline(FormPass):
     def _boundaries(self, modules: list[Any], inputs: tuple) -> tuple[tuple, tuple]:
         """This rank's stage's example inputs and outputs: read from the export (its
         ``traced_example``), else from a pass over the stages up to it (stages exported on host
-        stand-ins: :func:`~fxpar.codegen.pipeline.export.host_stand_in_boundaries`)."""
+        stand-ins: :func:`~fxpar.codegen.stages.export.host_stand_in_boundaries`)."""
         if (own := modules[self.stage_index].traced_example) is not None:
             return own
         upto = modules[: self.stage_index + 1]
@@ -248,7 +248,7 @@ class Pipeline(FormPass):
         return self._losses(batch, local, train=True)
 
     def sync_gradients(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Across the pipelines (:mod:`~fxpar.codegen.pipeline.replica_sum`), then tied weights
+        """Across the pipelines (:mod:`~fxpar.forms.pipeline.apply_replica_sum`), then tied weights
         across this pipeline's stages (sums commute: each stage's replicas sum their part first);
         returns the global loss."""
         if self._replica_sum is not None:
@@ -308,8 +308,8 @@ class Pipeline(FormPass):
     def _split(self, model: torch.nn.Module, one: dict[str, Any], stage_of: list[int]) -> list[Any]:
         """The stage modules (mixed precision: exported under the autocast of the device the
         model is on, run under this rank's device's, fp32 master weights:
-        :mod:`fxpar.codegen.pipeline.split`; a model that does not export gets stages that run
-        its own modules eagerly: :mod:`fxpar.codegen.pipeline.eager`), and what the batch checks
+        :mod:`fxpar.codegen.stages.split`; a model that does not export gets stages that run
+        its own modules eagerly: :mod:`fxpar.forms.pipeline.apply_eager`), and what the batch checks
         need: the traced inputs' dtypes and per-sample shapes (the stages' buffers are built for
         them), the vocabulary, causal or not."""
         low = AUTOCAST_DTYPES.get(self.plan.dtype)
@@ -355,7 +355,7 @@ class Pipeline(FormPass):
                              self._vocab_size, self.causal, size, (lo, hi))
 
     def compile_regions(self, options: CompileOptions) -> None:
-        """Compile this rank's stages' compute (:func:`fxpar.codegen.pipeline.stage_setup.compile_stages`)."""
+        """Compile this rank's stages' compute (:func:`fxpar.forms.pipeline.apply_stage_setup.compile_stages`)."""
         self.compiled = compile_stages(self._stages(), options)
 
     def _stages(self) -> list[tuple[int, torch.nn.Module]]:

@@ -63,7 +63,7 @@ def summed_entries(named: Iterable[tuple[str, torch.nn.Parameter]], by_block: di
     """``(parameter, group)`` for ``∇W ← Σ_pipelines ∇W`` of every parameter of this rank (the loss
     weights already hold ``1/N``), in the exchange order: a block's parameters in its owners'
     group, the others in ``stage`` ((ranks, group) of this stage across the pipelines).  The sum
-    is :class:`fxpar.codegen.pipeline.replica_sum.ReplicaSum`'s."""
+    is :class:`fxpar.forms.pipeline.apply_replica_sum.ReplicaSum`'s."""
     return [(p, group) for p, (_, group) in _exchanges(named, by_block, stage)]
 
 

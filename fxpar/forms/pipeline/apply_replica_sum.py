@@ -1,7 +1,7 @@
 """A pipeline stage's gradients summed across the pipelines, overlapped with the stage's own last
 backward (the data-parallel sum of a pipeline plan with ``pipelines > 1``).
 
-Which group sums which parameter is :mod:`fxpar.codegen.pipeline.replicas`' (the stage's
+Which group sums which parameter is :mod:`fxpar.forms.pipeline.apply_replicas`' (the stage's
 replicas, or a block's owners where the pipelines cut the model differently); the sum itself is
 the step loop's bucketed all-reduce (:class:`fxpar.runtime.allreduce.GradientBuckets`): the
 stage's gradients are views of persistent buckets, summed in place.  A stage runs the forward of

@@ -1,6 +1,6 @@
 """The export a pipeline split cuts: the model's graph under the autocast of the device its
 tensors are on, with the assertions autocast invalidates removed (see
-:mod:`fxpar.codegen.pipeline.split`, "Mixed precision") and each causal attention mask made from
+:mod:`fxpar.codegen.stages.split`, "Mixed precision") and each causal attention mask made from
 the shapes given back to SDPA as ``is_causal`` (:mod:`fxpar.tracing.graph_passes`).
 
     exported_for_split(model, kwargs, dtype) -> (graph module, export device type)
@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fxpar.codegen.common.materialize import is_meta_model, like_on
-from fxpar.codegen.pipeline.tensor_stages import example_values
+from fxpar.codegen.stages.tensor_stages import example_values
 from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
@@ -117,7 +117,7 @@ def grad_flags(gm: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[int,
     """Whether each value of the export ``gm`` requires grad, by the ``id`` of its example value
     (``node.meta["val"]``, which the split's pieces share), from one pass of ``gm`` on ``kwargs``
     with autograd on: the export traces its values without that flag, which a pipeline stage's
-    boundary values need (:func:`~fxpar.codegen.pipeline.split.split_stages`).  None where an
+    boundary values need (:func:`~fxpar.codegen.stages.split.split_stages`).  None where an
     input of the graph is not among ``kwargs`` by name."""
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if any(n.name not in kwargs for n in holders):
@@ -141,7 +141,7 @@ class ExportCache:
     """:func:`exported_for_split` of one model (a running job's meta template,
     :mod:`fxpar.adapt.switch`), made once and handed out as it is, not copied (a split only reads
     it, and a stage copies the nested graphs it changes: :meth:`StageModule.retarget
-    <fxpar.codegen.pipeline.split.StageModule.retarget>`; a copy was 38 ms of a 0.2 s switch
+    <fxpar.codegen.stages.split.StageModule.retarget>`; a copy was 38 ms of a 0.2 s switch
     build).  The export is 75-85% of building a pipeline stage from the template (measured:
     0.86-1.29 s of a 1.3-1.7 s 2-stage build of the adapt benchmark's model), and with it the
     cache keeps :func:`grad_flags` (so a split reads its stages' boundaries without a pass).
@@ -307,7 +307,7 @@ def host_stand_ins(model: torch.nn.Module) -> Iterator[None]:
 def stage_export_site(model: torch.nn.Module, inputs: dict[str, Any],
                       autocast: tuple[str, torch.dtype] | None) -> Iterator[tuple[dict[str, Any], bool]]:
     """Where a pipeline's stages of ``model`` are exported, the one rule for a build
-    (:class:`~fxpar.codegen.pipeline.module.Pipeline`) and for the export made
+    (:class:`~fxpar.forms.pipeline.apply_module.Pipeline`) and for the export made
     when adapting starts (:func:`fxpar.adapt.prepare.prepare_pipeline_export`), so both key
     the same :class:`ExportCache` entry: a low-precision (``autocast``) export of a meta model
     runs on host stand-ins with the inputs on the host (:func:`host_stand_ins`), any other where

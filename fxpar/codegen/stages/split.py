@@ -47,8 +47,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
-from fxpar.codegen.pipeline.boundaries import StageBoundary, loss_name, piece_outputs, stage_specs, value_dtypes
-from fxpar.codegen.pipeline.export import exported_for_split
+from fxpar.codegen.stages.boundaries import StageBoundary, loss_name, piece_outputs, stage_specs, value_dtypes
+from fxpar.codegen.stages.export import exported_for_split
 from fxpar.compat import lazy_graph_modules, retarget_autocast_region, symbolic_at, symbolic_expr
 from fxpar.errors import PlanError, TraceError
 from fxpar.tracing.graph_passes import float_histc_inputs
@@ -280,7 +280,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
 
 def _traced_examples(specs: Sequence[StageBoundary], kwargs: Mapping[str, Any], values: Mapping[str, Any],
                      sizes: Mapping[Any, int], flags: Mapping[int, bool] | None) -> list[tuple[tuple, tuple] | None]:
-    """What :func:`~fxpar.codegen.pipeline.tensor_stages.example_values` finds for every stage
+    """What :func:`~fxpar.codegen.stages.tensor_stages.example_values` finds for every stage
     (its inputs and outputs for one micro-batch: shapes, dtypes and ``requires_grad`` as they
     travel), read from the export instead of a pass over the chain: each value's example
     (``values``: :func:`piece_outputs`; a batch input: ``kwargs``) at this batch's ``sizes``,
@@ -315,7 +315,7 @@ def _traced_examples(specs: Sequence[StageBoundary], kwargs: Mapping[str, Any], 
 
 
 def _symbol_sizes(gm: torch.fx.GraphModule, kwargs: Mapping[str, Any]) -> dict[Any, int]:
-    """Each symbolic size of the export's inputs (:func:`~fxpar.codegen.pipeline.export.batch_dims`)
+    """Each symbolic size of the export's inputs (:func:`~fxpar.codegen.stages.export.batch_dims`)
     -> its size in ``kwargs``; empty for an export of fixed shapes."""
     sizes: dict[Any, int] = {}
     for node in gm.graph.nodes:
@@ -369,7 +369,7 @@ def _retarget(gm: torch.fx.GraphModule, device: torch.device) -> None:
 def _own_nested_graphs(piece: torch.fx.GraphModule) -> None:
     """Give ``piece`` its own copy of each nested graph (an autocast region's body), which
     :func:`torch.fx.passes.split_module.split_module` shares with the export and so with every
-    other cut of it (:class:`~fxpar.codegen.pipeline.export.ExportCache`): changed in place by
+    other cut of it (:class:`~fxpar.codegen.stages.export.ExportCache`): changed in place by
     :func:`_retarget` and ``float_histc_inputs``, a shared one would change them all."""
     for name, child in list(piece.named_children()):
         if any(isinstance(m, torch.fx.GraphModule) for m in child.modules()):

@@ -1,5 +1,5 @@
 """The schedule of a sharded unit's collectives over one micro-batch round (the units and their
-buffers: :mod:`fxpar.codegen.sharded.units`).
+buffers: :mod:`fxpar.forms.sharded.apply_units`).
 
 Schedule of one round (one micro-batch, :class:`RoundSchedule`), identical on every rank:
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fxpar.codegen.sharded.units import Unit
+from fxpar.forms.sharded.apply_units import Unit
 from fxpar.errors import RuntimeSetupError
 from fxpar.runtime.emulation import SegmentClock
 from fxpar.runtime.ragged import Pending

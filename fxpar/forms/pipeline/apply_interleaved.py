@@ -7,7 +7,7 @@ Layout: ``P`` pipelines; stage ``j`` of pipeline ``p`` runs on ``stages[j].ranks
 pipeline ``p`` on its ``data_split[p]`` rows (its ranks' speeds and kinds may differ from the
 other pipelines').  Within a pipeline the stage -> rank pattern (by position in the pipeline's
 sorted ranks) is the same for every pipeline.  Gradients, as for 1F1B
-(:mod:`fxpar.codegen.pipeline.module`): each micro-batch's loss is weighted by its samples'
+(:mod:`fxpar.forms.pipeline.apply_module`): each micro-batch's loss is weighted by its samples'
 label tokens over the global batch's; a weight read by stages on two ranks (tied embeddings) is
 summed over those ranks (on one rank the stages share the tensor, so its gradient is already
 the sum); the ranks at the same position of every pipeline sum.  So the update equals one
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from fxpar.codegen.common.materialize import Source
-from fxpar.codegen.pipeline.module import Pipeline
-from fxpar.codegen.pipeline.stage_setup import (
+from fxpar.forms.pipeline.apply_module import Pipeline
+from fxpar.forms.pipeline.apply_stage_setup import (
     layer_to_stage,
     micro_example,
     on_device,
@@ -31,9 +31,9 @@ from fxpar.codegen.pipeline.stage_setup import (
     torch_stage,
     wants_checkpointing,
 )
-from fxpar.codegen.pipeline.ties import TiedParam
-from fxpar.codegen.pipeline.replica_sum import counting
-from fxpar.codegen.pipeline.tensor_stages import example_values, wrap_stage
+from fxpar.forms.pipeline.apply_ties import TiedParam
+from fxpar.forms.pipeline.apply_replica_sum import counting
+from fxpar.codegen.stages.tensor_stages import example_values, wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.plan import Plan
 from fxpar.sim.interleaved import lockstep_order

@@ -1,4 +1,4 @@
-"""What crosses the cuts of a pipeline split (:mod:`fxpar.codegen.pipeline.split`): the model's
+"""What crosses the cuts of a pipeline split (:mod:`fxpar.codegen.stages.split`): the model's
 loss, what each stage receives and sends (:class:`StageBoundary`, in names of the split's parent
 graph) and the example value and dtype of every value a piece hands on."""
 

@@ -3,7 +3,7 @@
 :mod:`fxpar.tracing.recorded`; :func:`cut_stages` picks them when the export fails).
 
 What runs where.  The model's forward is read once on the example micro-batch
-(:func:`fxpar.codegen.pipeline.eager_calls.observe`): its block loop (the *chain* of blocks
+(:func:`fxpar.forms.pipeline.apply_eager_calls.observe`): its block loop (the *chain* of blocks
 ``c_0 … c_{n-1}``, each taking the one before's output as its hidden state), the call of
 each chain block as a template (hidden state + *slots*: the other tensors it reads, such as
 rotary tables, masks, position ids, Gemma-3n's per-layer inputs), the modules the forward runs
@@ -26,7 +26,7 @@ each owns those modules' parameters under their original names.
 What passes between stages ``s → s+1``: the hidden state, the slots the later stages read, and
 the batch's tensors (the last stage's forward reads them); integers and booleans travel as
 float32 (exact below 2**24), complex values as their real and imaginary parts, and each is
-restored to its dtype on arrival (:func:`fxpar.codegen.pipeline.split.as_float`).  A slot that
+restored to its dtype on arrival (:func:`fxpar.codegen.stages.split.as_float`).  A slot that
 needs a gradient (per-layer inputs made from the embeddings) travels with it: its gradients
 from every later stage come back and reach the prefix's parameters on stage 0.  Shapes are
 those of the example micro-batch (static, as torch's ``PipelineStage`` needs).
@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from fxpar.codegen.common.materialize import is_meta_model
-from fxpar.codegen.pipeline.eager_calls import (
+from fxpar.forms.pipeline.apply_eager_calls import (
     HIDDEN,
     ForwardCalls,
     flatten,
@@ -56,8 +56,8 @@ from fxpar.codegen.pipeline.eager_calls import (
     observe,
     unflatten,
 )
-from fxpar.codegen.pipeline.export import ExportCache, accepts, exported_for_split
-from fxpar.codegen.pipeline.split import as_float, restore_dtype, split_stages
+from fxpar.codegen.stages.export import ExportCache, accepts, exported_for_split
+from fxpar.codegen.stages.split import as_float, restore_dtype, split_stages
 from fxpar.errors import ConfigError, PlanError, TraceError
 from fxpar.runtime.device import HOST
 from fxpar.tracing.export import model_device
@@ -68,7 +68,7 @@ def cut_stages(model: torch.nn.Module, example: Mapping[str, Any], layer_to_stag
                num_stages: int, autocast: torch.dtype | None = None,
                exports: ExportCache | None = None) -> tuple[list[Any], tuple[str, ...]]:
     """The stage modules and stage 0's input names: cut from the export
-    (:func:`fxpar.codegen.pipeline.split.split_stages`; ``exports``: made once there) when the
+    (:func:`fxpar.codegen.stages.split.split_stages`; ``exports``: made once there) when the
     model exports, else eager stages (:func:`eager_stages`)."""
     kwargs = dict(example)
     try:

@@ -60,7 +60,7 @@ def unpadded(batch: Mapping[str, Any], lo: int, hi: int) -> bool:
 
 def item_weights(batch: Mapping[str, torch.Tensor], lo: int, hi: int, *, by_tokens: bool, causal: bool,
                  device: torch.device, sum_group: Any = None) -> torch.Tensor:
-    """``n_i / N`` per sample of rows ``[lo, hi)`` (:mod:`fxpar.codegen.pipeline.module`'s weighting):
+    """``n_i / N`` per sample of rows ``[lo, hi)`` (:mod:`fxpar.forms.pipeline.apply_module`'s weighting):
     ``n_i`` its label tokens (``by_tokens``: HF models) or 1, ``N`` summed over ``batch`` (and over
     ``sum_group``: the pipelines' stage group when each rank holds its pipeline's rows only).
     Counted where the batch is (tensor ops: nothing is read back) and moved to ``device``

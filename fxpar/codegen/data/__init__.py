@@ -1,1 +1,0 @@
-"""Uneven data parallelism: its pass of the rank's module (``module``).  Imports ``codegen.common`` only."""
