@@ -49,7 +49,7 @@ from fxpar.cpu_rate import calibrated_emulated, cpu_scale
 from fxpar.demo_emulation import HookClock, wrap_ddp, wrap_fsdp2
 from fxpar.demo_report import demo_result, print_demo
 from fxpar.errors import PlanError
-from fxpar.forms import form
+from fxpar.forms import FORMS, form
 from fxpar.models import PRESETS
 from fxpar.plan import Plan
 from fxpar.predict import predict
@@ -222,6 +222,15 @@ class DemoPlan:
     workload: Workload
 
 
+def whole_parameter_forms() -> tuple[str, ...]:
+    """The searched forms whose ranks hold whole parameters, the forms the demo plans: its parity
+    check compares rank 0's gradients with one process parameter by parameter, and it races the
+    plan against DDP.  Those are the forms whose forward runs no collective (the others shard
+    parameters: ZeRO, tensor and expert parallelism's per-rank slices), and a pipeline only at
+    tensor width 1 (``max_tensor_parallel=1`` at the solve)."""
+    return tuple(f.name for f in FORMS if f.searched and not f.forward_collective)
+
+
 def plan_demo(model: torch.nn.Module, model_name: str, speeds: tuple[float, ...], global_batch: int,
               progress: Callable[[str], None]) -> DemoPlan:
     """Calibrate the CPU rate (or read it from the cache) and plan data parallel or pipeline."""
@@ -236,9 +245,7 @@ def plan_demo(model: torch.nn.Module, model_name: str, speeds: tuple[float, ...]
     cluster = calibrated_emulated(list(speeds), scale)
     progress(f"planning {model_name} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
              f"CPU ranks with speeds {list(speeds)}")
-    # the demo (and benchmarks.dp_emulated) compares data-parallel plans with DDP: an MoE model
-    # would otherwise be offered expert parallelism, whose expert tensors are per-rank shards
-    plan = solve_plan(graph, cluster, workload, forms=("data_parallel", "pipeline"), max_tensor_parallel=1)
+    plan = solve_plan(graph, cluster, workload, forms=whole_parameter_forms(), max_tensor_parallel=1)
     nominal = predict(plan, graph, Cluster.emulated(list(speeds))).step_s
     return DemoPlan(plan=plan, nominal_step_s=nominal, cpu_rate_scale=scale, workload=workload)
 

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from fxpar.calibrate.cache import cache_key, cache_path, load_cached, spawned_key, store
 from fxpar.calibrate.measure import calibrate_group, calibrate_spawned, device_type_name, measure_device
 from fxpar.calibrate.model_fit import on_model
-from fxpar.calibrate.runtime_probe import UNITS
+from fxpar.calibrate.runtime_probe import units
 from fxpar.cluster import Cluster
 from fxpar.errors import ConfigError
 from fxpar.profiling.database import ProfileDB, load_profile
@@ -208,7 +208,7 @@ def describe(db: ProfileDB) -> str:
                      f"({link.world} ranks)")
     if db.overlap is not None:
         lines.append(f"communication {'overlaps' if db.overlap else 'does not overlap'} compute")
-    runtime = [f"{v * 1e6:.0f} us per {what}" for key, what in UNITS.items()
+    runtime = [f"{v * 1e6:.0f} us per {what}" for key, what in units().items()
                if (v := getattr(db, key)) is not None]
     if runtime:
         lines.append("fxpar's runtime: " + ", ".join(runtime))

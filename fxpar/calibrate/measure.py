@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fxpar.calibrate.cache import machine_name
 from fxpar.calibrate.model_fit import reference_correction, timed
-from fxpar.calibrate.runtime_probe import UNITS, probe_overheads
+from fxpar.calibrate.runtime_probe import probe_overheads, units
 from fxpar.errors import ConfigError
 from fxpar.profiling.database import LinkCost, OpCost, ProfileDB
 from fxpar.profiling.local_cache import local_gpu_type
@@ -276,9 +276,9 @@ def calibrate_group(device: torch.device, group: Any = None, progress: Progress 
     say(f"a whole model corrects them: {before.op_overhead_s * 1e6:.1f} -> {db.op_overhead_s * 1e6:.1f} us per op, "
         + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in db.matmul_flops.items()))
     if world > 1:
-        runtime = probe_overheads(db, device, group)
-        say("fxpar's runtime: " + ", ".join(f"{UNITS[k]} not measured" if v is None
-                                            else f"{v * 1e6:.0f} us per {UNITS[k]}" for k, v in runtime.items()))
+        runtime, unit = probe_overheads(db, device, group), units()
+        say("fxpar's runtime: " + ", ".join(f"{unit[k]} not measured" if v is None
+                                            else f"{v * 1e6:.0f} us per {unit[k]}" for k, v in runtime.items()))
         db = replace(db, **runtime)
     seconds = time.perf_counter() - start
     db = replace(db, calibration=(f"calibrated on {machine_name(device)}, {backend} x{world}, "

@@ -40,14 +40,23 @@ functions it must define (:data:`PHASES`):
                                                                 ``fxpar plan --emit`` writes
     predict (fxpar.predict)                  predict(plan, cost, calibration)  -> its step's parts
                                                                 (:class:`fxpar.predict.Prediction`)
+    calibrate (fxpar.calibrate; optional:    overheads()        the ProfileDB fields of the fixed
+               a form whose runtime has no                      costs it measures, each with what
+               fixed cost of its own to                         one unit of it is
+               measure leaves it out)        probe_arms(probe)  -> {field: the plan that shows it}
+                                                                on one probe model (a
+                                                                :class:`fxpar.calibrate.probe_arms.ProbeModel`;
+                                                                empty where it has none there);
+                                                                ``fxpar calibrate``'s runtime probe
+                                                                steps them (:mod:`fxpar.calibrate.runtime_probe`),
+                                                                :func:`parts` finds them
 
 A form's folder also holds the modules that serve one of its phases, named ``<phase>_<what>``
 and placed at that phase's layer (the pipelines' search is ``search.py`` over
 ``search_pipelines.py`` and three more; its hand-written plan builders are ``apply_plans.py``,
 gathered for users by :mod:`fxpar.forms.hand_plans`); nothing outside this package imports a
-form's folder.  What still names a built-in form outside it (the demo, the runtime probe:
-``docs/extending.md``) is counted by ``tests/project/test_forms.py``, and that count may not
-rise.
+form's folder.  No line outside it names a built-in form (``tests/project/test_forms.py`` counts
+them, and that count may not rise).
 
 A form outside this package (a plug-in) is a package with the same phase modules whose
 ``__init__`` defines ``FORM``, a :class:`Form` with ``package`` set to it; the environment
@@ -59,6 +68,7 @@ the built-in forms in :data:`FORMS`.  ``tests/toy_form`` is one (``docs/extendin
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -163,7 +173,11 @@ PHASES: dict[str, tuple[str, ...]] = {
     "search": ("problem", "candidates"),
     "apply": ("form_pass", "emit"),
     "predict": ("predict",),
+    "calibrate": ("overheads", "probe_arms"),
 }
+#: the phases a form may leave out (the module docstring says when); ``search`` is left out by a
+#: form the planner does not search on its own (:attr:`Form.searched`)
+OPTIONAL_PHASES: frozenset[str] = frozenset({"calibrate"})
 
 NAMES: tuple[str, ...] = tuple(f.name for f in FORMS)
 if len(set(NAMES)) != len(NAMES):
@@ -192,3 +206,12 @@ def part(name: str, phase: str) -> ModuleType:
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r}: expected one of {tuple(PHASES)}")
     return importlib.import_module(f"{form(name).modules}.{phase}")
+
+
+def parts(phase: str) -> tuple[tuple[str, ModuleType], ...]:
+    """``(name, module)`` of every form that has a module for ``phase``, in the forms' order (an
+    optional phase, :data:`OPTIONAL_PHASES`, is asked for this way)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r}: expected one of {tuple(PHASES)}")
+    return tuple((f.name, importlib.import_module(f"{f.modules}.{phase}")) for f in FORMS
+                 if importlib.util.find_spec(f"{f.modules}.{phase}") is not None)

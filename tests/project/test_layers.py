@@ -61,8 +61,10 @@ SUBLAYERS: dict[str, dict[str, int]] = {
 #: a parallel form's phase module (``fxpar.forms.<folder>.<phase>``, and each module of its folder
 #: that serves the phase, ``<phase>_<what>``) -> its layer: a form's rules of a plan are plain
 #: data, its pricing sits with the simulator, its bound and search with the solvers, its
-#: application with codegen, its prediction's parts with fxpar.predict
-FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "search": 6, "apply": 9, "predict": 10}
+#: application with codegen, its prediction's parts with fxpar.predict, its arms of the runtime
+#: probe with fxpar.calibrate
+FORM_PHASES: dict[str, int] = {"spec": 1, "price": 5, "bound": 6, "search": 6, "apply": 9, "predict": 10,
+                               "calibrate": 10}
 LAZY_MARK = "# lazy:"
 
 
