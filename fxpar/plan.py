@@ -28,8 +28,9 @@ from fxpar.plan_checks import (
 )
 from fxpar.plan_table import render_table
 from fxpar.plan_upgrade import V3_PIPELINE_KEYS, fold_pipeline, upgrade
-from fxpar.renamed import folds_moved, keeps_old_names
+from fxpar.renamed import Moved, keeps_old_names
 from fxpar.stage_specs import (
+    NO_PIPELINE,
     PIPELINE_KEY,
     PLAN_SPECS,
     SPECS,
@@ -178,8 +179,7 @@ _NOT_LAYOUT = frozenset({"lower_bound_s", "explain", "baselines", "solver", "cos
                          "tensor_layers"})
 
 
-@folds_moved("fxpar.Plan", V3_PIPELINE_KEYS, PIPELINE_KEY, fold_pipeline)
-@keeps_old_names("fxpar.Plan")
+@keeps_old_names("fxpar.Plan", moved=Moved(V3_PIPELINE_KEYS, PIPELINE_KEY, fold_pipeline))
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A complete parallel plan with its predictions; see the module docstring."""
@@ -273,23 +273,28 @@ class Plan:
     @property
     def pipelines(self) -> int:
         """Pipeline replicas: ``pipeline.pipelines``; 1 for a plan without a pipeline."""
-        return self.pipeline.pipelines if self.pipeline is not None else 1
+        return self._pipeline_field("pipelines")
 
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per pipeline and step: ``pipeline.num_microbatches``; 1 for a plan without
         a pipeline (whose ranks say their own: ``RankPlan.num_microbatches``)."""
-        return self.pipeline.num_microbatches if self.pipeline is not None else 1
+        return self._pipeline_field("num_microbatches")
 
     @property
     def schedule(self) -> str:
         """The pipeline's schedule: ``pipeline.schedule``; ``"none"`` for a plan without a pipeline."""
-        return self.pipeline.schedule if self.pipeline is not None else "none"
+        return self._pipeline_field("schedule")
 
     @property
     def zero_sharded_optimizer(self) -> bool:
         """ZeRO-1 across the pipelines: ``pipeline.zero_sharded_optimizer``; False without a pipeline."""
-        return self.pipeline is not None and self.pipeline.zero_sharded_optimizer
+        return self._pipeline_field("zero_sharded_optimizer")
+
+    def _pipeline_field(self, name: str) -> Any:
+        """``pipeline``'s field ``name``; without a pipeline, what every such plan reads
+        (:data:`fxpar.stage_specs.NO_PIPELINE`)."""
+        return getattr(self.pipeline, name) if self.pipeline is not None else NO_PIPELINE[name]
 
     @property
     def precision(self) -> DtypePolicy:

@@ -36,7 +36,7 @@ from typing import Any
 
 from fxpar.errors import PlanError
 from fxpar.forms import NAMES, form
-from fxpar.stage_specs import PIPELINE_KEY
+from fxpar.stage_specs import NO_PIPELINE, PIPELINE_KEY
 
 #: v1 stage key -> (v2 spec key, its field there)
 V1_STAGE_KEYS: dict[str, tuple[str, str]] = {
@@ -53,9 +53,8 @@ V1_UNSET: dict[str, Any] = {"shard_stage": 0}
 #: plan keys v3 renamed: v1/v2 key -> v3 key
 V2_PLAN_KEYS: dict[str, str] = {"strategy": "form"}
 #: plan keys v4 moved under the plan's ``"pipeline"`` (same names there), with the value each
-#: held on a plan that runs no pipeline
-V3_PIPELINE_KEYS: dict[str, Any] = {"pipelines": 1, "num_microbatches": 1, "schedule": "none",
-                                    "zero_sharded_optimizer": False}
+#: held on a plan that runs no pipeline (:data:`fxpar.stage_specs.NO_PIPELINE`)
+V3_PIPELINE_KEYS: dict[str, Any] = NO_PIPELINE
 
 
 def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any]:

@@ -20,7 +20,7 @@ old name                               new name                             wher
                                                                             no warning: files
                                                                             stay readable)
 ``pipelines``, ``num_microbatches``,   ``pipeline``, a ``PipelineSpec``     ``fxpar.Plan``
-``schedule``,                          (moved: :func:`folds_moved`)         (reading them:
+``schedule``,                          (moved: :class:`Moved`)              (reading them:
 ``zero_sharded_optimizer`` (keywords)                                       views, no warning)
 ``fxpar.codegen.hand_plans``,          ``fxpar.forms.hand_plans``           importing it
 ``fxpar.codegen.sharded_plans``        (each form's in its folder)
@@ -35,7 +35,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from fxpar.errors import ConfigError
@@ -49,10 +49,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
 
 
+def _warn_old(change: str, old: str, stacklevel: int) -> None:
+    """The one warning every old name gives: ``change`` (where it was used and what to write
+    instead), then until when ``old`` still works; ``stacklevel`` counts from the caller."""
+    warnings.warn(f"{change}; {old} still works until fxpar {REMOVED_IN}", FutureWarning, stacklevel=stacklevel + 1)
+
+
 def warn_renamed(old: str, new: str, where: str, *, stacklevel: int = 3) -> None:
-    """The one warning every old name gives: where it was used, and what to write instead."""
-    warnings.warn(f"{where}: {old!r} is renamed {new!r}; {old!r} still works until fxpar {REMOVED_IN}",
-                  FutureWarning, stacklevel=stacklevel)
+    """The warning of a renamed keyword, option, key, flag or field."""
+    _warn_old(f"{where}: {old!r} is renamed {new!r}", repr(old), stacklevel)
 
 
 def renamed_keys(values: Mapping[str, Any], where: str, *, accepted: Collection[str],
@@ -71,9 +76,20 @@ def renamed_keys(values: Mapping[str, Any], where: str, *, accepted: Collection[
     return out
 
 
-def accepts_renamed(where: str) -> Callable[[F], F]:
+@dataclass(frozen=True)
+class Moved:
+    """Keywords that moved into a typed spec: ``keys`` now live in the field ``into``, and
+    ``fold(keywords, where)`` puts them there (merged into an ``into`` given beside them, as
+    ``dataclasses.replace`` passes it)."""
+    keys: Collection[str]
+    into: str
+    fold: Callable[[Mapping[str, Any], str], dict[str, Any]]
+
+
+def accepts_renamed(where: str, *, moved: Moved | None = None) -> Callable[[F], F]:
     """Decorate a function (or a class's ``__init__``) so that the old keyword names of
-    :data:`RENAMED` whose new names it takes reach it under those, with :func:`warn_renamed`.
+    :data:`RENAMED` whose new names it takes reach it under those, with :func:`warn_renamed`, and
+    the keywords that ``moved`` into a spec reach it folded there, with :func:`warn_moved`.
     (``dataclasses.replace(obj, old=...)`` passes the new name too, so it is the "not both"
     error: replace with the new name.)"""
     def wrap(fn: F) -> F:
@@ -83,17 +99,21 @@ def accepts_renamed(where: str) -> Callable[[F], F]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if any(old in kwargs for old in RENAMED):
                 kwargs = renamed_keys(kwargs, where, accepted=accepted)
+            if moved is not None and any(k in moved.keys for k in kwargs):
+                for k in [k for k in kwargs if k in moved.keys]:
+                    warn_moved(k, moved.into, where)
+                kwargs = moved.fold(kwargs, where)
             return fn(*args, **kwargs)
         return call  # type: ignore[return-value]
     return wrap
 
 
-def keeps_old_names(where: str) -> Callable[[C], C]:
+def keeps_old_names(where: str, *, moved: Moved | None = None) -> Callable[[C], C]:
     """A class decorator (over ``@dataclass``): its ``__init__`` also takes the old keyword names
-    of :data:`RENAMED` (:func:`accepts_renamed`), and each renamed field can still be read under
-    its old name, with :func:`warn_renamed`."""
+    of :data:`RENAMED` and the keywords that ``moved`` (:func:`accepts_renamed`, one wrapper), and
+    each renamed field can still be read under its old name, with :func:`warn_renamed`."""
     def wrap(cls: C) -> C:
-        cls.__init__ = accepts_renamed(where)(cls.__init__)  # type: ignore[misc]
+        cls.__init__ = accepts_renamed(where, moved=moved)(cls.__init__)  # type: ignore[misc]
         names = {f.name for f in fields(cls)}   # type: ignore[arg-type]
         for old, new in RENAMED.items():
             if new in names:
@@ -110,34 +130,10 @@ def _old_reader(old: str, new: str, where: str) -> Callable[[Any], Any]:
 
 
 def warn_moved(old: str, into: str, where: str, *, stacklevel: int = 3) -> None:
-    """The warning a keyword that moved into a typed spec gives (:func:`folds_moved`)."""
-    warnings.warn(f"{where}: {old!r} moved into {into!r} ({into}={{{old!r}: ...}}); {old!r} still works "
-                  f"until fxpar {REMOVED_IN}", FutureWarning, stacklevel=stacklevel)
-
-
-def folds_moved(where: str, moved: Collection[str], into: str,
-                fold: Callable[[Mapping[str, Any], str], dict[str, Any]]) -> Callable[[C], C]:
-    """A class decorator: its ``__init__`` also takes the keywords ``moved`` that now live in its
-    field ``into`` (a typed spec), each with :func:`warn_moved`, and ``fold(keywords, where)``
-    puts them there (merged into an ``into`` given beside them, as ``dataclasses.replace``
-    passes it)."""
-    def wrap(cls: C) -> C:
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def call(self: Any, *args: Any, **kwargs: Any) -> None:
-            old = [k for k in kwargs if k in moved]
-            if old:
-                for k in old:
-                    warn_moved(k, into, where)
-                kwargs = fold(kwargs, where)
-            init(self, *args, **kwargs)
-        cls.__init__ = call  # type: ignore[misc]
-        return cls
-    return wrap
+    """The warning of a keyword that moved into a typed spec (:class:`Moved`)."""
+    _warn_old(f"{where}: {old!r} moved into {into!r} ({into}={{{old!r}: ...}})", repr(old), stacklevel)
 
 
 def warn_module_moved(old: str, new: str) -> None:
     """The warning a module that moved gives when it is imported (once per process)."""
-    warnings.warn(f"{old} moved to {new}; {old} still works until fxpar {REMOVED_IN}", FutureWarning,
-                  stacklevel=3)
+    _warn_old(f"{old} moved to {new}", old, 3)

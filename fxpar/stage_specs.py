@@ -154,6 +154,10 @@ SPECS: dict[str, type] = {"tensor": TensorStage, "expert": ExpertStage, "sharded
 PIPELINE_KEY = "pipeline"
 #: a plan's key -> the spec type under it
 PLAN_SPECS: dict[str, type] = {PIPELINE_KEY: PipelineSpec}
+#: what a plan without a pipeline reads for each field of a :class:`PipelineSpec` (the plan's
+#: views, ``Plan.pipelines`` and the others; a v1-v3 file of another form held these): the
+#: spec's defaults, but the schedule ``"none"``, as no pipeline runs
+NO_PIPELINE: dict[str, Any] = {**{f.name: f.default for f in fields(PipelineSpec)}, "schedule": "none"}
 
 
 def spec_from_value(key: str, value: Any, where: str) -> Any:

@@ -89,6 +89,17 @@ def test_a_plan_field_by_its_old_name_warns():
         assert fxpar.Plan(**data) == plan
 
 
+def test_an_old_plan_keyword_warns_at_the_line_that_gave_it():
+    """One wrapper around ``Plan.__init__`` takes the renamed and the moved keywords, so each
+    warning points at the caller's line, not into fxpar."""
+    plan = sharded_data_parallel_plan(C2, batch_split=[3, 1], state_split=[1, 3])
+    data = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
+    data["strategy"] = data.pop("form")
+    with pytest.warns(FutureWarning) as caught:
+        assert fxpar.Plan(**data, num_microbatches=3) == plan
+    assert len(caught) == 2 and {w.filename for w in caught} == {__file__}
+
+
 def _moved(old: str) -> str:
     return rf"fxpar.Plan: '{old}' moved into 'pipeline' \(pipeline=\{{'{old}': ...\}}\); '{old}' still works until fxpar {REMOVED_IN}"
 
