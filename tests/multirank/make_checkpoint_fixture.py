@@ -1,13 +1,14 @@
-"""Writes the stored checkpoint the loading tests read (``tests/fixtures/checkpoint_tp2/``): a
-tiny Llama trained one AdamW step by a 2-rank tensor-parallel plan (each rank its half of every
-projection) and saved by :func:`fxpar.checkpoint.save_checkpoint`, with ``expected.json``: the
-SHA-256 of every full parameter and optimizer tensor, assembled from what the two ranks held
-(not from fxpar's loader), so a later fxpar or torch that reads it differently fails
+"""Writes the stored checkpoints the loading tests read (``tests/fixtures/checkpoint_<name>/``,
+:data:`FIXTURES`): a tiny model trained one AdamW step by a 2-rank plan of one form and saved by
+:func:`fxpar.checkpoint.save_checkpoint`, with ``checkpoint_<name>.json``: the SHA-256 of every
+full parameter and optimizer tensor, assembled from what the two ranks held (not from fxpar's
+loader), so a later fxpar or torch that reads it differently fails
 ``tests/graph/test_stored_checkpoint.py``.
 
-Run once, when the format is meant to change (then keep the old folder beside the new one)::
+Run once per fixture, when the format is meant to change (then keep the old folder beside the new
+one under another name)::
 
-    python -m tests.multirank.make_checkpoint_fixture
+    python -m tests.multirank.make_checkpoint_fixture pp2 zero3_2 ep2
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,11 +28,23 @@ from fxpar.runtime import WorkerPool
 from tests.multirank.test_checkpoint import assemble
 from tests.multirank.workers_ckpt import ckpt_source
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_tp2"
+FIXTURES_DIR = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURE = FIXTURES_DIR / "checkpoint_tp2"
 #: small enough to store (every projection still splits over 2 ranks: 2 key/value heads)
 CONFIG = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
 KV_SHARES = [1, 1]
+#: a mixture of experts as small (4 experts, 2 per token)
+MOE_CONFIG = dict(CONFIG, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+#: name -> (the plan kind of :func:`tests.multirank.workers_ckpt.build`, its argument, the model):
+#: tensor parallelism's halves of every projection, a pipeline of one block per stage, ZeRO-3's
+#: ragged rows (1 : 3 of every parameter) and expert parallelism's 3 + 1 experts
+FIXTURES: dict[str, tuple[str, Any, dict]] = {
+    "tp2": ("tp", KV_SHARES, CONFIG),
+    "pp2": ("pp", [1, 1], dict(CONFIG, num_hidden_layers=2)),
+    "zero3_2": ("zero3", [1, 3], CONFIG),
+    "ep2": ("ep", [3, 1], MOE_CONFIG),
+}
 
 
 def digest(tensor: torch.Tensor) -> dict:
@@ -39,24 +54,35 @@ def digest(tensor: torch.Tensor) -> dict:
             "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}
 
 
-def main() -> None:
-    shutil.rmtree(FIXTURE, ignore_errors=True)
+def write(name: str) -> None:
+    """Write fixture ``name`` of :data:`FIXTURES` and its expected digests."""
+    kind, arg, config = FIXTURES[name]
+    folder = FIXTURES_DIR / f"checkpoint_{name}"
+    shutil.rmtree(folder, ignore_errors=True)
     with WorkerPool(2, env={"TRANSFORMERS_VERBOSITY": "error"}) as pool:
-        results = pool.run(ckpt_source, "tp", KV_SHARES, str(FIXTURE), CONFIG)
+        results = pool.run(ckpt_source, kind, arg, str(folder), config)
     assert all(r["layout_ok"] for r in results), "a rank holds other weights than its layout says"
     full = assemble(results)
     expected = {
         "written": f"{date.today()} by fxpar {fxpar.__version__}, torch {torch.__version__}: "
-                   "python -m tests.multirank.make_checkpoint_fixture",
-        "config": CONFIG, "kv_shares": KV_SHARES, "step": 1, "lr": 1e-2,
+                   f"python -m tests.multirank.make_checkpoint_fixture {name}",
+        "config": config, "kind": kind, "arg": arg, "step": 1, "lr": 1e-2,
         "params": {fqn: digest(t) for fqn, t in sorted(full["params"].items())},
-        "optim": {f"{fqn}/{name}": (digest(v) if isinstance(v, torch.Tensor) else v)
-                  for (fqn, name), v in sorted(full["optim"].items())},
+        "optim": {f"{fqn}/{key}": (digest(v) if isinstance(v, torch.Tensor) else v)
+                  for (fqn, key), v in sorted(full["optim"].items())},
     }
-    (FIXTURE.parent / "checkpoint_tp2.json").write_text(json.dumps(expected, indent=1) + "\n")
-    size = sum(p.stat().st_size for p in FIXTURE.rglob("*") if p.is_file())
-    print(f"wrote {FIXTURE} ({size / 1024:.0f} KiB) and {FIXTURE.parent / 'checkpoint_tp2.json'}")
+    (FIXTURES_DIR / f"checkpoint_{name}.json").write_text(json.dumps(expected, indent=1) + "\n")
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    print(f"wrote {folder} ({size / 1024:.0f} KiB) and {FIXTURES_DIR / f'checkpoint_{name}.json'}")
+
+
+def main(names: list[str]) -> None:
+    unknown = [n for n in names if n not in FIXTURES]
+    if not names or unknown:
+        raise SystemExit(f"name the fixtures to write, of {sorted(FIXTURES)} (got {names})")
+    for name in names:
+        write(name)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -27,8 +27,8 @@ def tiny(seed: int, config: dict | None = None) -> torch.nn.Module:
 def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
           ) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
     """The parallel module ``kind`` ("dp": speeds, "pp": blocks per stage, "tp": KV shares,
-    "ep": experts per rank, "module": plain) on this rank, an AdamW over its parameters, and a
-    layout check."""
+    "zero3": state shares, "ep": experts per rank, "module": plain) on this rank, an AdamW over
+    its parameters, and a layout check."""
     from fxpar.forms.hand_plans import pipeline_plan, tensor_parallel_plan
     from fxpar.codegen.common.module import RankModule
 
@@ -51,6 +51,12 @@ def build(kind: str, arg: Any, seed: int, lr: float, config: dict | None = None
         plan = tensor_parallel_plan(model, fxpar.Cluster.emulated([1.0] * world), global_batch=BATCH,
                                     kv_shares=arg)
         pm = RankModule(model, plan, rank, emulate=False)
+    elif kind == "zero3":
+        from fxpar.forms.hand_plans import sharded_data_parallel_plan
+
+        plan = sharded_data_parallel_plan(fxpar.Cluster.emulated([1.0] * world), batch_split=[BATCH // world] * world,
+                                          state_split=arg, shard_stage=3, seq_len=SEQ)
+        pm = RankModule(model, plan, rank, example_inputs=data, emulate=False)
     elif kind == "ep":
         from fxpar.forms.hand_plans import expert_parallel_plan
 
