@@ -222,13 +222,12 @@ class DemoPlan:
     workload: Workload
 
 
-def whole_parameter_forms() -> tuple[str, ...]:
-    """The searched forms whose ranks hold whole parameters, the forms the demo plans: its parity
-    check compares rank 0's gradients with one process parameter by parameter, and it races the
-    plan against DDP.  Those are the forms whose forward runs no collective (the others shard
-    parameters: ZeRO, tensor and expert parallelism's per-rank slices), and a pipeline only at
-    tensor width 1 (``max_tensor_parallel=1`` at the solve)."""
-    return tuple(f.name for f in FORMS if f.searched and not f.forward_collective)
+def whole_gradient_forms() -> tuple[str, ...]:
+    """The searched forms the demo plans: those whose ranks hold whole gradients under the
+    model's names (:attr:`fxpar.forms.Form.whole_gradients`; a pipeline at tensor width 1,
+    ``max_tensor_parallel=1`` at the solve), which its parity check compares with one process
+    parameter by parameter; ZeRO reduce-scatters them, tensor and expert parallelism slice them."""
+    return tuple(f.name for f in FORMS if f.searched and f.whole_gradients)
 
 
 def plan_demo(model: torch.nn.Module, model_name: str, speeds: tuple[float, ...], global_batch: int,
@@ -245,7 +244,7 @@ def plan_demo(model: torch.nn.Module, model_name: str, speeds: tuple[float, ...]
     cluster = calibrated_emulated(list(speeds), scale)
     progress(f"planning {model_name} (batch {global_batch}, seq {DEMO_SEQ}) on {len(speeds)} emulated "
              f"CPU ranks with speeds {list(speeds)}")
-    plan = solve_plan(graph, cluster, workload, forms=whole_parameter_forms(), max_tensor_parallel=1)
+    plan = solve_plan(graph, cluster, workload, forms=whole_gradient_forms(), max_tensor_parallel=1)
     nominal = predict(plan, graph, Cluster.emulated(list(speeds))).step_s
     return DemoPlan(plan=plan, nominal_step_s=nominal, cpu_rate_scale=scale, workload=workload)
 

@@ -53,8 +53,10 @@ V1_UNSET: dict[str, Any] = {"shard_stage": 0}
 #: plan keys v3 renamed: v1/v2 key -> v3 key
 V2_PLAN_KEYS: dict[str, str] = {"strategy": "form"}
 #: plan keys v4 moved under the plan's ``"pipeline"`` (same names there), with the value each
-#: held on a plan that runs no pipeline (:data:`fxpar.stage_specs.NO_PIPELINE`)
-V3_PIPELINE_KEYS: dict[str, Any] = NO_PIPELINE
+#: held on a plan that runs no pipeline (:data:`fxpar.stage_specs.NO_PIPELINE`); the keys are
+#: those files' own, whatever fields the spec gains later
+V3_PIPELINE_KEYS: dict[str, Any] = {key: NO_PIPELINE[key] for key in ("pipelines", "num_microbatches", "schedule",
+                                                                        "zero_sharded_optimizer")}
 
 
 def upgrade(d: Mapping[str, Any], source: str, current: int) -> Mapping[str, Any]:

@@ -5,11 +5,10 @@ group, and the name of the one overhead every form pays, whose arm is the probe'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from fxpar.cluster import Cluster
+from fxpar.tracing.graph import ModelGraph
 
 #: the step loop's own seconds per step, which every form pays once (a ProfileDB field,
 #: :meth:`fxpar.profiling.CostModel.step_overhead_s`): the arm that measures it is the probe's
@@ -22,7 +21,7 @@ class ProbeModel:
     """One probe model on the calibration's group: the model, its traced graph and the global
     batch every arm steps (``samples_per_rank`` rows of ``seq_len`` tokens per rank)."""
     model: torch.nn.Module
-    graph: Any                      #: its :class:`fxpar.tracing.graph.Graph`
+    graph: ModelGraph               #: its traced graph
     batch: dict[str, torch.Tensor]
     cluster: Cluster                #: the group's devices, of the calibrated type
     samples_per_rank: int

@@ -12,7 +12,7 @@ Measured on the calibration's group (every rank, ``W`` of them) with a probe mod
 of the benchmarks' (:data:`PROBE`: a Llama of ``max(4, W)`` blocks, hidden 64, vocabulary 128, at 2
 samples of 16 tokens per rank), each plan given by its form's ``calibrate`` phase
 (:func:`fxpar.forms.parts`; ``fxpar/forms/<folder>/calibrate.py``: what it measures and its plan
-``x``, built by hand): data parallelism (the reference), ZeRO-3, a pipeline of ``S = W`` one-rank
+``x``): data parallelism (the reference, the planner's plan) and, built by hand, ZeRO-3, a pipeline of ``S = W`` one-rank
 stages and ``m = W`` micro-batches (1F1B needs ``m ≥ S``) and tensor parallelism over all ``W``
 ranks (its 4 key/value heads split as evenly as they go; more than 4 ranks leave it unmeasured).
 ``STEPS`` rounds after ``WARMUP`` step
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -86,11 +86,15 @@ def units() -> dict[str, str]:
     """Every overhead the forms' ``calibrate`` phases measure (ProfileDB fields), with what one
     unit of it is, in the forms' order."""
     out: dict[str, str] = {}
+    known = {f.name for f in fields(ProfileDB)}
     for name, phase in parts("calibrate"):
         for key, unit in phase.overheads().items():
             if key in out:
                 raise ConfigError(f"form {name!r}: its calibrate phase measures {key!r}, which another form "
                                   "measures already; each overhead has one form that measures it")
+            if key not in known:
+                raise ConfigError(f"form {name!r}: its calibrate phase measures {key!r}, which is no field of "
+                                  "fxpar.profiling.database.ProfileDB; name the field its price phase reads")
             out[key] = unit
     if STEP_OVERHEAD not in out:
         raise ConfigError(f"no form's calibrate phase measures {STEP_OVERHEAD!r}, the runtime probe's reference "
@@ -157,8 +161,12 @@ def probe_overheads(calibration: ProfileDB, device: torch.device, group: Any = N
 def _arms(probe: ProbeModel) -> dict[str, Plan]:
     """Every form's arms on ``probe`` (its ``calibrate`` phase), the reference first."""
     arms: dict[str, Plan] = {}
-    for _, phase in parts("calibrate"):
-        arms.update(phase.probe_arms(probe))
+    for name, phase in parts("calibrate"):
+        given = phase.probe_arms(probe)
+        if not set(given) <= set(phase.overheads()):
+            raise ConfigError(f"form {name!r}: its calibrate phase gives arms for {sorted(set(given))}, but its "
+                              f"overheads() names {sorted(phase.overheads())}; an arm measures one of those")
+        arms.update(given)
     return {STEP_OVERHEAD: arms.pop(STEP_OVERHEAD), **arms}
 
 

@@ -3,9 +3,8 @@
 A *parallel form* (data, sharded/ZeRO, expert, pipeline, tensor; ``docs/glossary.md``) is what a
 plan's ``form`` names.  Each form lives in one folder, ``fxpar/forms/<folder>/``, with one
 module per *phase* it takes part in; the phases find a form's module by its folder and the
-phase's name (:func:`part`), so a new form is its folder plus one line in :data:`FORMS`, and
-the places that still name forms (``docs/extending.md`` lists them and walks through adding
-one).  The phases, each at its layer of the data flow (``docs/layout.md``) and each with the
+phase's name (:func:`part`), so a new form is its folder plus one line in :data:`FORMS`
+(``docs/extending.md`` walks through adding one).  The phases, each at its layer of the data flow (``docs/layout.md``) and each with the
 functions it must define (:data:`PHASES`):
 
     spec    (plain data, imports no torch)   check(plan)        the form's rules of a Plan, after
@@ -102,6 +101,10 @@ class Form:
                                       #: the same rows: the whole global batch (the Trainer's loader)
     offloads: bool = False       #: a rank may keep its optimizer on the host
                                  #: (``RankPlan.offload_optimizer``; refused for other forms)
+    whole_gradients: bool = False  #: after a step, each rank holds the whole gradient of every
+                                   #: parameter it holds, under the model's names (none sliced or
+                                   #: reduce-scattered; a pipeline's stages at tensor width 1):
+                                   #: what the demo's parity check compares with one process
     sample_per_rank: bool = False  #: every rank trains on at least one sample of the global batch,
                                    #: so a batch smaller than the ranks is refused before tracing
                                    #: where only such forms are asked for
@@ -125,9 +128,9 @@ STAGE_FIELDS: tuple[str, ...] = ("tensor", "expert", "sharded", "replicas")
 #: fxpar's own forms, in the order the planner offers them (the first found wins a tie)
 BUILT_IN: tuple[Form, ...] = (
     Form("data_parallel", "data", "data parallelism (uneven shares)", "all-reduce", True,
-         recorded=True, rebalances=True, sample_per_rank=True),
+         recorded=True, rebalances=True, whole_gradients=True, sample_per_rank=True),
     Form("pipeline", "pipeline", "pipeline parallelism (stages, with TP and replicas)", "all-reduce", True,
-         recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True,
+         recorded=True, whole_job_groups=True, cuts_model=True, emits_from_model=True, whole_gradients=True,
          stage_fields=frozenset({"tensor", "expert", "replicas"})),
     Form("expert_parallel", "expert", "expert parallelism (MoE experts per rank)", "all-to-all + all-reduce", True,
          forward_collective=True, stage_fields=frozenset({"expert"})),

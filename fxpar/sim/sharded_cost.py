@@ -43,7 +43,7 @@ collective's work released on the calling thread, ``benchmarks.sharded_emulated`
             ranks, 0 on GPUs) and its output (ŝ_u)
     R_b, R_e  the most of two consecutive units in the order ``b_{L−1} … b_0, rest`` (among the
             blocks; the last pair ``b_0, rest``) (:func:`scatter_bytes`):
-            :class:`~fxpar.forms.sharded.apply_units.RoundSchedule` finishes each reduce-scatter right
+            :class:`~fxpar.forms.sharded.apply_schedule.RoundSchedule` finishes each reduce-scatter right
             after launching the next, so no more than two are in flight
     held  = X_r + w·(G_0 + (1 + d)·G_b) [ZeRO-3] + 2g·G          the backward starts: the rest of
             the model, the block computing and the one prefetched; one unit's full gradient and
@@ -254,7 +254,7 @@ def scatter_bytes(prices: ShardedPrices, top: np.ndarray) -> tuple[float, float]
     """``(R_b, R_e)``: the reduce-scatter buffers alive at once, while the backward goes through
     the blocks and at the round's end.  One unit's in flight holds ``g·((1 + k)·N + 1)·ŝ_u``
     bytes (input, ``k`` backend copies, output); the runtime finishes each one right after
-    launching the next (:class:`~fxpar.forms.sharded.apply_units.RoundSchedule`), so two consecutive
+    launching the next (:class:`~fxpar.forms.sharded.apply_schedule.RoundSchedule`), so two consecutive
     units of the order ``b_{L−1} … b_0, rest`` are the most in flight."""
     _, g, _ = prices.bytes_wgo
     per = g * ((1 + prices.scatter_copies) * prices.world + 1)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fxpar.codegen.stages.export import batch_dims, exported_for_split
-from fxpar.codegen.stages.tensor_stages import wrap_stage
+from fxpar.forms.pipeline.apply_tensor_stages import wrap_stage
 from fxpar.runtime.emulation import SegmentClock
 from fxpar.forms.pipeline.apply_batches import unpadded
 from fxpar.tracing.graph_passes import causal_attention, sdpa_unless_padded, unpadded_batch

@@ -29,7 +29,6 @@ from tests.multirank.test_checkpoint import assemble
 from tests.multirank.workers_ckpt import ckpt_source
 
 FIXTURES_DIR = Path(__file__).resolve().parents[1] / "fixtures"
-FIXTURE = FIXTURES_DIR / "checkpoint_tp2"
 #: small enough to store (every projection still splits over 2 ranks: 2 key/value heads)
 CONFIG = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)

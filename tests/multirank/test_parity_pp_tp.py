@@ -10,7 +10,7 @@ turns last-bit differences of near-zero gradients into whole steps) or SGD's (GR
 update is linear in the gradient).
 
 A tensor-parallel stage's lead runs the schedule and its followers replay it
-(``fxpar/codegen/stages/tensor_stages.py``); widths may differ between stages."""
+(``fxpar/forms/pipeline/apply_tensor_stages.py``); widths may differ between stages."""
 
 from __future__ import annotations
 

@@ -274,7 +274,7 @@ def test_stage_boundaries_read_from_the_export_equal_those_a_pass_finds(family):
     from fxpar.codegen.common.materialize import to_meta
     from fxpar.forms.pipeline.apply_eager import cut_stages
     from fxpar.codegen.stages.export import ExportCache
-    from fxpar.codegen.stages.tensor_stages import example_values
+    from fxpar.codegen.stages.export import example_values
     from fxpar.tracing.hf import ModelSpec, build_model, example_inputs
 
     def seen(values: tuple) -> list:

@@ -141,13 +141,37 @@ def test_the_runtime_probe_measures_each_overhead_with_one_form() -> None:
         parts("train")
 
 
-def test_the_demo_plans_the_forms_whose_ranks_hold_whole_parameters() -> None:
-    """The demo compares rank 0's gradients with one process parameter by parameter: it plans
-    data parallelism and pipelines, not the forms that shard parameters."""
-    from fxpar.demo import whole_parameter_forms
-    from fxpar.forms import BUILT_IN
+def test_a_calibrate_phase_that_names_no_profile_field_or_another_arm_is_a_config_error(monkeypatch) -> None:
+    import types
 
-    assert [n for n in whole_parameter_forms() if n in {f.name for f in BUILT_IN}] == ["data_parallel", "pipeline"]
+    from fxpar.calibrate import runtime_probe
+
+    def phase(overheads: dict, arms: dict) -> types.SimpleNamespace:
+        return types.SimpleNamespace(overheads=lambda: overheads, probe_arms=lambda probe: arms)
+
+    reference = phase({"step_overhead_s": "training step"}, {})
+    monkeypatch.setattr(runtime_probe, "parts", lambda _: (("data_parallel", reference),
+                                                           ("toy", phase({"toy_call_s": "call"}, {}))))
+    with pytest.raises(ConfigError, match="form 'toy'.*'toy_call_s', which is no field of .*ProfileDB"):
+        runtime_probe.units()
+    monkeypatch.setattr(runtime_probe, "parts", lambda _: (("data_parallel", reference), ("toy", phase(
+        {"sharded_call_s": "call"}, {"sharded_call_s": None, "pipeline_op_s": None}))))
+    with pytest.raises(ConfigError, match=r"form 'toy'.*arms for \['pipeline_op_s', 'sharded_call_s'\]"):
+        runtime_probe._arms(None)
+    monkeypatch.setattr(runtime_probe, "parts", lambda _: (("toy", phase({"sharded_call_s": "call"}, {})),))
+    with pytest.raises(ConfigError, match="no form's calibrate phase measures 'step_overhead_s'"):
+        runtime_probe.units()
+
+
+def test_the_demo_plans_the_forms_whose_ranks_hold_whole_gradients() -> None:
+    """The demo compares rank 0's gradients with one process parameter by parameter: it plans
+    data parallelism and pipelines, not the forms that slice or reduce-scatter gradients, nor a
+    plug-in form that does not say it holds them whole."""
+    from fxpar.demo import whole_gradient_forms
+
+    assert whole_gradient_forms() == ("data_parallel", "pipeline")
+    (toy,) = plugins("tests.toy_form")
+    assert not toy.whole_gradients
 
 
 def test_an_unknown_form_is_a_plan_error_naming_the_accepted_ones() -> None:

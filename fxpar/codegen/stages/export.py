@@ -20,7 +20,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fxpar.codegen.common.materialize import is_meta_model, like_on
-from fxpar.codegen.stages.tensor_stages import example_values
 from fxpar.compat import fake_host_mode
 from fxpar.errors import PlanError, TraceError
 from fxpar.runtime.device import HOST
@@ -364,3 +363,17 @@ def shape_on_meta(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     return torch.empty(tuple(value.shape), dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+
+def example_values(modules: Any, inputs: tuple) -> list[tuple[tuple, tuple]]:
+    """``(inputs, outputs)`` of every stage for one micro-batch, from one local pass over the
+    chain (every rank holds all stage modules), so ``PipelineStage`` skips its runtime shape
+    inference (which runs the stage on uninitialised buffers — fatal for an in-graph loss).
+    Run with autograd on: the values' ``requires_grad`` flags must be real."""
+    out, values = [], inputs
+    for mod in modules:
+        outs = mod.forward_plain(*values)
+        outs = tuple(o.detach().requires_grad_(o.requires_grad)
+                     for o in (outs if isinstance(outs, tuple) else (outs,)))
+        out.append((values, outs))
+        values = outs
+    return out

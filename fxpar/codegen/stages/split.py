@@ -280,7 +280,7 @@ def split_stages(model: torch.nn.Module, example_inputs: Mapping[str, Any],
 
 def _traced_examples(specs: Sequence[StageBoundary], kwargs: Mapping[str, Any], values: Mapping[str, Any],
                      sizes: Mapping[Any, int], flags: Mapping[int, bool] | None) -> list[tuple[tuple, tuple] | None]:
-    """What :func:`~fxpar.codegen.stages.tensor_stages.example_values` finds for every stage
+    """What :func:`~fxpar.codegen.stages.export.example_values` finds for every stage
     (its inputs and outputs for one micro-batch: shapes, dtypes and ``requires_grad`` as they
     travel), read from the export instead of a pass over the chain: each value's example
     (``values``: :func:`piece_outputs`; a batch input: ``kwargs``) at this batch's ``sizes``,

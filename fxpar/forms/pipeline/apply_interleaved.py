@@ -33,7 +33,8 @@ from fxpar.forms.pipeline.apply_stage_setup import (
 )
 from fxpar.forms.pipeline.apply_ties import TiedParam
 from fxpar.forms.pipeline.apply_replica_sum import counting
-from fxpar.codegen.stages.tensor_stages import example_values, wrap_stage
+from fxpar.codegen.stages.export import example_values
+from fxpar.forms.pipeline.apply_tensor_stages import wrap_stage
 from fxpar.compat import pipeline_action, set_stage_mapping
 from fxpar.plan import Plan
 from fxpar.sim.interleaved import lockstep_order

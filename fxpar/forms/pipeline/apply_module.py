@@ -53,7 +53,7 @@ from fxpar.forms.pipeline.apply_replicas import broadcast_first_pipeline, owner_
 from fxpar.forms.pipeline.apply_batches import check_pipeline_batch, item_weights, unpadded
 from fxpar.forms.pipeline.apply_eager import cut_stages
 from fxpar.codegen.stages.export import (
-    ExportCache, host_stand_in_boundaries, meta_stage_tensors, stage_export_site,
+    ExportCache, example_values, host_stand_in_boundaries, meta_stage_tensors, stage_export_site,
 )
 from fxpar.forms.pipeline.apply_stage_setup import (
     check_process_group,
@@ -68,10 +68,9 @@ from fxpar.forms.pipeline.apply_stage_setup import (
     weighted_loss,
 )
 from fxpar.forms.pipeline.apply_ties import sync_tied, tied_params
-from fxpar.codegen.stages.tensor_stages import (
+from fxpar.forms.pipeline.apply_tensor_stages import (
     DONE,
     StageLink,
-    example_values,
     follow,
     make_groups,
     wrap_stage,
@@ -129,7 +128,7 @@ class Pipeline(FormPass):
         modules = self._split(model, one, stage_of)
         stage_in, stage_out = self._own_stage(model, modules, one, source)
         self.pipe_stage = self.schedule = None
-        if self.is_lead:  # followers replay the lead's schedule (tensor_stages.py)
+        if self.is_lead:  # followers replay the lead's schedule (apply_tensor_stages.py)
             self.pipe_stage = torch_stage(self.module, self.stage_index, len(plan.stages), self.device,
                                           stage_in, stage_out, self.pp_group, self.chain)
             schedule_class = ScheduleGPipe if plan.schedule == "GPipe" else Schedule1F1B

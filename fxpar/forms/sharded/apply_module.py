@@ -140,7 +140,7 @@ class ShardedDataParallel(FormPass):
 
     def _refresh_device_shards(self) -> None:
         """Offload: the optimizer changed the host shards; copy them to the device copies (one
-        non-blocking copy per unit from pinned host memory: :func:`fxpar.forms.sharded.apply_setup.offload`)."""
+        non-blocking copy per unit from pinned host memory: :func:`fxpar.forms.sharded.apply_setup._offload`)."""
         if self.offload_optimizer:
             for u in self._units:
                 u.refresh_device_copies()

@@ -110,7 +110,7 @@ def from_one_stage_pipeline(plan: Any, units: int) -> Any | None:
     ``data_split`` and every rank's
     micro-batching kept.  The difference is the runtime: a pipeline's tensor-parallel stage has
     a lead that broadcasts a command and the stage's inputs to the group for every forward and
-    backward (:mod:`fxpar.codegen.stages.tensor_stages`), where this form's ranks each load
+    backward (:mod:`fxpar.forms.pipeline.apply_tensor_stages`), where this form's ranks each load
     their replica's rows and run the model's own forward."""
     if plan.form != "pipeline" or len(plan.stages) != 1 or plan.schedule == "interleaved":
         return None

@@ -153,19 +153,6 @@ def wrap_stage(module: torch.nn.Module, clock: SegmentClock, link: StageLink | N
     module.forward = forward
 
 
-def example_values(modules: Any, inputs: tuple) -> list[tuple[tuple, tuple]]:
-    """``(inputs, outputs)`` of every stage for one micro-batch, from one local pass over the
-    chain (every rank holds all stage modules), so ``PipelineStage`` skips its runtime shape
-    inference (which runs the stage on uninitialised buffers — fatal for an in-graph loss).
-    Run with autograd on: the values' ``requires_grad`` flags must be real."""
-    out, values = [], inputs
-    for mod in modules:
-        outs = mod.forward_plain(*values)
-        outs = tuple(o.detach().requires_grad_(o.requires_grad)
-                     for o in (outs if isinstance(outs, tuple) else (outs,)))
-        out.append((values, outs))
-        values = outs
-    return out
 
 
 def follow(link: StageLink, forward: Any, inputs_like: Sequence[torch.Tensor], clock: SegmentClock,
